@@ -1,0 +1,392 @@
+"""Validated configuration dataclasses, loaded from and saved to YAML.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
+key, the bad value and the allowed range. :func:`from_dict` builds any of them from plain
+dicts (YAML), rejecting unknown keys and wrong types with the dotted key path in the message.
+
+This module imports neither torch nor torchrec, so the codec, the planner and the example can all
+share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+Backend = Literal["auto", "cpu", "triton", "reference"]
+BoundMode = Literal["relative", "absolute"]
+BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
+ScheduleKind = Literal["step", "linear", "log", "constant"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or out of range."""
+
+
+def _require(ok: bool, key: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: allowed {allowed}")
+
+
+def _check_literal(key: str, value: object, literal: object) -> None:
+    options = get_args(literal)
+    _require(value in options, key, value, "one of " + ", ".join(repr(o) for o in options))
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Knobs of the lossy codec itself (not of the error bounds).
+
+    Attributes:
+        huffman_chunk_symbols: Symbols per independently decodable Huffman chunk. Smaller chunks
+            decode with more parallelism on a GPU at the cost of 4 bytes of offset per chunk.
+        enable_quantization: Allow the quantize stage. Off: blocks travel raw (or deduplicated
+            raw), i.e. losslessly.
+        enable_lz: Allow the vector-LZ stage (whole repeated vectors sent once).
+        backend: ``"auto"`` (Triton kernels for CUDA tensors, compiled CPU path otherwise),
+            ``"cpu"`` (compiled CPU path), ``"triton"`` (force the kernels, e.g. on CPU tensors
+            under ``TRITON_INTERPRET=1``) or ``"reference"`` (the plain torch oracle; slow).
+    """
+
+    huffman_chunk_symbols: int = 2048
+    enable_quantization: bool = True
+    enable_lz: bool = True
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        n = self.huffman_chunk_symbols
+        _require(
+            isinstance(n, int) and 64 <= n <= 1 << 20 and n % 32 == 0,
+            "codec.huffman_chunk_symbols",
+            n,
+            "a multiple of 32 in [64, 1048576]",
+        )
+        _check_literal("codec.backend", self.backend, Backend)
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    """An error bound for one table's embedding traffic.
+
+    Attributes:
+        mode: ``"relative"``: the absolute bound of each block is ``value * (max - min)`` of that
+            block (the paper's definition); ``"absolute"``: ``value`` itself.
+        value: The bound; 0 means lossless.
+    """
+
+    mode: BoundMode = "relative"
+    value: float = 0.03
+
+    def __post_init__(self) -> None:
+        _check_literal("bound.mode", self.mode, BoundMode)
+        v = self.value
+        _require(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < float("inf"),
+            "bound.value",
+            v,
+            "a finite number >= 0",
+        )
+        if self.mode == "relative":
+            _require(v <= 1.0, "bound.value", v, "<= 1 for a relative bound")
+
+
+@dataclass(frozen=True)
+class TableCodecConfig:
+    """Per-table override, matched by table name or glob in :class:`LossyCommsConfig`.
+
+    Attributes:
+        bound: Error bound of this table's forward traffic; None keeps the default.
+        compress: False sends this table uncompressed.
+    """
+
+    bound: ErrorBound | None = None
+    compress: bool = True
+
+
+@dataclass(frozen=True)
+class ErrorBoundSchedule:
+    """Iteration-wise decay: the bound is multiplied by a factor from ``start_factor`` down to 1.
+
+    Attributes:
+        kind: ``"step"`` (``steps`` equal steps), ``"linear"``, ``"log"`` or ``"constant"``
+            (factor 1 throughout).
+        start_factor: C, the factor at iteration 0.
+        decay_iterations: E, the iteration at which the factor reaches 1 and stays there.
+        steps: Number of equal steps for ``kind="step"``.
+    """
+
+    kind: ScheduleKind = "step"
+    start_factor: float = 2.0
+    decay_iterations: int = 65536
+    steps: int = 10
+
+    def __post_init__(self) -> None:
+        _check_literal("schedule.kind", self.kind, ScheduleKind)
+        _require(
+            1.0 <= self.start_factor <= 1000.0,
+            "schedule.start_factor",
+            self.start_factor,
+            "[1, 1000]",
+        )
+        _require(
+            isinstance(self.decay_iterations, int) and self.decay_iterations >= 1,
+            "schedule.decay_iterations",
+            self.decay_iterations,
+            "an integer >= 1",
+        )
+        _require(
+            isinstance(self.steps, int) and 1 <= self.steps <= self.decay_iterations,
+            "schedule.steps",
+            self.steps,
+            "an integer in [1, decay_iterations]",
+        )
+
+
+@dataclass(frozen=True)
+class HomogenizationConfig:
+    """Table-wise bound classes from the homogenization index (see torchrec_lossy.adaptive).
+
+    Attributes:
+        enabled: Assign bounds by class; off: every table uses its configured bound.
+        class_bounds: Relative bounds of the classes tight, base and loose.
+        thresholds: Index thresholds (low, high): index < low is tight, index >= high is loose.
+        hysteresis: A table changes class only once the index passes a threshold by this margin.
+        update_period: Iterations between index updates.
+    """
+
+    enabled: bool = False
+    class_bounds: tuple[float, float, float] = (0.01, 0.03, 0.05)
+    thresholds: tuple[float, float] = (0.2, 0.6)
+    hysteresis: float = 0.05
+    update_period: int = 100
+
+    def __post_init__(self) -> None:
+        cb = tuple(self.class_bounds)
+        _require(
+            len(cb) == 3 and all(0.0 < b <= 1.0 for b in cb) and cb[0] <= cb[1] <= cb[2],
+            "homogenization.class_bounds",
+            cb,
+            "three increasing relative bounds in (0, 1]",
+        )
+        th = tuple(self.thresholds)
+        _require(
+            len(th) == 2 and 0.0 <= th[0] < th[1] <= 1.0,
+            "homogenization.thresholds",
+            th,
+            "(low, high) with 0 <= low < high <= 1",
+        )
+        _require(
+            0.0 <= self.hysteresis < 0.5, "homogenization.hysteresis", self.hysteresis, "[0, 0.5)"
+        )
+        _require(
+            isinstance(self.update_period, int) and self.update_period >= 1,
+            "homogenization.update_period",
+            self.update_period,
+            "an integer >= 1",
+        )
+        object.__setattr__(self, "class_bounds", cb)
+        object.__setattr__(self, "thresholds", th)
+
+
+@dataclass(frozen=True)
+class LossyCommsConfig:
+    """Everything the lossy sharder needs: codec knobs, bounds, backward codec, adaptivity.
+
+    Attributes:
+        codec: Codec knobs.
+        default_bound: Forward bound of every table without an override.
+        tables: Overrides keyed by table name or glob (``fnmatch``), first match wins.
+        backward: Codec of the gradient all-to-all: ``"none"`` (exact), ``"fp16"``/``"bf16"``
+            (casts) or ``"lossy"`` (the codec with ``backward_bound``).
+        backward_bound: Bound of the gradient traffic when ``backward="lossy"``.
+        schedule: Iteration-wise decay of the forward bounds.
+        homogenization: Table-wise bound classes.
+    """
+
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    default_bound: ErrorBound = field(default_factory=ErrorBound)
+    tables: dict[str, TableCodecConfig] = field(default_factory=dict)
+    backward: BackwardCodec = "none"
+    backward_bound: ErrorBound = field(default_factory=lambda: ErrorBound("relative", 0.01))
+    schedule: ErrorBoundSchedule = field(
+        default_factory=lambda: ErrorBoundSchedule(kind="constant")
+    )
+    homogenization: HomogenizationConfig = field(default_factory=HomogenizationConfig)
+
+    def __post_init__(self) -> None:
+        _check_literal("backward", self.backward, BackwardCodec)
+
+    def table(self, name: str) -> TableCodecConfig:
+        """The effective settings of one table (its first matching override, else defaults).
+
+        Args:
+            name: Table name.
+
+        Returns:
+            The table's config with ``bound`` always set.
+        """
+        for pattern, override in self.tables.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                bound = override.bound if override.bound is not None else self.default_bound
+                return TableCodecConfig(bound=bound, compress=override.compress)
+        return TableCodecConfig(bound=self.default_bound, compress=True)
+
+
+def _type_name(tp: object) -> str:
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Converts a plain YAML value to ``tp``, raising ConfigError with the key path on mismatch."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        _require(isinstance(value, Mapping), key, value, f"a mapping for {_type_name(tp)}")
+        return from_dict(tp, value, key)
+    if origin is Literal:
+        _check_literal(key, value, tp)
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if origin is dict:
+        _require(isinstance(value, Mapping), key, value, "a mapping")
+        kt, vt = get_args(tp)
+        return {
+            _convert(k, kt, f"{key}.{k}"): _convert(v, vt, f"{key}.{k}") for k, v in value.items()
+        }
+    if origin is tuple:
+        args = get_args(tp)
+        _require(isinstance(value, (list, tuple)), key, value, f"a list of {len(args)} values")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        _require(len(value) == len(args), key, value, f"exactly {len(args)} values")
+        return tuple(
+            _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
+    if origin is list:
+        (et,) = get_args(tp)
+        _require(isinstance(value, (list, tuple)), key, value, "a list")
+        return [_convert(v, et, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _require(ok, key, value, "a number")
+        return float(value)
+    if tp is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key, value, "an integer")
+        return value
+    if tp is bool:
+        _require(isinstance(value, bool), key, value, "true or false")
+        return value
+    if tp is str:
+        _require(isinstance(value, str), key, value, "a string")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Builds a config dataclass from a plain mapping, validating keys, types and ranges.
+
+    Args:
+        cls: The dataclass type.
+        data: Plain values, e.g. parsed YAML.
+        prefix: Dotted key path of ``data`` (for error messages).
+
+    Returns:
+        The validated instance.
+
+    Raises:
+        ConfigError: On an unknown key, a wrong type or an out-of-range value.
+    """
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown key(s) {', '.join(where + str(k) for k in unknown)}: "
+            f"allowed keys are {', '.join(sorted(names))}"
+        )
+    kwargs = {
+        name: _convert(value, hints[name], f"{prefix}.{name}" if prefix else name)
+        for name, value in data.items()
+    }
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}: {e}" if prefix else str(e)) from None
+
+
+def to_dict(config: object) -> dict[str, Any]:
+    """Plain-value form of a config dataclass (tuples as lists), ready for YAML.
+
+    Args:
+        config: A config dataclass instance.
+
+    Returns:
+        Nested dicts, lists and scalars.
+    """
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(config)
+
+
+def load_yaml(cls: type[T], path: str | Path, section: str | None = None) -> T:
+    """Loads a config dataclass from a YAML file (optionally one top-level section of it).
+
+    Args:
+        cls: The dataclass type.
+        path: YAML file.
+        section: Top-level key to read; None reads the whole file.
+
+    Returns:
+        The validated instance.
+    """
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if section is not None:
+        data = data.get(section, {}) or {}
+    _require(isinstance(data, Mapping), str(path), type(data).__name__, "a mapping at top level")
+    return from_dict(cls, data, section or "")
+
+
+def save_yaml(config: object, path: str | Path) -> None:
+    """Writes a config dataclass to YAML.
+
+    Args:
+        config: A config dataclass instance.
+        path: Destination file.
+    """
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(config), f, sort_keys=False)
