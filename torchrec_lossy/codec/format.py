@@ -1,0 +1,152 @@
+"""Wire format of a compressed payload (specified in docs/format.md).
+
+A payload is a sequence of little-endian 32-bit words::
+
+    header (32 B) | block descriptors (24 B each) | block segments (4-byte aligned each)
+
+The header carries a magic, the format version, the block count, the body length and a checksum
+of the body (everything after the header). Each descriptor names its block's shape, dtype,
+encoding mode, bound and segment length, so a decoder can find every segment without parsing the
+others. Encoded segments start with a 32-byte :data:`SEGMENT_HEADER`; their sections are listed in
+docs/format.md.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+MAGIC = 0x434C5254  # b"TRLC" read as a little-endian uint32
+VERSION = 1
+
+# Huffman alphabet: symbol = q - center + SYMBOL_OFFSET for |q - center| <= SYMBOL_OFFSET; the
+# last symbol escapes an element whose value travels verbatim.
+MAX_CODE_LENGTH = 12
+ALPHABET_SIZE = 1 << MAX_CODE_LENGTH
+ESCAPE_SYMBOL = ALPHABET_SIZE - 1
+SYMBOL_OFFSET = (ALPHABET_SIZE - 2) // 2  # symbols 0 .. 2 * SYMBOL_OFFSET are values
+# |center| stays below this so that float32(q) is exact for every q the alphabet can express.
+MAX_CENTER = (1 << 24) - ALPHABET_SIZE
+
+# Block encoding modes: bit 0 = vector-LZ (repeated vectors sent once), bit 1 = quantized.
+MODE_RAW = 0
+MODE_LZ = 1
+MODE_QUANT = 2
+MODE_QUANT_LZ = 3
+MODE_NAMES = {MODE_RAW: "raw", MODE_LZ: "lz", MODE_QUANT: "quant", MODE_QUANT_LZ: "quant+lz"}
+
+# How the row -> distinct-vector references of an LZ block are packed.
+REFS_FIXED = 0  # every row: its vector id in ref_width bits
+REFS_FLAGGED = 1  # every row: 1 flag bit (1 = first occurrence); repeats add their id
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+# Integer views that carry each float dtype's bits verbatim.
+BITS_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+HEADER = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("flags", "<u2"),
+        ("n_blocks", "<u4"),
+        ("reserved", "<u4"),
+        ("body_words", "<u8"),
+        ("checksum", "<u8"),
+    ]
+)
+DESCRIPTOR = np.dtype(
+    [
+        ("rows", "<u4"),
+        ("dim", "<u4"),
+        ("dtype", "u1"),
+        ("mode", "u1"),
+        ("reserved", "<u2"),
+        ("seg_words", "<u4"),
+        ("bound", "<f8"),
+    ]
+)
+SEGMENT_HEADER = np.dtype(
+    [
+        ("step", "<f4"),
+        ("center", "<i4"),
+        ("n_unique", "<u4"),
+        ("n_escapes", "<u4"),
+        ("chunk_symbols", "<u4"),
+        ("n_chunks", "<u4"),
+        ("sym_lo", "<u2"),
+        ("sym_count", "<u2"),
+        ("escape_length", "u1"),
+        ("ref_mode", "u1"),
+        ("ref_width", "u1"),
+        ("reserved", "u1"),
+    ]
+)
+assert HEADER.itemsize == 32 and DESCRIPTOR.itemsize == 24 and SEGMENT_HEADER.itemsize == 32
+
+
+class CodecError(ValueError):
+    """A payload cannot be decoded: truncated, corrupted, or not a torchrec-lossy payload."""
+
+
+def words_for_bytes(n_bytes: int) -> int:
+    """Number of 32-bit words that hold ``n_bytes`` bytes (sections are word-aligned).
+
+    Args:
+        n_bytes: Byte count.
+
+    Returns:
+        ``ceil(n_bytes / 4)``.
+    """
+    return (n_bytes + 3) // 4
+
+
+def words_for_bits(n_bits: int) -> int:
+    """Number of 32-bit words that hold ``n_bits`` bits.
+
+    Args:
+        n_bits: Bit count.
+
+    Returns:
+        ``ceil(n_bits / 32)``.
+    """
+    return (n_bits + 31) // 32
+
+
+@numba.njit(cache=True, nogil=True)
+def checksum_words(words: np.ndarray) -> np.uint64:
+    """Position-weighted sum of 32-bit words modulo 2**64.
+
+    Every single-bit flip changes the sum (each weight ``2 i + 1`` is odd), swapped words change
+    it too, and the sum parallelises as a plain reduction on a GPU.
+
+    Args:
+        words: 1-D uint32 array.
+
+    Returns:
+        The checksum.
+    """
+    acc = np.uint64(0)
+    for i in range(words.shape[0]):
+        acc += np.uint64(words[i]) * np.uint64(2 * i + 1)
+    return acc
+
+
+def checksum_reference(words: torch.Tensor) -> int:
+    """Torch twin of :func:`checksum_words` (the test oracle).
+
+    Args:
+        words: 1-D int32 tensor (the uint32 words' bits).
+
+    Returns:
+        The checksum as a Python int in [0, 2**64).
+    """
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    weights = torch.arange(w.numel(), dtype=torch.int64) * 2 + 1
+    # int64 products and sums wrap modulo 2**64, which is exactly the checksum's arithmetic.
+    return int((w * weights).sum().item()) & 0xFFFFFFFFFFFFFFFF

@@ -1,0 +1,373 @@
+"""Chunked, canonical, length-limited Huffman coding of quantization symbols.
+
+- Code lengths: a two-queue Huffman construction on the histogram (ties broken by symbol, so the
+  result is deterministic), limited to ``MAX_CODE_LENGTH`` bits by the JPEG (Annex K.3) bit-count
+  adjustment, which keeps the code complete.
+- Canonical codes: ordered by (length, symbol), so only the lengths travel.
+- Chunks: the stream is cut every ``chunk_symbols`` symbols; each chunk starts on a 32-bit word
+  and its end word is recorded, so chunks decode independently (one GPU lane each) and encode
+  without atomics after a prefix sum of the chunk sizes.
+- Decode: one ``2**MAX_CODE_LENGTH``-entry lookup table maps the next 12 bits to (symbol, length).
+
+Bits are written MSB-first into little-endian uint32 words.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
+
+# Decode errors reported by decode_kernel (0 = success).
+DECODE_INVALID_CODE = -1
+DECODE_OUT_OF_BITS = -2
+
+
+@numba.njit(cache=True, nogil=True)
+def code_lengths_kernel(hist: np.ndarray) -> np.ndarray:
+    """Length-limited Huffman code lengths.
+
+    Args:
+        hist: int64 [ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        uint8 [ALPHABET_SIZE] code lengths (0 = unused symbol), all <= MAX_CODE_LENGTH, forming
+        a complete prefix code when two or more symbols occur.
+    """
+    lengths = np.zeros(hist.shape[0], dtype=np.uint8)
+    used = np.nonzero(hist)[0]
+    m = used.shape[0]
+    if m == 0:
+        return lengths
+    if m == 1:
+        lengths[used[0]] = 1
+        return lengths
+    leaves = used[np.argsort(hist[used], kind="mergesort")]  # by (count, symbol)
+    weight = np.empty(2 * m - 1, dtype=np.int64)
+    parent = np.empty(2 * m - 1, dtype=np.int64)
+    weight[:m] = hist[leaves]
+    next_leaf = 0
+    next_internal = m
+    n_nodes = m
+    for _ in range(m - 1):
+        picked = np.empty(2, dtype=np.int64)
+        for t in range(2):
+            take_leaf = next_leaf < m and (
+                next_internal >= n_nodes or weight[next_leaf] <= weight[next_internal]
+            )
+            if take_leaf:
+                picked[t] = next_leaf
+                next_leaf += 1
+            else:
+                picked[t] = next_internal
+                next_internal += 1
+        weight[n_nodes] = weight[picked[0]] + weight[picked[1]]
+        parent[picked[0]] = n_nodes
+        parent[picked[1]] = n_nodes
+        n_nodes += 1
+    depth = np.zeros(2 * m - 1, dtype=np.int64)
+    for node in range(2 * m - 3, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    max_depth = depth[:m].max()
+    bl_count = np.zeros(max(max_depth, MAX_CODE_LENGTH) + 1, dtype=np.int64)
+    for i in range(m):
+        bl_count[depth[i]] += 1
+    # JPEG Annex K.3: move pairs of too-deep leaves up, splitting a shallower leaf each time.
+    for i in range(max_depth, MAX_CODE_LENGTH, -1):
+        while bl_count[i] > 0:
+            j = i - 2
+            while bl_count[j] == 0:
+                j -= 1
+            bl_count[i] -= 2
+            bl_count[i - 1] += 1
+            bl_count[j + 1] += 2
+            bl_count[j] -= 1
+    # Shortest codes to the most frequent symbols (leaves are sorted by ascending count).
+    k = m - 1
+    for length in range(1, MAX_CODE_LENGTH + 1):
+        for _ in range(bl_count[length]):
+            lengths[leaves[k]] = length
+            k -= 1
+    return lengths
+
+
+@numba.njit(cache=True, nogil=True)
+def canonical_codes_kernel(lengths: np.ndarray) -> np.ndarray:
+    """Canonical codes from code lengths (codes ordered by length, then symbol).
+
+    Args:
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+
+    Returns:
+        uint32 [ALPHABET_SIZE] codes (right-aligned in ``lengths[s]`` bits).
+    """
+    bl_count = np.zeros(MAX_CODE_LENGTH + 2, dtype=np.int64)
+    for s in range(lengths.shape[0]):
+        bl_count[lengths[s]] += 1
+    bl_count[0] = 0
+    next_code = np.zeros(MAX_CODE_LENGTH + 2, dtype=np.int64)
+    code = 0
+    for length in range(1, MAX_CODE_LENGTH + 1):
+        code = (code + bl_count[length - 1]) << 1
+        next_code[length] = code
+    codes = np.zeros(lengths.shape[0], dtype=np.uint32)
+    for s in range(lengths.shape[0]):
+        length = lengths[s]
+        if length > 0:
+            codes[s] = next_code[length]
+            next_code[length] += 1
+    return codes
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _flush(words: np.ndarray, w: int, acc: np.uint64, n_acc: np.uint64) -> int:
+    """Writes the pending bits, left-aligned, as the chunk's last word."""
+    if n_acc == 0:
+        return w
+    words[w] = np.uint32((acc << (np.uint64(32) - n_acc)) & np.uint64(0xFFFFFFFF))
+    return w + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_kernel(
+    symbols: np.ndarray,
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    codes: np.ndarray,
+    chunk_symbols: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes the symbols of the selected rows, in order, into word-aligned chunks.
+
+    Args:
+        symbols: uint16 [rows, dim] symbols; every symbol encoded needs a nonzero code length.
+        rows: int32 indices of the rows to encode (the distinct vectors, or every row).
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        codes: uint32 [ALPHABET_SIZE] canonical codes.
+        chunk_symbols: Symbols per chunk.
+
+    Returns:
+        (chunk_ends: uint32 [n_chunks], the end word of each chunk; words: uint32 bitstream).
+    """
+    dim = symbols.shape[1]
+    n = rows.shape[0] * dim
+    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
+    chunk_ends = np.empty(n_chunks, dtype=np.uint32)
+    words = np.empty((n * MAX_CODE_LENGTH + 31) // 32 + n_chunks, dtype=np.uint32)
+    entry = (codes.astype(np.uint64) << np.uint64(8)) | lengths.astype(np.uint64)
+    w = 0
+    c = 0
+    in_chunk = 0
+    acc = np.uint64(0)  # pending bits, right-aligned; bits above n_acc are stale
+    n_acc = np.uint64(0)
+    for r in rows:
+        for j in range(dim):
+            e = entry[symbols[r, j]]
+            length = e & np.uint64(0xFF)
+            acc = (acc << length) | (e >> np.uint64(8))
+            n_acc += length
+            if n_acc >= 32:
+                n_acc -= np.uint64(32)
+                words[w] = np.uint32((acc >> n_acc) & np.uint64(0xFFFFFFFF))
+                w += 1
+            in_chunk += 1
+            if in_chunk == chunk_symbols:
+                w = _flush(words, w, acc, n_acc)
+                n_acc = np.uint64(0)
+                chunk_ends[c] = w
+                c += 1
+                in_chunk = 0
+    if in_chunk > 0:
+        w = _flush(words, w, acc, n_acc)
+        chunk_ends[c] = w
+    return chunk_ends, words[:w]
+
+
+@numba.njit(cache=True, nogil=True)
+def histogram_rows_kernel(symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Symbol counts over the selected rows of a [rows, dim] symbol matrix.
+
+    Args:
+        symbols: uint16 [rows, dim].
+        rows: int32 row indices.
+
+    Returns:
+        int64 [ALPHABET_SIZE].
+    """
+    hist = np.zeros(ALPHABET_SIZE, dtype=np.int64)
+    for r in rows:
+        for j in range(symbols.shape[1]):
+            hist[symbols[r, j]] += 1
+    return hist
+
+
+@numba.njit(cache=True, nogil=True)
+def symbol_range_kernel(lengths: np.ndarray) -> tuple[int, int]:
+    """(lowest used value symbol, span of used value symbols) of a code, escape excluded."""
+    lo = -1
+    hi = -1
+    for s in range(ALPHABET_SIZE - 1):
+        if lengths[s] > 0:
+            if lo < 0:
+                lo = s
+            hi = s
+    return (0, 0) if lo < 0 else (lo, hi - lo + 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_table_kernel(lengths: np.ndarray) -> np.ndarray:
+    """Builds the one-lookup decode table, or an empty table if the lengths are not a prefix code.
+
+    Args:
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+
+    Returns:
+        int32 [2**MAX_CODE_LENGTH] entries ``symbol | length << 16`` (-1 for bit patterns no code
+        starts with), or an empty array when a length exceeds the limit or the Kraft sum exceeds 1.
+    """
+    size = 1 << MAX_CODE_LENGTH
+    kraft = 0
+    for s in range(lengths.shape[0]):
+        length = lengths[s]
+        if length > MAX_CODE_LENGTH:
+            return np.empty(0, dtype=np.int32)
+        if length > 0:
+            kraft += 1 << (MAX_CODE_LENGTH - length)
+    if kraft > size:
+        return np.empty(0, dtype=np.int32)
+    codes = canonical_codes_kernel(lengths)
+    table = np.full(size, -1, dtype=np.int32)
+    for s in range(lengths.shape[0]):
+        length = lengths[s]
+        if length > 0:
+            shift = MAX_CODE_LENGTH - length
+            first = np.int64(codes[s]) << shift
+            table[first : first + (1 << shift)] = s | (np.int32(length) << 16)
+    return table
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_kernel(
+    words: np.ndarray,
+    chunk_ends: np.ndarray,
+    chunk_symbols: int,
+    table: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """Decodes every chunk (the caller validated ``chunk_ends``: nondecreasing, within ``words``).
+
+    Args:
+        words: uint32 bitstream.
+        chunk_ends: uint32 [n_chunks] end word of each chunk.
+        chunk_symbols: Symbols per chunk.
+        table: Decode table from :func:`decode_table_kernel`.
+        out: uint16 [n] output symbols.
+
+    Returns:
+        0, or DECODE_INVALID_CODE / DECODE_OUT_OF_BITS for a corrupt stream.
+    """
+    n = out.shape[0]
+    start = 0
+    shift_peek = np.uint64(64 - MAX_CODE_LENGTH)
+    for c in range(chunk_ends.shape[0]):
+        end = np.int64(chunk_ends[c])
+        buf = np.uint64(0)
+        n_bits = 0
+        w = start
+        for i in range(c * chunk_symbols, min(n, (c + 1) * chunk_symbols)):
+            while n_bits <= 32 and w < end:
+                buf |= np.uint64(words[w]) << np.uint64(32 - n_bits)
+                n_bits += 32
+                w += 1
+            entry = table[np.int64(buf >> shift_peek)]
+            if entry < 0:
+                return DECODE_INVALID_CODE
+            length = entry >> 16
+            if length > n_bits:
+                return DECODE_OUT_OF_BITS
+            out[i] = entry & 0xFFFF
+            buf <<= np.uint64(length)
+            n_bits -= length
+        start = end
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_kernel(hist: np.ndarray) -> tuple[np.ndarray, int, int, int, int]:
+    """Code lengths of a histogram and the sizes the encoder needs to choose a mode.
+
+    Args:
+        hist: int64 [ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        (code lengths, encoded bits without chunk padding, number of symbols, lowest used value
+        symbol, span of used value symbols).
+    """
+    lengths = code_lengths_kernel(hist)
+    bits = 0
+    n = 0
+    for s in range(hist.shape[0]):
+        bits += hist[s] * lengths[s]
+        n += hist[s]
+    lo, count = symbol_range_kernel(lengths)
+    return lengths, bits, n, lo, count
+
+
+def encode_reference(
+    symbols: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, chunk_symbols: int
+) -> tuple[list[int], list[int]]:
+    """Plain-Python twin of :func:`encode_kernel` (the test oracle).
+
+    Args:
+        symbols: Symbols.
+        lengths: Code lengths.
+        codes: Canonical codes.
+        chunk_symbols: Symbols per chunk.
+
+    Returns:
+        (chunk end words, uint32 words) as Python ints.
+    """
+    syms = symbols.tolist()
+    chunk_ends: list[int] = []
+    words: list[int] = []
+    for c in range(0, len(syms), chunk_symbols):
+        bits = "".join(
+            format(int(codes[s]), f"0{int(lengths[s])}b") for s in syms[c : c + chunk_symbols]
+        )
+        bits += "0" * (-len(bits) % 32)
+        words += [int(bits[k : k + 32], 2) for k in range(0, len(bits), 32)]
+        chunk_ends.append(len(words))
+    return chunk_ends, words
+
+
+def decode_reference(
+    words: list[int], chunk_ends: list[int], n: int, chunk_symbols: int, lengths: torch.Tensor
+) -> list[int]:
+    """Bit-by-bit canonical Huffman decode (the test oracle).
+
+    Args:
+        words: uint32 words.
+        chunk_ends: End word of each chunk.
+        n: Number of symbols.
+        chunk_symbols: Symbols per chunk.
+        lengths: Code lengths.
+
+    Returns:
+        The symbols.
+    """
+    codes = canonical_codes_kernel.py_func(lengths.numpy().astype(np.uint8))
+    by_code = {(int(lengths[s]), int(codes[s])): s for s in range(len(lengths)) if lengths[s] > 0}
+    out: list[int] = []
+    start = 0
+    for c, end in enumerate(chunk_ends):
+        bits = "".join(format(w, "032b") for w in words[start:end])
+        pos = 0
+        for _ in range(min(chunk_symbols, n - c * chunk_symbols)):
+            length = 1
+            while (length, int(bits[pos : pos + length], 2)) not in by_code:
+                length += 1
+            out.append(by_code[(length, int(bits[pos : pos + length], 2))])
+            pos += length
+        start = end
+    return out

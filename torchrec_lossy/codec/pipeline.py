@@ -1,0 +1,764 @@
+"""The codec: ``compress(blocks, bounds) -> payload`` and ``decompress(payload) -> blocks``.
+
+Per block: quantize under the bound (escaping what it cannot cover), find repeated vectors, then
+Huffman-code the symbols of the distinct vectors. Each block is sent in the smallest of four
+modes: raw, raw with repeated vectors referenced (lossless), quantized, quantized with repeated
+vectors referenced. The stages run through a :class:`StageOps` implementation: the compiled CPU
+kernels (``backend="cpu"``) or their plain torch twins (``backend="reference"``, the oracle);
+both produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    BITS_DTYPES,
+    CODE_DTYPES,
+    DESCRIPTOR,
+    DTYPE_CODES,
+    ESCAPE_SYMBOL,
+    HEADER,
+    MAGIC,
+    MAX_CODE_LENGTH,
+    MODE_LZ,
+    MODE_NAMES,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    SEGMENT_HEADER,
+    VERSION,
+    CodecError,
+    checksum_words,
+    words_for_bits,
+    words_for_bytes,
+)
+from torchrec_lossy.codec.quantize import QuantParams
+from torchrec_lossy.config import CodecConfig
+
+# A payload may not ask the decoder for more output elements than this (a crafted payload must not
+# be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
+DEFAULT_MAX_ELEMENTS = 1 << 28
+_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """What happened to one block.
+
+    Attributes:
+        rows: Rows of the block.
+        dim: Columns of the block.
+        raw_bytes: Bytes of the block as a tensor.
+        wire_bytes: Bytes it took in the payload (descriptor and segment; the 32-byte payload
+            header is not attributed to any block).
+        mode: ``"raw"``, ``"lz"``, ``"quant"`` or ``"quant+lz"``.
+        bound: Absolute error bound.
+        max_error: Max |x - x'| over the finite elements (0 for lossless modes).
+        n_unique: Distinct vectors sent (rows when no vector-LZ).
+        n_escapes: Elements sent verbatim by the escape path.
+    """
+
+    rows: int
+    dim: int
+    raw_bytes: int
+    wire_bytes: int
+    mode: str
+    bound: float
+    max_error: float
+    n_unique: int
+    n_escapes: int
+
+
+class StageOps(Protocol):
+    """The per-stage operations the pipeline needs; one implementation per backend."""
+
+    def quantize(
+        self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+    ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """float32 [n] -> (uint16 symbols [n], int64 histogram, number of escapes, max error)."""
+        ...
+
+    def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Histogram of the given rows of a uint16 [rows, dim] matrix."""
+        ...
+
+    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+        """uint16 [n] -> float32 [n]."""
+        ...
+
+    def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, dim] -> (int32 ids [rows], int32 first_rows [n_unique])."""
+        ...
+
+    def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+        """int32 ids -> uint32 words."""
+        ...
+
+    def huffman_encode(
+        self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The given rows of uint16 [rows, dim] symbols -> (uint32 chunk_ends, uint32 words)."""
+        ...
+
+    def huffman_decode(
+        self,
+        words: np.ndarray,
+        chunk_ends: np.ndarray,
+        n: int,
+        chunk_symbols: int,
+        lengths: np.ndarray,
+    ) -> np.ndarray | None:
+        """-> uint16 symbols [n], or None for a corrupt stream."""
+        ...
+
+
+class CpuOps:
+    """The compiled (numba) CPU kernels."""
+
+    def quantize(
+        self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+    ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        symbols = np.empty(x.shape[0], dtype=np.uint16)
+        hist = np.zeros(ALPHABET_SIZE, dtype=np.int64)
+        n_esc, max_err = quantize.quantize_kernel(
+            x,
+            np.float32(params.step),
+            np.float32(params.inv_step),
+            params.center,
+            bound,
+            dtype_code,
+            symbols,
+            hist,
+        )
+        return symbols, hist, int(n_esc), float(max_err)
+
+    def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return huffman.histogram_rows_kernel(symbols, rows)
+
+    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+        out = np.empty(symbols.shape[0], dtype=np.float32)
+        quantize.dequantize_kernel(symbols, np.float32(params.step), params.center, out)
+        return out
+
+    def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if symbols is None:
+            return vector_lz.dedupe_kernel(np.zeros((1, 1), np.uint16), bits, True)
+        return vector_lz.dedupe_kernel(symbols, bits, False)
+
+    def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+        return vector_lz.pack_refs_kernel(ids, n_unique, mode)
+
+    def huffman_encode(
+        self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        codes = huffman.canonical_codes_kernel(lengths)
+        return huffman.encode_kernel(symbols, rows, lengths, codes, chunk_symbols)
+
+    def huffman_decode(
+        self,
+        words: np.ndarray,
+        chunk_ends: np.ndarray,
+        n: int,
+        chunk_symbols: int,
+        lengths: np.ndarray,
+    ) -> np.ndarray | None:
+        table = huffman.decode_table_kernel(lengths)
+        if table.shape[0] == 0:
+            return None
+        out = np.empty(n, dtype=np.uint16)
+        status = huffman.decode_kernel(words, chunk_ends, chunk_symbols, table, out)
+        return out if status == 0 else None
+
+
+class ReferenceOps:
+    """The plain torch / Python twins of every stage (slow; the test oracle)."""
+
+    def quantize(
+        self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+    ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        block = torch.from_numpy(x).to(CODE_DTYPES[dtype_code])
+        symbols, max_err = quantize.quantize_reference(block, params, bound)
+        hist = torch.bincount(symbols, minlength=ALPHABET_SIZE)
+        n_esc = int(hist[ESCAPE_SYMBOL])
+        return symbols.numpy().astype(np.uint16), hist.numpy(), n_esc, max_err
+
+    def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        selected = torch.from_numpy(symbols.astype(np.int64))[torch.from_numpy(rows).long()]
+        return torch.bincount(selected.reshape(-1), minlength=ALPHABET_SIZE).numpy()
+
+    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+        return quantize.dequantize_reference(
+            torch.from_numpy(symbols.astype(np.int64)), params
+        ).numpy()
+
+    def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sym_t = None if symbols is None else torch.from_numpy(symbols.astype(np.int64))
+        keys = vector_lz.element_keys(sym_t, torch.from_numpy(bits))
+        ids, first = vector_lz.dedupe_reference(keys)
+        return ids.numpy().astype(np.int32), first.numpy().astype(np.int32)
+
+    def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+        words = vector_lz.pack_refs_reference(torch.from_numpy(ids), n_unique, mode)
+        return words.numpy().astype(np.uint32)
+
+    def huffman_encode(
+        self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        codes = huffman.canonical_codes_kernel.py_func(lengths)
+        ends, words = huffman.encode_reference(
+            torch.from_numpy(symbols[rows].reshape(-1).astype(np.int64)),
+            torch.from_numpy(lengths.astype(np.int64)),
+            torch.from_numpy(codes.astype(np.int64)),
+            chunk_symbols,
+        )
+        return np.array(ends, dtype=np.uint32), np.array(words, dtype=np.uint32)
+
+    def huffman_decode(
+        self,
+        words: np.ndarray,
+        chunk_ends: np.ndarray,
+        n: int,
+        chunk_symbols: int,
+        lengths: np.ndarray,
+    ) -> np.ndarray | None:
+        if huffman.decode_table_kernel(lengths).shape[0] == 0:
+            return None
+        try:
+            syms = huffman.decode_reference(
+                words.tolist(),
+                chunk_ends.tolist(),
+                n,
+                chunk_symbols,
+                torch.from_numpy(lengths.astype(np.int64)),
+            )
+        except ValueError:  # ran past the chunk's bits
+            return None
+        return np.array(syms, dtype=np.uint16)
+
+
+_OPS: dict[str, StageOps] = {"cpu": CpuOps(), "reference": ReferenceOps()}
+
+
+def _ops_for(config: CodecConfig) -> StageOps:
+    # "auto": the compiled CPU path. CUDA tensors are staged through host memory until the
+    # Triton kernels land (see docs/design.md).
+    return _OPS["reference" if config.backend == "reference" else "cpu"]
+
+
+@dataclass
+class _Encoded:
+    """One block's encoding: descriptor fields, segment sections and stats."""
+
+    mode: int
+    sections: list[np.ndarray]
+    max_error: float = 0.0
+    n_unique: int = 0
+    n_escapes: int = 0
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """A section as bytes, zero-padded to a whole number of words."""
+    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    pad = -b.shape[0] % 4
+    return np.concatenate([b, np.zeros(pad, np.uint8)]) if pad else b
+
+
+def _codebook(lengths: np.ndarray) -> tuple[int, int, np.ndarray]:
+    """(sym_lo, sym_count, nibble bytes) for the code lengths of the value symbols."""
+    lo, count = huffman.symbol_range_kernel(lengths)
+    nib = np.zeros(count + count % 2, np.uint8)
+    nib[:count] = lengths[lo : lo + count]
+    return lo, count, (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class _Code:
+    """A Huffman code for one symbol stream and the words it will take."""
+
+    hist: np.ndarray
+    lengths: np.ndarray
+    words: int  # codebook + chunk table + bitstream (chunk padding estimated as half a word)
+
+    @staticmethod
+    def plan(hist: np.ndarray, chunk_symbols: int) -> _Code:
+        lengths, bits, n, _, count = huffman.plan_kernel(hist)
+        n_chunks = -(-n // chunk_symbols)
+        words = words_for_bytes((count + 1) // 2) + n_chunks + words_for_bits(bits) + n_chunks // 2
+        return _Code(hist, lengths, words)
+
+
+def _segment_header(**fields: int | float) -> np.ndarray:
+    header = np.zeros(1, SEGMENT_HEADER)
+    for k, v in fields.items():
+        header[k] = v
+    return header
+
+
+def _quantized_sections(
+    ops: StageOps,
+    symbols: np.ndarray,
+    rows: np.ndarray,
+    code: _Code,
+    raw_bits: np.ndarray,
+    params: QuantParams,
+    chunk_symbols: int,
+    refs: tuple[np.ndarray, int] | None,
+) -> list[np.ndarray]:
+    """Sections of a quantized segment that sends ``rows`` of the [rows, dim] ``symbols``.
+
+    Args:
+        ops: Stage implementations.
+        symbols: uint16 [rows, dim] symbols of the block.
+        rows: The rows to send (the distinct vectors for vector-LZ, else every row).
+        code: Huffman code planned for those rows' symbols.
+        raw_bits: [rows, dim] raw bits of the block (the escaped elements travel verbatim).
+        params: Quantization parameters.
+        chunk_symbols: Symbols per Huffman chunk.
+        refs: (packed vector ids, packing mode) for vector-LZ, else None.
+
+    Returns:
+        The sections, in wire order.
+    """
+    lo, count, nibbles = _codebook(code.lengths)
+    n_escapes = int(code.hist[ESCAPE_SYMBOL])
+    esc_pos = np.zeros(0, np.uint32)
+    esc_bits = raw_bits[:0, 0]
+    if n_escapes:
+        sent = symbols[rows].reshape(-1)
+        esc_pos = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
+        esc_bits = raw_bits[rows].reshape(-1)[esc_pos]
+    chunk_ends, words = ops.huffman_encode(symbols, rows, code.lengths, chunk_symbols)
+    header = _segment_header(
+        step=params.step,
+        center=params.center,
+        n_unique=rows.shape[0],
+        n_escapes=n_escapes,
+        chunk_symbols=chunk_symbols,
+        n_chunks=chunk_ends.shape[0],
+        sym_lo=lo,
+        sym_count=count,
+        escape_length=code.lengths[ESCAPE_SYMBOL],
+        ref_mode=refs[1] if refs else 0,
+        ref_width=vector_lz.ref_width(rows.shape[0]),
+    )
+    sections = [header, nibbles]
+    if refs:
+        sections.append(refs[0])
+    sections += [esc_pos, esc_bits, chunk_ends, words]
+    return sections
+
+
+def _escape_words(n_escapes: int, itemsize: int) -> int:
+    return n_escapes + words_for_bytes(n_escapes * itemsize)
+
+
+def _encode_block(
+    block: torch.Tensor, bound: float, config: CodecConfig, ops: StageOps
+) -> _Encoded:
+    """Encodes one block in the smallest of the modes the config and the bound allow."""
+    rows, dim = block.shape
+    raw_bits = block.contiguous().view(BITS_DTYPES[block.dtype]).numpy()
+    raw = _Encoded(MODE_RAW, [raw_bits])
+    if rows * dim == 0:
+        return raw
+    itemsize = block.element_size()
+    raw_words = words_for_bytes(rows * dim * itemsize)
+    bits = raw_bits.astype(np.int32, copy=False)
+    chunk = config.huffman_chunk_symbols
+    x = block.reshape(-1).float().numpy()
+    params = None
+    if config.enable_quantization and bound > 0:
+        params = quantize.quant_params(bound, *quantize.finite_range(x))
+    lz_allowed = config.enable_lz and rows > 1
+
+    if params is None:  # lossless: raw, or raw with repeated vectors referenced
+        if not lz_allowed:
+            return raw
+        ids, first = ops.dedupe(None, bits)
+        n_unique = first.shape[0]
+        ref_mode = vector_lz.best_refs_mode(rows, n_unique)
+        lz_words = (
+            _SEGMENT_HEADER_WORDS
+            + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
+            + words_for_bytes(n_unique * dim * itemsize)
+        )
+        if lz_words >= raw_words:
+            return raw
+        header = _segment_header(
+            n_unique=n_unique, ref_mode=ref_mode, ref_width=vector_lz.ref_width(n_unique)
+        )
+        packed = ops.pack_refs(ids, n_unique, ref_mode)
+        return _Encoded(MODE_LZ, [header, packed, raw_bits[first]], n_unique=n_unique)
+
+    symbols, hist, n_esc, max_err = ops.quantize(x, params, bound, DTYPE_CODES[block.dtype])
+    code = _Code.plan(hist, chunk)
+    quant_words = _SEGMENT_HEADER_WORDS + _escape_words(n_esc, itemsize) + code.words
+
+    sym2d = symbols.reshape(rows, dim)
+    if lz_allowed:
+        ids, first = ops.dedupe(sym2d, bits)
+        n_unique = first.shape[0]
+        if n_unique < rows:
+            ref_mode = vector_lz.best_refs_mode(rows, n_unique)
+            uniq_code = _Code.plan(ops.histogram_rows(sym2d, first), chunk)
+            n_esc_u = int(uniq_code.hist[ESCAPE_SYMBOL])
+            lz_words = (
+                _SEGMENT_HEADER_WORDS
+                + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
+                + _escape_words(n_esc_u, itemsize)
+                + uniq_code.words
+            )
+            if lz_words < min(quant_words, raw_words):
+                refs = (ops.pack_refs(ids, n_unique, ref_mode), ref_mode)
+                sections = _quantized_sections(
+                    ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs
+                )
+                return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique, n_esc_u)
+    if quant_words < raw_words:
+        every_row = np.arange(rows, dtype=np.int32)
+        sections = _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None)
+        return _Encoded(MODE_QUANT, sections, max_err, rows, n_esc)
+    return raw
+
+
+def _validate_inputs(
+    blocks: Sequence[torch.Tensor], error_bounds: Sequence[float]
+) -> tuple[list[float], torch.device]:
+    if isinstance(blocks, torch.Tensor):
+        raise ValueError(
+            "blocks must be a sequence of 2-D tensors, got a single tensor: wrap it as [tensor]"
+        )
+    blocks = list(blocks)
+    bounds = list(error_bounds)
+    if len(bounds) != len(blocks):
+        raise ValueError(
+            f"got {len(blocks)} blocks but {len(bounds)} error bounds: pass one bound per block"
+        )
+    device = blocks[0].device if blocks else torch.device("cpu")
+    out = []
+    for i, (b, eb) in enumerate(zip(blocks, bounds, strict=True)):
+        if not isinstance(b, torch.Tensor):
+            raise ValueError(f"block {i} is a {type(b).__name__}: pass a torch.Tensor")
+        if b.dim() != 2:
+            raise ValueError(
+                f"block {i} has shape {tuple(b.shape)}: pass 2-D blocks [rows, dim] "
+                "(reshape it, e.g. block.reshape(-1, dim))"
+            )
+        if b.dtype not in DTYPE_CODES:
+            raise ValueError(
+                f"block {i} has dtype {b.dtype}: pass float32, float16 or bfloat16 "
+                "(e.g. block.float())"
+            )
+        if b.device != device:
+            raise ValueError(
+                f"block {i} is on {b.device} but block 0 is on {device}: "
+                "put all blocks of one payload on one device"
+            )
+        if b.shape[0] >= 1 << 32 or b.shape[1] >= 1 << 32:
+            raise ValueError(f"block {i} has shape {tuple(b.shape)}: each side must be < 2**32")
+        try:
+            eb_f = float(eb)
+        except (TypeError, ValueError):
+            raise ValueError(f"error bound {i} is {eb!r}: pass a float >= 0") from None
+        if not math.isfinite(eb_f) or eb_f < 0:
+            raise ValueError(
+                f"error bound {i} is {eb_f}: pass a finite bound >= 0 (0 means lossless)"
+            )
+        out.append(eb_f)
+    return out, device
+
+
+def compress_with_stats(
+    blocks: Sequence[torch.Tensor],
+    error_bounds: Sequence[float],
+    config: CodecConfig | None = None,
+) -> tuple[torch.Tensor, list[BlockStats]]:
+    """Compresses blocks under absolute error bounds and reports what each block became.
+
+    Args:
+        blocks: 2-D float32 / float16 / bfloat16 tensors (rows = embedding vectors), one device.
+        error_bounds: Absolute bound per block; 0 means lossless for that block.
+        config: Codec knobs; None uses the defaults.
+
+    Returns:
+        (1-D uint8 payload on the blocks' device, one BlockStats per block).
+
+    Raises:
+        ValueError: For a bad block, bound or bound count (the message names it and the fix).
+    """
+    config = config or CodecConfig()
+    bounds, device = _validate_inputs(blocks, error_bounds)
+    ops = _ops_for(config)
+    with record_function("## lossy_codec encode ##"):
+        encoded = [
+            _encode_block(b.detach().cpu(), eb, config, ops)
+            for b, eb in zip(blocks, bounds, strict=True)
+        ]
+        segments = [[_as_bytes(s) for s in e.sections] for e in encoded]
+        desc = np.zeros(len(blocks), DESCRIPTOR)
+        stats = []
+        for i, (b, e, segs) in enumerate(zip(blocks, encoded, segments, strict=True)):
+            seg_bytes = sum(s.shape[0] for s in segs)
+            desc[i] = (
+                b.shape[0],
+                b.shape[1],
+                DTYPE_CODES[b.dtype],
+                e.mode,
+                0,
+                seg_bytes // 4,
+                bounds[i],
+            )
+            stats.append(
+                BlockStats(
+                    rows=b.shape[0],
+                    dim=b.shape[1],
+                    raw_bytes=b.numel() * b.element_size(),
+                    wire_bytes=DESCRIPTOR.itemsize + seg_bytes,
+                    mode=MODE_NAMES[e.mode],
+                    bound=bounds[i],
+                    max_error=e.max_error,
+                    n_unique=e.n_unique if e.mode != MODE_RAW else b.shape[0],
+                    n_escapes=e.n_escapes,
+                )
+            )
+        body = np.concatenate([desc.view(np.uint8)] + [s for segs in segments for s in segs])
+        header = np.zeros(1, HEADER)
+        header["magic"] = MAGIC
+        header["version"] = VERSION
+        header["n_blocks"] = len(blocks)
+        header["body_words"] = body.shape[0] // 4
+        header["checksum"] = checksum_words(body.view(np.uint32))
+        payload = torch.from_numpy(np.concatenate([header.view(np.uint8), body]))
+    return payload.to(device), stats
+
+
+def compress(
+    blocks: Sequence[torch.Tensor],
+    error_bounds: Sequence[float],
+    config: CodecConfig | None = None,
+) -> torch.Tensor:
+    """Compresses blocks under absolute error bounds.
+
+    Every finite element decodes within its block's bound; NaN, +-Inf and values the bound cannot
+    cover travel exactly.
+
+    Args:
+        blocks: 2-D float32 / float16 / bfloat16 tensors (rows = embedding vectors), one device.
+        error_bounds: Absolute bound per block; 0 means lossless for that block.
+        config: Codec knobs; None uses the defaults.
+
+    Returns:
+        The payload: a 1-D torch.uint8 tensor on the blocks' device.
+
+    Raises:
+        ValueError: For a bad block, bound or bound count.
+    """
+    return compress_with_stats(blocks, error_bounds, config)[0]
+
+
+class _Reader:
+    """Bounds-checked cursor over one segment's words."""
+
+    def __init__(self, words: np.ndarray, block: int) -> None:
+        self.words = words
+        self.pos = 0
+        self.block = block
+
+    def fail(self, what: str) -> CodecError:
+        return CodecError(f"corrupt payload: block {self.block}: {what}")
+
+    def take(self, n_words: int, what: str) -> np.ndarray:
+        if n_words < 0 or self.pos + n_words > self.words.shape[0]:
+            raise self.fail(
+                f"{what} needs {n_words} words at word {self.pos} of a "
+                f"{self.words.shape[0]}-word segment"
+            )
+        out = self.words[self.pos : self.pos + n_words]
+        self.pos += n_words
+        return out
+
+    def take_bytes(self, n_bytes: int, what: str) -> np.ndarray:
+        return self.take(words_for_bytes(n_bytes), what).view(np.uint8)[:n_bytes]
+
+    def done(self) -> None:
+        if self.pos != self.words.shape[0]:
+            raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")
+
+
+def _decode_refs(r: _Reader, hdr: np.void, rows: int) -> np.ndarray:
+    n_unique = int(hdr["n_unique"])
+    ref_mode = int(hdr["ref_mode"])
+    width = int(hdr["ref_width"])
+    if not 1 <= n_unique <= rows or width != vector_lz.ref_width(n_unique):
+        raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
+    if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
+        raise r.fail(f"unknown reference packing {ref_mode}")
+    words = r.take(words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode)), "references")
+    ids = np.empty(rows, dtype=np.int32)
+    if vector_lz.unpack_refs_kernel(words, rows, n_unique, ref_mode, width, ids) != 0:
+        raise r.fail("vector references out of range")
+    return ids
+
+
+def _read_codebook(r: _Reader, hdr: np.void) -> tuple[np.ndarray, float, int]:
+    """-> (code lengths [ALPHABET_SIZE], quantization step, center)."""
+    step = float(hdr["step"])
+    center = int(hdr["center"])
+    if not (math.isfinite(step) and step > 0 and abs(center) <= quantize.MAX_CENTER):
+        raise r.fail(f"quantization step {step} / center {center} out of range")
+    lo, count, esc_len = int(hdr["sym_lo"]), int(hdr["sym_count"]), int(hdr["escape_length"])
+    if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
+        raise r.fail(f"codebook range {lo}+{count} / escape length {esc_len} out of range")
+    nibbles = r.take_bytes((count + 1) // 2, "codebook")
+    lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
+    both = np.stack([nibbles & 0xF, nibbles >> 4], axis=1).reshape(-1)
+    lengths[lo : lo + count] = both[:count]
+    lengths[ESCAPE_SYMBOL] = esc_len
+    return lengths, step, center
+
+
+def _decode_block(seg: np.ndarray, desc: np.void, block: int, ops: StageOps) -> torch.Tensor:
+    rows, dim = int(desc["rows"]), int(desc["dim"])
+    dtype = CODE_DTYPES[int(desc["dtype"])]
+    mode = int(desc["mode"])
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    bits_dtype = np.int32 if itemsize == 4 else np.int16
+    r = _Reader(seg, block)
+
+    def to_tensor(raw: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, dim)).view(dtype)
+
+    if mode == MODE_RAW:
+        raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
+        r.done()
+        return to_tensor(raw.copy())
+    hdr = r.take(_SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0]
+    if mode == MODE_LZ:
+        ids = _decode_refs(r, hdr, rows)
+        n_unique = int(hdr["n_unique"])
+        uniq = r.take_bytes(n_unique * dim * itemsize, "distinct vectors").view(bits_dtype)
+        r.done()
+        return to_tensor(uniq.reshape(n_unique, dim)[ids])
+
+    n_unique = int(hdr["n_unique"]) if mode == MODE_QUANT_LZ else rows
+    lengths, step, center = _read_codebook(r, hdr)
+    ids = _decode_refs(r, hdr, rows) if mode == MODE_QUANT_LZ else None
+    if mode == MODE_QUANT and int(hdr["n_unique"]) != rows:
+        raise r.fail(f"{int(hdr['n_unique'])} vectors for {rows} rows")
+    n_sym = n_unique * dim
+    n_esc = int(hdr["n_escapes"])
+    if n_esc > n_sym:
+        raise r.fail(f"{n_esc} escapes for {n_sym} elements")
+    esc_pos = r.take(n_esc, "escape positions")
+    esc_bits = r.take_bytes(n_esc * itemsize, "escaped values").view(bits_dtype)
+    chunk_symbols = int(hdr["chunk_symbols"])
+    n_chunks = int(hdr["n_chunks"])
+    if chunk_symbols < 1 or n_chunks != -(-n_sym // chunk_symbols):
+        raise r.fail(f"{n_chunks} chunks of {chunk_symbols} symbols for {n_sym} symbols")
+    chunk_ends = r.take(n_chunks, "chunk table")
+    words = r.take(seg.shape[0] - r.pos, "bitstream")
+    ends64 = chunk_ends.astype(np.int64)
+    if n_chunks and (np.any(np.diff(ends64) < 0) or ends64[-1] != words.shape[0]):
+        raise r.fail("chunk table is not increasing or does not end at the bitstream's end")
+    symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths)
+    if symbols is None:
+        raise r.fail("Huffman stream does not decode")
+    if not np.array_equal(np.flatnonzero(symbols == ESCAPE_SYMBOL), esc_pos):
+        raise r.fail("escape positions disagree with the escape symbols")
+    values = ops.dequantize(symbols, QuantParams(step=step, inv_step=0.0, center=center))
+    out = torch.from_numpy(values).to(dtype).view(torch.int32 if itemsize == 4 else torch.int16)
+    out_bits = out.numpy()
+    out_bits[esc_pos.astype(np.int64)] = esc_bits
+    if ids is not None:
+        out_bits = out_bits.reshape(n_unique, dim)[ids]
+    return to_tensor(out_bits)
+
+
+def decompress(
+    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> list[torch.Tensor]:
+    """Decodes a payload made by :func:`compress`.
+
+    Args:
+        payload: 1-D uint8 tensor.
+        max_elements: Refuse payloads that decode to more elements than this in total.
+
+    Returns:
+        The blocks: same shapes and dtypes as compressed, on the payload's device.
+
+    Raises:
+        CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
+    """
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise CodecError(
+            f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
+            + (
+                f" {payload.dtype} {tuple(payload.shape)}"
+                if isinstance(payload, torch.Tensor)
+                else ""
+            )
+        )
+    device = payload.device
+    buf = payload.detach().cpu().contiguous().numpy()
+    with record_function("## lossy_codec decode ##"):
+        n = buf.shape[0]
+        if n < HEADER.itemsize:
+            raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
+        header = buf[: HEADER.itemsize].view(HEADER)[0]
+        if int(header["magic"]) != MAGIC:
+            raise CodecError(
+                f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
+                f"expected 0x{MAGIC:08x}"
+            )
+        if int(header["version"]) != VERSION:
+            raise CodecError(
+                f"payload format version {int(header['version'])} is not supported "
+                f"(this build reads version {VERSION})"
+            )
+        body_words = int(header["body_words"])
+        if n != HEADER.itemsize + 4 * body_words:
+            raise CodecError(
+                f"truncated or padded payload: {n} bytes, the header says "
+                f"{HEADER.itemsize + 4 * body_words}"
+            )
+        body = buf[HEADER.itemsize :].view(np.uint32)
+        if int(checksum_words(body)) != int(header["checksum"]):
+            raise CodecError("corrupt payload: checksum mismatch")
+        n_blocks = int(header["n_blocks"])
+        if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
+            raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
+        desc_words = n_blocks * DESCRIPTOR.itemsize // 4
+        descs = body[:desc_words].view(DESCRIPTOR)
+        seg_words = descs["seg_words"].astype(np.int64)
+        if int(seg_words.sum()) != body.shape[0] - desc_words:
+            raise CodecError("corrupt payload: segment lengths do not add up to the body")
+        for i, d in enumerate(descs):
+            if int(d["dtype"]) not in CODE_DTYPES or int(d["mode"]) not in MODE_NAMES:
+                raise CodecError(
+                    f"corrupt payload: block {i}: dtype {d['dtype']} / mode {d['mode']}"
+                )
+        total = int((descs["rows"].astype(np.int64) * descs["dim"].astype(np.int64)).sum())
+        if total > max_elements:
+            raise CodecError(
+                f"payload decodes to {total} elements, more than max_elements={max_elements}: "
+                "pass a larger max_elements if it is trusted"
+            )
+        ops = _OPS["cpu"]
+        offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
+        out = [
+            _decode_block(body[offsets[i] : offsets[i + 1]], descs[i], i, ops).to(device)
+            for i in range(n_blocks)
+        ]
+    return out

@@ -1,0 +1,333 @@
+"""Vector-LZ: every embedding vector that repeats an earlier one in its block becomes a reference.
+
+The symbol is a whole (quantized) vector. Unlike the paper's 32-vector window, the match search
+covers the whole block through a hash table, so a popular id's vector is sent once per block
+however far apart its lookups are. Vector ids are numbered by first occurrence; row ``r`` of the
+block decodes as distinct vector ``ids[r]``.
+
+Two packings of the ids, whichever is smaller for the block:
+
+- ``REFS_FIXED``: every row carries its id in ``width = bit_length(n_unique - 1)`` bits; best when
+  few distinct vectors repeat often (small tables).
+- ``REFS_FLAGGED``: every row carries one flag bit (1 = first occurrence, whose id is implicit);
+  repeats add their id in ``width`` bits; best when most rows are distinct (large tables).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, words_for_bits
+
+_ESCAPED_KEY = np.int64(1) << np.int64(32)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _key(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, j: int) -> np.int64:
+    """Identity of element (i, j): its raw bits, or its symbol (raw bits when escaped)."""
+    if raw:
+        return np.int64(bits[i, j])
+    s = symbols[i, j]
+    if s == ESCAPE_SYMBOL:
+        return _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
+    return np.int64(s)
+
+
+@numba.njit(cache=True, nogil=True)
+def dedupe_kernel(
+    symbols: np.ndarray, bits: np.ndarray, raw: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Finds repeated rows with a hash table over whole rows.
+
+    Args:
+        symbols: [rows, dim] uint16 symbols (ignored when ``raw``).
+        bits: [rows, dim] int32 raw bits of the block's elements.
+        raw: Compare raw bits only (lossless dedupe) instead of symbols.
+
+    Returns:
+        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
+        first_rows: int32 [n_unique], the row where each distinct vector first occurs).
+    """
+    rows, dim = bits.shape
+    ids = np.empty(rows, dtype=np.int32)
+    first_rows = np.empty(rows, dtype=np.int32)
+    size = 1
+    while size < 2 * rows:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, dtype=np.int32)
+    hashes = np.empty(rows, dtype=np.uint64)
+    n_unique = 0
+    # Per-column odd multipliers: the row hash is a sum of independent products, which the
+    # compiler vectorises, then one finalising mix.
+    mults = np.empty(dim, dtype=np.uint64)
+    m = np.uint64(0x9E3779B97F4A7C15)
+    for j in range(dim):
+        mults[j] = m | np.uint64(1)
+        m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
+    for i in range(rows):
+        h = np.uint64(0)
+        for j in range(dim):
+            h += np.uint64(_key(symbols, bits, raw, i, j) + 1) * mults[j]
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(29)
+        hashes[i] = h
+        slot = np.int64(h & np.uint64(mask))
+        while True:
+            u = table[slot]
+            if u < 0:
+                table[slot] = n_unique
+                first_rows[n_unique] = i
+                ids[i] = n_unique
+                n_unique += 1
+                break
+            r = first_rows[u]
+            if hashes[r] == h:
+                same = True
+                for j in range(dim):
+                    if _key(symbols, bits, raw, i, j) != _key(symbols, bits, raw, r, j):
+                        same = False
+                        break
+                if same:
+                    ids[i] = u
+                    break
+            slot = (slot + 1) & mask
+    return ids, first_rows[:n_unique].copy()
+
+
+def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`dedupe_kernel` (the test oracle).
+
+    Args:
+        keys: [rows, dim] int64 element identities (see ``_key``).
+
+    Returns:
+        (ids [rows] numbered by first occurrence, first_rows [n_unique]).
+    """
+    if keys.shape[0] == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    n = int(inverse.max()) + 1
+    rows = torch.arange(keys.shape[0])
+    first = torch.full((n,), keys.shape[0], dtype=torch.int64).scatter_reduce(
+        0, inverse, rows, reduce="amin"
+    )
+    order = torch.argsort(first)  # renumber the distinct vectors by first occurrence
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n)
+    return rank[inverse], first[order]
+
+
+def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tensor:
+    """Element identities as ``dedupe_kernel`` compares them (torch, for the oracle).
+
+    Args:
+        symbols: [rows, dim] symbols, or None for raw (lossless) dedupe.
+        bits: [rows, dim] raw bits as int32.
+
+    Returns:
+        [rows, dim] int64 keys.
+    """
+    raw_key = bits.long() & 0xFFFFFFFF
+    if symbols is None:
+        return bits.long()
+    return torch.where(symbols == ESCAPE_SYMBOL, (1 << 32) | raw_key, symbols.long())
+
+
+def ref_width(n_unique: int) -> int:
+    """Bits per vector id.
+
+    Args:
+        n_unique: Number of distinct vectors (>= 1).
+
+    Returns:
+        ``bit_length(n_unique - 1)``.
+    """
+    return max(n_unique - 1, 0).bit_length()
+
+
+def refs_bits(rows: int, n_unique: int, mode: int) -> int:
+    """Size in bits of a block's references in the given packing.
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        Bit count.
+    """
+    width = ref_width(n_unique)
+    if mode == REFS_FIXED:
+        return rows * width
+    return rows + (rows - n_unique) * width
+
+
+def best_refs_mode(rows: int, n_unique: int) -> int:
+    """The packing with fewer bits (REFS_FIXED on a tie).
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct vectors.
+
+    Returns:
+        REFS_FIXED or REFS_FLAGGED.
+    """
+    fixed = refs_bits(rows, n_unique, REFS_FIXED)
+    return REFS_FIXED if fixed <= refs_bits(rows, n_unique, REFS_FLAGGED) else REFS_FLAGGED
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def write_bits(words: np.ndarray, pos: int, value: int, n_bits: int) -> int:
+    """Writes the low ``n_bits`` (<= 32) of value MSB-first at bit ``pos`` of zeroed words."""
+    if n_bits == 0:
+        return pos
+    v = np.uint64(value) & ((np.uint64(1) << np.uint64(n_bits)) - np.uint64(1))
+    w = pos >> 5
+    off = pos & 31
+    shifted = v << np.uint64(64 - n_bits - off)  # left-align within a 64-bit window at word w
+    words[w] |= np.uint32(shifted >> np.uint64(32))
+    low = np.uint32(shifted & np.uint64(0xFFFFFFFF))
+    if low != 0:
+        words[w + 1] |= low
+    return pos + n_bits
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def read_bits(words: np.ndarray, pos: int, n_bits: int) -> int:
+    """Reads ``n_bits`` (<= 32) MSB-first at bit ``pos``; the caller checks the bounds."""
+    if n_bits == 0:
+        return 0
+    w = pos >> 5
+    window = np.uint64(words[w]) << np.uint64(32)
+    if w + 1 < words.shape[0]:
+        window |= np.uint64(words[w + 1])
+    window <<= np.uint64(pos & 31)
+    return np.int64(window >> np.uint64(64 - n_bits))
+
+
+@numba.njit(cache=True, nogil=True)
+def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+    """Packs vector ids into words.
+
+    Args:
+        ids: int32 [rows] ids numbered by first occurrence.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        uint32 words.
+    """
+    rows = ids.shape[0]
+    width = 0
+    while (1 << width) < n_unique:
+        width += 1
+    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
+    words = np.zeros((n_bits + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
+    pos = 0
+    seen = 0
+    for r in range(rows):
+        if mode == REFS_FIXED:
+            pos = write_bits(words, pos, ids[r], width)
+        elif ids[r] == seen:
+            pos = write_bits(words, pos, 1, 1)
+            seen += 1
+        else:
+            pos = write_bits(words, pos, 0, 1)
+            pos = write_bits(words, pos, ids[r], width)
+    return words[: (n_bits + 31) // 32]
+
+
+@numba.njit(cache=True, nogil=True)
+def unpack_refs_kernel(
+    words: np.ndarray, rows: int, n_unique: int, mode: int, width: int, ids: np.ndarray
+) -> int:
+    """Unpacks and validates vector ids.
+
+    Args:
+        words: uint32 words of the references.
+        rows: Rows of the block.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+        width: Bits per id.
+        ids: int32 [rows] output.
+
+    Returns:
+        0 on success, -1 if an id is out of range or the bits run out.
+    """
+    n_bits = words.shape[0] * 32
+    pos = 0
+    seen = 0
+    for r in range(rows):
+        if mode == REFS_FIXED:
+            if pos + width > n_bits:
+                return -1
+            v = read_bits(words, pos, width)
+            pos += width
+        else:
+            if pos + 1 > n_bits:
+                return -1
+            flag = read_bits(words, pos, 1)
+            pos += 1
+            if flag == 1:
+                v = seen
+                seen += 1
+            else:
+                if pos + width > n_bits:
+                    return -1
+                v = read_bits(words, pos, width)
+                pos += width
+        if v >= n_unique:
+            return -1
+        ids[r] = v
+    if mode == REFS_FLAGGED and seen != n_unique:
+        return -1
+    return 0
+
+
+def pack_refs_reference(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
+    """Plain-Python twin of :func:`pack_refs_kernel` (the test oracle).
+
+    Args:
+        ids: Vector id per row.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        int64 tensor of the uint32 words' values.
+    """
+    width = ref_width(n_unique)
+    bits: list[int] = []
+    seen = 0
+    for v in ids.tolist():
+        if mode == REFS_FLAGGED:
+            bits.append(1 if v == seen else 0)
+            if v == seen:
+                seen += 1
+                continue
+        bits.extend((v >> (width - 1 - k)) & 1 for k in range(width))
+    words = [0] * words_for_bits(len(bits))
+    for i, b in enumerate(bits):
+        words[i // 32] |= b << (31 - i % 32)
+    return torch.tensor(words, dtype=torch.int64)
+
+
+__all__ = [
+    "REFS_FIXED",
+    "REFS_FLAGGED",
+    "best_refs_mode",
+    "dedupe_kernel",
+    "dedupe_reference",
+    "element_keys",
+    "pack_refs_kernel",
+    "pack_refs_reference",
+    "read_bits",
+    "ref_width",
+    "refs_bits",
+    "unpack_refs_kernel",
+    "write_bits",
+]
