@@ -223,25 +223,28 @@ def decode_table_kernel(lengths: np.ndarray) -> np.ndarray:
         lengths: uint8 [ALPHABET_SIZE] code lengths.
 
     Returns:
-        int32 [2**MAX_CODE_LENGTH] entries ``symbol | length << 16`` (-1 for bit patterns no code
-        starts with), or an empty array when a length exceeds the limit or the Kraft sum exceeds 1.
+        int32 [2**peek] entries ``symbol | length << 16`` indexed by the next ``peek`` bits, where
+        ``peek`` is the longest code length (-1 for bit patterns no code starts with; sized to
+        the code so short codes build and stay in cache cheaply), or an empty array when a length
+        exceeds the limit or the Kraft sum exceeds 1.
     """
-    size = 1 << MAX_CODE_LENGTH
     kraft = 0
+    peek = 1
     for s in range(lengths.shape[0]):
         length = lengths[s]
         if length > MAX_CODE_LENGTH:
             return np.empty(0, dtype=np.int32)
         if length > 0:
             kraft += 1 << (MAX_CODE_LENGTH - length)
-    if kraft > size:
+            peek = max(peek, np.int64(length))
+    if kraft > 1 << MAX_CODE_LENGTH:
         return np.empty(0, dtype=np.int32)
     codes = canonical_codes_kernel(lengths)
-    table = np.full(size, -1, dtype=np.int32)
+    table = np.full(1 << peek, -1, dtype=np.int32)
     for s in range(lengths.shape[0]):
         length = lengths[s]
         if length > 0:
-            shift = MAX_CODE_LENGTH - length
+            shift = peek - length
             first = np.int64(codes[s]) << shift
             table[first : first + (1 << shift)] = s | (np.int32(length) << 16)
     return table
@@ -269,7 +272,10 @@ def decode_kernel(
     """
     n = out.shape[0]
     start = 0
-    shift_peek = np.uint64(64 - MAX_CODE_LENGTH)
+    peek = 0
+    while (1 << peek) < table.shape[0]:
+        peek += 1
+    shift_peek = np.uint64(64 - peek)
     for c in range(chunk_ends.shape[0]):
         end = np.int64(chunk_ends[c])
         buf = np.uint64(0)
