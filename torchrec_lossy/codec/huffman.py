@@ -18,11 +18,21 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
+from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
 
 # Decode errors reported by decode_kernel (0 = success).
 DECODE_INVALID_CODE = -1
 DECODE_OUT_OF_BITS = -2
+DECODE_BAD_CHUNK_TABLE = -3
+DECODE_BAD_ESCAPES = -4
+DECODE_BAD_CODEBOOK = -5
+DECODE_ERRORS = {
+    DECODE_INVALID_CODE: "a bit pattern that no code starts with",
+    DECODE_OUT_OF_BITS: "a chunk runs out of bits",
+    DECODE_BAD_CHUNK_TABLE: "the chunk table decreases or does not end at the bitstream's end",
+    DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
+    DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
+}
 
 
 @numba.njit(cache=True, nogil=True)
@@ -255,28 +265,43 @@ def decode_kernel(
     words: np.ndarray,
     chunk_ends: np.ndarray,
     chunk_symbols: int,
-    table: np.ndarray,
+    lengths: np.ndarray,
+    escape_positions: np.ndarray,
     out: np.ndarray,
 ) -> int:
-    """Decodes every chunk (the caller validated ``chunk_ends``: nondecreasing, within ``words``).
+    """Decodes every chunk, validating everything a corrupt stream could get wrong.
 
     Args:
         words: uint32 bitstream.
         chunk_ends: uint32 [n_chunks] end word of each chunk.
-        chunk_symbols: Symbols per chunk.
-        table: Decode table from :func:`decode_table_kernel`.
+        chunk_symbols: Symbols per chunk (>= 1).
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        escape_positions: uint32 positions where the escape symbol must decode, increasing.
         out: uint16 [n] output symbols.
 
     Returns:
-        0, or DECODE_INVALID_CODE / DECODE_OUT_OF_BITS for a corrupt stream.
+        0, or one of the DECODE_* error codes.
     """
-    n = out.shape[0]
-    start = 0
+    table = decode_table_kernel(lengths)
+    if table.shape[0] == 0:
+        return DECODE_BAD_CODEBOOK
+    n_chunks = chunk_ends.shape[0]
+    prev = np.int64(0)
+    for c in range(n_chunks):
+        if np.int64(chunk_ends[c]) < prev:
+            return DECODE_BAD_CHUNK_TABLE
+        prev = np.int64(chunk_ends[c])
+    if n_chunks and prev != words.shape[0]:
+        return DECODE_BAD_CHUNK_TABLE
     peek = 0
     while (1 << peek) < table.shape[0]:
         peek += 1
     shift_peek = np.uint64(64 - peek)
-    for c in range(chunk_ends.shape[0]):
+    n = out.shape[0]
+    n_escapes = escape_positions.shape[0]
+    k = 0
+    start = 0
+    for c in range(n_chunks):
         end = np.int64(chunk_ends[c])
         buf = np.uint64(0)
         n_bits = 0
@@ -292,11 +317,39 @@ def decode_kernel(
             length = entry >> 16
             if length > n_bits:
                 return DECODE_OUT_OF_BITS
-            out[i] = entry & 0xFFFF
+            sym = entry & 0xFFFF
+            if sym == ESCAPE_SYMBOL:
+                if k >= n_escapes or escape_positions[k] != i:
+                    return DECODE_BAD_ESCAPES
+                k += 1
+            out[i] = sym
             buf <<= np.uint64(length)
             n_bits -= length
         start = end
-    return 0
+    return 0 if k == n_escapes else DECODE_BAD_ESCAPES
+
+
+@numba.njit(cache=True, nogil=True)
+def expand_codebook_kernel(
+    nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
+) -> np.ndarray:
+    """Code lengths over the whole alphabet from the wire codebook.
+
+    Args:
+        nibbles: uint8 bytes, two 4-bit lengths each, low nibble first.
+        sym_lo: First value symbol of the codebook.
+        sym_count: Number of value symbols.
+        escape_length: Code length of the escape symbol.
+
+    Returns:
+        uint8 [ALPHABET_SIZE] code lengths.
+    """
+    lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
+    for k in range(sym_count):
+        b = nibbles[k >> 1]
+        lengths[sym_lo + k] = (b >> 4) if k & 1 else (b & 0xF)
+    lengths[ESCAPE_SYMBOL] = escape_length
+    return lengths
 
 
 @numba.njit(cache=True, nogil=True)
@@ -371,8 +424,10 @@ def decode_reference(
         pos = 0
         for _ in range(min(chunk_symbols, n - c * chunk_symbols)):
             length = 1
-            while (length, int(bits[pos : pos + length], 2)) not in by_code:
+            while (length, int(bits[pos : pos + length] or "x", 2)) not in by_code:
                 length += 1
+                if length > MAX_CODE_LENGTH or pos + length > len(bits):
+                    raise ValueError(f"no code at bit {pos} of chunk {c}")
             out.append(by_code[(length, int(bits[pos : pos + length], 2))])
             pos += length
         start = end

@@ -119,8 +119,12 @@ class StageOps(Protocol):
         n: int,
         chunk_symbols: int,
         lengths: np.ndarray,
-    ) -> np.ndarray | None:
-        """-> uint16 symbols [n], or None for a corrupt stream."""
+        escape_positions: np.ndarray,
+    ) -> np.ndarray | str:
+        """-> uint16 symbols [n], or what is wrong with a corrupt stream.
+
+        The escape symbol must decode exactly at ``escape_positions``.
+        """
         ...
 
 
@@ -173,13 +177,13 @@ class CpuOps:
         n: int,
         chunk_symbols: int,
         lengths: np.ndarray,
-    ) -> np.ndarray | None:
-        table = huffman.decode_table_kernel(lengths)
-        if table.shape[0] == 0:
-            return None
+        escape_positions: np.ndarray,
+    ) -> np.ndarray | str:
         out = np.empty(n, dtype=np.uint16)
-        status = huffman.decode_kernel(words, chunk_ends, chunk_symbols, table, out)
-        return out if status == 0 else None
+        status = huffman.decode_kernel(
+            words, chunk_ends, chunk_symbols, lengths, escape_positions, out
+        )
+        return out if status == 0 else huffman.DECODE_ERRORS[status]
 
 
 class ReferenceOps:
@@ -232,20 +236,27 @@ class ReferenceOps:
         n: int,
         chunk_symbols: int,
         lengths: np.ndarray,
-    ) -> np.ndarray | None:
+        escape_positions: np.ndarray,
+    ) -> np.ndarray | str:
         if huffman.decode_table_kernel(lengths).shape[0] == 0:
-            return None
+            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CODEBOOK]
+        ends = chunk_ends.astype(np.int64)
+        if ends.shape[0] and (np.any(np.diff(ends) < 0) or ends[-1] != words.shape[0]):
+            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CHUNK_TABLE]
         try:
             syms = huffman.decode_reference(
                 words.tolist(),
-                chunk_ends.tolist(),
+                ends.tolist(),
                 n,
                 chunk_symbols,
                 torch.from_numpy(lengths.astype(np.int64)),
             )
-        except ValueError:  # ran past the chunk's bits
-            return None
-        return np.array(syms, dtype=np.uint16)
+        except ValueError:
+            return huffman.DECODE_ERRORS[huffman.DECODE_INVALID_CODE]
+        out = np.array(syms, dtype=np.uint16)
+        if not np.array_equal(np.flatnonzero(out == ESCAPE_SYMBOL), escape_positions):
+            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_ESCAPES]
+        return out
 
 
 _OPS: dict[str, StageOps] = {"cpu": CpuOps(), "reference": ReferenceOps()}
@@ -275,12 +286,11 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return np.concatenate([b, np.zeros(pad, np.uint8)]) if pad else b
 
 
-def _codebook(lengths: np.ndarray) -> tuple[int, int, np.ndarray]:
-    """(sym_lo, sym_count, nibble bytes) for the code lengths of the value symbols."""
-    lo, count = huffman.symbol_range_kernel(lengths)
+def _codebook(lengths: np.ndarray, lo: int, count: int) -> np.ndarray:
+    """Nibble bytes of the code lengths of value symbols ``lo .. lo + count - 1``."""
     nib = np.zeros(count + count % 2, np.uint8)
     nib[:count] = lengths[lo : lo + count]
-    return lo, count, (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -289,14 +299,16 @@ class _Code:
 
     hist: np.ndarray
     lengths: np.ndarray
+    sym_lo: int  # value symbols with a code: sym_lo .. sym_lo + sym_count - 1
+    sym_count: int
     words: int  # codebook + chunk table + bitstream (chunk padding estimated as half a word)
 
     @staticmethod
     def plan(hist: np.ndarray, chunk_symbols: int) -> _Code:
-        lengths, bits, n, _, count = huffman.plan_kernel(hist)
+        lengths, bits, n, lo, count = huffman.plan_kernel(hist)
         n_chunks = -(-n // chunk_symbols)
         words = words_for_bytes((count + 1) // 2) + n_chunks + words_for_bits(bits) + n_chunks // 2
-        return _Code(hist, lengths, words)
+        return _Code(hist, lengths, lo, count, words)
 
 
 def _segment_header(**fields: int | float) -> np.ndarray:
@@ -331,7 +343,7 @@ def _quantized_sections(
     Returns:
         The sections, in wire order.
     """
-    lo, count, nibbles = _codebook(code.lengths)
+    nibbles = _codebook(code.lengths, code.sym_lo, code.sym_count)
     n_escapes = int(code.hist[ESCAPE_SYMBOL])
     esc_pos = np.zeros(0, np.uint32)
     esc_bits = raw_bits[:0, 0]
@@ -347,8 +359,8 @@ def _quantized_sections(
         n_escapes=n_escapes,
         chunk_symbols=chunk_symbols,
         n_chunks=chunk_ends.shape[0],
-        sym_lo=lo,
-        sym_count=count,
+        sym_lo=code.sym_lo,
+        sym_count=code.sym_count,
         escape_length=code.lengths[ESCAPE_SYMBOL],
         ref_mode=refs[1] if refs else 0,
         ref_width=vector_lz.ref_width(rows.shape[0]),
@@ -597,10 +609,7 @@ class _Reader:
             raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")
 
 
-def _decode_refs(r: _Reader, hdr: np.void, rows: int) -> np.ndarray:
-    n_unique = int(hdr["n_unique"])
-    ref_mode = int(hdr["ref_mode"])
-    width = int(hdr["ref_width"])
+def _decode_refs(r: _Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
     if not 1 <= n_unique <= rows or width != vector_lz.ref_width(n_unique):
         raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
@@ -612,27 +621,9 @@ def _decode_refs(r: _Reader, hdr: np.void, rows: int) -> np.ndarray:
     return ids
 
 
-def _read_codebook(r: _Reader, hdr: np.void) -> tuple[np.ndarray, float, int]:
-    """-> (code lengths [ALPHABET_SIZE], quantization step, center)."""
-    step = float(hdr["step"])
-    center = int(hdr["center"])
-    if not (math.isfinite(step) and step > 0 and abs(center) <= quantize.MAX_CENTER):
-        raise r.fail(f"quantization step {step} / center {center} out of range")
-    lo, count, esc_len = int(hdr["sym_lo"]), int(hdr["sym_count"]), int(hdr["escape_length"])
-    if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
-        raise r.fail(f"codebook range {lo}+{count} / escape length {esc_len} out of range")
-    nibbles = r.take_bytes((count + 1) // 2, "codebook")
-    lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
-    both = np.stack([nibbles & 0xF, nibbles >> 4], axis=1).reshape(-1)
-    lengths[lo : lo + count] = both[:count]
-    lengths[ESCAPE_SYMBOL] = esc_len
-    return lengths, step, center
-
-
-def _decode_block(seg: np.ndarray, desc: np.void, block: int, ops: StageOps) -> torch.Tensor:
-    rows, dim = int(desc["rows"]), int(desc["dim"])
-    dtype = CODE_DTYPES[int(desc["dtype"])]
-    mode = int(desc["mode"])
+def _decode_block(
+    seg: np.ndarray, rows: int, dim: int, dtype: torch.dtype, mode: int, block: int, ops: StageOps
+) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     bits_dtype = np.int32 if itemsize == 4 else np.int16
     r = _Reader(seg, block)
@@ -644,45 +635,47 @@ def _decode_block(seg: np.ndarray, desc: np.void, block: int, ops: StageOps) -> 
         raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    hdr = r.take(_SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0]
+    header = r.take(_SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
+    step, center, n_unique, n_esc, chunk_symbols, n_chunks = header[:6]
+    lo, count, esc_len, ref_mode, width = header[6:11]
     if mode == MODE_LZ:
-        ids = _decode_refs(r, hdr, rows)
-        n_unique = int(hdr["n_unique"])
+        ids = _decode_refs(r, rows, n_unique, ref_mode, width)
         uniq = r.take_bytes(n_unique * dim * itemsize, "distinct vectors").view(bits_dtype)
         r.done()
-        return to_tensor(uniq.reshape(n_unique, dim)[ids])
+        return to_tensor(np.take(uniq.reshape(n_unique, dim), ids, axis=0))
 
-    n_unique = int(hdr["n_unique"]) if mode == MODE_QUANT_LZ else rows
-    lengths, step, center = _read_codebook(r, hdr)
-    ids = _decode_refs(r, hdr, rows) if mode == MODE_QUANT_LZ else None
-    if mode == MODE_QUANT and int(hdr["n_unique"]) != rows:
-        raise r.fail(f"{int(hdr['n_unique'])} vectors for {rows} rows")
+    if not (math.isfinite(step) and step > 0 and abs(center) <= quantize.MAX_CENTER):
+        raise r.fail(f"quantization step {step} / center {center} out of range")
+    if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
+        raise r.fail(f"codebook range {lo}+{count} / escape length {esc_len} out of range")
+    nibbles = r.take_bytes((count + 1) // 2, "codebook")
+    lengths = huffman.expand_codebook_kernel(nibbles, lo, count, esc_len)
+    ids = None
+    if mode == MODE_QUANT_LZ:
+        ids = _decode_refs(r, rows, n_unique, ref_mode, width)
+    elif n_unique != rows:
+        raise r.fail(f"{n_unique} vectors for {rows} rows")
     n_sym = n_unique * dim
-    n_esc = int(hdr["n_escapes"])
     if n_esc > n_sym:
         raise r.fail(f"{n_esc} escapes for {n_sym} elements")
     esc_pos = r.take(n_esc, "escape positions")
     esc_bits = r.take_bytes(n_esc * itemsize, "escaped values").view(bits_dtype)
-    chunk_symbols = int(hdr["chunk_symbols"])
-    n_chunks = int(hdr["n_chunks"])
     if chunk_symbols < 1 or n_chunks != -(-n_sym // chunk_symbols):
         raise r.fail(f"{n_chunks} chunks of {chunk_symbols} symbols for {n_sym} symbols")
     chunk_ends = r.take(n_chunks, "chunk table")
     words = r.take(seg.shape[0] - r.pos, "bitstream")
-    ends64 = chunk_ends.astype(np.int64)
-    if n_chunks and (np.any(np.diff(ends64) < 0) or ends64[-1] != words.shape[0]):
-        raise r.fail("chunk table is not increasing or does not end at the bitstream's end")
-    symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths)
-    if symbols is None:
-        raise r.fail("Huffman stream does not decode")
-    if not np.array_equal(np.flatnonzero(symbols == ESCAPE_SYMBOL), esc_pos):
-        raise r.fail("escape positions disagree with the escape symbols")
+    symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths, esc_pos)
+    if isinstance(symbols, str):
+        raise r.fail(f"Huffman stream: {symbols}")
     values = ops.dequantize(symbols, QuantParams(step=step, inv_step=0.0, center=center))
-    out = torch.from_numpy(values).to(dtype).view(torch.int32 if itemsize == 4 else torch.int16)
-    out_bits = out.numpy()
-    out_bits[esc_pos.astype(np.int64)] = esc_bits
+    if itemsize == 4:
+        out_bits = values.view(np.int32)
+    else:  # the same round-to-nearest-even cast the encoder checked the bound against
+        out_bits = torch.from_numpy(values).to(dtype).view(torch.int16).numpy()
+    if n_esc:
+        out_bits[esc_pos.astype(np.int64)] = esc_bits
     if ids is not None:
-        out_bits = out_bits.reshape(n_unique, dim)[ids]
+        out_bits = np.take(out_bits.reshape(n_unique, dim), ids, axis=0)
     return to_tensor(out_bits)
 
 
@@ -744,11 +737,10 @@ def decompress(
         seg_words = descs["seg_words"].astype(np.int64)
         if int(seg_words.sum()) != body.shape[0] - desc_words:
             raise CodecError("corrupt payload: segment lengths do not add up to the body")
-        for i, d in enumerate(descs):
-            if int(d["dtype"]) not in CODE_DTYPES or int(d["mode"]) not in MODE_NAMES:
-                raise CodecError(
-                    f"corrupt payload: block {i}: dtype {d['dtype']} / mode {d['mode']}"
-                )
+        desc_fields = [d.item() for d in descs]
+        for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
+            if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
+                raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
         total = int((descs["rows"].astype(np.int64) * descs["dim"].astype(np.int64)).sum())
         if total > max_elements:
             raise CodecError(
@@ -758,7 +750,9 @@ def decompress(
         ops = _OPS["cpu"]
         offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
         out = [
-            _decode_block(body[offsets[i] : offsets[i + 1]], descs[i], i, ops).to(device)
-            for i in range(n_blocks)
+            _decode_block(
+                body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[dtype_code], mode, i, ops
+            ).to(device)
+            for i, (rows, dim, dtype_code, mode, *_rest) in enumerate(desc_fields)
         ]
     return out

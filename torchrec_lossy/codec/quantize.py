@@ -47,6 +47,21 @@ class QuantParams:
     center: int
 
 
+@numba.njit(cache=True, nogil=True)
+def _quant_params_kernel(bound: float, lo: float, hi: float) -> tuple[float, float, int, bool]:
+    step = np.float32(min(2.0 * bound, _FLT_MAX))
+    if np.float64(step) > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
+        step = np.uint32(step.view(np.uint32) - np.uint32(1)).view(np.float32)
+    if step < _FLT_MIN:
+        return 0.0, 0.0, 0, False
+    inv_step = np.float32(1.0) / step
+    mid = np.float32(0.5 * (lo + hi)) if np.isfinite(lo) else np.float32(0.0)
+    center = np.floor(np.float64(mid * inv_step) + 0.5)
+    if not abs(center) <= MAX_CENTER:  # also rejects inf and nan
+        return 0.0, 0.0, 0, False
+    return np.float64(step), np.float64(inv_step), np.int64(center), True
+
+
 def quant_params(bound: float, lo: float, hi: float) -> QuantParams | None:
     """Chooses step and center for a block, or None when quantization cannot help.
 
@@ -59,17 +74,8 @@ def quant_params(bound: float, lo: float, hi: float) -> QuantParams | None:
         The parameters, or None if the bound is too small for a normal float32 step or the
         block's midpoint is too far from 0 in units of the step.
     """
-    step = float(np.float32(min(2.0 * bound, _FLT_MAX)))
-    if step > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
-        step = float(np.nextafter(np.float32(step), np.float32(0)))
-    if step < _FLT_MIN:
-        return None
-    inv_step = float(np.float32(1.0) / np.float32(step))
-    mid = float(np.float32(0.5 * (lo + hi))) if math.isfinite(lo) else 0.0
-    center = math.floor(float(np.float32(np.float32(mid) * np.float32(inv_step))) + 0.5)
-    if not math.isfinite(center) or abs(center) > MAX_CENTER:
-        return None
-    return QuantParams(step=step, inv_step=inv_step, center=int(center))
+    step, inv_step, center, ok = _quant_params_kernel(bound, lo, hi)
+    return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
