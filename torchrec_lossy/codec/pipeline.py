@@ -11,7 +11,7 @@ both produce the same bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -376,73 +376,95 @@ def _escape_words(n_escapes: int, itemsize: int) -> int:
     return n_escapes + words_for_bytes(n_escapes * itemsize)
 
 
+def _lossless_lz_words(rows: int, n_unique: int, dim: int, itemsize: int) -> int:
+    ref_mode = vector_lz.best_refs_mode(rows, n_unique)
+    return (
+        _SEGMENT_HEADER_WORDS
+        + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
+        + words_for_bytes(n_unique * dim * itemsize)
+    )
+
+
 def _encode_block(
     block: torch.Tensor, bound: float, config: CodecConfig, ops: StageOps
 ) -> _Encoded:
-    """Encodes one block in the smallest of the modes the config and the bound allow."""
+    """Encodes one block in the smallest of the modes the config and the bound allow.
+
+    Sizes are computed from histograms before anything is encoded; only the winner is built.
+    On a tie the simpler mode wins (raw, quant, quant+lz, lz).
+    """
     rows, dim = block.shape
     raw_bits = block.contiguous().view(BITS_DTYPES[block.dtype]).numpy()
-    raw = _Encoded(MODE_RAW, [raw_bits])
     if rows * dim == 0:
-        return raw
+        return _Encoded(MODE_RAW, [raw_bits])
     itemsize = block.element_size()
-    raw_words = words_for_bytes(rows * dim * itemsize)
     bits = raw_bits.astype(np.int32, copy=False)
     chunk = config.huffman_chunk_symbols
+    lz_allowed = config.enable_lz and rows > 1
+    candidates: list[tuple[int, Callable[[], _Encoded]]] = [
+        (words_for_bytes(rows * dim * itemsize), lambda: _Encoded(MODE_RAW, [raw_bits]))
+    ]
     x = block.reshape(-1).float().numpy()
     params = None
     if config.enable_quantization and bound > 0:
-        params = quantize.quant_params(bound, *quantize.finite_range(x))
-    lz_allowed = config.enable_lz and rows > 1
-
-    if params is None:  # lossless: raw, or raw with repeated vectors referenced
-        if not lz_allowed:
-            return raw
-        ids, first = ops.dedupe(None, bits)
-        n_unique = first.shape[0]
-        ref_mode = vector_lz.best_refs_mode(rows, n_unique)
-        lz_words = (
-            _SEGMENT_HEADER_WORDS
-            + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
-            + words_for_bytes(n_unique * dim * itemsize)
-        )
-        if lz_words >= raw_words:
-            return raw
-        header = _segment_header(
-            n_unique=n_unique, ref_mode=ref_mode, ref_width=vector_lz.ref_width(n_unique)
-        )
-        packed = ops.pack_refs(ids, n_unique, ref_mode)
-        return _Encoded(MODE_LZ, [header, packed, raw_bits[first]], n_unique=n_unique)
-
-    symbols, hist, n_esc, max_err = ops.quantize(x, params, bound, DTYPE_CODES[block.dtype])
-    code = _Code.plan(hist, chunk)
-    quant_words = _SEGMENT_HEADER_WORDS + _escape_words(n_esc, itemsize) + code.words
-
-    sym2d = symbols.reshape(rows, dim)
-    if lz_allowed:
-        ids, first = ops.dedupe(sym2d, bits)
-        n_unique = first.shape[0]
-        if n_unique < rows:
-            ref_mode = vector_lz.best_refs_mode(rows, n_unique)
-            uniq_code = _Code.plan(ops.histogram_rows(sym2d, first), chunk)
-            n_esc_u = int(uniq_code.hist[ESCAPE_SYMBOL])
-            lz_words = (
-                _SEGMENT_HEADER_WORDS
-                + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
-                + _escape_words(n_esc_u, itemsize)
-                + uniq_code.words
-            )
-            if lz_words < min(quant_words, raw_words):
-                refs = (ops.pack_refs(ids, n_unique, ref_mode), ref_mode)
-                sections = _quantized_sections(
-                    ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs
-                )
-                return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique, n_esc_u)
-    if quant_words < raw_words:
+        params = quantize.quant_params(bound, x)
+    n_unique_quantized = 1  # a lower bound on the distinct raw vectors until dedupe says more
+    if params is not None:
+        symbols, hist, n_esc, max_err = ops.quantize(x, params, bound, DTYPE_CODES[block.dtype])
+        sym2d = symbols.reshape(rows, dim)
+        code = _Code.plan(hist, chunk)
         every_row = np.arange(rows, dtype=np.int32)
-        sections = _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None)
-        return _Encoded(MODE_QUANT, sections, max_err, rows, n_esc)
-    return raw
+        candidates.append(
+            (
+                _SEGMENT_HEADER_WORDS + _escape_words(n_esc, itemsize) + code.words,
+                lambda: _Encoded(
+                    MODE_QUANT,
+                    _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None),
+                    max_err,
+                    rows,
+                    n_esc,
+                ),
+            )
+        )
+        if lz_allowed:
+            ids, first = ops.dedupe(sym2d, bits)
+            n_unique_quantized = first.shape[0]
+            if n_unique_quantized < rows:
+                ref_mode = vector_lz.best_refs_mode(rows, n_unique_quantized)
+                uniq_code = _Code.plan(ops.histogram_rows(sym2d, first), chunk)
+                n_esc_u = int(uniq_code.hist[ESCAPE_SYMBOL])
+
+                def quant_lz() -> _Encoded:
+                    refs = (ops.pack_refs(ids, first.shape[0], ref_mode), ref_mode)
+                    sections = _quantized_sections(
+                        ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs
+                    )
+                    return _Encoded(MODE_QUANT_LZ, sections, max_err, first.shape[0], n_esc_u)
+
+                lz_words = (
+                    _SEGMENT_HEADER_WORDS
+                    + words_for_bits(vector_lz.refs_bits(rows, n_unique_quantized, ref_mode))
+                    + _escape_words(n_esc_u, itemsize)
+                    + uniq_code.words
+                )
+                candidates.append((lz_words, quant_lz))
+    best_words = min(w for w, _ in candidates)
+    # Raw-identical rows are also quantized-identical, so the lossless dedupe keeps at least as
+    # many vectors as the quantized one: skip it when even that many cannot beat the best so far.
+    if lz_allowed and _lossless_lz_words(rows, n_unique_quantized, dim, itemsize) < best_words:
+        raw_ids, raw_first = ops.dedupe(None, bits)
+        n_unique = raw_first.shape[0]
+
+        def lossless_lz() -> _Encoded:
+            ref_mode = vector_lz.best_refs_mode(rows, n_unique)
+            header = _segment_header(
+                n_unique=n_unique, ref_mode=ref_mode, ref_width=vector_lz.ref_width(n_unique)
+            )
+            packed = ops.pack_refs(raw_ids, n_unique, ref_mode)
+            return _Encoded(MODE_LZ, [header, packed, raw_bits[raw_first]], n_unique=n_unique)
+
+        candidates.append((_lossless_lz_words(rows, n_unique, dim, itemsize), lossless_lz))
+    return min(candidates, key=lambda c: c[0])[1]()
 
 
 def _validate_inputs(
@@ -458,11 +480,12 @@ def _validate_inputs(
         raise ValueError(
             f"got {len(blocks)} blocks but {len(bounds)} error bounds: pass one bound per block"
         )
+    for i, b in enumerate(blocks):
+        if not isinstance(b, torch.Tensor):
+            raise ValueError(f"block {i} is a {type(b).__name__}: pass a torch.Tensor")
     device = blocks[0].device if blocks else torch.device("cpu")
     out = []
     for i, (b, eb) in enumerate(zip(blocks, bounds, strict=True)):
-        if not isinstance(b, torch.Tensor):
-            raise ValueError(f"block {i} is a {type(b).__name__}: pass a torch.Tensor")
         if b.dim() != 2:
             raise ValueError(
                 f"block {i} has shape {tuple(b.shape)}: pass 2-D blocks [rows, dim] "
@@ -482,8 +505,10 @@ def _validate_inputs(
             raise ValueError(f"block {i} has shape {tuple(b.shape)}: each side must be < 2**32")
         try:
             eb_f = float(eb)
-        except (TypeError, ValueError):
-            raise ValueError(f"error bound {i} is {eb!r}: pass a float >= 0") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(
+                f"error bound {i} is {eb!r}: pass a finite float >= 0 (0 means lossless)"
+            ) from None
         if not math.isfinite(eb_f) or eb_f < 0:
             raise ValueError(
                 f"error bound {i} is {eb_f}: pass a finite bound >= 0 (0 means lossless)"
@@ -741,7 +766,8 @@ def decompress(
         for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
             if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
                 raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
-        total = int((descs["rows"].astype(np.int64) * descs["dim"].astype(np.int64)).sum())
+        # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
+        total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
         if total > max_elements:
             raise CodecError(
                 f"payload decodes to {total} elements, more than max_elements={max_elements}: "

@@ -48,33 +48,42 @@ class QuantParams:
 
 
 @numba.njit(cache=True, nogil=True)
-def _quant_params_kernel(bound: float, lo: float, hi: float) -> tuple[float, float, int, bool]:
+def _quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
     step = np.float32(min(2.0 * bound, _FLT_MAX))
     if np.float64(step) > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
         step = np.uint32(step.view(np.uint32) - np.uint32(1)).view(np.float32)
     if step < _FLT_MIN:
         return 0.0, 0.0, 0, False
     inv_step = np.float32(1.0) / step
-    mid = np.float32(0.5 * (lo + hi)) if np.isfinite(lo) else np.float32(0.0)
-    center = np.floor(np.float64(mid * inv_step) + 0.5)
+    center = np.floor(np.float64(np.float32(mid) * inv_step) + 0.5)
     if not abs(center) <= MAX_CENTER:  # also rejects inf and nan
         return 0.0, 0.0, 0, False
     return np.float64(step), np.float64(inv_step), np.int64(center), True
 
 
-def quant_params(bound: float, lo: float, hi: float) -> QuantParams | None:
+def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
     """Chooses step and center for a block, or None when quantization cannot help.
+
+    The center is the code of the midpoint of the finite values; when they span more than the
+    alphabet (an outlier), it is the code of their median instead, so the outlier is escaped and
+    the rest still quantizes.
 
     Args:
         bound: Absolute error bound (> 0).
-        lo: Smallest finite value of the block.
-        hi: Largest finite value of the block.
+        x: The block's values as 1-D float32.
 
     Returns:
         The parameters, or None if the bound is too small for a normal float32 step or the
-        block's midpoint is too far from 0 in units of the step.
+        block's center is too far from 0 in units of the step.
     """
-    step, inv_step, center, ok = _quant_params_kernel(bound, lo, hi)
+    lo, hi = finite_range(x)
+    if not math.isfinite(lo):
+        mid = 0.0
+    elif hi - lo <= 2 * SYMBOL_OFFSET * min(2.0 * bound, _FLT_MAX):
+        mid = 0.5 * (lo + hi)
+    else:
+        mid = float(np.median(x[np.isfinite(x)].astype(np.float64)))
+    step, inv_step, center, ok = _quant_params_kernel(bound, mid)
     return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
 
 
@@ -96,7 +105,7 @@ def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
         exponent = ((bits >> 23) & 0xFF) - 127
         quantum = 2.0 ** (exponent - 10)
         r = np.rint(a / quantum) * quantum
-    return np.float32(-r if v < 0 else r)
+    return np.float32(np.copysign(r, np.float64(v)))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

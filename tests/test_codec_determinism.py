@@ -1,0 +1,204 @@
+"""Determinism (same bytes every time, in any process) and the torch reference backend's bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from torchrec_lossy.codec import CodecConfig, compress, compress_with_stats, decompress, huffman
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED
+from torchrec_lossy.codec.pipeline import CpuOps, ReferenceOps, StageOps
+from torchrec_lossy.codec.quantize import quant_params
+
+HERE = Path(__file__).resolve().parent
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def catalogue() -> tuple[list[torch.Tensor], list[float]]:
+    """Small blocks reaching every mode, both reference packings, escapes and every dtype."""
+    g = torch.Generator().manual_seed(2024)
+    few = torch.randn(5, 12, generator=g)
+    few[2, 3] = math.nan
+    many = torch.randn(60, 8, generator=g)
+    gauss = torch.randn(40, 16, generator=g)
+    gauss[3, 3], gauss[7, 1], gauss[9, 9] = math.inf, -60.0, 55.0  # escapes
+    ids = torch.randint(0, 5, (70,), generator=g)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, 7), generator=g, dtype=torch.int32)
+    blocks, bounds = [], []
+    for dtype in DTYPES:
+        blocks += [
+            gauss.to(dtype),  # quant
+            few[ids].to(dtype),  # quant+lz, fixed refs
+            torch.cat([many, many[:5]]).to(dtype),  # quant+lz, flagged refs
+            few[ids].to(dtype),  # lz, fixed refs (bound 0)
+            torch.cat([many, many[:5]]).to(dtype),  # lz, flagged refs (bound 0)
+            torch.zeros(0, 3, dtype=dtype),
+            torch.zeros(2, 0, dtype=dtype),
+            torch.ones(1, 5, dtype=dtype),
+        ]
+        bounds += [0.01, 0.02, 0.05, 0.0, 0.0, 0.1, 0.1, 0.1]
+    blocks.append(bits.view(torch.float32))  # raw
+    bounds.append(0.0)
+    return blocks, bounds
+
+
+CONFIGS = {
+    "default": CodecConfig(),
+    "chunk64": CodecConfig(huffman_chunk_symbols=64),
+    "no_lz": CodecConfig(enable_lz=False, huffman_chunk_symbols=96),
+}
+
+
+def payload_digest(config_name: str) -> str:
+    blocks, bounds = catalogue()
+    payload = compress(blocks, bounds, CONFIGS[config_name])
+    return hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+
+
+def test_catalogue_reaches_every_mode():
+    blocks, bounds = catalogue()
+    _, stats = compress_with_stats(blocks, bounds, CONFIGS["chunk64"])
+    assert {s.mode for s in stats} == {"raw", "lz", "quant", "quant+lz"}
+    assert any(s.n_escapes for s in stats if s.mode == "quant")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_same_input_same_bytes_in_process(name):
+    blocks, bounds = catalogue()
+    first = compress(blocks, bounds, CONFIGS[name])
+    for _ in range(2):
+        again = compress([b.clone() for b in blocks], list(bounds), CONFIGS[name])
+        assert torch.equal(first, again)
+    # and decoding is deterministic too
+    a, b = decompress(first), decompress(first.clone())
+    assert all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_same_bytes_in_a_fresh_process():
+    want = {name: payload_digest(name) for name in CONFIGS}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_codec_determinism as t; "
+        "print(json.dumps({n: t.payload_digest(n) for n in t.CONFIGS}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(HERE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == want
+
+
+def test_auto_backend_is_the_cpu_backend():
+    blocks, bounds = catalogue()
+    auto = compress(blocks, bounds, CodecConfig(backend="auto"))
+    cpu = compress(blocks, bounds, CodecConfig(backend="cpu"))
+    assert torch.equal(auto, cpu)
+
+
+@pytest.mark.parametrize("chunk", [64, 2048])
+def test_reference_backend_produces_identical_bytes(chunk):
+    blocks, bounds = catalogue()
+    cpu, cpu_stats = compress_with_stats(
+        blocks, bounds, CodecConfig(backend="cpu", huffman_chunk_symbols=chunk)
+    )
+    ref, ref_stats = compress_with_stats(
+        blocks, bounds, CodecConfig(backend="reference", huffman_chunk_symbols=chunk)
+    )
+    assert cpu_stats == ref_stats
+    assert torch.equal(cpu, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_reference_backend_identical_on_adversarial_values(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(30, 9, generator=g) * 5
+    fi = torch.finfo(dtype)
+    x.view(-1)[::7] = torch.tensor(
+        [math.nan, math.inf, -math.inf, 1e30, float(fi.max), float(fi.tiny) / 4, -0.0, 0.0]
+    ).repeat(6)[: x.view(-1)[::7].numel()]
+    x = x.to(dtype)
+    x = torch.cat([x, x[:10]])
+    for bound in (0.0, 1e-3, 0.05, 1.0, 1e30):
+        cfg = dict(huffman_chunk_symbols=64)
+        cpu = compress([x], [bound], CodecConfig(backend="cpu", **cfg))
+        ref = compress([x], [bound], CodecConfig(backend="reference", **cfg))
+        assert torch.equal(cpu, ref), bound
+
+
+# ---------------------------------------------------------------------------------------------
+# StageOps conformance: both implementations, method by method
+
+
+def test_both_backends_implement_the_stage_protocol():
+    names = [n for n in vars(StageOps) if not n.startswith("_")]
+    assert {"quantize", "dedupe", "pack_refs", "huffman_encode", "huffman_decode"} <= set(names)
+    for cls in (CpuOps, ReferenceOps):
+        for n in names:
+            assert callable(getattr(cls, n, None)), f"{cls.__name__}.{n} is missing"
+
+
+def test_stage_ops_agree():
+    cpu, ref = CpuOps(), ReferenceOps()
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(6, 10, generator=g)
+    x2d = base[torch.randint(0, 6, (50,), generator=g)]
+    x2d[4, 4], x2d[10, 0], x2d[11, 1] = math.nan, math.inf, -math.inf
+    for dtype, code in ((torch.float32, 1), (torch.float16, 2), (torch.bfloat16, 3)):
+        xd = x2d.to(dtype)
+        x = xd.float().reshape(-1).numpy()
+        bits = xd.view(torch.int32 if dtype == torch.float32 else torch.int16).numpy()
+        bits = bits.astype(np.int32)
+        params = quant_params(0.01, x)
+        a, b = cpu.quantize(x, params, 0.01, code), ref.quantize(x, params, 0.01, code)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+        symbols = a[0]
+        assert a[2] >= 3 and (symbols == ESCAPE_SYMBOL).sum() == a[2]
+        sym2d = symbols.reshape(50, 10)
+        assert np.array_equal(cpu.dequantize(symbols, params), ref.dequantize(symbols, params))
+        for s in (None, sym2d):
+            ia, fa = cpu.dedupe(s, bits)
+            ib, fb = ref.dedupe(s, bits)
+            assert np.array_equal(ia, ib) and np.array_equal(fa, fb)
+        ids, first = cpu.dedupe(sym2d, bits)
+        assert np.array_equal(cpu.histogram_rows(sym2d, first), ref.histogram_rows(sym2d, first))
+        for mode in (REFS_FIXED, REFS_FLAGGED):
+            pa = cpu.pack_refs(ids, first.shape[0], mode)
+            pb = ref.pack_refs(ids, first.shape[0], mode)
+            assert pa.dtype == pb.dtype == np.uint32 and np.array_equal(pa, pb)
+        hist = cpu.histogram_rows(sym2d, first)
+        lengths = huffman.code_lengths_kernel(hist)
+        for chunk in (7, 64, 1000):
+            ea, wa = cpu.huffman_encode(sym2d, first, lengths, chunk)
+            eb, wb = ref.huffman_encode(sym2d, first, lengths, chunk)
+            assert np.array_equal(ea, eb) and np.array_equal(wa, wb)
+            n = first.shape[0] * 10
+            sent = sym2d[first].reshape(-1)
+            esc = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
+            da = cpu.huffman_decode(wa, ea, n, chunk, lengths, esc)
+            db = ref.huffman_decode(wa, ea, n, chunk, lengths, esc)
+            assert np.array_equal(da, sent) and np.array_equal(db, sent)
+            # corrupt inputs: both report an error (a message, not an array)
+            bad_esc = esc[:-1]
+            assert isinstance(cpu.huffman_decode(wa, ea, n, chunk, lengths, bad_esc), str)
+            assert isinstance(ref.huffman_decode(wa, ea, n, chunk, lengths, bad_esc), str)
+            if wa.shape[0] > 1:
+                cut_ends = np.minimum(ea, wa.shape[0] - 1).astype(np.uint32)
+                assert isinstance(
+                    cpu.huffman_decode(wa[:-1], cut_ends, n, chunk, lengths, esc), str
+                )
+                assert isinstance(
+                    ref.huffman_decode(wa[:-1], cut_ends, n, chunk, lengths, esc), str
+                )

@@ -1,0 +1,561 @@
+"""Malformed payloads: decompress raises CodecError (with a message) and nothing else.
+
+Two layers:
+
+- Blind corruption (bit flips, truncation, appended and random bytes, wrong magic / version) is
+  caught by the header checks and the checksum.
+- Body mutations followed by a RECOMPUTED checksum reach the parser's own validation
+  (descriptors, segment headers, codebook, references, escapes, chunk table, bitstream). Those
+  payloads must raise CodecError or decode to tensors of the shapes and dtypes their descriptors
+  declare; a structurally valid payload may decode to wrong values.
+
+The corpus covers the four block modes, both reference packings, escapes and multi-chunk Huffman
+streams. The same campaign also runs in a subprocess with numba bounds checking on
+(``NUMBA_BOUNDSCHECK=1``), where an out-of-bounds access inside a kernel becomes an IndexError
+instead of silent garbage or a segfault.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, decompress
+from torchrec_lossy.codec.format import (
+    CODE_DTYPES,
+    DESCRIPTOR,
+    HEADER,
+    MAGIC,
+    MODE_RAW,
+    SEGMENT_HEADER,
+    VERSION,
+    checksum_words,
+)
+
+FUZZ_MAX_ELEMENTS = 1 << 22  # keeps a mutated rows/dim field from asking for gigabytes
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+# ---------------------------------------------------------------------------------------------
+# Corpus
+
+
+def _repeated(base: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return base[torch.randint(0, base.shape[0], (rows,), generator=g)]
+
+
+@cache
+def corpus() -> tuple[tuple[str, bytes], ...]:
+    """Valid payloads; every mode, both reference packings, escapes, several chunks."""
+    g = torch.Generator().manual_seed(7)
+    cfg = CodecConfig(huffman_chunk_symbols=64)
+    gauss = torch.randn(48, 12, generator=g)
+    outliers = gauss.clone()
+    outliers[3, 4], outliers[10, 0], outliers[40, 11] = math.nan, 1e30, -math.inf
+    few = torch.randn(4, 10, generator=g)
+    few[1, 2] = math.nan
+    many = torch.randn(90, 8, generator=g)
+    flagged = torch.cat([many, many[:6]])  # mostly distinct rows: flagged references
+    raw = torch.randint(-(2**31), 2**31 - 1, (6, 5), generator=g, dtype=torch.int32)
+    raw = raw.view(torch.float32)
+    specs = {
+        "quant": ([gauss], [0.02]),
+        "quant_escapes": ([outliers], [0.02]),
+        "quant_lz_fixed": ([_repeated(few, 60, 1)], [0.01]),
+        "quant_lz_flagged": ([flagged], [0.05]),
+        "lz_fixed": ([_repeated(few.half(), 40, 2)], [0.0]),
+        "lz_flagged": ([flagged.bfloat16()], [0.0]),
+        "raw": ([raw], [0.0]),
+        "fp16_quant": ([gauss.half()], [0.01]),
+        "bf16_quant_lz": ([_repeated(few.bfloat16(), 50, 3)], [0.02]),
+        "degenerate": ([torch.zeros(0, 4), torch.zeros(3, 0), torch.ones(1, 1)], [0.1, 0.1, 0.1]),
+        "multi": (
+            [
+                gauss[:20].half(),
+                _repeated(few, 30, 4),
+                raw,
+                _repeated(few.bfloat16(), 25, 5),
+                outliers[:16],
+            ],
+            [0.01, 0.02, 0.0, 0.0, 0.05],
+        ),
+    }
+    out = []
+    for name, (blocks, bounds) in specs.items():
+        payload, _ = compress_with_stats(blocks, bounds, cfg)
+        out.append((name, payload.numpy().tobytes()))
+    return tuple(out)
+
+
+def parse(buf: bytes) -> tuple[np.void, np.ndarray, list[tuple[int, int]]]:
+    """(header, descriptors, (byte offset, byte length) of each segment) of a valid layout."""
+    header = np.frombuffer(buf[:32], HEADER)[0]
+    n = int(header["n_blocks"])
+    descs = np.frombuffer(buf[32 : 32 + 24 * n], DESCRIPTOR)
+    segs, pos = [], 32 + 24 * n
+    for d in descs:
+        segs.append((pos, 4 * int(d["seg_words"])))
+        pos += 4 * int(d["seg_words"])
+    return header, descs, segs
+
+
+def test_corpus_covers_every_mode_and_packing():
+    modes, packings, escapes, chunks = set(), set(), 0, 0
+    for _, buf in corpus():
+        _, descs, segs = parse(buf)
+        for d, (off, _) in zip(descs, segs, strict=True):
+            modes.add(int(d["mode"]))
+            if int(d["mode"]) != MODE_RAW:
+                sh = np.frombuffer(buf[off : off + 32], SEGMENT_HEADER)[0]
+                if int(d["mode"]) & 1:
+                    packings.add(int(sh["ref_mode"]))
+                if int(d["mode"]) & 2:
+                    escapes = max(escapes, int(sh["n_escapes"]))
+                    chunks = max(chunks, int(sh["n_chunks"]))
+    assert modes == {0, 1, 2, 3}
+    assert packings == {0, 1}
+    assert escapes >= 3 and chunks >= 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def with_checksum(buf: bytearray | bytes, fix_length: bool = True) -> bytes:
+    """``buf`` with body_words (if asked) and the checksum rewritten to match its body."""
+    b = bytearray(buf)
+    body_len = len(b) - 32
+    assert body_len % 4 == 0
+    header = np.frombuffer(bytes(b[:32]), HEADER).copy()
+    if fix_length:
+        header["body_words"] = body_len // 4
+    header["checksum"] = checksum_words(np.frombuffer(bytes(b[32:]), np.uint32))
+    b[:32] = header.tobytes()
+    return bytes(b)
+
+
+def declared(buf: bytes) -> list[tuple[tuple[int, int], torch.dtype]]:
+    header = np.frombuffer(buf[:32], HEADER)[0]
+    n = int(header["n_blocks"])
+    descs = np.frombuffer(buf[32 : 32 + 24 * n], DESCRIPTOR)
+    return [((int(d["rows"]), int(d["dim"])), CODE_DTYPES[int(d["dtype"])]) for d in descs]
+
+
+def as_tensor(buf: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(buf, np.uint8).copy())
+
+
+def decode_or_error(buf: bytes) -> str | None:
+    """None if the payload decodes to its declared blocks, else the CodecError's message.
+
+    Any other exception propagates (and fails the test).
+    """
+    try:
+        out = decompress(as_tensor(buf), FUZZ_MAX_ELEMENTS)
+    except CodecError as e:
+        assert str(e), "CodecError without a message"
+        return str(e)
+    want = declared(buf)
+    assert len(out) == len(want)
+    for t, (shape, dtype) in zip(out, want, strict=True):
+        assert tuple(t.shape) == shape and t.dtype == dtype
+    return None
+
+
+def expect_error(buf: bytes) -> str:
+    msg = decode_or_error(buf)
+    assert msg is not None, "a corrupted payload decoded"
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Blind corruption: always caught
+
+
+def test_corpus_decodes():
+    for _, buf in corpus():
+        assert decode_or_error(buf) is None
+
+
+def test_every_truncation_is_rejected():
+    n_cases = 0
+    for _, buf in corpus():
+        for n in range(len(buf)):
+            msg = expect_error(buf[:n])
+            assert "truncated" in msg, msg
+            n_cases += 1
+    assert n_cases > 2000
+
+
+def test_truncated_then_rechecksummed_is_rejected():
+    """Trailing words dropped, body_words and checksum fixed: the segment sizes do not add up."""
+    for _, buf in corpus():
+        _, descs, _ = parse(buf)
+        for n in range(32 + 24 * len(descs), len(buf), 4):
+            msg = expect_error(with_checksum(buf[:n]))
+            assert "checksum" not in msg
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10), st.binary(min_size=1, max_size=64))
+def test_appended_bytes_are_rejected(k, extra):
+    buf = corpus()[k][1]
+    msg = expect_error(buf + extra)
+    assert "padded" in msg or "truncated" in msg
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10), st.data())
+def test_single_bit_flips_in_the_body_are_caught(k, data):
+    buf = bytearray(corpus()[k][1])
+    bit = data.draw(st.integers(32 * 8, 8 * len(buf) - 1))
+    buf[bit // 8] ^= 1 << (bit % 8)
+    assert "checksum" in expect_error(bytes(buf))
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10), st.data())
+def test_random_bit_flips_anywhere(k, data):
+    buf = bytearray(corpus()[k][1])
+    bits = data.draw(st.lists(st.integers(0, 8 * len(buf) - 1), min_size=1, max_size=8))
+    for bit in bits:
+        buf[bit // 8] ^= 1 << (bit % 8)
+    decode_or_error(bytes(buf))  # header flags / reserved flips may decode; nothing may crash
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=600))
+def test_random_bytes_are_rejected(buf):
+    expect_error(buf)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 40).flatmap(lambda n: st.binary(min_size=4 * n, max_size=4 * n)))
+def test_random_body_under_a_valid_header(body):
+    header = np.zeros(1, HEADER)
+    header["magic"], header["version"] = MAGIC, VERSION
+    header["n_blocks"] = len(body) // 24 if body else 0
+    buf = with_checksum(header.tobytes() + body)
+    decode_or_error(buf)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(0, 10),
+    st.integers(0, 7),
+    st.integers(0, 2**32 - 1),
+    st.data(),
+)
+def test_random_descriptor_count_under_a_valid_checksum(k, which, n_blocks, data):
+    buf = bytearray(corpus()[k][1])
+    header = np.frombuffer(bytes(buf[:32]), HEADER).copy()
+    header["n_blocks"] = [0, 1, 2, 3, 5, 2**31, 2**32 - 1, n_blocks][which]
+    buf[:32] = header.tobytes()
+    decode_or_error(with_checksum(buf))
+
+
+@pytest.mark.parametrize("magic", [0, MAGIC ^ 1, MAGIC ^ 0x80000000, 0x54524C43, 2**32 - 1])
+def test_wrong_magic(magic):
+    buf = bytearray(corpus()[0][1])
+    buf[0:4] = int(magic).to_bytes(4, "little")
+    assert "not a torchrec-lossy payload" in expect_error(bytes(buf))
+
+
+@pytest.mark.parametrize("version", [0, VERSION + 1, 0xFFFF, 0x100])
+def test_wrong_version(version):
+    buf = bytearray(corpus()[0][1])
+    buf[4:6] = int(version).to_bytes(2, "little")
+    assert "version" in expect_error(bytes(buf))
+
+
+def test_header_shorter_than_32_bytes():
+    for n in range(32):
+        assert "truncated" in expect_error(corpus()[0][1][:n])
+
+
+def test_body_words_lies():
+    buf = corpus()[0][1]
+    for words in (0, 1, (len(buf) - 32) // 4 - 1, (len(buf) - 32) // 4 + 1, 2**63, 2**64 - 1):
+        b = bytearray(buf)
+        header = np.frombuffer(bytes(b[:32]), HEADER).copy()
+        header["body_words"] = words
+        b[:32] = header.tobytes()
+        expect_error(bytes(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Structural mutation under a valid checksum: the parser's own validation
+
+_INTERESTING_U32 = [0, 1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 255, 4094, 4095, 4096, 65535, 65536,
+                    2**24, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]  # fmt: skip
+
+
+def _field_positions(buf: bytes) -> list[tuple[int, str, np.dtype]]:
+    """(byte offset, field name, field dtype) of every descriptor and segment header field."""
+    _, descs, segs = parse(buf)
+    out = []
+    for i, d in enumerate(descs):
+        base = 32 + 24 * i
+        for name in DESCRIPTOR.names:
+            dt, off = DESCRIPTOR.fields[name][:2]
+            out.append((base + off, f"desc.{name}", dt))
+        if int(d["mode"]) != MODE_RAW and segs[i][1] >= 32:
+            for name in SEGMENT_HEADER.names:
+                dt, off = SEGMENT_HEADER.fields[name][:2]
+                out.append((segs[i][0] + off, f"seg.{name}", dt))
+    return out
+
+
+def _interesting(dt: np.dtype, current: int | float) -> list[int | float]:
+    if dt.kind == "f":
+        return [0.0, -0.0, -1.0, 1e-45, 1e-40, 1.0, 3.4e38, math.inf, -math.inf, math.nan]
+    bits = 8 * dt.itemsize
+    vals = {v % (1 << bits) for v in _INTERESTING_U32}
+    vals |= {(int(current) + d) % (1 << bits) for d in (-2, -1, 1, 2)}
+    if dt.kind == "i":
+        vals = {v - (1 << bits) if v >= 1 << (bits - 1) else v for v in vals}
+    return sorted(vals)
+
+
+def _set_field(buf: bytes, off: int, dt: np.dtype, value: int | float) -> bytes:
+    b = bytearray(buf)
+    b[off : off + dt.itemsize] = np.array(value, dtype=dt).tobytes()
+    return bytes(b)
+
+
+def _normalise(msg: str) -> str:
+    return re.sub(r"-?\d[\d.e+-]*", "#", msg)
+
+
+def test_every_header_field_set_to_edge_values():
+    """Deterministic sweep: each structured field of each corpus payload, edge values."""
+    messages: dict[str, int] = {}
+    n_cases = n_decoded = 0
+    for _, buf in corpus():
+        for off, _name, dt in _field_positions(buf):
+            current = np.frombuffer(buf[off : off + dt.itemsize], dt)[0]
+            for v in _interesting(dt, current):
+                mutated = with_checksum(_set_field(buf, off, dt, v))
+                msg = decode_or_error(mutated)
+                n_cases += 1
+                if msg is None:
+                    n_decoded += 1
+                else:
+                    assert "checksum" not in msg
+                    key = _normalise(msg)
+                    messages[key] = messages.get(key, 0) + 1
+    assert n_cases > 3000
+    # The sweep reaches many distinct validations, not just one early check.
+    assert len(messages) >= 12, sorted(messages)
+    assert n_decoded > 0  # e.g. the informative bound field, or a reserved byte
+
+
+_MUTATION = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 2**31), st.integers(0, 7)),
+    st.tuples(st.just("byte"), st.integers(0, 2**31), st.integers(0, 255)),
+    st.tuples(st.just("word"), st.integers(0, 2**31), st.sampled_from(_INTERESTING_U32)),
+    st.tuples(st.just("delete"), st.integers(0, 2**31), st.integers(1, 8)),
+    st.tuples(st.just("insert"), st.integers(0, 2**31), st.integers(1, 8)),
+    st.tuples(st.just("swap"), st.integers(0, 2**31), st.integers(0, 2**31)),
+    st.tuples(st.just("zero_tail"), st.integers(0, 2**31), st.just(0)),
+)
+
+
+def apply_mutation(buf: bytes, mutation: tuple[str, int, int]) -> bytes:
+    """One edit of the body (bytes 32..), keeping it a whole number of words."""
+    kind, a, b = mutation
+    head, body = bytearray(buf[:32]), bytearray(buf[32:])
+    n_words = len(body) // 4
+    if n_words == 0:
+        return bytes(head + body + b"\x01\x00\x00\x00")
+    if kind == "flip":
+        body[a % len(body)] ^= 1 << b
+    elif kind == "byte":
+        body[a % len(body)] = b
+    elif kind == "word":
+        w = a % n_words
+        body[4 * w : 4 * w + 4] = b.to_bytes(4, "little")
+    elif kind == "delete":
+        w = a % n_words
+        del body[4 * w : 4 * (w + b)]
+    elif kind == "insert":
+        w = a % (n_words + 1)
+        body[4 * w : 4 * w] = (a & 0xFFFFFFFF).to_bytes(4, "little") * b
+    elif kind == "swap":
+        i, j = a % n_words, b % n_words
+        wi, wj = body[4 * i : 4 * i + 4], body[4 * j : 4 * j + 4]
+        body[4 * i : 4 * i + 4], body[4 * j : 4 * j + 4] = wj, wi
+    else:  # zero_tail
+        w = a % n_words
+        body[4 * w :] = bytes(len(body) - 4 * w)
+    return bytes(head + body)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10), st.lists(_MUTATION, min_size=1, max_size=4))
+def test_body_mutations_with_a_valid_checksum(k, mutations):
+    buf = corpus()[k][1]
+    for m in mutations:
+        buf = apply_mutation(buf, m)
+    msg = decode_or_error(with_checksum(buf))
+    assert msg is None or "checksum" not in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Crafted payloads
+
+
+def craft(rows: int, dim: int, mode: int, segment: bytes, dtype_code: int = 1) -> bytes:
+    desc = np.zeros(1, DESCRIPTOR)
+    desc["rows"], desc["dim"], desc["dtype"], desc["mode"] = rows, dim, dtype_code, mode
+    desc["seg_words"] = len(segment) // 4
+    header = np.zeros(1, HEADER)
+    header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, 1
+    return with_checksum(header.tobytes() + desc.tobytes() + segment)
+
+
+def _lz_segment(n_unique: int = 1) -> bytes:
+    seg = np.zeros(1, SEGMENT_HEADER)
+    seg["n_unique"], seg["ref_mode"], seg["ref_width"] = n_unique, 0, 0
+    return seg.tobytes()
+
+
+def test_crafted_minimal_lz_block_decodes():
+    """A hand-made LZ block (one distinct vector, 0-bit references) decodes as the spec says."""
+    seg = _lz_segment() + np.array([1.5, -2.0, 0.25], np.float32).tobytes()
+    out = decompress(as_tensor(craft(5, 3, 1, seg)))[0]
+    assert torch.equal(out, torch.tensor([[1.5, -2.0, 0.25]]).repeat(5, 1))
+
+
+def test_max_elements_guard_survives_int64_overflow():
+    """rows * dim = (2**32-1) * (2**31+1) >= 2**63 must not wrap past the guard."""
+    buf = craft(2**32 - 1, 2**31 + 1, MODE_RAW, b"")
+    msg = expect_error(buf)
+    assert "max_elements" in msg, msg
+
+
+_ALLOC_SCRIPT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+import numpy as np, torch
+from torchrec_lossy.codec import CodecError, decompress
+status = 0
+for path in sys.argv[1:]:
+    buf = torch.from_numpy(np.fromfile(path, np.uint8))
+    try:
+        decompress(buf, max_elements=1000)
+        print(path, "decoded")
+        status = 1
+    except CodecError as e:
+        print(path, "CodecError", e)
+    except BaseException as e:
+        print(path, type(e).__name__, e)
+        status = 1
+sys.exit(status)
+"""
+
+
+def test_crafted_lz_payload_cannot_allocate_gigabytes(tmp_path):
+    """An 88-byte LZ payload must be refused, not decoded into a 16 GiB id array.
+
+    Two payloads, one distinct vector and 0-bit references each: rows=2**32-1 with
+    dim=2**31+1 (rows * dim wraps negative in int64) and with dim=0 (rows * dim = 0 passes the
+    guard). In a subprocess under a 6 GiB address-space limit both must raise CodecError (a
+    MemoryError from the id array would mean the guard let them through).
+    """
+    paths = []
+    for k, dim in enumerate((2**31 + 1, 0)):
+        path = tmp_path / f"payload{k}.bin"
+        path.write_bytes(craft(2**32 - 1, dim, 1, _lz_segment()))
+        paths.append(str(path))
+    proc = subprocess.run(
+        [sys.executable, "-c", _ALLOC_SCRIPT, *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The same campaign with numba bounds checking, in a subprocess
+
+
+def campaign(seed: int, n_random: int) -> dict[str, int]:
+    """Field sweep plus ``n_random`` random mutation chains; raises on any non-CodecError."""
+    rng = np.random.default_rng(seed)
+    counts = {"cases": 0, "decoded": 0}
+    for _, buf in corpus():
+        for off, _name, dt in _field_positions(buf):
+            current = np.frombuffer(buf[off : off + dt.itemsize], dt)[0]
+            for v in _interesting(dt, current):
+                counts["decoded"] += (
+                    decode_or_error(with_checksum(_set_field(buf, off, dt, v))) is None
+                )
+                counts["cases"] += 1
+    kinds = ["flip", "byte", "word", "delete", "insert", "swap", "zero_tail"]
+    payloads = corpus()
+    for _ in range(n_random):
+        buf = payloads[rng.integers(len(payloads))][1]
+        for _ in range(rng.integers(1, 4)):
+            kind = kinds[rng.integers(len(kinds))]
+            a = int(rng.integers(2**31))
+            b = {"flip": 8, "byte": 256, "delete": 9, "insert": 9}.get(kind, 2**31)
+            b = int(rng.integers(b))
+            if kind == "word":
+                b = _INTERESTING_U32[b % len(_INTERESTING_U32)]
+            if kind in ("delete", "insert"):
+                b = max(b, 1)
+            buf = apply_mutation(buf, (kind, a, b))
+        counts["decoded"] += decode_or_error(with_checksum(buf)) is None
+        counts["cases"] += 1
+    return counts
+
+
+_CAMPAIGN = """
+import json, sys
+import numpy as np
+from torchrec_lossy.codec.vector_lz import read_bits
+try:  # bounds checking is really on: an out-of-bounds read raises
+    read_bits(np.zeros(1, np.uint32), 64, 8)
+    sys.exit("NUMBA_BOUNDSCHECK had no effect")
+except IndexError:
+    pass
+sys.path.insert(0, sys.argv[1])
+import test_codec_fuzz
+print(json.dumps(test_codec_fuzz.campaign(int(sys.argv[2]), int(sys.argv[3]))))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_campaign_under_numba_boundscheck(request, tmp_path):
+    # A separate numba cache: boundschecked machine code must never land in the project's cache
+    # (numba's cache key ignores NUMBA_BOUNDSCHECK).
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("numba-boundscheck") if cache is not None else tmp_path / "numba"
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(cache_dir))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CAMPAIGN, str(HERE), "1234", "2000"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+        env=env,
+    )
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["cases"] > 5000

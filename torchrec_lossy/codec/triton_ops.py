@@ -1,0 +1,204 @@
+"""The codec's stages as Triton kernels: a :class:`~torchrec_lossy.codec.pipeline.StageOps`.
+
+:class:`TritonOps` runs every data-sized stage (quantize + escapes + histogram, dequantize,
+row histogram, vector-LZ dedupe and reference packing, Huffman encode and decode) through the
+kernels in ``torchrec_lossy.kernels`` and produces the same arrays as ``CpuOps``, so a payload
+built with it is byte-identical. The O(alphabet) table work (code lengths, canonical codes,
+decode table) stays on the host, as in ``CpuOps``.
+
+The protocol is numpy in, numpy out: each call moves its inputs to the device and its outputs
+back. That is the price of plugging into the host-orchestrated pipeline; docs/kernels.md says
+what a device-resident pipeline still needs.
+
+Importing this module never imports triton; the first stage call does, and raises a clear
+error when triton is missing. On a machine without CUDA the kernels run on CPU tensors in the
+Triton interpreter: the first call sets ``TRITON_INTERPRET=1`` for the process before the
+kernels are imported (slow; meant for tests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL
+from torchrec_lossy.codec.quantize import QuantParams
+
+_KERNEL_MODULES = (
+    "torchrec_lossy.kernels.quantize",
+    "torchrec_lossy.kernels.vector_lz",
+    "torchrec_lossy.kernels.huffman",
+)
+
+
+def triton_available() -> bool:
+    """Whether the triton package can be imported (imports it: call it only to use it).
+
+    Returns:
+        True if ``import triton`` succeeds.
+    """
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleType]:
+    """Imports the kernel modules, switching to the interpreter for CPU tensors."""
+    if not triton_available():
+        raise RuntimeError(
+            "TritonOps needs the triton package: pip install triton (with a CUDA GPU), or use "
+            "backend 'cpu'"
+        )
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # @triton.jit picks compiled or interpreted at decoration time, i.e. at import.
+        if any(m in sys.modules for m in _KERNEL_MODULES):
+            raise RuntimeError(
+                "the Triton kernels were imported without TRITON_INTERPRET=1 and no CUDA device "
+                "is available: set TRITON_INTERPRET=1 before importing torchrec_lossy.kernels"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+    from torchrec_lossy.kernels import huffman as k_huffman
+    from torchrec_lossy.kernels import quantize as k_quantize
+    from torchrec_lossy.kernels import vector_lz as k_vector_lz
+
+    return k_quantize, k_vector_lz, k_huffman
+
+
+class TritonOps:
+    """The Triton kernels behind the :class:`StageOps` protocol (numpy in, numpy out).
+
+    Args:
+        device: Where the kernels run; None picks ``cuda`` when available, else ``cpu`` (Triton
+            interpreter).
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self._device = torch.device(device) if device is not None else None
+        self._modules: tuple[ModuleType, ModuleType, ModuleType] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device the kernels run on."""
+        if self._device is None:
+            self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return self._device
+
+    def _kernels(self) -> tuple[ModuleType, ModuleType, ModuleType]:
+        if self._modules is None:
+            self._modules = _load_kernels(self.device)
+        return self._modules
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        a = np.ascontiguousarray(a)
+        if a.dtype == np.uint16:  # torch has few uint16 ops; the kernels read int16 bits
+            a = a.view(np.int16)
+        elif a.dtype == np.uint32:
+            a = a.view(np.int32)
+        return torch.from_numpy(a).to(self.device)
+
+    def quantize(
+        self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+    ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """float32 [n] -> (uint16 symbols [n], int64 histogram, number of escapes, max error)."""
+        k_quantize, _, _ = self._kernels()
+        symbols, hist, max_err = k_quantize.quantize(
+            self._to_device(x.astype(np.float32, copy=False)),
+            params.step,
+            params.inv_step,
+            params.center,
+            bound,
+            dtype_code,
+        )
+        hist_np = hist.cpu().numpy().astype(np.int64)
+        return (
+            symbols.cpu().numpy().view(np.uint16),
+            hist_np,
+            int(hist_np[ESCAPE_SYMBOL]),
+            float(max_err),
+        )
+
+    def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Histogram of the given rows of a uint16 [rows, dim] matrix."""
+        _, _, k_huffman = self._kernels()
+        hist = k_huffman.histogram_rows(
+            self._to_device(symbols), self._to_device(rows.astype(np.int32, copy=False))
+        )
+        return hist.cpu().numpy().astype(np.int64)
+
+    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+        """uint16 [n] -> float32 [n]."""
+        k_quantize, _, _ = self._kernels()
+        out = k_quantize.dequantize(self._to_device(symbols), params.step, params.center)
+        return out.cpu().numpy()
+
+    def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[rows, dim] -> (int32 ids [rows], int32 first_rows [n_unique])."""
+        _, k_vector_lz, _ = self._kernels()
+        ids, first = k_vector_lz.dedupe(
+            None if symbols is None else self._to_device(symbols),
+            self._to_device(bits.astype(np.int32, copy=False)),
+        )
+        return ids.cpu().numpy(), first.cpu().numpy()
+
+    def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+        """int32 ids -> uint32 words."""
+        _, k_vector_lz, _ = self._kernels()
+        words = k_vector_lz.pack_refs(
+            self._to_device(ids.astype(np.int32, copy=False)), n_unique, mode
+        )
+        return words.cpu().numpy().view(np.uint32)
+
+    def huffman_encode(
+        self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The given rows of uint16 [rows, dim] symbols -> (uint32 chunk_ends, uint32 words)."""
+        _, _, k_huffman = self._kernels()
+        codes = huffman.canonical_codes_kernel(lengths)  # O(alphabet): host
+        ends, words = k_huffman.encode(
+            self._to_device(symbols),
+            self._to_device(rows.astype(np.int32, copy=False)),
+            self._to_device(lengths.astype(np.int32)),
+            self._to_device(codes.astype(np.int64)),
+            chunk_symbols,
+        )
+        return ends.cpu().numpy().astype(np.uint32), words.cpu().numpy().view(np.uint32)
+
+    def huffman_decode(
+        self,
+        words: np.ndarray,
+        chunk_ends: np.ndarray,
+        n: int,
+        chunk_symbols: int,
+        lengths: np.ndarray,
+        escape_positions: np.ndarray,
+    ) -> np.ndarray | str:
+        """-> uint16 symbols [n], or what is wrong with a corrupt stream.
+
+        The escape symbol must decode exactly at ``escape_positions``.
+        """
+        _, _, k_huffman = self._kernels()
+        table = huffman.decode_table_kernel(lengths)  # O(alphabet): host
+        if table.shape[0] == 0:
+            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CODEBOOK]
+        out, status = k_huffman.decode(
+            self._to_device(words),
+            self._to_device(chunk_ends.astype(np.int64)),
+            n,
+            chunk_symbols,
+            self._to_device(table),
+            self._to_device(escape_positions.astype(np.int64)),
+        )
+        code = int(status)
+        if code != 0:
+            return huffman.DECODE_ERRORS[code]
+        return out.cpu().numpy().view(np.uint16)
+
+
+__all__ = ["TritonOps", "triton_available"]
