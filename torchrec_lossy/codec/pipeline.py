@@ -45,7 +45,8 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.config import CodecConfig
+from torchrec_lossy.codec.triton_ops import TritonOps
+from torchrec_lossy.config import Backend, CodecConfig
 
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
 # be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
@@ -259,13 +260,17 @@ class ReferenceOps:
         return out
 
 
-_OPS: dict[str, StageOps] = {"cpu": CpuOps(), "reference": ReferenceOps()}
+_OPS: dict[str, StageOps] = {
+    "cpu": CpuOps(),
+    "reference": ReferenceOps(),
+    "triton": TritonOps(),  # cheap: triton is imported on first use
+}
 
 
-def _ops_for(config: CodecConfig) -> StageOps:
-    # "auto": the compiled CPU path. CUDA tensors are staged through host memory until the
-    # Triton kernels land (see docs/design.md).
-    return _OPS["reference" if config.backend == "reference" else "cpu"]
+def _ops_for(backend: str) -> StageOps:
+    # "auto" is the compiled CPU path: the Triton stages are still orchestrated from the host
+    # (a round trip per stage), so they do not pay off yet; see docs/kernels.md.
+    return _OPS["cpu" if backend == "auto" else backend]
 
 
 @dataclass
@@ -537,7 +542,7 @@ def compress_with_stats(
     """
     config = config or CodecConfig()
     bounds, device = _validate_inputs(blocks, error_bounds)
-    ops = _ops_for(config)
+    ops = _ops_for(config.backend)
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops)
@@ -705,13 +710,17 @@ def _decode_block(
 
 
 def decompress(
-    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+    payload: torch.Tensor,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    backend: Backend = "auto",
 ) -> list[torch.Tensor]:
     """Decodes a payload made by :func:`compress`.
 
     Args:
         payload: 1-D uint8 tensor.
         max_elements: Refuse payloads that decode to more elements than this in total.
+        backend: Stage implementations, as ``CodecConfig.backend``; every backend decodes every
+            payload.
 
     Returns:
         The blocks: same shapes and dtypes as compressed, on the payload's device.
@@ -719,6 +728,7 @@ def decompress(
     Raises:
         CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
     """
+    CodecConfig(backend=backend)  # validates the backend name
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise CodecError(
             f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
@@ -773,7 +783,7 @@ def decompress(
                 f"payload decodes to {total} elements, more than max_elements={max_elements}: "
                 "pass a larger max_elements if it is trusted"
             )
-        ops = _OPS["cpu"]
+        ops = _ops_for(backend)
         offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
         out = [
             _decode_block(

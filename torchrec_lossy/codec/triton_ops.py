@@ -18,6 +18,7 @@ kernels are imported (slow; meant for tests).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -29,24 +30,14 @@ from torchrec_lossy.codec import huffman
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
 from torchrec_lossy.codec.quantize import QuantParams
 
-_KERNEL_MODULES = (
-    "torchrec_lossy.kernels.quantize",
-    "torchrec_lossy.kernels.vector_lz",
-    "torchrec_lossy.kernels.huffman",
-)
-
 
 def triton_available() -> bool:
-    """Whether the triton package can be imported (imports it: call it only to use it).
+    """Whether the triton package is installed (without importing it).
 
     Returns:
-        True if ``import triton`` succeeds.
+        True if ``triton`` can be imported.
     """
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def _load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -57,11 +48,12 @@ def _load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleT
             "backend 'cpu'"
         )
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # @triton.jit picks compiled or interpreted at decoration time, i.e. at import.
-        if any(m in sys.modules for m in _KERNEL_MODULES):
+        # @triton.jit picks compiled or interpreted at decoration time, triton.language's own
+        # helpers included, so the switch must precede the first import of triton.
+        if "triton" in sys.modules:
             raise RuntimeError(
-                "the Triton kernels were imported without TRITON_INTERPRET=1 and no CUDA device "
-                "is available: set TRITON_INTERPRET=1 before importing torchrec_lossy.kernels"
+                "triton was imported without TRITON_INTERPRET=1 and no CUDA device is "
+                "available: set TRITON_INTERPRET=1 before anything imports triton"
             )
         os.environ["TRITON_INTERPRET"] = "1"
     from torchrec_lossy.kernels import huffman as k_huffman

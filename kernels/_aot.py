@@ -1,0 +1,281 @@
+"""Compiles every codec kernel for a CUDA target without a GPU (Triton's bundled ptxas).
+
+The interpreter tests check what the kernels compute; this checks that the compiled path accepts
+them (types, control flow, lowering of histogram / scans / 64-bit ops) and that the quantize
+kernel's PTX has no fused multiply-add. Run it with ``TRITON_INTERPRET`` unset::
+
+    python -m torchrec_lossy.kernels._aot            # sm_90 (H100)
+    python -m torchrec_lossy.kernels._aot --arch 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any
+
+
+def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    """(kernel, runtime argument types, constexprs, compile options) for every variant used."""
+    from torchrec_lossy.kernels import _common, huffman, quantize, vector_lz
+
+    specs: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
+    for op in (_common.SCAN_SUM, _common.SCAN_MAX):
+        for t in ("i32", "i64"):
+            specs += [
+                (
+                    _common._scan_reduce_kernel,
+                    {"x_ptr": f"*{t}", "part_ptr": f"*{t}", "n": "i32", "identity": t},
+                    {"OP": op, "BLOCK": 4096},
+                    {},
+                ),
+                (
+                    _common._scan_partials_kernel,
+                    {"part_ptr": f"*{t}", "n_parts": "i32"},
+                    {"OP": op, "BLOCK": 1024},
+                    {"num_warps": 4},
+                ),
+                (
+                    _common._scan_apply_kernel,
+                    {
+                        "x_ptr": f"*{t}",
+                        "part_ptr": f"*{t}",
+                        "out_ptr": f"*{t}",
+                        "n": "i32",
+                        "identity": t,
+                    },
+                    {"OP": op, "BLOCK": 4096},
+                    {},
+                ),
+            ]
+    q_sig = {
+        "x_ptr": "*fp32",
+        "sym_ptr": "*i16",
+        "hist_ptr": "*i32",
+        "err_ptr": "*fp64",
+        "bound_bits": "i64",
+        "n": "i32",
+        "step": "fp32",
+        "inv_step": "fp32",
+        "center": "i32",
+    }
+    no_fma = {"num_warps": 8, "enable_fp_fusion": False}
+    for code in (1, 2, 3):
+        specs.append(
+            (quantize._quantize_kernel, q_sig, {"DTYPE_CODE": code, "BLOCK": 4096}, no_fma)
+        )
+    specs.append(
+        (
+            quantize._dequantize_kernel,
+            {"sym_ptr": "*i16", "out_ptr": "*fp32", "n": "i32", "step": "fp32", "base": "i32"},
+            {"BLOCK": 4096},
+            no_fma,
+        )
+    )
+    rows_2d = {"sym_ptr": "*i16", "bits_ptr": "*i32"}
+    for raw in (True, False):
+        tile = {"RAW": raw, "BLOCK_R": 64, "BLOCK_D": 32}
+        specs += [
+            (
+                vector_lz._row_hash_kernel,
+                {**rows_2d, "mults_ptr": "*i64", "hash_ptr": "*i64", "rows": "i32", "dim": "i32"},
+                tile,
+                {},
+            ),
+            (
+                vector_lz._verify_kernel,
+                {
+                    **rows_2d,
+                    "order_ptr": "*i64",
+                    "run_ptr": "*i32",
+                    "rep_ptr": "*i32",
+                    "first_ptr": "*i32",
+                    "rows": "i32",
+                    "dim": "i32",
+                },
+                tile,
+                {},
+            ),
+        ]
+    specs += [
+        (
+            vector_lz._run_flag_kernel,
+            {"hash_ptr": "*i64", "out_ptr": "*i32", "rows": "i32"},
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            vector_lz._assign_kernel,
+            {
+                "rep_ptr": "*i32",
+                "first_ptr": "*i32",
+                "rank_ptr": "*i32",
+                "ids_ptr": "*i32",
+                "first_rows_ptr": "*i32",
+                "rows": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            vector_lz._flagged_len_kernel,
+            {
+                "ids_ptr": "*i32",
+                "max_ptr": "*i32",
+                "len_ptr": "*i64",
+                "val_ptr": "*i32",
+                "rows": "i32",
+                "width": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+    ]
+    for flagged, per_word in ((True, 34), (False, 7)):
+        specs.append(
+            (
+                vector_lz._pack_refs_kernel,
+                {
+                    "val_ptr": "*i32",
+                    "ends_ptr": "*i64",
+                    "out_ptr": "*i32",
+                    "rows": "i32",
+                    "n_words": "i32",
+                    "width": "i32",
+                    "n_iter": "i32",
+                },
+                {"FLAGGED": flagged, "ROWS_PER_WORD": per_word, "BLOCK_W": 256},
+                {},
+            )
+        )
+    sel = {"sym_ptr": "*i16", "rows_ptr": "*i32"}
+    specs += [
+        (
+            huffman._histogram_rows_kernel,
+            {**sel, "hist_ptr": "*i32", "n": "i32", "dim": "i32"},
+            {"BLOCK": 4096},
+            {"num_warps": 8},
+        ),
+        (
+            huffman._chunk_words_kernel,
+            {
+                **sel,
+                "len_ptr": "*i32",
+                "words_ptr": "*i64",
+                "n": "i32",
+                "dim": "i32",
+                "chunk_symbols": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            huffman._place_codes_kernel,
+            {
+                **sel,
+                "len_ptr": "*i32",
+                "code_ptr": "*i64",
+                "ends_ptr": "*i64",
+                "merged_ptr": "*i64",
+                "n": "i32",
+                "dim": "i32",
+                "chunk_symbols": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            huffman._join_words_kernel,
+            {"merged_ptr": "*i64", "out_ptr": "*i32", "n_words": "i32"},
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            huffman._decode_kernel,
+            {
+                "words_ptr": "*i32",
+                "ends_ptr": "*i64",
+                "table_ptr": "*i32",
+                "out_ptr": "*i16",
+                "esc_ptr": "*i32",
+                "status_ptr": "*i32",
+                "fail_ptr": "*i64",
+                "n": "i32",
+                "n_words": "i32",
+                "chunk_symbols": "i32",
+                "peek_shift": "i32",
+            },
+            {},
+            {"num_warps": 1},
+        ),
+        (
+            huffman._escape_check_kernel,
+            {
+                "esc_ptr": "*i32",
+                "rank_ptr": "*i32",
+                "expected_ptr": "*i64",
+                "bad_ptr": "*i64",
+                "n": "i32",
+                "n_escapes": "i32",
+            },
+            {"BLOCK": 4096},
+            {},
+        ),
+    ]
+    return specs
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    """Compiles every kernel variant to a cubin for ``sm_<arch>``.
+
+    Args:
+        arch: CUDA compute capability as an integer (90 = H100).
+
+    Returns:
+        One line per failure (empty when everything compiled and the quantize PTX is FMA-free).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    failures = []
+    for fn, sig, consts, opts in _specs():
+        full = {**sig, **dict.fromkeys(consts, "constexpr")}
+        full = {name: full[name] for name in fn.arg_names}
+        try:
+            kernel = triton.compile(ASTSource(fn, full, constexprs=consts), target, opts)
+        except Exception:
+            failures.append(f"{fn.__name__} {consts}: {traceback.format_exc(limit=2)}")
+            continue
+        if opts.get("enable_fp_fusion") is False and "fma" in kernel.asm["ptx"]:
+            failures.append(f"{fn.__name__} {consts}: fused multiply-add in the PTX")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: compile everything, print failures.
+
+    Args:
+        argv: Arguments (None: ``sys.argv``).
+
+    Returns:
+        0 when everything compiled, 1 otherwise, 2 under the interpreter.
+    """
+    p = argparse.ArgumentParser(description="compile the codec's Triton kernels without a GPU")
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
+        return 2
+    failures = compile_all(args.arch)
+    for f in failures:
+        print(f"FAILED {f}")
+    print(f"{len(_specs()) - len(failures)} of {len(_specs())} kernel variants compiled")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

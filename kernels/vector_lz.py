@@ -1,0 +1,340 @@
+"""Triton vector-LZ: find repeated rows and pack the row -> vector references.
+
+:func:`dedupe` returns exactly what :func:`torchrec_lossy.codec.vector_lz.dedupe_kernel` returns
+(ids numbered by first occurrence, the first row of every distinct vector), found in parallel
+instead of through a sequential hash table:
+
+1. ``_row_hash_kernel``: the 64-bit hash of every row over the same element keys as the CPU
+   kernel (raw bits, or the symbol with escaped elements keyed by their raw bits).
+2. ``torch.sort`` (stable) of the hashes: equal rows become adjacent, in row order.
+3. ``_run_flag_kernel`` + a max-scan: the sorted position where each row's hash run starts.
+4. ``_verify_kernel``: every row compares itself, key by key, with the rows of its hash run in
+   row order and takes the first identical one as its representative. Without hash collisions
+   the first comparison (with the run's head) succeeds; with collisions the loop walks on, so
+   the result stays exact whatever the hash does.
+5. A sum-scan of the "is its own representative" flags ranks the distinct vectors by first
+   occurrence; ``_assign_kernel`` writes ids and first rows.
+
+:func:`pack_refs` writes each output word from the rows that overlap it (no atomics), bit-identical
+to ``pack_refs_kernel``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torchrec_lossy.kernels._common import SCAN_MAX, SCAN_SUM, block_for, inclusive_scan
+
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED
+from torchrec_lossy.codec.vector_lz import ref_width, refs_bits
+
+_ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
+_MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _column_multipliers(dim: int) -> np.ndarray:
+    """The per-column odd multipliers of ``dedupe_kernel``'s row hash, as int64 bit patterns."""
+    mults = np.empty(dim, dtype=np.uint64)
+    m = 0x9E3779B97F4A7C15
+    for j in range(dim):
+        mults[j] = m | 1
+        m = (m * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    return mults.view(np.int64)
+
+
+_MULTS_ON_DEVICE: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
+
+
+def _device_multipliers(dim: int, dev: torch.device) -> torch.Tensor:
+    """The column multipliers on ``dev``, copied there once per (dim, device)."""
+    mults = _column_multipliers(dim)  # cached: the same array object for a given dim
+    cached = _MULTS_ON_DEVICE.get((dim, dev))
+    if cached is None or cached[0] is not mults:
+        cached = _MULTS_ON_DEVICE[(dim, dev)] = (mults, torch.from_numpy(mults).to(dev))
+    return cached[1]
+
+
+@triton.jit
+def _keys(sym_ptr, bits_ptr, offs, mask, RAW: tl.constexpr):
+    """int64 element identities, as ``_key`` in codec/vector_lz.py defines them."""
+    if RAW:
+        return tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.int64)
+    s = tl.load(sym_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    esc = s == _ESCAPE
+    # Raw bits are read only where the symbol is the escape.
+    b = tl.load(bits_ptr + offs, mask=mask & esc, other=0).to(tl.int64) & 0xFFFFFFFF
+    return tl.where(esc, b | 0x100000000, s.to(tl.int64))
+
+
+@triton.jit
+def _row_hash_kernel(
+    sym_ptr,
+    bits_ptr,
+    mults_ptr,
+    hash_ptr,
+    rows,
+    dim,
+    RAW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    h = tl.zeros([BLOCK_R], dtype=tl.uint64)
+    for d0 in range(0, dim, BLOCK_D):
+        c = d0 + tl.arange(0, BLOCK_D)
+        cmask = c < dim
+        m2 = rmask[:, None] & cmask[None, :]
+        key = _keys(sym_ptr, bits_ptr, r[:, None] * dim + c[None, :], m2, RAW)
+        mult = tl.load(mults_ptr + c, mask=cmask, other=0).to(tl.uint64, bitcast=True)
+        # uint64 products and sums wrap modulo 2**64 like the CPU kernel's.
+        prod = (key + 1).to(tl.uint64, bitcast=True) * mult[None, :]
+        h += tl.sum(tl.where(m2, prod, 0), axis=1)
+    h ^= h >> 31
+    h *= 0xBF58476D1CE4E5B9
+    h ^= h >> 29
+    tl.store(hash_ptr + r, h.to(tl.int64, bitcast=True), mask=rmask)
+
+
+@triton.jit
+def _run_flag_kernel(hash_ptr, out_ptr, rows, BLOCK: tl.constexpr):
+    # Position p if a hash run starts at p, else 0; a max-scan turns it into the run's start.
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < rows
+    h = tl.load(hash_ptr + p, mask=mask, other=0)
+    prev = tl.load(hash_ptr + p - 1, mask=mask & (p > 0), other=0)
+    start = (p == 0) | (h != prev)
+    tl.store(out_ptr + p, tl.where(start, p, 0).to(tl.int32), mask=mask)
+
+
+@triton.jit
+def _verify_kernel(
+    sym_ptr,
+    bits_ptr,
+    order_ptr,
+    run_ptr,
+    rep_ptr,
+    first_ptr,
+    rows,
+    dim,
+    RAW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pmask = p < rows
+    i = tl.load(order_ptr + p, mask=pmask, other=0)  # the row at sorted position p
+    q = tl.load(run_ptr + p, mask=pmask, other=0).to(tl.int64)  # candidate sorted position
+    rep = i
+    pending = pmask
+    # Each lane stops at the first identical row of its run; q == p (itself) always matches.
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        r = tl.load(order_ptr + q, mask=pending, other=0)
+        n_diff = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for d0 in range(0, dim, BLOCK_D):
+            c = d0 + tl.arange(0, BLOCK_D)
+            m2 = pending[:, None] & (c < dim)[None, :]
+            ki = _keys(sym_ptr, bits_ptr, i[:, None] * dim + c[None, :], m2, RAW)
+            kr = _keys(sym_ptr, bits_ptr, r[:, None] * dim + c[None, :], m2, RAW)
+            n_diff += tl.sum((ki != kr).to(tl.int32), axis=1)
+        same = pending & (n_diff == 0)
+        rep = tl.where(same, r, rep)
+        pending = pending & (n_diff != 0)
+        q = tl.where(pending, q + 1, q)
+    tl.store(rep_ptr + i, rep.to(tl.int32), mask=pmask)
+    tl.store(first_ptr + i, (rep == i).to(tl.int32), mask=pmask)
+
+
+@triton.jit
+def _assign_kernel(
+    rep_ptr, first_ptr, rank_ptr, ids_ptr, first_rows_ptr, rows, BLOCK: tl.constexpr
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < rows
+    rep = tl.load(rep_ptr + i, mask=mask, other=0)
+    # rank = inclusive count of first occurrences; a first occurrence's id is its rank - 1.
+    tl.store(ids_ptr + i, tl.load(rank_ptr + rep, mask=mask, other=1) - 1, mask=mask)
+    is_first = tl.load(first_ptr + i, mask=mask, other=0) == 1
+    slot = tl.load(rank_ptr + i, mask=mask, other=1) - 1
+    tl.store(first_rows_ptr + slot, i.to(tl.int32), mask=mask & is_first)
+
+
+def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finds repeated rows; the result equals ``dedupe_kernel``'s.
+
+    Args:
+        symbols: [rows, dim] int16 tensor of the uint16 symbols' bits, or None to compare raw
+            bits only (lossless dedupe).
+        bits: [rows, dim] int32 raw bits of the block's elements, same device.
+
+    Returns:
+        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
+        first_rows: int32 [n_unique], the row where each distinct vector first occurs). Sizing
+        ``first_rows`` reads one scalar back from the device.
+    """
+    rows, dim = bits.shape
+    dev = bits.device
+    if rows == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return empty, empty
+    raw = symbols is None
+    bits = bits.contiguous()
+    sym = bits if raw else symbols.contiguous()  # a placeholder pointer when raw
+    block_r = block_for(rows, 64)
+    block_d = block_for(dim, 64)
+    grid = (triton.cdiv(rows, block_r),)
+    mults = _device_multipliers(dim, dev)
+    hashes = torch.empty(rows, dtype=torch.int64, device=dev)
+    _row_hash_kernel[grid](
+        sym, bits, mults, hashes, rows, dim, RAW=raw, BLOCK_R=block_r, BLOCK_D=block_d
+    )
+    # Any total order of the hashes groups equal rows; stable keeps each group in row order.
+    sorted_hashes, order = torch.sort(hashes, stable=True)
+    block = block_for(rows, 1024)
+    flat_grid = (triton.cdiv(rows, block),)
+    run_flags = torch.empty(rows, dtype=torch.int32, device=dev)
+    _run_flag_kernel[flat_grid](sorted_hashes, run_flags, rows, BLOCK=block)
+    run_start = inclusive_scan(run_flags, SCAN_MAX)
+    rep = torch.empty(rows, dtype=torch.int32, device=dev)
+    is_first = torch.empty(rows, dtype=torch.int32, device=dev)
+    _verify_kernel[grid](
+        sym,
+        bits,
+        order,
+        run_start,
+        rep,
+        is_first,
+        rows,
+        dim,
+        RAW=raw,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )
+    rank = inclusive_scan(is_first, SCAN_SUM)
+    n_unique = int(rank[-1])
+    ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    first_rows = torch.empty(n_unique, dtype=torch.int32, device=dev)
+    _assign_kernel[flat_grid](rep, is_first, rank, ids, first_rows, rows, BLOCK=block)
+    return ids, first_rows
+
+
+@triton.jit
+def _flagged_len_kernel(ids_ptr, max_ptr, len_ptr, val_ptr, rows, width, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = r < rows
+    v = tl.load(ids_ptr + r, mask=mask, other=0)
+    before = tl.load(max_ptr + r - 1, mask=mask & (r > 0), other=-1)
+    # With ids numbered by first occurrence, a row is a first occurrence iff its id exceeds
+    # every earlier id: then it is sent as one flag bit, else as a 0 flag and its id.
+    first = v > before
+    tl.store(len_ptr + r, tl.where(first, 1, 1 + width).to(tl.int64), mask=mask)
+    tl.store(val_ptr + r, tl.where(first, 1, v), mask=mask)
+
+
+@triton.jit
+def _pack_refs_kernel(
+    val_ptr,
+    ends_ptr,
+    out_ptr,
+    rows,
+    n_words,
+    width,
+    n_iter,
+    FLAGGED: tl.constexpr,
+    ROWS_PER_WORD: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    w = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
+    wmask = w < n_words
+    word_start = w * 32
+    if FLAGGED:
+        # First row whose bits end after the word's first bit (binary search over the ends).
+        lo = tl.zeros([BLOCK_W], dtype=tl.int64)
+        hi = tl.zeros([BLOCK_W], dtype=tl.int64) + rows
+        for _ in range(n_iter):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            e = tl.load(ends_ptr + mid, mask=wmask & active, other=0)
+            right = e > word_start
+            hi = tl.where(active & right, mid, hi)
+            lo = tl.where(active & ~right, mid + 1, lo)
+        r0 = lo
+    else:
+        r0 = word_start // width
+    acc = tl.zeros([BLOCK_W], dtype=tl.uint64)
+    for k in range(ROWS_PER_WORD):
+        r = r0 + k
+        rmask = wmask & (r < rows)
+        # The row's bits as a value of `length` bits: its id, or for REFS_FLAGGED the single
+        # bit 1 (first occurrence) or a 0 bit then its id (repeat).
+        v = tl.load(val_ptr + r, mask=rmask, other=0)
+        if FLAGGED:
+            pos = tl.load(ends_ptr + r - 1, mask=rmask & (r > 0), other=0)
+            length = tl.load(ends_ptr + r, mask=rmask, other=0) - pos
+        else:
+            length = tl.zeros([BLOCK_W], dtype=tl.int64) + width
+            pos = r * width
+        off = pos - word_start  # the row's first bit relative to the word's first bit
+        overlap = rmask & (off < 32) & (off + length > 0)
+        shift = 32 - off - length  # in [-32, 31] for overlapping rows
+        val = v.to(tl.uint64)
+        left = val << tl.where(overlap & (shift > 0), shift, 0).to(tl.uint64)
+        right = val >> tl.where(overlap & (shift < 0), -shift, 0).to(tl.uint64)
+        part = tl.where(shift >= 0, left, right) & 0xFFFFFFFF
+        acc |= tl.where(overlap, part, 0)
+    tl.store(out_ptr + w, acc.to(tl.uint32).to(tl.int32, bitcast=True), mask=wmask)
+
+
+def pack_refs(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
+    """Packs vector ids into words, bit-identical to ``pack_refs_kernel``.
+
+    Args:
+        ids: int32 [rows] ids numbered by first occurrence (as :func:`dedupe` returns them).
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        int32 tensor of the uint32 words' bits, on the ids' device.
+    """
+    ids = ids.contiguous()
+    rows = ids.shape[0]
+    dev = ids.device
+    width = ref_width(n_unique)
+    n_words = (refs_bits(rows, n_unique, mode) + 31) // 32
+    out = torch.empty(n_words, dtype=torch.int32, device=dev)
+    if n_words == 0:
+        return out
+    flagged = mode != REFS_FIXED
+    if flagged:
+        block = block_for(rows, 1024)
+        lengths = torch.empty(rows, dtype=torch.int64, device=dev)
+        vals = torch.empty(rows, dtype=torch.int32, device=dev)
+        running_max = inclusive_scan(ids, SCAN_MAX)
+        _flagged_len_kernel[(triton.cdiv(rows, block),)](
+            ids, running_max, lengths, vals, rows, width, BLOCK=block
+        )
+        ends = inclusive_scan(lengths, SCAN_SUM)
+        min_len = 1
+    else:
+        vals = ids
+        ends = ids  # unused: fixed-width rows start at row * width
+        min_len = width
+    block_w = block_for(n_words, 256)
+    _pack_refs_kernel[(triton.cdiv(n_words, block_w),)](
+        vals,
+        ends,
+        out,
+        rows,
+        n_words,
+        width,
+        rows.bit_length() + 1,  # binary-search steps over rows + 1 candidates
+        FLAGGED=flagged,
+        ROWS_PER_WORD=32 // min_len + 2,
+        BLOCK_W=block_w,
+    )
+    return out

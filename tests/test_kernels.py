@@ -1,0 +1,596 @@
+"""The Triton kernels against the CPU (numba) kernels: equal outputs, byte-identical payloads.
+
+Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which this module
+switches on (``TRITON_INTERPRET=1``) before triton or the kernels are imported. The interpreter
+is slow, so the sizes here are small; larger cases carry ``@pytest.mark.slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+import numba
+from torchrec_lossy.kernels import _common
+from torchrec_lossy.kernels import huffman as k_huffman
+from torchrec_lossy.kernels import quantize as k_quantize
+from torchrec_lossy.kernels import vector_lz as k_vector_lz
+
+from torchrec_lossy.codec import huffman, pipeline, vector_lz
+from torchrec_lossy.codec import quantize as cpu_quantize
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    BITS_DTYPES,
+    DTYPE_CODES,
+    ESCAPE_SYMBOL,
+    HEADER,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    checksum_words,
+)
+from torchrec_lossy.codec.triton_ops import TritonOps
+from torchrec_lossy.config import CodecConfig
+
+# The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
+# those lanes away.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROWS = [0, 1, 7, 33]
+DIMS = [1, 3, 16]
+BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
+NAN_PAYLOAD = np.array([0x7FC01234], dtype=np.uint32).view(np.float32)[0]
+SPECIALS = [
+    float("nan"),
+    float(NAN_PAYLOAD),
+    float("inf"),
+    float("-inf"),
+    1e30,
+    -3e38,
+    65504.0,
+    65519.0,
+    65520.0,
+    -0.0,
+    1e-45,
+    3e-8,
+    6.1e-5,
+]
+
+
+def dev(a: np.ndarray) -> torch.Tensor:
+    """A numpy array on the test device (uint16 / uint32 as their signed bits)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.uint16:
+        a = a.view(np.int16)
+    elif a.dtype == np.uint32:
+        a = a.view(np.int32)
+    return torch.from_numpy(a).to(DEVICE)
+
+
+def host(t: torch.Tensor, dtype: type | None = None) -> np.ndarray:
+    """A device tensor back as numpy, optionally viewed as an unsigned dtype."""
+    a = t.cpu().numpy()
+    return a.view(dtype) if dtype is not None else a
+
+
+def make_block(rows: int, dim: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
+    """Test data: ``"adversarial"`` (specials, outliers, subnormals on 1/6 of the elements),
+    ``"mild"`` (the same on 1/40) or ``"repeat"``.
+
+    ``"repeat"`` has few distinct rows repeated many times, some with escaped elements whose raw
+    bits differ between otherwise identical rows (same symbols, different keys).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if kind in ("adversarial", "mild"):
+        x = torch.randn(rows, dim, generator=gen) * 0.05 + 0.3
+        flat = x.view(-1)
+        if flat.numel():
+            share = 6 if kind == "adversarial" else 40
+            # "mild": no huge finite outliers, which would stretch the range past quantizing
+            specials = [v for v in SPECIALS if kind == "adversarial" or not abs(v) >= 1]
+            pos = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // share)]
+            for k, p in enumerate(pos.tolist()):
+                flat[p] = specials[k % len(specials)]
+    else:
+        n_base = max(1, rows // 8)
+        base = torch.randn(n_base, dim, generator=gen) * 0.05
+        base[0, -1] = float("nan")
+        x = base[torch.randint(0, n_base, (rows,), generator=gen)].clone()
+        if rows > 3:  # copies of row 0, one whose NaN carries other bits: same symbols only
+            x[0] = x[1] = x[rows // 2] = base[0]
+            x[rows // 2, -1] = float(NAN_PAYLOAD)
+    return x.to(dtype)
+
+
+def bound_for(block: torch.Tensor, kind: str) -> float:
+    """An absolute bound of the given kind for a block."""
+    x = block.double()
+    fin = x[torch.isfinite(x)]
+    span = float(fin.max() - fin.min()) if fin.numel() else 0.0
+    span = span if 0 < span < 1e30 else 1.0
+    return {
+        "zero": 0.0,
+        "tiny": 1e-6 * span,
+        "rel0.01": 0.01 * span,
+        "rel0.05": 0.05 * span,
+        "huge": 1e30,
+    }[kind]
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's raw bits (compares NaN payloads and signed zeros too)."""
+    return t.contiguous().view(BITS_DTYPES[t.dtype])
+
+
+@numba.njit(cache=False)
+def _cpu_round(x: np.ndarray, dtype_code: int, out: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        out[i] = cpu_quantize._round_to_dtype(x[i], dtype_code)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared scan
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [0, 1, 16, 17, 100])
+def test_inclusive_scan(n: int, dtype: torch.dtype) -> None:
+    x = torch.randint(-50, 50, (n,), dtype=dtype, generator=torch.Generator().manual_seed(n))
+    for block in (16, 4096):  # several programs, and one
+        got = _common.inclusive_scan(x.to(DEVICE), _common.SCAN_SUM, block).cpu()
+        assert torch.equal(got, torch.cumsum(x, 0).to(dtype))
+        got = _common.inclusive_scan(x.to(DEVICE), _common.SCAN_MAX, block).cpu()
+        assert torch.equal(got, torch.cummax(x, 0).values if n else x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantize
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype_code", [1, 2, 3])
+def test_round_to_dtype_matches_cpu(dtype_code: int) -> None:
+    """The integer fp16 / bf16 rounding equals ``_round_to_dtype`` bit for bit: every exponent
+    with random mantissas and the tie / carry patterns, both signs, and the fp16 subnormal range
+    densely."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, o_ptr, n, D: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs, mask=mask)
+        tl.store(o_ptr + offs, k_quantize.round_to_dtype(v, D), mask=mask)
+
+    rng = np.random.default_rng(dtype_code)
+    exps = np.arange(256, dtype=np.uint32)[:, None] << 23
+    mant = rng.integers(0, 1 << 23, size=(256, 256), dtype=np.uint32)
+    edge = np.array(
+        [0, 1, 0xFFF, 0x1000, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x18000, 0x7FFFFF],
+        dtype=np.uint32,
+    )
+    bits = (exps | np.concatenate([mant, np.broadcast_to(edge, (256, edge.size))], 1)).ravel()
+    sub = np.arange(0x33000000, 0x38900000, 1999, dtype=np.uint32)  # fp16 subnormals and around
+    bits = np.concatenate([bits, sub])
+    bits = np.concatenate([bits, bits | 0x80000000])
+    x = bits.view(np.float32)
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=DEVICE)
+    block = 1 << 16
+    kernel[(-(-x.shape[0] // block),)](dev(x), out, x.shape[0], D=dtype_code, BLOCK=block)
+    want = np.empty_like(x)
+    _cpu_round(x, dtype_code, want)
+    np.testing.assert_array_equal(host(out).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
+@pytest.mark.parametrize("bound_kind", ["tiny", "rel0.01", "rel0.05", "huge"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) -> None:
+    ops = pipeline.CpuOps()
+    for rows in ROWS:
+        for dim in DIMS:
+            block = make_block(rows, dim, dtype, kind, seed=rows * 31 + dim)
+            x = block.reshape(-1).float().numpy()
+            bound = bound_for(block, bound_kind)
+            params = cpu_quantize.quant_params(bound, x)
+            if params is None:
+                continue
+            want_sym, want_hist, want_esc, want_err = ops.quantize(
+                x, params, bound, DTYPE_CODES[dtype]
+            )
+            sym, hist, err = k_quantize.quantize(
+                dev(x), params.step, params.inv_step, params.center, bound, DTYPE_CODES[dtype]
+            )
+            what = f"rows={rows} dim={dim}"
+            np.testing.assert_array_equal(host(sym, np.uint16), want_sym, err_msg=what)
+            np.testing.assert_array_equal(host(hist).astype(np.int64), want_hist, err_msg=what)
+            assert int(host(hist)[ESCAPE_SYMBOL]) == want_esc, what
+            assert float(err) == want_err, what
+            got = host(k_quantize.dequantize(sym, params.step, params.center))
+            np.testing.assert_array_equal(
+                got.view(np.uint32), ops.dequantize(want_sym, params).view(np.uint32)
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# Vector-LZ
+# ------------------------------------------------------------------------------------------------
+
+
+def _dedupe_inputs(
+    rows: int, dim: int, dtype: torch.dtype, kind: str
+) -> tuple[np.ndarray, np.ndarray]:
+    block = make_block(rows, dim, dtype, kind, seed=7 * rows + dim)
+    x = block.reshape(-1).float().numpy()
+    bits = as_bits(block).numpy().astype(np.int32)
+    params = cpu_quantize.quant_params(0.05, x)
+    if params is None:
+        return np.full((rows, dim), ESCAPE_SYMBOL, np.uint16), bits
+    sym = pipeline.CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
+    return sym.reshape(rows, dim), bits
+
+
+@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
+    ops = pipeline.CpuOps()
+    for rows in [*ROWS, 64]:
+        for dim in DIMS:
+            sym, bits = _dedupe_inputs(rows, dim, dtype, kind)
+            for raw in (True, False):
+                what = f"rows={rows} dim={dim} raw={raw}"
+                if rows:
+                    want_ids, want_first = ops.dedupe(None if raw else sym, bits)
+                else:
+                    want_ids = want_first = np.zeros(0, np.int32)
+                ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+                np.testing.assert_array_equal(host(ids), want_ids, err_msg=what)
+                np.testing.assert_array_equal(host(first), want_first, err_msg=what)
+
+
+def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every column multiplier 0 all rows hash alike: the key comparison alone must still
+    give the CPU kernel's ids."""
+    monkeypatch.setattr(k_vector_lz, "_column_multipliers", lambda dim: np.zeros(dim, np.int64))
+    for kind in ("adversarial", "repeat"):
+        sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
+        for raw in (True, False):
+            want = pipeline.CpuOps().dedupe(None if raw else sym, bits)
+            ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+            np.testing.assert_array_equal(host(ids), want[0])
+            np.testing.assert_array_equal(host(first), want[1])
+
+
+@pytest.mark.parametrize("mode", [REFS_FIXED, REFS_FLAGGED])
+@pytest.mark.parametrize("n_unique", [1, 2, 3, 31, 32, 33, 300])
+def test_pack_refs_matches_cpu(n_unique: int, mode: int) -> None:
+    rng = np.random.default_rng(n_unique)
+    for rows in sorted({n_unique, n_unique + 1, n_unique + 37, 3 * n_unique + 5}):
+        # ids numbered by first occurrence: each new id appears after the ones before it
+        order = np.sort(rng.choice(rows, size=n_unique, replace=False))
+        order[0] = 0
+        ids = np.empty(rows, np.int32)
+        nxt = 0
+        for r in range(rows):
+            if nxt < n_unique and r == order[nxt]:
+                ids[r] = nxt
+                nxt += 1
+            else:
+                ids[r] = rng.integers(0, nxt)
+        want = vector_lz.pack_refs_kernel(ids, n_unique, mode)
+        got = host(k_vector_lz.pack_refs(dev(ids), n_unique, mode), np.uint32)
+        np.testing.assert_array_equal(got, want, err_msg=f"rows={rows}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Huffman
+# ------------------------------------------------------------------------------------------------
+
+
+def _symbols(n_rows: int, dim: int, spread: float, seed: int) -> np.ndarray:
+    """[rows, dim] symbols, Gaussian around the middle of the alphabet, some escapes."""
+    rng = np.random.default_rng(seed)
+    s = np.clip(np.rint(rng.normal(2047, spread, (n_rows, dim))), 0, ESCAPE_SYMBOL - 1)
+    s[rng.random((n_rows, dim)) < 0.02] = ESCAPE_SYMBOL
+    return s.astype(np.uint16)
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "dim", "spread", "chunk"),
+    [
+        (1, 1, 1.0, 64),  # one symbol
+        (7, 3, 0.0, 64),  # one distinct symbol (+ escapes): length-1 codes
+        (33, 16, 3.0, 64),
+        (33, 16, 3.0, 100),  # chunk not a power of two
+        (33, 16, 300.0, 64),  # wide alphabet: codes up to the 12-bit limit
+        (160, 16, 5.0, 2048),  # chunks of several program blocks (carried words)
+        (50, 3, 2.0, 32),
+    ],
+)
+def test_huffman_encode_decode_match_cpu(n_rows: int, dim: int, spread: float, chunk: int) -> None:
+    sym = _symbols(n_rows, dim, spread, seed=n_rows + dim)
+    rng = np.random.default_rng(0)
+    for rows in (np.arange(n_rows, dtype=np.int32), rng.permutation(n_rows)[: n_rows // 2 + 1]):
+        rows = rows.astype(np.int32)
+        hist = huffman.histogram_rows_kernel(sym, rows)
+        got_hist = host(k_huffman.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
+        np.testing.assert_array_equal(got_hist, hist)
+        lengths = huffman.code_lengths_kernel(hist)
+        codes = huffman.canonical_codes_kernel(lengths)
+        want_ends, want_words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
+        ends, words = k_huffman.encode(
+            dev(sym), dev(rows), dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk
+        )
+        np.testing.assert_array_equal(host(ends).astype(np.uint32), want_ends)
+        np.testing.assert_array_equal(host(words, np.uint32), want_words)
+
+        sent = sym[rows].reshape(-1)
+        esc = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
+        out, status = _decode(want_words, want_ends, sent.shape[0], chunk, lengths, esc)
+        assert status == 0
+        np.testing.assert_array_equal(out, sent)
+
+
+def _decode(
+    words: np.ndarray,
+    ends: np.ndarray,
+    n: int,
+    chunk: int,
+    lengths: np.ndarray,
+    esc: np.ndarray,
+) -> tuple[np.ndarray, int]:
+    table = huffman.decode_table_kernel(lengths)
+    out, status = k_huffman.decode(
+        dev(words), dev(ends.astype(np.int64)), n, chunk, dev(table), dev(esc.astype(np.int64))
+    )
+    return host(out, np.uint16), int(status)
+
+
+def test_huffman_decode_errors_match_cpu() -> None:
+    """Corrupt streams, chunk tables and escape lists get the CPU kernel's status."""
+    sym = _symbols(24, 8, 4.0, seed=3)
+    rows = np.arange(24, dtype=np.int32)
+    chunk = 32
+    sent = sym.reshape(-1)
+    n = sent.shape[0]
+    lengths = huffman.code_lengths_kernel(huffman.histogram_rows_kernel(sym, rows))
+    codes = huffman.canonical_codes_kernel(lengths)
+    ends, words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
+    esc = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
+    assert esc.shape[0] >= 2
+    rng = np.random.default_rng(1)
+    incomplete = lengths.copy()
+    incomplete[np.flatnonzero(incomplete)[0]] += 1  # Kraft sum < 1: unused bit patterns
+    cases = [("clean", words, ends, lengths, esc)]
+    for k in range(12):
+        w = words.copy()
+        w[rng.integers(0, w.shape[0])] ^= np.uint32(1 << int(rng.integers(0, 32)))
+        cases.append((f"flip{k}", w, ends, lengths, esc))
+    cases += [
+        ("truncated chunk", words[:-1], np.minimum(ends, words.shape[0] - 1), lengths, esc),
+        ("decreasing table", words, ends[::-1].copy(), lengths, esc),
+        ("table past end", words, ends + np.uint32(1), lengths, esc),
+        ("table short of end", words[:], ends - (ends == ends[-1]).astype(np.uint32), lengths, esc),
+        ("escape missing", words, ends, lengths, esc[1:]),
+        ("escape extra", words, ends, lengths, np.sort(np.append(esc, esc[-1] + 1))),
+        ("escape moved", words, ends, lengths, esc + np.uint32(1)),
+        ("no escapes listed", words, ends, lengths, esc[:0]),
+        ("incomplete code", words, ends, incomplete, esc),
+    ]
+    seen = set()
+    for what, w, e, lens, es in cases:
+        want_out = np.zeros(n, np.uint16)
+        want = huffman.decode_kernel(w, e, chunk, lens, es, want_out)
+        out, status = _decode(w, e, n, chunk, lens, es)
+        assert status == want, f"{what}: status {status}, CPU {want}"
+        if want == 0:
+            np.testing.assert_array_equal(out, want_out, err_msg=what)
+        seen.add(want)
+    assert seen == {
+        0,
+        huffman.DECODE_INVALID_CODE,
+        huffman.DECODE_OUT_OF_BITS,
+        huffman.DECODE_BAD_CHUNK_TABLE,
+        huffman.DECODE_BAD_ESCAPES,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Full payloads through TritonOps
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def triton_ops(monkeypatch: pytest.MonkeyPatch) -> TritonOps:
+    """TritonOps in the place of the CPU ops, for compress and decompress alike."""
+    ops = TritonOps(DEVICE)
+    monkeypatch.setitem(pipeline._OPS, "cpu", ops)
+    return ops
+
+
+def _payload_blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
+    blocks = [
+        make_block(rows, dim, dtype, kind, seed=100 * rows + 10 * dim + i)
+        for rows in ROWS
+        for dim in DIMS
+        for i, dtype in enumerate(DTYPES)
+    ]
+    return blocks, [bound_for(b, bound_kind) for b in blocks]
+
+
+def _assert_same_payloads(
+    monkeypatch: pytest.MonkeyPatch,
+    ops: TritonOps,
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    config: CodecConfig,
+) -> None:
+    monkeypatch.setitem(pipeline._OPS, "cpu", pipeline.CpuOps())
+    want, want_stats = pipeline.compress_with_stats(blocks, bounds, config)
+    want_out = pipeline.decompress(want)
+    monkeypatch.setitem(pipeline._OPS, "cpu", ops)
+    got, got_stats = pipeline.compress_with_stats(blocks, bounds, config)
+    assert torch.equal(got, want), "payload bytes differ"
+    assert got_stats == want_stats
+    for i, (a, b) in enumerate(zip(pipeline.decompress(got), want_out, strict=True)):
+        assert torch.equal(as_bits(a), as_bits(b)), f"block {i} decodes differently"
+
+
+@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
+@pytest.mark.parametrize("bound_kind", BOUND_KINDS)
+def test_payload_byte_identical(
+    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps, bound_kind: str, kind: str
+) -> None:
+    blocks, bounds = _payload_blocks(kind, bound_kind)
+    _assert_same_payloads(
+        monkeypatch, triton_ops, blocks, bounds, CodecConfig(huffman_chunk_symbols=64)
+    )
+
+
+def test_payload_modes_covered() -> None:
+    """The payload tests reach every mode (raw, lz, quant, quant+lz)."""
+    modes = set()
+    config = CodecConfig(huffman_chunk_symbols=64)
+    for kind in ("adversarial", "repeat"):
+        for bound_kind in BOUND_KINDS:
+            blocks, bounds = _payload_blocks(kind, bound_kind)
+            modes |= {s.mode for s in pipeline.compress_with_stats(blocks, bounds, config)[1]}
+    assert modes == {"raw", "lz", "quant", "quant+lz"}
+
+
+def test_corrupt_payloads_fail_alike(
+    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps
+) -> None:
+    """Bit flips in the segments (checksum fixed up so decoding is reached) give the same
+    blocks or the same CodecError message with TritonOps as with CpuOps."""
+    blocks = [
+        make_block(40, 16, torch.float32, "mild", seed=1),
+        make_block(33, 16, torch.float16, "repeat", seed=2),
+    ]
+    bounds = [bound_for(b, "rel0.05") for b in blocks]
+    payload, stats = pipeline.compress_with_stats(
+        blocks, bounds, CodecConfig(huffman_chunk_symbols=64)
+    )
+    assert [s.mode for s in stats] == ["quant", "quant+lz"]
+    payload = payload.numpy()
+    rng = np.random.default_rng(5)
+    body_start = HEADER.itemsize + len(blocks) * 24  # segments only: descriptors stay valid
+    messages = []
+    for _ in range(16):
+        p = payload.copy()
+        p[int(rng.integers(body_start, p.shape[0]))] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        header = p[: HEADER.itemsize].view(HEADER)
+        header["checksum"] = checksum_words(p[HEADER.itemsize :].view(np.uint32))
+        results = []
+        for ops in (pipeline.CpuOps(), triton_ops):
+            monkeypatch.setitem(pipeline._OPS, "cpu", ops)
+            try:
+                results.append([as_bits(b) for b in pipeline.decompress(torch.from_numpy(p))])
+            except ValueError as e:
+                results.append(str(e))
+        if isinstance(results[0], str):
+            assert results[1] == results[0]
+            messages.append(results[0])
+        else:
+            assert not isinstance(results[1], str), results[1]
+            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert any("Huffman stream" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_payload_realistic_traffic(monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps) -> None:
+    from torchrec_lossy.traffic import (
+        TrafficSpec,
+        make_blocks,
+        paper_class_bounds,
+        relative_to_absolute_bounds,
+    )
+
+    spec = TrafficSpec(batch_rows=128)
+    blocks = make_blocks(spec)
+    bounds = relative_to_absolute_bounds(blocks, paper_class_bounds(spec.preset))
+    _assert_same_payloads(monkeypatch, triton_ops, blocks, bounds, CodecConfig())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payload_larger_blocks(
+    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps, dtype: torch.dtype
+) -> None:
+    blocks = [
+        make_block(rows, dim, dtype, kind, seed=rows + dim)
+        for rows, dim in [(257, 64), (1000, 8), (129, 33)]
+        for kind in ("adversarial", "repeat")
+    ]
+    bounds = [bound_for(b, k) for b, k in zip(blocks, ["rel0.01", "tiny"] * 3, strict=True)]
+    _assert_same_payloads(monkeypatch, triton_ops, blocks, bounds, CodecConfig())
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_h100() -> None:
+    """Every kernel variant compiles to an sm_90 cubin (no GPU needed: Triton's bundled ptxas),
+    and the quantize PTX has no fused multiply-add."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-m", "torchrec_lossy.kernels._aot", "--arch", "90"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Without triton
+# ------------------------------------------------------------------------------------------------
+
+
+def test_triton_ops_imports_without_triton() -> None:
+    """The module imports with triton unimportable; using it raises a clear error."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from torchrec_lossy.codec.triton_ops import TritonOps\n"
+        "import numpy as np\n"
+        "try:\n"
+        "    TritonOps('cpu').pack_refs(np.zeros(3, np.int32), 1, 0)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert "ERR TritonOps needs the triton package" in res.stdout, res.stdout + res.stderr
+
+
+def test_histogram_alphabet() -> None:
+    """Every histogram has the full alphabet (the Huffman planner indexes it by symbol)."""
+    sym = np.array([[0, ESCAPE_SYMBOL, 5]], dtype=np.uint16)
+    hist = host(k_huffman.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
+    assert hist.shape == (ALPHABET_SIZE,)
+    assert hist[0] == hist[5] == hist[ESCAPE_SYMBOL] == 1
+
+
+def test_backend_triton_is_registered() -> None:
+    """``CodecConfig(backend="triton")`` and ``decompress(backend="triton")`` use the kernels and
+    give the CPU path's bytes and blocks."""
+    blocks = [make_block(33, 16, torch.float32, "repeat", seed=7)]
+    bounds = [bound_for(blocks[0], "rel0.05")]
+    config = CodecConfig(huffman_chunk_symbols=64)
+    want = pipeline.compress(blocks, bounds, config)
+    got = pipeline.compress(blocks, bounds, CodecConfig(huffman_chunk_symbols=64, backend="triton"))
+    assert torch.equal(got, want)
+    out = pipeline.decompress(got, backend="triton")[0]
+    assert torch.equal(as_bits(out), as_bits(pipeline.decompress(want)[0]))
