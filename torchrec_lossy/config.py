@@ -27,6 +27,7 @@ Backend = Literal["auto", "cpu", "triton", "reference"]
 BoundMode = Literal["relative", "absolute"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
+WeightsCast = Literal["none", "fp16", "bf16"]
 
 
 class ConfigError(ValueError):
@@ -53,9 +54,11 @@ class CodecConfig:
         enable_quantization: Allow the quantize stage. Off: blocks travel raw (or deduplicated
             raw), i.e. losslessly.
         enable_lz: Allow the vector-LZ stage (whole repeated vectors sent once).
-        backend: ``"auto"`` (Triton kernels for CUDA tensors, compiled CPU path otherwise),
-            ``"cpu"`` (compiled CPU path), ``"triton"`` (force the kernels, e.g. on CPU tensors
-            under ``TRITON_INTERPRET=1``) or ``"reference"`` (the plain torch oracle; slow).
+        backend: ``"auto"`` / ``"cpu"``: the compiled (numba) CPU path; CUDA tensors are
+            staged through host memory. ``"triton"``: the Triton kernels of every stage (on CUDA,
+            or on CPU under ``TRITON_INTERPRET=1``), still orchestrated from the host, see
+            docs/kernels.md. ``"reference"``: the plain torch twins of every stage (the test
+            oracle; slow). All produce byte-identical payloads.
     """
 
     huffman_chunk_symbols: int = 2048
@@ -160,15 +163,26 @@ class HomogenizationConfig:
         enabled: Assign bounds by class; off: every table uses its configured bound.
         class_bounds: Relative bounds of the classes tight, base and loose.
         thresholds: Index thresholds (low, high): index < low is tight, index >= high is loose.
+            The defaults are calibrated on Criteo-like traffic (docs/adaptive.md).
         hysteresis: A table changes class only once the index passes a threshold by this margin.
         update_period: Iterations between index updates.
+        sample_rows: Rows per index window; the index depends on the window size, so it is
+            measured on a fixed number of rows (strided from larger blocks, gathered over
+            consecutive iterations from smaller ones).
+        smoothing: Weight of the newest window in the index's running average (1: no memory).
+        warmup_windows: Windows averaged with equal weight before the running average turns
+            exponential; until then a table's class is provisional (set without hysteresis),
+            so that the noise of the first windows cannot lock it into the wrong class.
     """
 
     enabled: bool = False
     class_bounds: tuple[float, float, float] = (0.01, 0.03, 0.05)
-    thresholds: tuple[float, float] = (0.2, 0.6)
+    thresholds: tuple[float, float] = (0.425, 0.715)
     hysteresis: float = 0.05
     update_period: int = 100
+    sample_rows: int = 1024
+    smoothing: float = 0.25
+    warmup_windows: int = 16
 
     def __post_init__(self) -> None:
         cb = tuple(self.class_bounds)
@@ -194,8 +208,44 @@ class HomogenizationConfig:
             self.update_period,
             "an integer >= 1",
         )
+        _require(
+            isinstance(self.sample_rows, int) and 16 <= self.sample_rows <= 1 << 20,
+            "homogenization.sample_rows",
+            self.sample_rows,
+            "an integer in [16, 1048576]",
+        )
+        _require(0.0 < self.smoothing <= 1.0, "homogenization.smoothing", self.smoothing, "(0, 1]")
+        _require(
+            isinstance(self.warmup_windows, int) and 1 <= self.warmup_windows <= 1 << 20,
+            "homogenization.warmup_windows",
+            self.warmup_windows,
+            "an integer in [1, 1048576]",
+        )
         object.__setattr__(self, "class_bounds", cb)
         object.__setattr__(self, "thresholds", th)
+
+
+@dataclass(frozen=True)
+class InputDistConfig:
+    """The lossless codec of the KJT (ids, lengths, weights) input all-to-all.
+
+    Attributes:
+        enabled: Pack the table-, column- and table-column-wise input dists (ids and lengths
+            bit-packed, bit-exact on the receiver); off: TorchRec's ``KJTAllToAll``.
+        dedupe: Per feature and destination, send each distinct id once plus an inverse index
+            whenever that is smaller; exact (the receiver rebuilds the same KJT).
+        weights: Per-id weights travel as they are (``"none"``) or cast to fp16/bf16 on the
+            wire (lossy: only when asked).
+    """
+
+    enabled: bool = True
+    dedupe: bool = True
+    weights: WeightsCast = "none"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "input_dist.enabled", self.enabled, "a bool")
+        _require(isinstance(self.dedupe, bool), "input_dist.dedupe", self.dedupe, "a bool")
+        _check_literal("input_dist.weights", self.weights, WeightsCast)
 
 
 @dataclass(frozen=True)
@@ -211,6 +261,7 @@ class LossyCommsConfig:
         backward_bound: Bound of the gradient traffic when ``backward="lossy"``.
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
+        input_dist: Lossless codec of the KJT input all-to-all.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -222,6 +273,7 @@ class LossyCommsConfig:
         default_factory=lambda: ErrorBoundSchedule(kind="constant")
     )
     homogenization: HomogenizationConfig = field(default_factory=HomogenizationConfig)
+    input_dist: InputDistConfig = field(default_factory=InputDistConfig)
 
     def __post_init__(self) -> None:
         _check_literal("backward", self.backward, BackwardCodec)
@@ -390,3 +442,200 @@ def save_yaml(config: object, path: str | Path) -> None:
     """
     with open(path, "w") as f:
         yaml.safe_dump(to_dict(config), f, sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planner config: the one file a user edits (configs/*.yaml, documented in docs/config.md)
+# ------------------------------------------------------------------------------------------------
+
+ComputeDevice = Literal["cuda", "cpu"]
+
+
+def _positive_or_none(key: str, value: float | None, upper: float) -> None:
+    if value is None:
+        return
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= upper,
+        key,
+        value,
+        f"a number in (0, {upper:g}] or null for TorchRec's default",
+    )
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Cluster facts for the planner; null fields keep TorchRec's defaults.
+
+    Attributes:
+        world_size: Ranks (GPUs or CPU processes).
+        local_world_size: Ranks per host; null: all ranks on one host.
+        compute_device: ``"cuda"`` or ``"cpu"``: TorchRec's cost model and memory kind (HBM or
+            DDR). Planning needs no such device.
+        hbm_cap_gib: HBM per rank in GiB (TorchRec default 32).
+        ddr_cap_gib: Host memory per rank in GiB (TorchRec default 128).
+        intra_host_bandwidth_gib_s: Bandwidth within a host, GiB/s (TorchRec default 600).
+        inter_host_bandwidth_gib_s: Bandwidth across hosts per rank, GiB/s (TorchRec default
+            12.5).
+    """
+
+    world_size: int = 2
+    local_world_size: int | None = None
+    compute_device: ComputeDevice = "cuda"
+    hbm_cap_gib: float | None = None
+    ddr_cap_gib: float | None = None
+    intra_host_bandwidth_gib_s: float | None = None
+    inter_host_bandwidth_gib_s: float | None = None
+
+    def __post_init__(self) -> None:
+        w = self.world_size
+        _require(
+            isinstance(w, int) and 1 <= w <= 65536,
+            "topology.world_size",
+            w,
+            "an integer in [1, 65536]",
+        )
+        lw = self.local_world_size
+        _require(
+            lw is None or (isinstance(lw, int) and 1 <= lw <= w and w % lw == 0),
+            "topology.local_world_size",
+            lw,
+            f"null or a divisor of world_size={w}",
+        )
+        _check_literal("topology.compute_device", self.compute_device, ComputeDevice)
+        _positive_or_none("topology.hbm_cap_gib", self.hbm_cap_gib, 1 << 20)
+        _positive_or_none("topology.ddr_cap_gib", self.ddr_cap_gib, 1 << 20)
+        _positive_or_none(
+            "topology.intra_host_bandwidth_gib_s", self.intra_host_bandwidth_gib_s, 1e6
+        )
+        _positive_or_none(
+            "topology.inter_host_bandwidth_gib_s", self.inter_host_bandwidth_gib_s, 1e6
+        )
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the compression-aware planner prices the lossy codec.
+
+    Attributes:
+        global_batch_size: Samples per step over all ranks; null: TorchRec's default of 512 per
+            rank.
+        expected_ratio: Forward compression ratio (raw bytes / wire bytes) assumed for a table
+            without a calibrated or per-table ratio.
+        table_ratios: Per-table expected ratios by table name or glob (first match wins).
+        backward_ratio: Ratio assumed for the gradient traffic when ``comms.backward`` is
+            ``"lossy"``.
+        encode_gib_s: Codec encode throughput in GiB/s of raw input; null: the device default
+            (cuda 200, the paper's Huffman encoder; cpu 1.2, the numba encoder).
+        decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.1).
+        data_parallel: Let the planner replicate tables (TorchRec's data-parallel sharding) where
+            the gradient all-reduce is cheaper than any all-to-all.
+        drop_unprofitable: Send a table uncompressed when the codec is slower than the bytes it
+            saves (``1/ratio + bw/encode + bw/decode >= 1`` on the topology's all-to-all
+            bandwidth). Off: such tables stay compressed and the printed plan flags them.
+    """
+
+    global_batch_size: int | None = None
+    expected_ratio: float = 10.0
+    table_ratios: dict[str, float] = field(default_factory=dict)
+    backward_ratio: float = 4.0
+    encode_gib_s: float | None = None
+    decode_gib_s: float | None = None
+    data_parallel: bool = True
+    drop_unprofitable: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.global_batch_size
+        _require(
+            b is None or (isinstance(b, int) and 1 <= b <= 1 << 30),
+            "planner.global_batch_size",
+            b,
+            "null or an integer in [1, 1073741824]",
+        )
+        for key, r in [
+            ("planner.expected_ratio", self.expected_ratio),
+            ("planner.backward_ratio", self.backward_ratio),
+            *((f"planner.table_ratios.{k}", v) for k, v in self.table_ratios.items()),
+        ]:
+            _require(isinstance(r, (int, float)) and 0.5 <= r <= 10000.0, key, r, "[0.5, 10000]")
+        _positive_or_none("planner.encode_gib_s", self.encode_gib_s, 1e6)
+        _positive_or_none("planner.decode_gib_s", self.decode_gib_s, 1e6)
+
+    def ratio(self, table: str) -> float:
+        """The expected forward ratio of a table (first matching ``table_ratios`` glob).
+
+        Args:
+            table: Table name.
+
+        Returns:
+            The ratio.
+        """
+        for pattern, r in self.table_ratios.items():
+            if fnmatch.fnmatchcase(table, pattern):
+                return r
+        return self.expected_ratio
+
+
+@dataclass(frozen=True)
+class EmbeddingTableConfig:
+    """One embedding table of the model to plan (an ``EmbeddingBagConfig`` in TorchRec).
+
+    Attributes:
+        name: Table name (the key of per-table overrides).
+        num_embeddings: Rows.
+        embedding_dim: Columns.
+        feature_names: Features looked up in the table; empty: one feature named like the table.
+        pooling_factor: Mean ids per sample and feature (1 for Criteo's single-hot features).
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] = ()
+    pooling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name != "", "table.name", self.name, "a name")
+        where = f"table {self.name!r}: "
+        _require(
+            isinstance(self.num_embeddings, int) and 1 <= self.num_embeddings <= 1 << 40,
+            where + "num_embeddings",
+            self.num_embeddings,
+            "an integer in [1, 2**40]",
+        )
+        _require(
+            isinstance(self.embedding_dim, int) and 1 <= self.embedding_dim <= 65536,
+            where + "embedding_dim",
+            self.embedding_dim,
+            "an integer in [1, 65536]",
+        )
+        _require(
+            0.0 < self.pooling_factor <= 1e6,
+            where + "pooling_factor",
+            self.pooling_factor,
+            "(0, 1e6]",
+        )
+        object.__setattr__(self, "feature_names", tuple(self.feature_names))
+
+
+@dataclass(frozen=True)
+class LossyPlanConfig:
+    """The whole planner config file: comms settings, planner pricing, topology and tables.
+
+    Attributes:
+        comms: What the lossy sharder does (codec, bounds, overrides, adaptivity).
+        planner: How the planner prices the codec.
+        topology: Cluster facts.
+        embedding_tables: The tables to plan (the shipped Criteo configs list real sizes).
+    """
+
+    comms: LossyCommsConfig = field(default_factory=LossyCommsConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    embedding_tables: tuple[EmbeddingTableConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        tables = tuple(self.embedding_tables)
+        names = [t.name for t in tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _require(not dupes, "embedding_tables", dupes, "unique table names")
+        object.__setattr__(self, "embedding_tables", tables)

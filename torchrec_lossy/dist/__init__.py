@@ -1,0 +1,57 @@
+"""The TorchRec seam: compressed pooled-embedding all-to-all and the drop-in sharder.
+
+This subpackage is the only part of torchrec_lossy that imports ``torchrec.distributed``.
+"""
+
+from torchrec_lossy.dist.alltoall import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    LossyAllToAllError,
+    alltoall_pooled_lossy,
+)
+from torchrec_lossy.dist.comms import BoundProvider, LossyComms, StaticBounds
+from torchrec_lossy.dist.input_dist import (
+    LossyKJTAllToAll,
+    LossyTwSparseFeaturesDist,
+)
+from torchrec_lossy.dist.output_dist import (
+    LossyPooledEmbeddingsAllToAll,
+    LossyTwPooledEmbeddingDist,
+    pooled_layout,
+)
+from torchrec_lossy.dist.sharder import (
+    LossyEmbeddingBagCollectionSharder,
+    LossyShardedEmbeddingBagCollection,
+    lossy_stats,
+    step_lossy_bounds,
+)
+from torchrec_lossy.dist.sharding import (
+    LossyCwPooledEmbeddingSharding,
+    LossyTwCwPooledEmbeddingSharding,
+    LossyTwPooledEmbeddingSharding,
+)
+from torchrec_lossy.dist.stats import LossyCommsStats, TableCommStats
+
+__all__ = [
+    "BlockSpec",
+    "BoundProvider",
+    "LossyAll2AllPooledInfo",
+    "LossyAllToAllError",
+    "LossyComms",
+    "LossyCommsStats",
+    "LossyCwPooledEmbeddingSharding",
+    "LossyEmbeddingBagCollectionSharder",
+    "LossyKJTAllToAll",
+    "LossyPooledEmbeddingsAllToAll",
+    "LossyShardedEmbeddingBagCollection",
+    "LossyTwCwPooledEmbeddingSharding",
+    "LossyTwPooledEmbeddingDist",
+    "LossyTwPooledEmbeddingSharding",
+    "LossyTwSparseFeaturesDist",
+    "StaticBounds",
+    "TableCommStats",
+    "alltoall_pooled_lossy",
+    "lossy_stats",
+    "pooled_layout",
+    "step_lossy_bounds",
+]

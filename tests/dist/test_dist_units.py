@@ -1,0 +1,191 @@
+"""Single-process tests of the dist building blocks: blocks, payload framing, bounds, telemetry."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import pytest
+import torch
+
+from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
+from torchrec_lossy.dist import (
+    BlockSpec,
+    BoundProvider,
+    LossyAllToAllError,
+    LossyComms,
+    LossyCommsStats,
+    LossyEmbeddingBagCollectionSharder,
+    StaticBounds,
+)
+from torchrec_lossy.dist.alltoall import (
+    LossyAll2AllPooledInfo,
+    _abs_bounds,
+    _cut_block,
+    _decode_payloads,
+    _encode_payloads,
+    _join_blocks,
+)
+from torchrec_lossy.dist.sharder import _check_provider
+from torchrec_lossy.dist.stats import CONTAINER
+
+SPECS = (BlockSpec("a", 0, 2, 4), BlockSpec("b", 8, 1, 6), BlockSpec("c", 14, 3, 2))
+
+
+def _info(config: LossyCommsConfig, layout: list[tuple[BlockSpec, ...]]) -> LossyAll2AllPooledInfo:
+    comms = LossyComms(config=config, bounds=StaticBounds(["a", "b", "c"], config))
+    return LossyAll2AllPooledInfo(
+        batch_size_per_rank=[0] * len(layout),
+        layout=layout,
+        comms=comms,
+        compress=comms.compress_flags(["a", "b", "c"]),
+    )
+
+
+def test_cut_and_join_blocks_roundtrip() -> None:
+    x = torch.randn(7, 20)
+    blocks = [_cut_block(x, 2, 4, 0, s) for s in SPECS]
+    assert [tuple(b.shape) for b in blocks] == [(8, 4), (4, 6), (12, 2)]
+    # Rows of a block are whole embedding vectors: feature 1 of table a is columns 4..8.
+    assert torch.equal(blocks[0][4:8], x[2:6, 4:8])
+    assert torch.equal(torch.cat(_join_blocks(blocks, SPECS, 4), dim=1), x[2:6])
+
+
+def test_abs_bounds_relative_to_finite_range() -> None:
+    b = torch.tensor([[1.0, float("inf")], [float("nan"), 3.0]])
+    bounds = [ErrorBound("relative", 0.1), ErrorBound("absolute", 0.5), ErrorBound("relative", 0)]
+    got = _abs_bounds([b, b, b], bounds)
+    assert got == pytest.approx([0.2, 0.5, 0.0])
+    empty = torch.empty(0, 3)
+    assert _abs_bounds([empty], [ErrorBound("relative", 0.1)]) == [0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
+    config = LossyCommsConfig(
+        default_bound=ErrorBound("relative", 0.05),
+        tables={
+            "b": TableCodecConfig(compress=False),
+            "c": TableCodecConfig(bound=ErrorBound("absolute", 0.01)),
+        },
+    )
+    info = _info(config, [SPECS, SPECS])
+    info.dtype = dtype
+    rows = [5, 3]
+    x = torch.randn(sum(rows), 20).to(dtype)
+    x[0, 0] = float("nan")
+    sent = [[_cut_block(x, r0, n, 0, s) for s in SPECS] for r0, n in ((0, 5), (5, 3))]
+    payloads = _encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device)
+    recv = torch.cat(payloads)
+    got = _decode_payloads("fwd", recv, [p.numel() for p in payloads], [SPECS] * 2, rows, info, 0)
+    stats = info.comms.stats
+    assert stats.total("fwd").wire_bytes == recv.numel()
+    for blocks_in, blocks_out in zip(sent, got, strict=True):
+        for s, b_in, b_out in zip(SPECS, blocks_in, blocks_out, strict=True):
+            assert b_out.dtype == dtype and b_out.shape == b_in.shape
+            assert torch.equal(b_in.isnan(), b_out.isnan())
+            err = (b_in.float() - b_out.float()).nan_to_num().abs().max().item()
+            fin = b_in.float()[b_in.isfinite()]
+            bound = {"a": 0.05 * (fin.max() - fin.min()).item(), "b": 0.0, "c": 0.01}[s.table]
+            assert err <= bound * (1 + 1e-6), (s.table, err, bound)
+    b = stats.table("b", "fwd")  # raw, each block padded to 16 bytes
+    assert b.raw_bytes <= b.wire_bytes < b.raw_bytes + 16 * b.blocks and b.max_error == 0
+    assert stats.table("a", "fwd").max_error_over_bound <= 1.0
+    assert stats.table(CONTAINER, "fwd").wire_bytes > 0
+
+
+def test_corrupt_payload_error_names_rank_and_tables() -> None:
+    info = _info(LossyCommsConfig(), [SPECS])
+    x = torch.randn(4, 20)
+    payload = _encode_payloads(
+        "fwd", [[_cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], info, x.device
+    )[0]
+    bad = payload.clone()
+    bad[-3] ^= 0x5A
+    with pytest.raises(
+        LossyAllToAllError, match=r"on rank 2: the payload from rank 0 \(tables: a, b, c\)"
+    ):
+        _decode_payloads("fwd", bad, [bad.numel()], [SPECS], [4], info, 2)
+    with pytest.raises(LossyAllToAllError, match="truncated"):
+        _decode_payloads("fwd", payload[:0], [0], [SPECS], [4], info, 2)
+    raw_only = _info(LossyCommsConfig(tables={"*": TableCodecConfig(compress=False)}), [SPECS])
+    raw = _encode_payloads(
+        "fwd", [[_cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], raw_only, x.device
+    )[0]
+    with pytest.raises(
+        LossyAllToAllError, match="304 bytes received, expected exactly 320 bytes of raw blocks"
+    ):
+        _decode_payloads("fwd", raw[:-16], [raw.numel() - 16], [SPECS], [4], raw_only, 1)
+
+
+def test_stats_totals_time_shares_and_reset() -> None:
+    stats = LossyCommsStats()
+    stats.record_block("fwd", "a", 1000, 100, 0.01, 0.02)
+    stats.record_block("fwd", "a", 1000, 150, 0.03, 0.02)
+    stats.record_block("fwd", "b", 500, 500, 0.0, 0.0)
+    stats.record_container("fwd", 32)
+    stats.record_time("fwd", "encode", {"a": 3, "b": 1}, 4.0)
+    stats.record_max_error_lazy("bwd", "a", torch.tensor(0.5))
+    stats.record_max_error_lazy("bwd", "a", torch.tensor(0.25))
+    a = stats.table("a", "fwd")
+    assert (a.blocks, a.raw_bytes, a.wire_bytes) == (2, 2000, 250)
+    assert a.max_error == 0.03 and a.max_error_over_bound == pytest.approx(1.5)
+    assert a.encode_s == pytest.approx(3.0) and stats.table("b", "fwd").encode_s == 1.0
+    total = stats.total("fwd")
+    assert total.wire_bytes == 250 + 500 + 32 and total.raw_bytes == 2500
+    bwd = stats.table("a", "bwd")
+    assert bwd.max_error == 0.5 and math.isnan(bwd.max_error_over_bound)
+    assert "TOTAL" in stats.summary()
+    clone = copy.deepcopy(stats)  # sharded modules may be deep-copied (e.g. for EMA models)
+    assert clone.total("fwd") == stats.total("fwd")
+    assert [(d, t) for d, t, _ in stats] == [
+        ("fwd", CONTAINER),
+        ("fwd", "a"),
+        ("fwd", "b"),
+        ("bwd", "a"),
+    ]
+    stats.reset()
+    assert stats.total("fwd").wire_bytes == 0 and not stats.tables("bwd")
+
+
+def _providers() -> list[type]:
+    found: list[type] = [StaticBounds]
+    try:
+        from torchrec_lossy.adaptive import AdaptiveBounds
+    except ImportError:
+        pass
+    else:
+        found.append(AdaptiveBounds)
+    return found
+
+
+@pytest.mark.parametrize("cls", _providers(), ids=lambda c: c.__name__)
+def test_bound_providers_conform(cls: type) -> None:
+    config = LossyCommsConfig(tables={"t1": TableCodecConfig(bound=ErrorBound("absolute", 0.5))})
+    provider = cls(["t0", "t1"], config)
+    assert isinstance(provider, torch.nn.Module) and isinstance(provider, BoundProvider)
+    _check_provider(provider)
+    provider.eval()
+    assert provider.bound("t1") == ErrorBound("absolute", 0.5)
+    assert provider.bound("t0") == config.default_bound
+    provider.observe("t0", torch.randn(4, 8), 0.1)
+    provider.step()
+
+
+def test_bad_bound_provider_is_rejected() -> None:
+    with pytest.raises(TypeError, match="bound provider"):
+        _check_provider(object())
+
+
+def test_sharder_is_a_drop_in() -> None:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    base = inspect.signature(EmbeddingBagCollectionSharder.__init__).parameters
+    ours = inspect.signature(LossyEmbeddingBagCollectionSharder.__init__).parameters
+    assert list(base) == list(ours)[: len(base)]
+    sharder = LossyEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    assert isinstance(sharder, EmbeddingBagCollectionSharder)
+    assert sharder.comms_config == LossyCommsConfig()
+    assert sharder.sharding_types("cpu") == EmbeddingBagCollectionSharder().sharding_types("cpu")
+    assert sharder.stats() == {}

@@ -1,0 +1,133 @@
+"""Per-module state shared by the compressed dists: config, bound provider, telemetry, hooks.
+
+The error bound of every table comes from one small *bound provider* object. The default,
+:class:`StaticBounds`, returns the configured bound; an adaptive provider (``AdaptiveBounds`` in
+``torchrec_lossy.adaptive``) implements the same :class:`BoundProvider` protocol. The provider is
+registered as the ``lossy_bounds`` submodule of the sharded module, so its state is saved and
+loaded with the model's ``state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+from torchrec_lossy.dist.stats import Direction, LossyCommsStats
+
+
+@runtime_checkable
+class BoundProvider(Protocol):
+    """Where the dists get each table's forward error bound from.
+
+    Implementations are ``nn.Module`` subclasses constructed as ``cls(table_names, config)``.
+    """
+
+    def bound(self, table: str) -> ErrorBound:
+        """The bound to apply to ``table``'s next block.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            The effective bound now.
+        """
+        ...
+
+    def observe(self, table: str, block: torch.Tensor, abs_bound: float) -> None:
+        """Sender-side look at a block about to be encoded (for statistics).
+
+        Args:
+            table: Table name.
+            block: The block (rows = pooled embedding vectors); do not modify it.
+            abs_bound: The absolute bound it is encoded with.
+        """
+        ...
+
+    def step(self) -> None:
+        """Marks the end of one training iteration."""
+        ...
+
+
+BoundProviderFactory = Callable[[list[str], LossyCommsConfig], nn.Module]
+
+
+class StaticBounds(nn.Module):
+    """The default provider: each table's configured bound, unchanged over training.
+
+    Args:
+        table_names: Tables of the sharded module.
+        config: The comms config; ``config.table(name).bound`` is returned.
+    """
+
+    def __init__(self, table_names: list[str], config: LossyCommsConfig) -> None:
+        super().__init__()
+        self._config = config
+        self._bounds: dict[str, ErrorBound] = {}
+        for name in table_names:
+            self.bound(name)
+
+    def bound(self, table: str) -> ErrorBound:
+        """The configured bound of ``table``.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its bound.
+        """
+        found = self._bounds.get(table)
+        if found is None:
+            found = self._config.table(table).bound
+            assert found is not None  # LossyCommsConfig.table() always sets it
+            self._bounds[table] = found
+        return found
+
+    def observe(self, table: str, block: torch.Tensor, abs_bound: float) -> None:
+        """Does nothing: static bounds need no statistics.
+
+        Args:
+            table: Table name.
+            block: The block about to be encoded.
+            abs_bound: Its absolute bound.
+        """
+
+    def step(self) -> None:
+        """Does nothing: static bounds do not decay."""
+
+
+PayloadHook = Callable[[Direction, int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LossyComms:
+    """State one sharded module's compressed dists share (a plain object, not a module).
+
+    Attributes:
+        config: The comms config.
+        bounds: The bound provider (also registered as the module's ``lossy_bounds``).
+        stats: Telemetry.
+        payload_hook: Called on every received payload before it is decoded, as
+            ``hook(direction, source_rank, payload) -> payload``; for fault injection in tests
+            and for debugging. None in normal use.
+    """
+
+    config: LossyCommsConfig
+    bounds: BoundProvider
+    stats: LossyCommsStats = field(default_factory=LossyCommsStats)
+    payload_hook: PayloadHook | None = None
+
+    def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
+        """Whether each table's blocks go through the codec (else raw), in both directions.
+
+        Args:
+            tables: Table names.
+
+        Returns:
+            Table name to flag.
+        """
+        return {t: self.config.table(t).compress for t in tables}

@@ -1,0 +1,853 @@
+"""Lossless, bit-packed KJT all-to-all for the TW, CW and TWCW input dist.
+
+TorchRec's ``KJTAllToAll`` sends every rank's ``KeyedJaggedTensor`` (lengths, ids, optional
+weights) to the owners of the features' tables as int64/int32 tensors, after a splits exchange.
+:class:`LossyKJTAllToAll` does the same exchange in the same two steps, on packed words:
+
+1. Encode (sender, at ``forward``): one pass of per-feature reductions (length sum / max / min,
+   id max / min and, with deduplication, the distinct-id count) read on the host in one
+   ``tolist()`` (TorchRec's ``dist_splits`` reads ``length_per_key`` at the same point). Each
+   feature's lengths are packed to the bits of its largest length, its ids to the bits of its
+   largest id (never more than its table needs). With ``dedupe`` a feature sends its distinct
+   ids once plus an inverse index wherever that is fewer bits. Weights follow raw (or cast to
+   fp16/bf16 only if asked).
+2. Splits exchange: per destination, a few int64 words of metadata (payload size, batch size,
+   dtypes, per feature: bit widths, value count, distinct count) in one ``all_to_all_single``,
+   read on the host on the first ``wait()``, as TorchRec's ``SplitsAllToAllAwaitable``.
+3. Payload exchange: one ``all_to_all_single`` of int32 words with uneven splits, async.
+4. Decode (receiver, on the second ``wait()``): unpack, expand deduplicated ids and build the
+   KJT with ``KeyedJaggedTensor.dist_init`` from the same tensors, recat and strides TorchRec's
+   ``KJTAllToAllTensorsAwaitable`` uses, so the result is bit-identical.
+
+Packing uses vectorized torch ops only (``index_add_`` of shifted 32-bit fields into int64
+accumulators), so it runs where the KJT lives, CPU or CUDA; nothing is staged through host
+memory except the small per-feature statistics and the metadata. On CUDA ``torch.unique``-like
+steps of the deduplication (masked selects) wait for the device once more; set
+``InputDistConfig.dedupe=False`` for exactly TorchRec's host syncs.
+
+Variable batch per feature (VBE) inputs, 2-D weights and single-rank groups fall back to
+TorchRec's ``KJTAllToAll``, and so does every input dist under ``TrainPipelineSparseDist``, which
+replaces the ``forward`` of each ``KJTAllToAll`` by its own fused-splits path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, _get_recat
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy.dist.alltoall import LossyAllToAllError
+from torchrec_lossy.dist.comms import LossyComms
+
+# Pseudo-feature that holds the metadata exchange's bytes (raw: TorchRec's splits exchange).
+SPLITS = "<splits>"
+
+_WORD_BITS = 32
+_MASK32 = (1 << 32) - 1
+_HEADER = 3  # metadata words per destination: payload words, batch size, dtype codes
+_PER_FEATURE = 3  # metadata words per feature: widths and mode, value count, distinct count
+_DTYPES: tuple[torch.dtype | None, ...] = (
+    None,
+    torch.int32,
+    torch.int64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+)
+_CODES: dict[torch.dtype | None, int] = {d: i for i, d in enumerate(_DTYPES)}
+_WEIGHT_CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing.
+
+
+def _field_widths(width: int) -> list[int]:
+    """Section widths of a field of ``width``-bit values: none, one, or a low and a high part."""
+    if width == 0:
+        return []
+    return [width] if width <= _WORD_BITS else [_WORD_BITS, width - _WORD_BITS]
+
+
+def _field_parts(v: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """The sections of one field: values of up to 64 bits travel as two <=32-bit parts."""
+    if width == 0:
+        return []
+    return [v] if width <= _WORD_BITS else [v & _MASK32, v >> _WORD_BITS]
+
+
+def _join_field(parts: Sequence[torch.Tensor], count: int, device: torch.device) -> torch.Tensor:
+    """Inverse of :func:`_field_parts`."""
+    if not parts:
+        return torch.zeros(count, dtype=torch.int64, device=device)
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0] | (parts[1] << _WORD_BITS)
+
+
+@dataclass
+class _Layout:
+    """Bit positions of a sequence of packed sections (host lists, built identically on both ends).
+
+    Attributes:
+        counts: Elements per section.
+        widths: Bits per element of each section (1..32).
+        starts: First bit of each section in the whole buffer.
+    """
+
+    counts: list[int]
+    widths: list[int]
+    starts: list[int]
+
+    def positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element, its width and its first bit (int64 tensors on ``device``)."""
+        total = sum(self.counts)
+        counts = torch.tensor(self.counts, dtype=torch.int64)
+        sec = torch.repeat_interleave(torch.arange(len(self.counts)), counts, output_size=total)
+        first = torch.tensor(
+            list(itertools.accumulate(self.counts, initial=0))[:-1], dtype=torch.int64
+        )
+        widths = torch.tensor(self.widths, dtype=torch.int64)
+        pos = (
+            torch.tensor(self.starts, dtype=torch.int64)[sec]
+            + (torch.arange(total) - first[sec]) * widths[sec]
+        )
+        return widths[sec].to(device), pos.to(device)
+
+
+def pack_bits(
+    values: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor, num_words: int
+) -> torch.Tensor:
+    """Packs each value into ``widths[i]`` bits at bit ``positions[i]`` of an int32 word buffer.
+
+    Fields must not overlap and each value must fit its width (at most 32 bits). Bits are
+    little-endian within a word; a field may straddle two words.
+
+    Args:
+        values: int64 values in ``[0, 2**widths)``.
+        widths: int64 widths, 1..32.
+        positions: int64 first bit of each field.
+        num_words: Words of the output.
+
+    Returns:
+        int32 tensor ``[num_words]`` on the values' device.
+    """
+    acc = torch.zeros(num_words + 1, dtype=torch.int64, device=values.device)
+    if values.numel():
+        word = positions >> 5
+        off = positions & 31
+        # Fields do not overlap, so adding the shifted pieces is the same as OR-ing them.
+        acc.index_add_(0, word, (values << off) & _MASK32)
+        acc.index_add_(0, word + 1, values >> (_WORD_BITS - off))
+    acc = acc[:num_words]
+    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)
+
+
+def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`.
+
+    Args:
+        words: int32 word buffer.
+        widths: int64 widths, 1..32.
+        positions: int64 first bit of each field.
+
+    Returns:
+        int64 values.
+    """
+    u = torch.cat([words.to(torch.int64) & _MASK32, words.new_zeros(1, dtype=torch.int64)])
+    word = positions >> 5
+    off = positions & 31
+    lo = u[word] >> off
+    # Only the next word's low ``off`` bits belong to the field: masking first avoids overflow.
+    hi = (u[word + 1] & ((1 << off) - 1)) << (_WORD_BITS - off)
+    return (lo | hi) & ((1 << widths) - 1)
+
+
+def _bit_length(x: int) -> int:
+    return int(x).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-feature format.
+
+
+@dataclass(frozen=True)
+class _FeatureMeta:
+    """What the receiver needs to unpack one feature from one source.
+
+    Attributes:
+        len_bits: Bits per length.
+        id_bits: Bits per id (of the distinct ids when deduplicated).
+        dedupe: Ids travel as distinct ids plus an inverse index.
+        num_ids: Ids (values) of the feature.
+        num_unique: Distinct ids (0 when not deduplicated).
+    """
+
+    len_bits: int
+    id_bits: int
+    dedupe: bool
+    num_ids: int
+    num_unique: int
+
+    @property
+    def inv_bits(self) -> int:
+        """Bits per inverse-index entry."""
+        return _bit_length(self.num_unique - 1) if self.num_unique else 0
+
+    def words(self) -> list[int]:
+        """The feature's metadata words."""
+        mode = self.len_bits | (self.id_bits << 8) | (int(self.dedupe) << 16)
+        return [mode, self.num_ids, self.num_unique]
+
+    @staticmethod
+    def from_words(w: Sequence[int]) -> _FeatureMeta:
+        """Inverse of :meth:`words`."""
+        return _FeatureMeta(w[0] & 0xFF, (w[0] >> 8) & 0xFF, bool(w[0] >> 16 & 1), w[1], w[2])
+
+    def fields(self, batch: int) -> list[tuple[str, int, int]]:
+        """Its packed fields in order: ``(name, count, width)``."""
+        out = [("lengths", batch, self.len_bits)]
+        if self.dedupe:
+            out += [
+                ("unique", self.num_unique, self.id_bits),
+                ("inverse", self.num_ids, self.inv_bits),
+            ]
+        else:
+            out.append(("ids", self.num_ids, self.id_bits))
+        return out
+
+    def packed_bits(self, batch: int) -> int:
+        """Bits the feature's lengths and ids take."""
+        return sum(n * w for _, n, w in self.fields(batch))
+
+
+def _weight_words(num: int, dtype: torch.dtype) -> int:
+    return -(-num * torch.empty(0, dtype=dtype).element_size() // 4)
+
+
+def _words_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as int32 words (zero-padded to a multiple of 4 bytes)."""
+    b = t.contiguous().view(-1).view(torch.uint8)
+    pad = -b.numel() % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return b.view(torch.int32)
+
+
+def _payload_words(metas: Sequence[_FeatureMeta], batch: int, weights: torch.dtype | None) -> int:
+    bits = sum(m.packed_bits(batch) for m in metas)
+    packed = -(-bits // _WORD_BITS)
+    n = sum(m.num_ids for m in metas)
+    return packed + (_weight_words(n, weights) if weights is not None else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode.
+
+
+@dataclass
+class _Encoded:
+    send: torch.Tensor  # int32 words, the payloads in destination order
+    send_words: list[int]
+    meta: torch.Tensor  # int64 metadata, destinations in order
+    meta_splits: list[int]
+    num_ids_per_dest: list[int]
+
+
+def _feature_stats(
+    lengths: torch.Tensor, values: torch.Tensor, num_features: int, batch: int, dedupe: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-feature statistics in one tensor (read once on the host), plus dedupe helpers.
+
+    Args:
+        lengths: The KJT's lengths, ``[F * batch]``.
+        values: Its ids.
+        num_features: F.
+        batch: Its stride.
+        dedupe: Also count distinct ids and keep the sort that found them.
+
+    Returns:
+        ``stats [F, 6]`` (length sum, max, min; id max, min; distinct ids), the feature of every
+        id, and with dedupe a ``[2, N]`` tensor: the (feature, id) sort order and the mask of
+        first occurrences in that order (None without dedupe).
+    """
+    dev = values.device
+    lens = lengths.view(num_features, batch).to(torch.int64)
+    zeros = torch.zeros(num_features, dtype=torch.int64, device=dev)
+    if batch:
+        len_sum, len_max, len_min = lens.sum(1), lens.amax(1), lens.amin(1)
+    else:
+        len_sum, len_max, len_min = zeros, zeros, zeros
+    v = values.to(torch.int64)
+    seg = torch.repeat_interleave(
+        torch.arange(num_features, device=dev), len_sum, output_size=v.numel()
+    )
+    id_max = zeros.scatter_reduce(0, seg, v, "amax", include_self=False)
+    id_min = zeros.scatter_reduce(0, seg, v, "amin", include_self=False)
+    num_unique = zeros
+    dd = None
+    if dedupe:
+        # Lexicographic (feature, id) order: stable sort by id, then stable by feature.
+        order = torch.sort(v, stable=True).indices
+        order = order[torch.sort(seg[order], stable=True).indices]
+        sv, ss = v[order], seg[order]
+        new = torch.ones_like(sv, dtype=torch.bool)
+        new[1:] = (sv[1:] != sv[:-1]) | (ss[1:] != ss[:-1])
+        num_unique = zeros.scatter_add(0, ss, new.to(torch.int64))
+        dd = torch.stack([order, new.to(torch.int64)])
+    stats = torch.stack([len_sum, len_max, len_min, id_max, id_min, num_unique], dim=1)
+    return stats, seg, dd
+
+
+def _encode(
+    kjt: KeyedJaggedTensor,
+    splits: Sequence[int],
+    comms: LossyComms,
+) -> _Encoded:
+    """Packs one rank's KJT for every destination (features ordered by destination)."""
+    config = comms.config.input_dist
+    stats_obj = comms.stats
+    keys = kjt.keys()
+    num_f, batch = len(keys), kjt.stride()
+    lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
+    dev = values.device
+    start = time.perf_counter()
+    with record_function("## lossy_input stats ##"):
+        stats_t, seg, dd = _feature_stats(lengths, values, num_f, batch, config.dedupe)
+        stats = stats_t.tolist()  # the one host read of the encoder
+    for key, (_, _, len_min, _, id_min, _) in zip(keys, stats, strict=True):
+        if len_min < 0 or id_min < 0:
+            raise ValueError(
+                f"lossy input dist: feature {key!r} has a negative "
+                f"{'length' if len_min < 0 else 'id'}; KJT lengths and ids must be >= 0"
+            )
+    wire_w = None
+    if weights is not None:
+        wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
+
+    with record_function("## lossy_input encode ##"):
+        metas: list[_FeatureMeta] = []
+        for len_sum, len_max, _, id_max, _, uniq in stats:
+            id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
+            inv_bits = _bit_length(uniq - 1) if uniq else 0
+            # Deduplicate only where distinct ids + inverse index take fewer bits.
+            dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
+            metas.append(_FeatureMeta(len_bits, id_bits, dedupe, len_sum, uniq if dedupe else 0))
+
+        v = values.to(torch.int64)
+        lens = lengths.to(torch.int64)
+        val_off = list(itertools.accumulate((m.num_ids for m in metas), initial=0))
+        inverse = uniques = None
+        uniq_off: list[int] = []
+        if any(m.dedupe for m in metas):
+            assert dd is not None
+            order, new = dd[0], dd[1]
+            rank_sorted = torch.cumsum(new, 0) - 1  # global distinct index of each sorted id
+            inverse = torch.empty_like(rank_sorted)
+            inverse[order] = rank_sorted
+            all_uniq = [s[5] for s in stats]
+            uniq_off = list(itertools.accumulate(all_uniq, initial=0))
+            starts = torch.tensor(uniq_off[:-1], dtype=torch.int64, device=dev)
+            inverse = inverse - starts[seg]
+            uniques = v[order][new.bool()]
+
+        feat_off = list(itertools.accumulate(splits, initial=0))
+        counts: list[int] = []
+        widths: list[int] = []
+        bit_starts: list[int] = []
+        parts: list[torch.Tensor] = []
+        send_words: list[int] = []
+        weight_slots: list[tuple[int, int, int]] = []  # (word offset, first id, ids)
+        word0 = 0
+        for d in range(len(splits)):
+            f0, f1 = feat_off[d], feat_off[d + 1]
+            bit = word0 * _WORD_BITS
+            for f in range(f0, f1):
+                m = metas[f]
+                a, b = val_off[f], val_off[f + 1]
+                for name, n, w in m.fields(batch):
+                    if n == 0 or w == 0:
+                        continue
+                    if name == "lengths":
+                        t = lens[f * batch : (f + 1) * batch]
+                    elif name == "ids":
+                        t = v[a:b]
+                    elif name == "unique":
+                        assert uniques is not None
+                        t = uniques[uniq_off[f] : uniq_off[f + 1]]
+                    else:
+                        assert inverse is not None
+                        t = inverse[a:b]
+                    for part, pw in zip(_field_parts(t, w), _field_widths(w), strict=True):
+                        counts.append(n)
+                        widths.append(pw)
+                        bit_starts.append(bit)
+                        parts.append(part)
+                        bit += n * pw
+            packed_words = -(-(bit - word0 * _WORD_BITS) // _WORD_BITS)
+            n_ids = val_off[f1] - val_off[f0]
+            words = packed_words
+            if wire_w is not None:
+                weight_slots.append((word0 + packed_words, val_off[f0], n_ids))
+                words += _weight_words(n_ids, wire_w)
+            send_words.append(words)
+            word0 += words
+
+        layout = _Layout(counts, widths, bit_starts)
+        w_t, p_t = layout.positions(dev)
+        flat = torch.cat(parts) if parts else v.new_empty(0)
+        send = pack_bits(flat, w_t, p_t, word0)
+        if weights is not None:
+            assert wire_w is not None
+            for at, first, n in weight_slots:
+                ww = _words_of(weights[first : first + n].to(wire_w))
+                send[at : at + ww.numel()] = ww
+
+        codes = (
+            _CODES[lengths.dtype]
+            | _CODES[values.dtype] << 8
+            | _CODES[weights.dtype if weights is not None else None] << 16
+            | _CODES[wire_w] << 24
+        )
+        meta_rows: list[int] = []
+        meta_splits: list[int] = []
+        for d in range(len(splits)):
+            fs = metas[feat_off[d] : feat_off[d + 1]]
+            row = [send_words[d], batch, codes] + [w for m in fs for w in m.words()]
+            meta_rows += row
+            meta_splits.append(len(row))
+        meta = torch.tensor(meta_rows, dtype=torch.int64, device=dev)
+
+    _record_encode(kjt, metas, batch, splits, send_words, wire_w, stats, config.dedupe, comms)
+    shares = {
+        k: batch * lengths.element_size() + m.num_ids * values.element_size()
+        for k, m in zip(keys, metas, strict=True)
+    }
+    stats_obj.record_time("input", "encode", shares, time.perf_counter() - start)
+    return _Encoded(
+        send=send,
+        send_words=send_words,
+        meta=meta,
+        meta_splits=meta_splits,
+        num_ids_per_dest=[
+            val_off[feat_off[d + 1]] - val_off[feat_off[d]] for d in range(len(splits))
+        ],
+    )
+
+
+def _record_encode(
+    kjt: KeyedJaggedTensor,
+    metas: Sequence[_FeatureMeta],
+    batch: int,
+    splits: Sequence[int],
+    send_words: Sequence[int],
+    wire_w: torch.dtype | None,
+    stats: Sequence[Sequence[int]],
+    dedupe: bool,
+    comms: LossyComms,
+) -> None:
+    """Telemetry: raw (TorchRec's tensors) vs wire bytes per feature, padding, metadata, repeats."""
+    s = comms.stats
+    keys = kjt.keys()
+    weights = kjt.weights_or_none()
+    len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
+    w_e = weights.element_size() if weights is not None else 0
+    wire_e = torch.empty(0, dtype=wire_w).element_size() if wire_w is not None else 0
+    feature_wire = 0
+    for key, m, st in zip(keys, metas, stats, strict=True):
+        raw = batch * len_e + m.num_ids * (val_e + w_e)
+        wire = m.packed_bits(batch) // 8 + m.num_ids * wire_e
+        feature_wire += wire
+        s.record_block("input", key, raw, wire, 0.0, 0.0)
+        if dedupe:
+            s.record_ids("input", key, m.num_ids, m.num_ids - st[5])
+    # Word padding of the payloads belongs to no feature.
+    s.record_container("input", 4 * sum(send_words) - feature_wire)
+    # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride).
+    torchrec_rows = 3 + (weights is not None)
+    meta_rows = sum(_HEADER + _PER_FEATURE * n for n in splits)
+    s.record_block("input", SPLITS, 8 * torchrec_rows * len(splits), 8 * meta_rows, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode.
+
+
+def _decode(
+    recv: torch.Tensor,
+    recv_words: Sequence[int],
+    metas_per_src: Sequence[Sequence[_FeatureMeta]],
+    batch_per_src: Sequence[int],
+    codes: Sequence[int],
+    keys: Sequence[str],
+    my_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Unpacks every source's payload into TorchRec's (lengths, values, weights) output tensors."""
+    dev = recv.device
+    counts: list[int] = []
+    widths: list[int] = []
+    bit_starts: list[int] = []
+    # Per source, per feature, per field: the indices of its sections in the layout.
+    index: list[list[dict[str, list[int]]]] = []
+    weight_slots: list[tuple[int, int]] = []
+    word_offsets = list(itertools.accumulate(recv_words, initial=0))
+    wire_w = _DTYPES[codes[0] >> 24 & 0xFF] if codes else None
+    if any(c != codes[0] for c in codes):
+        raise LossyAllToAllError(
+            f"lossy input dist on rank {my_rank}: source ranks sent KJTs of different dtypes "
+            f"(codes {codes}); every rank must feed the same lengths/values/weights dtypes"
+        )
+
+    def fail(src: int, why: str) -> NoReturn:
+        raise LossyAllToAllError(
+            f"lossy input dist on rank {my_rank}: the KJT payload from rank {src} (features: "
+            f"{', '.join(keys) or 'none'}) does not match its metadata: {why}. The ranks run "
+            "different torchrec_lossy versions or sharding plans, or the bytes were corrupted."
+        )
+
+    for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
+        bit = word_offsets[src] * _WORD_BITS
+        per_feature = []
+        for m in metas:
+            fields: dict[str, list[int]] = {}
+            for name, n, w in m.fields(batch):
+                fields[name] = []
+                if n == 0 or w == 0:
+                    continue
+                for pw in _field_widths(w):
+                    fields[name].append(len(counts))
+                    counts.append(n)
+                    widths.append(pw)
+                    bit_starts.append(bit)
+                    bit += n * pw
+            per_feature.append(fields)
+        index.append(per_feature)
+        packed = -(-(bit - word_offsets[src] * _WORD_BITS) // _WORD_BITS)
+        n_ids = sum(m.num_ids for m in metas)
+        expected = packed
+        if wire_w is not None:
+            weight_slots.append((word_offsets[src] + packed, n_ids))
+            expected += _weight_words(n_ids, wire_w)
+        if expected != recv_words[src]:
+            fail(src, f"{recv_words[src]} words received, {expected} expected")
+
+    w_t, p_t = _Layout(counts, widths, bit_starts).positions(dev)
+    flat = unpack_bits(recv, w_t, p_t)
+    sections = list(torch.split(flat, counts)) if counts else []
+
+    len_dtype = _DTYPES[codes[0] & 0xFF] if codes else torch.int64
+    val_dtype = _DTYPES[codes[0] >> 8 & 0xFF] if codes else torch.int64
+    w_dtype = _DTYPES[codes[0] >> 16 & 0xFF] if codes else None
+    lengths: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+    for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
+        for m, fields in zip(metas, index[src], strict=True):
+
+            def field(name: str, n: int, fields: dict[str, list[int]] = fields) -> torch.Tensor:
+                return _join_field([sections[i] for i in fields[name]], n, dev)
+
+            lengths.append(field("lengths", batch))
+            if m.dedupe:
+                values.append(field("unique", m.num_unique)[field("inverse", m.num_ids)])
+            else:
+                values.append(field("ids", m.num_ids))
+        if wire_w is not None:
+            at, n = weight_slots[src]
+            nw = _weight_words(n, wire_w)
+            raw = recv[at : at + nw].view(torch.uint8).clone()  # aligned for any dtype
+            esize = torch.empty(0, dtype=wire_w).element_size()
+            weights.append(raw[: n * esize].view(wire_w))
+    assert len_dtype is not None and val_dtype is not None
+    out_lengths = (
+        torch.cat(lengths).to(len_dtype) if lengths else recv.new_empty(0, dtype=len_dtype)
+    )
+    out_values = torch.cat(values).to(val_dtype) if values else recv.new_empty(0, dtype=val_dtype)
+    out_weights = None
+    if w_dtype is not None:
+        out_weights = (
+            torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
+        )
+    return out_lengths, out_values, out_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Awaitables and modules.
+
+
+class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
+    """Second step: waits for the packed payloads and decodes them into the local KJT.
+
+    A ``KJTAllToAllTensorsAwaitable`` (TorchRec's sharding contexts read its ``_stride_per_rank``
+    and ``_recat``), but its collectives were launched by :class:`LossyKJTAllToAllSplitsAwaitable`.
+
+    Args:
+        pg: Process group.
+        input: The sender's KJT.
+        splits: Features per destination rank.
+        keys: Local keys after the all-to-all.
+        recv: Receive buffer (int32 words) of the payload exchange.
+        recv_words: Words from each source.
+        work: The payload exchange.
+        metas_per_src: Per source, per local feature, its format.
+        stride_per_rank: Batch size of every source.
+        codes: Per source, its dtype codes.
+        input_splits: Ids sent to each rank (TorchRec's ``values`` splits).
+        output_splits: Ids received from each rank.
+        comms: Shared state (telemetry).
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        input: KeyedJaggedTensor,
+        splits: list[int],
+        keys: list[str],
+        recv: torch.Tensor,
+        recv_words: list[int],
+        work: dist.Work | None,
+        metas_per_src: list[list[_FeatureMeta]],
+        stride_per_rank: list[int],
+        codes: list[int],
+        input_splits: list[int],
+        output_splits: list[int],
+        comms: LossyComms,
+    ) -> None:
+        Awaitable.__init__(self)  # no TorchRec collectives: only its attributes
+        self._workers = pg.size()
+        self._pg = pg
+        self._device = recv.device
+        self._input = input
+        self._splits = splits
+        self._keys = keys
+        self._stagger = 1
+        self._stride_per_rank = stride_per_rank
+        self._input_splits = {"values": input_splits}
+        self._output_splits = {"values": output_splits}
+        self._recat = _get_recat(
+            local_split=splits[pg.rank()],
+            num_splits=len(splits),
+            stagger=1,
+            device=recv.device,
+            batch_size_per_rank=stride_per_rank,
+        )
+        self._recv = recv
+        self._recv_words = recv_words
+        self._work = work
+        self._metas_per_src = metas_per_src
+        self._codes = codes
+        self._comms = comms
+
+    def clear_inputs(self) -> int:
+        """Waits for the exchange; the sender's packed words are already the only copy.
+
+        Returns:
+            0: the input KJT's storage is left to its owner.
+        """
+        if self._work is not None:
+            self._work.wait()
+        return 0
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        if self._work is not None:
+            with record_function("## lossy_input payload wait ##"):
+                self._work.wait()
+        start = time.perf_counter()
+        # comms.payload_hook is not called here: it is defined on the lossy fwd/bwd payloads.
+        recv = self._recv
+        with record_function("## lossy_input decode ##"):
+            tensors = _decode(
+                recv,
+                self._recv_words,
+                self._metas_per_src,
+                self._stride_per_rank,
+                self._codes,
+                self._keys,
+                self._pg.rank(),
+            )
+        lengths, values, weights = tensors
+        shares = {k: 1 for k in self._keys}
+        self._comms.stats.record_time("input", "decode", shares, time.perf_counter() - start)
+        return KeyedJaggedTensor.dist_init(
+            keys=self._keys,
+            tensors=[lengths, values] + ([weights] if weights is not None else []),
+            variable_stride_per_key=False,
+            num_workers=self._workers,
+            recat=self._recat,
+            stride_per_rank=self._stride_per_rank,
+            stagger=1,
+        )
+
+
+class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
+    """First step: encodes and exchanges the metadata; its wait launches the payload exchange.
+
+    Args:
+        pg: Process group.
+        input: This rank's KJT, features ordered by destination.
+        splits: Features per destination rank.
+        keys: Local keys after the all-to-all.
+        comms: Shared config and telemetry.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        input: KeyedJaggedTensor,
+        splits: list[int],
+        keys: list[str],
+        comms: LossyComms,
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._input = input
+        self._splits = splits
+        self._keys = keys
+        self._comms = comms
+        self._enc = _encode(input, splits, comms)
+        world = pg.size()
+        self._recv_meta_splits = [_HEADER + _PER_FEATURE * len(keys)] * world
+        self._recv_meta = torch.empty(
+            sum(self._recv_meta_splits), dtype=torch.int64, device=self._enc.meta.device
+        )
+        with record_function("## lossy_input splits ##"):
+            self._meta_work = dist.all_to_all_single(
+                self._recv_meta,
+                self._enc.meta,
+                self._recv_meta_splits,
+                self._enc.meta_splits,
+                group=pg,
+                async_op=True,
+            )
+
+    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+        with record_function("## lossy_input splits ##"):
+            self._meta_work.wait()
+            meta = self._recv_meta.tolist()  # the host read of the splits exchange
+        n = _HEADER + _PER_FEATURE * len(self._keys)
+        recv_words, strides, codes, metas_per_src, output_splits = [], [], [], [], []
+        for src in range(self._pg.size()):
+            row = meta[src * n : (src + 1) * n]
+            recv_words.append(row[0])
+            strides.append(row[1])
+            codes.append(row[2])
+            fm = [
+                _FeatureMeta.from_words(
+                    row[_HEADER + i * _PER_FEATURE : _HEADER + (i + 1) * _PER_FEATURE]
+                )
+                for i in range(len(self._keys))
+            ]
+            metas_per_src.append(fm)
+            output_splits.append(sum(m.num_ids for m in fm))
+        send = self._enc.send
+        recv = torch.empty(sum(recv_words), dtype=torch.int32, device=send.device)
+        with record_function("## lossy_input payload ##"):
+            work = dist.all_to_all_single(
+                recv, send, recv_words, self._enc.send_words, group=self._pg, async_op=True
+            )
+        return LossyKJTAllToAllTensorsAwaitable(
+            pg=self._pg,
+            input=self._input,
+            splits=self._splits,
+            keys=self._keys,
+            recv=recv,
+            recv_words=recv_words,
+            work=work,
+            metas_per_src=metas_per_src,
+            stride_per_rank=strides,
+            codes=codes,
+            input_splits=self._enc.num_ids_per_dest,
+            output_splits=output_splits,
+            comms=self._comms,
+        )
+
+
+class LossyKJTAllToAll(KJTAllToAll):
+    """Drop-in for TorchRec's ``KJTAllToAll`` with bit-packed, optionally deduplicated ids.
+
+    A ``KJTAllToAll`` subclass: TorchRec's ``TrainPipelineSparseDist`` fuses the splits
+    exchanges of all input dists by replacing each ``KJTAllToAll``'s ``forward`` with its own;
+    under such a pipeline the input dist is therefore TorchRec's, uncompressed (still exact).
+
+    Args:
+        pg: Process group.
+        splits: Features sent to each rank (the input KJT is ordered by destination).
+        comms: Shared config (``config.input_dist``) and telemetry.
+
+    Example::
+
+        a2a = LossyKJTAllToAll(pg, splits=[2, 1], comms=comms)
+        kjt = a2a(local_kjt).wait().wait()  # bit-identical to KJTAllToAll's result
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, splits: list[int], comms: LossyComms) -> None:
+        if len(splits) != pg.size():
+            raise ValueError(f"{len(splits)} splits for a process group of {pg.size()} ranks")
+        super().__init__(pg, list(splits))
+        self._comms = comms
+
+    def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+        """Sends each rank its features, packed.
+
+        Args:
+            input: KJT whose keys are ordered by destination rank.
+
+        Returns:
+            Awaitable of an awaitable of the local KJT (as ``KJTAllToAll``).
+        """
+        weights = input.weights_or_none()
+        if (
+            self._pg.size() == 1
+            or input.variable_stride_per_key()
+            or (weights is not None and weights.dim() != 1)
+        ):
+            return super().forward(input)
+        with torch.no_grad():
+            if len(input.keys()) != self._splits_cumsum[-1]:
+                raise ValueError(
+                    f"KJT has {len(input.keys())} keys, the splits {self._splits} "
+                    f"{self._splits_cumsum[-1]}"
+                )
+            rank = self._pg.rank()
+            keys = input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]]
+            return LossyKJTAllToAllSplitsAwaitable(self._pg, input, self._splits, keys, self._comms)
+
+
+class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """``TwSparseFeaturesDist`` (also used by CW and TWCW) over :class:`LossyKJTAllToAll`.
+
+    Args:
+        pg: Process group.
+        features_per_rank: Features sent to each rank.
+        comms: Shared state of the sharded module.
+    """
+
+    def __init__(
+        self, pg: dist.ProcessGroup, features_per_rank: list[int], comms: LossyComms
+    ) -> None:
+        super().__init__()
+        self._dist = LossyKJTAllToAll(pg, features_per_rank, comms)
+
+    def forward(
+        self, sparse_features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Packed all-to-all of the sparse features.
+
+        Args:
+            sparse_features: Features ordered by destination rank.
+
+        Returns:
+            Awaitable of an awaitable of the local KJT.
+        """
+        return self._dist(sparse_features)

@@ -1,0 +1,201 @@
+"""Compressed pooled-embedding output dist for table-wise, column-wise and table-column-wise shards.
+
+:class:`LossyPooledEmbeddingsAllToAll` is the drop-in for TorchRec's ``PooledEmbeddingsAllToAll``
+(same call, same result shape), and :class:`LossyTwPooledEmbeddingDist` is a
+``TwPooledEmbeddingDist`` that creates it instead of TorchRec's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable
+from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
+
+from torchrec_lossy.dist.alltoall import BlockSpec, LossyAll2AllPooledInfo, alltoall_pooled_lossy
+from torchrec_lossy.dist.comms import LossyComms
+
+
+def pooled_layout(
+    grouped_configs_per_rank: Sequence[Sequence[GroupedEmbeddingConfig]],
+) -> list[tuple[BlockSpec, ...]]:
+    """Table shards of every rank in the column order of its lookup output.
+
+    The order is the one TorchRec's lookups and ``_dim_sum_per_rank`` use: grouped configs in
+    order, their tables in order, each table's features consecutively.
+
+    Args:
+        grouped_configs_per_rank: A sharding's ``_grouped_embedding_configs_per_rank``.
+
+    Returns:
+        Per rank, its block specs.
+    """
+    layout = []
+    for grouped_configs in grouped_configs_per_rank:
+        specs = []
+        col = 0
+        for table in itertools.chain.from_iterable(g.embedding_tables for g in grouped_configs):
+            spec = BlockSpec(table.name, col, table.num_features(), table.local_cols)
+            specs.append(spec)
+            col += spec.width
+        layout.append(tuple(specs))
+    return layout
+
+
+class LossyPooledEmbeddingsAllToAll(nn.Module):
+    """Compressed counterpart of TorchRec's ``PooledEmbeddingsAllToAll``.
+
+    Args:
+        pg: Process group of the all-to-all.
+        layout: Per rank of ``pg``, its table shards (see :func:`pooled_layout`).
+        comms: Shared config, bound provider, telemetry and hooks of the sharded module.
+        device: Device of the embeddings (unused: buffers follow the input).
+        callbacks: Functions applied to the result on wait (e.g. column-wise permutes).
+
+    Example::
+
+        a2a = LossyPooledEmbeddingsAllToAll(pg, layout, comms)
+        out = a2a(local_embs, batch_size_per_rank=[4, 4]).wait()  # [4, D_global_sum]
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        layout: Sequence[Sequence[BlockSpec]],
+        comms: LossyComms,
+        device: torch.device | None = None,
+        callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> None:
+        super().__init__()
+        if len(layout) != pg.size():
+            raise ValueError(f"layout has {len(layout)} ranks, the process group {pg.size()}")
+        self._pg = pg
+        self._layout = [tuple(specs) for specs in layout]
+        self._comms = comms
+        self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
+        self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        batch_size_per_rank: list[int] | None = None,
+    ) -> PooledEmbeddingsAwaitable:
+        """Sends each rank its rows of the local pooled embeddings, compressed.
+
+        Args:
+            local_embs: ``[B_global, D_local_sum]`` pooled embeddings of the local shards.
+            batch_size_per_rank: Batch size of every rank; None or empty: equal split.
+
+        Returns:
+            Awaitable of ``[B_local, D_global_sum]``.
+        """
+        world = self._pg.size()
+        if not batch_size_per_rank:
+            b_global = local_embs.size(0)
+            if b_global % world != 0:
+                raise ValueError(
+                    f"global batch size {b_global} is not divisible by the {world} ranks; pass "
+                    "batch_size_per_rank for uneven batches"
+                )
+            batch_size_per_rank = [b_global // world] * world
+        info = LossyAll2AllPooledInfo(
+            batch_size_per_rank=list(batch_size_per_rank),
+            layout=self._layout,
+            comms=self._comms,
+            compress=self._compress,
+        )
+        awaitable = PooledEmbeddingsAwaitable(
+            tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)
+        )
+        awaitable.callbacks.extend(self._callbacks)
+        return awaitable
+
+    @property
+    def callbacks(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """Functions applied to the result on wait."""
+        return self._callbacks
+
+
+class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
+    """``TwPooledEmbeddingDist`` whose all-to-all is :class:`LossyPooledEmbeddingsAllToAll`.
+
+    Args:
+        pg: Process group of the all-to-all.
+        dim_sum_per_rank: Output columns of every rank.
+        emb_dim_per_rank_per_feature: Embedding dim per rank per feature.
+        layout: Per rank, its table shards (see :func:`pooled_layout`).
+        comms: Shared state of the sharded module.
+        device: Device of the embeddings.
+        callbacks: Functions applied to the result on wait.
+        qcomm_codecs_registry: Kept for TorchRec's bookkeeping; the lossy dist replaces its
+            pooled all-to-all codec.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        dim_sum_per_rank: list[int],
+        emb_dim_per_rank_per_feature: list[list[int]],
+        layout: Sequence[Sequence[BlockSpec]],
+        comms: LossyComms,
+        device: torch.device | None = None,
+        callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(
+            pg=pg,
+            dim_sum_per_rank=dim_sum_per_rank,
+            emb_dim_per_rank_per_feature=emb_dim_per_rank_per_feature,
+            device=device,
+            callbacks=callbacks,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+        got = [sum(s.width for s in specs) for specs in layout]
+        if got != list(dim_sum_per_rank):
+            raise ValueError(f"layout widths {got} differ from dim_sum_per_rank {dim_sum_per_rank}")
+        self._layout = [tuple(specs) for specs in layout]
+        self._comms = comms
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: EmbeddingShardingContext | None = None,
+    ) -> Awaitable[torch.Tensor]:
+        """Compressed all-to-all of the pooled embeddings (see TwPooledEmbeddingDist.forward).
+
+        Args:
+            local_embs: ``[B_global, D_local_sum]`` pooled embeddings.
+            sharding_ctx: Context of the input dist (batch size per rank).
+
+        Returns:
+            Awaitable of ``[B_local, D_global_sum]``.
+
+        Raises:
+            NotImplementedError: For variable batch size per feature (VBE) inputs.
+        """
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            raise NotImplementedError(
+                "the lossy sharder does not support variable batch size per feature (KJTs with "
+                "stride_per_key_per_rank): shard these tables with TorchRec's "
+                "EmbeddingBagCollectionSharder, or send a fixed batch size per feature (a "
+                "different batch size per rank is supported)"
+            )
+        return super().forward(local_embs, sharding_ctx)
+
+    def _create_output_dist_module(
+        self, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> None:
+        self._dist = LossyPooledEmbeddingsAllToAll(
+            pg=self._pg,
+            layout=self._layout,
+            comms=self._comms,
+            device=self._device,
+            callbacks=self._callbacks,
+        )

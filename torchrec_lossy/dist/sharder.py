@@ -1,0 +1,282 @@
+"""The drop-in sharder: ``EmbeddingBagCollectionSharder`` with a compressed output all-to-all.
+
+Example::
+
+    sharder = LossyEmbeddingBagCollectionSharder(
+        fused_params=fused_params, comms_config=LossyCommsConfig(default_bound=ErrorBound())
+    )
+    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], pg)
+    model = DistributedModelParallel(model, plan=plan, sharders=[sharder], device=device)
+    ...
+    print(lossy_stats(model)["sparse.ebc"].summary())
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import (
+    CommOp,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_lossy.config import LossyCommsConfig
+from torchrec_lossy.dist.comms import BoundProvider, BoundProviderFactory, LossyComms, StaticBounds
+from torchrec_lossy.dist.sharding import (
+    LOSSY_SHARDING_TYPES,
+    PooledSharding,
+    create_lossy_embedding_bag_sharding,
+)
+from torchrec_lossy.dist.stats import LossyCommsStats
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """``ShardedEmbeddingBagCollection`` whose TW/CW/TWCW output all-to-alls are compressed.
+
+    Args:
+        module: The unsharded EmbeddingBagCollection.
+        table_name_to_parameter_sharding: Plan of its tables.
+        env: Sharding environment.
+        fused_params: Fused optimizer and kernel parameters (as TorchRec).
+        device: Device of the shards.
+        qcomm_codecs_registry: TorchRec qcomm codecs; they still apply to the input dist and to
+            row-wise / table-row-wise reduce-scatters.
+        module_fqn: Fully qualified name of the module in the model.
+        sharded_module_order_overwrite: As TorchRec.
+        comms_config: Bounds, codec knobs and backward codec; None: ``LossyCommsConfig()``.
+        bounds_factory: Builds the bound provider as ``bounds_factory(table_names, config)``.
+
+    Attributes:
+        lossy_bounds: The bound provider (a registered submodule, so in ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: dict[str, object] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        module_fqn: str | None = None,
+        sharded_module_order_overwrite: list[str] | None = None,
+        comms_config: LossyCommsConfig | None = None,
+        bounds_factory: BoundProviderFactory = StaticBounds,
+    ) -> None:
+        config = comms_config if comms_config is not None else LossyCommsConfig()
+        table_names = [c.name for c in module.embedding_bag_configs()]
+        bounds = bounds_factory(table_names, config)
+        _check_provider(bounds)
+        # The base __init__ creates the shardings (create_embedding_bag_sharding below), which
+        # need the shared state; a plain (non-Module) attribute may be set before Module.__init__.
+        self._lossy_comms = LossyComms(config=config, bounds=bounds)
+        super().__init__(
+            module=module,
+            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
+            env=env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=sharded_module_order_overwrite,
+        )
+        self.lossy_bounds: nn.Module = bounds
+        a2a_codec = (qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
+        if a2a_codec is not None and any(t in LOSSY_SHARDING_TYPES for t in self._sharding_types):
+            logger.warning(
+                "%s: the qcomm codec for POOLED_EMBEDDINGS_ALL_TO_ALL is not used for table-, "
+                "column- and table-column-wise tables: their all-to-all is lossy-compressed, "
+                "with LossyCommsConfig.backward=%r for the gradient",
+                module_fqn or "EmbeddingBagCollection",
+                config.backward,
+            )
+
+    def create_embedding_bag_sharding(  # type: ignore[override]
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> PooledSharding:
+        """TorchRec's factory (a classmethod there), made per instance to pass the shared state.
+
+        Args:
+            sharding_infos: Tables of one sharding type.
+            env: Sharding environment.
+            device: Device of the lookups.
+            permute_embeddings: Column-wise: reorder column shards after the all-to-all.
+            qcomm_codecs_registry: TorchRec qcomm codecs.
+
+        Returns:
+            The sharding: compressed for TW/CW/TWCW, TorchRec's for the others.
+        """
+        return create_lossy_embedding_bag_sharding(
+            sharding_infos,
+            env,
+            self._lossy_comms,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    @property
+    def lossy_stats(self) -> LossyCommsStats:
+        """Telemetry of this module's compressed all-to-alls (this rank's view)."""
+        return self._lossy_comms.stats
+
+    @property
+    def lossy_comms(self) -> LossyComms:
+        """Config, bound provider, telemetry and hooks shared by this module's dists."""
+        return self._lossy_comms
+
+    def set_bound_provider(self, provider: nn.Module) -> None:
+        """Replaces the bound provider (e.g. by an adaptive one) for all following batches.
+
+        Args:
+            provider: An ``nn.Module`` implementing :class:`BoundProvider`.
+        """
+        _check_provider(provider)
+        self._lossy_comms.bounds = provider
+        self.lossy_bounds = provider
+
+
+def _check_provider(provider: object) -> None:
+    if not isinstance(provider, nn.Module) or not isinstance(provider, BoundProvider):
+        raise TypeError(
+            f"bound provider {type(provider).__name__} must be an nn.Module with bound(), "
+            "observe() and step() (see torchrec_lossy.dist.BoundProvider)"
+        )
+
+
+class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Drop-in for ``EmbeddingBagCollectionSharder`` that compresses the pooled all-to-all.
+
+    Pass it wherever the TorchRec sharder goes: ``EmbeddingShardingPlanner.collective_plan`` and
+    ``DistributedModelParallel(sharders=...)``.
+
+    Args:
+        fused_params: As TorchRec.
+        qcomm_codecs_registry: As TorchRec; used where no lossy path applies (input dist,
+            row-wise reduce-scatter).
+        sharded_module_order_overwrite: As TorchRec.
+        comms_config: Bounds, codec knobs, backward codec; None: ``LossyCommsConfig()``.
+        bounds_factory: Builds each sharded module's bound provider as
+            ``bounds_factory(table_names, config)``; default :class:`StaticBounds`.
+    """
+
+    def __init__(
+        self,
+        fused_params: dict[str, object] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        sharded_module_order_overwrite: list[str] | None = None,
+        comms_config: LossyCommsConfig | None = None,
+        bounds_factory: BoundProviderFactory = StaticBounds,
+    ) -> None:
+        super().__init__(
+            fused_params=fused_params,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            sharded_module_order_overwrite=sharded_module_order_overwrite,
+        )
+        self._comms_config = comms_config if comms_config is not None else LossyCommsConfig()
+        self._bounds_factory = bounds_factory
+        self._sharded: weakref.WeakValueDictionary[str, LossyShardedEmbeddingBagCollection] = (
+            weakref.WeakValueDictionary()
+        )
+
+    @property
+    def comms_config(self) -> LossyCommsConfig:
+        """The config every module sharded by this sharder uses."""
+        return self._comms_config
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> LossyShardedEmbeddingBagCollection:
+        """Shards ``module`` like TorchRec's sharder, with compressed output all-to-alls.
+
+        Args:
+            module: The EmbeddingBagCollection.
+            params: Its tables' plan.
+            env: Sharding environment.
+            device: Device of the shards.
+            module_fqn: Its name in the model.
+
+        Returns:
+            The sharded module.
+        """
+        sharded = LossyShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+            comms_config=self._comms_config,
+            bounds_factory=self._bounds_factory,
+        )
+        self._sharded[module_fqn or ""] = sharded
+        return sharded
+
+    def stats(self) -> dict[str, LossyCommsStats]:
+        """Telemetry of every live module this sharder sharded, by module name.
+
+        Returns:
+            Module FQN (``""`` if none was given) to its stats.
+        """
+        return {fqn: m.lossy_stats for fqn, m in self._sharded.items()}
+
+    @property
+    def sharded_module_type(self) -> type[LossyShardedEmbeddingBagCollection]:
+        """The sharded module class."""
+        return LossyShardedEmbeddingBagCollection
+
+
+def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
+    """Telemetry of every lossy-sharded EmbeddingBagCollection in ``model``.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Returns:
+        Module FQN (as the sharder saw it; else the path in ``model.named_modules()``) to its
+        stats.
+    """
+    return {
+        m._module_fqn or name: m.lossy_stats
+        for name, m in model.named_modules()
+        if isinstance(m, LossyShardedEmbeddingBagCollection)
+    }
+
+
+def step_lossy_bounds(model: nn.Module) -> None:
+    """Tells every lossy-sharded module's bound provider that a training iteration finished.
+
+    Call it once per iteration (after the optimizer step) when the provider adapts over
+    training (e.g. ``AdaptiveBounds``); with the default static bounds it does nothing.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+    """
+    for m in model.modules():
+        if isinstance(m, LossyShardedEmbeddingBagCollection):
+            m.lossy_comms.bounds.step()

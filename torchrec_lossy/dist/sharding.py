@@ -1,0 +1,249 @@
+"""Table-wise, column-wise and table-column-wise shardings whose output dist is compressed.
+
+Each class is TorchRec's sharding with ``create_output_dist`` overridden, and
+``create_input_dist`` replaced by the lossless packed KJT all-to-all
+(:mod:`torchrec_lossy.dist.input_dist`, ``LossyCommsConfig.input_dist``); lookups and everything
+else are TorchRec's. Row-wise and table-row-wise shardings send their pooled
+embeddings by reduce-scatter, which sums what ranks send: a variable-size lossy payload cannot
+be summed, so those stay TorchRec's (see :func:`create_lossy_embedding_bag_sharding`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embeddingbag import (
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import (
+    BaseTwEmbeddingSharding,
+    TwPooledEmbeddingDist,
+    TwPooledEmbeddingSharding,
+    TwSparseFeaturesDist,
+)
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy.dist.comms import LossyComms
+from torchrec_lossy.dist.input_dist import LossyTwSparseFeaturesDist
+from torchrec_lossy.dist.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+PooledSharding = EmbeddingSharding[
+    EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
+]
+
+
+class _LossyOutputDistMixin(
+    BaseTwEmbeddingSharding[EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor]
+):
+    """Replaces a TW/CW/TWCW sharding's output dist by the compressed one.
+
+    Mixed in before TorchRec's sharding class, whose ``create_output_dist`` still runs first, so
+    that whatever it attaches (the column-wise permute callback) is reused, not re-derived.
+    """
+
+    _lossy_comms: LossyComms
+
+    def create_input_dist(
+        self, device: torch.device | None = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        # The KJT all-to-all is packed losslessly (input_dist.py) unless switched off.
+        base = super().create_input_dist(device)
+        if not self._lossy_comms.config.input_dist.enabled or not isinstance(
+            base, TwSparseFeaturesDist
+        ):
+            return base
+        assert self._pg is not None
+        return LossyTwSparseFeaturesDist(self._pg, self.features_per_rank(), self._lossy_comms)
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        base = super().create_output_dist(device)
+        if not isinstance(base, TwPooledEmbeddingDist):
+            raise TypeError(
+                f"{type(self).__name__}: expected TorchRec to build a TwPooledEmbeddingDist, got "
+                f"{type(base).__name__}; this torchrec version is not supported"
+            )
+        assert self._pg is not None
+        return LossyTwPooledEmbeddingDist(
+            pg=self._pg,
+            dim_sum_per_rank=self._dim_sum_per_rank(),
+            emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
+            layout=pooled_layout(self._grouped_embedding_configs_per_rank),
+            comms=self._lossy_comms,
+            device=device if device is not None else self._device,
+            callbacks=base._callbacks,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+        )
+
+
+class LossyTwPooledEmbeddingSharding(_LossyOutputDistMixin, TwPooledEmbeddingSharding):
+    """Table-wise sharding with a compressed output dist.
+
+    Args:
+        sharding_infos: Tables of this sharding.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        comms: LossyComms,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        self._lossy_comms = comms
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+
+class LossyCwPooledEmbeddingSharding(_LossyOutputDistMixin, CwPooledEmbeddingSharding):
+    """Column-wise sharding with a compressed output dist.
+
+    Args:
+        sharding_infos: Tables of this sharding.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        permute_embeddings: Reorder column shards into table order after the all-to-all.
+        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        comms: LossyComms,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        self._lossy_comms = comms
+        super().__init__(
+            sharding_infos,
+            env,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+
+class LossyTwCwPooledEmbeddingSharding(_LossyOutputDistMixin, TwCwPooledEmbeddingSharding):
+    """Table-column-wise sharding with a compressed output dist.
+
+    Args:
+        sharding_infos: Tables of this sharding.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        permute_embeddings: Reorder column shards into table order after the all-to-all.
+        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        comms: LossyComms,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        self._lossy_comms = comms
+        super().__init__(
+            sharding_infos,
+            env,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+
+# Sharding types whose pooled output travels by all-to-all, and so can be lossy-compressed.
+LOSSY_SHARDING_TYPES: dict[str, type] = {
+    ShardingType.TABLE_WISE.value: LossyTwPooledEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: LossyCwPooledEmbeddingSharding,
+    ShardingType.TABLE_COLUMN_WISE.value: LossyTwCwPooledEmbeddingSharding,
+}
+
+
+def create_lossy_embedding_bag_sharding(
+    sharding_infos: list[EmbeddingShardingInfo],
+    env: ShardingEnv,
+    comms: LossyComms,
+    device: torch.device | None = None,
+    permute_embeddings: bool = False,
+    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+) -> PooledSharding:
+    """The sharding for one sharding type: compressed for TW/CW/TWCW, TorchRec's otherwise.
+
+    Args:
+        sharding_infos: Tables of one sharding type.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        permute_embeddings: Column-wise: reorder column shards after the all-to-all.
+        qcomm_codecs_registry: TorchRec qcomm codecs.
+
+    Returns:
+        The sharding.
+    """
+    sharding_type = sharding_infos[0].param_sharding.sharding_type
+    cls = LOSSY_SHARDING_TYPES.get(sharding_type)
+    if cls is None:
+        _log_uncompressed(sharding_infos, sharding_type, qcomm_codecs_registry)
+        return ShardedEmbeddingBagCollection.create_embedding_bag_sharding(
+            sharding_infos,
+            env,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+    if device is not None and device.type == "meta":
+        replace_placement_with_meta_device(sharding_infos)
+    kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
+    if cls is not LossyTwPooledEmbeddingSharding:
+        kwargs["permute_embeddings"] = permute_embeddings
+    return cls(sharding_infos, env, comms, device, **kwargs)
+
+
+def _log_uncompressed(
+    sharding_infos: list[EmbeddingShardingInfo],
+    sharding_type: str,
+    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
+) -> None:
+    if sharding_type == ShardingType.DATA_PARALLEL.value:
+        return  # no pooled-embedding communication at all
+    rs_codec = (qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
+    how = (
+        f"with TorchRec's qcomm codec as {rs_codec.forward.quantized_dtype}"
+        if rs_codec is not None
+        else "uncompressed"
+    )
+    for info in sharding_infos:
+        logger.warning(
+            "table %r is %s-sharded: its pooled embeddings travel by reduce-scatter, which sums "
+            "what ranks send, so they are NOT lossy-compressed (sent %s). Shard it table-wise, "
+            "column-wise or data-parallel to compress it.",
+            info.embedding_config.name,
+            sharding_type,
+            how,
+        )

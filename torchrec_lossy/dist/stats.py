@@ -1,0 +1,308 @@
+"""Telemetry of the compressed all-to-alls: bytes, errors and codec time per table and direction.
+
+One :class:`LossyCommsStats` object is shared by every dist of a sharded module (reach it as
+``sharded_ebc.lossy_stats``). All counts are local to the rank that records them: bytes and
+errors are recorded by the sender of a block, decode time by its receiver.
+
+Direction ``"input"`` is the lossless KJT input dist (torchrec_lossy.dist.input_dist); its entries
+are keyed by feature name, not table name, and also count ids and repeated ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Direction = Literal["fwd", "bwd", "input"]
+DIRECTIONS: tuple[Direction, ...] = ("fwd", "bwd", "input")
+
+# Pseudo-table that holds the bytes of a payload not attributable to one block (the codec's
+# container header), so that the per-direction total equals the bytes handed to the collective.
+CONTAINER = "<container>"
+
+
+@dataclass
+class TableCommStats:
+    """Counters of one table (or the container pseudo-table) in one direction.
+
+    Attributes:
+        blocks: Blocks encoded (one per destination rank, table shard and call).
+        raw_bytes: Bytes the blocks would have taken uncompressed.
+        wire_bytes: Bytes actually handed to the all-to-all for them.
+        max_error: Largest ``|x - x'|`` over all finite decoded elements so far.
+        max_error_over_bound: Largest ratio of a block's max error to its absolute bound; at most
+            1 for an error-bounded codec, 0 for exact transport, NaN where no bound applies
+            (fp16/bf16 casts).
+        encode_s: Host seconds spent encoding, split over tables by raw-byte share.
+        decode_s: Host seconds spent decoding (on the receiving rank), split the same way.
+        ids: Ids sent (input direction, where deduplication is on).
+        repeated_ids: Of those, ids equal to an earlier id of the same feature and destination.
+    """
+
+    blocks: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    max_error: float = 0.0
+    max_error_over_bound: float = 0.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    ids: int = 0
+    repeated_ids: int = 0
+
+    @property
+    def repeated_share(self) -> float:
+        """Share of ids that repeat an earlier id of their feature and destination (0 if none)."""
+        return self.repeated_ids / self.ids if self.ids else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio raw / wire (1 when nothing was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def merge(self, other: TableCommStats) -> None:
+        """Adds ``other``'s counters into this one (maxima are maxed).
+
+        Args:
+            other: Counters to fold in.
+        """
+        self.blocks += other.blocks
+        self.raw_bytes += other.raw_bytes
+        self.wire_bytes += other.wire_bytes
+        self.max_error = max(self.max_error, other.max_error)
+        self.max_error_over_bound = _nanmax(self.max_error_over_bound, other.max_error_over_bound)
+        self.encode_s += other.encode_s
+        self.decode_s += other.decode_s
+        self.ids += other.ids
+        self.repeated_ids += other.repeated_ids
+
+
+def _nanmax(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)
+
+
+class LossyCommsStats:
+    """Per-table, per-direction telemetry of one sharded module's compressed all-to-alls.
+
+    Example::
+
+        stats = sharded_ebc.lossy_stats
+        fwd = stats.total("fwd")
+        print(fwd.raw_bytes / fwd.wire_bytes, stats.table("t0", "fwd").max_error_over_bound)
+        print(stats.summary())
+        stats.reset()
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # backward hooks may record from autograd's threads
+        self._tables: dict[tuple[Direction, str], TableCommStats] = {}
+        # Device-side running maxima (cast errors), folded in on read so that recording them
+        # never forces a device-to-host sync.
+        self._pending_max: dict[tuple[Direction, str], torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, object]:
+        # Locks do not pickle or deepcopy; a copy gets its own.
+        self._fold_pending()
+        return {"_tables": {k: dataclasses.replace(e) for k, e in self._tables.items()}}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()
+        self._tables.update(state["_tables"])  # type: ignore[arg-type]
+
+    def _entry(self, direction: Direction, table: str) -> TableCommStats:
+        key = (direction, table)
+        entry = self._tables.get(key)
+        if entry is None:
+            entry = self._tables[key] = TableCommStats()
+        return entry
+
+    def record_block(
+        self,
+        direction: Direction,
+        table: str,
+        raw_bytes: int,
+        wire_bytes: int,
+        max_error: float,
+        abs_bound: float | None,
+    ) -> None:
+        """Records one encoded block.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            table: Table name.
+            raw_bytes: Uncompressed size of the block.
+            wire_bytes: Bytes sent for it.
+            max_error: Its largest finite-element error.
+            abs_bound: Its absolute bound, or None where no bound applies.
+        """
+        if abs_bound is None:
+            ratio = math.nan
+        elif abs_bound > 0:
+            ratio = max_error / abs_bound
+        else:
+            ratio = 0.0 if max_error == 0 else math.inf
+        with self._lock:
+            e = self._entry(direction, table)
+            e.blocks += 1
+            e.raw_bytes += raw_bytes
+            e.wire_bytes += wire_bytes
+            e.max_error = max(e.max_error, max_error)
+            e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
+
+    def record_ids(self, direction: Direction, table: str, ids: int, repeated: int) -> None:
+        """Counts ids sent and how many of them repeat an earlier one (deduplication telemetry).
+
+        Args:
+            direction: ``"input"`` in practice.
+            table: Feature (input direction) or table name.
+            ids: Ids sent for it in one call to one destination.
+            repeated: Of those, ids that repeat an earlier id of the same call and destination.
+        """
+        with self._lock:
+            e = self._entry(direction, table)
+            e.ids += ids
+            e.repeated_ids += repeated
+
+    def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
+        """Folds a 0-d device tensor into a table's max error without a host sync.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            table: Table name.
+            err: 0-d tensor, the error of a block just sent.
+        """
+        key = (direction, table)
+        err = err.detach().float()
+        with self._lock:
+            prev = self._pending_max.get(key)
+            self._pending_max[key] = err if prev is None else torch.maximum(prev, err)
+            e = self._entry(direction, table)
+            e.max_error_over_bound = math.nan
+
+    def record_time(
+        self,
+        direction: Direction,
+        phase: Literal["encode", "decode"],
+        shares: dict[str, int],
+        s: float,
+    ) -> None:
+        """Splits ``s`` seconds of one encode or decode call over tables by byte share.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            phase: ``"encode"`` or ``"decode"``.
+            shares: Raw bytes per table handled by the call.
+            s: Seconds the call took.
+        """
+        total = sum(shares.values())
+        if total == 0:
+            return
+        with self._lock:
+            for table, nbytes in shares.items():
+                e = self._entry(direction, table)
+                if phase == "encode":
+                    e.encode_s += s * nbytes / total
+                else:
+                    e.decode_s += s * nbytes / total
+
+    def record_container(self, direction: Direction, wire_bytes: int) -> None:
+        """Records payload bytes that belong to no single block (codec container header).
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            wire_bytes: Bytes.
+        """
+        with self._lock:
+            self._entry(direction, CONTAINER).wire_bytes += wire_bytes
+
+    def _fold_pending(self) -> None:
+        with self._lock:
+            pending, self._pending_max = self._pending_max, {}
+            for key, err in pending.items():
+                e = self._entry(*key)
+                e.max_error = max(e.max_error, float(err.item()))
+
+    def tables(self, direction: Direction) -> dict[str, TableCommStats]:
+        """Counters of every table seen in one direction (container pseudo-table included).
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+
+        Returns:
+            A copy, keyed by table name.
+        """
+        self._fold_pending()
+        with self._lock:
+            return {
+                t: dataclasses.replace(e)
+                for (d, t), e in sorted(self._tables.items())
+                if d == direction
+            }
+
+    def table(self, table: str, direction: Direction) -> TableCommStats:
+        """Counters of one table in one direction (zeros if never seen).
+
+        Args:
+            table: Table name.
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+
+        Returns:
+            A copy of its counters.
+        """
+        return self.tables(direction).get(table, TableCommStats())
+
+    def total(self, direction: Direction) -> TableCommStats:
+        """All tables of one direction summed; ``wire_bytes`` equals the bytes sent.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+
+        Returns:
+            The summed counters.
+        """
+        out = TableCommStats()
+        for e in self.tables(direction).values():
+            out.merge(e)
+        return out
+
+    def reset(self) -> None:
+        """Zeroes every counter."""
+        with self._lock:
+            self._tables.clear()
+            self._pending_max.clear()
+
+    def __iter__(self) -> Iterator[tuple[Direction, str, TableCommStats]]:
+        for direction in DIRECTIONS:
+            for table, e in self.tables(direction).items():
+                yield direction, table, e
+
+    def summary(self) -> str:
+        """A plain-text table of every counter, one line per direction and table.
+
+        Returns:
+            The table.
+        """
+        lines = [
+            f"{'dir':<4} {'table':<24} {'raw_B':>12} {'wire_B':>12} {'ratio':>7} "
+            f"{'max_err':>10} {'err/bnd':>7} {'enc_ms':>9} {'dec_ms':>9}"
+        ]
+        for direction in DIRECTIONS:
+            rows = self.tables(direction)
+            if not rows:
+                continue
+            for table, e in [*rows.items(), ("TOTAL", self.total(direction))]:
+                lines.append(
+                    f"{direction:<4} {table:<24} {e.raw_bytes:>12} {e.wire_bytes:>12} "
+                    f"{e.ratio:>7.2f} {e.max_error:>10.3g} {e.max_error_over_bound:>7.3f} "
+                    f"{1e3 * e.encode_s:>9.2f} {1e3 * e.decode_s:>9.2f}"
+                )
+        return "\n".join(lines)
