@@ -4,7 +4,7 @@ Table level: each table gets a *homogenization index* ``h`` in [0, 1], measured 
 pooled-embedding blocks the sender is about to compress (``docs/adaptive.md`` has the derivation
 and the calibration)::
 
-    h = rho * kappa
+    h     = max(0, min(rho, 2 kappa - 1))
     rho   = 1 - U_raw / n          repetition share: rows that repeat an earlier row bit for bit
     kappa = U_q / U_raw            distinctness kept by quantizing at the reference bound
 
@@ -12,8 +12,9 @@ over a window of ``n`` rows, where ``U_raw`` counts distinct raw vectors and ``U
 vectors after quantizing with the base class bound (``class_bounds[1]`` of the window's value
 range). High ``h``: the traffic is a few popular vectors repeated and quantization keeps them
 apart, so a loose bound costs little. Low ``h``: most rows are distinct, or the quantizer would
-merge distinct rows, so the table needs a tight bound. Tables are sorted into classes tight /
-base / loose by two thresholds with hysteresis.
+merge many distinct rows, so the table needs a tight bound. A table's index is the running
+average of its windows; tables are sorted into classes tight / base / loose by two thresholds,
+with a warm-up of provisional classes and hysteresis after it.
 
 Iteration level: the bound is multiplied by a factor that falls from ``C`` to 1 over the first
 ``E`` training iterations (:func:`decay_factor`).
@@ -102,7 +103,7 @@ def _count_distinct_rows(rows: torch.Tensor) -> int:
     ``n`` distinct rows has probability about ``n**2 / 2**64`` (1e-13 at n = 4096).
     """
     dim = rows.shape[1]
-    key = (rows.device.type, dim)
+    key = (str(rows.device), dim)
     mult = _HASH_MULTIPLIERS.get(key)
     if mult is None:
         gen = torch.Generator().manual_seed(0x5EED + dim)
@@ -428,8 +429,9 @@ class AdaptiveBounds(nn.Module):
 
         Returns:
             ``{table: {"index", "repetition", "kept", "windows", "class", "bound_mode",
-            "bound", "factor", "iteration", "last_abs_bound"}}``; ``index``, ``repetition`` and
-            ``kept`` are None before the first window.
+            "bound", "factor", "iteration", "last_abs_bound"}}``: ``index`` is the running
+            index, ``repetition`` and ``kept`` (rho, kappa) are of the last window, all None
+            before the first window; ``bound`` is the effective bound now.
         """
         out: dict[str, dict[str, Any]] = {}
         for t, name in enumerate(self.table_names):

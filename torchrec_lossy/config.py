@@ -236,16 +236,27 @@ class InputDistConfig:
             whenever that is smaller; exact (the receiver rebuilds the same KJT).
         weights: Per-id weights travel as they are (``"none"``) or cast to fp16/bf16 on the
             wire (lossy: only when asked).
+        dedupe_lookups: Cross-side deduplication of unweighted single-hot features (see
+            docs/input_dist.md): the owner looks up each distinct id once per source and the
+            output dist sends each distinct vector once; the receiver expands it. Forward exact;
+            gradients are summed per distinct id first (equal within float rounding).
     """
 
     enabled: bool = True
     dedupe: bool = True
     weights: WeightsCast = "none"
+    dedupe_lookups: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "input_dist.enabled", self.enabled, "a bool")
         _require(isinstance(self.dedupe, bool), "input_dist.dedupe", self.dedupe, "a bool")
         _check_literal("input_dist.weights", self.weights, WeightsCast)
+        _require(
+            isinstance(self.dedupe_lookups, bool),
+            "input_dist.dedupe_lookups",
+            self.dedupe_lookups,
+            "a bool",
+        )
 
 
 @dataclass(frozen=True)

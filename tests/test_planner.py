@@ -1,0 +1,408 @@
+"""Single-process tests of the compression-aware planner (exact costs, steering, explanation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import (
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs_registry,
+)
+from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH, INTRA_NODE_BANDWIDTH
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import (
+    EmbeddingPerfEstimator,
+    EmbeddingStorageEstimator,
+)
+from torchrec.distributed.planner.types import ParameterConstraints, PlannerError, ShardingOption
+from torchrec.distributed.types import ShardingType
+
+from torchrec_lossy import plan as plan_cli
+from torchrec_lossy.config import (
+    EmbeddingTableConfig,
+    LossyCommsConfig,
+    LossyPlanConfig,
+    PlannerConfig,
+    TableCodecConfig,
+    TopologyConfig,
+)
+from torchrec_lossy.planner import (
+    CommsModel,
+    LossyCommsModel,
+    LossyShardingPlanner,
+    build_module,
+    build_topology,
+    calibrate,
+    qcomm_model,
+    raw_model,
+    synthetic_blocks,
+)
+from torchrec_lossy.planner.cost import MX4_RATIO, FixedCommsModel, TableComms, WireFormat
+from torchrec_lossy.planner.estimator import LossyPerfEstimator
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GIB = float(1 << 30)
+TW = ShardingType.TABLE_WISE.value
+RW = ShardingType.ROW_WISE.value
+DP = ShardingType.DATA_PARALLEL.value
+
+
+def tables(*sizes: int, dim: int = 64) -> tuple[EmbeddingTableConfig, ...]:
+    return tuple(EmbeddingTableConfig(f"t{i}", n, dim) for i, n in enumerate(sizes))
+
+
+def estimate(
+    estimator: object, config: LossyPlanConfig, sharder: object | None = None
+) -> dict[tuple[str, str, str], ShardingOption]:
+    """Every estimated option of the config's model, by (table, sharding type, kernel)."""
+    topology = build_topology(config.topology)
+    enumerator = EmbeddingEnumerator(
+        topology=topology,
+        batch_size=512,
+        estimator=[estimator, EmbeddingStorageEstimator(topology)],
+    )
+    options = enumerator.enumerate(
+        build_module(config.embedding_tables), [sharder or EmbeddingBagCollectionSharder()]
+    )
+    return {(o.name, o.sharding_type, o.compute_kernel): o for o in options}
+
+
+def fused(
+    options: dict[tuple[str, str, str], ShardingOption], table: str, sharding: str
+) -> ShardingOption:
+    """The option with TorchRec's fused kernel (dense for data-parallel)."""
+    return options[(table, sharding, "dense" if sharding == DP else "fused")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """These tests run small tensor ops; on a busy 2-core machine, torch's intra-op threads
+    spin against each other and run them ~10x slower than one thread does."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact costs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_exact_tw_costs_with_compression() -> None:
+    config = LossyPlanConfig(topology=TopologyConfig(world_size=2), embedding_tables=tables(1000))
+    topology = build_topology(config.topology)
+    torchrec = estimate(EmbeddingPerfEstimator(topology), config)
+    fmt = WireFormat("lossy", ratio=8.0, encode_gib_s=100.0, decode_gib_s=50.0)
+    model = FixedCommsModel("test", "test", TableComms(fwd=fmt, fwd_rs=None))
+    ours = estimate(LossyPerfEstimator(topology, model), config)
+
+    # TorchRec: batch 512 x world 2 x dim 64 x fp32 over the intra-host bandwidth (one host).
+    raw_bytes = 512 * 2 * 64 * 4
+    base = fused(torchrec, "t0", TW).shards[0].perf
+    assert base.fwd_comms == pytest.approx(raw_bytes / INTRA_NODE_BANDWIDTH, rel=1e-12)
+    perf = fused(ours, "t0", TW).shards[0].perf
+    codec_ms = raw_bytes / (100 * GIB / 1000) + raw_bytes / (50 * GIB / 1000)
+    assert perf.fwd_comms == pytest.approx(
+        raw_bytes / INTRA_NODE_BANDWIDTH / 8 + codec_ms, rel=1e-12
+    )
+    # The backward stays raw; compute terms are TorchRec's.
+    assert perf.bwd_comms == base.bwd_comms
+    assert (perf.fwd_compute, perf.bwd_compute) == (base.fwd_compute, base.bwd_compute)
+    # Data-parallel has no embedding all-to-all to compress.
+    assert fused(ours, "t0", DP).shards[0].perf == fused(torchrec, "t0", DP).shards[0].perf
+
+
+def test_exact_costs_across_hosts_and_lossy_backward() -> None:
+    config = LossyPlanConfig(
+        comms=LossyCommsConfig(backward="lossy"),
+        planner=PlannerConfig(
+            expected_ratio=20.0, backward_ratio=4.0, encode_gib_s=200.0, decode_gib_s=50.0
+        ),
+        topology=TopologyConfig(world_size=4, local_world_size=2),
+        embedding_tables=tables(5000, dim=32),
+    )
+    topology = build_topology(config.topology)
+    model = LossyCommsModel(config, CROSS_NODE_BANDWIDTH)
+    ours = estimate(LossyPerfEstimator(topology, model), config)
+    perf = fused(ours, "t0", TW).shards[0].perf
+    raw_bytes = 512 * 4 * 32 * 4
+    codec_ms = raw_bytes / (200 * GIB / 1000) + raw_bytes / (50 * GIB / 1000)
+    raw_ms = raw_bytes / CROSS_NODE_BANDWIDTH
+    assert perf.fwd_comms == pytest.approx(raw_ms / 20 + codec_ms, rel=1e-12)
+    assert perf.bwd_comms == pytest.approx(raw_ms / 4 + codec_ms, rel=1e-12)
+    # The break-even of the planner's drop test: 1/R + bw/enc + bw/dec.
+    assert model.break_even(20.0) == pytest.approx(0.05 + 12.5 / 200 + 12.5 / 50, rel=1e-12)
+
+
+@pytest.mark.parametrize("sharding", [TW, RW])
+def test_fp16_model_equals_torchrec_qcomm_pricing(sharding: str) -> None:
+    """Ratio 2 without codec time is exactly TorchRec's pricing of an FP16 qcomm registry."""
+    config = LossyPlanConfig(
+        topology=TopologyConfig(world_size=4, local_world_size=2),
+        embedding_tables=tables(100_000, dim=128),
+    )
+    topology = build_topology(config.topology)
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
+    )
+    torchrec = estimate(
+        EmbeddingPerfEstimator(topology),
+        config,
+        EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry),
+    )
+    fp16 = WireFormat("fp16", 2.0)
+    free_fp16 = FixedCommsModel("fp16", "fp16", TableComms(fp16, fp16, fp16, fp16))
+    ours = estimate(LossyPerfEstimator(topology, free_fp16), config)
+    for a, b in zip(
+        fused(torchrec, "t0", sharding).shards, fused(ours, "t0", sharding).shards, strict=True
+    ):
+        assert b.perf.fwd_comms == pytest.approx(a.perf.fwd_comms, rel=1e-12)
+        assert b.perf.bwd_comms == pytest.approx(a.perf.bwd_comms, rel=1e-12)
+
+
+def test_qcomm_and_raw_models() -> None:
+    assert pytest.approx(128 / 17) == MX4_RATIO
+    mx4 = qcomm_model("mx4", "fp16", "cuda").for_table("x")
+    assert (mx4.fwd.name, mx4.fwd.ratio, mx4.fwd_rs.name, mx4.bwd.name) == (
+        "mx4",
+        MX4_RATIO,
+        "fp16",
+        "fp16",
+    )
+    assert raw_model().for_table("x") == TableComms()
+    for model in (raw_model(), qcomm_model("fp16", "none", "cpu")):
+        assert isinstance(model, CommsModel)
+    config = LossyPlanConfig()
+    assert isinstance(LossyCommsModel(config, 1.0), CommsModel)
+    assert WireFormat("x", 2.0, 1.0, 2.0).codec_ms(GIB) == pytest.approx(1000 + 500)
+    with pytest.raises(ValueError, match="ratio"):
+        WireFormat("x", 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Steering and plans
+# ------------------------------------------------------------------------------------------------
+
+
+def small_config(**planner: object) -> LossyPlanConfig:
+    return LossyPlanConfig(
+        comms=LossyCommsConfig(tables={"raw_*": TableCodecConfig(compress=False)}),
+        planner=PlannerConfig(global_batch_size=8192, **planner),
+        topology=TopologyConfig(world_size=4, local_world_size=2),
+        embedding_tables=(
+            EmbeddingTableConfig("big", 2_000_000, 64),
+            EmbeddingTableConfig("mid", 50_000, 64),
+            EmbeddingTableConfig("tiny", 4, 64),
+            EmbeddingTableConfig("raw_big", 2_000_000, 64),
+        ),
+    )
+
+
+def plan_small(config: LossyPlanConfig, **kwargs: object) -> LossyShardingPlanner:
+    planner = LossyShardingPlanner(config, stats=[], debug=False, **kwargs)
+    planner.plan(build_module(config.embedding_tables), [EmbeddingBagCollectionSharder()])
+    return planner
+
+
+def test_compressed_tables_are_steered_off_reduce_scatter() -> None:
+    planner = plan_small(small_config())
+    excluded = planner._lossy_enumerator.excluded
+    row_wise = {RW, ShardingType.TABLE_ROW_WISE.value}
+    assert set(excluded) == {"big", "mid", "tiny"}
+    assert all(set(excluded[t]) == row_wise for t in excluded)
+    plan = {t.name: t for t in planner.planned_tables}
+    assert plan["big"].sharding_type in {TW, "column_wise", "table_column_wise"}
+    assert plan["big"].fwd_format == "lossy"
+    assert plan["big"].fwd_raw_bytes == 2048 * 4 * 64 * 4
+    assert plan["big"].fwd_wire_bytes == pytest.approx(plan["big"].fwd_raw_bytes / 10)
+    # Replicating a 4-row table beats any all-to-all.
+    assert plan["tiny"].sharding_type == DP
+    assert plan["tiny"].ranks == (0, 1, 2, 3)
+    assert plan["raw_big"].fwd_format == "raw"
+    assert "compress: false" in plan["raw_big"].reason
+    assert "no RW/TWRW" in plan["big"].reason
+
+
+def test_explained_plan_and_step_cost() -> None:
+    planner = plan_small(small_config())
+    text = planner.explain()
+    lines = text.splitlines()
+    assert lines[0].startswith("torchrec-lossy: forward lossy")
+    assert lines[1].split()[:4] == ["table", "rows", "dim", "sharding"]
+    assert [line.split()[0] for line in lines[2:]] == ["big", "mid", "tiny", "raw_big", "total"]
+    cost = planner.step_cost()
+    plan = planner.planned_tables
+    assert cost.fwd_raw_bytes == sum(t.fwd_raw_bytes for t in plan)
+    assert cost.comms_ms <= sum(t.fwd_comms_ms + t.bwd_comms_ms + t.codec_ms for t in plan)
+    assert cost.planner_ms >= cost.comms_ms > 0
+
+
+def test_no_usable_option_names_table_and_fix() -> None:
+    config = small_config()
+    with pytest.raises(PlannerError, match=r"table\(s\) \['big'\].*compress: false"):
+        plan_small(config, constraints={"big": ParameterConstraints(sharding_types=[RW])})
+
+
+def test_data_parallel_can_be_switched_off() -> None:
+    planner = plan_small(small_config(data_parallel=False))
+    assert DP not in {t.sharding_type for t in planner.planned_tables}
+
+
+def test_unprofitable_codec_is_flagged_or_dropped() -> None:
+    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself.
+    one_host = dataclasses.replace(small_config(), topology=TopologyConfig(world_size=2))
+    planner = plan_small(one_host)
+    big = next(t for t in planner.planned_tables if t.name == "big")
+    assert big.fwd_format == "lossy" and "drop_unprofitable is off" in big.reason
+    assert planner.comms_config is one_host.comms
+
+    dropping = dataclasses.replace(
+        one_host, planner=dataclasses.replace(one_host.planner, drop_unprofitable=True)
+    )
+    planner = plan_small(dropping)
+    big = next(t for t in planner.planned_tables if t.name == "big")
+    assert big.fwd_format == "raw" and big.reason.startswith("sent raw")
+    effective = planner.comms_config
+    assert [effective.table(n).compress for n in ("big", "mid", "tiny", "raw_big")] == [False] * 4
+    assert effective.table("raw_big") == one_host.comms.table("raw_big")
+
+
+def test_calibration_measures_the_codec_and_feeds_the_plan() -> None:
+    config = small_config()
+    blocks = synthetic_blocks(config.embedding_tables, 256)
+    results = calibrate(blocks, config.comms)
+    from torchrec_lossy.codec import compress
+
+    for name, block in blocks.items():
+        r = results[name]
+        assert r.raw_bytes == block.numel() * 4
+        if name == "raw_big":
+            assert r.wire_bytes == r.raw_bytes
+            continue
+        span = float(block.max() - block.min())
+        assert r.abs_bound == pytest.approx(0.03 * span)
+        assert r.wire_bytes == compress([block], [r.abs_bound]).numel()
+        assert r.ratio > 1.5
+    planner = LossyShardingPlanner(config, stats=[], debug=False)
+    module = build_module(config.embedding_tables)
+    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    planner.calibrate(blocks)
+    planner.plan(module, [EmbeddingBagCollectionSharder()])
+    big = next(t for t in planner.planned_tables if t.name == "big")
+    assert big.fwd_raw_bytes / big.fwd_wire_bytes == pytest.approx(results["big"].ratio)
+    assert "(calibrated)" in big.reason
+
+
+def test_sharder_carries_the_comms_config() -> None:
+    sharder_mod = pytest.importorskip("torchrec_lossy.dist.sharder")
+    from torchrec_lossy.adaptive import AdaptiveBounds
+
+    config = small_config()
+    sharder = LossyShardingPlanner(config, stats=[]).sharder(fused_params={"learning_rate": 0.1})
+    assert isinstance(sharder, sharder_mod.LossyEmbeddingBagCollectionSharder)
+    assert sharder.comms_config is config.comms
+    assert sharder.fused_params == {"learning_rate": 0.1}
+    assert sharder._bounds_factory is AdaptiveBounds
+
+
+def test_pooled_blocks_stacks_a_tables_features() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lossy.planner import pooled_blocks
+
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name="t", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"]
+            )
+        ]
+    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b"],
+        values=torch.tensor([1, 2, 3, 4, 5, 6]),
+        lengths=torch.tensor([1, 1, 1, 2, 1, 0]),
+    )
+    blocks = pooled_blocks(ebc, kjt)
+    weight = ebc.embedding_bags["t"].weight.detach()
+    assert blocks["t"].shape == (6, 4)
+    assert torch.allclose(blocks["t"][0], weight[1])
+    assert torch.allclose(blocks["t"][3], weight[4] + weight[5])
+
+
+# ------------------------------------------------------------------------------------------------
+# The preview command
+# ------------------------------------------------------------------------------------------------
+
+
+def run_preview(*argv: str) -> str:
+    out = io.StringIO()
+    config = plan_cli._apply_overrides(
+        plan_cli.load_yaml(LossyPlanConfig, argv[1]), plan_cli._parse(list(argv))
+    )
+    plan_cli.preview(config, out=out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "ranks", "batch"),
+    [
+        (
+            "criteo_1tb.yaml",
+            ["--world-size", "16", "--local-world-size", "8", "--batch-size", "65536"],
+            16,
+            4096,
+        ),
+        ("criteo_kaggle.yaml", [], 8, 2048),
+    ],
+)
+def test_preview_on_shipped_configs(config: str, args: list[str], ranks: int, batch: int) -> None:
+    text = run_preview("--config", str(CONFIGS / config), *args)
+    lines = text.splitlines()
+    assert lines[0].startswith("26 tables, ") and f"{ranks} ranks" in lines[0]
+    assert f"batch {batch:,} per rank" in lines[0]
+    table_rows = [line for line in lines if line.startswith("t_cat_")]
+    assert [line.split()[0] for line in table_rows] == [f"t_cat_{i}" for i in range(26)]
+    for line in table_rows:
+        assert line.split()[3] in {"TW", "CW", "TWCW", "DP"}
+    summary = lines[lines.index(next(x for x in lines if x.startswith("scenario"))) :]
+    names = [row.split("  ")[0] for row in summary[1:5]]
+    assert names == ["no compression", "TorchRec FP16", "TorchRec MX4", "torchrec-lossy"]
+    wire = {row.split("  ")[0]: row.split() for row in summary[1:5]}
+    assert float(wire["torchrec-lossy"][-2]) < float(wire["TorchRec MX4"][-2])
+
+
+def test_preview_main_reports_config_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("planner: {expected_ratio: 0}\n")
+    assert plan_cli.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "planner.expected_ratio=0.0 is invalid: allowed [0.5, 10000]" in err
+
+
+def test_collective_plan_matches_plan() -> None:
+    """collective_plan plans on rank 0 and broadcasts (a one-rank gloo group here)."""
+    import torch.distributed as dist
+
+    config = small_config()
+    module = build_module(config.embedding_tables)
+    expected = plan_small(config).plan(module, [EmbeddingBagCollectionSharder()])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        planner = LossyShardingPlanner(config, stats=[], debug=False)
+        got = planner.collective_plan(module, [EmbeddingBagCollectionSharder()])
+    finally:
+        dist.destroy_process_group()
+    assert str(got) == str(expected)
+    assert [t.name for t in planner.planned_tables] == ["big", "mid", "tiny", "raw_big"]

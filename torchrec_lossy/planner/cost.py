@@ -1,0 +1,328 @@
+"""How each table's embedding traffic travels, as the planner prices it.
+
+A :class:`WireFormat` is one encoding of one direction of traffic: a ratio (raw bytes / wire
+bytes) and the encode/decode throughputs that the codec time follows from. A :class:`TableComms`
+gives a table its formats for the all-to-all (TW, CW, TWCW) and for the reduce-scatter path (RW,
+TWRW), where ``None`` means the format cannot ride a reduce-scatter (which sums what it carries:
+a variable-size lossy payload cannot be summed). A :class:`CommsModel` maps table names to their
+:class:`TableComms`: :class:`FixedCommsModel` for uncompressed traffic and TorchRec's qcomm
+codecs, :class:`LossyCommsModel` for this project's codec.
+
+Units follow TorchRec's planner: bandwidths in bytes/ms, times in ms; throughputs in the configs
+are GiB/s (2**30 bytes/s), as TorchRec's bandwidth constants are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torchrec_lossy.config import LossyPlanConfig
+
+__all__ = [
+    "CODEC_THROUGHPUT_GIB_S",
+    "MX4_RATIO",
+    "QCOMM_THROUGHPUT_GIB_S",
+    "CommsModel",
+    "FixedCommsModel",
+    "LossyCommsModel",
+    "TableComms",
+    "WireFormat",
+    "gib_s_to_bytes_per_ms",
+    "qcomm_model",
+    "raw_model",
+]
+
+_GIB = float(1 << 30)
+
+# fbgemm's MX4: per group of 32 values, 32 4-bit codes (16 bytes) and one shared exponent byte.
+MX4_RATIO = 32 * 4 / (16 + 1)
+
+# Default throughputs (encode, decode) of this project's codec in GiB/s of raw input.
+# cuda: the artifact's Huffman kernels (DESIGN.md section 1: ~200 GiB/s encode, 50-70 decode).
+# cpu: the numba Huffman coder on one thread (DESIGN.md section 4: 1.2 / 1.1 GB/s).
+CODEC_THROUGHPUT_GIB_S: dict[str, tuple[float, float]] = {
+    "cuda": (200.0, 60.0),
+    "cpu": (1.2e9 / _GIB, 1.1e9 / _GIB),
+}
+
+# TorchRec qcomm quantize kernels (encode, decode) in GiB/s. cuda: "near 2 TB/s"
+# (DESIGN.md section 2); cpu: measured with fbgemm-gpu-cpu 1.8.0 on one thread (same section).
+QCOMM_THROUGHPUT_GIB_S: dict[tuple[str, str], tuple[float, float]] = {
+    ("cuda", "fp16"): (2.0e12 / _GIB, 2.0e12 / _GIB),
+    ("cuda", "bf16"): (2.0e12 / _GIB, 2.0e12 / _GIB),
+    ("cuda", "mx4"): (2.0e12 / _GIB, 2.0e12 / _GIB),
+    ("cpu", "fp16"): (0.55e9 / _GIB, 1.7e9 / _GIB),
+    ("cpu", "bf16"): (0.55e9 / _GIB, 1.7e9 / _GIB),
+    ("cpu", "mx4"): (0.05e9 / _GIB, 0.37e9 / _GIB),
+}
+
+
+def gib_s_to_bytes_per_ms(gib_s: float) -> float:
+    """Converts GiB/s to TorchRec's bandwidth unit, bytes/ms.
+
+    Args:
+        gib_s: Throughput in GiB/s.
+
+    Returns:
+        Bytes per millisecond.
+    """
+    return gib_s * _GIB / 1000.0
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """One encoding of one direction of a table's traffic.
+
+    Attributes:
+        name: ``"raw"``, ``"fp16"``, ``"bf16"``, ``"mx4"`` or ``"lossy"``.
+        ratio: Raw bytes / wire bytes.
+        encode_gib_s: Encode throughput in GiB/s of raw input; None: free (no codec).
+        decode_gib_s: Decode throughput in GiB/s of raw output; None: free.
+    """
+
+    name: str = "raw"
+    ratio: float = 1.0
+    encode_gib_s: float | None = None
+    decode_gib_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.ratio > 0 and math.isfinite(self.ratio)):
+            raise ValueError(f"WireFormat {self.name!r}: ratio={self.ratio} must be > 0")
+        for key in ("encode_gib_s", "decode_gib_s"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ValueError(f"WireFormat {self.name!r}: {key}={v} must be > 0 or None")
+
+    def codec_ms(self, raw_bytes: float) -> float:
+        """Encode plus decode time of ``raw_bytes`` of raw traffic, in ms.
+
+        Args:
+            raw_bytes: Bytes before encoding.
+
+        Returns:
+            Milliseconds (0 for a free format).
+        """
+        t = 0.0
+        if self.encode_gib_s is not None:
+            t += raw_bytes / gib_s_to_bytes_per_ms(self.encode_gib_s)
+        if self.decode_gib_s is not None:
+            t += raw_bytes / gib_s_to_bytes_per_ms(self.decode_gib_s)
+        return t
+
+
+RAW = WireFormat()
+
+
+@dataclass(frozen=True)
+class TableComms:
+    """How one table's pooled-embedding traffic travels, per collective.
+
+    Attributes:
+        fwd: Format of the forward all-to-all (TW, CW, TWCW).
+        bwd: Format of the gradient all-to-all.
+        fwd_rs: Format of the forward reduce-scatter (RW, TWRW); None: the forward format cannot
+            ride a reduce-scatter, so the planner keeps the table off RW/TWRW.
+        bwd_rs: Format of the gradient all-gather of RW/TWRW; None as for ``fwd_rs``.
+        note: Why the table travels this way (shown in the printed plan).
+    """
+
+    fwd: WireFormat = RAW
+    bwd: WireFormat = RAW
+    fwd_rs: WireFormat | None = RAW
+    bwd_rs: WireFormat | None = RAW
+    note: str = ""
+
+    @property
+    def reduce_scatter_ok(self) -> bool:
+        """Whether the table may be sharded row-wise (RW/TWRW/grid)."""
+        return self.fwd_rs is not None and self.bwd_rs is not None
+
+
+@runtime_checkable
+class CommsModel(Protocol):
+    """Maps tables to the way their traffic travels (one scenario of the preview)."""
+
+    name: str
+    description: str
+
+    def for_table(self, table: str) -> TableComms:
+        """The table's formats.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its :class:`TableComms`.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class FixedCommsModel:
+    """The same formats for every table: no compression, or one of TorchRec's qcomm codecs.
+
+    Attributes:
+        name: Short scenario name.
+        description: One line for the printed plan.
+        comms: The formats every table gets.
+    """
+
+    name: str
+    description: str
+    comms: TableComms
+
+    def for_table(self, table: str) -> TableComms:
+        """The formats (the same for every table).
+
+        Args:
+            table: Table name (unused).
+
+        Returns:
+            :attr:`comms`.
+        """
+        return self.comms
+
+
+def raw_model() -> FixedCommsModel:
+    """Uncompressed traffic: TorchRec's own cost model, unchanged.
+
+    Returns:
+        The model.
+    """
+    return FixedCommsModel("none", "no compression (fp32 all-to-all)", TableComms())
+
+
+def _qcomm_format(precision: str, device: str) -> WireFormat:
+    enc, dec = QCOMM_THROUGHPUT_GIB_S[(device, precision)]
+    ratio = MX4_RATIO if precision == "mx4" else 2.0
+    return WireFormat(precision, ratio, enc, dec)
+
+
+def qcomm_model(forward: str, backward: str, device: str) -> FixedCommsModel:
+    """TorchRec's quantized comms (``QCommsConfig``) as a fixed-ratio model.
+
+    Mirrors TorchRec: the reduce-scatter has no MX4 forward and falls back to FP16. For FP16/BF16
+    it prices exactly what TorchRec's planner prices with a qcomm codec registry (fp32 traffic /
+    2); for MX4 it uses the real ratio of 128/17 = 7.53x, where TorchRec's planner assumes 4x
+    (it prices a 1-byte dtype).
+
+    Args:
+        forward: ``"fp16"``, ``"bf16"`` or ``"mx4"``.
+        backward: ``"fp16"`` or ``"bf16"`` (``"none"``: fp32 gradients).
+        device: ``"cuda"`` or ``"cpu"`` (selects the kernel throughputs).
+
+    Returns:
+        The model.
+    """
+    fwd = _qcomm_format(forward, device)
+    bwd = RAW if backward == "none" else _qcomm_format(backward, device)
+    fwd_rs = _qcomm_format("fp16", device) if forward == "mx4" else fwd
+    desc = f"TorchRec qcomm: forward {forward.upper()}, backward {backward.upper()}"
+    return FixedCommsModel(
+        f"qcomm-{forward}", desc, TableComms(fwd=fwd, bwd=bwd, fwd_rs=fwd_rs, bwd_rs=bwd)
+    )
+
+
+class LossyCommsModel:
+    """This project's codec: per-table ratio, codec throughput and reduce-scatter steering.
+
+    A compressed table's forward travels in the lossy format at its expected ratio (calibrated,
+    else ``planner.table_ratios``, else ``planner.expected_ratio``) and cannot ride a
+    reduce-scatter. With ``planner.drop_unprofitable`` a table whose codec costs more than it
+    saves on the topology's all-to-all bandwidth ``bw`` (``1/R + bw/enc + bw/dec >= 1``) travels
+    raw instead.
+
+    Args:
+        config: The plan config.
+        a2a_bandwidth: All-to-all bandwidth of the topology in bytes/ms (the break-even test).
+        ratios: Calibrated forward ratios by table name (take precedence over the config).
+    """
+
+    name = "lossy"
+
+    def __init__(
+        self,
+        config: LossyPlanConfig,
+        a2a_bandwidth: float,
+        ratios: Mapping[str, float] | None = None,
+    ) -> None:
+        self.config = config
+        self.a2a_bandwidth = a2a_bandwidth
+        self.ratios: dict[str, float] = dict(ratios or {})
+        device = config.topology.compute_device
+        enc, dec = CODEC_THROUGHPUT_GIB_S[device]
+        p = config.planner
+        self.encode_gib_s = p.encode_gib_s if p.encode_gib_s is not None else enc
+        self.decode_gib_s = p.decode_gib_s if p.decode_gib_s is not None else dec
+        comms = config.comms
+        bwd_kind = comms.backward
+        if bwd_kind == "lossy":
+            self._bwd: WireFormat = WireFormat(
+                "lossy", p.backward_ratio, self.encode_gib_s, self.decode_gib_s
+            )
+        elif bwd_kind in ("fp16", "bf16"):
+            enc_q, dec_q = QCOMM_THROUGHPUT_GIB_S[(device, bwd_kind)]
+            self._bwd = WireFormat(bwd_kind, 2.0, enc_q, dec_q)
+        else:
+            self._bwd = RAW
+        self.description = (
+            f"torchrec-lossy: forward lossy ({comms.default_bound.mode} "
+            f"{comms.default_bound.value:g} default), backward {bwd_kind}; codec "
+            f"{self.encode_gib_s:.3g}/{self.decode_gib_s:.3g} GiB/s encode/decode"
+        )
+
+    def ratio(self, table: str) -> float:
+        """The table's expected forward ratio.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Calibrated ratio if any, else the config's.
+        """
+        return self.ratios.get(table, self.config.planner.ratio(table))
+
+    def break_even(self, ratio: float) -> float:
+        """``1/R + bw/enc + bw/dec``: the codec pays on the all-to-all iff this is below 1.
+
+        Args:
+            ratio: Compression ratio ``R``.
+
+        Returns:
+            The compressed transfer time as a fraction of the raw one.
+        """
+        bw = self.a2a_bandwidth
+        return (
+            1.0 / ratio
+            + bw / gib_s_to_bytes_per_ms(self.encode_gib_s)
+            + bw / gib_s_to_bytes_per_ms(self.decode_gib_s)
+        )
+
+    def for_table(self, table: str) -> TableComms:
+        """The table's formats under the config (see the class docstring).
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its :class:`TableComms`.
+        """
+        bwd = self._bwd
+        bwd_rs = None if bwd.name == "lossy" else bwd
+        if not self.config.comms.table(table).compress:
+            return TableComms(RAW, bwd, RAW, bwd_rs, "compress: false in the config")
+        r = self.ratio(table)
+        cost = self.break_even(r)
+        source = "calibrated" if table in self.ratios else "configured"
+        if cost >= 1.0:
+            why = f"codec slower than the bytes it saves: 1/R + bw/enc + bw/dec = {cost:.2f} >= 1"
+            if self.config.planner.drop_unprofitable:
+                return TableComms(RAW, bwd, RAW, bwd_rs, f"sent raw: {why}")
+            note = f"ratio {r:.1f}x ({source}); {why} (planner.drop_unprofitable is off)"
+        else:
+            note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
+        fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+        return TableComms(fwd, bwd, None, bwd_rs, note)
