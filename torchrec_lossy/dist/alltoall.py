@@ -29,9 +29,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,10 @@ from torchrec_lossy.config import ErrorBound
 from torchrec_lossy.dist.comms import LossyComms
 from torchrec_lossy.dist.stats import Direction
 
+if TYPE_CHECKING:
+    from torchrec_lossy.dist.input_dist import LookupDedupe
+
+T = TypeVar("T")
 _ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
 _CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -92,10 +96,46 @@ class LossyAll2AllPooledInfo:
     comms: LossyComms
     compress: dict[str, bool]
     dtype: torch.dtype = torch.float32
+    lookup_dedupe: LookupDedupe | None = None
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
+
+    def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
+        """Per local table shard, per feature: rows this rank (the owner) exchanges with
+        ``peer`` (its batch size, or the distinct ids of a lookup-deduplicated feature)."""
+        rows = self.batch_size_per_rank[peer]
+        dd = self.lookup_dedupe
+        flat = dd.recv_rows[peer] if dd is not None else None
+
+        def one(i: int) -> int:
+            x = flat[i] if flat is not None else None
+            return rows if x is None else x
+
+        return _per_feature(self.layout[my_rank], one, rows)
+
+    def sender_rows(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per table shard of ``peer``, per feature: (rows exchanged, inverse index or None),
+        from the side of this rank, which sent ``peer`` the ids."""
+        rows = self.batch_size_per_rank[my_rank]
+        dd = self.lookup_dedupe
+        flat = dd.send[peer] if dd is not None else None
+
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
+            x = flat[i] if flat is not None else None
+            return (rows, None) if x is None else x
+
+        return _per_feature(self.layout[peer], one, (rows, None))
+
+
+def _per_feature(specs: Sequence[BlockSpec], of: Callable[[int], T], default: T) -> list[list[T]]:
+    """``of(i)`` for the i-th feature of ``specs`` in order, grouped per spec."""
+    out, i = [], 0
+    for s in specs:
+        out.append([of(i + f) for f in range(s.num_features)])
+        i += s.num_features
+    return out
 
 
 class _LossyRequest(Request[torch.Tensor]):
@@ -104,15 +144,33 @@ class _LossyRequest(Request[torch.Tensor]):
     def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(pg, device)
         self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
+        # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
+        self.dense_blocks: list[int] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
 # Blocks: cutting a dense tensor into per-(peer, table) blocks and back.
 
 
-def _cut_block(x: torch.Tensor, row0: int, rows: int, col0: int, spec: BlockSpec) -> torch.Tensor:
-    """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors."""
+def _cut_block(
+    x: torch.Tensor,
+    row0: int,
+    rows: int,
+    col0: int,
+    spec: BlockSpec,
+    feat_rows: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors.
+
+    With ``feat_rows``, feature ``f`` contributes only its first ``feat_rows[f]`` rows (the
+    distinct rows of a lookup-deduplicated feature).
+    """
     c = col0 + spec.col_offset
+    if feat_rows is not None and any(r != rows for r in feat_rows):
+        d = spec.dim
+        return torch.cat(
+            [x[row0 : row0 + r, c + f * d : c + (f + 1) * d] for f, r in enumerate(feat_rows)]
+        )
     part = x[row0 : row0 + rows, c : c + spec.width]
     return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
 
@@ -125,6 +183,41 @@ def _join_blocks(
         b.view(s.num_features, rows, s.dim).transpose(0, 1).reshape(rows, s.width)
         for b, s in zip(blocks, specs, strict=True)
     ]
+
+
+def _expand_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Receiver side of a lookup-deduplicated block: ``[rows, width]``, each deduplicated
+    feature's distinct rows gathered back by its inverse index (exact: a gather)."""
+    pieces = b.split([r for r, _ in feats])
+    out = [p if inv is None else p[inv] for p, (_, inv) in zip(pieces, feats, strict=True)]
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+def _reduce_grad_block(
+    g: torch.Tensor, col0: int, spec: BlockSpec, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Backward of :func:`_expand_block`: the gradient rows summed per distinct id."""
+    pieces = []
+    for f, (r, inv) in enumerate(feats):
+        c = col0 + spec.col_offset + f * spec.dim
+        gf = g[:, c : c + spec.dim]
+        if inv is not None:
+            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf)
+        pieces.append(gf)
+    return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
+
+
+def _pad_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feat_rows: Sequence[int]
+) -> torch.Tensor:
+    """Owner side of a deduplicated gradient block: ``[rows, width]``, the rows past each
+    feature's distinct ones (its empty bags) zero."""
+    out = []
+    for p, r in zip(b.split(list(feat_rows)), feat_rows, strict=True):
+        out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
 
 
 def _padded(nbytes: int) -> int:
@@ -261,7 +354,7 @@ def _decode_peer(
     payload: torch.Tensor,
     peer: int,
     specs: Sequence[BlockSpec],
-    rows: int,
+    block_rows: Sequence[int],
     info: LossyAll2AllPooledInfo,
     my_rank: int,
 ) -> list[torch.Tensor]:
@@ -278,7 +371,11 @@ def _decode_peer(
         )
 
     size = payload.numel()
-    raw_len = sum(_padded(rows * s.width * elem) for s in specs if not info.compress[s.table])
+    raw_len = sum(
+        _padded(br * s.dim * elem)
+        for s, br in zip(specs, block_rows, strict=True)
+        if not info.compress[s.table]
+    )
     n_coded = sum(1 for s in specs if info.compress[s.table])
     if n_coded == 0 and size != raw_len:
         fail(f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks")
@@ -295,8 +392,8 @@ def _decode_peer(
     blocks: list[torch.Tensor] = []
     coded = iter(decoded)
     raw_at = 0
-    for s in specs:
-        shape = (s.num_features * rows, s.dim)
+    for s, br in zip(specs, block_rows, strict=True):
+        shape = (br, s.dim)
         if info.compress[s.table]:
             b = next(coded)
             if tuple(b.shape) != shape or b.dtype != dtype:
@@ -314,11 +411,15 @@ def _decode_payloads(
     recv: torch.Tensor,
     recv_sizes: Sequence[int],
     specs_per_peer: Sequence[Sequence[BlockSpec]],
-    rows_per_peer: Sequence[int],
+    block_rows_per_peer: Sequence[int | Sequence[int]],
     info: LossyAll2AllPooledInfo,
     my_rank: int,
 ) -> list[list[torch.Tensor]]:
-    """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks."""
+    """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
+
+    ``block_rows_per_peer``: per peer, the rows of each block, or one batch size (every block
+    then has ``num_features * rows`` rows).
+    """
     comms = info.comms
     elem = torch.empty(0, dtype=info.dtype).element_size()
     out: list[list[torch.Tensor]] = []
@@ -326,16 +427,18 @@ def _decode_payloads(
     with record_function(f"## lossy_a2a {direction} decode ##"):
         for peer, (offset, size) in enumerate(zip(offsets, recv_sizes, strict=False)):
             start = time.perf_counter()
-            specs, rows = specs_per_peer[peer], rows_per_peer[peer]
+            specs, block_rows = specs_per_peer[peer], block_rows_per_peer[peer]
+            if isinstance(block_rows, int):
+                block_rows = [s.num_features * block_rows for s in specs]
             payload = recv.narrow(0, offset, size)
             if comms.payload_hook is not None:
                 payload = comms.payload_hook(direction, peer, payload)
             # Raw blocks and the codec payload then start 16-byte aligned.
             payload = _aligned(payload)
-            out.append(_decode_peer(direction, payload, peer, specs, rows, info, my_rank))
+            out.append(_decode_peer(direction, payload, peer, specs, block_rows, info, my_rank))
             shares: dict[str, int] = {}
-            for s in specs:
-                shares[s.table] = shares.get(s.table, 0) + rows * s.width * elem
+            for s, br in zip(specs, block_rows, strict=True):
+                shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
             comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
     return out
 
@@ -408,13 +511,28 @@ class LossyAll2AllPooledReq(Function):
                 f"{info.dim_sum_per_rank[my_rank]}"
             )
         info.dtype = input_embeddings.dtype
-        blocks = _peer_blocks(
-            input_embeddings.detach(),
-            list(itertools.accumulate(info.batch_size_per_rank, initial=0))[:-1],
-            info.batch_size_per_rank,
-            [0] * world,
-            [info.layout[my_rank]] * world,
-        )
+        if info.lookup_dedupe is None:
+            blocks = _peer_blocks(
+                input_embeddings.detach(),
+                list(itertools.accumulate(info.batch_size_per_rank, initial=0))[:-1],
+                info.batch_size_per_rank,
+                [0] * world,
+                [info.layout[my_rank]] * world,
+            )
+        else:
+            # Deduplicated features: only their distinct rows (first U bags) travel.
+            x = input_embeddings.detach()
+            r0s = list(itertools.accumulate(info.batch_size_per_rank, initial=0))
+            with record_function("## lossy_a2a fwd dedupe cut ##"):
+                blocks = [
+                    [
+                        _cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
+                        for s, fr in zip(
+                            info.layout[my_rank], info.owner_rows(my_rank, d), strict=True
+                        )
+                    ]
+                    for d in range(world)
+                ]
         payloads = _encode_payloads(
             "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
         )
@@ -440,7 +558,9 @@ class LossyAll2AllPooledReq(Function):
         recv = myreq.tensor
         b_global = sum(info.batch_size_per_rank)
         d_local = info.dim_sum_per_rank[my_rank]
-        if myreq.recv_sizes is None:
+        if info.lookup_dedupe is not None:
+            grad_input = _owner_grad_dedupe(recv, myreq, info, my_rank, world)
+        elif myreq.recv_sizes is None:
             start = time.perf_counter()
             with record_function("## lossy_a2a bwd decode ##"):
                 grad_input = recv.view(b_global, d_local).to(info.dtype)
@@ -452,7 +572,10 @@ class LossyAll2AllPooledReq(Function):
                 recv,
                 myreq.recv_sizes,
                 [info.layout[my_rank]] * world,
-                info.batch_size_per_rank,
+                [
+                    [s.num_features * b for s in info.layout[my_rank]]
+                    for b in info.batch_size_per_rank
+                ],
                 info,
                 my_rank,
             )
@@ -490,14 +613,25 @@ class LossyAll2AllPooledWait(Function):
         ctx.pg = pg
         ctx.myreq = myreq
         b_local = info.batch_size_per_rank[my_rank]
-        blocks = _decode_payloads(
-            "fwd", recv, recv_sizes, info.layout, [b_local] * world, info, my_rank
-        )
-        pieces = [
-            piece
-            for bs, specs in zip(blocks, info.layout, strict=True)
-            for piece in _join_blocks(bs, specs, b_local)
-        ]
+        if info.lookup_dedupe is None:
+            block_rows = [[s.num_features * b_local for s in specs] for specs in info.layout]
+        else:
+            sender = [info.sender_rows(my_rank, p) for p in range(world)]
+            block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
+        blocks = _decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
+        if info.lookup_dedupe is None:
+            pieces = [
+                piece
+                for bs, specs in zip(blocks, info.layout, strict=True)
+                for piece in _join_blocks(bs, specs, b_local)
+            ]
+        else:
+            with record_function("## lossy_a2a fwd dedupe expand ##"):
+                pieces = [
+                    _expand_block(b, s, b_local, f)
+                    for bs, specs, feats in zip(blocks, info.layout, sender, strict=True)
+                    for b, s, f in zip(bs, specs, feats, strict=True)
+                ]
         if not pieces:
             return recv.new_empty((b_local, 0), dtype=info.dtype)
         return torch.cat(pieces, dim=1)
@@ -512,7 +646,9 @@ class LossyAll2AllPooledWait(Function):
         assert d_global == sum(info.dim_sum_per_rank)
         codec = info.comms.config.backward
         grad_output = grad_output.contiguous()
-        if codec == "lossy":
+        if info.lookup_dedupe is not None:
+            recv, work = _receiver_grad_dedupe(pg, grad_output, myreq, info, my_rank, world)
+        elif codec == "lossy":
             # Every source rank gets all local rows of its own columns.
             col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
             blocks = _peer_blocks(
@@ -543,6 +679,114 @@ class LossyAll2AllPooledWait(Function):
         myreq.req = work
         myreq.tensor = recv
         return (None, None, myreq.dummy_tensor)
+
+
+def _receiver_grad_dedupe(
+    pg: dist.ProcessGroup,
+    grad_output: torch.Tensor,
+    myreq: _LossyRequest,
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    world: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Gradient send under lookup dedupe: rows summed per distinct id, then sent as blocks.
+
+    The owner's fused update of a distinct row then sees the same total gradient it would have
+    accumulated over the repeated bags (up to float summation order).
+    """
+    codec = info.comms.config.backward
+    stats = info.comms.stats
+    col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
+    with record_function("## lossy_a2a bwd dedupe reduce ##"):
+        blocks = [
+            [
+                _reduce_grad_block(grad_output, col_bases[p], s, f)
+                for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
+            ]
+            for p in range(world)
+        ]
+    myreq.dense_blocks = None
+    myreq.recv_sizes = None
+    if codec == "lossy":
+        payloads = _encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+        recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+        myreq.recv_sizes = recv_sizes
+        return recv, work
+    wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
+    in_elem = grad_output.element_size()
+    wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
+    b_local = grad_output.shape[0]
+    start = time.perf_counter()
+    with record_function("## lossy_a2a bwd encode ##"):
+        send = torch.cat(
+            [b.reshape(-1) for bs in blocks for b in bs] or [grad_output.new_empty(0)]
+        ).to(wire_dtype)
+    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
+    shares: dict[str, int] = {}
+    for bs, specs in zip(blocks, info.layout, strict=True):
+        for b, s in zip(bs, specs, strict=True):
+            raw = b_local * s.width * in_elem  # what TorchRec's dense gradient would carry
+            shares[s.table] = shares.get(s.table, 0) + raw
+            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
+    recv_sizes = [
+        sum(
+            sum(fr) * s.dim
+            for s, fr in zip(info.layout[my_rank], info.owner_rows(my_rank, p), strict=True)
+        )
+        for p in range(world)
+    ]
+    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=grad_output.device)
+    with record_function("## lossy_a2a bwd payload ##"):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
+    myreq.dense_blocks = recv_sizes
+    return recv, work
+
+
+def _owner_grad_dedupe(
+    recv: torch.Tensor,
+    myreq: _LossyRequest,
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    world: int,
+) -> torch.Tensor:
+    """Gradient receive under lookup dedupe: the distinct rows' gradients, zero for the
+    empty bags past them, as the owner's ``[B_global, D_local]`` gradient."""
+    specs = info.layout[my_rank]
+    owner = [info.owner_rows(my_rank, p) for p in range(world)]
+    block_rows = [[sum(fr) for fr in feats] for feats in owner]
+    if myreq.dense_blocks is None:
+        assert myreq.recv_sizes is not None
+        blocks = _decode_payloads(
+            "bwd", recv, myreq.recv_sizes, [specs] * world, block_rows, info, my_rank
+        )
+    else:
+        start = time.perf_counter()
+        with record_function("## lossy_a2a bwd decode ##"):
+            flat = recv.to(info.dtype).split(
+                [br * s.dim for brs in block_rows for br, s in zip(brs, specs, strict=True)]
+            )
+            it = iter(flat)
+            blocks = [
+                [next(it).view(br, s.dim) for br, s in zip(brs, specs, strict=True)]
+                for brs in block_rows
+            ]
+        elem = recv.element_size()
+        shares: dict[str, int] = {}
+        for i, s in enumerate(specs):
+            n = sum(block_rows[p][i] for p in range(world)) * s.dim * elem
+            shares[s.table] = shares.get(s.table, 0) + n
+        info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+    pieces = []
+    for p in range(world):
+        rows = info.batch_size_per_rank[p]
+        parts = [
+            _pad_block(b, s, rows, fr) for b, s, fr in zip(blocks[p], specs, owner[p], strict=True)
+        ]
+        pieces.append(
+            torch.cat(parts, dim=1) if parts else recv.new_empty((rows, 0), dtype=info.dtype)
+        )
+    return torch.cat(pieces, dim=0)
 
 
 def alltoall_pooled_lossy(

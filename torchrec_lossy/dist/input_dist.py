@@ -190,8 +190,11 @@ class _FeatureMeta:
         len_bits: Bits per length.
         id_bits: Bits per id (of the distinct ids when deduplicated).
         dedupe: Ids travel as distinct ids plus an inverse index.
-        num_ids: Ids (values) of the feature.
+        num_ids: Ids (values) of the feature as the receiver gets them.
         num_unique: Distinct ids (0 when not deduplicated).
+        lookup: Cross-side dedupe of a single-hot feature: only the distinct ids travel (the
+            inverse index stays with the sender) and the receiver gets ``num_unique`` bags of
+            one id followed by empty bags (see :class:`LookupDedupe`).
     """
 
     len_bits: int
@@ -199,6 +202,7 @@ class _FeatureMeta:
     dedupe: bool
     num_ids: int
     num_unique: int
+    lookup: bool = False
 
     @property
     def inv_bits(self) -> int:
@@ -207,16 +211,25 @@ class _FeatureMeta:
 
     def words(self) -> list[int]:
         """The feature's metadata words."""
-        mode = self.len_bits | (self.id_bits << 8) | (int(self.dedupe) << 16)
+        mode = (
+            self.len_bits
+            | (self.id_bits << 8)
+            | (int(self.dedupe) << 16)
+            | (int(self.lookup) << 17)
+        )
         return [mode, self.num_ids, self.num_unique]
 
     @staticmethod
     def from_words(w: Sequence[int]) -> _FeatureMeta:
         """Inverse of :meth:`words`."""
-        return _FeatureMeta(w[0] & 0xFF, (w[0] >> 8) & 0xFF, bool(w[0] >> 16 & 1), w[1], w[2])
+        return _FeatureMeta(
+            w[0] & 0xFF, (w[0] >> 8) & 0xFF, bool(w[0] >> 16 & 1), w[1], w[2], bool(w[0] >> 17 & 1)
+        )
 
     def fields(self, batch: int) -> list[tuple[str, int, int]]:
         """Its packed fields in order: ``(name, count, width)``."""
+        if self.lookup:  # lengths are implied (ones, then zeros); the inverse stays home
+            return [("unique", self.num_unique, self.id_bits)]
         out = [("lengths", batch, self.len_bits)]
         if self.dedupe:
             out += [
@@ -263,6 +276,53 @@ class _Encoded:
     meta: torch.Tensor  # int64 metadata, destinations in order
     meta_splits: list[int]
     num_ids_per_dest: list[int]
+    # Per destination, per feature sent there: (distinct rows, inverse index) of the
+    # cross-side deduplicated (``lookup``) features, None for the others.
+    lookup: list[list[tuple[int, torch.Tensor] | None]]
+
+
+@dataclass
+class LookupDedupe:
+    """Cross-side deduplication state of one input-dist call, for the output dist.
+
+    Single-hot, unweighted features are sent as their distinct ids only; the owner looks them up
+    as ``U`` bags of one id (then ``B - U`` empty bags, keeping TorchRec's rectangular stride),
+    and the output dist sends back only the first ``U`` pooled rows of such a feature, which the
+    receiver (the original sender) expands with the inverse index it kept.
+
+    Attributes:
+        recv_rows: Per source rank, per local feature (this rank's lookup order): distinct rows
+            received (``U``), None where the feature is not deduplicated.
+        send: Per owner rank, per feature sent to it: ``(U, inverse)`` (the inverse index maps
+            this rank's bags to the owner's distinct rows), None where not deduplicated.
+    """
+
+    recv_rows: list[list[int | None]]
+    send: list[list[tuple[int, torch.Tensor] | None]]
+
+
+class _Strides(list):
+    """``stride_per_rank`` that also carries the call's :class:`LookupDedupe`.
+
+    TorchRec copies the tensors awaitable's ``_stride_per_rank`` into the sharding context's
+    ``batch_size_per_rank`` (``_set_sharding_context_intra_a2a``), which reaches the output
+    dist; riding on it keeps the state with its own batch (no module-level queue) and makes any
+    input dist that is not ours (e.g. under ``TrainPipelineSparseDist``) fall back by itself.
+    """
+
+    lookup_dedupe: LookupDedupe | None = None
+
+
+def lookup_dedupe_of(batch_size_per_rank: object) -> LookupDedupe | None:
+    """The cross-side dedupe state riding on a sharding context's ``batch_size_per_rank``.
+
+    Args:
+        batch_size_per_rank: ``EmbeddingShardingContext.batch_size_per_rank``.
+
+    Returns:
+        The state, or None when the input dist did not deduplicate lookups.
+    """
+    return getattr(batch_size_per_rank, "lookup_dedupe", None)
 
 
 def _feature_stats(
@@ -314,8 +374,13 @@ def _encode(
     kjt: KeyedJaggedTensor,
     splits: Sequence[int],
     comms: LossyComms,
+    dedupe_lookups: bool = False,
 ) -> _Encoded:
-    """Packs one rank's KJT for every destination (features ordered by destination)."""
+    """Packs one rank's KJT for every destination (features ordered by destination).
+
+    With ``dedupe_lookups``, unweighted single-hot features with repeated ids send only their
+    distinct ids (``_FeatureMeta.lookup``) and keep their inverse index in the result.
+    """
     config = comms.config.input_dist
     stats_obj = comms.stats
     keys = kjt.keys()
@@ -324,7 +389,9 @@ def _encode(
     dev = values.device
     start = time.perf_counter()
     with record_function("## lossy_input stats ##"):
-        stats_t, seg, dd = _feature_stats(lengths, values, num_f, batch, config.dedupe)
+        stats_t, seg, dd = _feature_stats(
+            lengths, values, num_f, batch, config.dedupe or dedupe_lookups
+        )
         stats = stats_t.tolist()  # the one host read of the encoder
     for key, (_, _, len_min, _, id_min, _) in zip(keys, stats, strict=True):
         if len_min < 0 or id_min < 0:
@@ -338,8 +405,19 @@ def _encode(
 
     with record_function("## lossy_input encode ##"):
         metas: list[_FeatureMeta] = []
-        for len_sum, len_max, _, id_max, _, uniq in stats:
+        for len_sum, len_max, len_min, id_max, _, uniq in stats:
             id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
+            if (
+                dedupe_lookups
+                and weights is None
+                and batch > 0
+                and len_min == len_max == 1
+                and uniq < batch
+            ):
+                # Single-hot with repeats: a bag's pooled vector is its row, so the owner can
+                # look up and send back each distinct id once.
+                metas.append(_FeatureMeta(0, id_bits, True, uniq, uniq, lookup=True))
+                continue
             inv_bits = _bit_length(uniq - 1) if uniq else 0
             # Deduplicate only where distinct ids + inverse index take fewer bits.
             dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
@@ -347,7 +425,8 @@ def _encode(
 
         v = values.to(torch.int64)
         lens = lengths.to(torch.int64)
-        val_off = list(itertools.accumulate((m.num_ids for m in metas), initial=0))
+        # Offsets of each feature's ids in the input (not what travels: lookup features send U).
+        val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
         inverse = uniques = None
         uniq_off: list[int] = []
         if any(m.dedupe for m in metas):
@@ -429,10 +508,21 @@ def _encode(
             meta_splits.append(len(row))
         meta = torch.tensor(meta_rows, dtype=torch.int64, device=dev)
 
+        lookup: list[list[tuple[int, torch.Tensor] | None]] = []
+        for d in range(len(splits)):
+            row: list[tuple[int, torch.Tensor] | None] = []
+            for f in range(feat_off[d], feat_off[d + 1]):
+                if metas[f].lookup:
+                    assert inverse is not None
+                    row.append((metas[f].num_unique, inverse[val_off[f] : val_off[f + 1]]))
+                else:
+                    row.append(None)
+            lookup.append(row)
+
     _record_encode(kjt, metas, batch, splits, send_words, wire_w, stats, config.dedupe, comms)
     shares = {
-        k: batch * lengths.element_size() + m.num_ids * values.element_size()
-        for k, m in zip(keys, metas, strict=True)
+        k: batch * lengths.element_size() + st[0] * values.element_size()
+        for k, st in zip(keys, stats, strict=True)
     }
     stats_obj.record_time("input", "encode", shares, time.perf_counter() - start)
     return _Encoded(
@@ -441,8 +531,9 @@ def _encode(
         meta=meta,
         meta_splits=meta_splits,
         num_ids_per_dest=[
-            val_off[feat_off[d + 1]] - val_off[feat_off[d]] for d in range(len(splits))
+            sum(m.num_ids for m in metas[feat_off[d] : feat_off[d + 1]]) for d in range(len(splits))
         ],
+        lookup=lookup,
     )
 
 
@@ -466,12 +557,12 @@ def _record_encode(
     wire_e = torch.empty(0, dtype=wire_w).element_size() if wire_w is not None else 0
     feature_wire = 0
     for key, m, st in zip(keys, metas, stats, strict=True):
-        raw = batch * len_e + m.num_ids * (val_e + w_e)
+        raw = batch * len_e + st[0] * (val_e + w_e)
         wire = m.packed_bits(batch) // 8 + m.num_ids * wire_e
         feature_wire += wire
         s.record_block("input", key, raw, wire, 0.0, 0.0)
-        if dedupe:
-            s.record_ids("input", key, m.num_ids, m.num_ids - st[5])
+        if dedupe or m.lookup:
+            s.record_ids("input", key, st[0], st[0] - st[5])
     # Word padding of the payloads belongs to no feature.
     s.record_container("input", 4 * sum(send_words) - feature_wire)
     # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride).
@@ -558,6 +649,13 @@ def _decode(
             def field(name: str, n: int, fields: dict[str, list[int]] = fields) -> torch.Tensor:
                 return _join_field([sections[i] for i in fields[name]], n, dev)
 
+            if m.lookup:
+                if m.num_unique > batch:
+                    fail(src, f"{m.num_unique} distinct single-hot ids for a batch of {batch}")
+                ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
+                lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
+                values.append(field("unique", m.num_unique))
+                continue
             lengths.append(field("lengths", batch))
             if m.dedupe:
                 values.append(field("unique", m.num_unique)[field("inverse", m.num_ids)])
@@ -699,6 +797,8 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         splits: Features per destination rank.
         keys: Local keys after the all-to-all.
         comms: Shared config and telemetry.
+        dedupe_lookups: Cross-side deduplication of single-hot features (the output dist must
+            be the lossy one, which reads :class:`LookupDedupe` from the sharding context).
     """
 
     def __init__(
@@ -708,6 +808,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         splits: list[int],
         keys: list[str],
         comms: LossyComms,
+        dedupe_lookups: bool = False,
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -715,7 +816,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._splits = splits
         self._keys = keys
         self._comms = comms
-        self._enc = _encode(input, splits, comms)
+        self._enc = _encode(input, splits, comms, dedupe_lookups)
         world = pg.size()
         self._recv_meta_splits = [_HEADER + _PER_FEATURE * len(keys)] * world
         self._recv_meta = torch.empty(
@@ -750,6 +851,12 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             ]
             metas_per_src.append(fm)
             output_splits.append(sum(m.num_ids for m in fm))
+        stride_per_rank = _Strides(strides)
+        recv_rows = [[m.num_unique if m.lookup else None for m in fm] for fm in metas_per_src]
+        if any(r is not None for rows in recv_rows for r in rows) or any(
+            x is not None for row in self._enc.lookup for x in row
+        ):
+            stride_per_rank.lookup_dedupe = LookupDedupe(recv_rows, self._enc.lookup)
         send = self._enc.send
         recv = torch.empty(sum(recv_words), dtype=torch.int32, device=send.device)
         with record_function("## lossy_input payload ##"):
@@ -765,7 +872,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             recv_words=recv_words,
             work=work,
             metas_per_src=metas_per_src,
-            stride_per_rank=strides,
+            stride_per_rank=stride_per_rank,
             codes=codes,
             input_splits=self._enc.num_ids_per_dest,
             output_splits=output_splits,
@@ -784,6 +891,9 @@ class LossyKJTAllToAll(KJTAllToAll):
         pg: Process group.
         splits: Features sent to each rank (the input KJT is ordered by destination).
         comms: Shared config (``config.input_dist``) and telemetry.
+        dedupe_lookups: Cross-side deduplication of single-hot features: the result is then
+            NOT TorchRec's KJT (deduplicated features hold distinct ids, then empty bags) and
+            must feed the lossy output dist, which expands the rows. Off: bit-identical.
 
     Example::
 
@@ -791,11 +901,18 @@ class LossyKJTAllToAll(KJTAllToAll):
         kjt = a2a(local_kjt).wait().wait()  # bit-identical to KJTAllToAll's result
     """
 
-    def __init__(self, pg: dist.ProcessGroup, splits: list[int], comms: LossyComms) -> None:
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        splits: list[int],
+        comms: LossyComms,
+        dedupe_lookups: bool = False,
+    ) -> None:
         if len(splits) != pg.size():
             raise ValueError(f"{len(splits)} splits for a process group of {pg.size()} ranks")
         super().__init__(pg, list(splits))
         self._comms = comms
+        self._dedupe_lookups = dedupe_lookups
 
     def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
         """Sends each rank its features, packed.
@@ -821,7 +938,9 @@ class LossyKJTAllToAll(KJTAllToAll):
                 )
             rank = self._pg.rank()
             keys = input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]]
-            return LossyKJTAllToAllSplitsAwaitable(self._pg, input, self._splits, keys, self._comms)
+            return LossyKJTAllToAllSplitsAwaitable(
+                self._pg, input, self._splits, keys, self._comms, self._dedupe_lookups
+            )
 
 
 class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
@@ -831,13 +950,19 @@ class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         pg: Process group.
         features_per_rank: Features sent to each rank.
         comms: Shared state of the sharded module.
+        dedupe_lookups: Cross-side deduplication of single-hot features (see
+            :class:`LossyKJTAllToAll`).
     """
 
     def __init__(
-        self, pg: dist.ProcessGroup, features_per_rank: list[int], comms: LossyComms
+        self,
+        pg: dist.ProcessGroup,
+        features_per_rank: list[int],
+        comms: LossyComms,
+        dedupe_lookups: bool = False,
     ) -> None:
         super().__init__()
-        self._dist = LossyKJTAllToAll(pg, features_per_rank, comms)
+        self._dist = LossyKJTAllToAll(pg, features_per_rank, comms, dedupe_lookups)
 
     def forward(
         self, sparse_features: KeyedJaggedTensor

@@ -68,7 +68,26 @@ class _LossyOutputDistMixin(
         ):
             return base
         assert self._pg is not None
-        return LossyTwSparseFeaturesDist(self._pg, self.features_per_rank(), self._lossy_comms)
+        return LossyTwSparseFeaturesDist(
+            self._pg,
+            self.features_per_rank(),
+            self._lossy_comms,
+            dedupe_lookups=self._lookup_dedupe_ok(),
+        )
+
+    def _lookup_dedupe_ok(self) -> bool:
+        """Cross-side dedupe needs the KJT keys of each rank in its lookup-output column order
+        (the output dist maps features to column groups by position)."""
+        if not self._lossy_comms.config.input_dist.dedupe_lookups:
+            return False
+        lookup_order = [
+            [f for g in groups for t in g.embedding_tables for f in t.feature_names]
+            for groups in self._grouped_embedding_configs_per_rank
+        ]
+        if lookup_order != self.feature_names_per_rank():
+            logger.warning("lookup feature order differs from the input dist's: no lookup dedupe")
+            return False
+        return True
 
     def create_output_dist(
         self, device: torch.device | None = None
