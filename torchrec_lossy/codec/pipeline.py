@@ -672,7 +672,7 @@ def _decode_block(
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
         uniq = r.take_bytes(n_unique * dim * itemsize, "distinct vectors").view(bits_dtype)
         r.done()
-        return to_tensor(np.take(uniq.reshape(n_unique, dim), ids, axis=0))
+        return to_tensor(vector_lz.expand_rows_kernel(uniq.reshape(n_unique, dim), ids))
 
     if not (math.isfinite(step) and step > 0 and abs(center) <= quantize.MAX_CENTER):
         raise r.fail(f"quantization step {step} / center {center} out of range")
@@ -705,7 +705,7 @@ def _decode_block(
     if n_esc:
         out_bits[esc_pos.astype(np.int64)] = esc_bits
     if ids is not None:
-        out_bits = np.take(out_bits.reshape(n_unique, dim), ids, axis=0)
+        out_bits = vector_lz.expand_rows_kernel(out_bits.reshape(n_unique, dim), ids)
     return to_tensor(out_bits)
 
 

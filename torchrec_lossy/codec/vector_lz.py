@@ -98,6 +98,23 @@ def dedupe_kernel(
     return ids, first_rows[:n_unique].copy()
 
 
+@numba.njit(cache=True, nogil=True)
+def expand_rows_kernel(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The decoder's inverse of dedupe: row ``r`` of the output is ``vectors[ids[r]]``.
+
+    Args:
+        vectors: [n_unique, dim] distinct vectors (any dtype).
+        ids: int32 [rows] validated ids (< n_unique).
+
+    Returns:
+        [rows, dim] array of ``vectors``' dtype.
+    """
+    out = np.empty((ids.shape[0], vectors.shape[1]), dtype=vectors.dtype)
+    for r in range(ids.shape[0]):
+        out[r, :] = vectors[ids[r], :]
+    return out
+
+
 def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`dedupe_kernel` (the test oracle).
 
@@ -323,6 +340,7 @@ __all__ = [
     "dedupe_kernel",
     "dedupe_reference",
     "element_keys",
+    "expand_rows_kernel",
     "pack_refs_kernel",
     "pack_refs_reference",
     "read_bits",
