@@ -165,35 +165,12 @@ class LossyCwPooledEmbeddingSharding(_LossyOutputDistMixin, CwPooledEmbeddingSha
         )
 
 
-class LossyTwCwPooledEmbeddingSharding(_LossyOutputDistMixin, TwCwPooledEmbeddingSharding):
+class LossyTwCwPooledEmbeddingSharding(LossyCwPooledEmbeddingSharding, TwCwPooledEmbeddingSharding):
     """Table-column-wise sharding with a compressed output dist.
 
-    Args:
-        sharding_infos: Tables of this sharding.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        permute_embeddings: Reorder column shards into table order after the all-to-all.
-        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
+    TorchRec's TWCW sharding is its CW sharding placed within a host group; the lossy one is
+    the lossy CW sharding likewise (same constructor arguments).
     """
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        comms: LossyComms,
-        device: torch.device | None = None,
-        permute_embeddings: bool = False,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        self._lossy_comms = comms
-        super().__init__(
-            sharding_infos,
-            env,
-            device,
-            permute_embeddings=permute_embeddings,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
 
 
 # Sharding types whose pooled output travels by all-to-all, and so can be lossy-compressed.
