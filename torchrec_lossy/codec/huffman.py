@@ -330,6 +330,24 @@ def decode_kernel(
 
 
 @numba.njit(cache=True, nogil=True)
+def pack_codebook_kernel(lengths: np.ndarray, sym_lo: int, sym_count: int) -> np.ndarray:
+    """The wire codebook: code lengths of value symbols ``sym_lo ..``, two 4-bit nibbles a byte.
+
+    Args:
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        sym_lo: First value symbol of the codebook.
+        sym_count: Number of value symbols.
+
+    Returns:
+        uint8 [ceil(sym_count / 2)], low nibble first (the inverse of expand_codebook_kernel).
+    """
+    nibbles = np.zeros((sym_count + 1) // 2, dtype=np.uint8)
+    for k in range(sym_count):
+        nibbles[k >> 1] |= lengths[sym_lo + k] << (4 * (k & 1))
+    return nibbles
+
+
+@numba.njit(cache=True, nogil=True)
 def expand_codebook_kernel(
     nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
 ) -> np.ndarray:

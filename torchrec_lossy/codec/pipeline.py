@@ -291,13 +291,6 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     return np.concatenate([b, np.zeros(pad, np.uint8)]) if pad else b
 
 
-def _codebook(lengths: np.ndarray, lo: int, count: int) -> np.ndarray:
-    """Nibble bytes of the code lengths of value symbols ``lo .. lo + count - 1``."""
-    nib = np.zeros(count + count % 2, np.uint8)
-    nib[:count] = lengths[lo : lo + count]
-    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
-
-
 @dataclass(frozen=True)
 class _Code:
     """A Huffman code for one symbol stream and the words it will take."""
@@ -317,10 +310,8 @@ class _Code:
 
 
 def _segment_header(**fields: int | float) -> np.ndarray:
-    header = np.zeros(1, SEGMENT_HEADER)
-    for k, v in fields.items():
-        header[k] = v
-    return header
+    values = dict.fromkeys(SEGMENT_HEADER.names, 0) | fields  # unnamed fields are 0
+    return np.array([tuple(values.values())], dtype=SEGMENT_HEADER)
 
 
 def _quantized_sections(
@@ -348,7 +339,7 @@ def _quantized_sections(
     Returns:
         The sections, in wire order.
     """
-    nibbles = _codebook(code.lengths, code.sym_lo, code.sym_count)
+    nibbles = huffman.pack_codebook_kernel(code.lengths, code.sym_lo, code.sym_count)
     n_escapes = int(code.hist[ESCAPE_SYMBOL])
     esc_pos = np.zeros(0, np.uint32)
     esc_bits = raw_bits[:0, 0]

@@ -109,9 +109,12 @@ def expand_rows_kernel(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
     Returns:
         [rows, dim] array of ``vectors``' dtype.
     """
-    out = np.empty((ids.shape[0], vectors.shape[1]), dtype=vectors.dtype)
+    dim = vectors.shape[1]
+    out = np.empty((ids.shape[0], dim), dtype=vectors.dtype)
     for r in range(ids.shape[0]):
-        out[r, :] = vectors[ids[r], :]
+        u = ids[r]
+        for j in range(dim):  # explicit loop: a row slice per row costs more than the copy
+            out[r, j] = vectors[u, j]
     return out
 
 
