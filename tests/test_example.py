@@ -1,0 +1,298 @@
+"""The DLRM example end to end: tiny 2-process torchrun runs, checkpoint/resume, the netns script.
+
+Each torchrun run takes 15-30 s on 2 CPU cores (most of it importing TorchRec and planning);
+the longer cases are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
+NETNS = ROOT / "scripts" / "netns_cluster.sh"
+BENCH = ROOT / "benchmarks" / "e2e_bench.py"
+sys.path.insert(0, str(ROOT / "examples"))
+
+from torchrec_lossy.traffic import DEFAULT_CRITEO_SAMPLE  # noqa: E402
+
+pytestmark = pytest.mark.dist
+TINY = ["--steps", "6", "--batch-size", "32", "--eval-batches", "2", "--no-progress"]
+
+
+def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+    """Runs a command; on timeout sends SIGTERM first, so scripts can clean up (netns)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _torchrun(
+    args: list[str], torchrun_args: tuple[str, ...] = (), timeout: int = 240
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *torchrun_args,
+        str(EXAMPLE),
+        *args,
+    ]
+    proc = _run(cmd, timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _load(path: Path) -> dict[str, Any]:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+def _check_common(m: dict[str, Any], steps: int) -> None:
+    assert m["run"]["world_size"] == 2 and m["run"]["backend"] == "gloo"
+    assert m["run"]["steps_done"] == steps
+    final = m["final"]
+    assert final["eval_rows"] > 0
+    assert final["logloss"] is not None and 0.0 < final["logloss"] < 5.0
+    assert final["auc"] is None or 0.0 <= final["auc"] <= 1.0
+    timing = m["timing"]
+    assert timing["step_time_s_mean"] > 0 and timing["examples_per_s"] > 0
+    assert len(m["tables"]) == 26
+    assert m["history"]["train_step"][-1] == steps
+    assert all(math.isfinite(v) for v in m["history"]["train_loss"])
+    assert m["evals"] and m["evals"][-1]["step"] == steps
+
+
+def test_parse_args_defaults_and_errors() -> None:
+    import dlrm_criteo as ex
+
+    args = ex.parse_args([])
+    assert args.dataset == "synthetic" and args.comm == "lossy" and args.preset == "criteo_kaggle"
+    assert ex.parse_args(["--dataset", "criteo-1tb", "--data-path", "x"]).preset == "criteo_1tb"
+    for bad in (
+        ["--dataset", "criteo-kaggle"],  # needs --data-path
+        ["--epochs", "2"],  # synthetic is endless
+        ["--batch-size", "0"],
+        ["--comm", "fp8"],
+        ["--dense-arch", "64,x"],
+    ):
+        with pytest.raises(SystemExit):
+            ex.parse_args(bad)
+
+
+def test_torchrun_lossy_synthetic(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    proc = _torchrun(
+        [
+            *TINY,
+            "--comm",
+            "lossy",
+            "--metrics-json",
+            str(out),
+            "--report-png",
+            str(tmp_path / "r.png"),
+            "--tensorboard-dir",
+            str(tmp_path / "tb"),
+        ]
+    )
+    assert "== DLRM / synthetic / comm=lossy" in proc.stdout
+    m = _load(out)
+    _check_common(m, 6)
+    comms = m["comms"]
+    assert comms["source"] == "measured"
+    assert 0 < comms["fwd_wire_bytes_per_step"] < comms["fwd_raw_bytes_per_step"]
+    assert comms["fwd_ratio"] > 2
+    assert comms["bwd_raw_bytes_per_step"] > 0
+    compressed = [t for t in m["tables"].values() if t["sharding"] != "DP"]
+    assert compressed
+    for t in compressed:
+        assert t["fwd_ratio"] > 1
+        assert t["max_error_over_bound"] <= 1.0 + 1e-6
+        assert t["bound"] == pytest.approx(0.03)
+    assert 0 <= m["timing"]["codec_time_share"] < 1
+    assert m["data"]["oracle_auc"] > 0.7
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert any((tmp_path / "tb").iterdir())
+
+
+@pytest.mark.skipif(not DEFAULT_CRITEO_SAMPLE.is_file(), reason="shared Criteo sample missing")
+def test_torchrun_none_on_the_criteo_sample(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    _torchrun(
+        [
+            *TINY,
+            "--comm",
+            "none",
+            "--dataset",
+            "criteo-1tb",
+            "--data-path",
+            str(DEFAULT_CRITEO_SAMPLE),
+            "--metrics-json",
+            str(out),
+        ]
+    )
+    m = _load(out)
+    _check_common(m, 6)
+    comms = m["comms"]
+    assert comms["source"] == "computed from plan"
+    assert comms["fwd_wire_bytes_per_step"] == comms["fwd_raw_bytes_per_step"] > 0
+    assert comms["fwd_ratio"] == 1
+    assert m["data"]["rows_read"] > 0 and m["data"]["malformed_rows"] == 0
+
+
+def test_checkpoint_resume_after_a_killed_worker(tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: the last rank dies after step 3, the job resumes from step 2."""
+    import torch
+
+    out = tmp_path / "m.json"
+    ckpt = tmp_path / "ckpt"
+    proc = _torchrun(
+        [
+            *TINY,
+            "--comm",
+            "lossy",
+            "--config",
+            str(ROOT / "configs" / "criteo_kaggle.yaml"),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "2",
+            "--simulate-failure-at",
+            "3",
+            "--metrics-json",
+            str(out),
+        ],
+        torchrun_args=("--max-restarts", "1"),
+        timeout=360,
+    )
+    assert "simulated failure after step 3" in proc.stdout + proc.stderr
+    m = _load(out)
+    _check_common(m, 6)
+    assert m["run"]["start_step"] == 2
+    assert any("resumed from" in n for n in m["notes"])
+    done = sorted(p.name for p in ckpt.glob("step_*") if (p / "COMPLETE").is_file())
+    assert done == ["step_00000004", "step_00000006"]  # the two newest are kept
+    for rank in (0, 1):
+        extra = torch.load(ckpt / "step_00000006" / f"rank{rank}.pt", weights_only=True)
+        assert extra["step"] == 6
+        # The adaptive bounds' iteration counter carried on across the restart.
+        assert [int(s["iteration"]) for s in extra["bounds"].values()] == [6]
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path) -> None:
+    common = [*TINY, "--comm", "lossy", "--config", str(ROOT / "configs" / "criteo_kaggle.yaml")]
+    _torchrun(
+        [
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--checkpoint-every",
+            "2",
+            "--simulate-failure-at",
+            "3",
+            "--metrics-json",
+            str(tmp_path / "a.json"),
+        ],
+        torchrun_args=("--max-restarts", "1"),
+        timeout=360,
+    )
+    _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
+    a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
+    assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
+
+
+def _netns_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' missing (apt-get install -y iproute2)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        return f"network namespaces unavailable: {probe.stderr.strip()}"
+    return None
+
+
+NETNS_SKIP = _netns_skip_reason()
+
+
+def _netns_list() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+def test_netns_link_is_rate_limited_and_cleaned_up() -> None:
+    before = _netns_list()
+    proc = _run(["bash", str(NETNS), "--measure", "--rate", "200mbit", "--port", "29599"], 90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in (proc.stdout + proc.stderr).splitlines() if "Gbit/s" in x)
+    gbit = float(line.split("TCP ")[1].split()[0])
+    assert 0.1 < gbit < 0.25  # the tbf limit holds
+    assert _netns_list() == before  # its namespaces are gone
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+def test_netns_two_node_training(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    proc = _run(
+        ["bash", str(NETNS), "--port", "29598", "--", *TINY, "--metrics-json", str(out)], 300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_common(_load(out), 6)
+
+
+@pytest.mark.slow
+def test_e2e_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--modes",
+            "none,lossy",
+            "--none-seeds",
+            "0",
+            "--steps",
+            "4",
+            "--batch-size",
+            "32",
+            "--embedding-dim",
+            "16",
+            "--no-netns",
+            "--out-dir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+        ],
+        600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {r["mode"] for r in result["runs"]} == {"none", "lossy"}
+    assert "speedup" in proc.stdout
