@@ -406,3 +406,18 @@ def test_collective_plan_matches_plan() -> None:
         dist.destroy_process_group()
     assert str(got) == str(expected)
     assert [t.name for t in planner.planned_tables] == ["big", "mid", "tiny", "raw_big"]
+
+
+def test_configured_bandwidths_reach_the_topology() -> None:
+    """A bandwidth in the config overrides TorchRec's default; the others keep the default."""
+    from torchrec_lossy.config import TopologyConfig
+    from torchrec_lossy.planner.planner import build_topology
+
+    default = build_topology(TopologyConfig(world_size=4, local_world_size=2))
+    slow = build_topology(
+        TopologyConfig(world_size=4, local_world_size=2, inter_host_bandwidth_gib_s=0.125)
+    )
+    assert slow.inter_host_bw == pytest.approx(0.125 * 1024**3 / 1000)
+    assert slow.inter_host_bw < default.inter_host_bw
+    assert slow.intra_host_bw == default.intra_host_bw
+    assert slow.hbm_mem_bw == default.hbm_mem_bw

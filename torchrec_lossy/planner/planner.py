@@ -128,7 +128,13 @@ def build_topology(config: TopologyConfig) -> Topology:
             intra_host_bw=bw(config.intra_host_bandwidth_gib_s),
             inter_host_bw=bw(config.inter_host_bandwidth_gib_s),
         ),
-        KernelConfig(compute_device=config.compute_device),
+        # TorchRec reads HardwareConfig's bandwidths only on its "hardware-based" path; every
+        # field left None there still falls back to TorchRec's default.
+        KernelConfig(
+            compute_device=config.compute_device,
+            use_hardware_based_bandwidth=config.intra_host_bandwidth_gib_s is not None
+            or config.inter_host_bandwidth_gib_s is not None,
+        ),
     )
 
 
