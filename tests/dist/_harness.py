@@ -241,6 +241,30 @@ def compare_weights(
     return diffs
 
 
+def train_step(
+    model: Any, opt: torch.optim.Optimizer, kjt: Any, step: int, rank: int
+) -> torch.Tensor:
+    """One SGD step of a sharded EBC against a seeded random target.
+
+    Args:
+        model: The DistributedModelParallel-wrapped EBC.
+        opt: Its optimizer.
+        kjt: This rank's batch.
+        step: Step number (seeds the target).
+        rank: This rank (seeds the target).
+
+    Returns:
+        The forward outputs, features concatenated in the KJT's key order (detached).
+    """
+    per_key = model(kjt).wait().to_dict()
+    values = torch.cat([per_key[k] for k in kjt.keys()], dim=1)  # noqa: SIM118 (a KJT)
+    opt.zero_grad()
+    g = torch.Generator().manual_seed(100 * step + rank)
+    ((values - torch.rand(values.shape, generator=g)) ** 2).mean().backward()
+    opt.step()
+    return values.detach().clone()
+
+
 def max_row_count(per_rank_batches: Sequence[Any]) -> int:
     """Most times one id occurs in one feature over all ranks' batches of one step."""
     counts: dict[str, torch.Tensor] = {}

@@ -19,6 +19,7 @@ from _harness import (
     make_tables,
     manual_plan,
     run_workers,
+    train_step,
 )
 from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
@@ -115,13 +116,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             stats = getattr(model.module, "lossy_stats", None)
             if stats is not None:
                 stats.reset()
-            per_key = model(kjt).wait().to_dict()
-            values = torch.cat([per_key[k] for k in kjt.keys()], dim=1)  # noqa: SIM118 (a KJT)
-            outs[name].append(values.detach().clone())
-            opt.zero_grad()
-            g = torch.Generator().manual_seed(100 * step + rank)
-            ((values - torch.rand(values.shape, generator=g)) ** 2).mean().backward()
-            opt.step()
+            outs[name].append(train_step(model, opt, kjt, step, rank))
             if stats is not None:
                 t = stats.total("fwd")
                 fwd_bytes[name].append((t.raw_bytes, t.wire_bytes))
