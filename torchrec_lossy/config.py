@@ -236,21 +236,38 @@ class InputDistConfig:
             whenever that is smaller; exact (the receiver rebuilds the same KJT).
         weights: Per-id weights travel as they are (``"none"``) or cast to fp16/bf16 on the
             wire (lossy: only when asked).
-        dedupe_lookups: Cross-side deduplication of unweighted single-hot features (see
-            docs/input_dist.md): the owner looks up each distinct id once per source and the
-            output dist sends each distinct vector once; the receiver expands it. Forward exact;
-            gradients are summed per distinct id first (equal within float rounding).
+        dedupe_outputs: Exact cross-side deduplication (see docs/input_dist.md): for features
+            whose bags hold at most one id and no weights, the output dist sends the pooled row
+            of each distinct id (and of the empty bag) once per destination and the receiver
+            expands it with the inverse index it built when it sent the ids; lookups and the
+            backward are TorchRec's, so training is bit-identical. Needs ``enabled``.
+        dedupe_lookups: The variant that also cuts lookup work, for unweighted single-hot
+            features: only distinct ids travel and the owner looks up each once per source;
+            gradients are summed per distinct id first (equal within float rounding, not
+            bit-identical). Takes precedence over ``dedupe_outputs``.
+        checksum: End every payload with a 64-bit checksum that the receiver verifies
+            (``LossyAllToAllError`` naming the source on a mismatch); 8 bytes per
+            (source, destination) and, on CUDA, one more host read per call.
     """
 
     enabled: bool = True
     dedupe: bool = True
     weights: WeightsCast = "none"
+    dedupe_outputs: bool = True
     dedupe_lookups: bool = False
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enabled, bool), "input_dist.enabled", self.enabled, "a bool")
         _require(isinstance(self.dedupe, bool), "input_dist.dedupe", self.dedupe, "a bool")
         _check_literal("input_dist.weights", self.weights, WeightsCast)
+        _require(isinstance(self.checksum, bool), "input_dist.checksum", self.checksum, "a bool")
+        _require(
+            isinstance(self.dedupe_outputs, bool),
+            "input_dist.dedupe_outputs",
+            self.dedupe_outputs,
+            "a bool",
+        )
         _require(
             isinstance(self.dedupe_lookups, bool),
             "input_dist.dedupe_lookups",

@@ -1,8 +1,10 @@
-"""Cross-side (lookup) deduplication of single-hot features: ``InputDistConfig.dedupe_lookups``.
+"""Cross-side deduplication of the output dist: exact (the default) and the lookup variant.
 
-The owner looks up each distinct id once per source, the output dist sends each distinct pooled
-vector once and the receiver expands it; the gradient is summed per distinct id before it goes
-back. Forward exact, training equal within float rounding.
+Exact (``InputDistConfig.dedupe_outputs``): the owner gets the whole KJT, looks up every bag,
+and the output dist sends each distinct bag's pooled row once per destination; bit-identical
+training. Lookup (``dedupe_lookups``): the owner looks up each distinct id once per source and
+the gradient is summed per distinct id before it goes back; forward exact, training equal
+within float rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.dist import LossyComms, StaticBounds
 from torchrec_lossy.dist.input_dist import _encode
+from torchrec_lossy.dist.stats import CONTAINER
 
 
 def _comms(**input_dist: Any) -> LossyComms:
@@ -40,17 +43,36 @@ def test_encode_marks_only_unweighted_single_hot_features_with_repeats() -> None
     lengths = torch.tensor([1, 1, 1, 1, 2, 0, 1, 1, 1, 1, 1, 1])
     values = torch.tensor([5, 5, 7, 5, 1, 1, 2, 3, 9, 8, 7, 6])
     kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=values, lengths=lengths)
-    enc = _encode(kjt, [2, 1], _comms(dedupe_lookups=True), dedupe_lookups=True)
-    (u, inv), b = enc.lookup[0]
-    assert b is None and enc.lookup[1] == [None]
+    enc = _encode(kjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
+    (u, inv), b = enc.expand[0]
+    assert b is None and enc.expand[1] == [None]
     assert u == 2 and inv.tolist() == [0, 0, 1, 0]  # distinct ids sorted: 5, 7
     assert enc.num_ids_per_dest == [2 + 4, 4]
     # Weighted KJTs keep the normal path (a bag's pooled vector is then weight * row).
     wkjt = KeyedJaggedTensor(
         keys=["a", "b", "c"], values=values, lengths=lengths, weights=torch.rand(12)
     )
-    enc = _encode(wkjt, [2, 1], _comms(dedupe_lookups=True), dedupe_lookups=True)
-    assert all(x is None for row in enc.lookup for x in row)
+    enc = _encode(wkjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
+    assert all(x is None for row in enc.expand for x in row)
+
+
+def test_encode_marks_exact_output_dedupe_with_empty_bags() -> None:
+    from torchrec import KeyedJaggedTensor
+
+    # a: ids/empty bags with repeats; b: multi-hot; c: single-hot, all distinct; d: all empty;
+    # e: single-hot with repeats.
+    lengths = torch.tensor([1, 0, 1, 0, 1, 2, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])
+    values = torch.tensor([5, 7, 5, 1, 1, 2, 3, 9, 8, 7, 3, 1, 3, 3])
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c", "d", "e"], values=values, lengths=lengths)
+    enc = _encode(kjt, [2, 3], _comms(), output_dedupe="exact")
+    (rows, inv), b = enc.expand[0]
+    # Distinct bag keys in ascending order: empty (-1), 5, 7.
+    assert b is None and rows == 3 and inv.tolist() == [1, 0, 2, 0]
+    c, (rows_d, inv_d), (rows_e, inv_e) = enc.expand[1]
+    assert c is None and rows_d == 1 and inv_d.tolist() == [0, 0, 0, 0]
+    assert rows_e == 2 and inv_e.tolist() == [1, 0, 1, 1]  # distinct ids 1, 3
+    # The KJT itself still travels whole: the same ids as without output dedupe.
+    assert enc.num_ids_per_dest == _encode(kjt, [2, 3], _comms()).num_ids_per_dest == [6, 8]
 
 
 def _mixed_batch(tables: list, batch: int, seed: int) -> Any:
@@ -68,6 +90,52 @@ def _mixed_batch(tables: list, batch: int, seed: int) -> Any:
     )
 
 
+def _holey_batch(tables: list, batch: int, seed: int) -> Any:
+    """Skewed single-hot features with about a third of the bags empty."""
+    from torchrec import KeyedJaggedTensor
+
+    kjt = _skewed_batch(tables, batch, seed)
+    keep = torch.rand(kjt.values().numel(), generator=torch.Generator().manual_seed(seed)) > 0.35
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=kjt.keys(), values=kjt.values()[keep], lengths=keep.to(torch.int64)
+    )
+
+
+def _batches(tables: list, rank: int) -> list[Any]:
+    """One rank's batches: skewed, multi-hot, mixed, empty feature, single-hot with empty bags."""
+    return [
+        _skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
+        make_batch(tables, 6 + rank, seed=rank),  # multi-hot: normal path
+        _mixed_batch(tables, 24, seed=70 + rank),
+        make_batch(tables, 5, seed=90 + rank, empty_features=["f3"]),
+        _holey_batch(tables, 20 + rank, seed=110 + rank),
+    ]
+
+
+def _expected_rows(
+    tables: list, world_size: int, rank: int, step: int
+) -> dict[str, tuple[int, int]]:
+    """Per table the owner ``rank`` holds: (TorchRec's pooled rows, rows sent under exact
+    output dedupe: per source and feature, the distinct bags (ids, and one empty bag) where
+    bags hold <= 1 id and repeat, else the source's batch size)."""
+    owners = {"t0": [0], "t1": [1], "t2": [0, 1], "t3": [1]}  # _sharder_plan()
+    out: dict[str, tuple[int, int]] = {}
+    for t in tables:
+        if rank not in owners[t.name]:
+            continue
+        full = sent = 0
+        for src in range(world_size):
+            jts = _batches(tables, src)[step].to_dict()
+            for f in t.feature_names:
+                lens, ids = jts[f].lengths(), jts[f].values()
+                distinct = len(set(ids.tolist())) + int(bool((lens == 0).any()))
+                single = bool((lens <= 1).all())
+                full += lens.numel()
+                sent += distinct if single and distinct < lens.numel() else lens.numel()
+        out[t.name] = (full, sent)
+    return out
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -77,32 +145,35 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     tables = make_tables(SHARDER_TABLES)
     exact, lossy = ErrorBound("absolute", 0.0), ErrorBound("relative", 0.03)
 
-    def lossy_sharder(bound: ErrorBound, dd: bool, **kw: Any) -> Any:
-        config = LossyCommsConfig(
-            default_bound=bound, input_dist=InputDistConfig(dedupe_lookups=dd), **kw
+    def lossy_sharder(bound: ErrorBound, mode: str, **kw: Any) -> Any:
+        input_dist = InputDistConfig(
+            dedupe_outputs=mode == "exact", dedupe_lookups=mode == "lookup"
         )
+        config = LossyCommsConfig(default_bound=bound, input_dist=input_dist, **kw)
         return LossyEmbeddingBagCollectionSharder(comms_config=config)
 
     variants: dict[str, Any] = {
         "torchrec": EmbeddingBagCollectionSharder(),
-        "nodd": lossy_sharder(exact, False),
-        "dd": lossy_sharder(exact, True),
-        "dd_bwd_lossy": lossy_sharder(exact, True, backward="lossy", backward_bound=exact),
-        "dd_bwd_fp16": lossy_sharder(exact, True, backward="fp16"),
-        "nodd_bwd_fp16": lossy_sharder(exact, False, backward="fp16"),
-        "lossy_nodd": lossy_sharder(lossy, False),
-        "lossy_dd": lossy_sharder(lossy, True),
+        "default": LossyEmbeddingBagCollectionSharder(
+            comms_config=LossyCommsConfig(default_bound=exact)
+        ),
+        "none": lossy_sharder(exact, "none"),
+        "exact": lossy_sharder(exact, "exact"),
+        "lookup": lossy_sharder(exact, "lookup"),
+        "lookup_bwd_lossy": lossy_sharder(exact, "lookup", backward="lossy", backward_bound=exact),
+        "lookup_bwd_fp16": lossy_sharder(exact, "lookup", backward="fp16"),
+        "exact_bwd_fp16": lossy_sharder(exact, "exact", backward="fp16"),
+        "none_bwd_fp16": lossy_sharder(exact, "none", backward="fp16"),
+        "lossy_none": lossy_sharder(lossy, "none"),
+        "lossy_exact": lossy_sharder(lossy, "exact"),
+        "lossy_lookup": lossy_sharder(lossy, "lookup"),
     }
-    batches = [
-        _skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
-        make_batch(tables, 6 + rank, seed=rank),  # multi-hot: normal path
-        _mixed_batch(tables, 24, seed=70 + rank),
-        make_batch(tables, 5, seed=90 + rank, empty_features=["f3"]),
-    ]
+    batches = _batches(tables, rank)
     outs: dict[str, list[torch.Tensor]] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}
     fwd_bytes: dict[str, list[tuple[int, int]]] = {}
     repeated: dict[str, list[int]] = {}
+    rows: dict[str, list[dict[str, tuple[int, int]]]] = {}
     for name, sharder in variants.items():
         ebc = make_ebc(tables, seed=0)
         plan = manual_plan(ebc, sharder, _sharder_plan(), world_size)
@@ -111,7 +182,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         )
         load_full_weights(model.state_dict(), ebc.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        outs[name], fwd_bytes[name], repeated[name] = [], [], []
+        outs[name], fwd_bytes[name], repeated[name], rows[name] = [], [], [], []
         for step, kjt in enumerate(batches):
             stats = getattr(model.module, "lossy_stats", None)
             if stats is not None:
@@ -121,6 +192,13 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                 t = stats.total("fwd")
                 fwd_bytes[name].append((t.raw_bytes, t.wire_bytes))
                 repeated[name].append(stats.total("input").repeated_ids)
+                rows[name].append(
+                    {
+                        n: (e.rows, e.rows_sent)
+                        for n, e in stats.tables("fwd").items()
+                        if n != CONTAINER and e.rows  # decode times name received tables too
+                    }
+                )
         weights[name] = {
             f"{k}@{o}": t.clone()
             for k, pieces in local_weights(model.state_dict()).items()
@@ -133,6 +211,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     def out_close(a: str, b: str, atol: float) -> bool:
         return all(torch.allclose(x, y, atol=atol) for x, y in zip(outs[a], outs[b], strict=True))
 
+    def w_eq(a: str, b: str) -> bool:
+        wa, wb = weights[a], weights[b]
+        return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
     def w_close(a: str, b: str, atol: float = 1e-6) -> bool:
         wa, wb = weights[a], weights[b]
         return wa.keys() == wb.keys() and all(
@@ -144,48 +226,79 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     exact0 = outs["torchrec"][0]
     eb0 = 0.03 * float(exact0.max() - exact0.min())
     return {
-        # The forward is a gather: exact while the weights are the same (step 0); later steps
-        # see weights trained with a different gradient summation order.
-        "out_exact": {
-            n: torch.equal(outs[n][0], outs["torchrec"][0]) and out_close(n, "torchrec", 1e-5)
-            for n in ("nodd", "dd", "dd_bwd_lossy")
+        # Exact output dedupe (the default): bit-identical outputs and trained weights.
+        "bit_identical": {
+            n: out_eq(n, "torchrec") and w_eq(n, "torchrec") for n in ("default", "exact", "none")
         },
-        "nodd_exact": out_eq("nodd", "torchrec"),
-        "w_close": {n: w_close(n, "torchrec") for n in ("nodd", "dd", "dd_bwd_lossy")},
-        "fp16_step0_exact": torch.equal(outs["dd_bwd_fp16"][0], outs["torchrec"][0]),
+        # Its backward is TorchRec's dense one: with a gradient cast, identical to no dedupe.
+        "exact_fp16_eq": out_eq("exact_bwd_fp16", "none_bwd_fp16")
+        and w_eq("exact_bwd_fp16", "none_bwd_fp16"),
+        # Lookup dedupe: the forward is a gather, exact while the weights are the same (step
+        # 0); later steps see weights trained with a different gradient summation order.
+        "lookup_out_exact": {
+            n: torch.equal(outs[n][0], exact0) and out_close(n, "torchrec", 1e-5)
+            for n in ("lookup", "lookup_bwd_lossy")
+        },
+        "lookup_w_close": {n: w_close(n, "torchrec") for n in ("lookup", "lookup_bwd_lossy")},
+        "fp16_step0_exact": torch.equal(outs["lookup_bwd_fp16"][0], exact0),
         # fp16 gradients: the per-id sum is cast once instead of each term (fp16 rounding).
-        "fp16_close": w_close("dd_bwd_fp16", "nodd_bwd_fp16", atol=2e-3),
+        "fp16_close": w_close("lookup_bwd_fp16", "none_bwd_fp16", atol=2e-3),
         # Bound > 0: the first step (same weights) is within the bound of the exact output.
-        "lossy_step0_close": bool(
-            (outs["lossy_dd"][0].double() - exact0.double()).abs().max() <= eb0 * (1 + 1e-6)
-        ),
-        "lossy_close": out_close("lossy_dd", "lossy_nodd", 0.2)
-        and w_close("lossy_dd", "lossy_nodd", 0.2),
-        "multi_hot_bytes_equal": fwd_bytes["dd"][1] == fwd_bytes["nodd"][1]
-        and fwd_bytes["dd"][3] == fwd_bytes["nodd"][3],
-        "fwd_bytes": {n: fwd_bytes[n] for n in ("dd", "nodd", "lossy_dd", "lossy_nodd")},
-        "repeated": repeated["dd"],
+        "lossy_step0_close": {
+            n: bool((outs[n][0].double() - exact0.double()).abs().max() <= eb0 * (1 + 1e-6))
+            for n in ("lossy_exact", "lossy_lookup", "lossy_none")
+        },
+        "lossy_close": {
+            n: out_close(n, "lossy_none", 0.2) and w_close(n, "lossy_none", 0.2)
+            for n in ("lossy_exact", "lossy_lookup")
+        },
+        "fwd_bytes": {n: fwd_bytes[n] for n in fwd_bytes if n != "torchrec"},
+        "rows": rows["exact"],
+        "expected_rows": [
+            _expected_rows(tables, world_size, rank, step) for step in range(len(batches))
+        ],
+        "repeated": repeated["exact"],
     }
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_lookup_dedupe_matches_normal_path_and_cuts_output_bytes(world_size: int) -> None:
+def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) -> None:
     results = run_workers(_worker, world_size)
     for rank, r in enumerate(results):
-        assert all(r["out_exact"].values()) and r["nodd_exact"], (rank, r["out_exact"])
-        assert all(r["w_close"].values()), (rank, r["w_close"])
+        assert all(r["bit_identical"].values()), (rank, r["bit_identical"])
+        assert r["exact_fp16_eq"], rank
+        assert all(r["lookup_out_exact"].values()), (rank, r["lookup_out_exact"])
+        assert all(r["lookup_w_close"].values()), (rank, r["lookup_w_close"])
         assert r["fp16_step0_exact"], rank
         assert r["fp16_close"], rank
-        assert r["lossy_step0_close"], rank
-        assert r["lossy_close"], rank
-        assert r["multi_hot_bytes_equal"], (rank, r["fwd_bytes"])
+        assert all(r["lossy_step0_close"].values()), (rank, r["lossy_step0_close"])
+        assert all(r["lossy_close"].values()), (rank, r["lossy_close"])
         b = r["fwd_bytes"]
-        for dd, nodd in (("dd", "nodd"), ("lossy_dd", "lossy_nodd")):
-            # Skewed single-hot step and mixed step: fewer raw rows and fewer wire bytes.
-            for step in (0, 2):
+        # Multi-hot features take the normal path (step 1); in step 3 the all-empty f3 is
+        # deduplicated to one (empty) bag per source by the exact mode only.
+        for n in ("exact", "lookup"):
+            assert b[n][1] == b["none"][1], (rank, n, b)
+        assert b["lookup"][3] == b["none"][3], (rank, b)
+        if rank == 1:  # the owner of f3's table t3
+            assert b["exact"][3][0] < b["none"][3][0], (rank, b)
+        for dd, nodd in (
+            ("exact", "none"),
+            ("lookup", "none"),
+            ("lossy_exact", "lossy_none"),
+            ("lossy_lookup", "lossy_none"),
+        ):
+            # Skewed single-hot steps: fewer raw rows and fewer wire bytes.
+            for step in (0, 2, 4):
                 if b[nodd][step][0] == 0:
                     continue  # this rank owns no table (rank 2 of 3): it sends nothing
-                assert b[dd][step][0] < b[nodd][step][0], (rank, dd, b)
-                assert b[dd][step][1] < b[nodd][step][1], (rank, dd, b)
+                if dd.endswith("lookup") and step == 4:
+                    continue  # lookup dedupe needs every bag to hold one id
+                assert b[dd][step][0] < b[nodd][step][0], (rank, dd, step, b)
+                assert b[dd][step][1] < b[nodd][step][1], (rank, dd, step, b)
+        # Rows actually sent per table == distinct bags per (source, feature).
+        for step, (got, want) in enumerate(zip(r["rows"], r["expected_rows"], strict=True)):
+            assert got == want, (rank, step, got, want)
+        if r["expected_rows"][0]:  # rank 2 of 3 owns no table
+            assert any(sent < full for got in r["rows"] for full, sent in got.values()), rank
         assert r["repeated"][0] > 0, rank

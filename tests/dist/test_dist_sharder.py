@@ -522,7 +522,7 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
 
     def corrupt(how: str) -> Any:
         def hook(direction: str, source: int, payload: torch.Tensor) -> torch.Tensor:
-            if rank != 1 or source != 0:
+            if rank != 1 or source != 0 or direction != "fwd":  # the input dist: test_input_dist
                 return payload
             if how == "truncate":
                 return payload[:-8]

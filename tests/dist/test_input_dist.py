@@ -95,7 +95,7 @@ def _loopback(kjts: list[Any], splits: list[int], comms: LossyComms) -> list[tup
                 ]
             )
         keys = KEYS[sum(splits[:r]) : sum(splits[: r + 1])]
-        out.append(_decode(torch.cat(recv), words, metas, strides, codes, keys, r))
+        out.append(_decode(torch.cat(recv), words, metas, strides, codes, keys, r)[:3])
     return out
 
 
@@ -173,6 +173,32 @@ def test_negative_ids_and_mismatched_payload_are_refused() -> None:
         InputDistConfig(weights="int8")  # type: ignore[arg-type]
 
 
+def test_checksum_catches_a_flipped_word_and_costs_two_words_per_destination() -> None:
+    kjt = _kjt("weighted", 6, 3)
+    splits = [2, 3]
+    on, off = _encode(kjt, splits, _comms()), _encode(kjt, splits, _comms(checksum=False))
+    assert [a - b for a, b in zip(on.send_words, off.send_words, strict=True)] == [2, 2]
+    assert torch.equal(_loopback([kjt], splits, _comms())[1][1], kjt.values()[-_n_ids(kjt, 3) :])
+    meta = on.meta.tolist()
+    row = meta[on.meta_splits[0] :]  # destination 1
+    fms = [
+        _FeatureMeta.from_words(row[_HEADER + i * _PER_FEATURE :][:_PER_FEATURE]) for i in range(3)
+    ]
+    recv = on.send[on.send_words[0] :].clone()
+    args = ([on.send_words[1]], [fms], [6], [row[2]], KEYS[2:], 1)
+    _decode(recv, *args)  # intact: decodes
+    for word in (0, on.send_words[1] // 2, on.send_words[1] - 1):
+        bad = recv.clone()
+        bad[word] ^= 1 << 7
+        with pytest.raises(LossyAllToAllError, match=r"from rank 0 .*checksum does not match"):
+            _decode(bad, *args)
+
+
+def _n_ids(kjt: Any, last_features: int) -> int:
+    """Ids of the last ``last_features`` features of a KJT."""
+    return int(kjt.lengths()[-last_features * kjt.stride() :].sum())
+
+
 # ---------------------------------------------------------------------------------------------
 # Multi-process: bit-identical to TorchRec's KJTAllToAll, and through the sharder.
 
@@ -230,6 +256,57 @@ def test_kjt_all_to_all_bit_identical_to_torchrec(world_size: int) -> None:
                 assert value == batches, (rank, key)
             else:
                 assert value, (rank, key)
+
+
+def _worker_input_faults(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    from torchrec_lossy.dist import LossyKJTAllToAll
+
+    pg = dist.group.WORLD
+    splits = [2, 3]
+    kjt = _kjt("weighted", 5 + rank, seed=rank)
+    expected = KJTAllToAll(pg, splits)(kjt).wait().wait()
+    comms = _comms()
+    a2a = LossyKJTAllToAll(pg, splits, comms)
+    seen: list[tuple[str, int]] = []
+    out: dict[str, Any] = {}
+
+    def corrupt(how: str) -> Any:
+        def hook(direction: str, source: int, payload: torch.Tensor) -> torch.Tensor:
+            seen.append((direction, source))
+            if rank != 1 or source != 0:
+                return payload
+            if how == "truncate":
+                return payload[:-1]
+            payload = payload.clone()
+            payload[0] ^= 1 << 3
+            return payload
+
+        return hook
+
+    for how in ("flip", "truncate"):
+        comms.payload_hook = corrupt(how)
+        try:
+            out[how] = "ok" if _same_kjt(a2a(kjt).wait().wait(), expected) else "wrong"
+        except LossyAllToAllError as e:
+            out[how] = str(e)
+    comms.payload_hook = None
+    out["recovered"] = _same_kjt(a2a(kjt).wait().wait(), expected)
+    out["seen"] = sorted(set(seen))
+    return out
+
+
+@pytest.mark.dist
+def test_corrupt_input_payload_fails_on_its_receiver_with_the_hook() -> None:
+    r0, r1 = run_workers(_worker_input_faults, 2)
+    assert r0["flip"] == r0["truncate"] == "ok"  # the sender side is unaffected
+    assert "KJT payload from rank 0" in r1["flip"] and "checksum" in r1["flip"], r1["flip"]
+    assert "on rank 1" in r1["truncate"] and "words received" in r1["truncate"], r1["truncate"]
+    for r in (r0, r1):
+        assert r["recovered"]
+        assert r["seen"] == [("input", 0), ("input", 1)], r["seen"]
 
 
 SHARDER_TABLES = [
@@ -307,8 +384,12 @@ def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
                 default_bound=lossy, input_dist=InputDistConfig(enabled=False)
             )
         ),
+        # The output dedupe changes the codec's blocks (test_dedupe.py): off here, to show that
+        # the packed, deduplicated KJT alone changes nothing downstream.
         "lossy_dedupe": LossyEmbeddingBagCollectionSharder(
-            comms_config=LossyCommsConfig(default_bound=lossy)
+            comms_config=LossyCommsConfig(
+                default_bound=lossy, input_dist=InputDistConfig(dedupe_outputs=False)
+            )
         ),
     }
     batches = [

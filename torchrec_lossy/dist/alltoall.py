@@ -46,7 +46,7 @@ from torchrec_lossy.dist.comms import LossyComms
 from torchrec_lossy.dist.stats import Direction
 
 if TYPE_CHECKING:
-    from torchrec_lossy.dist.input_dist import LookupDedupe
+    from torchrec_lossy.dist.input_dist import OutputDedupe
 
 T = TypeVar("T")
 _ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
@@ -89,6 +89,8 @@ class LossyAll2AllPooledInfo:
         comms: Shared config, bound provider, telemetry and hooks.
         compress: Table name to whether its blocks go through the codec (else raw).
         dtype: Dtype of the pooled embeddings (set by the forward).
+        output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
+            deduplicated features travel once per distinct bag), or None.
     """
 
     batch_size_per_rank: list[int]
@@ -96,30 +98,48 @@ class LossyAll2AllPooledInfo:
     comms: LossyComms
     compress: dict[str, bool]
     dtype: torch.dtype = torch.float32
-    lookup_dedupe: LookupDedupe | None = None
+    output_dedupe: OutputDedupe | None = None
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
 
+    @property
+    def sum_grads(self) -> bool:
+        """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
+        return self.output_dedupe is not None and self.output_dedupe.sum_grads
+
     def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
         """Per local table shard, per feature: rows this rank (the owner) exchanges with
-        ``peer`` (its batch size, or the distinct ids of a lookup-deduplicated feature)."""
+        ``peer`` (its batch size, or the distinct bags of a deduplicated feature)."""
+        return [[r for r, _ in f] for f in self.owner_feats(my_rank, peer)]
+
+    def owner_feats(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per local table shard, per feature: (rows sent to ``peer``, the bags they come from:
+        None for the first rows (all of them, or a lookup-deduplicated feature's distinct ids))."""
         rows = self.batch_size_per_rank[peer]
-        dd = self.lookup_dedupe
+        dd = self.output_dedupe
         flat = dd.recv_rows[peer] if dd is not None else None
+        if dd is not None and not dd.sum_grads and dd.select is None:
+            raise RuntimeError(
+                "lossy output dist: the exact output dedupe has no bag selection; the input "
+                "dist's KJT must be decoded (its tensors awaitable waited on) before the lookup"
+            )
+        sel = dd.select[peer] if dd is not None and dd.select is not None else None
 
-        def one(i: int) -> int:
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
             x = flat[i] if flat is not None else None
-            return rows if x is None else x
+            if x is None:
+                return rows, None
+            return x, sel[i] if sel is not None else None
 
-        return _per_feature(self.layout[my_rank], one, rows)
+        return _per_feature(self.layout[my_rank], one, (rows, None))
 
     def sender_rows(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
         """Per table shard of ``peer``, per feature: (rows exchanged, inverse index or None),
         from the side of this rank, which sent ``peer`` the ids."""
         rows = self.batch_size_per_rank[my_rank]
-        dd = self.lookup_dedupe
+        dd = self.output_dedupe
         flat = dd.send[peer] if dd is not None else None
 
         def one(i: int) -> tuple[int, torch.Tensor | None]:
@@ -158,18 +178,25 @@ def _cut_block(
     rows: int,
     col0: int,
     spec: BlockSpec,
-    feat_rows: Sequence[int] | None = None,
+    feats: Sequence[tuple[int, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors.
 
-    With ``feat_rows``, feature ``f`` contributes only its first ``feat_rows[f]`` rows (the
-    distinct rows of a lookup-deduplicated feature).
+    With ``feats``, feature ``f`` contributes only ``feats[f] = (r, select)`` rows: its first
+    ``r`` rows (select None: a lookup-deduplicated feature's distinct ids), or rows ``select``
+    (the first bag of each distinct bag of an exactly deduplicated feature).
     """
     c = col0 + spec.col_offset
-    if feat_rows is not None and any(r != rows for r in feat_rows):
+    if feats is not None and any(r != rows or sel is not None for r, sel in feats):
         d = spec.dim
+        part = x[row0 : row0 + rows]
         return torch.cat(
-            [x[row0 : row0 + r, c + f * d : c + (f + 1) * d] for f, r in enumerate(feat_rows)]
+            [
+                part[:r, c + f * d : c + (f + 1) * d]
+                if sel is None
+                else part[sel, c + f * d : c + (f + 1) * d]
+                for f, (r, sel) in enumerate(feats)
+            ]
         )
     part = x[row0 : row0 + rows, c : c + spec.width]
     return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
@@ -511,7 +538,7 @@ class LossyAll2AllPooledReq(Function):
                 f"{info.dim_sum_per_rank[my_rank]}"
             )
         info.dtype = input_embeddings.dtype
-        if info.lookup_dedupe is None:
+        if info.output_dedupe is None:
             blocks = _peer_blocks(
                 input_embeddings.detach(),
                 list(itertools.accumulate(info.batch_size_per_rank, initial=0))[:-1],
@@ -528,11 +555,15 @@ class LossyAll2AllPooledReq(Function):
                     [
                         _cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
                         for s, fr in zip(
-                            info.layout[my_rank], info.owner_rows(my_rank, d), strict=True
+                            info.layout[my_rank], info.owner_feats(my_rank, d), strict=True
                         )
                     ]
                     for d in range(world)
                 ]
+        for d, blocks_d in enumerate(blocks):
+            for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
+                rows = s.num_features * info.batch_size_per_rank[d]
+                info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
         payloads = _encode_payloads(
             "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
         )
@@ -558,7 +589,7 @@ class LossyAll2AllPooledReq(Function):
         recv = myreq.tensor
         b_global = sum(info.batch_size_per_rank)
         d_local = info.dim_sum_per_rank[my_rank]
-        if info.lookup_dedupe is not None:
+        if info.sum_grads:
             grad_input = _owner_grad_dedupe(recv, myreq, info, my_rank, world)
         elif myreq.recv_sizes is None:
             start = time.perf_counter()
@@ -613,13 +644,13 @@ class LossyAll2AllPooledWait(Function):
         ctx.pg = pg
         ctx.myreq = myreq
         b_local = info.batch_size_per_rank[my_rank]
-        if info.lookup_dedupe is None:
+        if info.output_dedupe is None:
             block_rows = [[s.num_features * b_local for s in specs] for specs in info.layout]
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
         blocks = _decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
-        if info.lookup_dedupe is None:
+        if info.output_dedupe is None:
             pieces = [
                 piece
                 for bs, specs in zip(blocks, info.layout, strict=True)
@@ -646,7 +677,7 @@ class LossyAll2AllPooledWait(Function):
         assert d_global == sum(info.dim_sum_per_rank)
         codec = info.comms.config.backward
         grad_output = grad_output.contiguous()
-        if info.lookup_dedupe is not None:
+        if info.sum_grads:
             recv, work = _receiver_grad_dedupe(pg, grad_output, myreq, info, my_rank, world)
         elif codec == "lossy":
             # Every source rank gets all local rows of its own columns.

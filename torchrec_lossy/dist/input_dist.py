@@ -25,9 +25,16 @@ memory except the small per-feature statistics and the metadata. On CUDA ``torch
 steps of the deduplication (masked selects) wait for the device once more; set
 ``InputDistConfig.dedupe=False`` for exactly TorchRec's host syncs.
 
+Each payload ends with a checksum the receiver verifies (``InputDistConfig.checksum``), and
+``LossyComms.payload_hook`` sees every received payload as ``hook("input", source, words)``.
+
+The input dist also carries the state of the cross-side output dedupe (:class:`OutputDedupe`) to
+the output dist, on the sharding context's ``batch_size_per_rank``.
+
 Variable batch per feature (VBE) inputs, 2-D weights and single-rank groups fall back to
-TorchRec's ``KJTAllToAll``, and so does every input dist under ``TrainPipelineSparseDist``, which
-replaces the ``forward`` of each ``KJTAllToAll`` by its own fused-splits path.
+TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace the ``forward`` of
+each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed path stays active:
+:class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`, not ``forward``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,6 +62,8 @@ SPLITS = "<splits>"
 _WORD_BITS = 32
 _MASK32 = (1 << 32) - 1
 _HEADER = 3  # metadata words per destination: payload words, batch size, dtype codes
+_CHECK_WORDS = 2  # int32 words of the int64 checksum that ends each payload (if on)
+_CHECK_FLAG = 1 << 32  # in the dtype-codes word: the payloads end with a checksum
 _PER_FEATURE = 3  # metadata words per feature: widths and mode, value count, distinct count
 _DTYPES: tuple[torch.dtype | None, ...] = (
     None,
@@ -194,7 +203,10 @@ class _FeatureMeta:
         num_unique: Distinct ids (0 when not deduplicated).
         lookup: Cross-side dedupe of a single-hot feature: only the distinct ids travel (the
             inverse index stays with the sender) and the receiver gets ``num_unique`` bags of
-            one id followed by empty bags (see :class:`LookupDedupe`).
+            one id followed by empty bags (see :class:`OutputDedupe`).
+        out_rows: Exact output dedupe (0: off): the feature's bags hold at most one id and no
+            weights, and the owner sends back only the first bag of each of these many distinct
+            bags (ids, and one empty bag if any); the KJT itself travels whole.
     """
 
     len_bits: int
@@ -203,6 +215,7 @@ class _FeatureMeta:
     num_ids: int
     num_unique: int
     lookup: bool = False
+    out_rows: int = 0
 
     @property
     def inv_bits(self) -> int:
@@ -216,6 +229,7 @@ class _FeatureMeta:
             | (self.id_bits << 8)
             | (int(self.dedupe) << 16)
             | (int(self.lookup) << 17)
+            | (self.out_rows << 32)
         )
         return [mode, self.num_ids, self.num_unique]
 
@@ -223,7 +237,13 @@ class _FeatureMeta:
     def from_words(w: Sequence[int]) -> _FeatureMeta:
         """Inverse of :meth:`words`."""
         return _FeatureMeta(
-            w[0] & 0xFF, (w[0] >> 8) & 0xFF, bool(w[0] >> 16 & 1), w[1], w[2], bool(w[0] >> 17 & 1)
+            w[0] & 0xFF,
+            (w[0] >> 8) & 0xFF,
+            bool(w[0] >> 16 & 1),
+            w[1],
+            w[2],
+            bool(w[0] >> 17 & 1),
+            w[0] >> 32,
         )
 
     def fields(self, batch: int) -> list[tuple[str, int, int]]:
@@ -265,8 +285,61 @@ def _payload_words(metas: Sequence[_FeatureMeta], batch: int, weights: torch.dty
     return packed + (_weight_words(n, weights) if weights is not None else 0)
 
 
+def _checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Tensor:
+    """Position-weighted checksum of each payload, its last ``_CHECK_WORDS`` words left out.
+
+    ``sum(u_i * (2 * (i mod 65521) + 1))`` in wrapping int64 arithmetic over the payload's words
+    ``u_i`` (as unsigned 32-bit): any change of one word, and most swaps, change it. Integer
+    sums are exact and order-free, so sender and receiver agree on any device.
+
+    Args:
+        words: int32 buffer holding the payloads back to back.
+        seg_words: Words of each payload (checksum words included).
+
+    Returns:
+        int64 checksum per payload.
+    """
+    dev = words.device
+    counts = torch.tensor(list(seg_words), dtype=torch.int64, device=dev)
+    seg = torch.repeat_interleave(
+        torch.arange(len(seg_words), device=dev), counts, output_size=words.numel()
+    )
+    pos = torch.arange(words.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
+    u = words.to(torch.int64) & _MASK32
+    terms = torch.where(
+        pos < (counts - _CHECK_WORDS)[seg], u * (2 * (pos % 65521) + 1), torch.zeros_like(u)
+    )
+    return torch.zeros(len(seg_words), dtype=torch.int64, device=dev).index_add_(0, seg, terms)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 values as int32 (two's complement)."""
+    x = x & _MASK32
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _write_checksums(send: torch.Tensor, send_words: Sequence[int]) -> None:
+    """Fills the last two words of every payload with its checksum (low, high part)."""
+    if not send_words:
+        return
+    sums = _checksums(send, send_words)
+    ends = torch.tensor(list(itertools.accumulate(send_words)), device=send.device)
+    send[ends - 2] = _as_int32(sums)
+    send[ends - 1] = _as_int32(sums >> _WORD_BITS)
+
+
+def _stored_checksums(recv: torch.Tensor, recv_words: Sequence[int]) -> torch.Tensor:
+    """The checksums at the end of each received payload (inverse of :func:`_write_checksums`)."""
+    ends = torch.tensor(list(itertools.accumulate(recv_words)), device=recv.device)
+    lo = recv[ends - 2].to(torch.int64) & _MASK32
+    return lo | (recv[ends - 1].to(torch.int64) << _WORD_BITS)
+
+
 # ---------------------------------------------------------------------------------------------
 # Encode.
+
+
+OutputDedupeMode = Literal["exact", "lookup"] | None
 
 
 @dataclass
@@ -276,59 +349,144 @@ class _Encoded:
     meta: torch.Tensor  # int64 metadata, destinations in order
     meta_splits: list[int]
     num_ids_per_dest: list[int]
-    # Per destination, per feature sent there: (distinct rows, inverse index) of the
-    # cross-side deduplicated (``lookup``) features, None for the others.
-    lookup: list[list[tuple[int, torch.Tensor] | None]]
+    # Per destination, per feature sent there: (rows the owner sends back, inverse index mapping
+    # this rank's bags to them) of output-deduplicated features, None for the others.
+    expand: list[list[tuple[int, torch.Tensor] | None]]
 
 
 @dataclass
-class LookupDedupe:
+class OutputDedupe:
     """Cross-side deduplication state of one input-dist call, for the output dist.
 
-    Single-hot, unweighted features are sent as their distinct ids only; the owner looks them up
-    as ``U`` bags of one id (then ``B - U`` empty bags, keeping TorchRec's rectangular stride),
-    and the output dist sends back only the first ``U`` pooled rows of such a feature, which the
-    receiver (the original sender) expands with the inverse index it kept.
+    Two modes share it. **Exact** (``InputDistConfig.dedupe_outputs``, the default): for features
+    whose bags hold at most one id and no weights, the owner gets the whole KJT and looks up every
+    bag as TorchRec does, but the output dist sends back only the first bag of each distinct bag
+    (distinct id, or empty) per (feature, destination); every bag of a distinct id pools to the
+    same vector, so the receiver's expansion by its inverse index is exact, and the backward is
+    TorchRec's dense one. **Lookup** (``InputDistConfig.dedupe_lookups``): only the distinct ids
+    travel, the owner looks up ``U`` bags of one id (then ``B - U`` empty bags) and the gradient
+    is summed per distinct id before it goes back (``sum_grads``).
 
     Attributes:
-        recv_rows: Per source rank, per local feature (this rank's lookup order): distinct rows
-            received (``U``), None where the feature is not deduplicated.
-        send: Per owner rank, per feature sent to it: ``(U, inverse)`` (the inverse index maps
-            this rank's bags to the owner's distinct rows), None where not deduplicated.
+        recv_rows: Per source rank, per local feature (this rank's lookup order): rows sent back
+            to that source, None where the feature is not deduplicated.
+        send: Per owner rank, per feature sent to it: ``(rows, inverse)`` (the inverse index maps
+            this rank's bags to the owner's rows), None where not deduplicated.
+        sum_grads: Lookup mode: the owner's pooled rows past ``recv_rows`` are empty bags and
+            gradients travel summed per distinct id.
+        select: Exact mode, set when the owner decodes the KJT: per source, per local feature,
+            the bags whose pooled rows are sent (first bag of each distinct bag, in the order of
+            the sender's inverse index), None where not deduplicated.
     """
 
     recv_rows: list[list[int | None]]
     send: list[list[tuple[int, torch.Tensor] | None]]
+    sum_grads: bool
+    select: list[list[torch.Tensor | None]] | None = None
 
 
 class _Strides(list):
-    """``stride_per_rank`` that also carries the call's :class:`LookupDedupe`.
+    """``stride_per_rank`` that also carries the call's :class:`OutputDedupe`.
 
     TorchRec copies the tensors awaitable's ``_stride_per_rank`` into the sharding context's
-    ``batch_size_per_rank`` (``_set_sharding_context_intra_a2a``), which reaches the output
-    dist; riding on it keeps the state with its own batch (no module-level queue) and makes any
-    input dist that is not ours (e.g. under ``TrainPipelineSparseDist``) fall back by itself.
+    ``batch_size_per_rank`` (``_set_sharding_context_intra_a2a``, also under the train
+    pipelines), which reaches the output dist; riding on it keeps the state with its own batch
+    (no module-level queue) and makes any input dist that is not ours fall back by itself.
     """
 
-    lookup_dedupe: LookupDedupe | None = None
+    output_dedupe: OutputDedupe | None = None
 
 
-def lookup_dedupe_of(batch_size_per_rank: object) -> LookupDedupe | None:
+def output_dedupe_of(batch_size_per_rank: object) -> OutputDedupe | None:
     """The cross-side dedupe state riding on a sharding context's ``batch_size_per_rank``.
 
     Args:
         batch_size_per_rank: ``EmbeddingShardingContext.batch_size_per_rank``.
 
     Returns:
-        The state, or None when the input dist did not deduplicate lookups.
+        The state, or None when the input dist deduplicated no output rows.
     """
-    return getattr(batch_size_per_rank, "lookup_dedupe", None)
+    return getattr(batch_size_per_rank, "output_dedupe", None)
+
+
+def _segment_sort(keys: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lexicographic (segment, key) order by two stable sorts (no hashing).
+
+    Args:
+        keys: int64 keys.
+        seg: Segment of each key.
+
+    Returns:
+        The order, and the mask of the first occurrence of each (segment, key) in that order
+        (stable: it is the key's earliest position in its segment).
+    """
+    order = torch.sort(keys, stable=True).indices
+    order = order[torch.sort(seg[order], stable=True).indices]
+    sk, ss = keys[order], seg[order]
+    new = torch.ones_like(sk, dtype=torch.bool)
+    new[1:] = (sk[1:] != sk[:-1]) | (ss[1:] != ss[:-1])
+    return order, new
+
+
+def _segment_inverse(
+    order: torch.Tensor, new: torch.Tensor, seg: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Per key, the index of its distinct value within its segment (ascending key order).
+
+    Args:
+        order: From :func:`_segment_sort`.
+        new: From :func:`_segment_sort`.
+        seg: Segment of each key.
+        counts: Distinct keys per segment.
+
+    Returns:
+        int64 inverse index.
+    """
+    rank_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
+    inverse = torch.empty_like(rank_sorted)
+    inverse[order] = rank_sorted
+    return inverse - (torch.cumsum(counts, 0) - counts)[seg]
+
+
+def _bag_keys(lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A key per bag that is equal exactly for bags that pool to the same vector.
+
+    Args:
+        lengths: int64 bag lengths.
+        values: int64 ids, ``sum(lengths)`` of them.
+
+    Returns:
+        The id of a one-id bag, -1 for an empty bag, a distinct value below -1 for longer bags
+        (never equal to another: they are not deduplicated).
+    """
+    n = lengths.numel()
+    first = torch.cumsum(lengths, 0) - lengths
+    # An empty feature has no ids to gather (every bag is then empty).
+    ids = values[first.clamp(max=values.numel() - 1)] if values.numel() else lengths.new_zeros(n)
+    keys = torch.where(lengths == 1, ids, torch.full_like(ids, -1))
+    return torch.where(lengths > 1, -2 - torch.arange(n, device=lengths.device), keys)
+
+
+@dataclass
+class _FeatureStats:
+    """Per-feature statistics of one KJT and the sort its id deduplications need.
+
+    Attributes:
+        stats: ``[F, 6]`` (length sum, max, min; id max, min; distinct ids), read once on the
+            host.
+        seg: Feature of every id.
+        ids: (order, first-occurrence mask) of the (feature, id) sort, if asked for.
+    """
+
+    stats: torch.Tensor
+    seg: torch.Tensor
+    ids: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _feature_stats(
     lengths: torch.Tensor, values: torch.Tensor, num_features: int, batch: int, dedupe: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-feature statistics in one tensor (read once on the host), plus dedupe helpers.
+) -> _FeatureStats:
+    """Per-feature statistics in one tensor (read once on the host), plus the dedupe sort.
 
     Args:
         lengths: The KJT's lengths, ``[F * batch]``.
@@ -338,12 +496,10 @@ def _feature_stats(
         dedupe: Also count distinct ids and keep the sort that found them.
 
     Returns:
-        ``stats [F, 6]`` (length sum, max, min; id max, min; distinct ids), the feature of every
-        id, and with dedupe a ``[2, N]`` tensor: the (feature, id) sort order and the mask of
-        first occurrences in that order (None without dedupe).
+        The statistics (zero distinct counts without ``dedupe``).
     """
     dev = values.device
-    lens = lengths.view(num_features, batch).to(torch.int64)
+    lens = lengths.to(torch.int64).view(num_features, batch)
     zeros = torch.zeros(num_features, dtype=torch.int64, device=dev)
     if batch:
         len_sum, len_max, len_min = lens.sum(1), lens.amax(1), lens.amin(1)
@@ -356,30 +512,68 @@ def _feature_stats(
     id_max = zeros.scatter_reduce(0, seg, v, "amax", include_self=False)
     id_min = zeros.scatter_reduce(0, seg, v, "amin", include_self=False)
     num_unique = zeros
-    dd = None
+    ids = None
     if dedupe:
-        # Lexicographic (feature, id) order: stable sort by id, then stable by feature.
-        order = torch.sort(v, stable=True).indices
-        order = order[torch.sort(seg[order], stable=True).indices]
-        sv, ss = v[order], seg[order]
-        new = torch.ones_like(sv, dtype=torch.bool)
-        new[1:] = (sv[1:] != sv[:-1]) | (ss[1:] != ss[:-1])
-        num_unique = zeros.scatter_add(0, ss, new.to(torch.int64))
-        dd = torch.stack([order, new.to(torch.int64)])
+        order, new = _segment_sort(v, seg)
+        num_unique = zeros.scatter_add(0, seg[order], new.to(torch.int64))
+        ids = (order, new)
     stats = torch.stack([len_sum, len_max, len_min, id_max, id_min, num_unique], dim=1)
-    return stats, seg, dd
+    return _FeatureStats(stats, seg, ids)
+
+
+def _distinct_bags(
+    lengths: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Per segment (one feature of one batch), its distinct bags (:func:`_bag_keys`).
+
+    Used by the sender (counts, inverse) and by the owner (first bags) of the exact output
+    dedupe, so both order the distinct bags the same way: ascending key (the empty bag first).
+
+    Args:
+        lengths: Bag lengths of each segment.
+        values: Ids of each segment.
+
+    Returns:
+        Per segment: the number of distinct bags (read on the host, once for all), the inverse
+        index of every bag, and the first bag of each distinct one.
+    """
+    counts = [int(t.numel()) for t in lengths]
+    lens = torch.cat(list(lengths)).to(torch.int64)
+    dev = lens.device
+    sizes = torch.tensor(counts, dtype=torch.int64, device=dev)
+    seg = torch.repeat_interleave(
+        torch.arange(len(counts), device=dev), sizes, output_size=lens.numel()
+    )
+    order, new = _segment_sort(_bag_keys(lens, torch.cat(list(values)).to(torch.int64)), seg)
+    num = torch.zeros(len(counts), dtype=torch.int64, device=dev)
+    num.scatter_add_(0, seg[order], new.to(torch.int64))
+    inverse = _segment_inverse(order, new, seg, num)
+    first, first_seg = order[new], seg[order][new]
+    first = first - (torch.cumsum(sizes, 0) - sizes)[first_seg]
+    num_host = num.tolist()
+    return num_host, list(inverse.split(counts)), list(first.split(num_host))
 
 
 def _encode(
     kjt: KeyedJaggedTensor,
     splits: Sequence[int],
     comms: LossyComms,
-    dedupe_lookups: bool = False,
+    output_dedupe: OutputDedupeMode = None,
 ) -> _Encoded:
     """Packs one rank's KJT for every destination (features ordered by destination).
 
-    With ``dedupe_lookups``, unweighted single-hot features with repeated ids send only their
-    distinct ids (``_FeatureMeta.lookup``) and keep their inverse index in the result.
+    Args:
+        kjt: This rank's KJT.
+        splits: Features per destination.
+        comms: Config (``input_dist``) and telemetry.
+        output_dedupe: Cross-side dedupe of features whose bags hold at most one id and no
+            weights, where some bags repeat (see :class:`OutputDedupe`): ``"exact"`` keeps the
+            KJT whole and marks the feature's distinct bags (``_FeatureMeta.out_rows``);
+            ``"lookup"`` sends only the distinct ids of single-hot features
+            (``_FeatureMeta.lookup``). Either way the inverse index stays in the result.
+
+    Returns:
+        The payloads and metadata.
     """
     config = comms.config.input_dist
     stats_obj = comms.stats
@@ -388,27 +582,46 @@ def _encode(
     lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
     dev = values.device
     start = time.perf_counter()
+    exact_out = output_dedupe == "exact" and weights is None and batch > 0
     with record_function("## lossy_input stats ##"):
-        stats_t, seg, dd = _feature_stats(
-            lengths, values, num_f, batch, config.dedupe or dedupe_lookups
+        fs = _feature_stats(
+            lengths, values, num_f, batch, config.dedupe or output_dedupe is not None
         )
-        stats = stats_t.tolist()  # the one host read of the encoder
-    for key, (_, _, len_min, _, id_min, _) in zip(keys, stats, strict=True):
-        if len_min < 0 or id_min < 0:
+        stats = fs.stats.tolist()  # the host read of the encoder
+    for key, st in zip(keys, stats, strict=True):
+        if st[2] < 0 or st[4] < 0:
             raise ValueError(
                 f"lossy input dist: feature {key!r} has a negative "
-                f"{'length' if len_min < 0 else 'id'}; KJT lengths and ids must be >= 0"
+                f"{'length' if st[2] < 0 else 'id'}; KJT lengths and ids must be >= 0"
             )
     wire_w = None
     if weights is not None:
         wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
 
+    v = values.to(torch.int64)
+    lens = lengths.to(torch.int64)
+    # Offsets of each feature's ids in the input (not what travels: lookup features send U).
+    val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
+    # Exact output dedupe: distinct bags of the features whose bags hold at most one id. Those
+    # with exactly one id per bag reuse the id sort (bags are ids); all-empty ones have one
+    # distinct bag; only a mix of empty and one-id bags needs a bag sort (one more host read).
+    holey: dict[int, tuple[int, torch.Tensor]] = {}
+    if exact_out:
+        mixed = [f for f, st in enumerate(stats) if st[1] == 1 and st[2] == 0]
+        if mixed:
+            with record_function("## lossy_input dedupe bags ##"):
+                nums, invs, _ = _distinct_bags(
+                    [lens[f * batch : (f + 1) * batch] for f in mixed],
+                    [v[val_off[f] : val_off[f + 1]] for f in mixed],
+                )
+            holey = dict(zip(mixed, zip(nums, invs, strict=True), strict=True))
+
     with record_function("## lossy_input encode ##"):
         metas: list[_FeatureMeta] = []
-        for len_sum, len_max, len_min, id_max, _, uniq in stats:
+        for f, (len_sum, len_max, len_min, id_max, _, uniq) in enumerate(stats):
             id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
             if (
-                dedupe_lookups
+                output_dedupe == "lookup"
                 and weights is None
                 and batch > 0
                 and len_min == len_max == 1
@@ -421,25 +634,24 @@ def _encode(
             inv_bits = _bit_length(uniq - 1) if uniq else 0
             # Deduplicate only where distinct ids + inverse index take fewer bits.
             dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
-            metas.append(_FeatureMeta(len_bits, id_bits, dedupe, len_sum, uniq if dedupe else 0))
+            # Bags of at most one unweighted id that repeat: send back each distinct one once.
+            out_rows = 0
+            if exact_out and len_max <= 1:
+                bags = uniq if len_min == 1 else holey[f][0] if len_max == 1 else 1
+                out_rows = bags if bags < batch else 0
+            metas.append(
+                _FeatureMeta(
+                    len_bits, id_bits, dedupe, len_sum, uniq if dedupe else 0, out_rows=out_rows
+                )
+            )
 
-        v = values.to(torch.int64)
-        lens = lengths.to(torch.int64)
-        # Offsets of each feature's ids in the input (not what travels: lookup features send U).
-        val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
         inverse = uniques = None
-        uniq_off: list[int] = []
-        if any(m.dedupe for m in metas):
-            assert dd is not None
-            order, new = dd[0], dd[1]
-            rank_sorted = torch.cumsum(new, 0) - 1  # global distinct index of each sorted id
-            inverse = torch.empty_like(rank_sorted)
-            inverse[order] = rank_sorted
-            all_uniq = [s[5] for s in stats]
-            uniq_off = list(itertools.accumulate(all_uniq, initial=0))
-            starts = torch.tensor(uniq_off[:-1], dtype=torch.int64, device=dev)
-            inverse = inverse - starts[seg]
-            uniques = v[order][new.bool()]
+        uniq_off = list(itertools.accumulate((s[5] for s in stats), initial=0))
+        if any(m.dedupe or m.out_rows for m in metas):
+            assert fs.ids is not None
+            order, new = fs.ids
+            inverse = _segment_inverse(order, new, fs.seg, fs.stats[:, 5])
+            uniques = v[order][new]
 
         feat_off = list(itertools.accumulate(splits, initial=0))
         counts: list[int] = []
@@ -480,6 +692,8 @@ def _encode(
             if wire_w is not None:
                 weight_slots.append((word0 + packed_words, val_off[f0], n_ids))
                 words += _weight_words(n_ids, wire_w)
+            if config.checksum:
+                words += _CHECK_WORDS
             send_words.append(words)
             word0 += words
 
@@ -492,12 +706,15 @@ def _encode(
             for at, first, n in weight_slots:
                 ww = _words_of(weights[first : first + n].to(wire_w))
                 send[at : at + ww.numel()] = ww
+        if config.checksum:
+            _write_checksums(send, send_words)
 
         codes = (
             _CODES[lengths.dtype]
             | _CODES[values.dtype] << 8
             | _CODES[weights.dtype if weights is not None else None] << 16
             | _CODES[wire_w] << 24
+            | (_CHECK_FLAG if config.checksum else 0)
         )
         meta_rows: list[int] = []
         meta_splits: list[int] = []
@@ -508,16 +725,20 @@ def _encode(
             meta_splits.append(len(row))
         meta = torch.tensor(meta_rows, dtype=torch.int64, device=dev)
 
-        lookup: list[list[tuple[int, torch.Tensor] | None]] = []
+        expand: list[list[tuple[int, torch.Tensor] | None]] = []
         for d in range(len(splits)):
             row: list[tuple[int, torch.Tensor] | None] = []
             for f in range(feat_off[d], feat_off[d + 1]):
-                if metas[f].lookup:
+                m = metas[f]
+                if m.lookup:
                     assert inverse is not None
-                    row.append((metas[f].num_unique, inverse[val_off[f] : val_off[f + 1]]))
+                    row.append((m.num_unique, inverse[val_off[f] : val_off[f + 1]]))
+                elif m.out_rows:
+                    bag_inv = _bag_inverse(f, stats[f], batch, holey, inverse, val_off)
+                    row.append((m.out_rows, bag_inv))
                 else:
                     row.append(None)
-            lookup.append(row)
+            expand.append(row)
 
     _record_encode(kjt, metas, batch, splits, send_words, wire_w, stats, config.dedupe, comms)
     shares = {
@@ -533,8 +754,38 @@ def _encode(
         num_ids_per_dest=[
             sum(m.num_ids for m in metas[feat_off[d] : feat_off[d + 1]]) for d in range(len(splits))
         ],
-        lookup=lookup,
+        expand=expand,
     )
+
+
+def _bag_inverse(
+    f: int,
+    st: Sequence[int],
+    batch: int,
+    holey: dict[int, tuple[int, torch.Tensor]],
+    inverse: torch.Tensor | None,
+    val_off: Sequence[int],
+) -> torch.Tensor:
+    """Inverse index of feature ``f``'s bags over its distinct bags (exact output dedupe).
+
+    Args:
+        f: Feature.
+        st: Its statistics row (length sum, max, min, ...).
+        batch: Bags of the feature.
+        holey: Distinct bags of the features that mix empty and one-id bags.
+        inverse: Inverse index of every id over its feature's distinct ids.
+        val_off: Offset of each feature's ids.
+
+    Returns:
+        int64 ``[batch]``.
+    """
+    if st[2] == 1:  # one id per bag: bags are ids, in the same ascending order
+        assert inverse is not None
+        return inverse[val_off[f] : val_off[f + 1]]
+    if st[1] == 0:  # every bag empty: one distinct bag
+        assert inverse is not None
+        return inverse.new_zeros(batch)
+    return holey[f][1]
 
 
 def _record_encode(
@@ -583,8 +834,13 @@ def _decode(
     codes: Sequence[int],
     keys: Sequence[str],
     my_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Unpacks every source's payload into TorchRec's (lengths, values, weights) output tensors."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[list[torch.Tensor | None]]]:
+    """Unpacks every source's payload into TorchRec's (lengths, values, weights) output tensors.
+
+    Returns:
+        lengths, values, weights (None if unweighted), and per source, per feature, the bags
+        whose pooled rows the exact output dedupe sends back (None where not deduplicated).
+    """
     dev = recv.device
     counts: list[int] = []
     widths: list[int] = []
@@ -594,6 +850,7 @@ def _decode(
     weight_slots: list[tuple[int, int]] = []
     word_offsets = list(itertools.accumulate(recv_words, initial=0))
     wire_w = _DTYPES[codes[0] >> 24 & 0xFF] if codes else None
+    trailer = _CHECK_WORDS if codes and codes[0] & _CHECK_FLAG else 0
     if any(c != codes[0] for c in codes):
         raise LossyAllToAllError(
             f"lossy input dist on rank {my_rank}: source ranks sent KJTs of different dtypes "
@@ -626,12 +883,18 @@ def _decode(
         index.append(per_feature)
         packed = -(-(bit - word_offsets[src] * _WORD_BITS) // _WORD_BITS)
         n_ids = sum(m.num_ids for m in metas)
-        expected = packed
+        expected = packed + trailer
         if wire_w is not None:
             weight_slots.append((word_offsets[src] + packed, n_ids))
             expected += _weight_words(n_ids, wire_w)
         if expected != recv_words[src]:
             fail(src, f"{recv_words[src]} words received, {expected} expected")
+    if trailer:
+        # One host read for all sources; the sizes are known to be right by now.
+        ok = (_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)).tolist()
+        for src, good in enumerate(ok):
+            if not good:
+                fail(src, "its checksum does not match (corrupted in transit)")
 
     w_t, p_t = _Layout(counts, widths, bit_starts).positions(dev)
     flat = unpack_bits(recv, w_t, p_t)
@@ -643,6 +906,7 @@ def _decode(
     lengths: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
+    out_segs: list[tuple[int, int, int]] = []  # (source, index in lengths, rows sent back)
     for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
         for m, fields in zip(metas, index[src], strict=True):
 
@@ -661,6 +925,8 @@ def _decode(
                 values.append(field("unique", m.num_unique)[field("inverse", m.num_ids)])
             else:
                 values.append(field("ids", m.num_ids))
+            if m.out_rows:
+                out_segs.append((src, len(lengths) - 1, m.out_rows))
         if wire_w is not None:
             at, n = weight_slots[src]
             nw = _weight_words(n, wire_w)
@@ -668,6 +934,16 @@ def _decode(
             esize = torch.empty(0, dtype=wire_w).element_size()
             weights.append(raw[: n * esize].view(wire_w))
     assert len_dtype is not None and val_dtype is not None
+    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
+    if out_segs:
+        with record_function("## lossy_input dedupe select ##"):
+            _, _, firsts = _distinct_bags(
+                [lengths[i] for _, i, _ in out_segs], [values[i] for _, i, _ in out_segs]
+            )
+        for (src, i, rows), first in zip(out_segs, firsts, strict=True):
+            if first.numel() != rows:
+                fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
+            selects[src][i - sum(len(m) for m in metas_per_src[:src])] = first
     out_lengths = (
         torch.cat(lengths).to(len_dtype) if lengths else recv.new_empty(0, dtype=len_dtype)
     )
@@ -677,7 +953,7 @@ def _decode(
         out_weights = (
             torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
         )
-    return out_lengths, out_values, out_weights
+    return out_lengths, out_values, out_weights, selects
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,6 +980,8 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
         input_splits: Ids sent to each rank (TorchRec's ``values`` splits).
         output_splits: Ids received from each rank.
         comms: Shared state (telemetry).
+        output_dedupe: The call's cross-side dedupe state; the decode fills in the owner's
+            bag selection of the exact mode.
     """
 
     def __init__(
@@ -721,6 +999,7 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
         input_splits: list[int],
         output_splits: list[int],
         comms: LossyComms,
+        output_dedupe: OutputDedupe | None = None,
     ) -> None:
         Awaitable.__init__(self)  # no TorchRec collectives: only its attributes
         self._workers = pg.size()
@@ -746,6 +1025,7 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
         self._metas_per_src = metas_per_src
         self._codes = codes
         self._comms = comms
+        self._output_dedupe = output_dedupe
 
     def clear_inputs(self) -> int:
         """Waits for the exchange; the sender's packed words are already the only copy.
@@ -762,19 +1042,27 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             with record_function("## lossy_input payload wait ##"):
                 self._work.wait()
         start = time.perf_counter()
-        # comms.payload_hook is not called here: it is defined on the lossy fwd/bwd payloads.
-        recv = self._recv
+        recv, recv_words = self._recv, self._recv_words
+        hook = self._comms.payload_hook
+        if hook is not None:  # sees each source's payload, as on the output side
+            parts = [
+                hook("input", src, p) for src, p in enumerate(torch.split(recv, list(recv_words)))
+            ]
+            recv_words = [int(p.numel()) for p in parts]
+            recv = torch.cat(parts) if parts else recv
         with record_function("## lossy_input decode ##"):
             tensors = _decode(
                 recv,
-                self._recv_words,
+                recv_words,
                 self._metas_per_src,
                 self._stride_per_rank,
                 self._codes,
                 self._keys,
                 self._pg.rank(),
             )
-        lengths, values, weights = tensors
+        lengths, values, weights, selects = tensors
+        if self._output_dedupe is not None and not self._output_dedupe.sum_grads:
+            self._output_dedupe.select = selects
         shares = {k: 1 for k in self._keys}
         self._comms.stats.record_time("input", "decode", shares, time.perf_counter() - start)
         return KeyedJaggedTensor.dist_init(
@@ -797,8 +1085,8 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         splits: Features per destination rank.
         keys: Local keys after the all-to-all.
         comms: Shared config and telemetry.
-        dedupe_lookups: Cross-side deduplication of single-hot features (the output dist must
-            be the lossy one, which reads :class:`LookupDedupe` from the sharding context).
+        output_dedupe: Cross-side deduplication mode (see :class:`OutputDedupe`; the output
+            dist must be the lossy one, which reads it from the sharding context).
     """
 
     def __init__(
@@ -808,7 +1096,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         splits: list[int],
         keys: list[str],
         comms: LossyComms,
-        dedupe_lookups: bool = False,
+        output_dedupe: OutputDedupeMode = None,
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -816,7 +1104,8 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._splits = splits
         self._keys = keys
         self._comms = comms
-        self._enc = _encode(input, splits, comms, dedupe_lookups)
+        self._output_dedupe = output_dedupe
+        self._enc = _encode(input, splits, comms, output_dedupe)
         world = pg.size()
         self._recv_meta_splits = [_HEADER + _PER_FEATURE * len(keys)] * world
         self._recv_meta = torch.empty(
@@ -852,11 +1141,17 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             metas_per_src.append(fm)
             output_splits.append(sum(m.num_ids for m in fm))
         stride_per_rank = _Strides(strides)
-        recv_rows = [[m.num_unique if m.lookup else None for m in fm] for fm in metas_per_src]
+        recv_rows = [
+            [m.num_unique if m.lookup else (m.out_rows or None) for m in fm] for fm in metas_per_src
+        ]
+        dedupe = None
         if any(r is not None for rows in recv_rows for r in rows) or any(
-            x is not None for row in self._enc.lookup for x in row
+            x is not None for row in self._enc.expand for x in row
         ):
-            stride_per_rank.lookup_dedupe = LookupDedupe(recv_rows, self._enc.lookup)
+            dedupe = OutputDedupe(
+                recv_rows, self._enc.expand, sum_grads=self._output_dedupe == "lookup"
+            )
+            stride_per_rank.output_dedupe = dedupe
         send = self._enc.send
         recv = torch.empty(sum(recv_words), dtype=torch.int32, device=send.device)
         with record_function("## lossy_input payload ##"):
@@ -877,23 +1172,28 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             input_splits=self._enc.num_ids_per_dest,
             output_splits=output_splits,
             comms=self._comms,
+            output_dedupe=dedupe,
         )
 
 
 class LossyKJTAllToAll(KJTAllToAll):
     """Drop-in for TorchRec's ``KJTAllToAll`` with bit-packed, optionally deduplicated ids.
 
-    A ``KJTAllToAll`` subclass: TorchRec's ``TrainPipelineSparseDist`` fuses the splits
-    exchanges of all input dists by replacing each ``KJTAllToAll``'s ``forward`` with its own;
-    under such a pipeline the input dist is therefore TorchRec's, uncompressed (still exact).
+    A ``KJTAllToAll`` subclass. TorchRec's train pipelines (``TrainPipelineSparseDist`` and the
+    pipelines built on ``_override_input_dist_forwards``) replace each input dist's
+    ``_dist.forward`` with their fused-splits ``KJTAllToAllForward``; the lossy input dist calls
+    :meth:`packed` instead of ``forward``, so it stays packed under them (its splits exchange is
+    then simply not fused with TorchRec's, which the pipeline supports for any awaitable that is
+    not a ``KJTSplitsAllToAllMeta``).
 
     Args:
         pg: Process group.
         splits: Features sent to each rank (the input KJT is ordered by destination).
         comms: Shared config (``config.input_dist``) and telemetry.
-        dedupe_lookups: Cross-side deduplication of single-hot features: the result is then
-            NOT TorchRec's KJT (deduplicated features hold distinct ids, then empty bags) and
-            must feed the lossy output dist, which expands the rows. Off: bit-identical.
+        output_dedupe: Cross-side deduplication (see :class:`OutputDedupe`): ``"exact"`` leaves
+            the KJT bit-identical; ``"lookup"`` makes deduplicated features hold distinct ids,
+            then empty bags. Either way the result must feed the lossy output dist, which reads
+            the state from the sharding context. None: off.
 
     Example::
 
@@ -906,16 +1206,29 @@ class LossyKJTAllToAll(KJTAllToAll):
         pg: dist.ProcessGroup,
         splits: list[int],
         comms: LossyComms,
-        dedupe_lookups: bool = False,
+        output_dedupe: OutputDedupeMode = None,
     ) -> None:
         if len(splits) != pg.size():
             raise ValueError(f"{len(splits)} splits for a process group of {pg.size()} ranks")
         super().__init__(pg, list(splits))
         self._comms = comms
-        self._dedupe_lookups = dedupe_lookups
+        self._output_dedupe: OutputDedupeMode = output_dedupe
 
     def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
-        """Sends each rank its features, packed.
+        """Sends each rank its features, packed (see :meth:`packed`).
+
+        Args:
+            input: KJT whose keys are ordered by destination rank.
+
+        Returns:
+            Awaitable of an awaitable of the local KJT (as ``KJTAllToAll``).
+        """
+        return self.packed(input)
+
+    def packed(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+        """Sends each rank its features, packed; TorchRec's path for the inputs it cannot pack.
+
+        Not ``forward``, so that a train pipeline's override of ``forward`` does not bypass it.
 
         Args:
             input: KJT whose keys are ordered by destination rank.
@@ -929,7 +1242,7 @@ class LossyKJTAllToAll(KJTAllToAll):
             or input.variable_stride_per_key()
             or (weights is not None and weights.dim() != 1)
         ):
-            return super().forward(input)
+            return KJTAllToAll.forward(self, input)
         with torch.no_grad():
             if len(input.keys()) != self._splits_cumsum[-1]:
                 raise ValueError(
@@ -939,7 +1252,7 @@ class LossyKJTAllToAll(KJTAllToAll):
             rank = self._pg.rank()
             keys = input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]]
             return LossyKJTAllToAllSplitsAwaitable(
-                self._pg, input, self._splits, keys, self._comms, self._dedupe_lookups
+                self._pg, input, self._splits, keys, self._comms, self._output_dedupe
             )
 
 
@@ -950,8 +1263,7 @@ class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         pg: Process group.
         features_per_rank: Features sent to each rank.
         comms: Shared state of the sharded module.
-        dedupe_lookups: Cross-side deduplication of single-hot features (see
-            :class:`LossyKJTAllToAll`).
+        output_dedupe: Cross-side deduplication mode (see :class:`LossyKJTAllToAll`).
     """
 
     def __init__(
@@ -959,15 +1271,15 @@ class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         pg: dist.ProcessGroup,
         features_per_rank: list[int],
         comms: LossyComms,
-        dedupe_lookups: bool = False,
+        output_dedupe: OutputDedupeMode = None,
     ) -> None:
         super().__init__()
-        self._dist = LossyKJTAllToAll(pg, features_per_rank, comms, dedupe_lookups)
+        self._dist = LossyKJTAllToAll(pg, features_per_rank, comms, output_dedupe)
 
     def forward(
         self, sparse_features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        """Packed all-to-all of the sparse features.
+        """Packed all-to-all of the sparse features (also under TorchRec's train pipelines).
 
         Args:
             sparse_features: Features ordered by destination rank.
@@ -975,4 +1287,4 @@ class LossyTwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         Returns:
             Awaitable of an awaitable of the local KJT.
         """
-        return self._dist(sparse_features)
+        return self._dist.packed(sparse_features)

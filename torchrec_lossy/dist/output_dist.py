@@ -21,7 +21,7 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
 from torchrec_lossy.dist.alltoall import BlockSpec, LossyAll2AllPooledInfo, alltoall_pooled_lossy
 from torchrec_lossy.dist.comms import LossyComms
-from torchrec_lossy.dist.input_dist import lookup_dedupe_of
+from torchrec_lossy.dist.input_dist import output_dedupe_of
 
 
 def pooled_layout(
@@ -98,9 +98,9 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             Awaitable of ``[B_local, D_global_sum]``.
         """
         world = self._pg.size()
-        # Set only by our packed input dist with lookup dedupe; a plain list (TorchRec's input
-        # dist, e.g. under TrainPipelineSparseDist) means the normal path.
-        dedupe = lookup_dedupe_of(batch_size_per_rank)
+        # Set only by our packed input dist with output dedupe; a plain list (TorchRec's input
+        # dist) means the normal path.
+        dedupe = output_dedupe_of(batch_size_per_rank)
         if not batch_size_per_rank:
             b_global = local_embs.size(0)
             if b_global % world != 0:
@@ -114,7 +114,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             layout=self._layout,
             comms=self._comms,
             compress=self._compress,
-            lookup_dedupe=dedupe,
+            output_dedupe=dedupe,
         )
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)

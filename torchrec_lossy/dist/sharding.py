@@ -37,7 +37,7 @@ from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv,
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.dist.comms import LossyComms
-from torchrec_lossy.dist.input_dist import LossyTwSparseFeaturesDist
+from torchrec_lossy.dist.input_dist import LossyTwSparseFeaturesDist, OutputDedupeMode
 from torchrec_lossy.dist.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -72,22 +72,29 @@ class _LossyOutputDistMixin(
             self._pg,
             self.features_per_rank(),
             self._lossy_comms,
-            dedupe_lookups=self._lookup_dedupe_ok(),
+            output_dedupe=self._output_dedupe_mode(),
         )
 
-    def _lookup_dedupe_ok(self) -> bool:
-        """Cross-side dedupe needs the KJT keys of each rank in its lookup-output column order
-        (the output dist maps features to column groups by position)."""
-        if not self._lossy_comms.config.input_dist.dedupe_lookups:
-            return False
+    def _output_dedupe_mode(self) -> OutputDedupeMode:
+        """The cross-side dedupe mode from the config (lookup, exact or off), if it applies.
+
+        It needs the KJT keys of each rank in its lookup-output column order (the output dist
+        maps features to column groups by position).
+        """
+        config = self._lossy_comms.config.input_dist
+        mode: OutputDedupeMode = (
+            "lookup" if config.dedupe_lookups else "exact" if config.dedupe_outputs else None
+        )
+        if mode is None:
+            return None
         lookup_order = [
             [f for g in groups for t in g.embedding_tables for f in t.feature_names]
             for groups in self._grouped_embedding_configs_per_rank
         ]
         if lookup_order != self.feature_names_per_rank():
-            logger.warning("lookup feature order differs from the input dist's: no lookup dedupe")
-            return False
-        return True
+            logger.warning("lookup feature order differs from the input dist's: no output dedupe")
+            return None
+        return mode
 
     def create_output_dist(
         self, device: torch.device | None = None

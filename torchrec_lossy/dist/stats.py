@@ -43,6 +43,8 @@ class TableCommStats:
         decode_s: Host seconds spent decoding (on the receiving rank), split the same way.
         ids: Ids sent (input direction, where deduplication is on).
         repeated_ids: Of those, ids equal to an earlier id of the same feature and destination.
+        rows: Forward: pooled rows (embedding vectors) TorchRec would send for the table.
+        rows_sent: Of those, the rows actually encoded and sent (fewer under output dedupe).
     """
 
     blocks: int = 0
@@ -54,6 +56,8 @@ class TableCommStats:
     decode_s: float = 0.0
     ids: int = 0
     repeated_ids: int = 0
+    rows: int = 0
+    rows_sent: int = 0
 
     @property
     def repeated_share(self) -> float:
@@ -80,6 +84,8 @@ class TableCommStats:
         self.decode_s += other.decode_s
         self.ids += other.ids
         self.repeated_ids += other.repeated_ids
+        self.rows += other.rows
+        self.rows_sent += other.rows_sent
 
 
 def _nanmax(a: float, b: float) -> float:
@@ -171,6 +177,20 @@ class LossyCommsStats:
             e = self._entry(direction, table)
             e.ids += ids
             e.repeated_ids += repeated
+
+    def record_rows(self, direction: Direction, table: str, rows: int, rows_sent: int) -> None:
+        """Counts pooled rows of one block: TorchRec's count and the count actually sent.
+
+        Args:
+            direction: ``"fwd"`` in practice.
+            table: Table name.
+            rows: Rows TorchRec would send (features x batch of the destination).
+            rows_sent: Rows encoded (distinct bags of deduplicated features, all of the others).
+        """
+        with self._lock:
+            e = self._entry(direction, table)
+            e.rows += rows
+            e.rows_sent += rows_sent
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
