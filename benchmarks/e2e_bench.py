@@ -3,9 +3,10 @@
 Runs ``examples/dlrm_criteo.py`` as a 2-process torchrun job per mode (over the rate-limited
 two-namespace link of ``scripts/netns_cluster.sh`` by default, or on localhost with
 ``--no-netns``), collects each run's ``--metrics-json`` and prints one table: AUC, log loss, step
-time, all-to-all bytes and the speedup over ``none``, plus the targets (lossy at least 1.38x
-faster than ``none`` and faster than ``mx4``; ``|AUC(lossy) - AUC(none)| <= max(0.0002, seed
-spread of none)``). ``none`` runs with several seeds to measure that spread.
+time, all-to-all bytes (forward, backward and the KJT input dist) and the speedup over ``none``,
+plus the targets (lossy at least 1.38x faster than ``none`` and faster than ``mx4``;
+``|AUC(lossy) - AUC(none)| <= max(0.0002, seed spread of none)``). ``none`` runs with several
+seeds to measure that spread.
 
     sudo python benchmarks/e2e_bench.py                        # 1 Gbit/s netns link, defaults
     python benchmarks/e2e_bench.py --no-netns --steps 50       # localhost (loopback) instead
@@ -70,6 +71,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--embedding-dim", type=int, default=128)
     ap.add_argument("--eval-batches", type=int, default=4, help="held-out batches per rank")
     ap.add_argument("--sharding", default="table_wise", choices=("auto", "table_wise"))
+    ap.add_argument(
+        "--dataset",
+        default="synthetic",
+        choices=("synthetic", "criteo-kaggle", "criteo-1tb", "criteo-npy"),
+        help="the example's --dataset (file datasets loop over the file for --steps)",
+    )
+    ap.add_argument("--data-path", default=None, help="the example's --data-path")
     ap.add_argument("--config", default=str(ROOT / "configs" / "criteo_kaggle.yaml"))
     ap.add_argument("--qcomm-backward", default="fp16", choices=("fp32", "fp16", "bf16"))
     net = ap.add_mutually_exclusive_group()
@@ -90,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown --modes {unknown}; choose from {', '.join(MODES)}")
     args.modes = modes
+    if args.dataset != "synthetic" and not args.data_path:
+        ap.error(f"--dataset {args.dataset} needs --data-path")
     args.link_gbit = _rate_gbit(args.rate)
     return args
 
@@ -105,9 +115,12 @@ def _example_args(args: argparse.Namespace, mode: str, seed: int, metrics: Path)
         "--eval-interval", str(args.steps),  # one evaluation, at the end
         "--sharding", args.sharding,
         "--no-progress",
-        "--pregenerate",  # data generation is not what this bench measures
         "--metrics-json", str(metrics),
     ]  # fmt: skip
+    if args.dataset == "synthetic":
+        out.append("--pregenerate")  # data generation is not what this bench measures
+    else:
+        out += ["--dataset", args.dataset, "--data-path", args.data_path]
     if mode == "lossy":
         out += ["--config", args.config]
     elif mode != "none":
@@ -230,6 +243,13 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
             "examples_per_s": _mean([m["timing"]["examples_per_s"] for m in ms]),
             "fwd_wire_mib": _mean([m["comms"]["fwd_wire_bytes_per_step"] for m in ms]) / 2**20,
             "bwd_wire_mib": _mean([m["comms"]["bwd_wire_bytes_per_step"] for m in ms]) / 2**20,
+            # The KJT input dist (packed under --comm lossy, TorchRec's otherwise); metrics
+            # written before it was reported have no such entry.
+            "input_wire_mib": _mean(
+                [m["comms"].get("input_wire_bytes_per_step", math.nan) for m in ms]
+            )
+            / 2**20,
+            "input_ratio": _mean([m["comms"].get("input_ratio") or math.nan for m in ms]),
             "fwd_ratio": _mean([m["comms"]["fwd_ratio"] or math.nan for m in ms]),
             "bwd_ratio": _mean([m["comms"]["bwd_ratio"] or math.nan for m in ms]),
             "codec_share": _mean([m["timing"]["codec_time_share"] for m in ms]),
@@ -243,7 +263,9 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
             common = set(s["auc_by_seed"]) & set(base["auc_by_seed"])
             if common:
                 seed = min(common)
-                s["delta_auc_same_seed"] = s["auc_by_seed"][seed] - base["auc_by_seed"][seed]
+                a, b = s["auc_by_seed"][seed], base["auc_by_seed"][seed]
+                # No AUC (an eval set with one class, e.g. a tiny file): no delta.
+                s["delta_auc_same_seed"] = a - b if a is not None and b is not None else None
     targets: dict[str, Any] = {}
     lossy, mx4 = out.get("lossy", {}), out.get("mx4", {})
     if lossy.get("runs") and base.get("runs"):
@@ -255,12 +277,13 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
         spread = base.get("auc_spread")
         tol = max(AUC_FLOOR, spread or 0.0)
         delta = lossy.get("delta_auc_same_seed", lossy["auc"] - base["auc"])
-        targets["auc"] = {
-            "delta": delta,
-            "none_seed_spread": spread,
-            "tolerance": tol,
-            "met": abs(delta) <= tol,
-        }
+        if delta is not None and math.isfinite(delta):  # else no AUC was measured
+            targets["auc"] = {
+                "delta": delta,
+                "none_seed_spread": spread,
+                "tolerance": tol,
+                "met": abs(delta) <= tol,
+            }
     if lossy.get("runs") and mx4.get("runs"):
         targets["faster_than_mx4"] = {
             "lossy_ms": lossy["step_ms"],
@@ -287,12 +310,12 @@ def format_table(summary: dict[str, Any]) -> str:
     """
     lines = [
         "| comm | runs | AUC | dAUC vs none | log loss | step ms (median) | speedup | fwd MiB/step "
-        "| bwd MiB/step | fwd ratio | codec share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bwd MiB/step | input MiB/step | fwd ratio | input ratio | codec share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, s in summary["modes"].items():
         if not s.get("runs"):
-            lines.append(f"| {mode} | 0 (failed) |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {mode} | 0 (failed) |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         auc = _f(s["auc"], ".4f")
         if s.get("auc_spread") is not None:
@@ -301,7 +324,8 @@ def format_table(summary: dict[str, Any]) -> str:
             f"| {mode} | {s['runs']} | {auc} | {_f(s.get('delta_auc_same_seed'), '+.4f')} "
             f"| {_f(s['logloss'], '.4f')} | {_f(s['step_ms'], '.0f')} "
             f"| {_f(s.get('speedup'), '.2f')}x | {_f(s['fwd_wire_mib'], '.2f')} "
-            f"| {_f(s['bwd_wire_mib'], '.2f')} | {_f(s['fwd_ratio'], '.1f')}x "
+            f"| {_f(s['bwd_wire_mib'], '.2f')} | {_f(s.get('input_wire_mib'), '.3f')} "
+            f"| {_f(s['fwd_ratio'], '.1f')}x | {_f(s.get('input_ratio'), '.1f')}x "
             f"| {_f(100 * s['codec_share'], '.0f')}% |"
         )
     t = summary["targets"]

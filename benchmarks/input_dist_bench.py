@@ -1,17 +1,27 @@
-"""Bytes per step of the KJT input dist: TorchRec's ``KJTAllToAll`` vs the packed format.
+"""Bytes per step of the input and output dists: TorchRec (none / qcomm) vs torchrec-lossy.
 
-A single-process computation: every rank's KJT is encoded with the real encoder
-(``torchrec_lossy.dist.input_dist._encode``), and the bytes it hands to the collectives are
-summed over ranks: the packed payload words plus the metadata exchange. TorchRec's bytes are its
-lengths and ids tensors plus its splits exchange (lengths, values, stride per destination).
+A single-process computation with the real encoders, byte counts summed over all ranks of one
+step (the self-send included, as TorchRec's all-to-alls do):
+
+- input dist: every rank's KJT is encoded by ``torchrec_lossy.dist.input_dist._encode``; the
+  bytes are the packed payload words plus the metadata exchange. TorchRec's (``none`` and every
+  qcomm mode: qcomm codecs do not touch the KJT all-to-all) are its lengths and ids tensors plus
+  its splits exchange (lengths, values, stride per destination).
+- output dist (forward pooled embeddings): ``none`` fp32; ``fp16``/``mx4`` TorchRec's qcomm size
+  (``calc_quantized_size`` of each (source, destination) chunk, as ``All2All_Pooled_Req``);
+  ``lossy`` the codec payloads of ``torchrec_lossy.dist.alltoall._encode_payloads`` at the default
+  bound (relative 0.03 per table and block), without and with the exact output dedupe (each
+  destination gets the pooled row of each distinct id once per table).
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
-(feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines:
+(feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
+from the trained-model value model of :mod:`torchrec_lossy.traffic`:
 
-- ``synthetic``: Zipf ids from :func:`torchrec_lossy.traffic.sample_ids` with the Kaggle
-  cardinalities;
-- ``criteo_1tb``: the real ids of the 1TB sample (:func:`torchrec_lossy.traffic.criteo_sample_ids`,
-  MLPerf table sizes), split over ranks.
+- ``synthetic_kaggle``: Zipf ids from :func:`torchrec_lossy.traffic.sample_ids` with the Kaggle
+  cardinalities, dim 32;
+- ``criteo_1tb_sample``: the real ids of the 1TB sample
+  (:func:`torchrec_lossy.traffic.criteo_sample_ids`, MLPerf table sizes), split over ranks,
+  dim 64.
 
 Run: ``.venv/bin/python benchmarks/input_dist_bench.py [--json out.json]``.
 """
@@ -24,19 +34,38 @@ import sys
 
 import torch
 from torchrec import KeyedJaggedTensor
+from torchrec.distributed.fbgemm_qcomm_codec import (
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs_registry,
+)
+from torchrec.distributed.types import CommOp
 
 from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
+from torchrec_lossy.dist.alltoall import BlockSpec, LossyAll2AllPooledInfo, _encode_payloads
 from torchrec_lossy.dist.comms import LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import _encode
-from torchrec_lossy.traffic import criteo_sample_ids, sample_ids, table_cardinalities
+from torchrec_lossy.dist.input_dist import _distinct_bags, _encode
+from torchrec_lossy.traffic import (
+    criteo_sample_ids,
+    default_value_model,
+    embedding_rows,
+    frequency_ranks,
+    sample_ids,
+    table_cardinalities,
+)
 
 NUM_FEATURES = 26
+QCOMM = {"fp16": CommType.FP16, "mx4": CommType.MX4}
+
+
+def _owner(f: int, world: int) -> int:
+    return f % world
 
 
 def _kjts(ids: torch.Tensor, world: int) -> tuple[list[KeyedJaggedTensor], list[int]]:
     """Per rank, its single-hot KJT with features ordered by destination; and the splits."""
-    order = [f for r in range(world) for f in range(NUM_FEATURES) if f % world == r]
-    splits = [sum(1 for f in range(NUM_FEATURES) if f % world == r) for r in range(world)]
+    order = [f for r in range(world) for f in range(NUM_FEATURES) if _owner(f, world) == r]
+    splits = [sum(1 for f in range(NUM_FEATURES) if _owner(f, world) == r) for r in range(world)]
     out = []
     for local in ids.chunk(world, dim=0):
         b = local.shape[0]
@@ -50,7 +79,7 @@ def _kjts(ids: torch.Tensor, world: int) -> tuple[list[KeyedJaggedTensor], list[
     return out, splits
 
 
-def _measure(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
+def _input_bytes(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
     kjts, splits = _kjts(ids, world)
     out: dict[str, dict[str, float]] = {}
     for variant, dedupe in (("packed", False), ("packed+dedupe", True)):
@@ -60,12 +89,81 @@ def _measure(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
             _encode(kjt, splits, comms)
         total = comms.stats.total("input")
         if "none" not in out:
-            out["none"] = {"bytes": total.raw_bytes, "ratio": 1.0, "repeated_share": 0.0}
-        out[variant] = {
-            "bytes": total.wire_bytes,
-            "ratio": total.raw_bytes / total.wire_bytes,
-            "repeated_share": total.repeated_share,
-        }
+            out["none"] = {"bytes": total.raw_bytes, "repeated_share": 0.0}
+        out[variant] = {"bytes": total.wire_bytes, "repeated_share": total.repeated_share}
+    return out
+
+
+def _qcomm_bytes(mode: str, elements_per_chunk: list[int]) -> int:
+    """TorchRec's qcomm forward bytes: each (source, destination) chunk quantized alone."""
+    registry = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=QCOMM[mode], backward_precision=CommType.FP16)
+    )
+    assert registry is not None
+    codec = registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward
+    elem = torch.empty((), dtype=codec.quantized_dtype).element_size()
+    return sum(
+        codec.calc_quantized_size(n, codec.create_context()) * elem for n in elements_per_chunk
+    )
+
+
+def _output_bytes(
+    ids: torch.Tensor, ranks: torch.Tensor, world: int, preset: str, dim: int
+) -> dict[str, dict[str, float]]:
+    """Forward pooled-embedding bytes per step for every mode.
+
+    Args:
+        ids: ``[rows, 26]`` ids as they travel (wire dedupe and the output dedupe count these).
+        ranks: The same ids as popularity ranks (the value model's row identity).
+        world: Ranks.
+        preset: Table sizes of the value model.
+        dim: Embedding dimension.
+    """
+    cards = table_cardinalities(preset)
+    model = default_value_model(preset)
+    config = LossyCommsConfig()
+    names = [f"t{f}" for f in range(NUM_FEATURES)]
+    layout = [
+        tuple(BlockSpec(names[f], 0, 1, dim) for f in range(NUM_FEATURES) if _owner(f, world) == r)
+        for r in range(world)
+    ]
+    batch = ids.shape[0] // world
+    chunks = [len(layout[o]) * dim * batch for o in range(world) for _ in range(world)]
+    out: dict[str, dict[str, float]] = {
+        "none": {"bytes": 4 * sum(chunks), "rows": NUM_FEATURES * ids.shape[0]},
+        **{m: {"bytes": _qcomm_bytes(m, chunks)} for m in QCOMM},
+    }
+    for variant, dedupe in (("lossy", False), ("lossy+out_dedupe", True)):
+        comms = LossyComms(config=config, bounds=StaticBounds(names, config))
+        info = LossyAll2AllPooledInfo(
+            batch_size_per_rank=[batch] * world,
+            layout=layout,
+            comms=comms,
+            compress=comms.compress_flags(names),
+        )
+        sent_rows = 0
+        for o in range(world):
+            blocks = []
+            for d in range(world):
+                rows_d = slice(d * batch, (d + 1) * batch)
+                per_table = []
+                for spec in layout[o]:
+                    f = names.index(spec.table)
+                    r = ranks[rows_d, f]
+                    if dedupe:  # the first bag of each distinct id, in ascending id order
+                        col = ids[rows_d, f]
+                        first = _distinct_bags([torch.ones_like(col)], [col])[2][0]
+                        if first.numel() < batch:  # as the input dist decides it
+                            r = r[first]
+                    sent_rows += r.numel()
+                    per_table.append(embedding_rows(f, r, dim, cards[f], 0, model))
+                blocks.append(per_table)
+            payloads = _encode_payloads("fwd", blocks, [layout[o]] * world, info, ids.device)
+            assert sum(p.numel() for p in payloads) == comms.stats.total("fwd").wire_bytes
+            out.setdefault(variant, {"bytes": 0, "rows": 0})
+            out[variant]["bytes"] += comms.stats.total("fwd").wire_bytes
+            comms.stats.reset()
+        out[variant]["rows"] = sent_rows
     return out
 
 
@@ -83,36 +181,62 @@ def main(argv: list[str] | None = None) -> int:
         n = args.batch * world
         cards = table_cardinalities("criteo_kaggle")
         synth = torch.stack([sample_ids(c, n, generator=g) for c in cards], dim=1)
-        datasets = [("synthetic_kaggle", synth)]
+        # Zipf ids are popularity ranks already.
+        datasets = [("synthetic_kaggle", synth, synth, "criteo_kaggle", 32)]
         try:
-            datasets.append(("criteo_1tb_sample", criteo_sample_ids()))
+            real = criteo_sample_ids()
+            ranks = torch.stack([frequency_ranks(real[:, f]) for f in range(NUM_FEATURES)], 1)
+            datasets.append(("criteo_1tb_sample", real, ranks, "criteo_1tb", 64))
         except FileNotFoundError as e:
             print(f"skipping the real sample: {e}", file=sys.stderr)
-        for name, ids in datasets:
-            ids = ids[: ids.shape[0] // world * world]
-            for variant, r in _measure(ids, world).items():
+        for name, ids, ranks, preset, dim in datasets:
+            keep = ids.shape[0] // world * world
+            ids, ranks = ids[:keep], ranks[:keep]
+            inp = _input_bytes(ids, world)
+            outp = _output_bytes(ids, ranks, world, preset, dim)
+            # Modes as a user runs them: TorchRec's input dist with none / qcomm output codecs;
+            # ours: the packed, deduplicated input dist with the lossy output dist.
+            modes = {
+                "none": ("none", "none"),
+                "fp16": ("none", "fp16"),
+                "mx4": ("none", "mx4"),
+                "lossy (no out dedupe)": ("packed+dedupe", "lossy"),
+                "lossy": ("packed+dedupe", "lossy+out_dedupe"),
+            }
+            for mode, (i, o) in modes.items():
                 results.append(
                     {
                         "dataset": name,
                         "world": world,
-                        "batch_per_rank": ids.shape[0] // world,
-                        "variant": variant,
-                        **r,
+                        "batch_per_rank": keep // world,
+                        "dim": dim,
+                        "mode": mode,
+                        "input_bytes": inp[i]["bytes"],
+                        "input_plain_packed_bytes": inp["packed"]["bytes"],
+                        "output_bytes": outp[o]["bytes"],
+                        "output_rows": outp[o].get("rows", outp["none"]["rows"]),
+                        "repeated_share": inp["packed+dedupe"]["repeated_share"],
                     }
                 )
     print(
-        f"{'dataset':<20} {'world':>5} {'B/rank':>7} {'variant':<14} {'bytes/step':>11} "
-        f"{'B/sample':>9} {'ratio':>6} {'repeated':>8}"
+        f"{'dataset':<18} {'world':>5} {'B/rank':>6} {'mode':<22} {'input B':>10} "
+        f"{'output B':>11} {'total B':>11} {'in x':>6} {'out x':>6} {'rows sent':>9}"
     )
+    base: dict[tuple[str, int], dict[str, float]] = {}
     for r in results:
-        per_sample = r["bytes"] / (r["batch_per_rank"] * r["world"])
+        key = (r["dataset"], r["world"])
+        if r["mode"] == "none":
+            base[key] = r
+        b = base[key]
         print(
-            f"{r['dataset']:<20} {r['world']:>5} {r['batch_per_rank']:>7} {r['variant']:<14} "
-            f"{r['bytes']:>11.0f} {per_sample:>9.1f} {r['ratio']:>6.2f} "
-            f"{r['repeated_share']:>8.1%}"
+            f"{r['dataset']:<18} {r['world']:>5} {r['batch_per_rank']:>6} {r['mode']:<22} "
+            f"{r['input_bytes']:>10,.0f} {r['output_bytes']:>11,.0f} "
+            f"{r['input_bytes'] + r['output_bytes']:>11,.0f} "
+            f"{b['input_bytes'] / r['input_bytes']:>6.2f} "
+            f"{b['output_bytes'] / r['output_bytes']:>6.2f} "
+            f"{r['output_rows'] / b['output_rows']:>9.1%}"
         )
     text = json.dumps(results, indent=1)
-    print(text)
     if args.json:
         with open(args.json, "w") as fh:
             fh.write(text + "\n")

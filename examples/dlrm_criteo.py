@@ -918,7 +918,7 @@ class CommsMeter:
         self.batch_size = batch_size
         self.dim = dim
         self._stats_cls = TableCommStats
-        self.totals: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}}
+        self.totals: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}, "input": {}}
         self.eval_bytes = 0
         self._steady_mark = 0.0
 
@@ -938,10 +938,10 @@ class CommsMeter:
         return self._codec_s() - self._steady_mark
 
     def _read(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}}
+        out: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}, "input": {}}
         for m in lossy_modules(self.sharded.model).values():
             stats = m.lossy_stats
-            for direction in ("fwd", "bwd"):
+            for direction in ("fwd", "bwd", "input"):
                 for table, entry in stats.tables(direction).items():
                     acc = out[direction].setdefault(table, self._stats_cls())
                     acc.merge(entry)
@@ -958,7 +958,7 @@ class CommsMeter:
             The interval's counters of this rank, ``{direction: {table: TableCommStats}}``.
         """
         if not self.sharded.lossy:
-            return {"fwd": {}, "bwd": {}}
+            return {"fwd": {}, "bwd": {}, "input": {}}
         interval = self._read()
         if phase == "eval":
             self.eval_bytes += sum(e.wire_bytes for e in interval["fwd"].values())
@@ -993,14 +993,23 @@ class CommsMeter:
         """Per-step all-to-all bytes over all ranks, from the plan (non-lossy modes).
 
         Returns:
-            ``fwd_raw``, ``fwd_wire``, ``bwd_raw``, ``bwd_wire``.
+            ``fwd_raw``, ``fwd_wire``, ``bwd_raw``, ``bwd_wire``, ``input_raw``, ``input_wire``
+            (TorchRec's KJT all-to-all, which qcomm codecs leave alone: per rank, an int32
+            length and an int64 id per sample and column shard of every all-to-all sharded
+            table, plus the splits exchange of 3 int64 per destination and sharding type).
         """
         w = self.env.world_size
         cols = [0] * w
+        shards = 0
         for t in self.sharded.tables.values():
+            shards += len(t["col_shards"])
             for rank, c in t["col_shards"]:
                 cols[rank] += c
         out = {"fwd_raw": 0.0, "fwd_wire": 0.0, "bwd_raw": 0.0, "bwd_wire": 0.0}
+        types = {t["sharding"] for t in self.sharded.tables.values() if t["col_shards"]}
+        out["input_raw"] = out["input_wire"] = float(
+            w * self.batch_size * shards * (4 + 8) + len(types) * w * w * 3 * 8
+        )
         codecs = self.sharded.qcomm_codecs
         for sender in range(w):
             n = self.batch_size * cols[sender]
@@ -1478,9 +1487,9 @@ class Trainer:
         enc = dec = 0.0
         comms: dict[str, Any]
         if self.sharded.lossy:
-            sums = {"fwd": [0, 0], "bwd": [0, 0]}
+            sums = {"fwd": [0, 0], "bwd": [0, 0], "input": [0, 0]}
             for r in per_rank:
-                for d in ("fwd", "bwd"):
+                for d in ("fwd", "bwd", "input"):
                     for name, e in r["totals"][d].items():
                         sums[d][0] += e["raw_bytes"]
                         sums[d][1] += e["wire_bytes"]
@@ -1507,6 +1516,8 @@ class Trainer:
                 "fwd_wire_bytes_per_step": sums["fwd"][1] / n,
                 "bwd_raw_bytes_per_step": sums["bwd"][0] / n,
                 "bwd_wire_bytes_per_step": sums["bwd"][1] / n,
+                "input_raw_bytes_per_step": sums["input"][0] / n,
+                "input_wire_bytes_per_step": sums["input"][1] / n,
             }
         else:
             planned = self.meter.planned_bytes()
@@ -1516,12 +1527,14 @@ class Trainer:
                 "fwd_wire_bytes_per_step": planned["fwd_wire"],
                 "bwd_raw_bytes_per_step": planned["bwd_raw"],
                 "bwd_wire_bytes_per_step": planned["bwd_wire"],
+                "input_raw_bytes_per_step": planned["input_raw"],
+                "input_wire_bytes_per_step": planned["input_wire"],
             }
             if planned["fwd_wire"]:
                 for t in tables.values():
                     if t["sharding"] != "DP":
                         t["fwd_ratio"] = planned["fwd_raw"] / planned["fwd_wire"]
-        for d in ("fwd", "bwd"):
+        for d in ("fwd", "bwd", "input"):
             wire = comms[f"{d}_wire_bytes_per_step"]
             comms[f"{d}_ratio"] = comms[f"{d}_raw_bytes_per_step"] / wire if wire else None
         steady_all = sum(r["steady_s"] for r in per_rank)
