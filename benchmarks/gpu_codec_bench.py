@@ -6,9 +6,11 @@ bounds):
 
 - every Triton stage on device-resident tensors: quantize (+ escapes + histogram), dequantize,
   vector-LZ dedupe, row histogram, reference packing, Huffman encode and decode;
+- the device-resident ``compress`` (``device_compress``: one launch per stage for all blocks, one
+  device-to-host sync), what CUDA blocks get with ``backend="auto"``;
 - the full ``compress`` / ``decompress`` through ``TritonOps`` (the host-orchestrated pipeline:
   every stage call copies its inputs to the device and its outputs back) and through the numba
-  ``CpuOps``, and whether both payloads are byte-identical;
+  ``CpuOps``, and whether the payloads are byte-identical;
 - beside them on the same traffic, fused ``[rows, tables * dim]`` as TorchRec sends it: a
   device-to-device copy, torch's FP16 cast, and fbgemm's FP16 and MX4 quantize / dequantize when
   ``fbgemm_gpu`` imports.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -38,12 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrec_lossy.traffic import (
-    TrafficSpec,
-    make_blocks,
-    paper_class_bounds,
-    relative_to_absolute_bounds,
-)
+from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
 
 def _fail(msg: str) -> int:
@@ -254,10 +252,11 @@ def run(
     from torchrec_lossy.config import CodecConfig
 
     spec = TrafficSpec(preset=args.preset, dim=args.dim, batch_rows=args.batch_rows, seed=args.seed)
-    cpu_blocks = make_blocks(spec)
-    bounds = relative_to_absolute_bounds(cpu_blocks, paper_class_bounds(args.preset))
+    cpu_blocks, bounds = paper_traffic(spec)
     raw_bytes = sum(b.numel() * 4 for b in cpu_blocks)
     config = CodecConfig(huffman_chunk_symbols=args.chunk_symbols)
+    # Stage by stage through the swapped-in ops (CUDA blocks with "auto" go device-resident).
+    staged = dataclasses.replace(config, backend="cpu")
     rows: list[dict[str, Any]] = []
 
     def record(group: str, name: str, fn: Callable[[], object]) -> None:
@@ -271,16 +270,26 @@ def run(
     decoded = {}
     for label, ops in all_ops.items():
         with _pipeline_ops(ops):
-            payloads[label] = pipeline.compress(dev_blocks, bounds, config)
-            decoded[label] = [b.cpu() for b in pipeline.decompress(payloads[label])]
+            payloads[label] = pipeline.compress(dev_blocks, bounds, staged)
+            decoded[label] = [b.cpu() for b in pipeline.decompress(payloads[label], backend="cpu")]
     (pt, dt), (pc, dc) = ((payloads[k].cpu(), decoded[k]) for k in all_ops)
     identical = bool(torch.equal(pt, pc)) and all(
         torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dt, dc, strict=True)
     )
+    device_payload = pipeline.compress(dev_blocks, bounds, config)
+    device_decoded = [b.cpu() for b in pipeline.decompress(device_payload)]
+    identical = (
+        identical
+        and bool(torch.equal(device_payload.cpu(), pc))
+        and all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32))
+            for a, b in zip(device_decoded, dc, strict=True)
+        )
+    )
     print(
         f"{args.preset} dim {args.dim}, {args.batch_rows} rows x {len(cpu_blocks)} tables = "
         f"{raw_bytes / 1e6:.2f} MB fp32 | ratio {raw_bytes / pt.numel():.2f} | "
-        f"TritonOps payload byte-identical to CpuOps: {identical}"
+        f"device-resident and TritonOps payloads byte-identical to CpuOps: {identical}"
     )
 
     blocks = [
@@ -289,17 +298,23 @@ def run(
     n_quant = sum(b.sym is not None for b in blocks)
     for name, fn in _stage_fns(blocks).items():
         record("triton stage", name, fn)
+    record(
+        "pipeline",
+        "compress, device-resident",
+        lambda: pipeline.compress(dev_blocks, bounds, config),
+    )
+    record("pipeline", "decompress, device-resident", lambda: pipeline.decompress(device_payload))
     for label, ops in all_ops.items():
         with _pipeline_ops(ops):
             record(
                 "pipeline",
                 f"compress, {label}",
-                lambda: pipeline.compress(dev_blocks, bounds, config),
+                lambda: pipeline.compress(dev_blocks, bounds, staged),
             )
             record(
                 "pipeline",
                 f"decompress, {label}",
-                lambda p=payloads[label]: pipeline.decompress(p),
+                lambda p=payloads[label]: pipeline.decompress(p, backend="cpu"),
             )
 
     fns, notes = _baseline_fns(cpu_blocks, dev)
@@ -309,7 +324,9 @@ def run(
     notes = [
         f"{n_quant} of {len(blocks)} blocks quantize; the stages run over those",
         "GB/s = raw fp32 bytes of the whole batch / median seconds",
-        "pipeline rows: host-orchestrated, every TritonOps stage call copies in and out",
+        "pipeline rows: device-resident compress (one sync) and decompress (two), then "
+        "host-orchestrated ones "
+        "(every TritonOps stage call copies in and out)",
         *notes,
     ]
     print(f"{'group':<13} {'entry':<46} {'ms':>9} {'GB/s':>9}")

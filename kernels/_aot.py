@@ -19,7 +19,7 @@ from typing import Any
 
 def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """(kernel, runtime argument types, constexprs, compile options) for every variant used."""
-    from torchrec_lossy.kernels import _common, huffman, quantize, vector_lz
+    from torchrec_lossy.kernels import _common, codebook, huffman, quantize, vector_lz
 
     specs: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
     for op in (_common.SCAN_SUM, _common.SCAN_MAX):
@@ -55,17 +55,15 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         "sym_ptr": "*i16",
         "hist_ptr": "*i32",
         "err_ptr": "*fp64",
-        "bound_bits": "i64",
-        "n": "i32",
-        "step": "fp32",
-        "inv_step": "fp32",
-        "center": "i32",
+        "tile_ptr": "*i64",
+        "step_ptr": "*fp32",
+        "inv_step_ptr": "*fp32",
+        "center_ptr": "*i64",
+        "bound_ptr": "*fp64",
+        "dtype_ptr": "*i32",
     }
     no_fma = {"num_warps": 8, "enable_fp_fusion": False}
-    for code in (1, 2, 3):
-        specs.append(
-            (quantize._quantize_kernel, q_sig, {"DTYPE_CODE": code, "BLOCK": 4096}, no_fma)
-        )
+    specs.append((quantize._quantize_kernel, q_sig, {"BLOCK": 4096}, no_fma))
     specs.append(
         (
             quantize._dequantize_kernel,
@@ -80,7 +78,16 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         specs += [
             (
                 vector_lz._row_hash_kernel,
-                {**rows_2d, "mults_ptr": "*i64", "hash_ptr": "*i64", "rows": "i32", "dim": "i32"},
+                {
+                    **rows_2d,
+                    "mults_ptr": "*i64",
+                    "hash_ptr": "*i64",
+                    "row_off_ptr": "*i64",
+                    "row_dim_ptr": "*i32",
+                    "row_blk_ptr": "*i32",
+                    "rows": "i32",
+                    "max_dim": "i32",
+                },
                 tile,
                 {},
             ),
@@ -92,8 +99,10 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
                     "run_ptr": "*i32",
                     "rep_ptr": "*i32",
                     "first_ptr": "*i32",
+                    "row_off_ptr": "*i64",
+                    "row_dim_ptr": "*i32",
                     "rows": "i32",
-                    "dim": "i32",
+                    "max_dim": "i32",
                 },
                 tile,
                 {},
@@ -150,41 +159,44 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
                 {},
             )
         )
-    sel = {"sym_ptr": "*i16", "rows_ptr": "*i32"}
+    chunks = {"stream_ptr": "*i32", "lo_ptr": "*i64", "hi_ptr": "*i64", "tab_ptr": "*i64"}
     specs += [
         (
-            huffman._histogram_rows_kernel,
-            {**sel, "hist_ptr": "*i32", "n": "i32", "dim": "i32"},
+            huffman._histogram_tiles_kernel,
+            {"sym_ptr": "*i16", "keep_ptr": "*i32", "tile_ptr": "*i64", "hist_ptr": "*i32"},
             {"BLOCK": 4096},
             {"num_warps": 8},
         ),
         (
             huffman._chunk_words_kernel,
-            {
-                **sel,
-                "len_ptr": "*i32",
-                "words_ptr": "*i64",
-                "n": "i32",
-                "dim": "i32",
-                "chunk_symbols": "i32",
-            },
+            {**chunks, "len_ptr": "*i32", "words_ptr": "*i64"},
             {"BLOCK": 1024},
             {},
         ),
         (
             huffman._place_codes_kernel,
             {
-                **sel,
+                **chunks,
                 "len_ptr": "*i32",
                 "code_ptr": "*i64",
                 "ends_ptr": "*i64",
                 "merged_ptr": "*i64",
-                "n": "i32",
-                "dim": "i32",
-                "chunk_symbols": "i32",
             },
             {"BLOCK": 1024},
             {},
+        ),
+        (
+            codebook._code_lengths_kernel,
+            {
+                "m_ptr": "*i64",
+                "weight_ptr": "*i64",
+                "parent_ptr": "*i64",
+                "depth_ptr": "*i64",
+                "blc_ptr": "*i32",
+                "out_ptr": "*i32",
+            },
+            {"BLOCK": 1024},
+            {"num_warps": 1},
         ),
         (
             huffman._join_words_kernel,
@@ -224,7 +236,111 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
             {},
         ),
     ]
-    return specs
+    return specs + _decode_specs()
+
+
+def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    """The batched decode kernels of ``device_decompress`` (one variant each)."""
+    from torchrec_lossy.kernels import codebook, huffman, quantize, vector_lz
+
+    i64 = "*i64"
+    per_block = dict.fromkeys
+    return [
+        (
+            codebook._decode_table_kernel,
+            {
+                "words_ptr": "*i32",
+                **per_block(("blocks_ptr", "cb_off_ptr", "lo_ptr", "count_ptr"), i64),
+                "esc_len_ptr": i64,
+                "sorted_ptr": "*i32",
+                "table_ptr": "*i32",
+                "bad_ptr": i64,
+            },
+            {},
+            {"num_warps": 8},
+        ),
+        (
+            huffman._decode_blocks_kernel,
+            {
+                "words_ptr": "*i32",
+                **per_block(("chunk_base_ptr", "sym_base_ptr", "ct_off_ptr", "bs_off_ptr"), i64),
+                **per_block(("bs_words_ptr", "cs_ptr", "table_idx_ptr"), i64),
+                "tables_ptr": "*i32",
+                "out_ptr": "*i16",
+                "esc_ptr": "*i32",
+                "table_bad_ptr": i64,
+                "fail_ptr": i64,
+                "n_blocks": "i32",
+                "n_iter": "i32",
+            },
+            {},
+            {"num_warps": 1},
+        ),
+        (
+            huffman._escape_check_blocks_kernel,
+            {
+                "esc_ptr": "*i32",
+                "rank_ptr": "*i32",
+                "sym_base_ptr": i64,
+                "words_ptr": "*i32",
+                **per_block(("esc_off_ptr", "n_esc_ptr", "esc_bad_ptr"), i64),
+                "total": "i32",
+                "n_blocks": "i32",
+                "n_iter": "i32",
+            },
+            {"BLOCK": 4096},
+            {},
+        ),
+        (
+            huffman._block_status_kernel,
+            {
+                "sym_base_ptr": i64,
+                "rank_ptr": "*i32",
+                **per_block(("n_esc_ptr", "has_stream_ptr", "refs_bad_ptr"), i64),
+                **per_block(("codebook_bad_ptr", "table_bad_ptr", "fail_ptr", "esc_bad_ptr"), i64),
+                "code_ptr": "*i32",
+                "n_blocks": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            vector_lz._unpack_refs_blocks_kernel,
+            {
+                "words_ptr": "*i32",
+                **per_block(("fixed_base_ptr", "fixed_blocks_ptr", "flagged_blocks_ptr"), i64),
+                **per_block(("ref_off_ptr", "ref_words_ptr", "rows_ptr", "n_unique_ptr"), i64),
+                **per_block(("width_ptr", "id_base_ptr"), i64),
+                "ids_ptr": "*i32",
+                "bad_ptr": i64,
+                "n_fixed": "i32",
+                "n_iter": "i32",
+                "n_fixed_programs": "i32",
+            },
+            {"BLOCK": 1024},
+            {},
+        ),
+        (
+            quantize._decode_output_kernel,
+            {
+                "words_ptr": "*i32",
+                "halves_ptr": "*i16",
+                **per_block(("out_base_ptr", "mode_ptr", "dtype_ptr", "dim_ptr"), i64),
+                **per_block(("n_unique_ptr", "src_off_ptr", "id_base_ptr", "sym_base_ptr"), i64),
+                **per_block(("step_ptr", "center_ptr", "esc_val_off_ptr", "n_esc_ptr"), i64),
+                "out_off_ptr": i64,
+                "ids_ptr": "*i32",
+                "sym_ptr": "*i16",
+                "rank_ptr": "*i32",
+                "out32_ptr": "*i32",
+                "out16_ptr": "*i16",
+                "n_blocks": "i32",
+                "n_iter": "i32",
+            },
+            {"BLOCK": 1024},
+            {"num_warps": 4, "enable_fp_fusion": False},
+        ),
+    ]
 
 
 def compile_all(arch: int = 90) -> list[str]:

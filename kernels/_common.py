@@ -9,6 +9,7 @@ in: integer sums and maxima are exact.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -138,3 +139,49 @@ def inclusive_scan(x: torch.Tensor, op: int = SCAN_SUM, block: int = _SCAN_BLOCK
         )
     _scan_apply_kernel[(n_blocks,)](x, parts, out, n, identity, OP=op, BLOCK=block)
     return out
+
+
+@triton.jit
+def find_segment(bases_ptr, idx, n_segments, n_iter):
+    """The segment holding flat index ``idx``, by binary search (lanes or a scalar).
+
+    Batched kernels launch over a flat index space that concatenates many segments (blocks);
+    ``bases`` (int64, ``n_segments + 1`` entries, non-decreasing, ``bases[0] == 0``) holds each
+    segment's first index. Returns the ``s`` with ``bases[s] <= idx < bases[s + 1]`` (the last
+    such ``s`` when empty segments repeat a base; ``n_segments - 1`` when ``idx`` is past the
+    end, so masked lanes still load in bounds). ``n_iter >= bit_length(n_segments)``.
+    """
+    lo = idx * 0
+    hi = lo + n_segments
+    for _ in range(n_iter):
+        active = hi - lo > 1
+        mid = (lo + hi) // 2
+        first = tl.load(bases_ptr + mid, mask=active, other=0)
+        right = first <= idx
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+def tile_table(sizes: np.ndarray, block: int) -> np.ndarray:
+    """Tiles of at most ``block`` elements over segments laid out back to back (host-side).
+
+    Batched kernels that need one segment per program (a per-block histogram row, per-block
+    parameters as scalars) launch one program per tile.
+
+    Args:
+        sizes: int64 [n_segments] elements per segment.
+        block: Elements per tile.
+
+    Returns:
+        int64 [n_tiles, 3] (first element, end element, segment); a tile never straddles two
+        segments and empty segments have none.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    n_tiles = (sizes + block - 1) // block
+    seg = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), n_tiles)
+    k = np.arange(seg.shape[0], dtype=np.int64) - (np.cumsum(n_tiles) - n_tiles)[seg]
+    lo = starts[seg] + k * block
+    return np.stack([lo, np.minimum(lo + block, ends[seg]), seg], axis=1).reshape(-1, 3)

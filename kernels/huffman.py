@@ -1,7 +1,10 @@
 """Triton chunked canonical Huffman: histogram, encode and decode, bit-identical to the CPU path.
 
 - :func:`histogram_rows`: symbol counts over selected rows (``histogram_rows_kernel``).
-- :func:`encode`: the same words and chunk ends as ``encode_kernel``, in three passes and
+- :func:`encode_chunks`: the chunks of many blocks in one pass each (a chunk table of stream
+  ranges and code-table offsets; empty ranges are unused worst-case slots), no sync when the
+  caller bounds the word count; :func:`encode` is its one-block form, the same words and chunk
+  ends as ``encode_kernel``. Three passes,
   without atomics: (1) one program per chunk sums its code lengths; (2) a prefix sum of the
   chunks' word counts gives every chunk its first word; (3) one program per chunk places each
   code at its bit position: a code starts in word ``w`` and may spill into ``w + 1``, so it is
@@ -12,21 +15,32 @@
   ``decode_table_kernel``; a scan ranks the escapes it decoded so that each is checked against
   the escape positions; same symbols and the same status as ``decode_kernel`` (the first error
   in stream order), computed on the device without a sync.
+- :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: the same for every block of
+  a payload at once (device decompress): a global chunk table, sections read in place in the
+  payload, 12-bit decode tables from ``codebook.decode_tables``, per-block statuses by atomics.
 
-The code lengths (``code_lengths_kernel``), canonical codes and decode table are built on the
-host from the 4096-entry histogram / length table: O(alphabet) work, not O(data).
+The device compress builds code lengths and canonical codes on the device
+(``kernels/codebook.py``); the single-block launchers take them from the caller.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import SCAN_SUM, block_for, inclusive_scan
+from torchrec_lossy.kernels._common import (
+    SCAN_SUM,
+    block_for,
+    find_segment,
+    inclusive_scan,
+    tile_table,
+)
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
 from torchrec_lossy.codec.huffman import (
     DECODE_BAD_CHUNK_TABLE,
+    DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
     DECODE_INVALID_CODE,
     DECODE_OUT_OF_BITS,
@@ -41,20 +55,49 @@ _ENCODE_BLOCK = 1024
 
 
 @triton.jit
-def _gather_symbols(sym_ptr, rows_ptr, idx, mask, dim):
-    """Symbol ``idx`` of the selected rows, in order (``idx`` = position in the encoded stream)."""
-    row = tl.load(rows_ptr + idx // dim, mask=mask, other=0).to(tl.int64)
-    return tl.load(sym_ptr + row * dim + idx % dim, mask=mask, other=0).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _histogram_rows_kernel(sym_ptr, rows_ptr, hist_ptr, n, dim, BLOCK: tl.constexpr):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < n
-    s = _gather_symbols(sym_ptr, rows_ptr, idx, mask, dim)
-    hist = tl.histogram(s, _ALPHABET, mask=mask)
+def _histogram_tiles_kernel(sym_ptr, keep_ptr, tile_ptr, hist_ptr, BLOCK: tl.constexpr):
+    # One program per tile (first element, end, histogram row): counts the kept symbols.
+    pid = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * pid)
+    end = tl.load(tile_ptr + 3 * pid + 1)
+    row = tl.load(tile_ptr + 3 * pid + 2)
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < end
+    s = tl.load(sym_ptr + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    keep = mask & (tl.load(keep_ptr + idx, mask=mask, other=0) != 0)
+    hist = tl.histogram(s, _ALPHABET, mask=keep)
     # Integer counts: the atomics' order cannot change the result.
-    tl.atomic_add(hist_ptr + tl.arange(0, _ALPHABET), hist, mask=hist > 0, sem="relaxed")
+    bins = tl.arange(0, _ALPHABET)
+    tl.atomic_add(hist_ptr + row * _ALPHABET + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+def histogram_tiles(
+    symbols: torch.Tensor, keep: torch.Tensor, tiles: torch.Tensor, n_rows: int, block: int
+) -> torch.Tensor:
+    """Per-segment symbol counts of the kept symbols of many segments, in one launch.
+
+    Args:
+        symbols: 1-D int16 / int32 symbols (the uint16 symbols' bits) of every segment.
+        keep: 1-D int32 / int64, same length: nonzero where a symbol counts.
+        tiles: int64 [n_tiles, 3] from ``_common.tile_table`` with ``block``-element tiles, on
+            the symbols' device.
+        n_rows: Number of histograms (segments).
+        block: Elements per tile (a power of two).
+
+    Returns:
+        int32 [n_rows, ALPHABET_SIZE] counts. Nothing is synced.
+    """
+    hist = torch.zeros(n_rows, ALPHABET_SIZE, dtype=torch.int32, device=symbols.device)
+    if tiles.shape[0]:
+        _histogram_tiles_kernel[(tiles.shape[0],)](
+            symbols.contiguous(),
+            keep.contiguous(),
+            tiles.contiguous(),
+            hist,
+            BLOCK=block,
+            num_warps=8,
+        )
+    return hist
 
 
 def histogram_rows(symbols: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -67,34 +110,32 @@ def histogram_rows(symbols: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     Returns:
         int32 [ALPHABET_SIZE] counts on the symbols' device.
     """
-    symbols = symbols.contiguous()
-    rows = rows.contiguous()
-    dim = symbols.shape[1]
-    n = rows.shape[0] * dim
-    hist = torch.zeros(ALPHABET_SIZE, dtype=torch.int32, device=symbols.device)
-    if n == 0:
-        return hist
+    dev = symbols.device
+    stream = symbols[rows.long()].reshape(-1)
+    n = stream.shape[0]
     block = block_for(n, _HIST_BLOCK)
-    _histogram_rows_kernel[(triton.cdiv(n, block),)](
-        symbols, rows, hist, n, dim, BLOCK=block, num_warps=8
-    )
-    return hist
+    tiles = torch.from_numpy(tile_table(np.array([n]), block)).to(dev)
+    keep = torch.ones(n, dtype=torch.int32, device=dev)
+    return histogram_tiles(stream, keep, tiles, 1, block).reshape(-1)
 
 
 @triton.jit
 def _chunk_words_kernel(
-    sym_ptr, rows_ptr, len_ptr, words_ptr, n, dim, chunk_symbols, BLOCK: tl.constexpr
+    stream_ptr, lo_ptr, hi_ptr, tab_ptr, len_ptr, words_ptr, BLOCK: tl.constexpr
 ):
-    # One program per chunk: the number of words its codes fill.
+    # One program per chunk: the number of words its codes fill. A chunk is the stream range
+    # [lo, hi) coded with the code table at tab (an offset into the stacked tables); an empty
+    # range (a chunk slot its block does not use) fills 0 words.
     c = tl.program_id(0).to(tl.int64)
-    lo = c * chunk_symbols
-    hi = tl.minimum(lo + chunk_symbols, n)
+    lo = tl.load(lo_ptr + c)
+    hi = tl.load(hi_ptr + c)
+    tab = tl.load(tab_ptr + c)
     bits = tl.zeros([BLOCK], dtype=tl.int64)
     for start in range(lo, hi, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         mask = idx < hi
-        s = _gather_symbols(sym_ptr, rows_ptr, idx, mask, dim)
-        bits += tl.load(len_ptr + s, mask=mask, other=0).to(tl.int64)
+        s = tl.load(stream_ptr + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        bits += tl.load(len_ptr + tab + s, mask=mask, other=0).to(tl.int64)
     tl.store(words_ptr + c, (tl.sum(bits, axis=0) + 31) // 32)
 
 
@@ -106,20 +147,20 @@ def _or_segments(aw, av, bw, bv):
 
 @triton.jit
 def _place_codes_kernel(
-    sym_ptr,
-    rows_ptr,
+    stream_ptr,
+    lo_ptr,
+    hi_ptr,
+    tab_ptr,
     len_ptr,
     code_ptr,
     ends_ptr,
     merged_ptr,
-    n,
-    dim,
-    chunk_symbols,
     BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
-    lo = c * chunk_symbols
-    hi = tl.minimum(lo + chunk_symbols, n)
+    lo = tl.load(lo_ptr + c)
+    hi = tl.load(hi_ptr + c)
+    tab = tl.load(tab_ptr + c)
     first_word = tl.load(ends_ptr + c - 1, mask=c > 0, other=0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     chunk_bits = tl.zeros([], dtype=tl.int64)  # bits placed so far in this chunk
@@ -129,9 +170,9 @@ def _place_codes_kernel(
     for start in range(lo, hi, BLOCK):
         idx = start + lanes
         mask = idx < hi
-        s = _gather_symbols(sym_ptr, rows_ptr, idx, mask, dim)
-        length = tl.load(len_ptr + s, mask=mask, other=0).to(tl.int64)
-        code = tl.load(code_ptr + s, mask=mask, other=0).to(tl.uint64, bitcast=True)
+        s = tl.load(stream_ptr + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        length = tl.load(len_ptr + tab + s, mask=mask, other=0).to(tl.int64)
+        code = tl.load(code_ptr + tab + s, mask=mask, other=0).to(tl.uint64, bitcast=True)
         end_bits = chunk_bits + tl.cumsum(length, axis=0)  # bit offsets within the chunk
         pos = first_word * 32 + end_bits - length
         word = pos >> 5
@@ -184,26 +225,66 @@ def encode(
         (chunk_ends: int64 [n_chunks], the end word of each chunk; words: int32 tensor of the
         uint32 bitstream's bits). Sizing ``words`` reads one scalar back from the device.
     """
-    symbols = symbols.contiguous()
-    rows = rows.contiguous()
     dev = symbols.device
-    dim = symbols.shape[1]
-    n = rows.shape[0] * dim
-    n_chunks = triton.cdiv(n, chunk_symbols)
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(
-            0, dtype=torch.int32, device=dev
+    stream = symbols[rows.long()].reshape(-1).to(torch.int32)
+    n = stream.shape[0]
+    lo = torch.arange(0, n, chunk_symbols, dtype=torch.int64, device=dev)
+    hi = torch.clamp(lo + chunk_symbols, max=n)
+    return encode_chunks(stream, lo, hi, torch.zeros_like(lo), lengths, codes, chunk_symbols)
+
+
+def encode_chunks(
+    stream: torch.Tensor,
+    chunk_lo: torch.Tensor,
+    chunk_hi: torch.Tensor,
+    chunk_table: torch.Tensor,
+    lengths: torch.Tensor,
+    codes: torch.Tensor,
+    chunk_symbols: int,
+    max_words: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encodes many chunks (of one or many blocks) into one word stream, without atomics.
+
+    Chunk ``c`` codes ``stream[chunk_lo[c]:chunk_hi[c]]`` with the code table starting at
+    ``chunk_table[c]`` in the stacked ``lengths`` / ``codes``, and starts on a new word after
+    chunk ``c - 1``'s. An empty range is a chunk slot that fills no word (batched callers size
+    the chunk table for the worst case).
+
+    Args:
+        stream: 1-D int16 / int32 symbols (the uint16 symbols' bits).
+        chunk_lo: int64 [n_chunks] first stream position of each chunk.
+        chunk_hi: int64 [n_chunks] end (exclusive) stream position of each chunk.
+        chunk_table: int64 [n_chunks] offset of the chunk's code table in ``lengths``/``codes``.
+        lengths: int32 stacked code-length tables ([k * ALPHABET_SIZE]); every coded symbol
+            needs a nonzero length.
+        codes: int64 stacked canonical codes, same layout.
+        chunk_symbols: Longest chunk (picks the program block size).
+        max_words: Size of the returned word buffer (an upper bound of the words written); None
+            reads the exact count back from the device (one sync).
+
+    Returns:
+        (chunk_ends: int64 [n_chunks], the end word (exclusive) of each chunk in the stream;
+        words: int32 [max_words] bits of the uint32 words, zero after the last chunk).
+    """
+    dev = stream.device
+    stream = stream.contiguous()
+    n_chunks = chunk_lo.shape[0]
+    if n_chunks == 0:
+        return torch.empty(0, dtype=torch.int64, device=dev), torch.zeros(
+            max_words or 0, dtype=torch.int32, device=dev
         )
     block = block_for(chunk_symbols, _ENCODE_BLOCK)
+    lengths = lengths.reshape(-1).contiguous()
+    codes = codes.reshape(-1).contiguous()
     chunk_words = torch.empty(n_chunks, dtype=torch.int64, device=dev)
     _chunk_words_kernel[(n_chunks,)](
-        symbols, rows, lengths, chunk_words, n, dim, chunk_symbols, BLOCK=block
+        stream, chunk_lo, chunk_hi, chunk_table, lengths, chunk_words, BLOCK=block
     )
     chunk_ends = inclusive_scan(chunk_words, SCAN_SUM)
-    n_words = int(chunk_ends[-1])
+    n_words = int(chunk_ends[-1]) if max_words is None else max_words
     merged = torch.zeros(n_words + 1, dtype=torch.int64, device=dev)
     _place_codes_kernel[(n_chunks,)](
-        symbols, rows, lengths, codes, chunk_ends, merged, n, dim, chunk_symbols, BLOCK=block
+        stream, chunk_lo, chunk_hi, chunk_table, lengths, codes, chunk_ends, merged, BLOCK=block
     )
     words = torch.empty(n_words, dtype=torch.int32, device=dev)
     if n_words:
@@ -215,27 +296,11 @@ def encode(
 
 
 @triton.jit
-def _decode_kernel(
-    words_ptr,
-    ends_ptr,
-    table_ptr,
-    out_ptr,
-    esc_ptr,
-    status_ptr,
-    fail_ptr,
-    n,
-    n_words,
-    chunk_symbols,
-    peek_shift,
-):
-    # One program per chunk, one symbol at a time: decode_kernel's loop, scalar for scalar.
-    c = tl.program_id(0).to(tl.int64)
-    # Clamped to the stream so a corrupt chunk table cannot make a program read out of bounds
-    # (the launcher reports the bad table itself).
-    w = tl.minimum(tl.load(ends_ptr + c - 1, mask=c > 0, other=0), n_words).to(tl.int64)
-    end = tl.minimum(tl.load(ends_ptr + c), n_words).to(tl.int64)
+def _decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, n, chunk_symbols):
+    """decode_kernel's loop over one chunk, scalar for scalar: symbols ``i .. min(i +
+    chunk_symbols, n)`` from words ``w .. end`` (already clamped to the stream). Returns where it
+    stopped and the status (0, _INVALID or _OUT_OF_BITS)."""
     shift = tl.zeros([], dtype=tl.uint64) + peek_shift
-    i = c * chunk_symbols
     hi = tl.minimum(i + chunk_symbols, n)
     buf = tl.zeros([], dtype=tl.uint64)
     n_bits = tl.zeros([], dtype=tl.int64)
@@ -259,6 +324,41 @@ def _decode_kernel(
             buf = buf << length.to(tl.uint64)
             n_bits -= length
             i += 1
+    return i, status
+
+
+@triton.jit
+def _decode_kernel(
+    words_ptr,
+    ends_ptr,
+    table_ptr,
+    out_ptr,
+    esc_ptr,
+    status_ptr,
+    fail_ptr,
+    n,
+    n_words,
+    chunk_symbols,
+    peek_shift,
+):
+    # One program per chunk, one symbol at a time: decode_kernel's loop, scalar for scalar.
+    c = tl.program_id(0).to(tl.int64)
+    # Clamped to the stream so a corrupt chunk table cannot make a program read out of bounds
+    # (the launcher reports the bad table itself).
+    w = tl.minimum(tl.load(ends_ptr + c - 1, mask=c > 0, other=0), n_words).to(tl.int64)
+    end = tl.minimum(tl.load(ends_ptr + c), n_words).to(tl.int64)
+    i, status = _decode_chunk(
+        words_ptr,
+        w,
+        end,
+        table_ptr,
+        peek_shift,
+        out_ptr,
+        esc_ptr,
+        c * chunk_symbols,
+        n,
+        chunk_symbols,
+    )
     tl.store(status_ptr + c, status)
     tl.store(fail_ptr + c, i)  # where the chunk stopped: its end, or the symbol that failed
 
@@ -364,3 +464,269 @@ def decode(
         ),
     )
     return out, result.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode side, batched (device decompress): every chunk of every block in one launch.
+#
+# The blocks' streams are concatenated: block b owns symbols [sym_base[b], sym_base[b + 1]) and
+# global chunks [chunk_base[b], chunk_base[b + 1]) (0 of each for blocks without a stream). Its
+# sections are read in place from the payload's words; its per-block status goes to int64 rows
+# that start at 0 (flags) or at INT64_MAX (first-failure positions) and are only ever raised /
+# lowered by atomics, so the result does not depend on the order programs run in.
+
+NO_FAILURE = (1 << 63) - 1  # initial value of the first-failure rows
+REFS_OUT_OF_RANGE = 1  # block status: invalid vector references (checked by vector_lz)
+_NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
+_REFS_BAD: tl.constexpr = tl.constexpr(REFS_OUT_OF_RANGE)
+_BAD_ESCAPES: tl.constexpr = tl.constexpr(DECODE_BAD_ESCAPES)
+_BAD_TABLE: tl.constexpr = tl.constexpr(DECODE_BAD_CHUNK_TABLE)
+_BAD_CODEBOOK: tl.constexpr = tl.constexpr(DECODE_BAD_CODEBOOK)
+
+
+@triton.jit
+def _decode_blocks_kernel(
+    words_ptr,
+    chunk_base_ptr,
+    sym_base_ptr,
+    ct_off_ptr,
+    bs_off_ptr,
+    bs_words_ptr,
+    cs_ptr,
+    table_idx_ptr,
+    tables_ptr,
+    out_ptr,
+    esc_ptr,
+    table_bad_ptr,
+    fail_ptr,
+    n_blocks,
+    n_iter,
+):
+    # One program per chunk; the loop is decode_kernel's, scalar for scalar (as _decode_kernel).
+    c = tl.program_id(0).to(tl.int64)
+    b = find_segment(chunk_base_ptr, c, n_blocks, n_iter)
+    first_chunk = tl.load(chunk_base_ptr + b)
+    n_chunks = tl.load(chunk_base_ptr + b + 1) - first_chunk
+    cl = c - first_chunk
+    sym0 = tl.load(sym_base_ptr + b)
+    n = tl.load(sym_base_ptr + b + 1) - sym0
+    ct = words_ptr + tl.load(ct_off_ptr + b)
+    bs = words_ptr + tl.load(bs_off_ptr + b)
+    n_words = tl.load(bs_words_ptr + b)
+    chunk_symbols = tl.load(cs_ptr + b)
+    table = tables_ptr + tl.load(table_idx_ptr + b) * _ALPHABET
+    # The chunk table is u32 in the payload: widen without sign extension.
+    prev_end = tl.load(ct + cl - 1, mask=cl > 0, other=0).to(tl.int64) & 0xFFFFFFFF
+    this_end = tl.load(ct + cl).to(tl.int64) & 0xFFFFFFFF
+    bad_table = ((cl > 0) & (this_end < prev_end)) | ((cl == n_chunks - 1) & (this_end != n_words))
+    tl.atomic_max(table_bad_ptr + b, 1, mask=bad_table, sem="relaxed")
+    # Clamped to the block's bitstream, so a corrupt table cannot make a program read elsewhere.
+    w = tl.minimum(prev_end, n_words)
+    end = tl.minimum(this_end, n_words)
+    i, status = _decode_chunk(
+        bs, w, end, table, 52, out_ptr + sym0, esc_ptr + sym0, cl * chunk_symbols, n, chunk_symbols
+    )  # 12-bit tables: peek the top 12 of 64 bits
+    # Chunks are disjoint, so the smallest (position, code) key names the block's first failure.
+    key = i * 8 - status.to(tl.int64)
+    tl.atomic_min(fail_ptr + b, key, mask=status != 0, sem="relaxed")
+
+
+@triton.jit
+def _escape_check_blocks_kernel(
+    esc_ptr,
+    rank_ptr,
+    sym_base_ptr,
+    words_ptr,
+    esc_off_ptr,
+    n_esc_ptr,
+    esc_bad_ptr,
+    total,
+    n_blocks,
+    n_iter,
+    BLOCK: tl.constexpr,
+):
+    # As _escape_check_kernel, per block: the k-th escape decoded in block b must sit at the
+    # block's escape_positions[k]; the block's first position breaking that is kept.
+    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = g < total
+    is_esc = mask & (tl.load(esc_ptr + g, mask=mask, other=0) == 1)
+    b = find_segment(sym_base_ptr, g, n_blocks, n_iter)
+    sym0 = tl.load(sym_base_ptr + b, mask=is_esc, other=0)
+    before = tl.load(rank_ptr + sym0 - 1, mask=is_esc & (sym0 > 0), other=0)
+    k = (tl.load(rank_ptr + g, mask=is_esc, other=1) - 1 - before).to(tl.int64)
+    n_escapes = tl.load(n_esc_ptr + b, mask=is_esc, other=0)
+    in_list = k < n_escapes
+    pos_ptr = words_ptr + tl.load(esc_off_ptr + b, mask=is_esc, other=0)
+    expected = tl.load(pos_ptr + k, mask=is_esc & in_list, other=0).to(tl.int64) & 0xFFFFFFFF
+    i = g - sym0
+    bad = is_esc & (~in_list | (expected != i))
+    tl.atomic_min(esc_bad_ptr + b, i, mask=bad, sem="relaxed")
+
+
+@triton.jit
+def _block_status_kernel(
+    sym_base_ptr,
+    rank_ptr,
+    n_esc_ptr,
+    has_stream_ptr,
+    refs_bad_ptr,
+    codebook_bad_ptr,
+    table_bad_ptr,
+    fail_ptr,
+    esc_bad_ptr,
+    code_ptr,
+    n_blocks,
+    BLOCK: tl.constexpr,
+):
+    # decode()'s glue, per block: a bad codebook, else a bad chunk table, else the first error in
+    # stream order (invalid code, out of bits, misplaced escape), else a missing escape. Bad
+    # references come first: the CPU path unpacks them before it decodes the stream.
+    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = b < n_blocks
+    s0 = tl.load(sym_base_ptr + b, mask=mask, other=0)
+    s1 = tl.load(sym_base_ptr + b + 1, mask=mask, other=0)
+    n = s1 - s0
+    r0 = tl.load(rank_ptr + s0 - 1, mask=mask & (s0 > 0), other=0).to(tl.int64)
+    r1 = tl.load(rank_ptr + s1 - 1, mask=mask & (s1 > 0), other=0).to(tl.int64)
+    n_escapes = tl.load(n_esc_ptr + b, mask=mask, other=0)
+    fail = tl.load(fail_ptr + b, mask=mask, other=_NO_FAIL)
+    esc_bad = tl.load(esc_bad_ptr + b, mask=mask, other=_NO_FAIL)
+    stream_pos = tl.where(fail != _NO_FAIL, fail >> 3, n)
+    esc_pos = tl.where(esc_bad != _NO_FAIL, esc_bad, n)
+    code = tl.where(
+        esc_pos < stream_pos,
+        _BAD_ESCAPES,
+        tl.where(
+            stream_pos < n,
+            -(fail & 7),
+            tl.where(r1 - r0 != n_escapes, _BAD_ESCAPES, 0),
+        ),
+    )
+    code = tl.where(tl.load(table_bad_ptr + b, mask=mask, other=0) != 0, _BAD_TABLE, code)
+    code = tl.where(tl.load(codebook_bad_ptr + b, mask=mask, other=0) != 0, _BAD_CODEBOOK, code)
+    code = tl.where(tl.load(has_stream_ptr + b, mask=mask, other=0) != 0, code, 0)
+    code = tl.where(tl.load(refs_bad_ptr + b, mask=mask, other=0) != 0, _REFS_BAD, code)
+    tl.store(code_ptr + b, code.to(tl.int32), mask=mask)
+
+
+def decode_blocks(
+    words: torch.Tensor,
+    chunk_base: torch.Tensor,
+    sym_base: torch.Tensor,
+    ct_off: torch.Tensor,
+    bs_off: torch.Tensor,
+    bs_words: torch.Tensor,
+    chunk_symbols: torch.Tensor,
+    table_idx: torch.Tensor,
+    tables: torch.Tensor,
+    table_bad: torch.Tensor,
+    fail: torch.Tensor,
+    n_chunks: int,
+    n_symbols: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decodes the Huffman streams of many blocks, every chunk in one launch; no sync.
+
+    Args:
+        words: int32 payload words; every offset below indexes them.
+        chunk_base: int64 [n_blocks + 1] first global chunk of each block.
+        sym_base: int64 [n_blocks + 1] first global symbol of each block.
+        ct_off: int64 [n_blocks] word offset of each block's chunk table.
+        bs_off: int64 [n_blocks] word offset of each block's bitstream.
+        bs_words: int64 [n_blocks] words in each block's bitstream.
+        chunk_symbols: int64 [n_blocks] symbols per chunk (>= 1 where the block has chunks).
+        table_idx: int64 [n_blocks] each block's table in ``tables``.
+        tables: int32 [n_tables, ALPHABET_SIZE] tables from ``codebook.decode_tables``.
+        table_bad: int64 [n_blocks] output, zeroed: 1 where the chunk table decreases or does
+            not end at the bitstream's end.
+        fail: int64 [n_blocks] output, INT64_MAX: ``8 * position - DECODE_*`` of the block's
+            first failing symbol.
+        n_chunks: Total chunks (``chunk_base[-1]``, known to the host).
+        n_symbols: Total symbols (``sym_base[-1]``).
+
+    Returns:
+        (int16 [n_symbols] symbols (uint16 bits), int32 [n_symbols] 1 where the escape symbol
+        decoded).
+    """
+    dev = words.device
+    out = torch.zeros(n_symbols, dtype=torch.int16, device=dev)
+    is_esc = torch.zeros(n_symbols, dtype=torch.int32, device=dev)
+    n_blocks = ct_off.shape[0]
+    if n_chunks:
+        _decode_blocks_kernel[(n_chunks,)](
+            words, chunk_base, sym_base, ct_off, bs_off, bs_words, chunk_symbols, table_idx,
+            tables, out, is_esc, table_bad, fail, n_blocks, n_blocks.bit_length(),
+            num_warps=1,
+        )  # fmt: skip
+    return out, is_esc
+
+
+def check_escapes(
+    is_esc: torch.Tensor,
+    sym_base: torch.Tensor,
+    words: torch.Tensor,
+    esc_off: torch.Tensor,
+    n_esc: torch.Tensor,
+    esc_bad: torch.Tensor,
+) -> torch.Tensor:
+    """Ranks the decoded escapes and checks them against each block's escape positions.
+
+    Args:
+        is_esc: int32 [n_symbols] from :func:`decode_blocks`.
+        sym_base: int64 [n_blocks + 1] first global symbol of each block.
+        words: int32 payload words.
+        esc_off: int64 [n_blocks] word offset of each block's escape positions.
+        n_esc: int64 [n_blocks] escapes each block lists.
+        esc_bad: int64 [n_blocks] output, INT64_MAX: the block's first misplaced escape.
+
+    Returns:
+        int32 [n_symbols] inclusive count of escapes over the concatenated streams (escape
+        ``k`` of block ``b`` has rank ``k + 1`` plus the rank before ``sym_base[b]``).
+    """
+    n = is_esc.shape[0]
+    rank = inclusive_scan(is_esc, SCAN_SUM)
+    if n:
+        n_blocks = esc_off.shape[0]
+        block = block_for(n, 4096)
+        _escape_check_blocks_kernel[(triton.cdiv(n, block),)](
+            is_esc, rank, sym_base, words, esc_off, n_esc, esc_bad, n, n_blocks,
+            n_blocks.bit_length(), BLOCK=block,
+        )  # fmt: skip
+    return rank
+
+
+def block_status(
+    sym_base: torch.Tensor,
+    rank: torch.Tensor,
+    n_esc: torch.Tensor,
+    has_stream: torch.Tensor,
+    refs_bad: torch.Tensor,
+    codebook_bad: torch.Tensor,
+    table_bad: torch.Tensor,
+    fail: torch.Tensor,
+    esc_bad: torch.Tensor,
+) -> torch.Tensor:
+    """Each block's decode status, as the CPU path would find it; no sync.
+
+    Args:
+        sym_base: int64 [n_blocks + 1] first global symbol of each block.
+        rank: int32 escape ranks from :func:`check_escapes` (any 1-element tensor if empty).
+        n_esc: int64 [n_blocks] escapes each block lists.
+        has_stream: int64 [n_blocks] 1 for blocks with a Huffman stream (quantized modes).
+        refs_bad: int64 [n_blocks] 1 where the vector references are invalid.
+        codebook_bad: int64 [n_blocks] from ``codebook.decode_tables``.
+        table_bad: int64 [n_blocks] from :func:`decode_blocks`.
+        fail: int64 [n_blocks] from :func:`decode_blocks`.
+        esc_bad: int64 [n_blocks] from :func:`check_escapes`.
+
+    Returns:
+        int32 [n_blocks]: 0, :data:`REFS_OUT_OF_RANGE`, or a ``DECODE_*`` code.
+    """
+    n_blocks = n_esc.shape[0]
+    codes = torch.empty(n_blocks, dtype=torch.int32, device=n_esc.device)
+    if n_blocks:
+        block = block_for(n_blocks, 1024)
+        _block_status_kernel[(triton.cdiv(n_blocks, block),)](
+            sym_base, rank, n_esc, has_stream, refs_bad, codebook_bad, table_bad, fail, esc_bad,
+            codes, n_blocks, BLOCK=block,
+        )  # fmt: skip
+    return codes

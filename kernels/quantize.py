@@ -3,8 +3,13 @@
 ``quantize`` fuses, per element: the code ``q = floor(x * inv_step + 0.5)`` in float32, the
 reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype exactly as
 ``_round_to_dtype`` does, the float64 check ``|x - x'| <= bound``, the escape decision, the symbol,
-the per-program max error and the symbol histogram. The CPU twin is
+the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
+blocks in one launch (a tile table: each program's element range and block, whose step, center,
+bound and dtype it reads from device arrays); :func:`quantize` is its one-block form. The CPU
+twin is
 :func:`torchrec_lossy.codec.quantize.quantize_kernel`; the torch oracle is ``quantize_reference``.
+:func:`decode_outputs` is the decoder's last stage for every block of a payload in one launch:
+raw copies, LZ row expansion, ``dequantize_kernel`` plus the dtype cast, escaped values.
 
 Bit-exactness notes:
 
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import block_for
+from torchrec_lossy.kernels._common import block_for, find_segment, tile_table
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
 
@@ -72,31 +77,41 @@ def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
     return tl.where(finite, r.to(tl.float32, bitcast=True), v)
 
 
-@triton.jit(do_not_specialize=["bound_bits"])
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     sym_ptr,
     hist_ptr,
     err_ptr,
-    bound_bits,
-    n,
-    step,
-    inv_step,
-    center,
-    DTYPE_CODE: tl.constexpr,
+    tile_ptr,
+    step_ptr,
+    inv_step_ptr,
+    center_ptr,
+    bound_ptr,
+    dtype_ptr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < n
+    # One program per tile; a tile is (first element, end element, block) and never straddles
+    # blocks, so the block's parameters are scalars and its histogram one row.
+    pid = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * pid)
+    end = tl.load(tile_ptr + 3 * pid + 1)
+    blk = tl.load(tile_ptr + 3 * pid + 2)
+    step = tl.load(step_ptr + blk)
+    inv_step = tl.load(inv_step_ptr + blk)
+    center = tl.load(center_ptr + blk)
+    bound = tl.load(bound_ptr + blk)  # float64
+    dtype_code = tl.load(dtype_ptr + blk)
+    offs = start + tl.arange(0, BLOCK)
+    in_range = offs < end
     v = tl.load(x_ptr + offs, mask=in_range, other=0.0)
-    # The float64 bound travels as its bits: a float argument would be narrowed to float32.
-    # (Small bit patterns arrive as 32-bit ints: widen first.)
-    bound = bound_bits.to(tl.int64).to(tl.float64, bitcast=True)
     t = v * inv_step
     qf = tl.floor(t + 0.5)
     rel = qf.to(tl.float64) - center
-    recon = round_to_dtype(qf * step, DTYPE_CODE)
+    r = qf * step
+    recon = tl.where(
+        dtype_code == 2, round_to_dtype(r, 2), tl.where(dtype_code == 3, round_to_dtype(r, 3), r)
+    )
     err = tl.abs(recon.to(tl.float64) - v.to(tl.float64))
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
     q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
@@ -106,7 +121,7 @@ def _quantize_kernel(
     hist = tl.histogram(sym, _ALPHABET, mask=in_range)
     # Integer counts: the atomics' order cannot change the result.
     bins = tl.arange(0, _ALPHABET)
-    tl.atomic_add(hist_ptr + bins, hist, mask=hist > 0, sem="relaxed")
+    tl.atomic_add(hist_ptr + blk * _ALPHABET + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -141,32 +156,73 @@ def quantize(
         (int16 symbols [n] (the uint16 symbols' bits), int32 histogram [ALPHABET_SIZE],
         float64 0-d max error over the elements that were not escaped). Nothing is synced.
     """
-    x = x.contiguous()
-    n = x.shape[0]
     dev = x.device
-    symbols = torch.empty(n, dtype=torch.int16, device=dev)
-    hist = torch.zeros(ALPHABET_SIZE, dtype=torch.int32, device=dev)
-    if n == 0:
-        return symbols, hist, torch.zeros((), dtype=torch.float64, device=dev)
+    n = x.shape[0]
     block = block_for(n, _BLOCK)
-    grid = triton.cdiv(n, block)
-    errors = torch.empty(grid, dtype=torch.float64, device=dev)
-    _quantize_kernel[(grid,)](
+    symbols, hist, errors = quantize_tiles(
         x,
-        symbols,
-        hist,
-        errors,
-        int(np.float64(bound).view(np.int64)),
-        n,
-        step,
-        inv_step,
-        center,
-        DTYPE_CODE=dtype_code,
-        BLOCK=block,
-        num_warps=8,
-        enable_fp_fusion=False,
+        torch.from_numpy(tile_table(np.array([n]), block)).to(dev),
+        torch.tensor([step], dtype=torch.float32, device=dev),
+        torch.tensor([inv_step], dtype=torch.float32, device=dev),
+        torch.tensor([center], dtype=torch.int64, device=dev),
+        torch.tensor([bound], dtype=torch.float64, device=dev),
+        torch.tensor([dtype_code], dtype=torch.int32, device=dev),
+        block,
     )
-    return symbols, hist, errors.max()
+    err = errors.max() if errors.numel() else torch.zeros((), dtype=torch.float64, device=dev)
+    return symbols, hist.reshape(-1), err
+
+
+def quantize_tiles(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    step: torch.Tensor,
+    inv_step: torch.Tensor,
+    center: torch.Tensor,
+    bound: torch.Tensor,
+    dtype_code: torch.Tensor,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes many blocks laid out back to back in one launch; nothing is synced.
+
+    Args:
+        x: 1-D float32 values of every block (exact copies of their fp32 / fp16 / bf16 values).
+        tiles: int64 [n_tiles, 3] from :func:`tile_table` (with tiles of ``block`` elements), on
+            ``x``'s device.
+        step: float32 [n_blocks] quantization steps.
+        inv_step: float32 [n_blocks] float32 reciprocals of the steps.
+        center: int64 [n_blocks] codes of the blocks' midpoints.
+        bound: float64 [n_blocks] absolute bounds.
+        dtype_code: int32 [n_blocks] dtype codes (the reconstruction is rounded to them).
+        block: Elements per tile (a power of two).
+
+    Returns:
+        (int16 symbols like ``x`` (the uint16 symbols' bits), int32 [n_blocks, ALPHABET_SIZE]
+        histograms, float64 [n_tiles] max error of each tile over the elements not escaped).
+    """
+    dev = x.device
+    x = x.contiguous()
+    symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)  # 0 outside the tiles
+    hist = torch.zeros(step.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    n_tiles = tiles.shape[0]
+    errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
+    if n_tiles:
+        _quantize_kernel[(n_tiles,)](
+            x,
+            symbols,
+            hist,
+            errors,
+            tiles.contiguous(),
+            step,
+            inv_step,
+            center,
+            bound,
+            dtype_code,
+            BLOCK=block,
+            num_warps=8,
+            enable_fp_fusion=False,
+        )
+    return symbols, hist, errors
 
 
 def dequantize(symbols: torch.Tensor, step: float, center: int) -> torch.Tensor:
@@ -196,4 +252,148 @@ def dequantize(symbols: torch.Tensor, step: float, center: int) -> torch.Tensor:
         num_warps=8,
         enable_fp_fusion=False,
     )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode side, batched (device decompress): every block's output elements in one launch.
+
+
+@triton.jit
+def _decode_output_kernel(
+    words_ptr,
+    halves_ptr,
+    out_base_ptr,
+    mode_ptr,
+    dtype_ptr,
+    dim_ptr,
+    n_unique_ptr,
+    src_off_ptr,
+    id_base_ptr,
+    sym_base_ptr,
+    step_ptr,
+    center_ptr,
+    esc_val_off_ptr,
+    n_esc_ptr,
+    out_off_ptr,
+    ids_ptr,
+    sym_ptr,
+    rank_ptr,
+    out32_ptr,
+    out16_ptr,
+    n_blocks,
+    n_iter,
+    BLOCK: tl.constexpr,
+):
+    # Element e of block b is row r = e // dim, column j; its vector is u = ids[r] (LZ modes) or
+    # r, and its value element u * dim + j of the block's distinct vectors: raw bits from the
+    # payload (raw, lz), or the dequantized symbol / escaped bits (quant, quant+lz). The output
+    # and the raw / escaped values are addressed as 32-bit words or 16-bit halves by dtype.
+    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = g < tl.load(out_base_ptr + n_blocks)
+    b = find_segment(out_base_ptr, g, n_blocks, n_iter)
+    e = g - tl.load(out_base_ptr + b)
+    mode = tl.load(mode_ptr + b, mask=mask, other=0)
+    dtype_code = tl.load(dtype_ptr + b, mask=mask, other=1)
+    dim = tl.load(dim_ptr + b, mask=mask, other=1)
+    wide = dtype_code == 1
+    lz = mask & ((mode & 1) == 1)
+    quant = mask & ((mode & 2) == 2)
+    r = e // dim
+    u = tl.load(ids_ptr + tl.load(id_base_ptr + b, mask=lz, other=0) + r, mask=lz, other=0)
+    u = tl.where(lz, u.to(tl.int64), r)
+    # Clamped: ids are unchecked until the status is read, and must not steer a read elsewhere.
+    u = tl.minimum(tl.maximum(u, 0), tl.load(n_unique_ptr + b, mask=mask, other=1) - 1)
+    idx = u * dim + (e - r * dim)
+    plain = mask & ~quant
+    src = tl.load(src_off_ptr + b, mask=plain, other=0)
+    raw32 = tl.load(words_ptr + src + idx, mask=plain & wide, other=0)
+    raw16 = tl.load(halves_ptr + 2 * src + idx, mask=plain & ~wide, other=0)
+    sym0 = tl.load(sym_base_ptr + b, mask=quant, other=0)
+    s = tl.load(sym_ptr + sym0 + idx, mask=quant, other=0).to(tl.int32) & 0xFFFF
+    esc = quant & (s == _ESCAPE)
+    # Escape k of the block (by rank in the stream) is its k-th escaped value.
+    before = tl.load(rank_ptr + sym0 - 1, mask=esc & (sym0 > 0), other=0)
+    k = (tl.load(rank_ptr + sym0 + idx, mask=esc, other=1) - 1 - before).to(tl.int64)
+    n_esc = tl.load(n_esc_ptr + b, mask=esc, other=0)
+    k = tl.minimum(tl.maximum(k, 0), n_esc - 1)
+    has = esc & (n_esc > 0)
+    val_off = tl.load(esc_val_off_ptr + b, mask=has, other=0)
+    esc32 = tl.load(words_ptr + val_off + k, mask=has & wide, other=0)
+    esc16 = tl.load(halves_ptr + 2 * val_off + k, mask=has & ~wide, other=0)
+    # dequantize_kernel: float32(s - 2047 + center) * step (|s - 2047 + center| < 2**24: exact),
+    # then the round-to-nearest-even cast of the block's dtype.
+    step = tl.load(step_ptr + b, mask=quant, other=0).to(tl.int32).to(tl.float32, bitcast=True)
+    center = tl.load(center_ptr + b, mask=quant, other=0)
+    v = (s.to(tl.int64) - _OFFSET + center).to(tl.float32) * step
+    half = round_to_dtype(v, 2).to(tl.float16).to(tl.int16, bitcast=True)
+    bf16 = (round_to_dtype(v, 3).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    q16 = tl.where(dtype_code == 2, half, bf16)
+    val32 = tl.where(quant, tl.where(esc, esc32, v.to(tl.int32, bitcast=True)), raw32)
+    val16 = tl.where(quant, tl.where(esc, esc16, q16), raw16)
+    out_off = tl.load(out_off_ptr + b, mask=mask, other=0)
+    tl.store(out32_ptr + out_off + e, val32, mask=mask & wide)
+    tl.store(out16_ptr + 2 * out_off + e, val16, mask=mask & ~wide)
+
+
+def decode_outputs(
+    words: torch.Tensor,
+    out_base: torch.Tensor,
+    mode: torch.Tensor,
+    dtype_code: torch.Tensor,
+    dim: torch.Tensor,
+    n_unique: torch.Tensor,
+    src_off: torch.Tensor,
+    id_base: torch.Tensor,
+    sym_base: torch.Tensor,
+    step_bits: torch.Tensor,
+    center: torch.Tensor,
+    esc_val_off: torch.Tensor,
+    n_esc: torch.Tensor,
+    out_off: torch.Tensor,
+    ids: torch.Tensor,
+    symbols: torch.Tensor,
+    rank: torch.Tensor,
+    n_out_words: int,
+    n_elements: int,
+) -> torch.Tensor:
+    """Every block's elements in one launch: raw copies, LZ row expansion, dequantization with
+    escapes; no sync.
+
+    Args:
+        words: int32 payload words (their int16 view addresses 16-bit values).
+        out_base: int64 [n_blocks + 1] first global element of each block.
+        mode: int64 [n_blocks] block modes.
+        dtype_code: int64 [n_blocks] dtype codes (1: 32-bit elements, 2 / 3: 16-bit).
+        dim: int64 [n_blocks] columns (>= 1 where the block has elements).
+        n_unique: int64 [n_blocks] vectors sent (rows for modes without references).
+        src_off: int64 [n_blocks] word offset of the raw values / distinct vectors (raw, lz).
+        id_base: int64 [n_blocks] first id of each LZ block in ``ids``.
+        sym_base: int64 [n_blocks + 1] first symbol of each quantized block in ``symbols``.
+        step_bits: int64 [n_blocks] float32 bits of the quantization step.
+        center: int64 [n_blocks] code of the block's midpoint.
+        esc_val_off: int64 [n_blocks] word offset of the escaped values.
+        n_esc: int64 [n_blocks] escapes of each block.
+        out_off: int64 [n_blocks] word offset of each block's output (word-aligned).
+        ids: int32 ids from ``vector_lz.unpack_refs_blocks`` (any 1-element tensor if none).
+        symbols: int16 symbols from ``huffman.decode_blocks`` (any 1-element tensor if none).
+        rank: int32 escape ranks from ``huffman.check_escapes`` (any 1-element tensor if none).
+        n_out_words: Words of the output buffer.
+        n_elements: Total elements (``out_base[-1]``).
+
+    Returns:
+        int32 [n_out_words]: block ``b``'s elements from word ``out_off[b]``, as 32-bit words or
+        16-bit halves (view it as int16) by dtype.
+    """
+    dev = words.device
+    out = torch.empty(n_out_words, dtype=torch.int32, device=dev)
+    if n_elements:
+        n_blocks = mode.shape[0]
+        block = block_for(n_elements, 1024)
+        _decode_output_kernel[(triton.cdiv(n_elements, block),)](
+            words, words.view(torch.int16), out_base, mode, dtype_code, dim, n_unique, src_off,
+            id_base, sym_base, step_bits, center, esc_val_off, n_esc, out_off, ids, symbols,
+            rank, out, out.view(torch.int16), n_blocks, n_blocks.bit_length(), BLOCK=block,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
     return out

@@ -4,9 +4,11 @@
 (ids numbered by first occurrence, the first row of every distinct vector), found in parallel
 instead of through a sequential hash table:
 
-1. ``_row_hash_kernel``: the 64-bit hash of every row over the same element keys as the CPU
-   kernel (raw bits, or the symbol with escaped elements keyed by their raw bits).
-2. ``torch.sort`` (stable) of the hashes: equal rows become adjacent, in row order.
+1. ``_row_hash_kernel``: a hash of every row over the same element keys as the CPU kernel (raw
+   bits, or the symbol with escaped elements keyed by their raw bits). Rows come from row
+   tables (element offset, dim, block), so one launch covers the rows of many blocks
+   (:func:`representatives`, used by the device compress); the block id fills the top bits.
+2. ``torch.sort`` (stable) of the hashes: equal rows of a block become adjacent, in row order.
 3. ``_run_flag_kernel`` + a max-scan: the sorted position where each row's hash run starts.
 4. ``_verify_kernel``: every row compares itself, key by key, with the rows of its hash run in
    row order and takes the first identical one as its representative. Without hash collisions
@@ -16,7 +18,8 @@ instead of through a sequential hash table:
    occurrence; ``_assign_kernel`` writes ids and first rows.
 
 :func:`pack_refs` writes each output word from the rows that overlap it (no atomics), bit-identical
-to ``pack_refs_kernel``.
+to ``pack_refs_kernel``. :func:`unpack_refs_blocks` is the decoder's side, for every LZ block of a
+payload in one launch (``unpack_refs_kernel``'s ids and checks).
 """
 
 from __future__ import annotations
@@ -27,13 +30,31 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import SCAN_MAX, SCAN_SUM, block_for, inclusive_scan
+from torchrec_lossy.kernels._common import (
+    SCAN_MAX,
+    SCAN_SUM,
+    block_for,
+    find_segment,
+    inclusive_scan,
+)
 
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED
 from torchrec_lossy.codec.vector_lz import ref_width, refs_bits
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
 _MASK64 = (1 << 64) - 1
+
+
+def column_multipliers(dim: int) -> np.ndarray:
+    """The row hash's per-column odd multipliers as int64 bit patterns (host-side, cached).
+
+    Args:
+        dim: Number of columns.
+
+    Returns:
+        int64 [dim] (the first ``k`` do not depend on ``dim``).
+    """
+    return _column_multipliers(dim)
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,28 +98,37 @@ def _row_hash_kernel(
     bits_ptr,
     mults_ptr,
     hash_ptr,
+    row_off_ptr,
+    row_dim_ptr,
+    row_blk_ptr,
     rows,
-    dim,
+    max_dim,
     RAW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # Rows of many blocks: row i has row_dim[i] elements from row_off[i] and belongs to block
+    # row_blk[i]; the block goes into the top bits so that sorting groups rows by block first.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
+    off = tl.load(row_off_ptr + r, mask=rmask, other=0)
+    dim = tl.load(row_dim_ptr + r, mask=rmask, other=0)
     h = tl.zeros([BLOCK_R], dtype=tl.uint64)
-    for d0 in range(0, dim, BLOCK_D):
+    for d0 in range(0, max_dim, BLOCK_D):
         c = d0 + tl.arange(0, BLOCK_D)
-        cmask = c < dim
-        m2 = rmask[:, None] & cmask[None, :]
-        key = _keys(sym_ptr, bits_ptr, r[:, None] * dim + c[None, :], m2, RAW)
-        mult = tl.load(mults_ptr + c, mask=cmask, other=0).to(tl.uint64, bitcast=True)
-        # uint64 products and sums wrap modulo 2**64 like the CPU kernel's.
+        m2 = rmask[:, None] & (c[None, :] < dim[:, None])
+        key = _keys(sym_ptr, bits_ptr, off[:, None] + c[None, :], m2, RAW)
+        mult = tl.load(mults_ptr + c, mask=c < max_dim, other=0).to(tl.uint64, bitcast=True)
+        # uint64 products and sums wrap modulo 2**64.
         prod = (key + 1).to(tl.uint64, bitcast=True) * mult[None, :]
         h += tl.sum(tl.where(m2, prod, 0), axis=1)
     h ^= h >> 31
     h *= 0xBF58476D1CE4E5B9
     h ^= h >> 29
-    tl.store(hash_ptr + r, h.to(tl.int64, bitcast=True), mask=rmask)
+    blk = tl.load(row_blk_ptr + r, mask=rmask, other=0).to(tl.int64)
+    # 40 hash bits below the block id (< 2**23): the result stays exact on collisions.
+    out = (blk << 40) | (h >> 24).to(tl.int64, bitcast=True)
+    tl.store(hash_ptr + r, out, mask=rmask)
 
 
 @triton.jit
@@ -120,8 +150,10 @@ def _verify_kernel(
     run_ptr,
     rep_ptr,
     first_ptr,
+    row_off_ptr,
+    row_dim_ptr,
     rows,
-    dim,
+    max_dim,
     RAW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -130,17 +162,20 @@ def _verify_kernel(
     pmask = p < rows
     i = tl.load(order_ptr + p, mask=pmask, other=0)  # the row at sorted position p
     q = tl.load(run_ptr + p, mask=pmask, other=0).to(tl.int64)  # candidate sorted position
+    off_i = tl.load(row_off_ptr + i, mask=pmask, other=0)
+    dim = tl.load(row_dim_ptr + i, mask=pmask, other=0)  # a run holds rows of one block
     rep = i
     pending = pmask
     # Each lane stops at the first identical row of its run; q == p (itself) always matches.
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         r = tl.load(order_ptr + q, mask=pending, other=0)
+        off_r = tl.load(row_off_ptr + r, mask=pending, other=0)
         n_diff = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for d0 in range(0, dim, BLOCK_D):
+        for d0 in range(0, max_dim, BLOCK_D):
             c = d0 + tl.arange(0, BLOCK_D)
-            m2 = pending[:, None] & (c < dim)[None, :]
-            ki = _keys(sym_ptr, bits_ptr, i[:, None] * dim + c[None, :], m2, RAW)
-            kr = _keys(sym_ptr, bits_ptr, r[:, None] * dim + c[None, :], m2, RAW)
+            m2 = pending[:, None] & (c[None, :] < dim[:, None])
+            ki = _keys(sym_ptr, bits_ptr, off_i[:, None] + c[None, :], m2, RAW)
+            kr = _keys(sym_ptr, bits_ptr, off_r[:, None] + c[None, :], m2, RAW)
             n_diff += tl.sum((ki != kr).to(tl.int32), axis=1)
         same = pending & (n_diff == 0)
         rep = tl.where(same, r, rep)
@@ -182,16 +217,80 @@ def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tens
     if rows == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return empty, empty
+    row = torch.arange(rows, dtype=torch.int64, device=dev)
+    rep, is_first = representatives(
+        None if symbols is None else symbols.reshape(-1),
+        bits.reshape(-1),
+        row * dim,
+        torch.full((rows,), dim, dtype=torch.int32, device=dev),
+        torch.zeros(rows, dtype=torch.int32, device=dev),
+        dim,
+    )
+    block = block_for(rows, 1024)
+    flat_grid = (triton.cdiv(rows, block),)
+    rank = inclusive_scan(is_first, SCAN_SUM)
+    n_unique = int(rank[-1])
+    ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    first_rows = torch.empty(n_unique, dtype=torch.int32, device=dev)
+    _assign_kernel[flat_grid](rep, is_first, rank, ids, first_rows, rows, BLOCK=block)
+    return ids, first_rows
+
+
+def representatives(
+    symbols: torch.Tensor | None,
+    bits: torch.Tensor,
+    row_off: torch.Tensor,
+    row_dim: torch.Tensor,
+    row_blk: torch.Tensor,
+    max_dim: int,
+    mults: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first identical row in its block, for the rows of many blocks at once.
+
+    Args:
+        symbols: 1-D int16 symbols of every element (the uint16 symbols' bits), or None to
+            compare raw bits only (lossless dedupe).
+        bits: 1-D int32 raw bits of every element, same layout.
+        row_off: int64 [rows] element offset of each row.
+        row_dim: int32 [rows] elements of each row.
+        row_blk: int32 [rows] block of each row (< 2**23; rows of a block are contiguous and in
+            order).
+        max_dim: The largest ``row_dim`` (host-side).
+        mults: int64 [>= max_dim] column multipliers of the row hash on the device (from
+            :func:`column_multipliers`); None copies them there (cached per dim and device).
+
+    Returns:
+        (rep: int32 [rows], the first row of its block identical to each row (global index);
+        is_first: int32 [rows], 1 where a row is its own representative). Nothing is synced.
+    """
+    dev = bits.device
+    rows = row_off.shape[0]
+    rep = torch.empty(rows, dtype=torch.int32, device=dev)
+    is_first = torch.empty(rows, dtype=torch.int32, device=dev)
+    if rows == 0:
+        return rep, is_first
     raw = symbols is None
     bits = bits.contiguous()
     sym = bits if raw else symbols.contiguous()  # a placeholder pointer when raw
     block_r = block_for(rows, 64)
-    block_d = block_for(dim, 64)
+    block_d = block_for(max_dim, 64)
     grid = (triton.cdiv(rows, block_r),)
-    mults = _device_multipliers(dim, dev)
+    if mults is None:
+        mults = _device_multipliers(max(max_dim, 1), dev)
     hashes = torch.empty(rows, dtype=torch.int64, device=dev)
     _row_hash_kernel[grid](
-        sym, bits, mults, hashes, rows, dim, RAW=raw, BLOCK_R=block_r, BLOCK_D=block_d
+        sym,
+        bits,
+        mults,
+        hashes,
+        row_off,
+        row_dim,
+        row_blk,
+        rows,
+        max_dim,
+        RAW=raw,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
     )
     # Any total order of the hashes groups equal rows; stable keeps each group in row order.
     sorted_hashes, order = torch.sort(hashes, stable=True)
@@ -200,8 +299,6 @@ def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tens
     run_flags = torch.empty(rows, dtype=torch.int32, device=dev)
     _run_flag_kernel[flat_grid](sorted_hashes, run_flags, rows, BLOCK=block)
     run_start = inclusive_scan(run_flags, SCAN_MAX)
-    rep = torch.empty(rows, dtype=torch.int32, device=dev)
-    is_first = torch.empty(rows, dtype=torch.int32, device=dev)
     _verify_kernel[grid](
         sym,
         bits,
@@ -209,18 +306,15 @@ def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tens
         run_start,
         rep,
         is_first,
+        row_off,
+        row_dim,
         rows,
-        dim,
+        max_dim,
         RAW=raw,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
     )
-    rank = inclusive_scan(is_first, SCAN_SUM)
-    n_unique = int(rank[-1])
-    ids = torch.empty(rows, dtype=torch.int32, device=dev)
-    first_rows = torch.empty(n_unique, dtype=torch.int32, device=dev)
-    _assign_kernel[flat_grid](rep, is_first, rank, ids, first_rows, rows, BLOCK=block)
-    return ids, first_rows
+    return rep, is_first
 
 
 @triton.jit
@@ -338,3 +432,171 @@ def pack_refs(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
         BLOCK_W=block_w,
     )
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode side, batched (device decompress): the references of every LZ block in one launch.
+
+
+@triton.jit
+def _read_bits(words_ptr, n_words, pos, width, mask):
+    """``width`` (0..32) bits MSB-first at bit ``pos`` of ``n_words`` words (read_bits' twin);
+    words past the end read as 0, so nothing outside the section is touched."""
+    w = pos >> 5
+    hi = tl.load(words_ptr + w, mask=mask & (w < n_words), other=0).to(tl.int64) & 0xFFFFFFFF
+    lo = tl.load(words_ptr + w + 1, mask=mask & (w + 1 < n_words), other=0).to(tl.int64)
+    window = ((hi << 32) | (lo & 0xFFFFFFFF)).to(tl.uint64, bitcast=True)
+    window = window << (pos & 31).to(tl.uint64)
+    shift = (64 - tl.maximum(width, 1)).to(tl.uint64)  # no shift by 64 when width is 0
+    return tl.where(width > 0, (window >> shift).to(tl.int64, bitcast=True), 0)
+
+
+@triton.jit
+def _unpack_fixed(
+    words_ptr, fixed_base_ptr, fixed_blocks_ptr, ref_off_ptr, ref_words_ptr, n_unique_ptr,
+    width_ptr, id_base_ptr, ids_ptr, bad_ptr, n_fixed, n_iter, pid, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # REFS_FIXED: row r's id is at bit r * width; one lane per row of every such block.
+    g = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = g < tl.load(fixed_base_ptr + n_fixed)
+    f = find_segment(fixed_base_ptr, g, n_fixed, n_iter)
+    b = tl.load(fixed_blocks_ptr + f, mask=mask, other=0)
+    r = g - tl.load(fixed_base_ptr + f, mask=mask, other=0)
+    width = tl.load(width_ptr + b, mask=mask, other=0)
+    n_words = tl.load(ref_words_ptr + b, mask=mask, other=0)
+    pos = r * width
+    refs = words_ptr + tl.load(ref_off_ptr + b, mask=mask, other=0)
+    v = _read_bits(refs, n_words, pos, width, mask)
+    ok = (pos + width <= n_words * 32) & (v < tl.load(n_unique_ptr + b, mask=mask, other=0))
+    id_ptr = ids_ptr + tl.load(id_base_ptr + b, mask=mask, other=0) + r
+    tl.store(id_ptr, v.to(tl.int32), mask=mask)
+    tl.atomic_max(bad_ptr + b, 1, mask=mask & ~ok, sem="relaxed")
+
+
+@triton.jit
+def _unpack_flagged(
+    words_ptr, flagged_blocks_ptr, ref_off_ptr, ref_words_ptr, rows_ptr, n_unique_ptr, width_ptr,
+    id_base_ptr, ids_ptr, bad_ptr, k,
+):  # fmt: skip
+    # REFS_FLAGGED: a row's bits start where the previous row's end, so one program walks the
+    # block (unpack_refs_kernel's loop, same checks in the same order). The bits stream through
+    # a 64-bit buffer refilled a word at a time, as in the Huffman decoder, so a row costs
+    # register work and a load only every 32 bits.
+    b = tl.load(flagged_blocks_ptr + k)
+    refs = words_ptr + tl.load(ref_off_ptr + b)
+    n_words = tl.load(ref_words_ptr + b)
+    rows = tl.load(rows_ptr + b)
+    n_unique = tl.load(n_unique_ptr + b)
+    width = tl.load(width_ptr + b)
+    ids = ids_ptr + tl.load(id_base_ptr + b)
+    id_shift = (64 - tl.maximum(width, 1)).to(tl.uint64)
+    buf = tl.zeros([], dtype=tl.uint64)  # pending bits, left-aligned
+    n_buf = tl.zeros([], dtype=tl.int64)
+    w = tl.zeros([], dtype=tl.int64)
+    seen = tl.zeros([], dtype=tl.int64)
+    r = tl.zeros([], dtype=tl.int64)
+    ok = r == 0
+    while (r < rows) & ok:
+        while (n_buf <= 32) & (w < n_words):
+            word = tl.load(refs + w).to(tl.uint32, bitcast=True).to(tl.uint64)
+            buf |= word << (32 - n_buf).to(tl.uint64)
+            n_buf += 32
+            w += 1
+        first = (buf >> 63) == 1
+        repeat = tl.where(width > 0, ((buf << 1) >> id_shift).to(tl.int64), 0)
+        v = tl.where(first, seen, repeat)
+        used = tl.where(first, 1, 1 + width)  # the buffer holds every bit left when < 33
+        ok = (used <= n_buf) & (v < n_unique)
+        tl.store(ids + r, v.to(tl.int32), mask=ok)
+        seen += (first & ok).to(tl.int64)
+        buf = buf << tl.minimum(used, 63).to(tl.uint64)
+        n_buf -= used
+        r += 1
+    tl.atomic_max(bad_ptr + b, 1, mask=~ok | (seen != n_unique), sem="relaxed")
+
+
+@triton.jit
+def _unpack_refs_blocks_kernel(
+    words_ptr,
+    fixed_base_ptr,
+    fixed_blocks_ptr,
+    flagged_blocks_ptr,
+    ref_off_ptr,
+    ref_words_ptr,
+    rows_ptr,
+    n_unique_ptr,
+    width_ptr,
+    id_base_ptr,
+    ids_ptr,
+    bad_ptr,
+    n_fixed,
+    n_iter,
+    n_fixed_programs,
+    BLOCK: tl.constexpr,
+):
+    # Programs [0, n_fixed_programs) take the fixed-width rows, the rest one flagged block each.
+    pid = tl.program_id(0)
+    if pid < n_fixed_programs:
+        _unpack_fixed(
+            words_ptr, fixed_base_ptr, fixed_blocks_ptr, ref_off_ptr, ref_words_ptr,
+            n_unique_ptr, width_ptr, id_base_ptr, ids_ptr, bad_ptr, n_fixed, n_iter, pid, BLOCK,
+        )  # fmt: skip
+    else:
+        _unpack_flagged(
+            words_ptr, flagged_blocks_ptr, ref_off_ptr, ref_words_ptr, rows_ptr, n_unique_ptr,
+            width_ptr, id_base_ptr, ids_ptr, bad_ptr, pid - n_fixed_programs,
+        )  # fmt: skip
+
+
+def unpack_refs_blocks(
+    words: torch.Tensor,
+    fixed_base: torch.Tensor,
+    fixed_blocks: torch.Tensor,
+    flagged_blocks: torch.Tensor,
+    ref_off: torch.Tensor,
+    ref_words: torch.Tensor,
+    rows: torch.Tensor,
+    n_unique: torch.Tensor,
+    width: torch.Tensor,
+    id_base: torch.Tensor,
+    bad: torch.Tensor,
+    n_ids: int,
+    n_fixed_rows: int,
+) -> torch.Tensor:
+    """Unpacks and validates the references of many blocks in one launch, no sync.
+
+    Fixed-width blocks get one lane per row; each flagged block gets one program that walks its
+    rows (the flags make every row's position depend on the rows before it).
+
+    Args:
+        words: int32 payload words; offsets index them.
+        fixed_base: int64 [n_fixed + 1] first global row of each REFS_FIXED block.
+        fixed_blocks: int64 [n_fixed] block index of each REFS_FIXED block.
+        flagged_blocks: int64 [n_flagged] block index of each REFS_FLAGGED block.
+        ref_off: int64 [n_blocks] word offset of each block's references.
+        ref_words: int64 [n_blocks] words of each block's references.
+        rows: int64 [n_blocks] rows of each block.
+        n_unique: int64 [n_blocks] distinct vectors of each block.
+        width: int64 [n_blocks] bits per id (``ref_width(n_unique)``, checked by the caller).
+        id_base: int64 [n_blocks] where each block's ids start in the output.
+        bad: int64 [n_blocks] output, zeroed: 1 where ``unpack_refs_kernel`` would fail (an id
+            out of range, bits running out, or a flagged block introducing a wrong number of
+            vectors).
+        n_ids: Total rows of the LZ blocks (the output's length).
+        n_fixed_rows: Total rows of the REFS_FIXED blocks (``fixed_base[-1]``).
+
+    Returns:
+        int32 [n_ids] vector id of every row (unspecified where ``bad``).
+    """
+    ids = torch.empty(n_ids, dtype=torch.int32, device=words.device)
+    n_fixed = fixed_blocks.shape[0]
+    block = 1024
+    n_fixed_programs = triton.cdiv(n_fixed_rows, block)
+    grid = n_fixed_programs + flagged_blocks.shape[0]
+    if grid:
+        _unpack_refs_blocks_kernel[(grid,)](
+            words, fixed_base, fixed_blocks, flagged_blocks, ref_off, ref_words, rows, n_unique,
+            width, id_base, ids, bad, n_fixed, max(n_fixed, 1).bit_length(), n_fixed_programs,
+            BLOCK=block,
+        )  # fmt: skip
+    return ids

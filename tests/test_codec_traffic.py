@@ -10,7 +10,7 @@ from torchrec_lossy.traffic import (
     DEFAULT_CRITEO_SAMPLE,
     TrafficSpec,
     make_blocks,
-    paper_class_bounds,
+    paper_traffic,
     relative_to_absolute_bounds,
 )
 
@@ -18,8 +18,7 @@ TARGET_RATIO = 18.0  # the project's target on realistic traffic (total raw / to
 
 
 def _check(spec: TrafficSpec) -> float:
-    blocks = make_blocks(spec)
-    bounds = relative_to_absolute_bounds(blocks, paper_class_bounds(spec.preset))
+    blocks, bounds = paper_traffic(spec)
     payload, stats = compress_with_stats(blocks, bounds)
     assert payload.numel() == 32 + sum(s.wire_bytes for s in stats)
     out = decompress(payload)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -511,16 +512,10 @@ def test_corrupt_payloads_fail_alike(
 
 @pytest.mark.slow
 def test_payload_realistic_traffic(monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps) -> None:
-    from torchrec_lossy.traffic import (
-        TrafficSpec,
-        make_blocks,
-        paper_class_bounds,
-        relative_to_absolute_bounds,
-    )
+    from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
     spec = TrafficSpec(batch_rows=128)
-    blocks = make_blocks(spec)
-    bounds = relative_to_absolute_bounds(blocks, paper_class_bounds(spec.preset))
+    blocks, bounds = paper_traffic(spec)
     _assert_same_payloads(monkeypatch, triton_ops, blocks, bounds, CodecConfig())
 
 
@@ -557,10 +552,9 @@ def test_kernels_compile_for_h100() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_triton_ops_imports_without_triton() -> None:
+def test_triton_ops_imports_without_triton(run_without_triton: Callable[[str], str]) -> None:
     """The module imports with triton unimportable; using it raises a clear error."""
-    code = (
-        "import sys; sys.modules['triton'] = None\n"
+    out = run_without_triton(
         "from torchrec_lossy.codec.triton_ops import TritonOps\n"
         "import numpy as np\n"
         "try:\n"
@@ -568,11 +562,7 @@ def test_triton_ops_imports_without_triton() -> None:
         "except RuntimeError as e:\n"
         "    print('ERR', e)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    )
-    assert "ERR TritonOps needs the triton package" in res.stdout, res.stdout + res.stderr
+    assert "ERR TritonOps needs the triton package" in out, out
 
 
 def test_histogram_alphabet() -> None:

@@ -54,11 +54,13 @@ class CodecConfig:
         enable_quantization: Allow the quantize stage. Off: blocks travel raw (or deduplicated
             raw), i.e. losslessly.
         enable_lz: Allow the vector-LZ stage (whole repeated vectors sent once).
-        backend: ``"auto"`` / ``"cpu"``: the compiled (numba) CPU path; CUDA tensors are
-            staged through host memory. ``"triton"``: the Triton kernels of every stage (on CUDA,
-            or on CPU under ``TRITON_INTERPRET=1``), still orchestrated from the host, see
-            docs/kernels.md. ``"reference"``: the plain torch twins of every stage (the test
-            oracle; slow). All produce byte-identical payloads.
+        backend: ``"auto"``: CUDA tensors run device-resident through the Triton kernels
+            (all blocks at once, one host sync per compress; docs/kernels.md) when triton is
+            installed, CPU tensors through the compiled (numba) CPU path. ``"cpu"``: always the
+            CPU path (CUDA tensors staged through host memory). ``"triton"``: always the
+            device-resident Triton path (on CPU tensors under ``TRITON_INTERPRET=1``: slow, for
+            tests). ``"reference"``: the plain torch twins of every stage (the test oracle;
+            slow). All produce byte-identical payloads and decode every payload.
     """
 
     huffman_chunk_symbols: int = 2048

@@ -540,3 +540,16 @@ def paper_class_bounds(
         tight if c >= TIGHT_MIN_ROWS else loose if c < LOOSE_MAX_ROWS else base
         for c in table_cardinalities(preset)
     ]
+
+
+def paper_traffic(spec: TrafficSpec) -> tuple[list[torch.Tensor], list[float]]:
+    """The blocks of ``spec`` and their absolute bounds at the paper's class bounds.
+
+    Args:
+        spec: Traffic to generate.
+
+    Returns:
+        (one block per table, one absolute bound per block).
+    """
+    blocks = make_blocks(spec)
+    return blocks, relative_to_absolute_bounds(blocks, paper_class_bounds(spec.preset))

@@ -45,7 +45,7 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.triton_ops import TritonOps
+from torchrec_lossy.codec.triton_ops import TritonOps, _load_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
 
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
@@ -267,9 +267,22 @@ _OPS: dict[str, StageOps] = {
 }
 
 
+def _on_device(device: torch.device, backend: str) -> bool:
+    """Whether compress / decompress run device-resident (``device_compress`` /
+    ``device_decompress``) rather than stage by stage.
+
+    CUDA tensors do with ``"auto"`` (when triton is installed; without it they are staged
+    through the host path) and ``"triton"``; CPU tensors only with ``"triton"`` (the Triton
+    interpreter: slow, for tests).
+    """
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and triton_available()
+
+
 def _ops_for(backend: str) -> StageOps:
-    # "auto" is the compiled CPU path: the Triton stages are still orchestrated from the host
-    # (a round trip per stage), so they do not pay off yet; see docs/kernels.md.
+    # Stage-by-stage ops (CPU blocks and payloads): "auto" is the compiled CPU path; CUDA
+    # blocks and payloads go device-resident instead (_on_device, docs/kernels.md).
     return _OPS["cpu" if backend == "auto" else backend]
 
 
@@ -533,6 +546,11 @@ def compress_with_stats(
     """
     config = config or CodecConfig()
     bounds, device = _validate_inputs(blocks, error_bounds)
+    if _on_device(device, config.backend):
+        _load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
+        from torchrec_lossy.codec.device_compress import compress_device
+
+        return compress_device(blocks, bounds, config)
     ops = _ops_for(config.backend)
     with record_function("## lossy_codec encode ##"):
         encoded = [
@@ -700,12 +718,93 @@ def _decode_block(
     return to_tensor(out_bits)
 
 
+def _check_payload(payload: object) -> None:
+    """Raises CodecError unless ``payload`` is a 1-D uint8 tensor."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise CodecError(
+            f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
+            + (
+                f" {payload.dtype} {tuple(payload.shape)}"
+                if isinstance(payload, torch.Tensor)
+                else ""
+            )
+        )
+
+
+def _parse_header(buf: np.ndarray, max_elements: int) -> tuple[np.ndarray, list[tuple], np.ndarray]:
+    """Validates a payload's header and descriptors (everything before the segments).
+
+    Shared by the CPU decoder and ``device_decompress``, so both reject alike.
+
+    Args:
+        buf: The payload's bytes (1-D uint8, on the host).
+        max_elements: Refuse payloads that decode to more elements than this in total.
+
+    Returns:
+        (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
+        seg_words, bound), word offset of each segment in the body plus the body's end).
+
+    Raises:
+        CodecError: Anything wrong before the segments.
+    """
+    n = buf.shape[0]
+    if n < HEADER.itemsize:
+        raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
+    header = buf[: HEADER.itemsize].view(HEADER)[0]
+    if int(header["magic"]) != MAGIC:
+        raise CodecError(
+            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
+            f"expected 0x{MAGIC:08x}"
+        )
+    if int(header["version"]) != VERSION:
+        raise CodecError(
+            f"payload format version {int(header['version'])} is not supported "
+            f"(this build reads version {VERSION})"
+        )
+    body_words = int(header["body_words"])
+    if n != HEADER.itemsize + 4 * body_words:
+        raise CodecError(
+            f"truncated or padded payload: {n} bytes, the header says "
+            f"{HEADER.itemsize + 4 * body_words}"
+        )
+    body = buf[HEADER.itemsize :].view(np.uint32)
+    if int(checksum_words(body)) != int(header["checksum"]):
+        raise CodecError("corrupt payload: checksum mismatch")
+    n_blocks = int(header["n_blocks"])
+    if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
+        raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
+    desc_words = n_blocks * DESCRIPTOR.itemsize // 4
+    descs = body[:desc_words].view(DESCRIPTOR)
+    seg_words = descs["seg_words"].astype(np.int64)
+    if int(seg_words.sum()) != body.shape[0] - desc_words:
+        raise CodecError("corrupt payload: segment lengths do not add up to the body")
+    desc_fields = [d.item() for d in descs]
+    for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
+        if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
+            raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
+    # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
+    total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
+    if total > max_elements:
+        raise CodecError(
+            f"payload decodes to {total} elements, more than max_elements={max_elements}: "
+            "pass a larger max_elements if it is trusted"
+        )
+    offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
+    return body, desc_fields, offsets
+
+
 def decompress(
     payload: torch.Tensor,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     backend: Backend = "auto",
 ) -> list[torch.Tensor]:
     """Decodes a payload made by :func:`compress`.
+
+    A CUDA payload (backend ``"auto"`` with triton installed, or ``"triton"``) and a CPU payload
+    with backend ``"triton"`` are decoded on their device by
+    :func:`torchrec_lossy.codec.device_decompress.decompress_device` (all blocks at once, two
+    host syncs); everything else by the host path below. Both give the same bits and the same
+    errors.
 
     Args:
         payload: 1-D uint8 tensor.
@@ -720,62 +819,16 @@ def decompress(
         CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
     """
     CodecConfig(backend=backend)  # validates the backend name
-    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise CodecError(
-            f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
-            + (
-                f" {payload.dtype} {tuple(payload.shape)}"
-                if isinstance(payload, torch.Tensor)
-                else ""
-            )
-        )
+    _check_payload(payload)
+    if _on_device(payload.device, backend):
+        from torchrec_lossy.codec.device_decompress import decompress_device
+
+        return decompress_device(payload, max_elements)
     device = payload.device
     buf = payload.detach().cpu().contiguous().numpy()
     with record_function("## lossy_codec decode ##"):
-        n = buf.shape[0]
-        if n < HEADER.itemsize:
-            raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
-        header = buf[: HEADER.itemsize].view(HEADER)[0]
-        if int(header["magic"]) != MAGIC:
-            raise CodecError(
-                f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
-                f"expected 0x{MAGIC:08x}"
-            )
-        if int(header["version"]) != VERSION:
-            raise CodecError(
-                f"payload format version {int(header['version'])} is not supported "
-                f"(this build reads version {VERSION})"
-            )
-        body_words = int(header["body_words"])
-        if n != HEADER.itemsize + 4 * body_words:
-            raise CodecError(
-                f"truncated or padded payload: {n} bytes, the header says "
-                f"{HEADER.itemsize + 4 * body_words}"
-            )
-        body = buf[HEADER.itemsize :].view(np.uint32)
-        if int(checksum_words(body)) != int(header["checksum"]):
-            raise CodecError("corrupt payload: checksum mismatch")
-        n_blocks = int(header["n_blocks"])
-        if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
-            raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
-        desc_words = n_blocks * DESCRIPTOR.itemsize // 4
-        descs = body[:desc_words].view(DESCRIPTOR)
-        seg_words = descs["seg_words"].astype(np.int64)
-        if int(seg_words.sum()) != body.shape[0] - desc_words:
-            raise CodecError("corrupt payload: segment lengths do not add up to the body")
-        desc_fields = [d.item() for d in descs]
-        for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
-            if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
-                raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
-        # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
-        total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
-        if total > max_elements:
-            raise CodecError(
-                f"payload decodes to {total} elements, more than max_elements={max_elements}: "
-                "pass a larger max_elements if it is trusted"
-            )
+        body, desc_fields, offsets = _parse_header(buf, max_elements)
         ops = _ops_for(backend)
-        offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
         out = [
             _decode_block(
                 body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[dtype_code], mode, i, ops

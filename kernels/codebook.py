@@ -1,0 +1,298 @@
+"""Huffman codebooks on the device: code lengths and canonical codes for many histograms at once.
+
+:func:`code_lengths` returns, for every row of a ``[n, ALPHABET_SIZE]`` histogram, exactly what
+``torchrec_lossy.codec.huffman.code_lengths_kernel`` returns for it (same two-queue construction,
+same tie-breaking, same JPEG Annex K.3 length limiting):
+
+1. ``torch.sort`` of ``count * ALPHABET_SIZE + symbol`` per row (unused symbols last) orders the
+   leaves by (count, symbol), as the CPU kernel's stable argsort does.
+2. ``_code_lengths_kernel``, one program per histogram: the two-queue merge and the depth walk
+   are sequential (scalar loops over the used symbols); the leaf depths are histogrammed into
+   ``bl_count`` and the JPEG limiting loop runs on it. Output: ``bl_count[1..12]``.
+3. torch: the k-th most frequent leaf gets the length whose cumulative count first exceeds k.
+
+:func:`canonical_codes` is vectorised torch (a sort by (length, symbol) and a scan of
+``bl_count``), the twin of ``canonical_codes_kernel``.
+
+Scalar loops re-read what they stored: the kernel runs on one warp and puts a
+``tl.debug_barrier()`` between a store and a later load of the same address (a scalar store is
+issued by one thread).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
+
+_ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
+_MAX_LEN: tl.constexpr = tl.constexpr(MAX_CODE_LENGTH)
+_DEPTH_BLOCK = 1024
+
+
+@triton.jit
+def _pick(w, next_leaf, next_internal, m, n_nodes):
+    """The lighter queue head (a leaf on a tie, as the CPU kernel): (node, its weight, the
+    advanced queue positions)."""
+    wl = tl.load(w + next_leaf, mask=next_leaf < m, other=0)
+    wi = tl.load(w + next_internal, mask=next_internal < n_nodes, other=0)
+    leaf = (next_leaf < m) & ((next_internal >= n_nodes) | (wl <= wi))
+    node = tl.where(leaf, next_leaf, next_internal)
+    weight = tl.where(leaf, wl, wi)
+    return node, weight, next_leaf + leaf.to(tl.int64), next_internal + 1 - leaf.to(tl.int64)
+
+
+@triton.jit
+def _code_lengths_kernel(
+    m_ptr, weight_ptr, parent_ptr, depth_ptr, blc_ptr, out_ptr, BLOCK: tl.constexpr
+):
+    h = tl.program_id(0).to(tl.int64)
+    m = tl.load(m_ptr + h).to(tl.int64)
+    w = weight_ptr + h * (2 * _ALPHABET)  # leaves' counts at [0, m) (sorted), internal after
+    par = parent_ptr + h * (2 * _ALPHABET)
+    dep = depth_ptr + h * (2 * _ALPHABET)
+    blc = blc_ptr + h * _ALPHABET
+    # Two queues: leaves (sorted by count, symbol) and internal nodes (created in weight order).
+    next_leaf = tl.zeros([], dtype=tl.int64)
+    next_internal = m
+    n_nodes = m
+    for _ in range(1, m):
+        a, wa, next_leaf, next_internal = _pick(w, next_leaf, next_internal, m, n_nodes)
+        b, wb, next_leaf, next_internal = _pick(w, next_leaf, next_internal, m, n_nodes)
+        tl.store(w + n_nodes, wa + wb)
+        tl.store(par + a, n_nodes)
+        tl.store(par + b, n_nodes)
+        n_nodes += 1
+        tl.debug_barrier()
+    # Depths, root first: every node's parent was created after it.
+    for k in range(3, 2 * m + 1):  # node 2m - 2, the root, keeps depth 0
+        node = 2 * m - k
+        tl.store(dep + node, tl.load(dep + tl.load(par + node)) + 1)
+        tl.debug_barrier()
+    # bl_count over the leaves' depths (a single symbol gets length 1).
+    counts = tl.zeros([_ALPHABET], dtype=tl.int32)
+    max_depth = tl.zeros([], dtype=tl.int64)
+    for start in range(0, m, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < m
+        d = tl.load(dep + idx, mask=mask, other=0)
+        d = tl.where(m == 1, 1, d)
+        counts += tl.histogram(d.to(tl.int32), _ALPHABET, mask=mask).to(tl.int32)
+        max_depth = tl.maximum(max_depth, tl.max(tl.where(mask, d, 0), axis=0))
+    tl.store(blc + tl.arange(0, _ALPHABET), counts)
+    tl.debug_barrier()
+    # JPEG Annex K.3: move pairs of too-deep leaves up, splitting a shallower leaf each time.
+    i = max_depth
+    while i > _MAX_LEN:
+        ci = tl.load(blc + i)
+        if ci > 0:
+            j = i - 2
+            cj = tl.load(blc + j)
+            while cj == 0:
+                j -= 1
+                cj = tl.load(blc + j)
+            tl.store(blc + i, ci - 2)
+            tl.debug_barrier()
+            tl.store(blc + i - 1, tl.load(blc + i - 1) + 1)
+            tl.debug_barrier()
+            tl.store(blc + j + 1, tl.load(blc + j + 1) + 2)
+            tl.debug_barrier()
+            tl.store(blc + j, tl.load(blc + j) - 1)
+            tl.debug_barrier()
+        i = tl.where(ci > 0, i, i - 1)
+    lens = tl.arange(0, 16)
+    tl.store(
+        out_ptr + h * 16 + lens,
+        tl.load(blc + lens, mask=(lens >= 1) & (lens <= _MAX_LEN), other=0),
+    )
+
+
+def code_lengths(hist: torch.Tensor) -> torch.Tensor:
+    """Length-limited Huffman code lengths of many histograms, like ``code_lengths_kernel``.
+
+    Args:
+        hist: int32 / int64 [n, ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        int32 [n, ALPHABET_SIZE] code lengths (0 = unused symbol), on the histograms' device.
+        Nothing is synced.
+    """
+    n = hist.shape[0]
+    dev = hist.device
+    hist = hist.to(torch.int64)
+    used = hist > 0
+    symbols = torch.arange(ALPHABET_SIZE, device=dev)
+    # (count, symbol) order, the CPU kernel's stable argsort of the used symbols' counts.
+    key = torch.where(used, hist * ALPHABET_SIZE + symbols, torch.iinfo(torch.int64).max)
+    key, _ = torch.sort(key, dim=1)
+    m = used.sum(dim=1)
+    leaves = key % ALPHABET_SIZE
+    weight = torch.zeros(n, 2 * ALPHABET_SIZE, dtype=torch.int64, device=dev)
+    weight[:, :ALPHABET_SIZE] = key // ALPHABET_SIZE
+    parent = torch.zeros_like(weight)
+    depth = torch.zeros_like(weight)
+    scratch = torch.zeros(n, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    bl_count = torch.zeros(n, 16, dtype=torch.int32, device=dev)
+    if n:
+        _code_lengths_kernel[(n,)](
+            m, weight, parent, depth, scratch, bl_count, BLOCK=_DEPTH_BLOCK, num_warps=1
+        )
+    # Shortest codes to the most frequent leaves: leaf k (ascending count) is the
+    # (m - 1 - k)-th most frequent and gets the first length whose cumulative count exceeds that.
+    cum = torch.cumsum(bl_count[:, 1 : MAX_CODE_LENGTH + 1].to(torch.int64), dim=1)
+    rank = (m[:, None] - 1 - symbols[None, :]).clamp(min=0).contiguous()
+    length = 1 + torch.searchsorted(cum, rank, right=True)
+    valid = symbols[None, :] < m[:, None]
+    out = torch.zeros(n, ALPHABET_SIZE + 1, dtype=torch.int32, device=dev)
+    out.scatter_(
+        1, torch.where(valid, leaves, ALPHABET_SIZE), torch.where(valid, length, 0).to(torch.int32)
+    )
+    return out[:, :ALPHABET_SIZE].contiguous()
+
+
+def canonical_codes(lengths: torch.Tensor) -> torch.Tensor:
+    """Canonical codes of many code-length tables, like ``canonical_codes_kernel``.
+
+    Args:
+        lengths: int32 [n, ALPHABET_SIZE] code lengths (<= MAX_CODE_LENGTH).
+
+    Returns:
+        int64 [n, ALPHABET_SIZE] codes, right-aligned in ``lengths`` bits (0 where unused).
+    """
+    n = lengths.shape[0]
+    dev = lengths.device
+    lengths = lengths.to(torch.int64)
+    n_len = MAX_CODE_LENGTH + 1
+    bl_count = torch.zeros(n, n_len, dtype=torch.int64, device=dev)
+    bl_count.scatter_add_(1, lengths, torch.ones_like(lengths))
+    bl_count[:, 0] = 0
+    # next_code[L] = (next_code[L-1] + bl_count[L-1]) << 1 = sum_{l < L} bl_count[l] << (L - l).
+    ls = torch.arange(n_len, device=dev)
+    weights = torch.where(
+        ls[:, None] < ls[None, :], 1 << (ls[None, :] - ls[:, None]).clamp(min=0), 0
+    )
+    first_code = (bl_count[:, :, None] * weights[None]).sum(dim=1)
+    # Position of each symbol in (length, symbol) order, minus where its length starts.
+    symbols = torch.arange(ALPHABET_SIZE, device=dev)
+    order = torch.argsort(lengths * ALPHABET_SIZE + symbols, dim=1)
+    starts = torch.cumsum(bl_count, dim=1) - bl_count + (lengths == 0).sum(dim=1, keepdim=True)
+    starts[:, 0] = 0
+    pos = torch.empty_like(order)
+    pos.scatter_(1, order, symbols.expand(n, -1).contiguous())
+    codes = first_code.gather(1, lengths) + pos - starts.gather(1, lengths)
+    return torch.where(lengths > 0, codes, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode side: one-lookup decode tables straight from the wire codebooks (device decompress).
+
+
+@triton.jit
+def _decode_table_kernel(
+    words_ptr,
+    blocks_ptr,
+    cb_off_ptr,
+    lo_ptr,
+    count_ptr,
+    esc_len_ptr,
+    sorted_ptr,
+    table_ptr,
+    bad_ptr,
+):
+    # One program per codebook. Canonical codes ordered by (length, symbol) tile the 12-bit
+    # index space in that order, so entry t belongs to the k-th code of the length class whose
+    # span holds t: the class is found by comparing t with the 12 class bases, the symbol by
+    # its position in (length, symbol) order (scattered to `sorted` first).
+    q = tl.program_id(0).to(tl.int64)
+    b = tl.load(blocks_ptr + q)
+    off = tl.load(cb_off_ptr + b)
+    lo = tl.load(lo_ptr + b).to(tl.int32)
+    count = tl.load(count_ptr + b).to(tl.int32)
+    esc_len = tl.load(esc_len_ptr + b).to(tl.int32)
+    s = tl.arange(0, _ALPHABET)
+    # Wire codebook: lengths of symbols lo .. lo + count - 1, 4 bits each, low nibble first,
+    # i.e. nibble k is bits 4 * (k % 8) of little-endian word k // 8.
+    k = s - lo
+    in_book = (k >= 0) & (k < count)
+    word = tl.load(words_ptr + off + (k >> 3), mask=in_book, other=0)
+    length = tl.where(in_book, (word >> (4 * (k & 7))) & 0xF, 0)
+    length = tl.where(s == _ALPHABET - 1, esc_len, length)
+    pos = tl.zeros([_ALPHABET], dtype=tl.int32)
+    before = tl.zeros([], dtype=tl.int32)
+    kraft = tl.zeros([], dtype=tl.int32)  # in units of 2**-12
+    for n_bits in tl.static_range(1, _MAX_LEN + 1):
+        in_class = length == n_bits
+        pos = tl.where(in_class, before + tl.cumsum(in_class.to(tl.int32), axis=0) - 1, pos)
+        n_codes = tl.sum(in_class.to(tl.int32), axis=0)
+        before += n_codes
+        kraft += n_codes << (_MAX_LEN - n_bits)
+    bad = (tl.max(length, axis=0) > _MAX_LEN) | (kraft > _ALPHABET)
+    srt = sorted_ptr + q * _ALPHABET
+    tl.store(srt + pos, s, mask=(length > 0) & ~bad)
+    tl.debug_barrier()  # the scatter above is read back by other threads below
+    cls = tl.zeros([_ALPHABET], dtype=tl.int32)
+    cls_base = tl.zeros([_ALPHABET], dtype=tl.int32)
+    cls_first = tl.zeros([_ALPHABET], dtype=tl.int32)
+    cls_unit = tl.full([_ALPHABET], 1, tl.int32)  # entries per code of the class
+    base = tl.zeros([], dtype=tl.int32)
+    first = tl.zeros([], dtype=tl.int32)
+    for n_bits in tl.static_range(1, _MAX_LEN + 1):
+        n_codes = tl.sum((length == n_bits).to(tl.int32), axis=0)
+        span = n_codes << (_MAX_LEN - n_bits)
+        inside = (s >= base) & (s < base + span)
+        cls = tl.where(inside, n_bits, cls)
+        cls_base = tl.where(inside, base, cls_base)
+        cls_first = tl.where(inside, first, cls_first)
+        cls_unit = tl.where(inside, _ALPHABET >> n_bits, cls_unit)
+        base += span
+        first += n_codes
+    valid = (cls > 0) & ~bad
+    p = cls_first + (s - cls_base) // cls_unit  # the k-th code of its class
+    sym = tl.load(srt + p, mask=valid, other=0)
+    tl.store(table_ptr + q * _ALPHABET + s, tl.where(valid, sym | (cls << 16), -1))
+    tl.store(bad_ptr + b, bad.to(tl.int64))
+
+
+def decode_tables(
+    words: torch.Tensor,
+    blocks: torch.Tensor,
+    cb_off: torch.Tensor,
+    sym_lo: torch.Tensor,
+    sym_count: torch.Tensor,
+    escape_length: torch.Tensor,
+    bad: torch.Tensor,
+) -> torch.Tensor:
+    """12-bit one-lookup decode tables of many wire codebooks, in one launch.
+
+    Table ``q`` is ``huffman.decode_table_kernel`` of block ``blocks[q]``'s code lengths,
+    widened to ``2**MAX_CODE_LENGTH`` entries (each entry of a ``peek``-bit table repeated
+    ``2**(12 - peek)`` times): ``symbol | length << 16``, -1 for bit patterns no code starts
+    with. Nothing is synced.
+
+    Args:
+        words: int32 words holding the codebooks (the payload).
+        blocks: int64 [n] block index of each table.
+        cb_off: int64 [n_blocks] word offset of each block's codebook in ``words``.
+        sym_lo: int64 [n_blocks] first value symbol of each codebook.
+        sym_count: int64 [n_blocks] value symbols in each codebook (``sym_lo + sym_count <=
+            4095``, checked by the caller).
+        escape_length: int64 [n_blocks] code length of the escape symbol (<= 12, checked by
+            the caller).
+        bad: int64 [n_blocks] output: 1 where a length exceeds 12 or the Kraft sum exceeds 1
+            (``DECODE_BAD_CODEBOOK``; that table is all -1), else 0. Only ``blocks`` are written.
+
+    Returns:
+        int32 [n, ALPHABET_SIZE] tables on the words' device.
+    """
+    n = blocks.shape[0]
+    dev = words.device
+    tables = torch.empty(n, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    if n:
+        scratch = torch.empty(n, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+        _decode_table_kernel[(n,)](
+            words, blocks, cb_off, sym_lo, sym_count, escape_length, scratch, tables, bad,
+            num_warps=8,
+        )  # fmt: skip
+    return tables

@@ -1,0 +1,334 @@
+"""The device-resident, batched compress against the CPU path: same bytes, same stats, one sync.
+
+Without a CUDA device the kernels run on CPU tensors in the Triton interpreter (conftest.py and
+the line below switch it on before triton is imported). Sizes are small; larger cases carry
+``@pytest.mark.slow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+from test_kernels import DTYPES, SPECIALS, bound_for, make_block
+from torchrec_lossy.kernels import codebook
+
+from torchrec_lossy.codec import device_compress, huffman, pipeline
+from torchrec_lossy.config import CodecConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REPO = Path(__file__).resolve().parents[1]
+BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
+
+
+def _blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
+    """Odd shapes (0, 1, 7 and 33 rows; dims 1, 3 and 16) in every dtype, one payload."""
+    blocks = [
+        make_block(rows, dim, dtype, kind, seed=100 * rows + 10 * dim + i)
+        for rows in (0, 1, 7, 33)
+        for dim in (1, 3, 16)
+        for i, dtype in enumerate(DTYPES)
+    ]
+    return blocks, [bound_for(b, bound_kind) for b in blocks]
+
+
+def _check(
+    blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig
+) -> list[pipeline.BlockStats]:
+    """compress_device's payload and stats equal the CPU backend's; returns the stats."""
+    want, want_stats = pipeline.compress_with_stats(
+        blocks, bounds, dataclasses.replace(config, backend="cpu")
+    )
+    got, got_stats = device_compress.compress_device([b.to(DEVICE) for b in blocks], bounds, config)
+    assert got.device.type == DEVICE.type and got.dtype == torch.uint8
+    assert torch.equal(got.cpu(), want), "payload bytes differ"
+    assert got_stats == want_stats
+    return got_stats
+
+
+# ------------------------------------------------------------------------------------------------
+# Codebook kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def _histograms() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    fib = [1, 1]
+    for _ in range(40):
+        fib.append(fib[-1] + fib[-2])
+    out = []
+    for kind in range(10):
+        h = np.zeros(huffman.ALPHABET_SIZE, np.int64)
+        if kind == 1:
+            h[17] = 5  # one symbol: length 1
+        elif kind == 2:
+            h[[3, huffman.ESCAPE_SYMBOL]] = 1
+        elif kind == 3:
+            h[:40] = rng.integers(1, 5, 40)  # many ties
+        elif kind == 4:
+            h[:30] = 2 ** np.arange(30)  # a 29-deep tree: JPEG length limiting
+        elif kind == 5:
+            h[100:142] = fib  # the deepest tree 42 symbols make
+        elif kind == 6:
+            h[rng.choice(4095, 120, replace=False)] = rng.integers(1, 3, 120)
+            h[huffman.ESCAPE_SYMBOL] = 9
+        elif kind >= 7:
+            h[2000 : 2000 + 8 * kind] = np.exp(rng.normal(0, 4, 8 * kind)).astype(np.int64) + 1
+        out.append(h)
+    return out
+
+
+def test_code_lengths_and_codes_match_cpu() -> None:
+    hists = _histograms()
+    lengths = codebook.code_lengths(torch.from_numpy(np.stack(hists)).to(DEVICE))
+    codes = codebook.canonical_codes(lengths)
+    assert max(int(huffman.code_lengths_kernel(h).max()) for h in hists) == 12
+    for i, h in enumerate(hists):
+        want = huffman.code_lengths_kernel(h)
+        np.testing.assert_array_equal(lengths[i].cpu().numpy(), want, err_msg=f"hist {i}")
+        np.testing.assert_array_equal(
+            codes[i].cpu().numpy(), huffman.canonical_codes_kernel(want).astype(np.int64)
+        )
+
+
+def test_code_lengths_of_no_histogram() -> None:
+    empty = torch.zeros(0, huffman.ALPHABET_SIZE, dtype=torch.int64, device=DEVICE)
+    assert codebook.code_lengths(empty).shape == (0, huffman.ALPHABET_SIZE)
+
+
+# ------------------------------------------------------------------------------------------------
+# Payloads
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "bound_kind"),
+    [
+        ("adversarial", "rel0.01"),
+        ("adversarial", "zero"),
+        ("repeat", "rel0.05"),
+        ("repeat", "huge"),
+    ],
+)
+def test_payload_byte_identical(kind: str, bound_kind: str) -> None:
+    blocks, bounds = _blocks(kind, bound_kind)
+    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound_kind", BOUND_KINDS)
+@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
+def test_payload_byte_identical_all_bounds(kind: str, bound_kind: str) -> None:
+    blocks, bounds = _blocks(kind, bound_kind)
+    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+
+
+def test_every_mode_and_config() -> None:
+    """One payload mixing every mode; the same blocks without LZ, without quantization, and with
+    a chunk size that is not a power of two."""
+    blocks = [
+        make_block(40, 8, torch.float32, "repeat", seed=1),  # quant+lz
+        make_block(40, 8, torch.float16, "mild", seed=2),  # quant
+        make_block(40, 8, torch.bfloat16, "repeat", seed=3),  # lz (bound 0)
+        make_block(5, 3, torch.float32, "adversarial", seed=4),  # raw
+        make_block(0, 4, torch.float16, "repeat", seed=5),  # empty
+        torch.zeros(3, 0),  # zero-width
+    ]
+    bounds = [bound_for(blocks[0], "rel0.05"), bound_for(blocks[1], "rel0.01"), 0.0, 0.0, 0.1, 0.1]
+    stats = _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    assert [s.mode for s in stats[:4]] == ["quant+lz", "quant", "lz", "raw"]
+    for config in (
+        CodecConfig(huffman_chunk_symbols=96, enable_lz=False),
+        CodecConfig(huffman_chunk_symbols=64, enable_quantization=False),
+    ):
+        _check(blocks, bounds, config)
+
+
+def test_quantization_parameters_edge_cases() -> None:
+    """The median rule (an outlier stretches the range), blocks without a finite value, a step
+    too small for float32 and a center too far from 0."""
+    gen = torch.Generator().manual_seed(0)
+    outlier = torch.randn(16, 4, generator=gen) * 0.01
+    outlier[3, 1] = 1e6  # range >> the alphabet: centered on the median
+    even = torch.randn(8, 4, generator=gen) * 0.01  # even count of finite values
+    even[0, 0] = float("nan")
+    even[1, 1] = -1e7
+    nonfinite = torch.tensor([[float("nan"), float("inf")], [float("-inf"), float("nan")]])
+    far = torch.full((4, 4), 3e4) + torch.randn(4, 4, generator=gen)
+    blocks = [outlier, even, nonfinite, far, torch.randn(4, 4, generator=gen)]
+    bounds = [1e-3, 1e-3, 0.5, 1e-4, 1e-45]
+    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    specials = torch.tensor(SPECIALS * 3).reshape(-1, 3)
+    for dtype in DTYPES:
+        _check([specials.to(dtype)], [1e-2], CodecConfig(huffman_chunk_symbols=64))
+
+
+def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecConfig]:
+    """1-8 blocks of random shapes (zero sizes included), dtypes, data kinds, repetition and
+    bounds, and a random config."""
+    rng = np.random.default_rng(seed)
+    blocks, bounds = [], []
+    for i in range(int(rng.integers(1, 9))):
+        rows = int(rng.choice([0, 1, 2, 3, 5, 17, 40, 70]))
+        dim = int(rng.choice([0, 1, 2, 5, 16, 33]))
+        dtype = DTYPES[int(rng.integers(3))]
+        kind = str(rng.choice(["adversarial", "mild", "repeat"]))
+        b = torch.zeros(rows, 0, dtype=dtype) if dim == 0 else make_block(rows, dim, dtype, kind, i)
+        if rows and dim and rng.random() < 0.3:  # few distinct rows
+            b = b[torch.from_numpy(rng.integers(0, max(1, rows // 4), rows))].clone()
+        blocks.append(b)
+        bound_kind = str(rng.choice(BOUND_KINDS))
+        bounds.append(0.0 if rows * dim == 0 else bound_for(b, bound_kind))
+    config = CodecConfig(
+        huffman_chunk_symbols=int(rng.choice([64, 96, 128, 2048])),
+        enable_lz=bool(rng.random() < 0.8),
+        enable_quantization=bool(rng.random() < 0.85),
+    )
+    return blocks, bounds, config
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_payloads(seed: int) -> None:
+    _check(*_random_payload(seed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3, 60))
+def test_random_payloads_more(seed: int) -> None:
+    _check(*_random_payload(seed))
+
+
+def test_no_blocks() -> None:
+    _check([], [], CodecConfig())
+
+
+def test_pipeline_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend="triton" (and CUDA blocks with "auto") compress through compress_device."""
+    calls: list[int] = []
+    real = device_compress.compress_device
+
+    def spy(*args: object) -> tuple[torch.Tensor, list[pipeline.BlockStats]]:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(device_compress, "compress_device", spy)
+    blocks = [make_block(9, 4, torch.float32, "repeat", seed=9).to(DEVICE)]
+    bounds = [1e-3]
+    got = pipeline.compress(blocks, bounds, CodecConfig(backend="triton"))
+    assert calls == [1]
+    want = pipeline.compress([b.cpu() for b in blocks], bounds, CodecConfig(backend="cpu"))
+    assert torch.equal(got.cpu(), want)
+    pipeline.compress(blocks, bounds, CodecConfig(backend="auto"))
+    assert len(calls) == (2 if DEVICE.type == "cuda" else 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host syncs
+# ------------------------------------------------------------------------------------------------
+
+# Every way a tensor's value reaches Python.
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _ours(filename: str) -> bool:
+    path = Path(filename).resolve()
+    return REPO in path.parents and ".venv" not in path.parts and "tests" not in path.parts
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every tensor-to-Python read made from the project's own code."""
+    seen: list[str] = []
+
+    def wrap(name: str, orig: Callable[..., object]) -> Callable[..., object]:
+        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            frame = sys._getframe(1)
+            if _ours(frame.f_code.co_filename):
+                seen.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}")
+            return orig(self, *args, **kwargs)
+
+        return read
+
+    for name in _READS:
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    return seen
+
+
+def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compress reads one tensor back: the ``_host`` call, and nothing else of ours reads a
+    tensor's value (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``, ...)."""
+    blocks, bounds = _blocks("repeat", "rel0.05")
+    blocks = [b.to(DEVICE) for b in blocks]
+    config = CodecConfig(huffman_chunk_symbols=64)
+    device_compress.compress_device(blocks, bounds, config)  # compile / warm up
+    before = device_compress.host_transfers
+    seen = _count_reads(monkeypatch)
+    payload, _ = device_compress.compress_device(blocks, bounds, config)
+    monkeypatch.undo()
+    assert device_compress.host_transfers - before == 1
+    assert (
+        len(seen) == 1 and seen[0].startswith("tolist at ") and "device_compress.py" in seen[0]
+    ), seen
+    assert payload.numel() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sync debug mode")
+def test_one_cuda_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, torch's sync debug mode raises on any synchronizing call except in ``_host``."""
+    blocks, bounds = _blocks("adversarial", "rel0.01")
+    blocks = [b.cuda() for b in blocks]
+    config = CodecConfig(huffman_chunk_symbols=64)
+    device_compress.compress_device(blocks, bounds, config)  # compile / warm up
+    real_host = device_compress._host
+
+    def allowed(t: torch.Tensor) -> list[int]:
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_host(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(device_compress, "_host", allowed)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        device_compress.compress_device(blocks, bounds, config)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Larger cases
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_payload_realistic_traffic() -> None:
+    from torchrec_lossy.traffic import TrafficSpec, paper_traffic
+
+    spec = TrafficSpec(batch_rows=128)
+    blocks, bounds = paper_traffic(spec)
+    _check(blocks, bounds, CodecConfig())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payload_larger_blocks(dtype: torch.dtype) -> None:
+    blocks = [
+        make_block(rows, dim, dtype, kind, seed=rows + dim)
+        for rows, dim in [(257, 64), (1000, 8), (129, 33)]
+        for kind in ("adversarial", "repeat")
+    ]
+    bounds = [bound_for(b, k) for b, k in zip(blocks, ["rel0.01", "tiny"] * 3, strict=True)]
+    _check(blocks, bounds, CodecConfig())

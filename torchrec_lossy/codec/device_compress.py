@@ -1,0 +1,677 @@
+"""Device-resident, batched compress: every stage runs once for all blocks, one sync in all.
+
+``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
+``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
+device. Blocks are laid out back to back (elements, rows, chunk slots), and host-side tables
+derived from the shapes only (offsets, tiles, chunk slots, bound-derived steps) go to the device
+in one non-blocking copy. Then, for all blocks at once:
+
+1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
+   (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
+2. quantize + escapes + per-block histograms: ``kernels.quantize.quantize_tiles`` (one launch);
+3. vector-LZ, quantized and lossless: ``kernels.vector_lz.representatives`` (hash with the block
+   in the top bits, one sort, verify), ranks by a cumsum;
+4. histograms of the distinct rows (``histogram_tiles``), code lengths of both histograms of every
+   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice with
+   ``pipeline._encode_block``'s rules - torch ops over ``[n_blocks]`` tensors;
+5. the sent symbol stream, canonical codes, Huffman encode of every chunk of every block
+   (``kernels.huffman.encode_chunks``, chunk slots sized for the worst case);
+6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
+   codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
+   distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
+   writer, so the sums are ORs); the checksum is a weighted sum over it.
+
+The single device-to-host transfer (:func:`_host`) reads the body length and the per-block
+scalars of the stats; the payload is then a slice of the word buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from torchrec_lossy.codec import quantize
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    DESCRIPTOR,
+    DTYPE_CODES,
+    ESCAPE_SYMBOL,
+    HEADER,
+    MAGIC,
+    MAX_CENTER,
+    MAX_CODE_LENGTH,
+    MODE_LZ,
+    MODE_NAMES,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    SEGMENT_HEADER,
+    SYMBOL_OFFSET,
+    VERSION,
+)
+from torchrec_lossy.codec.pipeline import BlockStats
+from torchrec_lossy.config import CodecConfig
+from torchrec_lossy.kernels import codebook
+from torchrec_lossy.kernels import huffman as k_huffman
+from torchrec_lossy.kernels import quantize as k_quantize
+from torchrec_lossy.kernels import vector_lz as k_vector_lz
+from torchrec_lossy.kernels._common import block_for
+
+_A = ALPHABET_SIZE
+_SEG = SEGMENT_HEADER.itemsize // 4  # segment header words
+_DESC = DESCRIPTOR.itemsize // 4  # descriptor words
+_HEAD = HEADER.itemsize // 4  # payload header words
+_QUANT_BLOCK = 4096  # elements per quantize tile
+_FLT_MAX = float(np.finfo(np.float32).max)
+_MASK32 = 0xFFFFFFFF
+_TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
+
+# Device-to-host transfers made by compress_device (tests read it; see _host).
+host_transfers = 0
+
+
+def _host(t: torch.Tensor) -> list[int]:
+    """The one device-to-host transfer of a compress (counted in ``host_transfers``).
+
+    Args:
+        t: 1-D int64 tensor on the device.
+
+    Returns:
+        Its values.
+    """
+    global host_transfers
+    host_transfers += 1
+    return t.tolist()
+
+
+def _wfb(n: torch.Tensor) -> torch.Tensor:
+    """Words for ``n`` bytes."""
+    return (n + 3) // 4
+
+
+def _wfbits(n: torch.Tensor) -> torch.Tensor:
+    """Words for ``n`` bits."""
+    return (n + 31) // 32
+
+
+def _bit_length(x: torch.Tensor) -> torch.Tensor:
+    """``int.bit_length`` of non-negative int64 values below 2**48.
+
+    Args:
+        x: 1-D int64 tensor.
+
+    Returns:
+        int64 bit lengths.
+    """
+    k = torch.arange(48, device=x.device)
+    return ((x[:, None] >> k) > 0).sum(dim=1)
+
+
+def _refs(rows: torch.Tensor, n_unique: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The references of many blocks, as ``vector_lz.best_refs_mode`` / ``refs_bits``.
+
+    Args:
+        rows: int64 [n] rows per block.
+        n_unique: int64 [n] distinct vectors per block (>= 1).
+
+    Returns:
+        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
+    """
+    width = _bit_length((n_unique - 1).clamp(min=0))
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    mode = (fixed > flagged).to(torch.int64)  # REFS_FIXED on a tie
+    return mode, width, torch.minimum(fixed, flagged)
+
+
+def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+    """``pipeline._Code.plan`` for many histograms.
+
+    Args:
+        hist: [n, ALPHABET_SIZE] symbol counts.
+        lengths: int64 [n, ALPHABET_SIZE] their code lengths.
+        chunk: Symbols per Huffman chunk.
+
+    Returns:
+        (words: codebook + chunk table + bitstream, chunk padding estimated as half a word per
+        chunk; sym_lo; sym_count; n_escapes), each int64 [n].
+    """
+    hist = hist.to(torch.int64)
+    bits = (hist * lengths).sum(dim=1)
+    n = hist.sum(dim=1)
+    value = lengths[:, :ESCAPE_SYMBOL] > 0
+    used = value.any(dim=1)
+    lo = value.to(torch.int8).argmax(dim=1)
+    hi = ESCAPE_SYMBOL - 1 - value.flip(1).to(torch.int8).argmax(dim=1)
+    lo = torch.where(used, lo, 0)
+    count = torch.where(used, hi - lo + 1, 0)
+    n_chunks = (n + chunk - 1) // chunk
+    words = _wfb((count + 1) // 2) + n_chunks + _wfbits(bits) + n_chunks // 2
+    return words, lo, count, hist[:, ESCAPE_SYMBOL]
+
+
+class _HostTables:
+    """Everything derived from shapes, bounds and config, computed on the host (no data).
+
+    Args:
+        blocks: The blocks (only their shapes and dtypes are read).
+        bounds: Absolute bounds.
+        chunk: Symbols per Huffman chunk.
+        config: Codec knobs.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[torch.Tensor],
+        bounds: Sequence[float],
+        chunk: int,
+        config: CodecConfig,
+    ) -> None:
+        b = len(blocks)
+        if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
+            raise ValueError(f"{b} blocks in one payload: pass fewer than 2**23")
+        self.n_blocks = b
+        self.rows = np.array([t.shape[0] for t in blocks], dtype=np.int64)
+        self.dim = np.array([t.shape[1] for t in blocks], dtype=np.int64)
+        self.itemsize = np.array([t.element_size() for t in blocks], dtype=np.int64)
+        self.dtype_code = np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64)
+        self.numel = self.rows * self.dim
+        self.elem_off = np.cumsum(self.numel) - self.numel
+        self.row_off = np.cumsum(self.rows) - self.rows
+        self.n_elems = int(self.numel.sum())
+        self.n_rows = int(self.rows.sum())
+        self.max_dim = int(self.dim.max()) if b else 0
+        # Step and its reciprocal depend on the bound only (``_quant_params_kernel`` with any
+        # midpoint); the center needs the data and is computed on the device.
+        step = np.zeros(b, np.float32)
+        inv_step = np.zeros(b, np.float32)
+        quant_try = np.zeros(b, np.int64)
+        span = np.zeros(b, np.float64)
+        for i, eb in enumerate(bounds):
+            if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
+                continue
+            s, inv, _, ok = quantize._quant_params_kernel(eb, 0.0)
+            if ok:
+                step[i], inv_step[i], quant_try[i] = s, inv, 1
+            span[i] = 2 * SYMBOL_OFFSET * min(2.0 * eb, _FLT_MAX)
+        self.quant_try = quant_try
+        lz_allowed = np.array([config.enable_lz and r > 1 for r in self.rows], dtype=np.int64)
+        raw_words = (self.numel * self.itemsize + 3) // 4
+        # Tiles of the quantize launch, over the blocks that may quantize.
+        tile_block = block_for(int(self.numel.max()) if b else 1, _QUANT_BLOCK)
+        tiles = k_quantize.tile_table(self.numel, tile_block)
+        tiles = tiles[quant_try[tiles[:, 2]] == 1]
+        self.tile_block = tile_block
+        # Huffman chunk slots: the worst case (every row sent) of the blocks that may quantize.
+        slots = np.where(quant_try == 1, (self.numel + chunk - 1) // chunk, 0)
+        self.first_slot = np.cumsum(slots) - slots
+        self.n_slots = int(slots.sum())
+        slot_blk = np.repeat(np.arange(b, dtype=np.int64), slots)
+        slot_k = np.arange(self.n_slots, dtype=np.int64) - self.first_slot[slot_blk]
+        slot_syms = np.minimum(chunk, self.numel[slot_blk] - slot_k * chunk)
+        self.stream_words = int(((slot_syms * MAX_CODE_LENGTH + 31) // 32).sum())
+        # Worst-case segment of every block: the largest of its modes' worst cases.
+        refs_max = (self.rows * 33 + 31) // 32
+        quant_max = (
+            _SEG
+            + 512
+            + refs_max
+            + self.numel
+            + (self.numel * self.itemsize + 3) // 4
+            + 2 * slots
+            + (self.numel * MAX_CODE_LENGTH + 31) // 32
+        )
+        seg_max = np.maximum(raw_words, _SEG + refs_max + raw_words)
+        seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
+        self.body_max = _DESC * b + int(seg_max.sum())
+        bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
+        mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
+        fields = {
+            "rows": self.rows,
+            "dim": self.dim,
+            "itemsize": self.itemsize,
+            "dtype_code": self.dtype_code,
+            "elem_off": self.elem_off,
+            "row_off": self.row_off,
+            "step_bits": step.view(np.int32).astype(np.int64),
+            "inv_step_bits": inv_step.view(np.int32).astype(np.int64),
+            "bound_bits": bound_bits,
+            "span_bits": span.view(np.int64),
+            "quant_try": quant_try,
+            "lz_allowed": lz_allowed,
+            "raw_words": raw_words,
+            "first_slot": self.first_slot,
+            "n_slots": slots,
+            "slot_blk": slot_blk,
+            "slot_k": slot_k,
+            "tiles": tiles.reshape(-1),
+            "mults": mults,
+        }
+        self.fields = fields
+
+    def to_device(self, dev: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """All tables in one host-to-device copy (non-blocking from pinned memory on CUDA).
+
+        Args:
+            dev: The blocks' device.
+
+        Returns:
+            (device views by name, the host buffer, to keep alive until the copy is done).
+        """
+        sizes = [v.shape[0] for v in self.fields.values()]
+        host = torch.from_numpy(np.concatenate([*self.fields.values(), np.zeros(1, np.int64)]))
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        out = {}
+        start = 0
+        for name, n in zip(self.fields, sizes, strict=True):
+            out[name] = flat[start : start + n]
+            start += n
+        return out, host
+
+
+def compress_device(
+    blocks: Sequence[torch.Tensor], bounds: Sequence[float], config: CodecConfig
+) -> tuple[torch.Tensor, list[BlockStats]]:
+    """Compresses blocks on their device; the payload equals ``pipeline.compress``'s (CPU).
+
+    Args:
+        blocks: Validated 2-D float32 / float16 / bfloat16 tensors, all on one device (CUDA, or
+            CPU under ``TRITON_INTERPRET=1``).
+        bounds: Validated absolute error bounds (floats >= 0), one per block.
+        config: Codec knobs.
+
+    Returns:
+        (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
+        device-to-host transfer is made (:func:`_host`).
+    """
+    dev = blocks[0].device if blocks else torch.device("cpu")
+    with record_function("## lossy_codec encode ##"):
+        return _compress(list(blocks), list(bounds), config, dev)
+
+
+def _compress(
+    blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig, dev: torch.device
+) -> tuple[torch.Tensor, list[BlockStats]]:
+    """:func:`compress_device` for a list of blocks on ``dev`` (see the module docstring)."""
+    chunk = config.huffman_chunk_symbols
+    ht = _HostTables(blocks, bounds, chunk, config)
+    t, _pinned = ht.to_device(dev)
+    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
+    i64 = torch.int64
+    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
+    elem_off, row_off = t["elem_off"], t["row_off"]
+    blk_ids = torch.arange(nb, device=dev)
+
+    # ---- flat layouts: every element, every row, back to back in block order ----------------
+    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
+    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
+    x = torch.cat([f.float() for f in flat]) if flat else empty_f
+    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
+    bits = (
+        torch.cat(
+            [
+                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
+                for f in flat
+            ]
+        )
+        if flat
+        else torch.zeros(0, dtype=torch.int32, device=dev)
+    )
+    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
+    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
+    e_dim = dim[e_blk].clamp(min=1)
+    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
+    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
+    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
+
+    # ---- 1. quantization parameters -------------------------------------------------------
+    finite = torch.isfinite(x)
+    numel = rows * dim
+
+    def per_block(v: torch.Tensor, how: str, initial: float) -> torch.Tensor:
+        # Segmented reductions (no atomics); unsafe: skip the length checks, which would sync.
+        return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
+
+    lo = per_block(torch.where(finite, x, math.inf), "min", math.inf)
+    hi = per_block(torch.where(finite, x, -math.inf), "max", -math.inf)
+    has_finite = lo <= hi
+    lo64, hi64 = lo.double(), hi.double()
+    narrow = (hi64 - lo64) <= t["span_bits"].view(torch.float64)
+    # Median of the finite values (np.median: the middle one, or the mean of the middle two).
+    keyed = torch.where(finite, x, math.inf)
+    order = torch.argsort(keyed, stable=True)
+    order = order[torch.argsort(e_blk[order], stable=True)]
+    ordered = keyed[order].double()
+    n_fin = per_block(finite.double(), "sum", 0.0).to(i64)  # exact below 2**53
+    upper = (elem_off + n_fin // 2).clamp(max=max(n_el - 1, 0))
+    lower = (elem_off + (n_fin - 1) // 2).clamp(min=0, max=max(n_el - 1, 0))
+    if n_el:
+        median = (ordered[lower] + ordered[upper]) / 2
+    else:
+        median = torch.zeros(nb, dtype=torch.float64, device=dev)
+    mid = torch.where(has_finite, torch.where(narrow, 0.5 * (lo64 + hi64), median), 0.0)
+    step = t["step_bits"].to(torch.int32).view(torch.float32)
+    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
+    center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
+    quant_ok = (t["quant_try"] == 1) & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
+    center = torch.where(quant_ok, center_f, 0.0).to(i64)
+
+    # ---- 2. quantize, escapes, histograms ---------------------------------------------------
+    sym, hist_q, tile_err = k_quantize.quantize_tiles(
+        x,
+        t["tiles"].reshape(-1, 3),
+        step,
+        inv_step,
+        center,
+        t["bound_bits"].view(torch.float64),
+        t["dtype_code"].to(torch.int32),
+        ht.tile_block,
+    )
+    max_err = torch.zeros(nb, dtype=torch.float64, device=dev).scatter_reduce(
+        0, t["tiles"].reshape(-1, 3)[:, 2], tile_err, "amax"
+    )
+
+    # ---- 3. vector-LZ over the quantized symbols and over the raw bits -------------------------
+    row_args = (r_elem, dim[r_blk].to(torch.int32), r_blk.to(torch.int32), ht.max_dim, t["mults"])
+    lz = {}
+    for name, symbols in (("q", sym), ("r", None)):
+        rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
+        firsts = is_first.to(i64)
+        rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
+        rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
+        base = rank0[row_off]  # first occurrences in the blocks before
+        n_unique = rank0[row_off + rows] - base
+        ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
+        # first_rows of every block back to back: block b's at [base[b], base[b] + n_unique[b]).
+        # Repeats write to a (spread) trash area past the end.
+        row_ids = torch.arange(n_rows, device=dev)
+        first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
+        first_rows.scatter_(
+            0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
+        )
+        lz[name] = (firsts, ids, base, n_unique, first_rows)
+    first_q, ids_q, base_q, nu_q, first_rows_q = lz["q"]
+    first_r, ids_r, base_r, nu_r, first_rows_r = lz["r"]
+
+    # ---- 4. distinct-row histograms, code lengths, sizes, mode choice --------------------------
+    sym16 = sym.to(i64) & 0xFFFF
+    # Distinct rows' histograms: the quantized symbols of first occurrences only.
+    keep = first_q[row_off[e_blk] + e_loc // e_dim].to(torch.int32) if n_el else e_blk
+    hist_u = k_huffman.histogram_tiles(sym, keep, t["tiles"].reshape(-1, 3), nb, ht.tile_block)
+    hists = torch.cat([hist_q, hist_u]).to(i64)
+    lengths = codebook.code_lengths(hists).to(i64)
+    words, sym_lo, sym_count, n_esc = _plan(hists, lengths, chunk)
+    words_q, words_u = words[:nb], words[nb:]
+    esc_q, esc_u = n_esc[:nb], n_esc[nb:]
+
+    def esc_words(n: torch.Tensor) -> torch.Tensor:
+        return n + _wfb(n * itemsize)
+
+    lz_allowed = t["lz_allowed"] == 1
+    best = t["raw_words"].clone()
+    mode = torch.full((nb,), MODE_RAW, dtype=i64, device=dev)
+    quant_words = _SEG + esc_words(esc_q) + words_q
+    better = quant_ok & (quant_words < best)
+    mode, best = torch.where(better, MODE_QUANT, mode), torch.where(better, quant_words, best)
+    _, _, qlz_ref_bits = _refs(rows, nu_q)
+    qlz_words = _SEG + _wfbits(qlz_ref_bits) + esc_words(esc_u) + words_u
+    better = quant_ok & lz_allowed & (nu_q < rows) & (qlz_words < best)
+    mode, best = torch.where(better, MODE_QUANT_LZ, mode), torch.where(better, qlz_words, best)
+
+    def lossless_words(n_unique: torch.Tensor) -> torch.Tensor:
+        return _SEG + _wfbits(_refs(rows, n_unique)[2]) + _wfb(n_unique * dim * itemsize)
+
+    # Raw-identical rows are quantized-identical: the CPU path skips the lossless dedupe when
+    # even the quantized count of distinct rows cannot beat the best mode so far.
+    lz_tried = lz_allowed & (lossless_words(torch.where(quant_ok & lz_allowed, nu_q, 1)) < best)
+    better = lz_tried & (lossless_words(nu_r) < best)
+    mode = torch.where(better & (rows * dim > 0), MODE_LZ, mode)
+
+    # ---- 5. what each block sends --------------------------------------------------------------
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    is_qlz = mode == MODE_QUANT_LZ
+    is_lz = mode == MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = torch.where(is_qlz, nu_q, torch.where(is_lz, nu_r, rows))
+    n_sym = torch.where(is_q, n_sent * dim, 0)
+    sel = torch.where(is_qlz, nb + blk_ids, blk_ids)  # which histogram / code each block uses
+    lengths_sel = lengths[sel]
+    codes = codebook.canonical_codes(lengths_sel)
+    n_escapes = torch.where(is_q, n_esc[sel], 0)
+    lo_sel = torch.where(is_q, sym_lo[sel], 0)
+    count_sel = torch.where(is_q, sym_count[sel], 0)
+    n_chunks = (n_sym + chunk - 1) // chunk
+    ref_mode, ref_width, ref_bits = _refs(rows, torch.where(has_refs, n_sent, 1))
+    ref_mode = torch.where(has_refs, ref_mode, 0)
+    ref_width = _bit_length((n_sent - 1).clamp(min=0))
+    refs_words = torch.where(has_refs, _wfbits(ref_bits), 0)
+
+    # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).
+    s_valid = e_loc < n_sym[e_blk]
+    s_vec = e_loc // e_dim  # sent vector
+    s_row = torch.where(
+        is_qlz[e_blk],
+        first_rows_q[(base_q[e_blk] + s_vec).clamp(max=n_rows)],
+        row_off[e_blk] + s_vec,
+    )
+    s_src = (
+        torch.where(s_valid, r_elem[s_row.clamp(max=max(n_rows - 1, 0))] + e_loc % e_dim, 0)
+        if n_el
+        else e_loc
+    )
+    s_sym = torch.where(s_valid, sym16[s_src], 0) if n_el else sym16
+    s_bits = bits[s_src] if n_el else bits
+
+    # ---- Huffman encode of every chunk of every block --------------------------------------
+    slot_blk, slot_k = t["slot_blk"], t["slot_k"]
+    c_lo = elem_off[slot_blk] + slot_k * chunk
+    c_hi = torch.maximum(
+        elem_off[slot_blk] + torch.minimum((slot_k + 1) * chunk, n_sym[slot_blk]), c_lo
+    )
+    chunk_ends, stream = k_huffman.encode_chunks(
+        s_sym.to(torch.int32),
+        c_lo,
+        c_hi,
+        slot_blk * _A,
+        lengths_sel.to(torch.int32),
+        codes,
+        chunk,
+        ht.stream_words,
+    )
+    ends0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), chunk_ends])
+    stream_base = ends0[t["first_slot"]]
+    stream_words = ends0[t["first_slot"] + t["n_slots"]] - stream_base
+
+    # ---- 6. section offsets --------------------------------------------------------------------
+    uniq_words = torch.where(is_lz, _wfb(nu_r * dim * itemsize), 0)
+    nib_words = torch.where(is_q, _wfb((count_sel + 1) // 2), 0)
+    escb_words = _wfb(n_escapes * itemsize)
+    seg_words = torch.where(
+        mode == MODE_RAW,
+        t["raw_words"],
+        _SEG
+        + refs_words
+        + uniq_words
+        + nib_words
+        + n_escapes
+        + escb_words
+        + n_chunks
+        + torch.where(is_q, stream_words, 0),
+    )
+    seg_start = _HEAD + _DESC * nb + torch.cumsum(seg_words, 0) - seg_words  # payload words
+    refs_at = seg_start + _SEG + nib_words
+    uniq_at = refs_at + refs_words
+    escp_at = refs_at + refs_words
+    escb_at = escp_at + n_escapes
+    table_at = escb_at + escb_words
+    stream_at = table_at + n_chunks
+    body_words = _DESC * nb + seg_words.sum()
+
+    # ---- payload assembly ------------------------------------------------------------------
+    total_max = _HEAD + ht.body_max
+    # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
+    # serialise them on one address.
+    buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
+    n_lanes = max(n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, _SEG * nb)
+    trash = total_max + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
+
+    def put(dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
+        lanes = dest.shape[0]
+        buf.index_add_(0, torch.where(valid, dest, trash[:lanes]), torch.where(valid, value, 0))
+
+    def put_elements(
+        at: torch.Tensor,
+        k: torch.Tensor,
+        size: torch.Tensor,
+        raw: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        # Element k of a section of raw values: 4-byte values take a word, 2-byte ones half.
+        wide = size == 4
+        value = torch.where(wide, raw.to(i64) & _MASK32, (raw.to(i64) & 0xFFFF) << (16 * (k % 2)))
+        put(at + torch.where(wide, k, k // 2), value, valid)
+
+    # Descriptors.
+    bound_bits = t["bound_bits"]
+    desc = torch.stack(
+        [
+            rows,
+            dim,
+            t["dtype_code"] | (mode << 8),
+            seg_words,
+            bound_bits & _MASK32,
+            (bound_bits >> 32) & _MASK32,
+        ],
+        dim=1,
+    )
+    put(
+        _HEAD + torch.arange(_DESC * nb, device=dev),
+        desc.reshape(-1),
+        torch.ones(_DESC * nb, dtype=torch.bool, device=dev),
+    )
+    # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
+    esc_length = lengths_sel[:, ESCAPE_SYMBOL]
+    seg_hdr = torch.stack(
+        [
+            torch.where(is_q, t["step_bits"], 0),
+            torch.where(is_q, center & _MASK32, 0),
+            n_sent,
+            n_escapes,
+            torch.where(is_q, chunk, 0),
+            n_chunks,
+            lo_sel | (count_sel << 16),
+            torch.where(is_q, esc_length, 0) | (ref_mode << 8) | (ref_width << 16),
+        ],
+        dim=1,
+    )
+    put(
+        (seg_start[:, None] + torch.arange(_SEG, device=dev)).reshape(-1),
+        seg_hdr.reshape(-1),
+        (mode != MODE_RAW)[:, None].expand(nb, _SEG).reshape(-1),
+    )
+    # Codebook nibbles: lengths of symbols sym_lo .., low nibble first.
+    k = torch.arange(ESCAPE_SYMBOL, device=dev)
+    nib = lengths_sel.gather(1, (lo_sel[:, None] + k).clamp(max=_A - 1)) << (4 * (k % 8))
+    put(
+        (seg_start[:, None] + _SEG + k // 8).reshape(-1),
+        nib.reshape(-1),
+        (k[None, :] < count_sel[:, None]).reshape(-1),
+    )
+    # References, MSB-first: fixed width, or a flag bit (1: first occurrence) and repeats' ids.
+    rb = r_blk
+    r_ids = torch.where(is_qlz[rb], ids_q, ids_r)
+    r_first = torch.where(is_qlz[rb], first_q, first_r) == 1
+    flagged = ref_mode[rb] == 1
+    r_len = torch.where(flagged & r_first, 1, ref_width[rb] + flagged.to(i64))
+    r_len = torch.where(has_refs[rb], r_len, 0)
+    r_val = torch.where(flagged & r_first, 1, r_ids)
+    r_end = torch.cumsum(r_len, 0)
+    r_end0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), r_end])
+    pos = r_end - r_len - r_end0[row_off[rb]]
+    off = pos % 32
+    end = off + r_len
+    head = torch.where(
+        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
+    )
+    put(refs_at[rb] + pos // 32, head & _MASK32, r_len > 0)
+    put(refs_at[rb] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
+    # Escapes: positions in the sent stream, then the escaped elements' raw bits.
+    is_esc = s_valid & (s_sym == ESCAPE_SYMBOL)
+    esc_rank = torch.cumsum(is_esc.to(i64), 0)
+    esc_rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), esc_rank])
+    k_esc = esc_rank - 1 - esc_rank0[elem_off[e_blk]] if n_el else esc_rank
+    put(escp_at[e_blk] + k_esc, e_loc, is_esc)
+    put_elements(escb_at[e_blk], k_esc, itemsize[e_blk], s_bits, is_esc)
+    # Chunk tables (chunk ends relative to the block's bitstream), then the bitstreams.
+    s_used = slot_k < n_chunks[slot_blk]
+    put(table_at[slot_blk] + slot_k, chunk_ends - stream_base[slot_blk], s_used)
+    w = torch.arange(ht.stream_words, device=dev)
+    w_blk = torch.searchsorted(stream_base + stream_words, w, right=True).clamp(max=max(nb - 1, 0))
+    w_used = w < (stream_base + stream_words)[w_blk] if nb else w < 0
+    put(stream_at[w_blk] + w - stream_base[w_blk], stream.to(i64) & _MASK32, w_used & is_q[w_blk])
+    # Raw blocks, and the distinct rows of lossless vector-LZ blocks.
+    e_raw = (mode == MODE_RAW)[e_blk]
+    put_elements(seg_start[e_blk], e_loc, itemsize[e_blk], bits, e_raw)
+    u_valid = is_lz[e_blk] & (e_loc < nu_r[e_blk] * dim[e_blk])
+    u_row = first_rows_r[(base_r[e_blk] + s_vec).clamp(max=n_rows)]
+    u_src = (
+        torch.where(u_valid, r_elem[u_row.clamp(max=max(n_rows - 1, 0))] + e_loc % e_dim, 0)
+        if n_el
+        else e_loc
+    )
+    put_elements(uniq_at[e_blk], e_loc, itemsize[e_blk], bits[u_src] if n_el else bits, u_valid)
+
+    # ---- checksum and header -----------------------------------------------------------------
+    body = buf[_HEAD:total_max]  # words past the body are 0 and add nothing
+    weights = torch.arange(body.shape[0], dtype=i64, device=dev) * 2 + 1
+    checksum = (body * weights).sum()  # int64 products and sums wrap modulo 2**64
+    # Scalar fills and device copies only (torch.tensor(..., device=cuda) would copy from host).
+    buf[0] = MAGIC
+    buf[1] = VERSION  # flags (high half) are 0
+    buf[2] = nb
+    buf[4] = body_words & _MASK32
+    buf[5] = (body_words >> 32) & _MASK32
+    buf[6] = checksum & _MASK32
+    buf[7] = (checksum >> 32) & _MASK32
+    words = buf[: _HEAD + ht.body_max]
+    words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    # ---- the one device-to-host transfer -------------------------------------------------------
+    stats_max_err = torch.where(is_q, max_err, 0.0)
+    host = _host(
+        torch.cat(
+            [
+                body_words.reshape(1),
+                mode,
+                n_sent,
+                n_escapes,
+                seg_words,
+                stats_max_err.view(i64),
+            ]
+        )
+    )
+    n_body = host[0]
+    h = np.array(host[1:], dtype=np.int64).reshape(5, nb)
+    errs = h[4].view(np.float64)
+    stats = [
+        BlockStats(
+            rows=int(ht.rows[i]),
+            dim=int(ht.dim[i]),
+            raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
+            wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
+            mode=MODE_NAMES[int(h[0, i])],
+            bound=bounds[i],
+            max_error=float(errs[i]),
+            n_unique=int(h[1, i]),
+            n_escapes=int(h[2, i]),
+        )
+        for i in range(nb)
+    ]
+    payload = words32[: _HEAD + n_body].clone().view(torch.uint8)
+    return payload, stats

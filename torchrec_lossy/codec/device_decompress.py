@@ -1,0 +1,478 @@
+"""Device-resident, batched decompress: every block of a payload decoded at once, on its device.
+
+:func:`decompress_device` decodes a payload where it lives (a CUDA tensor, or a CPU tensor under
+the Triton interpreter) with one launch per stage for all blocks, and gives the same bits and the
+same ``CodecError`` messages as the host path (``pipeline.decompress`` with ``backend="cpu"``).
+
+Host syncs: at most two per payload, whatever the number of blocks, both through :func:`_host`
+(the module's only device-to-host path, which counts itself):
+
+1. The whole payload is copied to the host once. The host checks the header, the checksum and
+   every segment's structure (vectorised over the blocks: the CPU path's conditions, as numpy
+   expressions) and computes where every section lies. A compressed payload is small (about 1/30
+   of the decoded bytes); parsing segment headers on the device instead would still need a
+   read-back of the headers before the decode grid could be sized, so it would not save a sync.
+   A payload the checks reject is decoded by the CPU path on that host copy, which raises the
+   exact error (a data error in an earlier block, which only decoding finds, must win).
+2. One read of the per-block status codes after the last kernel (only when some block has vector
+   references or a Huffman stream, the only things decoding itself can find wrong): invalid
+   references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
+   or missing escapes. The first failing block's error is raised with the CPU path's message.
+
+Device work (all blocks per launch): decode tables from the wire codebooks
+(``codebook.decode_tables``), reference unpacking (``vector_lz.unpack_refs_blocks``), Huffman
+decode over a global chunk table (``huffman.decode_blocks``), escape ranking and checking
+(``huffman.check_escapes``), the status per block (``huffman.block_status``) and the output
+elements (``quantize.decode_outputs``: raw copies, LZ row expansion, dequantization with escapes).
+The section offsets the host computed travel in one non-blocking host-to-device copy.
+
+The returned blocks are views into one output buffer (each block contiguous and word-aligned).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NoReturn
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec.format import (
+    CODE_DTYPES,
+    DESCRIPTOR,
+    ESCAPE_SYMBOL,
+    HEADER,
+    MAGIC,
+    MAX_CENTER,
+    MAX_CODE_LENGTH,
+    MODE_LZ,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    SEGMENT_HEADER,
+    VERSION,
+    CodecError,
+    checksum_words,
+)
+from torchrec_lossy.codec.pipeline import DEFAULT_MAX_ELEMENTS, _check_payload, _Reader
+
+_HEADER_WORDS = HEADER.itemsize // 4
+_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
+# Per-block fields the kernels read (int64 each), uploaded together.
+_FIELDS = (
+    "rows",
+    "dim",
+    "dtype",
+    "mode",
+    "n_unique",  # vectors sent (rows for raw / quant)
+    "src_off",  # raw values / distinct vectors (raw, lz)
+    "ref_off",
+    "ref_words",
+    "width",
+    "id_base",
+    "has_stream",
+    "step_bits",
+    "center",
+    "cb_off",
+    "sym_lo",
+    "sym_count",
+    "esc_len",
+    "esc_pos_off",
+    "n_esc",
+    "esc_val_off",
+    "ct_off",
+    "bs_off",
+    "bs_words",
+    "chunk_symbols",
+    "table_idx",
+    "out_off",
+)
+# Per-block status rows the kernels update (from an initial value, only raised / lowered).
+_STATUS_ROWS = ("refs_bad", "codebook_bad", "table_bad", "fail", "esc_bad")
+
+
+class _SyncCounter:
+    """How many device-to-host copies :func:`_host` made (the tests assert on it)."""
+
+    count = 0
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """The module's only device-to-host copy (one sync on a CUDA tensor); counts itself.
+
+    Args:
+        t: A tensor on any device.
+
+    Returns:
+        Its contents as a host numpy array.
+    """
+    _SyncCounter.count += 1
+    return t.detach().contiguous().cpu().numpy()
+
+
+def host_syncs() -> int:
+    """Device-to-host copies made by this module since the process started.
+
+    Returns:
+        The count.
+    """
+    return _SyncCounter.count
+
+
+def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
+    """The kernel modules (imports triton; the interpreter for CPU tensors)."""
+    from torchrec_lossy.codec.triton_ops import _load_kernels
+
+    k_quantize, k_vector_lz, k_huffman = _load_kernels(device)
+    from torchrec_lossy.kernels import codebook as k_codebook
+
+    return k_quantize, k_vector_lz, k_huffman, k_codebook
+
+
+def _bases(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
+def _words(n_bytes: np.ndarray) -> np.ndarray:
+    return (n_bytes + 3) // 4
+
+
+def _bit_length(v: np.ndarray) -> np.ndarray:
+    """``int.bit_length`` of non-negative int64 values below 2**53 (exact: frexp's exponent)."""
+    return np.frexp(v.astype(np.float64))[1].astype(np.int64)
+
+
+def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
+    """Every block's fields and section offsets, or None if the CPU path would reject the payload.
+
+    The conditions are the CPU path's (``pipeline._parse_header``, ``_decode_block``,
+    ``_decode_refs``: every ``take`` fits, ``done`` leaves nothing, every field check), as numpy
+    expressions over all blocks at once; the messages are left to the CPU path.
+
+    Args:
+        buf: The payload's bytes.
+        max_elements: Refuse payloads that decode to more elements than this in total.
+
+    Returns:
+        int64 arrays by field name (word offsets are into the payload), or None.
+    """
+    n = buf.shape[0]
+    if n < HEADER.itemsize:
+        return None
+    header = buf[: HEADER.itemsize].view(HEADER)[0]
+    body_words = int(header["body_words"])
+    if (
+        int(header["magic"]) != MAGIC
+        or int(header["version"]) != VERSION
+        or n != HEADER.itemsize + 4 * body_words
+    ):
+        return None
+    body = buf[HEADER.itemsize :].view(np.uint32)
+    n_blocks = int(header["n_blocks"])
+    if (
+        int(checksum_words(body)) != int(header["checksum"])
+        or n_blocks * DESCRIPTOR.itemsize > 4 * body_words
+    ):
+        return None
+    desc_words = n_blocks * DESCRIPTOR.itemsize // 4
+    descs = body[:desc_words].view(DESCRIPTOR)
+    seg = descs["seg_words"].astype(np.int64)
+    rows = descs["rows"].astype(np.int64)
+    dim = descs["dim"].astype(np.int64)
+    dtype = descs["dtype"].astype(np.int64)
+    mode = descs["mode"].astype(np.int64)
+    if int(seg.sum()) != body_words - desc_words or not (
+        np.isin(dtype, list(CODE_DTYPES)).all() and (mode <= MODE_QUANT_LZ).all()
+    ):
+        return None
+    # Python ints: rows * dim may pass 2**63.
+    if sum(r * max(d, 1) for r, d in zip(rows.tolist(), dim.tolist(), strict=True)) > max_elements:
+        return None
+    if n_blocks == 0:
+        return {"rows": rows}
+    start = desc_words + _bases(seg)[:-1]  # segment starts, in body words
+    itemsize = np.where(dtype == 1, 4, 2)
+    raw, lz, quant = mode == MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
+    # Segment headers, read in place (garbage for raw or short segments, which never use them).
+    idx = np.minimum(start[:, None] + np.arange(_SEGMENT_HEADER_WORDS), body.shape[0] - 1)
+    sh = np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(n_blocks)
+    step = sh["step"]
+    center = sh["center"].astype(np.int64)
+    n_unique = sh["n_unique"].astype(np.int64)
+    n_esc = sh["n_escapes"].astype(np.int64)
+    chunk_symbols = sh["chunk_symbols"].astype(np.int64)
+    n_chunks = sh["n_chunks"].astype(np.int64)
+    lo = sh["sym_lo"].astype(np.int64)
+    count = sh["sym_count"].astype(np.int64)
+    esc_len = sh["escape_length"].astype(np.int64)
+    ref_mode = sh["ref_mode"].astype(np.int64)
+    width = sh["ref_width"].astype(np.int64)
+
+    ok = ~raw | (seg == _words(rows * dim * itemsize))  # raw values, then done()
+    ok &= raw | (seg >= _SEGMENT_HEADER_WORDS)
+    # _decode_refs: 1 <= n_unique <= rows, width = bit_length(n_unique - 1), a known packing.
+    nu_ok = (n_unique >= 1) & (n_unique <= rows)
+    nu = np.where(lz & nu_ok, n_unique, rows)  # clipped, so sizes below stay small
+    ok &= ~lz | (nu_ok & (width == _bit_length(nu - 1)) & (ref_mode <= REFS_FLAGGED))
+    w = np.minimum(width, 64)
+    ref_bits = np.where(ref_mode == REFS_FIXED, rows * w, rows + (rows - nu) * w)
+    ref_words = np.where(lz, (ref_bits + 31) // 32, 0)
+    head = _SEGMENT_HEADER_WORDS
+    ok &= (mode != MODE_LZ) | (seg == head + ref_words + _words(nu * dim * itemsize))
+    # Quantized modes: step, center, codebook range, escapes, chunks, and every section fits.
+    n_sym = nu * dim
+    q_ok = np.isfinite(step) & (step > 0) & (np.abs(center) <= MAX_CENTER)
+    q_ok &= (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
+    q_ok &= lz | (n_unique == rows)
+    q_ok &= (n_esc <= n_sym) & (chunk_symbols >= 1)
+    q_ok &= n_chunks == -(-n_sym // np.maximum(chunk_symbols, 1))
+    cb_words = _words((count + 1) // 2)
+    esc_val_words = _words(n_esc * itemsize)
+    esc_pos_off = head + cb_words + ref_words
+    ct_off = esc_pos_off + n_esc + esc_val_words
+    bs_off = ct_off + n_chunks
+    q_ok &= bs_off <= seg
+    ok &= ~quant | q_ok
+    if not ok.all():
+        return None
+    base = _HEADER_WORDS + start  # segment starts, in payload words
+    zero = np.zeros(n_blocks, dtype=np.int64)
+    n_out = rows * dim
+    out_words = _words(n_out * itemsize)
+    return {
+        "rows": rows,
+        "dim": dim,
+        "dtype": dtype,
+        "mode": mode,
+        "n_unique": nu,
+        "src_off": base + np.where(raw, 0, head + ref_words),
+        "ref_off": base + head + np.where(quant, cb_words, 0),
+        "ref_words": ref_words,
+        "ref_mode": np.where(lz, ref_mode, -1),
+        "width": np.where(lz, width, 0),
+        "id_base": _bases(np.where(lz, rows, 0))[:-1],
+        "has_stream": quant.astype(np.int64),
+        "step_bits": np.ascontiguousarray(step).view(np.int32).astype(np.int64),
+        "center": np.where(quant, center, 0),
+        "cb_off": base + head,
+        "sym_lo": np.where(quant, lo, 0),
+        "sym_count": np.where(quant, count, 0),
+        "esc_len": np.where(quant, esc_len, 0),
+        "esc_pos_off": base + esc_pos_off,
+        "n_esc": np.where(quant, n_esc, 0),
+        "esc_val_off": base + esc_pos_off + n_esc,
+        "ct_off": base + ct_off,
+        "bs_off": base + bs_off,
+        "bs_words": np.where(quant, seg - bs_off, 0),
+        "chunk_symbols": np.where(quant, chunk_symbols, 0),
+        "n_chunks": np.where(quant, n_chunks, 0),
+        "n_sym": np.where(quant, n_sym, 0),
+        "table_idx": np.where(quant, np.cumsum(quant) - 1, 0),
+        "n_out": n_out,
+        "out_words": out_words,
+        "out_off": _bases(out_words)[:-1],
+        "zero": zero,
+    }
+
+
+def _raise_as_cpu(buf: np.ndarray, max_elements: int) -> NoReturn:
+    """Raises the CPU path's error for a payload :func:`_layout` rejected.
+
+    A data error in an earlier block (bad references, a bad Huffman stream) is only found by
+    decoding, and the CPU path reports it first; so the host copy is decoded on the host up to
+    the failure. Only corrupt payloads get here.
+    """
+    from torchrec_lossy.codec.pipeline import decompress
+
+    decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
+    # Unreachable while _layout and the CPU path agree (the tests hold them to it).
+    raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
+
+
+def decompress_device(
+    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> list[torch.Tensor]:
+    """Decodes a payload made by ``compress`` on the payload's device, all blocks at once.
+
+    Args:
+        payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        max_elements: Refuse payloads that decode to more elements than this in total.
+
+    Returns:
+        The blocks: same shapes, dtypes and bits as the CPU path's, on the payload's device
+        (views into one buffer).
+
+    Raises:
+        CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload (the
+            CPU path's message).
+        RuntimeError: triton is not installed.
+    """
+    _check_payload(payload)
+    kernels = _kernels(payload.device)
+    with record_function("## lossy_codec decode ##"):
+        buf = _host(payload)  # sync 1: the whole (compressed) payload
+        layout = _layout(buf, max_elements)
+        if layout is None:
+            _raise_as_cpu(buf, max_elements)
+        if layout["rows"].shape[0] == 0:
+            return []
+        return _decode_on_device(payload, layout, *kernels)
+
+
+def _decode_on_device(
+    payload: torch.Tensor,
+    col: dict[str, np.ndarray],
+    k_quantize: ModuleType,
+    k_vector_lz: ModuleType,
+    k_huffman: ModuleType,
+    k_codebook: ModuleType,
+) -> list[torch.Tensor]:
+    """Launches every stage for all blocks, reads the status once, returns the blocks."""
+    device = payload.device
+    lz = col["ref_mode"] >= 0
+    quant = col["has_stream"] == 1
+    fixed = np.flatnonzero(col["ref_mode"] == REFS_FIXED)
+    flagged = np.flatnonzero(col["ref_mode"] == REFS_FLAGGED)
+    fixed_base = _bases(col["rows"][fixed])
+    # Everything the kernels need from the host, in one upload (no sync: non-blocking).
+    pieces = {name: col[name] for name in _FIELDS}
+    pieces |= {
+        "out_base": _bases(col["n_out"]),
+        "sym_base": _bases(col["n_sym"]),
+        "chunk_base": _bases(col["n_chunks"]),
+        "fixed_base": fixed_base,
+        "fixed_blocks": fixed,
+        "flagged_blocks": flagged,
+        "quant_blocks": np.flatnonzero(quant),
+    }
+    for row in _STATUS_ROWS:
+        pieces[row] = col["zero"] + (k_huffman.NO_FAILURE if row in ("fail", "esc_bad") else 0)
+    ends = np.cumsum([p.shape[0] for p in pieces.values()])
+    upload = torch.from_numpy(np.concatenate(list(pieces.values())).astype(np.int64))
+    if device.type == "cuda":  # a pageable source may make the copy wait for the stream
+        upload = upload.pin_memory()
+    upload = upload.to(device, non_blocking=True)
+    dev = {
+        name: upload[end - p.shape[0] : end]
+        for (name, p), end in zip(pieces.items(), ends, strict=True)
+    }
+
+    words = payload.detach().contiguous()
+    if words.storage_offset() % 4:  # an int32 view needs a word-aligned start
+        words = words.clone()
+    words = words.view(torch.int32)
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    n_ids = int(col["rows"][lz].sum())
+    total_sym = int(col["n_sym"].sum())
+
+    tables = k_codebook.decode_tables(
+        words,
+        dev["quant_blocks"],
+        dev["cb_off"],
+        dev["sym_lo"],
+        dev["sym_count"],
+        dev["esc_len"],
+        dev["codebook_bad"],
+    )
+    ids = k_vector_lz.unpack_refs_blocks(
+        words,
+        dev["fixed_base"],
+        dev["fixed_blocks"],
+        dev["flagged_blocks"],
+        dev["ref_off"],
+        dev["ref_words"],
+        dev["rows"],
+        dev["n_unique"],
+        dev["width"],
+        dev["id_base"],
+        dev["refs_bad"],
+        n_ids,
+        int(fixed_base[-1]),
+    )
+    symbols, is_esc = k_huffman.decode_blocks(
+        words,
+        dev["chunk_base"],
+        dev["sym_base"],
+        dev["ct_off"],
+        dev["bs_off"],
+        dev["bs_words"],
+        dev["chunk_symbols"],
+        dev["table_idx"],
+        tables,
+        dev["table_bad"],
+        dev["fail"],
+        int(col["n_chunks"].sum()),
+        total_sym,
+    )
+    rank = k_huffman.check_escapes(
+        is_esc, dev["sym_base"], words, dev["esc_pos_off"], dev["n_esc"], dev["esc_bad"]
+    )
+    out = k_quantize.decode_outputs(
+        words,
+        dev["out_base"],
+        dev["mode"],
+        dev["dtype"],
+        dev["dim"],
+        dev["n_unique"],
+        dev["src_off"],
+        dev["id_base"],
+        dev["sym_base"],
+        dev["step_bits"],
+        dev["center"],
+        dev["esc_val_off"],
+        dev["n_esc"],
+        dev["out_off"],
+        ids if n_ids else dummy,
+        symbols if total_sym else dummy.view(torch.int16),
+        rank if total_sym else dummy,
+        int(col["out_words"].sum()),
+        int(col["n_out"].sum()),
+    )
+    if lz.any() or quant.any():
+        codes = k_huffman.block_status(
+            dev["sym_base"],
+            rank if total_sym else dummy,
+            dev["n_esc"],
+            dev["has_stream"],
+            dev["refs_bad"],
+            dev["codebook_bad"],
+            dev["table_bad"],
+            dev["fail"],
+            dev["esc_bad"],
+        )
+        codes = _host(codes)  # sync 2: every decode error of every block
+        bad = np.flatnonzero(codes)
+        if bad.shape[0]:
+            b = int(bad[0])
+            r = _Reader(np.zeros(0, np.uint32), b)
+            if codes[b] == k_huffman.REFS_OUT_OF_RANGE:
+                raise r.fail("vector references out of range")
+            raise r.fail(f"Huffman stream: {huffman.DECODE_ERRORS[int(codes[b])]}")
+    # One typed view of the buffer per dtype, then one as_strided per block.
+    halves = out.view(torch.int16)
+    typed = {
+        1: out.view(torch.float32),
+        2: halves.view(torch.float16),
+        3: halves.view(torch.bfloat16),
+    }
+    blocks = []
+    for r, c, d, o, n in zip(
+        col["rows"].tolist(),
+        col["dim"].tolist(),
+        col["dtype"].tolist(),
+        col["out_off"].tolist(),
+        col["n_out"].tolist(),
+        strict=True,
+    ):
+        if n == 0:
+            blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
+        else:
+            blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
+    return blocks
+
+
+__all__ = ["decompress_device", "host_syncs"]
