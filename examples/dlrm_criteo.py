@@ -1488,17 +1488,23 @@ class Trainer:
         comms: dict[str, Any]
         if self.sharded.lossy:
             sums = {"fwd": [0, 0], "bwd": [0, 0], "input": [0, 0]}
+            fwd_coded = 0  # raw bytes of the rows the codec saw (fewer under output dedupe)
             for r in per_rank:
                 for d in ("fwd", "bwd", "input"):
                     for name, e in r["totals"][d].items():
-                        sums[d][0] += e["raw_bytes"]
+                        raw = e["raw_bytes"]
+                        if d == "fwd":
+                            fwd_coded += raw
+                            if e["rows_sent"]:  # raw = what TorchRec would have sent
+                                raw = raw * e["rows"] // e["rows_sent"]
+                        sums[d][0] += raw
                         sums[d][1] += e["wire_bytes"]
                         enc += e["encode_s"]
                         dec += e["decode_s"]
                         if d != "fwd" or name not in tables:
                             continue
                         t = tables[name]
-                        t["raw_bytes"] = t.get("raw_bytes", 0) + e["raw_bytes"]
+                        t["raw_bytes"] = t.get("raw_bytes", 0) + raw
                         t["wire_bytes"] = t.get("wire_bytes", 0) + e["wire_bytes"]
                         t["fwd_ratio"] = t["raw_bytes"] / max(1, t["wire_bytes"])
                         t["max_error_over_bound"] = _nanmax(
@@ -1514,6 +1520,7 @@ class Trainer:
                 "source": "measured",
                 "fwd_raw_bytes_per_step": sums["fwd"][0] / n,
                 "fwd_wire_bytes_per_step": sums["fwd"][1] / n,
+                "fwd_coded_bytes_per_step": fwd_coded / n,
                 "bwd_raw_bytes_per_step": sums["bwd"][0] / n,
                 "bwd_wire_bytes_per_step": sums["bwd"][1] / n,
                 "input_raw_bytes_per_step": sums["input"][0] / n,

@@ -70,11 +70,20 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
         f"{_fmt(1e3 * timing['step_time_s_median'], '.1f')} ms median   "
         f"examples/s {_fmt(timing['examples_per_s'], ',.0f')}   "
         f"data wait {_fmt(1e3 * timing['data_wait_s_per_step'], '.1f')} ms/step",
-        f"a2a bytes/step (all ranks, {comms['source']}): "
+        f"a2a bytes/step (all ranks, {comms['source']}; raw = TorchRec's uncompressed bytes): "
+        f"input {_fmt_bytes(comms['input_wire_bytes_per_step'])} "
+        f"(raw {_fmt_bytes(comms['input_raw_bytes_per_step'])}, "
+        f"{_fmt(comms['input_ratio'], '.2f')}x)   "
         f"fwd {_fmt_bytes(comms['fwd_wire_bytes_per_step'])} "
         f"(raw {_fmt_bytes(comms['fwd_raw_bytes_per_step'])}, "
-        f"{_fmt(comms['fwd_ratio'], '.2f')}x)   "
-        f"bwd {_fmt_bytes(comms['bwd_wire_bytes_per_step'])} "
+        f"{_fmt(comms['fwd_ratio'], '.2f')}x"
+        + (
+            f"; codec {comms['fwd_coded_bytes_per_step'] / comms['fwd_wire_bytes_per_step']:.2f}x"
+            " on the distinct rows"
+            if comms.get("fwd_coded_bytes_per_step") and comms["fwd_wire_bytes_per_step"]
+            else ""
+        )
+        + f")   bwd {_fmt_bytes(comms['bwd_wire_bytes_per_step'])} "
         f"(raw {_fmt_bytes(comms['bwd_raw_bytes_per_step'])}, "
         f"{_fmt(comms['bwd_ratio'], '.2f')}x)",
         f"codec time share {_fmt(100 * timing['codec_time_share'], '.1f')}% of steady step time "
