@@ -608,3 +608,35 @@ def test_larger_blocks_decode_like_cpu(dtype: torch.dtype) -> None:
 def test_header_view_is_the_header() -> None:
     """The decoder reads the header the format module defines (a guard for the layout)."""
     assert HEADER.itemsize == 32 and dd._HEADER_WORDS == 8
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_and_checks_identity(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/gpu_codec_bench.py's measuring function end to end on CPU in the interpreter
+    (tiny traffic, every entry called once): it must build its table and find the device-resident
+    and host-orchestrated payloads byte-identical, as it will on a GPU."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_codec_bench", REPO / "benchmarks" / "gpu_codec_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(
+        preset="criteo_kaggle", dim=4, batch_rows=8, chunk_symbols=64, seed=0, rep_ms=1
+    )
+    calls: list[str] = []
+
+    def once(fn: Callable[[], object]) -> float:
+        fn()
+        calls.append("x")
+        return 1.0
+
+    out = bench.run(args, torch.device("cpu"), once)
+    assert out["payload_identical_to_cpu"] is True
+    names = {r["name"] for r in out["rows"]}
+    assert {"compress, device-resident", "decompress, device-resident"} <= names
+    assert len(calls) == len(out["rows"])
+    assert "device-to-device copy" in capsys.readouterr().out
