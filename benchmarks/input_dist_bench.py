@@ -24,6 +24,13 @@ from the trained-model value model of :mod:`torchrec_lossy.traffic`:
   dim 64.
 
 Run: ``.venv/bin/python benchmarks/input_dist_bench.py [--json out.json]``.
+
+``--timing`` instead times the input codec on this machine (CPU ms per step and rank, no
+process group): every rank's KJT is encoded (``_encode``, default config: wire dedupe, exact
+output dedupe, checksums) and rank 0 decodes what it would receive (``_decode``), at the batch
+sizes given by ``--timing-batches`` (default 512, the example's, and 2048), 2 ranks, single-hot
+Zipf ids of the Kaggle cardinalities:
+``.venv/bin/python benchmarks/input_dist_bench.py --timing``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ from torchrec.distributed.types import CommOp
 from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
 from torchrec_lossy.dist.alltoall import BlockSpec, LossyAll2AllPooledInfo, _encode_payloads
 from torchrec_lossy.dist.comms import LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import _distinct_bags, _encode
+from torchrec_lossy.dist.input_dist import (
+    _HEADER,
+    _PER_FEATURE,
+    _decode,
+    _distinct_bags,
+    _encode,
+    _FeatureMeta,
+)
 from torchrec_lossy.traffic import (
     criteo_sample_ids,
     default_value_model,
@@ -167,13 +181,69 @@ def _output_bytes(
     return out
 
 
+def _timing(batch: int, world: int, reps: int) -> dict[str, float]:
+    """Median CPU ms per step of one rank's encode and of rank 0's decode (default config)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    cards = table_cardinalities("criteo_kaggle")
+    ids = torch.stack([sample_ids(c, batch * world, generator=g) for c in cards], dim=1)
+    kjts, splits = _kjts(ids, world)
+    comms = LossyComms(config=LossyCommsConfig(), bounds=StaticBounds([], LossyCommsConfig()))
+    keys = kjts[0].keys()[: splits[0]]
+    n = _HEADER + _PER_FEATURE * len(keys)
+    enc_t, dec_t = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        encs = [_encode(k, splits, comms, "exact") for k in kjts]
+        enc_t.append((time.perf_counter() - t0) / world)
+        # What rank 0 receives: each source's first payload and metadata row.
+        recv = torch.cat([e.send[: e.send_words[0]] for e in encs])
+        rows = [e.meta[:n].tolist() for e in encs]
+        metas = [
+            [
+                _FeatureMeta.from_words(
+                    r[_HEADER + i * _PER_FEATURE : _HEADER + (i + 1) * _PER_FEATURE]
+                )
+                for i in range(len(keys))
+            ]
+            for r in rows
+        ]
+        t0 = time.perf_counter()
+        _decode(
+            recv, [r[0] for r in rows], metas, [r[1] for r in rows], [r[2] for r in rows], keys, 0
+        )
+        dec_t.append(time.perf_counter() - t0)
+        comms.stats.reset()
+    enc_t.sort()
+    dec_t.sort()
+    return {"encode_ms": 1e3 * enc_t[reps // 2], "decode_ms": 1e3 * dec_t[reps // 2]}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prints the table and the JSON; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=2048, help="synthetic: samples per rank")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 8])
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--timing", action="store_true", help="time the input codec instead")
+    p.add_argument("--timing-batches", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--reps", type=int, default=200, help="timing: steps (median reported)")
     args = p.parse_args(argv)
+    if args.timing:
+        torch.set_num_threads(1)  # as each of the example's two ranks on this 2-core box
+        timings = []
+        for batch in args.timing_batches:
+            t = {"batch_per_rank": batch, "world": 2, **_timing(batch, 2, args.reps)}
+            timings.append(t)
+            print(
+                f"batch {batch:>5}/rank, 2 ranks: encode {t['encode_ms']:.2f} ms, "
+                f"decode {t['decode_ms']:.2f} ms per step and rank"
+            )
+        if args.json:
+            with open(args.json, "w") as fh:
+                fh.write(json.dumps(timings, indent=1) + "\n")
+        return 0
 
     g = torch.Generator().manual_seed(0)
     results = []

@@ -28,9 +28,13 @@ from torchrec_lossy.dist.input_dist import (
     _HEADER,
     _PER_FEATURE,
     SPLITS,
+    _checksums,
     _decode,
+    _distinct_bags,
     _encode,
     _FeatureMeta,
+    _first_bags,
+    _segment_sort,
     pack_bits,
     unpack_bits,
 )
@@ -192,6 +196,49 @@ def test_checksum_catches_a_flipped_word_and_costs_two_words_per_destination() -
         bad[word] ^= 1 << 7
         with pytest.raises(LossyAllToAllError, match=r"from rank 0 .*checksum does not match"):
             _decode(bad, *args)
+
+
+def test_checksums_match_their_formula_across_payload_sizes() -> None:
+    g = torch.Generator().manual_seed(3)
+    sizes = [0, 1, 2, 3, 70_000, 17]
+    words = torch.randint(-(2**31), 2**31, (sum(sizes),), generator=g, dtype=torch.int64)
+    words = words.to(torch.int32)
+    got = _checksums(words, sizes).tolist()
+    at = 0
+    for n, s in zip(sizes, got, strict=True):
+        u = [w & 0xFFFFFFFF for w in words[at : at + max(n - 2, 0)].tolist()]
+        want = sum(x * (2 * (i % 65521) + 1) for i, x in enumerate(u)) % 2**64
+        assert s % 2**64 == want
+        at += n
+
+
+def test_owner_first_bags_from_the_inverse_index_equal_the_sort() -> None:
+    g = torch.Generator().manual_seed(4)
+    lengths, values, inverses, uniques = [], [], [], []
+    for batch, card, p_empty in ((50, 7, 0.0), (64, 1000, 0.3), (9, 3, 0.9), (5, 4, 1.0)):
+        lens = (torch.rand(batch, generator=g) >= p_empty).to(torch.int64)
+        ids = torch.randint(0, card, (int(lens.sum()),), generator=g)
+        u, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        lengths.append(lens)
+        values.append(ids)
+        inverses.append(inv)
+        uniques.append(u.numel())
+    want = _distinct_bags(lengths, values)[2]
+    for bound in (None, 1000):
+        assert [t.tolist() for t in _distinct_bags(lengths, values, bound)[2]] == [
+            t.tolist() for t in want
+        ]
+    got = _first_bags(lengths, inverses, uniques)
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+
+
+def test_segment_sort_with_a_bound_is_the_two_sort_order() -> None:
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, 50, (500,), generator=g)
+    seg = torch.randint(0, 4, (500,), generator=g)
+    two = _segment_sort(keys, seg)
+    one = _segment_sort(keys, seg, 50, 4)
+    assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
 
 
 def _n_ids(kjt: Any, last_features: int) -> int:

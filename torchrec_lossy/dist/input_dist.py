@@ -122,17 +122,14 @@ class _Layout:
     def positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per element, its width and its first bit (int64 tensors on ``device``)."""
         total = sum(self.counts)
+        # Element i of a section starting at element e0 and bit b0 sits at bit
+        # b0 + (i - e0) * width: one per-section (width, b0 - e0 * width) pair, repeated.
+        firsts = list(itertools.accumulate(self.counts, initial=0))[:-1]
+        offsets = [b - e * w for b, e, w in zip(self.starts, firsts, self.widths, strict=True)]
+        per_sec = torch.tensor([self.widths, offsets], dtype=torch.int64).view(2, -1)
         counts = torch.tensor(self.counts, dtype=torch.int64)
-        sec = torch.repeat_interleave(torch.arange(len(self.counts)), counts, output_size=total)
-        first = torch.tensor(
-            list(itertools.accumulate(self.counts, initial=0))[:-1], dtype=torch.int64
-        )
-        widths = torch.tensor(self.widths, dtype=torch.int64)
-        pos = (
-            torch.tensor(self.starts, dtype=torch.int64)[sec]
-            + (torch.arange(total) - first[sec]) * widths[sec]
-        )
-        return widths[sec].to(device), pos.to(device)
+        w, off = torch.repeat_interleave(per_sec, counts, dim=1, output_size=total)
+        return w.to(device), (torch.arange(total) * w + off).to(device)
 
 
 def pack_bits(
@@ -299,17 +296,29 @@ def _checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Tensor:
     Returns:
         int64 checksum per payload.
     """
-    dev = words.device
-    counts = torch.tensor(list(seg_words), dtype=torch.int64, device=dev)
-    seg = torch.repeat_interleave(
-        torch.arange(len(seg_words), device=dev), counts, output_size=words.numel()
-    )
-    pos = torch.arange(words.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
     u = words.to(torch.int64) & _MASK32
-    terms = torch.where(
-        pos < (counts - _CHECK_WORDS)[seg], u * (2 * (pos % 65521) + 1), torch.zeros_like(u)
-    )
-    return torch.zeros(len(seg_words), dtype=torch.int64, device=dev).index_add_(0, seg, terms)
+    if not seg_words:
+        return u.new_zeros(0)
+    weights = _check_weights(max(seg_words), words.device)
+    sums, at = [], 0
+    for n in seg_words:
+        k = max(n - _CHECK_WORDS, 0)
+        # Products < 2**49; the sum wraps like the formula's (integer sums are order-free).
+        sums.append((u[at : at + k] * weights[:k]).sum())
+        at += n
+    return torch.stack(sums)
+
+
+_WEIGHT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _check_weights(n: int, device: torch.device) -> torch.Tensor:
+    """The checksum's position weights ``2 * (i mod 65521) + 1`` for ``i < n`` (cached)."""
+    w = _WEIGHT_CACHE.get(device)
+    if w is None or w.numel() < n:
+        w = 2 * (torch.arange(max(n, 1 << 16), dtype=torch.int64, device=device) % 65521) + 1
+        _WEIGHT_CACHE[device] = w
+    return w[:n]
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:
@@ -409,17 +418,30 @@ def output_dedupe_of(batch_size_per_rank: object) -> OutputDedupe | None:
     return getattr(batch_size_per_rank, "output_dedupe", None)
 
 
-def _segment_sort(keys: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lexicographic (segment, key) order by two stable sorts (no hashing).
+def _segment_sort(
+    keys: torch.Tensor, seg: torch.Tensor, bound: int | None = None, num_segments: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lexicographic (segment, key) order by stable sorts (no hashing).
 
     Args:
         keys: int64 keys.
         seg: Segment of each key.
+        bound: If known, every key is in ``[0, bound)``: when ``num_segments * bound`` fits in
+            62 bits, one stable sort of ``seg * bound + key`` gives the same order as the two
+            stable sorts (by key, then by segment) used otherwise.
+        num_segments: Segments (with ``bound``).
 
     Returns:
         The order, and the mask of the first occurrence of each (segment, key) in that order
         (stable: it is the key's earliest position in its segment).
     """
+    if bound is not None and max(num_segments, 1) * max(bound, 1) < 1 << 62:
+        combined = seg * bound + keys
+        order = torch.sort(combined, stable=True).indices
+        sc = combined[order]
+        new = torch.ones_like(sc, dtype=torch.bool)
+        new[1:] = sc[1:] != sc[:-1]
+        return order, new
     order = torch.sort(keys, stable=True).indices
     order = order[torch.sort(seg[order], stable=True).indices]
     sk, ss = keys[order], seg[order]
@@ -514,7 +536,12 @@ def _feature_stats(
     num_unique = zeros
     ids = None
     if dedupe:
-        order, new = _segment_sort(v, seg)
+        # On the host the bound of the keys costs nothing (on a GPU it would be one more sync).
+        bound = None
+        if dev.type == "cpu" and v.numel():
+            lo, hi = torch.aminmax(v)
+            bound = int(hi) + 1 if int(lo) >= 0 else None
+        order, new = _segment_sort(v, seg, bound, num_features)
         num_unique = zeros.scatter_add(0, seg[order], new.to(torch.int64))
         ids = (order, new)
     stats = torch.stack([len_sum, len_max, len_min, id_max, id_min, num_unique], dim=1)
@@ -522,16 +549,22 @@ def _feature_stats(
 
 
 def _distinct_bags(
-    lengths: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+    lengths: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    id_bound: int | None = None,
+    with_inverse: bool = True,
 ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Per segment (one feature of one batch), its distinct bags (:func:`_bag_keys`).
 
-    Used by the sender (counts, inverse) and by the owner (first bags) of the exact output
-    dedupe, so both order the distinct bags the same way: ascending key (the empty bag first).
+    Used by the owner of the exact output dedupe (first bags) for the segments whose ids did not
+    arrive wire-deduplicated (the others take :func:`_first_bags`). It orders the distinct bags
+    as the sender's :func:`_bag_inverse` does: ascending key (the empty bag first).
 
     Args:
         lengths: Bag lengths of each segment.
         values: Ids of each segment.
+        id_bound: If known, every id is in ``[0, id_bound)`` (one sort instead of two).
+        with_inverse: Also compute the inverse index (else an empty list).
 
     Returns:
         Per segment: the number of distinct bags (read on the host, once for all), the inverse
@@ -544,14 +577,68 @@ def _distinct_bags(
     seg = torch.repeat_interleave(
         torch.arange(len(counts), device=dev), sizes, output_size=lens.numel()
     )
-    order, new = _segment_sort(_bag_keys(lens, torch.cat(list(values)).to(torch.int64)), seg)
+    keys = _bag_keys(lens, torch.cat(list(values)).to(torch.int64))
+    bound = None
+    if id_bound is not None:  # shift the keys (>= -1 - lens.numel()) to be >= 0
+        keys = keys + (lens.numel() + 1)
+        bound = id_bound + lens.numel() + 1
+    order, new = _segment_sort(keys, seg, bound, len(counts))
     num = torch.zeros(len(counts), dtype=torch.int64, device=dev)
     num.scatter_add_(0, seg[order], new.to(torch.int64))
-    inverse = _segment_inverse(order, new, seg, num)
-    first, first_seg = order[new], seg[order][new]
-    first = first - (torch.cumsum(sizes, 0) - sizes)[first_seg]
+    inverse = _segment_inverse(order, new, seg, num).split(counts) if with_inverse else []
+    first = order[new]
+    first = first - (torch.cumsum(sizes, 0) - sizes)[seg[first]]
     num_host = num.tolist()
-    return num_host, list(inverse.split(counts)), list(first.split(num_host))
+    return num_host, list(inverse), list(first.split(num_host))
+
+
+def _first_bags(
+    lengths: Sequence[torch.Tensor], inverses: Sequence[torch.Tensor], num_unique: Sequence[int]
+) -> list[torch.Tensor]:
+    """The owner's :func:`_distinct_bags` first bags, from the sender's inverse index.
+
+    For segments (one feature of one source) whose bags hold at most one id and whose ids
+    arrived as distinct ids plus an inverse index: the sender orders the distinct bags the empty
+    one first (if any), then the distinct ids in the order of that same inverse index (its
+    ascending (feature, id) sort, see :func:`_bag_inverse`), so the first bag of each distinct
+    bag is a segmented minimum over the inverse index, no sort.
+
+    Args:
+        lengths: Bag lengths (0 or 1) of each segment.
+        inverses: Per segment, the inverse index of its ids over its distinct ids (empty for a
+            segment without ids).
+        num_unique: Distinct ids of each segment.
+
+    Returns:
+        Per segment, the first bag of each distinct bag (``[empty + num_unique]``).
+    """
+    dev = lengths[0].device
+    sizes = [int(t.numel()) for t in lengths]
+    n_ids = [int(t.numel()) for t in inverses]
+    empty = [int(n < b) for n, b in zip(n_ids, sizes, strict=True)]
+    rows = [e + u for e, u in zip(empty, num_unique, strict=True)]
+    row_off = list(itertools.accumulate(rows, initial=0))
+    bag_off = list(itertools.accumulate(sizes, initial=0))
+    total = bag_off[-1]
+    # Per segment: its first bag, its first row (the empty bag's) and the row of distinct id 0.
+    per_seg = torch.tensor(
+        [bag_off[:-1], row_off[:-1], [r + e for r, e in zip(row_off, empty, strict=False)]],
+        dtype=torch.int64,
+        device=dev,
+    )
+    bag0, row0 = torch.repeat_interleave(
+        per_seg[:2], torch.tensor(sizes, device=dev), dim=1, output_size=total
+    )
+    local = torch.arange(total, device=dev) - bag0
+    target = row0.clone()  # every empty bag is its segment's first row
+    id_row = torch.cat(list(inverses)).to(torch.int64) + torch.repeat_interleave(
+        per_seg[2], torch.tensor(n_ids, device=dev), output_size=sum(n_ids)
+    )
+    lens = torch.cat(list(lengths)).to(torch.int64)
+    target[torch.repeat_interleave(local + bag0, lens, output_size=sum(n_ids))] = id_row
+    first = torch.full((row_off[-1],), total, dtype=torch.int64, device=dev)
+    first.scatter_reduce_(0, target, local, "amin")
+    return list(first.split(rows))
 
 
 def _encode(
@@ -602,23 +689,9 @@ def _encode(
     lens = lengths.to(torch.int64)
     # Offsets of each feature's ids in the input (not what travels: lookup features send U).
     val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
-    # Exact output dedupe: distinct bags of the features whose bags hold at most one id. Those
-    # with exactly one id per bag reuse the id sort (bags are ids); all-empty ones have one
-    # distinct bag; only a mix of empty and one-id bags needs a bag sort (one more host read).
-    holey: dict[int, tuple[int, torch.Tensor]] = {}
-    if exact_out:
-        mixed = [f for f, st in enumerate(stats) if st[1] == 1 and st[2] == 0]
-        if mixed:
-            with record_function("## lossy_input dedupe bags ##"):
-                nums, invs, _ = _distinct_bags(
-                    [lens[f * batch : (f + 1) * batch] for f in mixed],
-                    [v[val_off[f] : val_off[f + 1]] for f in mixed],
-                )
-            holey = dict(zip(mixed, zip(nums, invs, strict=True), strict=True))
-
     with record_function("## lossy_input encode ##"):
         metas: list[_FeatureMeta] = []
-        for f, (len_sum, len_max, len_min, id_max, _, uniq) in enumerate(stats):
+        for len_sum, len_max, len_min, id_max, _, uniq in stats:
             id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
             if (
                 output_dedupe == "lookup"
@@ -635,9 +708,11 @@ def _encode(
             # Deduplicate only where distinct ids + inverse index take fewer bits.
             dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
             # Bags of at most one unweighted id that repeat: send back each distinct one once.
+            # Distinct bags: with one id per bag the ids; with none, one; with a mix of empty
+            # and one-id bags, the empty bag then the ids (see _bag_inverse and _first_bags).
             out_rows = 0
             if exact_out and len_max <= 1:
-                bags = uniq if len_min == 1 else holey[f][0] if len_max == 1 else 1
+                bags = uniq if len_min == 1 else uniq + 1 if len_max == 1 else 1
                 out_rows = bags if bags < batch else 0
             metas.append(
                 _FeatureMeta(
@@ -734,7 +809,7 @@ def _encode(
                     assert inverse is not None
                     row.append((m.num_unique, inverse[val_off[f] : val_off[f + 1]]))
                 elif m.out_rows:
-                    bag_inv = _bag_inverse(f, stats[f], batch, holey, inverse, val_off)
+                    bag_inv = _bag_inverse(f, stats[f], batch, lens, inverse, val_off)
                     row.append((m.out_rows, bag_inv))
                 else:
                     row.append(None)
@@ -762,30 +837,38 @@ def _bag_inverse(
     f: int,
     st: Sequence[int],
     batch: int,
-    holey: dict[int, tuple[int, torch.Tensor]],
+    lens: torch.Tensor,
     inverse: torch.Tensor | None,
     val_off: Sequence[int],
 ) -> torch.Tensor:
     """Inverse index of feature ``f``'s bags over its distinct bags (exact output dedupe).
 
+    The distinct bags are the empty bag (if any) then the feature's distinct ids, in the order
+    of ``inverse`` (ascending id), as :func:`_first_bags` and :func:`_distinct_bags` order them.
+
     Args:
         f: Feature.
         st: Its statistics row (length sum, max, min, ...).
         batch: Bags of the feature.
-        holey: Distinct bags of the features that mix empty and one-id bags.
+        lens: Bag lengths of every feature (int64).
         inverse: Inverse index of every id over its feature's distinct ids.
         val_off: Offset of each feature's ids.
 
     Returns:
         int64 ``[batch]``.
     """
+    assert inverse is not None
+    ids_inv = inverse[val_off[f] : val_off[f + 1]]
     if st[2] == 1:  # one id per bag: bags are ids, in the same ascending order
-        assert inverse is not None
-        return inverse[val_off[f] : val_off[f + 1]]
-    if st[1] == 0:  # every bag empty: one distinct bag
-        assert inverse is not None
-        return inverse.new_zeros(batch)
-    return holey[f][1]
+        return ids_inv
+    out = inverse.new_zeros(batch)  # every bag empty: one distinct bag
+    if st[1] == 1:  # empty (row 0) and one-id bags
+        bag_lens = lens[f * batch : (f + 1) * batch]
+        bags = torch.repeat_interleave(
+            torch.arange(batch, device=lens.device), bag_lens, output_size=ids_inv.numel()
+        )
+        out[bags] = ids_inv + 1
+    return out
 
 
 def _record_encode(
@@ -906,7 +989,11 @@ def _decode(
     lengths: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
-    out_segs: list[tuple[int, int, int]] = []  # (source, index in lengths, rows sent back)
+    # Exact output dedupe, (source, index in lengths, rows sent back, id bits) of the features
+    # the owner sorts, and (the same, inverse index, distinct ids) of those whose ids arrived
+    # deduplicated: their distinct bags follow from the inverse index, no sort needed.
+    out_segs: list[tuple[int, int, int, int]] = []
+    out_inv: list[tuple[int, int, int, torch.Tensor, int]] = []
     for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
         for m, fields in zip(metas, index[src], strict=True):
 
@@ -922,11 +1009,15 @@ def _decode(
                 continue
             lengths.append(field("lengths", batch))
             if m.dedupe:
-                values.append(field("unique", m.num_unique)[field("inverse", m.num_ids)])
+                inv = field("inverse", m.num_ids)
+                values.append(field("unique", m.num_unique)[inv])
             else:
+                inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
                 values.append(field("ids", m.num_ids))
-            if m.out_rows:
-                out_segs.append((src, len(lengths) - 1, m.out_rows))
+            if m.out_rows and inv is not None:
+                out_inv.append((src, len(lengths) - 1, m.out_rows, inv, m.num_unique))
+            elif m.out_rows:
+                out_segs.append((src, len(lengths) - 1, m.out_rows, m.id_bits))
         if wire_w is not None:
             at, n = weight_slots[src]
             nw = _weight_words(n, wire_w)
@@ -935,15 +1026,26 @@ def _decode(
             weights.append(raw[: n * esize].view(wire_w))
     assert len_dtype is not None and val_dtype is not None
     selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
-    if out_segs:
-        with record_function("## lossy_input dedupe select ##"):
-            _, _, firsts = _distinct_bags(
-                [lengths[i] for _, i, _ in out_segs], [values[i] for _, i, _ in out_segs]
+    firsts: list[torch.Tensor] = []
+    with record_function("## lossy_input dedupe select ##"):
+        if out_inv:
+            firsts += _first_bags(
+                [lengths[i] for _, i, _, _, _ in out_inv],
+                [inv for _, _, _, inv, _ in out_inv],
+                [u for _, _, _, _, u in out_inv],
             )
-        for (src, i, rows), first in zip(out_segs, firsts, strict=True):
-            if first.numel() != rows:
-                fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
-            selects[src][i - sum(len(m) for m in metas_per_src[:src])] = first
+        if out_segs:
+            firsts += _distinct_bags(
+                [lengths[i] for _, i, _, _ in out_segs],
+                [values[i] for _, i, _, _ in out_segs],
+                max(1 << b for *_, b in out_segs),
+                with_inverse=False,
+            )[2]
+    segs = [x[:3] for x in out_inv] + [x[:3] for x in out_segs]
+    for (src, i, rows), first in zip(segs, firsts, strict=True):
+        if first.numel() != rows:
+            fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
+        selects[src][i - sum(len(m) for m in metas_per_src[:src])] = first
     out_lengths = (
         torch.cat(lengths).to(len_dtype) if lengths else recv.new_empty(0, dtype=len_dtype)
     )
