@@ -44,20 +44,21 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     ESCAPE_SYMBOL,
     HEADER,
-    MAGIC,
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_QUANT_LZ,
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
-    VERSION,
     CodecError,
-    checksum_words,
 )
-from torchrec_lossy.codec.pipeline import DEFAULT_MAX_ELEMENTS, _check_payload, _Reader
+from torchrec_lossy.codec.pipeline import (
+    DEFAULT_MAX_ELEMENTS,
+    _check_payload,
+    _parse_header,
+    _Reader,
+)
 
 _HEADER_WORDS = HEADER.itemsize // 4
 _SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
@@ -147,11 +148,13 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
 
 
 def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
-    """Every block's fields and section offsets, or None if the CPU path would reject the payload.
+    """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
-    The conditions are the CPU path's (``pipeline._parse_header``, ``_decode_block``,
-    ``_decode_refs``: every ``take`` fits, ``done`` leaves nothing, every field check), as numpy
-    expressions over all blocks at once; the messages are left to the CPU path.
+    The header and descriptors go through the CPU path's own ``pipeline._parse_header`` (which
+    raises its ``CodecError``: those checks precede any block on the CPU path too). The segment
+    conditions are ``_decode_block``'s and ``_decode_refs``' (every ``take`` fits, ``done``
+    leaves nothing, every field check), as numpy expressions over all blocks at once; for them the
+    messages are left to the CPU path.
 
     Args:
         buf: The payload's bytes.
@@ -160,41 +163,17 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     Returns:
         int64 arrays by field name (word offsets are into the payload), or None.
     """
-    n = buf.shape[0]
-    if n < HEADER.itemsize:
-        return None
-    header = buf[: HEADER.itemsize].view(HEADER)[0]
-    body_words = int(header["body_words"])
-    if (
-        int(header["magic"]) != MAGIC
-        or int(header["version"]) != VERSION
-        or n != HEADER.itemsize + 4 * body_words
-    ):
-        return None
-    body = buf[HEADER.itemsize :].view(np.uint32)
-    n_blocks = int(header["n_blocks"])
-    if (
-        int(checksum_words(body)) != int(header["checksum"])
-        or n_blocks * DESCRIPTOR.itemsize > 4 * body_words
-    ):
-        return None
-    desc_words = n_blocks * DESCRIPTOR.itemsize // 4
-    descs = body[:desc_words].view(DESCRIPTOR)
+    body, desc_fields, offsets = _parse_header(buf, max_elements)
+    n_blocks = len(desc_fields)
+    descs = body[: offsets[0]].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
     rows = descs["rows"].astype(np.int64)
     dim = descs["dim"].astype(np.int64)
     dtype = descs["dtype"].astype(np.int64)
     mode = descs["mode"].astype(np.int64)
-    if int(seg.sum()) != body_words - desc_words or not (
-        np.isin(dtype, list(CODE_DTYPES)).all() and (mode <= MODE_QUANT_LZ).all()
-    ):
-        return None
-    # Python ints: rows * dim may pass 2**63.
-    if sum(r * max(d, 1) for r, d in zip(rows.tolist(), dim.tolist(), strict=True)) > max_elements:
-        return None
     if n_blocks == 0:
         return {"rows": rows}
-    start = desc_words + _bases(seg)[:-1]  # segment starts, in body words
+    start = offsets[:-1]  # segment starts, in body words
     itemsize = np.where(dtype == 1, 4, 2)
     raw, lz, quant = mode == MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
     # Segment headers, read in place (garbage for raw or short segments, which never use them).

@@ -45,7 +45,7 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.triton_ops import TritonOps, _load_kernels, triton_available
+from torchrec_lossy.codec.triton_ops import _load_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
 
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
@@ -260,10 +260,11 @@ class ReferenceOps:
         return out
 
 
+# The stage-by-stage backends. "triton" is not among them: it always runs device-resident
+# (_on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
 _OPS: dict[str, StageOps] = {
     "cpu": CpuOps(),
     "reference": ReferenceOps(),
-    "triton": TritonOps(),  # cheap: triton is imported on first use
 }
 
 
@@ -281,8 +282,8 @@ def _on_device(device: torch.device, backend: str) -> bool:
 
 
 def _ops_for(backend: str) -> StageOps:
-    # Stage-by-stage ops (CPU blocks and payloads): "auto" is the compiled CPU path; CUDA
-    # blocks and payloads go device-resident instead (_on_device, docs/kernels.md).
+    # Only for backends _on_device turned down: "auto" (CPU tensors, or CUDA ones without
+    # triton) is the compiled CPU path.
     return _OPS["cpu" if backend == "auto" else backend]
 
 
