@@ -3,15 +3,16 @@
 A single-process computation with the real encoders, byte counts summed over all ranks of one
 step (the self-send included, as TorchRec's all-to-alls do):
 
-- input dist: every rank's KJT is encoded by ``torchrec_lossy.dist.input_dist._encode``; the
+- input dist: every rank's KJT is encoded by ``torchrec_lossy.distributed.input_dist._encode``; the
   bytes are the packed payload words plus the metadata exchange. TorchRec's (``none`` and every
   qcomm mode: qcomm codecs do not touch the KJT all-to-all) are its lengths and ids tensors plus
   its splits exchange (lengths, values, stride per destination).
 - output dist (forward pooled embeddings): ``none`` fp32; ``fp16``/``mx4`` TorchRec's qcomm size
   (``calc_quantized_size`` of each (source, destination) chunk, as ``All2All_Pooled_Req``);
-  ``lossy`` the codec payloads of ``torchrec_lossy.dist.alltoall._encode_payloads`` at the default
-  bound (relative 0.03 per table and block), without and with the exact output dedupe (each
-  destination gets the pooled row of each distinct id once per table).
+  ``lossy`` the codec payloads of
+  ``torchrec_lossy.distributed.alltoall._encode_payloads`` at the default bound (relative
+  0.03 per table and block), without and with the exact output dedupe (each destination gets
+  the pooled row of each distinct id once per table).
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
 (feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
@@ -49,9 +50,9 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 from torchrec.distributed.types import CommOp
 
 from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
-from torchrec_lossy.dist.alltoall import BlockSpec, LossyAll2AllPooledInfo, _encode_payloads
-from torchrec_lossy.dist.comms import LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import (
+from torchrec_lossy.distributed.alltoall import BlockSpec, LossyAll2AllPooledInfo, _encode_payloads
+from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
+from torchrec_lossy.distributed.input_dist import (
     _HEADER,
     _PER_FEATURE,
     _decode,

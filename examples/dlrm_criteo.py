@@ -814,7 +814,7 @@ def lossy_modules(model: nn.Module) -> dict[str, nn.Module]:
     Returns:
         Path to module.
     """
-    from torchrec_lossy.dist import LossyShardedEmbeddingBagCollection
+    from torchrec_lossy.distributed import LossyShardedEmbeddingBagCollection
 
     return {
         name: m
@@ -829,7 +829,7 @@ def end_of_training_step(model: nn.Module) -> None:
     Args:
         model: The DMP model.
     """
-    from torchrec_lossy.dist import step_lossy_bounds
+    from torchrec_lossy.distributed import step_lossy_bounds
 
     step_lossy_bounds(model)
 
@@ -911,7 +911,7 @@ class CommsMeter:
     """
 
     def __init__(self, sharded: ShardedModel, env: DistEnv, batch_size: int, dim: int) -> None:
-        from torchrec_lossy.dist import TableCommStats
+        from torchrec_lossy.distributed import TableCommStats
 
         self.sharded = sharded
         self.env = env

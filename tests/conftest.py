@@ -1,7 +1,7 @@
 """Session-wide test set-up.
 
 Triton decides between compiled and interpreted kernels when it is first imported, and TorchRec
-imports it on the way (tests/dist is collected before tests/test_kernels.py). Without a CUDA
+imports it on the way (tests/distributed is collected before tests/test_kernels.py). Without a CUDA
 device the kernel tests need the interpreter, so it is switched on here, before any test module
 is imported.
 """

@@ -302,7 +302,7 @@ def test_calibration_measures_the_codec_and_feeds_the_plan() -> None:
 
 
 def test_sharder_carries_the_comms_config() -> None:
-    sharder_mod = pytest.importorskip("torchrec_lossy.dist.sharder")
+    sharder_mod = pytest.importorskip("torchrec_lossy.distributed.sharder")
     from torchrec_lossy.adaptive import AdaptiveBounds
 
     config = small_config()

@@ -1,6 +1,6 @@
 """Compression-aware sharding planner: TorchRec's planner pricing the lossy codec per table.
 
-Imports torchrec (this is part of the TorchRec seam, like ``torchrec_lossy.dist``).
+Imports torchrec (this is part of the TorchRec seam, like ``torchrec_lossy.distributed``).
 """
 
 from torchrec_lossy.planner.calibrate import (

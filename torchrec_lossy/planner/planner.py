@@ -530,7 +530,7 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
             ``LossyEmbeddingBagCollectionSharder``.
         """
         from torchrec_lossy.adaptive import AdaptiveBounds
-        from torchrec_lossy.dist.sharder import LossyEmbeddingBagCollectionSharder
+        from torchrec_lossy.distributed.sharder import LossyEmbeddingBagCollectionSharder
 
         return LossyEmbeddingBagCollectionSharder(
             comms_config=self.comms_config,

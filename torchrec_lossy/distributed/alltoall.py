@@ -42,11 +42,11 @@ from torchrec.distributed.types import Awaitable, NoWait
 
 from torchrec_lossy.codec import CodecError, compress_with_stats, decompress
 from torchrec_lossy.config import ErrorBound
-from torchrec_lossy.dist.comms import LossyComms
-from torchrec_lossy.dist.stats import Direction
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.stats import Direction
 
 if TYPE_CHECKING:
-    from torchrec_lossy.dist.input_dist import OutputDedupe
+    from torchrec_lossy.distributed.input_dist import OutputDedupe
 
 T = TypeVar("T")
 _ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder

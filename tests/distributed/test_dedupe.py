@@ -26,9 +26,9 @@ from _harness import (
 from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
-from torchrec_lossy.dist import LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import _encode
-from torchrec_lossy.dist.stats import CONTAINER
+from torchrec_lossy.distributed import LossyComms, StaticBounds
+from torchrec_lossy.distributed.input_dist import _encode
+from torchrec_lossy.distributed.stats import CONTAINER
 
 
 def _comms(**input_dist: Any) -> LossyComms:
@@ -140,7 +140,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     tables = make_tables(SHARDER_TABLES)
     exact, lossy = ErrorBound("absolute", 0.0), ErrorBound("relative", 0.03)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
-from torchrec_lossy.dist.stats import Direction, LossyCommsStats
+from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
-from torchrec_lossy.dist import (
+from torchrec_lossy.distributed import (
     BlockSpec,
     BoundProvider,
     LossyAllToAllError,
@@ -19,7 +19,7 @@ from torchrec_lossy.dist import (
     LossyEmbeddingBagCollectionSharder,
     StaticBounds,
 )
-from torchrec_lossy.dist.alltoall import (
+from torchrec_lossy.distributed.alltoall import (
     LossyAll2AllPooledInfo,
     _abs_bounds,
     _cut_block,
@@ -27,8 +27,8 @@ from torchrec_lossy.dist.alltoall import (
     _encode_payloads,
     _join_blocks,
 )
-from torchrec_lossy.dist.sharder import _check_provider
-from torchrec_lossy.dist.stats import CONTAINER
+from torchrec_lossy.distributed.sharder import _check_provider
+from torchrec_lossy.distributed.stats import CONTAINER
 
 SPECS = (BlockSpec("a", 0, 2, 4), BlockSpec("b", 8, 1, 6), BlockSpec("c", 14, 3, 2))
 

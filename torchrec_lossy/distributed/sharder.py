@@ -32,13 +32,18 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_lossy.config import LossyCommsConfig
-from torchrec_lossy.dist.comms import BoundProvider, BoundProviderFactory, LossyComms, StaticBounds
-from torchrec_lossy.dist.sharding import (
+from torchrec_lossy.distributed.comms import (
+    BoundProvider,
+    BoundProviderFactory,
+    LossyComms,
+    StaticBounds,
+)
+from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
     PooledSharding,
     create_lossy_embedding_bag_sharding,
 )
-from torchrec_lossy.dist.stats import LossyCommsStats
+from torchrec_lossy.distributed.stats import LossyCommsStats
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -158,7 +163,7 @@ def _check_provider(provider: object) -> None:
     if not isinstance(provider, nn.Module) or not isinstance(provider, BoundProvider):
         raise TypeError(
             f"bound provider {type(provider).__name__} must be an nn.Module with bound(), "
-            "observe() and step() (see torchrec_lossy.dist.BoundProvider)"
+            "observe() and step() (see torchrec_lossy.distributed.BoundProvider)"
         )
 
 

@@ -37,7 +37,7 @@ def _lossy_sharder(qcomm_fp16: bool = False, **comms: Any) -> Any:
     )
 
     from torchrec_lossy.config import LossyCommsConfig
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     registry = (
         get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP16))
@@ -331,7 +331,7 @@ def _abs_bound_upper(config: Any, table: str, ref_cols: torch.Tensor) -> float:
 def _worker_bounded(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     sent: list[int] = []
     a2a = dist.all_to_all_single
@@ -510,7 +510,7 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec import KeyedJaggedTensor
     from torchrec.distributed.sharding_plan import table_wise
 
-    from torchrec_lossy.dist import LossyAllToAllError
+    from torchrec_lossy.distributed import LossyAllToAllError
 
     tables = make_tables([("t0", 30, 8, ["f0"]), ("t1", 30, 8, ["f1"])])
     run = _Run(
@@ -584,7 +584,7 @@ PIPELINE_TABLES = [
 
 def _rw_on_cpu_sharder(**kwargs: Any) -> Any:
     """The lossy sharder, also offering row-wise on CPU (TorchRec's CPU planner does not)."""
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     class RwOnCpuSharder(LossyEmbeddingBagCollectionSharder):
         def sharding_types(self, compute_device_type: str) -> list[str]:
@@ -633,7 +633,7 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_lossy.config import LossyCommsConfig
-    from torchrec_lossy.dist import lossy_stats, step_lossy_bounds
+    from torchrec_lossy.distributed import lossy_stats, step_lossy_bounds
 
     tables = make_tables(PIPELINE_TABLES)
     model = _DLRMish(make_ebc(tables, device="meta"), sum(t.embedding_dim for t in tables))

@@ -3,34 +3,34 @@
 This subpackage is the only part of torchrec_lossy that imports ``torchrec.distributed``.
 """
 
-from torchrec_lossy.dist.alltoall import (
+from torchrec_lossy.distributed.alltoall import (
     BlockSpec,
     LossyAll2AllPooledInfo,
     LossyAllToAllError,
     alltoall_pooled_lossy,
 )
-from torchrec_lossy.dist.comms import BoundProvider, LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import (
+from torchrec_lossy.distributed.comms import BoundProvider, LossyComms, StaticBounds
+from torchrec_lossy.distributed.input_dist import (
     LossyKJTAllToAll,
     LossyTwSparseFeaturesDist,
 )
-from torchrec_lossy.dist.output_dist import (
+from torchrec_lossy.distributed.output_dist import (
     LossyPooledEmbeddingsAllToAll,
     LossyTwPooledEmbeddingDist,
     pooled_layout,
 )
-from torchrec_lossy.dist.sharder import (
+from torchrec_lossy.distributed.sharder import (
     LossyEmbeddingBagCollectionSharder,
     LossyShardedEmbeddingBagCollection,
     lossy_stats,
     step_lossy_bounds,
 )
-from torchrec_lossy.dist.sharding import (
+from torchrec_lossy.distributed.sharding import (
     LossyCwPooledEmbeddingSharding,
     LossyTwCwPooledEmbeddingSharding,
     LossyTwPooledEmbeddingSharding,
 )
-from torchrec_lossy.dist.stats import LossyCommsStats, TableCommStats
+from torchrec_lossy.distributed.stats import LossyCommsStats, TableCommStats
 
 __all__ = [
     "BlockSpec",

@@ -4,8 +4,8 @@ One :class:`LossyCommsStats` object is shared by every dist of a sharded module 
 ``sharded_ebc.lossy_stats``). All counts are local to the rank that records them: bytes and
 errors are recorded by the sender of a block, decode time by its receiver.
 
-Direction ``"input"`` is the lossless KJT input dist (torchrec_lossy.dist.input_dist); its entries
-are keyed by feature name, not table name, and also count ids and repeated ids.
+Direction ``"input"`` is the lossless KJT input dist (torchrec_lossy.distributed.input_dist);
+its entries are keyed by feature name, not table name, and also count ids and repeated ids.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from _harness import (
 )
 
 from torchrec_lossy.config import ConfigError, InputDistConfig, LossyCommsConfig
-from torchrec_lossy.dist import LossyAllToAllError, LossyComms, StaticBounds
-from torchrec_lossy.dist.input_dist import (
+from torchrec_lossy.distributed import LossyAllToAllError, LossyComms, StaticBounds
+from torchrec_lossy.distributed.input_dist import (
     _HEADER,
     _PER_FEATURE,
     SPLITS,
@@ -272,7 +272,7 @@ def _worker_a2a(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torchrec.distributed.dist_data import KJTAllToAll
 
-    from torchrec_lossy.dist import LossyKJTAllToAll
+    from torchrec_lossy.distributed import LossyKJTAllToAll
 
     pg = dist.group.WORLD
     splits = [2, 3] if world_size == 2 else [2, 0, 3]
@@ -309,7 +309,7 @@ def _worker_input_faults(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torchrec.distributed.dist_data import KJTAllToAll
 
-    from torchrec_lossy.dist import LossyKJTAllToAll
+    from torchrec_lossy.distributed import LossyKJTAllToAll
 
     pg = dist.group.WORLD
     splits = [2, 3]
@@ -397,7 +397,7 @@ def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     from torchrec_lossy.config import ErrorBound
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     words_sent: list[int] = []
     a2a = dist.all_to_all_single

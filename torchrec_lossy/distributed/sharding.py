@@ -2,8 +2,8 @@
 
 Each class is TorchRec's sharding with ``create_output_dist`` overridden, and
 ``create_input_dist`` replaced by the lossless packed KJT all-to-all
-(:mod:`torchrec_lossy.dist.input_dist`, ``LossyCommsConfig.input_dist``); lookups and everything
-else are TorchRec's. Row-wise and table-row-wise shardings send their pooled
+(:mod:`torchrec_lossy.distributed.input_dist`, ``LossyCommsConfig.input_dist``); lookups and
+everything else are TorchRec's. Row-wise and table-row-wise shardings send their pooled
 embeddings by reduce-scatter, which sums what ranks send: a variable-size lossy payload cannot
 be summed, so those stay TorchRec's (see :func:`create_lossy_embedding_bag_sharding`).
 """
@@ -36,9 +36,9 @@ from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingShard
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lossy.dist.comms import LossyComms
-from torchrec_lossy.dist.input_dist import LossyTwSparseFeaturesDist, OutputDedupeMode
-from torchrec_lossy.dist.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist, OutputDedupeMode
+from torchrec_lossy.distributed.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from test_dist_sharder import _DLRMish
 from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
-from torchrec_lossy.dist.stats import CONTAINER
+from torchrec_lossy.distributed.stats import CONTAINER
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -51,7 +51,7 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
     from torchrec.distributed.train_pipeline.runtime_forwards import KJTAllToAllForward
     from torchrec.distributed.types import ShardingPlan
 
-    from torchrec_lossy.dist import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
 
     tables = make_tables(SHARDER_TABLES)
     fused = sgd_fused_params(0.1)
