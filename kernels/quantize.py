@@ -1,6 +1,7 @@
 """Triton quantize / dequantize, bit-exact with ``torchrec_lossy.codec.quantize``.
 
-``quantize`` fuses, per element: the code ``q = floor(x * inv_step + 0.5)`` in float32, the
+``quantize`` fuses, per element: the code ``q = floor(x * inv_step + 0.5)`` in float32 (or the
+stochastic ``floor(t) + (u < t - floor(t))`` with ``u`` from :func:`uniform_draw`), the
 reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype exactly as
 ``_round_to_dtype`` does, the float64 check ``|x - x'| <= bound``, the escape decision, the symbol,
 the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
@@ -78,6 +79,19 @@ def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
 
 
 @triton.jit
+def uniform_draw(i, key):
+    """Stochastic rounding's ``u`` in [0, 1) for element indices ``i`` of a block with ``key``:
+    ``mix32(i ^ key) >> 8`` times 2**-24 (twin of ``quantize.uniform_reference``)."""
+    h = (i & 0xFFFFFFFF).to(tl.uint32) ^ key.to(tl.uint32)
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # * 2**-24
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     sym_ptr,
@@ -89,6 +103,8 @@ def _quantize_kernel(
     center_ptr,
     bound_ptr,
     dtype_ptr,
+    sr_key_ptr,
+    elem_off_ptr,
     BLOCK: tl.constexpr,
 ):
     # One program per tile; a tile is (first element, end element, block) and never straddles
@@ -105,8 +121,11 @@ def _quantize_kernel(
     offs = start + tl.arange(0, BLOCK)
     in_range = offs < end
     v = tl.load(x_ptr + offs, mask=in_range, other=0.0)
+    sr_key = tl.load(sr_key_ptr + blk)  # -1: round to nearest
     t = v * inv_step
-    qf = tl.floor(t + 0.5)
+    fl = tl.floor(t)
+    u = uniform_draw(offs - tl.load(elem_off_ptr + blk), sr_key)
+    qf = tl.where(sr_key < 0, tl.floor(t + 0.5), tl.where(u < t - fl, fl + 1.0, fl))
     rel = qf.to(tl.float64) - center
     r = qf * step
     recon = tl.where(
@@ -141,6 +160,7 @@ def quantize(
     center: int,
     bound: float,
     dtype_code: int,
+    sr_key: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantizes a flat float32 tensor into symbols on its device; escapes what it cannot cover.
 
@@ -151,6 +171,7 @@ def quantize(
         center: Code of the block's midpoint.
         bound: Absolute bound, checked in float64.
         dtype_code: The block's dtype code (the reconstruction is rounded to it).
+        sr_key: -1: round to nearest; else the block's stochastic-rounding key.
 
     Returns:
         (int16 symbols [n] (the uint16 symbols' bits), int32 histogram [ALPHABET_SIZE],
@@ -168,6 +189,7 @@ def quantize(
         torch.tensor([bound], dtype=torch.float64, device=dev),
         torch.tensor([dtype_code], dtype=torch.int32, device=dev),
         block,
+        torch.tensor([sr_key], dtype=torch.int64, device=dev),
     )
     err = errors.max() if errors.numel() else torch.zeros((), dtype=torch.float64, device=dev)
     return symbols, hist.reshape(-1), err
@@ -182,6 +204,7 @@ def quantize_tiles(
     bound: torch.Tensor,
     dtype_code: torch.Tensor,
     block: int,
+    sr_key: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantizes many blocks laid out back to back in one launch; nothing is synced.
 
@@ -195,6 +218,8 @@ def quantize_tiles(
         bound: float64 [n_blocks] absolute bounds.
         dtype_code: int32 [n_blocks] dtype codes (the reconstruction is rounded to them).
         block: Elements per tile (a power of two).
+        sr_key: int64 [n_blocks] stochastic-rounding keys, -1 for round to nearest; None: all
+            round to nearest. The draw's counter is the element's index within its block.
 
     Returns:
         (int16 symbols like ``x`` (the uint16 symbols' bits), int32 [n_blocks, ALPHABET_SIZE]
@@ -206,6 +231,13 @@ def quantize_tiles(
     hist = torch.zeros(step.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=dev)
     n_tiles = tiles.shape[0]
     errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
+    elem_off = torch.zeros(step.shape[0], dtype=torch.int64, device=dev)
+    if sr_key is None:
+        sr_key = torch.full_like(elem_off, -1)
+    elif n_tiles:
+        # First element of every block: its first tile's start (tiles never straddle blocks).
+        tt = tiles.reshape(-1, 3)
+        elem_off.scatter_reduce_(0, tt[:, 2], tt[:, 0], "amin", include_self=False)
     if n_tiles:
         _quantize_kernel[(n_tiles,)](
             x,
@@ -218,6 +250,8 @@ def quantize_tiles(
             center,
             bound,
             dtype_code,
+            sr_key.contiguous(),
+            elem_off,
             BLOCK=block,
             num_warps=8,
             enable_fp_fusion=False,

@@ -26,6 +26,7 @@ T = TypeVar("T")
 Backend = Literal["auto", "cpu", "triton", "reference"]
 BoundMode = Literal["relative", "absolute"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
+Rounding = Literal["nearest", "stochastic"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
 WeightsCast = Literal["none", "fp16", "bf16"]
 
@@ -61,12 +62,19 @@ class CodecConfig:
             device-resident Triton path (on CPU tensors under ``TRITON_INTERPRET=1``: slow, for
             tests). ``"reference"``: the plain torch twins of every stage (the test oracle;
             slow). All produce byte-identical payloads and decode every payload.
+        rounding: ``"nearest"``: codes round to nearest on a grid of step ``2 * bound``.
+            ``"stochastic"``: unbiased stochastic rounding on a grid of step ``bound``
+            (``E[x'] = x``; still ``|x - x'| <= bound``), drawn from a counter-based hash of
+            (``seed``, block index, element index): deterministic, the same on every backend.
+        seed: Seed of stochastic rounding (any integer; vary it per call, e.g. per step).
     """
 
     huffman_chunk_symbols: int = 2048
     enable_quantization: bool = True
     enable_lz: bool = True
     backend: Backend = "auto"
+    rounding: Rounding = "nearest"
+    seed: int = 0
 
     def __post_init__(self) -> None:
         n = self.huffman_chunk_symbols
@@ -77,6 +85,13 @@ class CodecConfig:
             "a multiple of 32 in [64, 1048576]",
         )
         _check_literal("codec.backend", self.backend, Backend)
+        _check_literal("codec.rounding", self.rounding, Rounding)
+        _require(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            "codec.seed",
+            self.seed,
+            "an integer",
+        )
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
     VERSION,
 )
-from torchrec_lossy.codec.pipeline import BlockStats
+from torchrec_lossy.codec.pipeline import BlockStats, sr_keys
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -191,13 +191,16 @@ class _HostTables:
         inv_step = np.zeros(b, np.float32)
         quant_try = np.zeros(b, np.int64)
         span = np.zeros(b, np.float64)
+        self.sr_key = np.array(sr_keys(config, b), dtype=np.int64)
+        stochastic = config.rounding == "stochastic"
         for i, eb in enumerate(bounds):
             if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
                 continue
-            s, inv, _, ok = quantize._quant_params_kernel(eb, 0.0)
+            grid = quantize.grid_bound(eb, stochastic)
+            s, inv, _, ok = quantize._quant_params_kernel(grid, 0.0)
             if ok:
                 step[i], inv_step[i], quant_try[i] = s, inv, 1
-            span[i] = 2 * SYMBOL_OFFSET * min(2.0 * eb, _FLT_MAX)
+            span[i] = 2 * SYMBOL_OFFSET * min(2.0 * grid, _FLT_MAX)
         self.quant_try = quant_try
         lz_allowed = np.array([config.enable_lz and r > 1 for r in self.rows], dtype=np.int64)
         raw_words = (self.numel * self.itemsize + 3) // 4
@@ -242,6 +245,7 @@ class _HostTables:
             "bound_bits": bound_bits,
             "span_bits": span.view(np.int64),
             "quant_try": quant_try,
+            "sr_key": self.sr_key,
             "lz_allowed": lz_allowed,
             "raw_words": raw_words,
             "first_slot": self.first_slot,
@@ -372,6 +376,7 @@ def _compress(
         t["bound_bits"].view(torch.float64),
         t["dtype_code"].to(torch.int32),
         ht.tile_block,
+        t["sr_key"],
     )
     max_err = torch.zeros(nb, dtype=torch.float64, device=dev).scatter_reduce(
         0, t["tiles"].reshape(-1, 3)[:, 2], tile_err, "amax"

@@ -10,6 +10,7 @@ both produce the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,7 @@ class CpuOps:
             dtype_code,
             symbols,
             hist,
+            params.sr_key,
         )
         return symbols, hist, int(n_esc), float(max_err)
 
@@ -194,7 +196,7 @@ class ReferenceOps:
         self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
     ) -> tuple[np.ndarray, np.ndarray, int, float]:
         block = torch.from_numpy(x).to(CODE_DTYPES[dtype_code])
-        symbols, max_err = quantize.quantize_reference(block, params, bound)
+        symbols, max_err = quantize.quantize_reference(block, params, bound, params.sr_key)
         hist = torch.bincount(symbols, minlength=ALPHABET_SIZE)
         n_esc = int(hist[ESCAPE_SYMBOL])
         return symbols.numpy().astype(np.uint16), hist.numpy(), n_esc, max_err
@@ -396,12 +398,17 @@ def _lossless_lz_words(rows: int, n_unique: int, dim: int, itemsize: int) -> int
 
 
 def _encode_block(
-    block: torch.Tensor, bound: float, config: CodecConfig, ops: StageOps
+    block: torch.Tensor,
+    bound: float,
+    config: CodecConfig,
+    ops: StageOps,
+    sr_key: int = quantize.NEAREST_KEY,
 ) -> _Encoded:
     """Encodes one block in the smallest of the modes the config and the bound allow.
 
     Sizes are computed from histograms before anything is encoded; only the winner is built.
-    On a tie the simpler mode wins (raw, quant, quant+lz, lz).
+    On a tie the simpler mode wins (raw, quant, quant+lz, lz). ``sr_key`` other than
+    ``NEAREST_KEY`` rounds stochastically with that key (grid step ``bound``).
     """
     rows, dim = block.shape
     raw_bits = block.contiguous().view(BITS_DTYPES[block.dtype]).numpy()
@@ -417,7 +424,10 @@ def _encode_block(
     x = block.reshape(-1).float().numpy()
     params = None
     if config.enable_quantization and bound > 0:
-        params = quantize.quant_params(bound, x)
+        stochastic = sr_key != quantize.NEAREST_KEY
+        params = quantize.quant_params(quantize.grid_bound(bound, stochastic), x)
+        if params is not None and stochastic:
+            params = dataclasses.replace(params, sr_key=sr_key)
     n_unique_quantized = 1  # a lower bound on the distinct raw vectors until dedupe says more
     if params is not None:
         symbols, hist, n_esc, max_err = ops.quantize(x, params, bound, DTYPE_CODES[block.dtype])
@@ -475,6 +485,21 @@ def _encode_block(
 
         candidates.append((_lossless_lz_words(rows, n_unique, dim, itemsize), lossless_lz))
     return min(candidates, key=lambda c: c[0])[1]()
+
+
+def sr_keys(config: CodecConfig, n_blocks: int) -> list[int]:
+    """Per block of one payload: its stochastic-rounding key, or ``NEAREST_KEY``.
+
+    Args:
+        config: Codec knobs (``rounding`` and ``seed``).
+        n_blocks: Blocks in the payload.
+
+    Returns:
+        One key per block (shared by every backend, so all draw the same rounding).
+    """
+    if config.rounding != "stochastic":
+        return [quantize.NEAREST_KEY] * n_blocks
+    return [quantize.stochastic_key(config.seed, i) for i in range(n_blocks)]
 
 
 def _validate_inputs(
@@ -555,8 +580,8 @@ def compress_with_stats(
     ops = _ops_for(config.backend)
     with record_function("## lossy_codec encode ##"):
         encoded = [
-            _encode_block(b.detach().cpu(), eb, config, ops)
-            for b, eb in zip(blocks, bounds, strict=True)
+            _encode_block(b.detach().cpu(), eb, config, ops, key)
+            for b, eb, key in zip(blocks, bounds, sr_keys(config, len(blocks)), strict=True)
         ]
         segments = [[_as_bytes(s) for s in e.sections] for e in encoded]
         desc = np.zeros(len(blocks), DESCRIPTOR)

@@ -1,6 +1,9 @@
 """Error-bounded quantization with an escape path for what cannot be bounded.
 
-Code ``q = floor(x * inv_step + 0.5)`` (float32 arithmetic), reconstruction
+Code ``q = floor(x * inv_step + 0.5)`` (float32 arithmetic; round to nearest, step ``2 * bound``)
+or, with stochastic rounding, ``q = floor(t) + (u < t - floor(t))`` for ``t = x * inv_step`` and
+``u`` uniform in [0, 1) from a counter-based hash of (block key, element index) (step ``bound``,
+so ``|x - x'| < step <= bound``; ``E[q] = t``: unbiased), reconstruction
 ``x' = dtype(float32(q) * step)``. The encoder computes ``x'`` exactly as the decoder will,
 rounding to the block's dtype included, and escapes every element with ``|x - x'| > bound``
 (checked in float64), every non-finite element and every code outside the alphabet. Escaped
@@ -29,6 +32,10 @@ from torchrec_lossy.codec.format import (
 )
 
 _FLT_MAX = float(np.finfo(np.float32).max)
+_MASK32 = 0xFFFFFFFF
+# Stochastic rounding draws u = (hash >> 8) * 2**-24: 24 bits, exact in float32.
+_U_SCALE = 2.0**-24
+NEAREST_KEY = -1  # the ``sr_key`` of round-to-nearest; stochastic keys are in [0, 2**32)
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
@@ -40,11 +47,93 @@ class QuantParams:
         step: Quantization step, float32-representable, at most ``2 * bound``.
         inv_step: float32 reciprocal of ``step`` used by the encoder.
         center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
+        sr_key: ``NEAREST_KEY``: round to nearest; else the block's stochastic-rounding key
+            (encoder only: the decoder reconstructs ``q * step`` either way).
     """
 
     step: float
     inv_step: float
     center: int
+    sr_key: int = NEAREST_KEY
+
+
+def grid_bound(bound: float, stochastic: bool) -> float:
+    """The bound the quantization grid is chosen for: ``bound`` (step ``2 * bound``) for round to
+    nearest, ``bound / 2`` (step ``bound``) for stochastic rounding, whose error reaches a step.
+
+    Args:
+        bound: The block's absolute error bound.
+        stochastic: Whether the block is rounded stochastically.
+
+    Returns:
+        The bound to pass to :func:`quant_params` / ``_quant_params_kernel``.
+    """
+    return 0.5 * bound if stochastic else bound
+
+
+def mix32(h: int) -> int:
+    """A 32-bit integer finalizer (lowbias32): the counter hash of stochastic rounding.
+
+    The same arithmetic runs in numba (:func:`_mix32_nb`), torch (:func:`uniform_reference`) and
+    Triton (``kernels.quantize``), so every backend draws the same ``u`` for an element.
+
+    Args:
+        h: Integer; only its low 32 bits are used.
+
+    Returns:
+        The mixed 32-bit value.
+    """
+    h &= _MASK32
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & _MASK32
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & _MASK32
+    return h ^ (h >> 16)
+
+
+def stochastic_key(seed: int, block: int) -> int:
+    """The 32-bit key of block ``block`` of a payload compressed with ``seed``.
+
+    Args:
+        seed: The call's seed (any integer; folded to 64 bits).
+        block: Index of the block in the payload.
+
+    Returns:
+        A key in ``[0, 2**32)``; element ``i`` of the block draws ``u`` from ``mix32(i ^ key)``.
+    """
+    seed &= (1 << 64) - 1
+    return mix32(mix32(block + 0x9E3779B9) ^ mix32(seed & _MASK32) ^ mix32((seed >> 32) + 1))
+
+
+def uniform_reference(n: int, key: int) -> torch.Tensor:
+    """Torch twin of the per-element draw: float32 ``u`` in [0, 1) for elements ``0 .. n-1``.
+
+    Args:
+        n: Elements of the block.
+        key: The block's key from :func:`stochastic_key`.
+
+    Returns:
+        float32 [n].
+    """
+    m = _MASK32
+    h = (torch.arange(n, dtype=torch.int64) & m) ^ key
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & m  # int64 wrap-around keeps the low 32 bits right
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & m
+    h = h ^ (h >> 16)
+    return (h >> 8).float() * _U_SCALE
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mix32_nb(h: np.uint64) -> np.uint64:
+    # numba widens integer arithmetic to 64 bits: mask back to 32 after each multiply.
+    m = np.uint64(0xFFFFFFFF)
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x7FEB352D)) & m
+    h = h ^ (h >> np.uint64(15))
+    h = (h * np.uint64(0x846CA68B)) & m
+    return h ^ (h >> np.uint64(16))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -116,6 +205,8 @@ def _quantize_loop(
     center: int,
     bound: float,
     dtype_code: int,
+    stochastic: bool,
+    key: np.uint64,
     symbols: np.ndarray,
     errors: np.ndarray,
 ) -> None:
@@ -123,7 +214,14 @@ def _quantize_loop(
     half = np.float32(0.5)
     for i in range(x.shape[0]):
         v = x[i]
-        qf = np.floor(v * inv_step + half)
+        if stochastic:  # resolved at compile time (the callers pass a constant)
+            t = v * inv_step
+            fl = np.floor(t)
+            h = _mix32_nb((np.uint64(i) & np.uint64(0xFFFFFFFF)) ^ key)
+            u = np.float32(h >> np.uint64(8)) * np.float32(_U_SCALE)
+            qf = fl + np.float32(1.0) if u < t - fl else fl
+        else:
+            qf = np.floor(v * inv_step + half)
         rel = np.float64(qf) - center
         recon = _round_to_dtype(np.float32(qf) * step, dtype_code)
         err = abs(np.float64(recon) - np.float64(v))
@@ -142,6 +240,7 @@ def quantize_kernel(
     dtype_code: int,
     symbols: np.ndarray,
     hist: np.ndarray,
+    sr_key: int = NEAREST_KEY,
 ) -> tuple[int, float]:
     """Quantizes a flat float32 array into symbols; escapes what the bound cannot cover.
 
@@ -155,18 +254,28 @@ def quantize_kernel(
         symbols: 1-D uint16 output, same length as ``x``.
         hist: int64 [ALPHABET_SIZE] zeroed output: the symbol histogram (fused here to save the
             Huffman stage a separate call).
+        sr_key: ``NEAREST_KEY`` (-1): round to nearest; else the block's stochastic-rounding key
+            (:func:`stochastic_key`).
 
     Returns:
         (number of escaped elements, max |x - x'| over the elements that were not escaped).
     """
     errors = np.empty(x.shape[0], dtype=np.float64)
-    # One loop per dtype so that the rounding is resolved at compile time.
-    if dtype_code == 1:
-        _quantize_loop(x, step, inv_step, center, bound, 1, symbols, errors)
+    # One loop per dtype and rounding so that both are resolved at compile time.
+    key = np.uint64(sr_key & 0xFFFFFFFF)
+    if sr_key < 0:
+        if dtype_code == 1:
+            _quantize_loop(x, step, inv_step, center, bound, 1, False, key, symbols, errors)
+        elif dtype_code == 2:
+            _quantize_loop(x, step, inv_step, center, bound, 2, False, key, symbols, errors)
+        else:
+            _quantize_loop(x, step, inv_step, center, bound, 3, False, key, symbols, errors)
+    elif dtype_code == 1:
+        _quantize_loop(x, step, inv_step, center, bound, 1, True, key, symbols, errors)
     elif dtype_code == 2:
-        _quantize_loop(x, step, inv_step, center, bound, 2, symbols, errors)
+        _quantize_loop(x, step, inv_step, center, bound, 2, True, key, symbols, errors)
     else:
-        _quantize_loop(x, step, inv_step, center, bound, 3, symbols, errors)
+        _quantize_loop(x, step, inv_step, center, bound, 3, True, key, symbols, errors)
     max_error = 0.0
     for e in errors:
         max_error = max(max_error, e)
@@ -211,7 +320,7 @@ def finite_range(x: np.ndarray) -> tuple[float, float]:
 
 
 def quantize_reference(
-    x: torch.Tensor, params: QuantParams, bound: float
+    x: torch.Tensor, params: QuantParams, bound: float, sr_key: int = NEAREST_KEY
 ) -> tuple[torch.Tensor, float]:
     """Torch twin of :func:`quantize_kernel` (the test oracle).
 
@@ -219,6 +328,7 @@ def quantize_reference(
         x: Block of any accepted dtype, any shape.
         params: Quantization parameters.
         bound: Absolute bound.
+        sr_key: ``NEAREST_KEY`` or the block's stochastic-rounding key.
 
     Returns:
         (int64 symbols, flat, ESCAPE_SYMBOL where escaped; max error over non-escaped elements).
@@ -226,7 +336,12 @@ def quantize_reference(
     xf = x.reshape(-1).float()
     step = torch.tensor(params.step, dtype=torch.float32)
     inv = torch.tensor(params.inv_step, dtype=torch.float32)
-    qf = torch.floor(xf * inv + 0.5)
+    if sr_key == NEAREST_KEY:
+        qf = torch.floor(xf * inv + 0.5)
+    else:
+        t = xf * inv
+        fl = torch.floor(t)
+        qf = torch.where(uniform_reference(xf.shape[0], sr_key) < t - fl, fl + 1.0, fl)
     rel = qf.double() - params.center
     recon = (qf * step).to(x.dtype)
     err = (recon.double() - xf.double()).abs()
@@ -252,11 +367,16 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
 
 __all__ = [
     "DTYPE_CODES",
+    "NEAREST_KEY",
     "QuantParams",
     "dequantize_kernel",
     "dequantize_reference",
     "finite_range",
+    "grid_bound",
+    "mix32",
     "quant_params",
     "quantize_kernel",
     "quantize_reference",
+    "stochastic_key",
+    "uniform_reference",
 ]
