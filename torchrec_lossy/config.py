@@ -301,9 +301,20 @@ class LossyCommsConfig:
         codec: Codec knobs.
         default_bound: Forward bound of every table without an override.
         tables: Overrides keyed by table name or glob (``fnmatch``), first match wins.
-        backward: Codec of the gradient all-to-all: ``"none"`` (exact), ``"fp16"``/``"bf16"``
-            (casts) or ``"lossy"`` (the codec with ``backward_bound``).
-        backward_bound: Bound of the gradient traffic when ``backward="lossy"``.
+        backward: Codec of the gradient all-to-all: ``"lossy"`` (the codec with
+            ``backward_bound`` and ``backward_rounding``, the default), ``"none"`` (exact),
+            ``"fp16"``/``"bf16"`` (casts).
+        backward_bound: Bound of the gradient traffic when ``backward="lossy"`` (relative: to
+            each (source, table) block's value range).
+        backward_rounding: Rounding of the gradient codec: ``"stochastic"`` (unbiased, so the
+            optimizer's expected update is exact; grid step = bound) or ``"nearest"``.
+        backward_seed: Base seed of the stochastic rounding (each call draws from
+            (seed, call, rank, destination)).
+        backward_dedupe: Under the exact output dedupe, send the gradient one row per distinct
+            bag (summed over its copies); exact up to float summation order. The lookup dedupe
+            always does.
+        error_sample_every: Every this many backward calls, the sender decodes its own lossy
+            payload to record the signed error (``TableCommStats.mean_signed_error``); 0: never.
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
@@ -312,8 +323,12 @@ class LossyCommsConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     default_bound: ErrorBound = field(default_factory=ErrorBound)
     tables: dict[str, TableCodecConfig] = field(default_factory=dict)
-    backward: BackwardCodec = "none"
+    backward: BackwardCodec = "lossy"
     backward_bound: ErrorBound = field(default_factory=lambda: ErrorBound("relative", 0.01))
+    backward_rounding: Rounding = "stochastic"
+    backward_seed: int = 0
+    backward_dedupe: bool = True
+    error_sample_every: int = 16
     schedule: ErrorBoundSchedule = field(
         default_factory=lambda: ErrorBoundSchedule(kind="constant")
     )
@@ -322,6 +337,26 @@ class LossyCommsConfig:
 
     def __post_init__(self) -> None:
         _check_literal("backward", self.backward, BackwardCodec)
+        _check_literal("backward_rounding", self.backward_rounding, Rounding)
+        _require(
+            isinstance(self.backward_seed, int) and not isinstance(self.backward_seed, bool),
+            "backward_seed",
+            self.backward_seed,
+            "an integer",
+        )
+        _require(
+            isinstance(self.backward_dedupe, bool),
+            "backward_dedupe",
+            self.backward_dedupe,
+            "true or false",
+        )
+        n = self.error_sample_every
+        _require(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+            "error_sample_every",
+            n,
+            "an integer >= 0 (0: never)",
+        )
 
     def table(self, name: str) -> TableCodecConfig:
         """The effective settings of one table (its first matching override, else defaults).

@@ -159,6 +159,12 @@ def make_batch(
     )
 
 
+# LossyCommsConfig keys of the exact backward (TorchRec's dense fp32 gradient): for tests that
+# assert bit-identical training (the default backward is the stochastically rounded codec,
+# with the gradient dedupe, which sums in another order).
+EXACT_BACKWARD: dict[str, Any] = {"backward": "none", "backward_dedupe": False}
+
+
 def sgd_fused_params(lr: float) -> dict[str, Any]:
     """Fused exact SGD (the optimizer runs inside the embedding backward)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType

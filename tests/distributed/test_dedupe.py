@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 from _harness import (
+    EXACT_BACKWARD,
+    compare_weights,
     load_full_weights,
     local_weights,
     make_batch,
@@ -155,14 +157,17 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     variants: dict[str, Any] = {
         "torchrec": EmbeddingBagCollectionSharder(),
         "default": LossyEmbeddingBagCollectionSharder(
-            comms_config=LossyCommsConfig(default_bound=exact)
+            comms_config=LossyCommsConfig(default_bound=exact, **EXACT_BACKWARD)
         ),
-        "none": lossy_sharder(exact, "none"),
-        "exact": lossy_sharder(exact, "exact"),
-        "lookup": lossy_sharder(exact, "lookup"),
+        "none": lossy_sharder(exact, "none", **EXACT_BACKWARD),
+        "exact": lossy_sharder(exact, "exact", **EXACT_BACKWARD),
+        # The gradient dedupe (the default backward's, here with an exact fp32 wire).
+        "exact_gdd": lossy_sharder(exact, "exact", backward="none"),
+        "lookup": lossy_sharder(exact, "lookup", backward="none"),
         "lookup_bwd_lossy": lossy_sharder(exact, "lookup", backward="lossy", backward_bound=exact),
         "lookup_bwd_fp16": lossy_sharder(exact, "lookup", backward="fp16"),
-        "exact_bwd_fp16": lossy_sharder(exact, "exact", backward="fp16"),
+        "exact_bwd_fp16": lossy_sharder(exact, "exact", backward="fp16", backward_dedupe=False),
+        "exact_gdd_fp16": lossy_sharder(exact, "exact", backward="fp16"),
         "none_bwd_fp16": lossy_sharder(exact, "none", backward="fp16"),
         "lossy_none": lossy_sharder(lossy, "none"),
         "lossy_exact": lossy_sharder(lossy, "exact"),
@@ -174,6 +179,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     fwd_bytes: dict[str, list[tuple[int, int]]] = {}
     repeated: dict[str, list[int]] = {}
     rows: dict[str, list[dict[str, tuple[int, int]]]] = {}
+    bwd_rows: dict[str, tuple[int, int]] = {}
     for name, sharder in variants.items():
         ebc = make_ebc(tables, seed=0)
         plan = manual_plan(ebc, sharder, _sharder_plan(), world_size)
@@ -199,6 +205,10 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                         if n != CONTAINER and e.rows  # decode times name received tables too
                     }
                 )
+                if name == "exact_gdd":
+                    for n, e in stats.tables("bwd").items():
+                        r0, s0 = bwd_rows.get(n, (0, 0))
+                        bwd_rows[n] = (r0 + e.rows, s0 + e.rows_sent)
         weights[name] = {
             f"{k}@{o}": t.clone()
             for k, pieces in local_weights(model.state_dict()).items()
@@ -237,9 +247,15 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         # 0); later steps see weights trained with a different gradient summation order.
         "lookup_out_exact": {
             n: torch.equal(outs[n][0], exact0) and out_close(n, "torchrec", 1e-5)
-            for n in ("lookup", "lookup_bwd_lossy")
+            for n in ("lookup", "lookup_bwd_lossy", "exact_gdd")
         },
-        "lookup_w_close": {n: w_close(n, "torchrec") for n in ("lookup", "lookup_bwd_lossy")},
+        "lookup_w_close": {
+            n: w_close(n, "torchrec") for n in ("lookup", "lookup_bwd_lossy", "exact_gdd")
+        },
+        # Gradient dedupe with a cast: the per-bag sum is cast once (as the lookup dedupe's).
+        "gdd_fp16_close": w_close("exact_gdd_fp16", "none_bwd_fp16", atol=2e-3)
+        and not w_eq("exact_gdd_fp16", "exact_bwd_fp16"),
+        "bwd_rows": bwd_rows,
         "fp16_step0_exact": torch.equal(outs["lookup_bwd_fp16"][0], exact0),
         # fp16 gradients: the per-id sum is cast once instead of each term (fp16 rounding).
         "fp16_close": w_close("lookup_bwd_fp16", "none_bwd_fp16", atol=2e-3),
@@ -272,6 +288,7 @@ def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) ->
         assert all(r["lookup_w_close"].values()), (rank, r["lookup_w_close"])
         assert r["fp16_step0_exact"], rank
         assert r["fp16_close"], rank
+        assert r["gdd_fp16_close"], rank
         assert all(r["lossy_step0_close"].values()), (rank, r["lossy_step0_close"])
         assert all(r["lossy_close"].values()), (rank, r["lossy_close"])
         b = r["fwd_bytes"]
@@ -302,3 +319,134 @@ def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) ->
         if r["expected_rows"][0]:  # rank 2 of 3 owns no table
             assert any(sent < full for got in r["rows"] for full, sent in got.values()), rank
         assert r["repeated"][0] > 0, rank
+    # The gradient dedupe sends, per (source, owner, feature), one row per distinct bag: the
+    # same rows as the forward over all ranks (the forward's counted by owners, the backward's
+    # by sources).
+    fwd_rows: dict[str, list[int]] = {}
+    for r in results:
+        for got in r["rows"]:
+            for table, (full, sent) in got.items():
+                acc = fwd_rows.setdefault(table, [0, 0])
+                acc[0] += full
+                acc[1] += sent
+    bwd_rows: dict[str, list[int]] = {}
+    for r in results:
+        for table, (full, sent) in r["bwd_rows"].items():
+            acc = bwd_rows.setdefault(table, [0, 0])
+            acc[0] += full
+            acc[1] += sent
+    assert fwd_rows == bwd_rows, (fwd_rows, bwd_rows)
+    assert any(sent < full for full, sent in bwd_rows.values()), bwd_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient dedupe against TorchRec with fused optimizers, TW/CW/DP.
+
+GDD_STEPS = 4
+GDD_LR = 0.1
+
+
+def _gdd_plan(world_size: int) -> dict[str, Any]:
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, table_wise
+
+    fused = "fused"  # the fused optimizers run inside fbgemm's lookup backward
+    return {
+        "t0": table_wise(rank=0, compute_kernel=fused),
+        "t1": table_wise(rank=world_size - 1, compute_kernel=fused),
+        "t2": column_wise(ranks=[0, 1], compute_kernel=fused),
+        "t3": data_parallel(),
+    }
+
+
+def _gdd_worker(rank: int, world_size: int, optimizer: str) -> dict[str, Any]:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
+
+    opt_type = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+    fused = {"optimizer": opt_type[optimizer], "learning_rate": GDD_LR}
+    tables = make_tables(SHARDER_TABLES)
+    exact = ErrorBound("absolute", 0.0)
+    variants = {
+        "torchrec": EmbeddingBagCollectionSharder(fused_params=fused),
+        # Exact forward and wire: only the gradient dedupe differs from TorchRec.
+        "gdd": LossyEmbeddingBagCollectionSharder(
+            fused_params=fused, comms_config=LossyCommsConfig(default_bound=exact, backward="none")
+        ),
+    }
+    batches = [_skewed_batch(tables, 24 + 4 * rank, seed=300 + 10 * s + rank) for s in range(4)]
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    outs: dict[str, list[torch.Tensor]] = {}
+    sent = (0, 0)
+    states: dict[str, Any] = {}
+    for name, sharder in variants.items():
+        ebc = make_ebc(tables, seed=0)
+        plan = manual_plan(ebc, sharder, _gdd_plan(world_size), world_size)
+        model = DistributedModelParallel(
+            ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder]
+        )
+        load_full_weights(model.state_dict(), ebc.state_dict())
+        dense = [p for n, p in model.named_parameters() if "t3" in n]  # DP: not fused
+        opt = torch.optim.SGD(dense or [torch.zeros(1, requires_grad=True)], lr=GDD_LR)
+        outs[name] = [train_step(model, opt, kjt, s, rank) for s, kjt in enumerate(batches)]
+        states[name] = model.state_dict()
+        weights[name] = {
+            f"{k}@{o}": t.clone()
+            for k, pieces in local_weights(model.state_dict()).items()
+            for o, t in pieces
+        }
+        if name == "gdd":
+            t = model.module.lossy_stats.total("bwd")
+            sent = (t.rows, t.rows_sent)
+    # Tolerance from fp32 summation order. dL/dout = 2 (out - y) / N; a row's gradient sums at
+    # most `count` of them in another order: off by <= count * eps * count * gmax. SGD moves the
+    # row by lr times that; rowwise Adagrad by lr * g / sqrt(G) (<= lr * sqrt(dim) per element),
+    # relatively off by <= 2 count eps. Each step also rounds the weight (2 ulp), and later steps
+    # see the slightly different weights (factor 2).
+    eps = 2.0**-24
+    gen_targets = []
+    for s in range(len(batches)):
+        g = torch.Generator().manual_seed(100 * s + rank)
+        gen_targets.append(torch.rand(outs["torchrec"][s].shape, generator=g))
+    gmax = max(
+        float((2 * (o - y) / o.numel()).abs().max())
+        for o, y in zip(outs["torchrec"], gen_targets, strict=True)
+    )
+    count = 32 * world_size  # every bag of every rank in one row, at most
+    wmax = max(float(t.abs().max()) for t in weights["torchrec"].values() if t.numel())
+    if optimizer == "sgd":
+        per_step = GDD_LR * count * count * eps * gmax
+    else:
+        per_step = GDD_LR * 2 * count * eps * 4.0  # sqrt(dim) <= 4 for dim <= 16
+    tol = 2 * len(batches) * (per_step + 2 * eps * wmax)
+    diff = {
+        k: float((weights["gdd"][k] - weights["torchrec"][k]).abs().max())
+        for k in weights["torchrec"]
+        if weights["torchrec"][k].numel()
+    }
+    init = compare_weights(states["torchrec"], make_ebc(tables, seed=0).state_dict())
+    local = {k.split("@")[0] for k in diff}
+    moved = min(v for k, v in init.items() if k in local and "t3" not in k)
+    return {
+        "keys_equal": weights["gdd"].keys() == weights["torchrec"].keys(),
+        "diff": diff,
+        "tol": tol,
+        "out0_equal": torch.equal(outs["gdd"][0], outs["torchrec"][0]),
+        "sent": sent,
+        "moved": moved,
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_gradient_dedupe_trains_like_torchrec(world_size: int, optimizer: str) -> None:
+    results = run_workers(_gdd_worker, world_size, optimizer)
+    for rank, r in enumerate(results):
+        assert r["keys_equal"] and r["out0_equal"], rank
+        assert max(r["diff"].values()) <= r["tol"], (rank, r["diff"], r["tol"])
+        assert r["moved"] > 100 * r["tol"], (rank, r["moved"], r["tol"], r["diff"])  # meaningful
+    # The gradient dedupe really sent fewer rows than TorchRec's dense gradient.
+    assert sum(r["sent"][1] for r in results) < sum(r["sent"][0] for r in results), results

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _harness import (
+    EXACT_BACKWARD,
     compare_weights,
     load_full_weights,
     local_weights,
@@ -171,7 +172,11 @@ def _worker_exact(rank: int, world_size: int) -> dict[str, Any]:
     exact = ErrorBound("absolute", 0.0)
     runs = {
         "torchrec": _Run(tables, _torchrec_sharder(), _mixed_plan(), world_size),
-        "none": _Run(tables, _lossy_sharder(default_bound=exact), _mixed_plan(), world_size),
+        "none": _Run(
+            tables, _lossy_sharder(default_bound=exact, **EXACT_BACKWARD), _mixed_plan(), world_size
+        ),
+        # The default backward: the codec at a relative bound, stochastically rounded.
+        "default": _Run(tables, _lossy_sharder(default_bound=exact), _mixed_plan(), world_size),
         "fp16": _Run(
             tables, _lossy_sharder(default_bound=exact, backward="fp16"), _mixed_plan(), world_size
         ),
@@ -247,10 +252,11 @@ def test_bound0_matches_torchrec_and_backward_codecs() -> None:
         # Exact forward and backward: bit-identical to TorchRec's uncompressed sharding.
         assert r["none"]["out_equal_torchrec"], rank
         assert r["none"]["w_equal_torchrec"], rank
-        for name in ("none", "fp16", "bf16", "lossy"):
+        for name in ("none", "fp16", "bf16", "lossy", "default"):
             # Forward bound 0: the first step (before backward codecs act) is exact.
             assert r[name]["out0_equal_torchrec"], (rank, name)
-            assert max(r[name]["w_vs_ref"].values()) < 1e-5 + _bwd_tol(name, r), (rank, name, r)
+            tol = _bwd_tol(name, r, max(x["default"]["bwd_total"].max_error for x in results))
+            assert max(r[name]["w_vs_ref"].values()) < 1e-5 + tol, (rank, name, r)
         assert r["torchrec"]["out_vs_ref"][-1] < 1e-5
         assert max(r["torchrec"]["w_vs_ref"].values()) < 1e-5
         # Row-wise traffic is logged as not compressed, once per table.
@@ -263,17 +269,24 @@ def test_bound0_matches_torchrec_and_backward_codecs() -> None:
         assert r["fp16"]["bwd_total"].wire_bytes * 2 == r["fp16"]["bwd_total"].raw_bytes
         assert r["bf16"]["bwd_total"].wire_bytes * 2 == r["bf16"]["bwd_total"].raw_bytes
         assert r["lossy"]["bwd_total"].max_error_over_bound <= 1.0
+        default = r["default"]["bwd_total"]
+        assert 0 < default.max_error_over_bound <= 1.0  # lossy, within its bound
+        assert default.wire_bytes < default.raw_bytes / 2, default
+        assert default.error_count > 0  # the signed error was sampled (first call)
 
 
-def _bwd_tol(name: str, r: dict[str, Any]) -> float:
+def _bwd_tol(name: str, r: dict[str, Any], default_err: float) -> float:
     # A cast changes each pooled gradient by at most eps of itself; a row's update is a sum of
     # a few of them, so its error is a small multiple of eps times the largest update.
-    eps = {"none": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8, "lossy": 0.0}[name]
+    eps = {"none": 0.0, "fp16": 2.0**-11, "bf16": 2.0**-8, "lossy": 0.0, "default": 0.0}[name]
     tol = 8 * eps * r[name]["update_max"]
     if name == "lossy":
         # Each pooled gradient within 1e-4 (before the 1/world division); a row's step adds at
         # most max_count of them.
         tol = LR * r["max_count"] * 1e-4
+    if name == "default":
+        # The same with the largest error any rank's gradient blocks had.
+        tol = LR * r["max_count"] * default_err
     return tol
 
 
@@ -302,6 +315,7 @@ def _bounded_config() -> Any:
             "t2*": TableCodecConfig(bound=ErrorBound("relative", 0.05)),
             "t3": TableCodecConfig(compress=False),
         },
+        **EXACT_BACKWARD,  # the forward's error alone (the backward's: test_bound0_...)
     )
 
 
@@ -454,7 +468,7 @@ def _worker_uneven(rank: int, world_size: int) -> dict[str, Any]:
         "torchrec": _Run(tables, _torchrec_sharder(), _uneven_plan(), world_size),
         "exact": _Run(
             tables,
-            _lossy_sharder(default_bound=ErrorBound("absolute", 0.0)),
+            _lossy_sharder(default_bound=ErrorBound("absolute", 0.0), **EXACT_BACKWARD),
             _uneven_plan(),
             world_size,
         ),
@@ -520,9 +534,9 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
     batch = make_batch(tables, 8, seed=rank)
     out: dict[str, Any] = {}
 
-    def corrupt(how: str) -> Any:
+    def corrupt(how: str, where: str = "fwd") -> Any:
         def hook(direction: str, source: int, payload: torch.Tensor) -> torch.Tensor:
-            if rank != 1 or source != 0 or direction != "fwd":  # the input dist: test_input_dist
+            if rank != 1 or source != 0 or direction != where:  # the input dist: test_input_dist
                 return payload
             if how == "truncate":
                 return payload[:-8]
@@ -539,6 +553,13 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
             out[how] = "ok"
         except LossyAllToAllError as e:
             out[how] = str(e)
+    # The gradient payload rank 0 sends rank 1 (the owner of t1) fails in rank 1's backward.
+    comms.payload_hook = corrupt("flip", "bwd")
+    try:
+        run.step(batch, rank)
+        out["bwd_flip"] = "ok"
+    except LossyAllToAllError as e:
+        out["bwd_flip"] = str(e)
     comms.payload_hook = None
     run.step(batch, rank)  # both ranks recover: forward and backward still work
     with torch.no_grad():  # and inference
@@ -565,6 +586,9 @@ def test_corrupt_payload_fails_on_receiver_only_and_vbe_is_refused() -> None:
     for how in ("flip", "truncate"):
         msg = r1[how]
         assert "payload from rank 0" in msg and "t0" in msg and "on rank 1" in msg, msg
+    assert r0["bwd_flip"] == "ok"
+    msg = r1["bwd_flip"]
+    assert "(bwd) on rank 1" in msg and "payload from rank 0" in msg and "t1" in msg, msg
     assert r0["recovered"] and r1["recovered"]
     for r in (r0, r1):
         assert "variable batch size per feature" in r["vbe"], r["vbe"]

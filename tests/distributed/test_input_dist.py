@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from _harness import (
+    EXACT_BACKWARD,
     load_full_weights,
     local_weights,
     make_batch,
@@ -415,27 +416,29 @@ def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
         "torchrec": EmbeddingBagCollectionSharder(),
         "off": LossyEmbeddingBagCollectionSharder(
             comms_config=LossyCommsConfig(
-                default_bound=exact, input_dist=InputDistConfig(enabled=False)
+                default_bound=exact, input_dist=InputDistConfig(enabled=False), **EXACT_BACKWARD
             )
         ),
         "dedupe": LossyEmbeddingBagCollectionSharder(
-            comms_config=LossyCommsConfig(default_bound=exact)
+            comms_config=LossyCommsConfig(default_bound=exact, **EXACT_BACKWARD)
         ),
         "plain": LossyEmbeddingBagCollectionSharder(
             comms_config=LossyCommsConfig(
-                default_bound=exact, input_dist=InputDistConfig(dedupe=False)
+                default_bound=exact, input_dist=InputDistConfig(dedupe=False), **EXACT_BACKWARD
             )
         ),
         "lossy_off": LossyEmbeddingBagCollectionSharder(
             comms_config=LossyCommsConfig(
-                default_bound=lossy, input_dist=InputDistConfig(enabled=False)
+                default_bound=lossy, input_dist=InputDistConfig(enabled=False), **EXACT_BACKWARD
             )
         ),
         # The output dedupe changes the codec's blocks (test_dedupe.py): off here, to show that
         # the packed, deduplicated KJT alone changes nothing downstream.
         "lossy_dedupe": LossyEmbeddingBagCollectionSharder(
             comms_config=LossyCommsConfig(
-                default_bound=lossy, input_dist=InputDistConfig(dedupe_outputs=False)
+                default_bound=lossy,
+                input_dist=InputDistConfig(dedupe_outputs=False),
+                **EXACT_BACKWARD,
             )
         ),
     }

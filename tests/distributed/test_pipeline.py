@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from _harness import (
+    EXACT_BACKWARD,
     load_full_weights,
     local_weights,
     make_ebc,
@@ -58,7 +59,9 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
     exact = ErrorBound("absolute", 0.0)
 
     def lossy(**input_dist: Any) -> Any:
-        config = LossyCommsConfig(default_bound=exact, input_dist=InputDistConfig(**input_dist))
+        config = LossyCommsConfig(
+            default_bound=exact, input_dist=InputDistConfig(**input_dist), **EXACT_BACKWARD
+        )
         return LossyEmbeddingBagCollectionSharder(fused_params=fused, comms_config=config)
 
     variants = {

@@ -37,8 +37,8 @@ from torchrec_lossy.distributed.pooled_payload import (
     encode_payloads,
     expand_block,
     join_blocks,
-    pad_block,
     peer_blocks,
+    place_grad_block,
     reduce_grad_block,
 )
 from torchrec_lossy.distributed.stats import Direction
@@ -148,7 +148,7 @@ class LossyAll2AllPooledReq(Function):
         recv = myreq.tensor
         b_global = sum(info.batch_size_per_rank)
         d_local = info.dim_sum_per_rank[my_rank]
-        if info.sum_grads:
+        if info.dedupe_grads:
             grad_input = _owner_grad_dedupe(recv, myreq, info, my_rank, world)
         elif myreq.recv_sizes is None:
             start = time.perf_counter()
@@ -236,7 +236,12 @@ class LossyAll2AllPooledWait(Function):
         assert d_global == sum(info.dim_sum_per_rank)
         codec = info.comms.config.backward
         grad_output = grad_output.contiguous()
-        if info.sum_grads:
+        if not info.dedupe_grads:  # every row travels (the dedupe path counts its own)
+            for specs in info.layout:
+                for s in specs:
+                    rows = s.num_features * b_local
+                    info.comms.stats.record_rows("bwd", s.table, rows, rows)
+        if info.dedupe_grads:
             recv, work = _receiver_grad_dedupe(pg, grad_output, myreq, info, my_rank, world)
         elif codec == "lossy":
             # Every source rank gets all local rows of its own columns.
@@ -244,7 +249,9 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+            payloads = encode_payloads(
+                "bwd", blocks, info.layout, info, grad_output.device, my_rank
+            )
             recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
             myreq.recv_sizes = recv_sizes
         else:
@@ -279,14 +286,15 @@ def _receiver_grad_dedupe(
     my_rank: int,
     world: int,
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Gradient send under lookup dedupe: rows summed per distinct id, then sent as blocks.
+    """Gradient send under output dedupe: rows summed per distinct bag, then sent as blocks.
 
-    The owner's fused update of a distinct row then sees the same total gradient it would have
-    accumulated over the repeated bags (up to float summation order).
+    The owner's lookup backward then sees, per distinct bag, the same total gradient it would
+    have accumulated over the repeated bags (up to float summation order).
     """
     codec = info.comms.config.backward
     stats = info.comms.stats
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
+    b_local = grad_output.shape[0]
     with record_function("## lossy_a2a bwd dedupe reduce ##"):
         blocks = [
             [
@@ -295,17 +303,19 @@ def _receiver_grad_dedupe(
             ]
             for p in range(world)
         ]
+    for bs, specs in zip(blocks, info.layout, strict=True):
+        for b, s in zip(bs, specs, strict=True):
+            stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device, my_rank)
         recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
         myreq.recv_sizes = recv_sizes
         return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
     in_elem = grad_output.element_size()
     wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
-    b_local = grad_output.shape[0]
     start = time.perf_counter()
     with record_function("## lossy_a2a bwd encode ##"):
         send = torch.cat(
@@ -340,11 +350,11 @@ def _owner_grad_dedupe(
     my_rank: int,
     world: int,
 ) -> torch.Tensor:
-    """Gradient receive under lookup dedupe: the distinct rows' gradients, zero for the
-    empty bags past them, as the owner's ``[B_global, D_local]`` gradient."""
+    """Gradient receive under output dedupe: each distinct bag's summed gradient at its row
+    (:func:`place_grad_block`), as the owner's ``[B_global, D_local]`` gradient."""
     specs = info.layout[my_rank]
-    owner = [info.owner_rows(my_rank, p) for p in range(world)]
-    block_rows = [[sum(fr) for fr in feats] for feats in owner]
+    owner = [info.owner_feats(my_rank, p) for p in range(world)]
+    block_rows = [[sum(r for r, _ in fr) for fr in feats] for feats in owner]
     if myreq.dense_blocks is None:
         assert myreq.recv_sizes is not None
         blocks = decode_payloads(
@@ -371,7 +381,8 @@ def _owner_grad_dedupe(
     for p in range(world):
         rows = info.batch_size_per_rank[p]
         parts = [
-            pad_block(b, s, rows, fr) for b, s, fr in zip(blocks[p], specs, owner[p], strict=True)
+            place_grad_block(b, s, rows, fr)
+            for b, s, fr in zip(blocks[p], specs, owner[p], strict=True)
         ]
         pieces.append(
             torch.cat(parts, dim=1) if parts else recv.new_empty((rows, 0), dtype=info.dtype)

@@ -114,12 +114,29 @@ class LossyComms:
         payload_hook: Called on every received payload before it is decoded, as
             ``hook(direction, source_rank, payload) -> payload``; for fault injection in tests
             and for debugging. None in normal use.
+        calls: Encode calls so far per direction (seeds the backward's stochastic rounding).
+        warned_exact: (direction, table) pairs already logged for travelling exactly.
     """
 
     config: LossyCommsConfig
     bounds: BoundProvider
     stats: LossyCommsStats = field(default_factory=LossyCommsStats)
     payload_hook: PayloadHook | None = None
+    calls: dict[str, int] = field(default_factory=dict)
+    warned_exact: set[tuple[str, str]] = field(default_factory=set)
+
+    def next_call(self, direction: Direction) -> int:
+        """Counts one encode call of ``direction``.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+
+        Returns:
+            The number of earlier calls of that direction.
+        """
+        n = self.calls.get(direction, 0)
+        self.calls[direction] = n + 1
+        return n
 
     def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
         """Whether each table's blocks go through the codec (else raw), in both directions.

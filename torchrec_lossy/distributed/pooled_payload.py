@@ -17,7 +17,9 @@ This module holds no collective and no autograd: it maps tensors to payloads and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +29,8 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import torch
 from torch.autograd.profiler import record_function
 
-from torchrec_lossy.codec import CodecError, compress_with_stats, decompress
-from torchrec_lossy.config import ErrorBound
+from torchrec_lossy.codec import BlockStats, CodecError, compress_with_stats, decompress
+from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from torchrec_lossy.distributed.input_dist import OutputDedupe
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 _ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
 
 
@@ -94,6 +97,15 @@ class LossyAll2AllPooledInfo:
     def sum_grads(self) -> bool:
         """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
         return self.output_dedupe is not None and self.output_dedupe.sum_grads
+
+    @property
+    def dedupe_grads(self) -> bool:
+        """Whether gradients travel one row per distinct bag: always under the lookup dedupe
+        (its owner looked up one bag per distinct id), and under the exact output dedupe with
+        ``LossyCommsConfig.backward_dedupe`` (the adjoint of sending one row per distinct bag:
+        summed on the receiver of the forward, placed at the selected bag by the owner)."""
+        dd = self.output_dedupe
+        return dd is not None and (dd.sum_grads or self.comms.config.backward_dedupe)
 
     def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
         """Per local table shard, per feature: rows this rank (the owner) exchanges with
@@ -197,7 +209,7 @@ def expand_block(
 def reduce_grad_block(
     g: torch.Tensor, col0: int, spec: BlockSpec, feats: Sequence[tuple[int, torch.Tensor | None]]
 ) -> torch.Tensor:
-    """Backward of :func:`expand_block`: the gradient rows summed per distinct id."""
+    """Backward of :func:`expand_block`: the gradient rows summed per distinct bag."""
     pieces = []
     for f, (r, inv) in enumerate(feats):
         c = col0 + spec.col_offset + f * spec.dim
@@ -208,14 +220,21 @@ def reduce_grad_block(
     return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
 
 
-def pad_block(
-    b: torch.Tensor, spec: BlockSpec, rows: int, feat_rows: Sequence[int]
+def place_grad_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
 ) -> torch.Tensor:
-    """Owner side of a deduplicated gradient block: ``[rows, width]``, the rows past each
-    feature's distinct ones (its empty bags) zero."""
+    """Owner side of a deduplicated gradient block (backward of :func:`cut_block` with
+    ``feats``): ``[rows, width]``. A feature's summed rows go to its first rows (select None:
+    the lookup dedupe's distinct ids, the empty bags past them zero) or to its selected bags
+    (the exact dedupe: every other copy of a distinct bag gets zero, so the lookup's backward
+    applies each distinct bag's summed gradient once, as TorchRec applies the sum of its
+    copies' gradients)."""
     out = []
-    for p, r in zip(b.split(list(feat_rows)), feat_rows, strict=True):
-        out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
+    for p, (r, sel) in zip(b.split([r for r, _ in feats]), feats, strict=True):
+        if sel is not None:
+            out.append(p.new_zeros((rows, spec.dim)).index_copy_(0, sel, p))
+        else:
+            out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
     return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
 
 
@@ -255,17 +274,77 @@ def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> 
     ]
 
 
+def _codec_config(
+    config: LossyCommsConfig, direction: Direction, call: int, rank: int, peer: int
+) -> CodecConfig:
+    """The codec knobs of one payload: the forward's as configured; the backward's with its
+    rounding, seeded per (seed, call, rank, destination) so every payload draws independently
+    and a rerun draws the same."""
+    if direction == "fwd" or config.backward_rounding == "nearest":
+        return config.codec
+    # Tuple hashes of ints are the same in every process (no hash randomization for ints).
+    peer_seed = hash((config.backward_seed, call, rank, peer)) & ((1 << 63) - 1)
+    return dataclasses.replace(config.codec, rounding=config.backward_rounding, seed=peer_seed)
+
+
+def _record_signed_error(
+    direction: Direction,
+    info: LossyAll2AllPooledInfo,
+    payload: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    tables: Sequence[str],
+) -> None:
+    """Decodes a payload on its sender and records each block's signed error sum (telemetry)."""
+    with record_function(f"## lossy_a2a {direction} error sample ##"):
+        for x, y, table in zip(blocks, decompress(payload), tables, strict=True):
+            diff = y.double() - x.double()
+            fin = torch.isfinite(diff)
+            info.comms.stats.record_signed_error(
+                direction, table, float(diff[fin].sum()), int(fin.sum())
+            )
+
+
+def _warn_exact(
+    info: LossyAll2AllPooledInfo, direction: Direction, table: str, bs: BlockStats
+) -> None:
+    """Logs once per table when a block with a bound > 0 had to travel exactly."""
+    key = (direction, table)
+    if key in info.comms.warned_exact:
+        return
+    info.comms.warned_exact.add(key)
+    _log.warning(
+        "lossy all-to-all (%s): a %dx%d block of table %s travelled exactly (mode %s) although "
+        "its bound is %.3g: quantizing could not meet the bound (a bound below a float32 step, "
+        "or values too far from 0 in steps) or did not pay. Raise the bound, or set "
+        "compress=False for the table (logged once per table).",
+        direction,
+        bs.rows,
+        bs.dim,
+        table,
+        bs.mode,
+        bs.bound,
+    )
+
+
 def encode_payloads(
     direction: Direction,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     specs_per_peer: Sequence[Sequence[BlockSpec]],
     info: LossyAll2AllPooledInfo,
     device: torch.device,
+    rank: int = 0,
 ) -> list[torch.Tensor]:
-    """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's)."""
+    """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's).
+
+    ``rank`` (the sender's) seeds the backward's stochastic rounding with the module's call
+    counter and the destination.
+    """
     comms = info.comms
     config = comms.config
     stats = comms.stats
+    call = comms.next_call(direction)
+    sample = direction == "bwd" and config.error_sample_every > 0
+    sample = sample and call % config.error_sample_every == 0
     coded = [
         (b, s)
         for bs, ss in zip(blocks_per_peer, specs_per_peer, strict=True)
@@ -285,7 +364,7 @@ def encode_payloads(
 
     payloads = []
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        for blocks, specs in zip(blocks_per_peer, specs_per_peer, strict=True):
+        for peer, (blocks, specs) in enumerate(zip(blocks_per_peer, specs_per_peer, strict=True)):
             start = time.perf_counter()
             parts: list[torch.Tensor] = []
             codec_blocks: list[torch.Tensor] = []
@@ -306,13 +385,19 @@ def encode_payloads(
                     stats.record_block(direction, s.table, nbytes, raw.numel(), 0.0, 0.0)
             if codec_blocks:
                 payload, block_stats = compress_with_stats(
-                    codec_blocks, codec_bounds, config=config.codec
+                    codec_blocks,
+                    codec_bounds,
+                    config=_codec_config(config, direction, call, rank, peer),
                 )
                 parts.append(payload)
                 for table, eb, bs in zip(codec_tables, codec_bounds, block_stats, strict=True):
                     stats.record_block(
                         direction, table, bs.raw_bytes, bs.wire_bytes, bs.max_error, eb
                     )
+                    if eb > 0 and bs.mode in ("raw", "lz") and bs.rows * bs.dim >= 1024:
+                        _warn_exact(info, direction, table, bs)
+                if sample:
+                    _record_signed_error(direction, info, payload, codec_blocks, codec_tables)
                 # The payload header belongs to no block.
                 stats.record_container(
                     direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)

@@ -43,8 +43,11 @@ class TableCommStats:
         decode_s: Host seconds spent decoding (on the receiving rank), split the same way.
         ids: Ids sent (input direction, where deduplication is on).
         repeated_ids: Of those, ids equal to an earlier id of the same feature and destination.
-        rows: Forward: pooled rows (embedding vectors) TorchRec would send for the table.
+        rows: Pooled rows (embedding vectors, or their gradients) TorchRec would send.
         rows_sent: Of those, the rows actually encoded and sent (fewer under output dedupe).
+        error_sum: Sum of signed errors ``x' - x`` over the sampled elements (the backward's
+            sender decodes every ``error_sample_every``-th payload of its own).
+        error_count: Elements sampled for ``error_sum``.
     """
 
     blocks: int = 0
@@ -58,6 +61,14 @@ class TableCommStats:
     repeated_ids: int = 0
     rows: int = 0
     rows_sent: int = 0
+    error_sum: float = 0.0
+    error_count: int = 0
+
+    @property
+    def mean_signed_error(self) -> float:
+        """Mean of ``x' - x`` over the sampled elements (NaN if none): near 0 for an unbiased
+        (stochastically rounded) codec, to be read against ``max_error``."""
+        return self.error_sum / self.error_count if self.error_count else math.nan
 
     @property
     def repeated_share(self) -> float:
@@ -86,6 +97,8 @@ class TableCommStats:
         self.repeated_ids += other.repeated_ids
         self.rows += other.rows
         self.rows_sent += other.rows_sent
+        self.error_sum += other.error_sum
+        self.error_count += other.error_count
 
 
 def _nanmax(a: float, b: float) -> float:
@@ -182,7 +195,7 @@ class LossyCommsStats:
         """Counts pooled rows of one block: TorchRec's count and the count actually sent.
 
         Args:
-            direction: ``"fwd"`` in practice.
+            direction: ``"fwd"`` or ``"bwd"``.
             table: Table name.
             rows: Rows TorchRec would send (features x batch of the destination).
             rows_sent: Rows encoded (distinct bags of deduplicated features, all of the others).
@@ -191,6 +204,22 @@ class LossyCommsStats:
             e = self._entry(direction, table)
             e.rows += rows
             e.rows_sent += rows_sent
+
+    def record_signed_error(
+        self, direction: Direction, table: str, error_sum: float, count: int
+    ) -> None:
+        """Adds a sampled block's signed error sum ``sum(x' - x)`` over ``count`` elements.
+
+        Args:
+            direction: ``"bwd"`` in practice.
+            table: Table name.
+            error_sum: Sum of the signed errors of the block's finite elements.
+            count: Number of those elements.
+        """
+        with self._lock:
+            e = self._entry(direction, table)
+            e.error_sum += error_sum
+            e.error_count += count
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
@@ -313,7 +342,7 @@ class LossyCommsStats:
         """
         lines = [
             f"{'dir':<4} {'table':<24} {'raw_B':>12} {'wire_B':>12} {'ratio':>7} "
-            f"{'max_err':>10} {'err/bnd':>7} {'enc_ms':>9} {'dec_ms':>9}"
+            f"{'max_err':>10} {'err/bnd':>7} {'mean_err':>10} {'enc_ms':>9} {'dec_ms':>9}"
         ]
         for direction in DIRECTIONS:
             rows = self.tables(direction)
@@ -323,6 +352,7 @@ class LossyCommsStats:
                 lines.append(
                     f"{direction:<4} {table:<24} {e.raw_bytes:>12} {e.wire_bytes:>12} "
                     f"{e.ratio:>7.2f} {e.max_error:>10.3g} {e.max_error_over_bound:>7.3f} "
+                    f"{e.mean_signed_error:>10.2g} "
                     f"{1e3 * e.encode_s:>9.2f} {1e3 * e.decode_s:>9.2f}"
                 )
         return "\n".join(lines)
