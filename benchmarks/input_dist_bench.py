@@ -1,4 +1,4 @@
-"""Bytes per step of the input and output dists: TorchRec (none / qcomm) vs torchrec-lossy.
+"""Bytes per step of the input, output and gradient all-to-alls: TorchRec vs torchrec-lossy.
 
 A single-process computation with the real encoders, byte counts summed over all ranks of one
 step (the self-send included, as TorchRec's all-to-alls do):
@@ -13,6 +13,10 @@ step (the self-send included, as TorchRec's all-to-alls do):
   ``torchrec_lossy.distributed.pooled_payload.encode_payloads`` at the default bound (relative
   0.03 per table and block), without and with the exact output dedupe (each destination gets
   the pooled row of each distinct id once per table).
+
+- backward (gradient of the pooled embeddings): ``none`` fp32; ``fp16`` 2 bytes; ``mx4``
+  TorchRec's MX4 backward qcomm size; ``lossy`` the default backward (gradient dedupe, then the
+  codec at relative 0.01 with stochastic rounding) on gradients of :func:`_pooled_grads`.
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
 (feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
@@ -113,13 +117,15 @@ def _input_bytes(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _qcomm_bytes(mode: str, elements_per_chunk: list[int]) -> int:
-    """TorchRec's qcomm forward bytes: each (source, destination) chunk quantized alone."""
+def _qcomm_bytes(mode: str, elements_per_chunk: list[int], backward: bool = False) -> int:
+    """TorchRec's qcomm bytes (forward, or the backward with ``mode`` as its precision): each
+    (source, destination) chunk quantized alone."""
     registry = get_qcomm_codecs_registry(
-        QCommsConfig(forward_precision=QCOMM[mode], backward_precision=CommType.FP16)
+        QCommsConfig(forward_precision=QCOMM[mode], backward_precision=QCOMM[mode])
     )
     assert registry is not None
-    codec = registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward
+    codecs = registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+    codec = codecs.backward if backward else codecs.forward
     elem = torch.empty((), dtype=codec.quantized_dtype).element_size()
     return sum(
         codec.calc_quantized_size(n, codec.create_context()) * elem for n in elements_per_chunk
@@ -183,6 +189,73 @@ def _output_bytes(
             out[variant]["bytes"] += comms.stats.total("fwd").wire_bytes
             comms.stats.reset()
         out[variant]["rows"] = sent_rows
+    return out
+
+
+def _pooled_grads(n: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """A model of DLRM's gradient w.r.t. the pooled embeddings, ``[n, 26, dim]``.
+
+    BCE through the top MLP: sample ``b``'s gradient is ``(p_b - y_b) / n`` (calibrated
+    predictions, ``logit ~ N(-1.5, 1)``, ``y ~ Bernoulli(p)``: heavy-tailed over samples) times
+    a per-(sample, feature) Jacobian row (``N(0, s_f^2)``, feature scales ``s_f`` log-uniform
+    over e^[-1, 1]).
+    """
+    logits = torch.randn(n, generator=generator) - 1.5
+    p = torch.sigmoid(logits)
+    y = (torch.rand(n, generator=generator) < p).float()
+    scale = torch.exp(torch.rand(NUM_FEATURES, generator=generator) * 2 - 1)
+    jac = torch.randn(n, NUM_FEATURES, dim, generator=generator) * scale[None, :, None]
+    return ((p - y) / n)[:, None, None] * jac
+
+
+def _backward_bytes(
+    ids: torch.Tensor, world: int, dim: int, generator: torch.Generator
+) -> dict[str, dict[str, float]]:
+    """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
+    the default lossy backward (``LossyCommsConfig()``: the gradient dedupe sums each distinct
+    bag's rows, then the codec at relative 0.01 with stochastic rounding), all ranks."""
+    grads = _pooled_grads(ids.shape[0], dim, generator)
+    names = [f"t{f}" for f in range(NUM_FEATURES)]
+    layout = [
+        tuple(BlockSpec(names[f], 0, 1, dim) for f in range(NUM_FEATURES) if _owner(f, world) == r)
+        for r in range(world)
+    ]
+    batch = ids.shape[0] // world
+    # Sender d sends owner o the gradient of o's columns for d's rows.
+    chunks = [len(layout[o]) * dim * batch for _ in range(world) for o in range(world)]
+    out: dict[str, dict[str, float]] = {
+        "none": {"bytes": 4 * sum(chunks)},
+        "bf16": {"bytes": 2 * sum(chunks)},
+        "mx4": {"bytes": _qcomm_bytes("mx4", chunks, backward=True)},
+    }
+    config = LossyCommsConfig()
+    total = 0
+    for d in range(world):
+        comms = LossyComms(config=config, bounds=StaticBounds(names, config))
+        info = LossyAll2AllPooledInfo(
+            batch_size_per_rank=[batch] * world,
+            layout=layout,
+            comms=comms,
+            compress=comms.compress_flags(names),
+        )
+        rows_d = slice(d * batch, (d + 1) * batch)
+        blocks = []
+        for o in range(world):
+            per_table = []
+            for spec in layout[o]:
+                f = names.index(spec.table)
+                g = grads[rows_d, f]
+                col = ids[rows_d, f]
+                uniq, inv = torch.unique(col, return_inverse=True)
+                if uniq.numel() < batch:  # the gradient dedupe: one summed row per distinct id
+                    g = g.new_zeros((uniq.numel(), dim)).index_add_(0, inv, g)
+                per_table.append(g)
+            blocks.append(per_table)
+        payloads = encode_payloads("bwd", blocks, layout, info, ids.device, d)
+        total += sum(p.numel() for p in payloads)
+        err = comms.stats.total("bwd").max_error_over_bound
+        assert err <= 1.0, err
+    out["lossy"] = {"bytes": total}
     return out
 
 
@@ -269,16 +342,19 @@ def main(argv: list[str] | None = None) -> int:
             ids, ranks = ids[:keep], ranks[:keep]
             inp = _input_bytes(ids, world)
             outp = _output_bytes(ids, ranks, world, preset, dim)
+            bwd = _backward_bytes(ids, world, dim, g)
             # Modes as a user runs them: TorchRec's input dist with none / qcomm output codecs;
             # ours: the packed, deduplicated input dist with the lossy output dist.
+            # (input, forward, backward): TorchRec's qcomm modes with the same precision both
+            # ways (fp16 backward for fp16; "mx4" is MX4 forward + MX4 backward).
             modes = {
-                "none": ("none", "none"),
-                "fp16": ("none", "fp16"),
-                "mx4": ("none", "mx4"),
-                "lossy (no out dedupe)": ("packed+dedupe", "lossy"),
-                "lossy": ("packed+dedupe", "lossy+out_dedupe"),
+                "none": ("none", "none", "none"),
+                "fp16": ("none", "fp16", "bf16"),  # 2 bytes a gradient either way
+                "mx4": ("none", "mx4", "mx4"),
+                "lossy (no out dedupe)": ("packed+dedupe", "lossy", "lossy"),
+                "lossy": ("packed+dedupe", "lossy+out_dedupe", "lossy"),
             }
-            for mode, (i, o) in modes.items():
+            for mode, (i, o, bw) in modes.items():
                 results.append(
                     {
                         "dataset": name,
@@ -289,13 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                         "input_bytes": inp[i]["bytes"],
                         "input_plain_packed_bytes": inp["packed"]["bytes"],
                         "output_bytes": outp[o]["bytes"],
+                        "backward_bytes": bwd[bw]["bytes"],
                         "output_rows": outp[o].get("rows", outp["none"]["rows"]),
                         "repeated_share": inp["packed+dedupe"]["repeated_share"],
                     }
                 )
     print(
         f"{'dataset':<18} {'world':>5} {'B/rank':>6} {'mode':<22} {'input B':>10} "
-        f"{'output B':>11} {'total B':>11} {'in x':>6} {'out x':>6} {'rows sent':>9}"
+        f"{'output B':>11} {'bwd B':>11} {'step B':>11} {'in x':>6} {'out x':>6} {'bwd x':>6} "
+        f"{'step x':>6} {'rows sent':>9}"
     )
     base: dict[tuple[str, int], dict[str, float]] = {}
     for r in results:
@@ -303,12 +381,17 @@ def main(argv: list[str] | None = None) -> int:
         if r["mode"] == "none":
             base[key] = r
         b = base[key]
+        step = r["input_bytes"] + r["output_bytes"] + r["backward_bytes"]
+        r["step_bytes"] = step
+        b_step = b["input_bytes"] + b["output_bytes"] + b["backward_bytes"]
         print(
             f"{r['dataset']:<18} {r['world']:>5} {r['batch_per_rank']:>6} {r['mode']:<22} "
             f"{r['input_bytes']:>10,.0f} {r['output_bytes']:>11,.0f} "
-            f"{r['input_bytes'] + r['output_bytes']:>11,.0f} "
+            f"{r['backward_bytes']:>11,.0f} {step:>11,.0f} "
             f"{b['input_bytes'] / r['input_bytes']:>6.2f} "
             f"{b['output_bytes'] / r['output_bytes']:>6.2f} "
+            f"{b['backward_bytes'] / r['backward_bytes']:>6.2f} "
+            f"{b_step / step:>6.2f} "
             f"{r['output_rows'] / b['output_rows']:>9.1%}"
         )
     text = json.dumps(results, indent=1)

@@ -253,8 +253,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
             n: w_close(n, "torchrec") for n in ("lookup", "lookup_bwd_lossy", "exact_gdd")
         },
         # Gradient dedupe with a cast: the per-bag sum is cast once (as the lookup dedupe's).
-        "gdd_fp16_close": w_close("exact_gdd_fp16", "none_bwd_fp16", atol=2e-3)
-        and not w_eq("exact_gdd_fp16", "exact_bwd_fp16"),
+        "gdd_fp16_close": w_close("exact_gdd_fp16", "none_bwd_fp16", atol=2e-3),
+        "gdd_fp16_differs": not w_eq("exact_gdd_fp16", "exact_bwd_fp16"),
         "bwd_rows": bwd_rows,
         "fp16_step0_exact": torch.equal(outs["lookup_bwd_fp16"][0], exact0),
         # fp16 gradients: the per-id sum is cast once instead of each term (fp16 rounding).
@@ -319,6 +319,7 @@ def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) ->
         if r["expected_rows"][0]:  # rank 2 of 3 owns no table
             assert any(sent < full for got in r["rows"] for full, sent in got.values()), rank
         assert r["repeated"][0] > 0, rank
+    assert any(r["gdd_fp16_differs"] for r in results)  # the owners' weights: summed, then cast
     # The gradient dedupe sends, per (source, owner, feature), one row per distinct bag: the
     # same rows as the forward over all ranks (the forward's counted by owners, the backward's
     # by sources).
