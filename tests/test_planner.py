@@ -142,6 +142,24 @@ def test_exact_costs_across_hosts_and_lossy_backward() -> None:
     assert model.break_even(20.0) == pytest.approx(0.05 + 12.5 / 200 + 12.5 / 50, rel=1e-12)
 
 
+def test_backward_priced_per_table_like_the_forward() -> None:
+    """The default (lossy) backward: a calibrated ratio per table, else planner.backward_ratio,
+    the codec's time, and raw where drop_unprofitable finds that the codec does not pay."""
+    planner = PlannerConfig(backward_ratio=12.0, encode_gib_s=200.0, decode_gib_s=50.0)
+    config = LossyPlanConfig(planner=planner, embedding_tables=tables(5000, dim=32))
+    assert config.comms.backward == "lossy"  # the default
+    model = LossyCommsModel(config, CROSS_NODE_BANDWIDTH, backward_ratios={"t0": 30.0})
+    assert model.for_table("t0").bwd == WireFormat("lossy", 30.0, 200.0, 50.0)
+    assert model.for_table("t1").bwd == WireFormat("lossy", 12.0, 200.0, 50.0)
+    assert model.for_table("t1").bwd_rs is None  # a lossy gradient cannot ride a reduce-scatter
+    # A codec far slower than the link: the backward goes raw when the planner may drop it.
+    slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3, drop_unprofitable=True)
+    dropped = LossyCommsModel(LossyPlanConfig(planner=slow), CROSS_NODE_BANDWIDTH)
+    assert dropped.for_table("t0").bwd.name == "raw"
+    none = LossyPlanConfig(comms=LossyCommsConfig(backward="none"))
+    assert LossyCommsModel(none, CROSS_NODE_BANDWIDTH).for_table("t0").bwd.name == "raw"
+
+
 @pytest.mark.parametrize("sharding", [TW, RW])
 def test_fp16_model_equals_torchrec_qcomm_pricing(sharding: str) -> None:
     """Ratio 2 without codec time is exactly TorchRec's pricing of an FP16 qcomm registry."""

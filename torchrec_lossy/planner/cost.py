@@ -235,10 +235,16 @@ class LossyCommsModel:
     saves on the topology's all-to-all bandwidth ``bw`` (``1/R + bw/enc + bw/dec >= 1``) travels
     raw instead.
 
+    The backward is priced the same way when ``comms.backward`` is ``"lossy"``: each table's
+    gradient at its expected backward ratio (calibrated, else ``planner.backward_ratio``, against
+    TorchRec's dense fp32 gradient) with the codec's throughput, and, with
+    ``planner.drop_unprofitable``, raw where the codec would not pay.
+
     Args:
         config: The plan config.
         a2a_bandwidth: All-to-all bandwidth of the topology in bytes/ms (the break-even test).
         ratios: Calibrated forward ratios by table name (take precedence over the config).
+        backward_ratios: Calibrated backward ratios by table name (likewise).
     """
 
     name = "lossy"
@@ -248,10 +254,12 @@ class LossyCommsModel:
         config: LossyPlanConfig,
         a2a_bandwidth: float,
         ratios: Mapping[str, float] | None = None,
+        backward_ratios: Mapping[str, float] | None = None,
     ) -> None:
         self.config = config
         self.a2a_bandwidth = a2a_bandwidth
         self.ratios: dict[str, float] = dict(ratios or {})
+        self.backward_ratios: dict[str, float] = dict(backward_ratios or {})
         device = config.topology.compute_device
         enc, dec = CODEC_THROUGHPUT_GIB_S[device]
         p = config.planner
@@ -285,6 +293,23 @@ class LossyCommsModel:
         """
         return self.ratios.get(table, self.config.planner.ratio(table))
 
+    def backward_format(self, table: str) -> WireFormat:
+        """The table's gradient wire format: the codec at its expected backward ratio (raw
+        where ``planner.drop_unprofitable`` finds it does not pay), or the configured cast.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its backward :class:`WireFormat`.
+        """
+        if self._bwd.name != "lossy" or not self.config.comms.table(table).compress:
+            return self._bwd if self._bwd.name != "lossy" else RAW
+        r = self.backward_ratios.get(table, self.config.planner.backward_ratio)
+        if self.config.planner.drop_unprofitable and self.break_even(r) >= 1.0:
+            return RAW
+        return WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+
     def break_even(self, ratio: float) -> float:
         """``1/R + bw/enc + bw/dec``: the codec pays on the all-to-all iff this is below 1.
 
@@ -310,7 +335,7 @@ class LossyCommsModel:
         Returns:
             Its :class:`TableComms`.
         """
-        bwd = self._bwd
+        bwd = self.backward_format(table)
         bwd_rs = None if bwd.name == "lossy" else bwd
         if not self.config.comms.table(table).compress:
             return TableComms(RAW, bwd, RAW, bwd_rs, "compress: false in the config")
