@@ -25,7 +25,7 @@ from torchrec_lossy.distributed.alltoall import (
     alltoall_pooled_lossy,
 )
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.input_dist import output_dedupe_of
+from torchrec_lossy.distributed.dedupe import output_dedupe_of
 
 
 def pooled_layout(
