@@ -310,7 +310,7 @@ def test_sharder_carries_the_comms_config() -> None:
     assert isinstance(sharder, sharder_mod.LossyEmbeddingBagCollectionSharder)
     assert sharder.comms_config is config.comms
     assert sharder.fused_params == {"learning_rate": 0.1}
-    assert sharder._bounds_factory is AdaptiveBounds
+    assert sharder.bounds_factory is AdaptiveBounds
 
 
 def test_pooled_blocks_stacks_a_tables_features() -> None:

@@ -202,10 +202,37 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             weakref.WeakValueDictionary()
         )
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled state: the config, without the registry of modules sharded in this process.
+
+        TorchRec's multi-process test utilities and ``torch.multiprocessing.spawn`` hand sharders
+        to ranks pickled; the registry only holds weak references to this process's modules.
+
+        Returns:
+            The instance's attributes, the registry left out.
+        """
+        state = self.__dict__.copy()
+        del state["_sharded"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Restores a pickled sharder with an empty registry (:meth:`stats` starts empty).
+
+        Args:
+            state: From :meth:`__getstate__`.
+        """
+        self.__dict__.update(state)
+        self._sharded = weakref.WeakValueDictionary()
+
     @property
     def comms_config(self) -> LossyCommsConfig:
         """The config every module sharded by this sharder uses."""
         return self._comms_config
+
+    @property
+    def bounds_factory(self) -> BoundProviderFactory:
+        """Builds each sharded module's bound provider (pickled by reference: a top-level name)."""
+        return self._bounds_factory
 
     def shard(
         self,
