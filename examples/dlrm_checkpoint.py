@@ -8,6 +8,7 @@ position, and the bound providers' state is restored per rank).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 
 from torchrec_lossy.distributed import bounds_state, load_bounds_state
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "simulate_failure"]
 
 
 class Checkpointer:
@@ -150,3 +151,19 @@ class Checkpointer:
         if self.env.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         return step, (int(extra["position"][0]), int(extra["position"][1])), path
+
+
+def simulate_failure(env: DistEnv, step: int) -> None:
+    """``--simulate-failure-at``: the last rank exits (code 17) on torchrun's first attempt.
+
+    A restarted job (``torchrun --max-restarts N``) then resumes from the newest checkpoint;
+    later attempts do not fail again.
+
+    Args:
+        env: This process's placement.
+        step: The step just finished.
+    """
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and env.rank == env.world_size - 1:
+        print(f"rank {env.rank}: simulated failure after step {step}", flush=True)
+        os._exit(17)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import criteo_data
 import dlrm_report
-from dlrm_checkpoint import Checkpointer
+from dlrm_checkpoint import Checkpointer, simulate_failure
 from dlrm_data import DataSource, TrainFeed, build_data
 from dlrm_env import DistEnv, init_distributed, load_plan_config, quiet_torchrec
 from dlrm_metrics import RunLog, ShardedModel, plan_tables
@@ -331,15 +330,6 @@ def train(
     else:
         pipeline = TrainPipelineSparseDist(model, optimizer, env.device, execute_all_batches=True)
 
-    def evaluate() -> None:  # the pipeline holds batches in flight: detach it meanwhile
-        if pipeline is not None:
-            pipeline.detach()
-        log.evaluate(model, data.eval_batches)
-        if pipeline is not None:
-            pipeline.attach(model)
-
-    fail_now = args.simulate_failure_at is not None and env.rank == env.world_size - 1
-    fail_now &= os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     try:
         while True:
             t0 = time.perf_counter()
@@ -362,18 +352,17 @@ def train(
             if step % log_every == 0:
                 log.sample()
             if step % eval_every == 0 and (total is None or step < total):
-                evaluate()
+                log.evaluate(model, data.eval_batches, pipeline)
             if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpointer.save_step(step, position, model, optimizer)
-            if fail_now and step == args.simulate_failure_at:
-                print(f"rank {env.rank}: simulated failure after step {step}", flush=True)
-                os._exit(17)
+            if step == args.simulate_failure_at:
+                simulate_failure(env, step)  # testing: the last rank dies on the first attempt
     finally:
         feed.close()
         log.close()
     log.data_wait_s = feed.wait_s
     log.sample()
-    evaluate()
+    log.evaluate(model, data.eval_batches, pipeline)
     if checkpointer:
         checkpointer.save_step(log.step, position, model, optimizer)
 

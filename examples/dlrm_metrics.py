@@ -470,18 +470,26 @@ class RunLog:
             )
         return ratio
 
-    def evaluate(self, model: nn.Module, batches: Sequence[Any]) -> dict[str, Any]:
+    def evaluate(
+        self, model: nn.Module, batches: Sequence[Any], pipeline: Any = None
+    ) -> dict[str, Any]:
         """Evaluates on the held-out batches, keeping their traffic out of the training bytes.
 
         Args:
-            model: The DMP model (detached from any training pipeline).
+            model: The DMP model.
             batches: This rank's held-out batches.
+            pipeline: The ``TrainPipelineSparseDist`` training ``model``, if any: it holds
+                batches in flight, so it is detached during the evaluation.
 
         Returns:
             ``{"step", "auc", "logloss", "rows"}``.
         """
         self.meter.sample("train")
+        if pipeline is not None:
+            pipeline.detach()
         result = {"step": self.step, **evaluate(model, batches, self.env)}
+        if pipeline is not None:
+            pipeline.attach(model)
         self.meter.sample("eval")
         self.history.evals.append(result)
         return result
