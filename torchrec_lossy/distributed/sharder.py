@@ -281,34 +281,3 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def sharded_module_type(self) -> type[LossyShardedEmbeddingBagCollection]:
         """The sharded module class."""
         return LossyShardedEmbeddingBagCollection
-
-
-def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
-    """Telemetry of every lossy-sharded EmbeddingBagCollection in ``model``.
-
-    Args:
-        model: Any module, e.g. a DistributedModelParallel.
-
-    Returns:
-        Module FQN (as the sharder saw it; else the path in ``model.named_modules()``) to its
-        stats.
-    """
-    return {
-        m._module_fqn or name: m.lossy_stats
-        for name, m in model.named_modules()
-        if isinstance(m, LossyShardedEmbeddingBagCollection)
-    }
-
-
-def step_lossy_bounds(model: nn.Module) -> None:
-    """Tells every lossy-sharded module's bound provider that a training iteration finished.
-
-    Call it once per iteration (after the optimizer step) when the provider adapts over
-    training (e.g. ``AdaptiveBounds``); with the default static bounds it does nothing.
-
-    Args:
-        model: Any module, e.g. a DistributedModelParallel.
-    """
-    for m in model.modules():
-        if isinstance(m, LossyShardedEmbeddingBagCollection):
-            m.lossy_comms.bounds.step()
