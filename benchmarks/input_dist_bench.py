@@ -3,10 +3,11 @@
 A single-process computation with the real encoders, byte counts summed over all ranks of one
 step (the self-send included, as TorchRec's all-to-alls do):
 
-- input dist: every rank's KJT is encoded by ``torchrec_lossy.distributed.input_dist._encode``; the
-  bytes are the packed payload words plus the metadata exchange. TorchRec's (``none`` and every
-  qcomm mode: qcomm codecs do not touch the KJT all-to-all) are its lengths and ids tensors plus
-  its splits exchange (lengths, values, stride per destination).
+- input dist: every rank's KJT is encoded by
+  ``torchrec_lossy.distributed.input_dist.encode_with_telemetry``; the bytes are the packed
+  payload words plus the metadata exchange. TorchRec's (``none`` and every qcomm mode: qcomm
+  codecs do not touch the KJT all-to-all) are its lengths and ids tensors plus its splits
+  exchange (lengths, values, stride per destination).
 - output dist (forward pooled embeddings): ``none`` fp32; ``fp16``/``mx4`` TorchRec's qcomm size
   (``calc_quantized_size`` of each (source, destination) chunk, as ``All2All_Pooled_Req``);
   ``lossy`` the codec payloads of
@@ -31,10 +32,10 @@ from the trained-model value model of :mod:`torchrec_lossy.traffic`:
 Run: ``.venv/bin/python benchmarks/input_dist_bench.py [--json out.json]``.
 
 ``--timing`` instead times the input codec on this machine (CPU ms per step and rank, no
-process group): every rank's KJT is encoded (``_encode``, default config: wire dedupe, exact
-output dedupe, checksums) and rank 0 decodes what it would receive (``_decode``), at the batch
-sizes given by ``--timing-batches`` (default 512, the example's, and 2048), 2 ranks, single-hot
-Zipf ids of the Kaggle cardinalities:
+process group): every rank's KJT is encoded (``encode_with_telemetry``, default config: wire
+dedupe, exact output dedupe, checksums) and rank 0 decodes what it would receive
+(``kjt_codec.decode_kjt``), at the batch sizes given by ``--timing-batches`` (default 512, the
+example's, and 2048), 2 ranks, single-hot Zipf ids of the Kaggle cardinalities:
 ``.venv/bin/python benchmarks/input_dist_bench.py --timing``.
 """
 
@@ -55,14 +56,9 @@ from torchrec.distributed.types import CommOp
 
 from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
-from torchrec_lossy.distributed.input_dist import (
-    _HEADER,
-    _PER_FEATURE,
-    _decode,
-    _distinct_bags,
-    _encode,
-    _FeatureMeta,
-)
+from torchrec_lossy.distributed.dedupe import distinct_bags
+from torchrec_lossy.distributed.input_dist import encode_with_telemetry
+from torchrec_lossy.distributed.kjt_codec import decode_kjt, meta_words, parse_meta
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -109,7 +105,7 @@ def _input_bytes(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
         config = LossyCommsConfig(input_dist=InputDistConfig(dedupe=dedupe))
         comms = LossyComms(config=config, bounds=StaticBounds([], config))
         for kjt in kjts:
-            _encode(kjt, splits, comms)
+            encode_with_telemetry(kjt, splits, comms)
         total = comms.stats.total("input")
         if "none" not in out:
             out["none"] = {"bytes": total.raw_bytes, "repeated_share": 0.0}
@@ -177,7 +173,7 @@ def _output_bytes(
                     r = ranks[rows_d, f]
                     if dedupe:  # the first bag of each distinct id, in ascending id order
                         col = ids[rows_d, f]
-                        first = _distinct_bags([torch.ones_like(col)], [col])[2][0]
+                        first = distinct_bags([torch.ones_like(col)], [col])[2][0]
                         if first.numel() < batch:  # as the input dist decides it
                             r = r[first]
                     sent_rows += r.numel()
@@ -269,27 +265,25 @@ def _timing(batch: int, world: int, reps: int) -> dict[str, float]:
     kjts, splits = _kjts(ids, world)
     comms = LossyComms(config=LossyCommsConfig(), bounds=StaticBounds([], LossyCommsConfig()))
     keys = kjts[0].keys()[: splits[0]]
-    n = _HEADER + _PER_FEATURE * len(keys)
+    n = meta_words(len(keys))
     enc_t, dec_t = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        encs = [_encode(k, splits, comms, "exact") for k in kjts]
+        encs = [encode_with_telemetry(k, splits, comms, "exact") for k in kjts]
         enc_t.append((time.perf_counter() - t0) / world)
         # What rank 0 receives: each source's first payload and metadata row.
         recv = torch.cat([e.send[: e.send_words[0]] for e in encs])
-        rows = [e.meta[:n].tolist() for e in encs]
-        metas = [
-            [
-                _FeatureMeta.from_words(
-                    r[_HEADER + i * _PER_FEATURE : _HEADER + (i + 1) * _PER_FEATURE]
-                )
-                for i in range(len(keys))
-            ]
-            for r in rows
-        ]
+        rows = [parse_meta(e.meta[:n].tolist(), len(keys)) for e in encs]
+        metas = [r.features for r in rows]
         t0 = time.perf_counter()
-        _decode(
-            recv, [r[0] for r in rows], metas, [r[1] for r in rows], [r[2] for r in rows], keys, 0
+        decode_kjt(
+            recv,
+            [r.payload_words for r in rows],
+            metas,
+            [r.batch for r in rows],
+            [r.codes for r in rows],
+            keys,
+            0,
         )
         dec_t.append(time.perf_counter() - t0)
         comms.stats.reset()

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_summary", "write_json", "write_png", "write_tensorboard"]
+__all__ = ["format_summary", "write_json", "write_outputs", "write_png", "write_tensorboard"]
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -269,6 +269,30 @@ def write_png(metrics: Mapping[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def write_outputs(
+    metrics: Mapping[str, Any],
+    json_path: str | Path | None = None,
+    tensorboard_dir: str | Path | None = None,
+    png_path: str | Path | None = None,
+) -> None:
+    """Writes each requested output and prints where it went.
+
+    Args:
+        metrics: The run's metrics.
+        json_path: The metrics JSON file (None: not written).
+        tensorboard_dir: The TensorBoard log folder (None: not written).
+        png_path: The PNG report (None: not drawn).
+    """
+    for label, path, write in (
+        ("metrics", json_path, write_json),
+        ("tensorboard", tensorboard_dir, write_tensorboard),
+        ("report", png_path, write_png),
+    ):
+        if path:
+            write(metrics, path)
+            print(f"{label}: {path}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Re-draws the summary (and optionally PNG / TensorBoard) from a metrics JSON file.
 
@@ -285,10 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     metrics = json.loads(Path(args.metrics_json).read_text())
     print(format_summary(metrics))
-    if args.png:
-        write_png(metrics, args.png)
-    if args.tensorboard_dir:
-        write_tensorboard(metrics, args.tensorboard_dir)
+    write_outputs(metrics, tensorboard_dir=args.tensorboard_dir, png_path=args.png)
     return 0
 
 

@@ -195,6 +195,15 @@ def test_qcomm_and_raw_models() -> None:
         "fp16",
         "fp16",
     )
+    # MX4 both ways (TorchRec users' production setting): the reduce-scatter's backward has no
+    # MX4 in TorchRec and falls back to BF16.
+    both = qcomm_model("mx4", "mx4", "cpu").for_table("x")
+    assert (both.bwd.name, both.bwd.ratio, both.bwd_rs.name, both.bwd_rs.ratio) == (
+        "mx4",
+        MX4_RATIO,
+        "bf16",
+        2.0,
+    )
     assert raw_model().for_table("x") == TableComms()
     for model in (raw_model(), qcomm_model("fp16", "none", "cpu")):
         assert isinstance(model, CommsModel)
@@ -328,7 +337,7 @@ def test_sharder_carries_the_comms_config() -> None:
     assert isinstance(sharder, sharder_mod.LossyEmbeddingBagCollectionSharder)
     assert sharder.comms_config is config.comms
     assert sharder.fused_params == {"learning_rate": 0.1}
-    assert sharder._bounds_factory is AdaptiveBounds
+    assert sharder.bounds_factory is AdaptiveBounds
 
 
 def test_pooled_blocks_stacks_a_tables_features() -> None:

@@ -1,8 +1,8 @@
 """Published per-feature table sizes of the Criteo click-log data sets.
 
 The lists are in C1..C26 order, as the categorical columns appear in the raw files. They size
-synthetic tables like the real ones; see ``/work/shared/data/CARDINALITIES.md`` (outside the
-project) for the full set of published variants.
+synthetic tables like the real ones. Other published variants (1TB after hashing mod 40M or
+10M, frequency thresholds 3 and 15) differ per source; each list below names its own.
 """
 
 from __future__ import annotations

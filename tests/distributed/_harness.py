@@ -12,7 +12,8 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,20 +23,22 @@ import torch.multiprocessing as mp
 PG_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free localhost TCP port for a process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    results: Any,
-) -> None:
+@contextmanager
+def gloo_group(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """The default gloo process group of one rank (with a timeout), destroyed on exit.
+
+    Args:
+        rank: This rank.
+        world_size: Number of ranks.
+        port: Rendezvous port on localhost (the same on every rank).
+    """
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -46,12 +49,25 @@ def _entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:  # report everything, including assertion failures, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    try:
+        with gloo_group(rank, world_size, port):
+            results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, False, traceback.format_exc()))
 
 
 def run_workers(
@@ -73,7 +89,7 @@ def run_workers(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results), daemon=True)
         for r in range(world_size)

@@ -29,7 +29,7 @@ from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed import LossyComms, StaticBounds
-from torchrec_lossy.distributed.input_dist import _encode
+from torchrec_lossy.distributed.input_dist import encode_with_telemetry
 from torchrec_lossy.distributed.stats import CONTAINER
 
 
@@ -45,7 +45,7 @@ def test_encode_marks_only_unweighted_single_hot_features_with_repeats() -> None
     lengths = torch.tensor([1, 1, 1, 1, 2, 0, 1, 1, 1, 1, 1, 1])
     values = torch.tensor([5, 5, 7, 5, 1, 1, 2, 3, 9, 8, 7, 6])
     kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=values, lengths=lengths)
-    enc = _encode(kjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
+    enc = encode_with_telemetry(kjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
     (u, inv), b = enc.expand[0]
     assert b is None and enc.expand[1] == [None]
     assert u == 2 and inv.tolist() == [0, 0, 1, 0]  # distinct ids sorted: 5, 7
@@ -54,7 +54,7 @@ def test_encode_marks_only_unweighted_single_hot_features_with_repeats() -> None
     wkjt = KeyedJaggedTensor(
         keys=["a", "b", "c"], values=values, lengths=lengths, weights=torch.rand(12)
     )
-    enc = _encode(wkjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
+    enc = encode_with_telemetry(wkjt, [2, 1], _comms(dedupe_lookups=True), output_dedupe="lookup")
     assert all(x is None for row in enc.expand for x in row)
 
 
@@ -66,7 +66,7 @@ def test_encode_marks_exact_output_dedupe_with_empty_bags() -> None:
     lengths = torch.tensor([1, 0, 1, 0, 1, 2, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])
     values = torch.tensor([5, 7, 5, 1, 1, 2, 3, 9, 8, 7, 3, 1, 3, 3])
     kjt = KeyedJaggedTensor(keys=["a", "b", "c", "d", "e"], values=values, lengths=lengths)
-    enc = _encode(kjt, [2, 3], _comms(), output_dedupe="exact")
+    enc = encode_with_telemetry(kjt, [2, 3], _comms(), output_dedupe="exact")
     (rows, inv), b = enc.expand[0]
     # Distinct bag keys in ascending order: empty (-1), 5, 7.
     assert b is None and rows == 3 and inv.tolist() == [1, 0, 2, 0]
@@ -74,7 +74,11 @@ def test_encode_marks_exact_output_dedupe_with_empty_bags() -> None:
     assert c is None and rows_d == 1 and inv_d.tolist() == [0, 0, 0, 0]
     assert rows_e == 2 and inv_e.tolist() == [1, 0, 1, 1]  # distinct ids 1, 3
     # The KJT itself still travels whole: the same ids as without output dedupe.
-    assert enc.num_ids_per_dest == _encode(kjt, [2, 3], _comms()).num_ids_per_dest == [6, 8]
+    assert (
+        enc.num_ids_per_dest
+        == encode_with_telemetry(kjt, [2, 3], _comms()).num_ids_per_dest
+        == [6, 8]
+    )
 
 
 def _mixed_batch(tables: list, batch: int, seed: int) -> Any:

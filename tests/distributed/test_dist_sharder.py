@@ -663,7 +663,13 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_lossy.config import LossyCommsConfig
-    from torchrec_lossy.distributed import lossy_stats, step_lossy_bounds
+    from torchrec_lossy.distributed import (
+        bounds_state,
+        load_bounds_state,
+        lossy_modules,
+        lossy_stats,
+        step_lossy_bounds,
+    )
 
     tables = make_tables(PIPELINE_TABLES)
     model = _DLRMish(make_ebc(tables, device="meta"), sum(t.embedding_dim for t in tables))
@@ -708,6 +714,16 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
 
     state = dmp.state_dict()
     fwd = sharded.lossy_stats.total("fwd")
+    # A per-rank checkpoint of the providers: saved, stepped on, restored.
+    saved = bounds_state(dmp)
+    step_lossy_bounds(dmp)
+    stepped = int(sharded.lossy_comms.bounds.steps)
+    load_bounds_state(dmp, saved)
+    try:
+        load_bounds_state(dmp, {"no.such.module": {}})
+        bad_key = ""
+    except KeyError as e:
+        bad_key = str(e)
     return {
         "sharding_types": sorted(type(s).__name__ for s in sharded._embedding_shardings),
         "losses": losses,
@@ -717,6 +733,11 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
         "stats_via_sharder": list(sharder.stats()),
         "stats_via_model": list(lossy_stats(dmp)),
         "bounds_state": {k: int(v) for k, v in state.items() if k.startswith("ebc.lossy_bounds")},
+        "lossy_modules": list(lossy_modules(dmp)),
+        "saved_steps": {name: int(v["steps"]) for name, v in saved.items()},
+        "stepped": stepped,
+        "restored_steps": int(sharded.lossy_comms.bounds.steps),
+        "bad_key": bad_key,
     }
 
 
@@ -739,3 +760,8 @@ def test_planner_pipeline_profiler_and_bound_provider_state() -> None:
         # The provider is a registered submodule: its state is in the model's state_dict.
         assert r["bounds_state"]["ebc.lossy_bounds.steps"] == 6
         assert r["bounds_state"]["ebc.lossy_bounds.observed"] > 0
+        # Keyed by the path in dmp.named_modules() (DMP wraps the model once more).
+        assert r["lossy_modules"] == ["_dmp_wrapped_module.module.ebc"]
+        assert r["saved_steps"] == {"_dmp_wrapped_module.module.ebc": 6}
+        assert (r["stepped"], r["restored_steps"]) == (7, 6)
+        assert "no.such.module" in r["bad_key"] and "module.ebc" in r["bad_key"]

@@ -25,18 +25,13 @@ from _harness import (
 
 from torchrec_lossy.config import ConfigError, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed import LossyAllToAllError, LossyComms, StaticBounds
-from torchrec_lossy.distributed.input_dist import (
-    _HEADER,
-    _PER_FEATURE,
-    SPLITS,
-    _checksums,
-    _decode,
-    _distinct_bags,
-    _encode,
-    _FeatureMeta,
-    _first_bags,
-    _segment_sort,
+from torchrec_lossy.distributed.dedupe import distinct_bags, first_bags, segment_sort
+from torchrec_lossy.distributed.input_dist import SPLITS, encode_with_telemetry
+from torchrec_lossy.distributed.kjt_codec import (
+    decode_kjt,
     pack_bits,
+    parse_meta,
+    payload_checksums,
     unpack_bits,
 )
 
@@ -81,7 +76,7 @@ def _kjt(
 
 def _loopback(kjts: list[Any], splits: list[int], comms: LossyComms) -> list[tuple]:
     """Encodes every source's KJT and decodes what each destination would receive."""
-    encs = [_encode(k, splits, comms) for k in kjts]
+    encs = [encode_with_telemetry(k, splits, comms) for k in kjts]
     out = []
     for r in range(len(splits)):
         recv, words, metas, strides, codes = [], [], [], [], []
@@ -93,14 +88,9 @@ def _loopback(kjts: list[Any], splits: list[int], comms: LossyComms) -> list[tup
             row = e.meta[mo[r] : mo[r + 1]].tolist()
             strides.append(row[1])
             codes.append(row[2])
-            metas.append(
-                [
-                    _FeatureMeta.from_words(row[_HEADER + i * _PER_FEATURE :][:_PER_FEATURE])
-                    for i in range(splits[r])
-                ]
-            )
+            metas.append(parse_meta(row, splits[r]).features)
         keys = KEYS[sum(splits[:r]) : sum(splits[: r + 1])]
-        out.append(_decode(torch.cat(recv), words, metas, strides, codes, keys, r)[:3])
+        out.append(decode_kjt(torch.cat(recv), words, metas, strides, codes, keys, r)[:3])
     return out
 
 
@@ -167,13 +157,13 @@ def test_negative_ids_and_mismatched_payload_are_refused() -> None:
 
     bad = KeyedJaggedTensor(keys=["a"], values=torch.tensor([3, -1]), lengths=torch.tensor([2]))
     with pytest.raises(ValueError, match="negative id"):
-        _encode(bad, [1], _comms())
+        encode_with_telemetry(bad, [1], _comms())
     kjt = _kjt("multi_hot", 4, 0, keys=["a"])
-    enc = _encode(kjt, [1], _comms())
+    enc = encode_with_telemetry(kjt, [1], _comms())
     meta = enc.meta.tolist()
-    fm = [_FeatureMeta.from_words(meta[_HEADER : _HEADER + _PER_FEATURE])]
+    fm = parse_meta(meta, 1).features
     with pytest.raises(LossyAllToAllError, match="words received"):
-        _decode(enc.send[:-1], [enc.send_words[0] - 1], [fm], [4], [meta[2]], ["a"], 0)
+        decode_kjt(enc.send[:-1], [enc.send_words[0] - 1], [fm], [4], [meta[2]], ["a"], 0)
     with pytest.raises(ConfigError, match=r"input_dist\.weights"):
         InputDistConfig(weights="int8")  # type: ignore[arg-type]
 
@@ -181,22 +171,23 @@ def test_negative_ids_and_mismatched_payload_are_refused() -> None:
 def test_checksum_catches_a_flipped_word_and_costs_two_words_per_destination() -> None:
     kjt = _kjt("weighted", 6, 3)
     splits = [2, 3]
-    on, off = _encode(kjt, splits, _comms()), _encode(kjt, splits, _comms(checksum=False))
+    on, off = (
+        encode_with_telemetry(kjt, splits, _comms()),
+        encode_with_telemetry(kjt, splits, _comms(checksum=False)),
+    )
     assert [a - b for a, b in zip(on.send_words, off.send_words, strict=True)] == [2, 2]
     assert torch.equal(_loopback([kjt], splits, _comms())[1][1], kjt.values()[-_n_ids(kjt, 3) :])
     meta = on.meta.tolist()
     row = meta[on.meta_splits[0] :]  # destination 1
-    fms = [
-        _FeatureMeta.from_words(row[_HEADER + i * _PER_FEATURE :][:_PER_FEATURE]) for i in range(3)
-    ]
+    fms = parse_meta(row, 3).features
     recv = on.send[on.send_words[0] :].clone()
     args = ([on.send_words[1]], [fms], [6], [row[2]], KEYS[2:], 1)
-    _decode(recv, *args)  # intact: decodes
+    decode_kjt(recv, *args)  # intact: decodes
     for word in (0, on.send_words[1] // 2, on.send_words[1] - 1):
         bad = recv.clone()
         bad[word] ^= 1 << 7
         with pytest.raises(LossyAllToAllError, match=r"from rank 0 .*checksum does not match"):
-            _decode(bad, *args)
+            decode_kjt(bad, *args)
 
 
 def test_checksums_match_their_formula_across_payload_sizes() -> None:
@@ -204,7 +195,7 @@ def test_checksums_match_their_formula_across_payload_sizes() -> None:
     sizes = [0, 1, 2, 3, 70_000, 17]
     words = torch.randint(-(2**31), 2**31, (sum(sizes),), generator=g, dtype=torch.int64)
     words = words.to(torch.int32)
-    got = _checksums(words, sizes).tolist()
+    got = payload_checksums(words, sizes).tolist()
     at = 0
     for n, s in zip(sizes, got, strict=True):
         u = [w & 0xFFFFFFFF for w in words[at : at + max(n - 2, 0)].tolist()]
@@ -224,12 +215,12 @@ def test_owner_first_bags_from_the_inverse_index_equal_the_sort() -> None:
         values.append(ids)
         inverses.append(inv)
         uniques.append(u.numel())
-    want = _distinct_bags(lengths, values)[2]
+    want = distinct_bags(lengths, values)[2]
     for bound in (None, 1000):
-        assert [t.tolist() for t in _distinct_bags(lengths, values, bound)[2]] == [
+        assert [t.tolist() for t in distinct_bags(lengths, values, bound)[2]] == [
             t.tolist() for t in want
         ]
-    got = _first_bags(lengths, inverses, uniques)
+    got = first_bags(lengths, inverses, uniques)
     assert [t.tolist() for t in got] == [t.tolist() for t in want]
 
 
@@ -237,8 +228,8 @@ def test_segment_sort_with_a_bound_is_the_two_sort_order() -> None:
     g = torch.Generator().manual_seed(5)
     keys = torch.randint(0, 50, (500,), generator=g)
     seg = torch.randint(0, 4, (500,), generator=g)
-    two = _segment_sort(keys, seg)
-    one = _segment_sort(keys, seg, 50, 4)
+    two = segment_sort(keys, seg)
+    one = segment_sort(keys, seg, 50, 4)
     assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
 
 

@@ -9,6 +9,13 @@ from torchrec_lossy.distributed.input_dist import (
     LossyKJTAllToAll,
     LossyTwSparseFeaturesDist,
 )
+from torchrec_lossy.distributed.model_utils import (
+    bounds_state,
+    load_bounds_state,
+    lossy_modules,
+    lossy_stats,
+    step_lossy_bounds,
+)
 from torchrec_lossy.distributed.output_dist import (
     LossyPooledEmbeddingsAllToAll,
     LossyTwPooledEmbeddingDist,
@@ -22,8 +29,6 @@ from torchrec_lossy.distributed.pooled_payload import (
 from torchrec_lossy.distributed.sharder import (
     LossyEmbeddingBagCollectionSharder,
     LossyShardedEmbeddingBagCollection,
-    lossy_stats,
-    step_lossy_bounds,
 )
 from torchrec_lossy.distributed.sharding import (
     LossyCwPooledEmbeddingSharding,
@@ -51,6 +56,9 @@ __all__ = [
     "StaticBounds",
     "TableCommStats",
     "alltoall_pooled_lossy",
+    "bounds_state",
+    "load_bounds_state",
+    "lossy_modules",
     "lossy_stats",
     "pooled_layout",
     "step_lossy_bounds",

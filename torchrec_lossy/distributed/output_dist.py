@@ -21,7 +21,7 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.input_dist import output_dedupe_of
+from torchrec_lossy.distributed.dedupe import output_dedupe_of
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,

@@ -202,10 +202,37 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             weakref.WeakValueDictionary()
         )
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled state: the config, without the registry of modules sharded in this process.
+
+        TorchRec's multi-process test utilities and ``torch.multiprocessing.spawn`` hand sharders
+        to ranks pickled; the registry only holds weak references to this process's modules.
+
+        Returns:
+            The instance's attributes, the registry left out.
+        """
+        state = self.__dict__.copy()
+        del state["_sharded"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Restores a pickled sharder with an empty registry (:meth:`stats` starts empty).
+
+        Args:
+            state: From :meth:`__getstate__`.
+        """
+        self.__dict__.update(state)
+        self._sharded = weakref.WeakValueDictionary()
+
     @property
     def comms_config(self) -> LossyCommsConfig:
         """The config every module sharded by this sharder uses."""
         return self._comms_config
+
+    @property
+    def bounds_factory(self) -> BoundProviderFactory:
+        """Builds each sharded module's bound provider (pickled by reference: a top-level name)."""
+        return self._bounds_factory
 
     def shard(
         self,
@@ -254,34 +281,3 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def sharded_module_type(self) -> type[LossyShardedEmbeddingBagCollection]:
         """The sharded module class."""
         return LossyShardedEmbeddingBagCollection
-
-
-def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
-    """Telemetry of every lossy-sharded EmbeddingBagCollection in ``model``.
-
-    Args:
-        model: Any module, e.g. a DistributedModelParallel.
-
-    Returns:
-        Module FQN (as the sharder saw it; else the path in ``model.named_modules()``) to its
-        stats.
-    """
-    return {
-        m._module_fqn or name: m.lossy_stats
-        for name, m in model.named_modules()
-        if isinstance(m, LossyShardedEmbeddingBagCollection)
-    }
-
-
-def step_lossy_bounds(model: nn.Module) -> None:
-    """Tells every lossy-sharded module's bound provider that a training iteration finished.
-
-    Call it once per iteration (after the optimizer step) when the provider adapts over
-    training (e.g. ``AdaptiveBounds``); with the default static bounds it does nothing.
-
-    Args:
-        model: Any module, e.g. a DistributedModelParallel.
-    """
-    for m in model.modules():
-        if isinstance(m, LossyShardedEmbeddingBagCollection):
-            m.lossy_comms.bounds.step()

@@ -37,7 +37,8 @@ from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv,
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist, OutputDedupeMode
+from torchrec_lossy.distributed.dedupe import OutputDedupeMode
+from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
 
 logger: logging.Logger = logging.getLogger(__name__)

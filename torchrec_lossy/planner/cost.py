@@ -204,14 +204,14 @@ def _qcomm_format(precision: str, device: str) -> WireFormat:
 def qcomm_model(forward: str, backward: str, device: str) -> FixedCommsModel:
     """TorchRec's quantized comms (``QCommsConfig``) as a fixed-ratio model.
 
-    Mirrors TorchRec: the reduce-scatter has no MX4 forward and falls back to FP16. For FP16/BF16
-    it prices exactly what TorchRec's planner prices with a qcomm codec registry (fp32 traffic /
-    2); for MX4 it uses the real ratio of 128/17 = 7.53x, where TorchRec's planner assumes 4x
-    (it prices a 1-byte dtype).
+    Mirrors TorchRec: the reduce-scatter has no MX4 forward and falls back to FP16, nor an MX4
+    backward and falls back to BF16. For FP16/BF16 it prices exactly what TorchRec's planner
+    prices with a qcomm codec registry (fp32 traffic / 2); for MX4 it uses the real ratio of
+    128/17 = 7.53x, where TorchRec's planner assumes 4x (it prices a 1-byte dtype).
 
     Args:
         forward: ``"fp16"``, ``"bf16"`` or ``"mx4"``.
-        backward: ``"fp16"`` or ``"bf16"`` (``"none"``: fp32 gradients).
+        backward: ``"fp16"``, ``"bf16"`` or ``"mx4"`` (``"none"``: fp32 gradients).
         device: ``"cuda"`` or ``"cpu"`` (selects the kernel throughputs).
 
     Returns:
@@ -220,9 +220,10 @@ def qcomm_model(forward: str, backward: str, device: str) -> FixedCommsModel:
     fwd = _qcomm_format(forward, device)
     bwd = RAW if backward == "none" else _qcomm_format(backward, device)
     fwd_rs = _qcomm_format("fp16", device) if forward == "mx4" else fwd
+    bwd_rs = _qcomm_format("bf16", device) if backward == "mx4" else bwd
     desc = f"TorchRec qcomm: forward {forward.upper()}, backward {backward.upper()}"
     return FixedCommsModel(
-        f"qcomm-{forward}", desc, TableComms(fwd=fwd, bwd=bwd, fwd_rs=fwd_rs, bwd_rs=bwd)
+        f"qcomm-{forward}", desc, TableComms(fwd=fwd, bwd=bwd, fwd_rs=fwd_rs, bwd_rs=bwd_rs)
     )
 
 

@@ -1,0 +1,169 @@
+"""Checkpoints of the DLRM example: DCP for the sharded model and optimizer, a file per rank.
+
+A run with ``--checkpoint-dir`` resumes from the newest complete checkpoint there, so a job
+restarted by ``torchrun --max-restarts N`` continues where it stopped and ends bit-identical to
+an uninterrupted run (the synthetic stream is indexed by step, files are skipped to the saved
+position, and the bound providers' state is restored per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dlrm_data import Position
+from dlrm_env import DistEnv
+from torch import nn
+
+from torchrec_lossy.distributed import bounds_state, load_bounds_state
+
+__all__ = ["Checkpointer", "simulate_failure"]
+
+
+class Checkpointer:
+    """Saves and restores the run: model and optimizer through ``torch.distributed.checkpoint``
+    (sharded tensors stay sharded), plus one small file per rank with the step counter, the data
+    position and the bound providers' state (each rank's adaptive state is its own, so it is not
+    left to DCP, which keeps one copy of a replicated buffer).
+
+    A checkpoint ``step_NNNNNNNN/`` counts once its ``COMPLETE`` marker exists; the two newest
+    are kept.
+
+    Args:
+        root: Checkpoint folder.
+        env: This process's placement.
+        comm: The ``--comm`` mode (a checkpoint only resumes the same mode).
+    """
+
+    KEEP = 2
+
+    def __init__(self, root: str | Path, env: DistEnv, comm: str) -> None:
+        self.root = Path(root)
+        self.env = env
+        self.comm = comm
+
+    def _complete(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p for p in self.root.glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file()
+        )
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        done = self._complete()
+        return done[-1] if done else None
+
+    def save(self, step: int, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> Path:
+        """Writes a checkpoint (collective: every rank calls it).
+
+        Args:
+            step: Training steps done.
+            model: The DMP model.
+            optimizer: The combined optimizer.
+            extra: This rank's small state (positions, bound providers, ...).
+
+        Returns:
+            The checkpoint folder.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        path = self.root / f"step_{step:08d}"
+        if self.env.rank == 0 and path.exists():
+            shutil.rmtree(path)  # a partial one from a run that died while writing it
+        dist.barrier()
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
+        torch.save(extra, path / f"rank{self.env.rank}.pt")
+        dist.barrier()
+        if self.env.rank == 0:
+            meta = f"step={step}\nworld_size={self.env.world_size}\ncomm={self.comm}\n"
+            (path / "COMPLETE").write_text(meta)
+            for old in self._complete()[: -self.KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def load(self, path: Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """Restores model, optimizer and this rank's extra state from a checkpoint.
+
+        Args:
+            path: A complete checkpoint folder.
+            model: The DMP model (same plan and world size as when saved).
+            optimizer: The combined optimizer.
+
+        Returns:
+            This rank's extra state.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        meta = dict(
+            line.split("=", 1) for line in (path / "COMPLETE").read_text().split() if "=" in line
+        )
+        if int(meta.get("world_size", -1)) != self.env.world_size or meta.get("comm") != self.comm:
+            raise RuntimeError(
+                f"checkpoint {path} was written with world_size={meta.get('world_size')} and "
+                f"--comm {meta.get('comm')}; this run has world_size={self.env.world_size} and "
+                f"--comm {self.comm}. Resume with the same settings or use another "
+                "--checkpoint-dir"
+            )
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        extra = torch.load(path / f"rank{self.env.rank}.pt", weights_only=True)
+        load_bounds_state(model, extra.get("bounds", {}))
+        return extra
+
+    def save_step(self, step: int, position: Position, model: nn.Module, optimizer: Any) -> Path:
+        """Writes the checkpoint of a training step (collective: every rank calls it).
+
+        Args:
+            step: Training steps done.
+            position: This rank's data position after them.
+            model: The DMP model.
+            optimizer: The combined optimizer.
+
+        Returns:
+            The checkpoint folder.
+        """
+        extra = {"step": step, "position": list(position), "bounds": bounds_state(model)}
+        return self.save(step, model, optimizer, extra)
+
+    def resume(self, model: nn.Module, optimizer: Any) -> tuple[int, Position, Path] | None:
+        """Loads the newest complete checkpoint, if there is one.
+
+        Args:
+            model: The DMP model.
+            optimizer: The combined optimizer.
+
+        Returns:
+            ``(steps done, this rank's data position, checkpoint folder)``, or None.
+        """
+        path = self.latest()
+        if path is None:
+            return None
+        extra = self.load(path, model, optimizer)
+        step = int(extra["step"])
+        if self.env.rank == 0:
+            print(f"resumed from {path} at step {step}", flush=True)
+        return step, (int(extra["position"][0]), int(extra["position"][1])), path
+
+
+def simulate_failure(env: DistEnv, step: int) -> None:
+    """``--simulate-failure-at``: the last rank exits (code 17) on torchrun's first attempt.
+
+    A restarted job (``torchrun --max-restarts N``) then resumes from the newest checkpoint;
+    later attempts do not fail again.
+
+    Args:
+        env: This process's placement.
+        step: The step just finished.
+    """
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and env.rank == env.world_size - 1:
+        print(f"rank {env.rank}: simulated failure after step {step}", flush=True)
+        os._exit(17)

@@ -1,0 +1,111 @@
+"""Helpers over a whole model (e.g. a ``DistributedModelParallel``) with lossy-sharded EBCs.
+
+A training loop needs four things from the lossy modules it cannot reach through TorchRec's own
+API: find them, read their telemetry, tell their bound providers that an iteration finished, and
+save / restore each rank's bound-provider state (it is per rank: each rank measures the blocks
+it sends, so a checkpoint keeps it beside ``torch.distributed.checkpoint``'s files, which keep
+one copy of a replicated buffer). Example::
+
+    for batch in loader:
+        pipeline.progress(...)
+        step_lossy_bounds(model)  # drives AdaptiveBounds' decay and homogenization
+    torch.save({"bounds": bounds_state(model)}, f"rank{rank}.pt")
+    ...
+    load_bounds_state(model, torch.load(f"rank{rank}.pt", weights_only=True)["bounds"])
+    print(lossy_stats(model)["model.sparse_arch.embedding_bag_collection"].summary())
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
+from torchrec_lossy.distributed.stats import LossyCommsStats
+
+__all__ = [
+    "bounds_state",
+    "load_bounds_state",
+    "lossy_modules",
+    "lossy_stats",
+    "step_lossy_bounds",
+]
+
+
+def lossy_modules(model: nn.Module) -> dict[str, LossyShardedEmbeddingBagCollection]:
+    """The lossy-sharded EmbeddingBagCollections of a model, by module path.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Returns:
+        Path in ``model.named_modules()`` to the module.
+    """
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, LossyShardedEmbeddingBagCollection)
+    }
+
+
+def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
+    """Telemetry of every lossy-sharded EmbeddingBagCollection in ``model``.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Returns:
+        Module FQN (as the sharder saw it; else the path in ``model.named_modules()``) to its
+        stats.
+    """
+    return {m._module_fqn or name: m.lossy_stats for name, m in lossy_modules(model).items()}
+
+
+def step_lossy_bounds(model: nn.Module) -> None:
+    """Tells every lossy-sharded module's bound provider that a training iteration finished.
+
+    Call it once per iteration (after the optimizer step) when the provider adapts over
+    training (e.g. ``AdaptiveBounds``); with the default static bounds it does nothing.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+    """
+    for m in lossy_modules(model).values():
+        m.lossy_comms.bounds.step()
+
+
+def bounds_state(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's bound-provider state of every lossy module (for a per-rank checkpoint file).
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Returns:
+        Module path to a detached copy of its provider's ``state_dict``.
+    """
+    return {
+        name: {k: v.detach().clone() for k, v in m.lossy_comms.bounds.state_dict().items()}
+        for name, m in lossy_modules(model).items()
+    }
+
+
+def load_bounds_state(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Restores what :func:`bounds_state` saved into the same model structure.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel, sharded as when saved.
+        saved: Module path to provider state.
+
+    Raises:
+        KeyError: ``saved`` names a module path the model does not have (a checkpoint of
+            another model or plan); the message lists both sets of paths.
+    """
+    modules = lossy_modules(model)
+    unknown = sorted(set(saved) - set(modules))
+    if unknown:
+        raise KeyError(
+            f"bounds state for {unknown} but the model's lossy modules are {sorted(modules)}: "
+            "load a checkpoint written by the same model and sharding plan"
+        )
+    for name, state in saved.items():
+        modules[name].lossy_comms.bounds.load_state_dict(state)
