@@ -548,12 +548,26 @@ class RunLog:
                         raw = e["raw_bytes"]
                         if d == "fwd":
                             fwd_coded += raw
-                            if e["rows_sent"]:  # raw = what TorchRec would have sent
-                                raw = raw * e["rows"] // e["rows_sent"]
+                        if d != "input" and e["rows_sent"]:  # raw = what TorchRec would send
+                            raw = raw * e["rows"] // e["rows_sent"]
                         sums[d][0] += raw
                         sums[d][1] += e["wire_bytes"]
                         enc += e["encode_s"]
                         dec += e["decode_s"]
+                        if d == "bwd" and name in tables:
+                            t = tables[name]
+                            t["bwd_raw_bytes"] = t.get("bwd_raw_bytes", 0) + raw
+                            t["bwd_wire_bytes"] = t.get("bwd_wire_bytes", 0) + e["wire_bytes"]
+                            t["bwd_ratio"] = t["bwd_raw_bytes"] / max(1, t["bwd_wire_bytes"])
+                            t["bwd_max_error_over_bound"] = _nanmax(
+                                t.get("bwd_max_error_over_bound"), e["max_error_over_bound"]
+                            )
+                            n_err = t.get("bwd_error_count", 0) + e["error_count"]
+                            t["bwd_error_sum"] = t.get("bwd_error_sum", 0.0) + e["error_sum"]
+                            t["bwd_error_count"] = n_err
+                            t["bwd_mean_signed_error"] = (
+                                t["bwd_error_sum"] / n_err if n_err else None
+                            )
                         if d != "fwd" or name not in tables:
                             continue
                         t = tables[name]

@@ -325,7 +325,8 @@ def _receiver_grad_dedupe(
     shares: dict[str, int] = {}
     for bs, specs in zip(blocks, info.layout, strict=True):
         for b, s in zip(bs, specs, strict=True):
-            raw = b_local * s.width * in_elem  # what TorchRec's dense gradient would carry
+            # Raw: the rows sent, as in the forward (rows / rows_sent scale it to TorchRec's).
+            raw = b.numel() * in_elem
             shares[s.table] = shares.get(s.table, 0) + raw
             stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
     stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
