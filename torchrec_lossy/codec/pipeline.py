@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import host_batch, huffman, quantize, vector_lz
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     BITS_DTYPES,
@@ -527,6 +527,36 @@ def _validate_inputs(
     return out, device
 
 
+def _batch_stats(
+    blocks: Sequence[torch.Tensor], bounds: list[float], enc: host_batch.BatchEncoded
+) -> list[BlockStats]:
+    """BlockStats of the batched CPU path's per-block arrays."""
+    columns = zip(
+        enc.mode.tolist(),
+        enc.seg_words.tolist(),
+        enc.max_error.tolist(),
+        enc.n_unique.tolist(),
+        enc.n_escapes.tolist(),
+        strict=True,
+    )
+    return [
+        BlockStats(
+            rows=b.shape[0],
+            dim=b.shape[1],
+            raw_bytes=b.numel() * b.element_size(),
+            wire_bytes=DESCRIPTOR.itemsize + 4 * seg_words,
+            mode=MODE_NAMES[mode],
+            bound=eb,
+            max_error=max_error,
+            n_unique=n_unique,
+            n_escapes=n_escapes,
+        )
+        for b, eb, (mode, seg_words, max_error, n_unique, n_escapes) in zip(
+            blocks, bounds, columns, strict=True
+        )
+    ]
+
+
 def compress_with_stats(
     blocks: Sequence[torch.Tensor],
     error_bounds: Sequence[float],
@@ -553,6 +583,10 @@ def compress_with_stats(
 
         return compress_device(blocks, bounds, config)
     ops = _ops_for(config.backend)
+    if isinstance(ops, CpuOps):
+        with record_function("## lossy_codec encode ##"):
+            enc = host_batch.compress_blocks(blocks, bounds, config)
+        return torch.from_numpy(enc.payload).to(device), _batch_stats(blocks, bounds, enc)
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops)

@@ -117,19 +117,51 @@ def _quantize_loop(
     bound: float,
     dtype_code: int,
     symbols: np.ndarray,
-    errors: np.ndarray,
-) -> None:
-    # Branch-free body (selects, no early exits) so that the compiler vectorises it.
+) -> tuple[int, int, int]:
+    # Branch-free body (selects, reductions, no early exits) so that the compiler vectorises it.
+    # float32 arithmetic is exact here: q and the center are integers below 2**24 in magnitude
+    # wherever |q - center| <= SYMBOL_OFFSET can hold, and anything farther stays farther.
     half = np.float32(0.5)
+    center_f = np.float32(center)
+    offset_f = np.float32(SYMBOL_OFFSET)
+    max_err_bits = np.int64(0)  # non-negative float64s order as their bit patterns
+    lo = np.int32(ESCAPE_SYMBOL)
+    hi = np.int32(-1)
     for i in range(x.shape[0]):
         v = x[i]
         qf = np.floor(v * inv_step + half)
-        rel = np.float64(qf) - center
-        recon = _round_to_dtype(np.float32(qf) * step, dtype_code)
+        d = qf - center_f
+        recon = _round_to_dtype(qf * step, dtype_code)
         err = abs(np.float64(recon) - np.float64(v))
-        ok = (abs(rel) <= SYMBOL_OFFSET) & (err <= bound)  # False for NaN and Inf too
-        symbols[i] = np.uint16(np.int64(rel) + SYMBOL_OFFSET) if ok else np.uint16(ESCAPE_SYMBOL)
-        errors[i] = err if ok else 0.0
+        ok = (abs(d) <= offset_f) & (err <= bound)  # False for NaN and Inf too
+        sym = np.int32(d if ok else offset_f) + np.int32(SYMBOL_OFFSET)
+        symbols[i] = np.uint16(sym if ok else np.int32(ESCAPE_SYMBOL))
+        max_err_bits = max(max_err_bits, np.float64(err if ok else 0.0).view(np.int64))
+        lo = min(lo, sym if ok else np.int32(ESCAPE_SYMBOL))
+        hi = max(hi, sym if ok else np.int32(-1))
+    return max_err_bits, lo, hi
+
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_any(
+    x: np.ndarray,
+    step: np.float32,
+    inv_step: np.float32,
+    center: int,
+    bound: float,
+    dtype_code: int,
+    symbols: np.ndarray,
+) -> tuple[float, int, int]:
+    """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
+    every element escapes)."""
+    # One loop per dtype so that the rounding is resolved at compile time.
+    if dtype_code == 1:
+        err_bits, lo, hi = _quantize_loop(x, step, inv_step, center, bound, 1, symbols)
+    elif dtype_code == 2:
+        err_bits, lo, hi = _quantize_loop(x, step, inv_step, center, bound, 2, symbols)
+    else:
+        err_bits, lo, hi = _quantize_loop(x, step, inv_step, center, bound, 3, symbols)
+    return np.int64(err_bits).view(np.float64), lo, hi
 
 
 @numba.njit(cache=True, nogil=True)
@@ -159,20 +191,115 @@ def quantize_kernel(
     Returns:
         (number of escaped elements, max |x - x'| over the elements that were not escaped).
     """
-    errors = np.empty(x.shape[0], dtype=np.float64)
-    # One loop per dtype so that the rounding is resolved at compile time.
-    if dtype_code == 1:
-        _quantize_loop(x, step, inv_step, center, bound, 1, symbols, errors)
-    elif dtype_code == 2:
-        _quantize_loop(x, step, inv_step, center, bound, 2, symbols, errors)
-    else:
-        _quantize_loop(x, step, inv_step, center, bound, 3, symbols, errors)
-    max_error = 0.0
-    for e in errors:
-        max_error = max(max_error, e)
+    max_error, _, _ = _quantize_any(x, step, inv_step, center, bound, dtype_code, symbols)
     for s in symbols:
         hist[s] += 1
     return hist[ESCAPE_SYMBOL], max_error
+
+
+@numba.njit(cache=True, nogil=True)
+def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest and largest finite value of every block of a concatenation (one call for all).
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks + 1] start of each block in ``x``, then its end.
+
+    Returns:
+        float64 (lo, hi) per block; NaN, NaN for a block without a finite value.
+    """
+    nb = elem_off.shape[0] - 1
+    lo = np.full(nb, np.nan)
+    hi = np.full(nb, np.nan)
+    bits = x.view(np.int32)
+    big = np.int32(0x7FFFFFFF)
+    for b in range(nb):
+        # Integer min / max (they vectorise) over keys that order as the floats do; non-finite
+        # values (exponent all ones) are left out.
+        mn = big
+        mx = -big
+        block = bits[elem_off[b] : elem_off[b + 1]]
+        for i in range(block.shape[0]):  # from 0: no negative-index wrap to stop vectorising
+            v = block[i]
+            key = v ^ ((v >> np.int32(31)) & big)
+            fin = (v & np.int32(0x7F800000)) != np.int32(0x7F800000)
+            k_lo = key if fin else big
+            k_hi = key if fin else -big
+            mn = k_lo if k_lo < mn else mn
+            mx = k_hi if k_hi > mx else mx
+        if mn <= mx:
+            lo[b] = np.int32(mn ^ ((mn >> np.int32(31)) & big)).view(np.float32)
+            hi[b] = np.int32(mx ^ ((mx >> np.int32(31)) & big)).view(np.float32)
+    return lo, hi
+
+
+@numba.njit(cache=True, nogil=True)
+def quant_params_blocks_kernel(
+    bounds: np.ndarray, mids: np.ndarray, wanted: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quant_params`' step and center for many blocks.
+
+    Args:
+        bounds: float64 [n] absolute bounds.
+        mids: float64 [n] midpoints (see :func:`quant_params`).
+        wanted: bool [n] blocks that may be quantized (the others get ok = False).
+
+    Returns:
+        (float32 step, float32 inv_step, int64 center, bool ok) per block.
+    """
+    n = bounds.shape[0]
+    step = np.zeros(n, np.float32)
+    inv_step = np.zeros(n, np.float32)
+    center = np.zeros(n, np.int64)
+    ok = np.zeros(n, np.bool_)
+    for b in range(n):
+        if wanted[b]:
+            s, inv, c, good = _quant_params_kernel(bounds[b], mids[b])
+            if good:
+                step[b], inv_step[b], center[b], ok[b] = s, inv, c, True
+    return step, inv_step, center, ok
+
+
+@numba.njit(cache=True, nogil=True)
+def quantize_blocks_kernel(
+    x: np.ndarray,
+    elem_off: np.ndarray,
+    step: np.ndarray,
+    inv_step: np.ndarray,
+    center: np.ndarray,
+    bounds: np.ndarray,
+    dtype_codes: np.ndarray,
+    active: np.ndarray,
+    symbols: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_kernel` over every active block of a concatenation, in one call.
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks + 1] block starts in ``x``, then the end.
+        step: float32 [n_blocks] steps.
+        inv_step: float32 [n_blocks] their reciprocals.
+        center: int64 [n_blocks] centers.
+        bounds: float64 [n_blocks] absolute bounds.
+        dtype_codes: [n_blocks] dtype codes.
+        active: bool [n_blocks] blocks to quantize (the others' symbols are left as they are).
+        symbols: uint16 output, same length as ``x``.
+
+    Returns:
+        Per block: max error (float64), lowest and highest value symbol (int64; ESCAPE_SYMBOL
+        and -1 when there is none).
+    """
+    nb = elem_off.shape[0] - 1
+    max_err = np.zeros(nb)
+    lo = np.full(nb, ESCAPE_SYMBOL, np.int64)
+    hi = np.full(nb, -1, np.int64)
+    for b in range(nb):
+        if active[b]:
+            s, e = elem_off[b], elem_off[b + 1]
+            max_err[b], lo[b], hi[b] = _quantize_any(
+                x[s:e], step[b], inv_step[b], center[b], bounds[b], dtype_codes[b], symbols[s:e]
+            )
+    return max_err, lo, hi
 
 
 @numba.njit(cache=True, nogil=True)
@@ -256,7 +383,10 @@ __all__ = [
     "dequantize_kernel",
     "dequantize_reference",
     "finite_range",
+    "finite_ranges_kernel",
     "quant_params",
+    "quant_params_blocks_kernel",
+    "quantize_blocks_kernel",
     "quantize_kernel",
     "quantize_reference",
 ]

@@ -30,29 +30,20 @@ def _key(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, j: int) -> np
     if raw:
         return np.int64(bits[i, j])
     s = symbols[i, j]
-    if s == ESCAPE_SYMBOL:
-        return _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
-    return np.int64(s)
+    escaped = _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
+    return escaped if s == ESCAPE_SYMBOL else np.int64(s)  # a select: the row hash vectorises
 
 
 @numba.njit(cache=True, nogil=True)
-def dedupe_kernel(
-    symbols: np.ndarray, bits: np.ndarray, raw: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Finds repeated rows with a hash table over whole rows.
-
-    Args:
-        symbols: [rows, dim] uint16 symbols (ignored when ``raw``).
-        bits: [rows, dim] int32 raw bits of the block's elements.
-        raw: Compare raw bits only (lossless dedupe) instead of symbols.
+def _dedupe_into(
+    symbols: np.ndarray, bits: np.ndarray, raw: bool, ids: np.ndarray, first_rows: np.ndarray
+) -> int:
+    """:func:`dedupe_kernel` writing into ``ids`` [rows] and ``first_rows`` [>= n_unique].
 
     Returns:
-        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
-        first_rows: int32 [n_unique], the row where each distinct vector first occurs).
+        The number of distinct vectors.
     """
     rows, dim = bits.shape
-    ids = np.empty(rows, dtype=np.int32)
-    first_rows = np.empty(rows, dtype=np.int32)
     size = 1
     while size < 2 * rows:
         size *= 2
@@ -95,7 +86,71 @@ def dedupe_kernel(
                     ids[i] = u
                     break
             slot = (slot + 1) & mask
+    return n_unique
+
+
+@numba.njit(cache=True, nogil=True)
+def dedupe_kernel(
+    symbols: np.ndarray, bits: np.ndarray, raw: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Finds repeated rows with a hash table over whole rows.
+
+    Args:
+        symbols: [rows, dim] uint16 symbols (ignored when ``raw``).
+        bits: [rows, dim] int32 raw bits of the block's elements.
+        raw: Compare raw bits only (lossless dedupe) instead of symbols.
+
+    Returns:
+        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
+        first_rows: int32 [n_unique], the row where each distinct vector first occurs).
+    """
+    rows = bits.shape[0]
+    ids = np.empty(rows, dtype=np.int32)
+    first_rows = np.empty(rows, dtype=np.int32)
+    n_unique = _dedupe_into(symbols, bits, raw, ids, first_rows)
     return ids, first_rows[:n_unique].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def dedupe_blocks_kernel(
+    symbols: np.ndarray,
+    bits: np.ndarray,
+    elem_off: np.ndarray,
+    row_off: np.ndarray,
+    dims: np.ndarray,
+    active: np.ndarray,
+    raw: bool,
+    ids: np.ndarray,
+    first_rows: np.ndarray,
+) -> np.ndarray:
+    """:func:`dedupe_kernel` over every active block of a concatenation, in one call.
+
+    Args:
+        symbols: uint16 symbols of every block, flat, back to back (full length even when
+            ``raw``, which does not read them).
+        bits: int32 raw bits, same layout.
+        elem_off: int64 [n_blocks + 1] block starts in the flat arrays, then the end.
+        row_off: int64 [n_blocks + 1] block starts in rows, then the total.
+        dims: int64 [n_blocks] columns.
+        active: bool [n_blocks] blocks to dedupe.
+        raw: Compare raw bits only (lossless dedupe).
+        ids: int32 [total rows] output: block-local vector ids, at the block's rows.
+        first_rows: int32 [total rows] output: a block's first rows at its row offset.
+
+    Returns:
+        int64 [n_blocks] distinct vectors per block (0 where not active).
+    """
+    nb = dims.shape[0]
+    n_unique = np.zeros(nb, np.int64)
+    for b in range(nb):
+        if active[b]:
+            s, e = elem_off[b], elem_off[b + 1]
+            r0, r1 = row_off[b], row_off[b + 1]
+            rows = r1 - r0
+            blk_bits = bits[s:e].reshape(rows, dims[b])
+            blk_sym = symbols[s:e].reshape(rows, dims[b])  # read only when not raw
+            n_unique[b] = _dedupe_into(blk_sym, blk_bits, raw, ids[r0:r1], first_rows[r0:r1])
+    return n_unique
 
 
 @numba.njit(cache=True, nogil=True)
@@ -231,6 +286,38 @@ def read_bits(words: np.ndarray, pos: int, n_bits: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
+def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray) -> int:
+    """Packs vector ids into zeroed ``words`` (at least the packing's words, plus one).
+
+    Args:
+        ids: int32 [rows] ids numbered by first occurrence.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+        words: Zeroed uint32 output.
+
+    Returns:
+        Words of the packing.
+    """
+    rows = ids.shape[0]
+    width = 0
+    while (1 << width) < n_unique:
+        width += 1
+    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
+    pos = 0
+    seen = 0
+    for r in range(rows):
+        if mode == REFS_FIXED:
+            pos = write_bits(words, pos, ids[r], width)
+        elif ids[r] == seen:
+            pos = write_bits(words, pos, 1, 1)
+            seen += 1
+        else:
+            pos = write_bits(words, pos, 0, 1)
+            pos = write_bits(words, pos, ids[r], width)
+    return (n_bits + 31) // 32
+
+
+@numba.njit(cache=True, nogil=True)
 def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
     """Packs vector ids into words.
 
@@ -243,23 +330,8 @@ def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
         uint32 words.
     """
     rows = ids.shape[0]
-    width = 0
-    while (1 << width) < n_unique:
-        width += 1
-    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
-    words = np.zeros((n_bits + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
-    pos = 0
-    seen = 0
-    for r in range(rows):
-        if mode == REFS_FIXED:
-            pos = write_bits(words, pos, ids[r], width)
-        elif ids[r] == seen:
-            pos = write_bits(words, pos, 1, 1)
-            seen += 1
-        else:
-            pos = write_bits(words, pos, 0, 1)
-            pos = write_bits(words, pos, ids[r], width)
-    return words[: (n_bits + 31) // 32]
+    words = np.zeros((rows * 33 + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
+    return words[: pack_refs_into(ids, n_unique, mode, words)]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -340,10 +412,12 @@ __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
     "best_refs_mode",
+    "dedupe_blocks_kernel",
     "dedupe_kernel",
     "dedupe_reference",
     "element_keys",
     "expand_rows_kernel",
+    "pack_refs_into",
     "pack_refs_kernel",
     "pack_refs_reference",
     "read_bits",
