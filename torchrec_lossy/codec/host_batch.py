@@ -274,6 +274,8 @@ def _plan(
     dims: np.ndarray,
     rows_sel: np.ndarray,
     n_sel: np.ndarray,
+    ids: np.ndarray,
+    weighted: np.ndarray,
     sym_lo: np.ndarray,
     sym_hi: np.ndarray,
     active: np.ndarray,
@@ -283,8 +285,9 @@ def _plan(
     len_off = _offsets(width)
     lengths = np.zeros(int(len_off[-1]), np.uint8)
     plan = huffman.plan_blocks_kernel(
-        symbols, elem_off, row_off, dims, rows_sel, n_sel, sym_lo, sym_hi, active, len_off, lengths
-    )
+        symbols, elem_off, row_off, dims, rows_sel, n_sel, ids, weighted, sym_lo, sym_hi, active,
+        len_off, lengths,
+    )  # fmt: skip
     return np.stack(plan), len_off, lengths
 
 
@@ -344,12 +347,15 @@ def compress_blocks(
 
     # 4. Huffman codes of all rows and of the distinct rows; sizes; mode choice.
     every_row = (np.arange(n_rows, dtype=np.int64) - np.repeat(row_off[:-1], rows)).astype(np.int32)
+    deduped = quant_ok & lz_allowed  # all rows' histogram from the distinct rows, weighted
     plan_q, len_off_q, lengths_q = _plan(
-        symbols, elem_off, row_off, dims, every_row, rows, sym_lo, sym_hi, quant_ok
-    )
+        symbols, elem_off, row_off, dims, np.where(np.repeat(deduped, rows), first_q, every_row),
+        np.where(deduped, nu_q, rows), ids_q, deduped, sym_lo, sym_hi, quant_ok,
+    )  # fmt: skip
     plan_u, len_off_u, lengths_u = _plan(
-        symbols, elem_off, row_off, dims, first_q, nu_q, sym_lo, sym_hi, quant_lz_ok
-    )
+        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, np.zeros_like(deduped), sym_lo,
+        sym_hi, quant_lz_ok,
+    )  # fmt: skip
     quant_w = sm.quant_words(
         plan_q[4], itemsize, sm.code_words(plan_q[1], plan_q[0], plan_q[3], chunk)
     )

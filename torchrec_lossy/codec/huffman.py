@@ -234,17 +234,18 @@ def encode_kernel(
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _histogram4(symbols: np.ndarray, base: int, esc: int, hists: np.ndarray) -> None:
-    """Adds compact symbol counts (``s - base``, the escape at ``esc``) into 4 histograms."""
+def _histogram4(symbols: np.ndarray, base: int, esc: int, hists: np.ndarray, weight: int) -> None:
+    """Adds ``weight`` per symbol, compact (``s - base``, the escape at ``esc``), into 4
+    interleaved histograms."""
     n = symbols.shape[0]
     n4 = n - n % 4
     for i in range(0, n4, 4):
         for t in range(4):
             s = np.int64(symbols[i + t])
-            hists[t, esc if s == ESCAPE_SYMBOL else s - base] += 1
+            hists[t, esc if s == ESCAPE_SYMBOL else s - base] += weight
     for i in range(n4, n):
         s = np.int64(symbols[i])
-        hists[0, esc if s == ESCAPE_SYMBOL else s - base] += 1
+        hists[0, esc if s == ESCAPE_SYMBOL else s - base] += weight
 
 
 @numba.njit(cache=True, nogil=True)
@@ -255,6 +256,8 @@ def plan_blocks_kernel(
     dims: np.ndarray,
     rows_sel: np.ndarray,
     n_sel: np.ndarray,
+    ids: np.ndarray,
+    weighted: np.ndarray,
     sym_lo: np.ndarray,
     sym_hi: np.ndarray,
     active: np.ndarray,
@@ -274,6 +277,10 @@ def plan_blocks_kernel(
         dims: int64 [n_blocks] columns.
         rows_sel: int32 [total rows]: block ``b``'s selected block-local rows at ``row_off[b]``.
         n_sel: int64 [n_blocks] rows selected per block.
+        ids: int32 [total rows] block-local vector ids (read where ``weighted``).
+        weighted: bool [n_blocks]: the selected rows are a block's distinct vectors (numbered
+            as ``ids`` numbers them) and stand for every row: each counts as often as it occurs,
+            so the histogram of all rows costs a pass over the distinct ones only.
         sym_lo: int64 [n_blocks] lowest value symbol of the block (any rows).
         sym_hi: int64 [n_blocks] highest (below sym_lo when every element escapes).
         active: bool [n_blocks] blocks to plan.
@@ -301,12 +308,18 @@ def plan_blocks_kernel(
         hists = np.zeros((4, width), np.int32)
         dim = dims[b]
         blk = symbols[elem_off[b] : elem_off[b + 1]]
-        if n_sel[b] * dim == blk.shape[0]:  # every row, in order: one flat pass
-            _histogram4(blk, base, esc, hists)
+        sel = rows_sel[row_off[b] : row_off[b] + n_sel[b]]
+        if weighted[b]:  # each selected row counts as often as ids refer to it
+            mult = np.zeros(sel.shape[0], np.int32)
+            for v in ids[row_off[b] : row_off[b + 1]]:
+                mult[v] += 1
+            for k in range(sel.shape[0]):
+                _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, mult[k])
+        elif sel.shape[0] * dim == blk.shape[0]:  # every row, in order: one flat pass
+            _histogram4(blk, base, esc, hists, 1)
         else:
-            for k in range(n_sel[b]):
-                r = rows_sel[row_off[b] + k]
-                _histogram4(blk[r * dim : (r + 1) * dim], base, esc, hists)
+            for k in range(sel.shape[0]):
+                _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, 1)
         hist = (hists[0] + hists[1] + hists[2] + hists[3]).astype(np.int64)
         blk_lengths = code_lengths_kernel(hist)
         lengths[len_off[b] : len_off[b] + width] = blk_lengths

@@ -34,6 +34,22 @@ def _key(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, j: int) -> np
     return escaped if s == ESCAPE_SYMBOL else np.int64(s)  # a select: the row hash vectorises
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rows_equal(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, r: int) -> bool:
+    """Whether rows i and r have equal keys (see ``_key``); branch-free, so it vectorises."""
+    diff = np.int64(0)
+    if raw:
+        a, b = bits[i], bits[r]
+        for j in range(a.shape[0]):
+            diff |= np.int64(a[j] ^ b[j])
+        return diff == 0
+    sa, sb, a, b = symbols[i], symbols[r], bits[i], bits[r]
+    for j in range(sa.shape[0]):
+        escaped_differs = (sa[j] == ESCAPE_SYMBOL) & (a[j] != b[j])
+        diff |= np.int64(sa[j] ^ sb[j]) | np.int64(escaped_differs)
+    return diff == 0
+
+
 @numba.njit(cache=True, nogil=True)
 def _dedupe_into(
     symbols: np.ndarray, bits: np.ndarray, raw: bool, ids: np.ndarray, first_rows: np.ndarray
@@ -59,9 +75,30 @@ def _dedupe_into(
         mults[j] = m | np.uint64(1)
         m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
     for i in range(rows):
+        # The hash only orders the probes (ids come from exact comparisons), so it may skip
+        # the escaped elements' raw bits: it packs 4 symbols (2 raw values) per product.
         h = np.uint64(0)
-        for j in range(dim):
-            h += np.uint64(_key(symbols, bits, raw, i, j) + 1) * mults[j]
+        if raw:
+            row_bits = bits[i]
+            for j in range(dim // 2):
+                word = (np.uint64(np.uint32(row_bits[2 * j])) << np.uint64(32)) | np.uint64(
+                    np.uint32(row_bits[2 * j + 1])
+                )
+                h += (word + np.uint64(1)) * mults[j]
+            if dim % 2:
+                h += np.uint64(np.uint32(row_bits[dim - 1]) + 1) * mults[dim - 1]
+        else:
+            row_sym = symbols[i]
+            for j in range(dim // 4):
+                word = (
+                    (np.uint64(row_sym[4 * j]) << np.uint64(48))
+                    | (np.uint64(row_sym[4 * j + 1]) << np.uint64(32))
+                    | (np.uint64(row_sym[4 * j + 2]) << np.uint64(16))
+                    | np.uint64(row_sym[4 * j + 3])
+                )
+                h += (word + np.uint64(1)) * mults[j]
+            for j in range(dim - dim % 4, dim):
+                h += np.uint64(row_sym[j] + 1) * mults[j]
         h ^= h >> np.uint64(31)
         h *= np.uint64(0xBF58476D1CE4E5B9)
         h ^= h >> np.uint64(29)
@@ -76,15 +113,9 @@ def _dedupe_into(
                 n_unique += 1
                 break
             r = first_rows[u]
-            if hashes[r] == h:
-                same = True
-                for j in range(dim):
-                    if _key(symbols, bits, raw, i, j) != _key(symbols, bits, raw, r, j):
-                        same = False
-                        break
-                if same:
-                    ids[i] = u
-                    break
+            if hashes[r] == h and _rows_equal(symbols, bits, raw, i, r):
+                ids[i] = u
+                break
             slot = (slot + 1) & mask
     return n_unique
 
@@ -287,7 +318,7 @@ def read_bits(words: np.ndarray, pos: int, n_bits: int) -> int:
 
 @numba.njit(cache=True, nogil=True)
 def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray) -> int:
-    """Packs vector ids into zeroed ``words`` (at least the packing's words, plus one).
+    """Packs vector ids into ``words`` (at least the packing's words).
 
     Args:
         ids: int32 [rows] ids numbered by first occurrence.
@@ -303,17 +334,31 @@ def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray)
     while (1 << width) < n_unique:
         width += 1
     n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
-    pos = 0
+    # MSB-first through a 64-bit accumulator (as write_bits would place them): at most 33 bits
+    # join per row and a word leaves as soon as 32 are pending, so nothing overflows.
+    acc = np.uint64(0)
+    n_acc = np.uint64(0)
+    w = 0
     seen = 0
+    mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
     for r in range(rows):
+        v = np.uint64(ids[r]) & mask
         if mode == REFS_FIXED:
-            pos = write_bits(words, pos, ids[r], width)
+            acc = (acc << np.uint64(width)) | v
+            n_acc += np.uint64(width)
         elif ids[r] == seen:
-            pos = write_bits(words, pos, 1, 1)
+            acc = (acc << np.uint64(1)) | np.uint64(1)
+            n_acc += np.uint64(1)
             seen += 1
         else:
-            pos = write_bits(words, pos, 0, 1)
-            pos = write_bits(words, pos, ids[r], width)
+            acc = (acc << np.uint64(width + 1)) | v  # flag 0, then the id
+            n_acc += np.uint64(width + 1)
+        if n_acc >= 32:
+            n_acc -= np.uint64(32)
+            words[w] = np.uint32((acc >> n_acc) & np.uint64(0xFFFFFFFF))
+            w += 1
+    if n_acc > 0:
+        words[w] = np.uint32((acc << (np.uint64(32) - n_acc)) & np.uint64(0xFFFFFFFF))
     return (n_bits + 31) // 32
 
 
