@@ -37,13 +37,14 @@ from torchrec_lossy.kernels._common import (
     tile_table,
 )
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
-from torchrec_lossy.codec.huffman import (
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
     DECODE_INVALID_CODE,
     DECODE_OUT_OF_BITS,
+    ESCAPE_SYMBOL,
 )
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)

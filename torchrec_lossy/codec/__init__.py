@@ -1,5 +1,7 @@
 """The error-bounded lossy codec. Imports torch (and numba), never torchrec."""
 
+from torchrec_lossy.codec.container import checksum, segment_checksums
+from torchrec_lossy.codec.entropy import entropy_bound_bytes
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
@@ -13,7 +15,10 @@ __all__ = [
     "BlockStats",
     "CodecConfig",
     "CodecError",
+    "checksum",
     "compress",
     "compress_with_stats",
     "decompress",
+    "entropy_bound_bytes",
+    "segment_checksums",
 ]

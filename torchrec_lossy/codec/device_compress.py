@@ -34,7 +34,16 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import quantize
+from torchrec_lossy.codec import host_sync, quantize
+from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.container import (
+    DESCRIPTOR_WORDS,
+    HEADER_WORDS,
+    MASK32,
+    BlockStats,
+    checksum,
+    pack_records,
+)
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -52,8 +61,9 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     SYMBOL_OFFSET,
     VERSION,
+    words_for_bits,
+    words_for_bytes,
 )
-from torchrec_lossy.codec.pipeline import BlockStats
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -62,12 +72,12 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels._common import block_for
 
 _A = ALPHABET_SIZE
-_SEG = SEGMENT_HEADER.itemsize // 4  # segment header words
-_DESC = DESCRIPTOR.itemsize // 4  # descriptor words
-_HEAD = HEADER.itemsize // 4  # payload header words
+_SEG = sm.SEGMENT_HEADER_WORDS  # segment header words
+_DESC = DESCRIPTOR_WORDS  # descriptor words
+_HEAD = HEADER_WORDS  # payload header words
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
-_MASK32 = 0xFFFFFFFF
+_MASK32 = MASK32
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 
 # Device-to-host transfers made by compress_device (tests read it; see _host).
@@ -85,47 +95,7 @@ def _host(t: torch.Tensor) -> list[int]:
     """
     global host_transfers
     host_transfers += 1
-    return t.tolist()
-
-
-def _wfb(n: torch.Tensor) -> torch.Tensor:
-    """Words for ``n`` bytes."""
-    return (n + 3) // 4
-
-
-def _wfbits(n: torch.Tensor) -> torch.Tensor:
-    """Words for ``n`` bits."""
-    return (n + 31) // 32
-
-
-def _bit_length(x: torch.Tensor) -> torch.Tensor:
-    """``int.bit_length`` of non-negative int64 values below 2**48.
-
-    Args:
-        x: 1-D int64 tensor.
-
-    Returns:
-        int64 bit lengths.
-    """
-    k = torch.arange(48, device=x.device)
-    return ((x[:, None] >> k) > 0).sum(dim=1)
-
-
-def _refs(rows: torch.Tensor, n_unique: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The references of many blocks, as ``vector_lz.best_refs_mode`` / ``refs_bits``.
-
-    Args:
-        rows: int64 [n] rows per block.
-        n_unique: int64 [n] distinct vectors per block (>= 1).
-
-    Returns:
-        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
-    """
-    width = _bit_length((n_unique - 1).clamp(min=0))
-    fixed = rows * width
-    flagged = rows + (rows - n_unique) * width
-    mode = (fixed > flagged).to(torch.int64)  # REFS_FIXED on a tie
-    return mode, width, torch.minimum(fixed, flagged)
+    return host_sync.to_host(t).tolist()
 
 
 def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
@@ -149,9 +119,7 @@ def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.
     hi = ESCAPE_SYMBOL - 1 - value.flip(1).to(torch.int8).argmax(dim=1)
     lo = torch.where(used, lo, 0)
     count = torch.where(used, hi - lo + 1, 0)
-    n_chunks = (n + chunk - 1) // chunk
-    words = _wfb((count + 1) // 2) + n_chunks + _wfbits(bits) + n_chunks // 2
-    return words, lo, count, hist[:, ESCAPE_SYMBOL]
+    return sm.code_words(n, bits, count, chunk), lo, count, hist[:, ESCAPE_SYMBOL]
 
 
 class _HostTables:
@@ -185,7 +153,7 @@ class _HostTables:
         self.n_elems = int(self.numel.sum())
         self.n_rows = int(self.rows.sum())
         self.max_dim = int(self.dim.max()) if b else 0
-        # Step and its reciprocal depend on the bound only (``_quant_params_kernel`` with any
+        # Step and its reciprocal depend on the bound only (``quant_params_kernel`` with any
         # midpoint); the center needs the data and is computed on the device.
         step = np.zeros(b, np.float32)
         inv_step = np.zeros(b, np.float32)
@@ -194,7 +162,7 @@ class _HostTables:
         for i, eb in enumerate(bounds):
             if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
                 continue
-            s, inv, _, ok = quantize._quant_params_kernel(eb, 0.0)
+            s, inv, _, ok = quantize.quant_params_kernel(eb, 0.0)
             if ok:
                 step[i], inv_step[i], quant_try[i] = s, inv, 1
             span[i] = 2 * SYMBOL_OFFSET * min(2.0 * eb, _FLT_MAX)
@@ -410,28 +378,16 @@ def _compress(
     words_q, words_u = words[:nb], words[nb:]
     esc_q, esc_u = n_esc[:nb], n_esc[nb:]
 
-    def esc_words(n: torch.Tensor) -> torch.Tensor:
-        return n + _wfb(n * itemsize)
-
+    # The size model and mode choice are size_model's, as on the host path.
     lz_allowed = t["lz_allowed"] == 1
-    best = t["raw_words"].clone()
-    mode = torch.full((nb,), MODE_RAW, dtype=i64, device=dev)
-    quant_words = _SEG + esc_words(esc_q) + words_q
-    better = quant_ok & (quant_words < best)
-    mode, best = torch.where(better, MODE_QUANT, mode), torch.where(better, quant_words, best)
-    _, _, qlz_ref_bits = _refs(rows, nu_q)
-    qlz_words = _SEG + _wfbits(qlz_ref_bits) + esc_words(esc_u) + words_u
-    better = quant_ok & lz_allowed & (nu_q < rows) & (qlz_words < best)
-    mode, best = torch.where(better, MODE_QUANT_LZ, mode), torch.where(better, qlz_words, best)
-
-    def lossless_words(n_unique: torch.Tensor) -> torch.Tensor:
-        return _SEG + _wfbits(_refs(rows, n_unique)[2]) + _wfb(n_unique * dim * itemsize)
-
-    # Raw-identical rows are quantized-identical: the CPU path skips the lossless dedupe when
-    # even the quantized count of distinct rows cannot beat the best mode so far.
-    lz_tried = lz_allowed & (lossless_words(torch.where(quant_ok & lz_allowed, nu_q, 1)) < best)
-    better = lz_tried & (lossless_words(nu_r) < best)
-    mode = torch.where(better & (rows * dim > 0), MODE_LZ, mode)
+    quant_w = sm.quant_words(esc_q, itemsize, words_q)
+    qlz_w = sm.quant_lz_words(rows, nu_q, esc_u, itemsize, words_u)
+    qlz_ok = quant_ok & lz_allowed & (nu_q < rows)
+    mode, best = sm.choose_lossy(t["raw_words"], quant_ok, quant_w, qlz_ok, qlz_w)
+    nu_lower = torch.where(quant_ok & lz_allowed, nu_q, 1)
+    lz_tried = sm.lossless_may_win(lz_allowed, rows, dim, itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(rows, nu_r, dim, itemsize)
+    mode = sm.choose_lossless(mode, best, lz_tried, lossless_w, rows * dim)
 
     # ---- 5. what each block sends --------------------------------------------------------------
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
@@ -447,10 +403,10 @@ def _compress(
     lo_sel = torch.where(is_q, sym_lo[sel], 0)
     count_sel = torch.where(is_q, sym_count[sel], 0)
     n_chunks = (n_sym + chunk - 1) // chunk
-    ref_mode, ref_width, ref_bits = _refs(rows, torch.where(has_refs, n_sent, 1))
+    ref_mode, ref_width, ref_bits = sm.refs(rows, torch.where(has_refs, n_sent, 1))
     ref_mode = torch.where(has_refs, ref_mode, 0)
-    ref_width = _bit_length((n_sent - 1).clamp(min=0))
-    refs_words = torch.where(has_refs, _wfbits(ref_bits), 0)
+    ref_width = sm.bit_length((n_sent - 1).clamp(min=0))
+    refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
 
     # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).
     s_valid = e_loc < n_sym[e_blk]
@@ -489,9 +445,9 @@ def _compress(
     stream_words = ends0[t["first_slot"] + t["n_slots"]] - stream_base
 
     # ---- 6. section offsets --------------------------------------------------------------------
-    uniq_words = torch.where(is_lz, _wfb(nu_r * dim * itemsize), 0)
-    nib_words = torch.where(is_q, _wfb((count_sel + 1) // 2), 0)
-    escb_words = _wfb(n_escapes * itemsize)
+    uniq_words = torch.where(is_lz, words_for_bytes(nu_r * dim * itemsize), 0)
+    nib_words = torch.where(is_q, words_for_bytes((count_sel + 1) // 2), 0)
+    escb_words = words_for_bytes(n_escapes * itemsize)
     seg_words = torch.where(
         mode == MODE_RAW,
         t["raw_words"],
@@ -539,16 +495,16 @@ def _compress(
 
     # Descriptors.
     bound_bits = t["bound_bits"]
-    desc = torch.stack(
-        [
-            rows,
-            dim,
-            t["dtype_code"] | (mode << 8),
-            seg_words,
-            bound_bits & _MASK32,
-            (bound_bits >> 32) & _MASK32,
-        ],
-        dim=1,
+    desc = pack_records(
+        DESCRIPTOR,
+        {
+            "rows": rows,
+            "dim": dim,
+            "dtype": t["dtype_code"],
+            "mode": mode,
+            "seg_words": seg_words,
+            "bound": bound_bits,
+        },
     )
     put(
         _HEAD + torch.arange(_DESC * nb, device=dev),
@@ -557,18 +513,21 @@ def _compress(
     )
     # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
     esc_length = lengths_sel[:, ESCAPE_SYMBOL]
-    seg_hdr = torch.stack(
-        [
-            torch.where(is_q, t["step_bits"], 0),
-            torch.where(is_q, center & _MASK32, 0),
-            n_sent,
-            n_escapes,
-            torch.where(is_q, chunk, 0),
-            n_chunks,
-            lo_sel | (count_sel << 16),
-            torch.where(is_q, esc_length, 0) | (ref_mode << 8) | (ref_width << 16),
-        ],
-        dim=1,
+    seg_hdr = pack_records(
+        SEGMENT_HEADER,
+        {
+            "step": torch.where(is_q, t["step_bits"], 0),
+            "center": torch.where(is_q, center, 0),
+            "n_unique": n_sent,
+            "n_escapes": n_escapes,
+            "chunk_symbols": torch.where(is_q, chunk, 0),
+            "n_chunks": n_chunks,
+            "sym_lo": lo_sel,
+            "sym_count": count_sel,
+            "escape_length": torch.where(is_q, esc_length, 0),
+            "ref_mode": ref_mode,
+            "ref_width": ref_width,
+        },
     )
     put(
         (seg_start[:, None] + torch.arange(_SEG, device=dev)).reshape(-1),
@@ -629,16 +588,17 @@ def _compress(
 
     # ---- checksum and header -----------------------------------------------------------------
     body = buf[_HEAD:total_max]  # words past the body are 0 and add nothing
-    weights = torch.arange(body.shape[0], dtype=i64, device=dev) * 2 + 1
-    checksum = (body * weights).sum()  # int64 products and sums wrap modulo 2**64
-    # Scalar fills and device copies only (torch.tensor(..., device=cuda) would copy from host).
-    buf[0] = MAGIC
-    buf[1] = VERSION  # flags (high half) are 0
-    buf[2] = nb
-    buf[4] = body_words & _MASK32
-    buf[5] = (body_words >> 32) & _MASK32
-    buf[6] = checksum & _MASK32
-    buf[7] = (checksum >> 32) & _MASK32
+    header = pack_records(
+        HEADER,
+        {
+            "magic": MAGIC,
+            "version": VERSION,
+            "n_blocks": nb,
+            "body_words": body_words.reshape(1),
+            "checksum": checksum(body).reshape(1),
+        },
+    )
+    buf[:_HEAD] = header.reshape(-1)  # a device copy (no host tensor is built)
     words = buf[: _HEAD + ht.body_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 

@@ -12,8 +12,9 @@ Host syncs: at most two per payload, whatever the number of blocks, both through
    expressions) and computes where every section lies. A compressed payload is small (about 1/30
    of the decoded bytes); parsing segment headers on the device instead would still need a
    read-back of the headers before the decode grid could be sized, so it would not save a sync.
-   A payload the checks reject is decoded by the CPU path on that host copy, which raises the
-   exact error (a data error in an earlier block, which only decoding finds, must win).
+   A payload the checks reject is handed (as that host copy) to the caller's ``on_reject``:
+   ``pipeline.decompress`` decodes it with the CPU path, which raises the exact error (a data
+   error in an earlier block, which only decoding finds, must win).
 2. One read of the per-block status codes after the last kernel (only when some block has vector
    references or a Huffman stream, the only things decoding itself can find wrong): invalid
    references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
@@ -31,19 +32,26 @@ The returned blocks are views into one output buffer (each block contiguous and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import NoReturn
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    HEADER_WORDS,
+    Reader,
+    check_payload,
+    parse_header,
+)
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
+    DECODE_ERRORS,
     DESCRIPTOR,
     ESCAPE_SYMBOL,
-    HEADER,
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
@@ -53,14 +61,8 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     CodecError,
 )
-from torchrec_lossy.codec.pipeline import (
-    DEFAULT_MAX_ELEMENTS,
-    _check_payload,
-    _parse_header,
-    _Reader,
-)
 
-_HEADER_WORDS = HEADER.itemsize // 4
+_HEADER_WORDS = HEADER_WORDS
 _SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 # Per-block fields the kernels read (int64 each), uploaded together.
 _FIELDS = (
@@ -111,7 +113,7 @@ def _host(t: torch.Tensor) -> np.ndarray:
         Its contents as a host numpy array.
     """
     _SyncCounter.count += 1
-    return t.detach().contiguous().cpu().numpy()
+    return host_sync.to_host(t)
 
 
 def host_syncs() -> int:
@@ -125,9 +127,9 @@ def host_syncs() -> int:
 
 def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
     """The kernel modules (imports triton; the interpreter for CPU tensors)."""
-    from torchrec_lossy.codec.triton_ops import _load_kernels
+    from torchrec_lossy.codec.triton_ops import load_kernels
 
-    k_quantize, k_vector_lz, k_huffman = _load_kernels(device)
+    k_quantize, k_vector_lz, k_huffman = load_kernels(device)
     from torchrec_lossy.kernels import codebook as k_codebook
 
     return k_quantize, k_vector_lz, k_huffman, k_codebook
@@ -150,7 +152,7 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
 def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
-    The header and descriptors go through the CPU path's own ``pipeline._parse_header`` (which
+    The header and descriptors go through the CPU path's own ``container.parse_header`` (which
     raises its ``CodecError``: those checks precede any block on the CPU path too). The segment
     conditions are ``_decode_block``'s and ``_decode_refs``' (every ``take`` fits, ``done``
     leaves nothing, every field check), as numpy expressions over all blocks at once; for them the
@@ -163,7 +165,7 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     Returns:
         int64 arrays by field name (word offsets are into the payload), or None.
     """
-    body, desc_fields, offsets = _parse_header(buf, max_elements)
+    body, desc_fields, offsets = parse_header(buf, max_elements)
     n_blocks = len(desc_fields)
     descs = body[: offsets[0]].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
@@ -258,28 +260,20 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     }
 
 
-def _raise_as_cpu(buf: np.ndarray, max_elements: int) -> NoReturn:
-    """Raises the CPU path's error for a payload :func:`_layout` rejected.
-
-    A data error in an earlier block (bad references, a bad Huffman stream) is only found by
-    decoding, and the CPU path reports it first; so the host copy is decoded on the host up to
-    the failure. Only corrupt payloads get here.
-    """
-    from torchrec_lossy.codec.pipeline import decompress
-
-    decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
-    # Unreachable while _layout and the CPU path agree (the tests hold them to it).
-    raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
-
-
 def decompress_device(
-    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+    payload: torch.Tensor,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    on_reject: Callable[[np.ndarray], object] | None = None,
 ) -> list[torch.Tensor]:
     """Decodes a payload made by ``compress`` on the payload's device, all blocks at once.
 
     Args:
         payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         max_elements: Refuse payloads that decode to more elements than this in total.
+        on_reject: Called with the host copy of a payload whose segments the layout checks
+            reject, before any launch; it should raise the exact error (``pipeline.decompress``
+            passes its host decoder: a data error in an earlier block, which only decoding
+            finds, must win, as on the CPU path). Without it a generic CodecError is raised.
 
     Returns:
         The blocks: same shapes, dtypes and bits as the CPU path's, on the payload's device
@@ -290,13 +284,16 @@ def decompress_device(
             CPU path's message).
         RuntimeError: triton is not installed.
     """
-    _check_payload(payload)
+    check_payload(payload)
     kernels = _kernels(payload.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(payload)  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
         if layout is None:
-            _raise_as_cpu(buf, max_elements)
+            if on_reject is not None:
+                on_reject(buf)
+            # Unreachable with the host decoder while _layout and it agree (tested).
+            raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
         if layout["rows"].shape[0] == 0:
             return []
         return _decode_on_device(payload, layout, *kernels)
@@ -427,10 +424,10 @@ def _decode_on_device(
         bad = np.flatnonzero(codes)
         if bad.shape[0]:
             b = int(bad[0])
-            r = _Reader(np.zeros(0, np.uint32), b)
+            r = Reader(np.zeros(0, np.uint32), b)
             if codes[b] == k_huffman.REFS_OUT_OF_RANGE:
                 raise r.fail("vector references out of range")
-            raise r.fail(f"Huffman stream: {huffman.DECODE_ERRORS[int(codes[b])]}")
+            raise r.fail(f"Huffman stream: {DECODE_ERRORS[int(codes[b])]}")
     # One typed view of the buffer per dtype, then one as_strided per block.
     halves = out.view(torch.int16)
     typed = {
