@@ -36,13 +36,14 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import finite_span
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
     MASK32,
     BlockStats,
-    checksum,
     pack_records,
+    segment_checksums,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -127,9 +128,12 @@ class _HostTables:
 
     Args:
         blocks: The blocks (only their shapes and dtypes are read).
-        bounds: Absolute bounds.
+        bounds: Absolute bounds, or for ``relative`` blocks the fraction of the block's finite
+            range (resolved on the device).
         chunk: Symbols per Huffman chunk.
         config: Codec knobs.
+        relative: Per block, whether its bound is relative.
+        group_sizes: Blocks per payload (one payload per group, in block order).
     """
 
     def __init__(
@@ -138,6 +142,8 @@ class _HostTables:
         bounds: Sequence[float],
         chunk: int,
         config: CodecConfig,
+        relative: Sequence[bool],
+        group_sizes: Sequence[int],
     ) -> None:
         b = len(blocks)
         if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
@@ -159,8 +165,13 @@ class _HostTables:
         inv_step = np.zeros(b, np.float32)
         quant_try = np.zeros(b, np.int64)
         span = np.zeros(b, np.float64)
+        rel = np.array(relative, dtype=np.int64).reshape(b)
+        self.any_relative = bool(rel.any())
         for i, eb in enumerate(bounds):
             if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
+                continue
+            if rel[i]:  # the worst case (it may quantize); the device decides
+                quant_try[i] = 1
                 continue
             s, inv, _, ok = quantize.quant_params_kernel(eb, 0.0)
             if ok:
@@ -195,7 +206,11 @@ class _HostTables:
         )
         seg_max = np.maximum(raw_words, _SEG + refs_max + raw_words)
         seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
-        self.body_max = _DESC * b + int(seg_max.sum())
+        self.n_groups = len(group_sizes)
+        self.body_max = _DESC * b + int(seg_max.sum()) + _HEAD * self.n_groups
+        sizes = np.array(group_sizes, dtype=np.int64).reshape(self.n_groups)
+        group = np.repeat(np.arange(self.n_groups, dtype=np.int64), sizes)
+        first_block = np.cumsum(sizes) - sizes
         bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
         mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
         fields = {
@@ -210,6 +225,10 @@ class _HostTables:
             "bound_bits": bound_bits,
             "span_bits": span.view(np.int64),
             "quant_try": quant_try,
+            "relative": rel,
+            "group": group,
+            "local": np.arange(b, dtype=np.int64) - first_block[group],
+            "group_blocks": sizes,
             "lz_allowed": lz_allowed,
             "raw_words": raw_words,
             "first_slot": self.first_slot,
@@ -258,17 +277,69 @@ def compress_device(
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
+    buf, _, stats = compress_groups_device(
+        list(blocks), list(bounds), [False] * len(blocks), [len(blocks)], config
+    )
+    return buf, stats[0]
+
+
+def compress_groups_device(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    relative: Sequence[bool],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+    """Compresses several payloads (groups of consecutive blocks) in one pass, one host read.
+
+    Payload ``g`` holds blocks ``sum(group_sizes[:g]) ..`` and is byte-identical to
+    :func:`compress_device` of those blocks (with relative bounds resolved as
+    :func:`torchrec_lossy.codec.grouped.absolute_bounds` does, on the device).
+
+    Args:
+        blocks: Validated blocks, all on one device.
+        bounds: Per block: the absolute bound, or for a relative block the fraction of its
+            finite range (``max - min`` over the finite elements, float32).
+        relative: Per block, whether its bound is relative.
+        group_sizes: Blocks per payload.
+        config: Codec knobs.
+
+    Returns:
+        (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
+        and block). Exactly one device-to-host transfer is made (:func:`_host`).
+    """
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), config, dev)
+        return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
+
+
+def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize.quant_params_kernel``'s step rule on the device (float64 bounds [n]).
+
+    Returns:
+        (float32 step, float32 1 / step, whether the step is usable).
+    """
+    two = (2.0 * eb).clamp(max=_FLT_MAX)
+    step = two.float()
+    down = (step.view(torch.int32) - 1).view(torch.float32)  # round down: step / 2 <= bound
+    step = torch.where(step.double() > 2.0 * eb, down, step)
+    ok = step >= float(np.finfo(np.float32).tiny)
+    step = torch.where(ok, step, 0.0)
+    inv = torch.where(ok, 1.0 / torch.where(ok, step, 1.0), 0.0)
+    return step, inv, ok
 
 
 def _compress(
-    blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig, dev: torch.device
-) -> tuple[torch.Tensor, list[BlockStats]]:
-    """:func:`compress_device` for a list of blocks on ``dev`` (see the module docstring)."""
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    relative: list[bool],
+    group_sizes: list[int],
+    config: CodecConfig,
+    dev: torch.device,
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+    """:func:`compress_groups_device` for blocks on ``dev`` (see the module docstring)."""
     chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config)
+    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
     t, _pinned = ht.to_device(dev)
     nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
     i64 = torch.int64
@@ -310,7 +381,23 @@ def _compress(
     hi = per_block(torch.where(finite, x, -math.inf), "max", -math.inf)
     has_finite = lo <= hi
     lo64, hi64 = lo.double(), hi.double()
-    narrow = (hi64 - lo64) <= t["span_bits"].view(torch.float64)
+    bound = t["bound_bits"].view(torch.float64)
+    step = t["step_bits"].to(torch.int32).view(torch.float32)
+    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
+    span_limit = t["span_bits"].view(torch.float64)
+    quant_try = t["quant_try"] == 1
+    if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
+        rel = t["relative"] == 1
+        eb = torch.where(rel, bound * finite_span(lo, hi), bound)
+        r_step, r_inv, r_ok = _device_quant_params(eb)
+        step = torch.where(rel, r_step, step)
+        inv_step = torch.where(rel, r_inv, inv_step)
+        span_limit = torch.where(
+            rel, 2 * SYMBOL_OFFSET * (2.0 * eb).clamp(max=_FLT_MAX), span_limit
+        )
+        quant_try = torch.where(rel, quant_try & r_ok & (eb > 0), quant_try)
+        bound = eb
+    narrow = (hi64 - lo64) <= span_limit
     # Median of the finite values (np.median: the middle one, or the mean of the middle two).
     keyed = torch.where(finite, x, math.inf)
     order = torch.argsort(keyed, stable=True)
@@ -324,10 +411,8 @@ def _compress(
     else:
         median = torch.zeros(nb, dtype=torch.float64, device=dev)
     mid = torch.where(has_finite, torch.where(narrow, 0.5 * (lo64 + hi64), median), 0.0)
-    step = t["step_bits"].to(torch.int32).view(torch.float32)
-    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
     center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
-    quant_ok = (t["quant_try"] == 1) & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
+    quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
     center = torch.where(quant_ok, center_f, 0.0).to(i64)
 
     # ---- 2. quantize, escapes, histograms ---------------------------------------------------
@@ -337,7 +422,7 @@ def _compress(
         step,
         inv_step,
         center,
-        t["bound_bits"].view(torch.float64),
+        bound,
         t["dtype_code"].to(torch.int32),
         ht.tile_block,
     )
@@ -460,17 +545,27 @@ def _compress(
         + n_chunks
         + torch.where(is_q, stream_words, 0),
     )
-    seg_start = _HEAD + _DESC * nb + torch.cumsum(seg_words, 0) - seg_words  # payload words
+    # Payloads back to back: group g's header, descriptors and segments at payload_base[g].
+    ng = ht.n_groups
+    group, local, group_blocks = t["group"], t["local"], t["group_blocks"]
+    group_segs = torch.zeros(ng, dtype=i64, device=dev).index_add_(0, group, seg_words)
+    body_words = _DESC * group_blocks + group_segs  # per payload
+    payload_words = _HEAD + body_words
+    payload_base = torch.cumsum(payload_words, 0) - payload_words
+    seg_excl = torch.cumsum(seg_words, 0) - seg_words
+    group_seg_base = torch.cumsum(group_segs, 0) - group_segs  # segments before the group
+    seg_start = (
+        payload_base[group] + _HEAD + _DESC * group_blocks[group] + seg_excl - group_seg_base[group]
+    )  # buffer words
     refs_at = seg_start + _SEG + nib_words
     uniq_at = refs_at + refs_words
     escp_at = refs_at + refs_words
     escb_at = escp_at + n_escapes
     table_at = escb_at + escb_words
     stream_at = table_at + n_chunks
-    body_words = _DESC * nb + seg_words.sum()
 
     # ---- payload assembly ------------------------------------------------------------------
-    total_max = _HEAD + ht.body_max
+    total_max = ht.body_max
     # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
     # serialise them on one address.
     buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
@@ -494,7 +589,7 @@ def _compress(
         put(at + torch.where(wide, k, k // 2), value, valid)
 
     # Descriptors.
-    bound_bits = t["bound_bits"]
+    bound_bits = bound.view(i64)
     desc = pack_records(
         DESCRIPTOR,
         {
@@ -507,7 +602,9 @@ def _compress(
         },
     )
     put(
-        _HEAD + torch.arange(_DESC * nb, device=dev),
+        (
+            (payload_base[group] + _HEAD + _DESC * local)[:, None] + torch.arange(_DESC, device=dev)
+        ).reshape(-1),
         desc.reshape(-1),
         torch.ones(_DESC * nb, dtype=torch.bool, device=dev),
     )
@@ -516,7 +613,7 @@ def _compress(
     seg_hdr = pack_records(
         SEGMENT_HEADER,
         {
-            "step": torch.where(is_q, t["step_bits"], 0),
+            "step": torch.where(is_q, step.view(torch.int32).to(i64), 0),
             "center": torch.where(is_q, center, 0),
             "n_unique": n_sent,
             "n_escapes": n_escapes,
@@ -587,19 +684,19 @@ def _compress(
     put_elements(uniq_at[e_blk], e_loc, itemsize[e_blk], bits[u_src] if n_el else bits, u_valid)
 
     # ---- checksum and header -----------------------------------------------------------------
-    body = buf[_HEAD:total_max]  # words past the body are 0 and add nothing
     header = pack_records(
         HEADER,
         {
             "magic": MAGIC,
             "version": VERSION,
-            "n_blocks": nb,
-            "body_words": body_words.reshape(1),
-            "checksum": checksum(body).reshape(1),
+            "n_blocks": group_blocks,
+            "body_words": body_words,
+            "checksum": segment_checksums(buf, payload_base + _HEAD, body_words),
         },
     )
-    buf[:_HEAD] = header.reshape(-1)  # a device copy (no host tensor is built)
-    words = buf[: _HEAD + ht.body_max]
+    # Tensor-indexed writes (no host tensor is built, no sync).
+    buf[(payload_base[:, None] + torch.arange(_HEAD, device=dev)).reshape(-1)] = header.reshape(-1)
+    words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
     # ---- the one device-to-host transfer -------------------------------------------------------
@@ -607,18 +704,20 @@ def _compress(
     host = _host(
         torch.cat(
             [
-                body_words.reshape(1),
+                payload_words,
                 mode,
                 n_sent,
                 n_escapes,
                 seg_words,
                 stats_max_err.view(i64),
+                bound_bits,
             ]
         )
     )
-    n_body = host[0]
-    h = np.array(host[1:], dtype=np.int64).reshape(5, nb)
+    sizes = [4 * w for w in host[:ng]]
+    h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
     errs = h[4].view(np.float64)
+    bounds_used = h[5].view(np.float64)
     stats = [
         BlockStats(
             rows=int(ht.rows[i]),
@@ -626,12 +725,17 @@ def _compress(
             raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
             wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
             mode=MODE_NAMES[int(h[0, i])],
-            bound=bounds[i],
+            bound=float(bounds_used[i]),
             max_error=float(errs[i]),
             n_unique=int(h[1, i]),
             n_escapes=int(h[2, i]),
         )
         for i in range(nb)
     ]
-    payload = words32[: _HEAD + n_body].clone().view(torch.uint8)
-    return payload, stats
+    payload = words32[: sum(sizes) // 4].clone().view(torch.uint8)
+    per_group = []
+    at = 0
+    for n in group_sizes:
+        per_group.append(stats[at : at + n])
+        at += n
+    return payload, sizes, per_group

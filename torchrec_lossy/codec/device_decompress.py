@@ -58,6 +58,7 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
+    REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
     CodecError,
 )
@@ -296,7 +297,7 @@ def decompress_device(
             raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
         if layout["rows"].shape[0] == 0:
             return []
-        return _decode_on_device(payload, layout, *kernels)
+        return _decode_on_device(payload, layout, *kernels)[0]
 
 
 def _decode_on_device(
@@ -306,8 +307,12 @@ def _decode_on_device(
     k_vector_lz: ModuleType,
     k_huffman: ModuleType,
     k_codebook: ModuleType,
-) -> list[torch.Tensor]:
-    """Launches every stage for all blocks, reads the status once, returns the blocks."""
+    defer_status: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Launches every stage for all blocks and returns them with the device status codes.
+
+    Unless ``defer_status``, the status is read once here and the first error raised.
+    """
     device = payload.device
     lz = col["ref_mode"] >= 0
     quant = col["has_stream"] == 1
@@ -420,14 +425,10 @@ def _decode_on_device(
             dev["fail"],
             dev["esc_bad"],
         )
-        codes = _host(codes)  # sync 2: every decode error of every block
-        bad = np.flatnonzero(codes)
-        if bad.shape[0]:
-            b = int(bad[0])
-            r = Reader(np.zeros(0, np.uint32), b)
-            if codes[b] == k_huffman.REFS_OUT_OF_RANGE:
-                raise r.fail("vector references out of range")
-            raise r.fail(f"Huffman stream: {DECODE_ERRORS[int(codes[b])]}")
+        if not defer_status:
+            raise_status(_host(codes))  # sync 2: every decode error of every block
+    else:
+        codes = None
     # One typed view of the buffer per dtype, then one as_strided per block.
     halves = out.view(torch.int16)
     typed = {
@@ -448,7 +449,116 @@ def _decode_on_device(
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
         else:
             blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
-    return blocks
+    return blocks, codes
+
+
+def status_error(code: int, block: int) -> CodecError:
+    """The CPU path's error for a block's device decode status.
+
+    Args:
+        code: Nonzero status (``REFS_OUT_OF_RANGE`` or a ``DECODE_*`` code).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    r = Reader(np.zeros(0, np.uint32), block)
+    if code == REFS_OUT_OF_RANGE:
+        return r.fail("vector references out of range")
+    return r.fail(f"Huffman stream: {DECODE_ERRORS[code]}")
+
+
+def raise_status(codes: np.ndarray) -> None:
+    """Raises the first failing block's error of a payload's status codes (if any).
+
+    Args:
+        codes: Per-block status codes read back from the device.
+
+    Raises:
+        CodecError: Some block failed to decode.
+    """
+    bad = np.flatnonzero(codes)
+    if bad.shape[0]:
+        raise status_error(int(codes[bad[0]]), int(bad[0]))
+
+
+# The offsets into the payload's words that move with a payload inside a grouped buffer.
+_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
+
+
+def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) -> dict:
+    """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
+
+    Args:
+        layouts: :func:`_layout` of every payload (none rejected).
+        word_base: Each payload's first word in the buffer.
+
+    Returns:
+        The merged layout, block indexes running over all payloads.
+    """
+    merged = {
+        k: np.concatenate(
+            [
+                lay[k] + (w if k in _WORD_OFFSETS else 0)
+                for lay, w in zip(layouts, word_base, strict=True)
+            ]
+        )
+        for k in layouts[0]
+    }
+    lz = merged["ref_mode"] >= 0
+    quant = merged["has_stream"] == 1
+    merged["id_base"] = _bases(np.where(lz, merged["rows"], 0))[:-1]
+    merged["table_idx"] = np.where(quant, np.cumsum(quant) - 1, 0)
+    merged["out_off"] = _bases(merged["out_words"])[:-1]
+    return merged
+
+
+def decompress_groups_device(
+    buffer: torch.Tensor, sizes: list[int], max_elements: int
+) -> tuple[list[list[torch.Tensor]], torch.Tensor | None, np.ndarray, dict[int, np.ndarray]]:
+    """Decodes several payloads held back to back in one buffer, all blocks in one pass.
+
+    One host read (the whole buffer, for the layouts); the decode status is NOT read: it is
+    returned as a device tensor for the caller to check at a sync point of its choosing.
+
+    Args:
+        buffer: 1-D uint8 tensor on the device (CUDA, or CPU under the interpreter).
+        sizes: Bytes of each payload (multiples of 4).
+        max_elements: Refuse payloads that decode to more elements than this (each).
+
+    Returns:
+        (blocks per payload ([] for a rejected one), int32 status per block of the accepted
+        payloads (None if nothing can fail on the device), the payload of each of those blocks,
+        the host bytes of every payload the layout checks rejected, by index).
+    """
+    kernels = _kernels(buffer.device)
+    with record_function("## lossy_codec decode ##"):
+        buf = _host(buffer)  # the one read: every payload's layout
+        layouts, bases, groups, rejected = [], [], [], {}
+        at = 0
+        for g, n in enumerate(sizes):
+            part = buf[at : at + n]
+            try:
+                lay = _layout(part, max_elements) if n % 4 == 0 else None
+            except CodecError:
+                lay = None
+            if lay is None:
+                rejected[g] = part
+            elif lay["rows"].shape[0]:
+                layouts.append(lay)
+                bases.append(at // 4)
+                groups.append(np.full(lay["rows"].shape[0], g, dtype=np.int64))
+            at += n
+        out: list[list[torch.Tensor]] = [[] for _ in sizes]
+        block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        if not layouts:
+            return out, None, block_group, rejected
+        blocks, codes = _decode_on_device(
+            buffer, merge_layouts(layouts, bases), *kernels, defer_status=True
+        )
+        for g, b in zip(block_group.tolist(), blocks, strict=True):
+            out[g].append(b)
+        return out, codes, block_group, rejected
 
 
 __all__ = ["decompress_device", "host_syncs"]

@@ -53,6 +53,8 @@ DECODE_ERRORS = {
     DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
     DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
 }
+# Device block status for invalid vector references (the Triton decoder's, beside DECODE_*).
+REFS_OUT_OF_RANGE = 1
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}

@@ -66,6 +66,8 @@ __all__ = [
     "compress",
     "compress_with_stats",
     "decompress",
+    "on_device",
+    "validate_inputs",
 ]
 _SEGMENT_HEADER_WORDS = sm.SEGMENT_HEADER_WORDS
 
@@ -249,20 +251,27 @@ class ReferenceOps:
 
 
 # The stage-by-stage backends. "triton" is not among them: it always runs device-resident
-# (_on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
+# (on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
 _OPS: dict[str, StageOps] = {
     "cpu": CpuOps(),
     "reference": ReferenceOps(),
 }
 
 
-def _on_device(device: torch.device, backend: str) -> bool:
+def on_device(device: torch.device, backend: str) -> bool:
     """Whether compress / decompress run device-resident (``device_compress`` /
     ``device_decompress``) rather than stage by stage.
 
     CUDA tensors do with ``"auto"`` (when triton is installed; without it they are staged
     through the host path) and ``"triton"``; CPU tensors only with ``"triton"`` (the Triton
     interpreter: slow, for tests).
+
+    Args:
+        device: The tensors' device.
+        backend: ``CodecConfig.backend``.
+
+    Returns:
+        True for the device-resident path.
     """
     if backend == "triton":
         return True
@@ -270,7 +279,7 @@ def _on_device(device: torch.device, backend: str) -> bool:
 
 
 def _ops_for(backend: str) -> StageOps:
-    # Only for backends _on_device turned down: "auto" (CPU tensors, or CUDA ones without
+    # Only for backends on_device turned down: "auto" (CPU tensors, or CUDA ones without
     # triton) is the compiled CPU path.
     return _OPS["cpu" if backend == "auto" else backend]
 
@@ -433,9 +442,21 @@ def _encode_block(
     return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique_quantized, n_esc_u)
 
 
-def _validate_inputs(
+def validate_inputs(
     blocks: Sequence[torch.Tensor], error_bounds: Sequence[float]
 ) -> tuple[list[float], torch.device]:
+    """Checks blocks and bounds as compress needs them.
+
+    Args:
+        blocks: What the caller passed as blocks.
+        error_bounds: What it passed as bounds.
+
+    Returns:
+        (the bounds as floats, the blocks' device).
+
+    Raises:
+        ValueError: Naming the bad block or bound and the fix.
+    """
     if isinstance(blocks, torch.Tensor):
         raise ValueError(
             "blocks must be a sequence of 2-D tensors, got a single tensor: wrap it as [tensor]"
@@ -502,8 +523,8 @@ def compress_with_stats(
         ValueError: For a bad block, bound or bound count (the message names it and the fix).
     """
     config = config or CodecConfig()
-    bounds, device = _validate_inputs(blocks, error_bounds)
-    if _on_device(device, config.backend):
+    bounds, device = validate_inputs(blocks, error_bounds)
+    if on_device(device, config.backend):
         load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
         from torchrec_lossy.codec.device_compress import compress_device
 
@@ -667,7 +688,7 @@ def decompress(
     """
     CodecConfig(backend=backend)  # validates the backend name
     check_payload(payload)
-    if _on_device(payload.device, backend):
+    if on_device(payload.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_device
 
         def on_reject(buf: np.ndarray) -> None:
