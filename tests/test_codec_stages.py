@@ -601,9 +601,7 @@ def test_decode_kernel_reports_corruption():
     bad = ends.copy()
     bad[1], bad[2] = bad[2], bad[1]
     assert status(e=bad) == wire.DECODE_BAD_CHUNK_TABLE
-    assert status(w=np.concatenate([words, [0]]).astype(np.uint32)) == (
-        wire.DECODE_BAD_CHUNK_TABLE
-    )
+    assert status(w=np.concatenate([words, [0]]).astype(np.uint32)) == (wire.DECODE_BAD_CHUNK_TABLE)
     # a chunk that runs out of bits: drop the last word of chunk 0 and shift the table
     short = np.delete(words, ends[0] - 1)
     shifted = ends.astype(np.int64) - 1
