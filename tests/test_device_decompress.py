@@ -21,10 +21,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
 from test_codec_fuzz import as_tensor, corpus, parse, with_checksum
+from torchrec_lossy.kernels import codebook as k_codebook
 
-from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import CodecConfig, CodecError, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DESCRIPTOR,
@@ -32,7 +33,6 @@ from torchrec_lossy.codec.format import (
     MAX_CODE_LENGTH,
     SEGMENT_HEADER,
 )
-from torchrec_lossy.kernels import codebook as k_codebook
 
 # The interpreter evaluates float casts of lanes it then masks away with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
