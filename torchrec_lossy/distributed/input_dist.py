@@ -54,8 +54,8 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.codec import segment_checksums
-from torchrec_lossy.distributed.alltoall import LossyAllToAllError
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.pooled_payload import LossyAllToAllError
 
 # Pseudo-feature that holds the metadata exchange's bytes (raw: TorchRec's splits exchange).
 SPLITS = "<splits>"
