@@ -10,7 +10,7 @@ step (the self-send included, as TorchRec's all-to-alls do):
 - output dist (forward pooled embeddings): ``none`` fp32; ``fp16``/``mx4`` TorchRec's qcomm size
   (``calc_quantized_size`` of each (source, destination) chunk, as ``All2All_Pooled_Req``);
   ``lossy`` the codec payloads of
-  ``torchrec_lossy.distributed.alltoall._encode_payloads`` at the default bound (relative
+  ``torchrec_lossy.distributed.pooled_payload.encode_payloads`` at the default bound (relative
   0.03 per table and block), without and with the exact output dedupe (each destination gets
   the pooled row of each distinct id once per table).
 
@@ -50,7 +50,6 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 from torchrec.distributed.types import CommOp
 
 from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
-from torchrec_lossy.distributed.alltoall import BlockSpec, LossyAll2AllPooledInfo, _encode_payloads
 from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
 from torchrec_lossy.distributed.input_dist import (
     _HEADER,
@@ -59,6 +58,11 @@ from torchrec_lossy.distributed.input_dist import (
     _distinct_bags,
     _encode,
     _FeatureMeta,
+)
+from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    encode_payloads,
 )
 from torchrec_lossy.traffic import (
     criteo_sample_ids,
@@ -173,7 +177,7 @@ def _output_bytes(
                     sent_rows += r.numel()
                     per_table.append(embedding_rows(f, r, dim, cards[f], 0, model))
                 blocks.append(per_table)
-            payloads = _encode_payloads("fwd", blocks, [layout[o]] * world, info, ids.device)
+            payloads = encode_payloads("fwd", blocks, [layout[o]] * world, info, ids.device)
             assert sum(p.numel() for p in payloads) == comms.stats.total("fwd").wire_bytes
             out.setdefault(variant, {"bytes": 0, "rows": 0})
             out[variant]["bytes"] += comms.stats.total("fwd").wire_bytes

@@ -37,13 +37,15 @@ from torchrec_lossy.kernels._common import (
     tile_table,
 )
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
-from torchrec_lossy.codec.huffman import (
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
     DECODE_INVALID_CODE,
     DECODE_OUT_OF_BITS,
+    ESCAPE_SYMBOL,
+    REFS_OUT_OF_RANGE,
 )
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -476,7 +478,6 @@ def decode(
 # lowered by atomics, so the result does not depend on the order programs run in.
 
 NO_FAILURE = (1 << 63) - 1  # initial value of the first-failure rows
-REFS_OUT_OF_RANGE = 1  # block status: invalid vector references (checked by vector_lz)
 _NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
 _REFS_BAD: tl.constexpr = tl.constexpr(REFS_OUT_OF_RANGE)
 _BAD_ESCAPES: tl.constexpr = tl.constexpr(DECODE_BAD_ESCAPES)

@@ -26,6 +26,7 @@ from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline, vector_lz
 from torchrec_lossy.codec import quantize as cpu_quantize
 from torchrec_lossy.codec.format import (
@@ -401,10 +402,10 @@ def test_huffman_decode_errors_match_cpu() -> None:
         seen.add(want)
     assert seen == {
         0,
-        huffman.DECODE_INVALID_CODE,
-        huffman.DECODE_OUT_OF_BITS,
-        huffman.DECODE_BAD_CHUNK_TABLE,
-        huffman.DECODE_BAD_ESCAPES,
+        wire.DECODE_INVALID_CODE,
+        wire.DECODE_OUT_OF_BITS,
+        wire.DECODE_BAD_CHUNK_TABLE,
+        wire.DECODE_BAD_ESCAPES,
     }
 
 

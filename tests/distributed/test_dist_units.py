@@ -19,13 +19,13 @@ from torchrec_lossy.distributed import (
     LossyEmbeddingBagCollectionSharder,
     StaticBounds,
 )
-from torchrec_lossy.distributed.alltoall import (
+from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
-    _abs_bounds,
-    _cut_block,
-    _decode_payloads,
-    _encode_payloads,
-    _join_blocks,
+    abs_bounds,
+    cut_block,
+    decode_payloads,
+    encode_payloads,
+    join_blocks,
 )
 from torchrec_lossy.distributed.sharder import _check_provider
 from torchrec_lossy.distributed.stats import CONTAINER
@@ -45,20 +45,20 @@ def _info(config: LossyCommsConfig, layout: list[tuple[BlockSpec, ...]]) -> Loss
 
 def test_cut_and_join_blocks_roundtrip() -> None:
     x = torch.randn(7, 20)
-    blocks = [_cut_block(x, 2, 4, 0, s) for s in SPECS]
+    blocks = [cut_block(x, 2, 4, 0, s) for s in SPECS]
     assert [tuple(b.shape) for b in blocks] == [(8, 4), (4, 6), (12, 2)]
     # Rows of a block are whole embedding vectors: feature 1 of table a is columns 4..8.
     assert torch.equal(blocks[0][4:8], x[2:6, 4:8])
-    assert torch.equal(torch.cat(_join_blocks(blocks, SPECS, 4), dim=1), x[2:6])
+    assert torch.equal(torch.cat(join_blocks(blocks, SPECS, 4), dim=1), x[2:6])
 
 
 def test_abs_bounds_relative_to_finite_range() -> None:
     b = torch.tensor([[1.0, float("inf")], [float("nan"), 3.0]])
     bounds = [ErrorBound("relative", 0.1), ErrorBound("absolute", 0.5), ErrorBound("relative", 0)]
-    got = _abs_bounds([b, b, b], bounds)
+    got = abs_bounds([b, b, b], bounds)
     assert got == pytest.approx([0.2, 0.5, 0.0])
     empty = torch.empty(0, 3)
-    assert _abs_bounds([empty], [ErrorBound("relative", 0.1)]) == [0.0]
+    assert abs_bounds([empty], [ErrorBound("relative", 0.1)]) == [0.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -75,10 +75,10 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
     rows = [5, 3]
     x = torch.randn(sum(rows), 20).to(dtype)
     x[0, 0] = float("nan")
-    sent = [[_cut_block(x, r0, n, 0, s) for s in SPECS] for r0, n in ((0, 5), (5, 3))]
-    payloads = _encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device)
+    sent = [[cut_block(x, r0, n, 0, s) for s in SPECS] for r0, n in ((0, 5), (5, 3))]
+    payloads = encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device)
     recv = torch.cat(payloads)
-    got = _decode_payloads("fwd", recv, [p.numel() for p in payloads], [SPECS] * 2, rows, info, 0)
+    got = decode_payloads("fwd", recv, [p.numel() for p in payloads], [SPECS] * 2, rows, info, 0)
     stats = info.comms.stats
     assert stats.total("fwd").wire_bytes == recv.numel()
     for blocks_in, blocks_out in zip(sent, got, strict=True):
@@ -98,25 +98,25 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
 def test_corrupt_payload_error_names_rank_and_tables() -> None:
     info = _info(LossyCommsConfig(), [SPECS])
     x = torch.randn(4, 20)
-    payload = _encode_payloads(
-        "fwd", [[_cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], info, x.device
+    payload = encode_payloads(
+        "fwd", [[cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], info, x.device
     )[0]
     bad = payload.clone()
     bad[-3] ^= 0x5A
     with pytest.raises(
         LossyAllToAllError, match=r"on rank 2: the payload from rank 0 \(tables: a, b, c\)"
     ):
-        _decode_payloads("fwd", bad, [bad.numel()], [SPECS], [4], info, 2)
+        decode_payloads("fwd", bad, [bad.numel()], [SPECS], [4], info, 2)
     with pytest.raises(LossyAllToAllError, match="truncated"):
-        _decode_payloads("fwd", payload[:0], [0], [SPECS], [4], info, 2)
+        decode_payloads("fwd", payload[:0], [0], [SPECS], [4], info, 2)
     raw_only = _info(LossyCommsConfig(tables={"*": TableCodecConfig(compress=False)}), [SPECS])
-    raw = _encode_payloads(
-        "fwd", [[_cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], raw_only, x.device
+    raw = encode_payloads(
+        "fwd", [[cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], raw_only, x.device
     )[0]
     with pytest.raises(
         LossyAllToAllError, match="304 bytes received, expected exactly 320 bytes of raw blocks"
     ):
-        _decode_payloads("fwd", raw[:-16], [raw.numel() - 16], [SPECS], [4], raw_only, 1)
+        decode_payloads("fwd", raw[:-16], [raw.numel() - 16], [SPECS], [4], raw_only, 1)
 
 
 def test_stats_totals_time_shares_and_reset() -> None:

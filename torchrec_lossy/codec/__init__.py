@@ -1,6 +1,15 @@
 """The error-bounded lossy codec. Imports torch (and numba), never torchrec."""
 
+from torchrec_lossy.codec.container import checksum, segment_checksums
+from torchrec_lossy.codec.entropy import entropy_bound_bytes
 from torchrec_lossy.codec.format import CodecError
+from torchrec_lossy.codec.grouped import (
+    GroupedPayloads,
+    GroupStatus,
+    check_groups,
+    compress_groups,
+    decompress_groups,
+)
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
     compress,
@@ -13,7 +22,15 @@ __all__ = [
     "BlockStats",
     "CodecConfig",
     "CodecError",
+    "GroupStatus",
+    "GroupedPayloads",
+    "check_groups",
+    "checksum",
     "compress",
+    "compress_groups",
     "compress_with_stats",
     "decompress",
+    "decompress_groups",
+    "entropy_bound_bytes",
+    "segment_checksums",
 ]

@@ -12,8 +12,9 @@ Host syncs: at most two per payload, whatever the number of blocks, both through
    expressions) and computes where every section lies. A compressed payload is small (about 1/30
    of the decoded bytes); parsing segment headers on the device instead would still need a
    read-back of the headers before the decode grid could be sized, so it would not save a sync.
-   A payload the checks reject is decoded by the CPU path on that host copy, which raises the
-   exact error (a data error in an earlier block, which only decoding finds, must win).
+   A payload the checks reject is handed (as that host copy) to the caller's ``on_reject``:
+   ``pipeline.decompress`` decodes it with the CPU path, which raises the exact error (a data
+   error in an earlier block, which only decoding finds, must win).
 2. One read of the per-block status codes after the last kernel (only when some block has vector
    references or a Huffman stream, the only things decoding itself can find wrong): invalid
    references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
@@ -31,36 +32,38 @@ The returned blocks are views into one output buffer (each block contiguous and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import NoReturn
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    HEADER_WORDS,
+    Reader,
+    check_payload,
+    parse_header,
+)
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
+    DECODE_ERRORS,
     DESCRIPTOR,
     ESCAPE_SYMBOL,
-    HEADER,
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
+    REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
     CodecError,
 )
-from torchrec_lossy.codec.pipeline import (
-    DEFAULT_MAX_ELEMENTS,
-    _check_payload,
-    _parse_header,
-    _Reader,
-)
 
-_HEADER_WORDS = HEADER.itemsize // 4
+_HEADER_WORDS = HEADER_WORDS
 _SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 # Per-block fields the kernels read (int64 each), uploaded together.
 _FIELDS = (
@@ -111,7 +114,7 @@ def _host(t: torch.Tensor) -> np.ndarray:
         Its contents as a host numpy array.
     """
     _SyncCounter.count += 1
-    return t.detach().contiguous().cpu().numpy()
+    return host_sync.to_host(t)
 
 
 def host_syncs() -> int:
@@ -125,9 +128,9 @@ def host_syncs() -> int:
 
 def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
     """The kernel modules (imports triton; the interpreter for CPU tensors)."""
-    from torchrec_lossy.codec.triton_ops import _load_kernels
+    from torchrec_lossy.codec.triton_ops import load_kernels
 
-    k_quantize, k_vector_lz, k_huffman = _load_kernels(device)
+    k_quantize, k_vector_lz, k_huffman = load_kernels(device)
     from torchrec_lossy.kernels import codebook as k_codebook
 
     return k_quantize, k_vector_lz, k_huffman, k_codebook
@@ -150,7 +153,7 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
 def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
-    The header and descriptors go through the CPU path's own ``pipeline._parse_header`` (which
+    The header and descriptors go through the CPU path's own ``container.parse_header`` (which
     raises its ``CodecError``: those checks precede any block on the CPU path too). The segment
     conditions are ``_decode_block``'s and ``_decode_refs``' (every ``take`` fits, ``done``
     leaves nothing, every field check), as numpy expressions over all blocks at once; for them the
@@ -163,7 +166,7 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     Returns:
         int64 arrays by field name (word offsets are into the payload), or None.
     """
-    body, desc_fields, offsets = _parse_header(buf, max_elements)
+    body, desc_fields, offsets = parse_header(buf, max_elements)
     n_blocks = len(desc_fields)
     descs = body[: offsets[0]].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
@@ -258,28 +261,20 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     }
 
 
-def _raise_as_cpu(buf: np.ndarray, max_elements: int) -> NoReturn:
-    """Raises the CPU path's error for a payload :func:`_layout` rejected.
-
-    A data error in an earlier block (bad references, a bad Huffman stream) is only found by
-    decoding, and the CPU path reports it first; so the host copy is decoded on the host up to
-    the failure. Only corrupt payloads get here.
-    """
-    from torchrec_lossy.codec.pipeline import decompress
-
-    decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
-    # Unreachable while _layout and the CPU path agree (the tests hold them to it).
-    raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
-
-
 def decompress_device(
-    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+    payload: torch.Tensor,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    on_reject: Callable[[np.ndarray], object] | None = None,
 ) -> list[torch.Tensor]:
     """Decodes a payload made by ``compress`` on the payload's device, all blocks at once.
 
     Args:
         payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         max_elements: Refuse payloads that decode to more elements than this in total.
+        on_reject: Called with the host copy of a payload whose segments the layout checks
+            reject, before any launch; it should raise the exact error (``pipeline.decompress``
+            passes its host decoder: a data error in an earlier block, which only decoding
+            finds, must win, as on the CPU path). Without it a generic CodecError is raised.
 
     Returns:
         The blocks: same shapes, dtypes and bits as the CPU path's, on the payload's device
@@ -290,16 +285,19 @@ def decompress_device(
             CPU path's message).
         RuntimeError: triton is not installed.
     """
-    _check_payload(payload)
+    check_payload(payload)
     kernels = _kernels(payload.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(payload)  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
         if layout is None:
-            _raise_as_cpu(buf, max_elements)
+            if on_reject is not None:
+                on_reject(buf)
+            # Unreachable with the host decoder while _layout and it agree (tested).
+            raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
         if layout["rows"].shape[0] == 0:
             return []
-        return _decode_on_device(payload, layout, *kernels)
+        return _decode_on_device(payload, layout, *kernels)[0]
 
 
 def _decode_on_device(
@@ -309,8 +307,12 @@ def _decode_on_device(
     k_vector_lz: ModuleType,
     k_huffman: ModuleType,
     k_codebook: ModuleType,
-) -> list[torch.Tensor]:
-    """Launches every stage for all blocks, reads the status once, returns the blocks."""
+    defer_status: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Launches every stage for all blocks and returns them with the device status codes.
+
+    Unless ``defer_status``, the status is read once here and the first error raised.
+    """
     device = payload.device
     lz = col["ref_mode"] >= 0
     quant = col["has_stream"] == 1
@@ -423,14 +425,10 @@ def _decode_on_device(
             dev["fail"],
             dev["esc_bad"],
         )
-        codes = _host(codes)  # sync 2: every decode error of every block
-        bad = np.flatnonzero(codes)
-        if bad.shape[0]:
-            b = int(bad[0])
-            r = _Reader(np.zeros(0, np.uint32), b)
-            if codes[b] == k_huffman.REFS_OUT_OF_RANGE:
-                raise r.fail("vector references out of range")
-            raise r.fail(f"Huffman stream: {huffman.DECODE_ERRORS[int(codes[b])]}")
+        if not defer_status:
+            raise_status(_host(codes))  # sync 2: every decode error of every block
+    else:
+        codes = None
     # One typed view of the buffer per dtype, then one as_strided per block.
     halves = out.view(torch.int16)
     typed = {
@@ -451,7 +449,116 @@ def _decode_on_device(
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
         else:
             blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
-    return blocks
+    return blocks, codes
+
+
+def status_error(code: int, block: int) -> CodecError:
+    """The CPU path's error for a block's device decode status.
+
+    Args:
+        code: Nonzero status (``REFS_OUT_OF_RANGE`` or a ``DECODE_*`` code).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    r = Reader(np.zeros(0, np.uint32), block)
+    if code == REFS_OUT_OF_RANGE:
+        return r.fail("vector references out of range")
+    return r.fail(f"Huffman stream: {DECODE_ERRORS[code]}")
+
+
+def raise_status(codes: np.ndarray) -> None:
+    """Raises the first failing block's error of a payload's status codes (if any).
+
+    Args:
+        codes: Per-block status codes read back from the device.
+
+    Raises:
+        CodecError: Some block failed to decode.
+    """
+    bad = np.flatnonzero(codes)
+    if bad.shape[0]:
+        raise status_error(int(codes[bad[0]]), int(bad[0]))
+
+
+# The offsets into the payload's words that move with a payload inside a grouped buffer.
+_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
+
+
+def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) -> dict:
+    """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
+
+    Args:
+        layouts: :func:`_layout` of every payload (none rejected).
+        word_base: Each payload's first word in the buffer.
+
+    Returns:
+        The merged layout, block indexes running over all payloads.
+    """
+    merged = {
+        k: np.concatenate(
+            [
+                lay[k] + (w if k in _WORD_OFFSETS else 0)
+                for lay, w in zip(layouts, word_base, strict=True)
+            ]
+        )
+        for k in layouts[0]
+    }
+    lz = merged["ref_mode"] >= 0
+    quant = merged["has_stream"] == 1
+    merged["id_base"] = _bases(np.where(lz, merged["rows"], 0))[:-1]
+    merged["table_idx"] = np.where(quant, np.cumsum(quant) - 1, 0)
+    merged["out_off"] = _bases(merged["out_words"])[:-1]
+    return merged
+
+
+def decompress_groups_device(
+    buffer: torch.Tensor, sizes: list[int], max_elements: int
+) -> tuple[list[list[torch.Tensor]], torch.Tensor | None, np.ndarray, dict[int, np.ndarray]]:
+    """Decodes several payloads held back to back in one buffer, all blocks in one pass.
+
+    One host read (the whole buffer, for the layouts); the decode status is NOT read: it is
+    returned as a device tensor for the caller to check at a sync point of its choosing.
+
+    Args:
+        buffer: 1-D uint8 tensor on the device (CUDA, or CPU under the interpreter).
+        sizes: Bytes of each payload (multiples of 4).
+        max_elements: Refuse payloads that decode to more elements than this (each).
+
+    Returns:
+        (blocks per payload ([] for a rejected one), int32 status per block of the accepted
+        payloads (None if nothing can fail on the device), the payload of each of those blocks,
+        the host bytes of every payload the layout checks rejected, by index).
+    """
+    kernels = _kernels(buffer.device)
+    with record_function("## lossy_codec decode ##"):
+        buf = _host(buffer)  # the one read: every payload's layout
+        layouts, bases, groups, rejected = [], [], [], {}
+        at = 0
+        for g, n in enumerate(sizes):
+            part = buf[at : at + n]
+            try:
+                lay = _layout(part, max_elements) if n % 4 == 0 else None
+            except CodecError:
+                lay = None
+            if lay is None:
+                rejected[g] = part
+            elif lay["rows"].shape[0]:
+                layouts.append(lay)
+                bases.append(at // 4)
+                groups.append(np.full(lay["rows"].shape[0], g, dtype=np.int64))
+            at += n
+        out: list[list[torch.Tensor]] = [[] for _ in sizes]
+        block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        if not layouts:
+            return out, None, block_group, rejected
+        blocks, codes = _decode_on_device(
+            buffer, merge_layouts(layouts, bases), *kernels, defer_status=True
+        )
+        for g, b in zip(block_group.tolist(), blocks, strict=True):
+            out[g].append(b)
+        return out, codes, block_group, rejected
 
 
 __all__ = ["decompress_device", "host_syncs"]

@@ -5,7 +5,7 @@ one numba call over the whole concatenation: finite ranges, quantization, vector
 planning, the payload writer and, on the way back, the payload reader. No Python runs per block
 except where a block needs what almost none do (the median of an outlier block). The bytes are
 those of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the
-mode choice is ``size_model``'s, shared with the device path.
+mode choice is ``size_model``'s and the checksum ``container``'s, shared with the device path.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.container import checksum
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -33,7 +34,6 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     SYMBOL_OFFSET,
     VERSION,
-    checksum_words,
 )
 from torchrec_lossy.config import CodecConfig
 
@@ -401,7 +401,7 @@ def compress_blocks(
     header = np.zeros(1, HEADER)
     header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, nb
     header["body_words"] = end - _HEADER_WORDS
-    header["checksum"] = checksum_words(out[_HEADER_WORDS:end])
+    header["checksum"] = checksum(out[_HEADER_WORDS:end])
     out[:_HEADER_WORDS] = header.view(np.uint32)
 
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)

@@ -18,21 +18,16 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
-
-# Decode errors reported by decode_kernel (0 = success).
-DECODE_INVALID_CODE = -1
-DECODE_OUT_OF_BITS = -2
-DECODE_BAD_CHUNK_TABLE = -3
-DECODE_BAD_ESCAPES = -4
-DECODE_BAD_CODEBOOK = -5
-DECODE_ERRORS = {
-    DECODE_INVALID_CODE: "a bit pattern that no code starts with",
-    DECODE_OUT_OF_BITS: "a chunk runs out of bits",
-    DECODE_BAD_CHUNK_TABLE: "the chunk table decreases or does not end at the bitstream's end",
-    DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
-    DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
-}
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    DECODE_BAD_CHUNK_TABLE,
+    DECODE_BAD_CODEBOOK,
+    DECODE_BAD_ESCAPES,
+    DECODE_INVALID_CODE,
+    DECODE_OUT_OF_BITS,
+    ESCAPE_SYMBOL,
+    MAX_CODE_LENGTH,
+)
 
 
 @numba.njit(cache=True, nogil=True)

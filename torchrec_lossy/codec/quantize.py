@@ -8,8 +8,8 @@ elements travel verbatim, so the bound holds for every element by construction, 
 data.
 
 No predictor: embedding rows are independent lookups with no order along the row or the
-dimension for a predictor to exploit (measured in docs/design.md: a previous-row or
-previous-element predictor raised the code entropy on realistic traffic).
+dimension for a predictor to exploit (measured in docs/codec.md, "Why no predictor": a
+previous-row or previous-element predictor raised the code entropy on realistic traffic).
 """
 
 from __future__ import annotations
@@ -48,7 +48,17 @@ class QuantParams:
 
 
 @numba.njit(cache=True, nogil=True)
-def _quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
+def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
+    """Quantization step, its float32 reciprocal and the center code for a bound and midpoint.
+
+    Args:
+        bound: Absolute error bound (> 0).
+        mid: The block's midpoint (the center is its code).
+
+    Returns:
+        (step, inv_step, center, ok); ok is False when the step is below float32's normal
+        range or the center's code is out of range (the block is then not quantized).
+    """
     step = np.float32(min(2.0 * bound, _FLT_MAX))
     if np.float64(step) > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
         step = np.uint32(step.view(np.uint32) - np.uint32(1)).view(np.float32)
@@ -83,7 +93,7 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         mid = 0.5 * (lo + hi)
     else:
         mid = float(np.median(x[np.isfinite(x)].astype(np.float64)))
-    step, inv_step, center, ok = _quant_params_kernel(bound, mid)
+    step, inv_step, center, ok = quant_params_kernel(bound, mid)
     return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
 
 
@@ -254,7 +264,7 @@ def quant_params_blocks_kernel(
     ok = np.zeros(n, np.bool_)
     for b in range(n):
         if wanted[b]:
-            s, inv, c, good = _quant_params_kernel(bounds[b], mids[b])
+            s, inv, c, good = quant_params_kernel(bounds[b], mids[b])
             if good:
                 step[b], inv_step[b], center[b], ok[b] = s, inv, c, True
     return step, inv_step, center, ok

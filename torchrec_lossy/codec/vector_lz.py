@@ -19,6 +19,7 @@ import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec import size_model
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, words_for_bits
 
 _ESCAPED_KEY = np.int64(1) << np.int64(32)
@@ -283,8 +284,7 @@ def best_refs_mode(rows: int, n_unique: int) -> int:
     Returns:
         REFS_FIXED or REFS_FLAGGED.
     """
-    fixed = refs_bits(rows, n_unique, REFS_FIXED)
-    return REFS_FIXED if fixed <= refs_bits(rows, n_unique, REFS_FLAGGED) else REFS_FLAGGED
+    return int(size_model.refs(rows, n_unique)[0])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -3,12 +3,7 @@
 This subpackage is the only part of torchrec_lossy that imports ``torchrec.distributed``.
 """
 
-from torchrec_lossy.distributed.alltoall import (
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    LossyAllToAllError,
-    alltoall_pooled_lossy,
-)
+from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import BoundProvider, LossyComms, StaticBounds
 from torchrec_lossy.distributed.input_dist import (
     LossyKJTAllToAll,
@@ -18,6 +13,11 @@ from torchrec_lossy.distributed.output_dist import (
     LossyPooledEmbeddingsAllToAll,
     LossyTwPooledEmbeddingDist,
     pooled_layout,
+)
+from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    LossyAllToAllError,
 )
 from torchrec_lossy.distributed.sharder import (
     LossyEmbeddingBagCollectionSharder,

@@ -19,13 +19,13 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
-from torchrec_lossy.distributed.alltoall import (
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    alltoall_pooled_lossy,
-)
+from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import output_dedupe_of
+from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+)
 
 
 def pooled_layout(

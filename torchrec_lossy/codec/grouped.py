@@ -1,0 +1,234 @@
+"""One codec call for the blocks of every destination (compress) or every source (decompress).
+
+An all-to-all sends one payload per destination. :func:`compress_groups` builds them all in one
+pass and returns them back to back in one uint8 buffer with the size of each; on the device path
+its only device-to-host read is those sizes (with the per-block stats in the same copy), and
+relative bounds are resolved against each block's finite range on the device.
+:func:`decompress_groups` decodes every source's payload of a received buffer in one pass; on
+the device path it reads the buffer back once for the layouts and leaves the decode status on
+the device (:class:`GroupStatus`); the caller checks it with :func:`check_groups` at a sync
+point of its choosing, before it uses the blocks. Each group's payload is byte-identical to
+:func:`~torchrec_lossy.codec.compress` of its blocks, and decodes with
+:func:`~torchrec_lossy.codec.decompress`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats
+from torchrec_lossy.codec.format import CodecError
+from torchrec_lossy.codec.pipeline import (
+    compress_with_stats,
+    decompress,
+    on_device,
+    validate_inputs,
+)
+from torchrec_lossy.config import Backend, CodecConfig
+
+
+@dataclass(frozen=True)
+class GroupedPayloads:
+    """The payloads of :func:`compress_groups`.
+
+    Attributes:
+        buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
+        sizes: Bytes of each payload (multiples of 4).
+        stats: Per group, one BlockStats per block.
+    """
+
+    buffer: torch.Tensor
+    sizes: list[int]
+    stats: list[list[BlockStats]]
+
+    @property
+    def offsets(self) -> list[int]:
+        """Byte offset of each payload in :attr:`buffer`."""
+        return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])[:-1].tolist()
+
+    def payload(self, group: int) -> torch.Tensor:
+        """Group ``group``'s payload (a view of :attr:`buffer`).
+
+        Args:
+            group: Its index.
+
+        Returns:
+            1-D uint8 tensor.
+        """
+        return self.buffer.narrow(0, self.offsets[group], self.sizes[group])
+
+
+@dataclass
+class GroupStatus:
+    """The decode status :func:`decompress_groups` leaves for :func:`check_groups`.
+
+    Attributes:
+        codes: int32 per decoded block on the device (0: fine), or None.
+        block_group: The group of each entry of ``codes``.
+        rejected: Group index to its error, found while reading the layouts.
+    """
+
+    codes: torch.Tensor | None = None
+    block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
+    if isinstance(groups, torch.Tensor):
+        raise ValueError("groups must be a sequence of sequences of 2-D tensors, got a tensor")
+    return [len(g) for g in groups]
+
+
+def compress_groups(
+    groups: Sequence[Sequence[torch.Tensor]],
+    error_bounds: Sequence[Sequence[float]],
+    config: CodecConfig | None = None,
+    relative: bool | Sequence[Sequence[bool]] = False,
+) -> GroupedPayloads:
+    """Compresses the blocks of every group (destination) in one call.
+
+    Args:
+        groups: Per group, its 2-D float32 / float16 / bfloat16 blocks (all on one device).
+        error_bounds: Per group, one bound per block: absolute, or where ``relative`` the
+            fraction of the block's finite range (``max - min``, see ``codec/bounds.py``).
+        config: Codec knobs; None uses the defaults.
+        relative: Whether the bounds are relative: one flag for all, or one per block.
+
+    Returns:
+        The payloads back to back, their sizes and the per-block stats. On the device path
+        (``config.backend`` "triton", or "auto" on CUDA) exactly one device-to-host read.
+
+    Raises:
+        ValueError: A bad block, bound, flag or group shape (the message names it and the fix).
+    """
+    config = config or CodecConfig()
+    sizes = _group_sizes(groups)
+    if len(error_bounds) != len(sizes):
+        raise ValueError(
+            f"got {len(sizes)} groups but {len(error_bounds)} bound lists: pass one per group"
+        )
+    flat = [b for g in groups for b in g]
+    values = [v for g in error_bounds for v in g]
+    if isinstance(relative, bool):
+        rel = [relative] * len(flat)
+    else:
+        rel = [bool(r) for g in relative for r in g]
+        if len(rel) != len(flat):
+            raise ValueError(
+                f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
+                "or one bool for all"
+            )
+    values, device = validate_inputs(flat, values)
+    if on_device(device, config.backend):
+        from torchrec_lossy.codec.device_compress import compress_groups_device
+        from torchrec_lossy.codec.triton_ops import load_kernels
+
+        load_kernels(device)
+        buf, out_sizes, stats = compress_groups_device(flat, values, rel, sizes, config)
+        return GroupedPayloads(buf, out_sizes, stats)
+    bounds = absolute_bounds(flat, values, rel)
+    payloads, stats = [], []
+    at = 0
+    for n in sizes:
+        p, s = compress_with_stats(flat[at : at + n], bounds[at : at + n], config)
+        payloads.append(p)
+        stats.append(s)
+        at += n
+    buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
+    return GroupedPayloads(buffer, [p.numel() for p in payloads], stats)
+
+
+def decompress_groups(
+    buffer: torch.Tensor,
+    sizes: Sequence[int],
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    backend: Backend = "auto",
+) -> tuple[list[list[torch.Tensor]], GroupStatus]:
+    """Decodes every group's (source's) payload of one buffer in one call.
+
+    The blocks must not be used before :func:`check_groups` has passed on the returned status:
+    a corrupt payload's blocks may hold garbage (a rejected group's list is empty). On the host
+    path errors are found here already and the status only carries them.
+
+    Args:
+        buffer: 1-D uint8 tensor: the payloads back to back.
+        sizes: Bytes of each payload.
+        max_elements: Refuse a payload that decodes to more elements than this.
+        backend: As ``CodecConfig.backend``.
+
+    Returns:
+        (blocks per group, the status to check).
+
+    Raises:
+        CodecError: ``buffer`` is not a 1-D uint8 tensor, or ``sizes`` do not add up to it.
+    """
+    CodecConfig(backend=backend)  # validates the backend name
+    sizes = [int(n) for n in sizes]
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise CodecError("buffer must be a 1-D torch.uint8 tensor")
+    if any(n < 0 for n in sizes) or sum(sizes) != buffer.numel():
+        raise CodecError(
+            f"payload sizes {sizes} add up to {sum(sizes)} bytes, the buffer has "
+            f"{buffer.numel()}: pass the sizes the buffer was built with"
+        )
+    status = GroupStatus()
+    if on_device(buffer.device, backend):
+        from torchrec_lossy.codec.device_decompress import decompress_groups_device
+
+        out, codes, block_group, rejected = decompress_groups_device(buffer, sizes, max_elements)
+        status.codes, status.block_group = codes, block_group
+        for g, part in rejected.items():
+            status.rejected[g] = _host_error(part, max_elements)
+        return out, status
+    out = []
+    at = 0
+    for g, n in enumerate(sizes):
+        try:
+            out.append(decompress(buffer.narrow(0, at, n), max_elements, backend))
+        except CodecError as e:
+            status.rejected[g] = str(e)
+            out.append([])
+        at += n
+    return out, status
+
+
+def _host_error(part: np.ndarray, max_elements: int) -> str:
+    """The CPU path's error for a payload the device layout checks rejected (host bytes)."""
+    try:
+        decompress(torch.from_numpy(part.copy()), max_elements, backend="cpu")
+    except CodecError as e:
+        return str(e)
+    return "corrupt payload: rejected by the device decoder's layout checks"
+
+
+def check_groups(status: GroupStatus) -> None:
+    """Raises the first failing group's error; call it before the decoded blocks are used.
+
+    On the device path this is where the decode status is read back (one device-to-host copy,
+    a sync): call it at a point that synchronises anyway.
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Raises:
+        CodecError: ``"payload <g>: <what is wrong>"`` for the lowest failing group ``g``.
+    """
+    failures = dict(status.rejected)
+    if status.codes is not None:
+        from torchrec_lossy.codec.device_decompress import status_error
+
+        codes = host_sync.to_host(status.codes)
+        for i in np.flatnonzero(codes).tolist():
+            g = int(status.block_group[i])
+            if g not in failures:
+                local = i - int(np.searchsorted(status.block_group, g))
+                failures[g] = str(status_error(int(codes[i]), local))
+    if failures:
+        g = min(failures)
+        raise CodecError(f"payload {g}: {failures[g]}")

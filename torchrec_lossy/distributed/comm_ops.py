@@ -1,0 +1,404 @@
+"""Variable-size two-phase all-to-all of pooled embeddings, compressed per (rank, table) block.
+
+The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
+the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_payload`.
+
+1. The sender encodes its blocks for every destination (:func:`.pooled_payload.encode_payloads`).
+2. The payload byte counts are exchanged (one ``all_to_all_single`` of int64, read on the host:
+   the exchange's host sync; relative bounds add one more, for all blocks' value ranges).
+3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
+4. On wait, each payload is decoded and the blocks are put back where TorchRec's
+   ``PooledEmbeddingsAllToAll`` would have put them.
+
+The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
+As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
+Req/Wait pair around a :class:`~torchrec.distributed.comm_ops.Request`, so pipelines can overlap it
+with compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+from torch.autograd.profiler import record_function
+from torchrec.distributed.comm_ops import Request, get_gradient_division
+from torchrec.distributed.types import Awaitable, NoWait
+
+from torchrec_lossy.distributed.pooled_payload import (
+    LossyAll2AllPooledInfo,
+    backward_dense_send,
+    cut_block,
+    decode_payloads,
+    encode_payloads,
+    expand_block,
+    join_blocks,
+    pad_block,
+    peer_blocks,
+    reduce_grad_block,
+)
+from torchrec_lossy.distributed.stats import Direction
+
+_CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _LossyRequest(Request[torch.Tensor]):
+    """TorchRec's Request plus the state of a variable-size exchange."""
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(pg, device)
+        self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
+        # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
+        self.dense_blocks: list[int] | None = None
+
+
+def _exchange(
+    direction: Direction,
+    payloads: Sequence[torch.Tensor],
+    pg: dist.ProcessGroup,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[int], dist.Work]:
+    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all."""
+    send_sizes = [int(p.numel()) for p in payloads]
+    sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
+    recv_sizes_t = torch.empty_like(sizes)
+    with record_function(f"## lossy_a2a {direction} sizes ##"):
+        dist.all_to_all_single(recv_sizes_t, sizes, group=pg, async_op=True).wait()
+        recv_sizes = recv_sizes_t.tolist()  # the one device-to-host sync of the exchange
+    send = torch.cat([p.to(device) for p in payloads])
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    with record_function(f"## lossy_a2a {direction} payload ##"):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
+    return recv, recv_sizes, work
+
+
+class LossyAll2AllPooledReq(Function):
+    """Encodes and launches the forward exchange; its backward finishes the gradient exchange."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        pg: dist.ProcessGroup,
+        myreq: _LossyRequest,
+        info: LossyAll2AllPooledInfo,
+        input_embeddings: torch.Tensor,
+    ) -> torch.Tensor:
+        my_rank = dist.get_rank(pg)
+        world = dist.get_world_size(pg)
+        b_global, d_local = input_embeddings.shape
+        if b_global != sum(info.batch_size_per_rank) or d_local != info.dim_sum_per_rank[my_rank]:
+            raise ValueError(
+                f"pooled embeddings of shape {tuple(input_embeddings.shape)} on rank {my_rank} do "
+                f"not match batch sizes {info.batch_size_per_rank} and local dim sum "
+                f"{info.dim_sum_per_rank[my_rank]}"
+            )
+        info.dtype = input_embeddings.dtype
+        if info.output_dedupe is None:
+            blocks = peer_blocks(
+                input_embeddings.detach(),
+                list(itertools.accumulate(info.batch_size_per_rank, initial=0))[:-1],
+                info.batch_size_per_rank,
+                [0] * world,
+                [info.layout[my_rank]] * world,
+            )
+        else:
+            # Deduplicated features: only their distinct rows (first U bags) travel.
+            x = input_embeddings.detach()
+            r0s = list(itertools.accumulate(info.batch_size_per_rank, initial=0))
+            with record_function("## lossy_a2a fwd dedupe cut ##"):
+                blocks = [
+                    [
+                        cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
+                        for s, fr in zip(
+                            info.layout[my_rank], info.owner_feats(my_rank, d), strict=True
+                        )
+                    ]
+                    for d in range(world)
+                ]
+        for d, blocks_d in enumerate(blocks):
+            for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
+                rows = s.num_features * info.batch_size_per_rank[d]
+                info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
+        payloads = encode_payloads(
+            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
+        )
+        recv, recv_sizes, work = _exchange("fwd", payloads, pg, input_embeddings.device)
+        myreq.req = work
+        myreq.tensor = recv
+        myreq.recv_sizes = recv_sizes
+        myreq.a2ai = info
+        myreq.wait_function = LossyAll2AllPooledWait
+        ctx.myreq = myreq
+        ctx.pg = pg
+        return myreq.dummy_tensor
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *unused: torch.Tensor) -> tuple:
+        pg = ctx.pg
+        myreq: _LossyRequest = ctx.myreq
+        info: LossyAll2AllPooledInfo = myreq.a2ai
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        assert myreq.req is not None, "backward of the lossy all-to-all ran before its wait"
+        myreq.req.wait()
+        myreq.req = None
+        recv = myreq.tensor
+        b_global = sum(info.batch_size_per_rank)
+        d_local = info.dim_sum_per_rank[my_rank]
+        if info.sum_grads:
+            grad_input = _owner_grad_dedupe(recv, myreq, info, my_rank, world)
+        elif myreq.recv_sizes is None:
+            start = time.perf_counter()
+            with record_function("## lossy_a2a bwd decode ##"):
+                grad_input = recv.view(b_global, d_local).to(info.dtype)
+            shares = {s.table: b_global * s.width for s in info.layout[my_rank]}
+            info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+        else:
+            blocks = decode_payloads(
+                "bwd",
+                recv,
+                myreq.recv_sizes,
+                [info.layout[my_rank]] * world,
+                [
+                    [s.num_features * b for s in info.layout[my_rank]]
+                    for b in info.batch_size_per_rank
+                ],
+                info,
+                my_rank,
+            )
+            pieces = [
+                torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
+                if bs
+                else recv.new_empty((rows, 0), dtype=info.dtype)
+                for bs, rows in zip(blocks, info.batch_size_per_rank, strict=True)
+            ]
+            grad_input = torch.cat(pieces, dim=0)
+        if get_gradient_division():
+            grad_input = grad_input / world
+        myreq.tensor = None
+        myreq.dummy_tensor = None
+        return (None, None, None, grad_input)
+
+
+class LossyAll2AllPooledWait(Function):
+    """Waits for the forward exchange and decodes; its backward launches the gradient exchange."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        pg: dist.ProcessGroup,
+        myreq: _LossyRequest,
+        *dummy_tensor: torch.Tensor,
+    ) -> torch.Tensor:
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        info: LossyAll2AllPooledInfo = myreq.a2ai
+        assert myreq.req is not None and myreq.recv_sizes is not None
+        myreq.req.wait()
+        recv, recv_sizes = myreq.tensor, myreq.recv_sizes
+        myreq.req = None
+        myreq.tensor = None
+        ctx.pg = pg
+        ctx.myreq = myreq
+        b_local = info.batch_size_per_rank[my_rank]
+        if info.output_dedupe is None:
+            block_rows = [[s.num_features * b_local for s in specs] for specs in info.layout]
+        else:
+            sender = [info.sender_rows(my_rank, p) for p in range(world)]
+            block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
+        blocks = decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
+        if info.output_dedupe is None:
+            pieces = [
+                piece
+                for bs, specs in zip(blocks, info.layout, strict=True)
+                for piece in join_blocks(bs, specs, b_local)
+            ]
+        else:
+            with record_function("## lossy_a2a fwd dedupe expand ##"):
+                pieces = [
+                    expand_block(b, s, b_local, f)
+                    for bs, specs, feats in zip(blocks, info.layout, sender, strict=True)
+                    for b, s, f in zip(bs, specs, feats, strict=True)
+                ]
+        if not pieces:
+            return recv.new_empty((b_local, 0), dtype=info.dtype)
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+        pg = ctx.pg
+        myreq: _LossyRequest = ctx.myreq
+        info: LossyAll2AllPooledInfo = myreq.a2ai
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        b_local, d_global = grad_output.shape
+        assert d_global == sum(info.dim_sum_per_rank)
+        codec = info.comms.config.backward
+        grad_output = grad_output.contiguous()
+        if info.sum_grads:
+            recv, work = _receiver_grad_dedupe(pg, grad_output, myreq, info, my_rank, world)
+        elif codec == "lossy":
+            # Every source rank gets all local rows of its own columns.
+            col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
+            blocks = peer_blocks(
+                grad_output, [0] * world, [b_local] * world, col_bases, info.layout
+            )
+            payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+            recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+            myreq.recv_sizes = recv_sizes
+        else:
+            wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
+            send = backward_dense_send(grad_output, info, wire_dtype)
+            d_local = info.dim_sum_per_rank[my_rank]
+            recv = torch.empty(
+                d_local * sum(info.batch_size_per_rank),
+                dtype=wire_dtype,
+                device=grad_output.device,
+            )
+            with record_function("## lossy_a2a bwd payload ##"):
+                work = dist.all_to_all_single(
+                    recv,
+                    send,
+                    [d_local * b for b in info.batch_size_per_rank],
+                    [b_local * d for d in info.dim_sum_per_rank],
+                    group=pg,
+                    async_op=True,
+                )
+            myreq.recv_sizes = None
+        myreq.req = work
+        myreq.tensor = recv
+        return (None, None, myreq.dummy_tensor)
+
+
+def _receiver_grad_dedupe(
+    pg: dist.ProcessGroup,
+    grad_output: torch.Tensor,
+    myreq: _LossyRequest,
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    world: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Gradient send under lookup dedupe: rows summed per distinct id, then sent as blocks.
+
+    The owner's fused update of a distinct row then sees the same total gradient it would have
+    accumulated over the repeated bags (up to float summation order).
+    """
+    codec = info.comms.config.backward
+    stats = info.comms.stats
+    col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
+    with record_function("## lossy_a2a bwd dedupe reduce ##"):
+        blocks = [
+            [
+                reduce_grad_block(grad_output, col_bases[p], s, f)
+                for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
+            ]
+            for p in range(world)
+        ]
+    myreq.dense_blocks = None
+    myreq.recv_sizes = None
+    if codec == "lossy":
+        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+        recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+        myreq.recv_sizes = recv_sizes
+        return recv, work
+    wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
+    in_elem = grad_output.element_size()
+    wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
+    b_local = grad_output.shape[0]
+    start = time.perf_counter()
+    with record_function("## lossy_a2a bwd encode ##"):
+        send = torch.cat(
+            [b.reshape(-1) for bs in blocks for b in bs] or [grad_output.new_empty(0)]
+        ).to(wire_dtype)
+    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
+    shares: dict[str, int] = {}
+    for bs, specs in zip(blocks, info.layout, strict=True):
+        for b, s in zip(bs, specs, strict=True):
+            raw = b_local * s.width * in_elem  # what TorchRec's dense gradient would carry
+            shares[s.table] = shares.get(s.table, 0) + raw
+            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
+    recv_sizes = [
+        sum(
+            sum(fr) * s.dim
+            for s, fr in zip(info.layout[my_rank], info.owner_rows(my_rank, p), strict=True)
+        )
+        for p in range(world)
+    ]
+    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=grad_output.device)
+    with record_function("## lossy_a2a bwd payload ##"):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
+    myreq.dense_blocks = recv_sizes
+    return recv, work
+
+
+def _owner_grad_dedupe(
+    recv: torch.Tensor,
+    myreq: _LossyRequest,
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    world: int,
+) -> torch.Tensor:
+    """Gradient receive under lookup dedupe: the distinct rows' gradients, zero for the
+    empty bags past them, as the owner's ``[B_global, D_local]`` gradient."""
+    specs = info.layout[my_rank]
+    owner = [info.owner_rows(my_rank, p) for p in range(world)]
+    block_rows = [[sum(fr) for fr in feats] for feats in owner]
+    if myreq.dense_blocks is None:
+        assert myreq.recv_sizes is not None
+        blocks = decode_payloads(
+            "bwd", recv, myreq.recv_sizes, [specs] * world, block_rows, info, my_rank
+        )
+    else:
+        start = time.perf_counter()
+        with record_function("## lossy_a2a bwd decode ##"):
+            flat = recv.to(info.dtype).split(
+                [br * s.dim for brs in block_rows for br, s in zip(brs, specs, strict=True)]
+            )
+            it = iter(flat)
+            blocks = [
+                [next(it).view(br, s.dim) for br, s in zip(brs, specs, strict=True)]
+                for brs in block_rows
+            ]
+        elem = recv.element_size()
+        shares: dict[str, int] = {}
+        for i, s in enumerate(specs):
+            n = sum(block_rows[p][i] for p in range(world)) * s.dim * elem
+            shares[s.table] = shares.get(s.table, 0) + n
+        info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+    pieces = []
+    for p in range(world):
+        rows = info.batch_size_per_rank[p]
+        parts = [
+            pad_block(b, s, rows, fr) for b, s, fr in zip(blocks[p], specs, owner[p], strict=True)
+        ]
+        pieces.append(
+            torch.cat(parts, dim=1) if parts else recv.new_empty((rows, 0), dtype=info.dtype)
+        )
+    return torch.cat(pieces, dim=0)
+
+
+def alltoall_pooled_lossy(
+    a2a_pooled_embs_tensor: torch.Tensor,
+    info: LossyAll2AllPooledInfo,
+    group: dist.ProcessGroup | None = None,
+) -> Awaitable[torch.Tensor]:
+    """Compressed all-to-all of one pooled embedding tensor (cf. TorchRec's alltoall_pooled).
+
+    Args:
+        a2a_pooled_embs_tensor: Local pooled embeddings, ``[B_global, D_local_sum]``; rows are
+            grouped by destination rank in rank order, columns follow ``info.layout[rank]``.
+        info: Batch sizes, layout, comms state.
+        group: Process group; None: the default group.
+
+    Returns:
+        Awaitable of ``[B_local, D_global_sum]``, the columns of every source rank in rank order.
+    """
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if group.size() <= 1:
+        return NoWait(a2a_pooled_embs_tensor)
+    myreq = _LossyRequest(group, device=a2a_pooled_embs_tensor.device)
+    LossyAll2AllPooledReq.apply(group, myreq, info, a2a_pooled_embs_tensor)
+    return myreq

@@ -1,0 +1,461 @@
+"""Payload framing of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
+
+TorchRec's ``alltoall_pooled`` sends rows ``[offset_d, offset_d + B_d)`` of the local
+``[B_global, D_local_sum]`` pooled embeddings to each rank ``d``; the receiver concatenates what
+every source sent along the columns into ``[B_local, D_global_sum]``. Here the sender cuts its
+share for each destination into one block per local table shard (rows = pooled embedding vectors:
+a table with ``F`` features gives ``F * B_d`` rows of its width) and encodes all blocks for one
+destination into one payload, each with its table's bound; the receiver decodes each payload and
+puts the blocks back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
+
+Payload of one (source, destination) pair: the blocks of tables that are not compressed travel
+first, raw, each padded to 16 bytes; the codec payload of the other blocks follows. The receiver
+knows every block's shape from the sharding layout, so no extra framing is needed.
+
+This module holds no collective and no autograd: it maps tensors to payloads and back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+import torch
+from torch.autograd.profiler import record_function
+
+from torchrec_lossy.codec import CodecError, compress_with_stats, decompress
+from torchrec_lossy.config import ErrorBound
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.stats import Direction
+
+if TYPE_CHECKING:
+    from torchrec_lossy.distributed.input_dist import OutputDedupe
+
+T = TypeVar("T")
+_ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
+
+
+class LossyAllToAllError(RuntimeError):
+    """A received payload could not be decoded into the blocks the sharding layout expects."""
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One table shard's columns in a rank's local pooled-embedding output.
+
+    Attributes:
+        table: Table name (bounds, compress flag and telemetry are per table).
+        col_offset: First column of the shard in the rank's ``[B, D_local_sum]`` output.
+        num_features: Features pooled from this table shard (consecutive column groups).
+        dim: Columns per feature (the shard's ``local_cols``).
+    """
+
+    table: str
+    col_offset: int
+    num_features: int
+    dim: int
+
+    @property
+    def width(self) -> int:
+        """Columns the shard occupies: ``num_features * dim``."""
+        return self.num_features * self.dim
+
+
+@dataclass
+class LossyAll2AllPooledInfo:
+    """Per-call parameters of :func:`alltoall_pooled_lossy` (cf. TorchRec's All2AllPooledInfo).
+
+    Attributes:
+        batch_size_per_rank: Batch size of every rank of the group.
+        layout: Per rank of the group, its table shards in output column order.
+        comms: Shared config, bound provider, telemetry and hooks.
+        compress: Table name to whether its blocks go through the codec (else raw).
+        dtype: Dtype of the pooled embeddings (set by the forward).
+        output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
+            deduplicated features travel once per distinct bag), or None.
+    """
+
+    batch_size_per_rank: list[int]
+    layout: Sequence[Sequence[BlockSpec]]
+    comms: LossyComms
+    compress: dict[str, bool]
+    dtype: torch.dtype = torch.float32
+    output_dedupe: OutputDedupe | None = None
+    dim_sum_per_rank: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
+
+    @property
+    def sum_grads(self) -> bool:
+        """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
+        return self.output_dedupe is not None and self.output_dedupe.sum_grads
+
+    def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
+        """Per local table shard, per feature: rows this rank (the owner) exchanges with
+        ``peer`` (its batch size, or the distinct bags of a deduplicated feature)."""
+        return [[r for r, _ in f] for f in self.owner_feats(my_rank, peer)]
+
+    def owner_feats(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per local table shard, per feature: (rows sent to ``peer``, the bags they come from:
+        None for the first rows (all of them, or a lookup-deduplicated feature's distinct ids))."""
+        rows = self.batch_size_per_rank[peer]
+        dd = self.output_dedupe
+        flat = dd.recv_rows[peer] if dd is not None else None
+        if dd is not None and not dd.sum_grads and dd.select is None:
+            raise RuntimeError(
+                "lossy output dist: the exact output dedupe has no bag selection; the input "
+                "dist's KJT must be decoded (its tensors awaitable waited on) before the lookup"
+            )
+        sel = dd.select[peer] if dd is not None and dd.select is not None else None
+
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
+            x = flat[i] if flat is not None else None
+            if x is None:
+                return rows, None
+            return x, sel[i] if sel is not None else None
+
+        return _per_feature(self.layout[my_rank], one, (rows, None))
+
+    def sender_rows(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per table shard of ``peer``, per feature: (rows exchanged, inverse index or None),
+        from the side of this rank, which sent ``peer`` the ids."""
+        rows = self.batch_size_per_rank[my_rank]
+        dd = self.output_dedupe
+        flat = dd.send[peer] if dd is not None else None
+
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
+            x = flat[i] if flat is not None else None
+            return (rows, None) if x is None else x
+
+        return _per_feature(self.layout[peer], one, (rows, None))
+
+
+def _per_feature(specs: Sequence[BlockSpec], of: Callable[[int], T], default: T) -> list[list[T]]:
+    """``of(i)`` for the i-th feature of ``specs`` in order, grouped per spec."""
+    out, i = [], 0
+    for s in specs:
+        out.append([of(i + f) for f in range(s.num_features)])
+        i += s.num_features
+    return out
+
+
+def cut_block(
+    x: torch.Tensor,
+    row0: int,
+    rows: int,
+    col0: int,
+    spec: BlockSpec,
+    feats: Sequence[tuple[int, torch.Tensor | None]] | None = None,
+) -> torch.Tensor:
+    """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors.
+
+    With ``feats``, feature ``f`` contributes only ``feats[f] = (r, select)`` rows: its first
+    ``r`` rows (select None: a lookup-deduplicated feature's distinct ids), or rows ``select``
+    (the first bag of each distinct bag of an exactly deduplicated feature).
+    """
+    c = col0 + spec.col_offset
+    if feats is not None and any(r != rows or sel is not None for r, sel in feats):
+        d = spec.dim
+        part = x[row0 : row0 + rows]
+        return torch.cat(
+            [
+                part[:r, c + f * d : c + (f + 1) * d]
+                if sel is None
+                else part[sel, c + f * d : c + (f + 1) * d]
+                for f, (r, sel) in enumerate(feats)
+            ]
+        )
+    part = x[row0 : row0 + rows, c : c + spec.width]
+    return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
+
+
+def join_blocks(
+    blocks: Sequence[torch.Tensor], specs: Sequence[BlockSpec], rows: int
+) -> list[torch.Tensor]:
+    """Inverse of :func:`cut_block` for one peer: ``[rows, width]`` pieces in column order."""
+    return [
+        b.view(s.num_features, rows, s.dim).transpose(0, 1).reshape(rows, s.width)
+        for b, s in zip(blocks, specs, strict=True)
+    ]
+
+
+def expand_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Receiver side of a lookup-deduplicated block: ``[rows, width]``, each deduplicated
+    feature's distinct rows gathered back by its inverse index (exact: a gather)."""
+    pieces = b.split([r for r, _ in feats])
+    out = [p if inv is None else p[inv] for p, (_, inv) in zip(pieces, feats, strict=True)]
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+def reduce_grad_block(
+    g: torch.Tensor, col0: int, spec: BlockSpec, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Backward of :func:`expand_block`: the gradient rows summed per distinct id."""
+    pieces = []
+    for f, (r, inv) in enumerate(feats):
+        c = col0 + spec.col_offset + f * spec.dim
+        gf = g[:, c : c + spec.dim]
+        if inv is not None:
+            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf)
+        pieces.append(gf)
+    return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
+
+
+def pad_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feat_rows: Sequence[int]
+) -> torch.Tensor:
+    """Owner side of a deduplicated gradient block: ``[rows, width]``, the rows past each
+    feature's distinct ones (its empty bags) zero."""
+    out = []
+    for p, r in zip(b.split(list(feat_rows)), feat_rows, strict=True):
+        out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _aligned(payload: torch.Tensor) -> torch.Tensor:
+    return payload if payload.storage_offset() % _ALIGN == 0 else payload.clone()
+
+
+def finite_ranges(blocks: Sequence[torch.Tensor]) -> list[float]:
+    """``max - min`` over the finite elements of each block, with one host sync for all."""
+    if not blocks:
+        return []
+    spans = []
+    for b in blocks:
+        f = b.float()
+        finite = torch.isfinite(f)
+        hi = torch.where(finite, f, -math.inf).amax()
+        lo = torch.where(finite, f, math.inf).amin()
+        spans.append(hi - lo)
+    return [s if math.isfinite(s) and s > 0 else 0.0 for s in torch.stack(spans).tolist()]
+
+
+def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> list[float]:
+    """Absolute bound of each block: ``value`` or ``value * (max - min)`` of the block."""
+    rel = [
+        i
+        for i, (b, eb) in enumerate(zip(blocks, bounds, strict=True))
+        if eb.mode == "relative" and eb.value > 0 and b.numel() > 0
+    ]
+    spans = dict(zip(rel, finite_ranges([blocks[i] for i in rel]), strict=True))
+    return [
+        eb.value * spans[i] if i in spans else (eb.value if eb.mode == "absolute" else 0.0)
+        for i, eb in enumerate(bounds)
+    ]
+
+
+def encode_payloads(
+    direction: Direction,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's)."""
+    comms = info.comms
+    config = comms.config
+    stats = comms.stats
+    coded = [
+        (b, s)
+        for bs, ss in zip(blocks_per_peer, specs_per_peer, strict=True)
+        for b, s in zip(bs, ss, strict=True)
+        if info.compress[s.table]
+    ]
+    with record_function(f"## lossy_a2a {direction} bounds ##"):
+        if direction == "fwd":
+            bounds = [comms.bounds.bound(s.table) for _, s in coded]
+        else:
+            bounds = [config.backward_bound] * len(coded)
+        block_bounds = abs_bounds([b for b, _ in coded], bounds)
+        if direction == "fwd":
+            for (b, s), eb in zip(coded, block_bounds, strict=True):
+                comms.bounds.observe(s.table, b, eb)
+    next_bound = iter(block_bounds)
+
+    payloads = []
+    with record_function(f"## lossy_a2a {direction} encode ##"):
+        for blocks, specs in zip(blocks_per_peer, specs_per_peer, strict=True):
+            start = time.perf_counter()
+            parts: list[torch.Tensor] = []
+            codec_blocks: list[torch.Tensor] = []
+            codec_bounds: list[float] = []
+            codec_tables: list[str] = []
+            shares: dict[str, int] = {}
+            for b, s in zip(blocks, specs, strict=True):
+                nbytes = b.numel() * b.element_size()
+                shares[s.table] = shares.get(s.table, 0) + nbytes
+                if info.compress[s.table]:
+                    codec_blocks.append(b.contiguous())
+                    codec_bounds.append(next(next_bound))
+                    codec_tables.append(s.table)
+                else:
+                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=b.device)
+                    raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
+                    parts.append(raw)
+                    stats.record_block(direction, s.table, nbytes, raw.numel(), 0.0, 0.0)
+            if codec_blocks:
+                payload, block_stats = compress_with_stats(
+                    codec_blocks, codec_bounds, config=config.codec
+                )
+                parts.append(payload)
+                for table, eb, bs in zip(codec_tables, codec_bounds, block_stats, strict=True):
+                    stats.record_block(
+                        direction, table, bs.raw_bytes, bs.wire_bytes, bs.max_error, eb
+                    )
+                # The payload header belongs to no block.
+                stats.record_container(
+                    direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)
+                )
+            payloads.append(
+                torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+            )
+            stats.record_time(direction, "encode", shares, time.perf_counter() - start)
+    return payloads
+
+
+def _decode_peer(
+    direction: Direction,
+    payload: torch.Tensor,
+    peer: int,
+    specs: Sequence[BlockSpec],
+    block_rows: Sequence[int],
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+) -> list[torch.Tensor]:
+    """Decodes one peer's payload into its blocks, checked against the expected layout."""
+    dtype = info.dtype
+    elem = torch.empty(0, dtype=dtype).element_size()
+
+    def fail(why: str) -> NoReturn:
+        tables = ", ".join(sorted({s.table for s in specs})) or "none"
+        raise LossyAllToAllError(
+            f"lossy all-to-all ({direction}) on rank {my_rank}: the payload from rank {peer} "
+            f"(tables: {tables}) could not be decoded: {why}. The bytes were corrupted in "
+            "transit or the ranks run different torchrec_lossy versions or sharding plans."
+        )
+
+    size = payload.numel()
+    raw_len = sum(
+        _padded(br * s.dim * elem)
+        for s, br in zip(specs, block_rows, strict=True)
+        if not info.compress[s.table]
+    )
+    n_coded = sum(1 for s in specs if info.compress[s.table])
+    if n_coded == 0 and size != raw_len:
+        fail(f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks")
+    if size < raw_len:
+        fail(f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks")
+    decoded: list[torch.Tensor] = []
+    if n_coded:
+        try:
+            decoded = decompress(payload[raw_len:])
+        except CodecError as e:
+            fail(f"{type(e).__name__}: {e}")
+        if len(decoded) != n_coded:
+            fail(f"{len(decoded)} blocks decoded, {n_coded} expected")
+    blocks: list[torch.Tensor] = []
+    coded = iter(decoded)
+    raw_at = 0
+    for s, br in zip(specs, block_rows, strict=True):
+        shape = (br, s.dim)
+        if info.compress[s.table]:
+            b = next(coded)
+            if tuple(b.shape) != shape or b.dtype != dtype:
+                fail(f"table {s.table}: block {tuple(b.shape)} {b.dtype}, expected {shape} {dtype}")
+        else:
+            n = shape[0] * shape[1] * elem
+            b = payload[raw_at : raw_at + n].view(dtype).view(shape)
+            raw_at += _padded(n)
+        blocks.append(b)
+    return blocks
+
+
+def decode_payloads(
+    direction: Direction,
+    recv: torch.Tensor,
+    recv_sizes: Sequence[int],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    block_rows_per_peer: Sequence[int | Sequence[int]],
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+) -> list[list[torch.Tensor]]:
+    """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
+
+    ``block_rows_per_peer``: per peer, the rows of each block, or one batch size (every block
+    then has ``num_features * rows`` rows).
+    """
+    comms = info.comms
+    elem = torch.empty(0, dtype=info.dtype).element_size()
+    out: list[list[torch.Tensor]] = []
+    offsets = itertools.accumulate(recv_sizes, initial=0)
+    with record_function(f"## lossy_a2a {direction} decode ##"):
+        for peer, (offset, size) in enumerate(zip(offsets, recv_sizes, strict=False)):
+            start = time.perf_counter()
+            specs, block_rows = specs_per_peer[peer], block_rows_per_peer[peer]
+            if isinstance(block_rows, int):
+                block_rows = [s.num_features * block_rows for s in specs]
+            payload = recv.narrow(0, offset, size)
+            if comms.payload_hook is not None:
+                payload = comms.payload_hook(direction, peer, payload)
+            # Raw blocks and the codec payload then start 16-byte aligned.
+            payload = _aligned(payload)
+            out.append(_decode_peer(direction, payload, peer, specs, block_rows, info, my_rank))
+            shares: dict[str, int] = {}
+            for s, br in zip(specs, block_rows, strict=True):
+                shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
+            comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+    return out
+
+
+def peer_blocks(
+    x: torch.Tensor,
+    row_starts: Sequence[int],
+    rows: Sequence[int],
+    col_bases: Sequence[int],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+) -> list[list[torch.Tensor]]:
+    """Cuts ``x`` into the blocks for each peer ``p``: its ``rows[p]`` rows from ``row_starts[p]``,
+    its table shards ``specs_per_peer[p]`` at column ``col_bases[p]``."""
+    return [
+        [cut_block(x, r0, n, c0, s) for s in specs]
+        for r0, n, c0, specs in zip(row_starts, rows, col_bases, specs_per_peer, strict=True)
+    ]
+
+
+def backward_dense_send(
+    grad_output: torch.Tensor, info: LossyAll2AllPooledInfo, wire_dtype: torch.dtype
+) -> torch.Tensor:
+    """Columns of each source rank, flattened in rank order (TorchRec's recat), as wire_dtype."""
+    stats = info.comms.stats
+    codec = info.comms.config.backward
+    b_local = grad_output.shape[0]
+    in_elem, wire_elem = grad_output.element_size(), torch.empty(0, dtype=wire_dtype).element_size()
+    start = time.perf_counter()
+    with record_function("## lossy_a2a bwd encode ##"):
+        by_rank = grad_output.split(info.dim_sum_per_rank, dim=1)
+        send = torch.cat([g.contiguous().view(-1) for g in by_rank]).to(wire_dtype)
+    shares: dict[str, int] = {}
+    col = 0
+    for specs in info.layout:
+        for s in specs:
+            n = b_local * s.width
+            shares[s.table] = shares.get(s.table, 0) + n * in_elem
+            stats.record_block("bwd", s.table, n * in_elem, n * wire_elem, 0.0, 0.0)
+            if codec != "none" and n > 0:
+                g = grad_output[:, col + s.col_offset : col + s.col_offset + s.width]
+                err = (g - g.to(wire_dtype).to(g.dtype)).abs().amax()
+                stats.record_max_error_lazy("bwd", s.table, err)
+        col += sum(s.width for s in specs)
+    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
+    return send
