@@ -367,7 +367,17 @@ def batches_for(args: argparse.Namespace, rows: int) -> tuple[list[list[torch.Te
         )
         for i in range(count)
     ]
-    return [make_blocks(s) for s in specs], rows
+    batches = [make_blocks(s) for s in specs]
+    if args.destinations > 1:  # one compress call per group: every destination's blocks
+        more = [
+            make_blocks(dataclasses.replace(s, batch=s.batch + k * count))
+            for s in specs
+            for k in range(1, args.destinations)
+        ]
+        per = args.destinations - 1
+        batches = [b + [t for m in more[i * per : (i + 1) * per] for t in m] for i, b in
+                   enumerate(batches)]  # fmt: skip
+    return batches, rows
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -403,16 +413,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         batches, rows = batches_for(args, asked_rows)
         if rows != asked_rows:
             notes.append(f"--real: {asked_rows} rows asked, the sample gives {rows} per block")
-        head = {"rows": rows, "batches": len(batches), "tables": len(cards), "dim": args.dim}
+        head = {"rows": rows, "batches": len(batches), "tables": len(cards), "dim": args.dim,
+                "destinations": args.destinations}  # fmt: skip
 
         for setting in args.bounds:
-            rel = relative_bounds(setting, args.preset)
+            rel = relative_bounds(setting, args.preset) * args.destinations
             pooled = CodecRun("lossy", setting)
             tables = [
                 {"table": f"C{t + 1}", "cardinality": c, "eb_rel": r, "raw_bytes": 0,
                  "wire_bytes": 0, "entropy_bytes": 0.0, "distinct_vectors": 0,
                  "max_err_over_bound": 0.0, "eb_abs": []}
-                for t, (c, r) in enumerate(zip(cards, rel, strict=True))
+                for t, (c, r) in enumerate(zip(cards, rel[: len(cards)], strict=True))
             ]  # fmt: skip
             lossy_ok = not isinstance(lossy, str)
             for blocks in batches:
@@ -432,7 +443,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 run.bounds, run.entropy_bytes = setting, sum(ent)
                 pooled.add(run)
                 for t, (b, eb) in enumerate(zip(blocks, bounds, strict=True)):
-                    row = tables[t]
+                    row = tables[t % len(cards)]
                     row["raw_bytes"] += b.numel() * b.element_size()
                     row["entropy_bytes"] += ent[t]
                     row["eb_abs"].append(eb)
@@ -452,7 +463,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 row["ratio"] = (
                     row["raw_bytes"] / row["wire_bytes"] if lossy_ok and row["wire_bytes"] else None
                 )
-                row["distinct_vectors"] /= len(batches)
+                row["distinct_vectors"] /= len(batches) * args.destinations
                 row["eb_abs"] = statistics.mean(row["eb_abs"])
                 if not lossy_ok:
                     row["max_err_over_bound"] = None
@@ -500,6 +511,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "bounds": args.bounds,
             "reps": args.reps,
             "batches": args.batches,
+            "destinations": args.destinations,
             "seed": args.seed,
             "source": "criteo" if args.real else "zipf",
             "criteo_path": str(args.criteo_path or DEFAULT_CRITEO_SAMPLE) if args.real else None,
@@ -566,7 +578,8 @@ def format_report(report: dict[str, Any], per_table: bool) -> str:
     for r in report["results"]:
         if r["rows"] != current:
             current = r["rows"]
-            lines += ["", f"{r['rows']} rows x {r['tables']} tables x dim {r['dim']}, "
+            lines += ["", f"{r['rows']} rows x {r['tables']} tables x "
+                      f"{r.get('destinations', 1)} destination(s) x dim {r['dim']}, "
                       f"{r['batches']} batch(es)", header]  # fmt: skip
         if "failed" in r:
             lines.append(f"{r['rows']:>5} {r['codec']:<7} {r['bounds']:<6} FAILED: {r['failed']}")
@@ -629,6 +642,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     p.add_argument("--batches", type=int, default=4, help="batches per block size")
+    p.add_argument(
+        "--destinations", type=int, default=1,
+        help="destinations per compress call: each call takes every table's block of this many "
+        "destinations (the batched CPU path's case, e.g. 8)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--real", action="store_true", help="ids from the real Criteo sample")
     p.add_argument("--criteo-path", type=Path, default=None, help="Criteo TSV(.gz) for --real")
@@ -645,8 +663,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.dim = 32 if args.preset == "criteo_kaggle" else 64
     if args.quick:
         args.rows, args.bounds, args.batches, args.reps = [256], ["paper"], 1, 3
-    if args.dim < 1 or args.reps < 1 or args.batches < 1 or any(r < 1 for r in args.rows):
-        p.error("--dim, --rows, --reps and --batches must be positive")
+    if min(args.dim, args.reps, args.batches, args.destinations, *args.rows) < 1:
+        p.error("--dim, --rows, --reps, --batches and --destinations must be positive")
     return args
 
 
