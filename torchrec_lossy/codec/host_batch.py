@@ -23,15 +23,20 @@ from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.container import checksum
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
+    CODE_DTYPES,
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
     HEADER,
     MAGIC,
+    MAX_CENTER,
+    MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    REFS_FIXED,
+    REFS_FLAGGED,
     SYMBOL_OFFSET,
     VERSION,
 )
@@ -417,4 +422,238 @@ def compress_blocks(
     )
 
 
-__all__ = ["BatchEncoded", "compress_blocks"]
+# ---------------------------------------------------------------------------------------------
+# Decode: one compiled reader over every segment of one or several payloads.
+
+# Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
+# segment, whose exact error that decoder names, or a 16-bit quantized block).
+_DECODED = 0
+_FALL_BACK = 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ref_width(n_unique: int) -> int:
+    width = 0
+    while (1 << width) < n_unique:
+        width += 1
+    return width
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _refs(
+    words: np.ndarray, pos: int, end: int, rows: int, n_unique: int, ref_mode: int, width: int,
+    ids: np.ndarray,
+) -> int:  # fmt: skip
+    """Unpacks a segment's vector references at word ``pos``; -> the next word, -1 if corrupt."""
+    if n_unique < 1 or n_unique > rows or width != _ref_width(n_unique):
+        return -1
+    if ref_mode == REFS_FIXED:
+        n_bits = rows * width
+    elif ref_mode == REFS_FLAGGED:
+        n_bits = rows + (rows - n_unique) * width
+    else:
+        return -1
+    n_words = (n_bits + 31) // 32
+    if pos + n_words > end:
+        return -1
+    if vector_lz.unpack_refs_kernel(words[pos : pos + n_words], rows, n_unique, ref_mode, width,
+                                    ids) != 0:  # fmt: skip
+        return -1
+    return pos + n_words
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_kernel(
+    words: np.ndarray,
+    halves: np.ndarray,
+    floats: np.ndarray,
+    seg_start: np.ndarray,
+    seg_end: np.ndarray,
+    rows: np.ndarray,
+    dims: np.ndarray,
+    itemsize: np.ndarray,
+    mode: np.ndarray,
+    out_off: np.ndarray,
+    out32: np.ndarray,
+    out32f: np.ndarray,
+    out16: np.ndarray,
+    ids: np.ndarray,
+    symbols: np.ndarray,
+    values: np.ndarray,
+) -> np.ndarray:
+    """Decodes every segment into ``out32`` (4-byte blocks) or ``out16`` (2-byte blocks).
+
+    ``words`` / ``halves`` / ``floats`` are views of one buffer (uint32, uint16, float32);
+    segment ``b`` is ``words[seg_start[b]:seg_end[b]]``; ``out32f`` is the float32 view of
+    ``out32``. Every check of ``pipeline``'s per-block decoder is made (a block that fails one
+    is marked ``_FALL_BACK`` and left for that decoder to name the error); ``ids``,
+    ``symbols`` and ``values`` (float32) are scratch of the largest block. Returns the status
+    of each block.
+    """
+    nb = rows.shape[0]
+    status = np.zeros(nb, np.int8)
+    values_i = values.view(np.int32)
+    for b in range(nb):
+        s = seg_start[b]
+        end = seg_end[b]
+        n_rows = rows[b]
+        dim = dims[b]
+        isz = itemsize[b]
+        m = mode[b]
+        o = out_off[b]
+        if m == MODE_RAW:
+            numel = n_rows * dim
+            if s + (numel * isz + 3) // 4 != end:
+                status[b] = _FALL_BACK
+            elif isz == 4:
+                dst = out32[o : o + numel]
+                for k in range(numel):
+                    dst[k] = np.int32(words[s + k])
+            else:
+                h = 2 * s
+                for k in range(numel):
+                    out16[o + k] = halves[h + k]
+            continue
+        if end - s < _SEG_WORDS:
+            status[b] = _FALL_BACK
+            continue
+        n_unique = np.int64(words[s + 2])
+        w7 = np.int64(words[s + 7])
+        ref_mode = (w7 >> 8) & 0xFF
+        width = (w7 >> 16) & 0xFF
+        pos = s + _SEG_WORDS
+        if m == MODE_LZ:
+            pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
+            if pos < 0 or pos + (n_unique * dim * isz + 3) // 4 != end:
+                status[b] = _FALL_BACK
+                continue
+            for r in range(n_rows):
+                u = np.int64(ids[r])
+                if isz == 4:
+                    src = words[pos + u * dim : pos + (u + 1) * dim]
+                    dst = out32[o + r * dim : o + (r + 1) * dim]
+                    for j in range(dim):
+                        dst[j] = np.int32(src[j])
+                else:
+                    h = 2 * pos + u * dim
+                    for j in range(dim):
+                        out16[o + r * dim + j] = halves[h + j]
+            continue
+        step = floats[s]
+        center = np.int64(np.int32(words[s + 1]))
+        n_esc = np.int64(words[s + 3])
+        chunk = np.int64(words[s + 4])
+        n_chunks = np.int64(words[s + 5])
+        lo = np.int64(words[s + 6]) & 0xFFFF
+        count = np.int64(words[s + 6]) >> 16
+        esc_len = w7 & 0xFF
+        if (
+            isz != 4
+            or not (np.isfinite(step) and step > 0 and abs(center) <= MAX_CENTER)
+            or lo + count > ESCAPE_SYMBOL
+            or esc_len > MAX_CODE_LENGTH
+        ):
+            status[b] = _FALL_BACK
+            continue
+        n_nib = (count + 1) // 2
+        if pos + (n_nib + 3) // 4 > end:
+            status[b] = _FALL_BACK
+            continue
+        lengths = huffman.expand_codebook_kernel(
+            words[pos : pos + (n_nib + 3) // 4].view(np.uint8), lo, count, esc_len
+        )
+        pos += (n_nib + 3) // 4
+        lz = m == MODE_QUANT_LZ
+        if lz:
+            pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
+        elif n_unique != n_rows:
+            pos = -1
+        n_sym = n_unique * dim
+        if pos < 0 or n_esc > n_sym or chunk < 1 or n_chunks != (n_sym + chunk - 1) // chunk:
+            status[b] = _FALL_BACK
+            continue
+        esc_at = pos
+        if esc_at + 2 * n_esc + n_chunks > end:
+            status[b] = _FALL_BACK
+            continue
+        ends_at = esc_at + 2 * n_esc
+        bits_at = ends_at + n_chunks
+        sym = symbols[:n_sym]
+        if huffman.decode_kernel(words[bits_at:end], words[ends_at:bits_at], chunk, lengths,
+                                 words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
+            status[b] = _FALL_BACK
+            continue
+        # Vector-LZ blocks are dequantized into scratch and expanded; others straight out.
+        vf = values[:n_sym] if lz else out32f[o : o + n_sym]
+        vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
+        quantize.dequantize_kernel(sym, step, center, vf)
+        for k in range(n_esc):
+            vi[np.int64(words[esc_at + k])] = np.int32(words[esc_at + n_esc + k])
+        if lz:
+            for r in range(n_rows):
+                src = vi[np.int64(ids[r]) * dim : (np.int64(ids[r]) + 1) * dim]
+                dst = out32[o + r * dim : o + (r + 1) * dim]
+                for j in range(dim):
+                    dst[j] = src[j]
+    return status
+
+
+def decompress_segments(
+    words: np.ndarray,
+    seg_start: np.ndarray,
+    seg_end: np.ndarray,
+    rows: np.ndarray,
+    dims: np.ndarray,
+    dtype_codes: np.ndarray,
+    modes: np.ndarray,
+) -> list[torch.Tensor | None]:
+    """Decodes the segments of one or several payloads' blocks in one compiled call.
+
+    Args:
+        words: The payloads' words (uint32; one buffer).
+        seg_start: int64 first word of each block's segment in ``words``.
+        seg_end: int64 end word of each segment.
+        rows: Rows of each block (validated descriptors).
+        dims: Columns of each block.
+        dtype_codes: ``format.DTYPE_CODES`` of each block.
+        modes: Mode of each block.
+
+    Returns:
+        Each block (views of one output buffer per element size), or None where the block must
+        go through the per-block decoder (a corrupt segment: that decoder names the error).
+    """
+    nb = rows.shape[0]
+    rows = rows.astype(np.int64)
+    dims = dims.astype(np.int64)
+    dtype_codes = dtype_codes.astype(np.int64)
+    itemsize = np.where(dtype_codes == 1, 4, 2)
+    numel = rows * dims
+    wide = itemsize == 4
+    off32 = _offsets(np.where(wide, numel, 0))
+    off16 = _offsets(np.where(wide, 0, numel))
+    out32 = torch.empty(int(off32[-1]), dtype=torch.int32)
+    out16 = torch.empty(int(off16[-1]), dtype=torch.int16)
+    biggest = int(numel.max()) if nb else 0
+    ids = _SCRATCH.get("dec_ids", int(rows.max()) if nb else 0, torch.int32).numpy()
+    symbols = _SCRATCH.get("dec_symbols", biggest, torch.int16).numpy().view(np.uint16)
+    values = _SCRATCH.get("dec_values", biggest, torch.float32).numpy()
+    out32_np = out32.numpy()
+    status = _decode_kernel(
+        words, words.view(np.uint16), words.view(np.float32), seg_start.astype(np.int64),
+        seg_end.astype(np.int64), rows, dims, itemsize, modes.astype(np.int64),
+        np.where(wide, off32[:-1], off16[:-1]), out32_np, out32_np.view(np.float32),
+        out16.numpy().view(np.uint16), ids, symbols, values,
+    )  # fmt: skip
+    parts32 = iter(torch.split(out32, numel[wide].tolist()))
+    parts16 = iter(torch.split(out16, numel[~wide].tolist()))
+    out: list[torch.Tensor | None] = []
+    for r, d, code, is_wide, st in zip(
+        rows.tolist(), dims.tolist(), dtype_codes.tolist(), wide.tolist(), status.tolist(),
+        strict=True,
+    ):  # fmt: skip
+        part = next(parts32 if is_wide else parts16)
+        out.append(None if st != _DECODED else part.view(r, d).view(CODE_DTYPES[code]))
+    return out
+
+
+__all__ = ["BatchEncoded", "compress_blocks", "decompress_segments"]

@@ -734,10 +734,23 @@ def decompress(
     with record_function("## lossy_codec decode ##"):
         body, desc_fields, offsets = parse_header(buf, max_elements)
         ops = _ops_for(backend)
+        if isinstance(ops, CpuOps):
+            fields = np.array([d[:4] for d in desc_fields], np.int64).reshape(-1, 4)
+            batched = host_batch.decompress_segments(body, offsets[:-1], offsets[1:], *fields.T)
+        else:
+            batched = [None] * len(desc_fields)
+        # Blocks the batched reader left (corrupt ones, whose exact error this names, and
+        # 16-bit quantized ones), in block order, so the first failing block raises.
         out = [
-            _decode_block(
-                body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[dtype_code], mode, i, ops
+            (
+                _decode_block(
+                    body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[code], mode, i, ops
+                )
+                if blk is None
+                else blk
             ).to(device)
-            for i, (rows, dim, dtype_code, mode, *_rest) in enumerate(desc_fields)
+            for i, ((rows, dim, code, mode, *_rest), blk) in enumerate(
+                zip(desc_fields, batched, strict=True)
+            )
         ]
     return out
