@@ -78,6 +78,26 @@ def test_host_grouped_payloads_equal_per_group_compress_and_decode() -> None:
         assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want_g]
 
 
+def test_host_grouped_batch_with_empty_groups_at_both_ends() -> None:
+    """Empty groups first, between and last: each payload still equals its group's compress,
+    and a corrupt block in one group is that group's error only."""
+    g0, _, g2 = groups_of_blocks()
+    groups = [[], g0, [], [], g2, []]
+    bounds = [[1e-3] * len(g) for g in groups]
+    out = compress_groups(groups, bounds, CFG)
+    want = per_group(groups, bounds, CFG)
+    assert out.sizes == [p.numel() for p in want]
+    assert torch.equal(out.buffer, torch.cat(want))
+    buf = out.buffer.clone()
+    buf[out.offsets[4] + 40] ^= 1
+    blocks, status = decompress_groups(buf, out.sizes)
+    assert blocks[4] == [] and [len(b) for b in blocks[:4]] == [0, 3, 0, 0]
+    for got, w in zip(blocks[1], decompress(want[1]), strict=True):
+        assert torch.equal(bits(got), bits(w))
+    with pytest.raises(CodecError, match=r"^payload 4: corrupt payload: checksum mismatch"):
+        check_groups(status)
+
+
 def test_host_corrupt_group_is_named() -> None:
     groups = groups_of_blocks()
     out = compress_groups(groups, [[1e-3] * len(g) for g in groups], CFG)

@@ -25,8 +25,9 @@ from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
-    compress_with_stats,
+    compress_host_groups,
     decompress,
+    decompress_host_groups,
     on_device,
     validate_inputs,
 )
@@ -133,15 +134,7 @@ def compress_groups(
         buf, out_sizes, stats = compress_groups_device(flat, values, rel, sizes, config)
         return GroupedPayloads(buf, out_sizes, stats)
     bounds = absolute_bounds(flat, values, rel)
-    payloads, stats = [], []
-    at = 0
-    for n in sizes:
-        p, s = compress_with_stats(flat[at : at + n], bounds[at : at + n], config)
-        payloads.append(p)
-        stats.append(s)
-        at += n
-    buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
-    return GroupedPayloads(buffer, [p.numel() for p in payloads], stats)
+    return GroupedPayloads(*compress_host_groups(flat, bounds, sizes, config))
 
 
 def decompress_groups(
@@ -187,14 +180,11 @@ def decompress_groups(
             status.rejected[g] = _host_error(part, max_elements)
         return out, status
     out = []
-    at = 0
-    for g, n in enumerate(sizes):
-        try:
-            out.append(decompress(buffer.narrow(0, at, n), max_elements, backend))
-        except CodecError as e:
-            status.rejected[g] = str(e)
-            out.append([])
-        at += n
+    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend)):
+        if isinstance(got, CodecError):
+            status.rejected[g] = str(got)
+            got = []
+        out.append(got)
     return out, status
 
 

@@ -50,10 +50,11 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 
 @dataclass(frozen=True)
 class BatchEncoded:
-    """One payload and what happened to each of its blocks (arrays, one entry per block).
+    """Payloads and what happened to each of their blocks (arrays, one entry per block).
 
     Attributes:
-        payload: The payload's bytes (uint8).
+        payload: The payloads' bytes (uint8), one per group, back to back.
+        sizes: Bytes of each group's payload.
         mode: Block modes.
         seg_words: Segment words per block.
         max_error: Max error per block (0 for lossless modes).
@@ -62,6 +63,7 @@ class BatchEncoded:
     """
 
     payload: np.ndarray
+    sizes: list[int]
     mode: np.ndarray
     seg_words: np.ndarray
     max_error: np.ndarray
@@ -171,9 +173,10 @@ def _emit_kernel(
     plan_u: np.ndarray,
     len_off_u: np.ndarray,
     lengths_u: np.ndarray,
-    start: int,
+    skip: np.ndarray,
 ) -> np.ndarray:
-    """Writes every block's segment back to back into zeroed ``out`` from word ``start``.
+    """Writes every block's segment back to back into zeroed ``out``, ``skip[b]`` words before
+    block ``b`` left free (a payload's header and descriptors where its group starts).
 
     ``plan_q`` / ``plan_u``: int64 [5, n_blocks] (bits, symbols, sym_lo, sym_count, escapes) of
     the all-rows and the distinct-rows codes; ``ref_mode`` / ``ref_width``: the segment header's
@@ -182,8 +185,9 @@ def _emit_kernel(
     nb = rows.shape[0]
     seg_words = np.zeros(nb, np.int64)
     entry = np.zeros(ALPHABET_SIZE, np.uint64)
-    pos = start
+    pos = 0
     for b in range(nb):
+        pos += skip[b]
         m = mode[b]
         n_rows = rows[b]
         dim = dims[b]
@@ -297,19 +301,25 @@ def _plan(
 
 
 def compress_blocks(
-    blocks: Sequence[torch.Tensor], bounds: Sequence[float], config: CodecConfig
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    config: CodecConfig,
+    group_sizes: Sequence[int] | None = None,
 ) -> BatchEncoded:
-    """Encodes validated blocks into one payload, each stage once over all blocks.
+    """Encodes validated blocks into one payload per group, each stage once over all blocks.
 
     Args:
         blocks: 2-D float32 / float16 / bfloat16 tensors (validated by the caller).
         bounds: Absolute bound per block (validated).
         config: Codec knobs.
+        group_sizes: Blocks per group (consecutive blocks; they sum to ``len(blocks)``); None
+            for one group. Each group's payload is the bytes a call with its blocks alone gives.
 
     Returns:
-        The payload and per-block results.
+        The payloads and per-block results.
     """
     nb = len(blocks)
+    groups = np.array([nb] if group_sizes is None else list(group_sizes), np.int64)
     rows = np.array([b.shape[0] for b in blocks], np.int64)
     dims = np.array([b.shape[1] for b in blocks], np.int64)
     dcodes = np.array([DTYPE_CODES[b.dtype] for b in blocks], np.int64)
@@ -385,35 +395,47 @@ def compress_blocks(
     ref_mode, ref_width, _ = sm.refs(rows, np.maximum(sent, 1))
     ref_mode = np.where((mode == MODE_QUANT_LZ) | (mode == MODE_LZ), ref_mode, 0)
 
-    # 5. The payload: header, descriptors, segments, written in place.
+    # 5. The payloads: header, descriptors, segments per group, written in place.
     # Sized from the estimates: a coded stream exceeds its estimate by less than a word a chunk.
     n_chunks = (np.select([mode == MODE_QUANT, mode == MODE_QUANT_LZ], [rows, nu_q], 0) * dims
                 + chunk - 1) // chunk  # fmt: skip
     seg_max = np.where(mode == MODE_LZ, lossless_w, best) + n_chunks + 2
-    start = _HEADER_WORDS + _DESCRIPTOR_WORDS * nb
-    out = np.zeros(start + int(seg_max.sum()), np.uint32)
+    group_off = _offsets(groups)
+    lead = _HEADER_WORDS + _DESCRIPTOR_WORDS * groups  # words before a group's first segment
+    skip = np.zeros(nb + 1, np.int64)
+    np.add.at(skip, group_off[:-1], lead)  # an empty group's lead lands on the next block
+    out = np.zeros(int(lead.sum()) + int(seg_max.sum()), np.uint32)
     seg_words = _emit_kernel(
         out, bits, symbols, elem_off, row_off, rows, dims, itemsize, mode,
         ref_mode.astype(np.int64), ref_width.astype(np.int64), step, center, chunk,
         every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo, plan_q, len_off_q,
-        lengths_q, plan_u, len_off_u, lengths_u, start,
+        lengths_q, plan_u, len_off_u, lengths_u, skip,
     )  # fmt: skip
-    end = start + int(seg_words.sum())
     desc = np.zeros(nb, DESCRIPTOR)
     desc["rows"], desc["dim"], desc["dtype"], desc["mode"] = rows, dims, dcodes, mode
     desc["seg_words"], desc["bound"] = seg_words, bnd
-    out[_HEADER_WORDS:start] = desc.view(np.uint32)
-    header = np.zeros(1, HEADER)
-    header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, nb
-    header["body_words"] = end - _HEADER_WORDS
-    header["checksum"] = checksum(out[_HEADER_WORDS:end])
-    out[:_HEADER_WORDS] = header.view(np.uint32)
+    desc_words = desc.view(np.uint32).reshape(nb, _DESCRIPTOR_WORDS)
+    payload_words = lead + np.add.reduceat(np.append(seg_words, 0), group_off[:-1]) * (groups > 0)
+    payload_off = _offsets(payload_words)
+    header = np.zeros(groups.shape[0], HEADER)
+    header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, groups
+    header["body_words"] = payload_words - _HEADER_WORDS
+    for g, (p0, p1, b0, b1) in enumerate(  # per group: a few numpy calls, no per-block work
+        zip(payload_off[:-1].tolist(), payload_off[1:].tolist(), group_off[:-1].tolist(),
+            group_off[1:].tolist(), strict=True)
+    ):  # fmt: skip
+        d0 = p0 + _HEADER_WORDS
+        out[d0 : d0 + _DESCRIPTOR_WORDS * (b1 - b0)] = desc_words[b0:b1].reshape(-1)
+        header["checksum"][g] = checksum(out[d0:p1])
+        out[p0:d0] = header[g : g + 1].view(np.uint32)
+    end = int(payload_off[-1])
 
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
     return BatchEncoded(
         payload=out[:end].view(np.uint8)
         if end == out.shape[0]
         else out[:end].copy().view(np.uint8),
+        sizes=(4 * payload_words).tolist(),
         mode=mode,
         seg_words=seg_words,
         max_error=np.where(is_q, max_err, 0.0),

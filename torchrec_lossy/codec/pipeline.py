@@ -41,6 +41,7 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
+    HEADER,
     MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_NAMES,
@@ -50,6 +51,7 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
+    CodecError,
     words_for_bits,
     words_for_bytes,
 )
@@ -64,8 +66,10 @@ __all__ = [
     "ReferenceOps",
     "StageOps",
     "compress",
+    "compress_host_groups",
     "compress_with_stats",
     "decompress",
+    "decompress_host_groups",
     "on_device",
     "validate_inputs",
 ]
@@ -601,6 +605,46 @@ def compress_with_stats(
     return payload.to(device), stats
 
 
+def compress_host_groups(
+    blocks: Sequence[torch.Tensor],
+    bounds: list[float],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+    """The host path of several payloads at once: consecutive groups of validated blocks.
+
+    With the compiled backend every stage runs once over all groups' blocks; each payload is
+    the bytes :func:`compress_with_stats` gives for its group alone.
+
+    Args:
+        blocks: Validated 2-D blocks, group after group (one device).
+        bounds: Validated absolute bound per block.
+        group_sizes: Blocks per group.
+        config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
+
+    Returns:
+        (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
+        each payload, per group one BlockStats per block).
+    """
+    device = blocks[0].device if blocks else torch.device("cpu")
+    if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
+        with record_function("## lossy_codec encode ##"):
+            enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes)
+        flat_stats = _batch_stats(blocks, bounds, enc)
+        ends = np.cumsum(group_sizes).tolist()
+        stats = [flat_stats[e - n : e] for e, n in zip(ends, group_sizes, strict=True)]
+        return torch.from_numpy(enc.payload).to(device), enc.sizes, stats
+    payloads, stats = [], []
+    at = 0
+    for n in group_sizes:
+        p, s = compress_with_stats(blocks[at : at + n], bounds[at : at + n], config)
+        payloads.append(p)
+        stats.append(s)
+        at += n
+    buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
+    return buffer, [p.numel() for p in payloads], stats
+
+
 def compress(
     blocks: Sequence[torch.Tensor],
     error_bounds: Sequence[float],
@@ -729,28 +773,75 @@ def decompress(
             decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
 
         return decompress_device(payload, max_elements, on_reject)
-    device = payload.device
-    buf = payload.detach().cpu().contiguous().numpy()
-    with record_function("## lossy_codec decode ##"):
-        body, desc_fields, offsets = parse_header(buf, max_elements)
-        ops = _ops_for(backend)
-        if isinstance(ops, CpuOps):
-            fields = np.array([d[:4] for d in desc_fields], np.int64).reshape(-1, 4)
-            batched = host_batch.decompress_segments(body, offsets[:-1], offsets[1:], *fields.T)
-        else:
-            batched = [None] * len(desc_fields)
-        # Blocks the batched reader left (corrupt ones, whose exact error this names, and
-        # 16-bit quantized ones), in block order, so the first failing block raises.
-        out = [
-            (
-                _decode_block(
-                    body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[code], mode, i, ops
-                )
-                if blk is None
-                else blk
-            ).to(device)
-            for i, ((rows, dim, code, mode, *_rest), blk) in enumerate(
-                zip(desc_fields, batched, strict=True)
-            )
-        ]
+    (out,) = decompress_host_groups(payload, [payload.numel()], max_elements, backend)
+    if isinstance(out, CodecError):
+        raise out
     return out
+
+
+def decompress_host_groups(
+    buffer: torch.Tensor, sizes: Sequence[int], max_elements: int, backend: Backend
+) -> list[list[torch.Tensor] | CodecError]:
+    """The host path of :func:`decompress` over several payloads of one buffer at once.
+
+    With the compiled backend one batched reader decodes every block of every payload; the
+    blocks it leaves (corrupt ones, 16-bit quantized ones) go through the per-block decoder in
+    block order, so each payload's result or error is what :func:`decompress` gives for it.
+
+    Args:
+        buffer: 1-D uint8 tensor: the payloads back to back.
+        sizes: Bytes of each payload (summing to the buffer's).
+        max_elements: Refuse a payload that decodes to more elements than this.
+        backend: A host backend, as ``CodecConfig.backend``.
+
+    Returns:
+        Per payload its blocks (on the buffer's device) or the CodecError it raises.
+    """
+    device = buffer.device
+    buf = buffer.detach().cpu().contiguous().numpy()
+    ops = _ops_for(backend)
+    results: list[list[torch.Tensor] | CodecError] = []
+    with record_function("## lossy_codec decode ##"):
+        parsed = []
+        at = 0
+        for g, n in enumerate(sizes):
+            try:
+                parsed.append((at, *parse_header(buf[at : at + n], max_elements), g))
+                results.append([])
+            except CodecError as e:
+                results.append(e)
+            at += n
+        # One batched call over every parsed payload when all lie on word boundaries of the
+        # buffer (always, for payloads written by compress); else one call per payload.
+        aligned = buf.shape[0] % 4 == 0 and all(p[0] % 4 == 0 for p in parsed)
+        batched: list[torch.Tensor | None] = []
+        if isinstance(ops, CpuOps) and parsed:
+            calls = [parsed] if aligned else [[p] for p in parsed]
+            for call in calls:
+                words = buf.view(np.uint32) if aligned else call[0][1]
+                fields = np.array([d[:4] for p in call for d in p[2]], np.int64).reshape(-1, 4)
+                base = [(p[0] + HEADER.itemsize) // 4 if aligned else 0 for p in call]
+                starts = np.concatenate([b + p[3][:-1] for b, p in zip(base, call, strict=True)])
+                ends = np.concatenate([b + p[3][1:] for b, p in zip(base, call, strict=True)])
+                batched += host_batch.decompress_segments(words, starts, ends, *fields.T)
+        else:
+            batched = [None] * sum(len(p[2]) for p in parsed)
+        blocks = iter(batched)
+        for _at, body, desc_fields, offsets, g in parsed:
+            mine = [next(blocks) for _ in desc_fields]
+            try:
+                # Blocks the batched reader left, in block order: the first failing one raises.
+                results[g] = [
+                    (
+                        _decode_block(body[offsets[i] : offsets[i + 1]], rows, dim,
+                                      CODE_DTYPES[code], mode, i, ops)
+                        if blk is None
+                        else blk
+                    ).to(device)
+                    for i, ((rows, dim, code, mode, *_rest), blk) in enumerate(
+                        zip(desc_fields, mine, strict=True)
+                    )
+                ]  # fmt: skip
+            except CodecError as e:
+                results[g] = e
+    return results
