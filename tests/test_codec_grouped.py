@@ -98,6 +98,21 @@ def test_host_grouped_batch_with_empty_groups_at_both_ends() -> None:
         check_groups(status)
 
 
+def test_host_mixed_relative_flags_resolve_as_absolute_bounds() -> None:
+    """Per-block relative flags on the batched host path: the bounds (stats and bytes) are
+    ``absolute_bounds``' (NaN / inf / empty blocks included)."""
+    groups = groups_of_blocks()
+    values = rel_values(groups)
+    flags = [[i % 2 == 0 for i, _ in enumerate(g)] for g in groups]
+    flat = [b for g in groups for b in g]
+    abs_flat = absolute_bounds(flat, [v for g in values for v in g], [f for g in flags for f in g])
+    out = compress_groups(groups, values, CFG, relative=flags)
+    assert [s.bound for g in out.stats for s in g] == abs_flat
+    it = iter(abs_flat)
+    want = per_group(groups, [[next(it) for _ in g] for g in groups], CFG)
+    assert torch.equal(out.buffer, torch.cat(want))
+
+
 def test_host_corrupt_group_is_named() -> None:
     groups = groups_of_blocks()
     out = compress_groups(groups, [[1e-3] * len(g) for g in groups], CFG)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec import host_sync
-from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
@@ -133,8 +132,7 @@ def compress_groups(
         load_kernels(device)
         buf, out_sizes, stats = compress_groups_device(flat, values, rel, sizes, config)
         return GroupedPayloads(buf, out_sizes, stats)
-    bounds = absolute_bounds(flat, values, rel)
-    return GroupedPayloads(*compress_host_groups(flat, bounds, sizes, config))
+    return GroupedPayloads(*compress_host_groups(flat, values, sizes, config, rel))
 
 
 def decompress_groups(

@@ -20,6 +20,7 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import finite_span
 from torchrec_lossy.codec.container import checksum
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -55,6 +56,7 @@ class BatchEncoded:
     Attributes:
         payload: The payloads' bytes (uint8), one per group, back to back.
         sizes: Bytes of each group's payload.
+        bounds: Absolute bound per block (relative ones resolved).
         mode: Block modes.
         seg_words: Segment words per block.
         max_error: Max error per block (0 for lossless modes).
@@ -64,6 +66,7 @@ class BatchEncoded:
 
     payload: np.ndarray
     sizes: list[int]
+    bounds: np.ndarray
     mode: np.ndarray
     seg_words: np.ndarray
     max_error: np.ndarray
@@ -305,6 +308,7 @@ def compress_blocks(
     bounds: Sequence[float],
     config: CodecConfig,
     group_sizes: Sequence[int] | None = None,
+    relative: Sequence[bool] | None = None,
 ) -> BatchEncoded:
     """Encodes validated blocks into one payload per group, each stage once over all blocks.
 
@@ -314,6 +318,9 @@ def compress_blocks(
         config: Codec knobs.
         group_sizes: Blocks per group (consecutive blocks; they sum to ``len(blocks)``); None
             for one group. Each group's payload is the bytes a call with its blocks alone gives.
+        relative: Per block, whether its bound is a fraction of its finite range, resolved as
+            ``bounds.absolute_bounds`` does (from the range this pass computes anyway); None:
+            all absolute.
 
     Returns:
         The payloads and per-block results.
@@ -333,8 +340,13 @@ def compress_blocks(
     chunk = config.huffman_chunk_symbols
 
     # 1. Quantization parameters (quantize.quant_params, for every block at once).
-    wanted = (bnd > 0) & (numel > 0) & config.enable_quantization
     lo, hi = quantize.finite_ranges_kernel(x, elem_off)
+    if relative is not None and any(relative):
+        span = finite_span(
+            torch.from_numpy(lo.astype(np.float32)), torch.from_numpy(hi.astype(np.float32))
+        ).numpy()
+        bnd = np.where(np.asarray(relative, bool), np.where(bnd > 0, bnd * span, 0.0), bnd)
+    wanted = (bnd > 0) & (numel > 0) & config.enable_quantization
     finite = ~np.isnan(lo)
     with np.errstate(invalid="ignore"):
         narrow = (hi - lo) <= 2 * SYMBOL_OFFSET * np.minimum(2.0 * bnd, _FLT_MAX)
@@ -436,6 +448,7 @@ def compress_blocks(
         if end == out.shape[0]
         else out[:end].copy().view(np.uint8),
         sizes=(4 * payload_words).tolist(),
+        bounds=bnd,
         mode=mode,
         seg_words=seg_words,
         max_error=np.where(is_q, max_err, 0.0),

@@ -21,6 +21,7 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_batch, huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockStats,
@@ -508,11 +509,10 @@ def validate_inputs(
     return out, device
 
 
-def _batch_stats(
-    blocks: Sequence[torch.Tensor], bounds: list[float], enc: host_batch.BatchEncoded
-) -> list[BlockStats]:
+def _batch_stats(blocks: Sequence[torch.Tensor], enc: host_batch.BatchEncoded) -> list[BlockStats]:
     """BlockStats of the batched CPU path's per-block arrays."""
     columns = zip(
+        enc.bounds.tolist(),
         enc.mode.tolist(),
         enc.seg_words.tolist(),
         enc.max_error.tolist(),
@@ -532,8 +532,8 @@ def _batch_stats(
             n_unique=n_unique,
             n_escapes=n_escapes,
         )
-        for b, eb, (mode, seg_words, max_error, n_unique, n_escapes) in zip(
-            blocks, bounds, columns, strict=True
+        for b, (eb, mode, seg_words, max_error, n_unique, n_escapes) in zip(
+            blocks, columns, strict=True
         )
     ]
 
@@ -567,7 +567,7 @@ def compress_with_stats(
     if isinstance(ops, CpuOps):
         with record_function("## lossy_codec encode ##"):
             enc = host_batch.compress_blocks(blocks, bounds, config)
-        return torch.from_numpy(enc.payload).to(device), _batch_stats(blocks, bounds, enc)
+        return torch.from_numpy(enc.payload).to(device), _batch_stats(blocks, enc)
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops)
@@ -610,6 +610,7 @@ def compress_host_groups(
     bounds: list[float],
     group_sizes: Sequence[int],
     config: CodecConfig,
+    relative: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
@@ -618,9 +619,11 @@ def compress_host_groups(
 
     Args:
         blocks: Validated 2-D blocks, group after group (one device).
-        bounds: Validated absolute bound per block.
+        bounds: Validated bound per block: absolute, or where ``relative`` a fraction of the
+            block's finite range (``bounds.absolute_bounds``).
         group_sizes: Blocks per group.
         config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
+        relative: Per block, whether its bound is relative; None: all absolute.
 
     Returns:
         (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
@@ -629,11 +632,13 @@ def compress_host_groups(
     device = blocks[0].device if blocks else torch.device("cpu")
     if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
         with record_function("## lossy_codec encode ##"):
-            enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes)
-        flat_stats = _batch_stats(blocks, bounds, enc)
+            enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
+        flat_stats = _batch_stats(blocks, enc)
         ends = np.cumsum(group_sizes).tolist()
         stats = [flat_stats[e - n : e] for e, n in zip(ends, group_sizes, strict=True)]
         return torch.from_numpy(enc.payload).to(device), enc.sizes, stats
+    if relative is not None:
+        bounds = absolute_bounds(blocks, bounds, relative)
     payloads, stats = [], []
     at = 0
     for n in group_sizes:
