@@ -528,6 +528,7 @@ def _decode_kernel(
     nb = rows.shape[0]
     status = np.zeros(nb, np.int8)
     values_i = values.view(np.int32)
+    compact = np.zeros(ALPHABET_SIZE, np.uint8)
     for b in range(nb):
         s = seg_start[b]
         end = seg_end[b]
@@ -594,9 +595,13 @@ def _decode_kernel(
         if pos + (n_nib + 3) // 4 > end:
             status[b] = _FALL_BACK
             continue
-        lengths = huffman.expand_codebook_kernel(
-            words[pos : pos + (n_nib + 3) // 4].view(np.uint8), lo, count, esc_len
-        )
+        # The code in its compact form (value symbols lo .., then the escape), as the encoder
+        # built it: the decode table then costs the code's size, not the alphabet's.
+        nibbles = words[pos : pos + (n_nib + 3) // 4].view(np.uint8)
+        for k in range(count):
+            nib = nibbles[k >> 1]
+            compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
+        compact[count] = esc_len
         pos += (n_nib + 3) // 4
         lz = m == MODE_QUANT_LZ
         if lz:
@@ -614,8 +619,9 @@ def _decode_kernel(
         ends_at = esc_at + 2 * n_esc
         bits_at = ends_at + n_chunks
         sym = symbols[:n_sym]
-        if huffman.decode_kernel(words[bits_at:end], words[ends_at:bits_at], chunk, lengths,
-                                 words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
+        if huffman.decode_range_kernel(words[bits_at:end], words[ends_at:bits_at], chunk,
+                                       compact[: count + 1], lo, words[esc_at : esc_at + n_esc],
+                                       sym) != 0:  # fmt: skip
             status[b] = _FALL_BACK
             continue
         # Vector-LZ blocks are dequantized into scratch and expanded; others straight out.

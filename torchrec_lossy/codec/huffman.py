@@ -422,6 +422,28 @@ def decode_kernel(
     Returns:
         0, or one of the DECODE_* error codes.
     """
+    return decode_range_kernel(words, chunk_ends, chunk_symbols, lengths, 0, escape_positions, out)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_range_kernel(
+    words: np.ndarray,
+    chunk_ends: np.ndarray,
+    chunk_symbols: int,
+    lengths: np.ndarray,
+    sym_lo: int,
+    escape_positions: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """:func:`decode_kernel` over a code given for a symbol range: ``lengths[k]`` is the length
+    of symbol ``sym_lo + k`` and the last entry the escape's (the wire codebook's compact form,
+    as the encoder codes it; the same canonical codes as the whole alphabet's lengths, at a
+    fraction of the table-building cost for small blocks). ``sym_lo`` 0 with the whole
+    alphabet's lengths is :func:`decode_kernel`.
+
+    Returns:
+        0, or one of the DECODE_* error codes.
+    """
     table = decode_table_kernel(lengths)
     if table.shape[0] == 0:
         return DECODE_BAD_CODEBOOK
@@ -437,6 +459,7 @@ def decode_kernel(
     while (1 << peek) < table.shape[0]:
         peek += 1
     shift_peek = np.uint64(64 - peek)
+    escape = lengths.shape[0] - 1
     n = out.shape[0]
     n_escapes = escape_positions.shape[0]
     k = 0
@@ -458,11 +481,13 @@ def decode_kernel(
             if length > n_bits:
                 return DECODE_OUT_OF_BITS
             sym = entry & 0xFFFF
-            if sym == ESCAPE_SYMBOL:
+            if sym == escape:
                 if k >= n_escapes or escape_positions[k] != i:
                     return DECODE_BAD_ESCAPES
                 k += 1
-            out[i] = sym
+                out[i] = ESCAPE_SYMBOL
+            else:
+                out[i] = sym_lo + sym
             buf <<= np.uint64(length)
             n_bits -= length
         start = end
