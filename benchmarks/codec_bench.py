@@ -194,6 +194,36 @@ def _load_lossy() -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch
     return compress, decompress
 
 
+def _load_grouped(
+    destinations: int,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
+    """compress/decompress through the grouped API (``compress_groups`` / ``decompress_groups``
+    + ``check_groups``: one payload per destination, the all-to-all's call), with the flat
+    signatures of :func:`_load_lossy`; a call whose block count does not split into
+    ``destinations`` groups is one group."""
+    try:
+        from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
+    except Exception as e:
+        return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
+    sizes: dict[tuple[int, int], list[int]] = {}
+
+    def split(xs: list[Any]) -> list[list[Any]]:
+        n = len(xs) // destinations if len(xs) % destinations == 0 else len(xs)
+        return [xs[i : i + n] for i in range(0, len(xs), max(n, 1))]
+
+    def compress(blocks: list[torch.Tensor], bounds: list[float]) -> torch.Tensor:
+        out = compress_groups(split(blocks), split(bounds))
+        sizes[(out.buffer.data_ptr(), out.buffer.numel())] = out.sizes
+        return out.buffer
+
+    def decompress(buffer: torch.Tensor) -> list[torch.Tensor]:
+        blocks, status = decompress_groups(buffer, sizes[(buffer.data_ptr(), buffer.numel())])
+        check_groups(status)
+        return [b for g in blocks for b in g]
+
+    return compress, decompress
+
+
 def _load_entropy_bound() -> tuple[Callable[..., list[float]], str]:
     """The codec's order-0 entropy bound (DESIGN.md section 4)."""
     from torchrec_lossy.codec import entropy_bound_bytes
@@ -390,7 +420,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         JSON-ready results: ``config``, ``environment``, ``notes``, ``results`` and ``per_table``.
     """
     notes: list[str] = []
-    lossy = _load_lossy()
+    lossy = _load_grouped(args.destinations) if args.grouped else _load_lossy()
     if isinstance(lossy, str):
         notes.append(f"lossy codec skipped: {lossy}")
     if "numba" in sys.modules:  # already imported (by the codec): pin its pool too
@@ -512,6 +542,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "reps": args.reps,
             "batches": args.batches,
             "destinations": args.destinations,
+            "grouped": args.grouped,
             "seed": args.seed,
             "source": "criteo" if args.real else "zipf",
             "criteo_path": str(args.criteo_path or DEFAULT_CRITEO_SAMPLE) if args.real else None,
@@ -646,6 +677,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--destinations", type=int, default=1,
         help="destinations per compress call: each call takes every table's block of this many "
         "destinations (the batched CPU path's case, e.g. 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grouped", action="store_true",
+        help="with --destinations: compress_groups / decompress_groups (one payload per "
+        "destination, as the all-to-all calls them) instead of one payload for all",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--real", action="store_true", help="ids from the real Criteo sample")
