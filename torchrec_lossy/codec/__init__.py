@@ -9,6 +9,7 @@ from torchrec_lossy.codec.grouped import (
     check_groups,
     compress_groups,
     decompress_groups,
+    first_failure,
 )
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
@@ -32,5 +33,6 @@ __all__ = [
     "decompress",
     "decompress_groups",
     "entropy_bound_bytes",
+    "first_failure",
     "segment_checksums",
 ]

@@ -219,6 +219,23 @@ def check_groups(status: GroupStatus) -> None:
     Raises:
         CodecError: ``"payload <g>: <what is wrong>"`` for the lowest failing group ``g``.
     """
+    failure = first_failure(status)
+    if failure is not None:
+        raise CodecError(f"payload {failure[0]}: {failure[1]}")
+
+
+def first_failure(status: GroupStatus) -> tuple[int, str] | None:
+    """The lowest failing group and its error (the CPU path's message), or None.
+
+    Reads the device status back as :func:`check_groups` does (for callers that report the
+    group in their own terms, e.g. the source rank).
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Returns:
+        (group index, what is wrong), or None if every group decoded.
+    """
     failures = dict(status.rejected)
     if status.codes is not None:
         from torchrec_lossy.codec.device_decompress import status_error
@@ -229,6 +246,7 @@ def check_groups(status: GroupStatus) -> None:
             if g not in failures:
                 local = i - int(np.searchsorted(status.block_group, g))
                 failures[g] = str(status_error(int(codes[i]), local))
-    if failures:
-        g = min(failures)
-        raise CodecError(f"payload {g}: {failures[g]}")
+    if not failures:
+        return None
+    g = min(failures)
+    return g, failures[g]

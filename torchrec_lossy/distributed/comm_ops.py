@@ -3,12 +3,15 @@
 The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
 the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_payload`.
 
-1. The sender encodes its blocks for every destination (:func:`.pooled_payload.encode_payloads`).
+1. The sender encodes its blocks for every destination in one codec call
+   (:func:`.pooled_payload.encode_payloads`); the block it sends itself skips the codec and the
+   wire (kept in the request, exact).
 2. The payload byte counts are exchanged (one ``all_to_all_single`` of int64, read on the host:
-   the exchange's host sync; relative bounds add one more, for all blocks' value ranges).
+   the exchange's host sync).
 3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
-4. On wait, each payload is decoded and the blocks are put back where TorchRec's
-   ``PooledEmbeddingsAllToAll`` would have put them.
+4. On wait, every payload is decoded in one codec call, its status checked before any block is
+   used (a corrupt payload raises ``LossyAllToAllError`` naming the source rank), and the blocks
+   are put back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
 
 The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
 As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
@@ -54,6 +57,15 @@ class _LossyRequest(Request[torch.Tensor]):
         self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
         # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
         self.dense_blocks: list[int] | None = None
+        # The blocks this rank sends itself: exact, never encoded, never on the wire.
+        self.self_blocks: list[torch.Tensor] | None = None
+
+
+def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
+    """The self blocks stored with the exchange (released from the request)."""
+    blocks, myreq.self_blocks = myreq.self_blocks, None
+    assert blocks is not None, "the lossy exchange lost its self blocks"
+    return blocks
 
 
 def _exchange(
@@ -124,8 +136,9 @@ class LossyAll2AllPooledReq(Function):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
         payloads = encode_payloads(
-            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
+            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
         )
+        myreq.self_blocks = blocks[my_rank]
         recv, recv_sizes, work = _exchange("fwd", payloads, pg, input_embeddings.device)
         myreq.req = work
         myreq.tensor = recv
@@ -168,6 +181,7 @@ class LossyAll2AllPooledReq(Function):
                 ],
                 info,
                 my_rank,
+                _take_self_blocks(myreq),
             )
             pieces = [
                 torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
@@ -208,7 +222,16 @@ class LossyAll2AllPooledWait(Function):
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
-        blocks = decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
+        blocks = decode_payloads(
+            "fwd",
+            recv,
+            recv_sizes,
+            info.layout,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
+        )
         if info.output_dedupe is None:
             pieces = [
                 piece
@@ -244,7 +267,10 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+            payloads = encode_payloads(
+                "bwd", blocks, info.layout, info, grad_output.device, my_rank
+            )
+            myreq.self_blocks = blocks[my_rank]
             recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
             myreq.recv_sizes = recv_sizes
         else:
@@ -298,7 +324,8 @@ def _receiver_grad_dedupe(
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
+        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device, my_rank)
+        myreq.self_blocks = blocks[my_rank]
         recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
         myreq.recv_sizes = recv_sizes
         return recv, work
@@ -348,7 +375,14 @@ def _owner_grad_dedupe(
     if myreq.dense_blocks is None:
         assert myreq.recv_sizes is not None
         blocks = decode_payloads(
-            "bwd", recv, myreq.recv_sizes, [specs] * world, block_rows, info, my_rank
+            "bwd",
+            recv,
+            myreq.recv_sizes,
+            [specs] * world,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
         )
     else:
         start = time.perf_counter()
