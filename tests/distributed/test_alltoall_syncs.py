@@ -2,9 +2,10 @@
 
 Two gloo ranks on CPU run one forward + backward of ``alltoall_pooled_lossy`` with the codec's
 ``"triton"`` backend (the Triton interpreter: the device path, slow, so the blocks are tiny) and
-count the codec's device-to-host reads (``torchrec_lossy.codec.host_sync``). Each direction makes
-one compress call and one decompress call for all peers, so the count does not grow with the
-number of peers; the self block skips the codec.
+count every device-to-host read of the exchange and the codec (all go through
+``torchrec_lossy.codec.host_sync``). Each direction makes one compress call and one decompress
+call for all peers, so the count does not grow with the number of peers; the self block skips
+the codec.
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ def _worker(rank: int, world_size: int) -> dict[str, int]:
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_codec_host_reads_per_alltoall_do_not_grow_with_peers() -> None:
     for counts in run_workers(_worker, 2, timeout_s=600):
-        # Per direction: compress_groups (1: sizes and stats), decompress_groups (1: the
-        # layouts) and the status check before the blocks are used (1; a payload of raw
-        # blocks only cannot fail on the device and skips it: the repeated rows here make
-        # every block vector-LZ, so the check runs).
-        # Before: one compress per destination, two reads per decompress and one for the
-        # relative bounds.
+        # Per direction: the size exchange (1: received sizes, with the compress's sizes and
+        # stats in the same copy), decompress_groups (1: the layouts) and the status check
+        # before the blocks are used (1; a payload of raw blocks only cannot fail on the
+        # device and skips it: the repeated rows here make every block vector-LZ, so the
+        # check runs). Before: 3 x world + 2 (one compress per destination, two reads per
+        # decompress, the exchange's and one for the relative bounds).
         assert counts["fwd"] == 3, counts
         assert counts["bwd"] == 3, counts
         assert counts["self_fwd"] == B * 8 * 4, counts

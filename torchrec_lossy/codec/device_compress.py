@@ -308,6 +308,31 @@ def compress_groups_device(
         (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
         and block). Exactly one device-to-host transfer is made (:func:`_host`).
     """
+    with record_function("## lossy_codec encode ##"):
+        pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
+        return pending.finish(_host(pending.readback))
+
+
+def start_groups_device(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    relative: Sequence[bool],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> PendingCompress:
+    """:func:`compress_groups_device` without its host read (no sync).
+
+    Args:
+        blocks: As :func:`compress_groups_device`.
+        bounds: As :func:`compress_groups_device`.
+        relative: As :func:`compress_groups_device`.
+        group_sizes: As :func:`compress_groups_device`.
+        config: Codec knobs.
+
+    Returns:
+        The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
+        and pass the values to ``finish``.
+    """
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
         return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
@@ -336,8 +361,8 @@ def _compress(
     group_sizes: list[int],
     config: CodecConfig,
     dev: torch.device,
-) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
-    """:func:`compress_groups_device` for blocks on ``dev`` (see the module docstring)."""
+) -> PendingCompress:
+    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
     chunk = config.huffman_chunk_symbols
     ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
     t, _pinned = ht.to_device(dev)
@@ -699,43 +724,78 @@ def _compress(
     words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
-    # ---- the one device-to-host transfer -------------------------------------------------------
+    # ---- what the one device-to-host transfer reads ------------------------------------------
     stats_max_err = torch.where(is_q, max_err, 0.0)
-    host = _host(
-        torch.cat(
-            [
-                payload_words,
-                mode,
-                n_sent,
-                n_escapes,
-                seg_words,
-                stats_max_err.view(i64),
-                bound_bits,
-            ]
-        )
+    readback = torch.cat(
+        [payload_words, mode, n_sent, n_escapes, seg_words, stats_max_err.view(i64), bound_bits]
     )
-    sizes = [4 * w for w in host[:ng]]
-    h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
-    errs = h[4].view(np.float64)
-    bounds_used = h[5].view(np.float64)
-    stats = [
-        BlockStats(
-            rows=int(ht.rows[i]),
-            dim=int(ht.dim[i]),
-            raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
-            wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
-            mode=MODE_NAMES[int(h[0, i])],
-            bound=float(bounds_used[i]),
-            max_error=float(errs[i]),
-            n_unique=int(h[1, i]),
-            n_escapes=int(h[2, i]),
-        )
-        for i in range(nb)
-    ]
-    payload = words32[: sum(sizes) // 4].clone().view(torch.uint8)
-    per_group = []
-    at = 0
-    for n in group_sizes:
-        per_group.append(stats[at : at + n])
-        at += n
-    return payload, sizes, per_group
+    return PendingCompress(words32, readback, ht, list(group_sizes))
+
+
+class PendingCompress:
+    """A compress whose payloads are built on the device, waiting for its one host read.
+
+    :attr:`readback` is the int64 tensor the host must read (the payload sizes first, one per
+    group, in words, then the per-block stats); a caller may read it together with tensors of
+    its own in one copy, then call :meth:`finish` with its values.
+
+    Args:
+        words: int32 buffer holding the payloads back to back (and worst-case slack).
+        readback: The values the host needs.
+        tables: The host tables of the call (shapes).
+        group_sizes: Blocks per payload.
+    """
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        readback: torch.Tensor,
+        tables: _HostTables,
+        group_sizes: list[int],
+    ) -> None:
+        self.words = words
+        self.readback = readback
+        self._tables = tables
+        self.group_sizes = group_sizes
+
+    @property
+    def device_sizes(self) -> torch.Tensor:
+        """int64 bytes of each payload, on the device (no sync)."""
+        return 4 * self.readback[: len(self.group_sizes)]
+
+    def finish(self, host: Sequence[int]) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+        """The payloads and stats, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values (e.g. ``readback.tolist()``).
+
+        Returns:
+            (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per
+            payload and block).
+        """
+        ht, ng, nb = self._tables, len(self.group_sizes), self._tables.n_blocks
+        sizes = [4 * int(w) for w in host[:ng]]
+        h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
+        errs = h[4].view(np.float64)
+        bounds_used = h[5].view(np.float64)
+        stats = [
+            BlockStats(
+                rows=int(ht.rows[i]),
+                dim=int(ht.dim[i]),
+                raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
+                wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
+                mode=MODE_NAMES[int(h[0, i])],
+                bound=float(bounds_used[i]),
+                max_error=float(errs[i]),
+                n_unique=int(h[1, i]),
+                n_escapes=int(h[2, i]),
+            )
+            for i in range(nb)
+        ]
+        payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
+        per_group = []
+        at = 0
+        for n in self.group_sizes:
+            per_group.append(stats[at : at + n])
+            at += n
+        return payload, sizes, per_group

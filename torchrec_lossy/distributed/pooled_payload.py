@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import torch
 from torch.autograd.profiler import record_function
 
-from torchrec_lossy.codec import compress_groups, decompress_groups, first_failure
+from torchrec_lossy.codec import decompress_groups, first_failure, host_sync, start_compress_groups
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.config import ErrorBound
 from torchrec_lossy.distributed.comms import LossyComms
@@ -245,6 +245,22 @@ def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> 
     )
 
 
+@dataclass
+class PendingPayloads:
+    """Encoded payloads waiting for the one host read of their all-to-all.
+
+    Attributes:
+        device_sizes: int64 bytes of each destination's payload, on the device (no sync).
+        readback: int64 values the host must read before the payloads exist (may be empty);
+            the exchange reads them together with the received sizes, in one copy.
+        finish: Builds the payloads (and records the telemetry) from ``readback``'s values.
+    """
+
+    device_sizes: torch.Tensor
+    readback: torch.Tensor
+    finish: Callable[[Sequence[int]], list[torch.Tensor]]
+
+
 def encode_payloads(
     direction: Direction,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
@@ -255,11 +271,7 @@ def encode_payloads(
 ) -> list[torch.Tensor]:
     """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's).
 
-    Every peer's codec blocks go through ONE ``compress_groups`` call (one host read on the
-    device path; relative bounds resolved there). The block a rank sends to itself
-    (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
-    receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
-    bytes are counted apart (``LossyCommsStats.self_bytes``).
+    :func:`start_encode` and its host read in one go (see there).
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -272,11 +284,46 @@ def encode_payloads(
     Returns:
         One payload per destination.
     """
+    pending = start_encode(direction, blocks_per_peer, specs_per_peer, info, device, my_rank)
+    host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
+    return pending.finish(host)
+
+
+def start_encode(
+    direction: Direction,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    device: torch.device,
+    my_rank: int | None = None,
+) -> PendingPayloads:
+    """Encodes every peer's blocks, up to the host read (none made here).
+
+    Every peer's codec blocks go through ONE ``start_compress_groups`` call (relative bounds are
+    resolved there, on the device path on the device). The block a rank sends to itself
+    (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
+    receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
+    bytes are counted apart (``LossyCommsStats.self_bytes``).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks_per_peer: Per destination, its blocks (one per spec).
+        specs_per_peer: Per destination, the specs of its blocks.
+        info: Layout, compress flags and comms state.
+        device: Where the payloads and sizes live.
+        my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
+
+    Returns:
+        The pending payloads: read ``readback`` (with the exchange's received sizes) and call
+        ``finish``.
+    """
     comms = info.comms
     config = comms.config
     stats = comms.stats
-    peers = [p for p in range(len(blocks_per_peer)) if p != my_rank]
-    if my_rank is not None and my_rank < len(blocks_per_peer):
+    start = time.perf_counter()
+    n_peers = len(blocks_per_peer)
+    peers = [p for p in range(n_peers) if p != my_rank]
+    if my_rank is not None and my_rank < n_peers:
         stats.record_self(
             direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
         )
@@ -293,35 +340,44 @@ def encode_payloads(
             bounds = [[comms.bounds.bound(s.table) for _, s in c] for c in coded]
         else:
             bounds = [[config.backward_bound] * len(c) for c in coded]
-    start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        grouped = compress_groups(
+        pending = start_compress_groups(
             [[b.contiguous() for b, _ in c] for c in coded],
             [[eb.value for eb in g] for g in bounds],
             config.codec,
             relative=[[eb.mode == "relative" for eb in g] for g in bounds],
         )
-    if direction == "fwd":
-        for c, st in zip(coded, grouped.stats, strict=True):
-            for (b, s), bs in zip(c, st, strict=True):
-                comms.bounds.observe(s.table, b, bs.bound)
-    codec_s = time.perf_counter() - start
-    codec_raw = sum(bs.raw_bytes for st in grouped.stats for bs in st) or 1
-
-    payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in blocks_per_peer]
-    with record_function(f"## lossy_a2a {direction} encode ##"):
-        for g, p in enumerate(peers):
-            start = time.perf_counter()
-            parts: list[torch.Tensor] = []
-            shares: dict[str, int] = {}
+        raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
+        for p in peers:
             for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
-                nbytes = b.numel() * b.element_size()
-                shares[s.table] = shares.get(s.table, 0) + nbytes
                 if not info.compress[s.table]:
-                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=b.device)
+                    nbytes = b.numel() * b.element_size()
+                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
                     raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
-                    parts.append(raw)
+                    raw_parts[p].append(raw)
                     stats.record_block(direction, s.table, nbytes, raw.numel(), 0.0, 0.0)
+        # Send sizes on the device: raw parts (known here) plus each codec payload (a peer
+        # without codec blocks sends none).
+        raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
+        has_codec = [0] * n_peers
+        for g, p in enumerate(peers):
+            has_codec[p] = int(bool(coded[g]))
+        table = torch.tensor([raw_len, has_codec, [0] * n_peers], dtype=torch.int64).to(device)
+        if peers:
+            table[2, peers] = pending.device_sizes
+        device_sizes = table[0] + table[1] * table[2]
+    setup_s = time.perf_counter() - start
+
+    def finish(host: Sequence[int]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        grouped = pending.finish(host)
+        if direction == "fwd":
+            for c, st in zip(coded, grouped.stats, strict=True):
+                for (b, s), bs in zip(c, st, strict=True):
+                    comms.bounds.observe(s.table, b, bs.bound)
+        payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
+        for g, p in enumerate(peers):
+            parts = list(raw_parts[p])
             block_stats = grouped.stats[g]
             if block_stats:
                 payload = grouped.payload(g)
@@ -336,12 +392,16 @@ def encode_payloads(
                 )
             if parts:
                 payloads[p] = torch.cat(parts)
-            # The grouped codec call's time is shared out by raw bytes.
-            share = sum(bs.raw_bytes for bs in block_stats) / codec_raw
-            stats.record_time(
-                direction, "encode", shares, time.perf_counter() - start + share * codec_s
-            )
-    return payloads
+        # The codec works on all peers at once: its time is shared out by raw bytes.
+        spent = setup_s + time.perf_counter() - start
+        shares: dict[str, int] = {}
+        for p in peers:
+            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
+                shares[s.table] = shares.get(s.table, 0) + b.numel() * b.element_size()
+        stats.record_time(direction, "encode", shares, spent)
+        return payloads
+
+    return PendingPayloads(device_sizes, pending.readback, finish)
 
 
 def _fail(
