@@ -2,9 +2,13 @@
 
 ``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
 ``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
-device. Blocks are laid out back to back (elements, rows, chunk slots), and host-side tables
-derived from the shapes only (offsets, tiles, chunk slots, bound-derived steps) go to the device
-in one non-blocking copy. Then, for all blocks at once:
+device. ``compress_groups_device`` does the same for several payloads at once (groups of
+consecutive blocks, each payload byte-identical to its own compress), and
+``start_groups_device`` stops before the read (:class:`PendingCompress`). Blocks are laid out
+back to back (elements, rows, chunk slots), and host-side tables derived from the shapes only
+(offsets, tiles, chunk slots, bound-derived steps) go to the device in one non-blocking copy;
+relative bounds are resolved on the device from each block's finite range. Then, for all blocks
+at once:
 
 1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
    (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
@@ -12,17 +16,20 @@ in one non-blocking copy. Then, for all blocks at once:
 3. vector-LZ, quantized and lossless: ``kernels.vector_lz.representatives`` (hash with the block
    in the top bits, one sort, verify), ranks by a cumsum;
 4. histograms of the distinct rows (``histogram_tiles``), code lengths of both histograms of every
-   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice with
-   ``pipeline._encode_block``'s rules - torch ops over ``[n_blocks]`` tensors;
+   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice by
+   ``size_model`` (the functions the host path calls) - torch ops over ``[n_blocks]`` tensors;
 5. the sent symbol stream, canonical codes, Huffman encode of every chunk of every block
    (``kernels.huffman.encode_chunks``, chunk slots sized for the worst case);
 6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
    codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
    distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
-   writer, so the sums are ORs); the checksum is a weighted sum over it.
+   writer, so the sums are ORs); headers, descriptors and segment headers are packed from the
+   ``format`` record dtypes (``container.pack_records``), checksums by
+   ``container.segment_checksums``.
 
-The single device-to-host transfer (:func:`_host`) reads the body length and the per-block
-scalars of the stats; the payload is then a slice of the word buffer.
+The single device-to-host transfer (:func:`_host`, or the caller's own for a pending compress)
+reads the payload sizes and the per-block scalars of the stats; the payloads are then a slice
+of the word buffer.
 """
 
 from __future__ import annotations
