@@ -6,9 +6,12 @@ from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.grouped import (
     GroupedPayloads,
     GroupStatus,
+    PendingGroups,
     check_groups,
     compress_groups,
     decompress_groups,
+    first_failure,
+    start_compress_groups,
 )
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
@@ -24,6 +27,7 @@ __all__ = [
     "CodecError",
     "GroupStatus",
     "GroupedPayloads",
+    "PendingGroups",
     "check_groups",
     "checksum",
     "compress",
@@ -32,5 +36,7 @@ __all__ = [
     "decompress",
     "decompress_groups",
     "entropy_bound_bytes",
+    "first_failure",
     "segment_checksums",
+    "start_compress_groups",
 ]

@@ -2,9 +2,13 @@
 
 ``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
 ``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
-device. Blocks are laid out back to back (elements, rows, chunk slots), and host-side tables
-derived from the shapes only (offsets, tiles, chunk slots, bound-derived steps) go to the device
-in one non-blocking copy. Then, for all blocks at once:
+device. ``compress_groups_device`` does the same for several payloads at once (groups of
+consecutive blocks, each payload byte-identical to its own compress), and
+``start_groups_device`` stops before the read (:class:`PendingCompress`). Blocks are laid out
+back to back (elements, rows, chunk slots), and host-side tables derived from the shapes only
+(offsets, tiles, chunk slots, bound-derived steps) go to the device in one non-blocking copy;
+relative bounds are resolved on the device from each block's finite range. Then, for all blocks
+at once:
 
 1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
    (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
@@ -12,17 +16,20 @@ in one non-blocking copy. Then, for all blocks at once:
 3. vector-LZ, quantized and lossless: ``kernels.vector_lz.representatives`` (hash with the block
    in the top bits, one sort, verify), ranks by a cumsum;
 4. histograms of the distinct rows (``histogram_tiles``), code lengths of both histograms of every
-   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice with
-   ``pipeline._encode_block``'s rules - torch ops over ``[n_blocks]`` tensors;
+   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice by
+   ``size_model`` (the functions the host path calls) - torch ops over ``[n_blocks]`` tensors;
 5. the sent symbol stream, canonical codes, Huffman encode of every chunk of every block
    (``kernels.huffman.encode_chunks``, chunk slots sized for the worst case);
 6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
    codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
    distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
-   writer, so the sums are ORs); the checksum is a weighted sum over it.
+   writer, so the sums are ORs); headers, descriptors and segment headers are packed from the
+   ``format`` record dtypes (``container.pack_records``), checksums by
+   ``container.segment_checksums``.
 
-The single device-to-host transfer (:func:`_host`) reads the body length and the per-block
-scalars of the stats; the payload is then a slice of the word buffer.
+The single device-to-host transfer (:func:`_host`, or the caller's own for a pending compress)
+reads the payload sizes and the per-block scalars of the stats; the payloads are then a slice
+of the word buffer.
 """
 
 from __future__ import annotations
@@ -308,6 +315,31 @@ def compress_groups_device(
         (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
         and block). Exactly one device-to-host transfer is made (:func:`_host`).
     """
+    with record_function("## lossy_codec encode ##"):
+        pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
+        return pending.finish(_host(pending.readback))
+
+
+def start_groups_device(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    relative: Sequence[bool],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> PendingCompress:
+    """:func:`compress_groups_device` without its host read (no sync).
+
+    Args:
+        blocks: As :func:`compress_groups_device`.
+        bounds: As :func:`compress_groups_device`.
+        relative: As :func:`compress_groups_device`.
+        group_sizes: As :func:`compress_groups_device`.
+        config: Codec knobs.
+
+    Returns:
+        The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
+        and pass the values to ``finish``.
+    """
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
         return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
@@ -336,8 +368,8 @@ def _compress(
     group_sizes: list[int],
     config: CodecConfig,
     dev: torch.device,
-) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
-    """:func:`compress_groups_device` for blocks on ``dev`` (see the module docstring)."""
+) -> PendingCompress:
+    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
     chunk = config.huffman_chunk_symbols
     ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
     t, _pinned = ht.to_device(dev)
@@ -699,43 +731,78 @@ def _compress(
     words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
-    # ---- the one device-to-host transfer -------------------------------------------------------
+    # ---- what the one device-to-host transfer reads ------------------------------------------
     stats_max_err = torch.where(is_q, max_err, 0.0)
-    host = _host(
-        torch.cat(
-            [
-                payload_words,
-                mode,
-                n_sent,
-                n_escapes,
-                seg_words,
-                stats_max_err.view(i64),
-                bound_bits,
-            ]
-        )
+    readback = torch.cat(
+        [payload_words, mode, n_sent, n_escapes, seg_words, stats_max_err.view(i64), bound_bits]
     )
-    sizes = [4 * w for w in host[:ng]]
-    h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
-    errs = h[4].view(np.float64)
-    bounds_used = h[5].view(np.float64)
-    stats = [
-        BlockStats(
-            rows=int(ht.rows[i]),
-            dim=int(ht.dim[i]),
-            raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
-            wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
-            mode=MODE_NAMES[int(h[0, i])],
-            bound=float(bounds_used[i]),
-            max_error=float(errs[i]),
-            n_unique=int(h[1, i]),
-            n_escapes=int(h[2, i]),
-        )
-        for i in range(nb)
-    ]
-    payload = words32[: sum(sizes) // 4].clone().view(torch.uint8)
-    per_group = []
-    at = 0
-    for n in group_sizes:
-        per_group.append(stats[at : at + n])
-        at += n
-    return payload, sizes, per_group
+    return PendingCompress(words32, readback, ht, list(group_sizes))
+
+
+class PendingCompress:
+    """A compress whose payloads are built on the device, waiting for its one host read.
+
+    :attr:`readback` is the int64 tensor the host must read (the payload sizes first, one per
+    group, in words, then the per-block stats); a caller may read it together with tensors of
+    its own in one copy, then call :meth:`finish` with its values.
+
+    Args:
+        words: int32 buffer holding the payloads back to back (and worst-case slack).
+        readback: The values the host needs.
+        tables: The host tables of the call (shapes).
+        group_sizes: Blocks per payload.
+    """
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        readback: torch.Tensor,
+        tables: _HostTables,
+        group_sizes: list[int],
+    ) -> None:
+        self.words = words
+        self.readback = readback
+        self._tables = tables
+        self.group_sizes = group_sizes
+
+    @property
+    def device_sizes(self) -> torch.Tensor:
+        """int64 bytes of each payload, on the device (no sync)."""
+        return 4 * self.readback[: len(self.group_sizes)]
+
+    def finish(self, host: Sequence[int]) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+        """The payloads and stats, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values (e.g. ``readback.tolist()``).
+
+        Returns:
+            (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per
+            payload and block).
+        """
+        ht, ng, nb = self._tables, len(self.group_sizes), self._tables.n_blocks
+        sizes = [4 * int(w) for w in host[:ng]]
+        h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
+        errs = h[4].view(np.float64)
+        bounds_used = h[5].view(np.float64)
+        stats = [
+            BlockStats(
+                rows=int(ht.rows[i]),
+                dim=int(ht.dim[i]),
+                raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
+                wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
+                mode=MODE_NAMES[int(h[0, i])],
+                bound=float(bounds_used[i]),
+                max_error=float(errs[i]),
+                n_unique=int(h[1, i]),
+                n_escapes=int(h[2, i]),
+            )
+            for i in range(nb)
+        ]
+        payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
+        per_group = []
+        at = 0
+        for n in self.group_sizes:
+            per_group.append(stats[at : at + n])
+            at += n
+        return payload, sizes, per_group

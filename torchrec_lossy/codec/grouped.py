@@ -14,7 +14,7 @@ point of its choosing, before it uses the blocks. Each group's payload is byte-i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +85,101 @@ def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
     return [len(g) for g in groups]
 
 
+class PendingGroups:
+    """A :func:`start_compress_groups` call waiting for its one host read.
+
+    On the device path the payloads are built but their sizes and stats are still on the
+    device: read :attr:`readback` (alone, or concatenated with tensors of the caller's, in ONE
+    copy) and pass its values to :meth:`finish`. :attr:`device_sizes` are the payload sizes on
+    the device, usable before the read (e.g. in a size all-to-all). On the host path everything
+    is known already and :attr:`readback` is empty.
+
+    Args:
+        device_sizes: int64 bytes per payload, on the blocks' device.
+        readback: int64 values the host must read (may be empty).
+        finish: Builds the result from ``readback``'s host values.
+    """
+
+    def __init__(
+        self,
+        device_sizes: torch.Tensor,
+        readback: torch.Tensor,
+        finish: Callable[[Sequence[int]], GroupedPayloads],
+    ) -> None:
+        self.device_sizes = device_sizes
+        self.readback = readback
+        self._finish = finish
+
+    def finish(self, host: Sequence[int]) -> GroupedPayloads:
+        """The payloads, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values, in order.
+
+        Returns:
+            The payloads, their sizes and stats.
+        """
+        return self._finish(host)
+
+
+def start_compress_groups(
+    groups: Sequence[Sequence[torch.Tensor]],
+    error_bounds: Sequence[Sequence[float]],
+    config: CodecConfig | None = None,
+    relative: bool | Sequence[Sequence[bool]] = False,
+) -> PendingGroups:
+    """:func:`compress_groups` without its host read (no sync on the device path).
+
+    Args:
+        groups: As :func:`compress_groups`.
+        error_bounds: As :func:`compress_groups`.
+        config: As :func:`compress_groups`.
+        relative: As :func:`compress_groups`.
+
+    Returns:
+        The pending call: read ``readback`` and pass its values to ``finish``.
+
+    Raises:
+        ValueError: As :func:`compress_groups`.
+    """
+    config = config or CodecConfig()
+    sizes = _group_sizes(groups)
+    if len(error_bounds) != len(sizes):
+        raise ValueError(
+            f"got {len(sizes)} groups but {len(error_bounds)} bound lists: pass one per group"
+        )
+    flat = [b for g in groups for b in g]
+    values = [v for g in error_bounds for v in g]
+    if isinstance(relative, bool):
+        rel = [relative] * len(flat)
+    else:
+        rel = [bool(r) for g in relative for r in g]
+        if len(rel) != len(flat):
+            raise ValueError(
+                f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
+                "or one bool for all"
+            )
+    values, device = validate_inputs(flat, values)
+    if on_device(device, config.backend):
+        from torchrec_lossy.codec.device_compress import start_groups_device
+        from torchrec_lossy.codec.triton_ops import load_kernels
+
+        load_kernels(device)
+        pending = start_groups_device(flat, values, rel, sizes, config)
+        return PendingGroups(
+            pending.device_sizes,
+            pending.readback,
+            lambda host: GroupedPayloads(*pending.finish(host)),
+        )
+    # The host path: every group in one batched pass (relative bounds resolved inside it).
+    done = GroupedPayloads(*compress_host_groups(flat, values, sizes, config, rel))
+    return PendingGroups(
+        torch.tensor(done.sizes, dtype=torch.int64).to(device),
+        torch.zeros(0, dtype=torch.int64, device=device),
+        lambda host: done,
+    )
+
+
 def compress_groups(
     groups: Sequence[Sequence[torch.Tensor]],
     error_bounds: Sequence[Sequence[float]],
@@ -107,32 +202,9 @@ def compress_groups(
     Raises:
         ValueError: A bad block, bound, flag or group shape (the message names it and the fix).
     """
-    config = config or CodecConfig()
-    sizes = _group_sizes(groups)
-    if len(error_bounds) != len(sizes):
-        raise ValueError(
-            f"got {len(sizes)} groups but {len(error_bounds)} bound lists: pass one per group"
-        )
-    flat = [b for g in groups for b in g]
-    values = [v for g in error_bounds for v in g]
-    if isinstance(relative, bool):
-        rel = [relative] * len(flat)
-    else:
-        rel = [bool(r) for g in relative for r in g]
-        if len(rel) != len(flat):
-            raise ValueError(
-                f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
-                "or one bool for all"
-            )
-    values, device = validate_inputs(flat, values)
-    if on_device(device, config.backend):
-        from torchrec_lossy.codec.device_compress import compress_groups_device
-        from torchrec_lossy.codec.triton_ops import load_kernels
-
-        load_kernels(device)
-        buf, out_sizes, stats = compress_groups_device(flat, values, rel, sizes, config)
-        return GroupedPayloads(buf, out_sizes, stats)
-    return GroupedPayloads(*compress_host_groups(flat, values, sizes, config, rel))
+    pending = start_compress_groups(groups, error_bounds, config, relative)
+    host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
+    return pending.finish(host)
 
 
 def decompress_groups(
@@ -207,6 +279,23 @@ def check_groups(status: GroupStatus) -> None:
     Raises:
         CodecError: ``"payload <g>: <what is wrong>"`` for the lowest failing group ``g``.
     """
+    failure = first_failure(status)
+    if failure is not None:
+        raise CodecError(f"payload {failure[0]}: {failure[1]}")
+
+
+def first_failure(status: GroupStatus) -> tuple[int, str] | None:
+    """The lowest failing group and its error (the CPU path's message), or None.
+
+    Reads the device status back as :func:`check_groups` does (for callers that report the
+    group in their own terms, e.g. the source rank).
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Returns:
+        (group index, what is wrong), or None if every group decoded.
+    """
     failures = dict(status.rejected)
     if status.codes is not None:
         from torchrec_lossy.codec.device_decompress import status_error
@@ -217,6 +306,7 @@ def check_groups(status: GroupStatus) -> None:
             if g not in failures:
                 local = i - int(np.searchsorted(status.block_group, g))
                 failures[g] = str(status_error(int(codes[i]), local))
-    if failures:
-        g = min(failures)
-        raise CodecError(f"payload {g}: {failures[g]}")
+    if not failures:
+        return None
+    g = min(failures)
+    return g, failures[g]

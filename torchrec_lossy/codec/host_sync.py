@@ -10,30 +10,33 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-class _Counter:
-    """How many copies :func:`to_host` made since the process started."""
-
-    count = 0
+# Copies made since the process started, by caller ("" for all).
+_COUNTS: dict[str, int] = {"": 0}
 
 
-def to_host(t: torch.Tensor) -> np.ndarray:
+def to_host(t: torch.Tensor, who: str = "") -> np.ndarray:
     """Copies a tensor to host memory (one sync for a CUDA tensor) and counts the copy.
 
     Args:
         t: A tensor on any device.
+        who: The caller's name, counted apart as well (e.g. ``"decompress"``).
 
     Returns:
         Its contents as a numpy array.
     """
-    _Counter.count += 1
+    _COUNTS[""] += 1
+    if who:
+        _COUNTS[who] = _COUNTS.get(who, 0) + 1
     return t.detach().contiguous().cpu().numpy()
 
 
-def host_reads() -> int:
+def host_reads(who: str = "") -> int:
     """Device-to-host copies made by the device-resident codec since the process started.
+
+    Args:
+        who: Only this caller's copies; "" for all.
 
     Returns:
         The count.
     """
-    return _Counter.count
+    return _COUNTS.get(who, 0)

@@ -3,12 +3,16 @@
 The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
 the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_payload`.
 
-1. The sender encodes its blocks for every destination (:func:`.pooled_payload.encode_payloads`).
-2. The payload byte counts are exchanged (one ``all_to_all_single`` of int64, read on the host:
-   the exchange's host sync; relative bounds add one more, for all blocks' value ranges).
+1. The sender encodes its blocks for every destination in one codec call
+   (:func:`.pooled_payload.start_encode`); the block it sends itself skips the codec and the
+   wire (kept in the request, exact).
+2. The payload byte counts are exchanged (one ``all_to_all_single`` of the int64 sizes the
+   encoder left on the device), then read on the host together with the encoder's pending
+   values in one copy: the exchange's one host sync, which also finishes the encode.
 3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
-4. On wait, each payload is decoded and the blocks are put back where TorchRec's
-   ``PooledEmbeddingsAllToAll`` would have put them.
+4. On wait, every payload is decoded in one codec call, its status checked before any block is
+   used (a corrupt payload raises ``LossyAllToAllError`` naming the source rank), and the blocks
+   are put back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
 
 The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
 As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,17 +32,19 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
+from torchrec_lossy.codec import host_sync
 from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
+    PendingPayloads,
     backward_dense_send,
     cut_block,
     decode_payloads,
-    encode_payloads,
     expand_block,
     join_blocks,
     pad_block,
     peer_blocks,
     reduce_grad_block,
+    start_encode,
 )
 from torchrec_lossy.distributed.stats import Direction
 
@@ -54,21 +59,37 @@ class _LossyRequest(Request[torch.Tensor]):
         self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
         # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
         self.dense_blocks: list[int] | None = None
+        # The blocks this rank sends itself: exact, never encoded, never on the wire.
+        self.self_blocks: list[torch.Tensor] | None = None
+
+
+def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
+    """The self blocks stored with the exchange (released from the request)."""
+    blocks, myreq.self_blocks = myreq.self_blocks, None
+    assert blocks is not None, "the lossy exchange lost its self blocks"
+    return blocks
 
 
 def _exchange(
     direction: Direction,
-    payloads: Sequence[torch.Tensor],
+    pending: PendingPayloads,
     pg: dist.ProcessGroup,
     device: torch.device,
 ) -> tuple[torch.Tensor, list[int], dist.Work]:
-    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all."""
-    send_sizes = [int(p.numel()) for p in payloads]
-    sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
-    recv_sizes_t = torch.empty_like(sizes)
+    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
+
+    The send sizes are exchanged as the device tensor the encoder left; the received sizes and
+    the encoder's pending values are then read in ONE device-to-host copy (the exchange's only
+    host sync, ``host_sync.to_host``), after which the payloads exist and are sent.
+    """
+    recv_sizes_t = torch.empty_like(pending.device_sizes)
     with record_function(f"## lossy_a2a {direction} sizes ##"):
-        dist.all_to_all_single(recv_sizes_t, sizes, group=pg, async_op=True).wait()
-        recv_sizes = recv_sizes_t.tolist()  # the one device-to-host sync of the exchange
+        dist.all_to_all_single(recv_sizes_t, pending.device_sizes, group=pg, async_op=True).wait()
+        k = pending.readback.numel()
+        host = host_sync.to_host(torch.cat([pending.readback, recv_sizes_t])).tolist()
+    payloads = pending.finish(host[:k])
+    recv_sizes = host[k:]
+    send_sizes = [int(p.numel()) for p in payloads]
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with record_function(f"## lossy_a2a {direction} payload ##"):
@@ -123,10 +144,11 @@ class LossyAll2AllPooledReq(Function):
             for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
-        payloads = encode_payloads(
-            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
+        pending = start_encode(
+            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
         )
-        recv, recv_sizes, work = _exchange("fwd", payloads, pg, input_embeddings.device)
+        myreq.self_blocks = blocks[my_rank]
+        recv, recv_sizes, work = _exchange("fwd", pending, pg, input_embeddings.device)
         myreq.req = work
         myreq.tensor = recv
         myreq.recv_sizes = recv_sizes
@@ -168,6 +190,7 @@ class LossyAll2AllPooledReq(Function):
                 ],
                 info,
                 my_rank,
+                _take_self_blocks(myreq),
             )
             pieces = [
                 torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
@@ -208,7 +231,16 @@ class LossyAll2AllPooledWait(Function):
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
-        blocks = decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
+        blocks = decode_payloads(
+            "fwd",
+            recv,
+            recv_sizes,
+            info.layout,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
+        )
         if info.output_dedupe is None:
             pieces = [
                 piece
@@ -244,8 +276,9 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
-            recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+            pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
+            myreq.self_blocks = blocks[my_rank]
+            recv, recv_sizes, work = _exchange("bwd", pending, pg, grad_output.device)
             myreq.recv_sizes = recv_sizes
         else:
             wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -298,8 +331,9 @@ def _receiver_grad_dedupe(
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device)
-        recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+        pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
+        myreq.self_blocks = blocks[my_rank]
+        recv, recv_sizes, work = _exchange("bwd", pending, pg, grad_output.device)
         myreq.recv_sizes = recv_sizes
         return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -348,7 +382,14 @@ def _owner_grad_dedupe(
     if myreq.dense_blocks is None:
         assert myreq.recv_sizes is not None
         blocks = decode_payloads(
-            "bwd", recv, myreq.recv_sizes, [specs] * world, block_rows, info, my_rank
+            "bwd",
+            recv,
+            myreq.recv_sizes,
+            [specs] * world,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
         )
     else:
         start = time.perf_counter()
