@@ -150,6 +150,10 @@ def test_reference_backend_identical_on_adversarial_values(dtype):
         cpu = compress([x], [bound], CodecConfig(backend="cpu", **cfg))
         ref = compress([x], [bound], CodecConfig(backend="reference", **cfg))
         assert torch.equal(cpu, ref), bound
+        # The batched reader (bfloat16 rounding included) decodes them as the reference does.
+        got = decompress(cpu, backend="cpu")[0]
+        want = decompress(cpu, backend="reference")[0]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), bound
 
 
 # ---------------------------------------------------------------------------------------------

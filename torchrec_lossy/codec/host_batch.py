@@ -461,7 +461,7 @@ def compress_blocks(
 # Decode: one compiled reader over every segment of one or several payloads.
 
 # Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
-# segment, whose exact error that decoder names, or a 16-bit quantized block).
+# segment, whose exact error that decoder names, or a float16 quantized block).
 _DECODED = 0
 _FALL_BACK = 1
 
@@ -507,6 +507,7 @@ def _decode_kernel(
     rows: np.ndarray,
     dims: np.ndarray,
     itemsize: np.ndarray,
+    dtype_code: np.ndarray,
     mode: np.ndarray,
     out_off: np.ndarray,
     out32: np.ndarray,
@@ -515,19 +516,21 @@ def _decode_kernel(
     ids: np.ndarray,
     symbols: np.ndarray,
     values: np.ndarray,
+    halves_out: np.ndarray,
 ) -> np.ndarray:
     """Decodes every segment into ``out32`` (4-byte blocks) or ``out16`` (2-byte blocks).
 
     ``words`` / ``halves`` / ``floats`` are views of one buffer (uint32, uint16, float32);
     segment ``b`` is ``words[seg_start[b]:seg_end[b]]``; ``out32f`` is the float32 view of
     ``out32``. Every check of ``pipeline``'s per-block decoder is made (a block that fails one
-    is marked ``_FALL_BACK`` and left for that decoder to name the error); ``ids``,
-    ``symbols`` and ``values`` (float32) are scratch of the largest block. Returns the status
-    of each block.
+    is marked ``_FALL_BACK`` and left for that decoder to name the error, as is a float16
+    quantized block); ``ids``, ``symbols``, ``values`` (float32) and ``halves_out`` (uint16)
+    are scratch of the largest block. Returns the status of each block.
     """
     nb = rows.shape[0]
     status = np.zeros(nb, np.int8)
     values_i = values.view(np.int32)
+    values_u = values.view(np.uint32)
     compact = np.zeros(ALPHABET_SIZE, np.uint8)
     for b in range(nb):
         s = seg_start[b]
@@ -584,7 +587,7 @@ def _decode_kernel(
         count = np.int64(words[s + 6]) >> 16
         esc_len = w7 & 0xFF
         if (
-            isz != 4
+            dtype_code[b] == 2
             or not (np.isfinite(step) and step > 0 and abs(center) <= MAX_CENTER)
             or lo + count > ESCAPE_SYMBOL
             or esc_len > MAX_CODE_LENGTH
@@ -613,10 +616,11 @@ def _decode_kernel(
             status[b] = _FALL_BACK
             continue
         esc_at = pos
-        if esc_at + 2 * n_esc + n_chunks > end:
+        esc_bits_at = esc_at + n_esc
+        ends_at = esc_bits_at + (n_esc * isz + 3) // 4
+        if ends_at + n_chunks > end:
             status[b] = _FALL_BACK
             continue
-        ends_at = esc_at + 2 * n_esc
         bits_at = ends_at + n_chunks
         sym = symbols[:n_sym]
         if huffman.decode_range_kernel(words[bits_at:end], words[ends_at:bits_at], chunk,
@@ -624,12 +628,24 @@ def _decode_kernel(
                                        sym) != 0:  # fmt: skip
             status[b] = _FALL_BACK
             continue
+        if isz == 2:  # bfloat16: the round-to-nearest-even cast the encoder checked
+            quantize.dequantize_kernel(sym, step, center, values[:n_sym])
+            h = halves_out[:n_sym]
+            for k in range(n_sym):
+                h[k] = np.uint16(quantize.bf16_round_bits(np.int64(values_u[k])) >> 16)
+            for k in range(n_esc):
+                h[np.int64(words[esc_at + k])] = halves[2 * esc_bits_at + k]
+            for r in range(n_rows):
+                u = np.int64(ids[r]) if lz else r
+                for j in range(dim):
+                    out16[o + r * dim + j] = h[u * dim + j]
+            continue
         # Vector-LZ blocks are dequantized into scratch and expanded; others straight out.
         vf = values[:n_sym] if lz else out32f[o : o + n_sym]
         vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
         quantize.dequantize_kernel(sym, step, center, vf)
         for k in range(n_esc):
-            vi[np.int64(words[esc_at + k])] = np.int32(words[esc_at + n_esc + k])
+            vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
         if lz:
             for r in range(n_rows):
                 src = vi[np.int64(ids[r]) * dim : (np.int64(ids[r]) + 1) * dim]
@@ -678,12 +694,13 @@ def decompress_segments(
     ids = _SCRATCH.get("dec_ids", int(rows.max()) if nb else 0, torch.int32).numpy()
     symbols = _SCRATCH.get("dec_symbols", biggest, torch.int16).numpy().view(np.uint16)
     values = _SCRATCH.get("dec_values", biggest, torch.float32).numpy()
+    halves_out = _SCRATCH.get("dec_halves", biggest, torch.int16).numpy().view(np.uint16)
     out32_np = out32.numpy()
     status = _decode_kernel(
         words, words.view(np.uint16), words.view(np.float32), seg_start.astype(np.int64),
-        seg_end.astype(np.int64), rows, dims, itemsize, modes.astype(np.int64),
+        seg_end.astype(np.int64), rows, dims, itemsize, dtype_codes, modes.astype(np.int64),
         np.where(wide, off32[:-1], off16[:-1]), out32_np, out32_np.view(np.float32),
-        out16.numpy().view(np.uint16), ids, symbols, values,
+        out16.numpy().view(np.uint16), ids, symbols, values, halves_out,
     )  # fmt: skip
     parts32 = iter(torch.split(out32, numel[wide].tolist()))
     parts16 = iter(torch.split(out16, numel[~wide].tolist()))

@@ -790,7 +790,7 @@ def decompress_host_groups(
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
     With the compiled backend one batched reader decodes every block of every payload; the
-    blocks it leaves (corrupt ones, 16-bit quantized ones) go through the per-block decoder in
+    blocks it leaves (corrupt ones, float16 quantized ones) go through the per-block decoder in
     block order, so each payload's result or error is what :func:`decompress` gives for it.
 
     Args:

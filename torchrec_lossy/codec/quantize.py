@@ -98,14 +98,26 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def bf16_round_bits(bits: int) -> int:
+    """float32 bits (a non-negative int) rounded to bfloat16, nearest-even, as torch's cast.
+
+    Args:
+        bits: The float32's bits (not NaN).
+
+    Returns:
+        float32 bits whose high half is the bfloat16's and low half 0.
+    """
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
     """Rounds a float32 to fp16 (code 2) or bf16 (code 3), nearest-even, as torch's cast does."""
     if dtype_code == 1 or not np.isfinite(v):
         return v
     bits = np.int64(np.float32(v).view(np.uint32))
     if dtype_code == 3:
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return np.uint32(bits).view(np.float32)
+        return np.uint32(bf16_round_bits(bits)).view(np.float32)
     a = abs(np.float64(v))
     if a >= 65520.0:  # rounds to fp16 infinity
         r = np.inf
