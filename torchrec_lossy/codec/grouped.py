@@ -22,7 +22,7 @@ import torch
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.bounds import absolute_bounds
-from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats
+from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats, payload_skeleton
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
     compress_with_stats,
@@ -41,11 +41,15 @@ class GroupedPayloads:
         buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
         sizes: Bytes of each payload (multiples of 4).
         stats: Per group, one BlockStats per block.
+        skeletons: Per group, the uint32 words its layout depends on
+            (``container.skeleton_index``): hand them to :func:`decompress_groups` with the
+            payloads and the device path decodes without reading the payloads back.
     """
 
     buffer: torch.Tensor
     sizes: list[int]
     stats: list[list[BlockStats]]
+    skeletons: list[np.ndarray]
 
     @property
     def offsets(self) -> list[int]:
@@ -72,11 +76,20 @@ class GroupStatus:
         codes: int32 per decoded block on the device (0: fine), or None.
         block_group: The group of each entry of ``codes``.
         rejected: Group index to its error, found while reading the layouts.
+        group_bad: int32 per group on the device: 1 where the payload does not match its
+            announced skeleton or checksum (skeleton mode), or None.
+        buffer: The decoded buffer (to read a failing payload back for its message).
+        sizes: Bytes of each payload.
+        max_elements: The decode's limit.
     """
 
     codes: torch.Tensor | None = None
     block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     rejected: dict[int, str] = field(default_factory=dict)
+    group_bad: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    sizes: list[int] = field(default_factory=list)
+    max_elements: int = DEFAULT_MAX_ELEMENTS
 
 
 def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
@@ -180,7 +193,8 @@ def start_compress_groups(
         stats.append(s)
         at += n
     buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
-    done = GroupedPayloads(buffer, [p.numel() for p in payloads], stats)
+    skeletons = [payload_skeleton(p.cpu().numpy().view(np.uint32)) for p in payloads]
+    done = GroupedPayloads(buffer, [p.numel() for p in payloads], stats, skeletons)
     return PendingGroups(
         torch.tensor(done.sizes, dtype=torch.int64).to(device),
         torch.zeros(0, dtype=torch.int64, device=device),
@@ -220,8 +234,14 @@ def decompress_groups(
     sizes: Sequence[int],
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     backend: Backend = "auto",
+    skeletons: Sequence[np.ndarray] | None = None,
 ) -> tuple[list[list[torch.Tensor]], GroupStatus]:
     """Decodes every group's (source's) payload of one buffer in one call.
+
+    With ``skeletons`` (the sender's ``GroupedPayloads.skeletons``, e.g. sent beside the sizes)
+    the device path reads nothing back: the layouts come from the skeletons, and the device
+    checks that every payload matches its skeleton and its checksum (a mismatch is reported by
+    :func:`check_groups` like any decode error).
 
     The blocks must not be used before :func:`check_groups` has passed on the returned status:
     a corrupt payload's blocks may hold garbage (a rejected group's list is empty). On the host
@@ -232,6 +252,7 @@ def decompress_groups(
         sizes: Bytes of each payload.
         max_elements: Refuse a payload that decodes to more elements than this.
         backend: As ``CodecConfig.backend``.
+        skeletons: Per payload, its announced skeleton (uint32 words), or None.
 
     Returns:
         (blocks per group, the status to check).
@@ -252,9 +273,14 @@ def decompress_groups(
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
-        out, codes, block_group, rejected = decompress_groups_device(buffer, sizes, max_elements)
-        status.codes, status.block_group = codes, block_group
+        out, codes, block_group, rejected, group_bad = decompress_groups_device(
+            buffer, sizes, max_elements, skeletons
+        )
+        status.codes, status.block_group, status.group_bad = codes, block_group, group_bad
+        status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
         for g, part in rejected.items():
+            if part is None:  # the announced skeleton was rejected: read the payload itself
+                part = _payload_bytes(status, g)
             status.rejected[g] = _host_error(part, max_elements)
         return out, status
     out = []
@@ -269,13 +295,20 @@ def decompress_groups(
     return out, status
 
 
+def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
+    """One payload's bytes read back (only on an error path)."""
+    assert status.buffer is not None
+    at = sum(status.sizes[:group])
+    return host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+
+
 def _host_error(part: np.ndarray, max_elements: int) -> str:
-    """The CPU path's error for a payload the device layout checks rejected (host bytes)."""
+    """The CPU path's error for a payload the device path rejected (host bytes)."""
     try:
         decompress(torch.from_numpy(part.copy()), max_elements, backend="cpu")
     except CodecError as e:
         return str(e)
-    return "corrupt payload: rejected by the device decoder's layout checks"
+    return "corrupt payload: it does not match the layout its sender announced"
 
 
 def check_groups(status: GroupStatus) -> None:
@@ -308,10 +341,17 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
         (group index, what is wrong), or None if every group decoded.
     """
     failures = dict(status.rejected)
-    if status.codes is not None:
+    if status.codes is not None or status.group_bad is not None:
         from torchrec_lossy.codec.device_decompress import status_error
 
-        codes = host_sync.to_host(status.codes)
+        n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
+        parts = [t for t in (status.group_bad, status.codes) if t is not None]
+        both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
+        for g in np.flatnonzero(both[:n_groups]).tolist():
+            # Not the announced payload: the CPU path's message if it finds one, else this.
+            found = _host_error(_payload_bytes(status, g), status.max_elements)
+            failures.setdefault(g, found)
+        codes = both[n_groups:]
         for i in np.flatnonzero(codes).tolist():
             g = int(status.block_group[i])
             if g not in failures:
