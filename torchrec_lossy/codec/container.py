@@ -165,6 +165,18 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
 SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
+def skeleton_words(n_blocks: int) -> int:
+    """Words of the skeleton of a payload with ``n_blocks`` blocks (:func:`skeleton_index`).
+
+    Args:
+        n_blocks: Blocks in the payload.
+
+    Returns:
+        ``8 + 14 * n_blocks``.
+    """
+    return HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n_blocks
+
+
 def skeleton_index(
     payload_base: torch.Tensor,
     payload_words: torch.Tensor,

@@ -49,6 +49,7 @@ from torchrec_lossy.codec.container import (
     parse_header,
     segment_checksums,
     skeleton_index,
+    skeleton_words,
 )
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
@@ -594,7 +595,7 @@ def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.n
     if n_bytes % 4 or words < HEADER_WORDS or skeleton.shape[0] < HEADER_WORDS:
         raise CodecError(f"corrupt payload: a {n_bytes}-byte payload has no valid skeleton")
     n = int(skeleton[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
-    if skeleton.shape[0] != HEADER_WORDS + (DESCRIPTOR_WORDS + _SEGMENT_HEADER_WORDS) * n:
+    if skeleton.shape[0] != skeleton_words(n):
         raise CodecError("corrupt payload: the skeleton does not match its block count")
     descs = skeleton[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)

@@ -22,7 +22,12 @@ import torch
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.bounds import absolute_bounds
-from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats, payload_skeleton
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    BlockStats,
+    payload_skeleton,
+    skeleton_words,
+)
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
     compress_with_stats,
@@ -111,6 +116,9 @@ class PendingGroups:
         device_sizes: int64 bytes per payload, on the blocks' device.
         readback: int64 values the host must read (may be empty).
         finish: Builds the result from ``readback``'s host values.
+        device_skeletons: int64 skeleton words of every payload back to back, on the device
+            (a receiver decodes without a read given them: :func:`decompress_groups`).
+        skeleton_sizes: Words of each payload's skeleton.
     """
 
     def __init__(
@@ -118,10 +126,14 @@ class PendingGroups:
         device_sizes: torch.Tensor,
         readback: torch.Tensor,
         finish: Callable[[Sequence[int]], GroupedPayloads],
+        device_skeletons: torch.Tensor,
+        skeleton_sizes: list[int],
     ) -> None:
         self.device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
+        self.device_skeletons = device_skeletons
+        self.skeleton_sizes = skeleton_sizes
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -183,6 +195,8 @@ def start_compress_groups(
             pending.device_sizes,
             pending.readback,
             lambda host: GroupedPayloads(*pending.finish(host)),
+            pending.device_skeleton,
+            [skeleton_words(n) for n in sizes],
         )
     bounds = absolute_bounds(flat, values, rel)
     payloads, stats = [], []
@@ -195,10 +209,13 @@ def start_compress_groups(
     buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
     skeletons = [payload_skeleton(p.cpu().numpy().view(np.uint32)) for p in payloads]
     done = GroupedPayloads(buffer, [p.numel() for p in payloads], stats, skeletons)
+    skel = np.concatenate(skeletons).astype(np.int64) if skeletons else np.zeros(0, np.int64)
     return PendingGroups(
         torch.tensor(done.sizes, dtype=torch.int64).to(device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
+        torch.from_numpy(skel).to(device),
+        [s.shape[0] for s in skeletons],
     )
 
 
