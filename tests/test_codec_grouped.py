@@ -31,6 +31,7 @@ from torchrec_lossy.codec import (
     host_sync,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import payload_skeleton
 from torchrec_lossy.codec.format import BITS_DTYPES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -189,6 +190,44 @@ def test_device_grouped_decompress_defers_status_and_names_the_group() -> None:
     assert host_sync.host_reads() - before == 2  # check_groups read the status
 
 
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_device_grouped_decompress_with_skeletons_reads_nothing() -> None:
+    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
+    values = [[1e-3] * len(g) for g in groups]
+    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
+    out = compress_groups(groups, values, cfg)
+    host = compress_groups([[b.cpu() for b in g] for g in groups], values, CFG)
+    # The sender's skeletons: the same words on both paths, and the payload's own.
+    for g in range(len(groups)):
+        assert np.array_equal(out.skeletons[g], host.skeletons[g])
+        assert np.array_equal(
+            out.skeletons[g], payload_skeleton(host.payload(g).numpy().view(np.uint32))
+        )
+    decompress_groups(out.buffer, out.sizes, backend="triton", skeletons=out.skeletons)
+    before = host_sync.host_reads()
+    blocks, status = decompress_groups(
+        out.buffer, out.sizes, backend="triton", skeletons=out.skeletons
+    )
+    assert host_sync.host_reads() - before == 0
+    check_groups(status)
+    for got_g, g in zip(blocks, range(len(groups)), strict=True):
+        want = decompress(host.payload(g))
+        assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want]
+    # A flipped body bit: the device checksum finds it; the message is the CPU path's.
+    bad = out.buffer.clone()
+    bad[out.offsets[2] + out.sizes[2] - 1] ^= 4
+    _, status = decompress_groups(bad, out.sizes, backend="triton", skeletons=out.skeletons)
+    with pytest.raises(CodecError, match=r"^payload 2: corrupt payload: checksum mismatch"):
+        check_groups(status)
+    # A valid payload that is not the one announced (groups 0 and 2 swapped).
+    swapped = torch.cat([out.payload(2), out.payload(1), out.payload(0)])
+    sizes = [out.sizes[2], out.sizes[1], out.sizes[0]]
+    _, status = decompress_groups(swapped, sizes, backend="triton", skeletons=out.skeletons)
+    with pytest.raises(CodecError, match=r"^payload 0: .*(announced|corrupt)"):
+        check_groups(status)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sync debug mode")
 def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
     groups = [[b.cuda() for b in g] for g in groups_of_blocks()]
@@ -207,7 +246,7 @@ def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyP
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = compress_groups(groups, values, CFG, relative=True)
-        blocks, status = decompress_groups(out.buffer, out.sizes)
+        blocks, status = decompress_groups(out.buffer, out.sizes, skeletons=out.skeletons)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check_groups(status)

@@ -67,12 +67,13 @@ def _worker(rank: int, world_size: int) -> dict[str, int]:
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_codec_host_reads_per_alltoall_do_not_grow_with_peers() -> None:
     for counts in run_workers(_worker, 2, timeout_s=600):
-        # Per direction: the size exchange (1: received sizes, with the compress's sizes and
-        # stats in the same copy), decompress_groups (1: the layouts) and the status check
-        # before the blocks are used (1; a payload of raw blocks only cannot fail on the
-        # device and skips it: the repeated rows here make every block vector-LZ, so the
-        # check runs). Before: 3 x world + 2 (one compress per destination, two reads per
-        # decompress, the exchange's and one for the relative bounds).
-        assert counts["fwd"] == 3, counts
-        assert counts["bwd"] == 3, counts
+        # Per direction: the size exchange (1: received sizes and skeletons, with the
+        # compress's sizes and stats in the same copy), decompress_groups (0: the layouts come
+        # from the skeletons) and the status check before the blocks are used (1; a payload of
+        # raw blocks only cannot fail on the device and skips it: the repeated rows here make
+        # every block vector-LZ, so the check runs). Before: 3 x world + 2 (one compress per
+        # destination, two reads per decompress, the exchange's and one for the relative
+        # bounds).
+        assert counts["fwd"] == 2, counts
+        assert counts["bwd"] == 2, counts
         assert counts["self_fwd"] == B * 8 * 4, counts

@@ -9,7 +9,7 @@ alike: the host builds and parses records with numpy, the device builds them wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,7 @@ from torchrec_lossy.codec.format import (
     HEADER,
     MAGIC,
     MODE_NAMES,
+    SEGMENT_HEADER,
     VERSION,
     CodecError,
     checksum_words,
@@ -159,6 +160,96 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# Skeletons: the words a decoder's layout depends on.
+
+SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
+
+
+def skeleton_words(n_blocks: int) -> int:
+    """Words of the skeleton of a payload with ``n_blocks`` blocks (:func:`skeleton_index`).
+
+    Args:
+        n_blocks: Blocks in the payload.
+
+    Returns:
+        ``8 + 14 * n_blocks``.
+    """
+    return HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n_blocks
+
+
+def skeleton_index(
+    payload_base: torch.Tensor,
+    payload_words: torch.Tensor,
+    group_blocks: Sequence[int],
+    seg_start: torch.Tensor,
+) -> torch.Tensor:
+    """Word positions of the payloads' skeletons: header, descriptors, segment headers.
+
+    A payload's layout (where every section lies, how big every decode grid is) depends on
+    these words only: a decoder that is given them needs no read of the payload itself, and
+    can check the payload against them on the device. Group ``g``'s skeleton is ``8 + 14 n``
+    words for ``n`` blocks: its header and descriptors, then 8 words from each segment's start
+    (clamped to the payload's last word, as ``device_decompress`` reads them: raw segments have
+    no header).
+
+    Args:
+        payload_base: int64 [G] first word of each payload in the buffer.
+        payload_words: int64 [G] words of each payload.
+        group_blocks: Blocks of each payload (host).
+        seg_start: int64 [sum(group_blocks)] first word of each segment in the buffer.
+
+    Returns:
+        int64 positions, the skeletons of every payload back to back (on the tensors' device).
+    """
+    dev = payload_base.device
+    n = np.asarray(group_blocks, dtype=np.int64).reshape(-1)
+    head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+    group_of_head = torch.from_numpy(np.repeat(np.arange(n.shape[0]), head)).to(dev)
+    k_head = torch.from_numpy(np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head))
+    heads = payload_base[group_of_head] + k_head.to(dev)
+    group_of_block = torch.from_numpy(np.repeat(np.arange(n.shape[0]), n)).to(dev)
+    last = (payload_base + payload_words - 1)[group_of_block]
+    segs = torch.minimum(
+        seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev), last[:, None]
+    )
+    # Order: group by group, its head then its segment headers.
+    size = head + SEGMENT_HEADER_WORDS * n
+    start = np.cumsum(size) - size
+    out = torch.empty(int(size.sum()), dtype=torch.int64, device=dev)
+    head_at = np.repeat(start, head) + k_head.numpy()
+    block_first = np.cumsum(n) - n
+    local = np.arange(int(n.sum())) - np.repeat(block_first, n)
+    seg_at = (np.repeat(start + head, n) + SEGMENT_HEADER_WORDS * local)[:, None] + np.arange(
+        SEGMENT_HEADER_WORDS
+    )
+    out[torch.from_numpy(head_at).to(dev)] = heads
+    out[torch.from_numpy(seg_at.reshape(-1)).to(dev)] = segs.reshape(-1)
+    return out
+
+
+def payload_skeleton(words: np.ndarray) -> np.ndarray:
+    """The skeleton (:func:`skeleton_index`) of one well-formed payload, on the host.
+
+    Args:
+        words: The payload as uint32 words (made by ``compress``).
+
+    Returns:
+        uint32 skeleton words.
+    """
+    n = int(words[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    descs = words[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
+    seg = descs["seg_words"].astype(np.int64)
+    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
+    idx = skeleton_index(
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([words.shape[0]], dtype=torch.int64),
+        [n],
+        torch.from_numpy(seg_start),
+    )
+    return words[idx.numpy()]
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side: header, descriptor parse, reader.
 
 
@@ -201,7 +292,9 @@ def check_payload(payload: object) -> None:
         )
 
 
-def parse_header(buf: np.ndarray, max_elements: int) -> tuple[np.ndarray, list[tuple], np.ndarray]:
+def parse_header(
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True
+) -> tuple[np.ndarray, list[tuple], np.ndarray]:
     """Validates a payload's header and descriptors (everything before the segments).
 
     Shared by the CPU decoder and ``device_decompress``, so both reject alike.
@@ -209,6 +302,8 @@ def parse_header(buf: np.ndarray, max_elements: int) -> tuple[np.ndarray, list[t
     Args:
         buf: The payload's bytes (1-D uint8, on the host).
         max_elements: Refuse payloads that decode to more elements than this in total.
+        verify_checksum: False for a skeleton (see :func:`skeleton_index`): the device checks
+            the real payload's checksum instead.
 
     Returns:
         (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
@@ -238,7 +333,7 @@ def parse_header(buf: np.ndarray, max_elements: int) -> tuple[np.ndarray, list[t
             f"{HEADER.itemsize + 4 * body_words}"
         )
     body = buf[HEADER.itemsize :].view(np.uint32)
-    if checksum(body) != int(header["checksum"]):
+    if verify_checksum and checksum(body) != int(header["checksum"]):
         raise CodecError("corrupt payload: checksum mismatch")
     n_blocks = int(header["n_blocks"])
     if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:

@@ -51,6 +51,7 @@ from torchrec_lossy.codec.container import (
     BlockStats,
     pack_records,
     segment_checksums,
+    skeleton_index,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -284,7 +285,7 @@ def compress_device(
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
-    buf, _, stats = compress_groups_device(
+    buf, _, stats, _ = compress_groups_device(
         list(blocks), list(bounds), [False] * len(blocks), [len(blocks)], config
     )
     return buf, stats[0]
@@ -296,7 +297,7 @@ def compress_groups_device(
     relative: Sequence[bool],
     group_sizes: Sequence[int],
     config: CodecConfig,
-) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
     """Compresses several payloads (groups of consecutive blocks) in one pass, one host read.
 
     Payload ``g`` holds blocks ``sum(group_sizes[:g]) ..`` and is byte-identical to
@@ -313,7 +314,8 @@ def compress_groups_device(
 
     Returns:
         (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
-        and block). Exactly one device-to-host transfer is made (:func:`_host`).
+        and block, each payload's skeleton). Exactly one device-to-host transfer is made
+        (:func:`_host`).
     """
     with record_function("## lossy_codec encode ##"):
         pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
@@ -733,8 +735,19 @@ def _compress(
 
     # ---- what the one device-to-host transfer reads ------------------------------------------
     stats_max_err = torch.where(is_q, max_err, 0.0)
+    # The payloads' skeletons (what a decoder's layout depends on), for the receiver.
+    skeleton = buf[skeleton_index(payload_base, payload_words, group_sizes, seg_start)]
     readback = torch.cat(
-        [payload_words, mode, n_sent, n_escapes, seg_words, stats_max_err.view(i64), bound_bits]
+        [
+            payload_words,
+            mode,
+            n_sent,
+            n_escapes,
+            seg_words,
+            stats_max_err.view(i64),
+            bound_bits,
+            skeleton,
+        ]
     )
     return PendingCompress(words32, readback, ht, list(group_sizes))
 
@@ -770,7 +783,14 @@ class PendingCompress:
         """int64 bytes of each payload, on the device (no sync)."""
         return 4 * self.readback[: len(self.group_sizes)]
 
-    def finish(self, host: Sequence[int]) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+    @property
+    def device_skeleton(self) -> torch.Tensor:
+        """int64 skeleton words of every payload (``container.skeleton_index``), on the device."""
+        return self.readback[len(self.group_sizes) + 6 * self._tables.n_blocks :]
+
+    def finish(
+        self, host: Sequence[int]
+    ) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
         """The payloads and stats, from the host values of :attr:`readback`.
 
         Args:
@@ -778,11 +798,17 @@ class PendingCompress:
 
         Returns:
             (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per
-            payload and block).
+            payload and block, uint32 skeleton of every payload).
         """
         ht, ng, nb = self._tables, len(self.group_sizes), self._tables.n_blocks
         sizes = [4 * int(w) for w in host[:ng]]
-        h = np.array(host[ng:], dtype=np.int64).reshape(6, nb)
+        h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
+        skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
+        skel_sizes = [
+            HEADER_WORDS + (DESCRIPTOR_WORDS + sm.SEGMENT_HEADER_WORDS) * n
+            for n in self.group_sizes
+        ]
+        skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
         errs = h[4].view(np.float64)
         bounds_used = h[5].view(np.float64)
         stats = [
@@ -805,4 +831,4 @@ class PendingCompress:
         for n in self.group_sizes:
             per_group.append(stats[at : at + n])
             at += n
-        return payload, sizes, per_group
+        return payload, sizes, per_group, skeletons

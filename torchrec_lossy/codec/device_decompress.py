@@ -32,7 +32,7 @@ The returned blocks are views into one output buffer (each block contiguous and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -42,16 +42,21 @@ from torch.profiler import record_function
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
+    DESCRIPTOR_WORDS,
     HEADER_WORDS,
     Reader,
     check_payload,
     parse_header,
+    segment_checksums,
+    skeleton_index,
+    skeleton_words,
 )
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DECODE_ERRORS,
     DESCRIPTOR,
     ESCAPE_SYMBOL,
+    HEADER,
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
@@ -143,7 +148,9 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
     return np.frexp(v.astype(np.float64))[1].astype(np.int64)
 
 
-def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
+def _layout(
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True
+) -> dict[str, np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
@@ -155,11 +162,12 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     Args:
         buf: The payload's bytes.
         max_elements: Refuse payloads that decode to more elements than this in total.
+        verify_checksum: False for a skeleton's stand-in (the device checks the payload).
 
     Returns:
         int64 arrays by field name (word offsets are into the payload), or None.
     """
-    body, desc_fields, offsets = parse_header(buf, max_elements)
+    body, desc_fields, offsets = parse_header(buf, max_elements, verify_checksum)
     n_blocks = len(desc_fields)
     descs = body[: offsets[0]].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
@@ -507,51 +515,140 @@ def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) ->
 
 
 def decompress_groups_device(
-    buffer: torch.Tensor, sizes: list[int], max_elements: int
-) -> tuple[list[list[torch.Tensor]], torch.Tensor | None, np.ndarray, dict[int, np.ndarray]]:
+    buffer: torch.Tensor,
+    sizes: list[int],
+    max_elements: int,
+    skeletons: Sequence[np.ndarray] | None = None,
+) -> tuple[
+    list[list[torch.Tensor]],
+    torch.Tensor | None,
+    np.ndarray,
+    dict[int, np.ndarray | None],
+    torch.Tensor | None,
+]:
     """Decodes several payloads held back to back in one buffer, all blocks in one pass.
 
-    One host read (the whole buffer, for the layouts); the decode status is NOT read: it is
-    returned as a device tensor for the caller to check at a sync point of its choosing.
+    Without ``skeletons``: one host read (the whole buffer, for the layouts). With them (each
+    payload's ``container.skeleton_index`` words, announced by its sender): no read at all; the
+    layouts come from the skeletons and the device checks each payload against its skeleton and
+    its checksum. Either way the decode status is NOT read: it is returned as device tensors for
+    the caller to check at a sync point of its choosing.
 
     Args:
         buffer: 1-D uint8 tensor on the device (CUDA, or CPU under the interpreter).
-        sizes: Bytes of each payload (multiples of 4).
+        sizes: Bytes of each payload.
         max_elements: Refuse payloads that decode to more elements than this (each).
+        skeletons: Per payload, its announced skeleton (uint32 words), or None.
 
     Returns:
         (blocks per payload ([] for a rejected one), int32 status per block of the accepted
         payloads (None if nothing can fail on the device), the payload of each of those blocks,
-        the host bytes of every payload the layout checks rejected, by index).
+        the payloads the layout checks rejected by index (their host bytes; None in skeleton
+        mode, where the payload itself was not read), int32 per payload: 1 where it does not
+        match its skeleton or checksum (skeleton mode; else None)).
     """
     kernels = _kernels(buffer.device)
     with record_function("## lossy_codec decode ##"):
-        buf = _host(buffer)  # the one read: every payload's layout
-        layouts, bases, groups, rejected = [], [], [], {}
+        buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
+        layouts, bases, groups = [], [], []
+        rejected: dict[int, np.ndarray | None] = {}
+        checks: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         at = 0
         for g, n in enumerate(sizes):
-            part = buf[at : at + n]
             try:
-                lay = _layout(part, max_elements) if n % 4 == 0 else None
+                if skeletons is None:
+                    part = buf[at : at + n]
+                    lay = _layout(part, max_elements) if n % 4 == 0 else None
+                else:
+                    part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
+                    lay = _layout(part, max_elements, verify_checksum=False)
+                    checks.append((g, at // 4 + pos, part.view(np.uint32)[pos], at // 4))
             except CodecError:
                 lay = None
             if lay is None:
-                rejected[g] = part
+                rejected[g] = buf[at : at + n] if buf is not None else None
             elif lay["rows"].shape[0]:
                 layouts.append(lay)
                 bases.append(at // 4)
                 groups.append(np.full(lay["rows"].shape[0], g, dtype=np.int64))
             at += n
+        group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
         block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
         if not layouts:
-            return out, None, block_group, rejected
+            return out, None, block_group, rejected, group_bad
         blocks, codes = _decode_on_device(
             buffer, merge_layouts(layouts, bases), *kernels, defer_status=True
         )
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
-        return out, codes, block_group, rejected
+        return out, codes, block_group, rejected, group_bad
 
 
-__all__ = ["decompress_device", "host_syncs"]
+def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in payload of ``n_bytes`` holding only a skeleton, and the skeleton's positions.
+
+    Raises:
+        CodecError: The skeleton cannot be the skeleton of an ``n_bytes`` payload.
+    """
+    words = n_bytes // 4
+    if n_bytes % 4 or words < HEADER_WORDS or skeleton.shape[0] < HEADER_WORDS:
+        raise CodecError(f"corrupt payload: a {n_bytes}-byte payload has no valid skeleton")
+    n = int(skeleton[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    if skeleton.shape[0] != skeleton_words(n):
+        raise CodecError("corrupt payload: the skeleton does not match its block count")
+    descs = skeleton[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
+    seg = descs["seg_words"].astype(np.int64)
+    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
+    pos = skeleton_index(
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([words], dtype=torch.int64),
+        [n],
+        torch.from_numpy(seg_start),
+    ).numpy()
+    if pos.shape[0] and (pos.min() < 0 or pos.max() >= words):
+        raise CodecError("corrupt payload: the skeleton points outside the payload")
+    stand_in = np.zeros(words, np.uint32)
+    stand_in[pos] = skeleton
+    return stand_in.view(np.uint8), pos
+
+
+def _check_skeletons(
+    buffer: torch.Tensor,
+    sizes: list[int],
+    checks: list[tuple[int, np.ndarray, np.ndarray, int]],
+) -> torch.Tensor:
+    """Per payload on the device: 1 where it differs from its skeleton or fails its checksum."""
+    dev = buffer.device
+    bad = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
+    if not checks:
+        return bad
+    words = (
+        buffer.view(torch.int32)
+        if buffer.storage_offset() % 4 == 0
+        else buffer.clone().view(torch.int32)
+    )
+    pos = np.concatenate([c[1] for c in checks])
+    expected = np.concatenate([c[2] for c in checks]).astype(np.int64)
+    group = np.concatenate([np.full(c[1].shape[0], c[0], np.int64) for c in checks])
+    starts = np.array([c[3] + HEADER_WORDS for c in checks], np.int64)
+    lengths = np.array([sizes[c[0]] // 4 - HEADER_WORDS for c in checks], np.int64)
+    # The announced checksum: header bytes 24..31 (the skeleton's header is the payload's).
+    announced = np.array(
+        [c[2][:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks], np.uint64
+    ).view(np.int64)
+    ids = np.array([c[0] for c in checks], np.int64)
+    table = torch.from_numpy(
+        np.concatenate([pos, expected, group, starts, lengths, announced, ids])
+    )
+    if dev.type == "cuda":
+        table = table.pin_memory()
+    t = table.to(dev, non_blocking=True)
+    k, m = pos.shape[0], len(checks)
+    t_pos, t_exp, t_grp = t[:k], t[k : 2 * k], t[2 * k : 3 * k]
+    t_starts, t_len, t_ann, t_ids = (t[3 * k + i * m : 3 * k + (i + 1) * m] for i in range(4))
+    differs = ((words[t_pos].to(torch.int64) & 0xFFFFFFFF) != t_exp).to(torch.int32)
+    bad.scatter_reduce_(0, t_grp, differs, "amax")
+    sums = segment_checksums(words, t_starts, t_len)
+    bad.scatter_reduce_(0, t_ids, (sums != t_ann).to(torch.int32), "amax")
+    return bad

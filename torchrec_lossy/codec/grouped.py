@@ -14,6 +14,7 @@ point of its choosing, before it uses the blocks. Each group's payload is byte-i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,12 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec import host_sync
-from torchrec_lossy.codec.container import DEFAULT_MAX_ELEMENTS, BlockStats
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    BlockStats,
+    payload_skeleton,
+    skeleton_words,
+)
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
     compress_host_groups,
@@ -41,11 +47,15 @@ class GroupedPayloads:
         buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
         sizes: Bytes of each payload (multiples of 4).
         stats: Per group, one BlockStats per block.
+        skeletons: Per group, the uint32 words its layout depends on
+            (``container.skeleton_index``): hand them to :func:`decompress_groups` with the
+            payloads and the device path decodes without reading the payloads back.
     """
 
     buffer: torch.Tensor
     sizes: list[int]
     stats: list[list[BlockStats]]
+    skeletons: list[np.ndarray]
 
     @property
     def offsets(self) -> list[int]:
@@ -72,11 +82,20 @@ class GroupStatus:
         codes: int32 per decoded block on the device (0: fine), or None.
         block_group: The group of each entry of ``codes``.
         rejected: Group index to its error, found while reading the layouts.
+        group_bad: int32 per group on the device: 1 where the payload does not match its
+            announced skeleton or checksum (skeleton mode), or None.
+        buffer: The decoded buffer (to read a failing payload back for its message).
+        sizes: Bytes of each payload.
+        max_elements: The decode's limit.
     """
 
     codes: torch.Tensor | None = None
     block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     rejected: dict[int, str] = field(default_factory=dict)
+    group_bad: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    sizes: list[int] = field(default_factory=list)
+    max_elements: int = DEFAULT_MAX_ELEMENTS
 
 
 def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
@@ -98,6 +117,9 @@ class PendingGroups:
         device_sizes: int64 bytes per payload, on the blocks' device.
         readback: int64 values the host must read (may be empty).
         finish: Builds the result from ``readback``'s host values.
+        device_skeletons: int64 skeleton words of every payload back to back, on the device
+            (a receiver decodes without a read given them: :func:`decompress_groups`).
+        skeleton_sizes: Words of each payload's skeleton.
     """
 
     def __init__(
@@ -105,10 +127,14 @@ class PendingGroups:
         device_sizes: torch.Tensor,
         readback: torch.Tensor,
         finish: Callable[[Sequence[int]], GroupedPayloads],
+        device_skeletons: torch.Tensor,
+        skeleton_sizes: list[int],
     ) -> None:
         self.device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
+        self.device_skeletons = device_skeletons
+        self.skeleton_sizes = skeleton_sizes
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -170,13 +196,22 @@ def start_compress_groups(
             pending.device_sizes,
             pending.readback,
             lambda host: GroupedPayloads(*pending.finish(host)),
+            pending.device_skeleton,
+            [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    done = GroupedPayloads(*compress_host_groups(flat, values, sizes, config, rel))
+    buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
+    words = buffer.cpu().numpy().view(np.uint32)
+    starts = np.cumsum([0, *out_sizes]) // 4
+    skeletons = [payload_skeleton(words[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
+    skel = np.concatenate(skeletons).astype(np.int64) if skeletons else np.zeros(0, np.int64)
     return PendingGroups(
         torch.tensor(done.sizes, dtype=torch.int64).to(device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
+        torch.from_numpy(skel).to(device),
+        [s.shape[0] for s in skeletons],
     )
 
 
@@ -212,8 +247,14 @@ def decompress_groups(
     sizes: Sequence[int],
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     backend: Backend = "auto",
+    skeletons: Sequence[np.ndarray] | None = None,
 ) -> tuple[list[list[torch.Tensor]], GroupStatus]:
     """Decodes every group's (source's) payload of one buffer in one call.
+
+    With ``skeletons`` (the sender's ``GroupedPayloads.skeletons``, e.g. sent beside the sizes)
+    the device path reads nothing back: the layouts come from the skeletons, and the device
+    checks that every payload matches its skeleton and its checksum (a mismatch is reported by
+    :func:`check_groups` like any decode error).
 
     The blocks must not be used before :func:`check_groups` has passed on the returned status:
     a corrupt payload's blocks may hold garbage (a rejected group's list is empty). On the host
@@ -224,6 +265,7 @@ def decompress_groups(
         sizes: Bytes of each payload.
         max_elements: Refuse a payload that decodes to more elements than this.
         backend: As ``CodecConfig.backend``.
+        skeletons: Per payload, its announced skeleton (uint32 words), or None.
 
     Returns:
         (blocks per group, the status to check).
@@ -244,9 +286,14 @@ def decompress_groups(
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
-        out, codes, block_group, rejected = decompress_groups_device(buffer, sizes, max_elements)
-        status.codes, status.block_group = codes, block_group
+        out, codes, block_group, rejected, group_bad = decompress_groups_device(
+            buffer, sizes, max_elements, skeletons
+        )
+        status.codes, status.block_group, status.group_bad = codes, block_group, group_bad
+        status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
         for g, part in rejected.items():
+            if part is None:  # the announced skeleton was rejected: read the payload itself
+                part = _payload_bytes(status, g)
             status.rejected[g] = _host_error(part, max_elements)
         return out, status
     out = []
@@ -258,13 +305,20 @@ def decompress_groups(
     return out, status
 
 
+def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
+    """One payload's bytes read back (only on an error path)."""
+    assert status.buffer is not None
+    at = sum(status.sizes[:group])
+    return host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+
+
 def _host_error(part: np.ndarray, max_elements: int) -> str:
-    """The CPU path's error for a payload the device layout checks rejected (host bytes)."""
+    """The CPU path's error for a payload the device path rejected (host bytes)."""
     try:
         decompress(torch.from_numpy(part.copy()), max_elements, backend="cpu")
     except CodecError as e:
         return str(e)
-    return "corrupt payload: rejected by the device decoder's layout checks"
+    return "corrupt payload: it does not match the layout its sender announced"
 
 
 def check_groups(status: GroupStatus) -> None:
@@ -297,10 +351,17 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
         (group index, what is wrong), or None if every group decoded.
     """
     failures = dict(status.rejected)
-    if status.codes is not None:
+    if status.codes is not None or status.group_bad is not None:
         from torchrec_lossy.codec.device_decompress import status_error
 
-        codes = host_sync.to_host(status.codes)
+        n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
+        parts = [t for t in (status.group_bad, status.codes) if t is not None]
+        both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
+        for g in np.flatnonzero(both[:n_groups]).tolist():
+            # Not the announced payload: the CPU path's message if it finds one, else this.
+            found = _host_error(_payload_bytes(status, g), status.max_elements)
+            failures.setdefault(g, found)
+        codes = both[n_groups:]
         for i in np.flatnonzero(codes).tolist():
             g = int(status.block_group[i])
             if g not in failures:

@@ -18,6 +18,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from torchrec_lossy.codec.container import SEGMENT_HEADER_WORDS
 from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_QUANT,
@@ -25,12 +26,9 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
-    SEGMENT_HEADER,
     words_for_bits,
     words_for_bytes,
 )
-
-SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 # An int, a numpy array or a torch tensor: every function below maps like to like.
 N = TypeVar("N", int, np.ndarray, torch.Tensor)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
@@ -34,6 +36,7 @@ from torchrec.distributed.types import Awaitable, NoWait
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
     LossyAll2AllPooledInfo,
     PendingPayloads,
     backward_dense_send,
@@ -41,6 +44,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     decode_payloads,
     expand_block,
     join_blocks,
+    meta_words,
     pad_block,
     peer_blocks,
     reduce_grad_block,
@@ -61,6 +65,8 @@ class _LossyRequest(Request[torch.Tensor]):
         self.dense_blocks: list[int] | None = None
         # The blocks this rank sends itself: exact, never encoded, never on the wire.
         self.self_blocks: list[torch.Tensor] | None = None
+        # Each peer's codec payload skeleton, received in the size exchange.
+        self.recv_skeletons: dict[int, np.ndarray] | None = None
 
 
 def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
@@ -70,31 +76,65 @@ def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
     return blocks
 
 
+def _take_skeletons(myreq: _LossyRequest) -> dict[int, np.ndarray] | None:
+    """The skeletons received in the size exchange (released from the request)."""
+    skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+    return skeletons
+
+
 def _exchange(
     direction: Direction,
     pending: PendingPayloads,
-    pg: dist.ProcessGroup,
-    device: torch.device,
+    recv_meta_splits: list[int],
+    myreq: _LossyRequest,
 ) -> tuple[torch.Tensor, list[int], dist.Work]:
     """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
 
-    The send sizes are exchanged as the device tensor the encoder left; the received sizes and
-    the encoder's pending values are then read in ONE device-to-host copy (the exchange's only
-    host sync, ``host_sync.to_host``), after which the payloads exist and are sent.
+    Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
+    encoder left; the received entries and the encoder's pending values are then read in ONE
+    device-to-host copy (the exchange's only host sync, ``host_sync.to_host``), after which the
+    payloads exist and are sent. The received skeletons go to ``myreq.recv_skeletons`` (the
+    decode then reads nothing back).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        pending: From ``start_encode``.
+        recv_meta_splits: Words expected from each peer (``meta_words``).
+        myreq: The request (its group and device; receives the skeletons).
+
+    Returns:
+        (received bytes, bytes from each peer, the payload exchange's work).
     """
-    recv_sizes_t = torch.empty_like(pending.device_sizes)
+    pg, device = myreq.pg, pending.meta.device
+    recv_meta = torch.empty(sum(recv_meta_splits), dtype=torch.int64, device=device)
     with record_function(f"## lossy_a2a {direction} sizes ##"):
-        dist.all_to_all_single(recv_sizes_t, pending.device_sizes, group=pg, async_op=True).wait()
+        dist.all_to_all_single(
+            recv_meta, pending.meta, recv_meta_splits, pending.meta_splits, group=pg,
+            async_op=True,
+        ).wait()  # fmt: skip
         k = pending.readback.numel()
-        host = host_sync.to_host(torch.cat([pending.readback, recv_sizes_t])).tolist()
-    payloads = pending.finish(host[:k])
-    recv_sizes = host[k:]
+        host = host_sync.to_host(torch.cat([pending.readback, recv_meta]))
+    payloads = pending.finish(host[:k].tolist())
+    at = list(itertools.accumulate(recv_meta_splits, initial=0))
+    recv_sizes = [int(host[k + a]) for a in at[:-1]]
+    myreq.recv_skeletons = {
+        p: host[k + at[p] + 1 : k + at[p + 1]].astype(np.uint32)
+        for p in range(len(recv_meta_splits))
+        if recv_meta_splits[p] > 1
+    }
     send_sizes = [int(p.numel()) for p in payloads]
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with record_function(f"## lossy_a2a {direction} payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, recv_sizes, work
+
+
+def _recv_meta_splits(
+    specs_per_peer: Sequence[Sequence[BlockSpec]], info: LossyAll2AllPooledInfo, my_rank: int
+) -> list[int]:
+    """Words of the size exchange expected from each peer."""
+    return [meta_words(specs, info, p == my_rank) for p, specs in enumerate(specs_per_peer)]
 
 
 class LossyAll2AllPooledReq(Function):
@@ -148,7 +188,9 @@ class LossyAll2AllPooledReq(Function):
             "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
         )
         myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange("fwd", pending, pg, input_embeddings.device)
+        recv, recv_sizes, work = _exchange(
+            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq
+        )
         myreq.req = work
         myreq.tensor = recv
         myreq.recv_sizes = recv_sizes
@@ -191,6 +233,7 @@ class LossyAll2AllPooledReq(Function):
                 info,
                 my_rank,
                 _take_self_blocks(myreq),
+                _take_skeletons(myreq),
             )
             pieces = [
                 torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
@@ -240,6 +283,7 @@ class LossyAll2AllPooledWait(Function):
             info,
             my_rank,
             _take_self_blocks(myreq),
+            _take_skeletons(myreq),
         )
         if info.output_dedupe is None:
             pieces = [
@@ -278,7 +322,10 @@ class LossyAll2AllPooledWait(Function):
             )
             pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
             myreq.self_blocks = blocks[my_rank]
-            recv, recv_sizes, work = _exchange("bwd", pending, pg, grad_output.device)
+            recv, recv_sizes, work = _exchange(
+                "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
+                myreq,
+            )  # fmt: skip
             myreq.recv_sizes = recv_sizes
         else:
             wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -333,7 +380,9 @@ def _receiver_grad_dedupe(
     if codec == "lossy":
         pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
         myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange("bwd", pending, pg, grad_output.device)
+        recv, recv_sizes, work = _exchange(
+            "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank), myreq
+        )
         myreq.recv_sizes = recv_sizes
         return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -390,6 +439,7 @@ def _owner_grad_dedupe(
             info,
             my_rank,
             _take_self_blocks(myreq),
+            _take_skeletons(myreq),
         )
     else:
         start = time.perf_counter()

@@ -23,11 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+import numpy as np
 import torch
 from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import decompress_groups, first_failure, host_sync, start_compress_groups
 from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.config import ErrorBound
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
@@ -254,11 +256,32 @@ class PendingPayloads:
         readback: int64 values the host must read before the payloads exist (may be empty);
             the exchange reads them together with the received sizes, in one copy.
         finish: Builds the payloads (and records the telemetry) from ``readback``'s values.
+        meta: int64 words to send each destination in the size exchange, back to back: its
+            payload size, then its codec payload's skeleton (:func:`meta_words` long), on the
+            device; the receiver decodes with them and reads nothing back.
+        meta_splits: Words of ``meta`` per destination.
     """
 
     device_sizes: torch.Tensor
     readback: torch.Tensor
     finish: Callable[[Sequence[int]], list[torch.Tensor]]
+    meta: torch.Tensor
+    meta_splits: list[int]
+
+
+def meta_words(specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, is_self: bool) -> int:
+    """Words of one peer's entry in the size exchange: its size, then its codec skeleton.
+
+    Args:
+        specs: The specs of the blocks the payload carries.
+        info: Compress flags.
+        is_self: The rank's own entry (its blocks skip the codec: size only).
+
+    Returns:
+        Word count.
+    """
+    n_coded = sum(1 for s in specs if info.compress[s.table])
+    return 1 + (skeleton_words(n_coded) if n_coded and not is_self else 0)
 
 
 def encode_payloads(
@@ -366,6 +389,17 @@ def start_encode(
         if peers:
             table[2, peers] = pending.device_sizes
         device_sizes = table[0] + table[1] * table[2]
+        # Size exchange entries: size, then (peers with codec blocks) the payload's skeleton.
+        meta_parts, meta_splits = [], []
+        skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
+        group_of = {p: g for g, p in enumerate(peers)}
+        for p in range(n_peers):
+            meta_parts.append(device_sizes[p : p + 1])
+            g = group_of.get(p)
+            if g is not None and coded[g]:
+                meta_parts.append(pending.device_skeletons[skel_at[g] : skel_at[g + 1]])
+            meta_splits.append(meta_words(specs_per_peer[p], info, p == my_rank))
+        meta = torch.cat(meta_parts) if meta_parts else device_sizes
     setup_s = time.perf_counter() - start
 
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
@@ -401,7 +435,7 @@ def start_encode(
         stats.record_time(direction, "encode", shares, spent)
         return payloads
 
-    return PendingPayloads(device_sizes, pending.readback, finish)
+    return PendingPayloads(device_sizes, pending.readback, finish, meta, meta_splits)
 
 
 def _fail(
@@ -424,6 +458,7 @@ def decode_payloads(
     info: LossyAll2AllPooledInfo,
     my_rank: int,
     self_blocks: Sequence[torch.Tensor] | None = None,
+    skeletons: dict[int, np.ndarray] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
 
@@ -442,6 +477,8 @@ def decode_payloads(
         my_rank: This rank.
         self_blocks: The blocks this rank sent itself (they skipped the codec and the wire), or
             None when its payload is in ``recv`` like every other.
+        skeletons: Per peer with codec blocks, its codec payload's skeleton from the size
+            exchange (the device path then reads nothing back to decode), or None.
 
     Returns:
         Per peer, its blocks.
@@ -510,7 +547,12 @@ def decode_payloads(
                 f"CodecError: a {sizes[g]}-byte payload is not a whole number of words",
             )
         buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
-        decoded, status = decompress_groups(buffer, sizes, backend=comms.config.codec.backend)
+        decoded, status = decompress_groups(
+            buffer,
+            sizes,
+            backend=comms.config.codec.backend,
+            skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
+        )
         failure = first_failure(status)  # the status read: before any block is used
         if failure is not None:
             peer = codec_peers[failure[0]]
