@@ -53,8 +53,14 @@ LINK_GBPS_DEFAULT = 12.5  # DESIGN §2: the link speed the transfer model assume
 # ------------------------------------------------------------------------------------------------
 
 
+# The clock of every timing: wall time, or with --clock cpu this process's CPU time (on a shared
+# machine, wall time counts the time other processes hold the cores; CPU time does not).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock: list[Callable[[], float]] = [time.perf_counter]
+
+
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``fn`` over ``reps`` runs, after one untimed warm-up run.
+    """Median time of ``fn`` over ``reps`` runs (on the ``--clock``), after one warm-up run.
 
     Args:
         fn: The work to time.
@@ -66,49 +72,10 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     fn()
     times = []
     for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
+        t0 = _clock[0]()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock[0]() - t0)
     return statistics.median(times)
-
-
-def _entropy_bits(counts: torch.Tensor) -> float:
-    """Order-0 entropy, in bits per symbol, of a histogram."""
-    p = counts.to(torch.float64) / counts.sum()
-    return float(-(p * torch.log2(p)).sum()) + 0.0  # + 0.0: one symbol gives 0.0, not -0.0
-
-
-def entropy_bound_bytes(
-    blocks: Sequence[torch.Tensor], error_bounds: Sequence[float]
-) -> list[float]:
-    """Order-0 entropy bound of error-bounded, vector-deduplicated traffic, per block.
-
-    Per block: quantize with ``q = floor(x / (2 eb) + 0.5)``; the bound is
-    (distinct quantized vectors x dim x order-0 entropy of their codes) + (rows x order-0 entropy
-    of the row -> distinct-vector references), in bytes. A block with bound 0 is coded losslessly,
-    its float bit patterns standing in for the codes. Codebooks and headers are not counted.
-
-    Args:
-        blocks: 2-D float tensors, one per table.
-        error_bounds: Absolute bound per block.
-
-    Returns:
-        Bytes per block.
-    """
-    out = []
-    for x, eb in zip(blocks, error_bounds, strict=True):
-        if x.numel() == 0:
-            out.append(0.0)
-            continue
-        if eb > 0:
-            q = torch.floor(x.to(torch.float64) / (2.0 * eb) + 0.5).to(torch.int64)
-        else:
-            q = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-        vectors, refs = torch.unique(q, dim=0, return_counts=True)
-        code_counts = torch.unique(vectors, return_counts=True)[1]
-        bits = vectors.numel() * _entropy_bits(code_counts) + x.shape[0] * _entropy_bits(refs)
-        out.append(bits / 8.0)
-    return out
 
 
 def _range(x: torch.Tensor) -> float:
@@ -233,13 +200,41 @@ def _load_lossy() -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch
     return compress, decompress
 
 
-def _load_entropy_bound() -> tuple[Callable[..., list[float]], str]:
-    """The codec's own entropy bound when it has one, else this script's."""
+def _load_grouped(
+    destinations: int,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
+    """compress/decompress through the grouped API (``compress_groups`` / ``decompress_groups``
+    + ``check_groups``: one payload per destination, the all-to-all's call), with the flat
+    signatures of :func:`_load_lossy`; a call whose block count does not split into
+    ``destinations`` groups is one group."""
     try:
-        from torchrec_lossy.codec import entropy_bound_bytes as codec_bound
-    except Exception:
-        return entropy_bound_bytes, "benchmarks/codec_bench.py"
-    return codec_bound, "torchrec_lossy.codec.entropy_bound_bytes"
+        from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
+    except Exception as e:
+        return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
+    sizes: dict[tuple[int, int], list[int]] = {}
+
+    def split(xs: list[Any]) -> list[list[Any]]:
+        n = len(xs) // destinations if len(xs) % destinations == 0 else len(xs)
+        return [xs[i : i + n] for i in range(0, len(xs), max(n, 1))]
+
+    def compress(blocks: list[torch.Tensor], bounds: list[float]) -> torch.Tensor:
+        out = compress_groups(split(blocks), split(bounds))
+        sizes[(out.buffer.data_ptr(), out.buffer.numel())] = out.sizes
+        return out.buffer
+
+    def decompress(buffer: torch.Tensor) -> list[torch.Tensor]:
+        blocks, status = decompress_groups(buffer, sizes[(buffer.data_ptr(), buffer.numel())])
+        check_groups(status)
+        return [b for g in blocks for b in g]
+
+    return compress, decompress
+
+
+def _load_entropy_bound() -> tuple[Callable[..., list[float]], str]:
+    """The codec's order-0 entropy bound (DESIGN.md section 4)."""
+    from torchrec_lossy.codec import entropy_bound_bytes
+
+    return entropy_bound_bytes, "torchrec_lossy.codec.entropy_bound_bytes"
 
 
 def run_lossy(
@@ -408,7 +403,17 @@ def batches_for(args: argparse.Namespace, rows: int) -> tuple[list[list[torch.Te
         )
         for i in range(count)
     ]
-    return [make_blocks(s) for s in specs], rows
+    batches = [make_blocks(s) for s in specs]
+    if args.destinations > 1:  # one compress call per group: every destination's blocks
+        more = [
+            make_blocks(dataclasses.replace(s, batch=s.batch + k * count))
+            for s in specs
+            for k in range(1, args.destinations)
+        ]
+        per = args.destinations - 1
+        batches = [b + [t for m in more[i * per : (i + 1) * per] for t in m] for i, b in
+                   enumerate(batches)]  # fmt: skip
+    return batches, rows
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -421,7 +426,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         JSON-ready results: ``config``, ``environment``, ``notes``, ``results`` and ``per_table``.
     """
     notes: list[str] = []
-    lossy = _load_lossy()
+    _clock[0] = CLOCKS[args.clock]
+    lossy = _load_grouped(args.destinations) if args.grouped else _load_lossy()
     if isinstance(lossy, str):
         notes.append(f"lossy codec skipped: {lossy}")
     if "numba" in sys.modules:  # already imported (by the codec): pin its pool too
@@ -444,16 +450,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         batches, rows = batches_for(args, asked_rows)
         if rows != asked_rows:
             notes.append(f"--real: {asked_rows} rows asked, the sample gives {rows} per block")
-        head = {"rows": rows, "batches": len(batches), "tables": len(cards), "dim": args.dim}
+        head = {"rows": rows, "batches": len(batches), "tables": len(cards), "dim": args.dim,
+                "destinations": args.destinations}  # fmt: skip
 
         for setting in args.bounds:
-            rel = relative_bounds(setting, args.preset)
+            rel = relative_bounds(setting, args.preset) * args.destinations
             pooled = CodecRun("lossy", setting)
             tables = [
                 {"table": f"C{t + 1}", "cardinality": c, "eb_rel": r, "raw_bytes": 0,
                  "wire_bytes": 0, "entropy_bytes": 0.0, "distinct_vectors": 0,
                  "max_err_over_bound": 0.0, "eb_abs": []}
-                for t, (c, r) in enumerate(zip(cards, rel, strict=True))
+                for t, (c, r) in enumerate(zip(cards, rel[: len(cards)], strict=True))
             ]  # fmt: skip
             lossy_ok = not isinstance(lossy, str)
             for blocks in batches:
@@ -473,7 +480,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 run.bounds, run.entropy_bytes = setting, sum(ent)
                 pooled.add(run)
                 for t, (b, eb) in enumerate(zip(blocks, bounds, strict=True)):
-                    row = tables[t]
+                    row = tables[t % len(cards)]
                     row["raw_bytes"] += b.numel() * b.element_size()
                     row["entropy_bytes"] += ent[t]
                     row["eb_abs"].append(eb)
@@ -493,7 +500,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 row["ratio"] = (
                     row["raw_bytes"] / row["wire_bytes"] if lossy_ok and row["wire_bytes"] else None
                 )
-                row["distinct_vectors"] /= len(batches)
+                row["distinct_vectors"] /= len(batches) * args.destinations
                 row["eb_abs"] = statistics.mean(row["eb_abs"])
                 if not lossy_ok:
                     row["max_err_over_bound"] = None
@@ -541,6 +548,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "bounds": args.bounds,
             "reps": args.reps,
             "batches": args.batches,
+            "destinations": args.destinations,
+            "grouped": args.grouped,
+            "clock": args.clock,
             "seed": args.seed,
             "source": "criteo" if args.real else "zipf",
             "criteo_path": str(args.criteo_path or DEFAULT_CRITEO_SAMPLE) if args.real else None,
@@ -596,7 +606,8 @@ def format_report(report: dict[str, Any], per_table: bool) -> str:
     cfg = report["config"]
     lines = [
         f"preset {cfg['preset']}, dim {cfg['dim']}, ids {cfg['source']}, "
-        f"{cfg['threads']} thread(s), reps {cfg['reps']}; MB/s of raw fp32 input; "
+        f"{cfg['threads']} thread(s), reps {cfg['reps']}, {cfg.get('clock', 'wall')} clock; "
+        "MB/s of raw fp32 input; "
         f"link x = transfer speedup over raw fp32 at {cfg['link_gbps']} GB/s"
     ]
     header = (
@@ -607,7 +618,8 @@ def format_report(report: dict[str, Any], per_table: bool) -> str:
     for r in report["results"]:
         if r["rows"] != current:
             current = r["rows"]
-            lines += ["", f"{r['rows']} rows x {r['tables']} tables x dim {r['dim']}, "
+            lines += ["", f"{r['rows']} rows x {r['tables']} tables x "
+                      f"{r.get('destinations', 1)} destination(s) x dim {r['dim']}, "
                       f"{r['batches']} batch(es)", header]  # fmt: skip
         if "failed" in r:
             lines.append(f"{r['rows']:>5} {r['codec']:<7} {r['bounds']:<6} FAILED: {r['failed']}")
@@ -670,6 +682,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     p.add_argument("--batches", type=int, default=4, help="batches per block size")
+    p.add_argument(
+        "--destinations", type=int, default=1,
+        help="destinations per compress call: each call takes every table's block of this many "
+        "destinations (the batched CPU path's case, e.g. 8)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grouped", action="store_true",
+        help="with --destinations: compress_groups / decompress_groups (one payload per "
+        "destination, as the all-to-all calls them) instead of one payload for all",
+    )  # fmt: skip
+    p.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall",
+        help="time with the wall clock, or this process's CPU time (a loaded, shared machine)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--real", action="store_true", help="ids from the real Criteo sample")
     p.add_argument("--criteo-path", type=Path, default=None, help="Criteo TSV(.gz) for --real")
@@ -686,8 +712,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.dim = 32 if args.preset == "criteo_kaggle" else 64
     if args.quick:
         args.rows, args.bounds, args.batches, args.reps = [256], ["paper"], 1, 3
-    if args.dim < 1 or args.reps < 1 or args.batches < 1 or any(r < 1 for r in args.rows):
-        p.error("--dim, --rows, --reps and --batches must be positive")
+    if min(args.dim, args.reps, args.batches, args.destinations, *args.rows) < 1:
+        p.error("--dim, --rows, --reps, --batches and --destinations must be positive")
     return args
 
 

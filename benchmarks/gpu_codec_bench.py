@@ -66,14 +66,13 @@ class _Block:
     """One block's device-resident inputs and intermediate results for the stage timings."""
 
     def __init__(self, block: torch.Tensor, bound: float, chunk: int, dev: torch.device) -> None:
-        from torchrec_lossy.kernels import huffman as k_huffman
-        from torchrec_lossy.kernels import quantize as k_quantize
-        from torchrec_lossy.kernels import vector_lz as k_vector_lz
-
         from torchrec_lossy.codec import huffman
         from torchrec_lossy.codec import quantize as cpu_quantize
         from torchrec_lossy.codec.format import BITS_DTYPES, DTYPE_CODES, ESCAPE_SYMBOL, REFS_FIXED
         from torchrec_lossy.codec.vector_lz import best_refs_mode
+        from torchrec_lossy.kernels import huffman as k_huffman
+        from torchrec_lossy.kernels import quantize as k_quantize
+        from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
         self.rows, self.dim = block.shape
         self.chunk = chunk

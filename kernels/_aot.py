@@ -19,26 +19,26 @@ from typing import Any
 
 def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """(kernel, runtime argument types, constexprs, compile options) for every variant used."""
-    from torchrec_lossy.kernels import _common, codebook, huffman, quantize, vector_lz
+    from torchrec_lossy.kernels import common, codebook, huffman, quantize, vector_lz
 
     specs: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
-    for op in (_common.SCAN_SUM, _common.SCAN_MAX):
+    for op in (common.SCAN_SUM, common.SCAN_MAX):
         for t in ("i32", "i64"):
             specs += [
                 (
-                    _common._scan_reduce_kernel,
+                    common._scan_reduce_kernel,
                     {"x_ptr": f"*{t}", "part_ptr": f"*{t}", "n": "i32", "identity": t},
                     {"OP": op, "BLOCK": 4096},
                     {},
                 ),
                 (
-                    _common._scan_partials_kernel,
+                    common._scan_partials_kernel,
                     {"part_ptr": f"*{t}", "n_parts": "i32"},
                     {"OP": op, "BLOCK": 1024},
                     {"num_warps": 4},
                 ),
                 (
-                    _common._scan_apply_kernel,
+                    common._scan_apply_kernel,
                     {
                         "x_ptr": f"*{t}",
                         "part_ptr": f"*{t}",

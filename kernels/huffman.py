@@ -29,21 +29,23 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import (
-    SCAN_SUM,
-    block_for,
-    find_segment,
-    inclusive_scan,
-    tile_table,
-)
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
-from torchrec_lossy.codec.huffman import (
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
     DECODE_INVALID_CODE,
     DECODE_OUT_OF_BITS,
+    ESCAPE_SYMBOL,
+    REFS_OUT_OF_RANGE,
+)
+from torchrec_lossy.kernels.common import (
+    SCAN_SUM,
+    block_for,
+    find_segment,
+    inclusive_scan,
+    tile_table,
 )
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -79,7 +81,7 @@ def histogram_tiles(
     Args:
         symbols: 1-D int16 / int32 symbols (the uint16 symbols' bits) of every segment.
         keep: 1-D int32 / int64, same length: nonzero where a symbol counts.
-        tiles: int64 [n_tiles, 3] from ``_common.tile_table`` with ``block``-element tiles, on
+        tiles: int64 [n_tiles, 3] from ``common.tile_table`` with ``block``-element tiles, on
             the symbols' device.
         n_rows: Number of histograms (segments).
         block: Elements per tile (a power of two).
@@ -476,7 +478,6 @@ def decode(
 # lowered by atomics, so the result does not depend on the order programs run in.
 
 NO_FAILURE = (1 << 63) - 1  # initial value of the first-failure rows
-REFS_OUT_OF_RANGE = 1  # block status: invalid vector references (checked by vector_lz)
 _NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
 _REFS_BAD: tl.constexpr = tl.constexpr(REFS_OUT_OF_RANGE)
 _BAD_ESCAPES: tl.constexpr = tl.constexpr(DECODE_BAD_ESCAPES)

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import block_for, find_segment, tile_table
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
+from torchrec_lossy.kernels.common import block_for, find_segment, tile_table
 
 _BLOCK = 4096
 # Globals a kernel reads must be constexpr.

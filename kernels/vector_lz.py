@@ -30,16 +30,16 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from torchrec_lossy.kernels._common import (
+
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED
+from torchrec_lossy.codec.vector_lz import ref_width, refs_bits
+from torchrec_lossy.kernels.common import (
     SCAN_MAX,
     SCAN_SUM,
     block_for,
     find_segment,
     inclusive_scan,
 )
-
-from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED
-from torchrec_lossy.codec.vector_lz import ref_width, refs_bits
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
 _MASK64 = (1 << 64) - 1

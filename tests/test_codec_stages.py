@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -599,34 +600,32 @@ def test_decode_kernel_reports_corruption():
     # chunk table decreasing / not ending at the end of the stream
     bad = ends.copy()
     bad[1], bad[2] = bad[2], bad[1]
-    assert status(e=bad) == huffman.DECODE_BAD_CHUNK_TABLE
-    assert status(w=np.concatenate([words, [0]]).astype(np.uint32)) == (
-        huffman.DECODE_BAD_CHUNK_TABLE
-    )
+    assert status(e=bad) == wire.DECODE_BAD_CHUNK_TABLE
+    assert status(w=np.concatenate([words, [0]]).astype(np.uint32)) == (wire.DECODE_BAD_CHUNK_TABLE)
     # a chunk that runs out of bits: drop the last word of chunk 0 and shift the table
     short = np.delete(words, ends[0] - 1)
     shifted = ends.astype(np.int64) - 1
     assert status(w=short, e=shifted.astype(np.uint32)) in (
-        huffman.DECODE_OUT_OF_BITS,
-        huffman.DECODE_INVALID_CODE,
+        wire.DECODE_OUT_OF_BITS,
+        wire.DECODE_INVALID_CODE,
     )
     # escape positions that disagree with the stream
-    assert status(p=esc[:-1]) == huffman.DECODE_BAD_ESCAPES
-    assert status(p=(esc + 1).astype(np.uint32)) == huffman.DECODE_BAD_ESCAPES
+    assert status(p=esc[:-1]) == wire.DECODE_BAD_ESCAPES
+    assert status(p=(esc + 1).astype(np.uint32)) == wire.DECODE_BAD_ESCAPES
     # codebooks that are not prefix codes
     over = lengths.copy()
     over[np.flatnonzero(over)[0]] = 13
-    assert status(ln=over) == huffman.DECODE_BAD_CODEBOOK
+    assert status(ln=over) == wire.DECODE_BAD_CODEBOOK
     kraft = lengths.copy()
     kraft[np.flatnonzero(kraft == 0)[0]] = 1
-    assert status(ln=kraft) == huffman.DECODE_BAD_CODEBOOK
+    assert status(ln=kraft) == wire.DECODE_BAD_CODEBOOK
     # an incomplete code: a bit pattern no code starts with
     two = _hist({10: 1, 20: 1})
     ln = huffman.code_lengths_kernel(two)
     ln[20] = 2  # codes "0" and "10"; "11" is unused
     assert huffman.decode_kernel(np.array([0xFFFFFFFF], np.uint32), np.array([1], np.uint32),
                                  64, ln, np.zeros(0, np.uint32), np.empty(3, np.uint16)) == (
-        huffman.DECODE_INVALID_CODE
+        wire.DECODE_INVALID_CODE
     )  # fmt: skip
 
 

@@ -21,10 +21,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
 from test_codec_fuzz import as_tensor, corpus, parse, with_checksum
-from torchrec_lossy.kernels import codebook as k_codebook
 
 from torchrec_lossy.codec import CodecConfig, CodecError, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DESCRIPTOR,
@@ -32,6 +32,7 @@ from torchrec_lossy.codec.format import (
     MAX_CODE_LENGTH,
     SEGMENT_HEADER,
 )
+from torchrec_lossy.kernels import codebook as k_codebook
 
 # The interpreter evaluates float casts of lanes it then masks away with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -55,7 +56,11 @@ def cpu_decode(payload: torch.Tensor, max_elements: int = 1 << 28) -> list[torch
 
 def device_decode(payload: torch.Tensor, max_elements: int = 1 << 28) -> list[torch.Tensor] | str:
     try:
-        out = dd.decompress_device(payload.to(DEVICE), max_elements)
+        out = dd.decompress_device(
+            payload.to(DEVICE),
+            max_elements,
+            lambda buf: pipeline.decompress(torch.from_numpy(buf.copy()), max_elements, "cpu"),
+        )
     except CodecError as e:
         return str(e)
     assert all(t.device == DEVICE for t in out)
@@ -367,7 +372,7 @@ def test_crafted_corruptions_fail_like_cpu() -> None:
         assert messages[name] is not None, f"{name} decoded"
     # Every error decoding can find, with the CPU path's wording.
     joined = " | ".join(messages.values())
-    for what in ("vector references out of range", *huffman.DECODE_ERRORS.values()):
+    for what in ("vector references out of range", *wire.DECODE_ERRORS.values()):
         assert what in joined, (what, messages)
     assert messages["data_error_before_structural"].startswith("corrupt payload: block 1: vector")
 

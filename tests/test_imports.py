@@ -129,26 +129,7 @@ def test_the_child_reports_a_failing_import() -> None:
 
 # Private imports being removed by the `codec` helper (issues 12/13: codec container module,
 # no import cycles). The lead empties this list when merging that work; do not add to it.
-CODEC_ALLOWLIST = {
-    ("torchrec_lossy/codec/device_compress.py", "torchrec_lossy.kernels._common", "*"),
-    (
-        "torchrec_lossy/codec/device_decompress.py",
-        "torchrec_lossy.codec.pipeline",
-        "_check_payload",
-    ),
-    ("torchrec_lossy/codec/device_decompress.py", "torchrec_lossy.codec.pipeline", "_parse_header"),
-    ("torchrec_lossy/codec/device_decompress.py", "torchrec_lossy.codec.pipeline", "_Reader"),
-    (
-        "torchrec_lossy/codec/device_decompress.py",
-        "torchrec_lossy.codec.triton_ops",
-        "_load_kernels",
-    ),
-    ("torchrec_lossy/codec/pipeline.py", "torchrec_lossy.codec.triton_ops", "_load_kernels"),
-    ("kernels/_aot.py", "torchrec_lossy.kernels", "_common"),
-    ("kernels/huffman.py", "torchrec_lossy.kernels._common", "*"),
-    ("kernels/quantize.py", "torchrec_lossy.kernels._common", "*"),
-    ("kernels/vector_lz.py", "torchrec_lossy.kernels._common", "*"),
-}
+CODEC_ALLOWLIST: set[tuple[str, str, str]] = set()
 # Third-party private names with no public equivalent: TorchRec's own KJTAllToAllTensorsAwaitable
 # builds its recat with _get_recat, and the lossy awaitable must produce the identical recat.
 THIRD_PARTY_ALLOWLIST = {

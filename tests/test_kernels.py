@@ -21,11 +21,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import numba
-from torchrec_lossy.kernels import _common
-from torchrec_lossy.kernels import huffman as k_huffman
-from torchrec_lossy.kernels import quantize as k_quantize
-from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline, vector_lz
 from torchrec_lossy.codec import quantize as cpu_quantize
 from torchrec_lossy.codec.format import (
@@ -40,6 +37,10 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.triton_ops import TritonOps
 from torchrec_lossy.config import CodecConfig
+from torchrec_lossy.kernels import common
+from torchrec_lossy.kernels import huffman as k_huffman
+from torchrec_lossy.kernels import quantize as k_quantize
+from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
 # The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
 # those lanes away.
@@ -149,9 +150,9 @@ def _cpu_round(x: np.ndarray, dtype_code: int, out: np.ndarray) -> None:
 def test_inclusive_scan(n: int, dtype: torch.dtype) -> None:
     x = torch.randint(-50, 50, (n,), dtype=dtype, generator=torch.Generator().manual_seed(n))
     for block in (16, 4096):  # several programs, and one
-        got = _common.inclusive_scan(x.to(DEVICE), _common.SCAN_SUM, block).cpu()
+        got = common.inclusive_scan(x.to(DEVICE), common.SCAN_SUM, block).cpu()
         assert torch.equal(got, torch.cumsum(x, 0).to(dtype))
-        got = _common.inclusive_scan(x.to(DEVICE), _common.SCAN_MAX, block).cpu()
+        got = common.inclusive_scan(x.to(DEVICE), common.SCAN_MAX, block).cpu()
         assert torch.equal(got, torch.cummax(x, 0).values if n else x)
 
 
@@ -401,10 +402,10 @@ def test_huffman_decode_errors_match_cpu() -> None:
         seen.add(want)
     assert seen == {
         0,
-        huffman.DECODE_INVALID_CODE,
-        huffman.DECODE_OUT_OF_BITS,
-        huffman.DECODE_BAD_CHUNK_TABLE,
-        huffman.DECODE_BAD_ESCAPES,
+        wire.DECODE_INVALID_CODE,
+        wire.DECODE_OUT_OF_BITS,
+        wire.DECODE_BAD_CHUNK_TABLE,
+        wire.DECODE_BAD_ESCAPES,
     }
 
 

@@ -160,6 +160,38 @@ def test_corrupt_payload_error_names_rank_and_tables() -> None:
         decode_payloads("fwd", raw[:-16], [raw.numel() - 16], [SPECS], [4], raw_only, 1)
 
 
+def test_self_block_skips_codec_and_wire() -> None:
+    info = _info(LossyCommsConfig(default_bound=ErrorBound("relative", 0.05)), [SPECS, SPECS])
+    x = torch.randn(8, 20)
+    sent = [[cut_block(x, r0, 4, 0, s) for s in SPECS] for r0 in (0, 4)]
+    payloads = encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device, my_rank=1)
+    assert payloads[1].numel() == 0 and payloads[0].numel() > 0
+    stats = info.comms.stats
+    nbytes = [sum(b.numel() * b.element_size() for b in bs) for bs in sent]
+    assert stats.self_bytes("fwd") == nbytes[1]
+    assert stats.total("fwd").raw_bytes == nbytes[0]  # the self block is reported apart
+    assert stats.total("fwd").wire_bytes == payloads[0].numel()
+    assert "(self, not sent)" in stats.summary()
+    got = decode_payloads(
+        "fwd", torch.cat(payloads), [p.numel() for p in payloads], [SPECS] * 2, [4, 4], info, 1,
+        sent[1],
+    )  # fmt: skip
+    assert all(a is b for a, b in zip(got[1], sent[1], strict=True))  # exact, untouched
+    assert [tuple(b.shape) for b in got[0]] == [tuple(b.shape) for b in sent[0]]
+
+
+def test_one_decode_call_names_the_corrupt_source_rank() -> None:
+    info = _info(LossyCommsConfig(), [SPECS] * 3)
+    x = torch.randn(12, 20)
+    sent = [[cut_block(x, r0, 4, 0, s) for s in SPECS] for r0 in (0, 4, 8)]
+    payloads = encode_payloads("fwd", sent, [SPECS] * 3, info, x.device)
+    bad = [p.clone() for p in payloads]
+    bad[1][-3] ^= 0x5A
+    sizes = [p.numel() for p in bad]
+    with pytest.raises(LossyAllToAllError, match=r"on rank 0: the payload from rank 1 \("):
+        decode_payloads("fwd", torch.cat(bad), sizes, [SPECS] * 3, [4] * 3, info, 0)
+
+
 def test_stats_totals_time_shares_and_reset() -> None:
     stats = LossyCommsStats()
     stats.record_block("fwd", "a", 1000, 100, 0.01, 0.02)

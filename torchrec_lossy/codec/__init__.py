@@ -1,6 +1,18 @@
 """The error-bounded lossy codec. Imports torch (and numba), never torchrec."""
 
+from torchrec_lossy.codec.container import checksum, segment_checksums
+from torchrec_lossy.codec.entropy import entropy_bound_bytes
 from torchrec_lossy.codec.format import CodecError
+from torchrec_lossy.codec.grouped import (
+    GroupedPayloads,
+    GroupStatus,
+    PendingGroups,
+    check_groups,
+    compress_groups,
+    decompress_groups,
+    first_failure,
+    start_compress_groups,
+)
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
     compress,
@@ -13,7 +25,18 @@ __all__ = [
     "BlockStats",
     "CodecConfig",
     "CodecError",
+    "GroupStatus",
+    "GroupedPayloads",
+    "PendingGroups",
+    "check_groups",
+    "checksum",
     "compress",
+    "compress_groups",
     "compress_with_stats",
     "decompress",
+    "decompress_groups",
+    "entropy_bound_bytes",
+    "first_failure",
+    "segment_checksums",
+    "start_compress_groups",
 ]

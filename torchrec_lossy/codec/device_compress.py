@@ -2,9 +2,13 @@
 
 ``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
 ``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
-device. Blocks are laid out back to back (elements, rows, chunk slots), and host-side tables
-derived from the shapes only (offsets, tiles, chunk slots, bound-derived steps) go to the device
-in one non-blocking copy. Then, for all blocks at once:
+device. ``compress_groups_device`` does the same for several payloads at once (groups of
+consecutive blocks, each payload byte-identical to its own compress), and
+``start_groups_device`` stops before the read (:class:`PendingCompress`). Blocks are laid out
+back to back (elements, rows, chunk slots), and host-side tables derived from the shapes only
+(offsets, tiles, chunk slots, bound-derived steps) go to the device in one non-blocking copy;
+relative bounds are resolved on the device from each block's finite range. Then, for all blocks
+at once:
 
 1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
    (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
@@ -12,17 +16,20 @@ in one non-blocking copy. Then, for all blocks at once:
 3. vector-LZ, quantized and lossless: ``kernels.vector_lz.representatives`` (hash with the block
    in the top bits, one sort, verify), ranks by a cumsum;
 4. histograms of the distinct rows (``histogram_tiles``), code lengths of both histograms of every
-   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice with
-   ``pipeline._encode_block``'s rules - torch ops over ``[n_blocks]`` tensors;
+   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice by
+   ``size_model`` (the functions the host path calls) - torch ops over ``[n_blocks]`` tensors;
 5. the sent symbol stream, canonical codes, Huffman encode of every chunk of every block
    (``kernels.huffman.encode_chunks``, chunk slots sized for the worst case);
 6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
    codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
    distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
-   writer, so the sums are ORs); the checksum is a weighted sum over it.
+   writer, so the sums are ORs); headers, descriptors and segment headers are packed from the
+   ``format`` record dtypes (``container.pack_records``), checksums by
+   ``container.segment_checksums``.
 
-The single device-to-host transfer (:func:`_host`) reads the body length and the per-block
-scalars of the stats; the payload is then a slice of the word buffer.
+The single device-to-host transfer (:func:`_host`, or the caller's own for a pending compress)
+reads the payload sizes and the per-block scalars of the stats; the payloads are then a slice
+of the word buffer.
 """
 
 from __future__ import annotations
@@ -34,7 +41,18 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import quantize
+from torchrec_lossy.codec import host_sync, quantize
+from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.container import (
+    DESCRIPTOR_WORDS,
+    HEADER_WORDS,
+    MASK32,
+    BlockStats,
+    pack_records,
+    segment_checksums,
+    skeleton_index,
+)
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -52,22 +70,23 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     SYMBOL_OFFSET,
     VERSION,
+    words_for_bits,
+    words_for_bytes,
 )
-from torchrec_lossy.codec.pipeline import BlockStats, sr_keys
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
-from torchrec_lossy.kernels._common import block_for
+from torchrec_lossy.kernels.common import block_for
 
 _A = ALPHABET_SIZE
-_SEG = SEGMENT_HEADER.itemsize // 4  # segment header words
-_DESC = DESCRIPTOR.itemsize // 4  # descriptor words
-_HEAD = HEADER.itemsize // 4  # payload header words
+_SEG = sm.SEGMENT_HEADER_WORDS  # segment header words
+_DESC = DESCRIPTOR_WORDS  # descriptor words
+_HEAD = HEADER_WORDS  # payload header words
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
-_MASK32 = 0xFFFFFFFF
+_MASK32 = MASK32
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 
 # Device-to-host transfers made by compress_device (tests read it; see _host).
@@ -85,47 +104,7 @@ def _host(t: torch.Tensor) -> list[int]:
     """
     global host_transfers
     host_transfers += 1
-    return t.tolist()
-
-
-def _wfb(n: torch.Tensor) -> torch.Tensor:
-    """Words for ``n`` bytes."""
-    return (n + 3) // 4
-
-
-def _wfbits(n: torch.Tensor) -> torch.Tensor:
-    """Words for ``n`` bits."""
-    return (n + 31) // 32
-
-
-def _bit_length(x: torch.Tensor) -> torch.Tensor:
-    """``int.bit_length`` of non-negative int64 values below 2**48.
-
-    Args:
-        x: 1-D int64 tensor.
-
-    Returns:
-        int64 bit lengths.
-    """
-    k = torch.arange(48, device=x.device)
-    return ((x[:, None] >> k) > 0).sum(dim=1)
-
-
-def _refs(rows: torch.Tensor, n_unique: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The references of many blocks, as ``vector_lz.best_refs_mode`` / ``refs_bits``.
-
-    Args:
-        rows: int64 [n] rows per block.
-        n_unique: int64 [n] distinct vectors per block (>= 1).
-
-    Returns:
-        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
-    """
-    width = _bit_length((n_unique - 1).clamp(min=0))
-    fixed = rows * width
-    flagged = rows + (rows - n_unique) * width
-    mode = (fixed > flagged).to(torch.int64)  # REFS_FIXED on a tie
-    return mode, width, torch.minimum(fixed, flagged)
+    return host_sync.to_host(t).tolist()
 
 
 def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
@@ -149,9 +128,7 @@ def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.
     hi = ESCAPE_SYMBOL - 1 - value.flip(1).to(torch.int8).argmax(dim=1)
     lo = torch.where(used, lo, 0)
     count = torch.where(used, hi - lo + 1, 0)
-    n_chunks = (n + chunk - 1) // chunk
-    words = _wfb((count + 1) // 2) + n_chunks + _wfbits(bits) + n_chunks // 2
-    return words, lo, count, hist[:, ESCAPE_SYMBOL]
+    return sm.code_words(n, bits, count, chunk), lo, count, hist[:, ESCAPE_SYMBOL]
 
 
 class _HostTables:
@@ -159,9 +136,12 @@ class _HostTables:
 
     Args:
         blocks: The blocks (only their shapes and dtypes are read).
-        bounds: Absolute bounds.
+        bounds: Absolute bounds, or for ``relative`` blocks the fraction of the block's finite
+            range (resolved on the device).
         chunk: Symbols per Huffman chunk.
         config: Codec knobs.
+        relative: Per block, whether its bound is relative.
+        group_sizes: Blocks per payload (one payload per group, in block order).
     """
 
     def __init__(
@@ -170,6 +150,8 @@ class _HostTables:
         bounds: Sequence[float],
         chunk: int,
         config: CodecConfig,
+        relative: Sequence[bool],
+        group_sizes: Sequence[int],
     ) -> None:
         b = len(blocks)
         if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
@@ -185,19 +167,28 @@ class _HostTables:
         self.n_elems = int(self.numel.sum())
         self.n_rows = int(self.rows.sum())
         self.max_dim = int(self.dim.max()) if b else 0
-        # Step and its reciprocal depend on the bound only (``_quant_params_kernel`` with any
+        # Step and its reciprocal depend on the bound only (``quant_params_kernel`` with any
         # midpoint); the center needs the data and is computed on the device.
         step = np.zeros(b, np.float32)
         inv_step = np.zeros(b, np.float32)
         quant_try = np.zeros(b, np.int64)
         span = np.zeros(b, np.float64)
-        self.sr_key = np.array(sr_keys(config, b), dtype=np.int64)
         stochastic = config.rounding == "stochastic"
+        self.grid_factor = quantize.grid_bound(1.0, stochastic)  # grid bound / bound
+        sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
+        first_block = np.cumsum(sizes) - sizes
+        local = np.arange(b, dtype=np.int64) - np.repeat(first_block, sizes)
+        self.sr_key = quantize.block_keys(stochastic, config.seed, local)
+        rel = np.array(relative, dtype=np.int64).reshape(b)
+        self.any_relative = bool(rel.any())
         for i, eb in enumerate(bounds):
             if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
                 continue
-            grid = quantize.grid_bound(eb, stochastic)
-            s, inv, _, ok = quantize._quant_params_kernel(grid, 0.0)
+            if rel[i]:  # the worst case (it may quantize); the device decides
+                quant_try[i] = 1
+                continue
+            grid = self.grid_factor * eb
+            s, inv, _, ok = quantize.quant_params_kernel(grid, 0.0)
             if ok:
                 step[i], inv_step[i], quant_try[i] = s, inv, 1
             span[i] = 2 * SYMBOL_OFFSET * min(2.0 * grid, _FLT_MAX)
@@ -230,7 +221,9 @@ class _HostTables:
         )
         seg_max = np.maximum(raw_words, _SEG + refs_max + raw_words)
         seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
-        self.body_max = _DESC * b + int(seg_max.sum())
+        self.n_groups = len(group_sizes)
+        self.body_max = _DESC * b + int(seg_max.sum()) + _HEAD * self.n_groups
+        group = np.repeat(np.arange(self.n_groups, dtype=np.int64), sizes)
         bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
         mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
         fields = {
@@ -246,6 +239,10 @@ class _HostTables:
             "span_bits": span.view(np.int64),
             "quant_try": quant_try,
             "sr_key": self.sr_key,
+            "relative": rel,
+            "group": group,
+            "local": local,
+            "group_blocks": sizes,
             "lz_allowed": lz_allowed,
             "raw_words": raw_words,
             "first_slot": self.first_slot,
@@ -294,17 +291,95 @@ def compress_device(
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
+    buf, _, stats, _ = compress_groups_device(
+        list(blocks), list(bounds), [False] * len(blocks), [len(blocks)], config
+    )
+    return buf, stats[0]
+
+
+def compress_groups_device(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    relative: Sequence[bool],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
+    """Compresses several payloads (groups of consecutive blocks) in one pass, one host read.
+
+    Payload ``g`` holds blocks ``sum(group_sizes[:g]) ..`` and is byte-identical to
+    :func:`compress_device` of those blocks (with relative bounds resolved as
+    :func:`torchrec_lossy.codec.grouped.absolute_bounds` does, on the device).
+
+    Args:
+        blocks: Validated blocks, all on one device.
+        bounds: Per block: the absolute bound, or for a relative block the fraction of its
+            finite range (``max - min`` over the finite elements, float32).
+        relative: Per block, whether its bound is relative.
+        group_sizes: Blocks per payload.
+        config: Codec knobs.
+
+    Returns:
+        (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
+        and block, each payload's skeleton). Exactly one device-to-host transfer is made
+        (:func:`_host`).
+    """
+    with record_function("## lossy_codec encode ##"):
+        pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
+        return pending.finish(_host(pending.readback))
+
+
+def start_groups_device(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    relative: Sequence[bool],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> PendingCompress:
+    """:func:`compress_groups_device` without its host read (no sync).
+
+    Args:
+        blocks: As :func:`compress_groups_device`.
+        bounds: As :func:`compress_groups_device`.
+        relative: As :func:`compress_groups_device`.
+        group_sizes: As :func:`compress_groups_device`.
+        config: Codec knobs.
+
+    Returns:
+        The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
+        and pass the values to ``finish``.
+    """
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), config, dev)
+        return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
+
+
+def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize.quant_params_kernel``'s step rule on the device (float64 bounds [n]).
+
+    Returns:
+        (float32 step, float32 1 / step, whether the step is usable).
+    """
+    two = (2.0 * eb).clamp(max=_FLT_MAX)
+    step = two.float()
+    down = (step.view(torch.int32) - 1).view(torch.float32)  # round down: step / 2 <= bound
+    step = torch.where(step.double() > 2.0 * eb, down, step)
+    ok = step >= float(np.finfo(np.float32).tiny)
+    step = torch.where(ok, step, 0.0)
+    inv = torch.where(ok, 1.0 / torch.where(ok, step, 1.0), 0.0)
+    return step, inv, ok
 
 
 def _compress(
-    blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig, dev: torch.device
-) -> tuple[torch.Tensor, list[BlockStats]]:
-    """:func:`compress_device` for a list of blocks on ``dev`` (see the module docstring)."""
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    relative: list[bool],
+    group_sizes: list[int],
+    config: CodecConfig,
+    dev: torch.device,
+) -> PendingCompress:
+    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
     chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config)
+    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
     t, _pinned = ht.to_device(dev)
     nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
     i64 = torch.int64
@@ -346,7 +421,24 @@ def _compress(
     hi = per_block(torch.where(finite, x, -math.inf), "max", -math.inf)
     has_finite = lo <= hi
     lo64, hi64 = lo.double(), hi.double()
-    narrow = (hi64 - lo64) <= t["span_bits"].view(torch.float64)
+    bound = t["bound_bits"].view(torch.float64)
+    step = t["step_bits"].to(torch.int32).view(torch.float32)
+    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
+    span_limit = t["span_bits"].view(torch.float64)
+    quant_try = t["quant_try"] == 1
+    if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
+        rel = t["relative"] == 1
+        eb = torch.where(rel, bound * finite_span(lo, hi), bound)
+        grid = ht.grid_factor * eb  # the grid's bound (half the bound for stochastic rounding)
+        r_step, r_inv, r_ok = _device_quant_params(grid)
+        step = torch.where(rel, r_step, step)
+        inv_step = torch.where(rel, r_inv, inv_step)
+        span_limit = torch.where(
+            rel, 2 * SYMBOL_OFFSET * (2.0 * grid).clamp(max=_FLT_MAX), span_limit
+        )
+        quant_try = torch.where(rel, quant_try & r_ok & (eb > 0), quant_try)
+        bound = eb
+    narrow = (hi64 - lo64) <= span_limit
     # Median of the finite values (np.median: the middle one, or the mean of the middle two).
     keyed = torch.where(finite, x, math.inf)
     order = torch.argsort(keyed, stable=True)
@@ -360,10 +452,8 @@ def _compress(
     else:
         median = torch.zeros(nb, dtype=torch.float64, device=dev)
     mid = torch.where(has_finite, torch.where(narrow, 0.5 * (lo64 + hi64), median), 0.0)
-    step = t["step_bits"].to(torch.int32).view(torch.float32)
-    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
     center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
-    quant_ok = (t["quant_try"] == 1) & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
+    quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
     center = torch.where(quant_ok, center_f, 0.0).to(i64)
 
     # ---- 2. quantize, escapes, histograms ---------------------------------------------------
@@ -373,7 +463,7 @@ def _compress(
         step,
         inv_step,
         center,
-        t["bound_bits"].view(torch.float64),
+        bound,
         t["dtype_code"].to(torch.int32),
         ht.tile_block,
         t["sr_key"],
@@ -415,28 +505,16 @@ def _compress(
     words_q, words_u = words[:nb], words[nb:]
     esc_q, esc_u = n_esc[:nb], n_esc[nb:]
 
-    def esc_words(n: torch.Tensor) -> torch.Tensor:
-        return n + _wfb(n * itemsize)
-
+    # The size model and mode choice are size_model's, as on the host path.
     lz_allowed = t["lz_allowed"] == 1
-    best = t["raw_words"].clone()
-    mode = torch.full((nb,), MODE_RAW, dtype=i64, device=dev)
-    quant_words = _SEG + esc_words(esc_q) + words_q
-    better = quant_ok & (quant_words < best)
-    mode, best = torch.where(better, MODE_QUANT, mode), torch.where(better, quant_words, best)
-    _, _, qlz_ref_bits = _refs(rows, nu_q)
-    qlz_words = _SEG + _wfbits(qlz_ref_bits) + esc_words(esc_u) + words_u
-    better = quant_ok & lz_allowed & (nu_q < rows) & (qlz_words < best)
-    mode, best = torch.where(better, MODE_QUANT_LZ, mode), torch.where(better, qlz_words, best)
-
-    def lossless_words(n_unique: torch.Tensor) -> torch.Tensor:
-        return _SEG + _wfbits(_refs(rows, n_unique)[2]) + _wfb(n_unique * dim * itemsize)
-
-    # Raw-identical rows are quantized-identical: the CPU path skips the lossless dedupe when
-    # even the quantized count of distinct rows cannot beat the best mode so far.
-    lz_tried = lz_allowed & (lossless_words(torch.where(quant_ok & lz_allowed, nu_q, 1)) < best)
-    better = lz_tried & (lossless_words(nu_r) < best)
-    mode = torch.where(better & (rows * dim > 0), MODE_LZ, mode)
+    quant_w = sm.quant_words(esc_q, itemsize, words_q)
+    qlz_w = sm.quant_lz_words(rows, nu_q, esc_u, itemsize, words_u)
+    qlz_ok = quant_ok & lz_allowed & (nu_q < rows)
+    mode, best = sm.choose_lossy(t["raw_words"], quant_ok, quant_w, qlz_ok, qlz_w)
+    nu_lower = torch.where(quant_ok & lz_allowed, nu_q, 1)
+    lz_tried = sm.lossless_may_win(lz_allowed, rows, dim, itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(rows, nu_r, dim, itemsize)
+    mode = sm.choose_lossless(mode, best, lz_tried, lossless_w, rows * dim)
 
     # ---- 5. what each block sends --------------------------------------------------------------
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
@@ -452,10 +530,10 @@ def _compress(
     lo_sel = torch.where(is_q, sym_lo[sel], 0)
     count_sel = torch.where(is_q, sym_count[sel], 0)
     n_chunks = (n_sym + chunk - 1) // chunk
-    ref_mode, ref_width, ref_bits = _refs(rows, torch.where(has_refs, n_sent, 1))
+    ref_mode, ref_width, ref_bits = sm.refs(rows, torch.where(has_refs, n_sent, 1))
     ref_mode = torch.where(has_refs, ref_mode, 0)
-    ref_width = _bit_length((n_sent - 1).clamp(min=0))
-    refs_words = torch.where(has_refs, _wfbits(ref_bits), 0)
+    ref_width = sm.bit_length((n_sent - 1).clamp(min=0))
+    refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
 
     # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).
     s_valid = e_loc < n_sym[e_blk]
@@ -494,9 +572,9 @@ def _compress(
     stream_words = ends0[t["first_slot"] + t["n_slots"]] - stream_base
 
     # ---- 6. section offsets --------------------------------------------------------------------
-    uniq_words = torch.where(is_lz, _wfb(nu_r * dim * itemsize), 0)
-    nib_words = torch.where(is_q, _wfb((count_sel + 1) // 2), 0)
-    escb_words = _wfb(n_escapes * itemsize)
+    uniq_words = torch.where(is_lz, words_for_bytes(nu_r * dim * itemsize), 0)
+    nib_words = torch.where(is_q, words_for_bytes((count_sel + 1) // 2), 0)
+    escb_words = words_for_bytes(n_escapes * itemsize)
     seg_words = torch.where(
         mode == MODE_RAW,
         t["raw_words"],
@@ -509,17 +587,27 @@ def _compress(
         + n_chunks
         + torch.where(is_q, stream_words, 0),
     )
-    seg_start = _HEAD + _DESC * nb + torch.cumsum(seg_words, 0) - seg_words  # payload words
+    # Payloads back to back: group g's header, descriptors and segments at payload_base[g].
+    ng = ht.n_groups
+    group, local, group_blocks = t["group"], t["local"], t["group_blocks"]
+    group_segs = torch.zeros(ng, dtype=i64, device=dev).index_add_(0, group, seg_words)
+    body_words = _DESC * group_blocks + group_segs  # per payload
+    payload_words = _HEAD + body_words
+    payload_base = torch.cumsum(payload_words, 0) - payload_words
+    seg_excl = torch.cumsum(seg_words, 0) - seg_words
+    group_seg_base = torch.cumsum(group_segs, 0) - group_segs  # segments before the group
+    seg_start = (
+        payload_base[group] + _HEAD + _DESC * group_blocks[group] + seg_excl - group_seg_base[group]
+    )  # buffer words
     refs_at = seg_start + _SEG + nib_words
     uniq_at = refs_at + refs_words
     escp_at = refs_at + refs_words
     escb_at = escp_at + n_escapes
     table_at = escb_at + escb_words
     stream_at = table_at + n_chunks
-    body_words = _DESC * nb + seg_words.sum()
 
     # ---- payload assembly ------------------------------------------------------------------
-    total_max = _HEAD + ht.body_max
+    total_max = ht.body_max
     # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
     # serialise them on one address.
     buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
@@ -543,37 +631,42 @@ def _compress(
         put(at + torch.where(wide, k, k // 2), value, valid)
 
     # Descriptors.
-    bound_bits = t["bound_bits"]
-    desc = torch.stack(
-        [
-            rows,
-            dim,
-            t["dtype_code"] | (mode << 8),
-            seg_words,
-            bound_bits & _MASK32,
-            (bound_bits >> 32) & _MASK32,
-        ],
-        dim=1,
+    bound_bits = bound.view(i64)
+    desc = pack_records(
+        DESCRIPTOR,
+        {
+            "rows": rows,
+            "dim": dim,
+            "dtype": t["dtype_code"],
+            "mode": mode,
+            "seg_words": seg_words,
+            "bound": bound_bits,
+        },
     )
     put(
-        _HEAD + torch.arange(_DESC * nb, device=dev),
+        (
+            (payload_base[group] + _HEAD + _DESC * local)[:, None] + torch.arange(_DESC, device=dev)
+        ).reshape(-1),
         desc.reshape(-1),
         torch.ones(_DESC * nb, dtype=torch.bool, device=dev),
     )
     # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
     esc_length = lengths_sel[:, ESCAPE_SYMBOL]
-    seg_hdr = torch.stack(
-        [
-            torch.where(is_q, t["step_bits"], 0),
-            torch.where(is_q, center & _MASK32, 0),
-            n_sent,
-            n_escapes,
-            torch.where(is_q, chunk, 0),
-            n_chunks,
-            lo_sel | (count_sel << 16),
-            torch.where(is_q, esc_length, 0) | (ref_mode << 8) | (ref_width << 16),
-        ],
-        dim=1,
+    seg_hdr = pack_records(
+        SEGMENT_HEADER,
+        {
+            "step": torch.where(is_q, step.view(torch.int32).to(i64), 0),
+            "center": torch.where(is_q, center, 0),
+            "n_unique": n_sent,
+            "n_escapes": n_escapes,
+            "chunk_symbols": torch.where(is_q, chunk, 0),
+            "n_chunks": n_chunks,
+            "sym_lo": lo_sel,
+            "sym_count": count_sel,
+            "escape_length": torch.where(is_q, esc_length, 0),
+            "ref_mode": ref_mode,
+            "ref_width": ref_width,
+        },
     )
     put(
         (seg_start[:, None] + torch.arange(_SEG, device=dev)).reshape(-1),
@@ -633,50 +726,117 @@ def _compress(
     put_elements(uniq_at[e_blk], e_loc, itemsize[e_blk], bits[u_src] if n_el else bits, u_valid)
 
     # ---- checksum and header -----------------------------------------------------------------
-    body = buf[_HEAD:total_max]  # words past the body are 0 and add nothing
-    weights = torch.arange(body.shape[0], dtype=i64, device=dev) * 2 + 1
-    checksum = (body * weights).sum()  # int64 products and sums wrap modulo 2**64
-    # Scalar fills and device copies only (torch.tensor(..., device=cuda) would copy from host).
-    buf[0] = MAGIC
-    buf[1] = VERSION  # flags (high half) are 0
-    buf[2] = nb
-    buf[4] = body_words & _MASK32
-    buf[5] = (body_words >> 32) & _MASK32
-    buf[6] = checksum & _MASK32
-    buf[7] = (checksum >> 32) & _MASK32
-    words = buf[: _HEAD + ht.body_max]
+    header = pack_records(
+        HEADER,
+        {
+            "magic": MAGIC,
+            "version": VERSION,
+            "n_blocks": group_blocks,
+            "body_words": body_words,
+            "checksum": segment_checksums(buf, payload_base + _HEAD, body_words),
+        },
+    )
+    # Tensor-indexed writes (no host tensor is built, no sync).
+    buf[(payload_base[:, None] + torch.arange(_HEAD, device=dev)).reshape(-1)] = header.reshape(-1)
+    words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
-    # ---- the one device-to-host transfer -------------------------------------------------------
+    # ---- what the one device-to-host transfer reads ------------------------------------------
     stats_max_err = torch.where(is_q, max_err, 0.0)
-    host = _host(
-        torch.cat(
-            [
-                body_words.reshape(1),
-                mode,
-                n_sent,
-                n_escapes,
-                seg_words,
-                stats_max_err.view(i64),
-            ]
-        )
+    # The payloads' skeletons (what a decoder's layout depends on), for the receiver.
+    skeleton = buf[skeleton_index(payload_base, payload_words, group_sizes, seg_start)]
+    readback = torch.cat(
+        [
+            payload_words,
+            mode,
+            n_sent,
+            n_escapes,
+            seg_words,
+            stats_max_err.view(i64),
+            bound_bits,
+            skeleton,
+        ]
     )
-    n_body = host[0]
-    h = np.array(host[1:], dtype=np.int64).reshape(5, nb)
-    errs = h[4].view(np.float64)
-    stats = [
-        BlockStats(
-            rows=int(ht.rows[i]),
-            dim=int(ht.dim[i]),
-            raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
-            wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
-            mode=MODE_NAMES[int(h[0, i])],
-            bound=bounds[i],
-            max_error=float(errs[i]),
-            n_unique=int(h[1, i]),
-            n_escapes=int(h[2, i]),
-        )
-        for i in range(nb)
-    ]
-    payload = words32[: _HEAD + n_body].clone().view(torch.uint8)
-    return payload, stats
+    return PendingCompress(words32, readback, ht, list(group_sizes))
+
+
+class PendingCompress:
+    """A compress whose payloads are built on the device, waiting for its one host read.
+
+    :attr:`readback` is the int64 tensor the host must read (the payload sizes first, one per
+    group, in words, then the per-block stats); a caller may read it together with tensors of
+    its own in one copy, then call :meth:`finish` with its values.
+
+    Args:
+        words: int32 buffer holding the payloads back to back (and worst-case slack).
+        readback: The values the host needs.
+        tables: The host tables of the call (shapes).
+        group_sizes: Blocks per payload.
+    """
+
+    def __init__(
+        self,
+        words: torch.Tensor,
+        readback: torch.Tensor,
+        tables: _HostTables,
+        group_sizes: list[int],
+    ) -> None:
+        self.words = words
+        self.readback = readback
+        self._tables = tables
+        self.group_sizes = group_sizes
+
+    @property
+    def device_sizes(self) -> torch.Tensor:
+        """int64 bytes of each payload, on the device (no sync)."""
+        return 4 * self.readback[: len(self.group_sizes)]
+
+    @property
+    def device_skeleton(self) -> torch.Tensor:
+        """int64 skeleton words of every payload (``container.skeleton_index``), on the device."""
+        return self.readback[len(self.group_sizes) + 6 * self._tables.n_blocks :]
+
+    def finish(
+        self, host: Sequence[int]
+    ) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
+        """The payloads and stats, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values (e.g. ``readback.tolist()``).
+
+        Returns:
+            (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per
+            payload and block, uint32 skeleton of every payload).
+        """
+        ht, ng, nb = self._tables, len(self.group_sizes), self._tables.n_blocks
+        sizes = [4 * int(w) for w in host[:ng]]
+        h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
+        skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
+        skel_sizes = [
+            HEADER_WORDS + (DESCRIPTOR_WORDS + sm.SEGMENT_HEADER_WORDS) * n
+            for n in self.group_sizes
+        ]
+        skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
+        errs = h[4].view(np.float64)
+        bounds_used = h[5].view(np.float64)
+        stats = [
+            BlockStats(
+                rows=int(ht.rows[i]),
+                dim=int(ht.dim[i]),
+                raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
+                wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
+                mode=MODE_NAMES[int(h[0, i])],
+                bound=float(bounds_used[i]),
+                max_error=float(errs[i]),
+                n_unique=int(h[1, i]),
+                n_escapes=int(h[2, i]),
+            )
+            for i in range(nb)
+        ]
+        payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
+        per_group = []
+        at = 0
+        for n in self.group_sizes:
+            per_group.append(stats[at : at + n])
+            at += n
+        return payload, sizes, per_group, skeletons

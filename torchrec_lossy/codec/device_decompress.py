@@ -12,8 +12,9 @@ Host syncs: at most two per payload, whatever the number of blocks, both through
    expressions) and computes where every section lies. A compressed payload is small (about 1/30
    of the decoded bytes); parsing segment headers on the device instead would still need a
    read-back of the headers before the decode grid could be sized, so it would not save a sync.
-   A payload the checks reject is decoded by the CPU path on that host copy, which raises the
-   exact error (a data error in an earlier block, which only decoding finds, must win).
+   A payload the checks reject is handed (as that host copy) to the caller's ``on_reject``:
+   ``pipeline.decompress`` decodes it with the CPU path, which raises the exact error (a data
+   error in an earlier block, which only decoding finds, must win).
 2. One read of the per-block status codes after the last kernel (only when some block has vector
    references or a Huffman stream, the only things decoding itself can find wrong): invalid
    references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
@@ -31,16 +32,28 @@ The returned blocks are views into one output buffer (each block contiguous and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import NoReturn
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    DESCRIPTOR_WORDS,
+    HEADER_WORDS,
+    Reader,
+    check_payload,
+    parse_header,
+    segment_checksums,
+    skeleton_index,
+    skeleton_words,
+)
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
+    DECODE_ERRORS,
     DESCRIPTOR,
     ESCAPE_SYMBOL,
     HEADER,
@@ -50,17 +63,12 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
+    REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
     CodecError,
 )
-from torchrec_lossy.codec.pipeline import (
-    DEFAULT_MAX_ELEMENTS,
-    _check_payload,
-    _parse_header,
-    _Reader,
-)
 
-_HEADER_WORDS = HEADER.itemsize // 4
+_HEADER_WORDS = HEADER_WORDS
 _SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 # Per-block fields the kernels read (int64 each), uploaded together.
 _FIELDS = (
@@ -95,14 +103,8 @@ _FIELDS = (
 _STATUS_ROWS = ("refs_bad", "codebook_bad", "table_bad", "fail", "esc_bad")
 
 
-class _SyncCounter:
-    """How many device-to-host copies :func:`_host` made (the tests assert on it)."""
-
-    count = 0
-
-
 def _host(t: torch.Tensor) -> np.ndarray:
-    """The module's only device-to-host copy (one sync on a CUDA tensor); counts itself.
+    """The module's only device-to-host copy (one sync on a CUDA tensor), counted as ours.
 
     Args:
         t: A tensor on any device.
@@ -110,8 +112,7 @@ def _host(t: torch.Tensor) -> np.ndarray:
     Returns:
         Its contents as a host numpy array.
     """
-    _SyncCounter.count += 1
-    return t.detach().contiguous().cpu().numpy()
+    return host_sync.to_host(t, "decompress")
 
 
 def host_syncs() -> int:
@@ -120,14 +121,14 @@ def host_syncs() -> int:
     Returns:
         The count.
     """
-    return _SyncCounter.count
+    return host_sync.host_reads("decompress")
 
 
 def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
     """The kernel modules (imports triton; the interpreter for CPU tensors)."""
-    from torchrec_lossy.codec.triton_ops import _load_kernels
+    from torchrec_lossy.codec.triton_ops import load_kernels
 
-    k_quantize, k_vector_lz, k_huffman = _load_kernels(device)
+    k_quantize, k_vector_lz, k_huffman = load_kernels(device)
     from torchrec_lossy.kernels import codebook as k_codebook
 
     return k_quantize, k_vector_lz, k_huffman, k_codebook
@@ -147,10 +148,12 @@ def _bit_length(v: np.ndarray) -> np.ndarray:
     return np.frexp(v.astype(np.float64))[1].astype(np.int64)
 
 
-def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
+def _layout(
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True
+) -> dict[str, np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
-    The header and descriptors go through the CPU path's own ``pipeline._parse_header`` (which
+    The header and descriptors go through the CPU path's own ``container.parse_header`` (which
     raises its ``CodecError``: those checks precede any block on the CPU path too). The segment
     conditions are ``_decode_block``'s and ``_decode_refs``' (every ``take`` fits, ``done``
     leaves nothing, every field check), as numpy expressions over all blocks at once; for them the
@@ -159,11 +162,12 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     Args:
         buf: The payload's bytes.
         max_elements: Refuse payloads that decode to more elements than this in total.
+        verify_checksum: False for a skeleton's stand-in (the device checks the payload).
 
     Returns:
         int64 arrays by field name (word offsets are into the payload), or None.
     """
-    body, desc_fields, offsets = _parse_header(buf, max_elements)
+    body, desc_fields, offsets = parse_header(buf, max_elements, verify_checksum)
     n_blocks = len(desc_fields)
     descs = body[: offsets[0]].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
@@ -258,28 +262,20 @@ def _layout(buf: np.ndarray, max_elements: int) -> dict[str, np.ndarray] | None:
     }
 
 
-def _raise_as_cpu(buf: np.ndarray, max_elements: int) -> NoReturn:
-    """Raises the CPU path's error for a payload :func:`_layout` rejected.
-
-    A data error in an earlier block (bad references, a bad Huffman stream) is only found by
-    decoding, and the CPU path reports it first; so the host copy is decoded on the host up to
-    the failure. Only corrupt payloads get here.
-    """
-    from torchrec_lossy.codec.pipeline import decompress
-
-    decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
-    # Unreachable while _layout and the CPU path agree (the tests hold them to it).
-    raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
-
-
 def decompress_device(
-    payload: torch.Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS
+    payload: torch.Tensor,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    on_reject: Callable[[np.ndarray], object] | None = None,
 ) -> list[torch.Tensor]:
     """Decodes a payload made by ``compress`` on the payload's device, all blocks at once.
 
     Args:
         payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         max_elements: Refuse payloads that decode to more elements than this in total.
+        on_reject: Called with the host copy of a payload whose segments the layout checks
+            reject, before any launch; it should raise the exact error (``pipeline.decompress``
+            passes its host decoder: a data error in an earlier block, which only decoding
+            finds, must win, as on the CPU path). Without it a generic CodecError is raised.
 
     Returns:
         The blocks: same shapes, dtypes and bits as the CPU path's, on the payload's device
@@ -290,16 +286,19 @@ def decompress_device(
             CPU path's message).
         RuntimeError: triton is not installed.
     """
-    _check_payload(payload)
+    check_payload(payload)
     kernels = _kernels(payload.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(payload)  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
         if layout is None:
-            _raise_as_cpu(buf, max_elements)
+            if on_reject is not None:
+                on_reject(buf)
+            # Unreachable with the host decoder while _layout and it agree (tested).
+            raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
         if layout["rows"].shape[0] == 0:
             return []
-        return _decode_on_device(payload, layout, *kernels)
+        return _decode_on_device(payload, layout, *kernels)[0]
 
 
 def _decode_on_device(
@@ -309,8 +308,12 @@ def _decode_on_device(
     k_vector_lz: ModuleType,
     k_huffman: ModuleType,
     k_codebook: ModuleType,
-) -> list[torch.Tensor]:
-    """Launches every stage for all blocks, reads the status once, returns the blocks."""
+    defer_status: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Launches every stage for all blocks and returns them with the device status codes.
+
+    Unless ``defer_status``, the status is read once here and the first error raised.
+    """
     device = payload.device
     lz = col["ref_mode"] >= 0
     quant = col["has_stream"] == 1
@@ -423,14 +426,10 @@ def _decode_on_device(
             dev["fail"],
             dev["esc_bad"],
         )
-        codes = _host(codes)  # sync 2: every decode error of every block
-        bad = np.flatnonzero(codes)
-        if bad.shape[0]:
-            b = int(bad[0])
-            r = _Reader(np.zeros(0, np.uint32), b)
-            if codes[b] == k_huffman.REFS_OUT_OF_RANGE:
-                raise r.fail("vector references out of range")
-            raise r.fail(f"Huffman stream: {huffman.DECODE_ERRORS[int(codes[b])]}")
+        if not defer_status:
+            raise_status(_host(codes))  # sync 2: every decode error of every block
+    else:
+        codes = None
     # One typed view of the buffer per dtype, then one as_strided per block.
     halves = out.view(torch.int16)
     typed = {
@@ -451,7 +450,205 @@ def _decode_on_device(
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
         else:
             blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
-    return blocks
+    return blocks, codes
 
 
-__all__ = ["decompress_device", "host_syncs"]
+def status_error(code: int, block: int) -> CodecError:
+    """The CPU path's error for a block's device decode status.
+
+    Args:
+        code: Nonzero status (``REFS_OUT_OF_RANGE`` or a ``DECODE_*`` code).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    r = Reader(np.zeros(0, np.uint32), block)
+    if code == REFS_OUT_OF_RANGE:
+        return r.fail("vector references out of range")
+    return r.fail(f"Huffman stream: {DECODE_ERRORS[code]}")
+
+
+def raise_status(codes: np.ndarray) -> None:
+    """Raises the first failing block's error of a payload's status codes (if any).
+
+    Args:
+        codes: Per-block status codes read back from the device.
+
+    Raises:
+        CodecError: Some block failed to decode.
+    """
+    bad = np.flatnonzero(codes)
+    if bad.shape[0]:
+        raise status_error(int(codes[bad[0]]), int(bad[0]))
+
+
+# The offsets into the payload's words that move with a payload inside a grouped buffer.
+_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
+
+
+def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) -> dict:
+    """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
+
+    Args:
+        layouts: :func:`_layout` of every payload (none rejected).
+        word_base: Each payload's first word in the buffer.
+
+    Returns:
+        The merged layout, block indexes running over all payloads.
+    """
+    merged = {
+        k: np.concatenate(
+            [
+                lay[k] + (w if k in _WORD_OFFSETS else 0)
+                for lay, w in zip(layouts, word_base, strict=True)
+            ]
+        )
+        for k in layouts[0]
+    }
+    lz = merged["ref_mode"] >= 0
+    quant = merged["has_stream"] == 1
+    merged["id_base"] = _bases(np.where(lz, merged["rows"], 0))[:-1]
+    merged["table_idx"] = np.where(quant, np.cumsum(quant) - 1, 0)
+    merged["out_off"] = _bases(merged["out_words"])[:-1]
+    return merged
+
+
+def decompress_groups_device(
+    buffer: torch.Tensor,
+    sizes: list[int],
+    max_elements: int,
+    skeletons: Sequence[np.ndarray] | None = None,
+) -> tuple[
+    list[list[torch.Tensor]],
+    torch.Tensor | None,
+    np.ndarray,
+    dict[int, np.ndarray | None],
+    torch.Tensor | None,
+]:
+    """Decodes several payloads held back to back in one buffer, all blocks in one pass.
+
+    Without ``skeletons``: one host read (the whole buffer, for the layouts). With them (each
+    payload's ``container.skeleton_index`` words, announced by its sender): no read at all; the
+    layouts come from the skeletons and the device checks each payload against its skeleton and
+    its checksum. Either way the decode status is NOT read: it is returned as device tensors for
+    the caller to check at a sync point of its choosing.
+
+    Args:
+        buffer: 1-D uint8 tensor on the device (CUDA, or CPU under the interpreter).
+        sizes: Bytes of each payload.
+        max_elements: Refuse payloads that decode to more elements than this (each).
+        skeletons: Per payload, its announced skeleton (uint32 words), or None.
+
+    Returns:
+        (blocks per payload ([] for a rejected one), int32 status per block of the accepted
+        payloads (None if nothing can fail on the device), the payload of each of those blocks,
+        the payloads the layout checks rejected by index (their host bytes; None in skeleton
+        mode, where the payload itself was not read), int32 per payload: 1 where it does not
+        match its skeleton or checksum (skeleton mode; else None)).
+    """
+    kernels = _kernels(buffer.device)
+    with record_function("## lossy_codec decode ##"):
+        buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
+        layouts, bases, groups = [], [], []
+        rejected: dict[int, np.ndarray | None] = {}
+        checks: list[tuple[int, np.ndarray, np.ndarray, int]] = []
+        at = 0
+        for g, n in enumerate(sizes):
+            try:
+                if skeletons is None:
+                    part = buf[at : at + n]
+                    lay = _layout(part, max_elements) if n % 4 == 0 else None
+                else:
+                    part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
+                    lay = _layout(part, max_elements, verify_checksum=False)
+                    checks.append((g, at // 4 + pos, part.view(np.uint32)[pos], at // 4))
+            except CodecError:
+                lay = None
+            if lay is None:
+                rejected[g] = buf[at : at + n] if buf is not None else None
+            elif lay["rows"].shape[0]:
+                layouts.append(lay)
+                bases.append(at // 4)
+                groups.append(np.full(lay["rows"].shape[0], g, dtype=np.int64))
+            at += n
+        group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
+        out: list[list[torch.Tensor]] = [[] for _ in sizes]
+        block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        if not layouts:
+            return out, None, block_group, rejected, group_bad
+        blocks, codes = _decode_on_device(
+            buffer, merge_layouts(layouts, bases), *kernels, defer_status=True
+        )
+        for g, b in zip(block_group.tolist(), blocks, strict=True):
+            out[g].append(b)
+        return out, codes, block_group, rejected, group_bad
+
+
+def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in payload of ``n_bytes`` holding only a skeleton, and the skeleton's positions.
+
+    Raises:
+        CodecError: The skeleton cannot be the skeleton of an ``n_bytes`` payload.
+    """
+    words = n_bytes // 4
+    if n_bytes % 4 or words < HEADER_WORDS or skeleton.shape[0] < HEADER_WORDS:
+        raise CodecError(f"corrupt payload: a {n_bytes}-byte payload has no valid skeleton")
+    n = int(skeleton[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    if skeleton.shape[0] != skeleton_words(n):
+        raise CodecError("corrupt payload: the skeleton does not match its block count")
+    descs = skeleton[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
+    seg = descs["seg_words"].astype(np.int64)
+    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
+    pos = skeleton_index(
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([words], dtype=torch.int64),
+        [n],
+        torch.from_numpy(seg_start),
+    ).numpy()
+    if pos.shape[0] and (pos.min() < 0 or pos.max() >= words):
+        raise CodecError("corrupt payload: the skeleton points outside the payload")
+    stand_in = np.zeros(words, np.uint32)
+    stand_in[pos] = skeleton
+    return stand_in.view(np.uint8), pos
+
+
+def _check_skeletons(
+    buffer: torch.Tensor,
+    sizes: list[int],
+    checks: list[tuple[int, np.ndarray, np.ndarray, int]],
+) -> torch.Tensor:
+    """Per payload on the device: 1 where it differs from its skeleton or fails its checksum."""
+    dev = buffer.device
+    bad = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
+    if not checks:
+        return bad
+    words = (
+        buffer.view(torch.int32)
+        if buffer.storage_offset() % 4 == 0
+        else buffer.clone().view(torch.int32)
+    )
+    pos = np.concatenate([c[1] for c in checks])
+    expected = np.concatenate([c[2] for c in checks]).astype(np.int64)
+    group = np.concatenate([np.full(c[1].shape[0], c[0], np.int64) for c in checks])
+    starts = np.array([c[3] + HEADER_WORDS for c in checks], np.int64)
+    lengths = np.array([sizes[c[0]] // 4 - HEADER_WORDS for c in checks], np.int64)
+    # The announced checksum: header bytes 24..31 (the skeleton's header is the payload's).
+    announced = np.array(
+        [c[2][:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks], np.uint64
+    ).view(np.int64)
+    ids = np.array([c[0] for c in checks], np.int64)
+    table = torch.from_numpy(
+        np.concatenate([pos, expected, group, starts, lengths, announced, ids])
+    )
+    if dev.type == "cuda":
+        table = table.pin_memory()
+    t = table.to(dev, non_blocking=True)
+    k, m = pos.shape[0], len(checks)
+    t_pos, t_exp, t_grp = t[:k], t[k : 2 * k], t[2 * k : 3 * k]
+    t_starts, t_len, t_ann, t_ids = (t[3 * k + i * m : 3 * k + (i + 1) * m] for i in range(4))
+    differs = ((words[t_pos].to(torch.int64) & 0xFFFFFFFF) != t_exp).to(torch.int32)
+    bad.scatter_reduce_(0, t_grp, differs, "amax")
+    sums = segment_checksums(words, t_starts, t_len)
+    bad.scatter_reduce_(0, t_ids, (sums != t_ann).to(torch.int32), "amax")
+    return bad

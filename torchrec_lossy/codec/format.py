@@ -40,6 +40,22 @@ MODE_NAMES = {MODE_RAW: "raw", MODE_LZ: "lz", MODE_QUANT: "quant", MODE_QUANT_LZ
 REFS_FIXED = 0  # every row: its vector id in ref_width bits
 REFS_FLAGGED = 1  # every row: 1 flag bit (1 = first occurrence); repeats add their id
 
+# Huffman decode errors, shared by the CPU kernel and the Triton kernels (0 = success).
+DECODE_INVALID_CODE = -1
+DECODE_OUT_OF_BITS = -2
+DECODE_BAD_CHUNK_TABLE = -3
+DECODE_BAD_ESCAPES = -4
+DECODE_BAD_CODEBOOK = -5
+DECODE_ERRORS = {
+    DECODE_INVALID_CODE: "a bit pattern that no code starts with",
+    DECODE_OUT_OF_BITS: "a chunk runs out of bits",
+    DECODE_BAD_CHUNK_TABLE: "the chunk table decreases or does not end at the bitstream's end",
+    DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
+    DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
+}
+# Device block status for invalid vector references (the Triton decoder's, beside DECODE_*).
+REFS_OUT_OF_RANGE = 1
+
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 # Integer views that carry each float dtype's bits verbatim.
@@ -135,18 +151,3 @@ def checksum_words(words: np.ndarray) -> np.uint64:
     for i in range(words.shape[0]):
         acc += np.uint64(words[i]) * np.uint64(2 * i + 1)
     return acc
-
-
-def checksum_reference(words: torch.Tensor) -> int:
-    """Torch twin of :func:`checksum_words` (the test oracle).
-
-    Args:
-        words: 1-D int32 tensor (the uint32 words' bits).
-
-    Returns:
-        The checksum as a Python int in [0, 2**64).
-    """
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    weights = torch.arange(w.numel(), dtype=torch.int64) * 2 + 1
-    # int64 products and sums wrap modulo 2**64, which is exactly the checksum's arithmetic.
-    return int((w * weights).sum().item()) & 0xFFFFFFFFFFFFFFFF

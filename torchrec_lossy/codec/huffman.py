@@ -18,21 +18,16 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
-
-# Decode errors reported by decode_kernel (0 = success).
-DECODE_INVALID_CODE = -1
-DECODE_OUT_OF_BITS = -2
-DECODE_BAD_CHUNK_TABLE = -3
-DECODE_BAD_ESCAPES = -4
-DECODE_BAD_CODEBOOK = -5
-DECODE_ERRORS = {
-    DECODE_INVALID_CODE: "a bit pattern that no code starts with",
-    DECODE_OUT_OF_BITS: "a chunk runs out of bits",
-    DECODE_BAD_CHUNK_TABLE: "the chunk table decreases or does not end at the bitstream's end",
-    DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
-    DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
-}
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    DECODE_BAD_CHUNK_TABLE,
+    DECODE_BAD_CODEBOOK,
+    DECODE_BAD_ESCAPES,
+    DECODE_INVALID_CODE,
+    DECODE_OUT_OF_BITS,
+    ESCAPE_SYMBOL,
+    MAX_CODE_LENGTH,
+)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -141,31 +136,42 @@ def _flush(words: np.ndarray, w: int, acc: np.uint64, n_acc: np.uint64) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_kernel(
-    symbols: np.ndarray,
-    rows: np.ndarray,
-    lengths: np.ndarray,
-    codes: np.ndarray,
-    chunk_symbols: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes the symbols of the selected rows, in order, into word-aligned chunks.
+def code_entries(lengths: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """The encoder's lookup table: ``code << 8 | length`` per symbol.
 
     Args:
-        symbols: uint16 [rows, dim] symbols; every symbol encoded needs a nonzero code length.
-        rows: int32 indices of the rows to encode (the distinct vectors, or every row).
-        lengths: uint8 [ALPHABET_SIZE] code lengths.
-        codes: uint32 [ALPHABET_SIZE] canonical codes.
-        chunk_symbols: Symbols per chunk.
+        lengths: uint8 code lengths.
+        codes: uint32 canonical codes, same length.
 
     Returns:
-        (chunk_ends: uint32 [n_chunks], the end word of each chunk; words: uint32 bitstream).
+        uint64 entries.
+    """
+    return (codes.astype(np.uint64) << np.uint64(8)) | lengths.astype(np.uint64)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_into(
+    symbols: np.ndarray,
+    rows: np.ndarray,
+    entry: np.ndarray,
+    chunk_symbols: int,
+    chunk_ends: np.ndarray,
+    words: np.ndarray,
+) -> int:
+    """:func:`encode_kernel` writing into given buffers.
+
+    Args:
+        symbols: uint16 [rows, dim] symbols.
+        rows: int32 indices of the rows to encode, in order.
+        entry: uint64 [ALPHABET_SIZE] :func:`code_entries` (every encoded symbol's length > 0).
+        chunk_symbols: Symbols per chunk.
+        chunk_ends: uint32 [n_chunks] output: end word of each chunk.
+        words: uint32 output, at least ``(n * MAX_CODE_LENGTH + 31) // 32 + n_chunks`` words.
+
+    Returns:
+        Words written.
     """
     dim = symbols.shape[1]
-    n = rows.shape[0] * dim
-    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
-    chunk_ends = np.empty(n_chunks, dtype=np.uint32)
-    words = np.empty((n * MAX_CODE_LENGTH + 31) // 32 + n_chunks, dtype=np.uint32)
-    entry = (codes.astype(np.uint64) << np.uint64(8)) | lengths.astype(np.uint64)
     w = 0
     c = 0
     in_chunk = 0
@@ -191,7 +197,141 @@ def encode_kernel(
     if in_chunk > 0:
         w = _flush(words, w, acc, n_acc)
         chunk_ends[c] = w
+    return w
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_kernel(
+    symbols: np.ndarray,
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    codes: np.ndarray,
+    chunk_symbols: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes the symbols of the selected rows, in order, into word-aligned chunks.
+
+    Args:
+        symbols: uint16 [rows, dim] symbols; every symbol encoded needs a nonzero code length.
+        rows: int32 indices of the rows to encode (the distinct vectors, or every row).
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        codes: uint32 [ALPHABET_SIZE] canonical codes.
+        chunk_symbols: Symbols per chunk.
+
+    Returns:
+        (chunk_ends: uint32 [n_chunks], the end word of each chunk; words: uint32 bitstream).
+    """
+    n = rows.shape[0] * symbols.shape[1]
+    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
+    chunk_ends = np.empty(n_chunks, dtype=np.uint32)
+    words = np.empty((n * MAX_CODE_LENGTH + 31) // 32 + n_chunks, dtype=np.uint32)
+    w = encode_into(symbols, rows, code_entries(lengths, codes), chunk_symbols, chunk_ends, words)
     return chunk_ends, words[:w]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _histogram4(symbols: np.ndarray, base: int, esc: int, hists: np.ndarray, weight: int) -> None:
+    """Adds ``weight`` per symbol, compact (``s - base``, the escape at ``esc``), into 4
+    interleaved histograms."""
+    n = symbols.shape[0]
+    n4 = n - n % 4
+    for i in range(0, n4, 4):
+        for t in range(4):
+            s = np.int64(symbols[i + t])
+            hists[t, esc if s == ESCAPE_SYMBOL else s - base] += weight
+    for i in range(n4, n):
+        s = np.int64(symbols[i])
+        hists[0, esc if s == ESCAPE_SYMBOL else s - base] += weight
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_blocks_kernel(
+    symbols: np.ndarray,
+    elem_off: np.ndarray,
+    row_off: np.ndarray,
+    dims: np.ndarray,
+    rows_sel: np.ndarray,
+    n_sel: np.ndarray,
+    ids: np.ndarray,
+    weighted: np.ndarray,
+    sym_lo: np.ndarray,
+    sym_hi: np.ndarray,
+    active: np.ndarray,
+    len_off: np.ndarray,
+    lengths: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`plan_kernel` for selected rows of every active block, in one call.
+
+    Histograms and codes are compact: block ``b``'s value symbols ``sym_lo[b] .. sym_hi[b]``
+    then the escape symbol, so a block costs its symbol span, not the alphabet (the code is
+    the same: ties are broken by symbol, whose order the compact index keeps).
+
+    Args:
+        symbols: uint16 symbols of every block, flat, back to back.
+        elem_off: int64 [n_blocks + 1] block starts in ``symbols``, then the end.
+        row_off: int64 [n_blocks + 1] block starts in rows, then the total.
+        dims: int64 [n_blocks] columns.
+        rows_sel: int32 [total rows]: block ``b``'s selected block-local rows at ``row_off[b]``.
+        n_sel: int64 [n_blocks] rows selected per block.
+        ids: int32 [total rows] block-local vector ids (read where ``weighted``).
+        weighted: bool [n_blocks]: the selected rows are a block's distinct vectors (numbered
+            as ``ids`` numbers them) and stand for every row: each counts as often as it occurs,
+            so the histogram of all rows costs a pass over the distinct ones only.
+        sym_lo: int64 [n_blocks] lowest value symbol of the block (any rows).
+        sym_hi: int64 [n_blocks] highest (below sym_lo when every element escapes).
+        active: bool [n_blocks] blocks to plan.
+        len_off: int64 [n_blocks] start of each block's compact lengths in ``lengths``
+            (``max(sym_hi - sym_lo + 1, 0) + 1`` entries).
+        lengths: uint8 output: the compact code lengths, the escape's last.
+
+    Returns:
+        Per block (int64): coded bits, symbols, lowest value symbol with a code and span of the
+        value symbols with a code (0, 0 without one), escapes.
+    """
+    nb = dims.shape[0]
+    bits = np.zeros(nb, np.int64)
+    n = np.zeros(nb, np.int64)
+    lo = np.zeros(nb, np.int64)
+    count = np.zeros(nb, np.int64)
+    n_esc = np.zeros(nb, np.int64)
+    for b in range(nb):
+        if not active[b]:
+            continue
+        base = sym_lo[b]
+        width = max(sym_hi[b] - base + 1, 0) + 1
+        esc = width - 1
+        # Four interleaved histograms: repeated symbols do not wait on each other's stores.
+        hists = np.zeros((4, width), np.int32)
+        dim = dims[b]
+        blk = symbols[elem_off[b] : elem_off[b + 1]]
+        sel = rows_sel[row_off[b] : row_off[b] + n_sel[b]]
+        if weighted[b]:  # each selected row counts as often as ids refer to it
+            mult = np.zeros(sel.shape[0], np.int32)
+            for v in ids[row_off[b] : row_off[b + 1]]:
+                mult[v] += 1
+            for k in range(sel.shape[0]):
+                _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, mult[k])
+        elif sel.shape[0] * dim == blk.shape[0]:  # every row, in order: one flat pass
+            _histogram4(blk, base, esc, hists, 1)
+        else:
+            for k in range(sel.shape[0]):
+                _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, 1)
+        hist = (hists[0] + hists[1] + hists[2] + hists[3]).astype(np.int64)
+        blk_lengths = code_lengths_kernel(hist)
+        lengths[len_off[b] : len_off[b] + width] = blk_lengths
+        c_lo = -1
+        c_hi = -1
+        for k in range(width):
+            bits[b] += hist[k] * blk_lengths[k]
+            n[b] += hist[k]
+            if k < esc and blk_lengths[k] > 0:
+                if c_lo < 0:
+                    c_lo = k
+                c_hi = k
+        if c_lo >= 0:
+            lo[b] = base + c_lo
+            count[b] = c_hi - c_lo + 1
+        n_esc[b] = hist[esc]
+    return bits, n, lo, count, n_esc
 
 
 @numba.njit(cache=True, nogil=True)
@@ -282,6 +422,28 @@ def decode_kernel(
     Returns:
         0, or one of the DECODE_* error codes.
     """
+    return decode_range_kernel(words, chunk_ends, chunk_symbols, lengths, 0, escape_positions, out)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_range_kernel(
+    words: np.ndarray,
+    chunk_ends: np.ndarray,
+    chunk_symbols: int,
+    lengths: np.ndarray,
+    sym_lo: int,
+    escape_positions: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """:func:`decode_kernel` over a code given for a symbol range: ``lengths[k]`` is the length
+    of symbol ``sym_lo + k`` and the last entry the escape's (the wire codebook's compact form,
+    as the encoder codes it; the same canonical codes as the whole alphabet's lengths, at a
+    fraction of the table-building cost for small blocks). ``sym_lo`` 0 with the whole
+    alphabet's lengths is :func:`decode_kernel`.
+
+    Returns:
+        0, or one of the DECODE_* error codes.
+    """
     table = decode_table_kernel(lengths)
     if table.shape[0] == 0:
         return DECODE_BAD_CODEBOOK
@@ -297,6 +459,7 @@ def decode_kernel(
     while (1 << peek) < table.shape[0]:
         peek += 1
     shift_peek = np.uint64(64 - peek)
+    escape = lengths.shape[0] - 1
     n = out.shape[0]
     n_escapes = escape_positions.shape[0]
     k = 0
@@ -318,11 +481,13 @@ def decode_kernel(
             if length > n_bits:
                 return DECODE_OUT_OF_BITS
             sym = entry & 0xFFFF
-            if sym == ESCAPE_SYMBOL:
+            if sym == escape:
                 if k >= n_escapes or escape_positions[k] != i:
                     return DECODE_BAD_ESCAPES
                 k += 1
-            out[i] = sym
+                out[i] = ESCAPE_SYMBOL
+            else:
+                out[i] = sym_lo + sym
             buf <<= np.uint64(length)
             n_bits -= length
         start = end

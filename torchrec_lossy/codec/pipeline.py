@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,16 +20,30 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import host_batch, huffman, quantize, vector_lz
+from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    BlockStats,
+    Reader,
+    check_payload,
+    host_header,
+    parse_header,
+)
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     BITS_DTYPES,
     CODE_DTYPES,
+    DECODE_BAD_CHUNK_TABLE,
+    DECODE_BAD_CODEBOOK,
+    DECODE_BAD_ESCAPES,
+    DECODE_ERRORS,
+    DECODE_INVALID_CODE,
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
     HEADER,
-    MAGIC,
     MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_NAMES,
@@ -39,48 +53,29 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
-    VERSION,
     CodecError,
-    checksum_words,
     words_for_bits,
     words_for_bytes,
 )
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.triton_ops import _load_kernels, triton_available
+from torchrec_lossy.codec.triton_ops import load_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
 
-# A payload may not ask the decoder for more output elements than this (a crafted payload must not
-# be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
-DEFAULT_MAX_ELEMENTS = 1 << 28
-_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
-
-
-@dataclass(frozen=True)
-class BlockStats:
-    """What happened to one block.
-
-    Attributes:
-        rows: Rows of the block.
-        dim: Columns of the block.
-        raw_bytes: Bytes of the block as a tensor.
-        wire_bytes: Bytes it took in the payload (descriptor and segment; the 32-byte payload
-            header is not attributed to any block).
-        mode: ``"raw"``, ``"lz"``, ``"quant"`` or ``"quant+lz"``.
-        bound: Absolute error bound.
-        max_error: Max |x - x'| over the finite elements (0 for lossless modes).
-        n_unique: Distinct vectors sent (rows when no vector-LZ).
-        n_escapes: Elements sent verbatim by the escape path.
-    """
-
-    rows: int
-    dim: int
-    raw_bytes: int
-    wire_bytes: int
-    mode: str
-    bound: float
-    max_error: float
-    n_unique: int
-    n_escapes: int
+__all__ = [
+    "DEFAULT_MAX_ELEMENTS",
+    "BlockStats",
+    "CpuOps",
+    "ReferenceOps",
+    "StageOps",
+    "compress",
+    "compress_host_groups",
+    "compress_with_stats",
+    "decompress",
+    "decompress_host_groups",
+    "on_device",
+    "validate_inputs",
+]
+_SEGMENT_HEADER_WORDS = sm.SEGMENT_HEADER_WORDS
 
 
 class StageOps(Protocol):
@@ -186,7 +181,7 @@ class CpuOps:
         status = huffman.decode_kernel(
             words, chunk_ends, chunk_symbols, lengths, escape_positions, out
         )
-        return out if status == 0 else huffman.DECODE_ERRORS[status]
+        return out if status == 0 else DECODE_ERRORS[status]
 
 
 class ReferenceOps:
@@ -242,10 +237,10 @@ class ReferenceOps:
         escape_positions: np.ndarray,
     ) -> np.ndarray | str:
         if huffman.decode_table_kernel(lengths).shape[0] == 0:
-            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CODEBOOK]
+            return DECODE_ERRORS[DECODE_BAD_CODEBOOK]
         ends = chunk_ends.astype(np.int64)
         if ends.shape[0] and (np.any(np.diff(ends) < 0) or ends[-1] != words.shape[0]):
-            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CHUNK_TABLE]
+            return DECODE_ERRORS[DECODE_BAD_CHUNK_TABLE]
         try:
             syms = huffman.decode_reference(
                 words.tolist(),
@@ -255,28 +250,35 @@ class ReferenceOps:
                 torch.from_numpy(lengths.astype(np.int64)),
             )
         except ValueError:
-            return huffman.DECODE_ERRORS[huffman.DECODE_INVALID_CODE]
+            return DECODE_ERRORS[DECODE_INVALID_CODE]
         out = np.array(syms, dtype=np.uint16)
         if not np.array_equal(np.flatnonzero(out == ESCAPE_SYMBOL), escape_positions):
-            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_ESCAPES]
+            return DECODE_ERRORS[DECODE_BAD_ESCAPES]
         return out
 
 
 # The stage-by-stage backends. "triton" is not among them: it always runs device-resident
-# (_on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
+# (on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
 _OPS: dict[str, StageOps] = {
     "cpu": CpuOps(),
     "reference": ReferenceOps(),
 }
 
 
-def _on_device(device: torch.device, backend: str) -> bool:
+def on_device(device: torch.device, backend: str) -> bool:
     """Whether compress / decompress run device-resident (``device_compress`` /
     ``device_decompress``) rather than stage by stage.
 
     CUDA tensors do with ``"auto"`` (when triton is installed; without it they are staged
     through the host path) and ``"triton"``; CPU tensors only with ``"triton"`` (the Triton
     interpreter: slow, for tests).
+
+    Args:
+        device: The tensors' device.
+        backend: ``CodecConfig.backend``.
+
+    Returns:
+        True for the device-resident path.
     """
     if backend == "triton":
         return True
@@ -284,7 +286,7 @@ def _on_device(device: torch.device, backend: str) -> bool:
 
 
 def _ops_for(backend: str) -> StageOps:
-    # Only for backends _on_device turned down: "auto" (CPU tensors, or CUDA ones without
+    # Only for backends on_device turned down: "auto" (CPU tensors, or CUDA ones without
     # triton) is the compiled CPU path.
     return _OPS["cpu" if backend == "auto" else backend]
 
@@ -320,9 +322,7 @@ class _Code:
     @staticmethod
     def plan(hist: np.ndarray, chunk_symbols: int) -> _Code:
         lengths, bits, n, lo, count = huffman.plan_kernel(hist)
-        n_chunks = -(-n // chunk_symbols)
-        words = words_for_bytes((count + 1) // 2) + n_chunks + words_for_bits(bits) + n_chunks // 2
-        return _Code(hist, lengths, lo, count, words)
+        return _Code(hist, lengths, lo, count, int(sm.code_words(n, bits, count, chunk_symbols)))
 
 
 def _segment_header(**fields: int | float) -> np.ndarray:
@@ -384,19 +384,6 @@ def _quantized_sections(
     return sections
 
 
-def _escape_words(n_escapes: int, itemsize: int) -> int:
-    return n_escapes + words_for_bytes(n_escapes * itemsize)
-
-
-def _lossless_lz_words(rows: int, n_unique: int, dim: int, itemsize: int) -> int:
-    ref_mode = vector_lz.best_refs_mode(rows, n_unique)
-    return (
-        _SEGMENT_HEADER_WORDS
-        + words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode))
-        + words_for_bytes(n_unique * dim * itemsize)
-    )
-
-
 def _encode_block(
     block: torch.Tensor,
     bound: float,
@@ -407,8 +394,10 @@ def _encode_block(
     """Encodes one block in the smallest of the modes the config and the bound allow.
 
     Sizes are computed from histograms before anything is encoded; only the winner is built.
-    On a tie the simpler mode wins (raw, quant, quant+lz, lz). ``sr_key`` other than
-    ``NEAREST_KEY`` rounds stochastically with that key (grid step ``bound``).
+    The choice is ``size_model``'s (shared with the device path): on a tie the simpler mode wins
+    (raw, quant, quant+lz, lz), and the lossless dedupe runs only when it could still win.
+    ``sr_key`` other than ``NEAREST_KEY`` rounds stochastically with that key (grid step
+    ``bound``).
     """
     rows, dim = block.shape
     raw_bits = block.contiguous().view(BITS_DTYPES[block.dtype]).numpy()
@@ -418,9 +407,6 @@ def _encode_block(
     bits = raw_bits.astype(np.int32, copy=False)
     chunk = config.huffman_chunk_symbols
     lz_allowed = config.enable_lz and rows > 1
-    candidates: list[tuple[int, Callable[[], _Encoded]]] = [
-        (words_for_bytes(rows * dim * itemsize), lambda: _Encoded(MODE_RAW, [raw_bits]))
-    ]
     x = block.reshape(-1).float().numpy()
     params = None
     if config.enable_quantization and bound > 0:
@@ -428,63 +414,48 @@ def _encode_block(
         params = quantize.quant_params(quantize.grid_bound(bound, stochastic), x)
         if params is not None and stochastic:
             params = dataclasses.replace(params, sr_key=sr_key)
+    quant_ok = params is not None
+    quant_w = quant_lz_w = 0
+    quant_lz_ok = False
     n_unique_quantized = 1  # a lower bound on the distinct raw vectors until dedupe says more
     if params is not None:
         symbols, hist, n_esc, max_err = ops.quantize(x, params, bound, DTYPE_CODES[block.dtype])
         sym2d = symbols.reshape(rows, dim)
         code = _Code.plan(hist, chunk)
-        every_row = np.arange(rows, dtype=np.int32)
-        candidates.append(
-            (
-                _SEGMENT_HEADER_WORDS + _escape_words(n_esc, itemsize) + code.words,
-                lambda: _Encoded(
-                    MODE_QUANT,
-                    _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None),
-                    max_err,
-                    rows,
-                    n_esc,
-                ),
-            )
-        )
+        quant_w = int(sm.quant_words(n_esc, itemsize, code.words))
         if lz_allowed:
             ids, first = ops.dedupe(sym2d, bits)
             n_unique_quantized = first.shape[0]
-            if n_unique_quantized < rows:
-                ref_mode = vector_lz.best_refs_mode(rows, n_unique_quantized)
+            quant_lz_ok = n_unique_quantized < rows
+            if quant_lz_ok:
                 uniq_code = _Code.plan(ops.histogram_rows(sym2d, first), chunk)
                 n_esc_u = int(uniq_code.hist[ESCAPE_SYMBOL])
-
-                def quant_lz() -> _Encoded:
-                    refs = (ops.pack_refs(ids, first.shape[0], ref_mode), ref_mode)
-                    sections = _quantized_sections(
-                        ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs
-                    )
-                    return _Encoded(MODE_QUANT_LZ, sections, max_err, first.shape[0], n_esc_u)
-
-                lz_words = (
-                    _SEGMENT_HEADER_WORDS
-                    + words_for_bits(vector_lz.refs_bits(rows, n_unique_quantized, ref_mode))
-                    + _escape_words(n_esc_u, itemsize)
-                    + uniq_code.words
+                quant_lz_w = int(
+                    sm.quant_lz_words(rows, n_unique_quantized, n_esc_u, itemsize, uniq_code.words)
                 )
-                candidates.append((lz_words, quant_lz))
-    best_words = min(w for w, _ in candidates)
-    # Raw-identical rows are also quantized-identical, so the lossless dedupe keeps at least as
-    # many vectors as the quantized one: skip it when even that many cannot beat the best so far.
-    if lz_allowed and _lossless_lz_words(rows, n_unique_quantized, dim, itemsize) < best_words:
+    raw_words = words_for_bytes(rows * dim * itemsize)
+    mode, best = sm.choose_lossy(raw_words, quant_ok, quant_w, quant_lz_ok, quant_lz_w)
+    if sm.lossless_may_win(lz_allowed, rows, dim, itemsize, n_unique_quantized, best):
         raw_ids, raw_first = ops.dedupe(None, bits)
         n_unique = raw_first.shape[0]
-
-        def lossless_lz() -> _Encoded:
-            ref_mode = vector_lz.best_refs_mode(rows, n_unique)
-            header = _segment_header(
-                n_unique=n_unique, ref_mode=ref_mode, ref_width=vector_lz.ref_width(n_unique)
-            )
-            packed = ops.pack_refs(raw_ids, n_unique, ref_mode)
-            return _Encoded(MODE_LZ, [header, packed, raw_bits[raw_first]], n_unique=n_unique)
-
-        candidates.append((_lossless_lz_words(rows, n_unique, dim, itemsize), lossless_lz))
-    return min(candidates, key=lambda c: c[0])[1]()
+        lossless_w = sm.lossless_lz_words(rows, n_unique, dim, itemsize)
+        mode = sm.choose_lossless(mode, best, True, lossless_w, rows * dim)
+    mode = int(mode)
+    if mode == MODE_RAW:
+        return _Encoded(MODE_RAW, [raw_bits])
+    if mode == MODE_LZ:
+        ref_mode, width, _ = sm.refs(rows, n_unique)
+        header = _segment_header(n_unique=n_unique, ref_mode=int(ref_mode), ref_width=int(width))
+        packed = ops.pack_refs(raw_ids, n_unique, int(ref_mode))
+        return _Encoded(MODE_LZ, [header, packed, raw_bits[raw_first]], n_unique=n_unique)
+    if mode == MODE_QUANT:
+        every_row = np.arange(rows, dtype=np.int32)
+        sections = _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None)
+        return _Encoded(MODE_QUANT, sections, max_err, rows, n_esc)
+    ref_mode = int(sm.refs(rows, n_unique_quantized)[0])
+    refs = (ops.pack_refs(ids, n_unique_quantized, ref_mode), ref_mode)
+    sections = _quantized_sections(ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs)
+    return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique_quantized, n_esc_u)
 
 
 def sr_keys(config: CodecConfig, n_blocks: int) -> list[int]:
@@ -497,14 +468,25 @@ def sr_keys(config: CodecConfig, n_blocks: int) -> list[int]:
     Returns:
         One key per block (shared by every backend, so all draw the same rounding).
     """
-    if config.rounding != "stochastic":
-        return [quantize.NEAREST_KEY] * n_blocks
-    return [quantize.stochastic_key(config.seed, i) for i in range(n_blocks)]
+    local = np.arange(n_blocks, dtype=np.int64)
+    return quantize.block_keys(config.rounding == "stochastic", config.seed, local).tolist()
 
 
-def _validate_inputs(
+def validate_inputs(
     blocks: Sequence[torch.Tensor], error_bounds: Sequence[float]
 ) -> tuple[list[float], torch.device]:
+    """Checks blocks and bounds as compress needs them.
+
+    Args:
+        blocks: What the caller passed as blocks.
+        error_bounds: What it passed as bounds.
+
+    Returns:
+        (the bounds as floats, the blocks' device).
+
+    Raises:
+        ValueError: Naming the bad block or bound and the fix.
+    """
     if isinstance(blocks, torch.Tensor):
         raise ValueError(
             "blocks must be a sequence of 2-D tensors, got a single tensor: wrap it as [tensor]"
@@ -552,6 +534,35 @@ def _validate_inputs(
     return out, device
 
 
+def _batch_stats(blocks: Sequence[torch.Tensor], enc: host_batch.BatchEncoded) -> list[BlockStats]:
+    """BlockStats of the batched CPU path's per-block arrays."""
+    columns = zip(
+        enc.bounds.tolist(),
+        enc.mode.tolist(),
+        enc.seg_words.tolist(),
+        enc.max_error.tolist(),
+        enc.n_unique.tolist(),
+        enc.n_escapes.tolist(),
+        strict=True,
+    )
+    return [
+        BlockStats(
+            rows=b.shape[0],
+            dim=b.shape[1],
+            raw_bytes=b.numel() * b.element_size(),
+            wire_bytes=DESCRIPTOR.itemsize + 4 * seg_words,
+            mode=MODE_NAMES[mode],
+            bound=eb,
+            max_error=max_error,
+            n_unique=n_unique,
+            n_escapes=n_escapes,
+        )
+        for b, (eb, mode, seg_words, max_error, n_unique, n_escapes) in zip(
+            blocks, columns, strict=True
+        )
+    ]
+
+
 def compress_with_stats(
     blocks: Sequence[torch.Tensor],
     error_bounds: Sequence[float],
@@ -571,13 +582,17 @@ def compress_with_stats(
         ValueError: For a bad block, bound or bound count (the message names it and the fix).
     """
     config = config or CodecConfig()
-    bounds, device = _validate_inputs(blocks, error_bounds)
-    if _on_device(device, config.backend):
-        _load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
+    bounds, device = validate_inputs(blocks, error_bounds)
+    if on_device(device, config.backend):
+        load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
         from torchrec_lossy.codec.device_compress import compress_device
 
         return compress_device(blocks, bounds, config)
     ops = _ops_for(config.backend)
+    if isinstance(ops, CpuOps):
+        with record_function("## lossy_codec encode ##"):
+            enc = host_batch.compress_blocks(blocks, bounds, config)
+        return torch.from_numpy(enc.payload).to(device), _batch_stats(blocks, enc)
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops, key)
@@ -611,14 +626,53 @@ def compress_with_stats(
                 )
             )
         body = np.concatenate([desc.view(np.uint8)] + [s for segs in segments for s in segs])
-        header = np.zeros(1, HEADER)
-        header["magic"] = MAGIC
-        header["version"] = VERSION
-        header["n_blocks"] = len(blocks)
-        header["body_words"] = body.shape[0] // 4
-        header["checksum"] = checksum_words(body.view(np.uint32))
-        payload = torch.from_numpy(np.concatenate([header.view(np.uint8), body]))
+        payload = torch.from_numpy(np.concatenate([host_header(len(blocks), body), body]))
     return payload.to(device), stats
+
+
+def compress_host_groups(
+    blocks: Sequence[torch.Tensor],
+    bounds: list[float],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+    relative: Sequence[bool] | None = None,
+) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+    """The host path of several payloads at once: consecutive groups of validated blocks.
+
+    With the compiled backend every stage runs once over all groups' blocks; each payload is
+    the bytes :func:`compress_with_stats` gives for its group alone.
+
+    Args:
+        blocks: Validated 2-D blocks, group after group (one device).
+        bounds: Validated bound per block: absolute, or where ``relative`` a fraction of the
+            block's finite range (``bounds.absolute_bounds``).
+        group_sizes: Blocks per group.
+        config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
+        relative: Per block, whether its bound is relative; None: all absolute.
+
+    Returns:
+        (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
+        each payload, per group one BlockStats per block).
+    """
+    device = blocks[0].device if blocks else torch.device("cpu")
+    if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
+        with record_function("## lossy_codec encode ##"):
+            enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
+        flat_stats = _batch_stats(blocks, enc)
+        ends = np.cumsum(group_sizes).tolist()
+        stats = [flat_stats[e - n : e] for e, n in zip(ends, group_sizes, strict=True)]
+        return torch.from_numpy(enc.payload).to(device), enc.sizes, stats
+    if relative is not None:
+        bounds = absolute_bounds(blocks, bounds, relative)
+    payloads, stats = [], []
+    at = 0
+    for n in group_sizes:
+        p, s = compress_with_stats(blocks[at : at + n], bounds[at : at + n], config)
+        payloads.append(p)
+        stats.append(s)
+        at += n
+    buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
+    return buffer, [p.numel() for p in payloads], stats
 
 
 def compress(
@@ -645,36 +699,7 @@ def compress(
     return compress_with_stats(blocks, error_bounds, config)[0]
 
 
-class _Reader:
-    """Bounds-checked cursor over one segment's words."""
-
-    def __init__(self, words: np.ndarray, block: int) -> None:
-        self.words = words
-        self.pos = 0
-        self.block = block
-
-    def fail(self, what: str) -> CodecError:
-        return CodecError(f"corrupt payload: block {self.block}: {what}")
-
-    def take(self, n_words: int, what: str) -> np.ndarray:
-        if n_words < 0 or self.pos + n_words > self.words.shape[0]:
-            raise self.fail(
-                f"{what} needs {n_words} words at word {self.pos} of a "
-                f"{self.words.shape[0]}-word segment"
-            )
-        out = self.words[self.pos : self.pos + n_words]
-        self.pos += n_words
-        return out
-
-    def take_bytes(self, n_bytes: int, what: str) -> np.ndarray:
-        return self.take(words_for_bytes(n_bytes), what).view(np.uint8)[:n_bytes]
-
-    def done(self) -> None:
-        if self.pos != self.words.shape[0]:
-            raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")
-
-
-def _decode_refs(r: _Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
+def _decode_refs(r: Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
     if not 1 <= n_unique <= rows or width != vector_lz.ref_width(n_unique):
         raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
@@ -691,7 +716,7 @@ def _decode_block(
 ) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     bits_dtype = np.int32 if itemsize == 4 else np.int16
-    r = _Reader(seg, block)
+    r = Reader(seg, block)
 
     def to_tensor(raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, dim)).view(dtype)
@@ -744,81 +769,6 @@ def _decode_block(
     return to_tensor(out_bits)
 
 
-def _check_payload(payload: object) -> None:
-    """Raises CodecError unless ``payload`` is a 1-D uint8 tensor."""
-    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise CodecError(
-            f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
-            + (
-                f" {payload.dtype} {tuple(payload.shape)}"
-                if isinstance(payload, torch.Tensor)
-                else ""
-            )
-        )
-
-
-def _parse_header(buf: np.ndarray, max_elements: int) -> tuple[np.ndarray, list[tuple], np.ndarray]:
-    """Validates a payload's header and descriptors (everything before the segments).
-
-    Shared by the CPU decoder and ``device_decompress``, so both reject alike.
-
-    Args:
-        buf: The payload's bytes (1-D uint8, on the host).
-        max_elements: Refuse payloads that decode to more elements than this in total.
-
-    Returns:
-        (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
-        seg_words, bound), word offset of each segment in the body plus the body's end).
-
-    Raises:
-        CodecError: Anything wrong before the segments.
-    """
-    n = buf.shape[0]
-    if n < HEADER.itemsize:
-        raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
-    header = buf[: HEADER.itemsize].view(HEADER)[0]
-    if int(header["magic"]) != MAGIC:
-        raise CodecError(
-            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
-            f"expected 0x{MAGIC:08x}"
-        )
-    if int(header["version"]) != VERSION:
-        raise CodecError(
-            f"payload format version {int(header['version'])} is not supported "
-            f"(this build reads version {VERSION})"
-        )
-    body_words = int(header["body_words"])
-    if n != HEADER.itemsize + 4 * body_words:
-        raise CodecError(
-            f"truncated or padded payload: {n} bytes, the header says "
-            f"{HEADER.itemsize + 4 * body_words}"
-        )
-    body = buf[HEADER.itemsize :].view(np.uint32)
-    if int(checksum_words(body)) != int(header["checksum"]):
-        raise CodecError("corrupt payload: checksum mismatch")
-    n_blocks = int(header["n_blocks"])
-    if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
-        raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
-    desc_words = n_blocks * DESCRIPTOR.itemsize // 4
-    descs = body[:desc_words].view(DESCRIPTOR)
-    seg_words = descs["seg_words"].astype(np.int64)
-    if int(seg_words.sum()) != body.shape[0] - desc_words:
-        raise CodecError("corrupt payload: segment lengths do not add up to the body")
-    desc_fields = [d.item() for d in descs]
-    for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
-        if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
-            raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
-    # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
-    total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
-    if total > max_elements:
-        raise CodecError(
-            f"payload decodes to {total} elements, more than max_elements={max_elements}: "
-            "pass a larger max_elements if it is trusted"
-        )
-    offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
-    return body, desc_fields, offsets
-
-
 def decompress(
     payload: torch.Tensor,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
@@ -845,20 +795,83 @@ def decompress(
         CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
     """
     CodecConfig(backend=backend)  # validates the backend name
-    _check_payload(payload)
-    if _on_device(payload.device, backend):
+    check_payload(payload)
+    if on_device(payload.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_device
 
-        return decompress_device(payload, max_elements)
-    device = payload.device
-    buf = payload.detach().cpu().contiguous().numpy()
-    with record_function("## lossy_codec decode ##"):
-        body, desc_fields, offsets = _parse_header(buf, max_elements)
-        ops = _ops_for(backend)
-        out = [
-            _decode_block(
-                body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[dtype_code], mode, i, ops
-            ).to(device)
-            for i, (rows, dim, dtype_code, mode, *_rest) in enumerate(desc_fields)
-        ]
+        def on_reject(buf: np.ndarray) -> None:
+            decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
+
+        return decompress_device(payload, max_elements, on_reject)
+    (out,) = decompress_host_groups(payload, [payload.numel()], max_elements, backend)
+    if isinstance(out, CodecError):
+        raise out
     return out
+
+
+def decompress_host_groups(
+    buffer: torch.Tensor, sizes: Sequence[int], max_elements: int, backend: Backend
+) -> list[list[torch.Tensor] | CodecError]:
+    """The host path of :func:`decompress` over several payloads of one buffer at once.
+
+    With the compiled backend one batched reader decodes every block of every payload; the
+    blocks it leaves (corrupt ones, float16 quantized ones) go through the per-block decoder in
+    block order, so each payload's result or error is what :func:`decompress` gives for it.
+
+    Args:
+        buffer: 1-D uint8 tensor: the payloads back to back.
+        sizes: Bytes of each payload (summing to the buffer's).
+        max_elements: Refuse a payload that decodes to more elements than this.
+        backend: A host backend, as ``CodecConfig.backend``.
+
+    Returns:
+        Per payload its blocks (on the buffer's device) or the CodecError it raises.
+    """
+    device = buffer.device
+    buf = buffer.detach().cpu().contiguous().numpy()
+    ops = _ops_for(backend)
+    results: list[list[torch.Tensor] | CodecError] = []
+    with record_function("## lossy_codec decode ##"):
+        parsed = []
+        at = 0
+        for g, n in enumerate(sizes):
+            try:
+                parsed.append((at, *parse_header(buf[at : at + n], max_elements), g))
+                results.append([])
+            except CodecError as e:
+                results.append(e)
+            at += n
+        # One batched call over every parsed payload when all lie on word boundaries of the
+        # buffer (always, for payloads written by compress); else one call per payload.
+        aligned = buf.shape[0] % 4 == 0 and all(p[0] % 4 == 0 for p in parsed)
+        batched: list[torch.Tensor | None] = []
+        if isinstance(ops, CpuOps) and parsed:
+            calls = [parsed] if aligned else [[p] for p in parsed]
+            for call in calls:
+                words = buf.view(np.uint32) if aligned else call[0][1]
+                fields = np.array([d[:4] for p in call for d in p[2]], np.int64).reshape(-1, 4)
+                base = [(p[0] + HEADER.itemsize) // 4 if aligned else 0 for p in call]
+                starts = np.concatenate([b + p[3][:-1] for b, p in zip(base, call, strict=True)])
+                ends = np.concatenate([b + p[3][1:] for b, p in zip(base, call, strict=True)])
+                batched += host_batch.decompress_segments(words, starts, ends, *fields.T)
+        else:
+            batched = [None] * sum(len(p[2]) for p in parsed)
+        blocks = iter(batched)
+        for _at, body, desc_fields, offsets, g in parsed:
+            mine = [next(blocks) for _ in desc_fields]
+            try:
+                # Blocks the batched reader left, in block order: the first failing one raises.
+                results[g] = [
+                    (
+                        _decode_block(body[offsets[i] : offsets[i + 1]], rows, dim,
+                                      CODE_DTYPES[code], mode, i, ops)
+                        if blk is None
+                        else blk
+                    ).to(device)
+                    for i, ((rows, dim, code, mode, *_rest), blk) in enumerate(
+                        zip(desc_fields, mine, strict=True)
+                    )
+                ]  # fmt: skip
+            except CodecError as e:
+                results[g] = e
+    return results

@@ -11,8 +11,8 @@ elements travel verbatim, so the bound holds for every element by construction, 
 data.
 
 No predictor: embedding rows are independent lookups with no order along the row or the
-dimension for a predictor to exploit (measured in docs/design.md: a previous-row or
-previous-element predictor raised the code entropy on realistic traffic).
+dimension for a predictor to exploit (measured in docs/codec.md, "Why no predictor": a
+previous-row or previous-element predictor raised the code entropy on realistic traffic).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def grid_bound(bound: float, stochastic: bool) -> float:
         stochastic: Whether the block is rounded stochastically.
 
     Returns:
-        The bound to pass to :func:`quant_params` / ``_quant_params_kernel``.
+        The bound to pass to :func:`quant_params` / :func:`quant_params_kernel`.
     """
     return 0.5 * bound if stochastic else bound
 
@@ -105,6 +105,22 @@ def stochastic_key(seed: int, block: int) -> int:
     return mix32(mix32(block + 0x9E3779B9) ^ mix32(seed & _MASK32) ^ mix32((seed >> 32) + 1))
 
 
+def block_keys(stochastic: bool, seed: int, local: np.ndarray) -> np.ndarray:
+    """Rounding keys of blocks, each counted by its index within its own payload.
+
+    Args:
+        stochastic: Whether blocks are rounded stochastically.
+        seed: ``CodecConfig.seed``.
+        local: int64 index of each block within its payload.
+
+    Returns:
+        int64 keys: :func:`stochastic_key` of each, or ``NEAREST_KEY`` for every block.
+    """
+    if not stochastic:
+        return np.full(local.shape[0], NEAREST_KEY, np.int64)
+    return np.array([stochastic_key(seed, int(i)) for i in local], np.int64).reshape(-1)
+
+
 def uniform_reference(n: int, key: int) -> torch.Tensor:
     """Torch twin of the per-element draw: float32 ``u`` in [0, 1) for elements ``0 .. n-1``.
 
@@ -137,7 +153,17 @@ def _mix32_nb(h: np.uint64) -> np.uint64:
 
 
 @numba.njit(cache=True, nogil=True)
-def _quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
+def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
+    """Quantization step, its float32 reciprocal and the center code for a bound and midpoint.
+
+    Args:
+        bound: Absolute error bound (> 0).
+        mid: The block's midpoint (the center is its code).
+
+    Returns:
+        (step, inv_step, center, ok); ok is False when the step is below float32's normal
+        range or the center's code is out of range (the block is then not quantized).
+    """
     step = np.float32(min(2.0 * bound, _FLT_MAX))
     if np.float64(step) > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
         step = np.uint32(step.view(np.uint32) - np.uint32(1)).view(np.float32)
@@ -172,8 +198,21 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         mid = 0.5 * (lo + hi)
     else:
         mid = float(np.median(x[np.isfinite(x)].astype(np.float64)))
-    step, inv_step, center, ok = _quant_params_kernel(bound, mid)
+    step, inv_step, center, ok = quant_params_kernel(bound, mid)
     return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def bf16_round_bits(bits: int) -> int:
+    """float32 bits (a non-negative int) rounded to bfloat16, nearest-even, as torch's cast.
+
+    Args:
+        bits: The float32's bits (not NaN).
+
+    Returns:
+        float32 bits whose high half is the bfloat16's and low half 0.
+    """
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -183,8 +222,7 @@ def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
         return v
     bits = np.int64(np.float32(v).view(np.uint32))
     if dtype_code == 3:
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return np.uint32(bits).view(np.float32)
+        return np.uint32(bf16_round_bits(bits)).view(np.float32)
     a = abs(np.float64(v))
     if a >= 65520.0:  # rounds to fp16 infinity
         r = np.inf
@@ -208,10 +246,16 @@ def _quantize_loop(
     stochastic: bool,
     key: np.uint64,
     symbols: np.ndarray,
-    errors: np.ndarray,
-) -> None:
-    # Branch-free body (selects, no early exits) so that the compiler vectorises it.
+) -> tuple[int, int, int]:
+    # Branch-free body (selects, reductions, no early exits) so that the compiler vectorises it.
+    # float32 arithmetic is exact here: q and the center are integers below 2**24 in magnitude
+    # wherever |q - center| <= SYMBOL_OFFSET can hold, and anything farther stays farther.
     half = np.float32(0.5)
+    center_f = np.float32(center)
+    offset_f = np.float32(SYMBOL_OFFSET)
+    max_err_bits = np.int64(0)  # non-negative float64s order as their bit patterns
+    lo = np.int32(ESCAPE_SYMBOL)
+    hi = np.int32(-1)
     for i in range(x.shape[0]):
         v = x[i]
         if stochastic:  # resolved at compile time (the callers pass a constant)
@@ -222,12 +266,16 @@ def _quantize_loop(
             qf = fl + np.float32(1.0) if u < t - fl else fl
         else:
             qf = np.floor(v * inv_step + half)
-        rel = np.float64(qf) - center
-        recon = _round_to_dtype(np.float32(qf) * step, dtype_code)
+        d = qf - center_f
+        recon = _round_to_dtype(qf * step, dtype_code)
         err = abs(np.float64(recon) - np.float64(v))
-        ok = (abs(rel) <= SYMBOL_OFFSET) & (err <= bound)  # False for NaN and Inf too
-        symbols[i] = np.uint16(np.int64(rel) + SYMBOL_OFFSET) if ok else np.uint16(ESCAPE_SYMBOL)
-        errors[i] = err if ok else 0.0
+        ok = (abs(d) <= offset_f) & (err <= bound)  # False for NaN and Inf too
+        sym = np.int32(d if ok else offset_f) + np.int32(SYMBOL_OFFSET)
+        symbols[i] = np.uint16(sym if ok else np.int32(ESCAPE_SYMBOL))
+        max_err_bits = max(max_err_bits, np.float64(err if ok else 0.0).view(np.int64))
+        lo = min(lo, sym if ok else np.int32(ESCAPE_SYMBOL))
+        hi = max(hi, sym if ok else np.int32(-1))
+    return max_err_bits, lo, hi
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -241,14 +289,38 @@ def _quantize_dtypes(
     stochastic: bool,
     key: np.uint64,
     symbols: np.ndarray,
-    errors: np.ndarray,
-) -> None:
+) -> tuple[int, int, int]:
+    # One loop per dtype so that it is resolved at compile time.
     if dtype_code == 1:
-        _quantize_loop(x, step, inv_step, center, bound, 1, stochastic, key, symbols, errors)
-    elif dtype_code == 2:
-        _quantize_loop(x, step, inv_step, center, bound, 2, stochastic, key, symbols, errors)
+        return _quantize_loop(x, step, inv_step, center, bound, 1, stochastic, key, symbols)
+    if dtype_code == 2:
+        return _quantize_loop(x, step, inv_step, center, bound, 2, stochastic, key, symbols)
+    return _quantize_loop(x, step, inv_step, center, bound, 3, stochastic, key, symbols)
+
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_any(
+    x: np.ndarray,
+    step: np.float32,
+    inv_step: np.float32,
+    center: int,
+    bound: float,
+    dtype_code: int,
+    symbols: np.ndarray,
+    sr_key: int,
+) -> tuple[float, int, int]:
+    """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
+    every element escapes). ``sr_key``: ``NEAREST_KEY`` or the stochastic-rounding key."""
+    key = np.uint64(sr_key & 0xFFFFFFFF)
+    if sr_key < 0:  # the rounding, like the dtype, is resolved at compile time
+        err_bits, lo, hi = _quantize_dtypes(
+            x, step, inv_step, center, bound, dtype_code, False, key, symbols
+        )
     else:
-        _quantize_loop(x, step, inv_step, center, bound, 3, stochastic, key, symbols, errors)
+        err_bits, lo, hi = _quantize_dtypes(
+            x, step, inv_step, center, bound, dtype_code, True, key, symbols
+        )
+    return np.int64(err_bits).view(np.float64), lo, hi
 
 
 @numba.njit(cache=True, nogil=True)
@@ -281,19 +353,124 @@ def quantize_kernel(
     Returns:
         (number of escaped elements, max |x - x'| over the elements that were not escaped).
     """
-    errors = np.empty(x.shape[0], dtype=np.float64)
-    # One loop per dtype and rounding so that both are resolved at compile time.
-    key = np.uint64(sr_key & 0xFFFFFFFF)
-    if sr_key < 0:
-        _quantize_dtypes(x, step, inv_step, center, bound, dtype_code, False, key, symbols, errors)
-    else:
-        _quantize_dtypes(x, step, inv_step, center, bound, dtype_code, True, key, symbols, errors)
-    max_error = 0.0
-    for e in errors:
-        max_error = max(max_error, e)
+    max_error, _, _ = _quantize_any(x, step, inv_step, center, bound, dtype_code, symbols, sr_key)
     for s in symbols:
         hist[s] += 1
     return hist[ESCAPE_SYMBOL], max_error
+
+
+@numba.njit(cache=True, nogil=True)
+def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest and largest finite value of every block of a concatenation (one call for all).
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks + 1] start of each block in ``x``, then its end.
+
+    Returns:
+        float64 (lo, hi) per block; NaN, NaN for a block without a finite value.
+    """
+    nb = elem_off.shape[0] - 1
+    lo = np.full(nb, np.nan)
+    hi = np.full(nb, np.nan)
+    bits = x.view(np.int32)
+    big = np.int32(0x7FFFFFFF)
+    for b in range(nb):
+        # Integer min / max (they vectorise) over keys that order as the floats do; non-finite
+        # values (exponent all ones) are left out.
+        mn = big
+        mx = -big
+        block = bits[elem_off[b] : elem_off[b + 1]]
+        for i in range(block.shape[0]):  # from 0: no negative-index wrap to stop vectorising
+            v = block[i]
+            key = v ^ ((v >> np.int32(31)) & big)
+            fin = (v & np.int32(0x7F800000)) != np.int32(0x7F800000)
+            k_lo = key if fin else big
+            k_hi = key if fin else -big
+            mn = k_lo if k_lo < mn else mn
+            mx = k_hi if k_hi > mx else mx
+        if mn <= mx:
+            lo[b] = np.int32(mn ^ ((mn >> np.int32(31)) & big)).view(np.float32)
+            hi[b] = np.int32(mx ^ ((mx >> np.int32(31)) & big)).view(np.float32)
+    return lo, hi
+
+
+@numba.njit(cache=True, nogil=True)
+def quant_params_blocks_kernel(
+    bounds: np.ndarray, mids: np.ndarray, wanted: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quant_params`' step and center for many blocks.
+
+    Args:
+        bounds: float64 [n] absolute bounds.
+        mids: float64 [n] midpoints (see :func:`quant_params`).
+        wanted: bool [n] blocks that may be quantized (the others get ok = False).
+
+    Returns:
+        (float32 step, float32 inv_step, int64 center, bool ok) per block.
+    """
+    n = bounds.shape[0]
+    step = np.zeros(n, np.float32)
+    inv_step = np.zeros(n, np.float32)
+    center = np.zeros(n, np.int64)
+    ok = np.zeros(n, np.bool_)
+    for b in range(n):
+        if wanted[b]:
+            s, inv, c, good = quant_params_kernel(bounds[b], mids[b])
+            if good:
+                step[b], inv_step[b], center[b], ok[b] = s, inv, c, True
+    return step, inv_step, center, ok
+
+
+@numba.njit(cache=True, nogil=True)
+def quantize_blocks_kernel(
+    x: np.ndarray,
+    elem_off: np.ndarray,
+    step: np.ndarray,
+    inv_step: np.ndarray,
+    center: np.ndarray,
+    bounds: np.ndarray,
+    dtype_codes: np.ndarray,
+    active: np.ndarray,
+    symbols: np.ndarray,
+    sr_keys: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`quantize_kernel` over every active block of a concatenation, in one call.
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks + 1] block starts in ``x``, then the end.
+        step: float32 [n_blocks] steps.
+        inv_step: float32 [n_blocks] their reciprocals.
+        center: int64 [n_blocks] centers.
+        bounds: float64 [n_blocks] absolute bounds.
+        dtype_codes: [n_blocks] dtype codes.
+        active: bool [n_blocks] blocks to quantize (the others' symbols are left as they are).
+        symbols: uint16 output, same length as ``x``.
+        sr_keys: int64 [n_blocks] ``NEAREST_KEY`` or each block's stochastic-rounding key.
+
+    Returns:
+        Per block: max error (float64), lowest and highest value symbol (int64; ESCAPE_SYMBOL
+        and -1 when there is none).
+    """
+    nb = elem_off.shape[0] - 1
+    max_err = np.zeros(nb)
+    lo = np.full(nb, ESCAPE_SYMBOL, np.int64)
+    hi = np.full(nb, -1, np.int64)
+    for b in range(nb):
+        if active[b]:
+            s, e = elem_off[b], elem_off[b + 1]
+            max_err[b], lo[b], hi[b] = _quantize_any(
+                x[s:e],
+                step[b],
+                inv_step[b],
+                center[b],
+                bounds[b],
+                dtype_codes[b],
+                symbols[s:e],
+                sr_keys[b],
+            )
+    return max_err, lo, hi
 
 
 @numba.njit(cache=True, nogil=True)
@@ -381,12 +558,16 @@ __all__ = [
     "DTYPE_CODES",
     "NEAREST_KEY",
     "QuantParams",
+    "block_keys",
     "dequantize_kernel",
     "dequantize_reference",
     "finite_range",
+    "finite_ranges_kernel",
     "grid_bound",
     "mix32",
     "quant_params",
+    "quant_params_blocks_kernel",
+    "quantize_blocks_kernel",
     "quantize_kernel",
     "quantize_reference",
     "stochastic_key",

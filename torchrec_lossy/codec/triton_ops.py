@@ -7,8 +7,9 @@ built with it is byte-identical. The O(alphabet) table work (code lengths, canon
 decode table) stays on the host, as in ``CpuOps``.
 
 The protocol is numpy in, numpy out: each call moves its inputs to the device and its outputs
-back. That is the price of plugging into the host-orchestrated pipeline; docs/kernels.md says
-what a device-resident pipeline still needs.
+back. That is the price of plugging into the host-orchestrated pipeline; the device-resident
+pipeline (``device_compress``, ``device_decompress``, ``grouped``) keeps data on the device and
+is what CUDA tensors take; this class is the stage-level oracle for the kernel tests.
 
 Importing this module never imports triton; the first stage call does, and raises a clear
 error when triton is missing. On a machine without CUDA the kernels run on CPU tensors in the
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec import huffman
-from torchrec_lossy.codec.format import ESCAPE_SYMBOL
+from torchrec_lossy.codec.format import DECODE_BAD_CODEBOOK, DECODE_ERRORS, ESCAPE_SYMBOL
 from torchrec_lossy.codec.quantize import QuantParams
 
 
@@ -40,8 +41,18 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleType]:
-    """Imports the kernel modules, switching to the interpreter for CPU tensors."""
+def load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleType]:
+    """Imports the kernel modules, switching to the interpreter for CPU tensors.
+
+    Args:
+        device: Where the kernels will run (CPU: the Triton interpreter).
+
+    Returns:
+        The kernel modules (quantize, vector_lz, huffman).
+
+    Raises:
+        RuntimeError: triton is missing, or was imported compiled without a CUDA device.
+    """
     if not triton_available():
         raise RuntimeError(
             "TritonOps needs the triton package: pip install triton (with a CUDA GPU), or use "
@@ -84,7 +95,7 @@ class TritonOps:
 
     def _kernels(self) -> tuple[ModuleType, ModuleType, ModuleType]:
         if self._modules is None:
-            self._modules = _load_kernels(self.device)
+            self._modules = load_kernels(self.device)
         return self._modules
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -178,7 +189,7 @@ class TritonOps:
         _, _, k_huffman = self._kernels()
         table = huffman.decode_table_kernel(lengths)  # O(alphabet): host
         if table.shape[0] == 0:
-            return huffman.DECODE_ERRORS[huffman.DECODE_BAD_CODEBOOK]
+            return DECODE_ERRORS[DECODE_BAD_CODEBOOK]
         out, status = k_huffman.decode(
             self._to_device(words),
             self._to_device(chunk_ends.astype(np.int64)),
@@ -189,7 +200,7 @@ class TritonOps:
         )
         code = int(status)
         if code != 0:
-            return huffman.DECODE_ERRORS[code]
+            return DECODE_ERRORS[code]
         return out.cpu().numpy().view(np.uint16)
 
 

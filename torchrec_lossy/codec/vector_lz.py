@@ -19,6 +19,7 @@ import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec import size_model
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, words_for_bits
 
 _ESCAPED_KEY = np.int64(1) << np.int64(32)
@@ -30,9 +31,94 @@ def _key(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, j: int) -> np
     if raw:
         return np.int64(bits[i, j])
     s = symbols[i, j]
-    if s == ESCAPE_SYMBOL:
-        return _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
-    return np.int64(s)
+    escaped = _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
+    return escaped if s == ESCAPE_SYMBOL else np.int64(s)  # a select: the row hash vectorises
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rows_equal(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, r: int) -> bool:
+    """Whether rows i and r have equal keys (see ``_key``); branch-free, so it vectorises."""
+    diff = np.int64(0)
+    if raw:
+        a, b = bits[i], bits[r]
+        for j in range(a.shape[0]):
+            diff |= np.int64(a[j] ^ b[j])
+        return diff == 0
+    sa, sb, a, b = symbols[i], symbols[r], bits[i], bits[r]
+    for j in range(sa.shape[0]):
+        escaped_differs = (sa[j] == ESCAPE_SYMBOL) & (a[j] != b[j])
+        diff |= np.int64(sa[j] ^ sb[j]) | np.int64(escaped_differs)
+    return diff == 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _dedupe_into(
+    symbols: np.ndarray, bits: np.ndarray, raw: bool, ids: np.ndarray, first_rows: np.ndarray
+) -> int:
+    """:func:`dedupe_kernel` writing into ``ids`` [rows] and ``first_rows`` [>= n_unique].
+
+    Returns:
+        The number of distinct vectors.
+    """
+    rows, dim = bits.shape
+    size = 1
+    while size < 2 * rows:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, dtype=np.int32)
+    hashes = np.empty(rows, dtype=np.uint64)
+    n_unique = 0
+    # Per-column odd multipliers: the row hash is a sum of independent products, which the
+    # compiler vectorises, then one finalising mix.
+    mults = np.empty(dim, dtype=np.uint64)
+    m = np.uint64(0x9E3779B97F4A7C15)
+    for j in range(dim):
+        mults[j] = m | np.uint64(1)
+        m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
+    for i in range(rows):
+        # The hash only orders the probes (ids come from exact comparisons), so it may skip
+        # the escaped elements' raw bits: it packs 4 symbols (2 raw values) per product.
+        h = np.uint64(0)
+        if raw:
+            row_bits = bits[i]
+            for j in range(dim // 2):
+                word = (np.uint64(np.uint32(row_bits[2 * j])) << np.uint64(32)) | np.uint64(
+                    np.uint32(row_bits[2 * j + 1])
+                )
+                h += (word + np.uint64(1)) * mults[j]
+            if dim % 2:
+                h += np.uint64(np.uint32(row_bits[dim - 1]) + 1) * mults[dim - 1]
+        else:
+            row_sym = symbols[i]
+            for j in range(dim // 4):
+                word = (
+                    (np.uint64(row_sym[4 * j]) << np.uint64(48))
+                    | (np.uint64(row_sym[4 * j + 1]) << np.uint64(32))
+                    | (np.uint64(row_sym[4 * j + 2]) << np.uint64(16))
+                    | np.uint64(row_sym[4 * j + 3])
+                )
+                h += (word + np.uint64(1)) * mults[j]
+            for j in range(dim - dim % 4, dim):
+                h += np.uint64(row_sym[j] + 1) * mults[j]
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(29)
+        hashes[i] = h
+        slot = np.int64(h & np.uint64(mask))
+        while True:
+            u = table[slot]
+            if u < 0:
+                table[slot] = n_unique
+                first_rows[n_unique] = i
+                ids[i] = n_unique
+                n_unique += 1
+                break
+            r = first_rows[u]
+            if hashes[r] == h and _rows_equal(symbols, bits, raw, i, r):
+                ids[i] = u
+                break
+            slot = (slot + 1) & mask
+    return n_unique
 
 
 @numba.njit(cache=True, nogil=True)
@@ -50,52 +136,53 @@ def dedupe_kernel(
         (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
         first_rows: int32 [n_unique], the row where each distinct vector first occurs).
     """
-    rows, dim = bits.shape
+    rows = bits.shape[0]
     ids = np.empty(rows, dtype=np.int32)
     first_rows = np.empty(rows, dtype=np.int32)
-    size = 1
-    while size < 2 * rows:
-        size *= 2
-    mask = size - 1
-    table = np.full(size, -1, dtype=np.int32)
-    hashes = np.empty(rows, dtype=np.uint64)
-    n_unique = 0
-    # Per-column odd multipliers: the row hash is a sum of independent products, which the
-    # compiler vectorises, then one finalising mix.
-    mults = np.empty(dim, dtype=np.uint64)
-    m = np.uint64(0x9E3779B97F4A7C15)
-    for j in range(dim):
-        mults[j] = m | np.uint64(1)
-        m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
-    for i in range(rows):
-        h = np.uint64(0)
-        for j in range(dim):
-            h += np.uint64(_key(symbols, bits, raw, i, j) + 1) * mults[j]
-        h ^= h >> np.uint64(31)
-        h *= np.uint64(0xBF58476D1CE4E5B9)
-        h ^= h >> np.uint64(29)
-        hashes[i] = h
-        slot = np.int64(h & np.uint64(mask))
-        while True:
-            u = table[slot]
-            if u < 0:
-                table[slot] = n_unique
-                first_rows[n_unique] = i
-                ids[i] = n_unique
-                n_unique += 1
-                break
-            r = first_rows[u]
-            if hashes[r] == h:
-                same = True
-                for j in range(dim):
-                    if _key(symbols, bits, raw, i, j) != _key(symbols, bits, raw, r, j):
-                        same = False
-                        break
-                if same:
-                    ids[i] = u
-                    break
-            slot = (slot + 1) & mask
+    n_unique = _dedupe_into(symbols, bits, raw, ids, first_rows)
     return ids, first_rows[:n_unique].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def dedupe_blocks_kernel(
+    symbols: np.ndarray,
+    bits: np.ndarray,
+    elem_off: np.ndarray,
+    row_off: np.ndarray,
+    dims: np.ndarray,
+    active: np.ndarray,
+    raw: bool,
+    ids: np.ndarray,
+    first_rows: np.ndarray,
+) -> np.ndarray:
+    """:func:`dedupe_kernel` over every active block of a concatenation, in one call.
+
+    Args:
+        symbols: uint16 symbols of every block, flat, back to back (full length even when
+            ``raw``, which does not read them).
+        bits: int32 raw bits, same layout.
+        elem_off: int64 [n_blocks + 1] block starts in the flat arrays, then the end.
+        row_off: int64 [n_blocks + 1] block starts in rows, then the total.
+        dims: int64 [n_blocks] columns.
+        active: bool [n_blocks] blocks to dedupe.
+        raw: Compare raw bits only (lossless dedupe).
+        ids: int32 [total rows] output: block-local vector ids, at the block's rows.
+        first_rows: int32 [total rows] output: a block's first rows at its row offset.
+
+    Returns:
+        int64 [n_blocks] distinct vectors per block (0 where not active).
+    """
+    nb = dims.shape[0]
+    n_unique = np.zeros(nb, np.int64)
+    for b in range(nb):
+        if active[b]:
+            s, e = elem_off[b], elem_off[b + 1]
+            r0, r1 = row_off[b], row_off[b + 1]
+            rows = r1 - r0
+            blk_bits = bits[s:e].reshape(rows, dims[b])
+            blk_sym = symbols[s:e].reshape(rows, dims[b])  # read only when not raw
+            n_unique[b] = _dedupe_into(blk_sym, blk_bits, raw, ids[r0:r1], first_rows[r0:r1])
+    return n_unique
 
 
 @numba.njit(cache=True, nogil=True)
@@ -197,8 +284,7 @@ def best_refs_mode(rows: int, n_unique: int) -> int:
     Returns:
         REFS_FIXED or REFS_FLAGGED.
     """
-    fixed = refs_bits(rows, n_unique, REFS_FIXED)
-    return REFS_FIXED if fixed <= refs_bits(rows, n_unique, REFS_FLAGGED) else REFS_FLAGGED
+    return int(size_model.refs(rows, n_unique)[0])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -231,6 +317,52 @@ def read_bits(words: np.ndarray, pos: int, n_bits: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
+def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray) -> int:
+    """Packs vector ids into ``words`` (at least the packing's words).
+
+    Args:
+        ids: int32 [rows] ids numbered by first occurrence.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+        words: Zeroed uint32 output.
+
+    Returns:
+        Words of the packing.
+    """
+    rows = ids.shape[0]
+    width = 0
+    while (1 << width) < n_unique:
+        width += 1
+    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
+    # MSB-first through a 64-bit accumulator (as write_bits would place them): at most 33 bits
+    # join per row and a word leaves as soon as 32 are pending, so nothing overflows.
+    acc = np.uint64(0)
+    n_acc = np.uint64(0)
+    w = 0
+    seen = 0
+    mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+    for r in range(rows):
+        v = np.uint64(ids[r]) & mask
+        if mode == REFS_FIXED:
+            acc = (acc << np.uint64(width)) | v
+            n_acc += np.uint64(width)
+        elif ids[r] == seen:
+            acc = (acc << np.uint64(1)) | np.uint64(1)
+            n_acc += np.uint64(1)
+            seen += 1
+        else:
+            acc = (acc << np.uint64(width + 1)) | v  # flag 0, then the id
+            n_acc += np.uint64(width + 1)
+        if n_acc >= 32:
+            n_acc -= np.uint64(32)
+            words[w] = np.uint32((acc >> n_acc) & np.uint64(0xFFFFFFFF))
+            w += 1
+    if n_acc > 0:
+        words[w] = np.uint32((acc << (np.uint64(32) - n_acc)) & np.uint64(0xFFFFFFFF))
+    return (n_bits + 31) // 32
+
+
+@numba.njit(cache=True, nogil=True)
 def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
     """Packs vector ids into words.
 
@@ -243,23 +375,8 @@ def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
         uint32 words.
     """
     rows = ids.shape[0]
-    width = 0
-    while (1 << width) < n_unique:
-        width += 1
-    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
-    words = np.zeros((n_bits + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
-    pos = 0
-    seen = 0
-    for r in range(rows):
-        if mode == REFS_FIXED:
-            pos = write_bits(words, pos, ids[r], width)
-        elif ids[r] == seen:
-            pos = write_bits(words, pos, 1, 1)
-            seen += 1
-        else:
-            pos = write_bits(words, pos, 0, 1)
-            pos = write_bits(words, pos, ids[r], width)
-    return words[: (n_bits + 31) // 32]
+    words = np.zeros((rows * 33 + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
+    return words[: pack_refs_into(ids, n_unique, mode, words)]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -340,10 +457,12 @@ __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
     "best_refs_mode",
+    "dedupe_blocks_kernel",
     "dedupe_kernel",
     "dedupe_reference",
     "element_keys",
     "expand_rows_kernel",
+    "pack_refs_into",
     "pack_refs_kernel",
     "pack_refs_reference",
     "read_bits",

@@ -3,12 +3,16 @@
 The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
 the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_payload`.
 
-1. The sender encodes its blocks for every destination (:func:`.pooled_payload.encode_payloads`).
-2. The payload byte counts are exchanged (one ``all_to_all_single`` of int64, read on the host:
-   the exchange's host sync; relative bounds add one more, for all blocks' value ranges).
+1. The sender encodes its blocks for every destination in one codec call
+   (:func:`.pooled_payload.start_encode`); the block it sends itself skips the codec and the
+   wire (kept in the request, exact).
+2. The payload byte counts are exchanged (one ``all_to_all_single`` of the int64 sizes the
+   encoder left on the device), then read on the host together with the encoder's pending
+   values in one copy: the exchange's one host sync, which also finishes the encode.
 3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
-4. On wait, each payload is decoded and the blocks are put back where TorchRec's
-   ``PooledEmbeddingsAllToAll`` would have put them.
+4. On wait, every payload is decoded in one codec call, its status checked before any block is
+   used (a corrupt payload raises ``LossyAllToAllError`` naming the source rank), and the blocks
+   are put back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
 
 The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
 As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
@@ -22,6 +26,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
@@ -29,17 +34,21 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
+from torchrec_lossy.codec import host_sync
 from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
     LossyAll2AllPooledInfo,
+    PendingPayloads,
     backward_dense_send,
     cut_block,
     decode_payloads,
-    encode_payloads,
     expand_block,
     join_blocks,
+    meta_words,
     peer_blocks,
     place_grad_block,
     reduce_grad_block,
+    start_encode,
 )
 from torchrec_lossy.distributed.stats import Direction
 
@@ -54,26 +63,78 @@ class _LossyRequest(Request[torch.Tensor]):
         self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
         # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
         self.dense_blocks: list[int] | None = None
+        # The blocks this rank sends itself: exact, never encoded, never on the wire.
+        self.self_blocks: list[torch.Tensor] | None = None
+        # Each peer's codec payload skeleton, received in the size exchange.
+        self.recv_skeletons: dict[int, np.ndarray] | None = None
+
+
+def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
+    """The self blocks stored with the exchange (released from the request)."""
+    blocks, myreq.self_blocks = myreq.self_blocks, None
+    assert blocks is not None, "the lossy exchange lost its self blocks"
+    return blocks
+
+
+def _take_skeletons(myreq: _LossyRequest) -> dict[int, np.ndarray] | None:
+    """The skeletons received in the size exchange (released from the request)."""
+    skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+    return skeletons
 
 
 def _exchange(
     direction: Direction,
-    payloads: Sequence[torch.Tensor],
-    pg: dist.ProcessGroup,
-    device: torch.device,
+    pending: PendingPayloads,
+    recv_meta_splits: list[int],
+    myreq: _LossyRequest,
 ) -> tuple[torch.Tensor, list[int], dist.Work]:
-    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all."""
-    send_sizes = [int(p.numel()) for p in payloads]
-    sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
-    recv_sizes_t = torch.empty_like(sizes)
+    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
+
+    Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
+    encoder left; the received entries and the encoder's pending values are then read in ONE
+    device-to-host copy (the exchange's only host sync, ``host_sync.to_host``), after which the
+    payloads exist and are sent. The received skeletons go to ``myreq.recv_skeletons`` (the
+    decode then reads nothing back).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        pending: From ``start_encode``.
+        recv_meta_splits: Words expected from each peer (``meta_words``).
+        myreq: The request (its group and device; receives the skeletons).
+
+    Returns:
+        (received bytes, bytes from each peer, the payload exchange's work).
+    """
+    pg, device = myreq.pg, pending.meta.device
+    recv_meta = torch.empty(sum(recv_meta_splits), dtype=torch.int64, device=device)
     with record_function(f"## lossy_a2a {direction} sizes ##"):
-        dist.all_to_all_single(recv_sizes_t, sizes, group=pg, async_op=True).wait()
-        recv_sizes = recv_sizes_t.tolist()  # the one device-to-host sync of the exchange
+        dist.all_to_all_single(
+            recv_meta, pending.meta, recv_meta_splits, pending.meta_splits, group=pg,
+            async_op=True,
+        ).wait()  # fmt: skip
+        k = pending.readback.numel()
+        host = host_sync.to_host(torch.cat([pending.readback, recv_meta]))
+    payloads = pending.finish(host[:k].tolist())
+    at = list(itertools.accumulate(recv_meta_splits, initial=0))
+    recv_sizes = [int(host[k + a]) for a in at[:-1]]
+    myreq.recv_skeletons = {
+        p: host[k + at[p] + 1 : k + at[p + 1]].astype(np.uint32)
+        for p in range(len(recv_meta_splits))
+        if recv_meta_splits[p] > 1
+    }
+    send_sizes = [int(p.numel()) for p in payloads]
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with record_function(f"## lossy_a2a {direction} payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, recv_sizes, work
+
+
+def _recv_meta_splits(
+    specs_per_peer: Sequence[Sequence[BlockSpec]], info: LossyAll2AllPooledInfo, my_rank: int
+) -> list[int]:
+    """Words of the size exchange expected from each peer."""
+    return [meta_words(specs, info, p == my_rank) for p, specs in enumerate(specs_per_peer)]
 
 
 class LossyAll2AllPooledReq(Function):
@@ -123,10 +184,13 @@ class LossyAll2AllPooledReq(Function):
             for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
-        payloads = encode_payloads(
-            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device
+        pending = start_encode(
+            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
         )
-        recv, recv_sizes, work = _exchange("fwd", payloads, pg, input_embeddings.device)
+        myreq.self_blocks = blocks[my_rank]
+        recv, recv_sizes, work = _exchange(
+            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq
+        )
         myreq.req = work
         myreq.tensor = recv
         myreq.recv_sizes = recv_sizes
@@ -168,6 +232,8 @@ class LossyAll2AllPooledReq(Function):
                 ],
                 info,
                 my_rank,
+                _take_self_blocks(myreq),
+                _take_skeletons(myreq),
             )
             pieces = [
                 torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
@@ -208,7 +274,17 @@ class LossyAll2AllPooledWait(Function):
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
-        blocks = decode_payloads("fwd", recv, recv_sizes, info.layout, block_rows, info, my_rank)
+        blocks = decode_payloads(
+            "fwd",
+            recv,
+            recv_sizes,
+            info.layout,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
+            _take_skeletons(myreq),
+        )
         if info.output_dedupe is None:
             pieces = [
                 piece
@@ -249,10 +325,12 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            payloads = encode_payloads(
-                "bwd", blocks, info.layout, info, grad_output.device, my_rank
-            )
-            recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+            pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
+            myreq.self_blocks = blocks[my_rank]
+            recv, recv_sizes, work = _exchange(
+                "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
+                myreq,
+            )  # fmt: skip
             myreq.recv_sizes = recv_sizes
         else:
             wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -309,8 +387,11 @@ def _receiver_grad_dedupe(
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        payloads = encode_payloads("bwd", blocks, info.layout, info, grad_output.device, my_rank)
-        recv, recv_sizes, work = _exchange("bwd", payloads, pg, grad_output.device)
+        pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
+        myreq.self_blocks = blocks[my_rank]
+        recv, recv_sizes, work = _exchange(
+            "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank), myreq
+        )
         myreq.recv_sizes = recv_sizes
         return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
@@ -359,7 +440,15 @@ def _owner_grad_dedupe(
     if myreq.dense_blocks is None:
         assert myreq.recv_sizes is not None
         blocks = decode_payloads(
-            "bwd", recv, myreq.recv_sizes, [specs] * world, block_rows, info, my_rank
+            "bwd",
+            recv,
+            myreq.recv_sizes,
+            [specs] * world,
+            block_rows,
+            info,
+            my_rank,
+            _take_self_blocks(myreq),
+            _take_skeletons(myreq),
         )
     else:
         start = time.perf_counter()

@@ -34,6 +34,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lossy.codec import segment_checksums
 from torchrec_lossy.config import InputDistConfig
 from torchrec_lossy.distributed.dedupe import (
     OutputDedupeMode,
@@ -300,16 +301,13 @@ def parse_meta(row: Sequence[int], num_features: int) -> SourceMeta:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checksum words: the one checksum of the input dist (a shared codec checksum may replace the
-# body of payload_checksums; _write_checksums and _stored_checksums only place its words).
+# Checksum words: the codec's checksum (torchrec_lossy.codec.segment_checksums) over each
+# payload; _write_checksums and _stored_checksums only place its words.
 
 
 def payload_checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Tensor:
-    """Position-weighted checksum of each payload, its last ``_CHECK_WORDS`` words left out.
-
-    ``sum(u_i * (2 * (i mod 65521) + 1))`` in wrapping int64 arithmetic over the payload's words
-    ``u_i`` (as unsigned 32-bit): any change of one word, and most swaps, change it. Integer
-    sums are exact and order-free, so sender and receiver agree on any device.
+    """The codec's checksum (``torchrec_lossy.codec.segment_checksums``) of each payload, its
+    last ``_CHECK_WORDS`` words left out.
 
     Args:
         words: int32 buffer holding the payloads back to back.
@@ -318,29 +316,12 @@ def payload_checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Te
     Returns:
         int64 checksum per payload.
     """
-    u = words.to(torch.int64) & _MASK32
     if not seg_words:
-        return u.new_zeros(0)
-    weights = _check_weights(max(seg_words), words.device)
-    sums, at = [], 0
-    for n in seg_words:
-        k = max(n - _CHECK_WORDS, 0)
-        # Products < 2**49; the sum wraps like the formula's (integer sums are order-free).
-        sums.append((u[at : at + k] * weights[:k]).sum())
-        at += n
-    return torch.stack(sums)
-
-
-_WEIGHT_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-def _check_weights(n: int, device: torch.device) -> torch.Tensor:
-    """The checksum's position weights ``2 * (i mod 65521) + 1`` for ``i < n`` (cached)."""
-    w = _WEIGHT_CACHE.get(device)
-    if w is None or w.numel() < n:
-        w = 2 * (torch.arange(max(n, 1 << 16), dtype=torch.int64, device=device) % 65521) + 1
-        _WEIGHT_CACHE[device] = w
-    return w[:n]
+        return torch.zeros(0, dtype=torch.int64, device=words.device)
+    starts = list(itertools.accumulate(seg_words, initial=0))[:-1]
+    lengths = [max(n - _CHECK_WORDS, 0) for n in seg_words]
+    table = torch.tensor([starts, lengths], dtype=torch.int64).to(words.device)
+    return segment_checksums(words, table[0], table[1])
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:

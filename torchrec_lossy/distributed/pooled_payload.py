@@ -20,16 +20,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+import numpy as np
 import torch
 from torch.autograd.profiler import record_function
 
-from torchrec_lossy.codec import BlockStats, CodecError, compress_with_stats, decompress
+from torchrec_lossy.codec import (
+    BlockStats,
+    decompress,
+    decompress_groups,
+    first_failure,
+    host_sync,
+    start_compress_groups,
+)
+from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
@@ -246,45 +255,72 @@ def _aligned(payload: torch.Tensor) -> torch.Tensor:
     return payload if payload.storage_offset() % _ALIGN == 0 else payload.clone()
 
 
-def finite_ranges(blocks: Sequence[torch.Tensor]) -> list[float]:
-    """``max - min`` over the finite elements of each block, with one host sync for all."""
-    if not blocks:
-        return []
-    spans = []
-    for b in blocks:
-        f = b.float()
-        finite = torch.isfinite(f)
-        hi = torch.where(finite, f, -math.inf).amax()
-        lo = torch.where(finite, f, math.inf).amin()
-        spans.append(hi - lo)
-    return [s if math.isfinite(s) and s > 0 else 0.0 for s in torch.stack(spans).tolist()]
-
-
 def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> list[float]:
-    """Absolute bound of each block: ``value`` or ``value * (max - min)`` of the block."""
-    rel = [
-        i
-        for i, (b, eb) in enumerate(zip(blocks, bounds, strict=True))
-        if eb.mode == "relative" and eb.value > 0 and b.numel() > 0
-    ]
-    spans = dict(zip(rel, finite_ranges([blocks[i] for i in rel]), strict=True))
-    return [
-        eb.value * spans[i] if i in spans else (eb.value if eb.mode == "absolute" else 0.0)
-        for i, eb in enumerate(bounds)
-    ]
+    """Absolute bound of each block: ``value`` or ``value * (max - min)`` of the block.
+
+    The codec's rule (``torchrec_lossy.codec.bounds``), which ``compress_groups`` applies on
+    the device; this host form is for callers that need the values before encoding.
+
+    Args:
+        blocks: 2-D float tensors.
+        bounds: One per block.
+
+    Returns:
+        Absolute bounds.
+    """
+    return absolute_bounds(
+        blocks, [eb.value for eb in bounds], [eb.mode == "relative" for eb in bounds]
+    )
+
+
+@dataclass
+class PendingPayloads:
+    """Encoded payloads waiting for the one host read of their all-to-all.
+
+    Attributes:
+        device_sizes: int64 bytes of each destination's payload, on the device (no sync).
+        readback: int64 values the host must read before the payloads exist (may be empty);
+            the exchange reads them together with the received sizes, in one copy.
+        finish: Builds the payloads (and records the telemetry) from ``readback``'s values.
+        meta: int64 words to send each destination in the size exchange, back to back: its
+            payload size, then its codec payload's skeleton (:func:`meta_words` long), on the
+            device; the receiver decodes with them and reads nothing back.
+        meta_splits: Words of ``meta`` per destination.
+    """
+
+    device_sizes: torch.Tensor
+    readback: torch.Tensor
+    finish: Callable[[Sequence[int]], list[torch.Tensor]]
+    meta: torch.Tensor
+    meta_splits: list[int]
+
+
+def meta_words(specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, is_self: bool) -> int:
+    """Words of one peer's entry in the size exchange: its size, then its codec skeleton.
+
+    Args:
+        specs: The specs of the blocks the payload carries.
+        info: Compress flags.
+        is_self: The rank's own entry (its blocks skip the codec: size only).
+
+    Returns:
+        Word count.
+    """
+    n_coded = sum(1 for s in specs if info.compress[s.table])
+    return 1 + (skeleton_words(n_coded) if n_coded and not is_self else 0)
 
 
 def _codec_config(
-    config: LossyCommsConfig, direction: Direction, call: int, rank: int, peer: int
+    config: LossyCommsConfig, direction: Direction, call: int, rank: int
 ) -> CodecConfig:
-    """The codec knobs of one payload: the forward's as configured; the backward's with its
-    rounding, seeded per (seed, call, rank, destination) so every payload draws independently
-    and a rerun draws the same."""
+    """The codec knobs of one all-to-all: the forward's as configured; the backward's with its
+    rounding, seeded per (seed, call, sending rank) so every call draws afresh and a rerun draws
+    the same. Within the call, blocks draw by their index in their payload."""
     if direction == "fwd" or config.backward_rounding == "nearest":
         return config.codec
     # Tuple hashes of ints are the same in every process (no hash randomization for ints).
-    peer_seed = hash((config.backward_seed, call, rank, peer)) & ((1 << 63) - 1)
-    return dataclasses.replace(config.codec, rounding=config.backward_rounding, seed=peer_seed)
+    call_seed = hash((config.backward_seed, call, rank)) & ((1 << 63) - 1)
+    return dataclasses.replace(config.codec, rounding=config.backward_rounding, seed=call_seed)
 
 
 def _record_signed_error(
@@ -332,138 +368,178 @@ def encode_payloads(
     specs_per_peer: Sequence[Sequence[BlockSpec]],
     info: LossyAll2AllPooledInfo,
     device: torch.device,
-    rank: int = 0,
+    my_rank: int | None = None,
 ) -> list[torch.Tensor]:
     """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's).
 
-    ``rank`` (the sender's) seeds the backward's stochastic rounding with the module's call
-    counter and the destination.
+    :func:`start_encode` and its host read in one go (see there).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks_per_peer: Per destination, its blocks (one per spec).
+        specs_per_peer: Per destination, the specs of its blocks.
+        info: Layout, compress flags and comms state.
+        device: Where empty payloads are allocated.
+        my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
+
+    Returns:
+        One payload per destination.
+    """
+    pending = start_encode(direction, blocks_per_peer, specs_per_peer, info, device, my_rank)
+    host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
+    return pending.finish(host)
+
+
+def start_encode(
+    direction: Direction,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    device: torch.device,
+    my_rank: int | None = None,
+) -> PendingPayloads:
+    """Encodes every peer's blocks, up to the host read (none made here).
+
+    Every peer's codec blocks go through ONE ``start_compress_groups`` call (relative bounds are
+    resolved there, on the device path on the device). The block a rank sends to itself
+    (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
+    receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
+    bytes are counted apart (``LossyCommsStats.self_bytes``).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks_per_peer: Per destination, its blocks (one per spec).
+        specs_per_peer: Per destination, the specs of its blocks.
+        info: Layout, compress flags and comms state.
+        device: Where the payloads and sizes live.
+        my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
+
+    Returns:
+        The pending payloads: read ``readback`` (with the exchange's received sizes) and call
+        ``finish``.
     """
     comms = info.comms
     config = comms.config
     stats = comms.stats
+    start = time.perf_counter()
     call = comms.next_call(direction)
-    sample = direction == "bwd" and config.error_sample_every > 0
+    # The sender decodes a payload now and then for the mean signed error (telemetry); host
+    # payloads only, so that the device path keeps its one host sync per all-to-all.
+    sample = direction == "bwd" and config.error_sample_every > 0 and device.type == "cpu"
     sample = sample and call % config.error_sample_every == 0
+    n_peers = len(blocks_per_peer)
+    peers = [p for p in range(n_peers) if p != my_rank]
+    if my_rank is not None and my_rank < n_peers:
+        stats.record_self(
+            direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
+        )
     coded = [
-        (b, s)
-        for bs, ss in zip(blocks_per_peer, specs_per_peer, strict=True)
-        for b, s in zip(bs, ss, strict=True)
-        if info.compress[s.table]
+        [
+            (b, s)
+            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True)
+            if info.compress[s.table]
+        ]
+        for p in peers
     ]
     with record_function(f"## lossy_a2a {direction} bounds ##"):
         if direction == "fwd":
-            bounds = [comms.bounds.bound(s.table) for _, s in coded]
+            bounds = [[comms.bounds.bound(s.table) for _, s in c] for c in coded]
         else:
-            bounds = [config.backward_bound] * len(coded)
-        block_bounds = abs_bounds([b for b, _ in coded], bounds)
-        if direction == "fwd":
-            for (b, s), eb in zip(coded, block_bounds, strict=True):
-                comms.bounds.observe(s.table, b, eb)
-    next_bound = iter(block_bounds)
-
-    payloads = []
+            bounds = [[config.backward_bound] * len(c) for c in coded]
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        for peer, (blocks, specs) in enumerate(zip(blocks_per_peer, specs_per_peer, strict=True)):
-            start = time.perf_counter()
-            parts: list[torch.Tensor] = []
-            codec_blocks: list[torch.Tensor] = []
-            codec_bounds: list[float] = []
-            codec_tables: list[str] = []
-            shares: dict[str, int] = {}
-            for b, s in zip(blocks, specs, strict=True):
-                nbytes = b.numel() * b.element_size()
-                shares[s.table] = shares.get(s.table, 0) + nbytes
-                if info.compress[s.table]:
-                    codec_blocks.append(b.contiguous())
-                    codec_bounds.append(next(next_bound))
-                    codec_tables.append(s.table)
-                else:
-                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=b.device)
+        pending = start_compress_groups(
+            [[b.contiguous() for b, _ in c] for c in coded],
+            [[eb.value for eb in g] for g in bounds],
+            _codec_config(config, direction, call, my_rank or 0),
+            relative=[[eb.mode == "relative" for eb in g] for g in bounds],
+        )
+        raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
+        for p in peers:
+            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
+                if not info.compress[s.table]:
+                    nbytes = b.numel() * b.element_size()
+                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
                     raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
-                    parts.append(raw)
+                    raw_parts[p].append(raw)
                     stats.record_block(direction, s.table, nbytes, raw.numel(), 0.0, 0.0)
-            if codec_blocks:
-                payload, block_stats = compress_with_stats(
-                    codec_blocks,
-                    codec_bounds,
-                    config=_codec_config(config, direction, call, rank, peer),
-                )
+        # Send sizes on the device: raw parts (known here) plus each codec payload (a peer
+        # without codec blocks sends none).
+        raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
+        has_codec = [0] * n_peers
+        for g, p in enumerate(peers):
+            has_codec[p] = int(bool(coded[g]))
+        table = torch.tensor([raw_len, has_codec, [0] * n_peers], dtype=torch.int64).to(device)
+        if peers:
+            table[2, peers] = pending.device_sizes
+        device_sizes = table[0] + table[1] * table[2]
+        # Size exchange entries: size, then (peers with codec blocks) the payload's skeleton.
+        meta_parts, meta_splits = [], []
+        skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
+        group_of = {p: g for g, p in enumerate(peers)}
+        for p in range(n_peers):
+            meta_parts.append(device_sizes[p : p + 1])
+            g = group_of.get(p)
+            if g is not None and coded[g]:
+                meta_parts.append(pending.device_skeletons[skel_at[g] : skel_at[g + 1]])
+            meta_splits.append(meta_words(specs_per_peer[p], info, p == my_rank))
+        meta = torch.cat(meta_parts) if meta_parts else device_sizes
+    setup_s = time.perf_counter() - start
+
+    def finish(host: Sequence[int]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        grouped = pending.finish(host)
+        if direction == "fwd":
+            for c, st in zip(coded, grouped.stats, strict=True):
+                for (b, s), bs in zip(c, st, strict=True):
+                    comms.bounds.observe(s.table, b, bs.bound)
+        payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
+        for g, p in enumerate(peers):
+            parts = list(raw_parts[p])
+            block_stats = grouped.stats[g]
+            if block_stats:
+                payload = grouped.payload(g)
                 parts.append(payload)
-                for table, eb, bs in zip(codec_tables, codec_bounds, block_stats, strict=True):
+                for (_, s), bs in zip(coded[g], block_stats, strict=True):
                     stats.record_block(
-                        direction, table, bs.raw_bytes, bs.wire_bytes, bs.max_error, eb
+                        direction, s.table, bs.raw_bytes, bs.wire_bytes, bs.max_error, bs.bound
                     )
-                    if eb > 0 and bs.mode in ("raw", "lz") and bs.rows * bs.dim >= 1024:
-                        _warn_exact(info, direction, table, bs)
+                    if bs.bound > 0 and bs.mode in ("raw", "lz") and bs.rows * bs.dim >= 1024:
+                        _warn_exact(info, direction, s.table, bs)
                 if sample:
-                    _record_signed_error(direction, info, payload, codec_blocks, codec_tables)
+                    _record_signed_error(
+                        direction,
+                        info,
+                        payload,
+                        [b for b, _ in coded[g]],
+                        [s.table for _, s in coded[g]],
+                    )
                 # The payload header belongs to no block.
                 stats.record_container(
                     direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)
                 )
-            payloads.append(
-                torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-            )
-            stats.record_time(direction, "encode", shares, time.perf_counter() - start)
-    return payloads
+            if parts:
+                payloads[p] = torch.cat(parts)
+        # The codec works on all peers at once: its time is shared out by raw bytes.
+        spent = setup_s + time.perf_counter() - start
+        shares: dict[str, int] = {}
+        for p in peers:
+            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
+                shares[s.table] = shares.get(s.table, 0) + b.numel() * b.element_size()
+        stats.record_time(direction, "encode", shares, spent)
+        return payloads
+
+    return PendingPayloads(device_sizes, pending.readback, finish, meta, meta_splits)
 
 
-def _decode_peer(
-    direction: Direction,
-    payload: torch.Tensor,
-    peer: int,
-    specs: Sequence[BlockSpec],
-    block_rows: Sequence[int],
-    info: LossyAll2AllPooledInfo,
-    my_rank: int,
-) -> list[torch.Tensor]:
-    """Decodes one peer's payload into its blocks, checked against the expected layout."""
-    dtype = info.dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
-
-    def fail(why: str) -> NoReturn:
-        tables = ", ".join(sorted({s.table for s in specs})) or "none"
-        raise LossyAllToAllError(
-            f"lossy all-to-all ({direction}) on rank {my_rank}: the payload from rank {peer} "
-            f"(tables: {tables}) could not be decoded: {why}. The bytes were corrupted in "
-            "transit or the ranks run different torchrec_lossy versions or sharding plans."
-        )
-
-    size = payload.numel()
-    raw_len = sum(
-        _padded(br * s.dim * elem)
-        for s, br in zip(specs, block_rows, strict=True)
-        if not info.compress[s.table]
+def _fail(
+    direction: Direction, my_rank: int, peer: int, specs: Sequence[BlockSpec], why: str
+) -> NoReturn:
+    tables = ", ".join(sorted({s.table for s in specs})) or "none"
+    raise LossyAllToAllError(
+        f"lossy all-to-all ({direction}) on rank {my_rank}: the payload from rank {peer} "
+        f"(tables: {tables}) could not be decoded: {why}. The bytes were corrupted in "
+        "transit or the ranks run different torchrec_lossy versions or sharding plans."
     )
-    n_coded = sum(1 for s in specs if info.compress[s.table])
-    if n_coded == 0 and size != raw_len:
-        fail(f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks")
-    if size < raw_len:
-        fail(f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks")
-    decoded: list[torch.Tensor] = []
-    if n_coded:
-        try:
-            decoded = decompress(payload[raw_len:])
-        except CodecError as e:
-            fail(f"{type(e).__name__}: {e}")
-        if len(decoded) != n_coded:
-            fail(f"{len(decoded)} blocks decoded, {n_coded} expected")
-    blocks: list[torch.Tensor] = []
-    coded = iter(decoded)
-    raw_at = 0
-    for s, br in zip(specs, block_rows, strict=True):
-        shape = (br, s.dim)
-        if info.compress[s.table]:
-            b = next(coded)
-            if tuple(b.shape) != shape or b.dtype != dtype:
-                fail(f"table {s.table}: block {tuple(b.shape)} {b.dtype}, expected {shape} {dtype}")
-        else:
-            n = shape[0] * shape[1] * elem
-            b = payload[raw_at : raw_at + n].view(dtype).view(shape)
-            raw_at += _padded(n)
-        blocks.append(b)
-    return blocks
 
 
 def decode_payloads(
@@ -474,33 +550,180 @@ def decode_payloads(
     block_rows_per_peer: Sequence[int | Sequence[int]],
     info: LossyAll2AllPooledInfo,
     my_rank: int,
+    self_blocks: Sequence[torch.Tensor] | None = None,
+    skeletons: dict[int, np.ndarray] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
 
-    ``block_rows_per_peer``: per peer, the rows of each block, or one batch size (every block
-    then has ``num_features * rows`` rows).
+    Every peer's codec payload goes through ONE ``decompress_groups`` call; its status is
+    checked (``check_groups``) before any block is returned, so a corrupt payload raises
+    :class:`LossyAllToAllError` naming the source rank and never reaches the caller.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received bytes, payloads in rank order.
+        recv_sizes: Bytes from each peer.
+        specs_per_peer: Per peer, the specs of its blocks.
+        block_rows_per_peer: Per peer, the rows of each block, or one batch size (every block
+            then has ``num_features * rows`` rows).
+        info: Layout, compress flags and comms state.
+        my_rank: This rank.
+        self_blocks: The blocks this rank sent itself (they skipped the codec and the wire), or
+            None when its payload is in ``recv`` like every other.
+        skeletons: Per peer with codec blocks, its codec payload's skeleton from the size
+            exchange (the device path then reads nothing back to decode), or None.
+
+    Returns:
+        Per peer, its blocks.
+
+    Raises:
+        LossyAllToAllError: A payload does not decode into the expected blocks.
     """
     comms = info.comms
-    elem = torch.empty(0, dtype=info.dtype).element_size()
-    out: list[list[torch.Tensor]] = []
-    offsets = itertools.accumulate(recv_sizes, initial=0)
+    dtype = info.dtype
+    elem = torch.empty(0, dtype=dtype).element_size()
+    offsets = list(itertools.accumulate(recv_sizes, initial=0))
+    rows_per_peer = [
+        [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
+        for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
+    ]
+    start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
-        for peer, (offset, size) in enumerate(zip(offsets, recv_sizes, strict=False)):
-            start = time.perf_counter()
-            specs, block_rows = specs_per_peer[peer], block_rows_per_peer[peer]
-            if isinstance(block_rows, int):
-                block_rows = [s.num_features * block_rows for s in specs]
-            payload = recv.narrow(0, offset, size)
+        payloads: dict[int, torch.Tensor] = {}
+        codec_parts: list[torch.Tensor] = []
+        codec_peers: list[int] = []
+        for peer, size in enumerate(recv_sizes):
+            if self_blocks is not None and peer == my_rank:
+                continue
+            specs, rows = specs_per_peer[peer], rows_per_peer[peer]
+            payload = recv.narrow(0, offsets[peer], size)
             if comms.payload_hook is not None:
                 payload = comms.payload_hook(direction, peer, payload)
-            # Raw blocks and the codec payload then start 16-byte aligned.
+            # Raw blocks then start 16-byte aligned.
             payload = _aligned(payload)
-            out.append(_decode_peer(direction, payload, peer, specs, block_rows, info, my_rank))
-            shares: dict[str, int] = {}
-            for s, br in zip(specs, block_rows, strict=True):
-                shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
-            comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+            payloads[peer] = payload
+            raw_len = sum(
+                _padded(br * s.dim * elem)
+                for s, br in zip(specs, rows, strict=True)
+                if not info.compress[s.table]
+            )
+            n_coded = sum(1 for s in specs if info.compress[s.table])
+            size = payload.numel()
+            if n_coded == 0 and size != raw_len:
+                _fail(
+                    direction,
+                    my_rank,
+                    peer,
+                    specs,
+                    f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks",
+                )
+            if size < raw_len:
+                _fail(
+                    direction,
+                    my_rank,
+                    peer,
+                    specs,
+                    f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks",
+                )
+            if n_coded:
+                codec_parts.append(payload[raw_len:])
+                codec_peers.append(peer)
+        sizes = [p.numel() for p in codec_parts]
+        if codec_parts and sum(sizes) % 4:
+            g = next(i for i, n in enumerate(sizes) if n % 4)
+            peer = codec_peers[g]
+            _fail(
+                direction,
+                my_rank,
+                peer,
+                specs_per_peer[peer],
+                f"CodecError: a {sizes[g]}-byte payload is not a whole number of words",
+            )
+        buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
+        decoded, status = decompress_groups(
+            buffer,
+            sizes,
+            backend=comms.config.codec.backend,
+            skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
+        )
+        failure = first_failure(status)  # the status read: before any block is used
+        if failure is not None:
+            peer = codec_peers[failure[0]]
+            _fail(direction, my_rank, peer, specs_per_peer[peer], f"CodecError: {failure[1]}")
+        by_peer = dict(zip(codec_peers, decoded, strict=True))
+        out: list[list[torch.Tensor]] = []
+        for peer in range(len(recv_sizes)):
+            if self_blocks is not None and peer == my_rank:
+                out.append(list(self_blocks))
+                continue
+            out.append(
+                _split_peer(
+                    direction,
+                    payloads[peer],
+                    by_peer.get(peer, []),
+                    peer,
+                    specs_per_peer[peer],
+                    rows_per_peer[peer],
+                    info,
+                    my_rank,
+                )
+            )
+    total = (
+        sum(
+            br * s.dim
+            for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False)
+            for s, br in zip(specs, rows, strict=True)
+        )
+        or 1
+    )
+    spent = time.perf_counter() - start
+    for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
+        shares: dict[str, int] = {}
+        for s, br in zip(specs, rows, strict=True):
+            shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
+        comms.stats.record_time(
+            direction, "decode", shares, spent * sum(shares.values()) / (total * elem)
+        )
     return out
+
+
+def _split_peer(
+    direction: Direction,
+    payload: torch.Tensor,
+    decoded: list[torch.Tensor],
+    peer: int,
+    specs: Sequence[BlockSpec],
+    block_rows: Sequence[int],
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+) -> list[torch.Tensor]:
+    """One peer's blocks in spec order: raw ones from its payload, coded ones decoded."""
+    dtype = info.dtype
+    elem = torch.empty(0, dtype=dtype).element_size()
+    n_coded = sum(1 for s in specs if info.compress[s.table])
+    if len(decoded) != n_coded:
+        _fail(direction, my_rank, peer, specs, f"{len(decoded)} blocks decoded, {n_coded} expected")
+    blocks: list[torch.Tensor] = []
+    coded = iter(decoded)
+    raw_at = 0
+    for s, br in zip(specs, block_rows, strict=True):
+        shape = (br, s.dim)
+        if info.compress[s.table]:
+            b = next(coded)
+            if tuple(b.shape) != shape or b.dtype != dtype:
+                _fail(
+                    direction,
+                    my_rank,
+                    peer,
+                    specs,
+                    f"table {s.table}: block {tuple(b.shape)} {b.dtype}, expected {shape} {dtype}",
+                )
+        else:
+            n = shape[0] * shape[1] * elem
+            b = payload[raw_at : raw_at + n].view(dtype).view(shape)
+            raw_at += _padded(n)
+        blocks.append(b)
+    return blocks
 
 
 def peer_blocks(

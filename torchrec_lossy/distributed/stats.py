@@ -127,15 +127,21 @@ class LossyCommsStats:
         # Device-side running maxima (cast errors), folded in on read so that recording them
         # never forces a device-to-host sync.
         self._pending_max: dict[tuple[Direction, str], torch.Tensor] = {}
+        # Bytes each rank "sent" itself: exact, never on the wire, kept out of the tables.
+        self._self_bytes: dict[Direction, int] = {}
 
     def __getstate__(self) -> dict[str, object]:
         # Locks do not pickle or deepcopy; a copy gets its own.
         self._fold_pending()
-        return {"_tables": {k: dataclasses.replace(e) for k, e in self._tables.items()}}
+        return {
+            "_tables": {k: dataclasses.replace(e) for k, e in self._tables.items()},
+            "_self_bytes": dict(self._self_bytes),
+        }
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()
         self._tables.update(state["_tables"])  # type: ignore[arg-type]
+        self._self_bytes.update(state.get("_self_bytes", {}))  # type: ignore[arg-type]
 
     def _entry(self, direction: Direction, table: str) -> TableCommStats:
         key = (direction, table)
@@ -263,6 +269,31 @@ class LossyCommsStats:
                 else:
                     e.decode_s += s * nbytes / total
 
+    def record_self(self, direction: Direction, nbytes: int) -> None:
+        """Records the bytes of the blocks a rank keeps for itself (the self block).
+
+        They skip the codec and the wire (exact, zero wire bytes), so they are counted here,
+        apart from the tables and totals.
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            nbytes: Raw bytes of the rank's own blocks.
+        """
+        with self._lock:
+            self._self_bytes[direction] = self._self_bytes.get(direction, 0) + nbytes
+
+    def self_bytes(self, direction: Direction) -> int:
+        """Raw bytes of the self blocks of one direction (not in :meth:`total`).
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+
+        Returns:
+            Bytes.
+        """
+        with self._lock:
+            return self._self_bytes.get(direction, 0)
+
     def record_container(self, direction: Direction, wire_bytes: int) -> None:
         """Records payload bytes that belong to no single block (codec container header).
 
@@ -328,6 +359,7 @@ class LossyCommsStats:
         with self._lock:
             self._tables.clear()
             self._pending_max.clear()
+            self._self_bytes.clear()
 
     def __iter__(self) -> Iterator[tuple[Direction, str, TableCommStats]]:
         for direction in DIRECTIONS:
@@ -354,5 +386,10 @@ class LossyCommsStats:
                     f"{e.ratio:>7.2f} {e.max_error:>10.3g} {e.max_error_over_bound:>7.3f} "
                     f"{e.mean_signed_error:>10.2g} "
                     f"{1e3 * e.encode_s:>9.2f} {1e3 * e.decode_s:>9.2f}"
+                )
+            if self.self_bytes(direction):
+                lines.append(
+                    f"{direction:<4} {'(self, not sent)':<24} {self.self_bytes(direction):>12} "
+                    f"{0:>12}"
                 )
         return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""The grouped codec API: every destination in one compress, every source in one decompress.
+
+Each group's payload must equal the per-group ``compress``; the device path must read back
+exactly once in compress and leave the decode status for ``check_groups``; a corrupt group is
+reported with its index. Without CUDA the device path runs in the Triton interpreter (slow:
+small blocks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from test_codec_fuzz import corpus, parse, with_checksum
+from test_kernels import make_block
+
+from torchrec_lossy.codec import (
+    CodecConfig,
+    CodecError,
+    check_groups,
+    compress_groups,
+    compress_with_stats,
+    decompress,
+    decompress_groups,
+    host_sync,
+)
+from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.container import payload_skeleton
+from torchrec_lossy.codec.format import BITS_DTYPES
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+CFG = CodecConfig(huffman_chunk_symbols=64)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(BITS_DTYPES[t.dtype])
+
+
+def groups_of_blocks() -> list[list[torch.Tensor]]:
+    """Three destinations: mixed dtypes and kinds, one empty group, an empty block."""
+    kinds = ("adversarial", "repeat", "mild")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    g0 = [make_block(9, 4, dtypes[i], kinds[i], seed=i) for i in range(3)]
+    g2 = [make_block(12, 3, torch.float32, "repeat", seed=7), torch.zeros(0, 5)]
+    return [g0, [], g2]
+
+
+def rel_values(groups: list[list[torch.Tensor]]) -> list[list[float]]:
+    return [[0.01 * (1 + i) for i, _ in enumerate(g)] for g in groups]
+
+
+def per_group(groups, bounds, config) -> list[torch.Tensor]:
+    return [compress_with_stats(g, b, config)[0] for g, b in zip(groups, bounds, strict=True)]
+
+
+def test_host_grouped_payloads_equal_per_group_compress_and_decode() -> None:
+    groups = groups_of_blocks()
+    values = rel_values(groups)
+    flat = [b for g in groups for b in g]
+    abs_flat = absolute_bounds(flat, [v for g in values for v in g], [True] * len(flat))
+    it = iter(abs_flat)
+    abs_bounds = [[next(it) for _ in g] for g in groups]
+    out = compress_groups(groups, values, CFG, relative=True)
+    want = per_group(groups, abs_bounds, CFG)
+    assert out.sizes == [p.numel() for p in want]
+    for g, w in enumerate(want):
+        assert torch.equal(out.payload(g), w)
+        assert [s.bound for s in out.stats[g]] == abs_bounds[g]
+    blocks, status = decompress_groups(out.buffer, out.sizes)
+    check_groups(status)
+    for got_g, want_g in zip(blocks, [decompress(w) for w in want], strict=True):
+        assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want_g]
+
+
+def test_host_grouped_batch_with_empty_groups_at_both_ends() -> None:
+    """Empty groups first, between and last: each payload still equals its group's compress,
+    and a corrupt block in one group is that group's error only."""
+    g0, _, g2 = groups_of_blocks()
+    groups = [[], g0, [], [], g2, []]
+    bounds = [[1e-3] * len(g) for g in groups]
+    out = compress_groups(groups, bounds, CFG)
+    want = per_group(groups, bounds, CFG)
+    assert out.sizes == [p.numel() for p in want]
+    assert torch.equal(out.buffer, torch.cat(want))
+    buf = out.buffer.clone()
+    buf[out.offsets[4] + 40] ^= 1
+    blocks, status = decompress_groups(buf, out.sizes)
+    assert blocks[4] == [] and [len(b) for b in blocks[:4]] == [0, 3, 0, 0]
+    for got, w in zip(blocks[1], decompress(want[1]), strict=True):
+        assert torch.equal(bits(got), bits(w))
+    with pytest.raises(CodecError, match=r"^payload 4: corrupt payload: checksum mismatch"):
+        check_groups(status)
+
+
+def test_host_mixed_relative_flags_resolve_as_absolute_bounds() -> None:
+    """Per-block relative flags on the batched host path: the bounds (stats and bytes) are
+    ``absolute_bounds``' (NaN / inf / empty blocks included)."""
+    groups = groups_of_blocks()
+    values = rel_values(groups)
+    flags = [[i % 2 == 0 for i, _ in enumerate(g)] for g in groups]
+    flat = [b for g in groups for b in g]
+    abs_flat = absolute_bounds(flat, [v for g in values for v in g], [f for g in flags for f in g])
+    out = compress_groups(groups, values, CFG, relative=flags)
+    assert [s.bound for g in out.stats for s in g] == abs_flat
+    it = iter(abs_flat)
+    want = per_group(groups, [[next(it) for _ in g] for g in groups], CFG)
+    assert torch.equal(out.buffer, torch.cat(want))
+
+
+def test_host_corrupt_group_is_named() -> None:
+    groups = groups_of_blocks()
+    out = compress_groups(groups, [[1e-3] * len(g) for g in groups], CFG)
+    buf = out.buffer.clone()
+    buf[out.offsets[2] + 40] ^= 1  # a body byte of group 2: checksum mismatch
+    blocks, status = decompress_groups(buf, out.sizes)
+    assert blocks[2] == []
+    with pytest.raises(CodecError, match=r"^payload 2: corrupt payload: checksum mismatch"):
+        check_groups(status)
+
+
+def test_bad_arguments_name_the_fix() -> None:
+    groups = groups_of_blocks()
+    with pytest.raises(ValueError, match="one per group"):
+        compress_groups(groups, [[0.0]], CFG)
+    with pytest.raises(ValueError, match="relative flags"):
+        compress_groups(groups, rel_values(groups), CFG, relative=[[True]])
+    with pytest.raises(CodecError, match="add up to"):
+        decompress_groups(torch.zeros(8, dtype=torch.uint8), [4])
+
+
+triton_only = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("relative", [False, True])
+def test_device_grouped_compress_is_per_group_compress_with_one_read(relative: bool) -> None:
+    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
+    values = rel_values(groups) if relative else [[1e-3] * len(g) for g in groups]
+    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
+    compress_groups(groups, values, cfg, relative=relative)  # warm up
+    before = host_sync.host_reads()
+    out = compress_groups(groups, values, cfg, relative=relative)
+    assert host_sync.host_reads() - before == 1
+    flat = [b.cpu() for g in groups for b in g]
+    abs_flat = absolute_bounds(flat, [v for g in values for v in g], [relative] * len(flat))
+    it = iter(abs_flat)
+    abs_bounds = [[next(it) for _ in g] for g in groups]
+    want = per_group([[b.cpu() for b in g] for g in groups], abs_bounds, CFG)
+    assert out.sizes == [p.numel() for p in want]
+    for g, w in enumerate(want):
+        assert torch.equal(out.payload(g).cpu(), w), g
+        assert [s.bound for s in out.stats[g]] == abs_bounds[g]
+
+
+def _corrupt_codebook(payload: bytes) -> bytes:
+    """A payload whose first block's codebook nibbles are all 15 (found only by decoding)."""
+    buf = bytearray(payload)
+    _, _, segs = parse(bytes(buf))
+    off = segs[0][0] + 32
+    buf[off : off + 4] = b"\xff\xff\xff\xff"
+    return with_checksum(bytes(buf))
+
+
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_device_grouped_decompress_defers_status_and_names_the_group() -> None:
+    payloads = dict(corpus())
+    good = [payloads["quant_lz_flagged"], payloads["multi"], payloads["raw"]]
+    bad = _corrupt_codebook(payloads["quant_lz_flagged"])
+    parts = [*good, bad]
+    buffer = torch.from_numpy(np.frombuffer(b"".join(parts), np.uint8).copy()).to(DEVICE)
+    sizes = [len(p) for p in parts]
+    decompress_groups(buffer, sizes, backend="triton")  # warm up
+    before = host_sync.host_reads()
+    blocks, status = decompress_groups(buffer, sizes, backend="triton")
+    assert host_sync.host_reads() - before == 1  # the layouts; the status is not read
+    for g, p in enumerate(good):
+        want = decompress(torch.from_numpy(np.frombuffer(p, np.uint8).copy()))
+        assert [bits(a).tolist() for a in blocks[g]] == [bits(b).tolist() for b in want]
+    with pytest.raises(CodecError, match=rf"^payload {len(good)}: .*code lengths over the limit"):
+        check_groups(status)
+    assert host_sync.host_reads() - before == 2  # check_groups read the status
+
+
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_device_grouped_decompress_with_skeletons_reads_nothing() -> None:
+    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
+    values = [[1e-3] * len(g) for g in groups]
+    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
+    out = compress_groups(groups, values, cfg)
+    host = compress_groups([[b.cpu() for b in g] for g in groups], values, CFG)
+    # The sender's skeletons: the same words on both paths, and the payload's own.
+    for g in range(len(groups)):
+        assert np.array_equal(out.skeletons[g], host.skeletons[g])
+        assert np.array_equal(
+            out.skeletons[g], payload_skeleton(host.payload(g).numpy().view(np.uint32))
+        )
+    decompress_groups(out.buffer, out.sizes, backend="triton", skeletons=out.skeletons)
+    before = host_sync.host_reads()
+    blocks, status = decompress_groups(
+        out.buffer, out.sizes, backend="triton", skeletons=out.skeletons
+    )
+    assert host_sync.host_reads() - before == 0
+    check_groups(status)
+    for got_g, g in zip(blocks, range(len(groups)), strict=True):
+        want = decompress(host.payload(g))
+        assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want]
+    # A flipped body bit: the device checksum finds it; the message is the CPU path's.
+    bad = out.buffer.clone()
+    bad[out.offsets[2] + out.sizes[2] - 1] ^= 4
+    _, status = decompress_groups(bad, out.sizes, backend="triton", skeletons=out.skeletons)
+    with pytest.raises(CodecError, match=r"^payload 2: corrupt payload: checksum mismatch"):
+        check_groups(status)
+    # A valid payload that is not the one announced (groups 0 and 2 swapped).
+    swapped = torch.cat([out.payload(2), out.payload(1), out.payload(0)])
+    sizes = [out.sizes[2], out.sizes[1], out.sizes[0]]
+    _, status = decompress_groups(swapped, sizes, backend="triton", skeletons=out.skeletons)
+    with pytest.raises(CodecError, match=r"^payload 0: .*(announced|corrupt)"):
+        check_groups(status)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sync debug mode")
+def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups = [[b.cuda() for b in g] for g in groups_of_blocks()]
+    values = rel_values(groups)
+    compress_groups(groups, values, CFG, relative=True)  # compile first
+    real = host_sync.to_host
+
+    def allowed(t: torch.Tensor) -> np.ndarray:
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(host_sync, "to_host", allowed)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = compress_groups(groups, values, CFG, relative=True)
+        blocks, status = decompress_groups(out.buffer, out.sizes, skeletons=out.skeletons)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_groups(status)
+    assert [len(g) for g in blocks] == [len(g) for g in groups]

@@ -1,0 +1,422 @@
+"""The payload container: header, block descriptors, checksum and the bounds-checked reader.
+
+One module for what wraps the blocks' segments (docs/format.md), used by the host path
+(``pipeline``) and the device paths (``device_compress``, ``device_decompress``, ``grouped``)
+alike: the host builds and parses records with numpy, the device builds them with
+:func:`pack_records` from the same ``format`` record dtypes, and both checksum through
+:func:`checksum` / :func:`segment_checksums`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from torchrec_lossy.codec.format import (
+    CODE_DTYPES,
+    DESCRIPTOR,
+    HEADER,
+    MAGIC,
+    MODE_NAMES,
+    SEGMENT_HEADER,
+    VERSION,
+    CodecError,
+    checksum_words,
+    words_for_bytes,
+)
+
+# A payload may not ask the decoder for more output elements than this (a crafted payload must not
+# be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
+DEFAULT_MAX_ELEMENTS = 1 << 28
+HEADER_WORDS = HEADER.itemsize // 4
+DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """What happened to one block.
+
+    Attributes:
+        rows: Rows of the block.
+        dim: Columns of the block.
+        raw_bytes: Bytes of the block as a tensor.
+        wire_bytes: Bytes it took in the payload (descriptor and segment; the 32-byte payload
+            header is not attributed to any block).
+        mode: ``"raw"``, ``"lz"``, ``"quant"`` or ``"quant+lz"``.
+        bound: Absolute error bound.
+        max_error: Max |x - x'| over the finite elements (0 for lossless modes).
+        n_unique: Distinct vectors sent (rows when no vector-LZ).
+        n_escapes: Elements sent verbatim by the escape path.
+    """
+
+    rows: int
+    dim: int
+    raw_bytes: int
+    wire_bytes: int
+    mode: str
+    bound: float
+    max_error: float
+    n_unique: int
+    n_escapes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksum: sum_i w_i * (2 i + 1) mod 2**64 over 32-bit words (docs/format.md).
+
+
+def segment_checksums(
+    words: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """The checksum of several word ranges of one buffer, on its device, without a host sync.
+
+    Every single-bit flip changes a checksum (each weight ``2 i + 1`` is odd, ``i`` counted
+    from the range's start), so do swapped words; integer sums are exact and order-free, so
+    sender and receiver agree on any device.
+
+    Args:
+        words: 1-D int32 (or int64 holding uint32 values) buffer.
+        starts: int64 [n] first word of each range (on ``words``' device).
+        lengths: int64 [n] words of each range; ranges must not overlap.
+
+    Returns:
+        int64 [n] checksums (the uint64 value's bits).
+    """
+    n = starts.shape[0]
+    out = torch.zeros(n, dtype=torch.int64, device=words.device)
+    if n == 0 or words.numel() == 0:
+        return out
+    u = words.to(torch.int64) & MASK32
+    pos = torch.arange(u.shape[0], device=words.device)
+    ends = starts + lengths
+    # Ranges are sorted by start for the search; the answer goes back to the caller's order.
+    order = torch.argsort(starts)
+    seg_sorted = (torch.searchsorted(starts[order], pos, right=True) - 1).clamp(min=0)
+    seg = order[seg_sorted]
+    inside = (pos >= starts[seg]) & (pos < ends[seg])
+    # int64 products and sums wrap modulo 2**64, which is exactly the checksum's arithmetic.
+    terms = torch.where(inside, u * ((pos - starts[seg]) * 2 + 1), 0)
+    return out.index_add_(0, seg, terms)
+
+
+def checksum(words: np.ndarray | torch.Tensor) -> int | torch.Tensor:
+    """The payload checksum of a run of 32-bit words.
+
+    Args:
+        words: 1-D uint32 numpy array (host: the compiled kernel), or an int32 / int64 tensor
+            on any device (no sync: :func:`segment_checksums` over one range).
+
+    Returns:
+        A Python int in [0, 2**64) for numpy input; an int64 0-d tensor (the uint64 bits) on
+        the tensor's device otherwise.
+    """
+    if isinstance(words, np.ndarray):
+        return int(checksum_words(words))
+    dev = words.device
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    n = torch.full((1,), words.shape[0], dtype=torch.int64, device=dev)
+    return segment_checksums(words, zero, n)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Records built on the device from the format's numpy record dtypes.
+
+
+def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
+    """Packs records of a ``format`` structured dtype into little-endian 32-bit words.
+
+    The field layout (offsets, sizes) comes from ``record`` itself, so the device path writes
+    exactly the bytes a numpy structured array would.
+
+    Args:
+        record: ``format.HEADER``, ``DESCRIPTOR`` or ``SEGMENT_HEADER``.
+        fields: Field name to its raw bits as an int64 tensor [n] (floats passed as their bit
+            pattern, signed values as two's complement) or a Python int; fields left out are 0.
+            At least one value must be a tensor (it gives ``n`` and the device).
+
+    Returns:
+        int64 [n, record.itemsize // 4] words, each in [0, 2**32).
+    """
+    unknown = set(fields) - set(record.names)
+    if unknown:
+        raise ValueError(f"fields {sorted(unknown)} are not in the record {record.names}")
+    ref = next(v for v in fields.values() if isinstance(v, torch.Tensor))
+    out = torch.zeros(ref.shape[0], record.itemsize // 4, dtype=torch.int64, device=ref.device)
+    for name, value in fields.items():
+        field_dtype, offset = record.fields[name][:2]
+        size = field_dtype.itemsize
+        word, shift = divmod(offset, 4)
+        v = value if isinstance(value, torch.Tensor) else torch.full_like(ref, value)
+        v = v.to(torch.int64)
+        if size == 8:
+            out[:, word] |= v & MASK32
+            out[:, word + 1] |= (v >> 32) & MASK32
+        else:
+            out[:, word] |= (v & ((1 << (8 * size)) - 1)) << (8 * shift)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Skeletons: the words a decoder's layout depends on.
+
+SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
+
+
+def skeleton_words(n_blocks: int) -> int:
+    """Words of the skeleton of a payload with ``n_blocks`` blocks (:func:`skeleton_index`).
+
+    Args:
+        n_blocks: Blocks in the payload.
+
+    Returns:
+        ``8 + 14 * n_blocks``.
+    """
+    return HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n_blocks
+
+
+def skeleton_index(
+    payload_base: torch.Tensor,
+    payload_words: torch.Tensor,
+    group_blocks: Sequence[int],
+    seg_start: torch.Tensor,
+) -> torch.Tensor:
+    """Word positions of the payloads' skeletons: header, descriptors, segment headers.
+
+    A payload's layout (where every section lies, how big every decode grid is) depends on
+    these words only: a decoder that is given them needs no read of the payload itself, and
+    can check the payload against them on the device. Group ``g``'s skeleton is ``8 + 14 n``
+    words for ``n`` blocks: its header and descriptors, then 8 words from each segment's start
+    (clamped to the payload's last word, as ``device_decompress`` reads them: raw segments have
+    no header).
+
+    Args:
+        payload_base: int64 [G] first word of each payload in the buffer.
+        payload_words: int64 [G] words of each payload.
+        group_blocks: Blocks of each payload (host).
+        seg_start: int64 [sum(group_blocks)] first word of each segment in the buffer.
+
+    Returns:
+        int64 positions, the skeletons of every payload back to back (on the tensors' device).
+    """
+    dev = payload_base.device
+    n = np.asarray(group_blocks, dtype=np.int64).reshape(-1)
+    head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+    group_of_head = torch.from_numpy(np.repeat(np.arange(n.shape[0]), head)).to(dev)
+    k_head = torch.from_numpy(np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head))
+    heads = payload_base[group_of_head] + k_head.to(dev)
+    group_of_block = torch.from_numpy(np.repeat(np.arange(n.shape[0]), n)).to(dev)
+    last = (payload_base + payload_words - 1)[group_of_block]
+    segs = torch.minimum(
+        seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev), last[:, None]
+    )
+    # Order: group by group, its head then its segment headers.
+    size = head + SEGMENT_HEADER_WORDS * n
+    start = np.cumsum(size) - size
+    out = torch.empty(int(size.sum()), dtype=torch.int64, device=dev)
+    head_at = np.repeat(start, head) + k_head.numpy()
+    block_first = np.cumsum(n) - n
+    local = np.arange(int(n.sum())) - np.repeat(block_first, n)
+    seg_at = (np.repeat(start + head, n) + SEGMENT_HEADER_WORDS * local)[:, None] + np.arange(
+        SEGMENT_HEADER_WORDS
+    )
+    out[torch.from_numpy(head_at).to(dev)] = heads
+    out[torch.from_numpy(seg_at.reshape(-1)).to(dev)] = segs.reshape(-1)
+    return out
+
+
+def payload_skeleton(words: np.ndarray) -> np.ndarray:
+    """The skeleton (:func:`skeleton_index`) of one well-formed payload, on the host.
+
+    Args:
+        words: The payload as uint32 words (made by ``compress``).
+
+    Returns:
+        uint32 skeleton words.
+    """
+    n = int(words[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    descs = words[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
+    seg = descs["seg_words"].astype(np.int64)
+    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
+    idx = skeleton_index(
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([words.shape[0]], dtype=torch.int64),
+        [n],
+        torch.from_numpy(seg_start),
+    )
+    return words[idx.numpy()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: header, descriptor parse, reader.
+
+
+def host_header(n_blocks: int, body: np.ndarray) -> np.ndarray:
+    """The 32-byte payload header for a body.
+
+    Args:
+        n_blocks: Blocks in the payload.
+        body: The body's bytes (descriptors and segments; a whole number of words).
+
+    Returns:
+        The header's bytes (uint8 [32]).
+    """
+    header = np.zeros(1, HEADER)
+    header["magic"] = MAGIC
+    header["version"] = VERSION
+    header["n_blocks"] = n_blocks
+    header["body_words"] = body.shape[0] // 4
+    header["checksum"] = checksum(body.view(np.uint32))
+    return header.view(np.uint8)
+
+
+def check_payload(payload: object) -> None:
+    """Raises CodecError unless ``payload`` is a 1-D uint8 tensor.
+
+    Args:
+        payload: What the caller passed as a payload.
+
+    Raises:
+        CodecError: It is not a 1-D torch.uint8 tensor.
+    """
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise CodecError(
+            f"payload must be a 1-D torch.uint8 tensor, got {type(payload).__name__}"
+            + (
+                f" {payload.dtype} {tuple(payload.shape)}"
+                if isinstance(payload, torch.Tensor)
+                else ""
+            )
+        )
+
+
+def parse_header(
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True
+) -> tuple[np.ndarray, list[tuple], np.ndarray]:
+    """Validates a payload's header and descriptors (everything before the segments).
+
+    Shared by the CPU decoder and ``device_decompress``, so both reject alike.
+
+    Args:
+        buf: The payload's bytes (1-D uint8, on the host).
+        max_elements: Refuse payloads that decode to more elements than this in total.
+        verify_checksum: False for a skeleton (see :func:`skeleton_index`): the device checks
+            the real payload's checksum instead.
+
+    Returns:
+        (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
+        seg_words, bound), word offset of each segment in the body plus the body's end).
+
+    Raises:
+        CodecError: Anything wrong before the segments.
+    """
+    n = buf.shape[0]
+    if n < HEADER.itemsize:
+        raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
+    header = buf[: HEADER.itemsize].view(HEADER)[0]
+    if int(header["magic"]) != MAGIC:
+        raise CodecError(
+            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
+            f"expected 0x{MAGIC:08x}"
+        )
+    if int(header["version"]) != VERSION:
+        raise CodecError(
+            f"payload format version {int(header['version'])} is not supported "
+            f"(this build reads version {VERSION})"
+        )
+    body_words = int(header["body_words"])
+    if n != HEADER.itemsize + 4 * body_words:
+        raise CodecError(
+            f"truncated or padded payload: {n} bytes, the header says "
+            f"{HEADER.itemsize + 4 * body_words}"
+        )
+    body = buf[HEADER.itemsize :].view(np.uint32)
+    if verify_checksum and checksum(body) != int(header["checksum"]):
+        raise CodecError("corrupt payload: checksum mismatch")
+    n_blocks = int(header["n_blocks"])
+    if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
+        raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
+    desc_words = n_blocks * DESCRIPTOR_WORDS
+    descs = body[:desc_words].view(DESCRIPTOR)
+    seg_words = descs["seg_words"].astype(np.int64)
+    if int(seg_words.sum()) != body.shape[0] - desc_words:
+        raise CodecError("corrupt payload: segment lengths do not add up to the body")
+    desc_fields = [d.item() for d in descs]
+    for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
+        if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
+            raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
+    # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
+    total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
+    if total > max_elements:
+        raise CodecError(
+            f"payload decodes to {total} elements, more than max_elements={max_elements}: "
+            "pass a larger max_elements if it is trusted"
+        )
+    offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
+    return body, desc_fields, offsets
+
+
+class Reader:
+    """Bounds-checked cursor over one segment's words.
+
+    Args:
+        words: The segment (uint32 words).
+        block: The block's index (named in errors).
+    """
+
+    def __init__(self, words: np.ndarray, block: int) -> None:
+        self.words = words
+        self.pos = 0
+        self.block = block
+
+    def fail(self, what: str) -> CodecError:
+        """The error for something wrong in this block.
+
+        Args:
+            what: What is wrong.
+
+        Returns:
+            A CodecError naming the block (the caller raises it).
+        """
+        return CodecError(f"corrupt payload: block {self.block}: {what}")
+
+    def take(self, n_words: int, what: str) -> np.ndarray:
+        """The next ``n_words`` words.
+
+        Args:
+            n_words: How many.
+            what: The section's name (for the error).
+
+        Returns:
+            A view of the words.
+
+        Raises:
+            CodecError: They run past the segment.
+        """
+        if n_words < 0 or self.pos + n_words > self.words.shape[0]:
+            raise self.fail(
+                f"{what} needs {n_words} words at word {self.pos} of a "
+                f"{self.words.shape[0]}-word segment"
+            )
+        out = self.words[self.pos : self.pos + n_words]
+        self.pos += n_words
+        return out
+
+    def take_bytes(self, n_bytes: int, what: str) -> np.ndarray:
+        """The next ``n_bytes`` bytes (whole words are consumed).
+
+        Args:
+            n_bytes: How many.
+            what: The section's name (for the error).
+
+        Returns:
+            A uint8 view.
+        """
+        return self.take(words_for_bytes(n_bytes), what).view(np.uint8)[:n_bytes]
+
+    def done(self) -> None:
+        """Raises CodecError unless the whole segment was consumed."""
+        if self.pos != self.words.shape[0]:
+            raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")

@@ -1,0 +1,373 @@
+"""One codec call for the blocks of every destination (compress) or every source (decompress).
+
+An all-to-all sends one payload per destination. :func:`compress_groups` builds them all in one
+pass and returns them back to back in one uint8 buffer with the size of each; on the device path
+its only device-to-host read is those sizes (with the per-block stats in the same copy), and
+relative bounds are resolved against each block's finite range on the device.
+:func:`decompress_groups` decodes every source's payload of a received buffer in one pass; on
+the device path it reads the buffer back once for the layouts and leaves the decode status on
+the device (:class:`GroupStatus`); the caller checks it with :func:`check_groups` at a sync
+point of its choosing, before it uses the blocks. Each group's payload is byte-identical to
+:func:`~torchrec_lossy.codec.compress` of its blocks, and decodes with
+:func:`~torchrec_lossy.codec.decompress`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.container import (
+    DEFAULT_MAX_ELEMENTS,
+    BlockStats,
+    payload_skeleton,
+    skeleton_words,
+)
+from torchrec_lossy.codec.format import CodecError
+from torchrec_lossy.codec.pipeline import (
+    compress_host_groups,
+    decompress,
+    decompress_host_groups,
+    on_device,
+    validate_inputs,
+)
+from torchrec_lossy.config import Backend, CodecConfig
+
+
+@dataclass(frozen=True)
+class GroupedPayloads:
+    """The payloads of :func:`compress_groups`.
+
+    Attributes:
+        buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
+        sizes: Bytes of each payload (multiples of 4).
+        stats: Per group, one BlockStats per block.
+        skeletons: Per group, the uint32 words its layout depends on
+            (``container.skeleton_index``): hand them to :func:`decompress_groups` with the
+            payloads and the device path decodes without reading the payloads back.
+    """
+
+    buffer: torch.Tensor
+    sizes: list[int]
+    stats: list[list[BlockStats]]
+    skeletons: list[np.ndarray]
+
+    @property
+    def offsets(self) -> list[int]:
+        """Byte offset of each payload in :attr:`buffer`."""
+        return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])[:-1].tolist()
+
+    def payload(self, group: int) -> torch.Tensor:
+        """Group ``group``'s payload (a view of :attr:`buffer`).
+
+        Args:
+            group: Its index.
+
+        Returns:
+            1-D uint8 tensor.
+        """
+        return self.buffer.narrow(0, self.offsets[group], self.sizes[group])
+
+
+@dataclass
+class GroupStatus:
+    """The decode status :func:`decompress_groups` leaves for :func:`check_groups`.
+
+    Attributes:
+        codes: int32 per decoded block on the device (0: fine), or None.
+        block_group: The group of each entry of ``codes``.
+        rejected: Group index to its error, found while reading the layouts.
+        group_bad: int32 per group on the device: 1 where the payload does not match its
+            announced skeleton or checksum (skeleton mode), or None.
+        buffer: The decoded buffer (to read a failing payload back for its message).
+        sizes: Bytes of each payload.
+        max_elements: The decode's limit.
+    """
+
+    codes: torch.Tensor | None = None
+    block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    rejected: dict[int, str] = field(default_factory=dict)
+    group_bad: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    sizes: list[int] = field(default_factory=list)
+    max_elements: int = DEFAULT_MAX_ELEMENTS
+
+
+def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
+    if isinstance(groups, torch.Tensor):
+        raise ValueError("groups must be a sequence of sequences of 2-D tensors, got a tensor")
+    return [len(g) for g in groups]
+
+
+class PendingGroups:
+    """A :func:`start_compress_groups` call waiting for its one host read.
+
+    On the device path the payloads are built but their sizes and stats are still on the
+    device: read :attr:`readback` (alone, or concatenated with tensors of the caller's, in ONE
+    copy) and pass its values to :meth:`finish`. :attr:`device_sizes` are the payload sizes on
+    the device, usable before the read (e.g. in a size all-to-all). On the host path everything
+    is known already and :attr:`readback` is empty.
+
+    Args:
+        device_sizes: int64 bytes per payload, on the blocks' device.
+        readback: int64 values the host must read (may be empty).
+        finish: Builds the result from ``readback``'s host values.
+        device_skeletons: int64 skeleton words of every payload back to back, on the device
+            (a receiver decodes without a read given them: :func:`decompress_groups`).
+        skeleton_sizes: Words of each payload's skeleton.
+    """
+
+    def __init__(
+        self,
+        device_sizes: torch.Tensor,
+        readback: torch.Tensor,
+        finish: Callable[[Sequence[int]], GroupedPayloads],
+        device_skeletons: torch.Tensor,
+        skeleton_sizes: list[int],
+    ) -> None:
+        self.device_sizes = device_sizes
+        self.readback = readback
+        self._finish = finish
+        self.device_skeletons = device_skeletons
+        self.skeleton_sizes = skeleton_sizes
+
+    def finish(self, host: Sequence[int]) -> GroupedPayloads:
+        """The payloads, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values, in order.
+
+        Returns:
+            The payloads, their sizes and stats.
+        """
+        return self._finish(host)
+
+
+def start_compress_groups(
+    groups: Sequence[Sequence[torch.Tensor]],
+    error_bounds: Sequence[Sequence[float]],
+    config: CodecConfig | None = None,
+    relative: bool | Sequence[Sequence[bool]] = False,
+) -> PendingGroups:
+    """:func:`compress_groups` without its host read (no sync on the device path).
+
+    Args:
+        groups: As :func:`compress_groups`.
+        error_bounds: As :func:`compress_groups`.
+        config: As :func:`compress_groups`.
+        relative: As :func:`compress_groups`.
+
+    Returns:
+        The pending call: read ``readback`` and pass its values to ``finish``.
+
+    Raises:
+        ValueError: As :func:`compress_groups`.
+    """
+    config = config or CodecConfig()
+    sizes = _group_sizes(groups)
+    if len(error_bounds) != len(sizes):
+        raise ValueError(
+            f"got {len(sizes)} groups but {len(error_bounds)} bound lists: pass one per group"
+        )
+    flat = [b for g in groups for b in g]
+    values = [v for g in error_bounds for v in g]
+    if isinstance(relative, bool):
+        rel = [relative] * len(flat)
+    else:
+        rel = [bool(r) for g in relative for r in g]
+        if len(rel) != len(flat):
+            raise ValueError(
+                f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
+                "or one bool for all"
+            )
+    values, device = validate_inputs(flat, values)
+    if on_device(device, config.backend):
+        from torchrec_lossy.codec.device_compress import start_groups_device
+        from torchrec_lossy.codec.triton_ops import load_kernels
+
+        load_kernels(device)
+        pending = start_groups_device(flat, values, rel, sizes, config)
+        return PendingGroups(
+            pending.device_sizes,
+            pending.readback,
+            lambda host: GroupedPayloads(*pending.finish(host)),
+            pending.device_skeleton,
+            [skeleton_words(n) for n in sizes],
+        )
+    # The host path: every group in one batched pass (relative bounds resolved inside it).
+    buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
+    words = buffer.cpu().numpy().view(np.uint32)
+    starts = np.cumsum([0, *out_sizes]) // 4
+    skeletons = [payload_skeleton(words[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
+    skel = np.concatenate(skeletons).astype(np.int64) if skeletons else np.zeros(0, np.int64)
+    return PendingGroups(
+        torch.tensor(done.sizes, dtype=torch.int64).to(device),
+        torch.zeros(0, dtype=torch.int64, device=device),
+        lambda host: done,
+        torch.from_numpy(skel).to(device),
+        [s.shape[0] for s in skeletons],
+    )
+
+
+def compress_groups(
+    groups: Sequence[Sequence[torch.Tensor]],
+    error_bounds: Sequence[Sequence[float]],
+    config: CodecConfig | None = None,
+    relative: bool | Sequence[Sequence[bool]] = False,
+) -> GroupedPayloads:
+    """Compresses the blocks of every group (destination) in one call.
+
+    Args:
+        groups: Per group, its 2-D float32 / float16 / bfloat16 blocks (all on one device).
+        error_bounds: Per group, one bound per block: absolute, or where ``relative`` the
+            fraction of the block's finite range (``max - min``, see ``codec/bounds.py``).
+        config: Codec knobs; None uses the defaults.
+        relative: Whether the bounds are relative: one flag for all, or one per block.
+
+    Returns:
+        The payloads back to back, their sizes and the per-block stats. On the device path
+        (``config.backend`` "triton", or "auto" on CUDA) exactly one device-to-host read.
+
+    Raises:
+        ValueError: A bad block, bound, flag or group shape (the message names it and the fix).
+    """
+    pending = start_compress_groups(groups, error_bounds, config, relative)
+    host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
+    return pending.finish(host)
+
+
+def decompress_groups(
+    buffer: torch.Tensor,
+    sizes: Sequence[int],
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    backend: Backend = "auto",
+    skeletons: Sequence[np.ndarray] | None = None,
+) -> tuple[list[list[torch.Tensor]], GroupStatus]:
+    """Decodes every group's (source's) payload of one buffer in one call.
+
+    With ``skeletons`` (the sender's ``GroupedPayloads.skeletons``, e.g. sent beside the sizes)
+    the device path reads nothing back: the layouts come from the skeletons, and the device
+    checks that every payload matches its skeleton and its checksum (a mismatch is reported by
+    :func:`check_groups` like any decode error).
+
+    The blocks must not be used before :func:`check_groups` has passed on the returned status:
+    a corrupt payload's blocks may hold garbage (a rejected group's list is empty). On the host
+    path errors are found here already and the status only carries them.
+
+    Args:
+        buffer: 1-D uint8 tensor: the payloads back to back.
+        sizes: Bytes of each payload.
+        max_elements: Refuse a payload that decodes to more elements than this.
+        backend: As ``CodecConfig.backend``.
+        skeletons: Per payload, its announced skeleton (uint32 words), or None.
+
+    Returns:
+        (blocks per group, the status to check).
+
+    Raises:
+        CodecError: ``buffer`` is not a 1-D uint8 tensor, or ``sizes`` do not add up to it.
+    """
+    CodecConfig(backend=backend)  # validates the backend name
+    sizes = [int(n) for n in sizes]
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise CodecError("buffer must be a 1-D torch.uint8 tensor")
+    if any(n < 0 for n in sizes) or sum(sizes) != buffer.numel():
+        raise CodecError(
+            f"payload sizes {sizes} add up to {sum(sizes)} bytes, the buffer has "
+            f"{buffer.numel()}: pass the sizes the buffer was built with"
+        )
+    status = GroupStatus()
+    if on_device(buffer.device, backend):
+        from torchrec_lossy.codec.device_decompress import decompress_groups_device
+
+        out, codes, block_group, rejected, group_bad = decompress_groups_device(
+            buffer, sizes, max_elements, skeletons
+        )
+        status.codes, status.block_group, status.group_bad = codes, block_group, group_bad
+        status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
+        for g, part in rejected.items():
+            if part is None:  # the announced skeleton was rejected: read the payload itself
+                part = _payload_bytes(status, g)
+            status.rejected[g] = _host_error(part, max_elements)
+        return out, status
+    out = []
+    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend)):
+        if isinstance(got, CodecError):
+            status.rejected[g] = str(got)
+            got = []
+        out.append(got)
+    return out, status
+
+
+def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
+    """One payload's bytes read back (only on an error path)."""
+    assert status.buffer is not None
+    at = sum(status.sizes[:group])
+    return host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+
+
+def _host_error(part: np.ndarray, max_elements: int) -> str:
+    """The CPU path's error for a payload the device path rejected (host bytes)."""
+    try:
+        decompress(torch.from_numpy(part.copy()), max_elements, backend="cpu")
+    except CodecError as e:
+        return str(e)
+    return "corrupt payload: it does not match the layout its sender announced"
+
+
+def check_groups(status: GroupStatus) -> None:
+    """Raises the first failing group's error; call it before the decoded blocks are used.
+
+    On the device path this is where the decode status is read back (one device-to-host copy,
+    a sync): call it at a point that synchronises anyway.
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Raises:
+        CodecError: ``"payload <g>: <what is wrong>"`` for the lowest failing group ``g``.
+    """
+    failure = first_failure(status)
+    if failure is not None:
+        raise CodecError(f"payload {failure[0]}: {failure[1]}")
+
+
+def first_failure(status: GroupStatus) -> tuple[int, str] | None:
+    """The lowest failing group and its error (the CPU path's message), or None.
+
+    Reads the device status back as :func:`check_groups` does (for callers that report the
+    group in their own terms, e.g. the source rank).
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Returns:
+        (group index, what is wrong), or None if every group decoded.
+    """
+    failures = dict(status.rejected)
+    if status.codes is not None or status.group_bad is not None:
+        from torchrec_lossy.codec.device_decompress import status_error
+
+        n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
+        parts = [t for t in (status.group_bad, status.codes) if t is not None]
+        both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
+        for g in np.flatnonzero(both[:n_groups]).tolist():
+            # Not the announced payload: the CPU path's message if it finds one, else this.
+            found = _host_error(_payload_bytes(status, g), status.max_elements)
+            failures.setdefault(g, found)
+        codes = both[n_groups:]
+        for i in np.flatnonzero(codes).tolist():
+            g = int(status.block_group[i])
+            if g not in failures:
+                local = i - int(np.searchsorted(status.block_group, g))
+                failures[g] = str(status_error(int(codes[i]), local))
+    if not failures:
+        return None
+    g = min(failures)
+    return g, failures[g]

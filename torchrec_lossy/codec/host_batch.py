@@ -1,0 +1,723 @@
+"""The compiled CPU codec, batched: every stage runs once over all blocks of a payload.
+
+The blocks are concatenated (values, raw bits, rows) with per-block offsets, and each stage is
+one numba call over the whole concatenation: finite ranges, quantization, vector-LZ, Huffman
+planning, the payload writer and, on the way back, the payload reader. No Python runs per block
+except where a block needs what almost none do (the median of an outlier block). The bytes are
+those of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the
+mode choice is ``size_model``'s and the checksum ``container``'s, shared with the device path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.container import checksum
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    CODE_DTYPES,
+    DESCRIPTOR,
+    DTYPE_CODES,
+    ESCAPE_SYMBOL,
+    HEADER,
+    MAGIC,
+    MAX_CENTER,
+    MAX_CODE_LENGTH,
+    MODE_LZ,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    SYMBOL_OFFSET,
+    VERSION,
+)
+from torchrec_lossy.config import CodecConfig
+
+_HEADER_WORDS = HEADER.itemsize // 4
+_DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
+_SEG_WORDS = sm.SEGMENT_HEADER_WORDS
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class BatchEncoded:
+    """Payloads and what happened to each of their blocks (arrays, one entry per block).
+
+    Attributes:
+        payload: The payloads' bytes (uint8), one per group, back to back.
+        sizes: Bytes of each group's payload.
+        bounds: Absolute bound per block (relative ones resolved).
+        mode: Block modes.
+        seg_words: Segment words per block.
+        max_error: Max error per block (0 for lossless modes).
+        n_unique: Vectors sent per block (rows for raw and quant).
+        n_escapes: Escaped elements per block.
+    """
+
+    payload: np.ndarray
+    sizes: list[int]
+    bounds: np.ndarray
+    mode: np.ndarray
+    seg_words: np.ndarray
+    max_error: np.ndarray
+    n_unique: np.ndarray
+    n_escapes: np.ndarray
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+class _Scratch(threading.local):
+    """Per-thread work buffers, kept between calls: a fresh multi-megabyte array costs a page
+    fault per 4 KiB on first touch, which on small payloads cost as much as a stage."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``n`` elements (uninitialised), valid until the next ``get(name)``."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[0] < n:
+            buf = torch.empty(max(n, 1024), dtype=dtype)
+            self.buffers[name] = buf
+        return buf[:n]
+
+
+_SCRATCH = _Scratch()
+
+
+def _flatten(blocks: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """All blocks' values as one float32 array and their raw bits as one int32 array.
+
+    16-bit bits are sign-extended, as ``pipeline``'s ``astype(np.int32)``; an all-float32
+    payload costs one copy into a reused buffer (the bits are a view of the values).
+    """
+    if not blocks:
+        return np.zeros(0, np.float32), np.zeros(0, np.int32)
+    flat = [b.detach().reshape(-1) for b in blocks]
+    if all(f.dtype == torch.float32 and f.device.type == "cpu" for f in flat):
+        n = sum(f.shape[0] for f in flat)
+        x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32)).numpy()
+        return x, x.view(np.int32)
+    x = torch.cat([f.float() for f in flat]).cpu().numpy()
+    bits = torch.cat(
+        [
+            f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
+            for f in flat
+        ]
+    )
+    return x, bits.cpu().numpy()
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_rows(
+    out: np.ndarray, pos: int, bits: np.ndarray, rows: np.ndarray, dim: int, itemsize: int
+) -> int:
+    """Writes the raw bits of ``rows`` of a flat block as bytes, padded to a word; -> words."""
+    if itemsize == 4:
+        k = pos
+        for r in rows:
+            src = bits[r * dim : (r + 1) * dim]
+            dst = out[k : k + dim]
+            for j in range(dim):
+                dst[j] = np.uint32(src[j])
+            k += dim
+        return k - pos
+    k = 0
+    for r in rows:
+        src = bits[r * dim : (r + 1) * dim]
+        for j in range(dim):
+            half = np.uint32(src[j]) & np.uint32(0xFFFF)
+            out[pos + (k >> 1)] |= half << np.uint32(16 * (k & 1))
+            k += 1
+    return (k + 1) >> 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _emit_kernel(
+    out: np.ndarray,
+    bits: np.ndarray,
+    symbols: np.ndarray,
+    elem_off: np.ndarray,
+    row_off: np.ndarray,
+    rows: np.ndarray,
+    dims: np.ndarray,
+    itemsize: np.ndarray,
+    mode: np.ndarray,
+    ref_mode: np.ndarray,
+    ref_width: np.ndarray,
+    step: np.ndarray,
+    center: np.ndarray,
+    chunk: int,
+    every_row: np.ndarray,
+    ids_q: np.ndarray,
+    first_q: np.ndarray,
+    nu_q: np.ndarray,
+    ids_r: np.ndarray,
+    first_r: np.ndarray,
+    nu_r: np.ndarray,
+    sym_base: np.ndarray,
+    plan_q: np.ndarray,
+    len_off_q: np.ndarray,
+    lengths_q: np.ndarray,
+    plan_u: np.ndarray,
+    len_off_u: np.ndarray,
+    lengths_u: np.ndarray,
+    skip: np.ndarray,
+) -> np.ndarray:
+    """Writes every block's segment back to back into zeroed ``out``, ``skip[b]`` words before
+    block ``b`` left free (a payload's header and descriptors where its group starts).
+
+    ``plan_q`` / ``plan_u``: int64 [5, n_blocks] (bits, symbols, sym_lo, sym_count, escapes) of
+    the all-rows and the distinct-rows codes; ``ref_mode`` / ``ref_width``: the segment header's
+    reference fields. Returns the segment words of each block.
+    """
+    nb = rows.shape[0]
+    seg_words = np.zeros(nb, np.int64)
+    entry = np.zeros(ALPHABET_SIZE, np.uint64)
+    pos = 0
+    for b in range(nb):
+        pos += skip[b]
+        m = mode[b]
+        n_rows = rows[b]
+        dim = dims[b]
+        isz = itemsize[b]
+        r0 = row_off[b]
+        blk_bits = bits[elem_off[b] : elem_off[b + 1]]
+        p0 = pos
+        if m == MODE_RAW:
+            pos += _put_rows(out, pos, blk_bits, every_row[r0 : r0 + n_rows], dim, isz)
+        elif m == MODE_LZ:
+            nu = nu_r[b]
+            out[pos + 2] = nu
+            out[pos + 7] = (ref_mode[b] << 8) | (ref_width[b] << 16)
+            pos += _SEG_WORDS
+            pos += vector_lz.pack_refs_into(ids_r[r0 : r0 + n_rows], nu, ref_mode[b], out[pos:])
+            pos += _put_rows(out, pos, blk_bits, first_r[r0 : r0 + nu], dim, isz)
+        else:
+            lz = m == MODE_QUANT_LZ
+            plan = plan_u if lz else plan_q
+            n_sent = nu_q[b] if lz else n_rows
+            sent = first_q[r0 : r0 + n_sent] if lz else every_row[r0 : r0 + n_rows]
+            base = sym_base[b]
+            lo = plan[2, b]
+            count = plan[3, b]
+            n_esc = plan[4, b]
+            off = len_off_u[b] if lz else len_off_q[b]
+            nxt = len_off_u[b + 1] if lz else len_off_q[b + 1]
+            lengths = lengths_u[off:nxt] if lz else lengths_q[off:nxt]
+            width_c = lengths.shape[0]
+            codes = huffman.canonical_codes_kernel(lengths)
+            for k in range(width_c - 1):
+                entry[base + k] = (np.uint64(codes[k]) << np.uint64(8)) | np.uint64(lengths[k])
+            esc_len = lengths[width_c - 1]
+            entry[ESCAPE_SYMBOL] = (np.uint64(codes[width_c - 1]) << np.uint64(8)) | np.uint64(
+                esc_len
+            )
+            n_sym = n_sent * dim
+            n_chunks = (n_sym + chunk - 1) // chunk
+            out[pos] = np.float32(step[b]).view(np.uint32)
+            out[pos + 1] = np.uint32(np.int64(center[b]) & 0xFFFFFFFF)
+            out[pos + 2] = n_sent
+            out[pos + 3] = n_esc
+            out[pos + 4] = chunk
+            out[pos + 5] = n_chunks
+            out[pos + 6] = lo | (count << 16)
+            out[pos + 7] = esc_len | (ref_mode[b] << 8) | (ref_width[b] << 16)
+            pos += _SEG_WORDS
+            for k in range(count):  # the codebook: 4-bit lengths, low nibble first
+                byte = k >> 1
+                nib = np.uint32(lengths[lo - base + k]) << np.uint32(4 * (k & 1))
+                out[pos + (byte >> 2)] |= nib << np.uint32(8 * (byte & 3))
+            pos += (((count + 1) // 2) + 3) // 4
+            if lz:
+                pos += vector_lz.pack_refs_into(
+                    ids_q[r0 : r0 + n_rows], n_sent, ref_mode[b], out[pos:]
+                )
+            blk_sym = symbols[elem_off[b] : elem_off[b + 1]]
+            if n_esc:
+                esc_bits_at = pos + n_esc
+                k = 0
+                for i in range(n_sent):
+                    r = sent[i]
+                    for j in range(dim):
+                        e = r * dim + j
+                        if blk_sym[e] == ESCAPE_SYMBOL:
+                            out[pos + k] = i * dim + j
+                            v = np.uint32(blk_bits[e])
+                            if isz == 4:
+                                out[esc_bits_at + k] = v
+                            else:
+                                out[esc_bits_at + (k >> 1)] |= (v & np.uint32(0xFFFF)) << np.uint32(
+                                    16 * (k & 1)
+                                )
+                            k += 1
+                pos = esc_bits_at + (n_esc * isz + 3) // 4
+            w = huffman.encode_into(
+                blk_sym.reshape(n_rows, dim),
+                sent,
+                entry,
+                chunk,
+                out[pos : pos + n_chunks],
+                out[pos + n_chunks :],
+            )
+            pos += n_chunks + w
+        seg_words[b] = pos - p0
+    return seg_words
+
+
+def _plan(
+    symbols: np.ndarray,
+    elem_off: np.ndarray,
+    row_off: np.ndarray,
+    dims: np.ndarray,
+    rows_sel: np.ndarray,
+    n_sel: np.ndarray,
+    ids: np.ndarray,
+    weighted: np.ndarray,
+    sym_lo: np.ndarray,
+    sym_hi: np.ndarray,
+    active: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compact Huffman codes of the selected rows: (plan [5, n], lengths offsets, lengths)."""
+    width = np.where(active, np.maximum(sym_hi - sym_lo + 1, 0) + 1, 0)
+    len_off = _offsets(width)
+    lengths = np.zeros(int(len_off[-1]), np.uint8)
+    plan = huffman.plan_blocks_kernel(
+        symbols, elem_off, row_off, dims, rows_sel, n_sel, ids, weighted, sym_lo, sym_hi, active,
+        len_off, lengths,
+    )  # fmt: skip
+    return np.stack(plan), len_off, lengths
+
+
+def compress_blocks(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    config: CodecConfig,
+    group_sizes: Sequence[int] | None = None,
+    relative: Sequence[bool] | None = None,
+) -> BatchEncoded:
+    """Encodes validated blocks into one payload per group, each stage once over all blocks.
+
+    Args:
+        blocks: 2-D float32 / float16 / bfloat16 tensors (validated by the caller).
+        bounds: Absolute bound per block (validated).
+        config: Codec knobs.
+        group_sizes: Blocks per group (consecutive blocks; they sum to ``len(blocks)``); None
+            for one group. Each group's payload is the bytes a call with its blocks alone gives.
+        relative: Per block, whether its bound is a fraction of its finite range, resolved as
+            ``bounds.absolute_bounds`` does (from the range this pass computes anyway); None:
+            all absolute.
+
+    Returns:
+        The payloads and per-block results.
+    """
+    nb = len(blocks)
+    groups = np.array([nb] if group_sizes is None else list(group_sizes), np.int64)
+    rows = np.array([b.shape[0] for b in blocks], np.int64)
+    dims = np.array([b.shape[1] for b in blocks], np.int64)
+    dcodes = np.array([DTYPE_CODES[b.dtype] for b in blocks], np.int64)
+    itemsize = np.where(dcodes == 1, 4, 2).astype(np.int64)
+    bnd = np.array(bounds, np.float64).reshape(nb)
+    numel = rows * dims
+    elem_off = _offsets(numel)
+    row_off = _offsets(rows)
+    n_rows = int(row_off[-1])
+    x, bits = _flatten(blocks)
+    chunk = config.huffman_chunk_symbols
+
+    # 1. Quantization parameters (quantize.quant_params, for every block at once).
+    lo, hi = quantize.finite_ranges_kernel(x, elem_off)
+    if relative is not None and any(relative):
+        span = finite_span(
+            torch.from_numpy(lo.astype(np.float32)), torch.from_numpy(hi.astype(np.float32))
+        ).numpy()
+        bnd = np.where(np.asarray(relative, bool), np.where(bnd > 0, bnd * span, 0.0), bnd)
+    wanted = (bnd > 0) & (numel > 0) & config.enable_quantization
+    # The grid the codes live on (quantize.grid_bound: half the bound for stochastic rounding),
+    # and each block's rounding key (pipeline.sr_keys: counted within the block's own payload).
+    stochastic = config.rounding == "stochastic"
+    grid = quantize.grid_bound(1.0, stochastic) * bnd
+    local = np.arange(nb, dtype=np.int64) - np.repeat(_offsets(groups)[:-1], groups)
+    keys = quantize.block_keys(stochastic, config.seed, local)
+    finite = ~np.isnan(lo)
+    with np.errstate(invalid="ignore"):
+        narrow = (hi - lo) <= 2 * SYMBOL_OFFSET * np.minimum(2.0 * grid, _FLT_MAX)
+    mid = np.where(finite & narrow, 0.5 * (lo + hi), 0.0)
+    for b in np.flatnonzero(wanted & finite & ~narrow):  # outliers: the median of the block
+        v = x[elem_off[b] : elem_off[b + 1]]
+        mid[b] = float(np.median(v[np.isfinite(v)].astype(np.float64)))
+    step, inv_step, center, quant_ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
+
+    # 2. Quantize.
+    # Only the active blocks' symbols are ever read.
+    symbols = _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16)
+    max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
+        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys
+    )
+
+    # 3. Vector-LZ over the symbols.
+    lz_allowed = config.enable_lz & (rows > 1) & (numel > 0)
+    ids_q = _SCRATCH.get("ids_q", n_rows, torch.int32).numpy()
+    first_q = _SCRATCH.get("first_q", n_rows, torch.int32).numpy()
+    nu_q = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, elem_off, row_off, dims, quant_ok & lz_allowed, False, ids_q, first_q
+    )
+    quant_lz_ok = quant_ok & lz_allowed & (nu_q < rows)
+
+    # 4. Huffman codes of all rows and of the distinct rows; sizes; mode choice.
+    every_row = (np.arange(n_rows, dtype=np.int64) - np.repeat(row_off[:-1], rows)).astype(np.int32)
+    deduped = quant_ok & lz_allowed  # all rows' histogram from the distinct rows, weighted
+    plan_q, len_off_q, lengths_q = _plan(
+        symbols, elem_off, row_off, dims, np.where(np.repeat(deduped, rows), first_q, every_row),
+        np.where(deduped, nu_q, rows), ids_q, deduped, sym_lo, sym_hi, quant_ok,
+    )  # fmt: skip
+    plan_u, len_off_u, lengths_u = _plan(
+        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, np.zeros_like(deduped), sym_lo,
+        sym_hi, quant_lz_ok,
+    )  # fmt: skip
+    quant_w = sm.quant_words(
+        plan_q[4], itemsize, sm.code_words(plan_q[1], plan_q[0], plan_q[3], chunk)
+    )
+    nu_q1 = np.maximum(nu_q, 1)
+    quant_lz_w = sm.quant_lz_words(
+        rows, nu_q1, plan_u[4], itemsize, sm.code_words(plan_u[1], plan_u[0], plan_u[3], chunk)
+    )
+    raw_words = (numel * itemsize + 3) // 4
+    mode, best = sm.choose_lossy(raw_words, quant_ok, quant_w, quant_lz_ok, quant_lz_w)
+    lower = np.where(quant_ok & lz_allowed, nu_q1, 1)
+    tried = sm.lossless_may_win(lz_allowed, rows, dims, itemsize, lower, best)
+    ids_r = _SCRATCH.get("ids_r", n_rows, torch.int32).numpy()
+    first_r = _SCRATCH.get("first_r", n_rows, torch.int32).numpy()
+    nu_r = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, elem_off, row_off, dims, tried, True, ids_r, first_r
+    )
+    lossless_w = sm.lossless_lz_words(rows, np.maximum(nu_r, 1), dims, itemsize)
+    mode = sm.choose_lossless(mode, best, tried, lossless_w, numel).astype(np.int64)
+    # The segment header's reference fields: the packing of the distinct vectors sent; a quant
+    # block names its rows' id width with no packing.
+    sent = np.select([mode == MODE_QUANT_LZ, mode == MODE_LZ], [nu_q1, np.maximum(nu_r, 1)], rows)
+    ref_mode, ref_width, _ = sm.refs(rows, np.maximum(sent, 1))
+    ref_mode = np.where((mode == MODE_QUANT_LZ) | (mode == MODE_LZ), ref_mode, 0)
+
+    # 5. The payloads: header, descriptors, segments per group, written in place.
+    # Sized from the estimates: a coded stream exceeds its estimate by less than a word a chunk.
+    n_chunks = (np.select([mode == MODE_QUANT, mode == MODE_QUANT_LZ], [rows, nu_q], 0) * dims
+                + chunk - 1) // chunk  # fmt: skip
+    seg_max = np.where(mode == MODE_LZ, lossless_w, best) + n_chunks + 2
+    group_off = _offsets(groups)
+    lead = _HEADER_WORDS + _DESCRIPTOR_WORDS * groups  # words before a group's first segment
+    skip = np.zeros(nb + 1, np.int64)
+    np.add.at(skip, group_off[:-1], lead)  # an empty group's lead lands on the next block
+    out = np.zeros(int(lead.sum()) + int(seg_max.sum()), np.uint32)
+    seg_words = _emit_kernel(
+        out, bits, symbols, elem_off, row_off, rows, dims, itemsize, mode,
+        ref_mode.astype(np.int64), ref_width.astype(np.int64), step, center, chunk,
+        every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo, plan_q, len_off_q,
+        lengths_q, plan_u, len_off_u, lengths_u, skip,
+    )  # fmt: skip
+    desc = np.zeros(nb, DESCRIPTOR)
+    desc["rows"], desc["dim"], desc["dtype"], desc["mode"] = rows, dims, dcodes, mode
+    desc["seg_words"], desc["bound"] = seg_words, bnd
+    desc_words = desc.view(np.uint32).reshape(nb, _DESCRIPTOR_WORDS)
+    payload_words = lead + np.add.reduceat(np.append(seg_words, 0), group_off[:-1]) * (groups > 0)
+    payload_off = _offsets(payload_words)
+    header = np.zeros(groups.shape[0], HEADER)
+    header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, groups
+    header["body_words"] = payload_words - _HEADER_WORDS
+    for g, (p0, p1, b0, b1) in enumerate(  # per group: a few numpy calls, no per-block work
+        zip(payload_off[:-1].tolist(), payload_off[1:].tolist(), group_off[:-1].tolist(),
+            group_off[1:].tolist(), strict=True)
+    ):  # fmt: skip
+        d0 = p0 + _HEADER_WORDS
+        out[d0 : d0 + _DESCRIPTOR_WORDS * (b1 - b0)] = desc_words[b0:b1].reshape(-1)
+        header["checksum"][g] = checksum(out[d0:p1])
+        out[p0:d0] = header[g : g + 1].view(np.uint32)
+    end = int(payload_off[-1])
+
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    return BatchEncoded(
+        payload=out[:end].view(np.uint8)
+        if end == out.shape[0]
+        else out[:end].copy().view(np.uint8),
+        sizes=(4 * payload_words).tolist(),
+        bounds=bnd,
+        mode=mode,
+        seg_words=seg_words,
+        max_error=np.where(is_q, max_err, 0.0),
+        n_unique=np.select([mode == MODE_QUANT_LZ, mode == MODE_LZ], [nu_q, nu_r], rows),
+        n_escapes=np.select([mode == MODE_QUANT, mode == MODE_QUANT_LZ], [plan_q[4], plan_u[4]], 0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one compiled reader over every segment of one or several payloads.
+
+# Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
+# segment, whose exact error that decoder names, or a float16 quantized block).
+_DECODED = 0
+_FALL_BACK = 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _ref_width(n_unique: int) -> int:
+    width = 0
+    while (1 << width) < n_unique:
+        width += 1
+    return width
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _refs(
+    words: np.ndarray, pos: int, end: int, rows: int, n_unique: int, ref_mode: int, width: int,
+    ids: np.ndarray,
+) -> int:  # fmt: skip
+    """Unpacks a segment's vector references at word ``pos``; -> the next word, -1 if corrupt."""
+    if n_unique < 1 or n_unique > rows or width != _ref_width(n_unique):
+        return -1
+    if ref_mode == REFS_FIXED:
+        n_bits = rows * width
+    elif ref_mode == REFS_FLAGGED:
+        n_bits = rows + (rows - n_unique) * width
+    else:
+        return -1
+    n_words = (n_bits + 31) // 32
+    if pos + n_words > end:
+        return -1
+    if vector_lz.unpack_refs_kernel(words[pos : pos + n_words], rows, n_unique, ref_mode, width,
+                                    ids) != 0:  # fmt: skip
+        return -1
+    return pos + n_words
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_kernel(
+    words: np.ndarray,
+    halves: np.ndarray,
+    floats: np.ndarray,
+    seg_start: np.ndarray,
+    seg_end: np.ndarray,
+    rows: np.ndarray,
+    dims: np.ndarray,
+    itemsize: np.ndarray,
+    dtype_code: np.ndarray,
+    mode: np.ndarray,
+    out_off: np.ndarray,
+    out32: np.ndarray,
+    out32f: np.ndarray,
+    out16: np.ndarray,
+    ids: np.ndarray,
+    symbols: np.ndarray,
+    values: np.ndarray,
+    halves_out: np.ndarray,
+) -> np.ndarray:
+    """Decodes every segment into ``out32`` (4-byte blocks) or ``out16`` (2-byte blocks).
+
+    ``words`` / ``halves`` / ``floats`` are views of one buffer (uint32, uint16, float32);
+    segment ``b`` is ``words[seg_start[b]:seg_end[b]]``; ``out32f`` is the float32 view of
+    ``out32``. Every check of ``pipeline``'s per-block decoder is made (a block that fails one
+    is marked ``_FALL_BACK`` and left for that decoder to name the error, as is a float16
+    quantized block); ``ids``, ``symbols``, ``values`` (float32) and ``halves_out`` (uint16)
+    are scratch of the largest block. Returns the status of each block.
+    """
+    nb = rows.shape[0]
+    status = np.zeros(nb, np.int8)
+    values_i = values.view(np.int32)
+    values_u = values.view(np.uint32)
+    compact = np.zeros(ALPHABET_SIZE, np.uint8)
+    for b in range(nb):
+        s = seg_start[b]
+        end = seg_end[b]
+        n_rows = rows[b]
+        dim = dims[b]
+        isz = itemsize[b]
+        m = mode[b]
+        o = out_off[b]
+        if m == MODE_RAW:
+            numel = n_rows * dim
+            if s + (numel * isz + 3) // 4 != end:
+                status[b] = _FALL_BACK
+            elif isz == 4:
+                dst = out32[o : o + numel]
+                for k in range(numel):
+                    dst[k] = np.int32(words[s + k])
+            else:
+                h = 2 * s
+                for k in range(numel):
+                    out16[o + k] = halves[h + k]
+            continue
+        if end - s < _SEG_WORDS:
+            status[b] = _FALL_BACK
+            continue
+        n_unique = np.int64(words[s + 2])
+        w7 = np.int64(words[s + 7])
+        ref_mode = (w7 >> 8) & 0xFF
+        width = (w7 >> 16) & 0xFF
+        pos = s + _SEG_WORDS
+        if m == MODE_LZ:
+            pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
+            if pos < 0 or pos + (n_unique * dim * isz + 3) // 4 != end:
+                status[b] = _FALL_BACK
+                continue
+            for r in range(n_rows):
+                u = np.int64(ids[r])
+                if isz == 4:
+                    src = words[pos + u * dim : pos + (u + 1) * dim]
+                    dst = out32[o + r * dim : o + (r + 1) * dim]
+                    for j in range(dim):
+                        dst[j] = np.int32(src[j])
+                else:
+                    h = 2 * pos + u * dim
+                    for j in range(dim):
+                        out16[o + r * dim + j] = halves[h + j]
+            continue
+        step = floats[s]
+        center = np.int64(np.int32(words[s + 1]))
+        n_esc = np.int64(words[s + 3])
+        chunk = np.int64(words[s + 4])
+        n_chunks = np.int64(words[s + 5])
+        lo = np.int64(words[s + 6]) & 0xFFFF
+        count = np.int64(words[s + 6]) >> 16
+        esc_len = w7 & 0xFF
+        if (
+            dtype_code[b] == 2
+            or not (np.isfinite(step) and step > 0 and abs(center) <= MAX_CENTER)
+            or lo + count > ESCAPE_SYMBOL
+            or esc_len > MAX_CODE_LENGTH
+        ):
+            status[b] = _FALL_BACK
+            continue
+        n_nib = (count + 1) // 2
+        if pos + (n_nib + 3) // 4 > end:
+            status[b] = _FALL_BACK
+            continue
+        # The code in its compact form (value symbols lo .., then the escape), as the encoder
+        # built it: the decode table then costs the code's size, not the alphabet's.
+        nibbles = words[pos : pos + (n_nib + 3) // 4].view(np.uint8)
+        for k in range(count):
+            nib = nibbles[k >> 1]
+            compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
+        compact[count] = esc_len
+        pos += (n_nib + 3) // 4
+        lz = m == MODE_QUANT_LZ
+        if lz:
+            pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
+        elif n_unique != n_rows:
+            pos = -1
+        n_sym = n_unique * dim
+        if pos < 0 or n_esc > n_sym or chunk < 1 or n_chunks != (n_sym + chunk - 1) // chunk:
+            status[b] = _FALL_BACK
+            continue
+        esc_at = pos
+        esc_bits_at = esc_at + n_esc
+        ends_at = esc_bits_at + (n_esc * isz + 3) // 4
+        if ends_at + n_chunks > end:
+            status[b] = _FALL_BACK
+            continue
+        bits_at = ends_at + n_chunks
+        sym = symbols[:n_sym]
+        if huffman.decode_range_kernel(words[bits_at:end], words[ends_at:bits_at], chunk,
+                                       compact[: count + 1], lo, words[esc_at : esc_at + n_esc],
+                                       sym) != 0:  # fmt: skip
+            status[b] = _FALL_BACK
+            continue
+        if isz == 2:  # bfloat16: the round-to-nearest-even cast the encoder checked
+            quantize.dequantize_kernel(sym, step, center, values[:n_sym])
+            h = halves_out[:n_sym]
+            for k in range(n_sym):
+                h[k] = np.uint16(quantize.bf16_round_bits(np.int64(values_u[k])) >> 16)
+            for k in range(n_esc):
+                h[np.int64(words[esc_at + k])] = halves[2 * esc_bits_at + k]
+            for r in range(n_rows):
+                u = np.int64(ids[r]) if lz else r
+                for j in range(dim):
+                    out16[o + r * dim + j] = h[u * dim + j]
+            continue
+        # Vector-LZ blocks are dequantized into scratch and expanded; others straight out.
+        vf = values[:n_sym] if lz else out32f[o : o + n_sym]
+        vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
+        quantize.dequantize_kernel(sym, step, center, vf)
+        for k in range(n_esc):
+            vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
+        if lz:
+            for r in range(n_rows):
+                src = vi[np.int64(ids[r]) * dim : (np.int64(ids[r]) + 1) * dim]
+                dst = out32[o + r * dim : o + (r + 1) * dim]
+                for j in range(dim):
+                    dst[j] = src[j]
+    return status
+
+
+def decompress_segments(
+    words: np.ndarray,
+    seg_start: np.ndarray,
+    seg_end: np.ndarray,
+    rows: np.ndarray,
+    dims: np.ndarray,
+    dtype_codes: np.ndarray,
+    modes: np.ndarray,
+) -> list[torch.Tensor | None]:
+    """Decodes the segments of one or several payloads' blocks in one compiled call.
+
+    Args:
+        words: The payloads' words (uint32; one buffer).
+        seg_start: int64 first word of each block's segment in ``words``.
+        seg_end: int64 end word of each segment.
+        rows: Rows of each block (validated descriptors).
+        dims: Columns of each block.
+        dtype_codes: ``format.DTYPE_CODES`` of each block.
+        modes: Mode of each block.
+
+    Returns:
+        Each block (views of one output buffer per element size), or None where the block must
+        go through the per-block decoder (a corrupt segment: that decoder names the error).
+    """
+    nb = rows.shape[0]
+    rows = rows.astype(np.int64)
+    dims = dims.astype(np.int64)
+    dtype_codes = dtype_codes.astype(np.int64)
+    itemsize = np.where(dtype_codes == 1, 4, 2)
+    numel = rows * dims
+    wide = itemsize == 4
+    off32 = _offsets(np.where(wide, numel, 0))
+    off16 = _offsets(np.where(wide, 0, numel))
+    out32 = torch.empty(int(off32[-1]), dtype=torch.int32)
+    out16 = torch.empty(int(off16[-1]), dtype=torch.int16)
+    biggest = int(numel.max()) if nb else 0
+    ids = _SCRATCH.get("dec_ids", int(rows.max()) if nb else 0, torch.int32).numpy()
+    symbols = _SCRATCH.get("dec_symbols", biggest, torch.int16).numpy().view(np.uint16)
+    values = _SCRATCH.get("dec_values", biggest, torch.float32).numpy()
+    halves_out = _SCRATCH.get("dec_halves", biggest, torch.int16).numpy().view(np.uint16)
+    out32_np = out32.numpy()
+    status = _decode_kernel(
+        words, words.view(np.uint16), words.view(np.float32), seg_start.astype(np.int64),
+        seg_end.astype(np.int64), rows, dims, itemsize, dtype_codes, modes.astype(np.int64),
+        np.where(wide, off32[:-1], off16[:-1]), out32_np, out32_np.view(np.float32),
+        out16.numpy().view(np.uint16), ids, symbols, values, halves_out,
+    )  # fmt: skip
+    parts32 = iter(torch.split(out32, numel[wide].tolist()))
+    parts16 = iter(torch.split(out16, numel[~wide].tolist()))
+    out: list[torch.Tensor | None] = []
+    for r, d, code, is_wide, st in zip(
+        rows.tolist(), dims.tolist(), dtype_codes.tolist(), wide.tolist(), status.tolist(),
+        strict=True,
+    ):  # fmt: skip
+        part = next(parts32 if is_wide else parts16)
+        out.append(None if st != _DECODED else part.view(r, d).view(CODE_DTYPES[code]))
+    return out
+
+
+__all__ = ["BatchEncoded", "compress_blocks", "decompress_segments"]

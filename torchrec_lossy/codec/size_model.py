@@ -1,0 +1,239 @@
+"""The size model and the per-block mode choice, written once for the host and device paths.
+
+Every function works element-wise on Python ints, numpy arrays or torch tensors (on any device,
+without a sync): the host path (``pipeline``) calls them with one block's scalars, the device
+path (``device_compress``) with ``[n_blocks]`` tensors, so both choose the same mode from the
+same sizes by construction. Sizes are in 32-bit words of a block's segment (docs/format.md).
+
+The choice: raw, then quant, then quant+lz win in that order unless a later one is strictly
+smaller; the lossless vector-LZ is tried only when even the quantized count of distinct rows
+(a lower bound on the raw one: raw-identical rows are quantized-identical) could beat the best
+so far, so the host path can skip its dedupe.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from torchrec_lossy.codec.container import SEGMENT_HEADER_WORDS
+from torchrec_lossy.codec.format import (
+    MODE_LZ,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    words_for_bits,
+    words_for_bytes,
+)
+
+# An int, a numpy array or a torch tensor: every function below maps like to like.
+N = TypeVar("N", int, np.ndarray, torch.Tensor)
+
+
+def where(cond: object, a: object, b: object) -> N:
+    """``torch.where`` when any argument is a tensor, else ``np.where``.
+
+    Args:
+        cond: Condition (bool, array or tensor).
+        a: Value where true.
+        b: Value where false.
+
+    Returns:
+        The selection (a tensor, or a numpy array).
+    """
+    if any(isinstance(v, torch.Tensor) for v in (cond, a, b)):
+        ref = next(v for v in (cond, a, b) if isinstance(v, torch.Tensor))
+
+        def t(v: object) -> torch.Tensor:
+            return v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=ref.device)
+
+        return torch.where(t(cond), t(a), t(b))
+    return np.where(cond, a, b)
+
+
+def bit_length(x: N) -> N:
+    """``int.bit_length`` of non-negative values below 2**48, element-wise.
+
+    Args:
+        x: Non-negative ints.
+
+    Returns:
+        Their bit lengths (same kind as ``x``).
+    """
+    if isinstance(x, torch.Tensor):
+        k = torch.arange(48, device=x.device)
+        return ((x[..., None] >> k) > 0).sum(dim=-1)
+    if isinstance(x, np.ndarray):
+        return np.frexp(x.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
+    return int(x).bit_length()
+
+
+def refs(rows: N, n_unique: N) -> tuple[N, N, N]:
+    """The cheaper reference packing of blocks with ``n_unique`` distinct vectors.
+
+    Args:
+        rows: Rows per block.
+        n_unique: Distinct vectors per block (>= 1).
+
+    Returns:
+        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width ``bit_length(n_unique - 1)``;
+        bits of that packing).
+    """
+    if isinstance(n_unique, torch.Tensor):
+        width = bit_length((n_unique - 1).clamp(min=0))
+    elif isinstance(n_unique, np.ndarray):
+        width = bit_length(np.maximum(n_unique - 1, 0))
+    else:
+        width = bit_length(max(n_unique - 1, 0))
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    mode = where(fixed > flagged, REFS_FLAGGED, REFS_FIXED)
+    return mode, width, where(fixed > flagged, flagged, fixed)
+
+
+def escape_words(n_escapes: N, itemsize: N) -> N:
+    """Words of the escape positions and escaped values.
+
+    Args:
+        n_escapes: Escaped elements.
+        itemsize: Bytes per element of the block's dtype.
+
+    Returns:
+        Word count.
+    """
+    return n_escapes + words_for_bytes(n_escapes * itemsize)
+
+
+def code_words(n_symbols: N, code_bits: N, sym_count: N, chunk_symbols: int) -> N:
+    """Words of a Huffman-coded stream: codebook, chunk table and bitstream.
+
+    The chunk padding is estimated as half a word per chunk (only the mode choice uses it).
+
+    Args:
+        n_symbols: Symbols in the stream.
+        code_bits: Bits of the coded symbols.
+        sym_count: Value symbols in the codebook (4 bits each).
+        chunk_symbols: Symbols per Huffman chunk.
+
+    Returns:
+        Estimated word count.
+    """
+    n_chunks = (n_symbols + chunk_symbols - 1) // chunk_symbols
+    codebook = words_for_bytes((sym_count + 1) // 2)
+    return codebook + n_chunks + words_for_bits(code_bits) + n_chunks // 2
+
+
+def quant_words(n_escapes: N, itemsize: N, coded_words: N) -> N:
+    """Estimated segment words of mode quant.
+
+    Args:
+        n_escapes: Escaped elements.
+        itemsize: Bytes per element.
+        coded_words: :func:`code_words` of the block's symbols.
+
+    Returns:
+        Word count.
+    """
+    return SEGMENT_HEADER_WORDS + escape_words(n_escapes, itemsize) + coded_words
+
+
+def quant_lz_words(rows: N, n_unique: N, n_escapes: N, itemsize: N, coded_words: N) -> N:
+    """Estimated segment words of mode quant+lz.
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct quantized vectors.
+        n_escapes: Escaped elements among the distinct vectors.
+        itemsize: Bytes per element.
+        coded_words: :func:`code_words` of the distinct vectors' symbols.
+
+    Returns:
+        Word count.
+    """
+    ref_bits = refs(rows, n_unique)[2]
+    return (
+        SEGMENT_HEADER_WORDS
+        + words_for_bits(ref_bits)
+        + escape_words(n_escapes, itemsize)
+        + coded_words
+    )
+
+
+def lossless_lz_words(rows: N, n_unique: N, dim: N, itemsize: N) -> N:
+    """Segment words of mode lz (lossless vector-LZ).
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct raw vectors.
+        dim: Columns.
+        itemsize: Bytes per element.
+
+    Returns:
+        Word count.
+    """
+    return (
+        SEGMENT_HEADER_WORDS
+        + words_for_bits(refs(rows, n_unique)[2])
+        + words_for_bytes(n_unique * dim * itemsize)
+    )
+
+
+def choose_lossy(
+    raw_words: N, quant_ok: N, quant_w: N, quant_lz_ok: N, quant_lz_w: N
+) -> tuple[N, N]:
+    """The best of raw, quant and quant+lz (the earlier wins a tie).
+
+    Args:
+        raw_words: Words of the raw segment.
+        quant_ok: Whether the block can be quantized.
+        quant_w: :func:`quant_words` (any value where not ``quant_ok``).
+        quant_lz_ok: Whether quant+lz applies (quantized, LZ allowed, some row repeats).
+        quant_lz_w: :func:`quant_lz_words` (any value where not ``quant_lz_ok``).
+
+    Returns:
+        (mode, its words).
+    """
+    better = quant_ok & (quant_w < raw_words)
+    mode = where(better, MODE_QUANT, MODE_RAW)
+    best = where(better, quant_w, raw_words)
+    better = quant_lz_ok & (quant_lz_w < best)
+    return where(better, MODE_QUANT_LZ, mode), where(better, quant_lz_w, best)
+
+
+def lossless_may_win(lz_allowed: N, rows: N, dim: N, itemsize: N, n_unique_lower: N, best: N) -> N:
+    """Whether the lossless dedupe is worth running: its smallest possible size beats ``best``.
+
+    Args:
+        lz_allowed: LZ enabled and more than one row.
+        rows: Rows.
+        dim: Columns.
+        itemsize: Bytes per element.
+        n_unique_lower: A lower bound on the distinct raw vectors (the quantized count when the
+            block was quantized and deduped, else 1).
+        best: Words of the best mode so far (:func:`choose_lossy`).
+
+    Returns:
+        Whether to dedupe the raw rows.
+    """
+    return lz_allowed & (lossless_lz_words(rows, n_unique_lower, dim, itemsize) < best)
+
+
+def choose_lossless(mode: N, best: N, tried: N, lossless_w: N, numel: N) -> N:
+    """The final mode: lz where it was tried and is strictly smaller.
+
+    Args:
+        mode: From :func:`choose_lossy`.
+        best: Its words.
+        tried: :func:`lossless_may_win`.
+        lossless_w: :func:`lossless_lz_words` of the raw distinct count (any value where not
+            tried).
+        numel: Elements of the block (an empty block stays raw).
+
+    Returns:
+        The mode.
+    """
+    return where(tried & (lossless_w < best) & (numel > 0), MODE_LZ, mode)
