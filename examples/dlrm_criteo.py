@@ -143,9 +143,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--comm", choices=COMM_MODES, default="lossy")
     g.add_argument(
         "--qcomm-backward",
-        choices=("fp32", "fp16", "bf16"),
+        choices=("fp32", "fp16", "bf16", "mx4"),
         default="fp16",
-        help="gradient precision of the qcomm modes (fp16..mx4)",
+        help="gradient precision of the qcomm modes (mx4: TorchRec's MX4 both ways baseline)",
     )
     g.add_argument("--config", default=None, help="planner config YAML (configs/*.yaml)")
     g.add_argument(
