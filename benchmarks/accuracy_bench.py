@@ -47,7 +47,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
-REAL_SAMPLE = ROOT.parent.parent / "shared" / "data" / "criteo_1tb_day0_head1000.tsv.gz"
+# The shared sample sits beside the checkout (<repo>/../shared/data); from a worktree nested one
+# level deeper, one more up. The first that exists.
+REAL_SAMPLE = next(
+    (
+        p
+        for p in (d / "shared" / "data" / "criteo_1tb_day0_head1000.tsv.gz" for d in ROOT.parents)
+        if p.is_file()
+    ),
+    ROOT.parent / "shared" / "data" / "criteo_1tb_day0_head1000.tsv.gz",
+)
 COMMS = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
 DATASETS = ("synthetic", "real")
 DAUC_FLOOR = -0.001  # issue 11: mean paired dAUC vs none >= -0.001 (and within none's spread)
@@ -149,6 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra variant NAME=COMM[;key=value...] (repeatable)",
     )
     ap.add_argument("--datasets", default="synthetic,real", help="synthetic and/or real")
+    ap.add_argument(
+        "--ref", default="lossy", help="second reference mode: paired dAUC against it too"
+    )
     ap.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="model seeds (paired)")
     ap.add_argument("--data-seed", type=int, default=0, help="synthetic stream (same every run)")
     g = ap.add_argument_group("synthetic stream")
@@ -425,12 +437,27 @@ def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def summarize(runs: Sequence[dict[str, Any]], variants: Sequence[Variant]) -> dict[str, Any]:
+def _paired(
+    mine: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], key: str
+) -> dict[int, float]:
+    """Per seed run by both: ``mine[key] - ref[key]`` (seeds where either lacks it skipped)."""
+    return {
+        s: f[key] - ref[s][key]
+        for s, f in mine.items()
+        if s in ref and f[key] is not None and ref[s][key] is not None
+    }
+
+
+def summarize(
+    runs: Sequence[dict[str, Any]], variants: Sequence[Variant], ref_name: str = "lossy"
+) -> dict[str, Any]:
     """Per dataset and mode: per-seed metrics, paired deltas vs ``none``, the target check.
 
     Args:
         runs: Run records.
         variants: Modes in table order.
+        ref_name: Second reference: the paired mean dAUC against this mode is reported too
+            (``lossy``, the same forward with an exact backward, isolates a gradient codec).
 
     Returns:
         ``{dataset: {"none_auc_spread": ..., "modes": {mode: {...}}}}``.
@@ -442,6 +469,7 @@ def summarize(runs: Sequence[dict[str, Any]], variants: Sequence[Variant]) -> di
     out: dict[str, Any] = {}
     for dataset in dict.fromkeys(k[0] for k in facts):
         none = {s: f for (d, m, s), f in facts.items() if d == dataset and m == "none"}
+        ref = {s: f for (d, m, s), f in facts.items() if d == dataset and m == ref_name}
         none_aucs = [f["auc"] for f in none.values() if f["auc"] is not None]
         spread = max(none_aucs) - min(none_aucs) if len(none_aucs) > 1 else None
         modes: dict[str, Any] = {}
@@ -450,14 +478,9 @@ def summarize(runs: Sequence[dict[str, Any]], variants: Sequence[Variant]) -> di
             if not mine:
                 continue
             seeds = sorted(mine)
-            dauc = {
-                s: mine[s]["auc"] - none[s]["auc"]
-                for s in seeds
-                if s in none and mine[s]["auc"] is not None and none[s]["auc"] is not None
-            }
-            dll = {s: mine[s]["logloss"] - none[s]["logloss"] for s in seeds if s in none}
-            dtl = {s: mine[s]["train_loss_mean"] - none[s]["train_loss_mean"] for s in seeds
-                   if s in none and mine[s]["train_loss_mean"] is not None}  # fmt: skip
+            dauc = _paired(mine, none, "auc")
+            dll = _paired(mine, none, "logloss")
+            dtl = _paired(mine, none, "train_loss_mean")
             mean_dauc = _mean(list(dauc.values()))
             s: dict[str, Any] = {
                 "seeds": seeds,
@@ -469,6 +492,8 @@ def summarize(runs: Sequence[dict[str, Any]], variants: Sequence[Variant]) -> di
                 "dlogloss_by_seed": dll,
                 "dlogloss_mean": _mean(list(dll.values())),
                 "dtrain_loss_mean": _mean(list(dtl.values())),
+                "ref": ref_name,
+                "dauc_vs_ref_mean": _mean(list(_paired(mine, ref, "auc").values())),
                 "finite": all(mine[k]["finite"] for k in seeds),
                 "comm": mine[seeds[0]]["comm"],
                 "samples_per_run": mine[seeds[0]]["samples"],
@@ -511,13 +536,14 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = []
     for dataset, d in summary.items():
         spread = _f(d["none_auc_spread"], ".4f")
+        ref = next(iter(d["modes"].values()))["ref"] if d["modes"] else "-"
         lines += [
             f"\n{dataset}: seed spread of none (max - min AUC over seeds {d['none_seeds']}) "
             f"= {spread}",
             "| mode | seeds | AUC per seed | mean AUC | log loss | dAUC per seed | mean dAUC "
-            "| mean dLogLoss | d train loss | bwd ratio | fwd ratio | RSS peak / growth MiB "
-            "| target |",
-            "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|",
+            f"| mean dLogLoss | d train loss | dAUC vs {ref} | bwd ratio | fwd ratio "
+            "| RSS peak / growth MiB | target |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         for mode, s in d["modes"].items():
             seeds = s["seeds"]
@@ -533,6 +559,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"| {mode} | {len(seeds)} | {aucs} | {_f(s['auc'], '.4f')} "
                 f"| {_f(s['logloss'], '.4f')} | {daucs} | {_f(s['dauc_mean'], '+.4f')} "
                 f"| {_f(s['dlogloss_mean'], '+.4f')} | {_f(s['dtrain_loss_mean'], '+.4f')} "
+                f"| {_f(s['dauc_vs_ref_mean'], '+.4f')} "
                 f"| {_f(s['bwd_ratio'], '.1f')}x | {_f(s['fwd_ratio'], '.1f')}x "
                 f"| {_f(s['rss_peak_mib'], '.0f')} / {_f(s['rss_growth_mib'], '+.0f')} "
                 f"| {verdict} |"
@@ -577,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for dataset, seed, variant in plan:
         runs.append(run_one(args, dataset, variant, seed, out_dir))
-        summary = summarize(runs, args.variants)
+        summary = summarize(runs, args.variants, args.ref)
         result = {
             "config": config,
             "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
@@ -586,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary,
         }
         path.write_text(json.dumps(result, indent=1, default=str))
-    print(format_table(summarize(runs, args.variants)), flush=True)
+    print(format_table(summarize(runs, args.variants, args.ref)), flush=True)
     print(f"JSON: {path}", flush=True)
     return 0 if all(r.get("metrics") for r in runs) else 1
 
