@@ -428,6 +428,7 @@ def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
         "eval_rows": m["final"]["eval_rows"],
         "samples": m["run"]["steps_run"] * m["run"]["global_batch_size"],
         "comm": m["run"]["comm_description"],
+        "plan": m["plan"]["summary"],
         "fwd_ratio": m["comms"]["fwd_ratio"],
         "bwd_ratio": m["comms"]["bwd_ratio"],
         "bwd_wire_bytes_per_step": m["comms"]["bwd_wire_bytes_per_step"],
@@ -496,6 +497,7 @@ def summarize(
                 "dauc_vs_ref_mean": _mean(list(_paired(mine, ref, "auc").values())),
                 "finite": all(mine[k]["finite"] for k in seeds),
                 "comm": mine[seeds[0]]["comm"],
+                "plan": mine[seeds[0]]["plan"],
                 "samples_per_run": mine[seeds[0]]["samples"],
                 "fwd_ratio": _mean([mine[k]["fwd_ratio"] for k in seeds]),
                 "bwd_ratio": _mean([mine[k]["bwd_ratio"] for k in seeds]),
@@ -567,6 +569,11 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append("comm per mode: " + "; ".join(
             f"{mode}: {s['comm']}" for mode, s in d["modes"].items()
         ))  # fmt: skip
+        plans = {s["plan"] for s in d["modes"].values()}
+        if len(plans) > 1:  # --sharding auto: the planner prices each mode's wire format
+            lines.append("plans differ: " + "; ".join(
+                f"{mode}: {s['plan']}" for mode, s in d["modes"].items()
+            ))  # fmt: skip
     lines.append(
         f"target: mean paired dAUC >= {DAUC_FLOOR} and |mean dAUC| <= seed spread of none "
         "('gain > spread': no loss, but outside the spread)"

@@ -83,6 +83,7 @@ def _run(mode: str, seed: int, auc: float, logloss: float = 0.5) -> dict[str, An
             "final": {"auc": auc, "logloss": logloss, "train_loss": logloss, "eval_rows": 10},
             "history": {"train_loss": [0.7, logloss]},
             "run": {"steps_run": 2, "global_batch_size": 4, "comm_description": mode},
+            "plan": {"summary": "TW 26"},
             "comms": {"fwd_ratio": 1.0, "bwd_ratio": 2.0, "bwd_wire_bytes_per_step": 1.0},
             "timing": {"step_time_s_median": 0.01},
         },
