@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from table_fmt import cell as _f
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
@@ -518,12 +519,6 @@ def summarize(
             modes[v.name] = s
         out[dataset] = {"none_auc_spread": spread, "none_seeds": sorted(none), "modes": modes}
     return out
-
-
-def _f(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    return format(v, spec)
 
 
 def format_table(summary: dict[str, Any]) -> str:
