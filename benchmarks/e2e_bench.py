@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from table_fmt import cell as _f
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
 NETNS = ROOT / "scripts" / "netns_cluster.sh"
@@ -332,12 +334,6 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
             "bytes_fewer_than_mx4": mx4["step_wire_mib"] / lossy["step_wire_mib"],
         }
     return {"modes": out, "targets": targets}
-
-
-def _f(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    return format(v, spec)
 
 
 def format_table(summary: dict[str, Any]) -> str:

@@ -1,0 +1,624 @@
+"""Accuracy protocol: paired DLRM runs per comm mode, several seeds, AUC and log loss deltas.
+
+Runs ``examples/dlrm_criteo.py`` as a 2-process torchrun job (gloo, localhost) once per
+(dataset, seed, mode). Within a seed every mode sees the same model initialisation, the same
+data in the same order and the same (table-wise) plan: only the all-to-all codec differs. Per
+seed it reports the held-out AUC and log loss, the paired deltas against ``none`` and, per
+dataset, the seed-to-seed spread of ``none``; the target of issue 11 is a mean paired dAUC
+>= -0.001 that is also within that spread. Every run's resident memory (RSS of each worker,
+sampled from /proc) and the finiteness of its loss curve are recorded too, so a long run
+doubles as the memory / divergence check.
+
+Modes are named variants. Built in: ``none``, ``mx4`` (TorchRec MX4 forward and backward),
+``fp16`` (TorchRec FP16 both ways), ``lossy`` (the sharder's defaults, no config),
+``lossy-bf16`` (``comms.backward: bf16``) and ``lossy-rtn`` (``comms.backward: lossy``:
+round-to-nearest at ``comms.backward_bound``). ``--variant NAME=SPEC`` adds one: SPEC is a
+``--comm`` mode followed by ``;key=value`` items; ``qcomm_backward=X`` (qcomm modes),
+``config=PATH`` (a planner YAML to start from) or any ``comms`` key, dotted for nested ones,
+value in YAML syntax (``backward=lossy;backward_bound.value=0.02``).
+
+    python benchmarks/accuracy_bench.py                                   # full protocol
+    python benchmarks/accuracy_bench.py --datasets synthetic --steps 100 --seeds 0
+    python benchmarks/accuracy_bench.py --modes none,lossy \\
+        --variant 'lossy-sr=lossy;backward=lossy;backward_rounding=stochastic'
+
+The JSON (``--json``) is rewritten after every run, so an interrupted bench loses nothing;
+``--resume`` reuses the finished runs found in ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from table_fmt import cell as _f
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
+# The shared sample sits beside the checkout (<repo>/../shared/data); from a worktree nested one
+# level deeper, one more up. The first that exists.
+REAL_SAMPLE = next(
+    (
+        p
+        for p in (d / "shared" / "data" / "criteo_1tb_day0_head1000.tsv.gz" for d in ROOT.parents)
+        if p.is_file()
+    ),
+    ROOT.parent / "shared" / "data" / "criteo_1tb_day0_head1000.tsv.gz",
+)
+COMMS = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
+DATASETS = ("synthetic", "real")
+DAUC_FLOOR = -0.001  # issue 11: mean paired dAUC vs none >= -0.001 (and within none's spread)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One comm mode of the protocol.
+
+    Attributes:
+        name: Name in the table and the JSON.
+        comm: The example's ``--comm``.
+        qcomm_backward: ``--qcomm-backward`` of a TorchRec qcomm mode (None: the example's).
+        config: Planner YAML the variant starts from (None: the defaults).
+        comms: ``comms`` overrides (dotted keys) written into the variant's YAML.
+    """
+
+    name: str
+    comm: str
+    qcomm_backward: str | None = None
+    config: str | None = None
+    comms: dict[str, Any] = field(default_factory=dict)
+
+
+BUILTIN = {
+    "none": Variant("none", "none"),
+    "fp16": Variant("fp16", "fp16", qcomm_backward="fp16"),
+    "mx4": Variant("mx4", "mx4", qcomm_backward="mx4"),
+    "lossy": Variant("lossy", "lossy"),
+    "lossy-bf16": Variant("lossy-bf16", "lossy", comms={"backward": "bf16"}),
+    "lossy-rtn": Variant("lossy-rtn", "lossy", comms={"backward": "lossy"}),
+}
+
+
+def parse_variant(text: str) -> Variant:
+    """Parses ``NAME=COMM[;key=value...]`` (see the module docstring).
+
+    Args:
+        text: The spec.
+
+    Returns:
+        The variant.
+
+    Raises:
+        argparse.ArgumentTypeError: On a malformed spec, naming it and the expected form.
+    """
+    name, sep, spec = text.partition("=")
+    parts = [p.strip() for p in spec.split(";") if p.strip()]
+    if not sep or not name.strip() or not parts or parts[0] not in COMMS:
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected NAME=COMM[;key=value...] with COMM one of "
+            f"{', '.join(COMMS)}, e.g. 'lossy-sr=lossy;backward=lossy'"
+        )
+    qcomm, config, comms = None, None, {}
+    for item in parts[1:]:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: item {item!r} is not key=value")
+        key = key.strip()
+        if key == "qcomm_backward":
+            qcomm = value.strip()
+        elif key == "config":
+            config = value.strip()
+        else:
+            comms[key] = yaml.safe_load(value)
+    if parts[0] != "lossy" and (comms or config):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: comms keys and config apply to COMM lossy only"
+        )
+    return Variant(name.strip(), parts[0], qcomm, config, comms)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the bench's command line.
+
+    Args:
+        argv: Arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The flags, with ``variants`` (list of :class:`Variant`) and ``datasets`` resolved.
+    """
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument(
+        "--modes",
+        default="none,mx4,lossy,lossy-bf16,lossy-rtn",
+        help=f"built-in variants, comma-separated: {', '.join(BUILTIN)}",
+    )
+    ap.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        help="extra variant NAME=COMM[;key=value...] (repeatable)",
+    )
+    ap.add_argument("--datasets", default="synthetic,real", help="synthetic and/or real")
+    ap.add_argument(
+        "--ref", default="lossy", help="second reference mode: paired dAUC against it too"
+    )
+    ap.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="model seeds (paired)")
+    ap.add_argument("--data-seed", type=int, default=0, help="synthetic stream (same every run)")
+    g = ap.add_argument_group("synthetic stream")
+    g.add_argument("--steps", type=int, default=1000, help="1000 x 512 x 2 ranks = 1,024,000")
+    g.add_argument("--batch-size", type=int, default=512, help="per rank")
+    g.add_argument("--eval-batches", type=int, default=32, help="held-out batches per rank")
+    g = ap.add_argument_group("real Criteo 1TB sample (1,000 rows)")
+    g.add_argument("--real-path", default=str(REAL_SAMPLE), help="read in place, never copied")
+    g.add_argument("--real-epochs", type=int, default=4)
+    g.add_argument(
+        "--real-batch-size",
+        type=int,
+        default=32,
+        help="per rank (MX4: dim x 13 x it must be a multiple of 32)",
+    )
+    g.add_argument(
+        "--real-holdout-every", type=int, default=2, help="every N-th row of a rank is held out"
+    )
+    ap.add_argument("--embedding-dim", type=int, default=16)
+    ap.add_argument("--example-args", default="", help="extra flags for every run (quoted)")
+    ap.add_argument("--out-dir", default=None, help="per-run metrics and logs (default: temp)")
+    ap.add_argument("--json", default=None, help="bench result (default: OUT_DIR/accuracy.json)")
+    ap.add_argument("--resume", action="store_true", help="reuse finished runs in --out-dir")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--rss-interval", type=float, default=2.0, help="seconds between samples")
+    args = ap.parse_args(argv)
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        ap.error(f"--modes {unknown}: unknown; built in: {', '.join(BUILTIN)} (or use --variant)")
+    args.variants = [BUILTIN[n] for n in names] + list(args.variant)
+    seen = [v.name for v in args.variants]
+    if len(set(seen)) != len(seen):
+        ap.error(f"variant names must be unique, got {seen}")
+    if "none" not in seen:
+        ap.error("the protocol pairs every mode with 'none': add it to --modes")
+    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    bad = sorted(set(args.datasets) - set(DATASETS))
+    if bad:
+        ap.error(f"--datasets {bad}: choose from {', '.join(DATASETS)}")
+    if "real" in args.datasets and not Path(args.real_path).is_file():
+        ap.error(f"--real-path {args.real_path}: no such file (or drop 'real' from --datasets)")
+    return args
+
+
+def _variant_config(variant: Variant, out_dir: Path) -> Path | None:
+    """Writes the planner YAML of a lossy variant with overrides; None when it has none."""
+    if variant.comm != "lossy" or (not variant.comms and variant.config is None):
+        return None
+    doc: dict[str, Any] = {}
+    if variant.config:
+        doc = yaml.safe_load(Path(variant.config).read_text()) or {}
+    # As without --config: every table compressed, whatever the link (paired plans).
+    doc.setdefault("planner", {}).setdefault("drop_unprofitable", False)
+    comms = doc.setdefault("comms", {})
+    for key, value in variant.comms.items():
+        *parents, leaf = key.split(".")
+        node = comms
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = out_dir / f"config_{variant.name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def example_args(
+    args: argparse.Namespace, dataset: str, variant: Variant, seed: int, out_dir: Path
+) -> list[str]:
+    """The example's flags for one run.
+
+    Args:
+        args: Bench flags.
+        dataset: ``synthetic`` or ``real``.
+        variant: The comm mode.
+        seed: Model seed.
+        out_dir: Where the run's files go.
+
+    Returns:
+        The flags (metrics to ``OUT_DIR/<dataset>_<variant>_s<seed>.json``).
+    """
+    name = f"{dataset}_{variant.name}_s{seed}"
+    out = [
+        "--comm", variant.comm,
+        "--seed", str(seed),
+        "--embedding-dim", str(args.embedding_dim),
+        "--sharding", "table_wise",  # one plan for every mode: all 26 tables on the wire
+        "--no-progress",
+        "--metrics-json", str(out_dir / f"{name}.json"),
+    ]  # fmt: skip
+    if dataset == "synthetic":
+        out += [
+            "--data-seed", str(args.data_seed),
+            "--steps", str(args.steps),
+            "--batch-size", str(args.batch_size),
+            "--eval-batches", str(args.eval_batches),
+            "--eval-interval", str(args.steps),
+        ]  # fmt: skip
+    else:
+        out += [
+            "--dataset", "criteo-1tb",
+            "--data-path", args.real_path,
+            "--epochs", str(args.real_epochs),
+            "--batch-size", str(args.real_batch_size),
+            "--holdout-every", str(args.real_holdout_every),
+            "--eval-batches", "1000000",  # all held-out rows
+            "--eval-interval", "1000000",  # one evaluation, at the end
+        ]  # fmt: skip
+    if variant.qcomm_backward:
+        out += ["--qcomm-backward", variant.qcomm_backward]
+    config = _variant_config(variant, out_dir)
+    if config is not None:
+        out += ["--config", str(config)]
+    return out + args.example_args.split()
+
+
+def _children(pid: int) -> list[int]:
+    """All descendants of ``pid`` (from /proc), best effort."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class RssSampler(threading.Thread):
+    """Samples the resident memory of every descendant of a process until stopped.
+
+    Args:
+        pid: The torchrun process.
+        interval: Seconds between samples.
+    """
+
+    def __init__(self, pid: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.samples: dict[int, list[tuple[float, float]]] = {}
+        self._stop_event = threading.Event()
+        self._t0 = time.perf_counter()
+
+    def run(self) -> None:
+        """Samples until :meth:`stop`."""
+        while not self._stop_event.wait(self.interval):
+            t = time.perf_counter() - self._t0
+            for child in _children(self.pid):
+                rss = _rss_mib(child)
+                if rss is not None:
+                    self.samples.setdefault(child, []).append((t, rss))
+
+    def stop(self) -> dict[str, Any]:
+        """Stops sampling.
+
+        Returns:
+            Per worker (the two processes with the largest peak RSS): peak RSS, RSS at the
+            middle and at the end of the run, and the growth over the second half, MiB.
+        """
+        self._stop_event.set()
+        self.join()
+        workers = sorted(self.samples.values(), key=lambda s: -max(r for _, r in s))[:2]
+        out = []
+        for s in workers:
+            mid = s[len(s) // 2][1]
+            out.append(
+                {"peak_mib": max(r for _, r in s), "mid_mib": mid, "end_mib": s[-1][1],
+                 "growth_2nd_half_mib": s[-1][1] - mid, "samples": len(s)}
+            )  # fmt: skip
+        return {"workers": out}
+
+
+def run_one(
+    args: argparse.Namespace, dataset: str, variant: Variant, seed: int, out_dir: Path
+) -> dict[str, Any]:
+    """Runs the example once (or reuses a finished run with ``--resume``).
+
+    Args:
+        args: Bench flags.
+        dataset: ``synthetic`` or ``real``.
+        variant: The comm mode.
+        seed: Model seed.
+        out_dir: Where the run's metrics and log go.
+
+    Returns:
+        The run record (``metrics`` is None if the run failed).
+    """
+    name = f"{dataset}_{variant.name}_s{seed}"
+    metrics_path, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
+    record: dict[str, Any] = {"dataset": dataset, "mode": variant.name, "seed": seed}
+    if args.resume and metrics_path.is_file():
+        prev = out_dir / f"{name}.run.json"
+        record |= json.loads(prev.read_text()) if prev.is_file() else {}
+        record["metrics"] = json.loads(metrics_path.read_text())
+        print(f"  {name:<28} reused", flush=True)
+        return record
+    metrics_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(EXAMPLE), *example_args(args, dataset, variant, seed, out_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        sampler = RssSampler(proc.pid, args.rss_interval)
+        sampler.start()
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            rc = -1
+        rss = sampler.stop()
+    record |= {
+        "command": " ".join(cmd),
+        "returncode": rc,
+        "wall_s": time.perf_counter() - start,
+        "rss": rss,
+        "log": str(log),
+    }
+    (out_dir / f"{name}.run.json").write_text(json.dumps(record, indent=1))
+    ok = rc == 0 and metrics_path.is_file()
+    record["metrics"] = json.loads(metrics_path.read_text()) if ok else None
+    tail = f"AUC {record['metrics']['final']['auc']}" if ok else f"FAILED (exit {rc}, see {log})"
+    print(f"  {name:<28} {record['wall_s']:6.1f} s  {tail}", flush=True)
+    return record
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.fmean(vals) if vals else None
+
+
+def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
+    """What the summary needs from one finished run."""
+    m = r["metrics"]
+    losses = m["history"]["train_loss"]
+    workers = (r.get("rss") or {}).get("workers") or []
+    return {
+        "auc": m["final"]["auc"],
+        "logloss": m["final"]["logloss"],
+        "train_loss": m["final"]["train_loss"],
+        "train_loss_mean": _mean(losses),
+        "finite": all(v is not None and math.isfinite(v) for v in losses),
+        "eval_rows": m["final"]["eval_rows"],
+        "samples": m["run"]["steps_run"] * m["run"]["global_batch_size"],
+        "comm": m["run"]["comm_description"],
+        "plan": m["plan"]["summary"],
+        "fwd_ratio": m["comms"]["fwd_ratio"],
+        "bwd_ratio": m["comms"]["bwd_ratio"],
+        "bwd_wire_bytes_per_step": m["comms"]["bwd_wire_bytes_per_step"],
+        "step_ms": 1e3 * m["timing"]["step_time_s_median"],
+        "rss_peak_mib": max((w["peak_mib"] for w in workers), default=None),
+        "rss_growth_mib": max((w["growth_2nd_half_mib"] for w in workers), default=None),
+    }
+
+
+def _paired(
+    mine: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], key: str
+) -> dict[int, float]:
+    """Per seed run by both: ``mine[key] - ref[key]`` (seeds where either lacks it skipped)."""
+    return {
+        s: f[key] - ref[s][key]
+        for s, f in mine.items()
+        if s in ref and f[key] is not None and ref[s][key] is not None
+    }
+
+
+def summarize(
+    runs: Sequence[dict[str, Any]], variants: Sequence[Variant], ref_name: str = "lossy"
+) -> dict[str, Any]:
+    """Per dataset and mode: per-seed metrics, paired deltas vs ``none``, the target check.
+
+    Args:
+        runs: Run records.
+        variants: Modes in table order.
+        ref_name: Second reference: the paired mean dAUC against this mode is reported too
+            (``lossy``, the same forward with an exact backward, isolates a gradient codec).
+
+    Returns:
+        ``{dataset: {"none_auc_spread": ..., "modes": {mode: {...}}}}``.
+    """
+    facts: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in runs:
+        if r.get("metrics"):
+            facts[(r["dataset"], r["mode"], r["seed"])] = _run_facts(r)
+    out: dict[str, Any] = {}
+    for dataset in dict.fromkeys(k[0] for k in facts):
+        none = {s: f for (d, m, s), f in facts.items() if d == dataset and m == "none"}
+        ref = {s: f for (d, m, s), f in facts.items() if d == dataset and m == ref_name}
+        none_aucs = [f["auc"] for f in none.values() if f["auc"] is not None]
+        spread = max(none_aucs) - min(none_aucs) if len(none_aucs) > 1 else None
+        modes: dict[str, Any] = {}
+        for v in variants:
+            mine = {s: f for (d, m, s), f in facts.items() if d == dataset and m == v.name}
+            if not mine:
+                continue
+            seeds = sorted(mine)
+            dauc = _paired(mine, none, "auc")
+            dll = _paired(mine, none, "logloss")
+            dtl = _paired(mine, none, "train_loss_mean")
+            mean_dauc = _mean(list(dauc.values()))
+            s: dict[str, Any] = {
+                "seeds": seeds,
+                "per_seed": {k: mine[k] for k in seeds},
+                "auc": _mean([mine[k]["auc"] for k in seeds]),
+                "logloss": _mean([mine[k]["logloss"] for k in seeds]),
+                "dauc_by_seed": dauc,
+                "dauc_mean": mean_dauc,
+                "dlogloss_by_seed": dll,
+                "dlogloss_mean": _mean(list(dll.values())),
+                "dtrain_loss_mean": _mean(list(dtl.values())),
+                "ref": ref_name,
+                "dauc_vs_ref_mean": _mean(list(_paired(mine, ref, "auc").values())),
+                "finite": all(mine[k]["finite"] for k in seeds),
+                "comm": mine[seeds[0]]["comm"],
+                "plan": mine[seeds[0]]["plan"],
+                "samples_per_run": mine[seeds[0]]["samples"],
+                "fwd_ratio": _mean([mine[k]["fwd_ratio"] for k in seeds]),
+                "bwd_ratio": _mean([mine[k]["bwd_ratio"] for k in seeds]),
+                "rss_peak_mib": max((mine[k]["rss_peak_mib"] or 0.0) for k in seeds),
+                "rss_growth_mib": max((mine[k]["rss_growth_mib"] or 0.0) for k in seeds),
+            }
+            if v.name != "none" and mean_dauc is not None and spread is not None:
+                # The issue's target, literally: >= the floor and within none's spread. A gain
+                # beyond the spread is no accuracy loss, but it is not "within" either: it says
+                # the mode trains differently, so it is reported apart.
+                s["target"] = {
+                    "floor": DAUC_FLOOR,
+                    "none_spread": spread,
+                    "paired_seeds": len(dauc),
+                    "met": mean_dauc >= DAUC_FLOOR and abs(mean_dauc) <= spread,
+                    "no_loss": mean_dauc >= max(DAUC_FLOOR, -spread),
+                }
+            modes[v.name] = s
+        out[dataset] = {"none_auc_spread": spread, "none_seeds": sorted(none), "modes": modes}
+    return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The summary as Markdown tables, one per dataset.
+
+    Args:
+        summary: From :func:`summarize`.
+
+    Returns:
+        The text.
+    """
+    lines = []
+    for dataset, d in summary.items():
+        spread = _f(d["none_auc_spread"], ".4f")
+        ref = next(iter(d["modes"].values()))["ref"] if d["modes"] else "-"
+        lines += [
+            f"\n{dataset}: seed spread of none (max - min AUC over seeds {d['none_seeds']}) "
+            f"= {spread}",
+            "| mode | seeds | AUC per seed | mean AUC | log loss | dAUC per seed | mean dAUC "
+            f"| mean dLogLoss | d train loss | dAUC vs {ref} | bwd ratio | fwd ratio "
+            "| RSS peak / growth MiB | target |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for mode, s in d["modes"].items():
+            seeds = s["seeds"]
+            aucs = " / ".join(_f(s["per_seed"][k]["auc"], ".4f") for k in seeds)
+            daucs = " / ".join(_f(s["dauc_by_seed"].get(k), "+.4f") for k in seeds)
+            t = s.get("target")
+            verdict = "-"
+            if t is not None:
+                verdict = "met" if t["met"] else ("gain > spread" if t["no_loss"] else "MISSED")
+            if not s["finite"]:
+                verdict += " (non-finite loss)"
+            lines.append(
+                f"| {mode} | {len(seeds)} | {aucs} | {_f(s['auc'], '.4f')} "
+                f"| {_f(s['logloss'], '.4f')} | {daucs} | {_f(s['dauc_mean'], '+.4f')} "
+                f"| {_f(s['dlogloss_mean'], '+.4f')} | {_f(s['dtrain_loss_mean'], '+.4f')} "
+                f"| {_f(s['dauc_vs_ref_mean'], '+.4f')} "
+                f"| {_f(s['bwd_ratio'], '.1f')}x | {_f(s['fwd_ratio'], '.1f')}x "
+                f"| {_f(s['rss_peak_mib'], '.0f')} / {_f(s['rss_growth_mib'], '+.0f')} "
+                f"| {verdict} |"
+            )
+        lines.append("comm per mode: " + "; ".join(
+            f"{mode}: {s['comm']}" for mode, s in d["modes"].items()
+        ))  # fmt: skip
+        plans = {s["plan"] for s in d["modes"].values()}
+        if len(plans) > 1:  # --sharding auto: the planner prices each mode's wire format
+            lines.append("plans differ: " + "; ".join(
+                f"{mode}: {s['plan']}" for mode, s in d["modes"].items()
+            ))  # fmt: skip
+    lines.append(
+        f"target: mean paired dAUC >= {DAUC_FLOOR} and |mean dAUC| <= seed spread of none "
+        "('gain > spread': no loss, but outside the spread)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the protocol.
+
+    Args:
+        argv: Command line.
+
+    Returns:
+        Exit status (1 if a run failed).
+    """
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="accuracy_bench."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = Path(args.json) if args.json else out_dir / "accuracy.json"
+    plan = [
+        (dataset, seed, v)
+        for dataset in args.datasets
+        for seed in args.seeds
+        for v in args.variants
+    ]
+    print(
+        f"accuracy bench: {len(plan)} runs ({', '.join(v.name for v in args.variants)}; "
+        f"seeds {args.seeds}; {', '.join(args.datasets)}); runs in {out_dir}; JSON {path}",
+        flush=True,
+    )
+    config = {
+        k: v for k, v in vars(args).items() if k not in ("variants", "variant", "datasets")
+    } | {"datasets": args.datasets, "variants": [vars(v) for v in args.variants]}
+    runs: list[dict[str, Any]] = []
+    for dataset, seed, variant in plan:
+        runs.append(run_one(args, dataset, variant, seed, out_dir))
+        summary = summarize(runs, args.variants, args.ref)
+        result = {
+            "config": config,
+            "host": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+            "complete": len(runs) == len(plan),
+            "runs": [{k: v for k, v in r.items() if k != "metrics"} for r in runs],
+            "summary": summary,
+        }
+        path.write_text(json.dumps(result, indent=1, default=str))
+    print(format_table(summarize(runs, args.variants, args.ref)), flush=True)
+    print(f"JSON: {path}", flush=True)
+    return 0 if all(r.get("metrics") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The accuracy bench's own logic: variant specs, the YAML they write, the paired summary.
+
+No training runs here (the bench itself does those); these check that a variant given on the
+command line becomes a config the example accepts and that the paired deltas, the seed spread
+and the target verdict are computed as documented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import accuracy_bench as ab  # noqa: E402
+
+from torchrec_lossy.config import LossyPlanConfig, load_yaml  # noqa: E402
+
+
+def test_variant_spec_parses_comm_qcomm_and_dotted_comms_keys() -> None:
+    v = ab.parse_variant("x=lossy;backward=bf16;default_bound.value=0.02;input_dist.enabled=false")
+    assert (v.name, v.comm, v.qcomm_backward) == ("x", "lossy", None)
+    assert v.comms == {
+        "backward": "bf16",
+        "default_bound.value": 0.02,
+        "input_dist.enabled": False,
+    }
+    q = ab.parse_variant("m=mx4;qcomm_backward=mx4")
+    assert (q.comm, q.qcomm_backward, q.comms) == ("mx4", "mx4", {})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["nocomm", "x=zstd", "=lossy", "x=lossy;backward", "x=mx4;backward=bf16"],
+)
+def test_bad_variant_specs_are_rejected_with_the_expected_form(spec: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="--variant"):
+        ab.parse_variant(spec)
+
+
+def test_variant_yaml_is_a_valid_plan_config(tmp_path: Path) -> None:
+    v = ab.parse_variant("x=lossy;backward=lossy;default_bound.value=0.02")
+    path = ab._variant_config(v, tmp_path)
+    assert path is not None
+    cfg = load_yaml(LossyPlanConfig, path)
+    assert cfg.comms.backward == "lossy"
+    assert cfg.comms.default_bound.value == 0.02
+    assert cfg.planner.drop_unprofitable is False  # every table compressed, as without a config
+    # The defaults need no file: the run is the example's own default.
+    assert ab._variant_config(ab.BUILTIN["lossy"], tmp_path) is None
+    assert ab._variant_config(ab.BUILTIN["mx4"], tmp_path) is None
+
+
+def test_example_args_pair_the_runs() -> None:
+    args = ab.parse_args(["--datasets", "synthetic"])
+    out = Path("/tmp/never-written")
+    a = ab.example_args(args, "synthetic", ab.BUILTIN["none"], 1, out)
+    b = ab.example_args(args, "synthetic", ab.BUILTIN["mx4"], 1, out)
+    # Only the comm flags and the output path differ between two modes of one seed.
+    strip = {"--comm", "--qcomm-backward", "--metrics-json"}
+
+    def fixed(xs: list[str]) -> list[str]:
+        return [x for i, x in enumerate(xs) if x not in strip and xs[i - 1] not in strip]
+
+    assert fixed(a) == fixed(b)
+    assert b[b.index("--qcomm-backward") + 1] == "mx4"
+    assert a[a.index("--sharding") + 1] == "table_wise"
+    assert int(a[a.index("--steps") + 1]) * 2 * int(a[a.index("--batch-size") + 1]) >= 1_000_000
+
+
+def _run(mode: str, seed: int, auc: float, logloss: float = 0.5) -> dict[str, Any]:
+    return {
+        "dataset": "synthetic",
+        "mode": mode,
+        "seed": seed,
+        "rss": {"workers": [{"peak_mib": 600.0, "growth_2nd_half_mib": 1.0}]},
+        "metrics": {
+            "final": {"auc": auc, "logloss": logloss, "train_loss": logloss, "eval_rows": 10},
+            "history": {"train_loss": [0.7, logloss]},
+            "run": {"steps_run": 2, "global_batch_size": 4, "comm_description": mode},
+            "plan": {"summary": "TW 26"},
+            "comms": {"fwd_ratio": 1.0, "bwd_ratio": 2.0, "bwd_wire_bytes_per_step": 1.0},
+            "timing": {"step_time_s_median": 0.01},
+        },
+    }
+
+
+def test_summary_pairs_by_seed_and_checks_the_target() -> None:
+    runs = [
+        _run("none", 0, 0.760),
+        _run("none", 1, 0.764),  # spread 0.004
+        _run("lossy", 0, 0.759),
+        _run("lossy", 1, 0.7645),  # dAUC -0.001, +0.0005: mean -0.00025
+        _run("mx4", 0, 0.750),
+        _run("mx4", 1, 0.752),  # mean -0.011: lost
+        _run("lossy-bf16", 0, 0.770),
+        _run("lossy-bf16", 1, 0.774),  # +0.010: gain beyond the spread
+    ]
+    variants = [ab.BUILTIN[n] for n in ("none", "lossy", "mx4", "lossy-bf16")]
+    s = ab.summarize(runs, variants, "lossy")["synthetic"]
+    assert s["none_auc_spread"] == pytest.approx(0.004)
+    lossy = s["modes"]["lossy"]
+    assert lossy["dauc_by_seed"] == {0: pytest.approx(-0.001), 1: pytest.approx(0.0005)}
+    assert lossy["dauc_mean"] == pytest.approx(-0.00025)
+    assert lossy["target"]["met"] and lossy["target"]["no_loss"]
+    mx4 = s["modes"]["mx4"]
+    assert not mx4["target"]["met"] and not mx4["target"]["no_loss"]
+    assert mx4["dauc_vs_ref_mean"] == pytest.approx(-0.01075)
+    bf16 = s["modes"]["lossy-bf16"]
+    assert not bf16["target"]["met"] and bf16["target"]["no_loss"]
+    table = ab.format_table({"synthetic": s})
+    assert "| mx4 | 2 |" in table and "MISSED" in table and "gain > spread" in table
