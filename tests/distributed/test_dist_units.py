@@ -102,7 +102,7 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
     differ and a rerun does not), NaN / Inf exactly, a block whose bound cannot be met exactly
     and logged once per table; the sampled signed error is recorded."""
     config = LossyCommsConfig(tables={"c": TableCodecConfig(compress=False)})
-    assert config.backward == "lossy" and config.backward_rounding == "stochastic"
+    assert config.backward == "lossy" and config.backward_rounding == "nearest"
     specs = (BlockSpec("a", 0, 1, 16), BlockSpec("b", 16, 1, 16), BlockSpec("c", 32, 1, 4))
     g = torch.randn(256, 36) * 1e-3
     g[0, 0], g[1, 1], g[2, 2] = float("nan"), float("inf"), -float("inf")
