@@ -54,6 +54,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.codec import segment_checksums
+from torchrec_lossy.codec.container import upload
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.pooled_payload import LossyAllToAllError
 
@@ -298,8 +299,8 @@ def _checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=words.device)
     starts = list(itertools.accumulate(seg_words, initial=0))[:-1]
     lengths = [max(n - _CHECK_WORDS, 0) for n in seg_words]
-    table = torch.tensor([starts, lengths], dtype=torch.int64).to(words.device)
-    return segment_checksums(words, table[0], table[1])
+    starts_t, lengths_t = upload([starts, lengths], words.device)
+    return segment_checksums(words, starts_t, lengths_t)
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:
