@@ -165,6 +165,27 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
 SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
+def upload(
+    arrays: Sequence[np.ndarray | Sequence[int]], device: torch.device
+) -> list[torch.Tensor]:
+    """Host int64 arrays to the device in one non-blocking copy (pinned on CUDA: no sync).
+
+    Args:
+        arrays: 1-D integer arrays.
+        device: Target device.
+
+    Returns:
+        int64 tensors on ``device``, one per array (views of one buffer).
+    """
+    arrays = [np.asarray(a, np.int64).reshape(-1) for a in arrays]
+    sizes = [a.shape[0] for a in arrays]
+    host = torch.from_numpy(np.concatenate(arrays or [np.zeros(1, np.int64)]))
+    if device.type == "cuda":  # a pageable source would make the copy synchronise
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat[: sum(sizes)].split(sizes)) if arrays else []
+
+
 def skeleton_words(n_blocks: int) -> int:
     """Words of the skeleton of a payload with ``n_blocks`` blocks (:func:`skeleton_index`).
 
@@ -204,26 +225,33 @@ def skeleton_index(
     dev = payload_base.device
     n = np.asarray(group_blocks, dtype=np.int64).reshape(-1)
     head = HEADER_WORDS + DESCRIPTOR_WORDS * n
-    group_of_head = torch.from_numpy(np.repeat(np.arange(n.shape[0]), head)).to(dev)
-    k_head = torch.from_numpy(np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head))
-    heads = payload_base[group_of_head] + k_head.to(dev)
-    group_of_block = torch.from_numpy(np.repeat(np.arange(n.shape[0]), n)).to(dev)
-    last = (payload_base + payload_words - 1)[group_of_block]
-    segs = torch.minimum(
-        seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev), last[:, None]
-    )
+    k_head = np.arange(int(head.sum())) - np.repeat(np.cumsum(head) - head, head)
     # Order: group by group, its head then its segment headers.
     size = head + SEGMENT_HEADER_WORDS * n
     start = np.cumsum(size) - size
-    out = torch.empty(int(size.sum()), dtype=torch.int64, device=dev)
-    head_at = np.repeat(start, head) + k_head.numpy()
     block_first = np.cumsum(n) - n
     local = np.arange(int(n.sum())) - np.repeat(block_first, n)
     seg_at = (np.repeat(start + head, n) + SEGMENT_HEADER_WORDS * local)[:, None] + np.arange(
         SEGMENT_HEADER_WORDS
     )
-    out[torch.from_numpy(head_at).to(dev)] = heads
-    out[torch.from_numpy(seg_at.reshape(-1)).to(dev)] = segs.reshape(-1)
+    group_of_head, k_head_t, group_of_block, head_at, seg_at_t = upload(
+        [
+            np.repeat(np.arange(n.shape[0]), head),
+            k_head,
+            np.repeat(np.arange(n.shape[0]), n),
+            np.repeat(start, head) + k_head,
+            seg_at.reshape(-1),
+        ],
+        dev,
+    )
+    heads = payload_base[group_of_head] + k_head_t
+    last = (payload_base + payload_words - 1)[group_of_block]
+    segs = torch.minimum(
+        seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev), last[:, None]
+    )
+    out = torch.empty(int(size.sum()), dtype=torch.int64, device=dev)
+    out[head_at] = heads
+    out[seg_at_t] = segs.reshape(-1)
     return out
 
 

@@ -35,6 +35,7 @@ from torch.autograd.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.codec import segment_checksums
+from torchrec_lossy.codec.container import upload
 from torchrec_lossy.config import InputDistConfig
 from torchrec_lossy.distributed.dedupe import (
     OutputDedupeMode,
@@ -320,8 +321,8 @@ def payload_checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Te
         return torch.zeros(0, dtype=torch.int64, device=words.device)
     starts = list(itertools.accumulate(seg_words, initial=0))[:-1]
     lengths = [max(n - _CHECK_WORDS, 0) for n in seg_words]
-    table = torch.tensor([starts, lengths], dtype=torch.int64).to(words.device)
-    return segment_checksums(words, table[0], table[1])
+    starts_t, lengths_t = upload([starts, lengths], words.device)
+    return segment_checksums(words, starts_t, lengths_t)
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torchrec_lossy.codec import (
     start_compress_groups,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
-from torchrec_lossy.codec.container import skeleton_words
+from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
@@ -465,17 +465,19 @@ def start_encode(
         # Send sizes on the device: raw parts (known here) plus each codec payload (a peer
         # without codec blocks sends none).
         raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
-        has_codec = [0] * n_peers
-        for g, p in enumerate(peers):
-            has_codec[p] = int(bool(coded[g]))
-        table = torch.tensor([raw_len, has_codec, [0] * n_peers], dtype=torch.int64).to(device)
-        if peers:
-            table[2, peers] = pending.device_sizes
-        device_sizes = table[0] + table[1] * table[2]
+        group_of = {p: g for g, p in enumerate(peers)}
+        (raw_len_t,) = upload([np.array(raw_len, np.int64)], device)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        codec_len = [
+            pending.device_sizes[group_of[p] : group_of[p] + 1]
+            if p in group_of and coded[group_of[p]]
+            else zero
+            for p in range(n_peers)
+        ]
+        device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
         # Size exchange entries: size, then (peers with codec blocks) the payload's skeleton.
         meta_parts, meta_splits = [], []
         skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
-        group_of = {p: g for g, p in enumerate(peers)}
         for p in range(n_peers):
             meta_parts.append(device_sizes[p : p + 1])
             g = group_of.get(p)
