@@ -181,6 +181,8 @@ class LossyAll2AllPooledReq(Function):
                     for d in range(world)
                 ]
         for d, blocks_d in enumerate(blocks):
+            if d == my_rank:  # the self block is counted apart (LossyCommsStats.self_bytes)
+                continue
             for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
@@ -381,7 +383,9 @@ def _receiver_grad_dedupe(
             ]
             for p in range(world)
         ]
-    for bs, specs in zip(blocks, info.layout, strict=True):
+    for p, (bs, specs) in enumerate(zip(blocks, info.layout, strict=True)):
+        if p == my_rank and codec == "lossy":  # the codec path counts the self block apart
+            continue
         for b, s in zip(bs, specs, strict=True):
             stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
     myreq.dense_blocks = None
