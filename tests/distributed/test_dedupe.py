@@ -123,7 +123,8 @@ def _expected_rows(
 ) -> dict[str, tuple[int, int]]:
     """Per table the owner ``rank`` holds: (TorchRec's pooled rows, rows sent under exact
     output dedupe: per source and feature, the distinct bags (ids, and one empty bag) where
-    bags hold <= 1 id and repeat, else the source's batch size)."""
+    bags hold <= 1 id and repeat, else the source's batch size), over the other ranks (the
+    owner's own block skips the wire and is counted apart)."""
     owners = {"t0": [0], "t1": [1], "t2": [0, 1], "t3": [1]}  # _sharder_plan()
     out: dict[str, tuple[int, int]] = {}
     for t in tables:
@@ -131,6 +132,8 @@ def _expected_rows(
             continue
         full = sent = 0
         for src in range(world_size):
+            if src == rank:
+                continue
             jts = _batches(tables, src)[step].to_dict()
             for f in t.feature_names:
                 lens, ids = jts[f].lengths(), jts[f].values()

@@ -315,7 +315,9 @@ class LossyAll2AllPooledWait(Function):
         codec = info.comms.config.backward
         grad_output = grad_output.contiguous()
         if not info.dedupe_grads:  # every row travels (the dedupe path counts its own)
-            for specs in info.layout:
+            for p, specs in enumerate(info.layout):
+                if p == my_rank:  # rows over the wire-crossing peers, as the forward counts
+                    continue
                 for s in specs:
                     rows = s.num_features * b_local
                     info.comms.stats.record_rows("bwd", s.table, rows, rows)
@@ -384,7 +386,7 @@ def _receiver_grad_dedupe(
             for p in range(world)
         ]
     for p, (bs, specs) in enumerate(zip(blocks, info.layout, strict=True)):
-        if p == my_rank and codec == "lossy":  # the codec path counts the self block apart
+        if p == my_rank:  # rows over the wire-crossing peers, as the forward counts them
             continue
         for b, s in zip(bs, specs, strict=True):
             stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
