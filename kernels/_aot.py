@@ -19,7 +19,7 @@ from typing import Any
 
 def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """(kernel, runtime argument types, constexprs, compile options) for every variant used."""
-    from torchrec_lossy.kernels import common, codebook, huffman, quantize, vector_lz
+    from torchrec_lossy.kernels import codebook, common, huffman, quantize, vector_lz
 
     specs: list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
     for op in (common.SCAN_SUM, common.SCAN_MAX):
