@@ -94,7 +94,8 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
     if tables:
         lines.append(
             f"{'table':<10} {'rows':>8} {'shard':<5} {'rank':>4} {'fwd ratio':>9} "
-            f"{'err/bound':>9} {'bound':>8} {'class':<10} {'enc ms':>8} {'dec ms':>8}"
+            f"{'err/bound':>9} {'bound':>8} {'class':<10} {'enc ms':>8} {'dec ms':>8} "
+            f"{'bwd ratio':>9} {'bwd e/b':>8} {'bwd mean err':>12}"
         )
         for name in sorted(tables, key=_natural):
             t = tables[name]
@@ -103,7 +104,11 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
                 f"{_fmt(t.get('fwd_ratio'), '.2f'):>9} "
                 f"{_fmt(t.get('max_error_over_bound'), '.3f'):>9} "
                 f"{_fmt(t.get('bound'), '.4g'):>8} {t.get('class') or '-':<10} "
-                f"{_fmt(_ms(t.get('encode_s')), '.1f'):>8} {_fmt(_ms(t.get('decode_s')), '.1f'):>8}"
+                f"{_fmt(_ms(t.get('encode_s')), '.1f'):>8} "
+                f"{_fmt(_ms(t.get('decode_s')), '.1f'):>8} "
+                f"{_fmt(t.get('bwd_ratio'), '.2f'):>9} "
+                f"{_fmt(t.get('bwd_max_error_over_bound'), '.3f'):>8} "
+                f"{_fmt(t.get('bwd_mean_signed_error'), '.2e'):>12}"
             )
     data = metrics["data"]
     if data.get("malformed_rows"):
@@ -171,6 +176,12 @@ def write_tensorboard(metrics: Mapping[str, Any], logdir: str | Path) -> None:
                     w.add_scalar(f"bound/{name}", t["bound"], step)
             if point.get("fwd_ratio") is not None:
                 w.add_scalar("comms/fwd_ratio", point["fwd_ratio"], step)
+        # Per table at the end of the run: the backward's ratio, error/bound and signed error.
+        last = hist["train_step"][-1] if hist["train_step"] else 0
+        for name, t in metrics.get("tables", {}).items():
+            for key in ("bwd_ratio", "bwd_max_error_over_bound", "bwd_mean_signed_error"):
+                if t.get(key) is not None:
+                    w.add_scalar(f"{key}/{name}", t[key], last)
         w.add_scalar("final/auc", metrics["final"].get("auc") or float("nan"), 0)
         w.add_scalar("final/examples_per_s", metrics["timing"]["examples_per_s"], 0)
 
@@ -248,12 +259,15 @@ def write_png(metrics: Mapping[str, Any], path: str | Path) -> None:
             bs.append(t.get("bound") if t.get("bound") is not None else float("nan"))
         ax_r.plot(xs, rs, color=cmap(k), lw=1, label=name)
         ax_b.plot(xs, bs, color=cmap(k), lw=1, label=name)
+        bwd = metrics.get("tables", {}).get(name, {}).get("bwd_ratio")
+        if bwd and xs:  # the backward's whole-run ratio, at the last step
+            ax_r.scatter([xs[-1]], [bwd], color=cmap(k), marker="x", s=18)
     ax_r.set_yscale("log")
     ax_r.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
     ax_r.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
     ax_r.set_xlabel("step")
     ax_r.set_ylabel("raw / wire bytes (interval)")
-    ax_r.set_title("forward compression ratio per table")
+    ax_r.set_title("compression ratio per table (lines: forward; x: backward, whole run)")
     ax_b.set_xlabel("step")
     ax_b.set_ylabel("relative bound (x decay factor)")
     ax_b.set_title("effective error bound per table")
