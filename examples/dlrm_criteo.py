@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -437,4 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # All work is done and the process group destroyed: skip the interpreter's teardown, where a
+    # C++ worker thread still joinable at static destruction intermittently aborts the process
+    # ("terminate called without an active exception", exit -6) after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
