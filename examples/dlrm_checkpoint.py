@@ -19,7 +19,7 @@ from dlrm_data import Position
 from dlrm_env import DistEnv
 from torch import nn
 
-from torchrec_lossy.distributed import bounds_state, load_bounds_state
+from torchrec_lossy.distributed import bounds_state, check_lossy_decodes, load_bounds_state
 
 __all__ = ["Checkpointer", "simulate_failure"]
 
@@ -130,6 +130,7 @@ class Checkpointer:
         Returns:
             The checkpoint folder.
         """
+        check_lossy_decodes(model)  # never checkpoint past an unreported corrupt payload
         extra = {"step": step, "position": list(position), "bounds": bounds_state(model)}
         return self.save(step, model, optimizer, extra)
 

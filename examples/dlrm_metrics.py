@@ -25,7 +25,7 @@ from dlrm_env import DistEnv, gather_objects
 from torch import nn
 
 from torchrec_lossy.config import LossyPlanConfig
-from torchrec_lossy.distributed import TableCommStats, lossy_modules
+from torchrec_lossy.distributed import TableCommStats, check_lossy_decodes, lossy_modules
 from torchrec_lossy.planner.planner import SHORT_NAMES
 
 if TYPE_CHECKING:
@@ -134,6 +134,7 @@ def evaluate(model: nn.Module, batches: Sequence[Any], env: DistEnv) -> dict[str
             _, (_, logits, y) = model(b.to(env.device))
             probs.append(torch.sigmoid(logits.float()))
             labels.append(y.float())
+    check_lossy_decodes(model)  # device path: the last eval decode's status (no-op on CPU)
     model.train(was_training)
     local_p = torch.cat(probs) if probs else torch.zeros(0, device=env.device)
     local_y = torch.cat(labels) if labels else torch.zeros(0, device=env.device)

@@ -26,6 +26,7 @@ from torchrec_lossy.codec import (
     check_groups,
     compress_groups,
     compress_with_stats,
+    contain_failures,
     decompress,
     decompress_groups,
     host_sync,
@@ -247,7 +248,44 @@ def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyP
     try:
         out = compress_groups(groups, values, CFG, relative=True)
         blocks, status = decompress_groups(out.buffer, out.sizes, skeletons=out.skeletons)
+        failed = contain_failures(status)  # the deferred check: no sync either
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert failed is not None and int(failed.count_nonzero()) == 0
     check_groups(status)
     assert [len(g) for g in blocks] == [len(g) for g in groups]
+
+
+@triton_only
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_contain_failures_zeroes_only_the_failed_group_and_reads_nothing() -> None:
+    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
+    values = [[1e-3] * len(g) for g in groups]
+    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
+    out = compress_groups(groups, values, cfg)
+    bad = out.buffer.clone()
+    bad[out.offsets[0] + out.sizes[0] - 1] ^= 4  # a body bit of group 0: its checksum fails
+    blocks, status = decompress_groups(bad, out.sizes, backend="triton", skeletons=out.skeletons)
+    before = host_sync.host_reads()
+    failed = contain_failures(status)
+    assert host_sync.host_reads() == before  # deferred: nothing read back
+    assert failed is not None and failed.tolist() == [1, 0, 0]
+    # Group 0's blocks (float32, float16 and bfloat16 views of one span) are all zeros.
+    assert len(blocks[0]) == 3 and all(torch.count_nonzero(b) == 0 for b in blocks[0])
+    # Group 2 is untouched: its block within the bound (and its empty block still empty).
+    got, want = blocks[2][0], groups[2][0]
+    assert torch.count_nonzero(got) > 0
+    torch.testing.assert_close(got, want, atol=1e-3 * (1 + 1e-6), rtol=0, equal_nan=True)
+    assert blocks[2][1].shape == (0, 5)
+    with pytest.raises(CodecError, match=r"^payload 0: corrupt payload: checksum mismatch"):
+        check_groups(status)  # the error is postponed, not dropped
+    # A clean decode: all flags zero, nothing zeroed.
+    blocks, status = decompress_groups(
+        out.buffer, out.sizes, backend="triton", skeletons=out.skeletons
+    )
+    failed = contain_failures(status)
+    assert failed is not None and failed.tolist() == [0, 0, 0]
+    # The host path finds its errors at once: nothing to defer.
+    host = compress_groups([[b.cpu() for b in g] for g in groups], values, CFG)
+    _, status = decompress_groups(host.buffer, host.sizes, backend="cpu")
+    assert contain_failures(status) is None

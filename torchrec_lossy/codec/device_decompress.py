@@ -33,6 +33,7 @@ The returned blocks are views into one output buffer (each block contiguous and 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
@@ -50,6 +51,7 @@ from torchrec_lossy.codec.container import (
     segment_checksums,
     skeleton_index,
     skeleton_words,
+    upload,
 )
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
@@ -309,10 +311,11 @@ def _decode_on_device(
     k_huffman: ModuleType,
     k_codebook: ModuleType,
     defer_status: bool = False,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """Launches every stage for all blocks and returns them with the device status codes.
 
-    Unless ``defer_status``, the status is read once here and the first error raised.
+    Unless ``defer_status``, the status is read once here and the first error raised. The
+    blocks are views of the returned int32 output words (block ``i`` at ``col["out_off"][i]``).
     """
     device = payload.device
     lz = col["ref_mode"] >= 0
@@ -450,7 +453,7 @@ def _decode_on_device(
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
         else:
             blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
-    return blocks, codes
+    return blocks, codes, out
 
 
 def status_error(code: int, block: int) -> CodecError:
@@ -514,18 +517,62 @@ def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) ->
     return merged
 
 
+@dataclass
+class DeviceGroups:
+    """What :func:`decompress_groups_device` decoded, with its status left on the device.
+
+    Attributes:
+        blocks: Per payload, its blocks ([] for a rejected one).
+        codes: int32 status per decoded block (0: fine), or None if nothing can fail on the
+            device.
+        block_group: The payload of each entry of ``codes``.
+        rejected: Payloads the layout checks rejected, by index: their host bytes (None in
+            skeleton mode, where the payload itself was not read).
+        group_bad: int32 per payload: 1 where it does not match its skeleton or checksum
+            (skeleton mode), else None.
+        failed: int32 per payload, nonzero where its decode failed on the device (the OR of
+            ``group_bad`` and its blocks' ``codes``), or None if nothing can fail there.
+        out: The int32 output words every decoded block is a view of, or None.
+        spans: Per payload with decoded blocks, its [first, end) words of ``out``.
+    """
+
+    blocks: list[list[torch.Tensor]]
+    codes: torch.Tensor | None
+    block_group: np.ndarray
+    rejected: dict[int, np.ndarray | None]
+    group_bad: torch.Tensor | None
+    failed: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def _failed_groups(
+    n_groups: int,
+    codes: torch.Tensor | None,
+    block_group: np.ndarray,
+    group_bad: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Per payload on the device: nonzero where it failed (no host read)."""
+    if codes is None and group_bad is None:
+        return None
+    failed = (
+        group_bad.clone()
+        if group_bad is not None
+        else torch.zeros(n_groups, dtype=torch.int32, device=device)
+    )
+    if codes is not None:
+        (group_of,) = upload([block_group], device)
+        failed.scatter_reduce_(0, group_of, (codes != 0).to(torch.int32), "amax")
+    return failed
+
+
 def decompress_groups_device(
     buffer: torch.Tensor,
     sizes: list[int],
     max_elements: int,
     skeletons: Sequence[np.ndarray] | None = None,
-) -> tuple[
-    list[list[torch.Tensor]],
-    torch.Tensor | None,
-    np.ndarray,
-    dict[int, np.ndarray | None],
-    torch.Tensor | None,
-]:
+) -> DeviceGroups:
     """Decodes several payloads held back to back in one buffer, all blocks in one pass.
 
     Without ``skeletons``: one host read (the whole buffer, for the layouts). With them (each
@@ -541,11 +588,7 @@ def decompress_groups_device(
         skeletons: Per payload, its announced skeleton (uint32 words), or None.
 
     Returns:
-        (blocks per payload ([] for a rejected one), int32 status per block of the accepted
-        payloads (None if nothing can fail on the device), the payload of each of those blocks,
-        the payloads the layout checks rejected by index (their host bytes; None in skeleton
-        mode, where the payload itself was not read), int32 per payload: 1 where it does not
-        match its skeleton or checksum (skeleton mode; else None)).
+        The blocks and the status, on the device (:class:`DeviceGroups`).
     """
     kernels = _kernels(buffer.device)
     with record_function("## lossy_codec decode ##"):
@@ -576,13 +619,22 @@ def decompress_groups_device(
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
         block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
         if not layouts:
-            return out, None, block_group, rejected, group_bad
-        blocks, codes = _decode_on_device(
-            buffer, merge_layouts(layouts, bases), *kernels, defer_status=True
-        )
+            failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
+            return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
+        merged = merge_layouts(layouts, bases)
+        blocks, codes, words_out = _decode_on_device(buffer, merged, *kernels, defer_status=True)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
-        return out, codes, block_group, rejected, group_bad
+        # Each payload's blocks are consecutive in the merged layout, so in the output words.
+        ends = merged["out_off"] + merged["out_words"]
+        firsts = np.flatnonzero(np.r_[True, block_group[1:] != block_group[:-1]])
+        lasts = np.r_[firsts[1:], block_group.shape[0]] - 1
+        spans = {
+            int(block_group[a]): (int(merged["out_off"][a]), int(ends[b]))
+            for a, b in zip(firsts, lasts, strict=True)
+        }
+        failed = _failed_groups(len(sizes), codes, block_group, group_bad, buffer.device)
+        return DeviceGroups(out, codes, block_group, rejected, group_bad, failed, words_out, spans)
 
 
 def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.ndarray]:

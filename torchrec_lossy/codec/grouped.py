@@ -7,8 +7,9 @@ relative bounds are resolved against each block's finite range on the device.
 :func:`decompress_groups` decodes every source's payload of a received buffer in one pass; on
 the device path it reads the buffer back once for the layouts and leaves the decode status on
 the device (:class:`GroupStatus`); the caller checks it with :func:`check_groups` at a sync
-point of its choosing, before it uses the blocks. Each group's payload is byte-identical to
-:func:`~torchrec_lossy.codec.compress` of its blocks, and decodes with
+point of its choosing, before it uses the blocks, or zeroes the failed groups' blocks on the
+device (:func:`contain_failures`) and reads the flags at a later sync. Each group's payload is
+byte-identical to :func:`~torchrec_lossy.codec.compress` of its blocks, and decodes with
 :func:`~torchrec_lossy.codec.decompress`.
 """
 
@@ -87,6 +88,10 @@ class GroupStatus:
         buffer: The decoded buffer (to read a failing payload back for its message).
         sizes: Bytes of each payload.
         max_elements: The decode's limit.
+        failed: int32 per group on the device, nonzero where its decode failed there (what
+            :func:`contain_failures` returns), or None.
+        out: The device words the decoded blocks are views of, or None.
+        spans: Per group with decoded blocks, its [first, end) words of ``out``.
     """
 
     codes: torch.Tensor | None = None
@@ -96,6 +101,9 @@ class GroupStatus:
     buffer: torch.Tensor | None = None
     sizes: list[int] = field(default_factory=list)
     max_elements: int = DEFAULT_MAX_ELEMENTS
+    failed: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
@@ -286,16 +294,19 @@ def decompress_groups(
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
-        out, codes, block_group, rejected, group_bad = decompress_groups_device(
-            buffer, sizes, max_elements, skeletons
+        got = decompress_groups_device(buffer, sizes, max_elements, skeletons)
+        status.codes, status.block_group, status.group_bad = (
+            got.codes,
+            got.block_group,
+            got.group_bad,
         )
-        status.codes, status.block_group, status.group_bad = codes, block_group, group_bad
         status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
-        for g, part in rejected.items():
+        status.failed, status.out, status.spans = got.failed, got.out, got.spans
+        for g, part in got.rejected.items():
             if part is None:  # the announced skeleton was rejected: read the payload itself
                 part = _payload_bytes(status, g)
             status.rejected[g] = _host_error(part, max_elements)
-        return out, status
+        return got.blocks, status
     out = []
     for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend)):
         if isinstance(got, CodecError):
@@ -319,6 +330,31 @@ def _host_error(part: np.ndarray, max_elements: int) -> str:
     except CodecError as e:
         return str(e)
     return "corrupt payload: it does not match the layout its sender announced"
+
+
+def contain_failures(status: GroupStatus) -> torch.Tensor | None:
+    """Zeroes, on the device, the decoded blocks of every group whose decode failed there.
+
+    The deferred alternative to :func:`check_groups`: nothing is read back, so the blocks can be
+    used at once without a sync, and a corrupt payload's blocks hold zeros, never garbage. The
+    caller must still read the returned flags at a later sync point and, where one is
+    nonzero, report :func:`first_failure` (the error is only postponed, not dropped). Errors
+    already known on the host (``status.rejected``; every error of the host path) are not
+    covered: check those at once, at no cost.
+
+    Args:
+        status: From :func:`decompress_groups`.
+
+    Returns:
+        int32 per group on the device, nonzero where it failed; None if nothing can fail on
+        the device (the host path, or no block decoded there).
+    """
+    if status.failed is None:
+        return None
+    if status.out is not None:
+        for g, (first, end) in status.spans.items():
+            status.out[first:end].masked_fill_(status.failed[g] != 0, 0)
+    return status.failed
 
 
 def check_groups(status: GroupStatus) -> None:

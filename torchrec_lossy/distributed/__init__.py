@@ -11,6 +11,7 @@ from torchrec_lossy.distributed.input_dist import (
 )
 from torchrec_lossy.distributed.model_utils import (
     bounds_state,
+    check_lossy_decodes,
     load_bounds_state,
     lossy_modules,
     lossy_stats,
@@ -57,6 +58,7 @@ __all__ = [
     "TableCommStats",
     "alltoall_pooled_lossy",
     "bounds_state",
+    "check_lossy_decodes",
     "load_bounds_state",
     "lossy_modules",
     "lossy_stats",

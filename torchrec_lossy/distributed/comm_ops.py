@@ -10,9 +10,16 @@ the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_p
    encoder left on the device), then read on the host together with the encoder's pending
    values in one copy: the exchange's one host sync, which also finishes the encode.
 3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
-4. On wait, every payload is decoded in one codec call, its status checked before any block is
-   used (a corrupt payload raises ``LossyAllToAllError`` naming the source rank), and the blocks
-   are put back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
+4. On wait, every payload is decoded in one codec call and the blocks are put back where
+   TorchRec's ``PooledEmbeddingsAllToAll`` would have put them. On the host path a corrupt
+   payload raises ``LossyAllToAllError`` naming the source rank before any block is used. On
+   the device path the decode status is not read there: a failed source's blocks are zeroed
+   on the device and its status rides the next size exchange's read (the backward's for a
+   forward decode: the job stops before that step's gradients are applied; the next forward's
+   for a gradient decode: the failed rows got a zero gradient), so each all-to-all costs ONE
+   host sync per direction. A backward without size exchange (cast or exact) reads the
+   forward's status at its start; ``check_lossy_decodes(model)`` reads whatever is pending
+   (e.g. after the last step).
 
 The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
 As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
@@ -34,7 +41,7 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
-from torchrec_lossy.codec import host_sync
+from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -47,6 +54,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     meta_words,
     peer_blocks,
     place_grad_block,
+    read_checked,
     reduce_grad_block,
     start_encode,
 )
@@ -87,20 +95,23 @@ def _exchange(
     pending: PendingPayloads,
     recv_meta_splits: list[int],
     myreq: _LossyRequest,
+    comms: LossyComms,
 ) -> tuple[torch.Tensor, list[int], dist.Work]:
     """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
 
     Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
-    encoder left; the received entries and the encoder's pending values are then read in ONE
-    device-to-host copy (the exchange's only host sync, ``host_sync.to_host``), after which the
-    payloads exist and are sent. The received skeletons go to ``myreq.recv_skeletons`` (the
-    decode then reads nothing back).
+    encoder left; the received entries, the encoder's pending values and the status of the
+    device decodes still unchecked (``comms.deferred``) are then read in ONE device-to-host copy
+    (the exchange's only host sync, ``read_checked``), after which the payloads exist and are
+    sent. The received skeletons go to ``myreq.recv_skeletons`` (the decode then reads nothing
+    back).
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         pending: From ``start_encode``.
         recv_meta_splits: Words expected from each peer (``meta_words``).
         myreq: The request (its group and device; receives the skeletons).
+        comms: The module's dists' state (its deferred decode checks are read here).
 
     Returns:
         (received bytes, bytes from each peer, the payload exchange's work).
@@ -113,7 +124,8 @@ def _exchange(
             async_op=True,
         ).wait()  # fmt: skip
         k = pending.readback.numel()
-        host = host_sync.to_host(torch.cat([pending.readback, recv_meta]))
+        # The deferred decode status of earlier all-to-alls rides this read too.
+        host = read_checked(comms, torch.cat([pending.readback, recv_meta]))
     payloads = pending.finish(host[:k].tolist())
     at = list(itertools.accumulate(recv_meta_splits, initial=0))
     recv_sizes = [int(host[k + a]) for a in at[:-1]]
@@ -191,7 +203,7 @@ class LossyAll2AllPooledReq(Function):
         )
         myreq.self_blocks = blocks[my_rank]
         recv, recv_sizes, work = _exchange(
-            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq
+            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq, info.comms
         )
         myreq.req = work
         myreq.tensor = recv
@@ -313,6 +325,10 @@ class LossyAll2AllPooledWait(Function):
         b_local, d_global = grad_output.shape
         assert d_global == sum(info.dim_sum_per_rank)
         codec = info.comms.config.backward
+        if codec != "lossy":
+            # No size exchange to ride: the forward's deferred decode status is read here,
+            # before any gradient of this step leaves (no read if nothing is pending).
+            read_checked(info.comms)
         grad_output = grad_output.contiguous()
         if not info.dedupe_grads:  # every row travels (the dedupe path counts its own)
             for p, specs in enumerate(info.layout):
@@ -333,7 +349,7 @@ class LossyAll2AllPooledWait(Function):
             myreq.self_blocks = blocks[my_rank]
             recv, recv_sizes, work = _exchange(
                 "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
-                myreq,
+                myreq, info.comms,
             )  # fmt: skip
             myreq.recv_sizes = recv_sizes
         else:
@@ -396,7 +412,11 @@ def _receiver_grad_dedupe(
         pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
         myreq.self_blocks = blocks[my_rank]
         recv, recv_sizes, work = _exchange(
-            "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank), myreq
+            "bwd",
+            pending,
+            _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
+            myreq,
+            info.comms,
         )
         myreq.recv_sizes = recv_sizes
         return recv, work

@@ -103,6 +103,24 @@ class StaticBounds(nn.Module):
 PayloadHook = Callable[[Direction, int, torch.Tensor], torch.Tensor]
 
 
+class DeferredCheck(Protocol):
+    """A device decode whose status is read at the next host read of the module's dists.
+
+    Attributes:
+        flags: int32 per decoded source on the device, nonzero where its payload failed.
+    """
+
+    flags: torch.Tensor
+
+    def raise_if_failed(self, flags: Sequence[int]) -> None:
+        """Raises the decode's error if any of its flags (read back) is nonzero.
+
+        Args:
+            flags: ``flags`` on the host.
+        """
+        ...
+
+
 @dataclass
 class LossyComms:
     """State one sharded module's compressed dists share (a plain object, not a module).
@@ -116,6 +134,10 @@ class LossyComms:
             and for debugging. None in normal use.
         calls: Encode calls so far per direction (seeds the backward's stochastic rounding).
         warned_exact: (direction, table) pairs already logged for travelling exactly.
+        steps: Training iterations finished, as counted by ``step_lossy_bounds`` (names the
+            step in a deferred decode error); None until it is first called.
+        deferred: Device decodes whose status has not been read yet (the next host read of
+            these dists reads it, or :func:`~torchrec_lossy.distributed.check_lossy_decodes`).
     """
 
     config: LossyCommsConfig
@@ -124,6 +146,17 @@ class LossyComms:
     payload_hook: PayloadHook | None = None
     calls: dict[str, int] = field(default_factory=dict)
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
+    steps: int | None = None
+    deferred: list[DeferredCheck] = field(default_factory=list)
+
+    def take_deferred(self) -> list[DeferredCheck]:
+        """The pending deferred checks, handed over (the list is emptied).
+
+        Returns:
+            The checks, oldest first.
+        """
+        taken, self.deferred = self.deferred, []
+        return taken
 
     def next_call(self, direction: Direction) -> int:
         """Counts one encode call of ``direction``.

@@ -1,7 +1,8 @@
 """Helpers over a whole model (e.g. a ``DistributedModelParallel``) with lossy-sharded EBCs.
 
-A training loop needs four things from the lossy modules it cannot reach through TorchRec's own
-API: find them, read their telemetry, tell their bound providers that an iteration finished, and
+A training loop needs five things from the lossy modules it cannot reach through TorchRec's own
+API: find them, read their telemetry, tell their bound providers that an iteration finished,
+read the decode status the device path leaves for later (:func:`check_lossy_decodes`), and
 save / restore each rank's bound-provider state (it is per rank: each rank measures the blocks
 it sends, so a checkpoint keeps it beside ``torch.distributed.checkpoint``'s files, which keep
 one copy of a replicated buffer). Example::
@@ -9,6 +10,7 @@ one copy of a replicated buffer). Example::
     for batch in loader:
         pipeline.progress(...)
         step_lossy_bounds(model)  # drives AdaptiveBounds' decay and homogenization
+    check_lossy_decodes(model)  # the last step's decode status (device path)
     torch.save({"bounds": bounds_state(model)}, f"rank{rank}.pt")
     ...
     load_bounds_state(model, torch.load(f"rank{rank}.pt", weights_only=True)["bounds"])
@@ -20,11 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchrec_lossy.distributed.pooled_payload import read_checked
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
 
 __all__ = [
     "bounds_state",
+    "check_lossy_decodes",
     "load_bounds_state",
     "lossy_modules",
     "lossy_stats",
@@ -71,7 +75,29 @@ def step_lossy_bounds(model: nn.Module) -> None:
         model: Any module, e.g. a DistributedModelParallel.
     """
     for m in lossy_modules(model).values():
-        m.lossy_comms.bounds.step()
+        comms = m.lossy_comms
+        comms.bounds.step()
+        comms.steps = (comms.steps or 0) + 1
+
+
+def check_lossy_decodes(model: nn.Module) -> None:
+    """Reads the decode status the device path has not read yet, and raises if one failed.
+
+    On the device path (CUDA) a received payload's decode status is read with the next all-to-all
+    of the same module, so that each all-to-all costs one host sync; a payload that failed was
+    zeroed on the device, never used as garbage. Call this where no all-to-all follows: after
+    the last training step, after an evaluation, before a checkpoint. On the host path it
+    reads nothing (errors are raised at once there).
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Raises:
+        LossyAllToAllError: A pending decode failed; the message names the direction, the
+            training step and the source rank.
+    """
+    for m in lossy_modules(model).values():
+        read_checked(m.lossy_comms)
 
 
 def bounds_state(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

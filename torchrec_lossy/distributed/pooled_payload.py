@@ -31,6 +31,8 @@ from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import (
     BlockStats,
+    GroupStatus,
+    contain_failures,
     decompress,
     decompress_groups,
     first_failure,
@@ -534,14 +536,111 @@ def start_encode(
 
 
 def _fail(
-    direction: Direction, my_rank: int, peer: int, specs: Sequence[BlockSpec], why: str
+    direction: Direction,
+    my_rank: int,
+    peer: int,
+    specs: Sequence[BlockSpec],
+    why: str,
+    deferred: str = "",
 ) -> NoReturn:
     tables = ", ".join(sorted({s.table for s in specs})) or "none"
     raise LossyAllToAllError(
         f"lossy all-to-all ({direction}) on rank {my_rank}: the payload from rank {peer} "
-        f"(tables: {tables}) could not be decoded: {why}. The bytes were corrupted in "
+        f"(tables: {tables}) could not be decoded{deferred}: {why}. The bytes were corrupted in "
         "transit or the ranks run different torchrec_lossy versions or sharding plans."
     )
+
+
+# What the zeroed blocks of a deferred failure did, by direction (for the error message).
+_CONTAINED: dict[str, str] = {
+    "fwd": "that step's forward used zeros for its blocks, and this error stops the job before "
+    "any gradient of that step is applied",
+    "bwd": "the rows it carried got a zero gradient in that step (no update for SGD and "
+    "Adagrad-style optimizers; momentum optimizers still apply their momentum), and no "
+    "corrupted value reached the optimizer",
+}
+
+
+@dataclass
+class DeferredDecode:
+    """A device decode of :func:`decode_payloads` whose status is read at a later host read.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        my_rank: The receiving rank.
+        call: The direction's all-to-all call on this module (0-based).
+        step: The training step (``LossyComms.steps``), or None if it is not counted.
+        peers: The source rank of each decoded group.
+        specs_per_peer: Per source rank, the specs of its blocks.
+        status: The decode's status (for the error message).
+        flags: int32 per group on the device, nonzero where it failed.
+    """
+
+    direction: Direction
+    my_rank: int
+    call: int
+    step: int | None
+    peers: list[int]
+    specs_per_peer: Sequence[Sequence[BlockSpec]]
+    status: GroupStatus
+    flags: torch.Tensor
+
+    def raise_if_failed(self, flags: Sequence[int]) -> None:
+        """Raises :class:`LossyAllToAllError` naming the step and source if a flag is set.
+
+        Args:
+            flags: :attr:`flags`, read back.
+        """
+        bad = [g for g, f in enumerate(flags) if f]
+        if not bad:
+            return
+        found = first_failure(self.status)  # a second read, on the error path only
+        g, why = found if found is not None else (bad[0], "the device decode failed")
+        peer = self.peers[g]
+        step = (
+            f"training step {self.step} (0-based)"
+            if self.step is not None
+            else "training step unknown (call step_lossy_bounds(model) once per iteration)"
+        )
+        _fail(
+            self.direction,
+            self.my_rank,
+            peer,
+            self.specs_per_peer[peer],
+            f"CodecError: {why}; {_CONTAINED[self.direction]}",
+            f" in its {self.direction} all-to-all call {self.call}, {step}, found at the next "
+            "host read",
+        )
+
+
+def read_checked(comms: LossyComms, t: torch.Tensor | None = None) -> np.ndarray:
+    """Reads ``t`` to the host in one copy with the flags of every deferred decode of ``comms``.
+
+    The one place the status of a device decode is read: folded into the next host read the
+    dists make anyway (the size exchange), or a read of its own when called with no ``t``
+    (none is made if nothing is pending).
+
+    Args:
+        comms: The module's dists' state (its ``deferred`` checks are taken).
+        t: An int64 tensor to read back as well, or None.
+
+    Returns:
+        ``t`` on the host (empty if None).
+
+    Raises:
+        LossyAllToAllError: A deferred decode failed (the oldest failure is named).
+    """
+    checks = comms.take_deferred()
+    parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
+    if not parts:
+        return np.zeros(0, np.int64)
+    host = host_sync.to_host(torch.cat(parts))
+    at = 0 if t is None else t.numel()
+    for c in checks:
+        n = c.flags.numel()
+        c.raise_if_failed(host[at : at + n].tolist())
+        at += n
+    return host[: 0 if t is None else t.numel()]
 
 
 def decode_payloads(
@@ -557,9 +656,14 @@ def decode_payloads(
 ) -> list[list[torch.Tensor]]:
     """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
 
-    Every peer's codec payload goes through ONE ``decompress_groups`` call; its status is
-    checked (``check_groups``) before any block is returned, so a corrupt payload raises
-    :class:`LossyAllToAllError` naming the source rank and never reaches the caller.
+    Every peer's codec payload goes through ONE ``decompress_groups`` call. On the host path its
+    errors are known at once: a corrupt payload raises :class:`LossyAllToAllError` naming the
+    source rank and never reaches the caller. On the device path the status is NOT read here
+    (that would be a host sync of its own): the blocks of every payload that failed on the device
+    are zeroed there (``contain_failures``), so garbage never reaches the caller, and the status
+    is read with the next host read of these dists (:func:`read_checked`, in the next size
+    exchange: the backward's for a forward decode, the next step's forward for a backward one),
+    which raises the error naming the step and the source rank.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -592,6 +696,7 @@ def decode_payloads(
     start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
         payloads: dict[int, torch.Tensor] = {}
+        raw_lens: dict[int, int] = {}
         codec_parts: list[torch.Tensor] = []
         codec_peers: list[int] = []
         for peer, size in enumerate(recv_sizes):
@@ -609,6 +714,7 @@ def decode_payloads(
                 for s, br in zip(specs, rows, strict=True)
                 if not info.compress[s.table]
             )
+            raw_lens[peer] = raw_len
             n_coded = sum(1 for s in specs if info.compress[s.table])
             size = payload.numel()
             if n_coded == 0 and size != raw_len:
@@ -648,10 +754,28 @@ def decode_payloads(
             backend=comms.config.codec.backend,
             skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
         )
-        failure = first_failure(status)  # the status read: before any block is used
-        if failure is not None:
-            peer = codec_peers[failure[0]]
-            _fail(direction, my_rank, peer, specs_per_peer[peer], f"CodecError: {failure[1]}")
+        flags = contain_failures(status)  # device path: failed groups zeroed, status kept
+        if flags is None or status.rejected:
+            failure = first_failure(status)  # host-known errors: no read on the host path
+            if failure is not None:
+                peer = codec_peers[failure[0]]
+                _fail(direction, my_rank, peer, specs_per_peer[peer], f"CodecError: {failure[1]}")
+        else:
+            for g, peer in enumerate(codec_peers):
+                if raw_lens[peer]:  # the raw blocks of a failed peer are zeroed with its codec ones
+                    payloads[peer][: raw_lens[peer]].masked_fill_(flags[g] != 0, 0)
+            comms.deferred.append(
+                DeferredDecode(
+                    direction,
+                    my_rank,
+                    comms.calls.get(direction, 1) - 1,
+                    comms.steps,
+                    codec_peers,
+                    specs_per_peer,
+                    status,
+                    flags,
+                )
+            )
         by_peer = dict(zip(codec_peers, decoded, strict=True))
         out: list[list[torch.Tensor]] = []
         for peer in range(len(recv_sizes)):
