@@ -67,6 +67,10 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
     variants = {
         "torchrec": EmbeddingBagCollectionSharder(fused_params=fused),
         "default": lossy(),
+        # detach() + attach() after every step, as around an evaluation: the re-attach re-runs
+        # the in-flight batch's input dist into a fresh context, paired with the first run's
+        # tensors; the dedupe state must follow the tensors.
+        "reattach": lossy(),
         "no_output_dedupe": lossy(dedupe_outputs=False),
         "lookup": lossy(dedupe_lookups=True),
     }
@@ -104,6 +108,9 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
                 logits[name].append(pipeline.progress(it).clone())
             except StopIteration:
                 break
+            if name == "reattach":
+                pipeline.detach()
+                pipeline.attach(dmp)
             if stats is not None and len(logits[name]) == 1:
                 # The first call ran batch 0's input dist before the pipeline overrode the
                 # input dists' forwards: count only what ran under the override.
@@ -131,12 +138,12 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
         "steps": len(logits[ref]),
         "logits_eq": {
             n: all(torch.equal(a, b) for a, b in zip(logits[n], logits[ref], strict=True))
-            for n in ("default", "no_output_dedupe")
+            for n in ("default", "reattach", "no_output_dedupe")
         },
         "weights_eq": {
             n: weights[n].keys() == weights[ref].keys()
             and all(torch.equal(weights[n][k], weights[ref][k]) for k in weights[ref])
-            for n in ("default", "no_output_dedupe")
+            for n in ("default", "reattach", "no_output_dedupe")
         },
         "lookup_close": all(
             torch.allclose(a, b, atol=1e-5)
@@ -157,8 +164,9 @@ def test_packed_input_dist_and_output_dedupe_under_train_pipeline(pipeline: str)
         assert all(r["weights_eq"].values()), (rank, r["weights_eq"])
         assert r["lookup_close"], rank
         for name, t in r["telemetry"].items():
-            # The pipeline did override the KJTAllToAll forwards, and the packed codec ran.
-            assert t["overridden"] and all(t["overridden"]), (rank, name, t)
+            # The pipeline did override the KJTAllToAll forwards (the re-attached run ends
+            # detached), and the packed codec ran.
+            assert name == "reattach" or all(t["overridden"]), (rank, name, t)
             raw, wire = t["input"]
             assert 0 < wire < raw / 2, (rank, name, t)
             full, sent = t["rows"]
@@ -166,3 +174,5 @@ def test_packed_input_dist_and_output_dedupe_under_train_pipeline(pipeline: str)
                 assert sent == full > 0, (rank, name, t)
             else:
                 assert 0 < sent < full, (rank, name, t)
+        # Every step of the re-attached run was deduplicated like the plain run's.
+        assert r["telemetry"]["reattach"]["rows"] == r["telemetry"]["default"]["rows"], rank

@@ -19,6 +19,7 @@ first (if any), then the distinct ids in ascending order.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -80,6 +81,39 @@ class Strides(list):
     """
 
     output_dedupe: OutputDedupe | None = None
+
+
+# The batch sizes (with dedupe state) each KJT our input dist decoded came with (weak: a KJT
+# is forgotten with its batch).
+_BATCH_SIZES_OF: weakref.WeakKeyDictionary[object, Strides] = weakref.WeakKeyDictionary()
+
+
+def tag_batch_sizes(features: object, strides: Strides) -> None:
+    """Remembers the batch sizes per rank a decoded KJT belongs to (see :func:`batch_sizes_of`).
+
+    Args:
+        features: The KJT the lossy input dist returned.
+        strides: Its batch sizes per source rank, with the call's dedupe state.
+    """
+    _BATCH_SIZES_OF[features] = strides
+
+
+def batch_sizes_of(features: object) -> Strides | None:
+    """The batch sizes per rank (with dedupe state) the lossy input dist decoded a KJT with.
+
+    The sharded module restores them into the sharding context before its output dist, from
+    the data itself: a train pipeline that re-attaches (``detach()``/``attach()`` around an
+    evaluation) re-runs the in-flight batch's input dist into a fresh context but feeds the
+    forward the tensors of the first run, so the context alone would lose the dedupe state
+    for that batch.
+
+    Args:
+        features: A KJT of the module's ``compute_and_output_dist`` input.
+
+    Returns:
+        Its :class:`Strides`, or None for a KJT our input dist did not decode.
+    """
+    return _BATCH_SIZES_OF.get(features)
 
 
 def output_dedupe_of(batch_size_per_rank: object) -> OutputDedupe | None:

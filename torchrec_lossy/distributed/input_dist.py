@@ -48,7 +48,12 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.dedupe import OutputDedupe, OutputDedupeMode, Strides
+from torchrec_lossy.distributed.dedupe import (
+    OutputDedupe,
+    OutputDedupeMode,
+    Strides,
+    tag_batch_sizes,
+)
 from torchrec_lossy.distributed.kjt_codec import (
     EncodedKJT,
     FeatureMeta,
@@ -246,7 +251,7 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             self._output_dedupe.select = selects
         shares = {k: 1 for k in self._keys}
         self._comms.stats.record_time("input", "decode", shares, time.perf_counter() - start)
-        return KeyedJaggedTensor.dist_init(
+        features = KeyedJaggedTensor.dist_init(
             keys=self._keys,
             tensors=[lengths, values] + ([weights] if weights is not None else []),
             variable_stride_per_key=False,
@@ -255,6 +260,8 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             stride_per_rank=self._stride_per_rank,
             stagger=1,
         )
+        tag_batch_sizes(features, self._stride_per_rank)
+        return features
 
 
 class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):

@@ -19,17 +19,21 @@ import weakref
 import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import (
     CommOp,
+    LazyAwaitable,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.comms import (
@@ -38,6 +42,7 @@ from torchrec_lossy.distributed.comms import (
     LossyComms,
     StaticBounds,
 )
+from torchrec_lossy.distributed.dedupe import batch_sizes_of
 from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
     PooledSharding,
@@ -137,6 +142,28 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingBagCollectionContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        """TorchRec's lookup and output dist, with each sharding's batch sizes from its data.
+
+        The batch sizes per rank (and the output dedupe state riding on them) of every KJT the
+        lossy input dist decoded are put into its sharding context first (:func:`batch_sizes_of`):
+        a train pipeline's re-attach can pair a batch's tensors with a fresh context.
+
+        Args:
+            ctx: The module's context of this batch.
+            input: Per sharding, the local features.
+
+        Returns:
+            As ``ShardedEmbeddingBagCollection.compute_and_output_dist``.
+        """
+        for sharding_ctx, features in zip(ctx.sharding_contexts, input, strict=False):
+            strides = batch_sizes_of(features)
+            if strides is not None:
+                sharding_ctx.batch_size_per_rank = strides
+        return super().compute_and_output_dist(ctx, input)
 
     @property
     def lossy_stats(self) -> LossyCommsStats:
