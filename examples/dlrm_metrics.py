@@ -240,7 +240,7 @@ class CommsMeter:
         return out
 
     def planned_bytes(self) -> dict[str, float]:
-        """Per-step all-to-all bytes over all ranks, from the plan (non-lossy modes).
+        """Per-step all-to-all bytes over all ranks, from the plan (lossy mode: raw only).
 
         Each sharding type has its own pooled all-to-all. Per (sender, destination) pair it
         carries ``batch_size x`` the sender's columns of that type, in the forward as in the
@@ -584,12 +584,15 @@ class RunLog:
                     if name in tables and "raw_bytes" in tables[name]:
                         tables[name].update(b)
             n = max(1, steps_run)
+            # Raw: what TorchRec hands its all-to-all uncompressed, every rank's own block
+            # included (as for the other modes); ours skips the wire, so wire leaves it out.
+            planned = self.meter.planned_bytes()
             comms = {
                 "source": "measured",
-                "fwd_raw_bytes_per_step": sums["fwd"][0] / n,
+                "fwd_raw_bytes_per_step": planned["fwd_raw"],
                 "fwd_wire_bytes_per_step": sums["fwd"][1] / n,
                 "fwd_coded_bytes_per_step": fwd_coded / n,
-                "bwd_raw_bytes_per_step": sums["bwd"][0] / n,
+                "bwd_raw_bytes_per_step": planned["bwd_raw"],
                 "bwd_wire_bytes_per_step": sums["bwd"][1] / n,
                 "input_raw_bytes_per_step": sums["input"][0] / n,
                 "input_wire_bytes_per_step": sums["input"][1] / n,

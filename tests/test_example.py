@@ -137,6 +137,9 @@ def test_torchrun_lossy_synthetic(tmp_path: Path) -> None:
         assert t["fwd_ratio"] > 1
         assert t["max_error_over_bound"] <= 1.0 + 1e-6
         assert t["bound"] == pytest.approx(0.03)
+    # Raw is what TorchRec hands its all-to-all, every rank's own block included: per
+    # all-to-all table (one feature each), its owner sends 2 destinations 32 rows x 16 fp32.
+    assert comms["fwd_raw_bytes_per_step"] == 2 * 32 * 16 * 4 * len(compressed)
     assert 0 <= m["timing"]["codec_time_share"] < 1
     assert m["data"]["oracle_auc"] > 0.7
     assert (tmp_path / "r.png").stat().st_size > 10_000
