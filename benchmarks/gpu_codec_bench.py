@@ -28,13 +28,12 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +46,6 @@ from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 def _fail(msg: str) -> int:
     print(f"gpu_codec_bench: {msg}", file=sys.stderr)
     return 2
-
-
-@contextlib.contextmanager
-def _pipeline_ops(ops: object) -> Iterator[None]:
-    """Runs the pipeline's compress and decompress with ``ops`` in the place of the CPU ops."""
-    from torchrec_lossy.codec import pipeline
-
-    saved = pipeline._OPS["cpu"]
-    pipeline._OPS["cpu"] = ops
-    try:
-        yield
-    finally:
-        pipeline._OPS["cpu"] = saved
 
 
 class _Block:
@@ -268,7 +254,7 @@ def run(
     payloads = {}
     decoded = {}
     for label, ops in all_ops.items():
-        with _pipeline_ops(ops):
+        with pipeline.stage_ops("cpu", ops):
             payloads[label] = pipeline.compress(dev_blocks, bounds, staged)
             decoded[label] = [b.cpu() for b in pipeline.decompress(payloads[label], backend="cpu")]
     (pt, dt), (pc, dc) = ((payloads[k].cpu(), decoded[k]) for k in all_ops)
@@ -304,7 +290,7 @@ def run(
     )
     record("pipeline", "decompress, device-resident", lambda: pipeline.decompress(device_payload))
     for label, ops in all_ops.items():
-        with _pipeline_ops(ops):
+        with pipeline.stage_ops("cpu", ops):
             record(
                 "pipeline",
                 f"compress, {label}",

@@ -26,19 +26,19 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         for t in ("i32", "i64"):
             specs += [
                 (
-                    common._scan_reduce_kernel,
+                    common.scan_reduce_kernel,
                     {"x_ptr": f"*{t}", "part_ptr": f"*{t}", "n": "i32", "identity": t},
                     {"OP": op, "BLOCK": 4096},
                     {},
                 ),
                 (
-                    common._scan_partials_kernel,
+                    common.scan_partials_kernel,
                     {"part_ptr": f"*{t}", "n_parts": "i32"},
                     {"OP": op, "BLOCK": 1024},
                     {"num_warps": 4},
                 ),
                 (
-                    common._scan_apply_kernel,
+                    common.scan_apply_kernel,
                     {
                         "x_ptr": f"*{t}",
                         "part_ptr": f"*{t}",
@@ -65,10 +65,10 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         "elem_off_ptr": "*i64",
     }
     no_fma = {"num_warps": 8, "enable_fp_fusion": False}
-    specs.append((quantize._quantize_kernel, q_sig, {"BLOCK": 4096}, no_fma))
+    specs.append((quantize.JIT_KERNELS["quantize_kernel"], q_sig, {"BLOCK": 4096}, no_fma))
     specs.append(
         (
-            quantize._dequantize_kernel,
+            quantize.JIT_KERNELS["dequantize_kernel"],
             {"sym_ptr": "*i16", "out_ptr": "*fp32", "n": "i32", "step": "fp32", "base": "i32"},
             {"BLOCK": 4096},
             no_fma,
@@ -79,7 +79,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         tile = {"RAW": raw, "BLOCK_R": 64, "BLOCK_D": 32}
         specs += [
             (
-                vector_lz._row_hash_kernel,
+                vector_lz.JIT_KERNELS["row_hash_kernel"],
                 {
                     **rows_2d,
                     "mults_ptr": "*i64",
@@ -94,7 +94,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
                 {},
             ),
             (
-                vector_lz._verify_kernel,
+                vector_lz.JIT_KERNELS["verify_kernel"],
                 {
                     **rows_2d,
                     "order_ptr": "*i64",
@@ -112,13 +112,13 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         ]
     specs += [
         (
-            vector_lz._run_flag_kernel,
+            vector_lz.JIT_KERNELS["run_flag_kernel"],
             {"hash_ptr": "*i64", "out_ptr": "*i32", "rows": "i32"},
             {"BLOCK": 1024},
             {},
         ),
         (
-            vector_lz._assign_kernel,
+            vector_lz.JIT_KERNELS["assign_kernel"],
             {
                 "rep_ptr": "*i32",
                 "first_ptr": "*i32",
@@ -131,7 +131,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
             {},
         ),
         (
-            vector_lz._flagged_len_kernel,
+            vector_lz.JIT_KERNELS["flagged_len_kernel"],
             {
                 "ids_ptr": "*i32",
                 "max_ptr": "*i32",
@@ -147,7 +147,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
     for flagged, per_word in ((True, 34), (False, 7)):
         specs.append(
             (
-                vector_lz._pack_refs_kernel,
+                vector_lz.JIT_KERNELS["pack_refs_kernel"],
                 {
                     "val_ptr": "*i32",
                     "ends_ptr": "*i64",
@@ -164,19 +164,19 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
     chunks = {"stream_ptr": "*i32", "lo_ptr": "*i64", "hi_ptr": "*i64", "tab_ptr": "*i64"}
     specs += [
         (
-            huffman._histogram_tiles_kernel,
+            huffman.JIT_KERNELS["histogram_tiles_kernel"],
             {"sym_ptr": "*i16", "keep_ptr": "*i32", "tile_ptr": "*i64", "hist_ptr": "*i32"},
             {"BLOCK": 4096},
             {"num_warps": 8},
         ),
         (
-            huffman._chunk_words_kernel,
+            huffman.JIT_KERNELS["chunk_words_kernel"],
             {**chunks, "len_ptr": "*i32", "words_ptr": "*i64"},
             {"BLOCK": 1024},
             {},
         ),
         (
-            huffman._place_codes_kernel,
+            huffman.JIT_KERNELS["place_codes_kernel"],
             {
                 **chunks,
                 "len_ptr": "*i32",
@@ -188,7 +188,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
             {},
         ),
         (
-            codebook._code_lengths_kernel,
+            codebook.JIT_KERNELS["code_lengths_kernel"],
             {
                 "m_ptr": "*i64",
                 "weight_ptr": "*i64",
@@ -201,13 +201,13 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
             {"num_warps": 1},
         ),
         (
-            huffman._join_words_kernel,
+            huffman.JIT_KERNELS["join_words_kernel"],
             {"merged_ptr": "*i64", "out_ptr": "*i32", "n_words": "i32"},
             {"BLOCK": 1024},
             {},
         ),
         (
-            huffman._decode_kernel,
+            huffman.JIT_KERNELS["decode_kernel"],
             {
                 "words_ptr": "*i32",
                 "ends_ptr": "*i64",
@@ -225,7 +225,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
             {"num_warps": 1},
         ),
         (
-            huffman._escape_check_kernel,
+            huffman.JIT_KERNELS["escape_check_kernel"],
             {
                 "esc_ptr": "*i32",
                 "rank_ptr": "*i32",
@@ -249,7 +249,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
     per_block = dict.fromkeys
     return [
         (
-            codebook._decode_table_kernel,
+            codebook.JIT_KERNELS["decode_table_kernel"],
             {
                 "words_ptr": "*i32",
                 **per_block(("blocks_ptr", "cb_off_ptr", "lo_ptr", "count_ptr"), i64),
@@ -262,7 +262,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
             {"num_warps": 8},
         ),
         (
-            huffman._decode_blocks_kernel,
+            huffman.JIT_KERNELS["decode_blocks_kernel"],
             {
                 "words_ptr": "*i32",
                 **per_block(("chunk_base_ptr", "sym_base_ptr", "ct_off_ptr", "bs_off_ptr"), i64),
@@ -279,7 +279,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
             {"num_warps": 1},
         ),
         (
-            huffman._escape_check_blocks_kernel,
+            huffman.JIT_KERNELS["escape_check_blocks_kernel"],
             {
                 "esc_ptr": "*i32",
                 "rank_ptr": "*i32",
@@ -294,7 +294,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
             {},
         ),
         (
-            huffman._block_status_kernel,
+            huffman.JIT_KERNELS["block_status_kernel"],
             {
                 "sym_base_ptr": i64,
                 "rank_ptr": "*i32",
@@ -307,7 +307,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
             {},
         ),
         (
-            vector_lz._unpack_refs_blocks_kernel,
+            vector_lz.JIT_KERNELS["unpack_refs_blocks_kernel"],
             {
                 "words_ptr": "*i32",
                 **per_block(("fixed_base_ptr", "fixed_blocks_ptr", "flagged_blocks_ptr"), i64),
@@ -323,7 +323,7 @@ def _decode_specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str,
             {},
         ),
         (
-            quantize._decode_output_kernel,
+            quantize.JIT_KERNELS["decode_output_kernel"],
             {
                 "words_ptr": "*i32",
                 "halves_ptr": "*i16",

@@ -296,3 +296,11 @@ def decode_tables(
             num_warps=8,
         )  # fmt: skip
     return tables
+
+
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``);
+# callers launch them through the functions above.
+JIT_KERNELS = {
+    "code_lengths_kernel": _code_lengths_kernel,
+    "decode_table_kernel": _decode_table_kernel,
+}

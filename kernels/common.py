@@ -72,7 +72,7 @@ def _reduce_block(x, OP: tl.constexpr):
 
 
 @triton.jit
-def _scan_reduce_kernel(x_ptr, part_ptr, n, identity, OP: tl.constexpr, BLOCK: tl.constexpr):
+def scan_reduce_kernel(x_ptr, part_ptr, n, identity, OP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=identity)
@@ -80,7 +80,7 @@ def _scan_reduce_kernel(x_ptr, part_ptr, n, identity, OP: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _scan_partials_kernel(part_ptr, n_parts, OP: tl.constexpr, BLOCK: tl.constexpr):
+def scan_partials_kernel(part_ptr, n_parts, OP: tl.constexpr, BLOCK: tl.constexpr):
     # One program: inclusive scan of the block totals, in place (there are few of them).
     carry = tl.load(part_ptr)  # part[0]: its own inclusive prefix, and a neutral carry
     for start in range(0, n_parts, BLOCK):
@@ -98,9 +98,7 @@ def _scan_partials_kernel(part_ptr, n_parts, OP: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _scan_apply_kernel(
-    x_ptr, part_ptr, out_ptr, n, identity, OP: tl.constexpr, BLOCK: tl.constexpr
-):
+def scan_apply_kernel(x_ptr, part_ptr, out_ptr, n, identity, OP: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -133,11 +131,11 @@ def inclusive_scan(x: torch.Tensor, op: int = SCAN_SUM, block: int = _SCAN_BLOCK
     n_blocks = triton.cdiv(n, block)
     parts = torch.empty(n_blocks, dtype=x.dtype, device=x.device)
     if n_blocks > 1:
-        _scan_reduce_kernel[(n_blocks,)](x, parts, n, identity, OP=op, BLOCK=block)
-        _scan_partials_kernel[(1,)](
+        scan_reduce_kernel[(n_blocks,)](x, parts, n, identity, OP=op, BLOCK=block)
+        scan_partials_kernel[(1,)](
             parts, n_blocks, OP=op, BLOCK=block_for(n_blocks, 1024), num_warps=4
         )
-    _scan_apply_kernel[(n_blocks,)](x, parts, out, n, identity, OP=op, BLOCK=block)
+    scan_apply_kernel[(n_blocks,)](x, parts, out, n, identity, OP=op, BLOCK=block)
     return out
 
 

@@ -731,3 +731,18 @@ def block_status(
             codes, n_blocks, BLOCK=block,
         )  # fmt: skip
     return codes
+
+
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``);
+# callers launch them through the functions above.
+JIT_KERNELS = {
+    "block_status_kernel": _block_status_kernel,
+    "chunk_words_kernel": _chunk_words_kernel,
+    "decode_blocks_kernel": _decode_blocks_kernel,
+    "decode_kernel": _decode_kernel,
+    "escape_check_blocks_kernel": _escape_check_blocks_kernel,
+    "escape_check_kernel": _escape_check_kernel,
+    "histogram_tiles_kernel": _histogram_tiles_kernel,
+    "join_words_kernel": _join_words_kernel,
+    "place_codes_kernel": _place_codes_kernel,
+}

@@ -431,3 +431,12 @@ def decode_outputs(
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
+
+
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``);
+# callers launch them through the functions above.
+JIT_KERNELS = {
+    "decode_output_kernel": _decode_output_kernel,
+    "dequantize_kernel": _dequantize_kernel,
+    "quantize_kernel": _quantize_kernel,
+}

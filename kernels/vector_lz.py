@@ -600,3 +600,16 @@ def unpack_refs_blocks(
             BLOCK=block,
         )  # fmt: skip
     return ids
+
+
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``);
+# callers launch them through the functions above.
+JIT_KERNELS = {
+    "assign_kernel": _assign_kernel,
+    "flagged_len_kernel": _flagged_len_kernel,
+    "pack_refs_kernel": _pack_refs_kernel,
+    "row_hash_kernel": _row_hash_kernel,
+    "run_flag_kernel": _run_flag_kernel,
+    "unpack_refs_blocks_kernel": _unpack_refs_blocks_kernel,
+    "verify_kernel": _verify_kernel,
+}

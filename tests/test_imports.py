@@ -153,8 +153,21 @@ def _resolve(rel: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
 def private_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
-    """``(file, module, name)`` of every private name or private module a file imports.
+    """``(file, module, name)`` of every private name or private module a file imports, and of
+    every private attribute it reads from one of this project's modules (``common._x`` after
+    ``from torchrec_lossy.kernels import common``).
 
     Args:
         rel: The file's path relative to the repository root.
@@ -164,17 +177,38 @@ def private_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
         The imports; ``name`` is ``"*"`` where the module itself is private
         (``from a._b import c``, ``import a._b``).
     """
+    ours = set(_files())
     found: set[tuple[str, str, str]] = set()
-    for node in ast.walk(ast.parse(source, filename=rel)):
+    bound: dict[str, str] = {}  # a local name -> the module of ours it is bound to
+    tree = ast.parse(source, filename=rel)
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             module = _resolve(rel, node)
             if any(_private(p) for p in module.split(".")):
                 found.add((rel, module, "*"))
             found.update((rel, module, a.name) for a in node.names if _private(a.name))
+            for a in node.names:
+                if f"{module}.{a.name}" in ours:
+                    bound[a.asname or a.name] = f"{module}.{a.name}"
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if any(_private(p) for p in a.name.split(".")):
                     found.add((rel, a.name, "*"))
+                if a.name in ours:
+                    bound[a.asname or a.name.split(".")[0]] = (a.asname and a.name) or a.name.split(
+                        "."
+                    )[0]
+    for node in ast.walk(tree):
+        parts = _dotted(node) if isinstance(node, ast.Attribute) else None
+        if not parts or parts[0] not in bound:
+            continue
+        parts = [*bound[parts[0]].split("."), *parts[1:]]
+        for i in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:i])
+            if module in ours:
+                if _private(parts[i]):
+                    found.add((rel, module, parts[i]))
+                break
     return found
 
 
@@ -208,6 +242,10 @@ def test_private_import_scan_sees_every_form() -> None:
         "from . import _aot\n"
         "import torch._dynamo\n"
         "from torchrec_lossy.codec import pipeline\n"
+        "from torchrec_lossy.kernels import common as c\n"
+        "import torchrec_lossy.codec.container\n"
+        "x = pipeline._layout, c.scan_sum, c._scan_kernel[(1,)], torch._C\n"
+        "y = torchrec_lossy.codec.container._pack\n"
     )
     found = {(m, n) for _, m, n in private_imports("kernels/probe.py", source)}
     assert found == {
@@ -215,4 +253,7 @@ def test_private_import_scan_sees_every_form() -> None:
         ("torchrec_lossy.kernels._common", "*"),
         ("torchrec_lossy.kernels", "_aot"),
         ("torch._dynamo", "*"),
+        ("torchrec_lossy.codec.pipeline", "_layout"),
+        ("torchrec_lossy.kernels.common", "_scan_kernel"),
+        ("torchrec_lossy.codec.container", "_pack"),
     }

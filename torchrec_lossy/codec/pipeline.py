@@ -10,9 +10,10 @@ both produce the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -283,6 +284,28 @@ def on_device(device: torch.device, backend: str) -> bool:
     if backend == "triton":
         return True
     return backend == "auto" and device.type == "cuda" and triton_available()
+
+
+@contextlib.contextmanager
+def stage_ops(backend: str, ops: StageOps) -> Iterator[None]:
+    """Runs the host path of ``backend`` with other stage ops for a while (e.g. a benchmark
+    timing device kernels stage by stage through the pipeline).
+
+    Args:
+        backend: ``"cpu"`` or ``"reference"``.
+        ops: The stage ops to use instead.
+
+    Yields:
+        Nothing; the backend's own ops are back on exit.
+    """
+    if backend not in _OPS:
+        raise ValueError(f"stage_ops: backend {backend!r} is not one of {sorted(_OPS)}")
+    saved = _OPS[backend]
+    _OPS[backend] = ops
+    try:
+        yield
+    finally:
+        _OPS[backend] = saved
 
 
 def _ops_for(backend: str) -> StageOps:
