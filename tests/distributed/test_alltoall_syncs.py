@@ -12,6 +12,7 @@ at the next read, naming the direction, the step and the source rank.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +27,12 @@ pytest.importorskip("triton", reason="triton is not installed: the device codec 
 B = 16  # rows per rank
 
 
-def _worker(rank: int, world_size: int) -> dict[str, int]:
-    from torchrec_lossy.codec import CodecConfig, host_sync
+def _device_path_info(world_size: int) -> Any:
+    """Two tables (1 and 2 features) per rank, relative 0.01 both ways, the device codec."""
+    from torchrec_lossy.codec import CodecConfig
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
-    from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_payload import LossyAll2AllPooledInfo, read_checked
+    from torchrec_lossy.distributed.pooled_payload import LossyAll2AllPooledInfo
 
     config = LossyCommsConfig(
         codec=CodecConfig(backend="triton", huffman_chunk_symbols=64),
@@ -40,12 +41,21 @@ def _worker(rank: int, world_size: int) -> dict[str, int]:
     )
     comms = LossyComms(config=config, bounds=StaticBounds(["a", "b"], config))
     layout = [(BlockSpec("a", 0, 1, 4), BlockSpec("b", 4, 2, 2))] * world_size
-    info = LossyAll2AllPooledInfo(
+    return LossyAll2AllPooledInfo(
         batch_size_per_rank=[B] * world_size,
         layout=layout,
         comms=comms,
         compress=comms.compress_flags(["a", "b"]),
     )
+
+
+def _worker(rank: int, world_size: int) -> dict[str, int]:
+    from torchrec_lossy.codec import host_sync
+    from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
+    from torchrec_lossy.distributed.pooled_payload import read_checked
+
+    info = _device_path_info(world_size)
+    comms = info.comms
     torch.manual_seed(rank)
     # Repeated rows (and an all-ones gradient): every block is worth vector-LZ.
     x = torch.randn(1, 8).repeat(B * world_size, 1).requires_grad_()
@@ -88,30 +98,12 @@ def test_one_host_read_per_alltoall_and_direction() -> None:
 
 
 def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
-    from torchrec_lossy.codec import CodecConfig
-    from torchrec_lossy.config import ErrorBound, LossyCommsConfig
-    from torchrec_lossy.distributed import (
-        BlockSpec,
-        LossyAllToAllError,
-        LossyComms,
-        StaticBounds,
-    )
+    from torchrec_lossy.distributed import LossyAllToAllError
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_payload import LossyAll2AllPooledInfo, read_checked
+    from torchrec_lossy.distributed.pooled_payload import read_checked
 
-    config = LossyCommsConfig(
-        codec=CodecConfig(backend="triton", huffman_chunk_symbols=64),
-        default_bound=ErrorBound("relative", 0.01),
-        backward="lossy",
-    )
-    comms = LossyComms(config=config, bounds=StaticBounds(["a", "b"], config))
-    layout = [(BlockSpec("a", 0, 1, 4), BlockSpec("b", 4, 2, 2))] * world_size
-    info = LossyAll2AllPooledInfo(
-        batch_size_per_rank=[B] * world_size,
-        layout=layout,
-        comms=comms,
-        compress=comms.compress_flags(["a", "b"]),
-    )
+    info = _device_path_info(world_size)
+    comms = info.comms
     peer = 1 - rank
 
     def flip(direction: str) -> object:
