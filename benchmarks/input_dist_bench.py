@@ -17,7 +17,7 @@ step (the self-send included, as TorchRec's all-to-alls do):
 
 - backward (gradient of the pooled embeddings): ``none`` fp32; ``fp16`` 2 bytes; ``mx4``
   TorchRec's MX4 backward qcomm size; ``lossy`` the default backward (gradient dedupe, then the
-  codec at relative 0.01 with stochastic rounding) on gradients of :func:`_pooled_grads`.
+  codec at relative 0.01, round to nearest,) on gradients of :func:`_pooled_grads`.
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
 (feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
@@ -128,6 +128,30 @@ def _qcomm_bytes(mode: str, elements_per_chunk: list[int], backward: bool = Fals
     )
 
 
+def _pooled_setup(world: int, dim: int) -> tuple[list[str], list[tuple[BlockSpec, ...]]]:
+    """Table names and each rank's table shards (one feature per table, dealt round-robin)."""
+    names = [f"t{f}" for f in range(NUM_FEATURES)]
+    layout = [
+        tuple(BlockSpec(names[f], 0, 1, dim) for f in range(NUM_FEATURES) if _owner(f, world) == r)
+        for r in range(world)
+    ]
+    return names, layout
+
+
+def _default_info(
+    names: list[str], layout: list[tuple[BlockSpec, ...]], batch: int
+) -> LossyAll2AllPooledInfo:
+    """The pooled all-to-all's state with the default config and fresh telemetry."""
+    config = LossyCommsConfig()
+    comms = LossyComms(config=config, bounds=StaticBounds(names, config))
+    return LossyAll2AllPooledInfo(
+        batch_size_per_rank=[batch] * len(layout),
+        layout=layout,
+        comms=comms,
+        compress=comms.compress_flags(names),
+    )
+
+
 def _output_bytes(
     ids: torch.Tensor, ranks: torch.Tensor, world: int, preset: str, dim: int
 ) -> dict[str, dict[str, float]]:
@@ -142,12 +166,7 @@ def _output_bytes(
     """
     cards = table_cardinalities(preset)
     model = default_value_model(preset)
-    config = LossyCommsConfig()
-    names = [f"t{f}" for f in range(NUM_FEATURES)]
-    layout = [
-        tuple(BlockSpec(names[f], 0, 1, dim) for f in range(NUM_FEATURES) if _owner(f, world) == r)
-        for r in range(world)
-    ]
+    names, layout = _pooled_setup(world, dim)
     batch = ids.shape[0] // world
     chunks = [len(layout[o]) * dim * batch for o in range(world) for _ in range(world)]
     out: dict[str, dict[str, float]] = {
@@ -155,13 +174,8 @@ def _output_bytes(
         **{m: {"bytes": _qcomm_bytes(m, chunks)} for m in QCOMM},
     }
     for variant, dedupe in (("lossy", False), ("lossy+out_dedupe", True)):
-        comms = LossyComms(config=config, bounds=StaticBounds(names, config))
-        info = LossyAll2AllPooledInfo(
-            batch_size_per_rank=[batch] * world,
-            layout=layout,
-            comms=comms,
-            compress=comms.compress_flags(names),
-        )
+        info = _default_info(names, layout, batch)
+        comms = info.comms
         sent_rows = 0
         for o in range(world):
             blocks = []
@@ -209,13 +223,9 @@ def _backward_bytes(
 ) -> dict[str, dict[str, float]]:
     """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
     the default lossy backward (``LossyCommsConfig()``: the gradient dedupe sums each distinct
-    bag's rows, then the codec at relative 0.01 with stochastic rounding), all ranks."""
+    bag's rows, then the codec at relative 0.01, round to nearest), all ranks."""
     grads = _pooled_grads(ids.shape[0], dim, generator)
-    names = [f"t{f}" for f in range(NUM_FEATURES)]
-    layout = [
-        tuple(BlockSpec(names[f], 0, 1, dim) for f in range(NUM_FEATURES) if _owner(f, world) == r)
-        for r in range(world)
-    ]
+    names, layout = _pooled_setup(world, dim)
     batch = ids.shape[0] // world
     # Sender d sends owner o the gradient of o's columns for d's rows.
     chunks = [len(layout[o]) * dim * batch for _ in range(world) for o in range(world)]
@@ -224,16 +234,10 @@ def _backward_bytes(
         "bf16": {"bytes": 2 * sum(chunks)},
         "mx4": {"bytes": _qcomm_bytes("mx4", chunks, backward=True)},
     }
-    config = LossyCommsConfig()
     total = 0
     for d in range(world):
-        comms = LossyComms(config=config, bounds=StaticBounds(names, config))
-        info = LossyAll2AllPooledInfo(
-            batch_size_per_rank=[batch] * world,
-            layout=layout,
-            comms=comms,
-            compress=comms.compress_flags(names),
-        )
+        info = _default_info(names, layout, batch)
+        comms = info.comms
         rows_d = slice(d * batch, (d + 1) * batch)
         blocks = []
         for o in range(world):
