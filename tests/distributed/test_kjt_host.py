@@ -144,12 +144,16 @@ def test_numba_decode_refuses_fields_that_do_not_match_the_metadata() -> None:
         (kjt_host.UNIQUE, 0, 1, 1, 0, 2),  # distinct id 1 in bit 2
         (kjt_host.INVERSE, 0, 2, 1, 0, 32),  # inverse [1, 0] in bits 32..33
     ]
-    feature = (kjt_host.DEDUPED, 0, 1, 0, 2, 0, 1)  # 2 ids, 1 distinct
-    out = kjt_host.unpack(words, [x for s in sections for x in s], list(feature), 1, 2, 1)
-    assert (out.bad_feature, out.why) == (0, kjt_host.BAD_INVERSE)
-    ok = (kjt_host.DEDUPED, 0, 1, 0, 2, 0, 2)  # 2 distinct ids: [1, 0] is in range
+
+    def decode(num_unique: int) -> kjt_host.Decoded:
+        feature = [kjt_host.DEDUPED, 0, 1, 0, 2, 0, num_unique]  # 1 bag, 2 ids
+        flat = [x for s in sections for x in s]
+        return kjt_host.decode(words, [2], False, flat, feature, [], 1, 2, num_unique)
+
+    out = decode(1)
+    assert (out.bad_payload, out.bad_feature, out.why) == (-1, 0, kjt_host.BAD_INVERSE)
     sections[1] = (kjt_host.UNIQUE, 0, 2, 1, 0, 2)  # distinct ids [1, 0] in bits 2..3
-    out = kjt_host.unpack(words, [x for s in sections for x in s], list(ok), 1, 2, 2)
+    out = decode(2)  # [1, 0] is in range
     assert out.bad_feature == -1 and out.lengths.tolist() == [2] and out.values.tolist() == [0, 1]
 
 

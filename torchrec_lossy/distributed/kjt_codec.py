@@ -32,6 +32,7 @@ each a section of fixed-width fields). The tensor work then runs on one of two b
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,13 +113,6 @@ def on_host(device: torch.device, backend: KJTBackend) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Bit packing.
-
-
-def _field_widths(width: int) -> list[int]:
-    """Section widths of a field of ``width``-bit values: none, one, or a low and a high part."""
-    if width == 0:
-        return []
-    return [width] if width <= _WORD_BITS else [_WORD_BITS, width - _WORD_BITS]
 
 
 def _join_field(parts: Sequence[torch.Tensor], count: int, device: torch.device) -> torch.Tensor:
@@ -332,15 +326,20 @@ def _payload(
     ``first_feature`` on)."""
     bit = word0 * _WORD_BITS
     sections: list[_Section] = []
+    n_ids = 0
     for f, m in enumerate(metas, first_feature):
+        n_ids += m.num_ids
         for name, n, w in m.fields(batch):
             if n == 0 or w == 0:
                 continue
-            for part, pw in enumerate(_field_widths(w)):
-                sections.append(_Section(f, name, n, pw, part * _WORD_BITS, bit))
-                bit += n * pw
+            if w <= _WORD_BITS:
+                sections.append(_Section(f, name, n, w, 0, bit))
+            else:  # values over 32 bits travel as a section of low parts, then one of high parts
+                high = bit + n * _WORD_BITS
+                sections.append(_Section(f, name, n, _WORD_BITS, 0, bit))
+                sections.append(_Section(f, name, n, w - _WORD_BITS, _WORD_BITS, high))
+            bit += n * w
     weights_at = -(-bit // _WORD_BITS)
-    n_ids = sum(m.num_ids for m in metas)
     end = weights_at + (_weight_words(n_ids, wire_w) if wire_w is not None else 0)
     return _Payload(sections, weights_at, n_ids, end - word0 + (_CHECK_WORDS if checksum else 0))
 
@@ -589,7 +588,7 @@ def encode_kjt(
     with record_function("## lossy_input encode ##"):
         metas: list[FeatureMeta] = []
         for len_sum, len_max, len_min, id_max, _, uniq in stats:
-            id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
+            id_bits, len_bits = id_max.bit_length(), len_max.bit_length()
             if (
                 output_dedupe == "lookup"
                 and weights is None
@@ -601,7 +600,7 @@ def encode_kjt(
                 # look up and send back each distinct id once.
                 metas.append(FeatureMeta(0, id_bits, True, uniq, uniq, lookup=True))
                 continue
-            inv_bits = _bit_length(uniq - 1) if uniq else 0
+            inv_bits = (uniq - 1).bit_length() if uniq else 0
             # Deduplicate only where distinct ids + inverse index take fewer bits.
             dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
             # Bags of at most one unweighted id that repeat: send back each distinct one once.
@@ -816,22 +815,21 @@ def decode_kjt(
         if p.words != recv_words[src]:
             fail(src, f"{recv_words[src]} words received, {p.words} expected")
         payloads.append(p)
-    if trailer:
-        if host:
-            bad = kjt_host.verify(recv, recv_words)
-        else:
-            # One host read for all sources; the sizes are known to be right by now.
-            ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
-            bad = next((src for src, good in enumerate(ok.tolist()) if not good), -1)
-        if bad >= 0:
-            fail(bad, "its checksum does not match (corrupted in transit)")
+    if trailer and not host:  # the numba path verifies in its one call
+        # One host read for all sources; the sizes are known to be right by now.
+        ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
+        _check_sums(fail, ok.tolist())
 
     len_dtype = _DTYPES[codes[0] & 0xFF] if codes else torch.int64
     val_dtype = _DTYPES[codes[0] >> 8 & 0xFF] if codes else torch.int64
     w_dtype = _DTYPES[codes[0] >> 16 & 0xFF] if codes else None
     assert len_dtype is not None and val_dtype is not None
-    unpack = _unpack_host if host else _unpack_torch
-    lengths, values, selects = unpack(recv, payloads, metas_per_src, batch_per_src, fail)
+    if host:
+        lengths, values, selects = _unpack_host(
+            recv, recv_words, trailer, payloads, metas_per_src, batch_per_src, fail
+        )
+    else:
+        lengths, values, selects = _unpack_torch(recv, payloads, metas_per_src, batch_per_src, fail)
     out_weights = None
     if w_dtype is not None:
         weights: list[torch.Tensor] = []
@@ -851,6 +849,13 @@ class _Fail(Protocol):
     """Raises :func:`decode_kjt`'s error for a source's payload."""
 
     def __call__(self, src: int, why: str) -> NoReturn: ...
+
+
+def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
+    """Fails on the first source whose checksum does not match."""
+    for src, good in enumerate(ok):
+        if not good:
+            fail(src, "its checksum does not match (corrupted in transit)")
 
 
 def _check_bags(fail: _Fail, src: int, first: torch.Tensor, rows: int) -> torch.Tensor:
@@ -954,15 +959,19 @@ def _unpack_torch(
 
 def _unpack_host(
     recv: torch.Tensor,
+    recv_words: Sequence[int],
+    checksum: bool,
     payloads: Sequence[_Payload],
     metas_per_src: Sequence[Sequence[FeatureMeta]],
     batch_per_src: Sequence[int],
     fail: _Fail,
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor | None]]]:
-    """:func:`_unpack_torch` in two compiled calls (``kjt_host.unpack`` and ``first_bags``).
+    """:func:`_unpack_torch` and the checksum check in one compiled call (``kjt_host.decode``).
 
     Args:
         recv: The payloads' words (CPU).
+        recv_words: Words from each source.
+        checksum: The payloads end with a checksum to verify.
         payloads: Each source's layout.
         metas_per_src: Per source, per feature, its format.
         batch_per_src: Batch size of every source.
@@ -980,22 +989,16 @@ def _unpack_host(
     for src, (p, metas, batch) in enumerate(
         zip(payloads, metas_per_src, batch_per_src, strict=True)
     ):
-        # Where each field of each feature goes: lengths, ids (a lookup feature's distinct ids
-        # are its ids), a deduplicated feature's distinct ids, and its inverse index (at its ids).
-        starts: list[dict[str, tuple[int, int]]] = []
+        # Per feature, its first length and id, and where its distinct ids go (a lookup
+        # feature's are its ids); its inverse index goes at its ids.
+        starts: list[tuple[int, int, tuple[int, int]]] = []
         for f, m in enumerate(metas):
             kind = kjt_host.LOOKUP if m.lookup else kjt_host.DEDUPED if m.dedupe else kjt_host.PLAIN
             deduped = kind == kjt_host.DEDUPED
             features += (kind, len_at, batch, val_at, m.num_ids, uniq_at, m.num_unique)
             feature_of.append((src, f))
-            starts.append(
-                {
-                    "lengths": (kjt_host.LENGTHS, len_at),
-                    "ids": (kjt_host.IDS, val_at),
-                    "unique": (kjt_host.UNIQUE, uniq_at) if deduped else (kjt_host.IDS, val_at),
-                    "inverse": (kjt_host.INVERSE, val_at),
-                }
-            )
+            unique_to = (kjt_host.UNIQUE, uniq_at) if deduped else (kjt_host.IDS, val_at)
+            starts.append((len_at, val_at, unique_to))
             if m.out_rows and not m.lookup:
                 # As _unpack_torch: a feature without ids has an (empty) inverse index.
                 by_inv = m.dedupe or not m.num_ids
@@ -1006,8 +1009,19 @@ def _unpack_host(
             val_at += m.num_ids
             uniq_at += m.num_unique if deduped else 0
         for s in p.sections:
-            sections += (*starts[s.feature][s.name], s.count, s.width, s.shift, s.bit)
-    out = kjt_host.unpack(recv, sections, features, len_at, val_at, uniq_at)
+            len_start, val_start, unique_to = starts[s.feature]
+            if s.name == "lengths":
+                sections += (kjt_host.LENGTHS, len_start)
+            elif s.name == "unique":
+                sections += unique_to
+            else:
+                sections += (_ARRAYS[s.name], val_start)
+            sections += (s.count, s.width, s.shift, s.bit)
+    out = kjt_host.decode(
+        recv, recv_words, checksum, sections, features, segments, len_at, val_at, uniq_at
+    )
+    if out.bad_payload >= 0:
+        _check_sums(fail, [src != out.bad_payload for src in range(len(payloads))])
     if out.bad_feature >= 0:
         src, f = feature_of[out.bad_feature]
         why = (
@@ -1017,9 +1031,25 @@ def _unpack_host(
         )
         fail(src, f"feature {f} of the payload: {why}")
     selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
-    if segments:
-        with record_function("## lossy_input dedupe select ##"):
-            firsts = kjt_host.first_bags(segments, out)
-        for (src, f, rows), first in zip(segment_of, firsts, strict=True):
-            selects[src][f] = _check_bags(fail, src, first, rows)
+    for (src, f, rows), first in zip(segment_of, out.first_bags, strict=True):
+        selects[src][f] = _check_bags(fail, src, first, rows)
     return out.lengths, out.values, selects
+
+
+@functools.cache
+def warm_up_host() -> None:
+    """Loads the numba path's kernels now (once per process) by encoding and decoding a tiny KJT.
+
+    Numba's first call in a process costs about 0.1 s even from its on-disk cache (and compiles
+    the kernels on the first run after an install or an edit); the input dist calls this when
+    it is built, so that the cost is not paid by the first training step.
+    """
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([3, 1, 3]), lengths=torch.tensor([1, 1, 1])
+    )
+    # Single-hot with a repeat: the deduplication sort, packing, checksums, the first bags.
+    enc = encode_kjt(kjt, [1], InputDistConfig(), "exact", backend="numba")
+    row = parse_meta(enc.meta.tolist(), 1)
+    decode_kjt(
+        enc.send, enc.send_words, [row.features], [row.batch], [row.codes], ["f"], 0, "numba"
+    )

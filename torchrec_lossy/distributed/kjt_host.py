@@ -9,9 +9,9 @@ tensors are those of its torch path (the device path and the test oracle):
   distinct ids in ascending order with the inverse index (one radix sort of all ids by
   (feature, id, position), the order of ``dedupe.segment_sort``).
 - :func:`pack` (sender): packs the sections, copies the weights' bytes, writes the checksums.
-- :func:`verify`, :func:`unpack` and :func:`first_bags` (receiver): check the checksums, unpack
-  and expand the ids, and find the first bag of each distinct bag of the exact output dedupe
-  (``dedupe.first_bags`` from an inverse index, ``dedupe.distinct_bags`` by the sort otherwise).
+- :func:`decode` (receiver): checks the checksums, unpacks and expands the ids, and finds the
+  first bag of each distinct bag of the exact output dedupe (``dedupe.first_bags`` from an
+  inverse index, ``dedupe.distinct_bags`` by the sort otherwise).
 
 Sections are rows of an int64 table (:data:`SECTION_COLUMNS`): ``count`` fields of ``width``
 bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one array.
@@ -44,7 +44,7 @@ BY_INVERSE = 0
 BY_SORT = 1
 SEGMENT_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "num_unique")
 
-# Why :func:`unpack` refused a feature.
+# Why :func:`decode` refused a feature.
 BAD_LENGTHS = 1  # its lengths do not sum to its ids
 BAD_INVERSE = 2  # its inverse index points past its distinct ids
 
@@ -276,11 +276,6 @@ def _pack_kernel(
 
 
 @numba.njit(cache=True, nogil=True)
-def _verify_kernel(words: np.ndarray, ends: np.ndarray) -> int:
-    return _sign(words, ends, False)
-
-
-@numba.njit(cache=True, nogil=True)
 def _unpack_kernel(
     words: np.ndarray,
     sections: np.ndarray,
@@ -335,7 +330,7 @@ def _first_bags_kernel(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per segment, the first bag of each distinct bag (see :func:`first_bags`).
 
-    Every segment's lengths must sum to its ids (:func:`unpack` checks it).
+    Every segment's lengths must sum to its ids (:func:`_unpack_kernel` checks it).
 
     Returns:
         Every segment's first bags, back to back, and the number of each segment's.
@@ -401,6 +396,38 @@ def _first_bags_kernel(
             first[at + j] = first[out_start[g] + j]
         at += rows[g]
     return first[:at], rows
+
+
+@numba.njit(cache=True, nogil=True)
+def _decode_kernel(
+    words: np.ndarray,
+    ends: np.ndarray,
+    checksum: bool,
+    sections: np.ndarray,
+    features: np.ndarray,
+    segments: np.ndarray,
+    lengths: np.ndarray,
+    values: np.ndarray,
+    uniques: np.ndarray,
+    inverse: np.ndarray,
+) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+    """Verifies the checksums, unpacks, and finds the exact output dedupe's first bags.
+
+    Returns:
+        The first payload whose checksum does not match (or -1); the first feature row that does
+        not match its format (or -1) and why; then, if both are -1, the first bags and their
+        counts (:func:`_first_bags_kernel`), else empty arrays.
+    """
+    none = np.zeros(0, np.int64)
+    if checksum:
+        bad = _sign(words, ends, False)
+        if bad >= 0:
+            return bad, -1, 0, none, none
+    row, why = _unpack_kernel(words, sections, features, lengths, values, uniques, inverse)
+    if row >= 0:
+        return -1, row, why, none, none
+    first, counts = _first_bags_kernel(segments, lengths, values, inverse)
+    return -1, -1, 0, first, counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,104 +545,84 @@ def pack(
     return torch.from_numpy(out.view(np.int32))
 
 
-def _words(recv: torch.Tensor) -> np.ndarray:
-    return recv.contiguous().numpy().view(np.uint32)
-
-
-def verify(recv: torch.Tensor, recv_words: Sequence[int]) -> int:
-    """The first payload whose trailing checksum does not match, or -1.
-
-    Args:
-        recv: int32 words, payloads back to back (each of at least two words).
-        recv_words: Words of each payload.
-
-    Returns:
-        Index of the first corrupt payload, -1 if none.
-    """
-    return _verify_kernel(_words(recv), np.cumsum(np.asarray(recv_words, np.int64)))
-
-
-class Unpacked(NamedTuple):
-    """What :func:`unpack` returns.
+class Decoded(NamedTuple):
+    """What :func:`decode` returns.
 
     Attributes:
         lengths: int64 bag lengths of every feature.
         values: int64 ids of every feature.
-        inverse: int64, at the ids of deduplicated features their inverse index.
-        bad_feature: The first feature row that does not match its format, or -1.
+        first_bags: Per segment of the exact output dedupe, the first bag of each distinct bag
+            (int64, views of one buffer).
+        bad_payload: The first payload whose checksum does not match (nothing else was done),
+            or -1.
+        bad_feature: The first feature row that does not match its format (the outputs are then
+            incomplete), or -1.
         why: Then :data:`BAD_LENGTHS` or :data:`BAD_INVERSE`.
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
-    inverse: torch.Tensor
+    first_bags: list[torch.Tensor]
+    bad_payload: int
     bad_feature: int
     why: int
 
 
-def unpack(
+def decode(
     recv: torch.Tensor,
+    recv_words: Sequence[int],
+    checksum: bool,
     sections: Sequence[int],
     features: Sequence[int],
+    segments: Sequence[int],
     num_lengths: int,
     num_ids: int,
     num_unique: int,
-) -> Unpacked:
-    """Unpacks every section (``kjt_codec.unpack_bits``) and completes each feature's ids.
+) -> Decoded:
+    """Decodes the received payloads in one compiled call: verifies the checksums, unpacks every
+    section (``kjt_codec.unpack_bits``), completes each feature's ids, and finds the first bag
+    of each distinct bag of the exact output dedupe.
+
+    The first bags of :data:`BY_INVERSE` segments (ids deduplicated on the wire) follow
+    ``dedupe.first_bags`` (rows from the inverse index), of :data:`BY_SORT` ones
+    ``dedupe.distinct_bags`` (the order of the bag keys); both give the empty bag first (if
+    any), then the distinct ids ascending.
 
     Args:
-        recv: int32 words of the payloads.
+        recv: int32 words of the payloads, back to back.
+        recv_words: Words of each payload (each ends with its checksum if ``checksum``).
+        checksum: Verify the payloads' checksums first.
         sections: Rows of :data:`SECTION_COLUMNS`, flat: ``array`` is the output
             (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`, :data:`INVERSE`; the inverse index
             lies at its ids' positions), ``start`` an element of it.
         features: Rows of :data:`FEATURE_COLUMNS`, flat (``kind`` :data:`PLAIN`,
             :data:`DEDUPED` or :data:`LOOKUP`).
+        segments: Rows of :data:`SEGMENT_COLUMNS`, flat.
         num_lengths: Lengths of all features.
         num_ids: Ids of all features.
         num_unique: Distinct ids of the deduplicated features.
 
     Returns:
-        The lengths, ids and inverse index, and the first feature that does not match its
-        format (the outputs are then incomplete).
+        The lengths, ids and first bags, or where the payloads do not match their metadata.
     """
     lengths = np.zeros(num_lengths, np.int64)
     values = np.zeros(num_ids, np.int64)
-    inverse = np.zeros(num_ids, np.int64)
-    bad, why = _unpack_kernel(
-        _words(recv),
+    bad_payload, bad_feature, why, first, counts = _decode_kernel(
+        recv.contiguous().numpy().view(np.uint32),
+        np.cumsum(np.asarray(recv_words, np.int64)),
+        checksum,
         np.array(sections, np.int64).reshape(-1, len(SECTION_COLUMNS)),
         np.array(features, np.int64).reshape(-1, len(FEATURE_COLUMNS)),
+        np.array(segments, np.int64).reshape(-1, len(SEGMENT_COLUMNS)),
         lengths,
         values,
         np.zeros(num_unique, np.int64),
-        inverse,
+        np.zeros(num_ids, np.int64),
     )
-    return Unpacked(
-        torch.from_numpy(lengths), torch.from_numpy(values), torch.from_numpy(inverse), bad, why
+    firsts = list(torch.from_numpy(first).split(counts.tolist())) if counts.shape[0] else []
+    return Decoded(
+        torch.from_numpy(lengths), torch.from_numpy(values), firsts, bad_payload, bad_feature, why
     )
-
-
-def first_bags(segments: Sequence[int], unpacked: Unpacked) -> list[torch.Tensor]:
-    """Per segment of the exact output dedupe, the first bag of each distinct bag.
-
-    :data:`BY_INVERSE` segments (ids deduplicated on the wire) take ``dedupe.first_bags``'s
-    rows from the inverse index, :data:`BY_SORT` ones ``dedupe.distinct_bags``' order of the
-    bag keys; both give the empty bag first (if any), then the distinct ids ascending.
-
-    Args:
-        segments: Rows of :data:`SEGMENT_COLUMNS`, flat.
-        unpacked: What :func:`unpack` returned (with every feature complete).
-
-    Returns:
-        Per segment its first bags (int64, views of one buffer), one per distinct bag.
-    """
-    first, rows = _first_bags_kernel(
-        np.array(segments, np.int64).reshape(-1, len(SEGMENT_COLUMNS)),
-        unpacked.lengths.numpy(),
-        unpacked.values.numpy(),
-        unpacked.inverse.numpy(),
-    )
-    return list(torch.from_numpy(first).split(rows.tolist()))
 
 
 __all__ = [
@@ -631,11 +638,9 @@ __all__ = [
     "SECTION_COLUMNS",
     "SEGMENT_COLUMNS",
     "UNIQUE",
+    "Decoded",
     "HostStats",
-    "Unpacked",
+    "decode",
     "feature_stats",
-    "first_bags",
     "pack",
-    "unpack",
-    "verify",
 ]
