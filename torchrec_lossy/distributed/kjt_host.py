@@ -80,11 +80,10 @@ def _segment_order(keys: np.ndarray, seg_start: np.ndarray) -> tuple[np.ndarray,
     """
     n = keys.shape[0]
     nseg = seg_start.shape[0] - 1
-    lo = keys.min()
-    span = np.uint64(0)
-    for i in range(n):
-        span = max(span, np.uint64(keys[i]) - np.uint64(lo))  # wraps: exact for any range
-    key_bits = _bit_length(span)
+    lo, hi = keys[0], keys[0]
+    for i in range(1, n):
+        lo, hi = min(lo, keys[i]), max(hi, keys[i])
+    key_bits = _bit_length(np.uint64(hi) - np.uint64(lo))  # wraps: exact for any range
     pos_bits = _bit_length(np.uint64(n - 1))
     sort_bits = key_bits + _bit_length(np.uint64(nseg - 1))
     order = np.empty(n, np.int64)
@@ -328,7 +327,7 @@ def _unpack_kernel(
 def _first_bags_kernel(
     segments: np.ndarray, lengths: np.ndarray, values: np.ndarray, inverse: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment, the first bag of each distinct bag (see :func:`first_bags`).
+    """Per segment, the first bag of each distinct bag (see :func:`decode`).
 
     Every segment's lengths must sum to its ids (:func:`_unpack_kernel` checks it).
 
