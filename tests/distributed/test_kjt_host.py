@@ -55,6 +55,8 @@ def _random_kjt(
         rows = min(rows, 2**31 - 1)
     # Skewed toward 0, so that ids repeat and deduplication pays.
     values = (torch.rand(n, generator=g, dtype=torch.float64) ** 3 * rows).long()
+    if case == "multi_hot":  # a strided view, as a KJT may hold
+        values = values.repeat_interleave(2)[::2]
     weights = torch.randn(n, generator=g) if weighted else None
     return KeyedJaggedTensor(
         keys=[f"f{i}" for i in range(num_features)],

@@ -467,7 +467,8 @@ def feature_stats(
     Raises:
         ValueError: If the lengths are not ``F * batch`` or do not sum to the number of ids.
     """
-    lens, ids = lengths.numpy(), values.numpy()
+    # Contiguous: a strided array would make numba compile another specialization.
+    lens, ids = lengths.contiguous().numpy(), values.contiguous().numpy()
     if lens.shape[0] != num_features * batch:
         raise ValueError(
             f"lossy input dist: the KJT has {lens.shape[0]} lengths for {num_features} features "
@@ -531,8 +532,8 @@ def pack(
     _pack_kernel(
         out,
         np.array(sections, np.int64).reshape(-1, len(SECTION_COLUMNS)),
-        lengths.numpy(),
-        values.numpy(),
+        lengths.contiguous().numpy(),
+        values.contiguous().numpy(),
         uniques.numpy(),
         inverse.numpy(),
         out.view(np.uint8),
