@@ -321,9 +321,19 @@ def _payload(
     checksum: bool,
     first_feature: int = 0,
 ) -> _Payload:
-    """Lays out one payload starting at word ``word0``: each feature's fields, packed back to
-    back, then the weights, then the checksum (sections number the features from
-    ``first_feature`` on)."""
+    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
+
+    Args:
+        metas: The payload's features.
+        batch: Its sender's batch size.
+        word0: Its first word in the buffer of all payloads.
+        wire_w: dtype of its weights on the wire (None: unweighted).
+        checksum: It ends with a checksum.
+        first_feature: Index the sections give the first feature.
+
+    Returns:
+        Its sections, where its weights start, its ids and its words.
+    """
     bit = word0 * _WORD_BITS
     sections: list[_Section] = []
     n_ids = 0
@@ -852,14 +862,29 @@ class _Fail(Protocol):
 
 
 def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
-    """Fails on the first source whose checksum does not match."""
+    """Fails on the first source whose checksum does not match.
+
+    Args:
+        fail: Raises the decode's error.
+        ok: Per source, whether its checksum matches.
+    """
     for src, good in enumerate(ok):
         if not good:
             fail(src, "its checksum does not match (corrupted in transit)")
 
 
 def _check_bags(fail: _Fail, src: int, first: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first bags of a feature of the exact output dedupe, if one per row sent back."""
+    """The first bags of a feature of the exact output dedupe, if one per row sent back.
+
+    Args:
+        fail: Raises the decode's error.
+        src: The feature's source.
+        first: Its first bag of each distinct bag.
+        rows: Rows the metadata says go back to the source.
+
+    Returns:
+        ``first``.
+    """
     if first.numel() != rows:
         fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
     return first

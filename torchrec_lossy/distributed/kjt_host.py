@@ -58,6 +58,7 @@ _MASK32 = 0xFFFFFFFF
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bit_length(x: np.uint64) -> int:
+    """Bits of ``x`` (0 for 0), as ``int.bit_length``."""
     n = 0
     while n < 64 and (x >> np.uint64(n)) != 0:
         n += 1
@@ -180,6 +181,15 @@ def _stats_kernel(
 ) -> int:
     """Fills ``stats`` ``[F, 6]`` (length sum, max, min; id max, min; distinct ids).
 
+    Args:
+        lengths: int64 ``[F * batch]``.
+        values: int64 ids.
+        batch: Bags per feature.
+        dedupe: Also find each feature's distinct ids (:func:`_distinct`).
+        stats: Out, zeroed.
+        uniques: Out, ``[ids]``: the features' distinct ids, back to back.
+        inverse: Out, ``[ids]``: per id, the index of its distinct id in its feature.
+
     Returns:
         Distinct ids written to ``uniques`` (0 without ``dedupe``, or where a length or an id is
         negative: the caller refuses the KJT), or -1 if the lengths do not sum to the ids.
@@ -220,8 +230,17 @@ def _stats_kernel(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _sign(words: np.ndarray, ends: np.ndarray, write: bool) -> int:
-    """Writes (``write``) or verifies each payload's trailing checksum (``format.checksum_words``
-    over its words but the last two); returns the first mismatching payload or -1."""
+    """Writes or verifies each payload's trailing checksum (``format.checksum_words`` over its
+    words but the last two, then its low and high 32 bits).
+
+    Args:
+        words: uint32 words of the payloads, back to back.
+        ends: int64 end word of each payload (each of at least two words).
+        write: Write the checksums (else compare with the stored ones).
+
+    Returns:
+        The first payload whose stored checksum does not match, or -1.
+    """
     start = 0
     for p in range(ends.shape[0]):
         end = ends[p]
@@ -250,7 +269,22 @@ def _pack_kernel(
     ends: np.ndarray,
     checksum: bool,
 ) -> None:
-    """Packs every section into the zeroed ``out``, copies the weights, writes the checksums."""
+    """Packs every section into the zeroed ``out``, copies the weights, writes the checksums.
+
+    Args:
+        out: uint32 words of all payloads, zeroed.
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`).
+        lengths: int64 bag lengths (array :data:`LENGTHS`).
+        values: int64 ids (:data:`IDS`).
+        uniques: int64 distinct ids (:data:`UNIQUE`).
+        inverse: int64 inverse index (:data:`INVERSE`).
+        out_bytes: ``out`` as bytes.
+        weight_bytes: The weights' bytes in their wire dtype.
+        weight_slots: ``[P, 3]``: per payload with weights, its first weight byte in
+            ``out_bytes``, its first byte in ``weight_bytes``, its bytes.
+        ends: int64 end word of each payload.
+        checksum: Write each payload's checksum into its last two words.
+    """
     for s in range(sections.shape[0]):
         array, start, count, width, shift, bit = sections[s]
         src = (lengths, values, uniques, inverse)[array]
@@ -285,6 +319,15 @@ def _unpack_kernel(
     inverse: np.ndarray,
 ) -> tuple[int, int]:
     """Unpacks every section into the zeroed outputs, then completes each feature's ids.
+
+    Args:
+        words: uint32 words of the payloads.
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``array`` naming the output.
+        features: ``[F, 7]`` (:data:`FEATURE_COLUMNS`).
+        lengths: Out (:data:`LENGTHS`).
+        values: Out (:data:`IDS`).
+        uniques: Out, scratch (:data:`UNIQUE`).
+        inverse: Out (:data:`INVERSE`, at the ids' positions).
 
     Returns:
         (-1, 0), or the first feature row whose lengths do not sum to its ids (reason
@@ -330,6 +373,12 @@ def _first_bags_kernel(
     """Per segment, the first bag of each distinct bag (see :func:`decode`).
 
     Every segment's lengths must sum to its ids (:func:`_unpack_kernel` checks it).
+
+    Args:
+        segments: ``[G, 6]`` (:data:`SEGMENT_COLUMNS`).
+        lengths: int64 bag lengths of every feature.
+        values: int64 ids of every feature.
+        inverse: int64 inverse index at the ids of deduplicated features.
 
     Returns:
         Every segment's first bags, back to back, and the number of each segment's.
@@ -411,6 +460,18 @@ def _decode_kernel(
     inverse: np.ndarray,
 ) -> tuple[int, int, int, np.ndarray, np.ndarray]:
     """Verifies the checksums, unpacks, and finds the exact output dedupe's first bags.
+
+    Args:
+        words: uint32 words of the payloads.
+        ends: int64 end word of each payload.
+        checksum: Verify the payloads' checksums first.
+        sections: As :func:`_unpack_kernel`.
+        features: As :func:`_unpack_kernel`.
+        segments: As :func:`_first_bags_kernel`.
+        lengths: Out, zeroed.
+        values: Out, zeroed.
+        uniques: Scratch, zeroed.
+        inverse: Scratch, zeroed.
 
     Returns:
         The first payload whose checksum does not match (or -1); the first feature row that does
