@@ -61,6 +61,7 @@ from torchrec_lossy.distributed.kjt_codec import (
     encode_kjt,
     meta_words,
     parse_meta,
+    warm_up_host,
 )
 from torchrec_lossy.distributed.stats import LossyCommsStats
 
@@ -395,6 +396,8 @@ class LossyKJTAllToAll(KJTAllToAll):
         super().__init__(pg, list(splits))
         self._comms = comms
         self._output_dedupe: OutputDedupeMode = output_dedupe
+        if dist.get_backend(pg) == "gloo":  # CPU tensors: the codec's compiled path, load it now
+            warm_up_host()
 
     def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
         """Sends each rank its features, packed (see :meth:`packed`).

@@ -18,18 +18,27 @@ exchange and records the bytes); every function runs where the KJT lives, CPU or
 - Checksum words (:func:`payload_checksums`): each payload ends with a position-weighted int64
   checksum the receiver verifies (``InputDistConfig.checksum``).
 
-Packing uses vectorized torch ops only (``index_add_`` of shifted 32-bit fields into int64
-accumulators): nothing is staged through host memory except the per-feature statistics and the
-metadata.
+Both ends lay out each payload alike from the metadata (``_payload``: per feature its fields,
+each a section of fixed-width fields). The tensor work then runs on one of two backends
+(:data:`KJTBackend`, chosen per call from the tensors' device), with the same words and tensors:
+
+- torch (the device path and the test oracle): vectorized torch ops only (``index_add_`` of
+  shifted 32-bit fields into int64 accumulators); nothing is staged through host memory except
+  the per-feature statistics and the metadata.
+- numba (CPU tensors): :mod:`torchrec_lossy.distributed.kjt_host` does the statistics and
+  deduplication sort, the packing and the checksums in a few compiled calls, where tens of
+  small torch ops per call would cost more than the work itself.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NoReturn
+from typing import Literal, NamedTuple, NoReturn, Protocol
 
+import numpy as np
 import torch
 from torch.autograd.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -37,6 +46,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy.codec import segment_checksums
 from torchrec_lossy.codec.container import upload
 from torchrec_lossy.config import InputDistConfig
+from torchrec_lossy.distributed import kjt_host
 from torchrec_lossy.distributed.dedupe import (
     OutputDedupeMode,
     bag_inverse,
@@ -64,28 +74,49 @@ _DTYPES: tuple[torch.dtype | None, ...] = (
 )
 _CODES: dict[torch.dtype | None, int] = {d: i for i, d in enumerate(_DTYPES)}
 _WEIGHT_CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The compiled path's array of each field (kjt_host's section tables).
+_ARRAYS = {
+    "lengths": kjt_host.LENGTHS,
+    "ids": kjt_host.IDS,
+    "unique": kjt_host.UNIQUE,
+    "inverse": kjt_host.INVERSE,
+}
+
+KJTBackend = Literal["auto", "torch", "numba"]
+"""Who does the KJT codec's tensor work: ``"torch"`` (tensor ops on the KJT's device: the device
+path and the test oracle), ``"numba"`` (the compiled CPU path of
+:mod:`~torchrec_lossy.distributed.kjt_host`, CPU tensors only) or ``"auto"`` (numba for CPU
+tensors, torch otherwise). The words and tensors are the same either way."""
+
+
+def on_host(device: torch.device, backend: KJTBackend) -> bool:
+    """Whether the KJT codec runs compiled on the host for tensors on ``device``.
+
+    Args:
+        device: Where the KJT (encode) or the received words (decode) live.
+        backend: See :data:`KJTBackend`.
+
+    Returns:
+        True for the numba path.
+
+    Raises:
+        ValueError: If ``backend`` is unknown, or ``"numba"`` for tensors off the CPU.
+    """
+    if backend not in ("auto", "torch", "numba"):
+        raise ValueError(f"KJT codec backend {backend!r}: use 'auto', 'torch' or 'numba'")
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError(
+            f"KJT codec backend 'numba' runs on CPU tensors, these are on {device}; use 'auto'"
+        )
+    return backend == "numba" or (backend == "auto" and device.type == "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
 # Bit packing.
 
 
-def _field_widths(width: int) -> list[int]:
-    """Section widths of a field of ``width``-bit values: none, one, or a low and a high part."""
-    if width == 0:
-        return []
-    return [width] if width <= _WORD_BITS else [_WORD_BITS, width - _WORD_BITS]
-
-
-def _field_parts(v: torch.Tensor, width: int) -> list[torch.Tensor]:
-    """The sections of one field: values of up to 64 bits travel as two <=32-bit parts."""
-    if width == 0:
-        return []
-    return [v] if width <= _WORD_BITS else [v & _MASK32, v >> _WORD_BITS]
-
-
 def _join_field(parts: Sequence[torch.Tensor], count: int, device: torch.device) -> torch.Tensor:
-    """Inverse of :func:`_field_parts`."""
+    """Joins a field's sections (low part, then the high part of values over 32 bits)."""
     if not parts:
         return torch.zeros(count, dtype=torch.int64, device=device)
     if len(parts) == 1:
@@ -252,6 +283,75 @@ class FeatureMeta:
 
 def _weight_words(num: int, dtype: torch.dtype) -> int:
     return -(-num * torch.empty(0, dtype=dtype).element_size() // 4)
+
+
+class _Section(NamedTuple):
+    """``count`` fields of ``width`` bits from bit ``bit`` on: one field of a feature, or the low
+    or high part (``shift`` 0 or 32) of a field of values over 32 bits."""
+
+    feature: int
+    name: str
+    count: int
+    width: int
+    shift: int
+    bit: int
+
+
+class _Payload(NamedTuple):
+    """The layout of one payload (sender and receiver build it alike from the metadata).
+
+    Attributes:
+        sections: Its packed sections in wire order.
+        weights_at: Its first word of weights (the word after the packed bits).
+        num_ids: Ids of its features.
+        words: Its words: packed bits, weights, checksum.
+    """
+
+    sections: list[_Section]
+    weights_at: int
+    num_ids: int
+    words: int
+
+
+def _payload(
+    metas: Sequence[FeatureMeta],
+    batch: int,
+    word0: int,
+    wire_w: torch.dtype | None,
+    checksum: bool,
+    first_feature: int = 0,
+) -> _Payload:
+    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
+
+    Args:
+        metas: The payload's features.
+        batch: Its sender's batch size.
+        word0: Its first word in the buffer of all payloads.
+        wire_w: dtype of its weights on the wire (None: unweighted).
+        checksum: It ends with a checksum.
+        first_feature: Index the sections give the first feature.
+
+    Returns:
+        Its sections, where its weights start, its ids and its words.
+    """
+    bit = word0 * _WORD_BITS
+    sections: list[_Section] = []
+    n_ids = 0
+    for f, m in enumerate(metas, first_feature):
+        n_ids += m.num_ids
+        for name, n, w in m.fields(batch):
+            if n == 0 or w == 0:
+                continue
+            if w <= _WORD_BITS:
+                sections.append(_Section(f, name, n, w, 0, bit))
+            else:  # values over 32 bits travel as a section of low parts, then one of high parts
+                high = bit + n * _WORD_BITS
+                sections.append(_Section(f, name, n, _WORD_BITS, 0, bit))
+                sections.append(_Section(f, name, n, w - _WORD_BITS, _WORD_BITS, high))
+            bit += n * w
+    weights_at = -(-bit // _WORD_BITS)
+    end = weights_at + (_weight_words(n_ids, wire_w) if wire_w is not None else 0)
+    return _Payload(sections, weights_at, n_ids, end - word0 + (_CHECK_WORDS if checksum else 0))
 
 
 def _words_of(t: torch.Tensor) -> torch.Tensor:
@@ -446,6 +546,7 @@ def encode_kjt(
     splits: Sequence[int],
     config: InputDistConfig,
     output_dedupe: OutputDedupeMode = None,
+    backend: KJTBackend = "auto",
 ) -> EncodedKJT:
     """Packs one rank's KJT for every destination (features ordered by destination).
 
@@ -458,20 +559,30 @@ def encode_kjt(
             KJT whole and marks the feature's distinct bags (``FeatureMeta.out_rows``);
             ``"lookup"`` sends only the distinct ids of single-hot features
             (``FeatureMeta.lookup``). Either way the inverse index stays in the result.
+        backend: Who does the tensor work (see :data:`KJTBackend`); the words are the same.
 
     Returns:
         The payloads and metadata.
+
+    Raises:
+        ValueError: If a length or an id is negative, or the backend does not fit the KJT.
     """
     keys = kjt.keys()
     num_f, batch = len(keys), kjt.stride()
     lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
     dev = values.device
+    host = on_host(dev, backend)
     exact_out = output_dedupe == "exact" and weights is None and batch > 0
+    want_dedupe = config.dedupe or output_dedupe is not None
+    v = values.to(torch.int64)
+    lens = lengths.to(torch.int64)
     with record_function("## lossy_input stats ##"):
-        fs = _feature_stats(
-            lengths, values, num_f, batch, config.dedupe or output_dedupe is not None
-        )
-        stats = fs.stats.tolist()  # the host read of the encoder
+        if host:
+            hs = kjt_host.feature_stats(lens, v, num_f, batch, want_dedupe)
+            stats, fs = hs.stats, None
+        else:
+            fs = _feature_stats(lens, v, num_f, batch, want_dedupe)
+            stats = fs.stats.tolist()  # the host read of the encoder
     for key, st in zip(keys, stats, strict=True):
         if st[2] < 0 or st[4] < 0:
             raise ValueError(
@@ -482,14 +593,12 @@ def encode_kjt(
     if weights is not None:
         wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
 
-    v = values.to(torch.int64)
-    lens = lengths.to(torch.int64)
     # Offsets of each feature's ids in the input (not what travels: lookup features send U).
     val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
     with record_function("## lossy_input encode ##"):
         metas: list[FeatureMeta] = []
         for len_sum, len_max, len_min, id_max, _, uniq in stats:
-            id_bits, len_bits = _bit_length(id_max), _bit_length(len_max)
+            id_bits, len_bits = id_max.bit_length(), len_max.bit_length()
             if (
                 output_dedupe == "lookup"
                 and weights is None
@@ -501,7 +610,7 @@ def encode_kjt(
                 # look up and send back each distinct id once.
                 metas.append(FeatureMeta(0, id_bits, True, uniq, uniq, lookup=True))
                 continue
-            inv_bits = _bit_length(uniq - 1) if uniq else 0
+            inv_bits = (uniq - 1).bit_length() if uniq else 0
             # Deduplicate only where distinct ids + inverse index take fewer bits.
             dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
             # Bags of at most one unweighted id that repeat: send back each distinct one once.
@@ -518,68 +627,78 @@ def encode_kjt(
             )
 
         inverse = uniques = None
-        uniq_off = list(itertools.accumulate((s[5] for s in stats), initial=0))
-        if any(m.dedupe or m.out_rows for m in metas):
-            assert fs.ids is not None
+        if host:
+            inverse, uniques = hs.inverse, hs.uniques
+        elif any(m.dedupe or m.out_rows for m in metas):
+            assert fs is not None and fs.ids is not None
             order, new = fs.ids
             inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
             uniques = v[order][new]
 
+        # Where each field's elements start in the sender's arrays (lookup features send the
+        # distinct ids, which start where the feature's do in ``uniques``).
+        uniq_off = list(itertools.accumulate((s[5] for s in stats), initial=0))
+        field_start = {
+            "lengths": [f * batch for f in range(num_f)],
+            "ids": val_off,
+            "unique": uniq_off,
+            "inverse": val_off,
+        }
         feat_off = list(itertools.accumulate(splits, initial=0))
-        counts: list[int] = []
-        widths: list[int] = []
-        bit_starts: list[int] = []
-        parts: list[torch.Tensor] = []
+        sections: list[_Section] = []
         send_words: list[int] = []
         weight_slots: list[tuple[int, int, int]] = []  # (word offset, first id, ids)
         word0 = 0
         for d in range(len(splits)):
             f0, f1 = feat_off[d], feat_off[d + 1]
-            bit = word0 * _WORD_BITS
-            for f in range(f0, f1):
-                m = metas[f]
-                a, b = val_off[f], val_off[f + 1]
-                for name, n, w in m.fields(batch):
-                    if n == 0 or w == 0:
-                        continue
-                    if name == "lengths":
-                        t = lens[f * batch : (f + 1) * batch]
-                    elif name == "ids":
-                        t = v[a:b]
-                    elif name == "unique":
-                        assert uniques is not None
-                        t = uniques[uniq_off[f] : uniq_off[f + 1]]
-                    else:
-                        assert inverse is not None
-                        t = inverse[a:b]
-                    for part, pw in zip(_field_parts(t, w), _field_widths(w), strict=True):
-                        counts.append(n)
-                        widths.append(pw)
-                        bit_starts.append(bit)
-                        parts.append(part)
-                        bit += n * pw
-            packed_words = -(-(bit - word0 * _WORD_BITS) // _WORD_BITS)
-            n_ids = val_off[f1] - val_off[f0]
-            words = packed_words
+            p = _payload(metas[f0:f1], batch, word0, wire_w, config.checksum, f0)
+            sections += p.sections
             if wire_w is not None:
-                weight_slots.append((word0 + packed_words, val_off[f0], n_ids))
-                words += _weight_words(n_ids, wire_w)
-            if config.checksum:
-                words += _CHECK_WORDS
-            send_words.append(words)
-            word0 += words
+                weight_slots.append((p.weights_at, val_off[f0], val_off[f1] - val_off[f0]))
+            send_words.append(p.words)
+            word0 += p.words
 
-        layout = _Layout(counts, widths, bit_starts)
-        w_t, p_t = layout.positions(dev)
-        flat = torch.cat(parts) if parts else v.new_empty(0)
-        send = pack_bits(flat, w_t, p_t, word0)
-        if weights is not None:
-            assert wire_w is not None
-            for at, first, n in weight_slots:
-                ww = _words_of(weights[first : first + n].to(wire_w))
-                send[at : at + ww.numel()] = ww
-        if config.checksum:
-            _write_checksums(send, send_words)
+        if host:
+            assert uniques is not None and inverse is not None
+            rows = [
+                x
+                for s in sections
+                for x in (
+                    _ARRAYS[s.name],
+                    field_start[s.name][s.feature],
+                    s.count,
+                    s.width,
+                    s.shift,
+                    s.bit,
+                )
+            ]
+            send = kjt_host.pack(
+                rows, word0, lens, v, uniques, inverse,
+                weights.to(wire_w) if weights is not None else None, weight_slots, send_words,
+                config.checksum,
+            )  # fmt: skip
+        else:
+            sources = {"lengths": lens, "ids": v, "unique": uniques, "inverse": inverse}
+            parts: list[torch.Tensor] = []
+            for s in sections:
+                src = sources[s.name]
+                assert src is not None
+                a = field_start[s.name][s.feature]
+                t = src[a : a + s.count]
+                # Values over 32 bits travel as two parts; narrower ones fit as they are.
+                parts.append(t >> s.shift if s.shift else t & _MASK32 if s.width == 32 else t)
+            layout = _Layout(
+                [s.count for s in sections], [s.width for s in sections], [s.bit for s in sections]
+            )
+            w_t, p_t = layout.positions(dev)
+            flat = torch.cat(parts) if parts else v.new_empty(0)
+            send = pack_bits(flat, w_t, p_t, word0)
+            if weights is not None:
+                for at, first, n in weight_slots:
+                    ww = _words_of(weights[first : first + n].to(wire_w))
+                    send[at : at + ww.numel()] = ww
+            if config.checksum:
+                _write_checksums(send, send_words)
 
         codes = (
             _CODES[lengths.dtype]
@@ -591,11 +710,11 @@ def encode_kjt(
         meta_rows: list[int] = []
         meta_splits: list[int] = []
         for d in range(len(splits)):
-            fs = metas[feat_off[d] : feat_off[d + 1]]
-            row = [send_words[d], batch, codes] + [w for m in fs for w in m.words()]
+            fm = metas[feat_off[d] : feat_off[d + 1]]
+            row = [send_words[d], batch, codes] + [w for m in fm for w in m.words()]
             meta_rows += row
             meta_splits.append(len(row))
-        meta = torch.tensor(meta_rows, dtype=torch.int64, device=dev)
+        meta = torch.from_numpy(np.array(meta_rows, np.int64)).to(dev)
 
         expand: list[list[tuple[int, torch.Tensor] | None]] = []
         for d in range(len(splits)):
@@ -656,6 +775,7 @@ def decode_kjt(
     codes: Sequence[int],
     keys: Sequence[str],
     my_rank: int,
+    backend: KJTBackend = "auto",
 ) -> DecodedKJT:
     """Unpacks every source's payload into TorchRec's (lengths, values, weights) output tensors.
 
@@ -667,6 +787,7 @@ def decode_kjt(
         codes: Per source, its dtype codes (all equal).
         keys: The received features' keys (for error messages).
         my_rank: This rank (for error messages).
+        backend: Who does the tensor work (see :data:`KJTBackend`); the tensors are the same.
 
     Returns:
         The tensors and the exact output dedupe's bag selection.
@@ -676,15 +797,11 @@ def decode_kjt(
             metadata or checksum.
     """
     dev = recv.device
-    counts: list[int] = []
-    widths: list[int] = []
-    bit_starts: list[int] = []
-    # Per source, per feature, per field: the indices of its sections in the layout.
-    index: list[list[dict[str, list[int]]]] = []
-    weight_slots: list[tuple[int, int]] = []
+    host = on_host(dev, backend)
+    payloads: list[_Payload] = []
     word_offsets = list(itertools.accumulate(recv_words, initial=0))
     wire_w = _DTYPES[codes[0] >> 24 & 0xFF] if codes else None
-    trailer = _CHECK_WORDS if codes and codes[0] & _CHECK_FLAG else 0
+    trailer = bool(codes) and bool(codes[0] & _CHECK_FLAG)
     if any(c != codes[0] for c in codes):
         raise LossyAllToAllError(
             f"lossy input dist on rank {my_rank}: source ranks sent KJTs of different dtypes "
@@ -699,61 +816,129 @@ def decode_kjt(
         )
 
     for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
-        bit = word_offsets[src] * _WORD_BITS
-        per_feature = []
         for m in metas:
-            fields: dict[str, list[int]] = {}
-            for name, n, w in m.fields(batch):
-                fields[name] = []
-                if n == 0 or w == 0:
-                    continue
-                for pw in _field_widths(w):
-                    fields[name].append(len(counts))
-                    counts.append(n)
-                    widths.append(pw)
-                    bit_starts.append(bit)
-                    bit += n * pw
-            per_feature.append(fields)
-        index.append(per_feature)
-        packed = -(-(bit - word_offsets[src] * _WORD_BITS) // _WORD_BITS)
-        n_ids = sum(m.num_ids for m in metas)
-        expected = packed + trailer
-        if wire_w is not None:
-            weight_slots.append((word_offsets[src] + packed, n_ids))
-            expected += _weight_words(n_ids, wire_w)
-        if expected != recv_words[src]:
-            fail(src, f"{recv_words[src]} words received, {expected} expected")
-    if trailer:
+            if m.lookup and m.num_unique > batch:
+                fail(src, f"{m.num_unique} distinct single-hot ids for a batch of {batch}")
+            if max(m.len_bits, m.id_bits) > 2 * _WORD_BITS:
+                fail(src, f"{max(m.len_bits, m.id_bits)}-bit fields (at most 64)")
+        p = _payload(metas, batch, word_offsets[src], wire_w, trailer)
+        if p.words != recv_words[src]:
+            fail(src, f"{recv_words[src]} words received, {p.words} expected")
+        payloads.append(p)
+    if trailer and not host:  # the numba path verifies in its one call
         # One host read for all sources; the sizes are known to be right by now.
-        ok = (payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)).tolist()
-        for src, good in enumerate(ok):
-            if not good:
-                fail(src, "its checksum does not match (corrupted in transit)")
-
-    w_t, p_t = _Layout(counts, widths, bit_starts).positions(dev)
-    flat = unpack_bits(recv, w_t, p_t)
-    sections = list(torch.split(flat, counts)) if counts else []
+        ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
+        _check_sums(fail, ok.tolist())
 
     len_dtype = _DTYPES[codes[0] & 0xFF] if codes else torch.int64
     val_dtype = _DTYPES[codes[0] >> 8 & 0xFF] if codes else torch.int64
     w_dtype = _DTYPES[codes[0] >> 16 & 0xFF] if codes else None
+    assert len_dtype is not None and val_dtype is not None
+    if host:
+        lengths, values, selects = _unpack_host(
+            recv, recv_words, trailer, payloads, metas_per_src, batch_per_src, fail
+        )
+    else:
+        lengths, values, selects = _unpack_torch(recv, payloads, metas_per_src, batch_per_src, fail)
+    out_weights = None
+    if w_dtype is not None:
+        weights: list[torch.Tensor] = []
+        assert wire_w is not None
+        esize = torch.empty(0, dtype=wire_w).element_size()
+        for p in payloads:
+            nw = _weight_words(p.num_ids, wire_w)
+            raw = recv[p.weights_at : p.weights_at + nw].view(torch.uint8).clone()  # aligned
+            weights.append(raw[: p.num_ids * esize].view(wire_w))
+        out_weights = (
+            torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
+        )
+    return DecodedKJT(lengths.to(len_dtype), values.to(val_dtype), out_weights, selects)
+
+
+class _Fail(Protocol):
+    """Raises :func:`decode_kjt`'s error for a source's payload."""
+
+    def __call__(self, src: int, why: str) -> NoReturn: ...
+
+
+def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
+    """Fails on the first source whose checksum does not match.
+
+    Args:
+        fail: Raises the decode's error.
+        ok: Per source, whether its checksum matches.
+    """
+    for src, good in enumerate(ok):
+        if not good:
+            fail(src, "its checksum does not match (corrupted in transit)")
+
+
+def _check_bags(fail: _Fail, src: int, first: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first bags of a feature of the exact output dedupe, if one per row sent back.
+
+    Args:
+        fail: Raises the decode's error.
+        src: The feature's source.
+        first: Its first bag of each distinct bag.
+        rows: Rows the metadata says go back to the source.
+
+    Returns:
+        ``first``.
+    """
+    if first.numel() != rows:
+        fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
+    return first
+
+
+def _unpack_torch(
+    recv: torch.Tensor,
+    payloads: Sequence[_Payload],
+    metas_per_src: Sequence[Sequence[FeatureMeta]],
+    batch_per_src: Sequence[int],
+    fail: _Fail,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor | None]]]:
+    """:func:`decode_kjt`'s lengths, ids and bag selection, by tensor ops on ``recv``'s device.
+
+    Args:
+        recv: The payloads' words.
+        payloads: Each source's layout.
+        metas_per_src: Per source, per feature, its format.
+        batch_per_src: Batch size of every source.
+        fail: Raises the decode's error for a source.
+
+    Returns:
+        int64 lengths and ids of every source's features, and per source, per feature, the
+        first bags of the exact output dedupe (None where not deduplicated).
+    """
+    dev = recv.device
+    sections = [s for p in payloads for s in p.sections]
+    w_t, p_t = _Layout(
+        [s.count for s in sections], [s.width for s in sections], [s.bit for s in sections]
+    ).positions(dev)
+    flat = unpack_bits(recv, w_t, p_t)
+    unpacked = iter(torch.split(flat, [s.count for s in sections]) if sections else [])
+    # Per source, per (feature, field): its sections' values.
+    fields: list[dict[tuple[int, str], list[torch.Tensor]]] = []
+    for p in payloads:
+        per_src: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for s in p.sections:
+            per_src.setdefault((s.feature, s.name), []).append(next(unpacked))
+        fields.append(per_src)
+
     lengths: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    weights: list[torch.Tensor] = []
     # Exact output dedupe, (source, index in lengths, rows sent back, id bits) of the features
     # the owner sorts, and (the same, inverse index, distinct ids) of those whose ids arrived
     # deduplicated: their distinct bags follow from the inverse index, no sort needed.
     out_segs: list[tuple[int, int, int, int]] = []
     out_inv: list[tuple[int, int, int, torch.Tensor, int]] = []
     for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
-        for m, fields in zip(metas, index[src], strict=True):
+        for f, m in enumerate(metas):
 
-            def field(name: str, n: int, fields: dict[str, list[int]] = fields) -> torch.Tensor:
-                return _join_field([sections[i] for i in fields[name]], n, dev)
+            def field(name: str, n: int, f: int = f, src: int = src) -> torch.Tensor:
+                return _join_field(fields[src].get((f, name), []), n, dev)
 
             if m.lookup:
-                if m.num_unique > batch:
-                    fail(src, f"{m.num_unique} distinct single-hot ids for a batch of {batch}")
                 ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
                 lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
                 values.append(field("unique", m.num_unique))
@@ -769,13 +954,6 @@ def decode_kjt(
                 out_inv.append((src, len(lengths) - 1, m.out_rows, inv, m.num_unique))
             elif m.out_rows:
                 out_segs.append((src, len(lengths) - 1, m.out_rows, m.id_bits))
-        if wire_w is not None:
-            at, n = weight_slots[src]
-            nw = _weight_words(n, wire_w)
-            raw = recv[at : at + nw].view(torch.uint8).clone()  # aligned for any dtype
-            esize = torch.empty(0, dtype=wire_w).element_size()
-            weights.append(raw[: n * esize].view(wire_w))
-    assert len_dtype is not None and val_dtype is not None
     selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
     firsts: list[torch.Tensor] = []
     with record_function("## lossy_input dedupe select ##"):
@@ -794,16 +972,109 @@ def decode_kjt(
             )[2]
     segs = [x[:3] for x in out_inv] + [x[:3] for x in out_segs]
     for (src, i, rows), first in zip(segs, firsts, strict=True):
-        if first.numel() != rows:
-            fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
-        selects[src][i - sum(len(m) for m in metas_per_src[:src])] = first
-    out_lengths = (
-        torch.cat(lengths).to(len_dtype) if lengths else recv.new_empty(0, dtype=len_dtype)
+        local = i - sum(len(m) for m in metas_per_src[:src])
+        selects[src][local] = _check_bags(fail, src, first, rows)
+    empty = recv.new_empty(0, dtype=torch.int64)
+    return (
+        torch.cat(lengths) if lengths else empty,
+        torch.cat(values) if values else empty,
+        selects,
     )
-    out_values = torch.cat(values).to(val_dtype) if values else recv.new_empty(0, dtype=val_dtype)
-    out_weights = None
-    if w_dtype is not None:
-        out_weights = (
-            torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
+
+
+def _unpack_host(
+    recv: torch.Tensor,
+    recv_words: Sequence[int],
+    checksum: bool,
+    payloads: Sequence[_Payload],
+    metas_per_src: Sequence[Sequence[FeatureMeta]],
+    batch_per_src: Sequence[int],
+    fail: _Fail,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor | None]]]:
+    """:func:`_unpack_torch` and the checksum check in one compiled call (``kjt_host.decode``).
+
+    Args:
+        recv: The payloads' words (CPU).
+        recv_words: Words from each source.
+        checksum: The payloads end with a checksum to verify.
+        payloads: Each source's layout.
+        metas_per_src: Per source, per feature, its format.
+        batch_per_src: Batch size of every source.
+        fail: Raises the decode's error for a source.
+
+    Returns:
+        As :func:`_unpack_torch`.
+    """
+    sections: list[int] = []  # kjt_host's tables, flat
+    features: list[int] = []
+    segments: list[int] = []
+    feature_of: list[tuple[int, int]] = []  # (source, feature) of each feature row
+    segment_of: list[tuple[int, int, int]] = []  # (source, feature, rows sent) of each segment
+    len_at = val_at = uniq_at = 0
+    for src, (p, metas, batch) in enumerate(
+        zip(payloads, metas_per_src, batch_per_src, strict=True)
+    ):
+        # Per feature, its first length and id, and where its distinct ids go (a lookup
+        # feature's are its ids); its inverse index goes at its ids.
+        starts: list[tuple[int, int, tuple[int, int]]] = []
+        for f, m in enumerate(metas):
+            kind = kjt_host.LOOKUP if m.lookup else kjt_host.DEDUPED if m.dedupe else kjt_host.PLAIN
+            deduped = kind == kjt_host.DEDUPED
+            features += (kind, len_at, batch, val_at, m.num_ids, uniq_at, m.num_unique)
+            feature_of.append((src, f))
+            unique_to = (kjt_host.UNIQUE, uniq_at) if deduped else (kjt_host.IDS, val_at)
+            starts.append((len_at, val_at, unique_to))
+            if m.out_rows and not m.lookup:
+                # As _unpack_torch: a feature without ids has an (empty) inverse index.
+                by_inv = m.dedupe or not m.num_ids
+                kind = kjt_host.BY_INVERSE if by_inv else kjt_host.BY_SORT
+                segments += (kind, len_at, batch, val_at, m.num_ids, m.num_unique)
+                segment_of.append((src, f, m.out_rows))
+            len_at += batch
+            val_at += m.num_ids
+            uniq_at += m.num_unique if deduped else 0
+        for s in p.sections:
+            len_start, val_start, unique_to = starts[s.feature]
+            if s.name == "lengths":
+                sections += (kjt_host.LENGTHS, len_start)
+            elif s.name == "unique":
+                sections += unique_to
+            else:
+                sections += (_ARRAYS[s.name], val_start)
+            sections += (s.count, s.width, s.shift, s.bit)
+    out = kjt_host.decode(
+        recv, recv_words, checksum, sections, features, segments, len_at, val_at, uniq_at
+    )
+    if out.bad_payload >= 0:
+        _check_sums(fail, [src != out.bad_payload for src in range(len(payloads))])
+    if out.bad_feature >= 0:
+        src, f = feature_of[out.bad_feature]
+        why = (
+            "its lengths do not sum to its ids"
+            if out.why == kjt_host.BAD_LENGTHS
+            else "its inverse index points past its distinct ids"
         )
-    return DecodedKJT(out_lengths, out_values, out_weights, selects)
+        fail(src, f"feature {f} of the payload: {why}")
+    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
+    for (src, f, rows), first in zip(segment_of, out.first_bags, strict=True):
+        selects[src][f] = _check_bags(fail, src, first, rows)
+    return out.lengths, out.values, selects
+
+
+@functools.cache
+def warm_up_host() -> None:
+    """Loads the numba path's kernels now (once per process) by encoding and decoding a tiny KJT.
+
+    Numba's first call in a process costs about 0.1 s even from its on-disk cache (and compiles
+    the kernels on the first run after an install or an edit); the input dist calls this when
+    it is built, so that the cost is not paid by the first training step.
+    """
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([3, 1, 3]), lengths=torch.tensor([1, 1, 1])
+    )
+    # Single-hot with a repeat: the deduplication sort, packing, checksums, the first bags.
+    enc = encode_kjt(kjt, [1], InputDistConfig(), "exact", backend="numba")
+    row = parse_meta(enc.meta.tolist(), 1)
+    decode_kjt(
+        enc.send, enc.send_words, [row.features], [row.batch], [row.codes], ["f"], 0, "numba"
+    )
