@@ -258,6 +258,9 @@ def skeleton_index(
 def payload_skeleton(words: np.ndarray) -> np.ndarray:
     """The skeleton (:func:`skeleton_index`) of one well-formed payload, on the host.
 
+    The positions :func:`skeleton_index` gives for a payload alone, found with a few numpy
+    calls (its torch ops cost more than the words they gather on small payloads).
+
     Args:
         words: The payload as uint32 words (made by ``compress``).
 
@@ -265,16 +268,11 @@ def payload_skeleton(words: np.ndarray) -> np.ndarray:
         uint32 skeleton words.
     """
     n = int(words[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
-    descs = words[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
-    seg = descs["seg_words"].astype(np.int64)
-    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
-    idx = skeleton_index(
-        torch.zeros(1, dtype=torch.int64),
-        torch.tensor([words.shape[0]], dtype=torch.int64),
-        [n],
-        torch.from_numpy(seg_start),
-    )
-    return words[idx.numpy()]
+    head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+    seg = words[HEADER_WORDS:head].view(DESCRIPTOR)["seg_words"].astype(np.int64)
+    seg_start = head + np.cumsum(seg) - seg
+    segs = np.minimum(seg_start[:, None] + np.arange(SEGMENT_HEADER_WORDS), words.shape[0] - 1)
+    return np.concatenate([words[:head], words[segs.reshape(-1)]])
 
 
 # ---------------------------------------------------------------------------------------------
