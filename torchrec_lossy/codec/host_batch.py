@@ -279,35 +279,14 @@ def _emit_kernel(
     return seg_words
 
 
-@numba.njit(cache=True, nogil=True)
-def _plan(
-    symbols: np.ndarray,
-    elem_off: np.ndarray,
-    row_off: np.ndarray,
-    dims: np.ndarray,
-    rows_sel: np.ndarray,
-    n_sel: np.ndarray,
-    ids: np.ndarray,
-    weighted: np.ndarray,
-    sym_lo: np.ndarray,
-    sym_hi: np.ndarray,
-    active: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Compact Huffman codes of the selected rows: (plan [5, n], lengths offsets, lengths)."""
-    nb = dims.shape[0]
-    len_off = np.zeros(nb + 1, np.int64)
+@numba.njit(cache=True, nogil=True, inline="always")
+def _code_offsets(sym_lo: np.ndarray, sym_hi: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """Start of each block's compact code lengths (value symbols, then the escape)."""
+    nb = sym_lo.shape[0]
+    off = np.zeros(nb + 1, np.int64)
     for b in range(nb):
-        width = max(sym_hi[b] - sym_lo[b] + 1, 0) + 1 if active[b] else 0
-        len_off[b + 1] = len_off[b] + width
-    lengths = np.zeros(len_off[nb], np.uint8)
-    plan = np.empty((5, nb), np.int64)
-    parts = huffman.plan_blocks_kernel(
-        symbols, elem_off, row_off, dims, rows_sel, n_sel, ids, weighted, sym_lo, sym_hi, active,
-        len_off, lengths,
-    )  # fmt: skip
-    for k in range(5):
-        plan[k] = parts[k]
-    return plan, len_off, lengths
+        off[b + 1] = off[b] + (max(sym_hi[b] - sym_lo[b] + 1, 0) + 1 if active[b] else 0)
+    return off
 
 
 @numba.njit(cache=True, nogil=True)
@@ -400,18 +379,13 @@ def _compress_kernel(
 
     # 4. Huffman codes of all rows (their histogram from the distinct rows, weighted) and of
     # the distinct rows; sizes; mode choice (size_model, per block).
-    sel = np.empty(n_rows, np.int32)
-    n_sel = np.empty(nb, np.int64)
-    for b in range(nb):
-        src = first_q if deduped[b] else every_row
-        sel[row_off[b] : row_off[b + 1]] = src[row_off[b] : row_off[b + 1]]
-        n_sel[b] = nu_q[b] if deduped[b] else rows[b]
-    plan_q, len_off_q, lengths_q = _plan(
-        symbols, elem_off, row_off, dims, sel, n_sel, ids_q, deduped, sym_lo, sym_hi, quant_ok
-    )
-    plan_u, len_off_u, lengths_u = _plan(
-        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, np.zeros(nb, np.bool_), sym_lo,
-        sym_hi, quant_lz_ok,
+    len_off_q = _code_offsets(sym_lo, sym_hi, quant_ok)
+    len_off_u = _code_offsets(sym_lo, sym_hi, quant_lz_ok)
+    lengths_q = np.zeros(len_off_q[nb], np.uint8)
+    lengths_u = np.zeros(len_off_u[nb], np.uint8)
+    plan_q, plan_u = huffman.plan_blocks_kernel(
+        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, deduped, sym_lo, sym_hi,
+        quant_ok, quant_lz_ok, len_off_q, lengths_q, len_off_u, lengths_u,
     )  # fmt: skip
     mode = np.empty(nb, np.int64)
     best = np.empty(nb, np.int64)
