@@ -99,16 +99,17 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _flatten(blocks: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(blocks: Sequence[torch.Tensor], all_float32: bool) -> tuple[np.ndarray, np.ndarray]:
     """All blocks' values as one float32 array and their raw bits as one int32 array.
 
     16-bit bits are sign-extended, as ``pipeline``'s ``astype(np.int32)``; an all-float32
-    payload costs one copy into a reused buffer (the bits are a view of the values).
+    payload on the host (``all_float32``, blocks on one device) costs one copy into a reused
+    buffer (the bits are a view of the values).
     """
     if not blocks:
         return np.zeros(0, np.float32), np.zeros(0, np.int32)
-    flat = [b.detach().reshape(-1) for b in blocks]
-    if all(f.dtype == torch.float32 and f.device.type == "cpu" for f in flat):
+    flat = [(b.detach() if b.requires_grad else b).reshape(-1) for b in blocks]
+    if all_float32 and blocks[0].device.type == "cpu":
         n = sum(f.shape[0] for f in flat)
         x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32)).numpy()
         return x, x.view(np.int32)
@@ -305,10 +306,7 @@ def _compress_kernel(
     grid_scale: float,
     chunk: int,
     symbols: np.ndarray,
-    ids_q: np.ndarray,
-    first_q: np.ndarray,
-    ids_r: np.ndarray,
-    first_r: np.ndarray,
+    row_scratch: np.ndarray,
     desc: np.ndarray,
     header: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -316,12 +314,13 @@ def _compress_kernel(
 
     ``bnd`` is updated in place (relative bounds resolved); ``desc`` / ``header`` are zeroed
     DESCRIPTOR [n_blocks] / HEADER [n_groups] records to fill; the scratch arrays (``symbols``
-    as long as ``x``, the others one entry per row) are overwritten. Returns (the payloads'
+    as long as ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads'
     words, back to back; words of each payload; int64 [4, n_blocks] mode, segment words,
     vectors sent, escapes; float64 max error per block).
     """
     nb = rows.shape[0]
     ng = groups.shape[0]
+    ids_q, first_q, ids_r, first_r = row_scratch[0], row_scratch[1], row_scratch[2], row_scratch[3]
     itemsize = np.empty(nb, np.int64)
     elem_off = np.zeros(nb + 1, np.int64)
     row_off = np.zeros(nb + 1, np.int64)
@@ -516,27 +515,24 @@ def compress_blocks(
     """
     nb = len(blocks)
     group_list = [nb] if group_sizes is None else list(group_sizes)
-    layout = np.array(
-        [(b.shape[0], b.shape[1], DTYPE_CODES[b.dtype]) for b in blocks], np.int64
-    ).reshape(nb, 3)
-    rows, dims, dcodes = layout.T.copy()
+    rows_list = [b.shape[0] for b in blocks]
+    dcodes_list = [DTYPE_CODES[b.dtype] for b in blocks]
+    layout = np.array([rows_list, [b.shape[1] for b in blocks], dcodes_list], np.int64)
+    rows, dims, dcodes = layout.reshape(3, nb)
     bnd = np.array(bounds, np.float64).reshape(nb)
     rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_).reshape(nb)
-    x, bits = _flatten(blocks)
-    n_rows = int(rows.sum())
+    x, bits = _flatten(blocks, dcodes_list.count(1) == nb)
+    n_rows = sum(rows_list)
     # Each block's rounding key (pipeline.sr_keys: counted within the block's own payload).
     stochastic = config.rounding == "stochastic"
     local = np.array([i for n in group_list for i in range(n)], np.int64)
+    row_scratch = _SCRATCH.get("rows", 4 * n_rows, torch.int32).numpy().reshape(4, n_rows)
     words, sizes, per_block, max_err = _compress_kernel(
         x, bits, rows, dims, dcodes, bnd, rel, np.array(group_list, np.int64),
         quantize.block_keys(stochastic, config.seed, local), config.enable_quantization,
         config.enable_lz, quantize.grid_bound(1.0, stochastic), config.huffman_chunk_symbols,
         _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16),
-        _SCRATCH.get("ids_q", n_rows, torch.int32).numpy(),
-        _SCRATCH.get("first_q", n_rows, torch.int32).numpy(),
-        _SCRATCH.get("ids_r", n_rows, torch.int32).numpy(),
-        _SCRATCH.get("first_r", n_rows, torch.int32).numpy(),
-        np.zeros(nb, DESCRIPTOR), np.zeros(len(group_list), HEADER),
+        row_scratch, np.zeros(nb, DESCRIPTOR), np.zeros(len(group_list), HEADER),
     )  # fmt: skip
     return BatchEncoded(
         payload=words.view(np.uint8),
