@@ -25,7 +25,7 @@ from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockStats,
-    payload_skeleton,
+    payload_skeletons,
     skeleton_words,
 )
 from torchrec_lossy.codec.format import CodecError
@@ -201,17 +201,16 @@ def start_compress_groups(
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
     buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
-    words = buffer.cpu().numpy().view(np.uint32)
-    starts = np.cumsum([0, *out_sizes]) // 4
-    skeletons = [payload_skeleton(words[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
+    offsets = ends.tolist()
+    skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
     done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
-    skel = np.concatenate(skeletons).astype(np.int64) if skeletons else np.zeros(0, np.int64)
     return PendingGroups(
-        torch.tensor(done.sizes, dtype=torch.int64).to(device),
+        torch.tensor(out_sizes, dtype=torch.int64, device=device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
-        torch.from_numpy(skel).to(device),
-        [s.shape[0] for s in skeletons],
+        torch.from_numpy(skel.astype(np.int64)).to(device),
+        [b - a for a, b in itertools.pairwise(offsets)],
     )
 
 
