@@ -185,6 +185,8 @@ def upload(
     if device.type == "cuda":  # a pageable source would make the copy synchronise
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
+    if len(arrays) == 1:
+        return [flat]
     return list(flat[: sum(sizes)].split(sizes)) if arrays else []
 
 

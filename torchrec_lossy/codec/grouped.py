@@ -14,6 +14,7 @@ point of its choosing, before it uses the blocks. Each group's payload is byte-i
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,10 +58,10 @@ class GroupedPayloads:
     stats: list[list[BlockStats]]
     skeletons: list[np.ndarray]
 
-    @property
+    @functools.cached_property
     def offsets(self) -> list[int]:
         """Byte offset of each payload in :attr:`buffer`."""
-        return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])[:-1].tolist()
+        return list(itertools.accumulate(self.sizes, initial=0))[:-1]
 
     def payload(self, group: int) -> torch.Tensor:
         """Group ``group``'s payload (a view of :attr:`buffer`).

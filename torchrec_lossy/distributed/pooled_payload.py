@@ -519,8 +519,8 @@ def start_encode(
                 stats.record_container(
                     direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)
                 )
-            if parts:
-                payloads[p] = torch.cat(parts)
+            if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
+                payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         # The codec works on all peers at once: its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         shares: dict[str, int] = {}
