@@ -466,7 +466,7 @@ def start_encode(
         # without codec blocks sends none).
         raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
         group_of = {p: g for g, p in enumerate(peers)}
-        (raw_len_t,) = upload([np.array(raw_len, np.int64)], device)
+        (raw_len_t,) = upload([raw_len], device)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         codec_len = [
             pending.device_sizes[group_of[p] : group_of[p] + 1]
