@@ -294,9 +294,7 @@ def _code_offsets(sym_lo: np.ndarray, sym_hi: np.ndarray, active: np.ndarray) ->
 def _compress_kernel(
     x: np.ndarray,
     bits: np.ndarray,
-    rows: np.ndarray,
-    dims: np.ndarray,
-    dcodes: np.ndarray,
+    layout: np.ndarray,
     bnd: np.ndarray,
     relative: np.ndarray,
     groups: np.ndarray,
@@ -307,17 +305,16 @@ def _compress_kernel(
     chunk: int,
     symbols: np.ndarray,
     row_scratch: np.ndarray,
-    desc: np.ndarray,
-    header: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``bnd`` is updated in place (relative bounds resolved); ``desc`` / ``header`` are zeroed
-    DESCRIPTOR [n_blocks] / HEADER [n_groups] records to fill; the scratch arrays (``symbols``
-    as long as ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads'
-    words, back to back; words of each payload; int64 [4, n_blocks] mode, segment words,
-    vectors sent, escapes; float64 max error per block).
+    ``layout`` is int64 [3, n_blocks]: rows, columns and dtype code of each block. ``bnd`` is
+    updated in place (relative bounds resolved); the scratch arrays (``symbols`` as long as
+    ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads' words, back
+    to back; bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent,
+    escapes; float64 max error per block).
     """
+    rows, dims, dcodes = layout[0], layout[1], layout[2]
     nb = rows.shape[0]
     ng = groups.shape[0]
     ids_q, first_q, ids_r, first_r = row_scratch[0], row_scratch[1], row_scratch[2], row_scratch[3]
@@ -448,11 +445,13 @@ def _compress_kernel(
         step, center, chunk, every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo,
         plan_q, len_off_q, lengths_q, plan_u, len_off_u, lengths_u, skip,
     )  # fmt: skip
+    desc = np.zeros(nb, DESCRIPTOR)
     for b in range(nb):
         desc[b]["rows"], desc[b]["dim"] = rows[b], dims[b]
         desc[b]["dtype"], desc[b]["mode"] = dcodes[b], mode[b]
         desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], bnd[b]
     desc_words = desc.view(np.uint32)
+    header = np.zeros(ng, HEADER)
     sizes = np.empty(ng, np.int64)
     p0 = 0
     b0 = 0
@@ -518,7 +517,6 @@ def compress_blocks(
     rows_list = [b.shape[0] for b in blocks]
     dcodes_list = [DTYPE_CODES[b.dtype] for b in blocks]
     layout = np.array([rows_list, [b.shape[1] for b in blocks], dcodes_list], np.int64)
-    rows, dims, dcodes = layout.reshape(3, nb)
     bnd = np.array(bounds, np.float64).reshape(nb)
     rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_).reshape(nb)
     x, bits = _flatten(blocks, dcodes_list.count(1) == nb)
@@ -528,11 +526,10 @@ def compress_blocks(
     local = np.array([i for n in group_list for i in range(n)], np.int64)
     row_scratch = _SCRATCH.get("rows", 4 * n_rows, torch.int32).numpy().reshape(4, n_rows)
     words, sizes, per_block, max_err = _compress_kernel(
-        x, bits, rows, dims, dcodes, bnd, rel, np.array(group_list, np.int64),
+        x, bits, layout.reshape(3, nb), bnd, rel, np.array(group_list, np.int64),
         quantize.block_keys(stochastic, config.seed, local), config.enable_quantization,
         config.enable_lz, quantize.grid_bound(1.0, stochastic), config.huffman_chunk_symbols,
-        _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16),
-        row_scratch, np.zeros(nb, DESCRIPTOR), np.zeros(len(group_list), HEADER),
+        _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16), row_scratch,
     )  # fmt: skip
     return BatchEncoded(
         payload=words.view(np.uint8),
