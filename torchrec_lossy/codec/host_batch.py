@@ -1,11 +1,15 @@
-"""The compiled CPU codec, batched: every stage runs once over all blocks of a payload.
+"""The compiled CPU codec, batched: one compiled call encodes every block of every payload.
 
-The blocks are concatenated (values, raw bits, rows) with per-block offsets, and each stage is
-one numba call over the whole concatenation: finite ranges, quantization, vector-LZ, Huffman
-planning, the payload writer and, on the way back, the payload reader. No Python runs per block
-except where a block needs what almost none do (the median of an outlier block). The bytes are
-those of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the
-mode choice is ``size_model``'s and the checksum ``container``'s, shared with the device path.
+The blocks are concatenated (values, raw bits, rows) with per-block offsets, and one numba call
+(``_compress_kernel``) runs every stage over the whole concatenation: finite ranges and relative
+bounds, quantization, vector-LZ, Huffman planning, the mode choice, the payload writer, the
+descriptors, headers and checksums; on the way back, one call reads every segment. No Python
+runs per block, and the fixed cost of a call is a few numpy / torch calls around the compiled
+one, so small all-to-all payloads pay for their bytes, not for the stages. The bytes are those
+of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the mode
+choice is ``size_model``'s, the relative bound ``bounds.finite_span``'s and the checksum
+``format``'s, shared with the device path (the first two compile into the kernel through
+``elementwise``).
 """
 
 from __future__ import annotations
