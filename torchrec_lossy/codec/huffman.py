@@ -57,20 +57,21 @@ def code_lengths_kernel(hist: np.ndarray) -> np.ndarray:
     next_internal = m
     n_nodes = m
     for _ in range(m - 1):
-        picked = np.empty(2, dtype=np.int64)
-        for t in range(2):
+        for t in range(2):  # the two lightest nodes (scalars: no array per merge)
             take_leaf = next_leaf < m and (
                 next_internal >= n_nodes or weight[next_leaf] <= weight[next_internal]
             )
             if take_leaf:
-                picked[t] = next_leaf
+                node = next_leaf
                 next_leaf += 1
             else:
-                picked[t] = next_internal
+                node = next_internal
                 next_internal += 1
-        weight[n_nodes] = weight[picked[0]] + weight[picked[1]]
-        parent[picked[0]] = n_nodes
-        parent[picked[1]] = n_nodes
+            parent[node] = n_nodes
+            if t == 0:
+                weight[n_nodes] = weight[node]
+            else:
+                weight[n_nodes] += weight[node]
         n_nodes += 1
     depth = np.zeros(2 * m - 1, dtype=np.int64)
     for node in range(2 * m - 3, -1, -1):
