@@ -32,8 +32,8 @@ from torchrec_lossy.codec import (
     host_sync,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
-from torchrec_lossy.codec.container import payload_skeleton
-from torchrec_lossy.codec.format import BITS_DTYPES
+from torchrec_lossy.codec.container import payload_skeleton, skeleton_index
+from torchrec_lossy.codec.format import BITS_DTYPES, DESCRIPTOR, HEADER
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
@@ -124,6 +124,26 @@ def test_host_corrupt_group_is_named() -> None:
     assert blocks[2] == []
     with pytest.raises(CodecError, match=r"^payload 2: corrupt payload: checksum mismatch"):
         check_groups(status)
+
+
+def test_host_skeletons_are_skeleton_index_words() -> None:
+    """The host path's skeletons (numpy) gather the words :func:`skeleton_index` names, raw
+    segments shorter than a segment header (clamped to the payload's last word) included."""
+    groups = [*groups_of_blocks(), [torch.ones(1, 1)], [torch.ones(2, 1), torch.zeros(1, 1)]]
+    out = compress_groups(groups, [[1e-3] * len(g) for g in groups], CFG)
+    for g, group in enumerate(groups):
+        words = out.payload(g).numpy().view(np.uint32)
+        seg = np.array([(s.wire_bytes - DESCRIPTOR.itemsize) // 4 for s in out.stats[g]], np.int64)
+        head = (HEADER.itemsize + DESCRIPTOR.itemsize * len(group)) // 4
+        seg_start = torch.from_numpy(head + np.cumsum(seg) - seg)
+        idx = skeleton_index(
+            torch.zeros(1, dtype=torch.int64),
+            torch.tensor([words.shape[0]]),
+            [len(group)],
+            seg_start,
+        )
+        assert np.array_equal(out.skeletons[g], words[idx.numpy()])
+        assert np.array_equal(payload_skeleton(words), out.skeletons[g])
 
 
 def test_bad_arguments_name_the_fix() -> None:

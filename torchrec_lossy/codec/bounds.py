@@ -12,9 +12,15 @@ from collections.abc import Sequence
 
 import torch
 
+from torchrec_lossy.codec.elementwise import N, as_float64, isfinite, jitable, where
 
-def finite_span(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+
+@jitable
+def finite_span(lo: N, hi: N) -> N:
     """``hi - lo`` of the blocks' finite elements, 0 where that is not a positive finite range.
+
+    Element-wise on torch tensors, numpy arrays or scalars, and in numba-compiled code (the
+    host codec's kernel resolves relative bounds with it).
 
     Args:
         lo: float32 [n] smallest finite element per block (+inf if none).
@@ -23,8 +29,8 @@ def finite_span(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     Returns:
         float64 [n] ranges.
     """
-    span = (hi - lo).double()  # float32 subtraction, as the blocks' values
-    return torch.where(torch.isfinite(span) & (span > 0), span, 0.0)
+    span = as_float64(hi - lo)  # float32 subtraction, as the blocks' values
+    return where(isfinite(span) & (span > 0), span, 0.0)
 
 
 def absolute_bounds(

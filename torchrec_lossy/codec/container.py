@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec.elementwise import jitable
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
@@ -183,9 +185,12 @@ def upload(
     if device.type == "cuda":  # a pageable source would make the copy synchronise
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
+    if len(arrays) == 1:
+        return [flat]
     return list(flat[: sum(sizes)].split(sizes)) if arrays else []
 
 
+@jitable
 def skeleton_words(n_blocks: int) -> int:
     """Words of the skeleton of a payload with ``n_blocks`` blocks (:func:`skeleton_index`).
 
@@ -255,6 +260,58 @@ def skeleton_index(
     return out
 
 
+# Word positions of the fields the host skeleton reads.
+_N_BLOCKS_WORD = HEADER.fields["n_blocks"][1] // 4
+_SEG_WORDS_FIELD = DESCRIPTOR.fields["seg_words"][1] // 4
+
+
+@numba.njit(cache=True, nogil=True)
+def _skeletons_kernel(words: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`payload_skeletons` in one compiled pass."""
+    ends = np.zeros(sizes.shape[0] + 1, np.int64)
+    total = 0
+    p0 = 0
+    for g in range(sizes.shape[0]):  # sized first: a payload's skeleton words per block
+        total += skeleton_words(np.int64(words[p0 + _N_BLOCKS_WORD]))
+        p0 += sizes[g] // 4
+    out = np.empty(total, np.uint32)
+    at = 0
+    p0 = 0
+    for g in range(sizes.shape[0]):
+        payload = words[p0 : p0 + sizes[g] // 4]
+        n = np.int64(payload[_N_BLOCKS_WORD])
+        head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+        out[at : at + head] = payload[:head]
+        at += head
+        last = payload.shape[0] - 1
+        start = head
+        for b in range(n):  # 8 words from each segment's start, clamped to the last word
+            for k in range(SEGMENT_HEADER_WORDS):
+                out[at + k] = payload[min(start + k, last)]
+            at += SEGMENT_HEADER_WORDS
+            start += np.int64(payload[HEADER_WORDS + DESCRIPTOR_WORDS * b + _SEG_WORDS_FIELD])
+        ends[g + 1] = at
+        p0 += sizes[g] // 4
+    return out, ends
+
+
+def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The skeletons (:func:`skeleton_index`) of well-formed payloads back to back, on the host.
+
+    The words :func:`skeleton_index` names for each payload alone, gathered in one compiled
+    pass (its torch ops cost more than the words they gather on small payloads).
+
+    Args:
+        words: The payloads as uint32 words, back to back (made by ``compress``).
+        sizes: Bytes of each payload.
+
+    Returns:
+        (uint32 skeleton words of every payload, back to back; int64 [n + 1] offsets of each
+        payload's skeleton in them, then the end).
+    """
+    return _skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
+
+
 def payload_skeleton(words: np.ndarray) -> np.ndarray:
     """The skeleton (:func:`skeleton_index`) of one well-formed payload, on the host.
 
@@ -264,17 +321,7 @@ def payload_skeleton(words: np.ndarray) -> np.ndarray:
     Returns:
         uint32 skeleton words.
     """
-    n = int(words[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
-    descs = words[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
-    seg = descs["seg_words"].astype(np.int64)
-    seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
-    idx = skeleton_index(
-        torch.zeros(1, dtype=torch.int64),
-        torch.tensor([words.shape[0]], dtype=torch.int64),
-        [n],
-        torch.from_numpy(seg_start),
-    )
-    return words[idx.numpy()]
+    return payload_skeletons(words, [4 * words.shape[0]])[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec.elementwise import jitable
+
 MAGIC = 0x434C5254  # b"TRLC" read as a little-endian uint32
 VERSION = 1
 
@@ -110,6 +112,7 @@ class CodecError(ValueError):
     """A payload cannot be decoded: truncated, corrupted, or not a torchrec-lossy payload."""
 
 
+@jitable
 def words_for_bytes(n_bytes: int) -> int:
     """Number of 32-bit words that hold ``n_bytes`` bytes (sections are word-aligned).
 
@@ -122,6 +125,7 @@ def words_for_bytes(n_bytes: int) -> int:
     return (n_bytes + 3) // 4
 
 
+@jitable
 def words_for_bits(n_bits: int) -> int:
     """Number of 32-bit words that hold ``n_bits`` bits.
 

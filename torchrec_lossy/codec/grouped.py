@@ -15,6 +15,7 @@ byte-identical to :func:`~torchrec_lossy.codec.compress` of its blocks, and deco
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockStats,
-    payload_skeleton,
+    payload_skeletons,
     skeleton_words,
 )
 from torchrec_lossy.codec.format import CodecError
@@ -58,10 +59,10 @@ class GroupedPayloads:
     stats: list[list[BlockStats]]
     skeletons: list[np.ndarray]
 
-    @property
+    @functools.cached_property
     def offsets(self) -> list[int]:
         """Byte offset of each payload in :attr:`buffer`."""
-        return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])[:-1].tolist()
+        return list(itertools.accumulate(self.sizes, initial=0))[:-1]
 
     def payload(self, group: int) -> torch.Tensor:
         """Group ``group``'s payload (a view of :attr:`buffer`).
@@ -209,17 +210,16 @@ def start_compress_groups(
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
     buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
-    words = buffer.cpu().numpy().view(np.uint32)
-    starts = np.cumsum([0, *out_sizes]) // 4
-    skeletons = [payload_skeleton(words[a:b]) for a, b in itertools.pairwise(starts.tolist())]
+    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
+    offsets = ends.tolist()
+    skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
     done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
-    skel = np.concatenate(skeletons).astype(np.int64) if skeletons else np.zeros(0, np.int64)
     return PendingGroups(
-        torch.tensor(done.sizes, dtype=torch.int64).to(device),
+        torch.tensor(out_sizes, dtype=torch.int64, device=device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
-        torch.from_numpy(skel).to(device),
-        [s.shape[0] for s in skeletons],
+        torch.from_numpy(skel.astype(np.int64)).to(device),
+        [b - a for a, b in itertools.pairwise(offsets)],
     )
 
 

@@ -1,11 +1,15 @@
-"""The compiled CPU codec, batched: every stage runs once over all blocks of a payload.
+"""The compiled CPU codec, batched: one compiled call encodes every block of every payload.
 
-The blocks are concatenated (values, raw bits, rows) with per-block offsets, and each stage is
-one numba call over the whole concatenation: finite ranges, quantization, vector-LZ, Huffman
-planning, the payload writer and, on the way back, the payload reader. No Python runs per block
-except where a block needs what almost none do (the median of an outlier block). The bytes are
-those of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the
-mode choice is ``size_model``'s and the checksum ``container``'s, shared with the device path.
+The blocks are concatenated (values, raw bits, rows) with per-block offsets, and one numba call
+(``_compress_kernel``) runs every stage over the whole concatenation: finite ranges and relative
+bounds, quantization, vector-LZ, Huffman planning, the mode choice, the payload writer, the
+descriptors, headers and checksums; on the way back, one call reads every segment. No Python
+runs per block, and the fixed cost of a call is a few numpy / torch calls around the compiled
+one, so small all-to-all payloads pay for their bytes, not for the stages. The bytes are those
+of the stage-by-stage path (``pipeline`` with ``ReferenceOps``, the test oracle), and the mode
+choice is ``size_model``'s, the relative bound ``bounds.finite_span``'s and the checksum
+``format``'s, shared with the device path (the first two compile into the kernel through
+``elementwise``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import finite_span
-from torchrec_lossy.codec.container import checksum
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
@@ -40,6 +43,7 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     SYMBOL_OFFSET,
     VERSION,
+    checksum_words,
 )
 from torchrec_lossy.config import CodecConfig
 
@@ -99,16 +103,17 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _flatten(blocks: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(blocks: Sequence[torch.Tensor], all_float32: bool) -> tuple[np.ndarray, np.ndarray]:
     """All blocks' values as one float32 array and their raw bits as one int32 array.
 
     16-bit bits are sign-extended, as ``pipeline``'s ``astype(np.int32)``; an all-float32
-    payload costs one copy into a reused buffer (the bits are a view of the values).
+    payload on the host (``all_float32``, blocks on one device) costs one copy into a reused
+    buffer (the bits are a view of the values).
     """
     if not blocks:
         return np.zeros(0, np.float32), np.zeros(0, np.int32)
-    flat = [b.detach().reshape(-1) for b in blocks]
-    if all(f.dtype == torch.float32 and f.device.type == "cpu" for f in flat):
+    flat = [(b.detach() if b.requires_grad else b).reshape(-1) for b in blocks]
+    if all_float32 and blocks[0].device.type == "cpu":
         n = sum(f.shape[0] for f in flat)
         x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32)).numpy()
         return x, x.view(np.int32)
@@ -279,28 +284,214 @@ def _emit_kernel(
     return seg_words
 
 
-def _plan(
+@numba.njit(cache=True, nogil=True, inline="always")
+def _code_offsets(sym_lo: np.ndarray, sym_hi: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """Start of each block's compact code lengths (value symbols, then the escape)."""
+    nb = sym_lo.shape[0]
+    off = np.zeros(nb + 1, np.int64)
+    for b in range(nb):
+        off[b + 1] = off[b] + (max(sym_hi[b] - sym_lo[b] + 1, 0) + 1 if active[b] else 0)
+    return off
+
+
+@numba.njit(cache=True, nogil=True)
+def _compress_kernel(
+    x: np.ndarray,
+    bits: np.ndarray,
+    layout: np.ndarray,
+    bnd: np.ndarray,
+    relative: np.ndarray,
+    groups: np.ndarray,
+    keys: np.ndarray,
+    quantization: bool,
+    lz: bool,
+    grid_scale: float,
+    chunk: int,
     symbols: np.ndarray,
-    elem_off: np.ndarray,
-    row_off: np.ndarray,
-    dims: np.ndarray,
-    rows_sel: np.ndarray,
-    n_sel: np.ndarray,
-    ids: np.ndarray,
-    weighted: np.ndarray,
-    sym_lo: np.ndarray,
-    sym_hi: np.ndarray,
-    active: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Compact Huffman codes of the selected rows: (plan [5, n], lengths offsets, lengths)."""
-    width = np.where(active, np.maximum(sym_hi - sym_lo + 1, 0) + 1, 0)
-    len_off = _offsets(width)
-    lengths = np.zeros(int(len_off[-1]), np.uint8)
-    plan = huffman.plan_blocks_kernel(
-        symbols, elem_off, row_off, dims, rows_sel, n_sel, ids, weighted, sym_lo, sym_hi, active,
-        len_off, lengths,
+    row_scratch: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
+
+    ``layout`` is int64 [3, n_blocks]: rows, columns and dtype code of each block. ``bnd`` is
+    updated in place (relative bounds resolved); the scratch arrays (``symbols`` as long as
+    ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads' words, back
+    to back; bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent,
+    escapes; float64 max error per block).
+    """
+    rows, dims, dcodes = layout[0], layout[1], layout[2]
+    nb = rows.shape[0]
+    ng = groups.shape[0]
+    ids_q, first_q, ids_r, first_r = row_scratch[0], row_scratch[1], row_scratch[2], row_scratch[3]
+    itemsize = np.empty(nb, np.int64)
+    elem_off = np.zeros(nb + 1, np.int64)
+    row_off = np.zeros(nb + 1, np.int64)
+    for b in range(nb):
+        itemsize[b] = 4 if dcodes[b] == 1 else 2
+        elem_off[b + 1] = elem_off[b] + rows[b] * dims[b]
+        row_off[b + 1] = row_off[b] + rows[b]
+    n_rows = row_off[nb]
+    every_row = np.empty(n_rows, np.int32)
+    for b in range(nb):
+        for r in range(rows[b]):
+            every_row[row_off[b] + r] = r
+
+    # 1. Quantization parameters (quantize.quant_params, for every block at once); relative
+    # bounds resolved as bounds.absolute_bounds does.
+    lo, hi = quantize.finite_ranges_kernel(x, elem_off)
+    wanted = np.zeros(nb, np.bool_)
+    grid = np.empty(nb, np.float64)
+    mid = np.zeros(nb, np.float64)
+    for b in range(nb):
+        if relative[b]:
+            span = finite_span(np.float32(lo[b]), np.float32(hi[b]))
+            bnd[b] = bnd[b] * span if bnd[b] > 0 else 0.0
+        numel = elem_off[b + 1] - elem_off[b]
+        wanted[b] = bnd[b] > 0 and numel > 0 and quantization
+        # The grid the codes live on (quantize.grid_bound: half the bound for stochastic).
+        grid[b] = grid_scale * bnd[b]
+        if np.isnan(lo[b]):
+            continue
+        if (hi[b] - lo[b]) <= 2 * SYMBOL_OFFSET * min(2.0 * grid[b], _FLT_MAX):
+            mid[b] = 0.5 * (lo[b] + hi[b])
+        elif wanted[b]:  # outliers: the median of the block's finite values
+            v = x[elem_off[b] : elem_off[b + 1]]
+            fin = v[np.isfinite(v)].astype(np.float64)
+            mid[b] = np.median(fin)
+    step, inv_step, center, quant_ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
+
+    # 2. Quantize (only the active blocks' symbols are ever read).
+    max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
+        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys
+    )
+
+    # 3. Vector-LZ over the symbols.
+    lz_allowed = np.empty(nb, np.bool_)
+    deduped = np.empty(nb, np.bool_)
+    for b in range(nb):
+        lz_allowed[b] = lz and rows[b] > 1 and elem_off[b + 1] > elem_off[b]
+        deduped[b] = quant_ok[b] and lz_allowed[b]
+    nu_q = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, elem_off, row_off, dims, deduped, False, ids_q, first_q
+    )
+    quant_lz_ok = np.empty(nb, np.bool_)
+    for b in range(nb):
+        quant_lz_ok[b] = deduped[b] and nu_q[b] < rows[b]
+
+    # 4. Huffman codes of all rows (their histogram from the distinct rows, weighted) and of
+    # the distinct rows; sizes; mode choice (size_model, per block).
+    len_off_q = _code_offsets(sym_lo, sym_hi, quant_ok)
+    len_off_u = _code_offsets(sym_lo, sym_hi, quant_lz_ok)
+    lengths_q = np.zeros(len_off_q[nb], np.uint8)
+    lengths_u = np.zeros(len_off_u[nb], np.uint8)
+    plan_q, plan_u = huffman.plan_blocks_kernel(
+        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, deduped, sym_lo, sym_hi,
+        quant_ok, quant_lz_ok, len_off_q, lengths_q, len_off_u, lengths_u,
     )  # fmt: skip
-    return np.stack(plan), len_off, lengths
+    mode = np.empty(nb, np.int64)
+    best = np.empty(nb, np.int64)
+    tried = np.empty(nb, np.bool_)
+    for b in range(nb):
+        isz = itemsize[b]
+        quant_w = sm.quant_words(
+            plan_q[4, b], isz, sm.code_words(plan_q[1, b], plan_q[0, b], plan_q[3, b], chunk)
+        )
+        quant_lz_w = sm.quant_lz_words(
+            rows[b], max(nu_q[b], 1), plan_u[4, b], isz,
+            sm.code_words(plan_u[1, b], plan_u[0, b], plan_u[3, b], chunk),
+        )  # fmt: skip
+        raw_words = ((elem_off[b + 1] - elem_off[b]) * isz + 3) // 4
+        mode[b], best[b] = sm.choose_lossy(
+            raw_words, quant_ok[b], quant_w, quant_lz_ok[b], quant_lz_w
+        )
+        lower = max(nu_q[b], 1) if deduped[b] else 1
+        tried[b] = sm.lossless_may_win(lz_allowed[b], rows[b], dims[b], isz, lower, best[b])
+    nu_r = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, elem_off, row_off, dims, tried, True, ids_r, first_r
+    )
+    # The segment header's reference fields: the packing of the distinct vectors sent; a quant
+    # block names its rows' id width with no packing. And each segment's size bound: a coded
+    # stream exceeds its estimate by less than a word a chunk.
+    ref_mode = np.empty(nb, np.int64)
+    ref_width = np.empty(nb, np.int64)
+    seg_max = np.empty(nb, np.int64)
+    for b in range(nb):
+        lossless_w = sm.lossless_lz_words(rows[b], max(nu_r[b], 1), dims[b], itemsize[b])
+        m = sm.choose_lossless(
+            mode[b], best[b], tried[b], lossless_w, elem_off[b + 1] - elem_off[b]
+        )
+        mode[b] = m
+        sent = rows[b]
+        coded = 0
+        if m == MODE_QUANT_LZ:
+            sent = max(nu_q[b], 1)
+            coded = nu_q[b]
+        elif m == MODE_LZ:
+            sent = max(nu_r[b], 1)
+        elif m == MODE_QUANT:
+            coded = rows[b]
+        r_mode, ref_width[b], _ = sm.refs(rows[b], max(sent, 1))
+        ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
+        n_chunks = (coded * dims[b] + chunk - 1) // chunk
+        seg_max[b] = (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2
+
+    # 5. The payloads: header, descriptors, segments per group, written in place.
+    skip = np.zeros(nb + 1, np.int64)  # words before a block's segment: its group's lead
+    total = seg_max.sum()
+    at = 0
+    for g in range(ng):
+        lead = _HEADER_WORDS + _DESCRIPTOR_WORDS * groups[g]
+        skip[at] += lead  # an empty group's lead lands on the next block
+        total += lead
+        at += groups[g]
+    out = np.zeros(total, np.uint32)
+    seg_words = _emit_kernel(
+        out, bits, symbols, elem_off, row_off, rows, dims, itemsize, mode, ref_mode, ref_width,
+        step, center, chunk, every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo,
+        plan_q, len_off_q, lengths_q, plan_u, len_off_u, lengths_u, skip,
+    )  # fmt: skip
+    desc = np.zeros(nb, DESCRIPTOR)
+    for b in range(nb):
+        desc[b]["rows"], desc[b]["dim"] = rows[b], dims[b]
+        desc[b]["dtype"], desc[b]["mode"] = dcodes[b], mode[b]
+        desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], bnd[b]
+    desc_words = desc.view(np.uint32)
+    header = np.zeros(ng, HEADER)
+    sizes = np.empty(ng, np.int64)
+    p0 = 0
+    b0 = 0
+    for g in range(ng):
+        n = groups[g]
+        d0 = p0 + _HEADER_WORDS
+        p1 = d0 + _DESCRIPTOR_WORDS * n + seg_words[b0 : b0 + n].sum()
+        out[d0 : d0 + _DESCRIPTOR_WORDS * n] = desc_words[
+            _DESCRIPTOR_WORDS * b0 : _DESCRIPTOR_WORDS * (b0 + n)
+        ]
+        header[g]["magic"], header[g]["version"], header[g]["n_blocks"] = MAGIC, VERSION, n
+        header[g]["body_words"] = p1 - d0
+        header[g]["checksum"] = checksum_words(out[d0:p1])
+        sizes[g] = p1 - p0
+        p0 = p1
+        b0 += n
+    header_words = header.view(np.uint32)
+    p0 = 0
+    for g in range(ng):
+        out[p0 : p0 + _HEADER_WORDS] = header_words[_HEADER_WORDS * g : _HEADER_WORDS * (g + 1)]
+        p0 += sizes[g]
+        sizes[g] *= 4
+
+    per_block = np.zeros((4, nb), np.int64)
+    for b in range(nb):
+        m = mode[b]
+        per_block[0, b] = m
+        per_block[1, b] = seg_words[b]
+        per_block[2, b] = nu_q[b] if m == MODE_QUANT_LZ else nu_r[b] if m == MODE_LZ else rows[b]
+        if m == MODE_QUANT:
+            per_block[3, b] = plan_q[4, b]
+        elif m == MODE_QUANT_LZ:
+            per_block[3, b] = plan_u[4, b]
+        if m != MODE_QUANT and m != MODE_QUANT_LZ:
+            max_err[b] = 0.0
+    return out[:p0], sizes, per_block, max_err
 
 
 def compress_blocks(
@@ -326,140 +517,33 @@ def compress_blocks(
         The payloads and per-block results.
     """
     nb = len(blocks)
-    groups = np.array([nb] if group_sizes is None else list(group_sizes), np.int64)
-    rows = np.array([b.shape[0] for b in blocks], np.int64)
-    dims = np.array([b.shape[1] for b in blocks], np.int64)
-    dcodes = np.array([DTYPE_CODES[b.dtype] for b in blocks], np.int64)
-    itemsize = np.where(dcodes == 1, 4, 2).astype(np.int64)
+    group_list = [nb] if group_sizes is None else list(group_sizes)
+    rows_list = [b.shape[0] for b in blocks]
+    dcodes_list = [DTYPE_CODES[b.dtype] for b in blocks]
+    layout = np.array([rows_list, [b.shape[1] for b in blocks], dcodes_list], np.int64)
     bnd = np.array(bounds, np.float64).reshape(nb)
-    numel = rows * dims
-    elem_off = _offsets(numel)
-    row_off = _offsets(rows)
-    n_rows = int(row_off[-1])
-    x, bits = _flatten(blocks)
-    chunk = config.huffman_chunk_symbols
-
-    # 1. Quantization parameters (quantize.quant_params, for every block at once).
-    lo, hi = quantize.finite_ranges_kernel(x, elem_off)
-    if relative is not None and any(relative):
-        span = finite_span(
-            torch.from_numpy(lo.astype(np.float32)), torch.from_numpy(hi.astype(np.float32))
-        ).numpy()
-        bnd = np.where(np.asarray(relative, bool), np.where(bnd > 0, bnd * span, 0.0), bnd)
-    wanted = (bnd > 0) & (numel > 0) & config.enable_quantization
-    # The grid the codes live on (quantize.grid_bound: half the bound for stochastic rounding),
-    # and each block's rounding key (pipeline.sr_keys: counted within the block's own payload).
+    rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_).reshape(nb)
+    x, bits = _flatten(blocks, dcodes_list.count(1) == nb)
+    n_rows = sum(rows_list)
+    # Each block's rounding key (pipeline.sr_keys: counted within the block's own payload).
     stochastic = config.rounding == "stochastic"
-    grid = quantize.grid_bound(1.0, stochastic) * bnd
-    local = np.arange(nb, dtype=np.int64) - np.repeat(_offsets(groups)[:-1], groups)
-    keys = quantize.block_keys(stochastic, config.seed, local)
-    finite = ~np.isnan(lo)
-    with np.errstate(invalid="ignore"):
-        narrow = (hi - lo) <= 2 * SYMBOL_OFFSET * np.minimum(2.0 * grid, _FLT_MAX)
-    mid = np.where(finite & narrow, 0.5 * (lo + hi), 0.0)
-    for b in np.flatnonzero(wanted & finite & ~narrow):  # outliers: the median of the block
-        v = x[elem_off[b] : elem_off[b + 1]]
-        mid[b] = float(np.median(v[np.isfinite(v)].astype(np.float64)))
-    step, inv_step, center, quant_ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
-
-    # 2. Quantize.
-    # Only the active blocks' symbols are ever read.
-    symbols = _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16)
-    max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
-        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys
-    )
-
-    # 3. Vector-LZ over the symbols.
-    lz_allowed = config.enable_lz & (rows > 1) & (numel > 0)
-    ids_q = _SCRATCH.get("ids_q", n_rows, torch.int32).numpy()
-    first_q = _SCRATCH.get("first_q", n_rows, torch.int32).numpy()
-    nu_q = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, elem_off, row_off, dims, quant_ok & lz_allowed, False, ids_q, first_q
-    )
-    quant_lz_ok = quant_ok & lz_allowed & (nu_q < rows)
-
-    # 4. Huffman codes of all rows and of the distinct rows; sizes; mode choice.
-    every_row = (np.arange(n_rows, dtype=np.int64) - np.repeat(row_off[:-1], rows)).astype(np.int32)
-    deduped = quant_ok & lz_allowed  # all rows' histogram from the distinct rows, weighted
-    plan_q, len_off_q, lengths_q = _plan(
-        symbols, elem_off, row_off, dims, np.where(np.repeat(deduped, rows), first_q, every_row),
-        np.where(deduped, nu_q, rows), ids_q, deduped, sym_lo, sym_hi, quant_ok,
+    local = np.array([i for n in group_list for i in range(n)], np.int64)
+    row_scratch = _SCRATCH.get("rows", 4 * n_rows, torch.int32).numpy().reshape(4, n_rows)
+    words, sizes, per_block, max_err = _compress_kernel(
+        x, bits, layout.reshape(3, nb), bnd, rel, np.array(group_list, np.int64),
+        quantize.block_keys(stochastic, config.seed, local), config.enable_quantization,
+        config.enable_lz, quantize.grid_bound(1.0, stochastic), config.huffman_chunk_symbols,
+        _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16), row_scratch,
     )  # fmt: skip
-    plan_u, len_off_u, lengths_u = _plan(
-        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, np.zeros_like(deduped), sym_lo,
-        sym_hi, quant_lz_ok,
-    )  # fmt: skip
-    quant_w = sm.quant_words(
-        plan_q[4], itemsize, sm.code_words(plan_q[1], plan_q[0], plan_q[3], chunk)
-    )
-    nu_q1 = np.maximum(nu_q, 1)
-    quant_lz_w = sm.quant_lz_words(
-        rows, nu_q1, plan_u[4], itemsize, sm.code_words(plan_u[1], plan_u[0], plan_u[3], chunk)
-    )
-    raw_words = (numel * itemsize + 3) // 4
-    mode, best = sm.choose_lossy(raw_words, quant_ok, quant_w, quant_lz_ok, quant_lz_w)
-    lower = np.where(quant_ok & lz_allowed, nu_q1, 1)
-    tried = sm.lossless_may_win(lz_allowed, rows, dims, itemsize, lower, best)
-    ids_r = _SCRATCH.get("ids_r", n_rows, torch.int32).numpy()
-    first_r = _SCRATCH.get("first_r", n_rows, torch.int32).numpy()
-    nu_r = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, elem_off, row_off, dims, tried, True, ids_r, first_r
-    )
-    lossless_w = sm.lossless_lz_words(rows, np.maximum(nu_r, 1), dims, itemsize)
-    mode = sm.choose_lossless(mode, best, tried, lossless_w, numel).astype(np.int64)
-    # The segment header's reference fields: the packing of the distinct vectors sent; a quant
-    # block names its rows' id width with no packing.
-    sent = np.select([mode == MODE_QUANT_LZ, mode == MODE_LZ], [nu_q1, np.maximum(nu_r, 1)], rows)
-    ref_mode, ref_width, _ = sm.refs(rows, np.maximum(sent, 1))
-    ref_mode = np.where((mode == MODE_QUANT_LZ) | (mode == MODE_LZ), ref_mode, 0)
-
-    # 5. The payloads: header, descriptors, segments per group, written in place.
-    # Sized from the estimates: a coded stream exceeds its estimate by less than a word a chunk.
-    n_chunks = (np.select([mode == MODE_QUANT, mode == MODE_QUANT_LZ], [rows, nu_q], 0) * dims
-                + chunk - 1) // chunk  # fmt: skip
-    seg_max = np.where(mode == MODE_LZ, lossless_w, best) + n_chunks + 2
-    group_off = _offsets(groups)
-    lead = _HEADER_WORDS + _DESCRIPTOR_WORDS * groups  # words before a group's first segment
-    skip = np.zeros(nb + 1, np.int64)
-    np.add.at(skip, group_off[:-1], lead)  # an empty group's lead lands on the next block
-    out = np.zeros(int(lead.sum()) + int(seg_max.sum()), np.uint32)
-    seg_words = _emit_kernel(
-        out, bits, symbols, elem_off, row_off, rows, dims, itemsize, mode,
-        ref_mode.astype(np.int64), ref_width.astype(np.int64), step, center, chunk,
-        every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo, plan_q, len_off_q,
-        lengths_q, plan_u, len_off_u, lengths_u, skip,
-    )  # fmt: skip
-    desc = np.zeros(nb, DESCRIPTOR)
-    desc["rows"], desc["dim"], desc["dtype"], desc["mode"] = rows, dims, dcodes, mode
-    desc["seg_words"], desc["bound"] = seg_words, bnd
-    desc_words = desc.view(np.uint32).reshape(nb, _DESCRIPTOR_WORDS)
-    payload_words = lead + np.add.reduceat(np.append(seg_words, 0), group_off[:-1]) * (groups > 0)
-    payload_off = _offsets(payload_words)
-    header = np.zeros(groups.shape[0], HEADER)
-    header["magic"], header["version"], header["n_blocks"] = MAGIC, VERSION, groups
-    header["body_words"] = payload_words - _HEADER_WORDS
-    for g, (p0, p1, b0, b1) in enumerate(  # per group: a few numpy calls, no per-block work
-        zip(payload_off[:-1].tolist(), payload_off[1:].tolist(), group_off[:-1].tolist(),
-            group_off[1:].tolist(), strict=True)
-    ):  # fmt: skip
-        d0 = p0 + _HEADER_WORDS
-        out[d0 : d0 + _DESCRIPTOR_WORDS * (b1 - b0)] = desc_words[b0:b1].reshape(-1)
-        header["checksum"][g] = checksum(out[d0:p1])
-        out[p0:d0] = header[g : g + 1].view(np.uint32)
-    end = int(payload_off[-1])
-
-    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
     return BatchEncoded(
-        payload=out[:end].view(np.uint8)
-        if end == out.shape[0]
-        else out[:end].copy().view(np.uint8),
-        sizes=(4 * payload_words).tolist(),
+        payload=words.view(np.uint8),
+        sizes=sizes.tolist(),
         bounds=bnd,
-        mode=mode,
-        seg_words=seg_words,
-        max_error=np.where(is_q, max_err, 0.0),
-        n_unique=np.select([mode == MODE_QUANT_LZ, mode == MODE_LZ], [nu_q, nu_r], rows),
-        n_escapes=np.select([mode == MODE_QUANT, mode == MODE_QUANT_LZ], [plan_q[4], plan_u[4]], 0),
+        mode=per_block[0],
+        seg_words=per_block[1],
+        max_error=max_err,
+        n_unique=per_block[2],
+        n_escapes=per_block[3],
     )
 
 

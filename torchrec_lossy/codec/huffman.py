@@ -57,20 +57,21 @@ def code_lengths_kernel(hist: np.ndarray) -> np.ndarray:
     next_internal = m
     n_nodes = m
     for _ in range(m - 1):
-        picked = np.empty(2, dtype=np.int64)
-        for t in range(2):
+        for t in range(2):  # the two lightest nodes (scalars: no array per merge)
             take_leaf = next_leaf < m and (
                 next_internal >= n_nodes or weight[next_leaf] <= weight[next_internal]
             )
             if take_leaf:
-                picked[t] = next_leaf
+                node = next_leaf
                 next_leaf += 1
             else:
-                picked[t] = next_internal
+                node = next_internal
                 next_internal += 1
-        weight[n_nodes] = weight[picked[0]] + weight[picked[1]]
-        parent[picked[0]] = n_nodes
-        parent[picked[1]] = n_nodes
+            parent[node] = n_nodes
+            if t == 0:
+                weight[n_nodes] = weight[node]
+            else:
+                weight[n_nodes] += weight[node]
         n_nodes += 1
     depth = np.zeros(2 * m - 1, dtype=np.int64)
     for node in range(2 * m - 3, -1, -1):
@@ -243,56 +244,87 @@ def _histogram4(symbols: np.ndarray, base: int, esc: int, hists: np.ndarray, wei
         hists[0, esc if s == ESCAPE_SYMBOL else s - base] += weight
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _plan_into(hists: np.ndarray, base: int, lengths: np.ndarray, plan: np.ndarray, b: int) -> None:
+    """The code of a compact histogram (4 interleaved ones, summed): its lengths into
+    ``lengths``, its (coded bits, symbols, lowest value symbol with a code, span of the value
+    symbols with a code, escapes) into ``plan[:, b]``."""
+    hist = (hists[0] + hists[1] + hists[2] + hists[3]).astype(np.int64)
+    width = hist.shape[0]
+    esc = width - 1
+    blk_lengths = code_lengths_kernel(hist)
+    lengths[:] = blk_lengths
+    c_lo = -1
+    c_hi = -1
+    for k in range(width):
+        plan[0, b] += hist[k] * blk_lengths[k]
+        plan[1, b] += hist[k]
+        if k < esc and blk_lengths[k] > 0:
+            if c_lo < 0:
+                c_lo = k
+            c_hi = k
+    if c_lo >= 0:
+        plan[2, b] = base + c_lo
+        plan[3, b] = c_hi - c_lo + 1
+    plan[4, b] = hist[esc]
+
+
 @numba.njit(cache=True, nogil=True)
 def plan_blocks_kernel(
     symbols: np.ndarray,
     elem_off: np.ndarray,
     row_off: np.ndarray,
     dims: np.ndarray,
-    rows_sel: np.ndarray,
-    n_sel: np.ndarray,
+    first_rows: np.ndarray,
+    n_unique: np.ndarray,
     ids: np.ndarray,
-    weighted: np.ndarray,
+    deduped: np.ndarray,
     sym_lo: np.ndarray,
     sym_hi: np.ndarray,
     active: np.ndarray,
+    active_distinct: np.ndarray,
     len_off: np.ndarray,
     lengths: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`plan_kernel` for selected rows of every active block, in one call.
+    len_off_distinct: np.ndarray,
+    lengths_distinct: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`plan_kernel` of all rows and of the distinct rows of every block, in one call.
 
     Histograms and codes are compact: block ``b``'s value symbols ``sym_lo[b] .. sym_hi[b]``
     then the escape symbol, so a block costs its symbol span, not the alphabet (the code is
-    the same: ties are broken by symbol, whose order the compact index keeps).
+    the same: ties are broken by symbol, whose order the compact index keeps). A deduplicated
+    block's symbols are read once: the distinct rows' histogram, plus each repeated vector's
+    repeats, is the histogram of all rows.
 
     Args:
         symbols: uint16 symbols of every block, flat, back to back.
         elem_off: int64 [n_blocks + 1] block starts in ``symbols``, then the end.
         row_off: int64 [n_blocks + 1] block starts in rows, then the total.
         dims: int64 [n_blocks] columns.
-        rows_sel: int32 [total rows]: block ``b``'s selected block-local rows at ``row_off[b]``.
-        n_sel: int64 [n_blocks] rows selected per block.
-        ids: int32 [total rows] block-local vector ids (read where ``weighted``).
-        weighted: bool [n_blocks]: the selected rows are a block's distinct vectors (numbered
-            as ``ids`` numbers them) and stand for every row: each counts as often as it occurs,
-            so the histogram of all rows costs a pass over the distinct ones only.
+        first_rows: int32 [total rows]: a deduplicated block's first rows (vector-LZ) at its
+            row offset.
+        n_unique: int64 [n_blocks] distinct vectors of each deduplicated block.
+        ids: int32 [total rows] block-local vector ids of the deduplicated blocks.
+        deduped: bool [n_blocks] blocks with ``first_rows``, ``n_unique`` and ``ids``.
         sym_lo: int64 [n_blocks] lowest value symbol of the block (any rows).
         sym_hi: int64 [n_blocks] highest (below sym_lo when every element escapes).
-        active: bool [n_blocks] blocks to plan.
+        active: bool [n_blocks] blocks to plan for all rows.
+        active_distinct: bool [n_blocks] blocks (active and deduplicated) to plan for their
+            distinct rows too.
         len_off: int64 [n_blocks] start of each block's compact lengths in ``lengths``
             (``max(sym_hi - sym_lo + 1, 0) + 1`` entries).
-        lengths: uint8 output: the compact code lengths, the escape's last.
+        lengths: uint8 output: the compact code lengths of all rows, the escape's last.
+        len_off_distinct: As ``len_off``, for ``lengths_distinct``.
+        lengths_distinct: uint8 output: those of the distinct rows.
 
     Returns:
-        Per block (int64): coded bits, symbols, lowest value symbol with a code and span of the
-        value symbols with a code (0, 0 without one), escapes.
+        int64 [5, n_blocks] plans of all rows and of the distinct rows: coded bits, symbols,
+        lowest value symbol with a code and span of the value symbols with a code (0, 0
+        without one), escapes; zeros where not planned.
     """
     nb = dims.shape[0]
-    bits = np.zeros(nb, np.int64)
-    n = np.zeros(nb, np.int64)
-    lo = np.zeros(nb, np.int64)
-    count = np.zeros(nb, np.int64)
-    n_esc = np.zeros(nb, np.int64)
+    plan = np.zeros((5, nb), np.int64)
+    plan_distinct = np.zeros((5, nb), np.int64)
     for b in range(nb):
         if not active[b]:
             continue
@@ -303,35 +335,26 @@ def plan_blocks_kernel(
         hists = np.zeros((4, width), np.int32)
         dim = dims[b]
         blk = symbols[elem_off[b] : elem_off[b + 1]]
-        sel = rows_sel[row_off[b] : row_off[b] + n_sel[b]]
-        if weighted[b]:  # each selected row counts as often as ids refer to it
-            mult = np.zeros(sel.shape[0], np.int32)
-            for v in ids[row_off[b] : row_off[b + 1]]:
-                mult[v] += 1
-            for k in range(sel.shape[0]):
-                _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, mult[k])
-        elif sel.shape[0] * dim == blk.shape[0]:  # every row, in order: one flat pass
+        if not deduped[b]:  # every row, in order: one flat pass
             _histogram4(blk, base, esc, hists, 1)
         else:
-            for k in range(sel.shape[0]):
+            nu = n_unique[b]
+            sel = first_rows[row_off[b] : row_off[b] + nu]
+            for k in range(nu):
                 _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, 1)
-        hist = (hists[0] + hists[1] + hists[2] + hists[3]).astype(np.int64)
-        blk_lengths = code_lengths_kernel(hist)
-        lengths[len_off[b] : len_off[b] + width] = blk_lengths
-        c_lo = -1
-        c_hi = -1
-        for k in range(width):
-            bits[b] += hist[k] * blk_lengths[k]
-            n[b] += hist[k]
-            if k < esc and blk_lengths[k] > 0:
-                if c_lo < 0:
-                    c_lo = k
-                c_hi = k
-        if c_lo >= 0:
-            lo[b] = base + c_lo
-            count[b] = c_hi - c_lo + 1
-        n_esc[b] = hist[esc]
-    return bits, n, lo, count, n_esc
+            if active_distinct[b]:
+                o = len_off_distinct[b]
+                _plan_into(hists, base, lengths_distinct[o : o + width], plan_distinct, b)
+            # Each distinct vector counts as often as ids refer to it: add its repeats.
+            mult = np.zeros(nu, np.int32)
+            for v in ids[row_off[b] : row_off[b + 1]]:
+                mult[v] += 1
+            for k in range(nu):
+                if mult[k] > 1:
+                    row = blk[sel[k] * dim : (sel[k] + 1) * dim]
+                    _histogram4(row, base, esc, hists, mult[k] - 1)
+        _plan_into(hists, base, lengths[len_off[b] : len_off[b] + width], plan, b)
+    return plan, plan_distinct
 
 
 @numba.njit(cache=True, nogil=True)

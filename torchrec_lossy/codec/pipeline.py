@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -682,7 +683,7 @@ def compress_host_groups(
         with record_function("## lossy_codec encode ##"):
             enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
         flat_stats = _batch_stats(blocks, enc)
-        ends = np.cumsum(group_sizes).tolist()
+        ends = itertools.accumulate(group_sizes)
         stats = [flat_stats[e - n : e] for e, n in zip(ends, group_sizes, strict=True)]
         return torch.from_numpy(enc.payload).to(device), enc.sizes, stats
     if relative is not None:

@@ -1,9 +1,11 @@
 """The size model and the per-block mode choice, written once for the host and device paths.
 
 Every function works element-wise on Python ints, numpy arrays or torch tensors (on any device,
-without a sync): the host path (``pipeline``) calls them with one block's scalars, the device
-path (``device_compress``) with ``[n_blocks]`` tensors, so both choose the same mode from the
-same sizes by construction. Sizes are in 32-bit words of a block's segment (docs/format.md).
+without a sync), and compiles into numba kernels (``elementwise.jitable``): the per-block host
+path (``pipeline``) calls them with one block's scalars, the batched host kernel
+(``host_batch``) with each block's scalars in compiled code, the device path
+(``device_compress``) with ``[n_blocks]`` tensors, so all choose the same mode from the same
+sizes by construction. Sizes are in 32-bit words of a block's segment (docs/format.md).
 
 The choice: raw, then quant, then quant+lz win in that order unless a later one is strictly
 smaller; the lossless vector-LZ is tried only when even the quantized count of distinct rows
@@ -13,12 +15,8 @@ so far, so the host path can skip its dedupe.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-import numpy as np
-import torch
-
 from torchrec_lossy.codec.container import SEGMENT_HEADER_WORDS
+from torchrec_lossy.codec.elementwise import N, bit_length, clamp_min, jitable, where
 from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_QUANT,
@@ -30,48 +28,8 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 
-# An int, a numpy array or a torch tensor: every function below maps like to like.
-N = TypeVar("N", int, np.ndarray, torch.Tensor)
 
-
-def where(cond: object, a: object, b: object) -> N:
-    """``torch.where`` when any argument is a tensor, else ``np.where``.
-
-    Args:
-        cond: Condition (bool, array or tensor).
-        a: Value where true.
-        b: Value where false.
-
-    Returns:
-        The selection (a tensor, or a numpy array).
-    """
-    if any(isinstance(v, torch.Tensor) for v in (cond, a, b)):
-        ref = next(v for v in (cond, a, b) if isinstance(v, torch.Tensor))
-
-        def t(v: object) -> torch.Tensor:
-            return v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=ref.device)
-
-        return torch.where(t(cond), t(a), t(b))
-    return np.where(cond, a, b)
-
-
-def bit_length(x: N) -> N:
-    """``int.bit_length`` of non-negative values below 2**48, element-wise.
-
-    Args:
-        x: Non-negative ints.
-
-    Returns:
-        Their bit lengths (same kind as ``x``).
-    """
-    if isinstance(x, torch.Tensor):
-        k = torch.arange(48, device=x.device)
-        return ((x[..., None] >> k) > 0).sum(dim=-1)
-    if isinstance(x, np.ndarray):
-        return np.frexp(x.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
-    return int(x).bit_length()
-
-
+@jitable
 def refs(rows: N, n_unique: N) -> tuple[N, N, N]:
     """The cheaper reference packing of blocks with ``n_unique`` distinct vectors.
 
@@ -83,18 +41,14 @@ def refs(rows: N, n_unique: N) -> tuple[N, N, N]:
         (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width ``bit_length(n_unique - 1)``;
         bits of that packing).
     """
-    if isinstance(n_unique, torch.Tensor):
-        width = bit_length((n_unique - 1).clamp(min=0))
-    elif isinstance(n_unique, np.ndarray):
-        width = bit_length(np.maximum(n_unique - 1, 0))
-    else:
-        width = bit_length(max(n_unique - 1, 0))
+    width = bit_length(clamp_min(n_unique - 1, 0))
     fixed = rows * width
     flagged = rows + (rows - n_unique) * width
     mode = where(fixed > flagged, REFS_FLAGGED, REFS_FIXED)
     return mode, width, where(fixed > flagged, flagged, fixed)
 
 
+@jitable
 def escape_words(n_escapes: N, itemsize: N) -> N:
     """Words of the escape positions and escaped values.
 
@@ -108,6 +62,7 @@ def escape_words(n_escapes: N, itemsize: N) -> N:
     return n_escapes + words_for_bytes(n_escapes * itemsize)
 
 
+@jitable
 def code_words(n_symbols: N, code_bits: N, sym_count: N, chunk_symbols: int) -> N:
     """Words of a Huffman-coded stream: codebook, chunk table and bitstream.
 
@@ -127,6 +82,7 @@ def code_words(n_symbols: N, code_bits: N, sym_count: N, chunk_symbols: int) -> 
     return codebook + n_chunks + words_for_bits(code_bits) + n_chunks // 2
 
 
+@jitable
 def quant_words(n_escapes: N, itemsize: N, coded_words: N) -> N:
     """Estimated segment words of mode quant.
 
@@ -141,6 +97,7 @@ def quant_words(n_escapes: N, itemsize: N, coded_words: N) -> N:
     return SEGMENT_HEADER_WORDS + escape_words(n_escapes, itemsize) + coded_words
 
 
+@jitable
 def quant_lz_words(rows: N, n_unique: N, n_escapes: N, itemsize: N, coded_words: N) -> N:
     """Estimated segment words of mode quant+lz.
 
@@ -163,6 +120,7 @@ def quant_lz_words(rows: N, n_unique: N, n_escapes: N, itemsize: N, coded_words:
     )
 
 
+@jitable
 def lossless_lz_words(rows: N, n_unique: N, dim: N, itemsize: N) -> N:
     """Segment words of mode lz (lossless vector-LZ).
 
@@ -182,6 +140,7 @@ def lossless_lz_words(rows: N, n_unique: N, dim: N, itemsize: N) -> N:
     )
 
 
+@jitable
 def choose_lossy(
     raw_words: N, quant_ok: N, quant_w: N, quant_lz_ok: N, quant_lz_w: N
 ) -> tuple[N, N]:
@@ -204,6 +163,7 @@ def choose_lossy(
     return where(better, MODE_QUANT_LZ, mode), where(better, quant_lz_w, best)
 
 
+@jitable
 def lossless_may_win(lz_allowed: N, rows: N, dim: N, itemsize: N, n_unique_lower: N, best: N) -> N:
     """Whether the lossless dedupe is worth running: its smallest possible size beats ``best``.
 
@@ -222,6 +182,7 @@ def lossless_may_win(lz_allowed: N, rows: N, dim: N, itemsize: N, n_unique_lower
     return lz_allowed & (lossless_lz_words(rows, n_unique_lower, dim, itemsize) < best)
 
 
+@jitable
 def choose_lossless(mode: N, best: N, tried: N, lossless_w: N, numel: N) -> N:
     """The final mode: lz where it was tried and is strictly smaller.
 

@@ -468,7 +468,7 @@ def start_encode(
         # without codec blocks sends none).
         raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
         group_of = {p: g for g, p in enumerate(peers)}
-        (raw_len_t,) = upload([np.array(raw_len, np.int64)], device)
+        (raw_len_t,) = upload([raw_len], device)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         codec_len = [
             pending.device_sizes[group_of[p] : group_of[p] + 1]
@@ -521,8 +521,8 @@ def start_encode(
                 stats.record_container(
                     direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)
                 )
-            if parts:
-                payloads[p] = torch.cat(parts)
+            if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
+                payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         # The codec works on all peers at once: its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         shares: dict[str, int] = {}

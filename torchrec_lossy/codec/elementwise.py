@@ -1,0 +1,191 @@
+"""Element-wise primitives for rules written once for every backend.
+
+The size model (``size_model``) and the relative-bound rule (``bounds.finite_span``) are plain
+arithmetic on top of these few primitives, so one definition serves Python scalars, numpy arrays,
+torch tensors on any device (no sync) and numba-compiled code: here each primitive dispatches on
+its arguments' kind, and a numba overload gives its scalar form, so a rule decorated with
+:func:`jitable` compiles into the host codec's kernels unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+import torch
+from numba import types
+from numba.extending import overload, register_jitable
+
+# An int, a float, a numpy array or a torch tensor: every function below maps like to like.
+N = TypeVar("N", int, float, np.ndarray, torch.Tensor)
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def jitable(fn: F) -> F:
+    """Makes a rule written with these primitives callable from numba-compiled code.
+
+    Args:
+        fn: The rule (its Python behaviour is unchanged).
+
+    Returns:
+        ``fn`` itself.
+    """
+    return register_jitable(fn)
+
+
+def where(cond: object, a: object, b: object) -> N:
+    """``torch.where`` when any argument is a tensor, else ``np.where``.
+
+    Args:
+        cond: Condition (bool, array or tensor).
+        a: Value where true.
+        b: Value where false.
+
+    Returns:
+        The selection (a tensor, or a numpy array).
+    """
+    if any(isinstance(v, torch.Tensor) for v in (cond, a, b)):
+        ref = next(v for v in (cond, a, b) if isinstance(v, torch.Tensor))
+
+        def t(v: object) -> torch.Tensor:
+            return v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=ref.device)
+
+        return torch.where(t(cond), t(a), t(b))
+    return np.where(cond, a, b)
+
+
+def clamp_min(x: N, lo: int) -> N:
+    """``max(x, lo)`` element-wise.
+
+    Args:
+        x: Values.
+        lo: The floor.
+
+    Returns:
+        The clamped values (same kind as ``x``).
+    """
+    if isinstance(x, torch.Tensor):
+        return x.clamp(min=lo)
+    if isinstance(x, np.ndarray):
+        return np.maximum(x, lo)
+    return max(x, lo)
+
+
+def bit_length(x: N) -> N:
+    """``int.bit_length`` of non-negative values below 2**48, element-wise.
+
+    Args:
+        x: Non-negative ints.
+
+    Returns:
+        Their bit lengths (same kind as ``x``).
+    """
+    if isinstance(x, torch.Tensor):
+        k = torch.arange(48, device=x.device)
+        return ((x[..., None] >> k) > 0).sum(dim=-1)
+    if isinstance(x, np.ndarray):
+        return np.frexp(x.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
+    return int(x).bit_length()
+
+
+def isfinite(x: N) -> N:
+    """Whether each value is finite.
+
+    Args:
+        x: Floats.
+
+    Returns:
+        Bools (same kind as ``x``).
+    """
+    if isinstance(x, torch.Tensor):
+        return torch.isfinite(x)
+    if isinstance(x, np.ndarray):
+        return np.isfinite(x)
+    return math.isfinite(x)
+
+
+def as_float64(x: N) -> N:
+    """The values in float64 (exact from float32).
+
+    Args:
+        x: Floats.
+
+    Returns:
+        float64 values (same kind as ``x``).
+    """
+    if isinstance(x, torch.Tensor):
+        return x.double()
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return float(x)
+
+
+# Scalar forms inside numba-compiled code (arrays and tensors never reach them there). numba
+# wants each implementation's signature to equal its typing function's, annotations included.
+
+
+def _scalar_only(*args: types.Type) -> bool:
+    return not any(isinstance(a, types.Array) for a in args)
+
+
+@overload(where, jit_options={"nogil": True})
+def _where_nb(cond: types.Type, a: types.Type, b: types.Type) -> Callable | None:
+    if not _scalar_only(cond, a, b):
+        return None
+
+    def impl(cond: types.Type, a: types.Type, b: types.Type) -> Callable | None:
+        return a if cond else b
+
+    return impl
+
+
+@overload(clamp_min, jit_options={"nogil": True})
+def _clamp_min_nb(x: types.Type, lo: types.Type) -> Callable | None:
+    if not _scalar_only(x, lo):
+        return None
+
+    def impl(x: types.Type, lo: types.Type) -> Callable | None:
+        return x if x > lo else lo
+
+    return impl
+
+
+@overload(bit_length, jit_options={"nogil": True})
+def _bit_length_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, types.Integer):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        n = 0
+        while (x >> n) > 0:
+            n += 1
+        return n
+
+    return impl
+
+
+@overload(isfinite, jit_options={"nogil": True})
+def _isfinite_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, types.Float):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        return np.isfinite(x)
+
+    return impl
+
+
+@overload(as_float64, jit_options={"nogil": True})
+def _as_float64_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        return np.float64(x)
+
+    return impl
+
+
+__all__ = ["as_float64", "bit_length", "clamp_min", "isfinite", "jitable", "where"]
