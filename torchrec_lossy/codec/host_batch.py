@@ -613,16 +613,17 @@ def _huffman_values(
     """Decodes a block's symbols straight to their values: ``out[i] = vtable[code index]``.
 
     For a block with no escapes only: it succeeds exactly where ``huffman.decode_range_kernel``
-    with no escape positions does (an escape symbol is an error there, so its table entries are
-    made invalid here). Chunks are independent streams: two are decoded side by side, so the
-    table look-ups of one hide the latency of the other's.
+    with no escape positions does (an escape symbol is an error there). Chunks are independent
+    streams: two are decoded side by side, so the table look-ups of one hide the latency of
+    the other's.
 
     Args:
         stream: uint32 bitstream.
         chunk_ends: uint32 end word of each chunk.
         chunk: Symbols per chunk (>= 1).
         lengths: uint8 code lengths of the compact code (value symbols, then the escape).
-        vtable: Value of each value symbol of the code (int32 bits or uint16 halves).
+        vtable: Value of each symbol of the code (int32 bits or uint16 halves; the escape's,
+            last, is never kept).
         out: The block's values (as ``vtable``), one per symbol.
 
     Returns:
@@ -632,9 +633,7 @@ def _huffman_values(
     if table.shape[0] == 0:
         return False
     escape = lengths.shape[0] - 1
-    for k in range(table.shape[0]):
-        if table[k] >= 0 and (table[k] & 0xFFFF) == escape:
-            table[k] = -1
+    escapes = 0  # counted, not branched on: any is an error (the block has no escapes)
     n_chunks = chunk_ends.shape[0]
     prev = np.int64(0)
     for c in range(n_chunks):
@@ -666,14 +665,16 @@ def _huffman_values(
             sb, wb, bb, nb = _next_symbol(stream, wb, eb, bb, nb, table, sp)
             if sa < 0 or sb < 0:
                 return False
+            escapes += (sa == escape) + (sb == escape)
             out[a0 + i] = vtable[sa]
             out[b0 + i] = vtable[sb]
         for i in range(b_n, a_n):  # the rest of the first
             sa, wa, ba, na = _next_symbol(stream, wa, ea, ba, na, table, sp)
             if sa < 0:
                 return False
+            escapes += sa == escape
             out[a0 + i] = vtable[sa]
-    return True
+    return escapes == 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -780,19 +781,19 @@ def _decode_segment(
     # The values of the code's symbols, dequantized as every element would be (same bits).
     for k in range(count):
         symbols[k] = lo + k
-    vt = vtable[:count]
-    quantize.dequantize_kernel(symbols[:count], step, center, vt)
+    quantize.dequantize_kernel(symbols[:count], step, center, vtable[:count])
     if n_esc == 0:  # the common case: symbols decode straight to values
         if isz == 2:
-            vt16 = vtable16[:count]
+            vt_bits = vtable.view(np.uint32)
             for k in range(count):
-                vt16[k] = np.uint16(quantize.bf16_round_bits(np.int64(vt.view(np.uint32)[k])) >> 16)
+                vtable16[k] = np.uint16(quantize.bf16_round_bits(np.int64(vt_bits[k])) >> 16)
             h = halves_out[:n_sym] if lz else out16[o : o + n_sym]
-            if not _huffman_values(stream, chunk_ends, chunk, code, vt16, h):
+            if not _huffman_values(stream, chunk_ends, chunk, code, vtable16[: count + 1], h):
                 return _FALL_BACK
         else:
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
-            if not _huffman_values(stream, chunk_ends, chunk, code, vt.view(np.int32), vi):
+            vt_i = vtable.view(np.int32)[: count + 1]
+            if not _huffman_values(stream, chunk_ends, chunk, code, vt_i, vi):
                 return _FALL_BACK
     else:
         sym = symbols[:n_sym]

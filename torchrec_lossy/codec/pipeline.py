@@ -858,7 +858,7 @@ def decompress_host_groups(
         starts = list(itertools.accumulate(sizes, initial=0))
         batch = None
         if isinstance(ops, CpuOps) and sizes:
-            batch = host_batch.decompress_payloads(*_word_layout(buf, sizes), max_elements)
+            batch = host_batch.decompress_payloads(*_word_layout(buf, starts), max_elements)
             if device.type != "cpu":
                 batch = dataclasses.replace(
                     batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
@@ -887,7 +887,7 @@ def decompress_host_groups(
     return results
 
 
-def _word_layout(buf: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, ...]:
+def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ...]:
     """The payloads of ``buf`` as words, for ``host_batch.decompress_payloads``.
 
     A view when every payload starts on a word (always, for payloads written by
@@ -895,20 +895,18 @@ def _word_layout(buf: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, ...
 
     Args:
         buf: uint8 payloads back to back.
-        sizes: Bytes of each payload.
+        starts: Byte offset of each payload in ``buf``, then the end.
 
     Returns:
         (uint32 words, int64 first word of each payload, int64 bytes of each payload).
     """
-    n_bytes = np.array(sizes, np.int64)
-    starts = np.zeros(n_bytes.shape[0], np.int64)
-    np.cumsum(n_bytes[:-1], out=starts[1:])
-    if buf.shape[0] % 4 == 0 and not (starts % 4).any():
-        return buf.view(np.uint32), starts // 4, n_bytes
+    n_bytes = np.diff(np.array(starts, np.int64))
+    if all(a % 4 == 0 for a in starts):
+        return buf.view(np.uint32), np.array(starts[:-1], np.int64) // 4, n_bytes
     padded = -(-n_bytes // 4) * 4
-    at = np.zeros_like(starts)
+    at = np.zeros_like(n_bytes)
     np.cumsum(padded[:-1], out=at[1:])
     words = np.zeros(int(padded.sum()), np.uint8)
-    for a, s, n in zip(at.tolist(), starts.tolist(), n_bytes.tolist(), strict=True):
+    for a, s, n in zip(at.tolist(), starts, n_bytes.tolist(), strict=False):
         words[a : a + n] = buf[s : s + n]
     return words.view(np.uint32), at // 4, n_bytes
