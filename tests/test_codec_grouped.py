@@ -80,6 +80,28 @@ def test_host_grouped_payloads_equal_per_group_compress_and_decode() -> None:
         assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want_g]
 
 
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_host_batched_decode_is_the_per_block_reference_decoder(misaligned: bool) -> None:
+    """The one compiled decode call of every payload (escapes, vector-LZ, every dtype, several
+    chunks per block; payloads off word boundaries too) gives the bits of the per-block
+    decoder with the torch reference stages."""
+    groups = groups_of_blocks()
+    groups.append([make_block(200, 8, torch.float32, k, seed=3) for k in ("repeat", "mild")])
+    groups.append([make_block(150, 4, torch.bfloat16, "repeat", seed=5)])
+    out = compress_groups(groups, [[1e-3] * len(g) for g in groups], CFG)
+    buffer = (
+        torch.cat([torch.zeros(1, dtype=torch.uint8), out.buffer])[1:]
+        if misaligned
+        else (out.buffer)
+    )
+    blocks, status = decompress_groups(buffer, out.sizes, backend="cpu")
+    check_groups(status)
+    for g, got_g in enumerate(blocks):
+        want_g = decompress(out.payload(g), backend="reference")
+        assert [(a.dtype, a.shape) for a in got_g] == [(b.dtype, b.shape) for b in want_g]
+        assert [bits(a).tolist() for a in got_g] == [bits(b).tolist() for b in want_g]
+
+
 def test_host_grouped_batch_with_empty_groups_at_both_ends() -> None:
     """Empty groups first, between and last: each payload still equals its group's compress,
     and a corrupt block in one group is that group's error only."""

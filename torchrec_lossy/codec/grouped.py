@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ from torchrec_lossy.codec.pipeline import (
     validate_inputs,
 )
 from torchrec_lossy.config import Backend, CodecConfig
+
+_BACKENDS = frozenset(typing.get_args(Backend))
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,8 @@ def decompress_groups(
     Raises:
         CodecError: ``buffer`` is not a 1-D uint8 tensor, or ``sizes`` do not add up to it.
     """
-    CodecConfig(backend=backend)  # validates the backend name
+    if backend not in _BACKENDS:
+        CodecConfig(backend=backend)  # raises, naming the backends
     sizes = [int(n) for n in sizes]
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise CodecError("buffer must be a 1-D torch.uint8 tensor")

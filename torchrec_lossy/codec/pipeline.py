@@ -45,7 +45,6 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
-    HEADER,
     MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_NAMES,
@@ -838,9 +837,10 @@ def decompress_host_groups(
 ) -> list[list[torch.Tensor] | CodecError]:
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
-    With the compiled backend one batched reader decodes every block of every payload; the
-    blocks it leaves (corrupt ones, float16 quantized ones) go through the per-block decoder in
-    block order, so each payload's result or error is what :func:`decompress` gives for it.
+    With the compiled backend one call parses and decodes every block of every payload; the
+    payloads it leaves (a corrupt one, or one with a float16 quantized block) go through the
+    header parser and the per-block decoder, in block order, for the blocks it did not decode,
+    so each payload's result or error is what :func:`decompress` gives for it.
 
     Args:
         buffer: 1-D uint8 tensor: the payloads back to back.
@@ -854,48 +854,59 @@ def decompress_host_groups(
     device = buffer.device
     buf = buffer.detach().cpu().contiguous().numpy()
     ops = _ops_for(backend)
-    results: list[list[torch.Tensor] | CodecError] = []
     with record_function("## lossy_codec decode ##"):
-        parsed = []
-        at = 0
+        starts = list(itertools.accumulate(sizes, initial=0))
+        batch = None
+        if isinstance(ops, CpuOps) and sizes:
+            batch = host_batch.decompress_payloads(*_word_layout(buf, starts), max_elements)
+            if device.type != "cpu":
+                batch = dataclasses.replace(
+                    batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
+                )
+        results: list[list[torch.Tensor] | CodecError] = []
         for g, n in enumerate(sizes):
+            if batch is not None and batch.complete(g):
+                results.append(batch.blocks(g))
+                continue
             try:
-                parsed.append((at, *parse_header(buf[at : at + n], max_elements), g))
-                results.append([])
-            except CodecError as e:
-                results.append(e)
-            at += n
-        # One batched call over every parsed payload when all lie on word boundaries of the
-        # buffer (always, for payloads written by compress); else one call per payload.
-        aligned = buf.shape[0] % 4 == 0 and all(p[0] % 4 == 0 for p in parsed)
-        batched: list[torch.Tensor | None] = []
-        if isinstance(ops, CpuOps) and parsed:
-            calls = [parsed] if aligned else [[p] for p in parsed]
-            for call in calls:
-                words = buf.view(np.uint32) if aligned else call[0][1]
-                fields = np.array([d[:4] for p in call for d in p[2]], np.int64).reshape(-1, 4)
-                base = [(p[0] + HEADER.itemsize) // 4 if aligned else 0 for p in call]
-                starts = np.concatenate([b + p[3][:-1] for b, p in zip(base, call, strict=True)])
-                ends = np.concatenate([b + p[3][1:] for b, p in zip(base, call, strict=True)])
-                batched += host_batch.decompress_segments(words, starts, ends, *fields.T)
-        else:
-            batched = [None] * sum(len(p[2]) for p in parsed)
-        blocks = iter(batched)
-        for _at, body, desc_fields, offsets, g in parsed:
-            mine = [next(blocks) for _ in desc_fields]
-            try:
-                # Blocks the batched reader left, in block order: the first failing one raises.
-                results[g] = [
+                body, desc_fields, offsets = parse_header(buf[starts[g] : starts[g] + n],
+                                                          max_elements)  # fmt: skip
+                first = int(batch.first[g]) if batch is not None and batch.accepted[g] else -1
+                # Blocks the batched call left, in block order: the first failing one raises.
+                results.append([
                     (
                         _decode_block(body[offsets[i] : offsets[i + 1]], rows, dim,
-                                      CODE_DTYPES[code], mode, i, ops)
-                        if blk is None
+                                      CODE_DTYPES[code], mode, i, ops).to(device)
+                        if first < 0 or (blk := batch.block(first + i)) is None
                         else blk
-                    ).to(device)
-                    for i, ((rows, dim, code, mode, *_rest), blk) in enumerate(
-                        zip(desc_fields, mine, strict=True)
                     )
-                ]  # fmt: skip
+                    for i, (rows, dim, code, mode, *_rest) in enumerate(desc_fields)
+                ])  # fmt: skip
             except CodecError as e:
-                results[g] = e
+                results.append(e)
     return results
+
+
+def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """The payloads of ``buf`` as words, for ``host_batch.decompress_payloads``.
+
+    A view when every payload starts on a word (always, for payloads written by
+    :func:`compress`); else a copy with each payload padded to a whole word.
+
+    Args:
+        buf: uint8 payloads back to back.
+        starts: Byte offset of each payload in ``buf``, then the end.
+
+    Returns:
+        (uint32 words, int64 first word of each payload, int64 bytes of each payload).
+    """
+    n_bytes = np.diff(np.array(starts, np.int64))
+    if all(a % 4 == 0 for a in starts):
+        return buf.view(np.uint32), np.array(starts[:-1], np.int64) // 4, n_bytes
+    padded = -(-n_bytes // 4) * 4
+    at = np.zeros_like(n_bytes)
+    np.cumsum(padded[:-1], out=at[1:])
+    words = np.zeros(int(padded.sum()), np.uint8)
+    for a, s, n in zip(at.tolist(), starts, n_bytes.tolist(), strict=False):
+        words[a : a + n] = buf[s : s + n]
+    return words.view(np.uint32), at // 4, n_bytes

@@ -687,7 +687,7 @@ def decode_payloads(
     """
     comms = info.comms
     dtype = info.dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
+    elem = dtype.itemsize
     offsets = list(itertools.accumulate(recv_sizes, initial=0))
     rows_per_peer = [
         [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
@@ -709,13 +709,14 @@ def decode_payloads(
             # Raw blocks then start 16-byte aligned.
             payload = _aligned(payload)
             payloads[peer] = payload
-            raw_len = sum(
-                _padded(br * s.dim * elem)
-                for s, br in zip(specs, rows, strict=True)
-                if not info.compress[s.table]
-            )
+            raw_len = 0
+            n_coded = 0
+            for s, br in zip(specs, rows, strict=True):
+                if info.compress[s.table]:
+                    n_coded += 1
+                else:
+                    raw_len += _padded(br * s.dim * elem)
             raw_lens[peer] = raw_len
-            n_coded = sum(1 for s in specs if info.compress[s.table])
             size = payload.numel()
             if n_coded == 0 and size != raw_len:
                 _fail(
@@ -734,7 +735,7 @@ def decode_payloads(
                     f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks",
                 )
             if n_coded:
-                codec_parts.append(payload[raw_len:])
+                codec_parts.append(payload[raw_len:] if raw_len else payload)
                 codec_peers.append(peer)
         sizes = [p.numel() for p in codec_parts]
         if codec_parts and sum(sizes) % 4:
@@ -747,7 +748,10 @@ def decode_payloads(
                 specs_per_peer[peer],
                 f"CodecError: a {sizes[g]}-byte payload is not a whole number of words",
             )
-        buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
+        if len(codec_parts) == 1:  # one source (2 ranks): its payload as it came, no copy
+            buffer = codec_parts[0]
+        else:
+            buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
         decoded, status = decompress_groups(
             buffer,
             sizes,
@@ -794,22 +798,17 @@ def decode_payloads(
                     my_rank,
                 )
             )
-    total = (
-        sum(
-            br * s.dim
-            for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False)
-            for s, br in zip(specs, rows, strict=True)
-        )
-        or 1
-    )
     spent = time.perf_counter() - start
+    # The call's time, shared among the sources by their bytes.
+    shares_per_peer: list[dict[str, int]] = []
     for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
         shares: dict[str, int] = {}
         for s, br in zip(specs, rows, strict=True):
             shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
-        comms.stats.record_time(
-            direction, "decode", shares, spent * sum(shares.values()) / (total * elem)
-        )
+        shares_per_peer.append(shares)
+    total = sum(sum(sh.values()) for sh in shares_per_peer) or elem
+    for shares in shares_per_peer:
+        comms.stats.record_time(direction, "decode", shares, spent * sum(shares.values()) / total)
     return out
 
 
@@ -823,33 +822,68 @@ def _split_peer(
     info: LossyAll2AllPooledInfo,
     my_rank: int,
 ) -> list[torch.Tensor]:
-    """One peer's blocks in spec order: raw ones from its payload, coded ones decoded."""
+    """One peer's blocks in spec order: raw ones from its payload, coded ones decoded.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        payload: The peer's payload (its raw blocks first).
+        decoded: Its coded blocks, decoded, in spec order.
+        peer: Its rank.
+        specs: The specs of its blocks.
+        block_rows: Rows of each block.
+        info: Compress flags and dtype.
+        my_rank: This rank.
+
+    Returns:
+        Its blocks, in spec order.
+
+    Raises:
+        LossyAllToAllError: A decoded block's count, shape or dtype is not the layout's.
+    """
     dtype = info.dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
-    n_coded = sum(1 for s in specs if info.compress[s.table])
+    coded_flags = [info.compress[s.table] for s in specs]
+    n_coded = sum(coded_flags)
     if len(decoded) != n_coded:
         _fail(direction, my_rank, peer, specs, f"{len(decoded)} blocks decoded, {n_coded} expected")
+    if n_coded == len(specs):  # no raw block (the usual payload): check and pass them on
+        for s, br, b in zip(specs, block_rows, decoded, strict=True):
+            if b.shape != (br, s.dim) or b.dtype != dtype:
+                _bad_block(direction, my_rank, peer, specs, s, b, (br, s.dim), dtype)
+        return decoded
     blocks: list[torch.Tensor] = []
     coded = iter(decoded)
     raw_at = 0
-    for s, br in zip(specs, block_rows, strict=True):
+    for s, br, is_coded in zip(specs, block_rows, coded_flags, strict=True):
         shape = (br, s.dim)
-        if info.compress[s.table]:
+        if is_coded:
             b = next(coded)
-            if tuple(b.shape) != shape or b.dtype != dtype:
-                _fail(
-                    direction,
-                    my_rank,
-                    peer,
-                    specs,
-                    f"table {s.table}: block {tuple(b.shape)} {b.dtype}, expected {shape} {dtype}",
-                )
+            if b.shape != shape or b.dtype != dtype:
+                _bad_block(direction, my_rank, peer, specs, s, b, shape, dtype)
         else:
-            n = shape[0] * shape[1] * elem
+            n = shape[0] * shape[1] * dtype.itemsize
             b = payload[raw_at : raw_at + n].view(dtype).view(shape)
             raw_at += _padded(n)
         blocks.append(b)
     return blocks
+
+
+def _bad_block(
+    direction: Direction,
+    my_rank: int,
+    peer: int,
+    specs: Sequence[BlockSpec],
+    spec: BlockSpec,
+    block: torch.Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+) -> NoReturn:
+    _fail(
+        direction,
+        my_rank,
+        peer,
+        specs,
+        f"table {spec.table}: block {tuple(block.shape)} {block.dtype}, expected {shape} {dtype}",
+    )
 
 
 def peer_blocks(
