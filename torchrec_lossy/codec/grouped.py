@@ -129,6 +129,8 @@ class PendingGroups:
         device_skeletons: int64 skeleton words of every payload back to back, on the device
             (a receiver decodes without a read given them: :func:`decompress_groups`).
         skeleton_sizes: Words of each payload's skeleton.
+        done: The result, on the host path (known already: :meth:`finish` returns it); None
+            on the device path.
     """
 
     def __init__(
@@ -138,12 +140,14 @@ class PendingGroups:
         finish: Callable[[Sequence[int]], GroupedPayloads],
         device_skeletons: torch.Tensor,
         skeleton_sizes: list[int],
+        done: GroupedPayloads | None = None,
     ) -> None:
         self.device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
         self.device_skeletons = device_skeletons
         self.skeleton_sizes = skeleton_sizes
+        self.done = done
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -220,6 +224,7 @@ def start_compress_groups(
         lambda host: done,
         torch.from_numpy(skel.astype(np.int64)).to(device),
         [b - a for a, b in itertools.pairwise(offsets)],
+        done,
     )
 
 
