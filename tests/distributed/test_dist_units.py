@@ -205,6 +205,9 @@ def test_stats_batched_records_match_one_by_one() -> None:
     for table, error_sum, count in (("a", 0.25, 10), ("b", -1.5, 3), ("a", 0.125, 4)):
         one.record_signed_error("bwd", table, error_sum, count)
     many.record_signed_errors("bwd", ["a", "b", "a"], [0.25, -1.5, 0.125], [10, 3, 4])
+    one.record_ids("input", "f", 9, 2)
+    one.record_ids("input", "g", 5, 0)
+    many.record_id_counts("input", ["f", "g"], [9, 5], [2, 0])
     for d in ("fwd", "bwd", "input"):
         a, b = one.tables(d), many.tables(d)
         assert a.keys() == b.keys()

@@ -169,8 +169,7 @@ class LossyCommsStats:
             max_error: Its largest finite-element error.
             abs_bound: Its absolute bound, or None where no bound applies.
         """
-        with self._lock:
-            self._add_block(direction, table, raw_bytes, wire_bytes, max_error, abs_bound)
+        self.record_blocks(direction, [table], [raw_bytes], [wire_bytes], [max_error], [abs_bound])
 
     def record_blocks(
         self,
@@ -196,31 +195,21 @@ class LossyCommsStats:
         errors = max_errors if max_errors is not None else [0.0] * n
         bounds = abs_bounds if abs_bounds is not None else [0.0] * n
         with self._lock:
-            for row in zip(tables, raw_bytes, wire_bytes, errors, bounds, strict=True):
-                self._add_block(direction, *row)
-
-    def _add_block(
-        self,
-        direction: Direction,
-        table: str,
-        raw_bytes: int,
-        wire_bytes: int,
-        max_error: float,
-        abs_bound: float | None,
-    ) -> None:
-        """One block into its table's counters (the caller holds the lock)."""
-        if abs_bound is None:
-            ratio = math.nan
-        elif abs_bound > 0:
-            ratio = max_error / abs_bound
-        else:
-            ratio = 0.0 if max_error == 0 else math.inf
-        e = self._entry(direction, table)
-        e.blocks += 1
-        e.raw_bytes += raw_bytes
-        e.wire_bytes += wire_bytes
-        e.max_error = max(e.max_error, max_error)
-        e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
+            for table, raw, wire, err, bound in zip(
+                tables, raw_bytes, wire_bytes, errors, bounds, strict=True
+            ):
+                e = self._entry(direction, table)
+                if bound is None:
+                    ratio = math.nan
+                elif bound > 0:
+                    ratio = err / bound
+                else:
+                    ratio = 0.0 if err == 0 else math.inf
+                e.blocks += 1
+                e.raw_bytes += raw
+                e.wire_bytes += wire
+                e.max_error = max(e.max_error, err)
+                e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
 
     def record_ids(self, direction: Direction, table: str, ids: int, repeated: int) -> None:
         """Counts ids sent and how many of them repeat an earlier one (deduplication telemetry).
@@ -235,6 +224,27 @@ class LossyCommsStats:
             e = self._entry(direction, table)
             e.ids += ids
             e.repeated_ids += repeated
+
+    def record_id_counts(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        ids: Sequence[int],
+        repeated: Sequence[int],
+    ) -> None:
+        """:meth:`record_ids` for several tables at once, under one lock.
+
+        Args:
+            direction: ``"input"`` in practice.
+            tables: Feature (input direction) or table names.
+            ids: Ids sent for each in one call to one destination.
+            repeated: Of those, ids that repeat an earlier id of the same call and destination.
+        """
+        with self._lock:
+            for table, n, r in zip(tables, ids, repeated, strict=True):
+                e = self._entry(direction, table)
+                e.ids += n
+                e.repeated_ids += r
 
     def record_rows(self, direction: Direction, table: str, rows: int, rows_sent: int) -> None:
         """Counts pooled rows of one block: TorchRec's count and the count actually sent.
