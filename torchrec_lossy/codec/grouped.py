@@ -26,6 +26,7 @@ import torch
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
+    BlockColumns,
     BlockStats,
     payload_skeletons,
     skeleton_words,
@@ -48,7 +49,7 @@ class GroupedPayloads:
     Attributes:
         buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
         sizes: Bytes of each payload (multiples of 4).
-        stats: Per group, one BlockStats per block.
+        columns: Per group, the BlockColumns of its blocks (:attr:`stats` as objects).
         skeletons: Per group, the uint32 words its layout depends on
             (``container.skeleton_index``): hand them to :func:`decompress_groups` with the
             payloads and the device path decodes without reading the payloads back.
@@ -56,8 +57,13 @@ class GroupedPayloads:
 
     buffer: torch.Tensor
     sizes: list[int]
-    stats: list[list[BlockStats]]
+    columns: list[BlockColumns]
     skeletons: list[np.ndarray]
+
+    @functools.cached_property
+    def stats(self) -> list[list[BlockStats]]:
+        """Per group, one BlockStats per block (built on first use)."""
+        return [c.stats() for c in self.columns]
 
     @functools.cached_property
     def offsets(self) -> list[int]:
@@ -161,6 +167,16 @@ class PendingGroups:
         return self._finish(host)
 
 
+def _device_result(
+    buffer: torch.Tensor,
+    sizes: list[int],
+    stats: list[list[BlockStats]],
+    skeletons: list[np.ndarray],
+) -> GroupedPayloads:
+    """The device path's finished call as GroupedPayloads."""
+    return GroupedPayloads(buffer, sizes, [BlockColumns.of(s) for s in stats], skeletons)
+
+
 def start_compress_groups(
     groups: Sequence[Sequence[torch.Tensor]],
     error_bounds: Sequence[Sequence[float]],
@@ -208,16 +224,16 @@ def start_compress_groups(
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
-            lambda host: GroupedPayloads(*pending.finish(host)),
+            lambda host: _device_result(*pending.finish(host)),
             pending.device_skeleton,
             [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
+    buffer, out_sizes, columns = compress_host_groups(flat, values, sizes, config, rel)
     skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
-    done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
+    done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
     return PendingGroups(
         torch.tensor(out_sizes, dtype=torch.int64, device=device),
         torch.zeros(0, dtype=torch.int64, device=device),

@@ -543,10 +543,6 @@ def start_encode(
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
         start = time.perf_counter()
         grouped = pending.finish(host)
-        if direction == "fwd":
-            for c, st in zip(coded, grouped.stats, strict=True):
-                for (b, s), bs in zip(c, st, strict=True):
-                    comms.bounds.observe(s.table, b, bs.bound)
         payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
         # Telemetry of every block of the call in one record (raw blocks first).
         tables = [s.table for _, _, s in raw_blocks]
@@ -557,23 +553,28 @@ def start_encode(
         container = 0
         for g, p in enumerate(peers):
             parts = raw_parts[p]
-            block_stats = grouped.stats[g]
-            if block_stats:
+            cols = grouped.columns[g]
+            if len(cols):
                 payload = grouped.payload(g)
                 parts = [*parts, payload]
-                wire = 0
-                for (_, s), bs in zip(coded[g], block_stats, strict=True):
-                    tables.append(s.table)
-                    raw_bytes.append(bs.raw_bytes)
-                    wire_bytes.append(bs.wire_bytes)
-                    errors.append(bs.max_error)
-                    abs_bounds.append(bs.bound)
-                    wire += bs.wire_bytes
-                    if bs.bound > 0 and bs.mode in ("raw", "lz") and bs.rows * bs.dim >= 1024:
-                        _warn_exact(info, direction, s.table, bs)
+                for i, (b, s) in enumerate(coded[g]):
+                    if direction == "fwd":
+                        comms.bounds.observe(s.table, b, cols.bound[i])
+                    if (
+                        cols.bound[i] > 0
+                        and cols.mode[i] in ("raw", "lz")
+                        and cols.rows[i] * cols.dim[i] >= 1024
+                    ):
+                        _warn_exact(info, direction, s.table, cols.slice(i, i + 1).stats()[0])
+                tables += [s.table for _, s in coded[g]]
+                raw_bytes += cols.raw_bytes
+                wire_bytes += cols.wire_bytes
+                errors += cols.max_error
+                abs_bounds += cols.bound
                 if sample:
                     _record_signed_error(direction, info, payload, coded[g])
-                container += grouped.sizes[g] - wire  # the payload header belongs to no block
+                # The payload header belongs to no block.
+                container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
