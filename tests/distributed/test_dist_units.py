@@ -194,6 +194,27 @@ def test_one_decode_call_names_the_corrupt_source_rank() -> None:
         decode_payloads("fwd", torch.cat(bad), sizes, [SPECS] * 3, [4] * 3, info, 0)
 
 
+def test_stats_batched_records_match_one_by_one() -> None:
+    one, many = LossyCommsStats(), LossyCommsStats()
+    rows = [("a", 1000, 100, 0.01, 0.02), ("b", 500, 520, 0.0, 0.0), ("a", 7, 9, 0.5, None)]
+    for row in rows:
+        one.record_block("fwd", *row)
+    many.record_blocks("fwd", *(list(c) for c in zip(*rows, strict=True)))
+    one.record_block("input", "f", 40, 12, 0.0, 0.0)
+    many.record_blocks("input", ["f"], [40], [12])  # errors and bounds default to exact
+    for table, error_sum, count in (("a", 0.25, 10), ("b", -1.5, 3), ("a", 0.125, 4)):
+        one.record_signed_error("bwd", table, error_sum, count)
+    many.record_signed_errors("bwd", ["a", "b", "a"], [0.25, -1.5, 0.125], [10, 3, 4])
+    one.record_ids("input", "f", 9, 2)
+    one.record_ids("input", "g", 5, 0)
+    many.record_id_counts("input", ["f", "g"], [9, 5], [2, 0])
+    for d in ("fwd", "bwd", "input"):
+        a, b = one.tables(d), many.tables(d)
+        assert a.keys() == b.keys()
+        for t in a:  # NaN ratios compare by repr
+            assert repr(a[t]) == repr(b[t])
+
+
 def test_stats_totals_time_shares_and_reset() -> None:
     stats = LossyCommsStats()
     stats.record_block("fwd", "a", 1000, 100, 0.01, 0.02)

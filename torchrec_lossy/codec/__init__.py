@@ -1,6 +1,6 @@
 """The error-bounded lossy codec. Imports torch (and numba), never torchrec."""
 
-from torchrec_lossy.codec.container import checksum, segment_checksums
+from torchrec_lossy.codec.container import BlockColumns, checksum, segment_checksums
 from torchrec_lossy.codec.entropy import entropy_bound_bytes
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.grouped import (
@@ -23,6 +23,7 @@ from torchrec_lossy.codec.pipeline import (
 from torchrec_lossy.config import CodecConfig
 
 __all__ = [
+    "BlockColumns",
     "BlockStats",
     "CodecConfig",
     "CodecError",

@@ -27,6 +27,7 @@ import torch
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
+    BlockColumns,
     BlockStats,
     payload_skeletons,
     skeleton_words,
@@ -51,7 +52,7 @@ class GroupedPayloads:
     Attributes:
         buffer: 1-D uint8 tensor on the blocks' device: payload ``g`` at ``offsets[g]``.
         sizes: Bytes of each payload (multiples of 4).
-        stats: Per group, one BlockStats per block.
+        columns: Per group, the BlockColumns of its blocks (:attr:`stats` as objects).
         skeletons: Per group, the uint32 words its layout depends on
             (``container.skeleton_index``): hand them to :func:`decompress_groups` with the
             payloads and the device path decodes without reading the payloads back.
@@ -59,8 +60,13 @@ class GroupedPayloads:
 
     buffer: torch.Tensor
     sizes: list[int]
-    stats: list[list[BlockStats]]
+    columns: list[BlockColumns]
     skeletons: list[np.ndarray]
+
+    @functools.cached_property
+    def stats(self) -> list[list[BlockStats]]:
+        """Per group, one BlockStats per block (built on first use)."""
+        return [c.stats() for c in self.columns]
 
     @functools.cached_property
     def offsets(self) -> list[int]:
@@ -132,6 +138,8 @@ class PendingGroups:
         device_skeletons: int64 skeleton words of every payload back to back, on the device
             (a receiver decodes without a read given them: :func:`decompress_groups`).
         skeleton_sizes: Words of each payload's skeleton.
+        done: The result, on the host path (known already: :meth:`finish` returns it); None
+            on the device path.
     """
 
     def __init__(
@@ -141,12 +149,14 @@ class PendingGroups:
         finish: Callable[[Sequence[int]], GroupedPayloads],
         device_skeletons: torch.Tensor,
         skeleton_sizes: list[int],
+        done: GroupedPayloads | None = None,
     ) -> None:
         self.device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
         self.device_skeletons = device_skeletons
         self.skeleton_sizes = skeleton_sizes
+        self.done = done
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -158,6 +168,16 @@ class PendingGroups:
             The payloads, their sizes and stats.
         """
         return self._finish(host)
+
+
+def _device_result(
+    buffer: torch.Tensor,
+    sizes: list[int],
+    stats: list[list[BlockStats]],
+    skeletons: list[np.ndarray],
+) -> GroupedPayloads:
+    """The device path's finished call as GroupedPayloads."""
+    return GroupedPayloads(buffer, sizes, [BlockColumns.of(s) for s in stats], skeletons)
 
 
 def start_compress_groups(
@@ -207,22 +227,23 @@ def start_compress_groups(
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
-            lambda host: GroupedPayloads(*pending.finish(host)),
+            lambda host: _device_result(*pending.finish(host)),
             pending.device_skeleton,
             [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, stats = compress_host_groups(flat, values, sizes, config, rel)
+    buffer, out_sizes, columns = compress_host_groups(flat, values, sizes, config, rel)
     skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
-    done = GroupedPayloads(buffer, out_sizes, stats, skeletons)
+    done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
     return PendingGroups(
         torch.tensor(out_sizes, dtype=torch.int64, device=device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
         torch.from_numpy(skel.astype(np.int64)).to(device),
         [b - a for a, b in itertools.pairwise(offsets)],
+        done,
     )
 
 

@@ -27,6 +27,7 @@ from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
+    BlockColumns,
     BlockStats,
     Reader,
     check_payload,
@@ -557,33 +558,19 @@ def validate_inputs(
     return out, device
 
 
-def _batch_stats(blocks: Sequence[torch.Tensor], enc: host_batch.BatchEncoded) -> list[BlockStats]:
-    """BlockStats of the batched CPU path's per-block arrays."""
-    columns = zip(
-        enc.bounds.tolist(),
-        enc.mode.tolist(),
-        enc.seg_words.tolist(),
-        enc.max_error.tolist(),
-        enc.n_unique.tolist(),
-        enc.n_escapes.tolist(),
-        strict=True,
+def _batch_columns(blocks: Sequence[torch.Tensor], enc: host_batch.BatchEncoded) -> BlockColumns:
+    """The batched CPU path's per-block arrays as BlockColumns."""
+    return BlockColumns(
+        rows=[b.shape[0] for b in blocks],
+        dim=[b.shape[1] for b in blocks],
+        raw_bytes=[b.numel() * b.element_size() for b in blocks],
+        wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in enc.seg_words.tolist()],
+        mode=[MODE_NAMES[m] for m in enc.mode.tolist()],
+        bound=enc.bounds.tolist(),
+        max_error=enc.max_error.tolist(),
+        n_unique=enc.n_unique.tolist(),
+        n_escapes=enc.n_escapes.tolist(),
     )
-    return [
-        BlockStats(
-            rows=b.shape[0],
-            dim=b.shape[1],
-            raw_bytes=b.numel() * b.element_size(),
-            wire_bytes=DESCRIPTOR.itemsize + 4 * seg_words,
-            mode=MODE_NAMES[mode],
-            bound=eb,
-            max_error=max_error,
-            n_unique=n_unique,
-            n_escapes=n_escapes,
-        )
-        for b, (eb, mode, seg_words, max_error, n_unique, n_escapes) in zip(
-            blocks, columns, strict=True
-        )
-    ]
 
 
 def compress_with_stats(
@@ -615,7 +602,7 @@ def compress_with_stats(
     if isinstance(ops, CpuOps):
         with record_function("## lossy_codec encode ##"):
             enc = host_batch.compress_blocks(blocks, bounds, config)
-        return torch.from_numpy(enc.payload).to(device), _batch_stats(blocks, enc)
+        return torch.from_numpy(enc.payload).to(device), _batch_columns(blocks, enc).stats()
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops, key)
@@ -659,7 +646,7 @@ def compress_host_groups(
     group_sizes: Sequence[int],
     config: CodecConfig,
     relative: Sequence[bool] | None = None,
-) -> tuple[torch.Tensor, list[int], list[list[BlockStats]]]:
+) -> tuple[torch.Tensor, list[int], list[BlockColumns]]:
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
     With the compiled backend every stage runs once over all groups' blocks; each payload is
@@ -675,16 +662,16 @@ def compress_host_groups(
 
     Returns:
         (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
-        each payload, per group one BlockStats per block).
+        each payload, per group the columns of its blocks).
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
         with record_function("## lossy_codec encode ##"):
             enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
-        flat_stats = _batch_stats(blocks, enc)
+        flat = _batch_columns(blocks, enc)
         ends = itertools.accumulate(group_sizes)
-        stats = [flat_stats[e - n : e] for e, n in zip(ends, group_sizes, strict=True)]
-        return torch.from_numpy(enc.payload).to(device), enc.sizes, stats
+        columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
+        return torch.from_numpy(enc.payload).to(device), enc.sizes, columns
     if relative is not None:
         bounds = absolute_bounds(blocks, bounds, relative)
     payloads, stats = [], []
@@ -692,7 +679,7 @@ def compress_host_groups(
     for n in group_sizes:
         p, s = compress_with_stats(blocks[at : at + n], bounds[at : at + n], config)
         payloads.append(p)
-        stats.append(s)
+        stats.append(BlockColumns.of(s))
         at += n
     buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
     return buffer, [p.numel() for p in payloads], stats

@@ -126,21 +126,29 @@ def record_encode(
     weights = kjt.weights_or_none()
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
     w_e = weights.element_size() if weights is not None else 0
-    wire_e = torch.empty(0, dtype=wire_w).element_size() if wire_w is not None else 0
-    feature_wire = 0
-    for key, m, st in zip(keys, metas, stats, strict=True):
-        raw = batch * len_e + st[0] * (val_e + w_e)
-        wire = m.packed_bits(batch) // 8 + m.num_ids * wire_e
-        feature_wire += wire
-        s.record_block("input", key, raw, wire, 0.0, 0.0)
-        if dedupe or m.lookup:
-            s.record_ids("input", key, st[0], st[0] - st[5])
-    # Word padding of the payloads belongs to no feature.
-    s.record_container("input", 4 * sum(send_words) - feature_wire)
+    wire_e = wire_w.itemsize if wire_w is not None else 0
+    raw = [batch * len_e + st[0] * (val_e + w_e) for st in stats]
+    wire = [m.packed_bits(batch) // 8 + m.num_ids * wire_e for m in metas]
+    feature_wire = sum(wire)
     # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride).
     torchrec_rows = 3 + (weights is not None)
     meta_rows = sum(meta_words(n) for n in splits)
-    s.record_block("input", SPLITS, 8 * torchrec_rows * len(splits), 8 * meta_rows, 0.0, 0.0)
+    s.record_blocks(
+        "input",
+        [*keys, SPLITS],
+        [*raw, 8 * torchrec_rows * len(splits)],
+        [*wire, 8 * meta_rows],
+    )
+    counted = [i for i, m in enumerate(metas) if dedupe or m.lookup]
+    if counted:
+        s.record_id_counts(
+            "input",
+            [keys[i] for i in counted],
+            [stats[i][0] for i in counted],
+            [stats[i][0] - stats[i][5] for i in counted],
+        )
+    # Word padding of the payloads belongs to no feature.
+    s.record_container("input", 4 * sum(send_words) - feature_wire)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from torch.autograd.profiler import record_function
 from torchrec_lossy.codec import (
     BlockStats,
     GroupStatus,
+    check_groups,
     contain_failures,
-    decompress,
     decompress_groups,
     first_failure,
     host_sync,
@@ -329,17 +329,64 @@ def _record_signed_error(
     direction: Direction,
     info: LossyAll2AllPooledInfo,
     payload: torch.Tensor,
-    blocks: Sequence[torch.Tensor],
-    tables: Sequence[str],
+    coded: Sequence[tuple[torch.Tensor, BlockSpec]],
 ) -> None:
-    """Decodes a payload on its sender and records each block's signed error sum (telemetry)."""
+    """Decodes a payload on its sender and records each block's signed error sum (telemetry).
+
+    Args:
+        direction: ``"bwd"`` in practice.
+        info: Comms state (telemetry).
+        payload: The codec payload of ``coded``'s blocks.
+        coded: Its (block, spec) pairs, in payload order.
+    """
     with record_function(f"## lossy_a2a {direction} error sample ##"):
-        for x, y, table in zip(blocks, decompress(payload), tables, strict=True):
-            diff = y.double() - x.double()
-            fin = torch.isfinite(diff)
-            info.comms.stats.record_signed_error(
-                direction, table, float(diff[fin].sum()), int(fin.sum())
-            )
+        # The host decoder, as the sample is taken on host payloads only.
+        decoded, status = decompress_groups(payload, [payload.numel()])
+        check_groups(status)  # our own payload: a failure here is a codec bug
+        xs = [b for b, _ in coded]
+        numels = [x.numel() for x in xs]
+        diff = (
+            torch.cat([y.reshape(-1) for y in decoded[0]]).double()
+            - torch.cat([x.reshape(-1) for x in xs]).double()
+        )
+        fin = torch.isfinite(diff)
+        if int(fin.sum()) == diff.numel():  # the usual case: every element counts
+            sums = torch.stack([d.sum() for d in diff.split(numels)]).tolist()
+            counts = numels
+        else:
+            pieces = list(zip(diff.split(numels), fin.split(numels), strict=True))
+            sums = [float(d[f].sum()) for d, f in pieces]
+            counts = [int(f.sum()) for _, f in pieces]
+        info.comms.stats.record_signed_errors(direction, [s.table for _, s in coded], sums, counts)
+
+
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+
+
+def _meta_words(
+    sizes: ArrayT,
+    skeletons: Sequence[ArrayT],
+    group_of: dict[int, int],
+    cat: Callable[[list[ArrayT]], ArrayT],
+) -> ArrayT:
+    """The size exchange's words (:class:`PendingPayloads` ``meta``), host or device alike.
+
+    Args:
+        sizes: int64 payload bytes per destination.
+        skeletons: Per codec group, its payload's skeleton words.
+        group_of: Destination to its codec group, for destinations with codec blocks.
+        cat: Joins the pieces (``np.concatenate`` or ``torch.cat``).
+
+    Returns:
+        Per destination its size, then its skeleton if it has codec blocks.
+    """
+    parts = []
+    for p in range(len(sizes)):
+        parts.append(sizes[p : p + 1])
+        g = group_of.get(p)
+        if g is not None:
+            parts.append(skeletons[g])
+    return cat(parts) if parts else sizes
 
 
 def _warn_exact(
@@ -435,17 +482,21 @@ def start_encode(
         stats.record_self(
             direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
         )
-    coded = [
-        [
-            (b, s)
-            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True)
-            if info.compress[s.table]
-        ]
-        for p in peers
-    ]
+    compress = info.compress
+    coded: list[list[tuple[torch.Tensor, BlockSpec]]] = []
+    raw_blocks: list[tuple[int, torch.Tensor, BlockSpec]] = []
+    for p in peers:
+        c = []
+        for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
+            if compress[s.table]:
+                c.append((b, s))
+            else:
+                raw_blocks.append((p, b, s))
+        coded.append(c)
     with record_function(f"## lossy_a2a {direction} bounds ##"):
         if direction == "fwd":
-            bounds = [[comms.bounds.bound(s.table) for _, s in c] for c in coded]
+            bound_of = {t: comms.bounds.bound(t) for t in {s.table for c in coded for _, s in c}}
+            bounds = [[bound_of[s.table] for _, s in c] for c in coded]
         else:
             bounds = [[config.backward_bound] * len(c) for c in coded]
     with record_function(f"## lossy_a2a {direction} encode ##"):
@@ -456,73 +507,79 @@ def start_encode(
             relative=[[eb.mode == "relative" for eb in g] for g in bounds],
         )
         raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
-        for p in peers:
-            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
-                if not info.compress[s.table]:
-                    nbytes = b.numel() * b.element_size()
-                    raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
-                    raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
-                    raw_parts[p].append(raw)
-                    stats.record_block(direction, s.table, nbytes, raw.numel(), 0.0, 0.0)
-        # Send sizes on the device: raw parts (known here) plus each codec payload (a peer
-        # without codec blocks sends none).
+        for p, b, _ in raw_blocks:
+            nbytes = b.numel() * b.element_size()
+            raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
+            raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
+            raw_parts[p].append(raw)
+        # Send sizes: raw parts (known here) plus each codec payload (a peer without codec
+        # blocks sends none); on the host path all of it is known already.
         raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
-        group_of = {p: g for g, p in enumerate(peers)}
-        (raw_len_t,) = upload([raw_len], device)
-        zero = torch.zeros(1, dtype=torch.int64, device=device)
-        codec_len = [
-            pending.device_sizes[group_of[p] : group_of[p] + 1]
-            if p in group_of and coded[group_of[p]]
-            else zero
-            for p in range(n_peers)
-        ]
-        device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
-        # Size exchange entries: size, then (peers with codec blocks) the payload's skeleton.
-        meta_parts, meta_splits = [], []
-        skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
-        for p in range(n_peers):
-            meta_parts.append(device_sizes[p : p + 1])
-            g = group_of.get(p)
-            if g is not None and coded[g]:
-                meta_parts.append(pending.device_skeletons[skel_at[g] : skel_at[g + 1]])
-            meta_splits.append(meta_words(specs_per_peer[p], info, p == my_rank))
-        meta = torch.cat(meta_parts) if meta_parts else device_sizes
+        group_of = {p: g for g, p in enumerate(peers) if coded[g]}
+        done = pending.done
+        if done is not None:
+            sizes_np = np.array(raw_len, np.int64)
+            for p, g in group_of.items():
+                sizes_np[p] += done.sizes[g]
+            device_sizes = torch.from_numpy(sizes_np).to(device)
+            meta = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
+            meta = torch.from_numpy(meta).to(device)
+        else:
+            (raw_len_t,) = upload([raw_len], device)
+            zero = torch.zeros(1, dtype=torch.int64, device=device)
+            codec_len = [
+                pending.device_sizes[group_of[p] : group_of[p] + 1] if p in group_of else zero
+                for p in range(n_peers)
+            ]
+            device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
+            skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
+            skeletons = [
+                pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(peers))
+            ]
+            meta = _meta_words(device_sizes, skeletons, group_of, torch.cat)
+        meta_splits = [meta_words(specs_per_peer[p], info, p == my_rank) for p in range(n_peers)]
     setup_s = time.perf_counter() - start
 
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
         start = time.perf_counter()
         grouped = pending.finish(host)
-        if direction == "fwd":
-            for c, st in zip(coded, grouped.stats, strict=True):
-                for (b, s), bs in zip(c, st, strict=True):
-                    comms.bounds.observe(s.table, b, bs.bound)
         payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
+        # Telemetry of every block of the call in one record (raw blocks first).
+        tables = [s.table for _, _, s in raw_blocks]
+        raw_bytes = [b.numel() * b.element_size() for _, b, _ in raw_blocks]
+        wire_bytes = [_padded(n) for n in raw_bytes]
+        errors = [0.0] * len(raw_blocks)
+        abs_bounds: list[float | None] = [0.0] * len(raw_blocks)
+        container = 0
         for g, p in enumerate(peers):
-            parts = list(raw_parts[p])
-            block_stats = grouped.stats[g]
-            if block_stats:
+            parts = raw_parts[p]
+            cols = grouped.columns[g]
+            if len(cols):
                 payload = grouped.payload(g)
-                parts.append(payload)
-                for (_, s), bs in zip(coded[g], block_stats, strict=True):
-                    stats.record_block(
-                        direction, s.table, bs.raw_bytes, bs.wire_bytes, bs.max_error, bs.bound
-                    )
-                    if bs.bound > 0 and bs.mode in ("raw", "lz") and bs.rows * bs.dim >= 1024:
-                        _warn_exact(info, direction, s.table, bs)
+                parts = [*parts, payload]
+                for i, (b, s) in enumerate(coded[g]):
+                    if direction == "fwd":
+                        comms.bounds.observe(s.table, b, cols.bound[i])
+                    if (
+                        cols.bound[i] > 0
+                        and cols.mode[i] in ("raw", "lz")
+                        and cols.rows[i] * cols.dim[i] >= 1024
+                    ):
+                        _warn_exact(info, direction, s.table, cols.slice(i, i + 1).stats()[0])
+                tables += [s.table for _, s in coded[g]]
+                raw_bytes += cols.raw_bytes
+                wire_bytes += cols.wire_bytes
+                errors += cols.max_error
+                abs_bounds += cols.bound
                 if sample:
-                    _record_signed_error(
-                        direction,
-                        info,
-                        payload,
-                        [b for b, _ in coded[g]],
-                        [s.table for _, s in coded[g]],
-                    )
+                    _record_signed_error(direction, info, payload, coded[g])
                 # The payload header belongs to no block.
-                stats.record_container(
-                    direction, payload.numel() - sum(bs.wire_bytes for bs in block_stats)
-                )
+                container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
+        if group_of:
+            stats.record_container(direction, container)
         # The codec works on all peers at once: its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         shares: dict[str, int] = {}

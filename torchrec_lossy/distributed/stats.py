@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -169,19 +169,47 @@ class LossyCommsStats:
             max_error: Its largest finite-element error.
             abs_bound: Its absolute bound, or None where no bound applies.
         """
-        if abs_bound is None:
-            ratio = math.nan
-        elif abs_bound > 0:
-            ratio = max_error / abs_bound
-        else:
-            ratio = 0.0 if max_error == 0 else math.inf
+        self.record_blocks(direction, [table], [raw_bytes], [wire_bytes], [max_error], [abs_bound])
+
+    def record_blocks(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        raw_bytes: Sequence[int],
+        wire_bytes: Sequence[int],
+        max_errors: Sequence[float] | None = None,
+        abs_bounds: Sequence[float | None] | None = None,
+    ) -> None:
+        """Records several encoded blocks at once: :meth:`record_block` for each, one lock.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            tables: Table name of each block.
+            raw_bytes: Uncompressed size of each block.
+            wire_bytes: Bytes sent for each block.
+            max_errors: Largest finite-element error of each block; None: all 0 (exact).
+            abs_bounds: Absolute bound of each block (None where no bound applies); None: all 0
+                (exact transport).
+        """
+        n = len(tables)
+        errors = max_errors if max_errors is not None else [0.0] * n
+        bounds = abs_bounds if abs_bounds is not None else [0.0] * n
         with self._lock:
-            e = self._entry(direction, table)
-            e.blocks += 1
-            e.raw_bytes += raw_bytes
-            e.wire_bytes += wire_bytes
-            e.max_error = max(e.max_error, max_error)
-            e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
+            for table, raw, wire, err, bound in zip(
+                tables, raw_bytes, wire_bytes, errors, bounds, strict=True
+            ):
+                e = self._entry(direction, table)
+                if bound is None:
+                    ratio = math.nan
+                elif bound > 0:
+                    ratio = err / bound
+                else:
+                    ratio = 0.0 if err == 0 else math.inf
+                e.blocks += 1
+                e.raw_bytes += raw
+                e.wire_bytes += wire
+                e.max_error = max(e.max_error, err)
+                e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
 
     def record_ids(self, direction: Direction, table: str, ids: int, repeated: int) -> None:
         """Counts ids sent and how many of them repeat an earlier one (deduplication telemetry).
@@ -196,6 +224,27 @@ class LossyCommsStats:
             e = self._entry(direction, table)
             e.ids += ids
             e.repeated_ids += repeated
+
+    def record_id_counts(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        ids: Sequence[int],
+        repeated: Sequence[int],
+    ) -> None:
+        """:meth:`record_ids` for several tables at once, under one lock.
+
+        Args:
+            direction: ``"input"`` in practice.
+            tables: Feature (input direction) or table names.
+            ids: Ids sent for each in one call to one destination.
+            repeated: Of those, ids that repeat an earlier id of the same call and destination.
+        """
+        with self._lock:
+            for table, n, r in zip(tables, ids, repeated, strict=True):
+                e = self._entry(direction, table)
+                e.ids += n
+                e.repeated_ids += r
 
     def record_rows(self, direction: Direction, table: str, rows: int, rows_sent: int) -> None:
         """Counts pooled rows of one block: TorchRec's count and the count actually sent.
@@ -226,6 +275,27 @@ class LossyCommsStats:
             e = self._entry(direction, table)
             e.error_sum += error_sum
             e.error_count += count
+
+    def record_signed_errors(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        error_sums: Sequence[float],
+        counts: Sequence[int],
+    ) -> None:
+        """:meth:`record_signed_error` for several sampled blocks at once, under one lock.
+
+        Args:
+            direction: ``"bwd"`` in practice.
+            tables: Table name of each block.
+            error_sums: Sum of the signed errors of each block's finite elements.
+            counts: Number of those elements, per block.
+        """
+        with self._lock:
+            for table, error_sum, count in zip(tables, error_sums, counts, strict=True):
+                e = self._entry(direction, table)
+                e.error_sum += error_sum
+                e.error_count += count
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
