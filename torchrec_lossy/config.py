@@ -609,8 +609,8 @@ class PlannerConfig:
             ``"lossy"`` (gradient dedupe + the codec). Measured 13.6x in the example (dim 16,
             2 ranks) and 35x in ``benchmarks/input_dist_bench.py``; 10 is conservative.
         encode_gib_s: Codec encode throughput in GiB/s of raw input; null: the device default
-            (cuda 200, the paper's Huffman encoder; cpu 1.2, the numba encoder).
-        decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.1).
+            (cuda 200, the paper's Huffman encoder; cpu 1.4, the compiled host encoder).
+        decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.86).
         data_parallel: Let the planner replicate tables (TorchRec's data-parallel sharding) where
             the gradient all-reduce is cheaper than any all-to-all.
         drop_unprofitable: Send a table uncompressed when the codec is slower than the bytes it
