@@ -217,13 +217,44 @@ def start_compress_groups(
                 f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
                 "or one bool for all"
             )
-    values, device = validate_inputs(flat, values)
+    values, _ = validate_inputs(flat, values)
+    return start_compress_blocks(flat, values, sizes, config, rel)
+
+
+def start_compress_blocks(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+    relative: Sequence[bool],
+) -> PendingGroups:
+    """:func:`start_compress_groups` for blocks the caller has already checked, given flat.
+
+    The entry for callers that build their blocks themselves (the pooled all-to-all): nothing
+    is validated again and no per-group lists are built, so a call costs little more than the
+    encode itself. Anything else should call :func:`start_compress_groups`, which checks its
+    input and names what is wrong.
+
+    Args:
+        blocks: 2-D float32 / float16 / bfloat16 tensors on one device (any strides), group
+            after group.
+        bounds: One finite bound >= 0 per block (as ``error_bounds`` of
+            :func:`compress_groups`).
+        group_sizes: Blocks per group (they add up to ``len(blocks)``).
+        config: Codec knobs.
+        relative: Per block, whether its bound is relative.
+
+    Returns:
+        The pending call: read ``readback`` and pass its values to ``finish``.
+    """
+    device = blocks[0].device if blocks else torch.device("cpu")
+    sizes = list(group_sizes)
     if on_device(device, config.backend):
         from torchrec_lossy.codec.device_compress import start_groups_device
         from torchrec_lossy.codec.triton_ops import load_kernels
 
         load_kernels(device)
-        pending = start_groups_device(flat, values, rel, sizes, config)
+        pending = start_groups_device(blocks, bounds, relative, sizes, config)
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
@@ -232,7 +263,7 @@ def start_compress_groups(
             [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, columns = compress_host_groups(flat, values, sizes, config, rel)
+    buffer, out_sizes, columns = compress_host_groups(blocks, bounds, sizes, config, relative)
     skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]

@@ -37,10 +37,10 @@ from torchrec_lossy.codec import (
     decompress_groups,
     first_failure,
     host_sync,
-    start_compress_groups,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import skeleton_words, upload
+from torchrec_lossy.codec.grouped import start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
@@ -449,7 +449,7 @@ def start_encode(
 ) -> PendingPayloads:
     """Encodes every peer's blocks, up to the host read (none made here).
 
-    Every peer's codec blocks go through ONE ``start_compress_groups`` call (relative bounds are
+    Every peer's codec blocks go through ONE ``start_compress_blocks`` call (relative bounds are
     resolved there, on the device path on the device). The block a rank sends to itself
     (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
     receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
@@ -485,26 +485,33 @@ def start_encode(
     compress = info.compress
     coded: list[list[tuple[torch.Tensor, BlockSpec]]] = []
     raw_blocks: list[tuple[int, torch.Tensor, BlockSpec]] = []
+    # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
+    # layout's shapes on one device, so the codec's own checks are skipped.
+    flat_blocks: list[torch.Tensor] = []
+    flat_tables: list[str] = []
     for p in peers:
         c = []
         for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
             if compress[s.table]:
                 c.append((b, s))
+                flat_blocks.append(b)
+                flat_tables.append(s.table)
             else:
                 raw_blocks.append((p, b, s))
         coded.append(c)
     with record_function(f"## lossy_a2a {direction} bounds ##"):
         if direction == "fwd":
-            bound_of = {t: comms.bounds.bound(t) for t in {s.table for c in coded for _, s in c}}
-            bounds = [[bound_of[s.table] for _, s in c] for c in coded]
+            bound_of = {t: comms.bounds.bound(t) for t in set(flat_tables)}
+            bounds = [bound_of[t] for t in flat_tables]
         else:
-            bounds = [[config.backward_bound] * len(c) for c in coded]
+            bounds = [config.backward_bound] * len(flat_blocks)
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        pending = start_compress_groups(
-            [[b.contiguous() for b, _ in c] for c in coded],
-            [[eb.value for eb in g] for g in bounds],
+        pending = start_compress_blocks(
+            flat_blocks,
+            [eb.value for eb in bounds],
+            [len(c) for c in coded],
             _codec_config(config, direction, call, my_rank or 0),
-            relative=[[eb.mode == "relative" for eb in g] for g in bounds],
+            [eb.mode == "relative" for eb in bounds],
         )
         raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
         for p, b, _ in raw_blocks:
