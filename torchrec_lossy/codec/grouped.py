@@ -132,11 +132,13 @@ class PendingGroups:
     is known already and :attr:`readback` is empty.
 
     Args:
-        device_sizes: int64 bytes per payload, on the blocks' device.
+        device_sizes: int64 bytes per payload, on the blocks' device, or a function building
+            them on first use (the host path, whose callers mostly read ``done`` instead).
         readback: int64 values the host must read (may be empty).
         finish: Builds the result from ``readback``'s host values.
         device_skeletons: int64 skeleton words of every payload back to back, on the device
-            (a receiver decodes without a read given them: :func:`decompress_groups`).
+            (a receiver decodes without a read given them: :func:`decompress_groups`), or a
+            function building them on first use.
         skeleton_sizes: Words of each payload's skeleton.
         done: The result, on the host path (known already: :meth:`finish` returns it); None
             on the device path.
@@ -144,19 +146,33 @@ class PendingGroups:
 
     def __init__(
         self,
-        device_sizes: torch.Tensor,
+        device_sizes: torch.Tensor | Callable[[], torch.Tensor],
         readback: torch.Tensor,
         finish: Callable[[Sequence[int]], GroupedPayloads],
-        device_skeletons: torch.Tensor,
+        device_skeletons: torch.Tensor | Callable[[], torch.Tensor],
         skeleton_sizes: list[int],
         done: GroupedPayloads | None = None,
     ) -> None:
-        self.device_sizes = device_sizes
+        self._device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
-        self.device_skeletons = device_skeletons
+        self._device_skeletons = device_skeletons
         self.skeleton_sizes = skeleton_sizes
         self.done = done
+
+    @property
+    def device_sizes(self) -> torch.Tensor:
+        """int64 bytes per payload, on the blocks' device."""
+        if not isinstance(self._device_sizes, torch.Tensor):
+            self._device_sizes = self._device_sizes()
+        return self._device_sizes
+
+    @property
+    def device_skeletons(self) -> torch.Tensor:
+        """int64 skeleton words of every payload back to back, on the blocks' device."""
+        if not isinstance(self._device_skeletons, torch.Tensor):
+            self._device_skeletons = self._device_skeletons()
+        return self._device_skeletons
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -268,11 +284,12 @@ def start_compress_blocks(
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
     done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
+    # The device-side copies of what is known here are built only if a caller asks.
     return PendingGroups(
-        torch.tensor(out_sizes, dtype=torch.int64, device=device),
+        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
         torch.zeros(0, dtype=torch.int64, device=device),
         lambda host: done,
-        torch.from_numpy(skel.astype(np.int64)).to(device),
+        lambda: torch.from_numpy(skel.astype(np.int64)).to(device),
         [b - a for a, b in itertools.pairwise(offsets)],
         done,
     )

@@ -308,8 +308,12 @@ def meta_words(specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, is_self
     Returns:
         Word count.
     """
-    n_coded = sum(1 for s in specs if info.compress[s.table])
-    return 1 + (skeleton_words(n_coded) if n_coded and not is_self else 0)
+    return _entry_words(0 if is_self else sum(1 for s in specs if info.compress[s.table]))
+
+
+def _entry_words(n_coded: int) -> int:
+    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks."""
+    return 1 + (skeleton_words(n_coded) if n_coded else 0)
 
 
 def _codec_config(
@@ -544,7 +548,10 @@ def start_encode(
                 pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(peers))
             ]
             meta = _meta_words(device_sizes, skeletons, group_of, torch.cat)
-        meta_splits = [meta_words(specs_per_peer[p], info, p == my_rank) for p in range(n_peers)]
+        # meta_words of every entry, from the codec blocks counted above.
+        meta_splits = [1] * n_peers
+        for g, p in enumerate(peers):
+            meta_splits[p] = _entry_words(len(coded[g]))
     setup_s = time.perf_counter() - start
 
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
@@ -590,9 +597,8 @@ def start_encode(
         # The codec works on all peers at once: its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         shares: dict[str, int] = {}
-        for p in peers:
-            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
-                shares[s.table] = shares.get(s.table, 0) + b.numel() * b.element_size()
+        for t, n in zip(tables, raw_bytes, strict=True):  # every block sent to a peer
+            shares[t] = shares.get(t, 0) + n
         stats.record_time(direction, "encode", shares, spent)
         return payloads
 
