@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
@@ -234,7 +235,8 @@ def start_compress_groups(
                 "or one bool for all"
             )
     values, _ = validate_inputs(flat, values)
-    return start_compress_blocks(flat, values, sizes, config, rel)
+    with record_function("## lossy_codec encode ##"):
+        return start_compress_blocks(flat, values, sizes, config, rel)
 
 
 def start_compress_blocks(
@@ -248,8 +250,8 @@ def start_compress_blocks(
 
     The entry for callers that build their blocks themselves (the pooled all-to-all): nothing
     is validated again and no per-group lists are built, so a call costs little more than the
-    encode itself. Anything else should call :func:`start_compress_groups`, which checks its
-    input and names what is wrong.
+    encode itself (the caller labels the profiler range). Anything else should call
+    :func:`start_compress_groups`, which checks its input and names what is wrong.
 
     Args:
         blocks: 2-D float32 / float16 / bfloat16 tensors on one device (any strides), group

@@ -557,7 +557,7 @@ def start_encode(
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
         start = time.perf_counter()
         grouped = pending.finish(host)
-        payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
+        sent: dict[int, torch.Tensor] = {}
         # Telemetry of every block of the call in one record (raw blocks first).
         tables = [s.table for _, _, s in raw_blocks]
         raw_bytes = [b.numel() * b.element_size() for _, b, _ in raw_blocks]
@@ -590,7 +590,7 @@ def start_encode(
                 # The payload header belongs to no block.
                 container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
-                payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
         if group_of:
             stats.record_container(direction, container)
@@ -600,7 +600,11 @@ def start_encode(
         for t, n in zip(tables, raw_bytes, strict=True):  # every block sent to a peer
             shares[t] = shares.get(t, 0) + n
         stats.record_time(direction, "encode", shares, spent)
-        return payloads
+        # Peers sent nothing (the self peer, or no blocks) get an empty payload.
+        return [
+            sent[p] if p in sent else torch.empty(0, dtype=torch.uint8, device=device)
+            for p in range(n_peers)
+        ]
 
     return PendingPayloads(device_sizes, pending.readback, finish, meta, meta_splits)
 
