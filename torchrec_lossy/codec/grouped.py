@@ -44,6 +44,8 @@ from torchrec_lossy.codec.pipeline import (
 from torchrec_lossy.config import Backend, CodecConfig
 
 _BACKENDS = frozenset(typing.get_args(Backend))
+# The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
+_NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class GroupedPayloads:
         Returns:
             1-D uint8 tensor.
         """
+        if len(self.sizes) == 1:  # the whole buffer: no view to make
+            return self.buffer
         return self.buffer.narrow(0, self.offsets[group], self.sizes[group])
 
 
@@ -286,10 +290,13 @@ def start_compress_blocks(
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
     done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
+    readback = _NOTHING_TO_READ
+    if device.type != "cpu":
+        readback = torch.zeros(0, dtype=torch.int64, device=device)
     # The device-side copies of what is known here are built only if a caller asks.
     return PendingGroups(
         lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
-        torch.zeros(0, dtype=torch.int64, device=device),
+        readback,
         lambda host: done,
         lambda: torch.from_numpy(skel.astype(np.int64)).to(device),
         [b - a for a, b in itertools.pairwise(offsets)],

@@ -532,9 +532,10 @@ def start_encode(
             sizes_np = np.array(raw_len, np.int64)
             for p, g in group_of.items():
                 sizes_np[p] += done.sizes[g]
-            device_sizes = torch.from_numpy(sizes_np).to(device)
-            meta = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
-            meta = torch.from_numpy(meta).to(device)
+            meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
+            device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
+            if device.type != "cpu":  # a no-op .to() still costs a dispatch
+                device_sizes, meta = device_sizes.to(device), meta.to(device)
         else:
             (raw_len_t,) = upload([raw_len], device)
             zero = torch.zeros(1, dtype=torch.int64, device=device)
