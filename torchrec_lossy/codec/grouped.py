@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
@@ -43,6 +44,8 @@ from torchrec_lossy.codec.pipeline import (
 from torchrec_lossy.config import Backend, CodecConfig
 
 _BACKENDS = frozenset(typing.get_args(Backend))
+# The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
+_NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class GroupedPayloads:
         Returns:
             1-D uint8 tensor.
         """
+        if len(self.sizes) == 1:  # the whole buffer: no view to make
+            return self.buffer
         return self.buffer.narrow(0, self.offsets[group], self.sizes[group])
 
 
@@ -132,11 +137,13 @@ class PendingGroups:
     is known already and :attr:`readback` is empty.
 
     Args:
-        device_sizes: int64 bytes per payload, on the blocks' device.
+        device_sizes: int64 bytes per payload, on the blocks' device, or a function building
+            them on first use (the host path, whose callers mostly read ``done`` instead).
         readback: int64 values the host must read (may be empty).
         finish: Builds the result from ``readback``'s host values.
         device_skeletons: int64 skeleton words of every payload back to back, on the device
-            (a receiver decodes without a read given them: :func:`decompress_groups`).
+            (a receiver decodes without a read given them: :func:`decompress_groups`), or a
+            function building them on first use.
         skeleton_sizes: Words of each payload's skeleton.
         done: The result, on the host path (known already: :meth:`finish` returns it); None
             on the device path.
@@ -144,19 +151,33 @@ class PendingGroups:
 
     def __init__(
         self,
-        device_sizes: torch.Tensor,
+        device_sizes: torch.Tensor | Callable[[], torch.Tensor],
         readback: torch.Tensor,
         finish: Callable[[Sequence[int]], GroupedPayloads],
-        device_skeletons: torch.Tensor,
+        device_skeletons: torch.Tensor | Callable[[], torch.Tensor],
         skeleton_sizes: list[int],
         done: GroupedPayloads | None = None,
     ) -> None:
-        self.device_sizes = device_sizes
+        self._device_sizes = device_sizes
         self.readback = readback
         self._finish = finish
-        self.device_skeletons = device_skeletons
+        self._device_skeletons = device_skeletons
         self.skeleton_sizes = skeleton_sizes
         self.done = done
+
+    @property
+    def device_sizes(self) -> torch.Tensor:
+        """int64 bytes per payload, on the blocks' device."""
+        if not isinstance(self._device_sizes, torch.Tensor):
+            self._device_sizes = self._device_sizes()
+        return self._device_sizes
+
+    @property
+    def device_skeletons(self) -> torch.Tensor:
+        """int64 skeleton words of every payload back to back, on the blocks' device."""
+        if not isinstance(self._device_skeletons, torch.Tensor):
+            self._device_skeletons = self._device_skeletons()
+        return self._device_skeletons
 
     def finish(self, host: Sequence[int]) -> GroupedPayloads:
         """The payloads, from the host values of :attr:`readback`.
@@ -217,13 +238,45 @@ def start_compress_groups(
                 f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
                 "or one bool for all"
             )
-    values, device = validate_inputs(flat, values)
+    values, _ = validate_inputs(flat, values)
+    with record_function("## lossy_codec encode ##"):
+        return start_compress_blocks(flat, values, sizes, config, rel)
+
+
+def start_compress_blocks(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+    relative: Sequence[bool],
+) -> PendingGroups:
+    """:func:`start_compress_groups` for blocks the caller has already checked, given flat.
+
+    The entry for callers that build their blocks themselves (the pooled all-to-all): nothing
+    is validated again and no per-group lists are built, so a call costs little more than the
+    encode itself (the caller labels the profiler range). Anything else should call
+    :func:`start_compress_groups`, which checks its input and names what is wrong.
+
+    Args:
+        blocks: 2-D float32 / float16 / bfloat16 tensors on one device (any strides), group
+            after group.
+        bounds: One finite bound >= 0 per block (as ``error_bounds`` of
+            :func:`compress_groups`).
+        group_sizes: Blocks per group (they add up to ``len(blocks)``).
+        config: Codec knobs.
+        relative: Per block, whether its bound is relative.
+
+    Returns:
+        The pending call: read ``readback`` and pass its values to ``finish``.
+    """
+    device = blocks[0].device if blocks else torch.device("cpu")
+    sizes = list(group_sizes)
     if on_device(device, config.backend):
         from torchrec_lossy.codec.device_compress import start_groups_device
         from torchrec_lossy.codec.triton_ops import load_kernels
 
         load_kernels(device)
-        pending = start_groups_device(flat, values, rel, sizes, config)
+        pending = start_groups_device(blocks, bounds, relative, sizes, config)
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
@@ -232,16 +285,20 @@ def start_compress_groups(
             [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, columns = compress_host_groups(flat, values, sizes, config, rel)
+    buffer, out_sizes, columns = compress_host_groups(blocks, bounds, sizes, config, relative)
     skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
     offsets = ends.tolist()
     skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
     done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
+    readback = _NOTHING_TO_READ
+    if device.type != "cpu":
+        readback = torch.zeros(0, dtype=torch.int64, device=device)
+    # The device-side copies of what is known here are built only if a caller asks.
     return PendingGroups(
-        torch.tensor(out_sizes, dtype=torch.int64, device=device),
-        torch.zeros(0, dtype=torch.int64, device=device),
+        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
+        readback,
         lambda host: done,
-        torch.from_numpy(skel.astype(np.int64)).to(device),
+        lambda: torch.from_numpy(skel.astype(np.int64)).to(device),
         [b - a for a, b in itertools.pairwise(offsets)],
         done,
     )

@@ -112,11 +112,22 @@ def _flatten(blocks: Sequence[torch.Tensor], all_float32: bool) -> tuple[np.ndar
     """
     if not blocks:
         return np.zeros(0, np.float32), np.zeros(0, np.int32)
-    flat = [(b.detach() if b.requires_grad else b).reshape(-1) for b in blocks]
+    blocks = [b.detach() if b.requires_grad else b for b in blocks]
     if all_float32 and blocks[0].device.type == "cpu":
-        n = sum(f.shape[0] for f in flat)
-        x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32)).numpy()
-        return x, x.view(np.int32)
+        dim = blocks[0].shape[1]
+        if dim and all(b.shape[1] == dim for b in blocks):
+            # One copy straight from the blocks, whatever their strides (flattening a strided
+            # block first would copy it twice).
+            n = sum(b.shape[0] for b in blocks) * dim
+            x = _SCRATCH.get("x", n, torch.float32)
+            torch.cat(blocks, out=x.view(-1, dim))
+        else:
+            flat = [b.reshape(-1) for b in blocks]
+            n = sum(f.shape[0] for f in flat)
+            x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32))
+        x_np = x.numpy()
+        return x_np, x_np.view(np.int32)
+    flat = [b.reshape(-1) for b in blocks]
     x = torch.cat([f.float() for f in flat]).cpu().numpy()
     bits = torch.cat(
         [

@@ -666,12 +666,16 @@ def compress_host_groups(
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
-        with record_function("## lossy_codec encode ##"):
-            enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
+        enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
         flat = _batch_columns(blocks, enc)
-        ends = itertools.accumulate(group_sizes)
-        columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
-        return torch.from_numpy(enc.payload).to(device), enc.sizes, columns
+        if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
+            columns = [flat]
+        else:
+            ends = itertools.accumulate(group_sizes)
+            columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
+        payload = torch.from_numpy(enc.payload)
+        # A no-op .to() still costs a dispatch: only a device copy pays for one.
+        return payload if device.type == "cpu" else payload.to(device), enc.sizes, columns
     if relative is not None:
         bounds = absolute_bounds(blocks, bounds, relative)
     payloads, stats = [], []

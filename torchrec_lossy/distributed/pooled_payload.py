@@ -37,10 +37,10 @@ from torchrec_lossy.codec import (
     decompress_groups,
     first_failure,
     host_sync,
-    start_compress_groups,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import skeleton_words, upload
+from torchrec_lossy.codec.grouped import start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.stats import Direction
@@ -308,8 +308,12 @@ def meta_words(specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, is_self
     Returns:
         Word count.
     """
-    n_coded = sum(1 for s in specs if info.compress[s.table])
-    return 1 + (skeleton_words(n_coded) if n_coded and not is_self else 0)
+    return _entry_words(0 if is_self else sum(1 for s in specs if info.compress[s.table]))
+
+
+def _entry_words(n_coded: int) -> int:
+    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks."""
+    return 1 + (skeleton_words(n_coded) if n_coded else 0)
 
 
 def _codec_config(
@@ -449,7 +453,7 @@ def start_encode(
 ) -> PendingPayloads:
     """Encodes every peer's blocks, up to the host read (none made here).
 
-    Every peer's codec blocks go through ONE ``start_compress_groups`` call (relative bounds are
+    Every peer's codec blocks go through ONE ``start_compress_blocks`` call (relative bounds are
     resolved there, on the device path on the device). The block a rank sends to itself
     (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
     receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
@@ -485,26 +489,33 @@ def start_encode(
     compress = info.compress
     coded: list[list[tuple[torch.Tensor, BlockSpec]]] = []
     raw_blocks: list[tuple[int, torch.Tensor, BlockSpec]] = []
+    # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
+    # layout's shapes on one device, so the codec's own checks are skipped.
+    flat_blocks: list[torch.Tensor] = []
+    flat_tables: list[str] = []
     for p in peers:
         c = []
         for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
             if compress[s.table]:
                 c.append((b, s))
+                flat_blocks.append(b)
+                flat_tables.append(s.table)
             else:
                 raw_blocks.append((p, b, s))
         coded.append(c)
     with record_function(f"## lossy_a2a {direction} bounds ##"):
         if direction == "fwd":
-            bound_of = {t: comms.bounds.bound(t) for t in {s.table for c in coded for _, s in c}}
-            bounds = [[bound_of[s.table] for _, s in c] for c in coded]
+            bound_of = {t: comms.bounds.bound(t) for t in set(flat_tables)}
+            bounds = [bound_of[t] for t in flat_tables]
         else:
-            bounds = [[config.backward_bound] * len(c) for c in coded]
+            bounds = [config.backward_bound] * len(flat_blocks)
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        pending = start_compress_groups(
-            [[b.contiguous() for b, _ in c] for c in coded],
-            [[eb.value for eb in g] for g in bounds],
+        pending = start_compress_blocks(
+            flat_blocks,
+            [eb.value for eb in bounds],
+            [len(c) for c in coded],
             _codec_config(config, direction, call, my_rank or 0),
-            relative=[[eb.mode == "relative" for eb in g] for g in bounds],
+            [eb.mode == "relative" for eb in bounds],
         )
         raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
         for p, b, _ in raw_blocks:
@@ -521,9 +532,10 @@ def start_encode(
             sizes_np = np.array(raw_len, np.int64)
             for p, g in group_of.items():
                 sizes_np[p] += done.sizes[g]
-            device_sizes = torch.from_numpy(sizes_np).to(device)
-            meta = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
-            meta = torch.from_numpy(meta).to(device)
+            meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
+            device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
+            if device.type != "cpu":  # a no-op .to() still costs a dispatch
+                device_sizes, meta = device_sizes.to(device), meta.to(device)
         else:
             (raw_len_t,) = upload([raw_len], device)
             zero = torch.zeros(1, dtype=torch.int64, device=device)
@@ -537,13 +549,16 @@ def start_encode(
                 pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(peers))
             ]
             meta = _meta_words(device_sizes, skeletons, group_of, torch.cat)
-        meta_splits = [meta_words(specs_per_peer[p], info, p == my_rank) for p in range(n_peers)]
+        # meta_words of every entry, from the codec blocks counted above.
+        meta_splits = [1] * n_peers
+        for g, p in enumerate(peers):
+            meta_splits[p] = _entry_words(len(coded[g]))
     setup_s = time.perf_counter() - start
 
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
         start = time.perf_counter()
         grouped = pending.finish(host)
-        payloads = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(n_peers)]
+        sent: dict[int, torch.Tensor] = {}
         # Telemetry of every block of the call in one record (raw blocks first).
         tables = [s.table for _, _, s in raw_blocks]
         raw_bytes = [b.numel() * b.element_size() for _, b, _ in raw_blocks]
@@ -576,18 +591,21 @@ def start_encode(
                 # The payload header belongs to no block.
                 container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
-                payloads[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
         if group_of:
             stats.record_container(direction, container)
         # The codec works on all peers at once: its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         shares: dict[str, int] = {}
-        for p in peers:
-            for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
-                shares[s.table] = shares.get(s.table, 0) + b.numel() * b.element_size()
+        for t, n in zip(tables, raw_bytes, strict=True):  # every block sent to a peer
+            shares[t] = shares.get(t, 0) + n
         stats.record_time(direction, "encode", shares, spent)
-        return payloads
+        # Peers sent nothing (the self peer, or no blocks) get an empty payload.
+        return [
+            sent[p] if p in sent else torch.empty(0, dtype=torch.uint8, device=device)
+            for p in range(n_peers)
+        ]
 
     return PendingPayloads(device_sizes, pending.readback, finish, meta, meta_splits)
 
