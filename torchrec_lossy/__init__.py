@@ -11,8 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-_CACHE_ENV = "TORCHREC_LOSSY_NUMBA_CACHE"
-
 
 def numba_cache_dir() -> str:
     """The folder numba caches this package's compiled kernels in, keyed by its sources.
@@ -21,8 +19,9 @@ def numba_cache_dir() -> str:
     functions of other modules (the size model, Huffman, quantize...): after an edit to one of
     those, numba would load a stale kernel, and the host path could disagree with the device
     path. Keying the whole cache by a hash of every source file of the package makes any edit
-    start a fresh cache. The base folder is ``$TORCHREC_LOSSY_NUMBA_CACHE`` (default
-    ``~/.cache/torchrec_lossy/numba``); this sets ``NUMBA_CACHE_DIR`` for child processes too.
+    start a fresh cache: the folder is ``<base>/<hash>``, the base being ``$NUMBA_CACHE_DIR``
+    when it is set (a folder of the user's or a test's own, kept apart as numba would) and
+    ``~/.cache/torchrec_lossy/numba`` otherwise.
 
     Returns:
         The folder (created by numba when it first writes).
@@ -32,10 +31,13 @@ def numba_cache_dir() -> str:
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
-    base = os.environ.get(_CACHE_ENV) or os.path.join(
+    key = digest.hexdigest()[:16]
+    base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "torchrec_lossy", "numba"
     )
-    return os.path.join(base, digest.hexdigest()[:16])
+    if os.path.basename(os.path.normpath(base)) == key:  # keyed already (set by a parent)
+        return base
+    return os.path.join(base, key)
 
 
 def _use_numba_cache_dir() -> None:
