@@ -646,16 +646,9 @@ def _huffman_values(
     escape = lengths.shape[0] - 1
     escapes = 0  # counted, not branched on: any is an error (the block has no escapes)
     n_chunks = chunk_ends.shape[0]
-    prev = np.int64(0)
-    for c in range(n_chunks):
-        if np.int64(chunk_ends[c]) < prev:
-            return False
-        prev = np.int64(chunk_ends[c])
-    if n_chunks and prev != stream.shape[0]:
+    peek = huffman.stream_layout(table, chunk_ends, stream.shape[0])
+    if peek < 0:
         return False
-    peek = 0
-    while (1 << peek) < table.shape[0]:
-        peek += 1
     sp = np.uint64(64 - peek)
     n = out.shape[0]
     for c in range(0, n_chunks, 2):

@@ -423,6 +423,33 @@ def decode_table_kernel(lengths: np.ndarray) -> np.ndarray:
     return table
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def stream_layout(table: np.ndarray, chunk_ends: np.ndarray, n_words: int) -> int:
+    """The peek width of a decode table, or -1 if the chunk table does not fit the stream.
+
+    The checks every decoder of a chunked stream makes before it reads a symbol.
+
+    Args:
+        table: From :func:`decode_table_kernel` (non-empty, ``2**peek`` entries).
+        chunk_ends: uint32 end word of each chunk: never decreasing, the last at the end.
+        n_words: Words of the stream.
+
+    Returns:
+        ``peek`` (the table is indexed by the next ``peek`` bits), or -1.
+    """
+    prev = np.int64(0)
+    for c in range(chunk_ends.shape[0]):
+        if np.int64(chunk_ends[c]) < prev:
+            return -1
+        prev = np.int64(chunk_ends[c])
+    if chunk_ends.shape[0] and prev != n_words:
+        return -1
+    peek = 0
+    while (1 << peek) < table.shape[0]:
+        peek += 1
+    return peek
+
+
 @numba.njit(cache=True, nogil=True)
 def decode_kernel(
     words: np.ndarray,
@@ -471,16 +498,9 @@ def decode_range_kernel(
     if table.shape[0] == 0:
         return DECODE_BAD_CODEBOOK
     n_chunks = chunk_ends.shape[0]
-    prev = np.int64(0)
-    for c in range(n_chunks):
-        if np.int64(chunk_ends[c]) < prev:
-            return DECODE_BAD_CHUNK_TABLE
-        prev = np.int64(chunk_ends[c])
-    if n_chunks and prev != words.shape[0]:
+    peek = stream_layout(table, chunk_ends, words.shape[0])
+    if peek < 0:
         return DECODE_BAD_CHUNK_TABLE
-    peek = 0
-    while (1 << peek) < table.shape[0]:
-        peek += 1
     shift_peek = np.uint64(64 - peek)
     escape = lengths.shape[0] - 1
     n = out.shape[0]

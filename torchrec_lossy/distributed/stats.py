@@ -220,10 +220,7 @@ class LossyCommsStats:
             ids: Ids sent for it in one call to one destination.
             repeated: Of those, ids that repeat an earlier id of the same call and destination.
         """
-        with self._lock:
-            e = self._entry(direction, table)
-            e.ids += ids
-            e.repeated_ids += repeated
+        self.record_id_counts(direction, [table], [ids], [repeated])
 
     def record_id_counts(
         self,
@@ -271,10 +268,7 @@ class LossyCommsStats:
             error_sum: Sum of the signed errors of the block's finite elements.
             count: Number of those elements.
         """
-        with self._lock:
-            e = self._entry(direction, table)
-            e.error_sum += error_sum
-            e.error_count += count
+        self.record_signed_errors(direction, [table], [error_sum], [count])
 
     def record_signed_errors(
         self,
