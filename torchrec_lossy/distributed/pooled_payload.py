@@ -709,7 +709,7 @@ def read_checked(comms: LossyComms, t: torch.Tensor | None = None) -> np.ndarray
     parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
     if not parts:
         return np.zeros(0, np.int64)
-    host = host_sync.to_host(torch.cat(parts))
+    host = host_sync.to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
     at = 0 if t is None else t.numel()
     for c in checks:
         n = c.flags.numel()
