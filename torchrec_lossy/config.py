@@ -606,8 +606,9 @@ class PlannerConfig:
         table_ratios: Per-table expected ratios by table name or glob (first match wins).
         backward_ratio: Ratio (TorchRec's dense fp32 gradient bytes / wire bytes) assumed for a
             table's gradient traffic without a calibrated one when ``comms.backward`` is
-            ``"lossy"`` (gradient dedupe + the codec). Measured 13.6x in the example (dim 16,
-            2 ranks) and 35x in ``benchmarks/input_dist_bench.py``; 10 is conservative.
+            ``"lossy"`` (gradient dedupe + the codec). Measured 37.6x in the example's default run
+            (dim 16, 2 ranks, docs/example.md) and 35x in ``benchmarks/input_dist_bench.py``;
+            10 is conservative.
         encode_gib_s: Codec encode throughput in GiB/s of raw input; null: the device default
             (cuda 200, the paper's Huffman encoder; cpu 1.4, the compiled host encoder).
         decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.86).
