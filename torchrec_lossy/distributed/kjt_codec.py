@@ -97,13 +97,15 @@ def on_host(device: torch.device, backend: KJTBackend) -> bool:
     Raises:
         ValueError: If ``backend`` is unknown, or ``"numba"`` for tensors off the CPU.
     """
-    if backend not in ("auto", "torch", "numba"):
+    if backend == "auto":  # the common case first: this runs on every encode and decode
+        return device.type == "cpu"
+    if backend not in ("torch", "numba"):
         raise ValueError(f"KJT codec backend {backend!r}: use 'auto', 'torch' or 'numba'")
     if backend == "numba" and device.type != "cpu":
         raise ValueError(
             f"KJT codec backend 'numba' runs on CPU tensors, these are on {device}; use 'auto'"
         )
-    return backend == "numba" or (backend == "auto" and device.type == "cpu")
+    return backend == "numba"
 
 
 # ---------------------------------------------------------------------------------------------

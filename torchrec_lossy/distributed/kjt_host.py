@@ -1160,7 +1160,8 @@ def decode(
         recv.contiguous().numpy().view(np.uint32), recv_words, checksum, formats, feat_off,
         batch, wire_esize,
     )  # fmt: skip
-    firsts = list(torch.from_numpy(first).split(counts.tolist())) if counts.shape[0] else []
+    # split_with_sizes: Tensor.split's Python overload resolution costs more than the views.
+    firsts = list(torch.from_numpy(first).split_with_sizes(counts.tolist()))
     return Decoded(
         Refusal(*refusal.tolist()),
         payloads,
