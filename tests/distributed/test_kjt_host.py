@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -34,6 +35,7 @@ ENCODED_FIELDS = (
     "expand",
     "features",
     "feature_stats",
+    "feature_bytes",
     "wire_weights",
 )
 
@@ -139,24 +141,21 @@ def test_numba_decode_refuses_fields_that_do_not_match_the_metadata() -> None:
     with pytest.raises(LossyAllToAllError, match=r"from rank 0 .*lengths do not sum to its ids"):
         decode_kjt(recv, *args, backend="numba")
 
-    # An inverse index past the distinct ids (one deduplicated feature: bags [2], ids [0, 1]).
-    words = torch.tensor([0b110, 1], dtype=torch.int32)
-    sections = [
-        (kjt_host.LENGTHS, 0, 1, 2, 0, 0),  # length 2 in bits 0..1
-        (kjt_host.UNIQUE, 0, 1, 1, 0, 2),  # distinct id 1 in bit 2
-        (kjt_host.INVERSE, 0, 2, 1, 0, 32),  # inverse [1, 0] in bits 32..33
-    ]
+    # An inverse index past the distinct ids: one deduplicated feature of one bag of 2 ids and
+    # 3 distinct ids (2-bit lengths, 1-bit ids, 2-bit inverse index), in one word.
+    formats = np.array([[2, 1, 1, 2, 3, 0, 0]], np.int64)
 
-    def decode(num_unique: int) -> kjt_host.Decoded:
-        feature = [kjt_host.DEDUPED, 0, 1, 0, 2, 0, num_unique]  # 1 bag, 2 ids
-        flat = [x for s in sections for x in s]
-        return kjt_host.decode(words, [2], False, flat, feature, [], 1, 2, num_unique)
+    def decode(inverse: list[int]) -> kjt_host.Decoded:
+        word = 2 | 0b101 << 2 | inverse[0] << 5 | inverse[1] << 7  # bags [2], distinct [1, 0, 1]
+        words = torch.tensor([word], dtype=torch.int32)
+        one = np.array([1], np.int64)
+        return kjt_host.decode(words, one, False, formats, np.array([0, 1]), one, 0)
 
-    out = decode(1)
-    assert (out.bad_payload, out.bad_feature, out.why) == (-1, 0, kjt_host.BAD_INVERSE)
-    sections[1] = (kjt_host.UNIQUE, 0, 2, 1, 0, 2)  # distinct ids [1, 0] in bits 2..3
-    out = decode(2)  # [1, 0] is in range
-    assert out.bad_feature == -1 and out.lengths.tolist() == [2] and out.values.tolist() == [0, 1]
+    out = decode([3, 0])
+    assert out.refusal == (0, kjt_host.BAD_INVERSE, 0, 0)
+    out = decode([2, 0])  # in range
+    assert out.refusal.source == -1
+    assert out.lengths.tolist() == [2] and out.values.tolist() == [1, 1]
 
 
 def test_backend_names_and_devices_are_checked() -> None:

@@ -91,7 +91,8 @@ def encode_with_telemetry(
         The payloads and metadata.
     """
     start = time.perf_counter()
-    enc = encode_kjt(kjt, splits, comms.config.input_dist, output_dedupe)
+    with record_function("## lossy_input encode ##"):
+        enc = encode_kjt(kjt, splits, comms.config.input_dist, output_dedupe)
     record_encode(comms.stats, kjt, enc, splits, comms.config.input_dist.dedupe)
     batch = kjt.stride()
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
@@ -120,15 +121,13 @@ def record_encode(
         dedupe: Wire dedupe was on (``InputDistConfig.dedupe``): record repeated ids.
     """
     keys = kjt.keys()
-    batch, wire_w, send_words = kjt.stride(), enc.wire_weights, enc.send_words
-    metas: Sequence[FeatureMeta] = enc.features
+    batch, send_words = kjt.stride(), enc.send_words
     stats = enc.feature_stats
     weights = kjt.weights_or_none()
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
     w_e = weights.element_size() if weights is not None else 0
-    wire_e = wire_w.itemsize if wire_w is not None else 0
     raw = [batch * len_e + st[0] * (val_e + w_e) for st in stats]
-    wire = [m.packed_bits(batch) // 8 + m.num_ids * wire_e for m in metas]
+    wire = enc.feature_bytes
     feature_wire = sum(wire)
     # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride).
     torchrec_rows = 3 + (weights is not None)
@@ -139,7 +138,8 @@ def record_encode(
         [*raw, 8 * torchrec_rows * len(splits)],
         [*wire, 8 * meta_rows],
     )
-    counted = [i for i, m in enumerate(metas) if dedupe or m.lookup]
+    # Repeats are counted where ids may be deduplicated: wire dedupe on, or lookup features.
+    counted = range(len(keys)) if dedupe else enc.formats[:, 5].nonzero()[0].tolist()
     if counted:
         s.record_id_counts(
             "input",

@@ -18,16 +18,19 @@ exchange and records the bytes); every function runs where the KJT lives, CPU or
 - Checksum words (:func:`payload_checksums`): each payload ends with a position-weighted int64
   checksum the receiver verifies (``InputDistConfig.checksum``).
 
-Both ends lay out each payload alike from the metadata (``_payload``: per feature its fields,
-each a section of fixed-width fields). The tensor work then runs on one of two backends
+Both ends plan each payload alike with the compiled planner of
+:mod:`~torchrec_lossy.distributed.kjt_host` (``plan_encode`` / ``plan_decode``: per feature its
+format and fields, each a section of fixed-width fields; host ints, where a Python loop over
+features and fields cost more than the packing). The tensor work then runs on one of two backends
 (:data:`KJTBackend`, chosen per call from the tensors' device), with the same words and tensors:
 
 - torch (the device path and the test oracle): vectorized torch ops only (``index_add_`` of
   shifted 32-bit fields into int64 accumulators); nothing is staged through host memory except
   the per-feature statistics and the metadata.
 - numba (CPU tensors): :mod:`torchrec_lossy.distributed.kjt_host` does the statistics and
-  deduplication sort, the packing and the checksums in a few compiled calls, where tens of
-  small torch ops per call would cost more than the work itself.
+  deduplication sort, the plan, the packing and the checksums in one compiled call per encode
+  (and the decode in one), where tens of small torch ops per call would cost more than the work
+  itself.
 """
 
 from __future__ import annotations
@@ -74,14 +77,6 @@ _DTYPES: tuple[torch.dtype | None, ...] = (
 )
 _CODES: dict[torch.dtype | None, int] = {d: i for i, d in enumerate(_DTYPES)}
 _WEIGHT_CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# The compiled path's array of each field (kjt_host's section tables).
-_ARRAYS = {
-    "lengths": kjt_host.LENGTHS,
-    "ids": kjt_host.IDS,
-    "unique": kjt_host.UNIQUE,
-    "inverse": kjt_host.INVERSE,
-}
-
 KJTBackend = Literal["auto", "torch", "numba"]
 """Who does the KJT codec's tensor work: ``"torch"`` (tensor ops on the KJT's device: the device
 path and the test oracle), ``"numba"`` (the compiled CPU path of
@@ -102,13 +97,15 @@ def on_host(device: torch.device, backend: KJTBackend) -> bool:
     Raises:
         ValueError: If ``backend`` is unknown, or ``"numba"`` for tensors off the CPU.
     """
-    if backend not in ("auto", "torch", "numba"):
+    if backend == "auto":  # the common case first: this runs on every encode and decode
+        return device.type == "cpu"
+    if backend not in ("torch", "numba"):
         raise ValueError(f"KJT codec backend {backend!r}: use 'auto', 'torch' or 'numba'")
     if backend == "numba" and device.type != "cpu":
         raise ValueError(
             f"KJT codec backend 'numba' runs on CPU tensors, these are on {device}; use 'auto'"
         )
-    return backend == "numba" or (backend == "auto" and device.type == "cpu")
+    return backend == "numba"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,17 +196,15 @@ def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tens
     return (lo | hi) & ((1 << widths) - 1)
 
 
-def _bit_length(x: int) -> int:
-    return int(x).bit_length()
-
-
 # ---------------------------------------------------------------------------------------------
 # Per-feature format.
 
 
-@dataclass(frozen=True)
-class FeatureMeta:
+class FeatureMeta(NamedTuple):
     """What the receiver needs to unpack one feature from one source.
+
+    A named tuple (its fields are ``kjt_host.FORMAT_COLUMNS``): the codec passes every
+    feature's format to its compiled planner as one array, ``np.array`` of these tuples.
 
     Attributes:
         len_bits: Bits per length.
@@ -233,13 +228,8 @@ class FeatureMeta:
     lookup: bool = False
     out_rows: int = 0
 
-    @property
-    def inv_bits(self) -> int:
-        """Bits per inverse-index entry."""
-        return _bit_length(self.num_unique - 1) if self.num_unique else 0
-
     def words(self) -> list[int]:
-        """The feature's metadata words."""
+        """The feature's metadata words (``kjt_host`` writes them alike for an encode)."""
         mode = (
             self.len_bits
             | (self.id_bits << 8)
@@ -262,96 +252,9 @@ class FeatureMeta:
             w[0] >> 32,
         )
 
-    def fields(self, batch: int) -> list[tuple[str, int, int]]:
-        """Its packed fields in order: ``(name, count, width)``."""
-        if self.lookup:  # lengths are implied (ones, then zeros); the inverse stays home
-            return [("unique", self.num_unique, self.id_bits)]
-        out = [("lengths", batch, self.len_bits)]
-        if self.dedupe:
-            out += [
-                ("unique", self.num_unique, self.id_bits),
-                ("inverse", self.num_ids, self.inv_bits),
-            ]
-        else:
-            out.append(("ids", self.num_ids, self.id_bits))
-        return out
-
-    def packed_bits(self, batch: int) -> int:
-        """Bits the feature's lengths and ids take."""
-        return sum(n * w for _, n, w in self.fields(batch))
-
 
 def _weight_words(num: int, dtype: torch.dtype) -> int:
     return -(-num * torch.empty(0, dtype=dtype).element_size() // 4)
-
-
-class _Section(NamedTuple):
-    """``count`` fields of ``width`` bits from bit ``bit`` on: one field of a feature, or the low
-    or high part (``shift`` 0 or 32) of a field of values over 32 bits."""
-
-    feature: int
-    name: str
-    count: int
-    width: int
-    shift: int
-    bit: int
-
-
-class _Payload(NamedTuple):
-    """The layout of one payload (sender and receiver build it alike from the metadata).
-
-    Attributes:
-        sections: Its packed sections in wire order.
-        weights_at: Its first word of weights (the word after the packed bits).
-        num_ids: Ids of its features.
-        words: Its words: packed bits, weights, checksum.
-    """
-
-    sections: list[_Section]
-    weights_at: int
-    num_ids: int
-    words: int
-
-
-def _payload(
-    metas: Sequence[FeatureMeta],
-    batch: int,
-    word0: int,
-    wire_w: torch.dtype | None,
-    checksum: bool,
-    first_feature: int = 0,
-) -> _Payload:
-    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
-
-    Args:
-        metas: The payload's features.
-        batch: Its sender's batch size.
-        word0: Its first word in the buffer of all payloads.
-        wire_w: dtype of its weights on the wire (None: unweighted).
-        checksum: It ends with a checksum.
-        first_feature: Index the sections give the first feature.
-
-    Returns:
-        Its sections, where its weights start, its ids and its words.
-    """
-    bit = word0 * _WORD_BITS
-    sections: list[_Section] = []
-    n_ids = 0
-    for f, m in enumerate(metas, first_feature):
-        n_ids += m.num_ids
-        for name, n, w in m.fields(batch):
-            if n == 0 or w == 0:
-                continue
-            if w <= _WORD_BITS:
-                sections.append(_Section(f, name, n, w, 0, bit))
-            else:  # values over 32 bits travel as a section of low parts, then one of high parts
-                high = bit + n * _WORD_BITS
-                sections.append(_Section(f, name, n, _WORD_BITS, 0, bit))
-                sections.append(_Section(f, name, n, w - _WORD_BITS, _WORD_BITS, high))
-            bit += n * w
-    weights_at = -(-bit // _WORD_BITS)
-    end = weights_at + (_weight_words(n_ids, wire_w) if wire_w is not None else 0)
-    return _Payload(sections, weights_at, n_ids, end - word0 + (_CHECK_WORDS if checksum else 0))
 
 
 def _words_of(t: torch.Tensor) -> torch.Tensor:
@@ -465,9 +368,12 @@ class EncodedKJT:
         expand: Per destination, per feature sent there: (rows the owner sends back, inverse
             index mapping this rank's bags to them) of output-deduplicated features, None for
             the others.
-        features: Per feature (the KJT's key order), its format.
+        formats: int64 ``[F, 7]``: per feature (the KJT's key order), its format
+            (``kjt_host.FORMAT_COLUMNS``; :attr:`features` as :class:`FeatureMeta`).
         feature_stats: Per feature, its statistics (length sum, max, min; id max, min;
             distinct ids) as host ints.
+        feature_bytes: Per feature, its wire bytes (its packed bits rounded down to bytes, plus
+            its weights), as the telemetry counts them.
         wire_weights: dtype the weights travel in (None: unweighted).
     """
 
@@ -477,9 +383,19 @@ class EncodedKJT:
     meta_splits: list[int]
     num_ids_per_dest: list[int]
     expand: list[list[tuple[int, torch.Tensor] | None]]
-    features: list[FeatureMeta]
+    formats: np.ndarray
     feature_stats: list[list[int]]
+    feature_bytes: list[int]
     wire_weights: torch.dtype | None
+
+    @property
+    def features(self) -> list[FeatureMeta]:
+        """Per feature (the KJT's key order), its format (built on demand from :attr:`formats`:
+        the input dist itself reads the array)."""
+        return [
+            FeatureMeta(a, b, bool(c), d, e, bool(f), g)
+            for a, b, c, d, e, f, g in self.formats.tolist()
+        ]
 
 
 @dataclass
@@ -568,182 +484,177 @@ def encode_kjt(
         ValueError: If a length or an id is negative, or the backend does not fit the KJT.
     """
     keys = kjt.keys()
-    num_f, batch = len(keys), kjt.stride()
+    batch = kjt.stride()
     lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
     dev = values.device
     host = on_host(dev, backend)
-    exact_out = output_dedupe == "exact" and weights is None and batch > 0
     want_dedupe = config.dedupe or output_dedupe is not None
+    wire_w = None
+    if weights is not None:
+        wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
+    codes = (
+        _CODES[lengths.dtype]
+        | _CODES[values.dtype] << 8
+        | _CODES[weights.dtype if weights is not None else None] << 16
+        | _CODES[wire_w] << 24
+        | (_CHECK_FLAG if config.checksum else 0)
+    )
+    feat_off, meta_splits = _split_offsets(tuple(splits))
+    mode = _OUT_MODES[output_dedupe]
     v = values.to(torch.int64)
     lens = lengths.to(torch.int64)
-    with record_function("## lossy_input stats ##"):
-        if host:
-            hs = kjt_host.feature_stats(lens, v, num_f, batch, want_dedupe)
-            stats, fs = hs.stats, None
-        else:
-            fs = _feature_stats(lens, v, num_f, batch, want_dedupe)
-            stats = fs.stats.tolist()  # the host read of the encoder
+    if host:
+        out = kjt_host.encode(
+            lens, v, weights.to(wire_w) if weights is not None else None, batch, feat_off,
+            want_dedupe, config.dedupe, mode, config.checksum, codes,
+        )  # fmt: skip
+        if not isinstance(out, kjt_host.HostEncoded):
+            why, stats = out
+            if why == kjt_host.BAD_SUM:
+                raise ValueError(
+                    f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but "
+                    f"it holds {v.numel()} ids; pass a KJT whose lengths match its values"
+                )
+            _refuse_negative(keys, stats.tolist())
+        plan, send, uniques, inverse = out
+    else:
+        fs = _feature_stats(lens, v, len(keys), batch, want_dedupe)
+        stats = fs.stats.cpu().numpy()  # the host read of the encoder
+        _refuse_negative(keys, stats.tolist())
+        esize = wire_w.itemsize if wire_w is not None else 0
+        plan = kjt_host.plan_encode(
+            stats, batch, feat_off, config.dedupe, mode, esize, config.checksum, codes
+        )
+        inverse = uniques = None
+        if plan.formats[:, [2, 6]].any():  # wire or output dedupe (a lookup feature's too)
+            assert fs.ids is not None
+            order, new = fs.ids
+            inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
+            uniques = v[order][new]
+        send = _pack_torch(
+            plan, lens, v, uniques, inverse, weights, wire_w, config.checksum, feat_off.tolist()
+        )
+
+    stats_rows = plan.stats.tolist()
+    val_off = plan.starts[kjt_host.IDS].tolist()
+    expand: list[list[tuple[int, torch.Tensor] | None]] = []
+    offsets = feat_off.tolist()
+    # Per feature: lookup, distinct ids, exact output dedupe rows.
+    kinds = plan.formats[:, [5, 4, 6]].tolist()
+    for d in range(len(splits)):
+        row: list[tuple[int, torch.Tensor] | None] = []
+        for f in range(offsets[d], offsets[d + 1]):
+            lookup, num_unique, out_rows = kinds[f]
+            if lookup:
+                assert inverse is not None
+                row.append((num_unique, inverse[val_off[f] : val_off[f + 1]]))
+            elif out_rows:
+                bag_inv = bag_inverse(f, stats_rows[f], batch, lens, inverse, val_off)
+                row.append((out_rows, bag_inv))
+            else:
+                row.append(None)
+        expand.append(row)
+
+    return EncodedKJT(
+        send=send,
+        send_words=plan.payloads[:, 2].tolist(),
+        meta=torch.from_numpy(plan.meta).to(dev),
+        meta_splits=meta_splits,
+        num_ids_per_dest=plan.payloads[:, 1].tolist(),
+        expand=expand,
+        formats=plan.formats,
+        feature_stats=stats_rows,
+        feature_bytes=plan.feature_bytes.tolist(),
+        wire_weights=wire_w,
+    )
+
+
+_OUT_MODES: dict[OutputDedupeMode, int] = {
+    None: kjt_host.OUT_NONE,
+    "exact": kjt_host.OUT_EXACT,
+    "lookup": kjt_host.OUT_LOOKUP,
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _split_offsets(splits: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
+    """Each destination's (or source's) first feature (then F) and its metadata words (cached:
+    the splits of an input dist do not change)."""
+    offsets = np.array(list(itertools.accumulate(splits, initial=0)), np.int64)
+    offsets.flags.writeable = False  # shared by every call with these splits
+    return offsets, [meta_words(n) for n in splits]
+
+
+def _refuse_negative(keys: Sequence[str], stats: Sequence[Sequence[int]]) -> None:
+    """Raises for the first feature with a negative length or id.
+
+    Args:
+        keys: The KJT's keys.
+        stats: Per feature its statistics (length sum, max, min; id max, min; ...).
+
+    Raises:
+        ValueError: If a length or an id is negative.
+    """
     for key, st in zip(keys, stats, strict=True):
         if st[2] < 0 or st[4] < 0:
             raise ValueError(
                 f"lossy input dist: feature {key!r} has a negative "
                 f"{'length' if st[2] < 0 else 'id'}; KJT lengths and ids must be >= 0"
             )
-    wire_w = None
+
+
+def _pack_torch(
+    plan: kjt_host.EncodePlan,
+    lens: torch.Tensor,
+    v: torch.Tensor,
+    uniques: torch.Tensor | None,
+    inverse: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    wire_w: torch.dtype | None,
+    checksum: bool,
+    feat_off: Sequence[int],
+) -> torch.Tensor:
+    """:func:`encode_kjt`'s payloads by tensor ops on the KJT's device (what ``kjt_host.encode``
+    packs on the host).
+
+    Args:
+        plan: The payloads' plan.
+        lens: The KJT's int64 lengths.
+        v: Its int64 ids.
+        uniques: Every feature's distinct ids (None if no feature is deduplicated).
+        inverse: Per id, the index of its distinct id in its feature (idem).
+        weights: Its weights (None: unweighted).
+        wire_w: Their dtype on the wire.
+        checksum: End every payload with its checksum.
+        feat_off: Each destination's first feature, then F.
+
+    Returns:
+        int32 words of all payloads.
+    """
+    sources = (lens, v, uniques, inverse)  # indexed by kjt_host.LENGTHS, IDS, UNIQUE, INVERSE
+    starts = plan.starts.tolist()
+    sections = plan.sections.tolist()
+    parts: list[torch.Tensor] = []
+    for feature, field, count, width, shift, _ in sections:
+        src = sources[field]
+        assert src is not None
+        a = starts[field][feature]
+        t = src[a : a + count]
+        # Values over 32 bits travel as two parts; narrower ones fit as they are.
+        parts.append(t >> shift if shift else t & _MASK32 if width == 32 else t)
+    layout = _Layout([s[2] for s in sections], [s[3] for s in sections], [s[5] for s in sections])
+    w_t, p_t = layout.positions(v.device)
+    flat = torch.cat(parts) if parts else v.new_empty(0)
+    send_words = plan.payloads[:, 2].tolist()
+    send = pack_bits(flat, w_t, p_t, sum(send_words))
     if weights is not None:
-        wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
-
-    # Offsets of each feature's ids in the input (not what travels: lookup features send U).
-    val_off = list(itertools.accumulate((s[0] for s in stats), initial=0))
-    with record_function("## lossy_input encode ##"):
-        metas: list[FeatureMeta] = []
-        for len_sum, len_max, len_min, id_max, _, uniq in stats:
-            id_bits, len_bits = id_max.bit_length(), len_max.bit_length()
-            if (
-                output_dedupe == "lookup"
-                and weights is None
-                and batch > 0
-                and len_min == len_max == 1
-                and uniq < batch
-            ):
-                # Single-hot with repeats: a bag's pooled vector is its row, so the owner can
-                # look up and send back each distinct id once.
-                metas.append(FeatureMeta(0, id_bits, True, uniq, uniq, lookup=True))
-                continue
-            inv_bits = (uniq - 1).bit_length() if uniq else 0
-            # Deduplicate only where distinct ids + inverse index take fewer bits.
-            dedupe = config.dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
-            # Bags of at most one unweighted id that repeat: send back each distinct one once.
-            # Distinct bags: with one id per bag the ids; with none, one; with a mix of empty
-            # and one-id bags, the empty bag then the ids (see bag_inverse and first_bags).
-            out_rows = 0
-            if exact_out and len_max <= 1:
-                bags = uniq if len_min == 1 else uniq + 1 if len_max == 1 else 1
-                out_rows = bags if bags < batch else 0
-            metas.append(
-                FeatureMeta(
-                    len_bits, id_bits, dedupe, len_sum, uniq if dedupe else 0, out_rows=out_rows
-                )
-            )
-
-        inverse = uniques = None
-        if host:
-            inverse, uniques = hs.inverse, hs.uniques
-        elif any(m.dedupe or m.out_rows for m in metas):
-            assert fs is not None and fs.ids is not None
-            order, new = fs.ids
-            inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
-            uniques = v[order][new]
-
-        # Where each field's elements start in the sender's arrays (lookup features send the
-        # distinct ids, which start where the feature's do in ``uniques``).
-        uniq_off = list(itertools.accumulate((s[5] for s in stats), initial=0))
-        field_start = {
-            "lengths": [f * batch for f in range(num_f)],
-            "ids": val_off,
-            "unique": uniq_off,
-            "inverse": val_off,
-        }
-        feat_off = list(itertools.accumulate(splits, initial=0))
-        sections: list[_Section] = []
-        send_words: list[int] = []
-        weight_slots: list[tuple[int, int, int]] = []  # (word offset, first id, ids)
-        word0 = 0
-        for d in range(len(splits)):
-            f0, f1 = feat_off[d], feat_off[d + 1]
-            p = _payload(metas[f0:f1], batch, word0, wire_w, config.checksum, f0)
-            sections += p.sections
-            if wire_w is not None:
-                weight_slots.append((p.weights_at, val_off[f0], val_off[f1] - val_off[f0]))
-            send_words.append(p.words)
-            word0 += p.words
-
-        if host:
-            assert uniques is not None and inverse is not None
-            rows = [
-                x
-                for s in sections
-                for x in (
-                    _ARRAYS[s.name],
-                    field_start[s.name][s.feature],
-                    s.count,
-                    s.width,
-                    s.shift,
-                    s.bit,
-                )
-            ]
-            send = kjt_host.pack(
-                rows, word0, lens, v, uniques, inverse,
-                weights.to(wire_w) if weights is not None else None, weight_slots, send_words,
-                config.checksum,
-            )  # fmt: skip
-        else:
-            sources = {"lengths": lens, "ids": v, "unique": uniques, "inverse": inverse}
-            parts: list[torch.Tensor] = []
-            for s in sections:
-                src = sources[s.name]
-                assert src is not None
-                a = field_start[s.name][s.feature]
-                t = src[a : a + s.count]
-                # Values over 32 bits travel as two parts; narrower ones fit as they are.
-                parts.append(t >> s.shift if s.shift else t & _MASK32 if s.width == 32 else t)
-            layout = _Layout(
-                [s.count for s in sections], [s.width for s in sections], [s.bit for s in sections]
-            )
-            w_t, p_t = layout.positions(dev)
-            flat = torch.cat(parts) if parts else v.new_empty(0)
-            send = pack_bits(flat, w_t, p_t, word0)
-            if weights is not None:
-                for at, first, n in weight_slots:
-                    ww = _words_of(weights[first : first + n].to(wire_w))
-                    send[at : at + ww.numel()] = ww
-            if config.checksum:
-                _write_checksums(send, send_words)
-
-        codes = (
-            _CODES[lengths.dtype]
-            | _CODES[values.dtype] << 8
-            | _CODES[weights.dtype if weights is not None else None] << 16
-            | _CODES[wire_w] << 24
-            | (_CHECK_FLAG if config.checksum else 0)
-        )
-        meta_rows: list[int] = []
-        meta_splits: list[int] = []
-        for d in range(len(splits)):
-            fm = metas[feat_off[d] : feat_off[d + 1]]
-            row = [send_words[d], batch, codes] + [w for m in fm for w in m.words()]
-            meta_rows += row
-            meta_splits.append(len(row))
-        meta = torch.from_numpy(np.array(meta_rows, np.int64)).to(dev)
-
-        expand: list[list[tuple[int, torch.Tensor] | None]] = []
-        for d in range(len(splits)):
-            row: list[tuple[int, torch.Tensor] | None] = []
-            for f in range(feat_off[d], feat_off[d + 1]):
-                m = metas[f]
-                if m.lookup:
-                    assert inverse is not None
-                    row.append((m.num_unique, inverse[val_off[f] : val_off[f + 1]]))
-                elif m.out_rows:
-                    bag_inv = bag_inverse(f, stats[f], batch, lens, inverse, val_off)
-                    row.append((m.out_rows, bag_inv))
-                else:
-                    row.append(None)
-            expand.append(row)
-
-    return EncodedKJT(
-        send=send,
-        send_words=send_words,
-        meta=meta,
-        meta_splits=meta_splits,
-        num_ids_per_dest=[
-            sum(m.num_ids for m in metas[feat_off[d] : feat_off[d + 1]]) for d in range(len(splits))
-        ],
-        expand=expand,
-        features=metas,
-        feature_stats=stats,
-        wire_weights=wire_w,
-    )
+        val_off = starts[kjt_host.IDS]
+        for (at, _, _), f0, f1 in zip(plan.payloads.tolist(), feat_off, feat_off[1:], strict=False):
+            ww = _words_of(weights[val_off[f0] : val_off[f1]].to(wire_w))
+            send[at : at + ww.numel()] = ww
+    if checksum:
+        _write_checksums(send, send_words)
+    return send
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,8 +709,6 @@ def decode_kjt(
     """
     dev = recv.device
     host = on_host(dev, backend)
-    payloads: list[_Payload] = []
-    word_offsets = list(itertools.accumulate(recv_words, initial=0))
     wire_w = _DTYPES[codes[0] >> 24 & 0xFF] if codes else None
     trailer = bool(codes) and bool(codes[0] & _CHECK_FLAG)
     if any(c != codes[0] for c in codes):
@@ -815,40 +724,45 @@ def decode_kjt(
             "different torchrec_lossy versions or sharding plans, or the bytes were corrupted."
         )
 
-    for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
-        for m in metas:
-            if m.lookup and m.num_unique > batch:
-                fail(src, f"{m.num_unique} distinct single-hot ids for a batch of {batch}")
-            if max(m.len_bits, m.id_bits) > 2 * _WORD_BITS:
-                fail(src, f"{max(m.len_bits, m.id_bits)}-bit fields (at most 64)")
-        p = _payload(metas, batch, word_offsets[src], wire_w, trailer)
-        if p.words != recv_words[src]:
-            fail(src, f"{recv_words[src]} words received, {p.words} expected")
-        payloads.append(p)
-    if trailer and not host:  # the numba path verifies in its one call
-        # One host read for all sources; the sizes are known to be right by now.
-        ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
-        _check_sums(fail, ok.tolist())
+    # Every source's formats in one array for the compiled planner (FeatureMeta is a tuple).
+    formats = np.array([m for metas in metas_per_src for m in metas], np.int64).reshape(
+        -1, len(kjt_host.FORMAT_COLUMNS)
+    )
+    feat_off = _split_offsets(tuple(map(len, metas_per_src)))[0]
+    batch = np.array(batch_per_src, np.int64)
+    words = np.array(recv_words, np.int64)
+    esize = wire_w.itemsize if wire_w is not None else 0
+    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
+    if host:
+        out = kjt_host.decode(recv, words, trailer, formats, feat_off, batch, esize)
+        _refuse(fail, out.refusal)
+        lengths, values, payloads = out.lengths, out.values, out.payloads
+        for (src, f), first in zip(out.segments, out.first_bags, strict=True):
+            selects[src][f] = first
+    else:
+        plan = kjt_host.plan_decode(formats, feat_off, batch, words, esize, trailer)
+        _refuse(fail, plan.refusal)
+        if trailer:
+            # One host read for all sources; the sizes are known to be right by now.
+            ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
+            _check_sums(fail, ok.tolist())
+        payloads = plan.payloads
+        lengths, values = _unpack_torch(
+            recv, plan.sections, metas_per_src, batch_per_src, fail, selects
+        )
 
     len_dtype = _DTYPES[codes[0] & 0xFF] if codes else torch.int64
     val_dtype = _DTYPES[codes[0] >> 8 & 0xFF] if codes else torch.int64
     w_dtype = _DTYPES[codes[0] >> 16 & 0xFF] if codes else None
     assert len_dtype is not None and val_dtype is not None
-    if host:
-        lengths, values, selects = _unpack_host(
-            recv, recv_words, trailer, payloads, metas_per_src, batch_per_src, fail
-        )
-    else:
-        lengths, values, selects = _unpack_torch(recv, payloads, metas_per_src, batch_per_src, fail)
     out_weights = None
     if w_dtype is not None:
         weights: list[torch.Tensor] = []
         assert wire_w is not None
-        esize = torch.empty(0, dtype=wire_w).element_size()
-        for p in payloads:
-            nw = _weight_words(p.num_ids, wire_w)
-            raw = recv[p.weights_at : p.weights_at + nw].view(torch.uint8).clone()  # aligned
-            weights.append(raw[: p.num_ids * esize].view(wire_w))
+        for weights_at, num_ids, _ in payloads.tolist():
+            nw = _weight_words(num_ids, wire_w)
+            raw = recv[weights_at : weights_at + nw].view(torch.uint8).clone()  # aligned
+            weights.append(raw[: num_ids * esize].view(wire_w))
         out_weights = (
             torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
         )
@@ -861,6 +775,32 @@ class _Fail(Protocol):
     def __call__(self, src: int, why: str) -> NoReturn: ...
 
 
+# Why a payload was refused (kjt_host.Refusal's reasons), given its ``a`` and ``b``.
+_WHY = {
+    kjt_host.BAD_LOOKUP: "{a} distinct single-hot ids for a batch of {b}",
+    kjt_host.BAD_BITS: "{a}-bit fields (at most 64)",
+    kjt_host.BAD_COUNT: "a negative batch size or id count",
+    kjt_host.BAD_WORDS: "{a} words received, {b} expected",
+    kjt_host.BAD_CHECKSUM: "its checksum does not match (corrupted in transit)",
+    kjt_host.BAD_LENGTHS: "feature {a} of the payload: its lengths do not sum to its ids",
+    kjt_host.BAD_INVERSE: (
+        "feature {a} of the payload: its inverse index points past its distinct ids"
+    ),
+    kjt_host.BAD_ROWS: "{a} distinct bags in a deduplicated feature, {b} sent",
+}
+
+
+def _refuse(fail: _Fail, refusal: kjt_host.Refusal) -> None:
+    """Raises the decode's error for a refused payload (nothing if none was).
+
+    Args:
+        fail: Raises the decode's error.
+        refusal: The planner's or the compiled decode's verdict.
+    """
+    if refusal.source >= 0:
+        fail(refusal.source, _WHY[refusal.why].format(a=refusal.a, b=refusal.b))
+
+
 def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
     """Fails on the first source whose checksum does not match.
 
@@ -870,60 +810,42 @@ def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
     """
     for src, good in enumerate(ok):
         if not good:
-            fail(src, "its checksum does not match (corrupted in transit)")
-
-
-def _check_bags(fail: _Fail, src: int, first: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first bags of a feature of the exact output dedupe, if one per row sent back.
-
-    Args:
-        fail: Raises the decode's error.
-        src: The feature's source.
-        first: Its first bag of each distinct bag.
-        rows: Rows the metadata says go back to the source.
-
-    Returns:
-        ``first``.
-    """
-    if first.numel() != rows:
-        fail(src, f"{first.numel()} distinct bags in a deduplicated feature, {rows} sent")
-    return first
+            _refuse(fail, kjt_host.Refusal(src, kjt_host.BAD_CHECKSUM, 0, 0))
 
 
 def _unpack_torch(
     recv: torch.Tensor,
-    payloads: Sequence[_Payload],
+    sections: np.ndarray,
     metas_per_src: Sequence[Sequence[FeatureMeta]],
     batch_per_src: Sequence[int],
     fail: _Fail,
-) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor | None]]]:
+    selects: list[list[torch.Tensor | None]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_kjt`'s lengths, ids and bag selection, by tensor ops on ``recv``'s device.
 
     Args:
         recv: The payloads' words.
-        payloads: Each source's layout.
+        sections: Their sections (``kjt_host.plan_decode``).
         metas_per_src: Per source, per feature, its format.
         batch_per_src: Batch size of every source.
         fail: Raises the decode's error for a source.
+        selects: Out: per source, per feature, the first bags of the exact output dedupe (None
+            where not deduplicated).
 
     Returns:
-        int64 lengths and ids of every source's features, and per source, per feature, the
-        first bags of the exact output dedupe (None where not deduplicated).
+        int64 lengths and ids of every source's features.
     """
     dev = recv.device
-    sections = [s for p in payloads for s in p.sections]
-    w_t, p_t = _Layout(
-        [s.count for s in sections], [s.width for s in sections], [s.bit for s in sections]
-    ).positions(dev)
+    rows = sections.tolist()
+    w_t, p_t = _Layout([r[2] for r in rows], [r[3] for r in rows], [r[5] for r in rows]).positions(
+        dev
+    )
     flat = unpack_bits(recv, w_t, p_t)
-    unpacked = iter(torch.split(flat, [s.count for s in sections]) if sections else [])
-    # Per source, per (feature, field): its sections' values.
-    fields: list[dict[tuple[int, str], list[torch.Tensor]]] = []
-    for p in payloads:
-        per_src: dict[tuple[int, str], list[torch.Tensor]] = {}
-        for s in p.sections:
-            per_src.setdefault((s.feature, s.name), []).append(next(unpacked))
-        fields.append(per_src)
+    unpacked = torch.split(flat, [r[2] for r in rows]) if rows else []
+    # Per (feature row, field): its sections' values.
+    fields: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for (feature, field, *_), part in zip(rows, unpacked, strict=True):
+        fields.setdefault((feature, field), []).append(part)
 
     lengths: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -933,28 +855,28 @@ def _unpack_torch(
     out_segs: list[tuple[int, int, int, int]] = []
     out_inv: list[tuple[int, int, int, torch.Tensor, int]] = []
     for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
-        for f, m in enumerate(metas):
+        for m in metas:
+            row = len(lengths)  # the feature's row, over all sources
 
-            def field(name: str, n: int, f: int = f, src: int = src) -> torch.Tensor:
-                return _join_field(fields[src].get((f, name), []), n, dev)
+            def field(name: int, n: int, row: int = row) -> torch.Tensor:
+                return _join_field(fields.get((row, name), []), n, dev)
 
             if m.lookup:
                 ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
                 lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
-                values.append(field("unique", m.num_unique))
+                values.append(field(kjt_host.UNIQUE, m.num_unique))
                 continue
-            lengths.append(field("lengths", batch))
+            lengths.append(field(kjt_host.LENGTHS, batch))
             if m.dedupe:
-                inv = field("inverse", m.num_ids)
-                values.append(field("unique", m.num_unique)[inv])
+                inv = field(kjt_host.INVERSE, m.num_ids)
+                values.append(field(kjt_host.UNIQUE, m.num_unique)[inv])
             else:
                 inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
-                values.append(field("ids", m.num_ids))
+                values.append(field(kjt_host.IDS, m.num_ids))
             if m.out_rows and inv is not None:
-                out_inv.append((src, len(lengths) - 1, m.out_rows, inv, m.num_unique))
+                out_inv.append((src, row, m.out_rows, inv, m.num_unique))
             elif m.out_rows:
-                out_segs.append((src, len(lengths) - 1, m.out_rows, m.id_bits))
-    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
+                out_segs.append((src, row, m.out_rows, m.id_bits))
     firsts: list[torch.Tensor] = []
     with record_function("## lossy_input dedupe select ##"):
         if out_inv:
@@ -971,94 +893,16 @@ def _unpack_torch(
                 with_inverse=False,
             )[2]
     segs = [x[:3] for x in out_inv] + [x[:3] for x in out_segs]
-    for (src, i, rows), first in zip(segs, firsts, strict=True):
+    for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
         local = i - sum(len(m) for m in metas_per_src[:src])
-        selects[src][local] = _check_bags(fail, src, first, rows)
+        if first.numel() != rows_sent:
+            _refuse(fail, kjt_host.Refusal(src, kjt_host.BAD_ROWS, first.numel(), rows_sent))
+        selects[src][local] = first
     empty = recv.new_empty(0, dtype=torch.int64)
     return (
         torch.cat(lengths) if lengths else empty,
         torch.cat(values) if values else empty,
-        selects,
     )
-
-
-def _unpack_host(
-    recv: torch.Tensor,
-    recv_words: Sequence[int],
-    checksum: bool,
-    payloads: Sequence[_Payload],
-    metas_per_src: Sequence[Sequence[FeatureMeta]],
-    batch_per_src: Sequence[int],
-    fail: _Fail,
-) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor | None]]]:
-    """:func:`_unpack_torch` and the checksum check in one compiled call (``kjt_host.decode``).
-
-    Args:
-        recv: The payloads' words (CPU).
-        recv_words: Words from each source.
-        checksum: The payloads end with a checksum to verify.
-        payloads: Each source's layout.
-        metas_per_src: Per source, per feature, its format.
-        batch_per_src: Batch size of every source.
-        fail: Raises the decode's error for a source.
-
-    Returns:
-        As :func:`_unpack_torch`.
-    """
-    sections: list[int] = []  # kjt_host's tables, flat
-    features: list[int] = []
-    segments: list[int] = []
-    feature_of: list[tuple[int, int]] = []  # (source, feature) of each feature row
-    segment_of: list[tuple[int, int, int]] = []  # (source, feature, rows sent) of each segment
-    len_at = val_at = uniq_at = 0
-    for src, (p, metas, batch) in enumerate(
-        zip(payloads, metas_per_src, batch_per_src, strict=True)
-    ):
-        # Per feature, its first length and id, and where its distinct ids go (a lookup
-        # feature's are its ids); its inverse index goes at its ids.
-        starts: list[tuple[int, int, tuple[int, int]]] = []
-        for f, m in enumerate(metas):
-            kind = kjt_host.LOOKUP if m.lookup else kjt_host.DEDUPED if m.dedupe else kjt_host.PLAIN
-            deduped = kind == kjt_host.DEDUPED
-            features += (kind, len_at, batch, val_at, m.num_ids, uniq_at, m.num_unique)
-            feature_of.append((src, f))
-            unique_to = (kjt_host.UNIQUE, uniq_at) if deduped else (kjt_host.IDS, val_at)
-            starts.append((len_at, val_at, unique_to))
-            if m.out_rows and not m.lookup:
-                # As _unpack_torch: a feature without ids has an (empty) inverse index.
-                by_inv = m.dedupe or not m.num_ids
-                kind = kjt_host.BY_INVERSE if by_inv else kjt_host.BY_SORT
-                segments += (kind, len_at, batch, val_at, m.num_ids, m.num_unique)
-                segment_of.append((src, f, m.out_rows))
-            len_at += batch
-            val_at += m.num_ids
-            uniq_at += m.num_unique if deduped else 0
-        for s in p.sections:
-            len_start, val_start, unique_to = starts[s.feature]
-            if s.name == "lengths":
-                sections += (kjt_host.LENGTHS, len_start)
-            elif s.name == "unique":
-                sections += unique_to
-            else:
-                sections += (_ARRAYS[s.name], val_start)
-            sections += (s.count, s.width, s.shift, s.bit)
-    out = kjt_host.decode(
-        recv, recv_words, checksum, sections, features, segments, len_at, val_at, uniq_at
-    )
-    if out.bad_payload >= 0:
-        _check_sums(fail, [src != out.bad_payload for src in range(len(payloads))])
-    if out.bad_feature >= 0:
-        src, f = feature_of[out.bad_feature]
-        why = (
-            "its lengths do not sum to its ids"
-            if out.why == kjt_host.BAD_LENGTHS
-            else "its inverse index points past its distinct ids"
-        )
-        fail(src, f"feature {f} of the payload: {why}")
-    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
-    for (src, f, rows), first in zip(segment_of, out.first_bags, strict=True):
-        selects[src][f] = _check_bags(fail, src, first, rows)
-    return out.lengths, out.values, selects
 
 
 @functools.cache

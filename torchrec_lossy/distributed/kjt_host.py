@@ -1,25 +1,29 @@
-"""The compiled CPU path of the KJT codec: a few numba calls per encode or decode.
+"""The compiled path of the KJT codec: its planner (both backends) and one numba call per host
+encode or decode.
 
-:mod:`torchrec_lossy.distributed.kjt_codec` plans every payload (per-feature formats, the bit
-layout of its sections, the metadata) and, for CPU tensors, runs the tensor work here instead of
-tens of small torch ops, whose dispatch dominates on the input dist's small KJTs. The words and
-tensors are those of its torch path (the device path and the test oracle):
+:mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; this module holds its host-int work
+and, for CPU tensors, its tensor work, where a Python loop over features or tens of small torch
+ops per call would dominate on the input dist's small KJTs. The words and tensors are those of
+its torch path (the device path and the test oracle):
 
-- :func:`feature_stats` (sender): per-feature statistics and, for deduplication, each feature's
-  distinct ids in ascending order with the inverse index (one radix sort of all ids by
-  (feature, id, position), the order of ``dedupe.segment_sort``).
-- :func:`pack` (sender): packs the sections, copies the weights' bytes, writes the checksums.
-- :func:`decode` (receiver): checks the checksums, unpacks and expands the ids, and finds the
-  first bag of each distinct bag of the exact output dedupe (``dedupe.first_bags`` from an
-  inverse index, ``dedupe.distinct_bags`` by the sort otherwise).
+- :func:`plan_encode` and :func:`plan_decode` (both backends): each feature's format from its
+  statistics (wire dedupe where it saves bits, the output dedupe's rows), the bit layout of
+  every payload, the metadata rows; on the receiver the same layout from the metadata, checked
+  against what arrived.
+- :func:`encode` (sender, CPU): per-feature statistics and each feature's distinct ids in
+  ascending order with the inverse index (one radix sort of all ids by (feature, id, position),
+  the order of ``dedupe.segment_sort``), the plan, the packing, the weights and the checksums.
+- :func:`decode` (receiver, CPU): the plan, the checksum check, the unpacking and the ids'
+  expansion, and the first bag of each distinct bag of the exact output dedupe
+  (``dedupe.first_bags`` from an inverse index, ``dedupe.distinct_bags`` by the sort otherwise).
 
 Sections are rows of an int64 table (:data:`SECTION_COLUMNS`): ``count`` fields of ``width``
-bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one array.
+bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one feature's
+``field`` (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE` or :data:`INVERSE`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import numba
@@ -28,12 +32,20 @@ import torch
 
 from torchrec_lossy.codec.format import checksum_words
 
-# What a section reads (encode) or writes (decode).
+# A section's field: what it reads (encode) or writes (decode).
 LENGTHS = 0  # bag lengths
 IDS = 1  # ids, in the order the KJT holds them
 UNIQUE = 2  # a deduplicated feature's distinct ids
 INVERSE = 3  # per id, the index of its distinct id
-SECTION_COLUMNS = ("array", "start", "count", "width", "shift", "bit")
+SECTION_COLUMNS = ("feature", "field", "count", "width", "shift", "bit")
+# A feature's format (kjt_codec.FeatureMeta's fields, in its order).
+FORMAT_COLUMNS = ("len_bits", "id_bits", "dedupe", "num_ids", "num_unique", "lookup", "out_rows")
+# Per payload of a layout: its first word of weights, its ids, its words.
+PAYLOAD_COLUMNS = ("weights_at", "num_ids", "words")
+# Cross-side output dedupe mode of an encode (kjt_codec's OutputDedupeMode).
+OUT_NONE = 0
+OUT_EXACT = 1
+OUT_LOOKUP = 2
 # Per feature of a decode: how its ids are completed after unpacking.
 PLAIN = 0  # the ids arrived as they are
 DEDUPED = 1  # ids = distinct ids [inverse index]
@@ -44,9 +56,18 @@ BY_INVERSE = 0
 BY_SORT = 1
 SEGMENT_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "num_unique")
 
-# Why :func:`decode` refused a feature.
-BAD_LENGTHS = 1  # its lengths do not sum to its ids
-BAD_INVERSE = 2  # its inverse index points past its distinct ids
+# Why :func:`encode` refused a KJT.
+BAD_SUM = 1  # its lengths do not sum to its ids
+BAD_NEGATIVE = 2  # a length or an id is negative
+# Why a decode refused a payload (:class:`Refusal`).
+BAD_LENGTHS = 1  # a feature's lengths do not sum to its ids
+BAD_INVERSE = 2  # a feature's inverse index points past its distinct ids
+BAD_LOOKUP = 3  # a lookup feature has more distinct ids than bags
+BAD_BITS = 4  # a field is wider than 64 bits
+BAD_COUNT = 5  # a negative id count
+BAD_WORDS = 6  # the payload's size is not its layout's
+BAD_CHECKSUM = 7  # its checksum does not match
+BAD_ROWS = 8  # an output-deduplicated feature's distinct bags are not its rows sent back
 
 _DIGIT_BITS = 11  # radix sort digit: 2048 buckets, two passes for 22-bit (feature, id) keys
 _MASK32 = 0xFFFFFFFF
@@ -143,8 +164,9 @@ def _distinct(
         seg_start: int64 ``[S + 1]`` first key of each segment, then ``keys.shape[0]``.
         counts: Out, ``[S]``: distinct keys per segment.
         uniques: Out, ``[>= total distinct]``: every segment's distinct keys in ascending order,
-            segments back to back.
-        inverse: Out, ``[keys]``: per key, the index of its distinct key within its segment.
+            segments back to back (empty: not asked for).
+        inverse: Out, ``[keys]``: per key, the index of its distinct key within its segment
+            (empty: not asked for).
         first: Out, like ``uniques``: per distinct key, its first position in its segment.
 
     Returns:
@@ -154,17 +176,20 @@ def _distinct(
         counts[:] = 0
         return 0
     order, sorted_keys = _segment_order(keys, seg_start)
+    with_uniques, with_inverse = uniques.shape[0] > 0, inverse.shape[0] > 0
     u = 0
     for s in range(seg_start.shape[0] - 1):
         a = seg_start[s]
         c = 0
         for j in range(a, seg_start[s + 1]):
             if c == 0 or sorted_keys[j] != sorted_keys[j - 1]:
-                uniques[u] = sorted_keys[j]
+                if with_uniques:
+                    uniques[u] = sorted_keys[j]
                 first[u] = order[j] - a
                 u += 1
                 c += 1
-            inverse[order[j]] = c - 1
+            if with_inverse:
+                inverse[order[j]] = c - 1
         counts[s] = c
     return u
 
@@ -259,11 +284,11 @@ def _sign(words: np.ndarray, ends: np.ndarray, write: bool) -> int:
 def _pack_kernel(
     out: np.ndarray,
     sections: np.ndarray,
+    starts: np.ndarray,
     lengths: np.ndarray,
     values: np.ndarray,
     uniques: np.ndarray,
     inverse: np.ndarray,
-    out_bytes: np.ndarray,
     weight_bytes: np.ndarray,
     weight_slots: np.ndarray,
     ends: np.ndarray,
@@ -274,20 +299,22 @@ def _pack_kernel(
     Args:
         out: uint32 words of all payloads, zeroed.
         sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`).
+        starts: ``[4, >= F]``: per field (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`,
+            :data:`INVERSE`), where each feature's elements start in its array.
         lengths: int64 bag lengths (array :data:`LENGTHS`).
         values: int64 ids (:data:`IDS`).
         uniques: int64 distinct ids (:data:`UNIQUE`).
         inverse: int64 inverse index (:data:`INVERSE`).
-        out_bytes: ``out`` as bytes.
         weight_bytes: The weights' bytes in their wire dtype.
-        weight_slots: ``[P, 3]``: per payload with weights, its first weight byte in
-            ``out_bytes``, its first byte in ``weight_bytes``, its bytes.
+        weight_slots: ``[P, 3]``: per payload with weights, its first weight byte in ``out``,
+            its first byte in ``weight_bytes``, its bytes.
         ends: int64 end word of each payload.
         checksum: Write each payload's checksum into its last two words.
     """
     for s in range(sections.shape[0]):
-        array, start, count, width, shift, bit = sections[s]
-        src = (lengths, values, uniques, inverse)[array]
+        feature, field, count, width, shift, bit = sections[s]
+        src = (lengths, values, uniques, inverse)[field]
+        start = starts[field, feature]
         mask = (1 << width) - 1
         word, off = bit >> 5, bit & 31
         acc = np.int64(out[word])  # the previous section's bits below ``off``
@@ -301,6 +328,7 @@ def _pack_kernel(
                 off -= 32
         if off:
             out[word] = np.uint32(acc & _MASK32)
+    out_bytes = out.view(np.uint8)
     for k in range(weight_slots.shape[0]):
         at, first, n = weight_slots[k]
         out_bytes[at : at + n] = weight_bytes[first : first + n]
@@ -320,9 +348,13 @@ def _unpack_kernel(
 ) -> tuple[int, int]:
     """Unpacks every section into the zeroed outputs, then completes each feature's ids.
 
+    A section of lengths goes to ``lengths`` at its feature's first length, of distinct ids to
+    ``uniques`` at its first distinct id (a lookup feature's distinct ids are its ids: to
+    ``values``), of ids to ``values`` and of an inverse index to ``inverse`` at its first id.
+
     Args:
         words: uint32 words of the payloads.
-        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``array`` naming the output.
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of ``features``.
         features: ``[F, 7]`` (:data:`FEATURE_COLUMNS`).
         lengths: Out (:data:`LENGTHS`).
         values: Out (:data:`IDS`).
@@ -336,7 +368,13 @@ def _unpack_kernel(
     """
     outs = (lengths, values, uniques, inverse)  # indexed by LENGTHS, IDS, UNIQUE, INVERSE
     for s in range(sections.shape[0]):
-        array, start, count, width, shift, bit = sections[s]
+        feature, field, count, width, shift, bit = sections[s]
+        kind, len_start, _, val_start, _, uniq_start, _ = features[feature]
+        array, start = field, val_start
+        if field == LENGTHS:
+            start = len_start
+        elif field == UNIQUE:
+            array, start = (UNIQUE, uniq_start) if kind == DEDUPED else (IDS, val_start)
         dst = outs[array]
         mask = (1 << width) - 1
         word = bit >> 5
@@ -430,8 +468,8 @@ def _first_bags_kernel(
         n_sort = sort_start[k]
         counts = np.empty(k, np.int64)
         firsts = np.empty(n_sort, np.int64)
-        scratch = np.empty(n_sort, np.int64)
-        _distinct(keys[:n_sort], sort_start[: k + 1], counts, scratch, scratch.copy(), firsts)
+        none = np.empty(0, np.int64)  # neither distinct keys nor an inverse index needed
+        _distinct(keys[:n_sort], sort_start[: k + 1], counts, none, none, firsts)
         at = 0
         for j in range(k):
             g = sorted_segs[j]
@@ -446,262 +484,729 @@ def _first_bags_kernel(
     return first[:at], rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Planning: formats and layouts, for both backends (host ints, so compiled here as well).
+
+
+@numba.njit(cache=True, nogil=True)
+def _formats(
+    stats: np.ndarray, batch: int, dedupe: bool, mode: int, weighted: bool, fmt: np.ndarray
+) -> None:
+    """Each feature's format (``kjt_codec.FeatureMeta``) from its statistics.
+
+    Args:
+        stats: ``[F, 6]`` (:func:`_stats_kernel`), no length or id negative.
+        batch: Bags per feature.
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        weighted: The KJT has weights.
+        fmt: Out, ``[F, 7]`` (:data:`FORMAT_COLUMNS`).
+    """
+    for f in range(stats.shape[0]):
+        len_sum, len_max, len_min, id_max, _, uniq = stats[f]
+        id_bits = _bit_length(np.uint64(id_max))
+        lookup = mode == OUT_LOOKUP and not weighted and batch > 0 and len_min == len_max == 1
+        if lookup and uniq < batch:
+            # Single-hot with repeats: a bag's pooled vector is its row, so the owner can look
+            # up and send back each distinct id once.
+            fmt[f] = (
+                np.int64(0),
+                np.int64(id_bits),
+                np.int64(1),
+                np.int64(uniq),
+                np.int64(uniq),
+                np.int64(1),
+                np.int64(0),
+            )
+            continue
+        inv_bits = _bit_length(np.uint64(uniq - 1)) if uniq else 0
+        # Deduplicate only where distinct ids + inverse index take fewer bits.
+        wire_dedupe = dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
+        # Bags of at most one unweighted id that repeat: send back each distinct one once.
+        # Distinct bags: with one id per bag the ids; with none, one; with a mix of empty and
+        # one-id bags, the empty bag then the ids (see dedupe.bag_inverse and first_bags).
+        out_rows = 0
+        if mode == OUT_EXACT and not weighted and batch > 0 and len_max <= 1:
+            bags = uniq if len_min == 1 else uniq + 1 if len_max == 1 else 1
+            out_rows = bags if bags < batch else 0
+        len_bits = _bit_length(np.uint64(len_max))
+        fmt[f] = (
+            np.int64(len_bits),
+            np.int64(id_bits),
+            np.int64(wire_dedupe),
+            np.int64(len_sum),
+            np.int64(uniq if wire_dedupe else 0),
+            np.int64(0),
+            np.int64(out_rows),
+        )
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_field(
+    sections: np.ndarray, s: int, feature: int, field: int, count: int, width: int, bit: int
+) -> int:
+    """Appends one field's sections at bit ``bit``: values over 32 bits as a section of low
+    parts, then one of high parts; none for an empty field.
+
+    Returns:
+        The next section row.
+    """
+    if count == 0 or width == 0:
+        return s
+    if width <= 32:
+        sections[s] = (
+            np.int64(feature),
+            np.int64(field),
+            np.int64(count),
+            np.int64(width),
+            np.int64(0),
+            np.int64(bit),
+        )
+        return s + 1
+    sections[s] = (
+        np.int64(feature),
+        np.int64(field),
+        np.int64(count),
+        np.int64(32),
+        np.int64(0),
+        np.int64(bit),
+    )
+    sections[s + 1] = (
+        np.int64(feature),
+        np.int64(field),
+        np.int64(count),
+        np.int64(width - 32),
+        np.int64(32),
+        np.int64(bit + count * 32),
+    )
+    return s + 2
+
+
+@numba.njit(cache=True, nogil=True)
+def _layout_payload(
+    fmt: np.ndarray,
+    f0: int,
+    f1: int,
+    batch: int,
+    word0: int,
+    wire_esize: int,
+    checksum: bool,
+    sections: np.ndarray,
+    s: int,
+    feature_bits: np.ndarray,
+) -> tuple[int, int, int, int]:
+    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
+
+    A lookup feature sends its distinct ids (its lengths are implied, its inverse index stays
+    with the sender); another its lengths, then its distinct ids and inverse index if
+    deduplicated, else its ids.
+
+    Args:
+        fmt: ``[F, 7]`` formats (:data:`FORMAT_COLUMNS`); the payload's are rows ``f0:f1``.
+        f0: Its first feature.
+        f1: The feature after its last.
+        batch: Its sender's batch size.
+        word0: Its first word in the buffer of all payloads.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: It ends with a checksum (two words).
+        sections: Out: its sections from row ``s`` on (:data:`SECTION_COLUMNS`).
+        s: Its first section row.
+        feature_bits: Out: its features' packed bits.
+
+    Returns:
+        The next section row, its first word of weights, its ids and its words.
+    """
+    bit = word0 * 32
+    num_ids = 0
+    for f in range(f0, f1):
+        len_bits, id_bits, dedupe, n_ids, n_unique, lookup, _ = fmt[f]
+        num_ids += n_ids
+        start = bit
+        if lookup:
+            s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
+            bit += n_unique * id_bits
+        else:
+            s = _add_field(sections, s, f, LENGTHS, batch, len_bits, bit)
+            bit += batch * len_bits
+            if dedupe:
+                s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
+                bit += n_unique * id_bits
+                inv_bits = _bit_length(np.uint64(n_unique - 1)) if n_unique else 0
+                s = _add_field(sections, s, f, INVERSE, n_ids, inv_bits, bit)
+                bit += n_ids * inv_bits
+            else:
+                s = _add_field(sections, s, f, IDS, n_ids, id_bits, bit)
+                bit += n_ids * id_bits
+        feature_bits[f] = bit - start
+    weights_at = (bit + 31) // 32
+    end = weights_at + (num_ids * wire_esize + 3) // 4
+    return s, weights_at, num_ids, end - word0 + (2 if checksum else 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_encode(
+    stats: np.ndarray,
+    batch: int,
+    feat_off: np.ndarray,
+    dedupe: bool,
+    mode: int,
+    weighted: bool,
+    wire_esize: int,
+    checksum: bool,
+    codes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Plans one rank's payloads from its KJT's statistics (see :func:`plan_encode`).
+
+    Returns:
+        The formats ``[F, 7]``, the sections ``[S, 6]``, the payloads ``[P, 3]``
+        (:data:`PAYLOAD_COLUMNS`), each feature's wire bytes, the metadata rows and the field
+        starts ``[4, F + 1]`` (lengths, ids, distinct ids, inverse index of each feature in the
+        sender's arrays, then their ends).
+    """
+    num_f = stats.shape[0]
+    fmt = np.zeros((num_f, len(FORMAT_COLUMNS)), np.int64)
+    _formats(stats, batch, dedupe, mode, weighted, fmt)
+    starts = np.zeros((4, num_f + 1), np.int64)
+    for f in range(num_f):
+        starts[LENGTHS, f + 1] = starts[LENGTHS, f] + batch
+        starts[IDS, f + 1] = starts[IDS, f] + stats[f, 0]
+        starts[UNIQUE, f + 1] = starts[UNIQUE, f] + stats[f, 5]
+    starts[INVERSE] = starts[IDS]
+    num_p = feat_off.shape[0] - 1
+    sections = np.empty((6 * num_f, 6), np.int64)
+    payloads = np.empty((num_p, 3), np.int64)
+    feature_bits = np.zeros(num_f, np.int64)
+    meta = np.empty(3 * num_p + 3 * num_f, np.int64)
+    s, word0, m = 0, 0, 0
+    for p in range(num_p):
+        s, weights_at, num_ids, words = _layout_payload(
+            fmt, feat_off[p], feat_off[p + 1], batch, word0, wire_esize, checksum,
+            sections, s, feature_bits,
+        )  # fmt: skip
+        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
+        word0 += words
+        meta[m : m + 3] = (np.int64(words), np.int64(batch), np.int64(codes))
+        m += 3
+        for f in range(feat_off[p], feat_off[p + 1]):  # kjt_codec.FeatureMeta.words
+            len_bits, id_bits, wire_dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
+            meta[m] = len_bits | id_bits << 8 | wire_dedupe << 16 | lookup << 17 | out_rows << 32
+            meta[m + 1], meta[m + 2] = num_ids, num_unique
+            m += 3
+    feature_bytes = feature_bits // 8 + fmt[:, 3] * wire_esize
+    return fmt, sections[:s], payloads, feature_bytes, meta, starts
+
+
+@numba.njit(cache=True, nogil=True)
+def _encode_kernel(
+    lengths: np.ndarray,
+    values: np.ndarray,
+    weight_bytes: np.ndarray,
+    batch: int,
+    feat_off: np.ndarray,
+    want_dedupe: bool,
+    dedupe: bool,
+    mode: int,
+    weighted: bool,
+    wire_esize: int,
+    checksum: bool,
+    codes: int,
+) -> tuple:
+    """:func:`_stats_kernel`, :func:`_plan_encode` and :func:`_pack_kernel` in one call (see
+    :func:`encode`).
+
+    Returns:
+        A status (0, :data:`BAD_SUM` or :data:`BAD_NEGATIVE`: the rest is then not planned),
+        the statistics, the distinct ids and inverse index, then :func:`_plan_encode`'s formats,
+        payloads, feature bytes and metadata, and the packed words.
+    """
+    num_f, n = feat_off[-1], values.shape[0]
+    stats = np.zeros((num_f, 6), np.int64)
+    uniques = np.empty(n if want_dedupe else 0, np.int64)
+    inverse = np.zeros(n if want_dedupe else 0, np.int64)
+    num_unique = _stats_kernel(lengths, values, batch, want_dedupe, stats, uniques, inverse)
+    status = BAD_SUM if num_unique < 0 else 0
+    for f in range(num_f):
+        if stats[f, 2] < 0 or stats[f, 4] < 0:
+            status = BAD_NEGATIVE
+    if status:
+        e2, e1 = np.zeros((0, 0), np.int64), np.zeros(0, np.int64)
+        return status, stats, uniques, inverse, e2, e2, e2, e1, e1, e2, np.zeros(0, np.uint32)
+    fmt, sections, payloads, feature_bytes, meta, starts = _plan_encode(
+        stats, batch, feat_off, dedupe, mode, weighted, wire_esize, checksum, codes
+    )
+    ends = np.cumsum(payloads[:, 2])
+    out = np.zeros(ends[-1] if ends.shape[0] else 0, np.uint32)
+    slots = np.empty((payloads.shape[0] if weighted else 0, 3), np.int64)
+    for p in range(slots.shape[0]):
+        first, last = starts[IDS, feat_off[p]], starts[IDS, feat_off[p + 1]]
+        slots[p] = (
+            np.int64(4 * payloads[p, 0]),
+            np.int64(wire_esize * first),
+            np.int64(wire_esize * (last - first)),
+        )
+    _pack_kernel(
+        out, sections, starts, lengths, values, uniques[:num_unique], inverse, weight_bytes,
+        slots, ends, checksum,
+    )  # fmt: skip
+    return (
+        status, stats, uniques[:num_unique], inverse, fmt, sections, payloads, feature_bytes,
+        meta, starts, out,
+    )  # fmt: skip
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_decode(
+    fmt: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    recv_words: np.ndarray,
+    wire_esize: int,
+    checksum: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checks every source's formats and size, and lays out its payload (see :func:`plan_decode`).
+
+    Returns:
+        The refusal (:class:`Refusal`'s fields: source, why, a, b; source -1 if none), the
+        sections and the payloads ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+    """
+    num_p = feat_off.shape[0] - 1
+    sections = np.empty((6 * fmt.shape[0], 6), np.int64)
+    payloads = np.zeros((num_p, 3), np.int64)
+    feature_bits = np.empty(fmt.shape[0], np.int64)
+    refusal = np.full(4, -1, np.int64)
+    s, word0 = 0, 0
+    for p in range(num_p):
+        for f in range(feat_off[p], feat_off[p + 1]):
+            len_bits, id_bits, _, num_ids, num_unique, lookup, _ = fmt[f]
+            if lookup and num_unique > batch[p]:
+                refusal[:] = (
+                    np.int64(p),
+                    np.int64(BAD_LOOKUP),
+                    np.int64(num_unique),
+                    np.int64(batch[p]),
+                )
+            elif max(len_bits, id_bits) > 64:
+                refusal[:] = (
+                    np.int64(p),
+                    np.int64(BAD_BITS),
+                    np.int64(max(len_bits, id_bits)),
+                    np.int64(0),
+                )
+            elif min(num_ids, num_unique, batch[p]) < 0:
+                refusal[:] = (np.int64(p), np.int64(BAD_COUNT), np.int64(0), np.int64(0))
+            if refusal[0] >= 0:
+                return refusal, sections[:0], payloads
+        s, weights_at, num_ids, words = _layout_payload(
+            fmt, feat_off[p], feat_off[p + 1], batch[p], word0, wire_esize, checksum,
+            sections, s, feature_bits,
+        )  # fmt: skip
+        if words != recv_words[p]:
+            refusal[:] = (
+                np.int64(p),
+                np.int64(BAD_WORDS),
+                np.int64(recv_words[p]),
+                np.int64(words),
+            )
+            return refusal, sections[:0], payloads
+        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
+        word0 += words
+    return refusal, sections[:s], payloads
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_kernel(
     words: np.ndarray,
-    ends: np.ndarray,
+    recv_words: np.ndarray,
     checksum: bool,
-    sections: np.ndarray,
-    features: np.ndarray,
-    segments: np.ndarray,
-    lengths: np.ndarray,
-    values: np.ndarray,
-    uniques: np.ndarray,
-    inverse: np.ndarray,
-) -> tuple[int, int, int, np.ndarray, np.ndarray]:
-    """Verifies the checksums, unpacks, and finds the exact output dedupe's first bags.
-
-    Args:
-        words: uint32 words of the payloads.
-        ends: int64 end word of each payload.
-        checksum: Verify the payloads' checksums first.
-        sections: As :func:`_unpack_kernel`.
-        features: As :func:`_unpack_kernel`.
-        segments: As :func:`_first_bags_kernel`.
-        lengths: Out, zeroed.
-        values: Out, zeroed.
-        uniques: Scratch, zeroed.
-        inverse: Scratch, zeroed.
+    fmt: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    wire_esize: int,
+) -> tuple:
+    """Plans, verifies the checksums, unpacks, and finds the exact output dedupe's first bags
+    (see :func:`decode`).
 
     Returns:
-        The first payload whose checksum does not match (or -1); the first feature row that does
-        not match its format (or -1) and why; then, if both are -1, the first bags and their
-        counts (:func:`_first_bags_kernel`), else empty arrays.
+        The refusal (as :func:`_plan_decode`), the payloads, the lengths, the ids, the first
+        bags, their count per segment and each segment's (source, feature there).
     """
     none = np.zeros(0, np.int64)
+    refusal, sections, payloads = _plan_decode(
+        fmt, feat_off, batch, recv_words, wire_esize, checksum
+    )
+    none2 = np.zeros((0, 2), np.int64)
+    if refusal[0] >= 0:
+        return refusal, payloads, none, none, none, none, none2
     if checksum:
-        bad = _sign(words, ends, False)
+        bad = _sign(words, np.cumsum(recv_words), False)
         if bad >= 0:
-            return bad, -1, 0, none, none
-    row, why = _unpack_kernel(words, sections, features, lengths, values, uniques, inverse)
+            refusal[:] = (np.int64(bad), np.int64(BAD_CHECKSUM), np.int64(0), np.int64(0))
+            return refusal, payloads, none, none, none, none, none2
+    # Per feature where its outputs start (FEATURE_COLUMNS); per exact output dedupe segment
+    # how its first bags are found (SEGMENT_COLUMNS): as _unpack_torch, a feature without ids
+    # has an (empty) inverse index.
+    num_f = fmt.shape[0]
+    features = np.empty((num_f, len(FEATURE_COLUMNS)), np.int64)
+    segments = np.empty((num_f, len(SEGMENT_COLUMNS)), np.int64)
+    seg_feature = np.empty(num_f, np.int64)
+    len_at, val_at, uniq_at, g = 0, 0, 0, 0
+    for p in range(feat_off.shape[0] - 1):
+        b = batch[p]
+        for f in range(feat_off[p], feat_off[p + 1]):
+            _, _, dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
+            kind = LOOKUP if lookup else DEDUPED if dedupe else PLAIN
+            features[f] = (
+                np.int64(kind),
+                np.int64(len_at),
+                np.int64(b),
+                np.int64(val_at),
+                np.int64(num_ids),
+                np.int64(uniq_at),
+                np.int64(num_unique),
+            )
+            if out_rows and not lookup:
+                by = BY_INVERSE if dedupe or not num_ids else BY_SORT
+                segments[g] = (
+                    np.int64(by),
+                    np.int64(len_at),
+                    np.int64(b),
+                    np.int64(val_at),
+                    np.int64(num_ids),
+                    np.int64(num_unique),
+                )
+                seg_feature[g] = f
+                g += 1
+            len_at += b
+            val_at += num_ids
+            uniq_at += num_unique if kind == DEDUPED else 0
+    lengths = np.zeros(len_at, np.int64)
+    values = np.zeros(val_at, np.int64)
+    inverse = np.zeros(val_at, np.int64)
+    row, why = _unpack_kernel(
+        words, sections, features, lengths, values, np.zeros(uniq_at, np.int64), inverse
+    )
     if row >= 0:
-        return -1, row, why, none, none
-    first, counts = _first_bags_kernel(segments, lengths, values, inverse)
-    return -1, -1, 0, first, counts
+        p = np.searchsorted(feat_off, row, side="right") - 1
+        refusal[:] = (np.int64(p), np.int64(why), np.int64(row - feat_off[p]), np.int64(0))
+        return refusal, payloads, none, none, none, none, none2
+    first, counts = _first_bags_kernel(segments[:g], lengths, values, inverse)
+    seg_of = np.empty((g, 2), np.int64)  # per segment, its source and feature there
+    for j in range(g):
+        f = seg_feature[j]
+        p = np.searchsorted(feat_off, f, side="right") - 1
+        if counts[j] != fmt[f, 6]:
+            refusal[:] = (np.int64(p), np.int64(BAD_ROWS), np.int64(counts[j]), np.int64(fmt[f, 6]))
+            return refusal, payloads, none, none, none, none, seg_of[:0]
+        seg_of[j] = (np.int64(p), np.int64(f - feat_off[p]))
+    return refusal, payloads, lengths, values, first, counts, seg_of
 
 
 # ---------------------------------------------------------------------------------------------
 # Wrappers.
 
 
-class HostStats(NamedTuple):
-    """Per-feature statistics of one KJT and its per-feature distinct ids (see
-    :func:`feature_stats`).
+class EncodePlan(NamedTuple):
+    """One rank's payloads as planned from its KJT's statistics (see :func:`plan_encode`).
 
     Attributes:
-        stats: Per feature: length sum, max, min; id max, min; distinct ids (0 without dedupe).
+        stats: ``[F, 6]`` per feature: length sum, max, min; id max, min; distinct ids.
+        formats: ``[F, 7]`` per feature its format (:data:`FORMAT_COLUMNS`).
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), every payload's in wire order.
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+        feature_bytes: Per feature, its wire bytes (packed bits rounded down to bytes, plus its
+            weights): the telemetry's.
+        meta: The metadata rows (int64, destinations in order).
+        starts: ``[4, F + 1]``: per field (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`,
+            :data:`INVERSE`), where each feature's elements start in the sender's arrays, then
+            where the last one ends.
+    """
+
+    stats: np.ndarray
+    formats: np.ndarray
+    sections: np.ndarray
+    payloads: np.ndarray
+    feature_bytes: np.ndarray
+    meta: np.ndarray
+    starts: np.ndarray
+
+
+def plan_encode(
+    stats: np.ndarray,
+    batch: int,
+    feat_off: np.ndarray,
+    dedupe: bool,
+    mode: int,
+    wire_esize: int,
+    checksum: bool,
+    codes: int,
+) -> EncodePlan:
+    """Plans one rank's payloads from its KJT's statistics: each feature's format (wire dedupe
+    where it saves bits, the output dedupe's rows), the bit layout and the metadata rows.
+
+    Args:
+        stats: int64 ``[F, 6]`` (length sum, max, min; id max, min; distinct ids), no length or
+            id negative.
+        batch: The KJT's stride.
+        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+        codes: The dtype codes word of the metadata.
+
+    Returns:
+        The plan.
+    """
+    plan = _plan_encode(
+        stats, batch, feat_off, dedupe, mode, wire_esize > 0, wire_esize, checksum, codes
+    )
+    return EncodePlan(stats, *plan)
+
+
+class HostEncoded(NamedTuple):
+    """What :func:`encode` returns.
+
+    Attributes:
+        plan: The plan (:func:`plan_encode`).
+        send: int32 words of all payloads.
         uniques: int64, every feature's distinct ids in ascending order, features in order.
         inverse: int64, per id, the index of its distinct id within its feature.
     """
 
-    stats: list[list[int]]
+    plan: EncodePlan
+    send: torch.Tensor
     uniques: torch.Tensor
     inverse: torch.Tensor
 
 
-def feature_stats(
-    lengths: torch.Tensor, values: torch.Tensor, num_features: int, batch: int, dedupe: bool
-) -> HostStats:
-    """Per-feature statistics, and with ``dedupe`` the per-feature distinct ids (CPU tensors).
+def encode(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    batch: int,
+    feat_off: np.ndarray,
+    want_dedupe: bool,
+    dedupe: bool,
+    mode: int,
+    checksum: bool,
+    codes: int,
+) -> HostEncoded | tuple[int, np.ndarray]:
+    """Encodes one rank's KJT in one compiled call: per-feature statistics and distinct ids (one
+    radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the plan
+    (:func:`plan_encode`), and the packing (``kjt_codec.pack_bits`` of every section, the
+    weights' bytes, the checksums).
 
     Args:
-        lengths: The KJT's lengths as int64, ``[F * batch]``.
+        lengths: The KJT's lengths as int64, ``[F * batch]`` (CPU).
         values: Its ids as int64.
-        num_features: F.
+        weights: Its weights, already in their wire dtype (None: unweighted).
         batch: Its stride.
-        dedupe: Also find each feature's distinct ids and the inverse index.
+        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
+        want_dedupe: Find each feature's distinct ids (wire or output dedupe).
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        checksum: End the payloads with a checksum.
+        codes: The dtype codes word of the metadata.
 
     Returns:
-        The statistics and, with ``dedupe``, the distinct ids and inverse index (empty
-        otherwise, or when an id or a length is negative: the caller refuses such a KJT).
+        The encoding, or (:data:`BAD_SUM` or :data:`BAD_NEGATIVE`, the statistics) if the
+        lengths do not sum to the ids or one of them is negative.
 
     Raises:
-        ValueError: If the lengths are not ``F * batch`` or do not sum to the number of ids.
+        ValueError: If the lengths are not ``F * batch``.
     """
     # Contiguous: a strided array would make numba compile another specialization.
     lens, ids = lengths.contiguous().numpy(), values.contiguous().numpy()
-    if lens.shape[0] != num_features * batch:
+    num_f = int(feat_off[-1])
+    if lens.shape[0] != num_f * batch:
         raise ValueError(
-            f"lossy input dist: the KJT has {lens.shape[0]} lengths for {num_features} features "
+            f"lossy input dist: the KJT has {lens.shape[0]} lengths for {num_f} features "
             f"of stride {batch}; pass a KJT with one length per feature and sample"
         )
-    stats = np.zeros((num_features, 6), np.int64)
-    uniques = np.empty(ids.shape[0] if dedupe else 0, np.int64)
-    inverse = np.zeros(ids.shape[0] if dedupe else 0, np.int64)
-    num_unique = _stats_kernel(lens, ids, batch, dedupe, stats, uniques, inverse)
-    if num_unique < 0:
-        raise ValueError(
-            f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but it holds "
-            f"{ids.shape[0]} ids; pass a KJT whose lengths match its values"
-        )
-    return HostStats(
-        stats.tolist(), torch.from_numpy(uniques[:num_unique]), torch.from_numpy(inverse)
-    )
-
-
-def pack(
-    sections: Sequence[int],
-    num_words: int,
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    uniques: torch.Tensor,
-    inverse: torch.Tensor,
-    weights: torch.Tensor | None,
-    weight_slots: Sequence[tuple[int, int, int]],
-    send_words: Sequence[int],
-    checksum: bool,
-) -> torch.Tensor:
-    """Packs one rank's payloads (``kjt_codec.pack_bits`` of every section, then the weights and
-    the checksums) in one compiled call.
-
-    Args:
-        sections: Rows of :data:`SECTION_COLUMNS`, flat; ``array`` is :data:`LENGTHS`,
-            :data:`IDS`, :data:`UNIQUE` or :data:`INVERSE`, ``start`` an element of it.
-        num_words: Words of all payloads.
-        lengths: int64 bag lengths of the KJT.
-        values: int64 ids.
-        uniques: int64 distinct ids (:func:`feature_stats`).
-        inverse: int64 inverse index (:func:`feature_stats`).
-        weights: The weights, already in their wire dtype (None: unweighted).
-        weight_slots: Per payload with weights: (first word, first weight, weights).
-        send_words: Words of each payload.
-        checksum: The payloads end with their checksum (two words).
-
-    Returns:
-        int32 ``[num_words]``.
-    """
-    out = np.zeros(num_words, np.uint32)
     if weights is None:
-        w_bytes = np.zeros(0, np.uint8)
-        slots = np.zeros((0, 3), np.int64)
+        w_bytes, esize = np.zeros(0, np.uint8), 0
     else:
         w_bytes = weights.contiguous().view(-1).view(torch.uint8).numpy()
         esize = weights.element_size()
-        slots = np.array(
-            [(4 * at, esize * first, esize * n) for at, first, n in weight_slots], np.int64
-        ).reshape(-1, 3)
-    _pack_kernel(
-        out,
-        np.array(sections, np.int64).reshape(-1, len(SECTION_COLUMNS)),
-        lengths.contiguous().numpy(),
-        values.contiguous().numpy(),
-        uniques.numpy(),
-        inverse.numpy(),
-        out.view(np.uint8),
-        w_bytes,
-        slots,
-        np.cumsum(np.asarray(send_words, np.int64)),
-        checksum,
+    status, stats, uniques, inverse, *plan, out = _encode_kernel(
+        lens, ids, w_bytes, batch, feat_off, want_dedupe, dedupe, mode, weights is not None,
+        esize, checksum, codes,
+    )  # fmt: skip
+    if status:
+        return status, stats
+    return HostEncoded(
+        EncodePlan(stats, *plan),
+        torch.from_numpy(out.view(np.int32)),
+        torch.from_numpy(uniques),
+        torch.from_numpy(inverse),
     )
-    return torch.from_numpy(out.view(np.int32))
+
+
+class Refusal(NamedTuple):
+    """Why a decode refused the received payloads (see :func:`plan_decode`).
+
+    Attributes:
+        source: The first source refused, or -1 (accepted).
+        why: :data:`BAD_LOOKUP` (``a`` distinct ids, ``b`` bags), :data:`BAD_BITS` (``a``-bit
+            fields), :data:`BAD_COUNT`, :data:`BAD_WORDS` (``a`` words received, ``b``
+            expected), :data:`BAD_CHECKSUM`, :data:`BAD_LENGTHS` or :data:`BAD_INVERSE`
+            (``a``: the feature, in the source's order) or :data:`BAD_ROWS` (``a`` distinct
+            bags, ``b`` rows sent).
+        a: See ``why``.
+        b: See ``why``.
+    """
+
+    source: int
+    why: int
+    a: int
+    b: int
+
+
+class DecodePlan(NamedTuple):
+    """The received payloads' layout (see :func:`plan_decode`).
+
+    Attributes:
+        refusal: Why they do not match their metadata (``source`` -1 if they do).
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of the formats.
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+    """
+
+    refusal: Refusal
+    sections: np.ndarray
+    payloads: np.ndarray
+
+
+def plan_decode(
+    formats: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    recv_words: np.ndarray,
+    wire_esize: int,
+    checksum: bool,
+) -> DecodePlan:
+    """Checks every source's metadata and payload size, and lays out its payload as its sender
+    did (:func:`plan_encode`).
+
+    Args:
+        formats: int64 ``[F, 7]``: every source's features' formats (:data:`FORMAT_COLUMNS`),
+            sources in order.
+        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
+        batch: int64 ``[P]``: each source's batch size.
+        recv_words: int64 ``[P]``: words received from each source.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+
+    Returns:
+        The layout, or the first source whose metadata or size is wrong (:data:`BAD_LOOKUP`,
+        :data:`BAD_BITS`, :data:`BAD_COUNT`, :data:`BAD_WORDS`).
+    """
+    refusal, sections, payloads = _plan_decode(
+        formats, feat_off, batch, recv_words, wire_esize, checksum
+    )
+    return DecodePlan(Refusal(*refusal.tolist()), sections, payloads)
 
 
 class Decoded(NamedTuple):
     """What :func:`decode` returns.
 
     Attributes:
+        refusal: Why the payloads were refused (``source`` -1 if they were decoded).
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
         lengths: int64 bag lengths of every feature.
         values: int64 ids of every feature.
         first_bags: Per segment of the exact output dedupe, the first bag of each distinct bag
             (int64, views of one buffer).
-        bad_payload: The first payload whose checksum does not match (nothing else was done),
-            or -1.
-        bad_feature: The first feature row that does not match its format (the outputs are then
-            incomplete), or -1.
-        why: Then :data:`BAD_LENGTHS` or :data:`BAD_INVERSE`.
+        segments: Per segment, its source and its feature there.
     """
 
+    refusal: Refusal
+    payloads: np.ndarray
     lengths: torch.Tensor
     values: torch.Tensor
     first_bags: list[torch.Tensor]
-    bad_payload: int
-    bad_feature: int
-    why: int
+    segments: list[list[int]]
 
 
 def decode(
     recv: torch.Tensor,
-    recv_words: Sequence[int],
+    recv_words: np.ndarray,
     checksum: bool,
-    sections: Sequence[int],
-    features: Sequence[int],
-    segments: Sequence[int],
-    num_lengths: int,
-    num_ids: int,
-    num_unique: int,
+    formats: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    wire_esize: int,
 ) -> Decoded:
-    """Decodes the received payloads in one compiled call: verifies the checksums, unpacks every
-    section (``kjt_codec.unpack_bits``), completes each feature's ids, and finds the first bag
-    of each distinct bag of the exact output dedupe.
+    """Decodes the received payloads in one compiled call: plans them (:func:`plan_decode`),
+    verifies the checksums, unpacks every section (``kjt_codec.unpack_bits``), completes each
+    feature's ids, and finds the first bag of each distinct bag of the exact output dedupe.
 
-    The first bags of :data:`BY_INVERSE` segments (ids deduplicated on the wire) follow
-    ``dedupe.first_bags`` (rows from the inverse index), of :data:`BY_SORT` ones
-    ``dedupe.distinct_bags`` (the order of the bag keys); both give the empty bag first (if
-    any), then the distinct ids ascending.
+    The first bags of features whose ids arrived deduplicated follow ``dedupe.first_bags`` (rows
+    from the inverse index), of the others ``dedupe.distinct_bags`` (the order of the bag keys);
+    both give the empty bag first (if any), then the distinct ids ascending.
 
     Args:
         recv: int32 words of the payloads, back to back.
-        recv_words: Words of each payload (each ends with its checksum if ``checksum``).
-        checksum: Verify the payloads' checksums first.
-        sections: Rows of :data:`SECTION_COLUMNS`, flat: ``array`` is the output
-            (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`, :data:`INVERSE`; the inverse index
-            lies at its ids' positions), ``start`` an element of it.
-        features: Rows of :data:`FEATURE_COLUMNS`, flat (``kind`` :data:`PLAIN`,
-            :data:`DEDUPED` or :data:`LOOKUP`).
-        segments: Rows of :data:`SEGMENT_COLUMNS`, flat.
-        num_lengths: Lengths of all features.
-        num_ids: Ids of all features.
-        num_unique: Distinct ids of the deduplicated features.
+        recv_words: int64 ``[P]``: words of each payload.
+        checksum: The payloads end with a checksum to verify.
+        formats: As :func:`plan_decode`.
+        feat_off: As :func:`plan_decode`.
+        batch: As :func:`plan_decode`.
+        wire_esize: As :func:`plan_decode`.
 
     Returns:
-        The lengths, ids and first bags, or where the payloads do not match their metadata.
+        The lengths, ids and first bags, or why the payloads do not match their metadata.
     """
-    lengths = np.zeros(num_lengths, np.int64)
-    values = np.zeros(num_ids, np.int64)
-    bad_payload, bad_feature, why, first, counts = _decode_kernel(
-        recv.contiguous().numpy().view(np.uint32),
-        np.cumsum(np.asarray(recv_words, np.int64)),
-        checksum,
-        np.array(sections, np.int64).reshape(-1, len(SECTION_COLUMNS)),
-        np.array(features, np.int64).reshape(-1, len(FEATURE_COLUMNS)),
-        np.array(segments, np.int64).reshape(-1, len(SEGMENT_COLUMNS)),
-        lengths,
-        values,
-        np.zeros(num_unique, np.int64),
-        np.zeros(num_ids, np.int64),
-    )
-    firsts = list(torch.from_numpy(first).split(counts.tolist())) if counts.shape[0] else []
+    refusal, payloads, lengths, values, first, counts, segments = _decode_kernel(
+        recv.contiguous().numpy().view(np.uint32), recv_words, checksum, formats, feat_off,
+        batch, wire_esize,
+    )  # fmt: skip
+    # split_with_sizes: Tensor.split's Python overload resolution costs more than the views.
+    firsts = list(torch.from_numpy(first).split_with_sizes(counts.tolist()))
     return Decoded(
-        torch.from_numpy(lengths), torch.from_numpy(values), firsts, bad_payload, bad_feature, why
+        Refusal(*refusal.tolist()),
+        payloads,
+        torch.from_numpy(lengths),
+        torch.from_numpy(values),
+        firsts,
+        segments.tolist(),
     )
 
 
 __all__ = [
+    "BAD_BITS",
+    "BAD_CHECKSUM",
+    "BAD_COUNT",
+    "BAD_INVERSE",
+    "BAD_LENGTHS",
+    "BAD_LOOKUP",
+    "BAD_NEGATIVE",
+    "BAD_ROWS",
+    "BAD_SUM",
+    "BAD_WORDS",
     "BY_INVERSE",
     "BY_SORT",
     "DEDUPED",
     "FEATURE_COLUMNS",
+    "FORMAT_COLUMNS",
     "IDS",
     "INVERSE",
     "LENGTHS",
     "LOOKUP",
+    "OUT_EXACT",
+    "OUT_LOOKUP",
+    "OUT_NONE",
+    "PAYLOAD_COLUMNS",
     "PLAIN",
     "SECTION_COLUMNS",
     "SEGMENT_COLUMNS",
     "UNIQUE",
+    "DecodePlan",
     "Decoded",
-    "HostStats",
+    "EncodePlan",
+    "HostEncoded",
+    "Refusal",
     "decode",
-    "feature_stats",
-    "pack",
+    "encode",
+    "plan_decode",
+    "plan_encode",
 ]
