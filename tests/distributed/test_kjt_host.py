@@ -17,7 +17,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from torchrec_lossy.config import InputDistConfig
-from torchrec_lossy.distributed import LossyAllToAllError, kjt_host
+from torchrec_lossy.distributed import LossyAllToAllError, kjt_host, kjt_layout
 from torchrec_lossy.distributed.kjt_codec import (
     EncodedKJT,
     decode_kjt,
@@ -152,7 +152,7 @@ def test_numba_decode_refuses_fields_that_do_not_match_the_metadata() -> None:
         return kjt_host.decode(words, one, False, formats, np.array([0, 1]), one, 0)
 
     out = decode([3, 0])
-    assert out.refusal == (0, kjt_host.BAD_INVERSE, 0, 0)
+    assert out.refusal == (0, kjt_layout.BAD_INVERSE, 0, 0)
     out = decode([2, 0])  # in range
     assert out.refusal.source == -1
     assert out.lengths.tolist() == [2] and out.values.tolist() == [1, 1]

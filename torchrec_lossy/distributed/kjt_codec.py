@@ -19,7 +19,7 @@ exchange and records the bytes); every function runs where the KJT lives, CPU or
   checksum the receiver verifies (``InputDistConfig.checksum``).
 
 Both ends plan each payload alike with the compiled planner of
-:mod:`~torchrec_lossy.distributed.kjt_host` (``plan_encode`` / ``plan_decode``: per feature its
+:mod:`~torchrec_lossy.distributed.kjt_layout` (``plan_encode`` / ``plan_decode``: per feature its
 format and fields, each a section of fixed-width fields; host ints, where a Python loop over
 features and fields cost more than the packing). The tensor work then runs on one of two backends
 (:data:`KJTBackend`, chosen per call from the tensors' device), with the same words and tensors:
@@ -49,7 +49,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy.codec import segment_checksums
 from torchrec_lossy.codec.container import upload
 from torchrec_lossy.config import InputDistConfig
-from torchrec_lossy.distributed import kjt_host
+from torchrec_lossy.distributed import kjt_host, kjt_layout
 from torchrec_lossy.distributed.dedupe import (
     OutputDedupeMode,
     bag_inverse,
@@ -203,7 +203,7 @@ def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tens
 class FeatureMeta(NamedTuple):
     """What the receiver needs to unpack one feature from one source.
 
-    A named tuple (its fields are ``kjt_host.FORMAT_COLUMNS``): the codec passes every
+    A named tuple (its fields are ``kjt_layout.FORMAT_COLUMNS``): the codec passes every
     feature's format to its compiled planner as one array, ``np.array`` of these tuples.
 
     Attributes:
@@ -369,7 +369,7 @@ class EncodedKJT:
             index mapping this rank's bags to them) of output-deduplicated features, None for
             the others.
         formats: int64 ``[F, 7]``: per feature (the KJT's key order), its format
-            (``kjt_host.FORMAT_COLUMNS``; :attr:`features` as :class:`FeatureMeta`).
+            (``kjt_layout.FORMAT_COLUMNS``; :attr:`features` as :class:`FeatureMeta`).
         feature_stats: Per feature, its statistics (length sum, max, min; id max, min;
             distinct ids) as host ints.
         feature_bytes: Per feature, its wire bytes (its packed bits rounded down to bytes, plus
@@ -522,7 +522,7 @@ def encode_kjt(
         stats = fs.stats.cpu().numpy()  # the host read of the encoder
         _refuse_negative(keys, stats.tolist())
         esize = wire_w.itemsize if wire_w is not None else 0
-        plan = kjt_host.plan_encode(
+        plan = kjt_layout.plan_encode(
             stats, batch, feat_off, config.dedupe, mode, esize, config.checksum, codes
         )
         inverse = uniques = None
@@ -536,7 +536,7 @@ def encode_kjt(
         )
 
     stats_rows = plan.stats.tolist()
-    val_off = plan.starts[kjt_host.IDS].tolist()
+    val_off = plan.starts[kjt_layout.IDS].tolist()
     expand: list[list[tuple[int, torch.Tensor] | None]] = []
     offsets = feat_off.tolist()
     # Per feature: lookup, distinct ids, exact output dedupe rows.
@@ -570,9 +570,9 @@ def encode_kjt(
 
 
 _OUT_MODES: dict[OutputDedupeMode, int] = {
-    None: kjt_host.OUT_NONE,
-    "exact": kjt_host.OUT_EXACT,
-    "lookup": kjt_host.OUT_LOOKUP,
+    None: kjt_layout.OUT_NONE,
+    "exact": kjt_layout.OUT_EXACT,
+    "lookup": kjt_layout.OUT_LOOKUP,
 }
 
 
@@ -604,7 +604,7 @@ def _refuse_negative(keys: Sequence[str], stats: Sequence[Sequence[int]]) -> Non
 
 
 def _pack_torch(
-    plan: kjt_host.EncodePlan,
+    plan: kjt_layout.EncodePlan,
     lens: torch.Tensor,
     v: torch.Tensor,
     uniques: torch.Tensor | None,
@@ -631,7 +631,7 @@ def _pack_torch(
     Returns:
         int32 words of all payloads.
     """
-    sources = (lens, v, uniques, inverse)  # indexed by kjt_host.LENGTHS, IDS, UNIQUE, INVERSE
+    sources = (lens, v, uniques, inverse)  # indexed by kjt_layout.LENGTHS, IDS, UNIQUE, INVERSE
     starts = plan.starts.tolist()
     sections = plan.sections.tolist()
     parts: list[torch.Tensor] = []
@@ -648,7 +648,7 @@ def _pack_torch(
     send_words = plan.payloads[:, 2].tolist()
     send = pack_bits(flat, w_t, p_t, sum(send_words))
     if weights is not None:
-        val_off = starts[kjt_host.IDS]
+        val_off = starts[kjt_layout.IDS]
         for (at, _, _), f0, f1 in zip(plan.payloads.tolist(), feat_off, feat_off[1:], strict=False):
             ww = _words_of(weights[val_off[f0] : val_off[f1]].to(wire_w))
             send[at : at + ww.numel()] = ww
@@ -726,7 +726,7 @@ def decode_kjt(
 
     # Every source's formats in one array for the compiled planner (FeatureMeta is a tuple).
     formats = np.array([m for metas in metas_per_src for m in metas], np.int64).reshape(
-        -1, len(kjt_host.FORMAT_COLUMNS)
+        -1, len(kjt_layout.FORMAT_COLUMNS)
     )
     feat_off = _split_offsets(tuple(map(len, metas_per_src)))[0]
     batch = np.array(batch_per_src, np.int64)
@@ -740,7 +740,7 @@ def decode_kjt(
         for (src, f), first in zip(out.segments, out.first_bags, strict=True):
             selects[src][f] = first
     else:
-        plan = kjt_host.plan_decode(formats, feat_off, batch, words, esize, trailer)
+        plan = kjt_layout.plan_decode(formats, feat_off, batch, words, esize, trailer)
         _refuse(fail, plan.refusal)
         if trailer:
             # One host read for all sources; the sizes are known to be right by now.
@@ -775,22 +775,22 @@ class _Fail(Protocol):
     def __call__(self, src: int, why: str) -> NoReturn: ...
 
 
-# Why a payload was refused (kjt_host.Refusal's reasons), given its ``a`` and ``b``.
+# Why a payload was refused (kjt_layout.Refusal's reasons), given its ``a`` and ``b``.
 _WHY = {
-    kjt_host.BAD_LOOKUP: "{a} distinct single-hot ids for a batch of {b}",
-    kjt_host.BAD_BITS: "{a}-bit fields (at most 64)",
-    kjt_host.BAD_COUNT: "a negative batch size or id count",
-    kjt_host.BAD_WORDS: "{a} words received, {b} expected",
-    kjt_host.BAD_CHECKSUM: "its checksum does not match (corrupted in transit)",
-    kjt_host.BAD_LENGTHS: "feature {a} of the payload: its lengths do not sum to its ids",
-    kjt_host.BAD_INVERSE: (
+    kjt_layout.BAD_LOOKUP: "{a} distinct single-hot ids for a batch of {b}",
+    kjt_layout.BAD_BITS: "{a}-bit fields (at most 64)",
+    kjt_layout.BAD_COUNT: "a negative batch size or id count",
+    kjt_layout.BAD_WORDS: "{a} words received, {b} expected",
+    kjt_layout.BAD_CHECKSUM: "its checksum does not match (corrupted in transit)",
+    kjt_layout.BAD_LENGTHS: "feature {a} of the payload: its lengths do not sum to its ids",
+    kjt_layout.BAD_INVERSE: (
         "feature {a} of the payload: its inverse index points past its distinct ids"
     ),
-    kjt_host.BAD_ROWS: "{a} distinct bags in a deduplicated feature, {b} sent",
+    kjt_layout.BAD_ROWS: "{a} distinct bags in a deduplicated feature, {b} sent",
 }
 
 
-def _refuse(fail: _Fail, refusal: kjt_host.Refusal) -> None:
+def _refuse(fail: _Fail, refusal: kjt_layout.Refusal) -> None:
     """Raises the decode's error for a refused payload (nothing if none was).
 
     Args:
@@ -810,7 +810,7 @@ def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
     """
     for src, good in enumerate(ok):
         if not good:
-            _refuse(fail, kjt_host.Refusal(src, kjt_host.BAD_CHECKSUM, 0, 0))
+            _refuse(fail, kjt_layout.Refusal(src, kjt_layout.BAD_CHECKSUM, 0, 0))
 
 
 def _unpack_torch(
@@ -825,7 +825,7 @@ def _unpack_torch(
 
     Args:
         recv: The payloads' words.
-        sections: Their sections (``kjt_host.plan_decode``).
+        sections: Their sections (``kjt_layout.plan_decode``).
         metas_per_src: Per source, per feature, its format.
         batch_per_src: Batch size of every source.
         fail: Raises the decode's error for a source.
@@ -864,15 +864,15 @@ def _unpack_torch(
             if m.lookup:
                 ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
                 lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
-                values.append(field(kjt_host.UNIQUE, m.num_unique))
+                values.append(field(kjt_layout.UNIQUE, m.num_unique))
                 continue
-            lengths.append(field(kjt_host.LENGTHS, batch))
+            lengths.append(field(kjt_layout.LENGTHS, batch))
             if m.dedupe:
-                inv = field(kjt_host.INVERSE, m.num_ids)
-                values.append(field(kjt_host.UNIQUE, m.num_unique)[inv])
+                inv = field(kjt_layout.INVERSE, m.num_ids)
+                values.append(field(kjt_layout.UNIQUE, m.num_unique)[inv])
             else:
                 inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
-                values.append(field(kjt_host.IDS, m.num_ids))
+                values.append(field(kjt_layout.IDS, m.num_ids))
             if m.out_rows and inv is not None:
                 out_inv.append((src, row, m.out_rows, inv, m.num_unique))
             elif m.out_rows:
@@ -896,7 +896,7 @@ def _unpack_torch(
     for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
         local = i - sum(len(m) for m in metas_per_src[:src])
         if first.numel() != rows_sent:
-            _refuse(fail, kjt_host.Refusal(src, kjt_host.BAD_ROWS, first.numel(), rows_sent))
+            _refuse(fail, kjt_layout.Refusal(src, kjt_layout.BAD_ROWS, first.numel(), rows_sent))
         selects[src][local] = first
     empty = recv.new_empty(0, dtype=torch.int64)
     return (

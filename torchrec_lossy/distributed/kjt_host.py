@@ -1,25 +1,19 @@
-"""The compiled path of the KJT codec: its planner (both backends) and one numba call per host
-encode or decode.
+"""The compiled CPU path of the KJT codec: one numba call per host encode or decode.
 
-:mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; this module holds its host-int work
-and, for CPU tensors, its tensor work, where a Python loop over features or tens of small torch
-ops per call would dominate on the input dist's small KJTs. The words and tensors are those of
-its torch path (the device path and the test oracle):
+:mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; for CPU tensors its tensor work runs
+here, where a Python loop over features or tens of small torch ops per call would dominate on
+the input dist's small KJTs. The words and tensors are those of its torch path (the device path
+and the test oracle), and the layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose
+planning kernels compile into the ones here:
 
-- :func:`plan_encode` and :func:`plan_decode` (both backends): each feature's format from its
-  statistics (wire dedupe where it saves bits, the output dedupe's rows), the bit layout of
-  every payload, the metadata rows; on the receiver the same layout from the metadata, checked
-  against what arrived.
-- :func:`encode` (sender, CPU): per-feature statistics and each feature's distinct ids in
-  ascending order with the inverse index (one radix sort of all ids by (feature, id, position),
-  the order of ``dedupe.segment_sort``), the plan, the packing, the weights and the checksums.
-- :func:`decode` (receiver, CPU): the plan, the checksum check, the unpacking and the ids'
-  expansion, and the first bag of each distinct bag of the exact output dedupe
-  (``dedupe.first_bags`` from an inverse index, ``dedupe.distinct_bags`` by the sort otherwise).
-
-Sections are rows of an int64 table (:data:`SECTION_COLUMNS`): ``count`` fields of ``width``
-bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one feature's
-``field`` (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE` or :data:`INVERSE`).
+- :func:`encode` (sender): per-feature statistics and each feature's distinct ids in ascending
+  order with the inverse index (one radix sort of all ids by (feature, id, position), the order
+  of ``dedupe.segment_sort``), the plan (``kjt_layout.plan_encode``), the packing, the weights
+  and the checksums.
+- :func:`decode` (receiver): the plan (``kjt_layout.plan_decode``), the checksum check, the
+  unpacking and the ids' expansion, and the first bag of each distinct bag of the exact output
+  dedupe (``dedupe.first_bags`` from an inverse index, ``dedupe.distinct_bags`` by the sort
+  otherwise).
 """
 
 from __future__ import annotations
@@ -31,21 +25,21 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec.format import checksum_words
+from torchrec_lossy.distributed.kjt_layout import (
+    BAD_CHECKSUM,
+    BAD_INVERSE,
+    BAD_LENGTHS,
+    BAD_ROWS,
+    IDS,
+    LENGTHS,
+    UNIQUE,
+    EncodePlan,
+    Refusal,
+    bit_length,
+    plan_decode_kernel,
+    plan_encode_kernel,
+)
 
-# A section's field: what it reads (encode) or writes (decode).
-LENGTHS = 0  # bag lengths
-IDS = 1  # ids, in the order the KJT holds them
-UNIQUE = 2  # a deduplicated feature's distinct ids
-INVERSE = 3  # per id, the index of its distinct id
-SECTION_COLUMNS = ("feature", "field", "count", "width", "shift", "bit")
-# A feature's format (kjt_codec.FeatureMeta's fields, in its order).
-FORMAT_COLUMNS = ("len_bits", "id_bits", "dedupe", "num_ids", "num_unique", "lookup", "out_rows")
-# Per payload of a layout: its first word of weights, its ids, its words.
-PAYLOAD_COLUMNS = ("weights_at", "num_ids", "words")
-# Cross-side output dedupe mode of an encode (kjt_codec's OutputDedupeMode).
-OUT_NONE = 0
-OUT_EXACT = 1
-OUT_LOOKUP = 2
 # Per feature of a decode: how its ids are completed after unpacking.
 PLAIN = 0  # the ids arrived as they are
 DEDUPED = 1  # ids = distinct ids [inverse index]
@@ -59,15 +53,6 @@ SEGMENT_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "num_un
 # Why :func:`encode` refused a KJT.
 BAD_SUM = 1  # its lengths do not sum to its ids
 BAD_NEGATIVE = 2  # a length or an id is negative
-# Why a decode refused a payload (:class:`Refusal`).
-BAD_LENGTHS = 1  # a feature's lengths do not sum to its ids
-BAD_INVERSE = 2  # a feature's inverse index points past its distinct ids
-BAD_LOOKUP = 3  # a lookup feature has more distinct ids than bags
-BAD_BITS = 4  # a field is wider than 64 bits
-BAD_COUNT = 5  # a negative id count
-BAD_WORDS = 6  # the payload's size is not its layout's
-BAD_CHECKSUM = 7  # its checksum does not match
-BAD_ROWS = 8  # an output-deduplicated feature's distinct bags are not its rows sent back
 
 _DIGIT_BITS = 11  # radix sort digit: 2048 buckets, two passes for 22-bit (feature, id) keys
 _MASK32 = 0xFFFFFFFF
@@ -75,15 +60,6 @@ _MASK32 = 0xFFFFFFFF
 
 # ---------------------------------------------------------------------------------------------
 # Kernels.
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _bit_length(x: np.uint64) -> int:
-    """Bits of ``x`` (0 for 0), as ``int.bit_length``."""
-    n = 0
-    while n < 64 and (x >> np.uint64(n)) != 0:
-        n += 1
-    return n
 
 
 @numba.njit(cache=True, nogil=True)
@@ -105,9 +81,9 @@ def _segment_order(keys: np.ndarray, seg_start: np.ndarray) -> tuple[np.ndarray,
     lo, hi = keys[0], keys[0]
     for i in range(1, n):
         lo, hi = min(lo, keys[i]), max(hi, keys[i])
-    key_bits = _bit_length(np.uint64(hi) - np.uint64(lo))  # wraps: exact for any range
-    pos_bits = _bit_length(np.uint64(n - 1))
-    sort_bits = key_bits + _bit_length(np.uint64(nseg - 1))
+    key_bits = bit_length(np.uint64(hi) - np.uint64(lo))  # wraps: exact for any range
+    pos_bits = bit_length(np.uint64(n - 1))
+    sort_bits = key_bits + bit_length(np.uint64(nseg - 1))
     order = np.empty(n, np.int64)
     if sort_bits + pos_bits > 64:
         for s in range(nseg):
@@ -484,218 +460,6 @@ def _first_bags_kernel(
     return first[:at], rows
 
 
-# ---------------------------------------------------------------------------------------------
-# Planning: formats and layouts, for both backends (host ints, so compiled here as well).
-
-
-@numba.njit(cache=True, nogil=True)
-def _formats(
-    stats: np.ndarray, batch: int, dedupe: bool, mode: int, weighted: bool, fmt: np.ndarray
-) -> None:
-    """Each feature's format (``kjt_codec.FeatureMeta``) from its statistics.
-
-    Args:
-        stats: ``[F, 6]`` (:func:`_stats_kernel`), no length or id negative.
-        batch: Bags per feature.
-        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
-        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
-        weighted: The KJT has weights.
-        fmt: Out, ``[F, 7]`` (:data:`FORMAT_COLUMNS`).
-    """
-    for f in range(stats.shape[0]):
-        len_sum, len_max, len_min, id_max, _, uniq = stats[f]
-        id_bits = _bit_length(np.uint64(id_max))
-        lookup = mode == OUT_LOOKUP and not weighted and batch > 0 and len_min == len_max == 1
-        if lookup and uniq < batch:
-            # Single-hot with repeats: a bag's pooled vector is its row, so the owner can look
-            # up and send back each distinct id once.
-            fmt[f] = (
-                np.int64(0),
-                np.int64(id_bits),
-                np.int64(1),
-                np.int64(uniq),
-                np.int64(uniq),
-                np.int64(1),
-                np.int64(0),
-            )
-            continue
-        inv_bits = _bit_length(np.uint64(uniq - 1)) if uniq else 0
-        # Deduplicate only where distinct ids + inverse index take fewer bits.
-        wire_dedupe = dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
-        # Bags of at most one unweighted id that repeat: send back each distinct one once.
-        # Distinct bags: with one id per bag the ids; with none, one; with a mix of empty and
-        # one-id bags, the empty bag then the ids (see dedupe.bag_inverse and first_bags).
-        out_rows = 0
-        if mode == OUT_EXACT and not weighted and batch > 0 and len_max <= 1:
-            bags = uniq if len_min == 1 else uniq + 1 if len_max == 1 else 1
-            out_rows = bags if bags < batch else 0
-        len_bits = _bit_length(np.uint64(len_max))
-        fmt[f] = (
-            np.int64(len_bits),
-            np.int64(id_bits),
-            np.int64(wire_dedupe),
-            np.int64(len_sum),
-            np.int64(uniq if wire_dedupe else 0),
-            np.int64(0),
-            np.int64(out_rows),
-        )
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _add_field(
-    sections: np.ndarray, s: int, feature: int, field: int, count: int, width: int, bit: int
-) -> int:
-    """Appends one field's sections at bit ``bit``: values over 32 bits as a section of low
-    parts, then one of high parts; none for an empty field.
-
-    Returns:
-        The next section row.
-    """
-    if count == 0 or width == 0:
-        return s
-    if width <= 32:
-        sections[s] = (
-            np.int64(feature),
-            np.int64(field),
-            np.int64(count),
-            np.int64(width),
-            np.int64(0),
-            np.int64(bit),
-        )
-        return s + 1
-    sections[s] = (
-        np.int64(feature),
-        np.int64(field),
-        np.int64(count),
-        np.int64(32),
-        np.int64(0),
-        np.int64(bit),
-    )
-    sections[s + 1] = (
-        np.int64(feature),
-        np.int64(field),
-        np.int64(count),
-        np.int64(width - 32),
-        np.int64(32),
-        np.int64(bit + count * 32),
-    )
-    return s + 2
-
-
-@numba.njit(cache=True, nogil=True)
-def _layout_payload(
-    fmt: np.ndarray,
-    f0: int,
-    f1: int,
-    batch: int,
-    word0: int,
-    wire_esize: int,
-    checksum: bool,
-    sections: np.ndarray,
-    s: int,
-    feature_bits: np.ndarray,
-) -> tuple[int, int, int, int]:
-    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
-
-    A lookup feature sends its distinct ids (its lengths are implied, its inverse index stays
-    with the sender); another its lengths, then its distinct ids and inverse index if
-    deduplicated, else its ids.
-
-    Args:
-        fmt: ``[F, 7]`` formats (:data:`FORMAT_COLUMNS`); the payload's are rows ``f0:f1``.
-        f0: Its first feature.
-        f1: The feature after its last.
-        batch: Its sender's batch size.
-        word0: Its first word in the buffer of all payloads.
-        wire_esize: Bytes of a weight on the wire (0: unweighted).
-        checksum: It ends with a checksum (two words).
-        sections: Out: its sections from row ``s`` on (:data:`SECTION_COLUMNS`).
-        s: Its first section row.
-        feature_bits: Out: its features' packed bits.
-
-    Returns:
-        The next section row, its first word of weights, its ids and its words.
-    """
-    bit = word0 * 32
-    num_ids = 0
-    for f in range(f0, f1):
-        len_bits, id_bits, dedupe, n_ids, n_unique, lookup, _ = fmt[f]
-        num_ids += n_ids
-        start = bit
-        if lookup:
-            s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
-            bit += n_unique * id_bits
-        else:
-            s = _add_field(sections, s, f, LENGTHS, batch, len_bits, bit)
-            bit += batch * len_bits
-            if dedupe:
-                s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
-                bit += n_unique * id_bits
-                inv_bits = _bit_length(np.uint64(n_unique - 1)) if n_unique else 0
-                s = _add_field(sections, s, f, INVERSE, n_ids, inv_bits, bit)
-                bit += n_ids * inv_bits
-            else:
-                s = _add_field(sections, s, f, IDS, n_ids, id_bits, bit)
-                bit += n_ids * id_bits
-        feature_bits[f] = bit - start
-    weights_at = (bit + 31) // 32
-    end = weights_at + (num_ids * wire_esize + 3) // 4
-    return s, weights_at, num_ids, end - word0 + (2 if checksum else 0)
-
-
-@numba.njit(cache=True, nogil=True)
-def _plan_encode(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    weighted: bool,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Plans one rank's payloads from its KJT's statistics (see :func:`plan_encode`).
-
-    Returns:
-        The formats ``[F, 7]``, the sections ``[S, 6]``, the payloads ``[P, 3]``
-        (:data:`PAYLOAD_COLUMNS`), each feature's wire bytes, the metadata rows and the field
-        starts ``[4, F + 1]`` (lengths, ids, distinct ids, inverse index of each feature in the
-        sender's arrays, then their ends).
-    """
-    num_f = stats.shape[0]
-    fmt = np.zeros((num_f, len(FORMAT_COLUMNS)), np.int64)
-    _formats(stats, batch, dedupe, mode, weighted, fmt)
-    starts = np.zeros((4, num_f + 1), np.int64)
-    for f in range(num_f):
-        starts[LENGTHS, f + 1] = starts[LENGTHS, f] + batch
-        starts[IDS, f + 1] = starts[IDS, f] + stats[f, 0]
-        starts[UNIQUE, f + 1] = starts[UNIQUE, f] + stats[f, 5]
-    starts[INVERSE] = starts[IDS]
-    num_p = feat_off.shape[0] - 1
-    sections = np.empty((6 * num_f, 6), np.int64)
-    payloads = np.empty((num_p, 3), np.int64)
-    feature_bits = np.zeros(num_f, np.int64)
-    meta = np.empty(3 * num_p + 3 * num_f, np.int64)
-    s, word0, m = 0, 0, 0
-    for p in range(num_p):
-        s, weights_at, num_ids, words = _layout_payload(
-            fmt, feat_off[p], feat_off[p + 1], batch, word0, wire_esize, checksum,
-            sections, s, feature_bits,
-        )  # fmt: skip
-        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
-        word0 += words
-        meta[m : m + 3] = (np.int64(words), np.int64(batch), np.int64(codes))
-        m += 3
-        for f in range(feat_off[p], feat_off[p + 1]):  # kjt_codec.FeatureMeta.words
-            len_bits, id_bits, wire_dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
-            meta[m] = len_bits | id_bits << 8 | wire_dedupe << 16 | lookup << 17 | out_rows << 32
-            meta[m + 1], meta[m + 2] = num_ids, num_unique
-            m += 3
-    feature_bytes = feature_bits // 8 + fmt[:, 3] * wire_esize
-    return fmt, sections[:s], payloads, feature_bytes, meta, starts
-
-
 @numba.njit(cache=True, nogil=True)
 def _encode_kernel(
     lengths: np.ndarray,
@@ -711,13 +475,13 @@ def _encode_kernel(
     checksum: bool,
     codes: int,
 ) -> tuple:
-    """:func:`_stats_kernel`, :func:`_plan_encode` and :func:`_pack_kernel` in one call (see
-    :func:`encode`).
+    """:func:`_stats_kernel`, ``kjt_layout.plan_encode_kernel`` and :func:`_pack_kernel` in one
+    call (see :func:`encode`).
 
     Returns:
         A status (0, :data:`BAD_SUM` or :data:`BAD_NEGATIVE`: the rest is then not planned),
-        the statistics, the distinct ids and inverse index, then :func:`_plan_encode`'s formats,
-        payloads, feature bytes and metadata, and the packed words.
+        the statistics, the distinct ids and inverse index, then ``plan_encode_kernel``'s
+        formats, payloads, feature bytes and metadata, and the packed words.
     """
     num_f, n = feat_off[-1], values.shape[0]
     stats = np.zeros((num_f, 6), np.int64)
@@ -731,7 +495,7 @@ def _encode_kernel(
     if status:
         e2, e1 = np.zeros((0, 0), np.int64), np.zeros(0, np.int64)
         return status, stats, uniques, inverse, e2, e2, e2, e1, e1, e2, np.zeros(0, np.uint32)
-    fmt, sections, payloads, feature_bytes, meta, starts = _plan_encode(
+    fmt, sections, payloads, feature_bytes, meta, starts = plan_encode_kernel(
         stats, batch, feat_off, dedupe, mode, weighted, wire_esize, checksum, codes
     )
     ends = np.cumsum(payloads[:, 2])
@@ -755,65 +519,6 @@ def _encode_kernel(
 
 
 @numba.njit(cache=True, nogil=True)
-def _plan_decode(
-    fmt: np.ndarray,
-    feat_off: np.ndarray,
-    batch: np.ndarray,
-    recv_words: np.ndarray,
-    wire_esize: int,
-    checksum: bool,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Checks every source's formats and size, and lays out its payload (see :func:`plan_decode`).
-
-    Returns:
-        The refusal (:class:`Refusal`'s fields: source, why, a, b; source -1 if none), the
-        sections and the payloads ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
-    """
-    num_p = feat_off.shape[0] - 1
-    sections = np.empty((6 * fmt.shape[0], 6), np.int64)
-    payloads = np.zeros((num_p, 3), np.int64)
-    feature_bits = np.empty(fmt.shape[0], np.int64)
-    refusal = np.full(4, -1, np.int64)
-    s, word0 = 0, 0
-    for p in range(num_p):
-        for f in range(feat_off[p], feat_off[p + 1]):
-            len_bits, id_bits, _, num_ids, num_unique, lookup, _ = fmt[f]
-            if lookup and num_unique > batch[p]:
-                refusal[:] = (
-                    np.int64(p),
-                    np.int64(BAD_LOOKUP),
-                    np.int64(num_unique),
-                    np.int64(batch[p]),
-                )
-            elif max(len_bits, id_bits) > 64:
-                refusal[:] = (
-                    np.int64(p),
-                    np.int64(BAD_BITS),
-                    np.int64(max(len_bits, id_bits)),
-                    np.int64(0),
-                )
-            elif min(num_ids, num_unique, batch[p]) < 0:
-                refusal[:] = (np.int64(p), np.int64(BAD_COUNT), np.int64(0), np.int64(0))
-            if refusal[0] >= 0:
-                return refusal, sections[:0], payloads
-        s, weights_at, num_ids, words = _layout_payload(
-            fmt, feat_off[p], feat_off[p + 1], batch[p], word0, wire_esize, checksum,
-            sections, s, feature_bits,
-        )  # fmt: skip
-        if words != recv_words[p]:
-            refusal[:] = (
-                np.int64(p),
-                np.int64(BAD_WORDS),
-                np.int64(recv_words[p]),
-                np.int64(words),
-            )
-            return refusal, sections[:0], payloads
-        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
-        word0 += words
-    return refusal, sections[:s], payloads
-
-
-@numba.njit(cache=True, nogil=True)
 def _decode_kernel(
     words: np.ndarray,
     recv_words: np.ndarray,
@@ -827,11 +532,11 @@ def _decode_kernel(
     (see :func:`decode`).
 
     Returns:
-        The refusal (as :func:`_plan_decode`), the payloads, the lengths, the ids, the first
-        bags, their count per segment and each segment's (source, feature there).
+        The refusal (as ``kjt_layout.plan_decode_kernel``), the payloads, the lengths, the ids,
+        the first bags, their count per segment and each segment's (source, feature there).
     """
     none = np.zeros(0, np.int64)
-    refusal, sections, payloads = _plan_decode(
+    refusal, sections, payloads = plan_decode_kernel(
         fmt, feat_off, batch, recv_words, wire_esize, checksum
     )
     none2 = np.zeros((0, 2), np.int64)
@@ -905,69 +610,11 @@ def _decode_kernel(
 # Wrappers.
 
 
-class EncodePlan(NamedTuple):
-    """One rank's payloads as planned from its KJT's statistics (see :func:`plan_encode`).
-
-    Attributes:
-        stats: ``[F, 6]`` per feature: length sum, max, min; id max, min; distinct ids.
-        formats: ``[F, 7]`` per feature its format (:data:`FORMAT_COLUMNS`).
-        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), every payload's in wire order.
-        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
-        feature_bytes: Per feature, its wire bytes (packed bits rounded down to bytes, plus its
-            weights): the telemetry's.
-        meta: The metadata rows (int64, destinations in order).
-        starts: ``[4, F + 1]``: per field (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`,
-            :data:`INVERSE`), where each feature's elements start in the sender's arrays, then
-            where the last one ends.
-    """
-
-    stats: np.ndarray
-    formats: np.ndarray
-    sections: np.ndarray
-    payloads: np.ndarray
-    feature_bytes: np.ndarray
-    meta: np.ndarray
-    starts: np.ndarray
-
-
-def plan_encode(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
-) -> EncodePlan:
-    """Plans one rank's payloads from its KJT's statistics: each feature's format (wire dedupe
-    where it saves bits, the output dedupe's rows), the bit layout and the metadata rows.
-
-    Args:
-        stats: int64 ``[F, 6]`` (length sum, max, min; id max, min; distinct ids), no length or
-            id negative.
-        batch: The KJT's stride.
-        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
-        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
-        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
-        wire_esize: Bytes of a weight on the wire (0: unweighted).
-        checksum: The payloads end with a checksum.
-        codes: The dtype codes word of the metadata.
-
-    Returns:
-        The plan.
-    """
-    plan = _plan_encode(
-        stats, batch, feat_off, dedupe, mode, wire_esize > 0, wire_esize, checksum, codes
-    )
-    return EncodePlan(stats, *plan)
-
-
 class HostEncoded(NamedTuple):
     """What :func:`encode` returns.
 
     Attributes:
-        plan: The plan (:func:`plan_encode`).
+        plan: The plan (``kjt_layout.plan_encode``).
         send: int32 words of all payloads.
         uniques: int64, every feature's distinct ids in ascending order, features in order.
         inverse: int64, per id, the index of its distinct id within its feature.
@@ -993,7 +640,7 @@ def encode(
 ) -> HostEncoded | tuple[int, np.ndarray]:
     """Encodes one rank's KJT in one compiled call: per-feature statistics and distinct ids (one
     radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the plan
-    (:func:`plan_encode`), and the packing (``kjt_codec.pack_bits`` of every section, the
+    (``kjt_layout.plan_encode``), and the packing (``kjt_codec.pack_bits`` of every section, the
     weights' bytes, the checksums).
 
     Args:
@@ -1042,70 +689,6 @@ def encode(
     )
 
 
-class Refusal(NamedTuple):
-    """Why a decode refused the received payloads (see :func:`plan_decode`).
-
-    Attributes:
-        source: The first source refused, or -1 (accepted).
-        why: :data:`BAD_LOOKUP` (``a`` distinct ids, ``b`` bags), :data:`BAD_BITS` (``a``-bit
-            fields), :data:`BAD_COUNT`, :data:`BAD_WORDS` (``a`` words received, ``b``
-            expected), :data:`BAD_CHECKSUM`, :data:`BAD_LENGTHS` or :data:`BAD_INVERSE`
-            (``a``: the feature, in the source's order) or :data:`BAD_ROWS` (``a`` distinct
-            bags, ``b`` rows sent).
-        a: See ``why``.
-        b: See ``why``.
-    """
-
-    source: int
-    why: int
-    a: int
-    b: int
-
-
-class DecodePlan(NamedTuple):
-    """The received payloads' layout (see :func:`plan_decode`).
-
-    Attributes:
-        refusal: Why they do not match their metadata (``source`` -1 if they do).
-        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of the formats.
-        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
-    """
-
-    refusal: Refusal
-    sections: np.ndarray
-    payloads: np.ndarray
-
-
-def plan_decode(
-    formats: np.ndarray,
-    feat_off: np.ndarray,
-    batch: np.ndarray,
-    recv_words: np.ndarray,
-    wire_esize: int,
-    checksum: bool,
-) -> DecodePlan:
-    """Checks every source's metadata and payload size, and lays out its payload as its sender
-    did (:func:`plan_encode`).
-
-    Args:
-        formats: int64 ``[F, 7]``: every source's features' formats (:data:`FORMAT_COLUMNS`),
-            sources in order.
-        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
-        batch: int64 ``[P]``: each source's batch size.
-        recv_words: int64 ``[P]``: words received from each source.
-        wire_esize: Bytes of a weight on the wire (0: unweighted).
-        checksum: The payloads end with a checksum.
-
-    Returns:
-        The layout, or the first source whose metadata or size is wrong (:data:`BAD_LOOKUP`,
-        :data:`BAD_BITS`, :data:`BAD_COUNT`, :data:`BAD_WORDS`).
-    """
-    refusal, sections, payloads = _plan_decode(
-        formats, feat_off, batch, recv_words, wire_esize, checksum
-    )
-    return DecodePlan(Refusal(*refusal.tolist()), sections, payloads)
-
-
 class Decoded(NamedTuple):
     """What :func:`decode` returns.
 
@@ -1136,7 +719,7 @@ def decode(
     batch: np.ndarray,
     wire_esize: int,
 ) -> Decoded:
-    """Decodes the received payloads in one compiled call: plans them (:func:`plan_decode`),
+    """Decodes the received payloads in one compiled call: plans them (``kjt_layout.plan_decode``),
     verifies the checksums, unpacks every section (``kjt_codec.unpack_bits``), completes each
     feature's ids, and finds the first bag of each distinct bag of the exact output dedupe.
 
@@ -1148,10 +731,10 @@ def decode(
         recv: int32 words of the payloads, back to back.
         recv_words: int64 ``[P]``: words of each payload.
         checksum: The payloads end with a checksum to verify.
-        formats: As :func:`plan_decode`.
-        feat_off: As :func:`plan_decode`.
-        batch: As :func:`plan_decode`.
-        wire_esize: As :func:`plan_decode`.
+        formats: As ``kjt_layout.plan_decode``.
+        feat_off: As ``kjt_layout.plan_decode``.
+        batch: As ``kjt_layout.plan_decode``.
+        wire_esize: As ``kjt_layout.plan_decode``.
 
     Returns:
         The lengths, ids and first bags, or why the payloads do not match their metadata.
@@ -1173,40 +756,17 @@ def decode(
 
 
 __all__ = [
-    "BAD_BITS",
-    "BAD_CHECKSUM",
-    "BAD_COUNT",
-    "BAD_INVERSE",
-    "BAD_LENGTHS",
-    "BAD_LOOKUP",
     "BAD_NEGATIVE",
-    "BAD_ROWS",
     "BAD_SUM",
-    "BAD_WORDS",
     "BY_INVERSE",
     "BY_SORT",
     "DEDUPED",
     "FEATURE_COLUMNS",
-    "FORMAT_COLUMNS",
-    "IDS",
-    "INVERSE",
-    "LENGTHS",
     "LOOKUP",
-    "OUT_EXACT",
-    "OUT_LOOKUP",
-    "OUT_NONE",
-    "PAYLOAD_COLUMNS",
     "PLAIN",
-    "SECTION_COLUMNS",
     "SEGMENT_COLUMNS",
-    "UNIQUE",
-    "DecodePlan",
     "Decoded",
-    "EncodePlan",
     "HostEncoded",
-    "Refusal",
     "decode",
     "encode",
-    "plan_decode",
-    "plan_encode",
 ]

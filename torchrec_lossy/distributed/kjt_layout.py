@@ -1,0 +1,484 @@
+"""The KJT codec's layout, shared by both backends: each feature's format, the bit layout of
+every payload, and the metadata rows.
+
+:mod:`torchrec_lossy.distributed.kjt_codec` (the torch path) and
+:mod:`torchrec_lossy.distributed.kjt_host` (the compiled CPU path, whose kernels inline the ones
+here) lay out a payload alike from this module only:
+
+- :func:`plan_encode` (sender): each feature's format from its statistics (wire dedupe where it
+  saves bits, the output dedupe's rows), the bit layout of every payload, the metadata rows.
+- :func:`plan_decode` (receiver): the same layout from the metadata, checked against what
+  arrived (:class:`Refusal` names what does not match).
+
+Sections are rows of an int64 table (:data:`SECTION_COLUMNS`): ``count`` fields of ``width``
+bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one feature's
+``field`` (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE` or :data:`INVERSE`). The planning works
+on host ints; it is compiled so that a host encode or decode stays one numba call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+# A section's field: what it reads (encode) or writes (decode).
+LENGTHS = 0  # bag lengths
+IDS = 1  # ids, in the order the KJT holds them
+UNIQUE = 2  # a deduplicated feature's distinct ids
+INVERSE = 3  # per id, the index of its distinct id
+SECTION_COLUMNS = ("feature", "field", "count", "width", "shift", "bit")
+# A feature's format (kjt_codec.FeatureMeta's fields, in its order).
+FORMAT_COLUMNS = ("len_bits", "id_bits", "dedupe", "num_ids", "num_unique", "lookup", "out_rows")
+# Per payload of a layout: its first word of weights, its ids, its words.
+PAYLOAD_COLUMNS = ("weights_at", "num_ids", "words")
+# Cross-side output dedupe mode of an encode (kjt_codec's OutputDedupeMode).
+OUT_NONE = 0
+OUT_EXACT = 1
+OUT_LOOKUP = 2
+
+# Why a decode refused a payload (:class:`Refusal`): the layout's checks, then the decoder's.
+BAD_LENGTHS = 1  # a feature's lengths do not sum to its ids
+BAD_INVERSE = 2  # a feature's inverse index points past its distinct ids
+BAD_LOOKUP = 3  # a lookup feature has more distinct ids than bags
+BAD_BITS = 4  # a field is wider than 64 bits
+BAD_COUNT = 5  # a negative id count
+BAD_WORDS = 6  # the payload's size is not its layout's
+BAD_CHECKSUM = 7  # its checksum does not match
+BAD_ROWS = 8  # an output-deduplicated feature's distinct bags are not its rows sent back
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (host ints, compiled: the host codec's kernels inline them).
+
+
+@numba.njit(cache=True, nogil=True)
+def _formats(
+    stats: np.ndarray, batch: int, dedupe: bool, mode: int, weighted: bool, fmt: np.ndarray
+) -> None:
+    """Each feature's format (``kjt_codec.FeatureMeta``) from its statistics.
+
+    Args:
+        stats: ``[F, 6]`` (``kjt_host``'s statistics), no length or id negative.
+        batch: Bags per feature.
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        weighted: The KJT has weights.
+        fmt: Out, ``[F, 7]`` (:data:`FORMAT_COLUMNS`).
+    """
+    for f in range(stats.shape[0]):
+        len_sum, len_max, len_min, id_max, _, uniq = stats[f]
+        id_bits = bit_length(np.uint64(id_max))
+        lookup = mode == OUT_LOOKUP and not weighted and batch > 0 and len_min == len_max == 1
+        if lookup and uniq < batch:
+            # Single-hot with repeats: a bag's pooled vector is its row, so the owner can look
+            # up and send back each distinct id once.
+            fmt[f] = (
+                np.int64(0),
+                np.int64(id_bits),
+                np.int64(1),
+                np.int64(uniq),
+                np.int64(uniq),
+                np.int64(1),
+                np.int64(0),
+            )
+            continue
+        inv_bits = bit_length(np.uint64(uniq - 1)) if uniq else 0
+        # Deduplicate only where distinct ids + inverse index take fewer bits.
+        wire_dedupe = dedupe and uniq * id_bits + len_sum * inv_bits < len_sum * id_bits
+        # Bags of at most one unweighted id that repeat: send back each distinct one once.
+        # Distinct bags: with one id per bag the ids; with none, one; with a mix of empty and
+        # one-id bags, the empty bag then the ids (see dedupe.bag_inverse and first_bags).
+        out_rows = 0
+        if mode == OUT_EXACT and not weighted and batch > 0 and len_max <= 1:
+            bags = uniq if len_min == 1 else uniq + 1 if len_max == 1 else 1
+            out_rows = bags if bags < batch else 0
+        len_bits = bit_length(np.uint64(len_max))
+        fmt[f] = (
+            np.int64(len_bits),
+            np.int64(id_bits),
+            np.int64(wire_dedupe),
+            np.int64(len_sum),
+            np.int64(uniq if wire_dedupe else 0),
+            np.int64(0),
+            np.int64(out_rows),
+        )
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_field(
+    sections: np.ndarray, s: int, feature: int, field: int, count: int, width: int, bit: int
+) -> int:
+    """Appends one field's sections at bit ``bit``: values over 32 bits as a section of low
+    parts, then one of high parts; none for an empty field.
+
+    Returns:
+        The next section row.
+    """
+    if count == 0 or width == 0:
+        return s
+    if width <= 32:
+        sections[s] = (
+            np.int64(feature),
+            np.int64(field),
+            np.int64(count),
+            np.int64(width),
+            np.int64(0),
+            np.int64(bit),
+        )
+        return s + 1
+    sections[s] = (
+        np.int64(feature),
+        np.int64(field),
+        np.int64(count),
+        np.int64(32),
+        np.int64(0),
+        np.int64(bit),
+    )
+    sections[s + 1] = (
+        np.int64(feature),
+        np.int64(field),
+        np.int64(count),
+        np.int64(width - 32),
+        np.int64(32),
+        np.int64(bit + count * 32),
+    )
+    return s + 2
+
+
+@numba.njit(cache=True, nogil=True)
+def _layout_payload(
+    fmt: np.ndarray,
+    f0: int,
+    f1: int,
+    batch: int,
+    word0: int,
+    wire_esize: int,
+    checksum: bool,
+    sections: np.ndarray,
+    s: int,
+    feature_bits: np.ndarray,
+) -> tuple[int, int, int, int]:
+    """Lays out one payload: each feature's fields packed back to back, the weights, the checksum.
+
+    A lookup feature sends its distinct ids (its lengths are implied, its inverse index stays
+    with the sender); another its lengths, then its distinct ids and inverse index if
+    deduplicated, else its ids.
+
+    Args:
+        fmt: ``[F, 7]`` formats (:data:`FORMAT_COLUMNS`); the payload's are rows ``f0:f1``.
+        f0: Its first feature.
+        f1: The feature after its last.
+        batch: Its sender's batch size.
+        word0: Its first word in the buffer of all payloads.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: It ends with a checksum (two words).
+        sections: Out: its sections from row ``s`` on (:data:`SECTION_COLUMNS`).
+        s: Its first section row.
+        feature_bits: Out: its features' packed bits.
+
+    Returns:
+        The next section row, its first word of weights, its ids and its words.
+    """
+    bit = word0 * 32
+    num_ids = 0
+    for f in range(f0, f1):
+        len_bits, id_bits, dedupe, n_ids, n_unique, lookup, _ = fmt[f]
+        num_ids += n_ids
+        start = bit
+        if lookup:
+            s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
+            bit += n_unique * id_bits
+        else:
+            s = _add_field(sections, s, f, LENGTHS, batch, len_bits, bit)
+            bit += batch * len_bits
+            if dedupe:
+                s = _add_field(sections, s, f, UNIQUE, n_unique, id_bits, bit)
+                bit += n_unique * id_bits
+                inv_bits = bit_length(np.uint64(n_unique - 1)) if n_unique else 0
+                s = _add_field(sections, s, f, INVERSE, n_ids, inv_bits, bit)
+                bit += n_ids * inv_bits
+            else:
+                s = _add_field(sections, s, f, IDS, n_ids, id_bits, bit)
+                bit += n_ids * id_bits
+        feature_bits[f] = bit - start
+    weights_at = (bit + 31) // 32
+    end = weights_at + (num_ids * wire_esize + 3) // 4
+    return s, weights_at, num_ids, end - word0 + (2 if checksum else 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_encode_kernel(
+    stats: np.ndarray,
+    batch: int,
+    feat_off: np.ndarray,
+    dedupe: bool,
+    mode: int,
+    weighted: bool,
+    wire_esize: int,
+    checksum: bool,
+    codes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Plans one rank's payloads from its KJT's statistics (see :func:`plan_encode`).
+
+    Returns:
+        The formats ``[F, 7]``, the sections ``[S, 6]``, the payloads ``[P, 3]``
+        (:data:`PAYLOAD_COLUMNS`), each feature's wire bytes, the metadata rows and the field
+        starts ``[4, F + 1]`` (lengths, ids, distinct ids, inverse index of each feature in the
+        sender's arrays, then their ends).
+    """
+    num_f = stats.shape[0]
+    fmt = np.zeros((num_f, len(FORMAT_COLUMNS)), np.int64)
+    _formats(stats, batch, dedupe, mode, weighted, fmt)
+    starts = np.zeros((4, num_f + 1), np.int64)
+    for f in range(num_f):
+        starts[LENGTHS, f + 1] = starts[LENGTHS, f] + batch
+        starts[IDS, f + 1] = starts[IDS, f] + stats[f, 0]
+        starts[UNIQUE, f + 1] = starts[UNIQUE, f] + stats[f, 5]
+    starts[INVERSE] = starts[IDS]
+    num_p = feat_off.shape[0] - 1
+    sections = np.empty((6 * num_f, 6), np.int64)
+    payloads = np.empty((num_p, 3), np.int64)
+    feature_bits = np.zeros(num_f, np.int64)
+    meta = np.empty(3 * num_p + 3 * num_f, np.int64)
+    s, word0, m = 0, 0, 0
+    for p in range(num_p):
+        s, weights_at, num_ids, words = _layout_payload(
+            fmt, feat_off[p], feat_off[p + 1], batch, word0, wire_esize, checksum,
+            sections, s, feature_bits,
+        )  # fmt: skip
+        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
+        word0 += words
+        meta[m : m + 3] = (np.int64(words), np.int64(batch), np.int64(codes))
+        m += 3
+        for f in range(feat_off[p], feat_off[p + 1]):  # kjt_codec.FeatureMeta.words
+            len_bits, id_bits, wire_dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
+            meta[m] = len_bits | id_bits << 8 | wire_dedupe << 16 | lookup << 17 | out_rows << 32
+            meta[m + 1], meta[m + 2] = num_ids, num_unique
+            m += 3
+    feature_bytes = feature_bits // 8 + fmt[:, 3] * wire_esize
+    return fmt, sections[:s], payloads, feature_bytes, meta, starts
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_decode_kernel(
+    fmt: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    recv_words: np.ndarray,
+    wire_esize: int,
+    checksum: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checks every source's formats and size, and lays out its payload (see :func:`plan_decode`).
+
+    Returns:
+        The refusal (:class:`Refusal`'s fields: source, why, a, b; source -1 if none), the
+        sections and the payloads ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+    """
+    num_p = feat_off.shape[0] - 1
+    sections = np.empty((6 * fmt.shape[0], 6), np.int64)
+    payloads = np.zeros((num_p, 3), np.int64)
+    feature_bits = np.empty(fmt.shape[0], np.int64)
+    refusal = np.full(4, -1, np.int64)
+    s, word0 = 0, 0
+    for p in range(num_p):
+        for f in range(feat_off[p], feat_off[p + 1]):
+            len_bits, id_bits, _, num_ids, num_unique, lookup, _ = fmt[f]
+            if lookup and num_unique > batch[p]:
+                refusal[:] = (
+                    np.int64(p),
+                    np.int64(BAD_LOOKUP),
+                    np.int64(num_unique),
+                    np.int64(batch[p]),
+                )
+            elif max(len_bits, id_bits) > 64:
+                refusal[:] = (
+                    np.int64(p),
+                    np.int64(BAD_BITS),
+                    np.int64(max(len_bits, id_bits)),
+                    np.int64(0),
+                )
+            elif min(num_ids, num_unique, batch[p]) < 0:
+                refusal[:] = (np.int64(p), np.int64(BAD_COUNT), np.int64(0), np.int64(0))
+            if refusal[0] >= 0:
+                return refusal, sections[:0], payloads
+        s, weights_at, num_ids, words = _layout_payload(
+            fmt, feat_off[p], feat_off[p + 1], batch[p], word0, wire_esize, checksum,
+            sections, s, feature_bits,
+        )  # fmt: skip
+        if words != recv_words[p]:
+            refusal[:] = (
+                np.int64(p),
+                np.int64(BAD_WORDS),
+                np.int64(recv_words[p]),
+                np.int64(words),
+            )
+            return refusal, sections[:0], payloads
+        payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
+        word0 += words
+    return refusal, sections[:s], payloads
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def bit_length(x: np.uint64) -> int:
+    """Bits of ``x`` (0 for 0), as ``int.bit_length``."""
+    n = 0
+    while n < 64 and (x >> np.uint64(n)) != 0:
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers.
+
+
+class EncodePlan(NamedTuple):
+    """One rank's payloads as planned from its KJT's statistics (see :func:`plan_encode`).
+
+    Attributes:
+        stats: ``[F, 6]`` per feature: length sum, max, min; id max, min; distinct ids.
+        formats: ``[F, 7]`` per feature its format (:data:`FORMAT_COLUMNS`).
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), every payload's in wire order.
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+        feature_bytes: Per feature, its wire bytes (packed bits rounded down to bytes, plus its
+            weights): the telemetry's.
+        meta: The metadata rows (int64, destinations in order).
+        starts: ``[4, F + 1]``: per field (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`,
+            :data:`INVERSE`), where each feature's elements start in the sender's arrays, then
+            where the last one ends.
+    """
+
+    stats: np.ndarray
+    formats: np.ndarray
+    sections: np.ndarray
+    payloads: np.ndarray
+    feature_bytes: np.ndarray
+    meta: np.ndarray
+    starts: np.ndarray
+
+
+def plan_encode(
+    stats: np.ndarray,
+    batch: int,
+    feat_off: np.ndarray,
+    dedupe: bool,
+    mode: int,
+    wire_esize: int,
+    checksum: bool,
+    codes: int,
+) -> EncodePlan:
+    """Plans one rank's payloads from its KJT's statistics: each feature's format (wire dedupe
+    where it saves bits, the output dedupe's rows), the bit layout and the metadata rows.
+
+    Args:
+        stats: int64 ``[F, 6]`` (length sum, max, min; id max, min; distinct ids), no length or
+            id negative.
+        batch: The KJT's stride.
+        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+        codes: The dtype codes word of the metadata.
+
+    Returns:
+        The plan.
+    """
+    plan = plan_encode_kernel(
+        stats, batch, feat_off, dedupe, mode, wire_esize > 0, wire_esize, checksum, codes
+    )
+    return EncodePlan(stats, *plan)
+
+
+class Refusal(NamedTuple):
+    """Why a decode refused the received payloads (see :func:`plan_decode`).
+
+    Attributes:
+        source: The first source refused, or -1 (accepted).
+        why: :data:`BAD_LOOKUP` (``a`` distinct ids, ``b`` bags), :data:`BAD_BITS` (``a``-bit
+            fields), :data:`BAD_COUNT`, :data:`BAD_WORDS` (``a`` words received, ``b``
+            expected), :data:`BAD_CHECKSUM`, :data:`BAD_LENGTHS` or :data:`BAD_INVERSE`
+            (``a``: the feature, in the source's order) or :data:`BAD_ROWS` (``a`` distinct
+            bags, ``b`` rows sent).
+        a: See ``why``.
+        b: See ``why``.
+    """
+
+    source: int
+    why: int
+    a: int
+    b: int
+
+
+class DecodePlan(NamedTuple):
+    """The received payloads' layout (see :func:`plan_decode`).
+
+    Attributes:
+        refusal: Why they do not match their metadata (``source`` -1 if they do).
+        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of the formats.
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+    """
+
+    refusal: Refusal
+    sections: np.ndarray
+    payloads: np.ndarray
+
+
+def plan_decode(
+    formats: np.ndarray,
+    feat_off: np.ndarray,
+    batch: np.ndarray,
+    recv_words: np.ndarray,
+    wire_esize: int,
+    checksum: bool,
+) -> DecodePlan:
+    """Checks every source's metadata and payload size, and lays out its payload as its sender
+    did (:func:`plan_encode`).
+
+    Args:
+        formats: int64 ``[F, 7]``: every source's features' formats (:data:`FORMAT_COLUMNS`),
+            sources in order.
+        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
+        batch: int64 ``[P]``: each source's batch size.
+        recv_words: int64 ``[P]``: words received from each source.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+
+    Returns:
+        The layout, or the first source whose metadata or size is wrong (:data:`BAD_LOOKUP`,
+        :data:`BAD_BITS`, :data:`BAD_COUNT`, :data:`BAD_WORDS`).
+    """
+    refusal, sections, payloads = plan_decode_kernel(
+        formats, feat_off, batch, recv_words, wire_esize, checksum
+    )
+    return DecodePlan(Refusal(*refusal.tolist()), sections, payloads)
+
+
+__all__ = [
+    "BAD_BITS",
+    "BAD_CHECKSUM",
+    "BAD_COUNT",
+    "BAD_INVERSE",
+    "BAD_LENGTHS",
+    "BAD_LOOKUP",
+    "BAD_ROWS",
+    "BAD_WORDS",
+    "FORMAT_COLUMNS",
+    "IDS",
+    "INVERSE",
+    "LENGTHS",
+    "OUT_EXACT",
+    "OUT_LOOKUP",
+    "OUT_NONE",
+    "PAYLOAD_COLUMNS",
+    "SECTION_COLUMNS",
+    "UNIQUE",
+    "DecodePlan",
+    "EncodePlan",
+    "Refusal",
+    "bit_length",
+    "plan_decode",
+    "plan_decode_kernel",
+    "plan_encode",
+    "plan_encode_kernel",
+]
