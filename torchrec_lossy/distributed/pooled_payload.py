@@ -633,7 +633,7 @@ def start_encode(
         start = time.perf_counter()
         grouped = pending.finish(host)
         sent: dict[int, torch.Tensor] = {}
-        # Telemetry of every block of the call in one record (raw blocks first).
+        # Every block of the call, raw blocks first (telemetry).
         raw_blocks = [blocks_per_peer[p][i] for p, i, _ in plan.raw]
         tables = [s.table for _, _, s in plan.raw]
         raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
@@ -674,22 +674,36 @@ def start_encode(
                 container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
-        stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
-        if group_of:
-            stats.record_container(direction, container)
-        # The codec works on all peers at once: its time is shared out by raw bytes.
-        spent = setup_s + time.perf_counter() - start
-        shares: dict[str, int] = {}
-        for t, n in zip(tables, raw_bytes, strict=True):  # every block sent to a peer
-            shares[t] = shares.get(t, 0) + n
-        stats.record_time(direction, "encode", shares, spent)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
-        return [
-            sent[p] if p in sent else torch.empty(0, dtype=torch.uint8, device=device)
-            for p in range(n_peers)
-        ]
+        out = [sent[p] if p in sent else _empty_payload(device) for p in range(n_peers)]
+        # Telemetry of every block sent to a peer, in one record; the codec works on all
+        # peers at once, so its time is shared out by raw bytes.
+        spent = setup_s + time.perf_counter() - start
+        stats.record_encode(
+            direction,
+            tables,
+            raw_bytes,
+            wire_bytes,
+            errors,
+            abs_bounds,
+            container if group_of else None,
+            spent,
+        )
+        return out
 
     return PendingPayloads(device_sizes, pending.readback, finish, meta, list(plan.meta_splits))
+
+
+# A zero-byte payload per device (what a peer that is sent nothing gets); never written to.
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_payload(device: torch.device) -> torch.Tensor:
+    """The shared empty uint8 payload on ``device`` (allocating one per call costs a dispatch)."""
+    empty = _EMPTY.get(device)
+    if empty is None:
+        empty = _EMPTY[device] = torch.empty(0, dtype=torch.uint8, device=device)
+    return empty
 
 
 def _fail(
