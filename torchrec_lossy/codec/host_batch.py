@@ -65,7 +65,9 @@ class BatchEncoded:
         payload: The payloads' bytes (uint8), one per group, back to back.
         sizes: Bytes of each group's payload.
         bounds: Absolute bound per block (relative ones resolved).
-        layout: int64 [3, n]: rows, columns and dtype code (``format.DTYPE_CODES``) per block.
+        rows: Rows per block.
+        dims: Columns per block.
+        dtype_codes: Dtype code (``format.DTYPE_CODES``) per block.
         per_block: int64 [4, n]: mode, segment words, vectors sent (rows for raw and quant)
             and escaped elements per block.
         max_error: Max error per block (0 for lossless modes).
@@ -75,7 +77,9 @@ class BatchEncoded:
     payload: np.ndarray
     sizes: list[int]
     bounds: np.ndarray
-    layout: np.ndarray
+    rows: list[int]
+    dims: list[int]
+    dtype_codes: list[int]
     per_block: np.ndarray
     max_error: np.ndarray
     skeletons: list[np.ndarray]
@@ -101,18 +105,19 @@ class BatchEncoded:
         return self.per_block[3]
 
     def columns(self) -> BlockColumns:
-        """Every block's stats as BlockColumns (two host reads of the kernel's arrays).
+        """Every block's stats as BlockColumns (the kernel's arrays read to lists).
 
         Returns:
             The columns, in block order.
         """
-        rows, dims, codes = self.layout.tolist()
+        rows, dims = self.rows, self.dims
         modes, seg_words, n_unique, n_escapes = self.per_block.tolist()
         return BlockColumns(
             rows=rows,
             dim=dims,
             raw_bytes=[
-                r * d * (4 if c == 1 else 2) for r, d, c in zip(rows, dims, codes, strict=True)
+                r * d * (4 if c == 1 else 2)
+                for r, d, c in zip(rows, dims, self.dtype_codes, strict=True)
             ],
             wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in seg_words],
             mode=[MODE_NAMES[m] for m in modes],
@@ -380,18 +385,21 @@ def _compress_kernel(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``layout`` is int64 [3, n_blocks]: rows, columns and dtype code of each block. ``bnd`` is
-    updated in place (relative bounds resolved); the scratch arrays (``symbols`` as long as
-    ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads' words, back
-    to back; bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent,
-    escapes; float64 max error per block; the payloads' skeletons and their offsets, as
-    ``container.payload_skeletons`` gives them: gathered here, where the words are at hand,
-    rather than in a call of their own).
+    ``layout`` is int64 [3 * n_blocks]: the rows, then the columns, then the dtype code of
+    each block. ``bnd`` is updated in place (relative bounds resolved); the scratch arrays
+    (``symbols`` as long as ``x``, ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat
+    arrays: reshaped here, where it costs nothing, rather than by the caller.) Returns (the
+    payloads' words, back to back; bytes of each payload; int64 [4, n_blocks] mode, segment
+    words, vectors sent, escapes; float64 max error per block; the payloads' skeletons and
+    their offsets, as ``container.payload_skeletons`` gives them: gathered here, where the
+    words are at hand, rather than in a call of their own).
     """
-    rows, dims, dcodes = layout[0], layout[1], layout[2]
-    nb = rows.shape[0]
+    nb = layout.shape[0] // 3
+    rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb :]
     ng = groups.shape[0]
-    ids_q, first_q, ids_r, first_r = row_scratch[0], row_scratch[1], row_scratch[2], row_scratch[3]
+    q = row_scratch.shape[0] // 4
+    ids_q, first_q = row_scratch[:q], row_scratch[q : 2 * q]
+    ids_r, first_r = row_scratch[2 * q : 3 * q], row_scratch[3 * q :]
     itemsize = np.empty(nb, np.int64)
     elem_off = np.zeros(nb + 1, np.int64)
     row_off = np.zeros(nb + 1, np.int64)
@@ -592,10 +600,10 @@ def compress_blocks(
     rows = [b.shape[0] for b in blocks]
     dims = [b.shape[1] for b in blocks]
     dcodes = [DTYPE_CODES[b.dtype] for b in blocks]
-    # One flat list: numpy reads it faster than nested ones.
-    layout = np.array(rows + dims + dcodes, np.int64).reshape(3, nb)
-    bnd = np.array(bounds, np.float64).reshape(nb)
-    rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_).reshape(nb)
+    # Each numpy call costs microseconds on arrays this small: one per input.
+    layout = np.array(rows + dims + dcodes, np.int64)
+    bnd = np.array(bounds, np.float64)
+    rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_)
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
     n_rows = sum(rows)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
@@ -603,7 +611,7 @@ def compress_blocks(
         x, bits, layout, bnd, rel, group_arr, keys, config.enable_quantization,
         config.enable_lz, quantize.grid_bound(1.0, config.rounding == "stochastic"),
         config.huffman_chunk_symbols, _SCRATCH.array("symbols", x.shape[0], np.uint16),
-        _SCRATCH.array("rows", 4 * n_rows, np.int32).reshape(4, n_rows),
+        _SCRATCH.array("rows", 4 * n_rows, np.int32),
     )  # fmt: skip
     if len(groups) == 1:  # one destination (2 ranks): nothing to cut
         skeletons = [skel]
@@ -611,7 +619,7 @@ def compress_blocks(
         ends = skel_ends.tolist()
         skeletons = [skel[a:b] for a, b in itertools.pairwise(ends)]
     return BatchEncoded(
-        words.view(np.uint8), sizes.tolist(), bnd, layout, per_block, max_err, skeletons
+        words.view(np.uint8), sizes.tolist(), bnd, rows, dims, dcodes, per_block, max_err, skeletons
     )
 
 
@@ -939,17 +947,21 @@ def _payload_blocks(words: np.ndarray, base: int, n_bytes: int, max_elements: in
 
 @numba.njit(cache=True, nogil=True)
 def _decode_payloads_kernel(
-    words: np.ndarray, group_base: np.ndarray, group_bytes: np.ndarray, max_elements: int
+    words: np.ndarray, groups: np.ndarray, max_elements: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Parses every payload and decodes every block of the ones whose header is sound.
 
+    ``groups`` is int64 [2 * G]: the first word of each payload in ``words``, then the bytes
+    of each (one array: reshaped here, where it costs nothing, rather than by the caller).
+
     Returns:
-        (int32 bits of the 4-byte blocks and uint16 bits of the 2-byte ones, each back to
+        (the 4-byte blocks' bits as float32 and the 2-byte ones' as uint16, each back to
         back; int64 [5, n] rows, dim, dtype code, offset in its output and status of every
         block; int64 [G + 1] first block of each payload; int64 [G] blocks of each payload,
         -1 where its header is rejected).
     """
-    n_groups = group_base.shape[0]
+    n_groups = groups.shape[0] // 2
+    group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     for g in range(n_groups):
         n_of[g] = _payload_blocks(words, group_base[g], group_bytes[g], max_elements)
@@ -1006,7 +1018,7 @@ def _decode_payloads_kernel(
                 4 if code == 1 else 2, code, np.int64((modes >> 8) & 0xFF), table[3, b], out32,
                 out32f, out16, ids, symbols, values, halves_out, compact, vtable, vtable16,
             )  # fmt: skip
-    return out32, out16, table, first, n_of
+    return out32f, out16, table, first, n_of
 
 
 @dataclass(frozen=True)
@@ -1014,25 +1026,32 @@ class BatchDecoded:
     """Every block of several payloads, decoded by one compiled call (:func:`decompress_payloads`).
 
     Attributes:
-        out32: int32 bits of every 4-byte block, back to back.
+        out32: Every 4-byte block's bits, back to back, as float32 (the dtype of nearly every
+            block: their views need no cast).
         out16: int16 bits of every 2-byte block, back to back.
         layout: int64 [5, n]: rows, dim, dtype code (``format.DTYPE_CODES``), offset in its
             output and status of every block of every accepted payload, in order.
         first: int64 [G + 1]: first block of each payload in ``layout``, then the end.
-        accepted: bool [G]: whether each payload's header and descriptors were sound.
+        n_blocks: int64 [G]: blocks of each payload, -1 where its header or descriptors were
+            not sound.
     """
 
     out32: torch.Tensor
     out16: torch.Tensor
     layout: np.ndarray
     first: np.ndarray
-    accepted: np.ndarray
+    n_blocks: np.ndarray
 
     @functools.cached_property
-    def _lists(self) -> tuple[list[list[int]], list[int], list[bool]]:
-        """``layout``, ``first`` and ``accepted`` as Python lists, read once for every
+    def accepted(self) -> np.ndarray:
+        """bool [G]: whether each payload's header and descriptors were sound."""
+        return self.n_blocks >= 0
+
+    @functools.cached_property
+    def _lists(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """``layout``, ``first`` and ``n_blocks`` as Python lists, read once for every
         per-group call (indexing numpy arrays element by element costs more)."""
-        return self.layout.tolist(), self.first.tolist(), self.accepted.tolist()
+        return self.layout.tolist(), self.first.tolist(), self.n_blocks.tolist()
 
     def complete(self, group: int) -> bool:
         """Whether every block of payload ``group`` decoded here (else the per-block decoder
@@ -1044,8 +1063,8 @@ class BatchDecoded:
         Returns:
             True if :meth:`blocks` has them all.
         """
-        layout, first, accepted = self._lists
-        return accepted[group] and not any(layout[4][first[group] : first[group + 1]])
+        layout, first, n_blocks = self._lists
+        return n_blocks[group] >= 0 and not any(layout[4][first[group] : first[group + 1]])
 
     def block(self, index: int) -> torch.Tensor | None:
         """One block (by its index in ``layout``), or None where it was left undecoded.
@@ -1084,14 +1103,15 @@ class BatchDecoded:
             at, n = layout[3][b0], sum(rows) * dims[0]
             if at or n != base.shape[0]:  # not the whole output (e.g. several payloads)
                 base = base.narrow(0, at, n)
-            flat = base.view(CODE_DTYPES[codes[0]]).view(-1, dims[0])
-            return list(flat.split_with_sizes(rows))  # the op itself: Tensor.split wraps it
+            dtype = CODE_DTYPES[codes[0]]
+            if base.dtype != dtype:  # float32 blocks are views of out32 as it is
+                base = base.view(dtype)
+            # The op itself (Tensor.split is a Python wrapper around it).
+            return list(base.view(-1, dims[0]).split_with_sizes(rows))
         return [self.block(b) for b in range(b0, b1)]
 
 
-def decompress_payloads(
-    words: np.ndarray, group_base: np.ndarray, group_bytes: np.ndarray, max_elements: int
-) -> BatchDecoded:
+def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int) -> BatchDecoded:
     """Parses and decodes every payload of one buffer in one compiled call.
 
     Every check of ``container.parse_header`` and of ``pipeline``'s per-block decoder is made;
@@ -1100,18 +1120,16 @@ def decompress_payloads(
 
     Args:
         words: The payloads' words (uint32; one buffer).
-        group_base: int64 first word of each payload in ``words``.
-        group_bytes: int64 bytes of each payload.
+        groups: int64 [2 * G]: the first word of each payload in ``words``, then the bytes of
+            each payload.
         max_elements: Refuse a payload that decodes to more elements than this.
 
     Returns:
         The decoded blocks and their layout.
     """
-    out32, out16, layout, first, n_of = _decode_payloads_kernel(
-        words, group_base, group_bytes, max_elements
-    )
+    out32, out16, layout, first, n_of = _decode_payloads_kernel(words, groups, max_elements)
     return BatchDecoded(
-        torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), layout, first, n_of >= 0
+        torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), layout, first, n_of
     )
 
 

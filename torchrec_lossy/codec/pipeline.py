@@ -877,7 +877,7 @@ def decompress_host_groups(
     return results
 
 
-def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ...]:
+def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The payloads of ``buf`` as words, for ``host_batch.decompress_payloads``.
 
     A view when every payload starts on a word (always, for payloads written by
@@ -888,16 +888,13 @@ def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ..
         starts: Byte offset of each payload in ``buf``, then the end.
 
     Returns:
-        (uint32 words, int64 first word of each payload, int64 bytes of each payload).
+        (uint32 words, int64 [2 * G]: the first word of each payload, then its bytes).
     """
-    at = np.array(starts, np.int64)
-    n_bytes = at[1:] - at[:-1]
-    if not any(a & 3 for a in starts):
-        return buf.view(np.uint32), at[:-1] >> 2, n_bytes
-    padded = -(-n_bytes // 4) * 4
-    at = np.zeros_like(n_bytes)
-    np.cumsum(padded[:-1], out=at[1:])
-    words = np.zeros(int(padded.sum()), np.uint8)
-    for a, s, n in zip(at.tolist(), starts, n_bytes.tolist(), strict=False):
-        words[a : a + n] = buf[s : s + n]
-    return words.view(np.uint32), at // 4, n_bytes
+    n_bytes = [b - a for a, b in itertools.pairwise(starts)]
+    if not any(a & 3 for a in starts):  # one numpy call: they cost more than the arithmetic
+        return buf.view(np.uint32), np.array([a >> 2 for a in starts[:-1]] + n_bytes, np.int64)
+    words_at = list(itertools.accumulate((-(-n // 4) for n in n_bytes), initial=0))
+    words = np.zeros(4 * words_at[-1], np.uint8)
+    for w, s, n in zip(words_at, starts, n_bytes, strict=False):
+        words[4 * w : 4 * w + n] = buf[s : s + n]
+    return words.view(np.uint32), np.array(words_at[:-1] + n_bytes, np.int64)

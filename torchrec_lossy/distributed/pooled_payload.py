@@ -385,11 +385,14 @@ def _meta_words(
         Per destination its size, then its skeleton if it has codec blocks.
     """
     parts = []
+    first = 0  # the first size not in a part yet: runs of sizes go in one slice
     for p in range(len(sizes)):
-        parts.append(sizes[p : p + 1])
         g = group_of.get(p)
         if g is not None:
-            parts.append(skeletons[g])
+            parts += [sizes[first : p + 1], skeletons[g]]
+            first = p + 1
+    if first < len(sizes):
+        parts.append(sizes[first:])
     return cat(parts) if parts else sizes
 
 
