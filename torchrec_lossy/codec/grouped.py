@@ -472,23 +472,24 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     Returns:
         (group index, what is wrong), or None if every group decoded.
     """
-    failures = dict(status.rejected)
-    if status.codes is not None or status.group_bad is not None:
-        from torchrec_lossy.codec.device_decompress import status_error
+    if status.codes is None and status.group_bad is None:  # the host path: known already
+        return min(status.rejected.items()) if status.rejected else None
+    from torchrec_lossy.codec.device_decompress import status_error
 
-        n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
-        parts = [t for t in (status.group_bad, status.codes) if t is not None]
-        both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
-        for g in np.flatnonzero(both[:n_groups]).tolist():
-            # Not the announced payload: the CPU path's message if it finds one, else this.
-            found = _host_error(_payload_bytes(status, g), status.max_elements)
-            failures.setdefault(g, found)
-        codes = both[n_groups:]
-        for i in np.flatnonzero(codes).tolist():
-            g = int(status.block_group[i])
-            if g not in failures:
-                local = i - int(np.searchsorted(status.block_group, g))
-                failures[g] = str(status_error(int(codes[i]), local))
+    failures = dict(status.rejected)
+    n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
+    parts = [t for t in (status.group_bad, status.codes) if t is not None]
+    both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
+    for g in np.flatnonzero(both[:n_groups]).tolist():
+        # Not the announced payload: the CPU path's message if it finds one, else this.
+        found = _host_error(_payload_bytes(status, g), status.max_elements)
+        failures.setdefault(g, found)
+    codes = both[n_groups:]
+    for i in np.flatnonzero(codes).tolist():
+        g = int(status.block_group[i])
+        if g not in failures:
+            local = i - int(np.searchsorted(status.block_group, g))
+            failures[g] = str(status_error(int(codes[i]), local))
     if not failures:
         return None
     g = min(failures)

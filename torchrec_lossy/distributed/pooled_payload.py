@@ -654,16 +654,15 @@ def start_encode(
                 group_tables = plan.tables[at : at + len(idx)]
                 at += len(idx)
                 blocks = blocks_per_peer[p]
-                for i, (b, t, bound, mode, rows, dim) in enumerate(
-                    zip(
-                        (blocks[k] for k in idx), group_tables, cols.bound, cols.mode,
-                        cols.rows, cols.dim, strict=True,
-                    )
-                ):  # fmt: skip
-                    if direction == "fwd":
-                        comms.bounds.observe(t, b, bound)
-                    if bound > 0 and mode in ("raw", "lz") and rows * dim >= 1024:
-                        _warn_exact(info, direction, t, cols.slice(i, i + 1).stats()[0])
+                if direction == "fwd":
+                    for k, t, bound in zip(idx, group_tables, cols.bound, strict=True):
+                        comms.bounds.observe(t, blocks[k], bound)
+                if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
+                    for i, (t, bound, mode, rows, dim) in enumerate(
+                        zip(group_tables, cols.bound, cols.mode, cols.rows, cols.dim, strict=True)
+                    ):
+                        if bound > 0 and mode in ("raw", "lz") and rows * dim >= 1024:
+                            _warn_exact(info, direction, t, cols.slice(i, i + 1).stats()[0])
                 tables += group_tables
                 raw_bytes += cols.raw_bytes
                 wire_bytes += cols.wire_bytes
