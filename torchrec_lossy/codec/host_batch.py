@@ -373,7 +373,6 @@ def _compress_kernel(
     bits: np.ndarray,
     layout: np.ndarray,
     bnd: np.ndarray,
-    relative: np.ndarray,
     groups: np.ndarray,
     keys: np.ndarray,
     quantization: bool,
@@ -385,17 +384,19 @@ def _compress_kernel(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``layout`` is int64 [3 * n_blocks]: the rows, then the columns, then the dtype code of
-    each block. ``bnd`` is updated in place (relative bounds resolved); the scratch arrays
-    (``symbols`` as long as ``x``, ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat
-    arrays: reshaped here, where it costs nothing, rather than by the caller.) Returns (the
-    payloads' words, back to back; bytes of each payload; int64 [4, n_blocks] mode, segment
-    words, vectors sent, escapes; float64 max error per block; the payloads' skeletons and
-    their offsets, as ``container.payload_skeletons`` gives them: gathered here, where the
-    words are at hand, rather than in a call of their own).
+    ``layout`` is int64 [4 * n_blocks]: the rows, then the columns, then the dtype code, then
+    whether the bound is relative (1) or absolute (0), of each block. ``bnd`` is updated in
+    place (relative bounds resolved); the scratch arrays (``symbols`` as long as ``x``,
+    ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat arrays: reshaped here, where it
+    costs nothing, rather than by the caller.) Returns (the payloads' words, back to back;
+    bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent, escapes;
+    float64 max error per block; the payloads' skeletons and their offsets, as
+    ``container.payload_skeletons`` gives them: gathered here, where the words are at hand,
+    rather than in a call of their own).
     """
-    nb = layout.shape[0] // 3
-    rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb :]
+    nb = layout.shape[0] // 4
+    rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb : 3 * nb]
+    relative = layout[3 * nb :]
     ng = groups.shape[0]
     q = row_scratch.shape[0] // 4
     ids_q, first_q = row_scratch[:q], row_scratch[q : 2 * q]
@@ -600,15 +601,15 @@ def compress_blocks(
     rows = [b.shape[0] for b in blocks]
     dims = [b.shape[1] for b in blocks]
     dcodes = [DTYPE_CODES[b.dtype] for b in blocks]
-    # Each numpy call costs microseconds on arrays this small: one per input.
-    layout = np.array(rows + dims + dcodes, np.int64)
+    # Each numpy call costs microseconds on arrays this small: one per input dtype.
+    rel = [0] * nb if relative is None else [1 if r else 0 for r in relative]
+    layout = np.array(rows + dims + dcodes + rel, np.int64)
     bnd = np.array(bounds, np.float64)
-    rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_)
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
     n_rows = sum(rows)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
-        x, bits, layout, bnd, rel, group_arr, keys, config.enable_quantization,
+        x, bits, layout, bnd, group_arr, keys, config.enable_quantization,
         config.enable_lz, quantize.grid_bound(1.0, config.rounding == "stochastic"),
         config.huffman_chunk_symbols, _SCRATCH.array("symbols", x.shape[0], np.uint16),
         _SCRATCH.array("rows", 4 * n_rows, np.int32),
