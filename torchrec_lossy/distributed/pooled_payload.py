@@ -569,6 +569,12 @@ def start_encode(
     n_peers = len(blocks_per_peer)
     plan = _encode_plan(specs_per_peer, info.compress, my_rank)
     peers = plan.peers
+    for p in peers:  # one block per spec (the plan indexes them)
+        if len(blocks_per_peer[p]) != len(specs_per_peer[p]):
+            raise ValueError(
+                f"destination {p}: {len(blocks_per_peer[p])} blocks for "
+                f"{len(specs_per_peer[p])} specs: pass one block per spec"
+            )
     if my_rank is not None and my_rank < n_peers:
         stats.record_self(
             direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
