@@ -337,7 +337,7 @@ _SEG_WORDS_FIELD = DESCRIPTOR.fields["seg_words"][1] // 4
 
 
 @numba.njit(cache=True, nogil=True)
-def _skeletons_kernel(words: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def skeletons_kernel(words: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`payload_skeletons` in one compiled pass."""
     ends = np.zeros(sizes.shape[0] + 1, np.int64)
     total = 0
@@ -380,7 +380,7 @@ def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarr
         (uint32 skeleton words of every payload, back to back; int64 [n + 1] offsets of each
         payload's skeleton in them, then the end).
     """
-    return _skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
+    return skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
 
 
 def payload_skeleton(words: np.ndarray) -> np.ndarray:

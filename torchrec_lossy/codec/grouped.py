@@ -30,7 +30,6 @@ from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockColumns,
     BlockStats,
-    payload_skeletons,
     skeleton_words,
 )
 from torchrec_lossy.codec.format import CodecError
@@ -46,6 +45,7 @@ from torchrec_lossy.config import Backend, CodecConfig
 _BACKENDS = frozenset(typing.get_args(Backend))
 # The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
 _NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
+_NO_WORDS = np.zeros(0, np.uint32)
 
 
 @dataclass(frozen=True)
@@ -285,10 +285,9 @@ def start_compress_blocks(
             [skeleton_words(n) for n in sizes],
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, columns = compress_host_groups(blocks, bounds, sizes, config, relative)
-    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), out_sizes)
-    offsets = ends.tolist()
-    skeletons = [skel[a:b] for a, b in itertools.pairwise(offsets)]
+    buffer, out_sizes, columns, skeletons = compress_host_groups(
+        blocks, bounds, sizes, config, relative
+    )
     done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
     readback = _NOTHING_TO_READ
     if device.type != "cpu":
@@ -298,8 +297,10 @@ def start_compress_blocks(
         lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
         readback,
         lambda host: done,
-        lambda: torch.from_numpy(skel.astype(np.int64)).to(device),
-        [b - a for a, b in itertools.pairwise(offsets)],
+        lambda: torch.from_numpy(np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)).to(
+            device
+        ),
+        [s.shape[0] for s in skeletons],
         done,
     )
 
@@ -337,6 +338,7 @@ def decompress_groups(
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     backend: Backend = "auto",
     skeletons: Sequence[np.ndarray] | None = None,
+    label: bool = True,
 ) -> tuple[list[list[torch.Tensor]], GroupStatus]:
     """Decodes every group's (source's) payload of one buffer in one call.
 
@@ -355,6 +357,8 @@ def decompress_groups(
         max_elements: Refuse a payload that decodes to more elements than this.
         backend: As ``CodecConfig.backend``.
         skeletons: Per payload, its announced skeleton (uint32 words), or None.
+        label: Whether the host path opens the profiler range ``## lossy_codec decode ##``
+            (False when the caller's own range already covers the call).
 
     Returns:
         (blocks per group, the status to check).
@@ -390,7 +394,7 @@ def decompress_groups(
             status.rejected[g] = _host_error(part, max_elements)
         return got.blocks, status
     out = []
-    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend)):
+    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend, label)):
         if isinstance(got, CodecError):
             status.rejected[g] = str(got)
             got = []
@@ -468,23 +472,24 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     Returns:
         (group index, what is wrong), or None if every group decoded.
     """
-    failures = dict(status.rejected)
-    if status.codes is not None or status.group_bad is not None:
-        from torchrec_lossy.codec.device_decompress import status_error
+    if status.codes is None and status.group_bad is None:  # the host path: known already
+        return min(status.rejected.items()) if status.rejected else None
+    from torchrec_lossy.codec.device_decompress import status_error
 
-        n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
-        parts = [t for t in (status.group_bad, status.codes) if t is not None]
-        both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
-        for g in np.flatnonzero(both[:n_groups]).tolist():
-            # Not the announced payload: the CPU path's message if it finds one, else this.
-            found = _host_error(_payload_bytes(status, g), status.max_elements)
-            failures.setdefault(g, found)
-        codes = both[n_groups:]
-        for i in np.flatnonzero(codes).tolist():
-            g = int(status.block_group[i])
-            if g not in failures:
-                local = i - int(np.searchsorted(status.block_group, g))
-                failures[g] = str(status_error(int(codes[i]), local))
+    failures = dict(status.rejected)
+    n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
+    parts = [t for t in (status.group_bad, status.codes) if t is not None]
+    both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
+    for g in np.flatnonzero(both[:n_groups]).tolist():
+        # Not the announced payload: the CPU path's message if it finds one, else this.
+        found = _host_error(_payload_bytes(status, g), status.max_elements)
+        failures.setdefault(g, found)
+    codes = both[n_groups:]
+    for i in np.flatnonzero(codes).tolist():
+        g = int(status.block_group[i])
+        if g not in failures:
+            local = i - int(np.searchsorted(status.block_group, g))
+            failures[g] = str(status_error(int(codes[i]), local))
     if not failures:
         return None
     g = min(failures)

@@ -14,6 +14,8 @@ choice is ``size_model``'s, the relative bound ``bounds.finite_span``'s and the 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ import torch
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.container import BlockColumns, skeletons_kernel
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
@@ -36,6 +39,7 @@ from torchrec_lossy.codec.format import (
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
+    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
@@ -61,21 +65,67 @@ class BatchEncoded:
         payload: The payloads' bytes (uint8), one per group, back to back.
         sizes: Bytes of each group's payload.
         bounds: Absolute bound per block (relative ones resolved).
-        mode: Block modes.
-        seg_words: Segment words per block.
+        rows: Rows per block.
+        dims: Columns per block.
+        dtype_codes: Dtype code (``format.DTYPE_CODES``) per block.
+        per_block: int64 [4, n]: mode, segment words, vectors sent (rows for raw and quant)
+            and escaped elements per block.
         max_error: Max error per block (0 for lossless modes).
-        n_unique: Vectors sent per block (rows for raw and quant).
-        n_escapes: Escaped elements per block.
+        skeletons: Each payload's skeleton (``container.payload_skeletons``), uint32 words.
     """
 
     payload: np.ndarray
     sizes: list[int]
     bounds: np.ndarray
-    mode: np.ndarray
-    seg_words: np.ndarray
+    rows: list[int]
+    dims: list[int]
+    dtype_codes: list[int]
+    per_block: np.ndarray
     max_error: np.ndarray
-    n_unique: np.ndarray
-    n_escapes: np.ndarray
+    skeletons: list[np.ndarray]
+
+    @property
+    def mode(self) -> np.ndarray:
+        """Block modes."""
+        return self.per_block[0]
+
+    @property
+    def seg_words(self) -> np.ndarray:
+        """Segment words per block."""
+        return self.per_block[1]
+
+    @property
+    def n_unique(self) -> np.ndarray:
+        """Vectors sent per block (rows for raw and quant)."""
+        return self.per_block[2]
+
+    @property
+    def n_escapes(self) -> np.ndarray:
+        """Escaped elements per block."""
+        return self.per_block[3]
+
+    def columns(self) -> BlockColumns:
+        """Every block's stats as BlockColumns (the kernel's arrays read to lists).
+
+        Returns:
+            The columns, in block order.
+        """
+        rows, dims = self.rows, self.dims
+        modes, seg_words, n_unique, n_escapes = self.per_block.tolist()
+        return BlockColumns(
+            rows=rows,
+            dim=dims,
+            raw_bytes=[
+                r * d * (4 if c == 1 else 2)
+                for r, d, c in zip(rows, dims, self.dtype_codes, strict=True)
+            ],
+            wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in seg_words],
+            mode=[MODE_NAMES[m] for m in modes],
+            bound=self.bounds.tolist(),
+            max_error=self.max_error.tolist(),
+            n_unique=n_unique,
+            n_escapes=n_escapes,
+        )
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -90,6 +140,7 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of ``n`` elements (uninitialised), valid until the next ``get(name)``."""
@@ -99,26 +150,37 @@ class _Scratch(threading.local):
             self.buffers[name] = buf
         return buf[:n]
 
+    def array(self, name: str, n: int, dtype: type[np.generic]) -> np.ndarray:
+        """:meth:`get` for numpy callers: an ``n``-element array (uninitialised), valid until
+        the next ``array(name)``."""
+        buf = self.arrays.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[0] < n:
+            buf = np.empty(max(n, 1024), dtype)
+            self.arrays[name] = buf
+        return buf[:n]
+
 
 _SCRATCH = _Scratch()
 
 
-def _flatten(blocks: Sequence[torch.Tensor], all_float32: bool) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(
+    blocks: Sequence[torch.Tensor], rows: list[int], dims: list[int], all_float32: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """All blocks' values as one float32 array and their raw bits as one int32 array.
 
     16-bit bits are sign-extended, as ``pipeline``'s ``astype(np.int32)``; an all-float32
     payload on the host (``all_float32``, blocks on one device) costs one copy into a reused
-    buffer (the bits are a view of the values).
+    buffer (the bits are a view of the values). ``rows`` / ``dims``: each block's shape.
     """
     if not blocks:
         return np.zeros(0, np.float32), np.zeros(0, np.int32)
     blocks = [b.detach() if b.requires_grad else b for b in blocks]
     if all_float32 and blocks[0].device.type == "cpu":
-        dim = blocks[0].shape[1]
-        if dim and all(b.shape[1] == dim for b in blocks):
+        dim = dims[0]
+        if dim and dims.count(dim) == len(dims):
             # One copy straight from the blocks, whatever their strides (flattening a strided
             # block first would copy it twice).
-            n = sum(b.shape[0] for b in blocks) * dim
+            n = sum(rows) * dim
             x = _SCRATCH.get("x", n, torch.float32)
             torch.cat(blocks, out=x.view(-1, dim))
         else:
@@ -311,7 +373,6 @@ def _compress_kernel(
     bits: np.ndarray,
     layout: np.ndarray,
     bnd: np.ndarray,
-    relative: np.ndarray,
     groups: np.ndarray,
     keys: np.ndarray,
     quantization: bool,
@@ -320,19 +381,26 @@ def _compress_kernel(
     chunk: int,
     symbols: np.ndarray,
     row_scratch: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``layout`` is int64 [3, n_blocks]: rows, columns and dtype code of each block. ``bnd`` is
-    updated in place (relative bounds resolved); the scratch arrays (``symbols`` as long as
-    ``x``, ``row_scratch`` int32 [4, rows]) are overwritten. Returns (the payloads' words, back
-    to back; bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent,
-    escapes; float64 max error per block).
+    ``layout`` is int64 [4 * n_blocks]: the rows, then the columns, then the dtype code, then
+    whether the bound is relative (1) or absolute (0), of each block. ``bnd`` is updated in
+    place (relative bounds resolved); the scratch arrays (``symbols`` as long as ``x``,
+    ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat arrays: reshaped here, where it
+    costs nothing, rather than by the caller.) Returns (the payloads' words, back to back;
+    bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent, escapes;
+    float64 max error per block; the payloads' skeletons and their offsets, as
+    ``container.payload_skeletons`` gives them: gathered here, where the words are at hand,
+    rather than in a call of their own).
     """
-    rows, dims, dcodes = layout[0], layout[1], layout[2]
-    nb = rows.shape[0]
+    nb = layout.shape[0] // 4
+    rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb : 3 * nb]
+    relative = layout[3 * nb :]
     ng = groups.shape[0]
-    ids_q, first_q, ids_r, first_r = row_scratch[0], row_scratch[1], row_scratch[2], row_scratch[3]
+    q = row_scratch.shape[0] // 4
+    ids_q, first_q = row_scratch[:q], row_scratch[q : 2 * q]
+    ids_r, first_r = row_scratch[2 * q : 3 * q], row_scratch[3 * q :]
     itemsize = np.empty(nb, np.int64)
     elem_off = np.zeros(nb + 1, np.int64)
     row_off = np.zeros(nb + 1, np.int64)
@@ -502,7 +570,8 @@ def _compress_kernel(
             per_block[3, b] = plan_u[4, b]
         if m != MODE_QUANT and m != MODE_QUANT_LZ:
             max_err[b] = 0.0
-    return out[:p0], sizes, per_block, max_err
+    skeletons, skeleton_ends = skeletons_kernel(out[:p0], sizes)
+    return out[:p0], sizes, per_block, max_err, skeletons, skeleton_ends
 
 
 def compress_blocks(
@@ -528,34 +597,42 @@ def compress_blocks(
         The payloads and per-block results.
     """
     nb = len(blocks)
-    group_list = [nb] if group_sizes is None else list(group_sizes)
-    rows_list = [b.shape[0] for b in blocks]
-    dcodes_list = [DTYPE_CODES[b.dtype] for b in blocks]
-    layout = np.array([rows_list, [b.shape[1] for b in blocks], dcodes_list], np.int64)
-    bnd = np.array(bounds, np.float64).reshape(nb)
-    rel = np.zeros(nb, np.bool_) if relative is None else np.array(relative, np.bool_).reshape(nb)
-    x, bits = _flatten(blocks, dcodes_list.count(1) == nb)
-    n_rows = sum(rows_list)
-    # Each block's rounding key (pipeline.sr_keys: counted within the block's own payload).
-    stochastic = config.rounding == "stochastic"
-    local = np.array([i for n in group_list for i in range(n)], np.int64)
-    row_scratch = _SCRATCH.get("rows", 4 * n_rows, torch.int32).numpy().reshape(4, n_rows)
-    words, sizes, per_block, max_err = _compress_kernel(
-        x, bits, layout.reshape(3, nb), bnd, rel, np.array(group_list, np.int64),
-        quantize.block_keys(stochastic, config.seed, local), config.enable_quantization,
-        config.enable_lz, quantize.grid_bound(1.0, stochastic), config.huffman_chunk_symbols,
-        _SCRATCH.get("symbols", x.shape[0], torch.int16).numpy().view(np.uint16), row_scratch,
+    groups = (nb,) if group_sizes is None else tuple(group_sizes)
+    rows = [b.shape[0] for b in blocks]
+    dims = [b.shape[1] for b in blocks]
+    dcodes = [DTYPE_CODES[b.dtype] for b in blocks]
+    # Each numpy call costs microseconds on arrays this small: one per input dtype.
+    rel = [0] * nb if relative is None else [1 if r else 0 for r in relative]
+    layout = np.array(rows + dims + dcodes + rel, np.int64)
+    bnd = np.array(bounds, np.float64)
+    x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
+    n_rows = sum(rows)
+    group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
+    words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
+        x, bits, layout, bnd, group_arr, keys, config.enable_quantization,
+        config.enable_lz, quantize.grid_bound(1.0, config.rounding == "stochastic"),
+        config.huffman_chunk_symbols, _SCRATCH.array("symbols", x.shape[0], np.uint16),
+        _SCRATCH.array("rows", 4 * n_rows, np.int32),
     )  # fmt: skip
+    if len(groups) == 1:  # one destination (2 ranks): nothing to cut
+        skeletons = [skel]
+    else:
+        ends = skel_ends.tolist()
+        skeletons = [skel[a:b] for a, b in itertools.pairwise(ends)]
     return BatchEncoded(
-        payload=words.view(np.uint8),
-        sizes=sizes.tolist(),
-        bounds=bnd,
-        mode=per_block[0],
-        seg_words=per_block[1],
-        max_error=max_err,
-        n_unique=per_block[2],
-        n_escapes=per_block[3],
+        words.view(np.uint8), sizes.tolist(), bnd, rows, dims, dcodes, per_block, max_err, skeletons
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _group_keys(
+    groups: tuple[int, ...], stochastic: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """int64 blocks per group and each block's rounding key (``pipeline.sr_keys``: counted
+    within its own payload), once per layout and seed rather than per call (the kernel only
+    reads them)."""
+    local = np.array([i for n in groups for i in range(n)], np.int64)
+    return np.array(groups, np.int64), quantize.block_keys(stochastic, seed, local)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -871,17 +948,21 @@ def _payload_blocks(words: np.ndarray, base: int, n_bytes: int, max_elements: in
 
 @numba.njit(cache=True, nogil=True)
 def _decode_payloads_kernel(
-    words: np.ndarray, group_base: np.ndarray, group_bytes: np.ndarray, max_elements: int
+    words: np.ndarray, groups: np.ndarray, max_elements: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Parses every payload and decodes every block of the ones whose header is sound.
 
+    ``groups`` is int64 [2 * G]: the first word of each payload in ``words``, then the bytes
+    of each (one array: reshaped here, where it costs nothing, rather than by the caller).
+
     Returns:
-        (int32 bits of the 4-byte blocks and uint16 bits of the 2-byte ones, each back to
+        (the 4-byte blocks' bits as float32 and the 2-byte ones' as uint16, each back to
         back; int64 [5, n] rows, dim, dtype code, offset in its output and status of every
         block; int64 [G + 1] first block of each payload; int64 [G] blocks of each payload,
         -1 where its header is rejected).
     """
-    n_groups = group_base.shape[0]
+    n_groups = groups.shape[0] // 2
+    group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     for g in range(n_groups):
         n_of[g] = _payload_blocks(words, group_base[g], group_bytes[g], max_elements)
@@ -938,7 +1019,7 @@ def _decode_payloads_kernel(
                 4 if code == 1 else 2, code, np.int64((modes >> 8) & 0xFF), table[3, b], out32,
                 out32f, out16, ids, symbols, values, halves_out, compact, vtable, vtable16,
             )  # fmt: skip
-    return out32, out16, table, first, n_of
+    return out32f, out16, table, first, n_of
 
 
 @dataclass(frozen=True)
@@ -946,19 +1027,32 @@ class BatchDecoded:
     """Every block of several payloads, decoded by one compiled call (:func:`decompress_payloads`).
 
     Attributes:
-        out32: int32 bits of every 4-byte block, back to back.
+        out32: Every 4-byte block's bits, back to back, as float32 (the dtype of nearly every
+            block: their views need no cast).
         out16: int16 bits of every 2-byte block, back to back.
         layout: int64 [5, n]: rows, dim, dtype code (``format.DTYPE_CODES``), offset in its
             output and status of every block of every accepted payload, in order.
         first: int64 [G + 1]: first block of each payload in ``layout``, then the end.
-        accepted: bool [G]: whether each payload's header and descriptors were sound.
+        n_blocks: int64 [G]: blocks of each payload, -1 where its header or descriptors were
+            not sound.
     """
 
     out32: torch.Tensor
     out16: torch.Tensor
     layout: np.ndarray
     first: np.ndarray
-    accepted: np.ndarray
+    n_blocks: np.ndarray
+
+    @functools.cached_property
+    def accepted(self) -> np.ndarray:
+        """bool [G]: whether each payload's header and descriptors were sound."""
+        return self.n_blocks >= 0
+
+    @functools.cached_property
+    def _lists(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """``layout``, ``first`` and ``n_blocks`` as Python lists, read once for every
+        per-group call (indexing numpy arrays element by element costs more)."""
+        return self.layout.tolist(), self.first.tolist(), self.n_blocks.tolist()
 
     def complete(self, group: int) -> bool:
         """Whether every block of payload ``group`` decoded here (else the per-block decoder
@@ -970,8 +1064,8 @@ class BatchDecoded:
         Returns:
             True if :meth:`blocks` has them all.
         """
-        b0, b1 = self.first[group], self.first[group + 1]
-        return bool(self.accepted[group]) and not self.layout[4, b0:b1].any()
+        layout, first, n_blocks = self._lists
+        return n_blocks[group] >= 0 and not any(layout[4][first[group] : first[group + 1]])
 
     def block(self, index: int) -> torch.Tensor | None:
         """One block (by its index in ``layout``), or None where it was left undecoded.
@@ -997,8 +1091,9 @@ class BatchDecoded:
         Returns:
             ``[rows, dim]`` views of the outputs in each block's dtype.
         """
-        b0, b1 = int(self.first[group]), int(self.first[group + 1])
-        rows, dims, codes, at = self.layout[:4, b0:b1].tolist()
+        layout, first, _ = self._lists
+        b0, b1 = first[group], first[group + 1]
+        rows, dims, codes = layout[0][b0:b1], layout[1][b0:b1], layout[2][b0:b1]
         if (
             b1 > b0
             and dims[0] > 0
@@ -1006,15 +1101,18 @@ class BatchDecoded:
             and (codes.count(codes[0]) == len(codes))
         ):  # one dtype and width (the usual payload): one split of one view
             base = self.out32 if codes[0] == 1 else self.out16
-            n = sum(rows) * dims[0]
-            flat = base.narrow(0, at[0], n).view(CODE_DTYPES[codes[0]])
-            return list(flat.view(-1, dims[0]).split(rows))
+            at, n = layout[3][b0], sum(rows) * dims[0]
+            if at or n != base.shape[0]:  # not the whole output (e.g. several payloads)
+                base = base.narrow(0, at, n)
+            dtype = CODE_DTYPES[codes[0]]
+            if base.dtype != dtype:  # float32 blocks are views of out32 as it is
+                base = base.view(dtype)
+            # The op itself (Tensor.split is a Python wrapper around it).
+            return list(base.view(-1, dims[0]).split_with_sizes(rows))
         return [self.block(b) for b in range(b0, b1)]
 
 
-def decompress_payloads(
-    words: np.ndarray, group_base: np.ndarray, group_bytes: np.ndarray, max_elements: int
-) -> BatchDecoded:
+def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int) -> BatchDecoded:
     """Parses and decodes every payload of one buffer in one compiled call.
 
     Every check of ``container.parse_header`` and of ``pipeline``'s per-block decoder is made;
@@ -1023,18 +1121,16 @@ def decompress_payloads(
 
     Args:
         words: The payloads' words (uint32; one buffer).
-        group_base: int64 first word of each payload in ``words``.
-        group_bytes: int64 bytes of each payload.
+        groups: int64 [2 * G]: the first word of each payload in ``words``, then the bytes of
+            each payload.
         max_elements: Refuse a payload that decodes to more elements than this.
 
     Returns:
         The decoded blocks and their layout.
     """
-    out32, out16, layout, first, n_of = _decode_payloads_kernel(
-        words, group_base, group_bytes, max_elements
-    )
+    out32, out16, layout, first, n_of = _decode_payloads_kernel(words, groups, max_elements)
     return BatchDecoded(
-        torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), layout, first, n_of >= 0
+        torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), layout, first, n_of
     )
 
 

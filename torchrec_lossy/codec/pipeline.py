@@ -33,6 +33,7 @@ from torchrec_lossy.codec.container import (
     check_payload,
     host_header,
     parse_header,
+    payload_skeletons,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -558,21 +559,6 @@ def validate_inputs(
     return out, device
 
 
-def _batch_columns(blocks: Sequence[torch.Tensor], enc: host_batch.BatchEncoded) -> BlockColumns:
-    """The batched CPU path's per-block arrays as BlockColumns."""
-    return BlockColumns(
-        rows=[b.shape[0] for b in blocks],
-        dim=[b.shape[1] for b in blocks],
-        raw_bytes=[b.numel() * b.element_size() for b in blocks],
-        wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in enc.seg_words.tolist()],
-        mode=[MODE_NAMES[m] for m in enc.mode.tolist()],
-        bound=enc.bounds.tolist(),
-        max_error=enc.max_error.tolist(),
-        n_unique=enc.n_unique.tolist(),
-        n_escapes=enc.n_escapes.tolist(),
-    )
-
-
 def compress_with_stats(
     blocks: Sequence[torch.Tensor],
     error_bounds: Sequence[float],
@@ -602,7 +588,7 @@ def compress_with_stats(
     if isinstance(ops, CpuOps):
         with record_function("## lossy_codec encode ##"):
             enc = host_batch.compress_blocks(blocks, bounds, config)
-        return torch.from_numpy(enc.payload).to(device), _batch_columns(blocks, enc).stats()
+        return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops, key)
@@ -646,7 +632,7 @@ def compress_host_groups(
     group_sizes: Sequence[int],
     config: CodecConfig,
     relative: Sequence[bool] | None = None,
-) -> tuple[torch.Tensor, list[int], list[BlockColumns]]:
+) -> tuple[torch.Tensor, list[int], list[BlockColumns], list[np.ndarray]]:
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
     With the compiled backend every stage runs once over all groups' blocks; each payload is
@@ -662,12 +648,13 @@ def compress_host_groups(
 
     Returns:
         (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
-        each payload, per group the columns of its blocks).
+        each payload, per group the columns of its blocks, per group its payload's skeleton
+        (``container.payload_skeletons``, uint32 words)).
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
         enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
-        flat = _batch_columns(blocks, enc)
+        flat = enc.columns()
         if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
             columns = [flat]
         else:
@@ -675,7 +662,8 @@ def compress_host_groups(
             columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
         payload = torch.from_numpy(enc.payload)
         # A no-op .to() still costs a dispatch: only a device copy pays for one.
-        return payload if device.type == "cpu" else payload.to(device), enc.sizes, columns
+        payload = payload if device.type == "cpu" else payload.to(device)
+        return payload, enc.sizes, columns, enc.skeletons
     if relative is not None:
         bounds = absolute_bounds(blocks, bounds, relative)
     payloads, stats = [], []
@@ -686,7 +674,9 @@ def compress_host_groups(
         stats.append(BlockColumns.of(s))
         at += n
     buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
-    return buffer, [p.numel() for p in payloads], stats
+    sizes = [p.numel() for p in payloads]
+    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), sizes)
+    return buffer, sizes, stats, [skel[a:b] for a, b in itertools.pairwise(ends.tolist())]
 
 
 def compress(
@@ -824,7 +814,11 @@ def decompress(
 
 
 def decompress_host_groups(
-    buffer: torch.Tensor, sizes: Sequence[int], max_elements: int, backend: Backend
+    buffer: torch.Tensor,
+    sizes: Sequence[int],
+    max_elements: int,
+    backend: Backend,
+    label: bool = True,
 ) -> list[list[torch.Tensor] | CodecError]:
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
@@ -838,14 +832,19 @@ def decompress_host_groups(
         sizes: Bytes of each payload (summing to the buffer's).
         max_elements: Refuse a payload that decodes to more elements than this.
         backend: A host backend, as ``CodecConfig.backend``.
+        label: Whether to open the profiler range ``## lossy_codec decode ##`` (False when
+            the caller's own range already covers the call: a range costs microseconds).
 
     Returns:
         Per payload its blocks (on the buffer's device) or the CodecError it raises.
     """
     device = buffer.device
-    buf = buffer.detach().cpu().contiguous().numpy()
+    if device.type == "cpu" and buffer.is_contiguous():
+        buf = buffer.numpy()  # uint8 never requires grad: no detach needed
+    else:
+        buf = buffer.detach().cpu().contiguous().numpy()
     ops = _ops_for(backend)
-    with record_function("## lossy_codec decode ##"):
+    with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
         starts = list(itertools.accumulate(sizes, initial=0))
         batch = None
         if isinstance(ops, CpuOps) and sizes:
@@ -878,7 +877,7 @@ def decompress_host_groups(
     return results
 
 
-def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ...]:
+def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The payloads of ``buf`` as words, for ``host_batch.decompress_payloads``.
 
     A view when every payload starts on a word (always, for payloads written by
@@ -889,15 +888,13 @@ def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, ..
         starts: Byte offset of each payload in ``buf``, then the end.
 
     Returns:
-        (uint32 words, int64 first word of each payload, int64 bytes of each payload).
+        (uint32 words, int64 [2 * G]: the first word of each payload, then its bytes).
     """
-    n_bytes = np.diff(np.array(starts, np.int64))
-    if all(a % 4 == 0 for a in starts):
-        return buf.view(np.uint32), np.array(starts[:-1], np.int64) // 4, n_bytes
-    padded = -(-n_bytes // 4) * 4
-    at = np.zeros_like(n_bytes)
-    np.cumsum(padded[:-1], out=at[1:])
-    words = np.zeros(int(padded.sum()), np.uint8)
-    for a, s, n in zip(at.tolist(), starts, n_bytes.tolist(), strict=False):
-        words[a : a + n] = buf[s : s + n]
-    return words.view(np.uint32), at // 4, n_bytes
+    n_bytes = [b - a for a, b in itertools.pairwise(starts)]
+    if not any(a & 3 for a in starts):  # one numpy call: they cost more than the arithmetic
+        return buf.view(np.uint32), np.array([a >> 2 for a in starts[:-1]] + n_bytes, np.int64)
+    words_at = list(itertools.accumulate((-(-n // 4) for n in n_bytes), initial=0))
+    words = np.zeros(4 * words_at[-1], np.uint8)
+    for w, s, n in zip(words_at, starts, n_bytes, strict=False):
+        words[4 * w : 4 * w + n] = buf[s : s + n]
+    return words.view(np.uint32), np.array(words_at[:-1] + n_bytes, np.int64)

@@ -385,11 +385,14 @@ def _meta_words(
         Per destination its size, then its skeleton if it has codec blocks.
     """
     parts = []
+    first = 0  # the first size not in a part yet: runs of sizes go in one slice
     for p in range(len(sizes)):
-        parts.append(sizes[p : p + 1])
         g = group_of.get(p)
         if g is not None:
-            parts.append(skeletons[g])
+            parts += [sizes[first : p + 1], skeletons[g]]
+            first = p + 1
+    if first < len(sizes):
+        parts.append(sizes[first:])
     return cat(parts) if parts else sizes
 
 
@@ -443,6 +446,89 @@ def encode_payloads(
     return pending.finish(host)
 
 
+@dataclass(frozen=True)
+class _EncodePlan:
+    """What :func:`start_encode` derives from the layout alone (specs, compress flags, sending
+    rank): built once per layout, not per call (:func:`_encode_plan`).
+
+    Attributes:
+        peers: The destinations that get a payload built (every one but the sending rank).
+        coded: Per destination of ``peers``, the indices of its codec blocks (its codec group).
+        raw: (destination, block index, spec) of every raw block, in order.
+        tables: The codec blocks' tables, group after group (the codec's flat input order).
+        distinct: Those tables once each (the forward asks the bound provider once per table).
+        table_at: Index in ``distinct`` of each codec block's table.
+        group_of: Destination to its codec group, for destinations with codec blocks.
+        meta_splits: Words of the size exchange per destination (:func:`meta_words`).
+        all_coded: No raw block: the codec's input is every block of ``peers``, in order.
+    """
+
+    peers: tuple[int, ...]
+    coded: tuple[tuple[int, ...], ...]
+    raw: tuple[tuple[int, int, BlockSpec], ...]
+    tables: tuple[str, ...]
+    distinct: tuple[str, ...]
+    table_at: tuple[int, ...]
+    group_of: dict[int, int]
+    meta_splits: tuple[int, ...]
+    all_coded: bool
+
+
+# Encode plans by layout: (sending rank, id of the compress flags, id of each destination's
+# specs) -> (the keyed objects, kept alive so that their ids are not reused; the flags as
+# planned; the plan). A dist passes the same layout objects on every call.
+_PLANS: dict[tuple[int, ...], tuple[tuple[object, ...], dict[str, bool], _EncodePlan]] = {}
+_MAX_PLANS = 64
+
+
+def _encode_plan(
+    specs_per_peer: Sequence[Sequence[BlockSpec]], compress: dict[str, bool], my_rank: int | None
+) -> _EncodePlan:
+    """The layout's :class:`_EncodePlan`, cached (rebuilt if the flags dict's content changed).
+
+    Args:
+        specs_per_peer: Per destination, the specs of its blocks (not mutated between calls).
+        compress: Table name to whether its blocks go through the codec.
+        my_rank: The sending rank (its blocks skip the codec), or None.
+
+    Returns:
+        The plan.
+    """
+    key = (-1 if my_rank is None else my_rank, id(compress), *map(id, specs_per_peer))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[1] == compress:
+        return hit[2]
+    peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
+    coded = tuple(
+        tuple(i for i, s in enumerate(specs_per_peer[p]) if compress[s.table]) for p in peers
+    )
+    raw = tuple(
+        (p, i, s) for p in peers for i, s in enumerate(specs_per_peer[p]) if not compress[s.table]
+    )
+    tables = tuple(
+        specs_per_peer[p][i].table for p, idx in zip(peers, coded, strict=True) for i in idx
+    )
+    distinct = tuple(dict.fromkeys(tables))
+    meta_splits = [1] * len(specs_per_peer)
+    for p, idx in zip(peers, coded, strict=True):
+        meta_splits[p] = _entry_words(len(idx))
+    plan = _EncodePlan(
+        peers=peers,
+        coded=coded,
+        raw=raw,
+        tables=tables,
+        distinct=distinct,
+        table_at=tuple(distinct.index(t) for t in tables),
+        group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
+        meta_splits=tuple(meta_splits),
+        all_coded=not raw,
+    )
+    if len(_PLANS) >= _MAX_PLANS:  # layouts come and go (tests): start afresh
+        _PLANS.clear()
+    _PLANS[key] = ((compress, *specs_per_peer), dict(compress), plan)
+    return plan
+
+
 def start_encode(
     direction: Direction,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
@@ -481,44 +567,45 @@ def start_encode(
     sample = direction == "bwd" and config.error_sample_every > 0 and device.type == "cpu"
     sample = sample and call % config.error_sample_every == 0
     n_peers = len(blocks_per_peer)
-    peers = [p for p in range(n_peers) if p != my_rank]
+    plan = _encode_plan(specs_per_peer, info.compress, my_rank)
+    peers = plan.peers
+    for p in peers:  # one block per spec (the plan indexes them)
+        if len(blocks_per_peer[p]) != len(specs_per_peer[p]):
+            raise ValueError(
+                f"destination {p}: {len(blocks_per_peer[p])} blocks for "
+                f"{len(specs_per_peer[p])} specs: pass one block per spec"
+            )
     if my_rank is not None and my_rank < n_peers:
         stats.record_self(
             direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
         )
-    compress = info.compress
-    coded: list[list[tuple[torch.Tensor, BlockSpec]]] = []
-    raw_blocks: list[tuple[int, torch.Tensor, BlockSpec]] = []
-    # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
-    # layout's shapes on one device, so the codec's own checks are skipped.
-    flat_blocks: list[torch.Tensor] = []
-    flat_tables: list[str] = []
-    for p in peers:
-        c = []
-        for b, s in zip(blocks_per_peer[p], specs_per_peer[p], strict=True):
-            if compress[s.table]:
-                c.append((b, s))
-                flat_blocks.append(b)
-                flat_tables.append(s.table)
-            else:
-                raw_blocks.append((p, b, s))
-        coded.append(c)
-    with record_function(f"## lossy_a2a {direction} bounds ##"):
-        if direction == "fwd":
-            bound_of = {t: comms.bounds.bound(t) for t in set(flat_tables)}
-            bounds = [bound_of[t] for t in flat_tables]
-        else:
-            bounds = [config.backward_bound] * len(flat_blocks)
     with record_function(f"## lossy_a2a {direction} encode ##"):
+        # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
+        # layout's shapes on one device, so the codec's own checks are skipped.
+        if plan.all_coded:
+            flat_blocks = [b for p in peers for b in blocks_per_peer[p]]
+        else:
+            flat_blocks = [
+                blocks_per_peer[p][i] for p, idx in zip(peers, plan.coded, strict=True) for i in idx
+            ]
+        if direction == "fwd":  # each table's bound now (an adaptive provider moves them)
+            bounds = [comms.bounds.bound(t) for t in plan.distinct]
+            values = [bounds[i].value for i in plan.table_at]
+            relative = [bounds[i].mode == "relative" for i in plan.table_at]
+        else:
+            eb = config.backward_bound
+            values = [eb.value] * len(flat_blocks)
+            relative = [eb.mode == "relative"] * len(flat_blocks)
         pending = start_compress_blocks(
             flat_blocks,
-            [eb.value for eb in bounds],
-            [len(c) for c in coded],
+            values,
+            [len(idx) for idx in plan.coded],
             _codec_config(config, direction, call, my_rank or 0),
-            [eb.mode == "relative" for eb in bounds],
+            relative,
         )
         raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
-        for p, b, _ in raw_blocks:
+        for p, i, _ in plan.raw:
+            b = blocks_per_peer[p][i]
             nbytes = b.numel() * b.element_size()
             raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
             raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
@@ -526,12 +613,12 @@ def start_encode(
         # Send sizes: raw parts (known here) plus each codec payload (a peer without codec
         # blocks sends none); on the host path all of it is known already.
         raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
-        group_of = {p: g for g, p in enumerate(peers) if coded[g]}
+        group_of = plan.group_of
         done = pending.done
         if done is not None:
-            sizes_np = np.array(raw_len, np.int64)
             for p, g in group_of.items():
-                sizes_np[p] += done.sizes[g]
+                raw_len[p] += done.sizes[g]
+            sizes_np = np.array(raw_len, np.int64)
             meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
             device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
             if device.type != "cpu":  # a no-op .to() still costs a dispatch
@@ -549,65 +636,82 @@ def start_encode(
                 pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(peers))
             ]
             meta = _meta_words(device_sizes, skeletons, group_of, torch.cat)
-        # meta_words of every entry, from the codec blocks counted above.
-        meta_splits = [1] * n_peers
-        for g, p in enumerate(peers):
-            meta_splits[p] = _entry_words(len(coded[g]))
     setup_s = time.perf_counter() - start
 
     def finish(host: Sequence[int]) -> list[torch.Tensor]:
         start = time.perf_counter()
         grouped = pending.finish(host)
         sent: dict[int, torch.Tensor] = {}
-        # Telemetry of every block of the call in one record (raw blocks first).
-        tables = [s.table for _, _, s in raw_blocks]
-        raw_bytes = [b.numel() * b.element_size() for _, b, _ in raw_blocks]
+        # Every block of the call, raw blocks first (telemetry).
+        raw_blocks = [blocks_per_peer[p][i] for p, i, _ in plan.raw]
+        tables = [s.table for _, _, s in plan.raw]
+        raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
         wire_bytes = [_padded(n) for n in raw_bytes]
         errors = [0.0] * len(raw_blocks)
         abs_bounds: list[float | None] = [0.0] * len(raw_blocks)
         container = 0
-        for g, p in enumerate(peers):
+        at = 0  # the first codec block of the group in plan.tables
+        for g, (p, idx) in enumerate(zip(peers, plan.coded, strict=True)):
             parts = raw_parts[p]
-            cols = grouped.columns[g]
-            if len(cols):
+            if idx:
+                cols = grouped.columns[g]
                 payload = grouped.payload(g)
                 parts = [*parts, payload]
-                for i, (b, s) in enumerate(coded[g]):
-                    if direction == "fwd":
-                        comms.bounds.observe(s.table, b, cols.bound[i])
-                    if (
-                        cols.bound[i] > 0
-                        and cols.mode[i] in ("raw", "lz")
-                        and cols.rows[i] * cols.dim[i] >= 1024
+                group_tables = plan.tables[at : at + len(idx)]
+                at += len(idx)
+                blocks = blocks_per_peer[p]
+                if direction == "fwd":
+                    for k, t, bound in zip(idx, group_tables, cols.bound, strict=True):
+                        comms.bounds.observe(t, blocks[k], bound)
+                if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
+                    for i, (t, bound, mode, rows, dim) in enumerate(
+                        zip(group_tables, cols.bound, cols.mode, cols.rows, cols.dim, strict=True)
                     ):
-                        _warn_exact(info, direction, s.table, cols.slice(i, i + 1).stats()[0])
-                tables += [s.table for _, s in coded[g]]
+                        if bound > 0 and mode in ("raw", "lz") and rows * dim >= 1024:
+                            _warn_exact(info, direction, t, cols.slice(i, i + 1).stats()[0])
+                tables += group_tables
                 raw_bytes += cols.raw_bytes
                 wire_bytes += cols.wire_bytes
                 errors += cols.max_error
                 abs_bounds += cols.bound
                 if sample:
-                    _record_signed_error(direction, info, payload, coded[g])
+                    _record_signed_error(
+                        direction, info, payload, [(blocks[k], specs_per_peer[p][k]) for k in idx]
+                    )
                 # The payload header belongs to no block.
                 container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
-        stats.record_blocks(direction, tables, raw_bytes, wire_bytes, errors, abs_bounds)
-        if group_of:
-            stats.record_container(direction, container)
-        # The codec works on all peers at once: its time is shared out by raw bytes.
-        spent = setup_s + time.perf_counter() - start
-        shares: dict[str, int] = {}
-        for t, n in zip(tables, raw_bytes, strict=True):  # every block sent to a peer
-            shares[t] = shares.get(t, 0) + n
-        stats.record_time(direction, "encode", shares, spent)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
-        return [
-            sent[p] if p in sent else torch.empty(0, dtype=torch.uint8, device=device)
-            for p in range(n_peers)
-        ]
+        out = [sent[p] if p in sent else _empty_payload(device) for p in range(n_peers)]
+        # Telemetry of every block sent to a peer, in one record; the codec works on all
+        # peers at once, so its time is shared out by raw bytes.
+        spent = setup_s + time.perf_counter() - start
+        stats.record_encode(
+            direction,
+            tables,
+            raw_bytes,
+            wire_bytes,
+            errors,
+            abs_bounds,
+            container if group_of else None,
+            spent,
+        )
+        return out
 
-    return PendingPayloads(device_sizes, pending.readback, finish, meta, meta_splits)
+    return PendingPayloads(device_sizes, pending.readback, finish, meta, list(plan.meta_splits))
+
+
+# A zero-byte payload per device (what a peer that is sent nothing gets); never written to.
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_payload(device: torch.device) -> torch.Tensor:
+    """The shared empty uint8 payload on ``device`` (allocating one per call costs a dispatch)."""
+    empty = _EMPTY.get(device)
+    if empty is None:
+        empty = _EMPTY[device] = torch.empty(0, dtype=torch.uint8, device=device)
+    return empty
 
 
 def _fail(
@@ -763,11 +867,14 @@ def decode_payloads(
     comms = info.comms
     dtype = info.dtype
     elem = dtype.itemsize
+    compress = info.compress
+    n_peers = len(recv_sizes)
     offsets = list(itertools.accumulate(recv_sizes, initial=0))
     rows_per_peer = [
         [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
         for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
     ]
+    coded_per_peer = [_coded_flags(specs, compress) for specs in specs_per_peer]
     start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
         payloads: dict[int, torch.Tensor] = {}
@@ -777,20 +884,20 @@ def decode_payloads(
         for peer, size in enumerate(recv_sizes):
             if self_blocks is not None and peer == my_rank:
                 continue
-            specs, rows = specs_per_peer[peer], rows_per_peer[peer]
-            payload = recv.narrow(0, offsets[peer], size)
+            specs, rows, coded = specs_per_peer[peer], rows_per_peer[peer], coded_per_peer[peer]
+            # The whole buffer when one peer sent everything (2 ranks): no view to make.
+            payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
             if comms.payload_hook is not None:
                 payload = comms.payload_hook(direction, peer, payload)
             # Raw blocks then start 16-byte aligned.
             payload = _aligned(payload)
             payloads[peer] = payload
+            n_coded = sum(coded)
             raw_len = 0
-            n_coded = 0
-            for s, br in zip(specs, rows, strict=True):
-                if info.compress[s.table]:
-                    n_coded += 1
-                else:
-                    raw_len += _padded(br * s.dim * elem)
+            if n_coded < len(specs):
+                for s, br, c in zip(specs, rows, coded, strict=True):
+                    if not c:
+                        raw_len += _padded(br * s.dim * elem)
             raw_lens[peer] = raw_len
             size = payload.numel()
             if n_coded == 0 and size != raw_len:
@@ -832,6 +939,7 @@ def decode_payloads(
             sizes,
             backend=comms.config.codec.backend,
             skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
+            label=False,  # inside this call's own range
         )
         flags = contain_failures(status)  # device path: failed groups zeroed, status kept
         if flags is None or status.rejected:
@@ -857,7 +965,7 @@ def decode_payloads(
             )
         by_peer = dict(zip(codec_peers, decoded, strict=True))
         out: list[list[torch.Tensor]] = []
-        for peer in range(len(recv_sizes)):
+        for peer in range(n_peers):
             if self_blocks is not None and peer == my_rank:
                 out.append(list(self_blocks))
                 continue
@@ -869,22 +977,46 @@ def decode_payloads(
                     peer,
                     specs_per_peer[peer],
                     rows_per_peer[peer],
+                    coded_per_peer[peer],
                     info,
                     my_rank,
                 )
             )
     spent = time.perf_counter() - start
-    # The call's time, shared among the sources by their bytes.
-    shares_per_peer: list[dict[str, int]] = []
+    # The call's time, shared among every source's tables by their bytes (one record).
+    shares: dict[str, int] = {}
     for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
-        shares: dict[str, int] = {}
         for s, br in zip(specs, rows, strict=True):
             shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
-        shares_per_peer.append(shares)
-    total = sum(sum(sh.values()) for sh in shares_per_peer) or elem
-    for shares in shares_per_peer:
-        comms.stats.record_time(direction, "decode", shares, spent * sum(shares.values()) / total)
+    comms.stats.record_time(direction, "decode", shares, spent)
     return out
+
+
+# Compress flags per table shard by layout: (id of the specs, id of the flags) -> (the keyed
+# objects, kept alive so that their ids are not reused; the flags as read; the result).
+_CODED: dict[tuple[int, int], tuple[tuple[object, ...], dict[str, bool], tuple[bool, ...]]] = {}
+
+
+def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple[bool, ...]:
+    """Whether each spec's blocks go through the codec, cached per layout (a dist passes the
+    same specs and flags objects on every call; re-read if the flags dict's content changed).
+
+    Args:
+        specs: One peer's specs (not mutated between calls).
+        compress: Table name to its flag.
+
+    Returns:
+        One flag per spec.
+    """
+    key = (id(specs), id(compress))
+    hit = _CODED.get(key)
+    if hit is not None and hit[1] == compress:
+        return hit[2]
+    flags = tuple(compress[s.table] for s in specs)
+    if len(_CODED) >= _MAX_PLANS:  # layouts come and go (tests): start afresh
+        _CODED.clear()
+    _CODED[key] = ((specs, compress), dict(compress), flags)
+    return flags
 
 
 def _split_peer(
@@ -894,6 +1026,7 @@ def _split_peer(
     peer: int,
     specs: Sequence[BlockSpec],
     block_rows: Sequence[int],
+    coded_flags: Sequence[bool],
     info: LossyAll2AllPooledInfo,
     my_rank: int,
 ) -> list[torch.Tensor]:
@@ -906,7 +1039,8 @@ def _split_peer(
         peer: Its rank.
         specs: The specs of its blocks.
         block_rows: Rows of each block.
-        info: Compress flags and dtype.
+        coded_flags: Whether each block went through the codec.
+        info: Dtype.
         my_rank: This rank.
 
     Returns:
@@ -916,7 +1050,6 @@ def _split_peer(
         LossyAllToAllError: A decoded block's count, shape or dtype is not the layout's.
     """
     dtype = info.dtype
-    coded_flags = [info.compress[s.table] for s in specs]
     n_coded = sum(coded_flags)
     if len(decoded) != n_coded:
         _fail(direction, my_rank, peer, specs, f"{len(decoded)} blocks decoded, {n_coded} expected")

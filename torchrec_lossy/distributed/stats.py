@@ -191,25 +191,81 @@ class LossyCommsStats:
             abs_bounds: Absolute bound of each block (None where no bound applies); None: all 0
                 (exact transport).
         """
+        with self._lock:
+            self._add_blocks(direction, tables, raw_bytes, wire_bytes, max_errors, abs_bounds)
+
+    def record_encode(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        raw_bytes: Sequence[int],
+        wire_bytes: Sequence[int],
+        max_errors: Sequence[float],
+        abs_bounds: Sequence[float | None],
+        container_bytes: int | None,
+        s: float,
+    ) -> None:
+        """One encode call's telemetry under one lock: :meth:`record_blocks` of its blocks,
+        :meth:`record_container` of its container bytes, :meth:`record_time` of its seconds
+        shared by the blocks' raw bytes per table.
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            tables: Table name of each block.
+            raw_bytes: Uncompressed size of each block.
+            wire_bytes: Bytes sent for each block.
+            max_errors: Largest finite-element error of each block.
+            abs_bounds: Absolute bound of each block (None where no bound applies).
+            container_bytes: Payload bytes that belong to no block, or None if the call made
+                no codec payload.
+            s: Seconds the call took.
+        """
+        shares: dict[str, int] = {}
+        for table, nbytes in zip(tables, raw_bytes, strict=True):
+            shares[table] = shares.get(table, 0) + nbytes
+        with self._lock:
+            self._add_blocks(direction, tables, raw_bytes, wire_bytes, max_errors, abs_bounds)
+            if container_bytes is not None:
+                self._entry(direction, CONTAINER).wire_bytes += container_bytes
+            self._add_time(direction, "encode", shares, s)
+
+    def _add_blocks(
+        self,
+        direction: Direction,
+        tables: Sequence[str],
+        raw_bytes: Sequence[int],
+        wire_bytes: Sequence[int],
+        max_errors: Sequence[float] | None,
+        abs_bounds: Sequence[float | None] | None,
+    ) -> None:
+        """:meth:`record_blocks`, the lock held by the caller."""
         n = len(tables)
         errors = max_errors if max_errors is not None else [0.0] * n
         bounds = abs_bounds if abs_bounds is not None else [0.0] * n
-        with self._lock:
-            for table, raw, wire, err, bound in zip(
-                tables, raw_bytes, wire_bytes, errors, bounds, strict=True
-            ):
+        # Called for every block of every all-to-all: the entry look-up and the maxima are
+        # inlined (the same results as _entry, max and _nanmax).
+        entries = self._tables
+        for table, raw, wire, err, bound in zip(
+            tables, raw_bytes, wire_bytes, errors, bounds, strict=True
+        ):
+            e = entries.get((direction, table))
+            if e is None:
                 e = self._entry(direction, table)
-                if bound is None:
-                    ratio = math.nan
-                elif bound > 0:
-                    ratio = err / bound
-                else:
-                    ratio = 0.0 if err == 0 else math.inf
-                e.blocks += 1
-                e.raw_bytes += raw
-                e.wire_bytes += wire
-                e.max_error = max(e.max_error, err)
-                e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
+            if bound is None:
+                ratio = math.nan
+            elif bound > 0:
+                ratio = err / bound
+            else:
+                ratio = 0.0 if err == 0 else math.inf
+            e.blocks += 1
+            e.raw_bytes += raw
+            e.wire_bytes += wire
+            if err > e.max_error:
+                e.max_error = err
+            # _nanmax: a NaN so far gives way to anything, a NaN ratio to what is there.
+            m = e.max_error_over_bound
+            if m != m or ratio > m:
+                e.max_error_over_bound = ratio
 
     def record_ids(self, direction: Direction, table: str, ids: int, repeated: int) -> None:
         """Counts ids sent and how many of them repeat an earlier one (deduplication telemetry).
@@ -322,16 +378,26 @@ class LossyCommsStats:
             shares: Raw bytes per table handled by the call.
             s: Seconds the call took.
         """
+        with self._lock:
+            self._add_time(direction, phase, shares, s)
+
+    def _add_time(
+        self,
+        direction: Direction,
+        phase: Literal["encode", "decode"],
+        shares: dict[str, int],
+        s: float,
+    ) -> None:
+        """:meth:`record_time`, the lock held by the caller."""
         total = sum(shares.values())
         if total == 0:
             return
-        with self._lock:
-            for table, nbytes in shares.items():
-                e = self._entry(direction, table)
-                if phase == "encode":
-                    e.encode_s += s * nbytes / total
-                else:
-                    e.decode_s += s * nbytes / total
+        for table, nbytes in shares.items():
+            e = self._entry(direction, table)
+            if phase == "encode":
+                e.encode_s += s * nbytes / total
+            else:
+                e.decode_s += s * nbytes / total
 
     def record_self(self, direction: Direction, nbytes: int) -> None:
         """Records the bytes of the blocks a rank keeps for itself (the self block).
