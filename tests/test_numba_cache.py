@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_codec_caches_in_the_source_keyed_folder() -> None:
     import numba
 
-    from torchrec_lossy.codec import host_batch  # noqa: F401  (defines cached kernels)
+    from torchrec_lossy.codec import host_compress  # noqa: F401  (defines cached kernels)
 
     path = torchrec_lossy.numba_cache_dir()
     assert numba.config.CACHE_DIR == path == os.environ["NUMBA_CACHE_DIR"]

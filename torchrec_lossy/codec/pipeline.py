@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import host_batch, huffman, quantize, vector_lz
+from torchrec_lossy.codec import host_compress, host_decompress, huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import (
@@ -587,7 +587,7 @@ def compress_with_stats(
     ops = _ops_for(config.backend)
     if isinstance(ops, CpuOps):
         with record_function("## lossy_codec encode ##"):
-            enc = host_batch.compress_blocks(blocks, bounds, config)
+            enc = host_compress.compress_blocks(blocks, bounds, config)
         return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
     with record_function("## lossy_codec encode ##"):
         encoded = [
@@ -653,7 +653,7 @@ def compress_host_groups(
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
-        enc = host_batch.compress_blocks(blocks, bounds, config, group_sizes, relative)
+        enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, relative)
         flat = enc.columns()
         if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
             columns = [flat]
@@ -848,7 +848,7 @@ def decompress_host_groups(
         starts = list(itertools.accumulate(sizes, initial=0))
         batch = None
         if isinstance(ops, CpuOps) and sizes:
-            batch = host_batch.decompress_payloads(*_word_layout(buf, starts), max_elements)
+            batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
             if device.type != "cpu":
                 batch = dataclasses.replace(
                     batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
@@ -878,7 +878,7 @@ def decompress_host_groups(
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The payloads of ``buf`` as words, for ``host_batch.decompress_payloads``.
+    """The payloads of ``buf`` as words, for ``host_decompress.decompress_payloads``.
 
     A view when every payload starts on a word (always, for payloads written by
     :func:`compress`); else a copy with each payload padded to a whole word.

@@ -3,7 +3,7 @@
 Every function works element-wise on Python ints, numpy arrays or torch tensors (on any device,
 without a sync), and compiles into numba kernels (``elementwise.jitable``): the per-block host
 path (``pipeline``) calls them with one block's scalars, the batched host kernel
-(``host_batch``) with each block's scalars in compiled code, the device path
+(``host_compress``) with each block's scalars in compiled code, the device path
 (``device_compress``) with ``[n_blocks]`` tensors, so all choose the same mode from the same
 sizes by construction. Sizes are in 32-bit words of a block's segment (docs/format.md).
 
