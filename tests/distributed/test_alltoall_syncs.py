@@ -52,7 +52,7 @@ def _device_path_info(world_size: int) -> Any:
 def _worker(rank: int, world_size: int) -> dict[str, int]:
     from torchrec_lossy.codec import host_sync
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_payload import read_checked
+    from torchrec_lossy.distributed.pooled_decode import read_checked
 
     info = _device_path_info(world_size)
     comms = info.comms
@@ -100,7 +100,7 @@ def test_one_host_read_per_alltoall_and_direction() -> None:
 def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
     from torchrec_lossy.distributed import LossyAllToAllError
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_payload import read_checked
+    from torchrec_lossy.distributed.pooled_decode import read_checked
 
     info = _device_path_info(world_size)
     comms = info.comms

@@ -19,11 +19,11 @@ from torchrec_lossy.distributed import (
     LossyEmbeddingBagCollectionSharder,
     StaticBounds,
 )
+from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
     abs_bounds,
     cut_block,
-    decode_payloads,
     encode_payloads,
     join_blocks,
 )

@@ -1,7 +1,8 @@
 """Variable-size two-phase all-to-all of pooled embeddings, compressed per (rank, table) block.
 
 The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
-the payloads hold and how blocks are cut, encoded and decoded is :mod:`.pooled_payload`.
+the payloads hold and how blocks are cut and encoded is :mod:`.pooled_payload`, how they are
+decoded :mod:`.pooled_decode`.
 
 1. The sender encodes its blocks for every destination in one codec call
    (:func:`.pooled_payload.start_encode`); the block it sends itself skips the codec and the
@@ -42,19 +43,18 @@ from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
     PendingPayloads,
     backward_dense_send,
     cut_block,
-    decode_payloads,
     expand_block,
     join_blocks,
     meta_words,
     peer_blocks,
     place_grad_block,
-    read_checked,
     reduce_grad_block,
     start_encode,
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchrec_lossy.distributed.pooled_payload import read_checked
+from torchrec_lossy.distributed.pooled_decode import read_checked
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
 

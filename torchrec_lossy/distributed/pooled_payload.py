@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -31,11 +31,8 @@ from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import (
     BlockStats,
-    GroupStatus,
     check_groups,
-    contain_failures,
     decompress_groups,
-    first_failure,
     host_sync,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
@@ -50,7 +47,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
-_ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
+ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
 
 
 class LossyAllToAllError(RuntimeError):
@@ -249,12 +246,9 @@ def place_grad_block(
     return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _aligned(payload: torch.Tensor) -> torch.Tensor:
-    return payload if payload.storage_offset() % _ALIGN == 0 else payload.clone()
+def padded_size(nbytes: int) -> int:
+    """Bytes a raw block of ``nbytes`` takes in a payload (padded to :data:`ALIGN`)."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> list[float]:
@@ -542,8 +536,8 @@ def start_encode(
     Every peer's codec blocks go through ONE ``start_compress_blocks`` call (relative bounds are
     resolved there, on the device path on the device). The block a rank sends to itself
     (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
-    receiver takes the blocks as they are (:func:`decode_payloads` ``self_blocks``), and its
-    bytes are counted apart (``LossyCommsStats.self_bytes``).
+    receiver takes the blocks as they are (``self_blocks`` of ``pooled_decode.decode_payloads``),
+    and its bytes are counted apart (``LossyCommsStats.self_bytes``).
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -607,7 +601,7 @@ def start_encode(
         for p, i, _ in plan.raw:
             b = blocks_per_peer[p][i]
             nbytes = b.numel() * b.element_size()
-            raw = torch.zeros(_padded(nbytes), dtype=torch.uint8, device=device)
+            raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
             raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
             raw_parts[p].append(raw)
         # Send sizes: raw parts (known here) plus each codec payload (a peer without codec
@@ -646,7 +640,7 @@ def start_encode(
         raw_blocks = [blocks_per_peer[p][i] for p, i, _ in plan.raw]
         tables = [s.table for _, _, s in plan.raw]
         raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
-        wire_bytes = [_padded(n) for n in raw_bytes]
+        wire_bytes = [padded_size(n) for n in raw_bytes]
         errors = [0.0] * len(raw_blocks)
         abs_bounds: list[float | None] = [0.0] * len(raw_blocks)
         container = 0
@@ -712,386 +706,6 @@ def _empty_payload(device: torch.device) -> torch.Tensor:
     if empty is None:
         empty = _EMPTY[device] = torch.empty(0, dtype=torch.uint8, device=device)
     return empty
-
-
-def _fail(
-    direction: Direction,
-    my_rank: int,
-    peer: int,
-    specs: Sequence[BlockSpec],
-    why: str,
-    deferred: str = "",
-) -> NoReturn:
-    tables = ", ".join(sorted({s.table for s in specs})) or "none"
-    raise LossyAllToAllError(
-        f"lossy all-to-all ({direction}) on rank {my_rank}: the payload from rank {peer} "
-        f"(tables: {tables}) could not be decoded{deferred}: {why}. The bytes were corrupted in "
-        "transit or the ranks run different torchrec_lossy versions or sharding plans."
-    )
-
-
-# What the zeroed blocks of a deferred failure did, by direction (for the error message).
-_CONTAINED: dict[str, str] = {
-    "fwd": "that step's forward used zeros for its blocks, and this error stops the job before "
-    "any gradient of that step is applied",
-    "bwd": "the rows it carried got a zero gradient in that step (no update for SGD and "
-    "Adagrad-style optimizers; momentum optimizers still apply their momentum), and no "
-    "corrupted value reached the optimizer",
-}
-
-
-@dataclass
-class DeferredDecode:
-    """A device decode of :func:`decode_payloads` whose status is read at a later host read.
-
-    Attributes:
-        direction: ``"fwd"`` or ``"bwd"``.
-        my_rank: The receiving rank.
-        call: The direction's all-to-all call on this module (0-based).
-        step: The training step (``LossyComms.steps``), or None if it is not counted.
-        peers: The source rank of each decoded group.
-        specs_per_peer: Per source rank, the specs of its blocks.
-        status: The decode's status (for the error message).
-        flags: int32 per group on the device, nonzero where it failed.
-    """
-
-    direction: Direction
-    my_rank: int
-    call: int
-    step: int | None
-    peers: list[int]
-    specs_per_peer: Sequence[Sequence[BlockSpec]]
-    status: GroupStatus
-    flags: torch.Tensor
-
-    def raise_if_failed(self, flags: Sequence[int]) -> None:
-        """Raises :class:`LossyAllToAllError` naming the step and source if a flag is set.
-
-        Args:
-            flags: :attr:`flags`, read back.
-        """
-        bad = [g for g, f in enumerate(flags) if f]
-        if not bad:
-            return
-        found = first_failure(self.status)  # a second read, on the error path only
-        g, why = found if found is not None else (bad[0], "the device decode failed")
-        peer = self.peers[g]
-        step = (
-            f"training step {self.step} (0-based)"
-            if self.step is not None
-            else "training step unknown (call step_lossy_bounds(model) once per iteration)"
-        )
-        _fail(
-            self.direction,
-            self.my_rank,
-            peer,
-            self.specs_per_peer[peer],
-            f"CodecError: {why}; {_CONTAINED[self.direction]}",
-            f" in its {self.direction} all-to-all call {self.call}, {step}, found at the next "
-            "host read",
-        )
-
-
-def read_checked(comms: LossyComms, t: torch.Tensor | None = None) -> np.ndarray:
-    """Reads ``t`` to the host in one copy with the flags of every deferred decode of ``comms``.
-
-    The one place the status of a device decode is read: folded into the next host read the
-    dists make anyway (the size exchange), or a read of its own when called with no ``t``
-    (none is made if nothing is pending).
-
-    Args:
-        comms: The module's dists' state (its ``deferred`` checks are taken).
-        t: An int64 tensor to read back as well, or None.
-
-    Returns:
-        ``t`` on the host (empty if None).
-
-    Raises:
-        LossyAllToAllError: A deferred decode failed (the oldest failure is named).
-    """
-    checks = comms.take_deferred()
-    parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
-    if not parts:
-        return np.zeros(0, np.int64)
-    host = host_sync.to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
-    at = 0 if t is None else t.numel()
-    for c in checks:
-        n = c.flags.numel()
-        c.raise_if_failed(host[at : at + n].tolist())
-        at += n
-    return host[: 0 if t is None else t.numel()]
-
-
-def decode_payloads(
-    direction: Direction,
-    recv: torch.Tensor,
-    recv_sizes: Sequence[int],
-    specs_per_peer: Sequence[Sequence[BlockSpec]],
-    block_rows_per_peer: Sequence[int | Sequence[int]],
-    info: LossyAll2AllPooledInfo,
-    my_rank: int,
-    self_blocks: Sequence[torch.Tensor] | None = None,
-    skeletons: dict[int, np.ndarray] | None = None,
-) -> list[list[torch.Tensor]]:
-    """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
-
-    Every peer's codec payload goes through ONE ``decompress_groups`` call. On the host path its
-    errors are known at once: a corrupt payload raises :class:`LossyAllToAllError` naming the
-    source rank and never reaches the caller. On the device path the status is NOT read here
-    (that would be a host sync of its own): the blocks of every payload that failed on the device
-    are zeroed there (``contain_failures``), so garbage never reaches the caller, and the status
-    is read with the next host read of these dists (:func:`read_checked`, in the next size
-    exchange: the backward's for a forward decode, the next step's forward for a backward one),
-    which raises the error naming the step and the source rank.
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        recv: The received bytes, payloads in rank order.
-        recv_sizes: Bytes from each peer.
-        specs_per_peer: Per peer, the specs of its blocks.
-        block_rows_per_peer: Per peer, the rows of each block, or one batch size (every block
-            then has ``num_features * rows`` rows).
-        info: Layout, compress flags and comms state.
-        my_rank: This rank.
-        self_blocks: The blocks this rank sent itself (they skipped the codec and the wire), or
-            None when its payload is in ``recv`` like every other.
-        skeletons: Per peer with codec blocks, its codec payload's skeleton from the size
-            exchange (the device path then reads nothing back to decode), or None.
-
-    Returns:
-        Per peer, its blocks.
-
-    Raises:
-        LossyAllToAllError: A payload does not decode into the expected blocks.
-    """
-    comms = info.comms
-    dtype = info.dtype
-    elem = dtype.itemsize
-    compress = info.compress
-    n_peers = len(recv_sizes)
-    offsets = list(itertools.accumulate(recv_sizes, initial=0))
-    rows_per_peer = [
-        [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
-        for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
-    ]
-    coded_per_peer = [_coded_flags(specs, compress) for specs in specs_per_peer]
-    start = time.perf_counter()
-    with record_function(f"## lossy_a2a {direction} decode ##"):
-        payloads: dict[int, torch.Tensor] = {}
-        raw_lens: dict[int, int] = {}
-        codec_parts: list[torch.Tensor] = []
-        codec_peers: list[int] = []
-        for peer, size in enumerate(recv_sizes):
-            if self_blocks is not None and peer == my_rank:
-                continue
-            specs, rows, coded = specs_per_peer[peer], rows_per_peer[peer], coded_per_peer[peer]
-            # The whole buffer when one peer sent everything (2 ranks): no view to make.
-            payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
-            if comms.payload_hook is not None:
-                payload = comms.payload_hook(direction, peer, payload)
-            # Raw blocks then start 16-byte aligned.
-            payload = _aligned(payload)
-            payloads[peer] = payload
-            n_coded = sum(coded)
-            raw_len = 0
-            if n_coded < len(specs):
-                for s, br, c in zip(specs, rows, coded, strict=True):
-                    if not c:
-                        raw_len += _padded(br * s.dim * elem)
-            raw_lens[peer] = raw_len
-            size = payload.numel()
-            if n_coded == 0 and size != raw_len:
-                _fail(
-                    direction,
-                    my_rank,
-                    peer,
-                    specs,
-                    f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks",
-                )
-            if size < raw_len:
-                _fail(
-                    direction,
-                    my_rank,
-                    peer,
-                    specs,
-                    f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks",
-                )
-            if n_coded:
-                codec_parts.append(payload[raw_len:] if raw_len else payload)
-                codec_peers.append(peer)
-        sizes = [p.numel() for p in codec_parts]
-        if codec_parts and sum(sizes) % 4:
-            g = next(i for i, n in enumerate(sizes) if n % 4)
-            peer = codec_peers[g]
-            _fail(
-                direction,
-                my_rank,
-                peer,
-                specs_per_peer[peer],
-                f"CodecError: a {sizes[g]}-byte payload is not a whole number of words",
-            )
-        if len(codec_parts) == 1:  # one source (2 ranks): its payload as it came, no copy
-            buffer = codec_parts[0]
-        else:
-            buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
-        decoded, status = decompress_groups(
-            buffer,
-            sizes,
-            backend=comms.config.codec.backend,
-            skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
-            label=False,  # inside this call's own range
-        )
-        flags = contain_failures(status)  # device path: failed groups zeroed, status kept
-        if flags is None or status.rejected:
-            failure = first_failure(status)  # host-known errors: no read on the host path
-            if failure is not None:
-                peer = codec_peers[failure[0]]
-                _fail(direction, my_rank, peer, specs_per_peer[peer], f"CodecError: {failure[1]}")
-        else:
-            for g, peer in enumerate(codec_peers):
-                if raw_lens[peer]:  # the raw blocks of a failed peer are zeroed with its codec ones
-                    payloads[peer][: raw_lens[peer]].masked_fill_(flags[g] != 0, 0)
-            comms.deferred.append(
-                DeferredDecode(
-                    direction,
-                    my_rank,
-                    comms.calls.get(direction, 1) - 1,
-                    comms.steps,
-                    codec_peers,
-                    specs_per_peer,
-                    status,
-                    flags,
-                )
-            )
-        by_peer = dict(zip(codec_peers, decoded, strict=True))
-        out: list[list[torch.Tensor]] = []
-        for peer in range(n_peers):
-            if self_blocks is not None and peer == my_rank:
-                out.append(list(self_blocks))
-                continue
-            out.append(
-                _split_peer(
-                    direction,
-                    payloads[peer],
-                    by_peer.get(peer, []),
-                    peer,
-                    specs_per_peer[peer],
-                    rows_per_peer[peer],
-                    coded_per_peer[peer],
-                    info,
-                    my_rank,
-                )
-            )
-    spent = time.perf_counter() - start
-    # The call's time, shared among every source's tables by their bytes (one record).
-    shares: dict[str, int] = {}
-    for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
-        for s, br in zip(specs, rows, strict=True):
-            shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
-    comms.stats.record_time(direction, "decode", shares, spent)
-    return out
-
-
-# Compress flags per table shard by layout: (id of the specs, id of the flags) -> (the keyed
-# objects, kept alive so that their ids are not reused; the flags as read; the result).
-_CODED: dict[tuple[int, int], tuple[tuple[object, ...], dict[str, bool], tuple[bool, ...]]] = {}
-
-
-def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple[bool, ...]:
-    """Whether each spec's blocks go through the codec, cached per layout (a dist passes the
-    same specs and flags objects on every call; re-read if the flags dict's content changed).
-
-    Args:
-        specs: One peer's specs (not mutated between calls).
-        compress: Table name to its flag.
-
-    Returns:
-        One flag per spec.
-    """
-    key = (id(specs), id(compress))
-    hit = _CODED.get(key)
-    if hit is not None and hit[1] == compress:
-        return hit[2]
-    flags = tuple(compress[s.table] for s in specs)
-    if len(_CODED) >= _MAX_PLANS:  # layouts come and go (tests): start afresh
-        _CODED.clear()
-    _CODED[key] = ((specs, compress), dict(compress), flags)
-    return flags
-
-
-def _split_peer(
-    direction: Direction,
-    payload: torch.Tensor,
-    decoded: list[torch.Tensor],
-    peer: int,
-    specs: Sequence[BlockSpec],
-    block_rows: Sequence[int],
-    coded_flags: Sequence[bool],
-    info: LossyAll2AllPooledInfo,
-    my_rank: int,
-) -> list[torch.Tensor]:
-    """One peer's blocks in spec order: raw ones from its payload, coded ones decoded.
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        payload: The peer's payload (its raw blocks first).
-        decoded: Its coded blocks, decoded, in spec order.
-        peer: Its rank.
-        specs: The specs of its blocks.
-        block_rows: Rows of each block.
-        coded_flags: Whether each block went through the codec.
-        info: Dtype.
-        my_rank: This rank.
-
-    Returns:
-        Its blocks, in spec order.
-
-    Raises:
-        LossyAllToAllError: A decoded block's count, shape or dtype is not the layout's.
-    """
-    dtype = info.dtype
-    n_coded = sum(coded_flags)
-    if len(decoded) != n_coded:
-        _fail(direction, my_rank, peer, specs, f"{len(decoded)} blocks decoded, {n_coded} expected")
-    if n_coded == len(specs):  # no raw block (the usual payload): check and pass them on
-        for s, br, b in zip(specs, block_rows, decoded, strict=True):
-            if b.shape != (br, s.dim) or b.dtype != dtype:
-                _bad_block(direction, my_rank, peer, specs, s, b, (br, s.dim), dtype)
-        return decoded
-    blocks: list[torch.Tensor] = []
-    coded = iter(decoded)
-    raw_at = 0
-    for s, br, is_coded in zip(specs, block_rows, coded_flags, strict=True):
-        shape = (br, s.dim)
-        if is_coded:
-            b = next(coded)
-            if b.shape != shape or b.dtype != dtype:
-                _bad_block(direction, my_rank, peer, specs, s, b, shape, dtype)
-        else:
-            n = shape[0] * shape[1] * dtype.itemsize
-            b = payload[raw_at : raw_at + n].view(dtype).view(shape)
-            raw_at += _padded(n)
-        blocks.append(b)
-    return blocks
-
-
-def _bad_block(
-    direction: Direction,
-    my_rank: int,
-    peer: int,
-    specs: Sequence[BlockSpec],
-    spec: BlockSpec,
-    block: torch.Tensor,
-    shape: tuple[int, int],
-    dtype: torch.dtype,
-) -> NoReturn:
-    _fail(
-        direction,
-        my_rank,
-        peer,
-        specs,
-        f"table {spec.table}: block {tuple(block.shape)} {block.dtype}, expected {shape} {dtype}",
-    )
 
 
 def peer_blocks(
