@@ -36,13 +36,12 @@ from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.pooled_payload import (
     ALIGN,
     BlockSpec,
+    LayoutCache,
     LossyAll2AllPooledInfo,
     LossyAllToAllError,
     padded_size,
 )
 from torchrec_lossy.distributed.stats import Direction
-
-_MAX_LAYOUTS = 64  # cached layouts before the cache starts afresh (layouts come and go in tests)
 
 
 def _aligned(payload: torch.Tensor) -> torch.Tensor:
@@ -327,9 +326,8 @@ def decode_payloads(
     return out
 
 
-# Compress flags per table shard by layout: (id of the specs, id of the flags) -> (the keyed
-# objects, kept alive so that their ids are not reused; the flags as read; the result).
-_CODED: dict[tuple[int, int], tuple[tuple[object, ...], dict[str, bool], tuple[bool, ...]]] = {}
+# Compress flags per table shard, by layout.
+_CODED: LayoutCache[tuple[bool, ...]] = LayoutCache()
 
 
 def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple[bool, ...]:
@@ -343,15 +341,7 @@ def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple
     Returns:
         One flag per spec.
     """
-    key = (id(specs), id(compress))
-    hit = _CODED.get(key)
-    if hit is not None and hit[1] == compress:
-        return hit[2]
-    flags = tuple(compress[s.table] for s in specs)
-    if len(_CODED) >= _MAX_LAYOUTS:  # layouts come and go (tests): start afresh
-        _CODED.clear()
-    _CODED[key] = ((specs, compress), dict(compress), flags)
-    return flags
+    return _CODED.get((specs, compress), compress, lambda: tuple(compress[s.table] for s in specs))
 
 
 def _split_peer(

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -468,11 +468,48 @@ class _EncodePlan:
     all_coded: bool
 
 
-# Encode plans by layout: (sending rank, id of the compress flags, id of each destination's
-# specs) -> (the keyed objects, kept alive so that their ids are not reused; the flags as
-# planned; the plan). A dist passes the same layout objects on every call.
-_PLANS: dict[tuple[int, ...], tuple[tuple[object, ...], dict[str, bool], _EncodePlan]] = {}
-_MAX_PLANS = 64
+class LayoutCache(Generic[T]):
+    """Values derived from a layout alone (specs and compress flags), built once per layout.
+
+    A dist passes the same layout objects on every call, so they are keyed by identity: an
+    entry keeps its objects alive (their ids are not reused) and the flags' content as they were
+    when it was built, and is rebuilt if that content changed since.
+    """
+
+    def __init__(self, max_layouts: int = 64) -> None:
+        self._entries: dict[tuple[int, ...], tuple[tuple[object, ...], dict[str, bool], T]] = {}
+        self._max = max_layouts
+
+    def get(
+        self,
+        objects: tuple[object, ...],
+        flags: dict[str, bool],
+        build: Callable[[], T],
+        tag: int = 0,
+    ) -> T:
+        """The value of the layout made of ``objects`` (``flags`` among them) and ``tag``.
+
+        Args:
+            objects: The layout's objects (not mutated between calls, except ``flags``).
+            flags: The compress flags the value depends on.
+            build: Makes the value (called on a miss).
+            tag: An int that is part of the key (e.g. the sending rank).
+
+        Returns:
+            The cached or newly built value.
+        """
+        key = (tag, *map(id, objects))
+        hit = self._entries.get(key)
+        if hit is not None and hit[1] == flags:
+            return hit[2]
+        value = build()
+        if len(self._entries) >= self._max:  # layouts come and go (tests): start afresh
+            self._entries.clear()
+        self._entries[key] = (objects, dict(flags), value)
+        return value
+
+
+_PLANS: LayoutCache[_EncodePlan] = LayoutCache()
 
 
 def _encode_plan(
@@ -488,10 +525,18 @@ def _encode_plan(
     Returns:
         The plan.
     """
-    key = (-1 if my_rank is None else my_rank, id(compress), *map(id, specs_per_peer))
-    hit = _PLANS.get(key)
-    if hit is not None and hit[1] == compress:
-        return hit[2]
+    return _PLANS.get(
+        (compress, *specs_per_peer),
+        compress,
+        lambda: _build_encode_plan(specs_per_peer, compress, my_rank),
+        -1 if my_rank is None else my_rank,
+    )
+
+
+def _build_encode_plan(
+    specs_per_peer: Sequence[Sequence[BlockSpec]], compress: dict[str, bool], my_rank: int | None
+) -> _EncodePlan:
+    """Builds :func:`_encode_plan`'s plan (same arguments)."""
     peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
     coded = tuple(
         tuple(i for i, s in enumerate(specs_per_peer[p]) if compress[s.table]) for p in peers
@@ -506,7 +551,7 @@ def _encode_plan(
     meta_splits = [1] * len(specs_per_peer)
     for p, idx in zip(peers, coded, strict=True):
         meta_splits[p] = _entry_words(len(idx))
-    plan = _EncodePlan(
+    return _EncodePlan(
         peers=peers,
         coded=coded,
         raw=raw,
@@ -517,10 +562,6 @@ def _encode_plan(
         meta_splits=tuple(meta_splits),
         all_coded=not raw,
     )
-    if len(_PLANS) >= _MAX_PLANS:  # layouts come and go (tests): start afresh
-        _PLANS.clear()
-    _PLANS[key] = ((compress, *specs_per_peer), dict(compress), plan)
-    return plan
 
 
 def start_encode(
