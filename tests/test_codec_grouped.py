@@ -331,3 +331,47 @@ def test_contain_failures_zeroes_only_the_failed_group_and_reads_nothing() -> No
     host = compress_groups([[b.cpu() for b in g] for g in groups], values, CFG)
     _, status = decompress_groups(host.buffer, host.sizes, backend="cpu")
     assert contain_failures(status) is None
+
+
+_WARM_UP_CHECK = """
+import numba, torch
+from torchrec_lossy.codec import grouped, host_compress, host_decompress, warm_up_host
+from torchrec_lossy.config import CodecConfig
+
+def signatures():
+    return {
+        (m.__name__, name): len(v.signatures)
+        for m in (host_compress, host_decompress)
+        for name, v in vars(m).items()
+        if isinstance(v, numba.core.registry.CPUDispatcher)
+    }
+
+before = signatures()
+warm_up_host()
+warm = signatures()
+assert warm != before, "the warm-up compiled nothing"
+# What the pooled all-to-all then runs: float32 blocks of several sizes in two groups, relative
+# and absolute bounds (one of them zero: the exact path), decoded in one call.
+torch.manual_seed(0)
+blocks = [torch.randn(n, 16) for n in (300, 1, 40)] + [torch.randn(64, 8).round()]
+pending = grouped.start_compress_blocks(
+    blocks, [0.03, 0.01, 0.0, 0.5], [2, 2], CodecConfig(), [True, False, False, True]
+)
+payloads = pending.finish([])
+_, status = grouped.decompress_groups(payloads.buffer, payloads.sizes, label=False)
+grouped.check_groups(status)
+assert signatures() == warm, "a kernel compiled after the warm-up"
+"""
+
+
+def test_warm_up_host_compiles_every_kernel_the_all_to_all_calls() -> None:
+    """After ``warm_up_host`` (which the CPU all-to-all calls when it is built), a first
+    all-to-all's encode and decode compile nothing: in a fresh process, so that kernels compiled
+    by other tests cannot hide a miss."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WARM_UP_CHECK], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

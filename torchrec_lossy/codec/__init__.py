@@ -13,6 +13,7 @@ from torchrec_lossy.codec.grouped import (
     decompress_groups,
     first_failure,
     start_compress_groups,
+    warm_up_host,
 )
 from torchrec_lossy.codec.pipeline import (
     BlockStats,
@@ -42,4 +43,5 @@ __all__ = [
     "first_failure",
     "segment_checksums",
     "start_compress_groups",
+    "warm_up_host",
 ]

@@ -402,6 +402,22 @@ def decompress_groups(
     return out, status
 
 
+@functools.cache
+def warm_up_host() -> None:
+    """Loads the compiled CPU codec's kernels now (once per process): a tiny encode and decode.
+
+    Numba's first call in a process costs about 0.1 s even from its on-disk cache, and compiles
+    the kernels (tens of seconds) on the first run after an install or an edit; a CPU all-to-all
+    calls this when it is built, so that neither cost lands in the first training step or in
+    its codec time.
+    """
+    # A repeated row and a range to quantize: quantization, vector-LZ, Huffman, both ways.
+    block = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [0.5, 0.25, 3.0]])
+    payloads = compress_groups([[block], [block]], [[0.01], [0.0]], CodecConfig(backend="auto"))
+    _, status = decompress_groups(payloads.buffer, payloads.sizes, label=False)
+    check_groups(status)
+
+
 def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
     """One payload's bytes read back (only on an error path)."""
     assert status.buffer is not None

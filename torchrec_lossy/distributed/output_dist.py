@@ -19,6 +19,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
+from torchrec_lossy import codec
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import output_dedupe_of
@@ -86,6 +87,8 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._comms = comms
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
+        if dist.get_backend(pg) == "gloo":  # CPU tensors: the codec's compiled path, load it now
+            codec.warm_up_host()
 
     def forward(
         self,
