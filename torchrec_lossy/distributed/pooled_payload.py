@@ -719,8 +719,8 @@ def start_encode(
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
         out = [sent[p] if p in sent else _empty_payload(device) for p in range(n_peers)]
-        # Telemetry of every block sent to a peer, in one record; the codec works on all
-        # peers at once, so its time is shared out by raw bytes.
+        # Telemetry of every block sent to a peer, in one record (its own time included); the
+        # codec works on all peers at once, so its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start
         stats.record_encode(
             direction,
