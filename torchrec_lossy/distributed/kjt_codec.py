@@ -228,20 +228,10 @@ class FeatureMeta(NamedTuple):
     lookup: bool = False
     out_rows: int = 0
 
-    def words(self) -> list[int]:
-        """The feature's metadata words (``kjt_host`` writes them alike for an encode)."""
-        mode = (
-            self.len_bits
-            | (self.id_bits << 8)
-            | (int(self.dedupe) << 16)
-            | (int(self.lookup) << 17)
-            | (self.out_rows << 32)
-        )
-        return [mode, self.num_ids, self.num_unique]
-
     @staticmethod
     def from_words(w: Sequence[int]) -> FeatureMeta:
-        """Inverse of :meth:`words`."""
+        """A feature's format from its three metadata words (as ``kjt_layout`` writes them:
+        widths and flags, ids, distinct ids)."""
         return FeatureMeta(
             w[0] & 0xFF,
             (w[0] >> 8) & 0xFF,

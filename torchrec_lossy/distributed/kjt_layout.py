@@ -251,7 +251,8 @@ def plan_encode_kernel(
         word0 += words
         meta[m : m + 3] = (np.int64(words), np.int64(batch), np.int64(codes))
         m += 3
-        for f in range(feat_off[p], feat_off[p + 1]):  # kjt_codec.FeatureMeta.words
+        # Each feature's three words (read back by kjt_codec.FeatureMeta.from_words).
+        for f in range(feat_off[p], feat_off[p + 1]):
             len_bits, id_bits, wire_dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
             meta[m] = len_bits | id_bits << 8 | wire_dedupe << 16 | lookup << 17 | out_rows << 32
             meta[m + 1], meta[m + 2] = num_ids, num_unique
