@@ -245,15 +245,10 @@ class LossyCommsStats:
         n = len(tables)
         errors = max_errors if max_errors is not None else [0.0] * n
         bounds = abs_bounds if abs_bounds is not None else [0.0] * n
-        # Called for every block of every all-to-all: the entry look-up and the maxima are
-        # inlined (the same results as _entry, max and _nanmax).
-        entries = self._tables
         for table, raw, wire, err, bound in zip(
             tables, raw_bytes, wire_bytes, errors, bounds, strict=True
         ):
-            e = entries.get((direction, table))
-            if e is None:
-                e = self._entry(direction, table)
+            e = self._entry(direction, table)
             if bound is None:
                 ratio = math.nan
             elif bound > 0:
@@ -263,12 +258,8 @@ class LossyCommsStats:
             e.blocks += 1
             e.raw_bytes += raw
             e.wire_bytes += wire
-            if err > e.max_error:
-                e.max_error = err
-            # _nanmax: a NaN so far gives way to anything, a NaN ratio to what is there.
-            m = e.max_error_over_bound
-            if m != m or ratio > m:
-                e.max_error_over_bound = ratio
+            e.max_error = max(e.max_error, err)
+            e.max_error_over_bound = _nanmax(e.max_error_over_bound, ratio)
 
     def record_ids(self, direction: Direction, table: str, ids: int, repeated: int) -> None:
         """Counts ids sent and how many of them repeat an earlier one (deduplication telemetry).
