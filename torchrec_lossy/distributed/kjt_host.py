@@ -143,7 +143,8 @@ def _distinct(
             segments back to back (empty: not asked for).
         inverse: Out, ``[keys]``: per key, the index of its distinct key within its segment
             (empty: not asked for).
-        first: Out, like ``uniques``: per distinct key, its first position in its segment.
+        first: Out, like ``uniques``: per distinct key, its first position in its segment
+            (empty: not asked for).
 
     Returns:
         Distinct keys of all segments.
@@ -152,7 +153,11 @@ def _distinct(
         counts[:] = 0
         return 0
     order, sorted_keys = _segment_order(keys, seg_start)
-    with_uniques, with_inverse = uniques.shape[0] > 0, inverse.shape[0] > 0
+    with_uniques, with_inverse, with_first = (
+        uniques.shape[0] > 0,
+        inverse.shape[0] > 0,
+        first.shape[0] > 0,
+    )
     u = 0
     for s in range(seg_start.shape[0] - 1):
         a = seg_start[s]
@@ -161,7 +166,8 @@ def _distinct(
             if c == 0 or sorted_keys[j] != sorted_keys[j - 1]:
                 if with_uniques:
                     uniques[u] = sorted_keys[j]
-                first[u] = order[j] - a
+                if with_first:
+                    first[u] = order[j] - a
                 u += 1
                 c += 1
             if with_inverse:
@@ -223,8 +229,7 @@ def _stats_kernel(
     if not dedupe or negative:
         return 0
     counts = np.empty(num_f, np.int64)
-    first = np.empty(values.shape[0], np.int64)
-    u = _distinct(values, seg_start, counts, uniques, inverse, first)
+    u = _distinct(values, seg_start, counts, uniques, inverse, np.empty(0, np.int64))
     stats[:, 5] = counts
     return u
 
