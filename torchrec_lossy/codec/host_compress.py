@@ -35,6 +35,7 @@ from torchrec_lossy.codec.container import (
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
+    CODE_DTYPES,
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
@@ -114,7 +115,7 @@ class BatchEncoded:
             rows=rows,
             dim=dims,
             raw_bytes=[
-                r * d * (4 if c == 1 else 2)
+                r * d * CODE_DTYPES[c].itemsize
                 for r, d, c in zip(rows, dims, self.dtype_codes, strict=True)
             ],
             wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in seg_words],
@@ -137,20 +138,11 @@ class _Scratch(threading.local):
     fault per 4 KiB on first touch, which on small payloads cost as much as a stage."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor of ``n`` elements (uninitialised), valid until the next ``get(name)``."""
-        buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.shape[0] < n:
-            buf = torch.empty(max(n, 1024), dtype=dtype)
-            self.buffers[name] = buf
-        return buf[:n]
-
     def array(self, name: str, n: int, dtype: type[np.generic]) -> np.ndarray:
-        """:meth:`get` for numpy callers: an ``n``-element array (uninitialised), valid until
-        the next ``array(name)``."""
+        """An ``n``-element 1-D array (uninitialised), valid until the next ``array(name)``
+        (``torch.from_numpy`` of it for torch callers)."""
         buf = self.arrays.get(name)
         if buf is None or buf.dtype != dtype or buf.shape[0] < n:
             buf = np.empty(max(n, 1024), dtype)
@@ -178,14 +170,12 @@ def _flatten(
         if dim and dims.count(dim) == len(dims):
             # One copy straight from the blocks, whatever their strides (flattening a strided
             # block first would copy it twice).
-            n = sum(rows) * dim
-            x = _SCRATCH.get("x", n, torch.float32)
-            torch.cat(blocks, out=x.view(-1, dim))
+            x_np = _SCRATCH.array("x", sum(rows) * dim, np.float32)
+            torch.cat(blocks, out=torch.from_numpy(x_np).view(-1, dim))
         else:
             flat = [b.reshape(-1) for b in blocks]
-            n = sum(f.shape[0] for f in flat)
-            x = torch.cat(flat, out=_SCRATCH.get("x", n, torch.float32))
-        x_np = x.numpy()
+            x_np = _SCRATCH.array("x", sum(f.shape[0] for f in flat), np.float32)
+            torch.cat(flat, out=torch.from_numpy(x_np))
         return x_np, x_np.view(np.int32)
     flat = [b.reshape(-1) for b in blocks]
     x = torch.cat([f.float() for f in flat]).cpu().numpy()
