@@ -454,7 +454,6 @@ class _EncodePlan:
         table_at: Index in ``distinct`` of each codec block's table.
         group_of: Destination to its codec group, for destinations with codec blocks.
         meta_splits: Words of the size exchange per destination (:func:`meta_words`).
-        all_coded: No raw block: the codec's input is every block of ``peers``, in order.
     """
 
     peers: tuple[int, ...]
@@ -465,7 +464,6 @@ class _EncodePlan:
     table_at: tuple[int, ...]
     group_of: dict[int, int]
     meta_splits: tuple[int, ...]
-    all_coded: bool
 
 
 class LayoutCache(Generic[T]):
@@ -560,7 +558,6 @@ def _build_encode_plan(
         table_at=tuple(distinct.index(t) for t in tables),
         group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
         meta_splits=tuple(meta_splits),
-        all_coded=not raw,
     )
 
 
@@ -617,7 +614,7 @@ def start_encode(
     with record_function(f"## lossy_a2a {direction} encode ##"):
         # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
         # layout's shapes on one device, so the codec's own checks are skipped.
-        if plan.all_coded:
+        if not plan.raw:  # every block of ``peers`` goes through the codec, in order
             flat_blocks = [b for p in peers for b in blocks_per_peer[p]]
         else:
             flat_blocks = [
