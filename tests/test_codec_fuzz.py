@@ -18,21 +18,30 @@ instead of silent garbage or a segfault.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    INTERESTING_U32,
+    apply_mutation,
+    as_tensor,
+    corpus,
+    field_positions,
+    interesting_values,
+    parse,
+    set_field,
+    with_checksum,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, decompress
+from torchrec_lossy.codec import CodecError, decompress
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
@@ -41,7 +50,6 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     SEGMENT_HEADER,
     VERSION,
-    checksum_words,
 )
 
 FUZZ_MAX_ELEMENTS = 1 << 22  # keeps a mutated rows/dim field from asking for gigabytes
@@ -50,66 +58,6 @@ REPO = HERE.parent
 
 # ---------------------------------------------------------------------------------------------
 # Corpus
-
-
-def _repeated(base: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return base[torch.randint(0, base.shape[0], (rows,), generator=g)]
-
-
-@cache
-def corpus() -> tuple[tuple[str, bytes], ...]:
-    """Valid payloads; every mode, both reference packings, escapes, several chunks."""
-    g = torch.Generator().manual_seed(7)
-    cfg = CodecConfig(huffman_chunk_symbols=64)
-    gauss = torch.randn(48, 12, generator=g)
-    outliers = gauss.clone()
-    outliers[3, 4], outliers[10, 0], outliers[40, 11] = math.nan, 1e30, -math.inf
-    few = torch.randn(4, 10, generator=g)
-    few[1, 2] = math.nan
-    many = torch.randn(90, 8, generator=g)
-    flagged = torch.cat([many, many[:6]])  # mostly distinct rows: flagged references
-    raw = torch.randint(-(2**31), 2**31 - 1, (6, 5), generator=g, dtype=torch.int32)
-    raw = raw.view(torch.float32)
-    specs = {
-        "quant": ([gauss], [0.02]),
-        "quant_escapes": ([outliers], [0.02]),
-        "quant_lz_fixed": ([_repeated(few, 60, 1)], [0.01]),
-        "quant_lz_flagged": ([flagged], [0.05]),
-        "lz_fixed": ([_repeated(few.half(), 40, 2)], [0.0]),
-        "lz_flagged": ([flagged.bfloat16()], [0.0]),
-        "raw": ([raw], [0.0]),
-        "fp16_quant": ([gauss.half()], [0.01]),
-        "bf16_quant_lz": ([_repeated(few.bfloat16(), 50, 3)], [0.02]),
-        "degenerate": ([torch.zeros(0, 4), torch.zeros(3, 0), torch.ones(1, 1)], [0.1, 0.1, 0.1]),
-        "multi": (
-            [
-                gauss[:20].half(),
-                _repeated(few, 30, 4),
-                raw,
-                _repeated(few.bfloat16(), 25, 5),
-                outliers[:16],
-            ],
-            [0.01, 0.02, 0.0, 0.0, 0.05],
-        ),
-    }
-    out = []
-    for name, (blocks, bounds) in specs.items():
-        payload, _ = compress_with_stats(blocks, bounds, cfg)
-        out.append((name, payload.numpy().tobytes()))
-    return tuple(out)
-
-
-def parse(buf: bytes) -> tuple[np.void, np.ndarray, list[tuple[int, int]]]:
-    """(header, descriptors, (byte offset, byte length) of each segment) of a valid layout."""
-    header = np.frombuffer(buf[:32], HEADER)[0]
-    n = int(header["n_blocks"])
-    descs = np.frombuffer(buf[32 : 32 + 24 * n], DESCRIPTOR)
-    segs, pos = [], 32 + 24 * n
-    for d in descs:
-        segs.append((pos, 4 * int(d["seg_words"])))
-        pos += 4 * int(d["seg_words"])
-    return header, descs, segs
 
 
 def test_corpus_covers_every_mode_and_packing():
@@ -134,28 +82,11 @@ def test_corpus_covers_every_mode_and_packing():
 # Helpers
 
 
-def with_checksum(buf: bytearray | bytes, fix_length: bool = True) -> bytes:
-    """``buf`` with body_words (if asked) and the checksum rewritten to match its body."""
-    b = bytearray(buf)
-    body_len = len(b) - 32
-    assert body_len % 4 == 0
-    header = np.frombuffer(bytes(b[:32]), HEADER).copy()
-    if fix_length:
-        header["body_words"] = body_len // 4
-    header["checksum"] = checksum_words(np.frombuffer(bytes(b[32:]), np.uint32))
-    b[:32] = header.tobytes()
-    return bytes(b)
-
-
 def declared(buf: bytes) -> list[tuple[tuple[int, int], torch.dtype]]:
     header = np.frombuffer(buf[:32], HEADER)[0]
     n = int(header["n_blocks"])
     descs = np.frombuffer(buf[32 : 32 + 24 * n], DESCRIPTOR)
     return [((int(d["rows"]), int(d["dim"])), CODE_DTYPES[int(d["dtype"])]) for d in descs]
-
-
-def as_tensor(buf: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(buf, np.uint8).copy())
 
 
 def decode_or_error(buf: bytes) -> str | None:
@@ -299,42 +230,6 @@ def test_body_words_lies():
 # ---------------------------------------------------------------------------------------------
 # Structural mutation under a valid checksum: the parser's own validation
 
-_INTERESTING_U32 = [0, 1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 255, 4094, 4095, 4096, 65535, 65536,
-                    2**24, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]  # fmt: skip
-
-
-def _field_positions(buf: bytes) -> list[tuple[int, str, np.dtype]]:
-    """(byte offset, field name, field dtype) of every descriptor and segment header field."""
-    _, descs, segs = parse(buf)
-    out = []
-    for i, d in enumerate(descs):
-        base = 32 + 24 * i
-        for name in DESCRIPTOR.names:
-            dt, off = DESCRIPTOR.fields[name][:2]
-            out.append((base + off, f"desc.{name}", dt))
-        if int(d["mode"]) != MODE_RAW and segs[i][1] >= 32:
-            for name in SEGMENT_HEADER.names:
-                dt, off = SEGMENT_HEADER.fields[name][:2]
-                out.append((segs[i][0] + off, f"seg.{name}", dt))
-    return out
-
-
-def _interesting(dt: np.dtype, current: int | float) -> list[int | float]:
-    if dt.kind == "f":
-        return [0.0, -0.0, -1.0, 1e-45, 1e-40, 1.0, 3.4e38, math.inf, -math.inf, math.nan]
-    bits = 8 * dt.itemsize
-    vals = {v % (1 << bits) for v in _INTERESTING_U32}
-    vals |= {(int(current) + d) % (1 << bits) for d in (-2, -1, 1, 2)}
-    if dt.kind == "i":
-        vals = {v - (1 << bits) if v >= 1 << (bits - 1) else v for v in vals}
-    return sorted(vals)
-
-
-def _set_field(buf: bytes, off: int, dt: np.dtype, value: int | float) -> bytes:
-    b = bytearray(buf)
-    b[off : off + dt.itemsize] = np.array(value, dtype=dt).tobytes()
-    return bytes(b)
-
 
 def _normalise(msg: str) -> str:
     return re.sub(r"-?\d[\d.e+-]*", "#", msg)
@@ -345,10 +240,10 @@ def test_every_header_field_set_to_edge_values():
     messages: dict[str, int] = {}
     n_cases = n_decoded = 0
     for _, buf in corpus():
-        for off, _name, dt in _field_positions(buf):
+        for off, _name, dt in field_positions(buf):
             current = np.frombuffer(buf[off : off + dt.itemsize], dt)[0]
-            for v in _interesting(dt, current):
-                mutated = with_checksum(_set_field(buf, off, dt, v))
+            for v in interesting_values(dt, current):
+                mutated = with_checksum(set_field(buf, off, dt, v))
                 msg = decode_or_error(mutated)
                 n_cases += 1
                 if msg is None:
@@ -366,42 +261,12 @@ def test_every_header_field_set_to_edge_values():
 _MUTATION = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 2**31), st.integers(0, 7)),
     st.tuples(st.just("byte"), st.integers(0, 2**31), st.integers(0, 255)),
-    st.tuples(st.just("word"), st.integers(0, 2**31), st.sampled_from(_INTERESTING_U32)),
+    st.tuples(st.just("word"), st.integers(0, 2**31), st.sampled_from(INTERESTING_U32)),
     st.tuples(st.just("delete"), st.integers(0, 2**31), st.integers(1, 8)),
     st.tuples(st.just("insert"), st.integers(0, 2**31), st.integers(1, 8)),
     st.tuples(st.just("swap"), st.integers(0, 2**31), st.integers(0, 2**31)),
     st.tuples(st.just("zero_tail"), st.integers(0, 2**31), st.just(0)),
 )
-
-
-def apply_mutation(buf: bytes, mutation: tuple[str, int, int]) -> bytes:
-    """One edit of the body (bytes 32..), keeping it a whole number of words."""
-    kind, a, b = mutation
-    head, body = bytearray(buf[:32]), bytearray(buf[32:])
-    n_words = len(body) // 4
-    if n_words == 0:
-        return bytes(head + body + b"\x01\x00\x00\x00")
-    if kind == "flip":
-        body[a % len(body)] ^= 1 << b
-    elif kind == "byte":
-        body[a % len(body)] = b
-    elif kind == "word":
-        w = a % n_words
-        body[4 * w : 4 * w + 4] = b.to_bytes(4, "little")
-    elif kind == "delete":
-        w = a % n_words
-        del body[4 * w : 4 * (w + b)]
-    elif kind == "insert":
-        w = a % (n_words + 1)
-        body[4 * w : 4 * w] = (a & 0xFFFFFFFF).to_bytes(4, "little") * b
-    elif kind == "swap":
-        i, j = a % n_words, b % n_words
-        wi, wj = body[4 * i : 4 * i + 4], body[4 * j : 4 * j + 4]
-        body[4 * i : 4 * i + 4], body[4 * j : 4 * j + 4] = wj, wi
-    else:  # zero_tail
-        w = a % n_words
-        body[4 * w :] = bytes(len(body) - 4 * w)
-    return bytes(head + body)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -500,11 +365,11 @@ def campaign(seed: int, n_random: int) -> dict[str, int]:
     rng = np.random.default_rng(seed)
     counts = {"cases": 0, "decoded": 0}
     for _, buf in corpus():
-        for off, _name, dt in _field_positions(buf):
+        for off, _name, dt in field_positions(buf):
             current = np.frombuffer(buf[off : off + dt.itemsize], dt)[0]
-            for v in _interesting(dt, current):
+            for v in interesting_values(dt, current):
                 counts["decoded"] += (
-                    decode_or_error(with_checksum(_set_field(buf, off, dt, v))) is None
+                    decode_or_error(with_checksum(set_field(buf, off, dt, v))) is None
                 )
                 counts["cases"] += 1
     kinds = ["flip", "byte", "word", "delete", "insert", "swap", "zero_tail"]
@@ -517,7 +382,7 @@ def campaign(seed: int, n_random: int) -> dict[str, int]:
             b = {"flip": 8, "byte": 256, "delete": 9, "insert": 9}.get(kind, 2**31)
             b = int(rng.integers(b))
             if kind == "word":
-                b = _INTERESTING_U32[b % len(_INTERESTING_U32)]
+                b = INTERESTING_U32[b % len(INTERESTING_U32)]
             if kind in ("delete", "insert"):
                 b = max(b, 1)
             buf = apply_mutation(buf, (kind, a, b))

@@ -17,8 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from test_codec_fuzz import corpus, parse, with_checksum
-from test_kernels import make_block
+from helpers import corpus, make_block, parse, with_checksum
 
 from torchrec_lossy.codec import (
     CodecConfig,

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from test_kernels import DTYPES, SPECIALS, bound_for, make_block
+from helpers import DTYPES, SPECIALS, bound_for, make_block
 
 from torchrec_lossy.codec import device_compress, huffman, pipeline
 from torchrec_lossy.config import CodecConfig

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
-from test_codec_fuzz import as_tensor, corpus, parse, with_checksum
+from helpers import as_tensor, corpus, parse, with_checksum
 
 from torchrec_lossy.codec import CodecConfig, CodecError, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
@@ -399,13 +399,15 @@ def test_bit_flips_in_segments_fail_or_decode_like_cpu() -> None:
 def _field_edits() -> list[bytes]:
     """test_codec_fuzz's deterministic sweep: every descriptor and segment header field of every
     corpus payload set to edge values, checksum fixed."""
-    from test_codec_fuzz import _field_positions, _interesting, _set_field
+    from helpers import field_positions, interesting_values, set_field
 
     out = []
     for _, buf in corpus():
-        for off, _name, dt in _field_positions(buf):
+        for off, _name, dt in field_positions(buf):
             current = np.frombuffer(buf[off : off + dt.itemsize], dt)[0]
-            out += [with_checksum(_set_field(buf, off, dt, v)) for v in _interesting(dt, current)]
+            out += [
+                with_checksum(set_field(buf, off, dt, v)) for v in interesting_values(dt, current)
+            ]
     return out
 
 
@@ -573,7 +575,7 @@ def test_realistic_traffic_decodes_like_cpu() -> None:
 @pytest.mark.slow
 def test_mutation_campaign_like_cpu() -> None:
     """Random body mutations (as test_codec_fuzz), checksum fixed: same message or same bits."""
-    from test_codec_fuzz import _INTERESTING_U32, apply_mutation
+    from helpers import INTERESTING_U32, apply_mutation
 
     rng = np.random.default_rng(2024)
     kinds = ["flip", "byte", "word", "delete", "insert", "swap", "zero_tail"]
@@ -588,7 +590,7 @@ def test_mutation_campaign_like_cpu() -> None:
                 rng.integers({"flip": 8, "byte": 256, "delete": 9, "insert": 9}.get(kind, 2**31))
             )
             if kind == "word":
-                b = _INTERESTING_U32[b % len(_INTERESTING_U32)]
+                b = INTERESTING_U32[b % len(INTERESTING_U32)]
             if kind in ("delete", "insert"):
                 b = max(b, 1)
             buf = apply_mutation(buf, (kind, a, b))

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import numba
+from helpers import DTYPES, bound_for, make_block
 
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline, vector_lz
@@ -47,26 +48,9 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROWS = [0, 1, 7, 33]
 DIMS = [1, 3, 16]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
-NAN_PAYLOAD = np.array([0x7FC01234], dtype=np.uint32).view(np.float32)[0]
-SPECIALS = [
-    float("nan"),
-    float(NAN_PAYLOAD),
-    float("inf"),
-    float("-inf"),
-    1e30,
-    -3e38,
-    65504.0,
-    65519.0,
-    65520.0,
-    -0.0,
-    1e-45,
-    3e-8,
-    6.1e-5,
-]
 
 
 def dev(a: np.ndarray) -> torch.Tensor:
@@ -83,50 +67,6 @@ def host(t: torch.Tensor, dtype: type | None = None) -> np.ndarray:
     """A device tensor back as numpy, optionally viewed as an unsigned dtype."""
     a = t.cpu().numpy()
     return a.view(dtype) if dtype is not None else a
-
-
-def make_block(rows: int, dim: int, dtype: torch.dtype, kind: str, seed: int) -> torch.Tensor:
-    """Test data: ``"adversarial"`` (specials, outliers, subnormals on 1/6 of the elements),
-    ``"mild"`` (the same on 1/40) or ``"repeat"``.
-
-    ``"repeat"`` has few distinct rows repeated many times, some with escaped elements whose raw
-    bits differ between otherwise identical rows (same symbols, different keys).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    if kind in ("adversarial", "mild"):
-        x = torch.randn(rows, dim, generator=gen) * 0.05 + 0.3
-        flat = x.view(-1)
-        if flat.numel():
-            share = 6 if kind == "adversarial" else 40
-            # "mild": no huge finite outliers, which would stretch the range past quantizing
-            specials = [v for v in SPECIALS if kind == "adversarial" or not abs(v) >= 1]
-            pos = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // share)]
-            for k, p in enumerate(pos.tolist()):
-                flat[p] = specials[k % len(specials)]
-    else:
-        n_base = max(1, rows // 8)
-        base = torch.randn(n_base, dim, generator=gen) * 0.05
-        base[0, -1] = float("nan")
-        x = base[torch.randint(0, n_base, (rows,), generator=gen)].clone()
-        if rows > 3:  # copies of row 0, one whose NaN carries other bits: same symbols only
-            x[0] = x[1] = x[rows // 2] = base[0]
-            x[rows // 2, -1] = float(NAN_PAYLOAD)
-    return x.to(dtype)
-
-
-def bound_for(block: torch.Tensor, kind: str) -> float:
-    """An absolute bound of the given kind for a block."""
-    x = block.double()
-    fin = x[torch.isfinite(x)]
-    span = float(fin.max() - fin.min()) if fin.numel() else 0.0
-    span = span if 0 < span < 1e30 else 1.0
-    return {
-        "zero": 0.0,
-        "tiny": 1e-6 * span,
-        "rel0.01": 0.01 * span,
-        "rel0.05": 0.05 * span,
-        "huge": 1e30,
-    }[kind]
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
