@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
 
-from _harness import run_workers
+from harness import run_workers
 
 pytest.importorskip("triton", reason="triton is not installed: the device codec cannot run")
 

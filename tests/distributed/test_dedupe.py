@@ -13,19 +13,23 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import (
+from harness import (
     EXACT_BACKWARD,
+    SHARDER_TABLES,
     compare_weights,
+    holey_batch,
     load_full_weights,
     local_weights,
     make_batch,
     make_ebc,
     make_tables,
     manual_plan,
+    mixed_batch,
     run_workers,
+    sharder_plan,
+    skewed_batch,
     train_step,
 )
-from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed import LossyComms, StaticBounds
@@ -81,40 +85,14 @@ def test_encode_marks_exact_output_dedupe_with_empty_bags() -> None:
     )
 
 
-def _mixed_batch(tables: list, batch: int, seed: int) -> Any:
-    """Skewed single-hot features, except f1b and f3 multi-hot (from make_batch)."""
-    from torchrec import KeyedJaggedTensor
-
-    single = _skewed_batch(tables, batch, seed).to_dict()
-    multi = make_batch(tables, batch, seed=seed + 1).to_dict()
-    keys = [f for t in tables for f in t.feature_names]
-    jts = [(multi if k in ("f1b", "f3") else single)[k] for k in keys]
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys,
-        values=torch.cat([j.values() for j in jts]),
-        lengths=torch.cat([j.lengths() for j in jts]),
-    )
-
-
-def _holey_batch(tables: list, batch: int, seed: int) -> Any:
-    """Skewed single-hot features with about a third of the bags empty."""
-    from torchrec import KeyedJaggedTensor
-
-    kjt = _skewed_batch(tables, batch, seed)
-    keep = torch.rand(kjt.values().numel(), generator=torch.Generator().manual_seed(seed)) > 0.35
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=kjt.keys(), values=kjt.values()[keep], lengths=keep.to(torch.int64)
-    )
-
-
 def _batches(tables: list, rank: int) -> list[Any]:
     """One rank's batches: skewed, multi-hot, mixed, empty feature, single-hot with empty bags."""
     return [
-        _skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
+        skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
         make_batch(tables, 6 + rank, seed=rank),  # multi-hot: normal path
-        _mixed_batch(tables, 24, seed=70 + rank),
+        mixed_batch(tables, 24, seed=70 + rank),
         make_batch(tables, 5, seed=90 + rank, empty_features=["f3"]),
-        _holey_batch(tables, 20 + rank, seed=110 + rank),
+        holey_batch(tables, 20 + rank, seed=110 + rank),
     ]
 
 
@@ -125,7 +103,7 @@ def _expected_rows(
     output dedupe: per source and feature, the distinct bags (ids, and one empty bag) where
     bags hold <= 1 id and repeat, else the source's batch size), over the other ranks (the
     owner's own block skips the wire and is counted apart)."""
-    owners = {"t0": [0], "t1": [1], "t2": [0, 1], "t3": [1]}  # _sharder_plan()
+    owners = {"t0": [0], "t1": [1], "t2": [0, 1], "t3": [1]}  # sharder_plan()
     out: dict[str, tuple[int, int]] = {}
     for t in tables:
         if rank not in owners[t.name]:
@@ -189,7 +167,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     bwd_rows: dict[str, tuple[int, int]] = {}
     for name, sharder in variants.items():
         ebc = make_ebc(tables, seed=0)
-        plan = manual_plan(ebc, sharder, _sharder_plan(), world_size)
+        plan = manual_plan(ebc, sharder, sharder_plan(), world_size)
         model = DistributedModelParallel(
             ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder]
         )
@@ -384,7 +362,7 @@ def _gdd_worker(rank: int, world_size: int, optimizer: str) -> dict[str, Any]:
             fused_params=fused, comms_config=LossyCommsConfig(default_bound=exact, backward="none")
         ),
     }
-    batches = [_skewed_batch(tables, 24 + 4 * rank, seed=300 + 10 * s + rank) for s in range(4)]
+    batches = [skewed_batch(tables, 24 + 4 * rank, seed=300 + 10 * s + rank) for s in range(4)]
     weights: dict[str, dict[str, torch.Tensor]] = {}
     outs: dict[str, list[torch.Tensor]] = {}
     sent = (0, 0)

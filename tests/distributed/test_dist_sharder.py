@@ -10,23 +10,29 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import (
+from harness import (
+    BOUNDED_TABLES,
     EXACT_BACKWARD,
+    LR,
+    DLRMish,
+    TrainRun,
+    abs_bound_upper,
+    bounded_config,
+    bounded_plan,
+    column_slices,
     compare_weights,
-    load_full_weights,
     local_weights,
     make_batch,
     make_ebc,
     make_tables,
-    manual_plan,
     max_row_count,
+    reference_training,
     run_workers,
     sgd_fused_params,
 )
 
 pytestmark = pytest.mark.dist
 
-LR = 0.5
 CPU = torch.device("cpu")
 
 
@@ -54,73 +60,6 @@ def _torchrec_sharder() -> Any:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     return EmbeddingBagCollectionSharder()
-
-
-def _targets(out: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(out.shape, generator=g) * 2 - 1
-
-
-def _loss(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((values - target) ** 2).mean()
-
-
-class _Run:
-    """One sharded model trained for a few steps; keeps outputs and final weights."""
-
-    def __init__(self, tables: list, sharder: Any, per_table: dict, world_size: int) -> None:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-
-        ebc = make_ebc(tables, seed=0)
-        plan = manual_plan(ebc, sharder, per_table, world_size)
-        self.model = DistributedModelParallel(ebc, device=CPU, plan=plan, sharders=[sharder])
-        load_full_weights(self.model.state_dict(), ebc.state_dict())
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
-        self.outputs: list[torch.Tensor] = []
-
-    def step(self, kjt: Any, target_seed: int) -> torch.Tensor:
-        # Sharded outputs are ordered by sharding type: reorder to the unsharded key order.
-        per_key = self.model(kjt).wait().to_dict()
-        keys: list[str] = kjt.keys()  # a KJT, not a dict
-        values = torch.cat([per_key[k] for k in keys], dim=1)
-        self.outputs.append(values.detach().clone())
-        self.opt.zero_grad()
-        # Each rank's own loss: DDP and TorchRec's gradient division average over ranks.
-        _loss(values, _targets(values, target_seed)).backward()
-        self.opt.step()
-        return values
-
-    def weights(self) -> dict[str, Any]:
-        return self.model.state_dict()
-
-
-def _reference(tables: list, batches: list[list[Any]], world_size: int, rank: int) -> tuple:
-    """Unsharded training on all ranks' batches; returns this rank's outputs and final weights."""
-    ebc = make_ebc(tables, seed=0)
-    opt = torch.optim.SGD(ebc.parameters(), lr=LR)
-    outs = []
-    for step, per_rank in enumerate(batches):
-        opt.zero_grad()
-        loss = 0.0
-        for r, kjt in enumerate(per_rank):
-            values = ebc(kjt).values()
-            if r == rank:
-                outs.append(values.detach().clone())
-            loss = loss + _loss(values, _targets(values, 1000 * step + r)) / world_size
-        loss.backward()
-        opt.step()
-    return outs, {k: v.detach().clone() for k, v in ebc.state_dict().items()}
-
-
-def _column_slices(tables: list) -> dict[str, list[slice]]:
-    """Output columns of each table in the KeyedTensor (features in table order)."""
-    out: dict[str, list[slice]] = {}
-    col = 0
-    for t in tables:
-        for _ in t.feature_names:
-            out.setdefault(t.name, []).append(slice(col, col + t.embedding_dim))
-            col += t.embedding_dim
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,19 +110,19 @@ def _worker_exact(rank: int, world_size: int) -> dict[str, Any]:
     ]
     exact = ErrorBound("absolute", 0.0)
     runs = {
-        "torchrec": _Run(tables, _torchrec_sharder(), _mixed_plan(), world_size),
-        "none": _Run(
+        "torchrec": TrainRun(tables, _torchrec_sharder(), _mixed_plan(), world_size),
+        "none": TrainRun(
             tables, _lossy_sharder(default_bound=exact, **EXACT_BACKWARD), _mixed_plan(), world_size
         ),
         # The default backward: the codec at a relative bound, stochastically rounded.
-        "default": _Run(tables, _lossy_sharder(default_bound=exact), _mixed_plan(), world_size),
-        "fp16": _Run(
+        "default": TrainRun(tables, _lossy_sharder(default_bound=exact), _mixed_plan(), world_size),
+        "fp16": TrainRun(
             tables, _lossy_sharder(default_bound=exact, backward="fp16"), _mixed_plan(), world_size
         ),
-        "bf16": _Run(
+        "bf16": TrainRun(
             tables, _lossy_sharder(default_bound=exact, backward="bf16"), _mixed_plan(), world_size
         ),
-        "lossy": _Run(
+        "lossy": TrainRun(
             tables,
             _lossy_sharder(
                 default_bound=exact,
@@ -195,19 +134,19 @@ def _worker_exact(rank: int, world_size: int) -> dict[str, Any]:
         ),
     }
     # TorchRec's qcomm codecs still serve the row-wise reduce-scatter.
-    qcomm = _Run(
+    qcomm = TrainRun(
         tables, _lossy_sharder(default_bound=exact, qcomm_fp16=True), _mixed_plan(), world_size
     )
     for s in range(steps):
         for run in runs.values():
             run.step(batches[s][rank], 1000 * s + rank)
     qcomm.step(batches[0][rank], rank)
-    ref_outs, ref_weights = _reference(tables, batches, world_size, rank)
+    ref_outs, ref_weights = reference_training(tables, batches, world_size, rank)
 
     tr = runs["torchrec"]
     w0 = make_ebc(tables, seed=0).state_dict()
     result: dict[str, Any] = {"logs": logs, "max_count": sum(max_row_count(b) for b in batches)}
-    rw_cols = _column_slices(tables)["t3"][0]
+    rw_cols = column_slices(tables)["t3"][0]
     result["qcomm_rw_err"] = (qcomm.outputs[0] - tr.outputs[0])[:, rw_cols].abs().max().item()
     other = torch.ones(qcomm.outputs[0].shape[1], dtype=torch.bool)
     other[rw_cols] = False
@@ -296,53 +235,8 @@ def _bwd_tol(name: str, r: dict[str, Any], default_err: float) -> float:
 # ---------------------------------------------------------------------------------------------
 # Bounds > 0: outputs within the bound, training within the derived tolerance, exact byte counts.
 
-BOUNDED_TABLES = [
-    ("t0", 60, 16, ["f0"]),
-    ("t1", 40, 8, ["f1", "f1b"]),
-    ("t2", 50, 16, ["f2"]),
-    ("t3", 30, 8, ["f3"]),
-    ("t4", 20, 8, ["f4"]),
-]
 # Local table shards per rank: (table, columns) -> raw bytes per global row.
 BOUNDED_LOCAL_WIDTH = {0: {"t0": 16, "t2": 8, "t3": 8}, 1: {"t1": 16, "t2": 8}}
-
-
-def _bounded_config() -> Any:
-    from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
-
-    return LossyCommsConfig(
-        default_bound=ErrorBound("relative", 0.03),
-        tables={
-            "t0": TableCodecConfig(bound=ErrorBound("relative", 0.02)),
-            "t1": TableCodecConfig(bound=ErrorBound("absolute", 0.01)),
-            "t2*": TableCodecConfig(bound=ErrorBound("relative", 0.05)),
-            "t3": TableCodecConfig(compress=False),
-        },
-        **EXACT_BACKWARD,  # the forward's error alone (the backward's: test_bound0_...)
-    )
-
-
-def _bounded_plan() -> dict[str, Any]:
-    from torchrec.distributed.sharding_plan import column_wise, data_parallel, table_wise
-
-    return {
-        "t0": table_wise(rank=0),
-        "t1": table_wise(rank=1),
-        "t2": column_wise(ranks=[0, 1]),
-        "t3": table_wise(rank=0),
-        "t4": data_parallel(),
-    }
-
-
-def _abs_bound_upper(config: Any, table: str, ref_cols: torch.Tensor) -> float:
-    """An upper bound of the absolute bound any block of ``table`` got on its way here."""
-    eb = config.table(table).bound
-    if not config.table(table).compress:
-        return 0.0
-    if eb.mode == "absolute":
-        return eb.value
-    # A block is a subset of these columns (a column shard at most), so its range is no larger.
-    return eb.value * (ref_cols.max() - ref_cols.min()).item()
 
 
 def _worker_bounded(rank: int, world_size: int) -> dict[str, Any]:
@@ -360,7 +254,7 @@ def _worker_bounded(rank: int, world_size: int) -> dict[str, Any]:
 
     dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
 
-    config = _bounded_config()
+    config = bounded_config()
     tables = make_tables(BOUNDED_TABLES)
     batch, steps = 16, 4
     batches = [
@@ -368,7 +262,7 @@ def _worker_bounded(rank: int, world_size: int) -> dict[str, Any]:
         for s in range(steps)
     ]
     sharder = LossyEmbeddingBagCollectionSharder(comms_config=config)
-    run = _Run(tables, sharder, _bounded_plan(), world_size)
+    run = TrainRun(tables, sharder, bounded_plan(), world_size)
     stats = run.model.module.lossy_stats
     per_step_err, per_step_count = [], []
     for s in range(steps):
@@ -393,13 +287,13 @@ def _worker_bounded(rank: int, world_size: int) -> dict[str, Any]:
     ratio_t0 = stats.table("t0", "fwd").ratio if rank == 0 else None
     summary = stats.summary()
 
-    ref_outs, ref_weights = _reference(tables, batches, world_size, rank)
+    ref_outs, ref_weights = reference_training(tables, batches, world_size, rank)
     # Step 0 (same weights): every output element within its table's bound.
     excess = {}
-    for table, cols in _column_slices(tables).items():
+    for table, cols in column_slices(tables).items():
         ref_cols = torch.cat([ref_outs[0][:, c] for c in cols], dim=1)
         got_cols = torch.cat([run.outputs[0][:, c] for c in cols], dim=1)
-        upper = _abs_bound_upper(config, table, ref_cols)
+        upper = abs_bound_upper(config, table, ref_cols)
         excess[table] = ((got_cols - ref_cols).abs().max() - upper).item()
     # Training: the forward error perturbs dL/dout = 2 (out - y) / N by 2 e / N (then /world in
     # the backward); a row's step sums at most count such terms. Factor 2 for second-order terms.
@@ -470,14 +364,14 @@ def _worker_uneven(rank: int, world_size: int) -> dict[str, Any]:
         for s in range(steps)
     ]
     runs = {
-        "torchrec": _Run(tables, _torchrec_sharder(), _uneven_plan(), world_size),
-        "exact": _Run(
+        "torchrec": TrainRun(tables, _torchrec_sharder(), _uneven_plan(), world_size),
+        "exact": TrainRun(
             tables,
             _lossy_sharder(default_bound=ErrorBound("absolute", 0.0), **EXACT_BACKWARD),
             _uneven_plan(),
             world_size,
         ),
-        "lossy": _Run(
+        "lossy": TrainRun(
             tables,
             _lossy_sharder(default_bound=ErrorBound("relative", 0.05), backward="lossy"),
             _uneven_plan(),
@@ -488,13 +382,13 @@ def _worker_uneven(rank: int, world_size: int) -> dict[str, Any]:
         for run in runs.values():
             run.step(batches[s][rank], 1000 * s + rank)
     tr = runs["torchrec"]
-    ref_outs, _ = _reference(tables, batches, world_size, rank)
+    ref_outs, _ = reference_training(tables, batches, world_size, rank)
     config = runs["lossy"].model.module.lossy_comms.config
     excess = {}
-    for table, cols in _column_slices(tables).items():
+    for table, cols in column_slices(tables).items():
         ref_cols = torch.cat([ref_outs[0][:, c] for c in cols], dim=1)
         got_cols = torch.cat([runs["lossy"].outputs[0][:, c] for c in cols], dim=1)
-        upper = _abs_bound_upper(config, table, ref_cols)
+        upper = abs_bound_upper(config, table, ref_cols)
         excess[table] = ((got_cols - ref_cols).abs().max() - upper).item()
     lossy_stats = runs["lossy"].model.module.lossy_stats
     return {
@@ -532,7 +426,7 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec_lossy.distributed import LossyAllToAllError
 
     tables = make_tables([("t0", 30, 8, ["f0"]), ("t1", 30, 8, ["f1"])])
-    run = _Run(
+    run = TrainRun(
         tables, _lossy_sharder(), {"t0": table_wise(rank=0), "t1": table_wise(rank=1)}, world_size
     )
     comms = run.model.module.lossy_comms
@@ -622,18 +516,6 @@ def _rw_on_cpu_sharder(**kwargs: Any) -> Any:
     return RwOnCpuSharder(**kwargs)
 
 
-class _DLRMish(torch.nn.Module):
-    def __init__(self, ebc: Any, dim_sum: int) -> None:
-        super().__init__()
-        self.ebc = ebc
-        self.head = torch.nn.Linear(dim_sum, 1)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.head(self.ebc(batch.sparse_features).values()).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        return loss, logits.detach()
-
-
 class _CountingBounds(torch.nn.Module):
     """A provider with state: the seam the adaptive bounds plug into."""
 
@@ -671,7 +553,7 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     )
 
     tables = make_tables(PIPELINE_TABLES)
-    model = _DLRMish(make_ebc(tables, device="meta"), sum(t.embedding_dim for t in tables))
+    model = DLRMish(make_ebc(tables, device="meta"), sum(t.embedding_dim for t in tables))
     sharder = _rw_on_cpu_sharder(
         fused_params=sgd_fused_params(0.1),
         comms_config=LossyCommsConfig(),

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import (
+from harness import (
     EXACT_BACKWARD,
+    SHARDER_TABLES,
     load_full_weights,
     local_weights,
     make_batch,
@@ -20,6 +21,8 @@ from _harness import (
     make_tables,
     manual_plan,
     run_workers,
+    sharder_plan,
+    skewed_batch,
     train_step,
 )
 
@@ -349,41 +352,6 @@ def test_corrupt_input_payload_fails_on_its_receiver_with_the_hook() -> None:
         assert r["seen"] == [("input", 0), ("input", 1)], r["seen"]
 
 
-SHARDER_TABLES = [
-    ("t0", 64, 8, ["f0"]),
-    ("t1", 1000, 8, ["f1", "f1b"]),
-    ("t2", 257, 8, ["f2"]),
-    ("t3", 30, 4, ["f3"]),
-]
-
-
-def _sharder_plan() -> dict[str, Any]:
-    from torchrec.distributed.sharding_plan import column_wise, table_wise
-
-    return {
-        "t0": table_wise(rank=0),
-        "t1": table_wise(rank=1),
-        "t2": column_wise(ranks=[0, 1]),
-        "t3": table_wise(rank=1),
-    }
-
-
-def _skewed_batch(tables: list, batch: int, seed: int) -> Any:
-    """Single-hot batches of a handful of hot ids per feature, up to the last row: many repeats."""
-    from torchrec import KeyedJaggedTensor
-
-    g = torch.Generator().manual_seed(seed)
-    keys = [f for t in tables for f in t.feature_names]
-    ids = [
-        t.num_embeddings - 1 - (torch.rand(batch, generator=g) ** 4 * 4).long()
-        for t in tables
-        for _ in t.feature_names
-    ]
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.cat(ids), lengths=torch.ones(len(keys) * batch, dtype=torch.int64)
-    )
-
-
 def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -436,7 +404,7 @@ def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
     }
     batches = [
         make_batch(tables, 6 + rank, seed=rank),
-        _skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
+        skewed_batch(tables, 32 + 8 * rank, seed=50 + rank),
         make_batch(tables, 5, seed=90 + rank, empty_features=["f3"]),
     ]
     outs: dict[str, list[torch.Tensor]] = {}
@@ -445,7 +413,7 @@ def _worker_sharder(rank: int, world_size: int) -> dict[str, Any]:
     consistent = True
     for name, sharder in variants.items():
         ebc = make_ebc(tables, seed=0)
-        plan = manual_plan(ebc, sharder, _sharder_plan(), world_size)
+        plan = manual_plan(ebc, sharder, sharder_plan(), world_size)
         model = DistributedModelParallel(
             ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder]
         )

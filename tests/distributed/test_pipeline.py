@@ -11,18 +11,21 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import (
+from harness import (
     EXACT_BACKWARD,
+    SHARDER_TABLES,
+    DLRMish,
+    holey_batch,
     load_full_weights,
     local_weights,
     make_ebc,
     make_tables,
+    mixed_batch,
     run_workers,
     sgd_fused_params,
+    sharder_plan,
+    skewed_batch,
 )
-from test_dedupe import _holey_batch, _mixed_batch
-from test_dist_sharder import _DLRMish
-from test_input_dist import SHARDER_TABLES, _sharder_plan, _skewed_batch
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed.stats import CONTAINER
@@ -34,7 +37,7 @@ STEPS = 6
 def _batches(tables: list, rank: int) -> list[Any]:
     from torchrec.datasets.utils import Batch
 
-    makers = (_skewed_batch, _mixed_batch, _holey_batch)
+    makers = (skewed_batch, mixed_batch, holey_batch)
     out = []
     for i in range(STEPS):
         b = 16 + 4 * rank
@@ -81,10 +84,10 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
         ebc = make_ebc(tables, seed=0)
         full_state = ebc.state_dict()
         torch.manual_seed(1)
-        model = _DLRMish(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+        model = DLRMish(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
         module_plan = construct_module_sharding_plan(
             ebc,
-            _sharder_plan(),
+            sharder_plan(),
             sharder=sharder,
             local_size=world_size,
             world_size=world_size,

@@ -13,23 +13,21 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _harness import (
+from harness import (
+    BOUNDED_TABLES,
+    LR,
+    TrainRun,
+    abs_bound_upper,
+    bounded_config,
+    bounded_plan,
+    column_slices,
     compare_weights,
     free_port,
     gloo_group,
     make_batch,
     make_tables,
     max_row_count,
-)
-from test_dist_sharder import (
-    BOUNDED_TABLES,
-    LR,
-    _abs_bound_upper,
-    _bounded_config,
-    _bounded_plan,
-    _column_slices,
-    _reference,
-    _Run,
+    reference_training,
 )
 
 from torchrec_lossy.adaptive import AdaptiveBounds
@@ -49,7 +47,7 @@ def _sharder() -> LossyEmbeddingBagCollectionSharder:
         fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.25},
         qcomm_codecs_registry=get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.BF16)),
         sharded_module_order_overwrite=["b", "a"],
-        comms_config=_bounded_config(),
+        comms_config=bounded_config(),
         bounds_factory=AdaptiveBounds,
     )
 
@@ -94,18 +92,18 @@ def test_sharder_with_an_unpicklable_factory_names_it() -> None:
 def _spawned(rank: int, world_size: int, port: int, sharder: Any, out_dir: str) -> None:
     """One rank: shards with the pickled sharder, trains one step, saves what the parent checks."""
     with gloo_group(rank, world_size, port):
-        _same_settings(LossyEmbeddingBagCollectionSharder(comms_config=_bounded_config()), sharder)
+        _same_settings(LossyEmbeddingBagCollectionSharder(comms_config=bounded_config()), sharder)
         tables = make_tables(BOUNDED_TABLES)
         batches = [[make_batch(tables, 16, seed=r) for r in range(world_size)]]
-        run = _Run(tables, sharder, _bounded_plan(), world_size)
+        run = TrainRun(tables, sharder, bounded_plan(), world_size)
         run.step(batches[0][rank], rank)  # forward, backward (through the lossy codec), SGD
         stats = run.model.module.lossy_stats
-        ref_outs, ref_weights = _reference(tables, batches, world_size, rank)
+        ref_outs, ref_weights = reference_training(tables, batches, world_size, rank)
         excess = {}
-        for table, cols in _column_slices(tables).items():
+        for table, cols in column_slices(tables).items():
             ref_cols = torch.cat([ref_outs[0][:, c] for c in cols], dim=1)
             got_cols = torch.cat([run.outputs[0][:, c] for c in cols], dim=1)
-            upper = _abs_bound_upper(sharder.comms_config, table, ref_cols)
+            upper = abs_bound_upper(sharder.comms_config, table, ref_cols)
             excess[table] = ((got_cols - ref_cols).abs().max() - upper).item()
         fwd_err = max(e.max_error for e in stats.tables("fwd").values())
         # The forward error perturbs dL/dout by 2 e / N (/world in the backward), count times.
@@ -132,7 +130,7 @@ def _spawned(rank: int, world_size: int, port: int, sharder: Any, out_dir: str) 
 
 @pytest.mark.dist
 def test_sharder_handed_to_ranks_through_spawn_args_shards_and_trains(tmp_path: Path) -> None:
-    sharder = LossyEmbeddingBagCollectionSharder(comms_config=_bounded_config())
+    sharder = LossyEmbeddingBagCollectionSharder(comms_config=bounded_config())
     mp.spawn(
         _spawned,
         args=(2, free_port(), sharder, str(tmp_path)),

@@ -3,6 +3,9 @@
 Workers are module-level functions ``fn(rank, world_size, *args) -> picklable``; they run in
 spawned processes that share one gloo process group (with a timeout, so a stuck collective
 fails the test instead of hanging it) and always end with ``destroy_process_group()``.
+
+The tables, plans, batches and training runs that several dist test modules share live here
+too: test modules import from this module, never from each other.
 """
 
 from __future__ import annotations
@@ -301,3 +304,203 @@ def max_row_count(per_rank_batches: Sequence[Any]) -> int:
                 )
             counts[key] = c
     return int(max((c.max() for c in counts.values() if len(c)), default=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables, plans, batches and training runs shared by several dist test modules.
+
+CPU = torch.device("cpu")
+
+SHARDER_TABLES = [
+    ("t0", 64, 8, ["f0"]),
+    ("t1", 1000, 8, ["f1", "f1b"]),
+    ("t2", 257, 8, ["f2"]),
+    ("t3", 30, 4, ["f3"]),
+]
+
+
+def sharder_plan() -> dict[str, Any]:
+    """SHARDER_TABLES on 2 ranks: t0 and t1 / t3 table-wise, t2 column-wise."""
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
+
+    return {
+        "t0": table_wise(rank=0),
+        "t1": table_wise(rank=1),
+        "t2": column_wise(ranks=[0, 1]),
+        "t3": table_wise(rank=1),
+    }
+
+
+def skewed_batch(tables: list, batch: int, seed: int) -> Any:
+    """Single-hot batches of a handful of hot ids per feature, up to the last row: many repeats."""
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    keys = [f for t in tables for f in t.feature_names]
+    ids = [
+        t.num_embeddings - 1 - (torch.rand(batch, generator=g) ** 4 * 4).long()
+        for t in tables
+        for _ in t.feature_names
+    ]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(ids), lengths=torch.ones(len(keys) * batch, dtype=torch.int64)
+    )
+
+
+def mixed_batch(tables: list, batch: int, seed: int) -> Any:
+    """Skewed single-hot features, except f1b and f3 multi-hot (from make_batch)."""
+    from torchrec import KeyedJaggedTensor
+
+    single = skewed_batch(tables, batch, seed).to_dict()
+    multi = make_batch(tables, batch, seed=seed + 1).to_dict()
+    keys = [f for t in tables for f in t.feature_names]
+    jts = [(multi if k in ("f1b", "f3") else single)[k] for k in keys]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat([j.values() for j in jts]),
+        lengths=torch.cat([j.lengths() for j in jts]),
+    )
+
+
+def holey_batch(tables: list, batch: int, seed: int) -> Any:
+    """Skewed single-hot features with about a third of the bags empty."""
+    from torchrec import KeyedJaggedTensor
+
+    kjt = skewed_batch(tables, batch, seed)
+    keep = torch.rand(kjt.values().numel(), generator=torch.Generator().manual_seed(seed)) > 0.35
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=kjt.keys(), values=kjt.values()[keep], lengths=keep.to(torch.int64)
+    )
+
+
+LR = 0.5  # SGD learning rate of TrainRun and reference_training
+
+
+def random_targets(out: torch.Tensor, seed: int) -> torch.Tensor:
+    """Regression targets in [-1, 1) shaped like ``out``, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(out.shape, generator=g) * 2 - 1
+
+
+def mse_loss(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error."""
+    return ((values - target) ** 2).mean()
+
+
+class TrainRun:
+    """One sharded model trained for a few steps; keeps outputs and final weights."""
+
+    def __init__(self, tables: list, sharder: Any, per_table: dict, world_size: int) -> None:
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+
+        ebc = make_ebc(tables, seed=0)
+        plan = manual_plan(ebc, sharder, per_table, world_size)
+        self.model = DistributedModelParallel(ebc, device=CPU, plan=plan, sharders=[sharder])
+        load_full_weights(self.model.state_dict(), ebc.state_dict())
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.outputs: list[torch.Tensor] = []
+
+    def step(self, kjt: Any, target_seed: int) -> torch.Tensor:
+        # Sharded outputs are ordered by sharding type: reorder to the unsharded key order.
+        per_key = self.model(kjt).wait().to_dict()
+        keys: list[str] = kjt.keys()  # a KJT, not a dict
+        values = torch.cat([per_key[k] for k in keys], dim=1)
+        self.outputs.append(values.detach().clone())
+        self.opt.zero_grad()
+        # Each rank's own loss: DDP and TorchRec's gradient division average over ranks.
+        mse_loss(values, random_targets(values, target_seed)).backward()
+        self.opt.step()
+        return values
+
+    def weights(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+
+def reference_training(tables: list, batches: list[list[Any]], world_size: int, rank: int) -> tuple:
+    """Unsharded training on all ranks' batches; returns this rank's outputs and final weights."""
+    ebc = make_ebc(tables, seed=0)
+    opt = torch.optim.SGD(ebc.parameters(), lr=LR)
+    outs = []
+    for step, per_rank in enumerate(batches):
+        opt.zero_grad()
+        loss = 0.0
+        for r, kjt in enumerate(per_rank):
+            values = ebc(kjt).values()
+            if r == rank:
+                outs.append(values.detach().clone())
+            loss = loss + mse_loss(values, random_targets(values, 1000 * step + r)) / world_size
+        loss.backward()
+        opt.step()
+    return outs, {k: v.detach().clone() for k, v in ebc.state_dict().items()}
+
+
+def column_slices(tables: list) -> dict[str, list[slice]]:
+    """Output columns of each table in the KeyedTensor (features in table order)."""
+    out: dict[str, list[slice]] = {}
+    col = 0
+    for t in tables:
+        for _ in t.feature_names:
+            out.setdefault(t.name, []).append(slice(col, col + t.embedding_dim))
+            col += t.embedding_dim
+    return out
+
+
+BOUNDED_TABLES = [
+    ("t0", 60, 16, ["f0"]),
+    ("t1", 40, 8, ["f1", "f1b"]),
+    ("t2", 50, 16, ["f2"]),
+    ("t3", 30, 8, ["f3"]),
+    ("t4", 20, 8, ["f4"]),
+]
+
+
+def bounded_config() -> Any:
+    from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
+
+    return LossyCommsConfig(
+        default_bound=ErrorBound("relative", 0.03),
+        tables={
+            "t0": TableCodecConfig(bound=ErrorBound("relative", 0.02)),
+            "t1": TableCodecConfig(bound=ErrorBound("absolute", 0.01)),
+            "t2*": TableCodecConfig(bound=ErrorBound("relative", 0.05)),
+            "t3": TableCodecConfig(compress=False),
+        },
+        **EXACT_BACKWARD,  # the forward's error alone (the backward's: test_bound0_...)
+    )
+
+
+def bounded_plan() -> dict[str, Any]:
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, table_wise
+
+    return {
+        "t0": table_wise(rank=0),
+        "t1": table_wise(rank=1),
+        "t2": column_wise(ranks=[0, 1]),
+        "t3": table_wise(rank=0),
+        "t4": data_parallel(),
+    }
+
+
+def abs_bound_upper(config: Any, table: str, ref_cols: torch.Tensor) -> float:
+    """An upper bound of the absolute bound any block of ``table`` got on its way here."""
+    eb = config.table(table).bound
+    if not config.table(table).compress:
+        return 0.0
+    if eb.mode == "absolute":
+        return eb.value
+    # A block is a subset of these columns (a column shard at most), so its range is no larger.
+    return eb.value * (ref_cols.max() - ref_cols.min()).item()
+
+
+class DLRMish(torch.nn.Module):
+    """The EBC's pooled output through a linear head into a BCE loss (for train pipelines)."""
+
+    def __init__(self, ebc: Any, dim_sum: int) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.head = torch.nn.Linear(dim_sum, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.ebc(batch.sparse_features).values()).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, logits.detach()
