@@ -122,6 +122,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             comms=self._comms,
             compress=self._compress,
             output_dedupe=dedupe,
+            exact_forward=self._comms.exact_forward,
         )
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)
