@@ -149,6 +149,16 @@ def evaluate(model: nn.Module, batches: Sequence[Any], env: DistEnv) -> dict[str
     return {"auc": auroc(p, y), "logloss": logloss, "rows": int(p.numel())}
 
 
+def _add_error_sample(t: dict[str, Any], e: Mapping[str, Any]) -> None:
+    """Folds one rank's sampled forward errors of a table into its summary row: the RMS error
+    relative to the RMS value and the share of values snapped to zero (None until sampled)."""
+    for key in ("error_count", "error_sq_sum", "value_sq_sum", "snapped_to_zero"):
+        t[f"fwd_{key}"] = t.get(f"fwd_{key}", 0) + e[key]
+    val_sq, n = t["fwd_value_sq_sum"], t["fwd_error_count"]
+    t["fwd_rel_rms_error"] = math.sqrt(t["fwd_error_sq_sum"] / val_sq) if val_sq else None
+    t["fwd_snapped_share"] = t["fwd_snapped_to_zero"] / n if n else None
+
+
 class CommsMeter:
     """Embedding all-to-all traffic of the training steps, per table.
 
@@ -580,6 +590,7 @@ class RunLog:
                         )
                         t["encode_s"] = t.get("encode_s", 0.0) + e["encode_s"]
                         t["decode_s"] = t.get("decode_s", 0.0) + e["decode_s"]
+                        _add_error_sample(t, e)
                 for name, b in r["bounds"].items():
                     if name in tables and "raw_bytes" in tables[name]:
                         tables[name].update(b)

@@ -95,7 +95,7 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
         lines.append(
             f"{'table':<10} {'rows':>8} {'shard':<5} {'rank':>4} {'fwd ratio':>9} "
             f"{'err/bound':>9} {'bound':>8} {'class':<10} {'enc ms':>8} {'dec ms':>8} "
-            f"{'bwd ratio':>9} {'bwd e/b':>8} {'bwd mean err':>12}"
+            f"{'rel rms':>7} {'snap %':>6} {'bwd ratio':>9} {'bwd e/b':>8} {'bwd mean err':>12}"
         )
         for name in sorted(tables, key=_natural):
             t = tables[name]
@@ -106,6 +106,8 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
                 f"{_fmt(t.get('bound'), '.4g'):>8} {t.get('class') or '-':<10} "
                 f"{_fmt(_ms(t.get('encode_s')), '.1f'):>8} "
                 f"{_fmt(_ms(t.get('decode_s')), '.1f'):>8} "
+                f"{_fmt(t.get('fwd_rel_rms_error'), '.4f'):>7} "
+                f"{_fmt(_pct(t.get('fwd_snapped_share')), '.1f'):>6} "
                 f"{_fmt(t.get('bwd_ratio'), '.2f'):>9} "
                 f"{_fmt(t.get('bwd_max_error_over_bound'), '.3f'):>8} "
                 f"{_fmt(t.get('bwd_mean_signed_error'), '.2e'):>12}"
@@ -123,6 +125,10 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
 
 def _ms(s: float | None) -> float | None:
     return None if s is None else 1e3 * s
+
+
+def _pct(share: float | None) -> float | None:
+    return None if share is None else 100 * share
 
 
 def write_json(metrics: Mapping[str, Any], path: str | Path) -> None:
@@ -176,10 +182,17 @@ def write_tensorboard(metrics: Mapping[str, Any], logdir: str | Path) -> None:
                     w.add_scalar(f"bound/{name}", t["bound"], step)
             if point.get("fwd_ratio") is not None:
                 w.add_scalar("comms/fwd_ratio", point["fwd_ratio"], step)
-        # Per table at the end of the run: the backward's ratio, error/bound and signed error.
+        # Per table at the end of the run: the forward's sampled error statistics, the
+        # backward's ratio, error/bound and signed error.
         last = hist["train_step"][-1] if hist["train_step"] else 0
         for name, t in metrics.get("tables", {}).items():
-            for key in ("bwd_ratio", "bwd_max_error_over_bound", "bwd_mean_signed_error"):
+            for key in (
+                "fwd_rel_rms_error",
+                "fwd_snapped_share",
+                "bwd_ratio",
+                "bwd_max_error_over_bound",
+                "bwd_mean_signed_error",
+            ):
                 if t.get(key) is not None:
                     w.add_scalar(f"{key}/{name}", t[key], last)
         w.add_scalar("final/auc", metrics["final"].get("auc") or float("nan"), 0)
@@ -259,9 +272,13 @@ def write_png(metrics: Mapping[str, Any], path: str | Path) -> None:
             bs.append(t.get("bound") if t.get("bound") is not None else float("nan"))
         ax_r.plot(xs, rs, color=cmap(k), lw=1, label=name)
         ax_b.plot(xs, bs, color=cmap(k), lw=1, label=name)
-        bwd = metrics.get("tables", {}).get(name, {}).get("bwd_ratio")
+        whole_run = metrics.get("tables", {}).get(name, {})
+        bwd = whole_run.get("bwd_ratio")
         if bwd and xs:  # the backward's whole-run ratio, at the last step
             ax_r.scatter([xs[-1]], [bwd], color=cmap(k), marker="x", s=18)
+        rms = whole_run.get("fwd_rel_rms_error")
+        if rms is not None and xs:  # the forward's sampled RMS error / RMS value
+            ax_b.scatter([xs[-1]], [rms], color=cmap(k), marker="o", s=14)
     ax_r.set_yscale("log")
     ax_r.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
     ax_r.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
@@ -270,7 +287,7 @@ def write_png(metrics: Mapping[str, Any], path: str | Path) -> None:
     ax_r.set_title("compression ratio per table (lines: forward; x: backward, whole run)")
     ax_b.set_xlabel("step")
     ax_b.set_ylabel("relative bound (x decay factor)")
-    ax_b.set_title("effective error bound per table")
+    ax_b.set_title("effective error bound per table (o: forward RMS error / RMS value, run)")
     if names:
         ax_b.legend(fontsize=6, ncol=2, loc="upper right")
     else:

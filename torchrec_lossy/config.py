@@ -25,6 +25,8 @@ T = TypeVar("T")
 
 Backend = Literal["auto", "cpu", "triton", "reference"]
 BoundMode = Literal["relative", "absolute"]
+EvaluationMode = Literal["exact", "lossy"]
+IntraHost = Literal["auto", "coded", "raw"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
@@ -315,8 +317,19 @@ class LossyCommsConfig:
         backward_dedupe: Under the exact output dedupe, send the gradient one row per distinct
             bag (summed over its copies); exact up to float summation order. The lookup dedupe
             always does.
-        error_sample_every: Every this many backward calls, the sender decodes its own lossy
-            payload to record the signed error (``TableCommStats.mean_signed_error``); 0: never.
+        error_sample_every: Every this many calls of each direction (forward, backward), the
+            sender decodes its own lossy payloads to record error statistics
+            (``TableCommStats.mean_signed_error``, ``relative_rms_error``, ``snapped_share``;
+            CPU payloads only: the device path keeps its one host sync); 0: never.
+        evaluation: The forward all-to-all while the sharded module is in ``eval()`` mode:
+            ``"exact"`` (the default: lossless, so an evaluation measures the model, not the
+            codec; the exact output dedupe and the lossless input codec still apply) or
+            ``"lossy"`` (each table's training bound, as in training).
+        intra_host: Blocks for peers on the same host: ``"auto"`` (raw on a NCCL group, where
+            NVLink outruns any codec; coded on gloo), ``"raw"`` or ``"coded"`` (forced). Blocks
+            for other hosts are always coded.
+        local_world_size: Ranks per host (consecutive global ranks); None: torchrun's
+            ``LOCAL_WORLD_SIZE``, else all ranks on one host.
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
@@ -331,6 +344,9 @@ class LossyCommsConfig:
     backward_seed: int = 0
     backward_dedupe: bool = True
     error_sample_every: int = 16
+    evaluation: EvaluationMode = "exact"
+    intra_host: IntraHost = "auto"
+    local_world_size: int | None = None
     schedule: ErrorBoundSchedule = field(
         default_factory=lambda: ErrorBoundSchedule(kind="constant")
     )
@@ -340,6 +356,15 @@ class LossyCommsConfig:
     def __post_init__(self) -> None:
         _check_literal("backward", self.backward, BackwardCodec)
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
+        _check_literal("evaluation", self.evaluation, EvaluationMode)
+        _check_literal("intra_host", self.intra_host, IntraHost)
+        lws = self.local_world_size
+        _require(
+            lws is None or (isinstance(lws, int) and not isinstance(lws, bool) and lws >= 1),
+            "local_world_size",
+            lws,
+            "null or an integer >= 1",
+        )
         _require(
             isinstance(self.backward_seed, int) and not isinstance(self.backward_seed, bool),
             "backward_seed",

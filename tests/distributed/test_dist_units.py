@@ -93,6 +93,21 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
     assert b.raw_bytes <= b.wire_bytes < b.raw_bytes + 16 * b.blocks and b.max_error == 0
     assert stats.table("a", "fwd").max_error_over_bound <= 1.0
     assert stats.table(CONTAINER, "fwd").wire_bytes > 0
+    # The first call's errors were sampled: table a's RMS error / RMS value and the values
+    # snapped to zero, over its finite elements, as the decoded blocks show.
+    a_in = torch.cat([blocks[0].float().reshape(-1) for blocks in sent])
+    a_out = torch.cat([blocks[0].float().reshape(-1) for blocks in got])
+    fin = a_in.isfinite()
+    a_in, a_out = a_in[fin].double(), a_out[fin].double()
+    a = stats.table("a", "fwd")
+    assert a.error_count == a_in.numel()
+    rel = ((a_out - a_in).pow(2).sum() / a_in.pow(2).sum()).sqrt().item()
+    assert a.relative_rms_error == pytest.approx(rel, rel=1e-9)
+    # Every error is within 5% of the block's range (table a's blocks: at most the union's).
+    rms = a_in.pow(2).mean().sqrt().item()
+    assert 0 < rel <= 0.05 * (a_in.max() - a_in.min()).item() / rms
+    assert a.snapped_to_zero == int(((a_in != 0) & (a_out == 0)).sum()) > 0
+    assert math.isnan(stats.table("b", "fwd").relative_rms_error)  # raw: not sampled
 
 
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(
@@ -134,6 +149,7 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
     a = stats.table("a", "bwd")
     assert 0 < a.max_error_over_bound <= 1.0 and a.error_count == fin.sum()  # first call sampled
     assert abs(a.mean_signed_error) < 0.01 * span / 4  # unbiased: far below the bound
+    assert a.error_sq_sum == pytest.approx(float((a_out[fin] - a_in[fin]).double().pow(2).sum()))
     # A rerun from the same state draws the same bits.
     assert torch.equal(run(_info(config, [specs]))[1][0].nan_to_num(), a_out.nan_to_num())
 

@@ -146,7 +146,7 @@ def _recv_meta_splits(
     specs_per_peer: Sequence[Sequence[BlockSpec]], info: LossyAll2AllPooledInfo, my_rank: int
 ) -> list[int]:
     """Words of the size exchange expected from each peer."""
-    return [meta_words(specs, info, p == my_rank) for p, specs in enumerate(specs_per_peer)]
+    return [meta_words(specs, info, p, my_rank) for p, specs in enumerate(specs_per_peer)]
 
 
 class LossyAll2AllPooledReq(Function):

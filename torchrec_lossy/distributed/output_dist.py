@@ -27,6 +27,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
 )
+from torchrec_lossy.distributed.topology import peer_links
 
 
 def pooled_layout(
@@ -86,6 +87,8 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._layout = [tuple(specs) for specs in layout]
         self._comms = comms
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
+        self._same_host, intra_raw = peer_links(pg, comms.config)
+        self._raw_peers = self._same_host if intra_raw else frozenset()
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the codec's compiled path, load it now
             codec.warm_up_host()
@@ -122,6 +125,9 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             comms=self._comms,
             compress=self._compress,
             output_dedupe=dedupe,
+            exact_forward=self._comms.exact_forward,
+            same_host=self._same_host,
+            raw_peers=self._raw_peers,
         )
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)

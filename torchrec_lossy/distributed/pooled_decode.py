@@ -208,7 +208,10 @@ def decode_payloads(
         [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
         for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
     ]
-    coded_per_peer = [_coded_flags(specs, compress) for specs in specs_per_peer]
+    coded_per_peer = [
+        (False,) * len(specs) if peer in info.raw_peers else _coded_flags(specs, compress)
+        for peer, specs in enumerate(specs_per_peer)
+    ]
     start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
         payloads: dict[int, torch.Tensor] = {}

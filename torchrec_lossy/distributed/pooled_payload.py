@@ -88,6 +88,12 @@ class LossyAll2AllPooledInfo:
         dtype: Dtype of the pooled embeddings (set by the forward).
         output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
             deduplicated features travel once per distinct bag), or None.
+        exact_forward: The forward travels lossless (bound 0 for every table; the bound
+            provider neither asked nor shown the blocks): an exact evaluation.
+        same_host: Group indices of the peers on this rank's host (wire bytes are counted by
+            link: ``LossyCommsStats.link_bytes``).
+        raw_peers: Peers whose blocks skip the codec in both directions (same-host peers
+            under ``LossyCommsConfig.intra_host``); symmetric, so sender and receiver agree.
     """
 
     batch_size_per_rank: list[int]
@@ -96,6 +102,9 @@ class LossyAll2AllPooledInfo:
     compress: dict[str, bool]
     dtype: torch.dtype = torch.float32
     output_dedupe: OutputDedupe | None = None
+    exact_forward: bool = False
+    same_host: frozenset[int] = frozenset()
+    raw_peers: frozenset[int] = frozenset()
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -291,18 +300,23 @@ class PendingPayloads:
     meta_splits: list[int]
 
 
-def meta_words(specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, is_self: bool) -> int:
+def meta_words(
+    specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, peer: int, my_rank: int
+) -> int:
     """Words of one peer's entry in the size exchange: its size, then its codec skeleton.
 
     Args:
         specs: The specs of the blocks the payload carries.
-        info: Compress flags.
-        is_self: The rank's own entry (its blocks skip the codec: size only).
+        info: Compress flags and raw peers.
+        peer: The peer the entry is exchanged with.
+        my_rank: This rank (its own blocks skip the codec: size only).
 
     Returns:
         Word count.
     """
-    return _entry_words(0 if is_self else sum(1 for s in specs if info.compress[s.table]))
+    if peer == my_rank or peer in info.raw_peers:
+        return _entry_words(0)
+    return _entry_words(sum(1 for s in specs if info.compress[s.table]))
 
 
 def _entry_words(n_coded: int) -> int:
@@ -329,10 +343,12 @@ def _record_signed_error(
     payload: torch.Tensor,
     coded: Sequence[tuple[torch.Tensor, BlockSpec]],
 ) -> None:
-    """Decodes a payload on its sender and records each block's signed error sum (telemetry).
+    """Decodes a payload on its sender and records each block's error sample (telemetry): the
+    signed and squared error sums, the squared value sum and the values snapped to zero, over
+    the block's finite elements.
 
     Args:
-        direction: ``"bwd"`` in practice.
+        direction: ``"fwd"`` or ``"bwd"``.
         info: Comms state (telemetry).
         payload: The codec payload of ``coded``'s blocks.
         coded: Its (block, spec) pairs, in payload order.
@@ -343,19 +359,25 @@ def _record_signed_error(
         check_groups(status)  # our own payload: a failure here is a codec bug
         xs = [b for b, _ in coded]
         numels = [x.numel() for x in xs]
-        diff = (
-            torch.cat([y.reshape(-1) for y in decoded[0]]).double()
-            - torch.cat([x.reshape(-1) for x in xs]).double()
+        x = torch.cat([b.reshape(-1) for b in xs]).double()
+        y = torch.cat([d.reshape(-1) for d in decoded[0]]).double()
+        fin = torch.isfinite(y - x)
+        diff, x, y = (t.where(fin, 0.0) for t in (y - x, x, y))
+        per_block = torch.stack(
+            [diff, diff * diff, x * x, ((x != 0) & (y == 0)).double(), fin.double()]
         )
-        fin = torch.isfinite(diff)
-        if int(fin.sum()) == diff.numel():  # the usual case: every element counts
-            sums = torch.stack([d.sum() for d in diff.split(numels)]).tolist()
-            counts = numels
-        else:
-            pieces = list(zip(diff.split(numels), fin.split(numels), strict=True))
-            sums = [float(d[f].sum()) for d, f in pieces]
-            counts = [int(f.sum()) for _, f in pieces]
-        info.comms.stats.record_signed_errors(direction, [s.table for _, s in coded], sums, counts)
+        sums, sq, val_sq, snapped, counts = torch.stack(
+            [p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1
+        ).tolist()
+        info.comms.stats.record_signed_errors(
+            direction,
+            [s.table for _, s in coded],
+            sums,
+            [int(c) for c in counts],
+            sq,
+            val_sq,
+            [int(z) for z in snapped],
+        )
 
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
@@ -511,7 +533,10 @@ _PLANS: LayoutCache[_EncodePlan] = LayoutCache()
 
 
 def _encode_plan(
-    specs_per_peer: Sequence[Sequence[BlockSpec]], compress: dict[str, bool], my_rank: int | None
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    compress: dict[str, bool],
+    my_rank: int | None,
+    raw_peers: frozenset[int] = frozenset(),
 ) -> _EncodePlan:
     """The layout's :class:`_EncodePlan`, cached (rebuilt if the flags dict's content changed).
 
@@ -519,28 +544,34 @@ def _encode_plan(
         specs_per_peer: Per destination, the specs of its blocks (not mutated between calls).
         compress: Table name to whether its blocks go through the codec.
         my_rank: The sending rank (its blocks skip the codec), or None.
+        raw_peers: Destinations whose blocks all travel raw.
 
     Returns:
         The plan.
     """
     return _PLANS.get(
-        (compress, *specs_per_peer),
+        (compress, raw_peers, *specs_per_peer),
         compress,
-        lambda: _build_encode_plan(specs_per_peer, compress, my_rank),
+        lambda: _build_encode_plan(specs_per_peer, compress, my_rank, raw_peers),
         -1 if my_rank is None else my_rank,
     )
 
 
 def _build_encode_plan(
-    specs_per_peer: Sequence[Sequence[BlockSpec]], compress: dict[str, bool], my_rank: int | None
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    compress: dict[str, bool],
+    my_rank: int | None,
+    raw_peers: frozenset[int],
 ) -> _EncodePlan:
     """Builds :func:`_encode_plan`'s plan (same arguments)."""
     peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
-    coded = tuple(
-        tuple(i for i, s in enumerate(specs_per_peer[p]) if compress[s.table]) for p in peers
-    )
+
+    def codes(p: int, s: BlockSpec) -> bool:
+        return compress[s.table] and p not in raw_peers
+
+    coded = tuple(tuple(i for i, s in enumerate(specs_per_peer[p]) if codes(p, s)) for p in peers)
     raw = tuple(
-        (p, i, s) for p in peers for i, s in enumerate(specs_per_peer[p]) if not compress[s.table]
+        (p, i, s) for p in peers for i, s in enumerate(specs_per_peer[p]) if not codes(p, s)
     )
     tables = tuple(
         specs_per_peer[p][i].table for p, idx in zip(peers, coded, strict=True) for i in idx
@@ -594,12 +625,13 @@ def start_encode(
     stats = comms.stats
     start = time.perf_counter()
     call = comms.next_call(direction)
-    # The sender decodes a payload now and then for the mean signed error (telemetry); host
+    # The sender decodes a payload now and then for its error statistics (telemetry); host
     # payloads only, so that the device path keeps its one host sync per all-to-all.
-    sample = direction == "bwd" and config.error_sample_every > 0 and device.type == "cpu"
+    sample = config.error_sample_every > 0 and device.type == "cpu"
     sample = sample and call % config.error_sample_every == 0
+    sample = sample and not (direction == "fwd" and info.exact_forward)
     n_peers = len(blocks_per_peer)
-    plan = _encode_plan(specs_per_peer, info.compress, my_rank)
+    plan = _encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
     peers = plan.peers
     for p in peers:  # one block per spec (the plan indexes them)
         if len(blocks_per_peer[p]) != len(specs_per_peer[p]):
@@ -620,7 +652,10 @@ def start_encode(
             flat_blocks = [
                 blocks_per_peer[p][i] for p, idx in zip(peers, plan.coded, strict=True) for i in idx
             ]
-        if direction == "fwd":  # each table's bound now (an adaptive provider moves them)
+        if direction == "fwd" and info.exact_forward:
+            values = [0.0] * len(flat_blocks)
+            relative = [False] * len(flat_blocks)
+        elif direction == "fwd":  # each table's bound now (an adaptive provider moves them)
             bounds = [comms.bounds.bound(t) for t in plan.distinct]
             values = [bounds[i].value for i in plan.table_at]
             relative = [bounds[i].mode == "relative" for i in plan.table_at]
@@ -692,7 +727,7 @@ def start_encode(
                 group_tables = plan.tables[at : at + len(idx)]
                 at += len(idx)
                 blocks = blocks_per_peer[p]
-                if direction == "fwd":
+                if direction == "fwd" and not info.exact_forward:
                     for k, t, bound in zip(idx, group_tables, cols.bound, strict=True):
                         comms.bounds.observe(t, blocks[k], bound)
                 if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
@@ -716,6 +751,8 @@ def start_encode(
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
         out = [sent[p] if p in sent else _empty_payload(device) for p in range(n_peers)]
+        same_host = sum(out[p].numel() for p in info.same_host if p < n_peers)
+        stats.record_links(direction, same_host, sum(t.numel() for t in out) - same_host)
         # Telemetry of every block sent to a peer, in one record (its own time included); the
         # codec works on all peers at once, so its time is shared out by raw bytes.
         spent = setup_s + time.perf_counter() - start

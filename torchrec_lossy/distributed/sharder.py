@@ -150,7 +150,9 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
         The batch sizes per rank (and the output dedupe state riding on them) of every KJT the
         lossy input dist decoded are put into its sharding context first (:func:`batch_sizes_of`):
-        a train pipeline's re-attach can pair a batch's tensors with a fresh context.
+        a train pipeline's re-attach can pair a batch's tensors with a fresh context. The
+        module's mode is handed to its dists here, where ``model.eval()`` reaches: in evaluation
+        the forward travels lossless unless ``LossyCommsConfig.evaluation`` is ``"lossy"``.
 
         Args:
             ctx: The module's context of this batch.
@@ -163,6 +165,7 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             strides = batch_sizes_of(features)
             if strides is not None:
                 sharding_ctx.batch_size_per_rank = strides
+        self._lossy_comms.evaluating = not self.training
         return super().compute_and_output_dist(ctx, input)
 
     @property

@@ -22,6 +22,9 @@ import torch
 
 Direction = Literal["fwd", "bwd", "input"]
 DIRECTIONS: tuple[Direction, ...] = ("fwd", "bwd", "input")
+# Where a payload went: the rank itself (never on the wire), a peer on the same host, or a peer
+# on another host (the slow link).
+Link = Literal["self", "same_host", "cross_host"]
 
 # Pseudo-table that holds the bytes of a payload not attributable to one block (the codec's
 # container header), so that the per-direction total equals the bytes handed to the collective.
@@ -46,9 +49,12 @@ class TableCommStats:
         repeated_ids: Of those, ids equal to an earlier id of the same feature and destination.
         rows: Pooled rows (embedding vectors, or their gradients) TorchRec would send.
         rows_sent: Of those, the rows actually encoded and sent (fewer under output dedupe).
-        error_sum: Sum of signed errors ``x' - x`` over the sampled elements (the backward's
-            sender decodes every ``error_sample_every``-th payload of its own).
+        error_sum: Sum of signed errors ``x' - x`` over the sampled elements (the sender
+            decodes every ``error_sample_every``-th payload of its own, in both directions).
         error_count: Elements sampled for ``error_sum``.
+        error_sq_sum: Sum of ``(x' - x)^2`` over the sampled elements.
+        value_sq_sum: Sum of ``x^2`` over them (``relative_rms_error``'s denominator).
+        snapped_to_zero: Sampled elements that were not 0 and decoded to exactly 0.
     """
 
     blocks: int = 0
@@ -64,12 +70,27 @@ class TableCommStats:
     rows_sent: int = 0
     error_sum: float = 0.0
     error_count: int = 0
+    error_sq_sum: float = 0.0
+    value_sq_sum: float = 0.0
+    snapped_to_zero: int = 0
 
     @property
     def mean_signed_error(self) -> float:
         """Mean of ``x' - x`` over the sampled elements (NaN if none): near 0 for an unbiased
         (stochastically rounded) codec, to be read against ``max_error``."""
         return self.error_sum / self.error_count if self.error_count else math.nan
+
+    @property
+    def relative_rms_error(self) -> float:
+        """RMS error over RMS value of the sampled elements (NaN if none): the error's energy
+        relative to the signal's, the statistic the forward's accuracy cost follows
+        (docs/accuracy.md)."""
+        return math.sqrt(self.error_sq_sum / self.value_sq_sum) if self.value_sq_sum else math.nan
+
+    @property
+    def snapped_share(self) -> float:
+        """Share of the sampled elements that were not 0 and decoded to 0 (NaN if none)."""
+        return self.snapped_to_zero / self.error_count if self.error_count else math.nan
 
     @property
     def repeated_share(self) -> float:
@@ -99,6 +120,9 @@ class TableCommStats:
         self.rows += other.rows
         self.rows_sent += other.rows_sent
         self.error_sum += other.error_sum
+        self.error_sq_sum += other.error_sq_sum
+        self.value_sq_sum += other.value_sq_sum
+        self.snapped_to_zero += other.snapped_to_zero
         self.error_count += other.error_count
 
 
@@ -128,21 +152,22 @@ class LossyCommsStats:
         # Device-side running maxima (cast errors), folded in on read so that recording them
         # never forces a device-to-host sync.
         self._pending_max: dict[tuple[Direction, str], torch.Tensor] = {}
-        # Bytes each rank "sent" itself: exact, never on the wire, kept out of the tables.
-        self._self_bytes: dict[Direction, int] = {}
+        # Bytes by link: each rank's self blocks (raw, never on the wire, kept out of the
+        # tables) and the wire bytes sent to same-host and cross-host peers.
+        self._link_bytes: dict[tuple[Direction, Link], int] = {}
 
     def __getstate__(self) -> dict[str, object]:
         # Locks do not pickle or deepcopy; a copy gets its own.
         self._fold_pending()
         return {
             "_tables": {k: dataclasses.replace(e) for k, e in self._tables.items()},
-            "_self_bytes": dict(self._self_bytes),
+            "_link_bytes": dict(self._link_bytes),
         }
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()
         self._tables.update(state["_tables"])  # type: ignore[arg-type]
-        self._self_bytes.update(state.get("_self_bytes", {}))  # type: ignore[arg-type]
+        self._link_bytes.update(state.get("_link_bytes", {}))  # type: ignore[arg-type]
 
     def _entry(self, direction: Direction, table: str) -> TableCommStats:
         key = (direction, table)
@@ -326,20 +351,39 @@ class LossyCommsStats:
         tables: Sequence[str],
         error_sums: Sequence[float],
         counts: Sequence[int],
+        error_sq_sums: Sequence[float] | None = None,
+        value_sq_sums: Sequence[float] | None = None,
+        snapped: Sequence[int] | None = None,
     ) -> None:
         """:meth:`record_signed_error` for several sampled blocks at once, under one lock.
 
         Args:
-            direction: ``"bwd"`` in practice.
+            direction: ``"fwd"`` or ``"bwd"``.
             tables: Table name of each block.
             error_sums: Sum of the signed errors of each block's finite elements.
             counts: Number of those elements, per block.
+            error_sq_sums: Sum of their squared errors, per block (None: not sampled).
+            value_sq_sums: Sum of their squared values, per block (None: not sampled).
+            snapped: How many of them were not 0 and decoded to 0, per block (None: 0).
         """
+        n = len(tables)
+        rows = zip(
+            tables,
+            error_sums,
+            counts,
+            error_sq_sums or [0.0] * n,
+            value_sq_sums or [0.0] * n,
+            snapped or [0] * n,
+            strict=True,
+        )
         with self._lock:
-            for table, error_sum, count in zip(tables, error_sums, counts, strict=True):
+            for table, error_sum, count, err_sq, val_sq, zeroed in rows:
                 e = self._entry(direction, table)
                 e.error_sum += error_sum
                 e.error_count += count
+                e.error_sq_sum += err_sq
+                e.value_sq_sum += val_sq
+                e.snapped_to_zero += zeroed
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
@@ -403,8 +447,36 @@ class LossyCommsStats:
             direction: ``"fwd"`` or ``"bwd"``.
             nbytes: Raw bytes of the rank's own blocks.
         """
+        self._add_links(direction, {"self": nbytes})
+
+    def record_links(self, direction: Direction, same_host: int, cross_host: int) -> None:
+        """Records the wire bytes one all-to-all sent to same-host and to cross-host peers.
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            same_host: Bytes handed to the collective for peers on this rank's host.
+            cross_host: Bytes for peers on other hosts.
+        """
+        self._add_links(direction, {"same_host": same_host, "cross_host": cross_host})
+
+    def _add_links(self, direction: Direction, nbytes: dict[Link, int]) -> None:
         with self._lock:
-            self._self_bytes[direction] = self._self_bytes.get(direction, 0) + nbytes
+            for link, n in nbytes.items():
+                key = (direction, link)
+                self._link_bytes[key] = self._link_bytes.get(key, 0) + n
+
+    def link_bytes(self, direction: Direction, link: Link) -> int:
+        """Bytes of one direction by link (see :data:`Link`; the self bytes are raw bytes).
+
+        Args:
+            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
+            link: ``"self"``, ``"same_host"`` or ``"cross_host"``.
+
+        Returns:
+            Bytes.
+        """
+        with self._lock:
+            return self._link_bytes.get((direction, link), 0)
 
     def self_bytes(self, direction: Direction) -> int:
         """Raw bytes of the self blocks of one direction (not in :meth:`total`).
@@ -415,8 +487,7 @@ class LossyCommsStats:
         Returns:
             Bytes.
         """
-        with self._lock:
-            return self._self_bytes.get(direction, 0)
+        return self.link_bytes(direction, "self")
 
     def record_container(self, direction: Direction, wire_bytes: int) -> None:
         """Records payload bytes that belong to no single block (codec container header).
@@ -483,7 +554,7 @@ class LossyCommsStats:
         with self._lock:
             self._tables.clear()
             self._pending_max.clear()
-            self._self_bytes.clear()
+            self._link_bytes.clear()
 
     def __iter__(self) -> Iterator[tuple[Direction, str, TableCommStats]]:
         for direction in DIRECTIONS:
@@ -498,7 +569,8 @@ class LossyCommsStats:
         """
         lines = [
             f"{'dir':<4} {'table':<24} {'raw_B':>12} {'wire_B':>12} {'ratio':>7} "
-            f"{'max_err':>10} {'err/bnd':>7} {'mean_err':>10} {'enc_ms':>9} {'dec_ms':>9}"
+            f"{'max_err':>10} {'err/bnd':>7} {'mean_err':>10} {'rel_rms':>8} {'snap%':>6} "
+            f"{'enc_ms':>9} {'dec_ms':>9}"
         ]
         for direction in DIRECTIONS:
             rows = self.tables(direction)
@@ -508,7 +580,8 @@ class LossyCommsStats:
                 lines.append(
                     f"{direction:<4} {table:<24} {e.raw_bytes:>12} {e.wire_bytes:>12} "
                     f"{e.ratio:>7.2f} {e.max_error:>10.3g} {e.max_error_over_bound:>7.3f} "
-                    f"{e.mean_signed_error:>10.2g} "
+                    f"{e.mean_signed_error:>10.2g} {e.relative_rms_error:>8.4f} "
+                    f"{100 * e.snapped_share:>6.1f} "
                     f"{1e3 * e.encode_s:>9.2f} {1e3 * e.decode_s:>9.2f}"
                 )
             if self.self_bytes(direction):
@@ -516,4 +589,11 @@ class LossyCommsStats:
                     f"{direction:<4} {'(self, not sent)':<24} {self.self_bytes(direction):>12} "
                     f"{0:>12}"
                 )
+            for link in ("same_host", "cross_host"):
+                if self.link_bytes(direction, link):
+                    label = f"({link.replace('_', '-')} wire)"
+                    lines.append(
+                        f"{direction:<4} {label:<24} {'':>12} "
+                        f"{self.link_bytes(direction, link):>12}"
+                    )
         return "\n".join(lines)
