@@ -9,7 +9,8 @@ Builds the config's tables on the meta device (a 40M-row table costs no memory),
 :class:`~torchrec_lossy.planner.LossyShardingPlanner` on a simulated topology, prints our plan
 with the reason for each table, then plans the same model four ways and compares the estimated
 embedding communication per training step: no compression, TorchRec's FP16 qcomm, TorchRec's
-MX4 qcomm (FP16 gradients) and torchrec-lossy. ``--batch-size`` is the global batch (all ranks).
+MX4 qcomm (MX4 both ways, as production traces run it) and torchrec-lossy. ``--batch-size`` is
+the global batch (all ranks).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def preview(
     scenarios = [
         ("no compression", raw_model()),
         ("TorchRec FP16", qcomm_model("fp16", "fp16", device)),
-        ("TorchRec MX4", qcomm_model("mx4", "fp16", device)),
+        ("TorchRec MX4", qcomm_model("mx4", "mx4", device)),
         ("torchrec-lossy", None),
     ]
     results = []
