@@ -27,6 +27,19 @@ from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
     LossyAllToAllError,
 )
+from torchrec_lossy.distributed.sequence_output_dist import (
+    LossySequenceEmbeddingsAllToAll,
+    LossyTwSequenceEmbeddingDist,
+    alltoall_sequence_lossy,
+)
+from torchrec_lossy.distributed.sequence_sharder import (
+    LossyEmbeddingCollectionSharder,
+    LossyShardedEmbeddingCollection,
+)
+from torchrec_lossy.distributed.sequence_sharding import (
+    LossyCwSequenceEmbeddingSharding,
+    LossyTwSequenceEmbeddingSharding,
+)
 from torchrec_lossy.distributed.sharder import (
     LossyEmbeddingBagCollectionSharder,
     LossyShardedEmbeddingBagCollection,
@@ -46,17 +59,24 @@ __all__ = [
     "LossyComms",
     "LossyCommsStats",
     "LossyCwPooledEmbeddingSharding",
+    "LossyCwSequenceEmbeddingSharding",
     "LossyEmbeddingBagCollectionSharder",
+    "LossyEmbeddingCollectionSharder",
     "LossyKJTAllToAll",
     "LossyPooledEmbeddingsAllToAll",
+    "LossySequenceEmbeddingsAllToAll",
     "LossyShardedEmbeddingBagCollection",
+    "LossyShardedEmbeddingCollection",
     "LossyTwCwPooledEmbeddingSharding",
     "LossyTwPooledEmbeddingDist",
     "LossyTwPooledEmbeddingSharding",
+    "LossyTwSequenceEmbeddingDist",
+    "LossyTwSequenceEmbeddingSharding",
     "LossyTwSparseFeaturesDist",
     "StaticBounds",
     "TableCommStats",
     "alltoall_pooled_lossy",
+    "alltoall_sequence_lossy",
     "bounds_state",
     "check_lossy_decodes",
     "load_bounds_state",

@@ -529,3 +529,35 @@ def alltoall_pooled_lossy(
     myreq = _LossyRequest(group, device=a2a_pooled_embs_tensor.device)
     LossyAll2AllPooledReq.apply(group, myreq, info, a2a_pooled_embs_tensor)
     return myreq
+
+
+# The request of a variable-size exchange, for collectives built on it (the sequence one).
+LossyRequest = _LossyRequest
+
+
+def exchange_encoded(
+    direction: Direction,
+    pending: PendingPayloads,
+    recv_specs_per_peer: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    myreq: _LossyRequest,
+    my_rank: int,
+) -> None:
+    """Size exchange (the one host sync) and asynchronous payload exchange of encoded blocks.
+
+    The public form of the pooled all-to-all's two phases, for other collectives that cut their
+    own blocks: afterwards ``myreq.req`` is the payload exchange's work, ``myreq.tensor`` the
+    receive buffer, ``myreq.recv_sizes`` the bytes from each peer and ``myreq.recv_skeletons``
+    the codec skeletons (pass them to ``decode_payloads``).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        pending: From ``start_encode``.
+        recv_specs_per_peer: Per peer, the specs of the blocks it sends this rank.
+        info: Compress flags and comms state.
+        myreq: The request (its group; receives the exchange's state).
+        my_rank: This rank (its own entry carries no skeleton).
+    """
+    splits = _recv_meta_splits(recv_specs_per_peer, info, my_rank)
+    recv, recv_sizes, work = _exchange(direction, pending, splits, myreq, info.comms)
+    myreq.req, myreq.tensor, myreq.recv_sizes = work, recv, recv_sizes

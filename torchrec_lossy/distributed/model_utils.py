@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.distributed.pooled_decode import read_checked
+from torchrec_lossy.distributed.sequence_sharder import LossyShardedEmbeddingCollection
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
 
@@ -36,8 +37,11 @@ __all__ = [
 ]
 
 
-def lossy_modules(model: nn.Module) -> dict[str, LossyShardedEmbeddingBagCollection]:
-    """The lossy-sharded EmbeddingBagCollections of a model, by module path.
+LossyModule = LossyShardedEmbeddingBagCollection | LossyShardedEmbeddingCollection
+
+
+def lossy_modules(model: nn.Module) -> dict[str, LossyModule]:
+    """The lossy-sharded EmbeddingBagCollections and EmbeddingCollections of a model, by path.
 
     Args:
         model: Any module, e.g. a DistributedModelParallel.
@@ -48,12 +52,12 @@ def lossy_modules(model: nn.Module) -> dict[str, LossyShardedEmbeddingBagCollect
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, LossyShardedEmbeddingBagCollection)
+        if isinstance(m, (LossyShardedEmbeddingBagCollection, LossyShardedEmbeddingCollection))
     }
 
 
 def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
-    """Telemetry of every lossy-sharded EmbeddingBagCollection in ``model``.
+    """Telemetry of every lossy-sharded EmbeddingBagCollection and EmbeddingCollection in ``model``.
 
     Args:
         model: Any module, e.g. a DistributedModelParallel.

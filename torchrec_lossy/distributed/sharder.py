@@ -53,7 +53,67 @@ from torchrec_lossy.distributed.stats import LossyCommsStats
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class LossyCommsModule:
+    """What every lossy-sharded module adds to TorchRec's: its dists' shared state and telemetry.
+
+    Mixed in before the TorchRec sharded module class; ``lossy_comms_of`` builds the state,
+    which the subclass sets as ``_lossy_comms`` before TorchRec's ``__init__`` (that creates the
+    shardings, which need it) and registers the provider as ``lossy_bounds`` after.
+    """
+
+    _lossy_comms: LossyComms
+    lossy_bounds: nn.Module
+
+    @property
+    def lossy_stats(self) -> LossyCommsStats:
+        """Telemetry of this module's compressed all-to-alls (this rank's view)."""
+        return self._lossy_comms.stats
+
+    @property
+    def lossy_comms(self) -> LossyComms:
+        """Config, bound provider, telemetry and hooks shared by this module's dists."""
+        return self._lossy_comms
+
+    def hand_mode_to_dists(self) -> None:
+        """Tells the dists whether this module is in ``eval()`` mode, before each output dist:
+        TorchRec's dist modules do not follow ``model.eval()``, the sharded module does (in
+        evaluation the forward travels lossless unless ``LossyCommsConfig.evaluation`` is
+        ``"lossy"``)."""
+        self._lossy_comms.evaluating = not self.training  # type: ignore[attr-defined]
+
+    def set_bound_provider(self, provider: nn.Module) -> None:
+        """Replaces the bound provider (e.g. by an adaptive one) for all following batches.
+
+        Args:
+            provider: An ``nn.Module`` implementing :class:`BoundProvider`.
+        """
+        check_bound_provider(provider)
+        self._lossy_comms.bounds = provider
+        self.lossy_bounds = provider
+
+
+def lossy_comms_of(
+    table_names: list[str],
+    comms_config: LossyCommsConfig | None,
+    bounds_factory: BoundProviderFactory,
+) -> LossyComms:
+    """The shared state of a lossy-sharded module's dists.
+
+    Args:
+        table_names: The module's tables.
+        comms_config: Its config; None: ``LossyCommsConfig()``.
+        bounds_factory: Builds the bound provider as ``bounds_factory(table_names, config)``.
+
+    Returns:
+        The state, with a checked bound provider.
+    """
+    config = comms_config if comms_config is not None else LossyCommsConfig()
+    bounds = bounds_factory(table_names, config)
+    check_bound_provider(bounds)
+    return LossyComms(config=config, bounds=bounds)
+
+
+class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` whose TW/CW/TWCW output all-to-alls are compressed.
 
     Args:
@@ -86,13 +146,11 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         comms_config: LossyCommsConfig | None = None,
         bounds_factory: BoundProviderFactory = StaticBounds,
     ) -> None:
-        config = comms_config if comms_config is not None else LossyCommsConfig()
         table_names = [c.name for c in module.embedding_bag_configs()]
-        bounds = bounds_factory(table_names, config)
-        _check_provider(bounds)
         # The base __init__ creates the shardings (create_embedding_bag_sharding below), which
         # need the shared state; a plain (non-Module) attribute may be set before Module.__init__.
-        self._lossy_comms = LossyComms(config=config, bounds=bounds)
+        self._lossy_comms = lossy_comms_of(table_names, comms_config, bounds_factory)
+        config = self._lossy_comms.config
         super().__init__(
             module=module,
             table_name_to_parameter_sharding=table_name_to_parameter_sharding,
@@ -103,7 +161,7 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             module_fqn=module_fqn,
             sharded_module_order_overwrite=sharded_module_order_overwrite,
         )
-        self.lossy_bounds: nn.Module = bounds
+        self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
         a2a_codec = (qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
         if a2a_codec is not None and any(t in LOSSY_SHARDING_TYPES for t in self._sharding_types):
             logger.warning(
@@ -165,31 +223,16 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             strides = batch_sizes_of(features)
             if strides is not None:
                 sharding_ctx.batch_size_per_rank = strides
-        self._lossy_comms.evaluating = not self.training
+        self.hand_mode_to_dists()
         return super().compute_and_output_dist(ctx, input)
 
-    @property
-    def lossy_stats(self) -> LossyCommsStats:
-        """Telemetry of this module's compressed all-to-alls (this rank's view)."""
-        return self._lossy_comms.stats
 
-    @property
-    def lossy_comms(self) -> LossyComms:
-        """Config, bound provider, telemetry and hooks shared by this module's dists."""
-        return self._lossy_comms
+def check_bound_provider(provider: object) -> None:
+    """Raises ``TypeError`` unless ``provider`` is an ``nn.Module`` :class:`BoundProvider`.
 
-    def set_bound_provider(self, provider: nn.Module) -> None:
-        """Replaces the bound provider (e.g. by an adaptive one) for all following batches.
-
-        Args:
-            provider: An ``nn.Module`` implementing :class:`BoundProvider`.
-        """
-        _check_provider(provider)
-        self._lossy_comms.bounds = provider
-        self.lossy_bounds = provider
-
-
-def _check_provider(provider: object) -> None:
+    Args:
+        provider: A bound provider.
+    """
     if not isinstance(provider, nn.Module) or not isinstance(provider, BoundProvider):
         raise TypeError(
             f"bound provider {type(provider).__name__} must be an nn.Module with bound(), "
@@ -197,40 +240,20 @@ def _check_provider(provider: object) -> None:
         )
 
 
-class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """Drop-in for ``EmbeddingBagCollectionSharder`` that compresses the pooled all-to-all.
+class LossySharderMixin:
+    """The lossy sharders' common part: the config every module gets, and a registry of the
+    modules sharded in this process (for :meth:`stats`). Mixed in before TorchRec's sharder."""
 
-    Pass it wherever the TorchRec sharder goes: ``EmbeddingShardingPlanner.collective_plan`` and
-    ``DistributedModelParallel(sharders=...)``.
+    _comms_config: LossyCommsConfig
+    _bounds_factory: BoundProviderFactory
+    _sharded: weakref.WeakValueDictionary[str, LossyCommsModule]
 
-    Args:
-        fused_params: As TorchRec.
-        qcomm_codecs_registry: As TorchRec; used where no lossy path applies (input dist,
-            row-wise reduce-scatter).
-        sharded_module_order_overwrite: As TorchRec.
-        comms_config: Bounds, codec knobs, backward codec; None: ``LossyCommsConfig()``.
-        bounds_factory: Builds each sharded module's bound provider as
-            ``bounds_factory(table_names, config)``; default :class:`StaticBounds`.
-    """
-
-    def __init__(
-        self,
-        fused_params: dict[str, object] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        sharded_module_order_overwrite: list[str] | None = None,
-        comms_config: LossyCommsConfig | None = None,
-        bounds_factory: BoundProviderFactory = StaticBounds,
+    def _init_lossy(
+        self, comms_config: LossyCommsConfig | None, bounds_factory: BoundProviderFactory
     ) -> None:
-        super().__init__(
-            fused_params=fused_params,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            sharded_module_order_overwrite=sharded_module_order_overwrite,
-        )
         self._comms_config = comms_config if comms_config is not None else LossyCommsConfig()
         self._bounds_factory = bounds_factory
-        self._sharded: weakref.WeakValueDictionary[str, LossyShardedEmbeddingBagCollection] = (
-            weakref.WeakValueDictionary()
-        )
+        self._sharded = weakref.WeakValueDictionary()
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled state: the config, without the registry of modules sharded in this process.
@@ -263,6 +286,46 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def bounds_factory(self) -> BoundProviderFactory:
         """Builds each sharded module's bound provider (pickled by reference: a top-level name)."""
         return self._bounds_factory
+
+    def stats(self) -> dict[str, LossyCommsStats]:
+        """Telemetry of every live module this sharder sharded, by module name.
+
+        Returns:
+            Module FQN (``""`` if none was given) to its stats.
+        """
+        return {fqn: m.lossy_stats for fqn, m in self._sharded.items()}
+
+
+class LossyEmbeddingBagCollectionSharder(LossySharderMixin, EmbeddingBagCollectionSharder):
+    """Drop-in for ``EmbeddingBagCollectionSharder`` that compresses the pooled all-to-all.
+
+    Pass it wherever the TorchRec sharder goes: ``EmbeddingShardingPlanner.collective_plan`` and
+    ``DistributedModelParallel(sharders=...)``.
+
+    Args:
+        fused_params: As TorchRec.
+        qcomm_codecs_registry: As TorchRec; used where no lossy path applies (input dist,
+            row-wise reduce-scatter).
+        sharded_module_order_overwrite: As TorchRec.
+        comms_config: Bounds, codec knobs, backward codec; None: ``LossyCommsConfig()``.
+        bounds_factory: Builds each sharded module's bound provider as
+            ``bounds_factory(table_names, config)``; default :class:`StaticBounds`.
+    """
+
+    def __init__(
+        self,
+        fused_params: dict[str, object] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        sharded_module_order_overwrite: list[str] | None = None,
+        comms_config: LossyCommsConfig | None = None,
+        bounds_factory: BoundProviderFactory = StaticBounds,
+    ) -> None:
+        super().__init__(
+            fused_params=fused_params,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            sharded_module_order_overwrite=sharded_module_order_overwrite,
+        )
+        self._init_lossy(comms_config, bounds_factory)
 
     def shard(
         self,
@@ -298,14 +361,6 @@ class LossyEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
         self._sharded[module_fqn or ""] = sharded
         return sharded
-
-    def stats(self) -> dict[str, LossyCommsStats]:
-        """Telemetry of every live module this sharder sharded, by module name.
-
-        Returns:
-            Module FQN (``""`` if none was given) to its stats.
-        """
-        return {fqn: m.lossy_stats for fqn, m in self._sharded.items()}
 
     @property
     def sharded_module_type(self) -> type[LossyShardedEmbeddingBagCollection]:

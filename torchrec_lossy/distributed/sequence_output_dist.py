@@ -1,0 +1,440 @@
+"""Compressed sequence-embedding all-to-all of a table- or column-wise ``EmbeddingCollection``.
+
+TorchRec's ``SequenceEmbeddingsAllToAll`` sends each id's embedding row (``[num_ids, D]``, no
+pooling) back to the rank whose batch holds the id. The owner's lookup output is feature-major
+(each local feature, then each source rank's ids of it); TorchRec permutes it to rank-major and
+sends rank ``d`` its rows, the owner's features in order. :class:`LossySequenceEmbeddingsAllToAll`
+produces exactly the same tensor, but cuts the rows for each destination into one block per
+local table shard (the rows of its features, consecutive) and sends them through the pooled
+all-to-all's codec path: one payload per destination with each table's bound
+(:func:`.pooled_payload.start_encode`), the size then payload exchange
+(:func:`.comm_ops.exchange_encoded`), one decode call of every source's payload
+(:func:`.pooled_decode.decode_payloads`, which raises ``LossyAllToAllError`` naming the source
+rank on a corrupt payload). The gradient goes back the other way with
+``LossyCommsConfig.backward`` (the codec, a cast, or exact). Rows are not deduplicated: every id
+travels, as in TorchRec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
+from torch.autograd.profiler import record_function
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.dist_data import SequenceEmbeddingsAwaitable
+from torchrec.distributed.embedding_sharding import BaseEmbeddingDist
+from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
+from torchrec.distributed.types import Awaitable, NoWait
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy import codec
+from torchrec_lossy.distributed.comm_ops import LossyRequest, exchange_encoded
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
+from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    start_encode,
+)
+from torchrec_lossy.distributed.topology import peer_links
+
+_CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LossyAll2AllSeqInfo:
+    """Per-call parameters of :func:`alltoall_sequence_lossy`.
+
+    Attributes:
+        pooled: Layout (per rank, one :class:`BlockSpec` per table shard: its features and
+            dim), compress flags, comms state and dtype, as the pooled all-to-all's.
+        feature_rows: Owner side: per local feature, per destination rank, the ids of that
+            rank's batch (the lookup output's rows, feature-major).
+        recv_rows: Receiver side: per owner rank, per table shard of its layout, the rows it
+            sends this rank.
+        dim: Embedding dim (every table shard of a sequence sharding has the same).
+    """
+
+    pooled: LossyAll2AllPooledInfo
+    feature_rows: list[list[int]]
+    recv_rows: list[list[int]]
+    dim: int
+
+    def send_rows(self, my_rank: int) -> list[list[int]]:
+        """Per destination, per local table shard: the rows sent to it."""
+        world = len(self.recv_rows)
+        return [
+            [sum(self.feature_rows[f][d] for f in range(f0, f1)) for f0, f1 in self.spans(my_rank)]
+            for d in range(world)
+        ]
+
+    def spans(self, rank: int) -> list[tuple[int, int]]:
+        """Per table shard of ``rank``: its features' range in the rank's feature order."""
+        at = list(
+            itertools.accumulate((s.num_features for s in self.pooled.layout[rank]), initial=0)
+        )
+        return list(itertools.pairwise(at))
+
+
+def cut_sequence_blocks(
+    x: torch.Tensor, info: LossyAll2AllSeqInfo, my_rank: int
+) -> list[list[torch.Tensor]]:
+    """The owner's blocks: per destination, per local table shard, its features' rows.
+
+    Args:
+        x: ``[num_ids, D]`` lookup output, feature-major, each feature's rows by source rank.
+        info: Row counts and layout.
+        my_rank: This rank.
+
+    Returns:
+        Per destination, per local table shard, a contiguous ``[rows, D]`` block.
+    """
+    world = len(info.recv_rows)
+    segs = x.split([n for per_dest in info.feature_rows for n in per_dest])
+    return [
+        [
+            torch.cat([segs[f * world + d] for f in range(f0, f1)])
+            if f1 - f0 > 1
+            else segs[f0 * world + d].contiguous()
+            for f0, f1 in info.spans(my_rank)
+        ]
+        for d in range(world)
+    ]
+
+
+def join_sequence_blocks(
+    blocks: Sequence[Sequence[torch.Tensor]], info: LossyAll2AllSeqInfo, my_rank: int
+) -> torch.Tensor:
+    """Inverse of :func:`cut_sequence_blocks`: the owner's ``[num_ids, D]``, feature-major.
+
+    Args:
+        blocks: Per source (destination of the forward), per local table shard, its rows.
+        info: Row counts and layout.
+        my_rank: This rank.
+
+    Returns:
+        The gradient of the lookup output.
+    """
+    world = len(info.recv_rows)
+    seg: dict[tuple[int, int], torch.Tensor] = {}
+    for d in range(world):
+        for (f0, f1), b in zip(info.spans(my_rank), blocks[d], strict=True):
+            parts = b.split([info.feature_rows[f][d] for f in range(f0, f1)])
+            seg.update({(f, d): p for f, p in zip(range(f0, f1), parts, strict=True)})
+    if not seg:
+        return torch.empty(0, info.dim, dtype=info.pooled.dtype)
+    return torch.cat([seg[(f, d)] for f in range(len(info.feature_rows)) for d in range(world)])
+
+
+class LossyAll2AllSeqReq(Function):
+    """Encodes and launches the forward exchange; its backward decodes the gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        pg: dist.ProcessGroup,
+        myreq: LossyRequest,
+        info: LossyAll2AllSeqInfo,
+        local_embs: torch.Tensor,
+    ) -> torch.Tensor:
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        pooled = info.pooled
+        pooled.dtype = local_embs.dtype
+        specs = pooled.layout[my_rank]
+        with record_function("## lossy_seq_a2a fwd cut ##"):
+            blocks = cut_sequence_blocks(local_embs.detach(), info, my_rank)
+        for d, blocks_d in enumerate(blocks):
+            if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
+                for b, s in zip(blocks_d, specs, strict=True):
+                    pooled.comms.stats.record_rows("fwd", s.table, b.shape[0], b.shape[0])
+        pending = start_encode("fwd", blocks, [specs] * world, pooled, local_embs.device, my_rank)
+        myreq.self_blocks = blocks[my_rank]
+        exchange_encoded("fwd", pending, pooled.layout, pooled, myreq, my_rank)
+        myreq.a2ai = info
+        myreq.wait_function = LossyAll2AllSeqWait
+        ctx.myreq = myreq
+        ctx.pg = pg
+        return myreq.dummy_tensor
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *unused: torch.Tensor) -> tuple:
+        pg, myreq = ctx.pg, ctx.myreq
+        info: LossyAll2AllSeqInfo = myreq.a2ai
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        assert myreq.req is not None, "backward of the lossy sequence all-to-all before its wait"
+        myreq.req.wait()
+        recv, myreq.req, myreq.tensor = myreq.tensor, None, None
+        specs = info.pooled.layout[my_rank]
+        rows = info.send_rows(my_rank)
+        if myreq.recv_sizes is None:  # cast or exact: one dense run of every block
+            blocks = _dense_blocks(recv, rows, specs, info)
+        else:
+            self_blocks, myreq.self_blocks = myreq.self_blocks, None
+            skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+            blocks = decode_payloads(
+                "bwd", recv, myreq.recv_sizes, [specs] * world, rows, info.pooled, my_rank,
+                self_blocks, skeletons,
+            )  # fmt: skip
+        grad = join_sequence_blocks(blocks, info, my_rank).to(recv.device)
+        if get_gradient_division():
+            grad = grad / world
+        myreq.dummy_tensor = None
+        return (None, None, None, grad)
+
+
+class LossyAll2AllSeqWait(Function):
+    """Waits for the forward exchange and decodes; its backward launches the gradient's."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        pg: dist.ProcessGroup,
+        myreq: LossyRequest,
+        *dummy_tensor: torch.Tensor,
+    ) -> torch.Tensor:
+        my_rank = dist.get_rank(pg)
+        info: LossyAll2AllSeqInfo = myreq.a2ai
+        assert myreq.req is not None and myreq.recv_sizes is not None
+        myreq.req.wait()
+        recv, myreq.req, myreq.tensor = myreq.tensor, None, None
+        self_blocks, myreq.self_blocks = myreq.self_blocks, None
+        skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+        ctx.pg, ctx.myreq = pg, myreq
+        blocks = decode_payloads(
+            "fwd", recv, myreq.recv_sizes, info.pooled.layout, info.recv_rows, info.pooled,
+            my_rank, self_blocks, skeletons,
+        )  # fmt: skip
+        pieces = [b for bs in blocks for b in bs]
+        if not pieces:
+            return recv.new_empty((0, info.dim), dtype=info.pooled.dtype)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+        pg, myreq = ctx.pg, ctx.myreq
+        info: LossyAll2AllSeqInfo = myreq.a2ai
+        pooled = info.pooled
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        codec_name = pooled.comms.config.backward
+        if codec_name != "lossy":  # no size exchange to carry the forward's deferred status
+            read_checked(pooled.comms)
+        grad = grad_output.contiguous()
+        sizes = [r for rows in info.recv_rows for r in rows]
+        it = iter(grad.split(sizes))
+        blocks = [[next(it) for _ in rows] for rows in info.recv_rows]
+        for p, (bs, specs) in enumerate(zip(blocks, pooled.layout, strict=True)):
+            if p != my_rank:
+                for b, s in zip(bs, specs, strict=True):
+                    pooled.comms.stats.record_rows("bwd", s.table, b.shape[0], b.shape[0])
+        if codec_name == "lossy":
+            pending = start_encode("bwd", blocks, pooled.layout, pooled, grad.device, my_rank)
+            myreq.self_blocks = blocks[my_rank]
+            specs = pooled.layout[my_rank]
+            exchange_encoded("bwd", pending, [specs] * world, pooled, myreq, my_rank)
+        else:
+            _dense_send(pg, blocks, info, _CAST_DTYPES.get(codec_name, grad.dtype), myreq, my_rank)
+        return (None, None, myreq.dummy_tensor)
+
+
+def _dense_send(
+    pg: dist.ProcessGroup,
+    blocks: list[list[torch.Tensor]],
+    info: LossyAll2AllSeqInfo,
+    wire_dtype: torch.dtype,
+    myreq: LossyRequest,
+    my_rank: int,
+) -> None:
+    """Gradient exchange without codec (``backward`` "none", "fp16" or "bf16"), asynchronous."""
+    stats = info.pooled.comms.stats
+    start = time.perf_counter()
+    with record_function("## lossy_seq_a2a bwd encode ##"):
+        flat = [b.reshape(-1) for bs in blocks for b in bs]
+        send = torch.cat(flat).to(wire_dtype) if flat else torch.empty(0, dtype=wire_dtype)
+    wire_elem = send.element_size()
+    shares: dict[str, int] = {}
+    for bs, specs in zip(blocks, info.pooled.layout, strict=True):
+        for b, s in zip(bs, specs, strict=True):
+            raw = b.numel() * b.element_size()
+            shares[s.table] = shares.get(s.table, 0) + raw
+            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+            if wire_dtype != b.dtype and b.numel():
+                err = (b - b.to(wire_dtype).to(b.dtype)).abs().amax()
+                stats.record_max_error_lazy("bwd", s.table, err)
+    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
+    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
+    recv_sizes = [sum(rows) * info.dim for rows in info.send_rows(my_rank)]
+    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=send.device)
+    with record_function("## lossy_seq_a2a bwd payload ##"):
+        myreq.req = dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=pg, async_op=True
+        )
+    myreq.tensor = recv
+    myreq.recv_sizes = None
+
+
+def _dense_blocks(
+    recv: torch.Tensor, rows: list[list[int]], specs: Sequence[BlockSpec], info: LossyAll2AllSeqInfo
+) -> list[list[torch.Tensor]]:
+    """The owner's received dense gradient, as blocks (per source, per local table shard)."""
+    start = time.perf_counter()
+    with record_function("## lossy_seq_a2a bwd decode ##"):
+        it = iter(recv.to(info.pooled.dtype).split([r * info.dim for rs in rows for r in rs]))
+        blocks = [[next(it).view(r, info.dim) for r in rs] for rs in rows]
+    shares: dict[str, int] = {}
+    for rs in rows:
+        for r, s in zip(rs, specs, strict=True):
+            shares[s.table] = shares.get(s.table, 0) + r * info.dim * recv.element_size()
+    info.pooled.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+    return blocks
+
+
+def alltoall_sequence_lossy(
+    local_embs: torch.Tensor, info: LossyAll2AllSeqInfo, group: dist.ProcessGroup
+) -> Awaitable[torch.Tensor]:
+    """Compressed all-to-all of sequence embeddings (cf. TorchRec's ``alltoall_sequence``).
+
+    Args:
+        local_embs: ``[num_ids, D]`` lookup output of the local shards, feature-major.
+        info: Row counts, layout and comms state.
+        group: Process group.
+
+    Returns:
+        Awaitable of ``[num_ids_local, D]``: every owner's rows for this rank's batch, owners in
+        rank order, each owner's features in order (TorchRec's layout).
+    """
+    if group.size() <= 1:
+        return NoWait(local_embs)
+    myreq = LossyRequest(group, device=local_embs.device)
+    LossyAll2AllSeqReq.apply(group, myreq, info, local_embs)
+    return myreq
+
+
+class LossySequenceEmbeddingsAllToAll(nn.Module):
+    """Compressed counterpart of TorchRec's ``SequenceEmbeddingsAllToAll`` (TW and CW).
+
+    Args:
+        pg: Process group of the all-to-all.
+        layout: Per rank of ``pg``, its table shards in feature order (``pooled_layout``).
+        comms: Shared config, bound provider, telemetry and hooks of the sharded module.
+    """
+
+    def __init__(
+        self, pg: dist.ProcessGroup, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms
+    ) -> None:
+        super().__init__()
+        dims = {s.dim for specs in layout for s in specs}
+        if len(dims) > 1:
+            raise ValueError(
+                f"sequence embeddings of one sharding have one dim, got {sorted(dims)}"
+            )
+        self._pg = pg
+        self._layout = [tuple(specs) for specs in layout]
+        self._dim = dims.pop() if dims else 0
+        self._comms = comms
+        self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
+        self._same_host, intra_raw = peer_links(pg, comms.config)
+        self._raw_peers = self._same_host if intra_raw else frozenset()
+        if dist.get_backend(pg) == "gloo":  # CPU tensors: load the codec's compiled path now
+            codec.warm_up_host()
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        lengths: torch.Tensor,
+        features_before_input_dist: KeyedJaggedTensor,
+        batch_size_per_rank: list[int] | None = None,
+    ) -> SequenceEmbeddingsAwaitable:
+        """Sends every id's row to the rank whose batch holds it, compressed.
+
+        Args:
+            local_embs: ``[num_ids, D]`` lookup output.
+            lengths: ``[local_features, B_global]`` lengths after the input dist.
+            features_before_input_dist: This rank's KJT of the sharding's features, in the
+                input dist's order (the rows each owner sends back follow from its lengths).
+            batch_size_per_rank: Batch size of every rank; None or empty: equal split.
+
+        Returns:
+            Awaitable of ``[num_ids_local, D]``.
+        """
+        world = self._pg.size()
+        if not batch_size_per_rank:
+            batch_size_per_rank = [lengths.shape[1] // world] * world
+        with record_function("## lossy_seq_a2a rows ##"):
+            per_src = [c.sum(dim=1) for c in lengths.split(list(batch_size_per_rank), dim=1)]
+            feature_rows = torch.stack(per_src, dim=1).tolist() if per_src else []
+            key_rows = features_before_input_dist.length_per_key()
+        # This rank's ids of each owner's table shard: its features' lengths, in layout order.
+        at = itertools.accumulate((s.num_features for sp in self._layout for s in sp), initial=0)
+        per_spec = [sum(key_rows[a:b]) for a, b in itertools.pairwise(at)]
+        it = iter(per_spec)
+        recv_rows = [[next(it) for _ in specs] for specs in self._layout]
+        pooled = LossyAll2AllPooledInfo(
+            batch_size_per_rank=list(batch_size_per_rank),
+            layout=self._layout,
+            comms=self._comms,
+            compress=self._compress,
+            exact_forward=self._comms.exact_forward,
+            same_host=self._same_host,
+            raw_peers=self._raw_peers,
+        )
+        info = LossyAll2AllSeqInfo(pooled, feature_rows, recv_rows, self._dim)
+        return SequenceEmbeddingsAwaitable(
+            tensor_awaitable=alltoall_sequence_lossy(local_embs, info, self._pg),
+            unbucketize_permute_tensor=None,
+            embedding_dim=self._dim,
+        )
+
+
+class LossyTwSequenceEmbeddingDist(
+    BaseEmbeddingDist[SequenceShardingContext, torch.Tensor, torch.Tensor]
+):
+    """``TwSequenceEmbeddingDist`` (also CW's) over :class:`LossySequenceEmbeddingsAllToAll`.
+
+    Args:
+        pg: Process group.
+        layout: Per rank, its table shards in feature order.
+        comms: Shared state of the sharded module.
+    """
+
+    def __init__(
+        self, pg: dist.ProcessGroup, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms
+    ) -> None:
+        super().__init__()
+        self._dist = LossySequenceEmbeddingsAllToAll(pg, layout, comms)
+
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: SequenceShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
+        """Compressed all-to-all of the sequence embeddings (see TwSequenceEmbeddingDist).
+
+        Args:
+            local_embs: ``[num_ids, D]`` lookup output.
+            sharding_ctx: Context of the input dist.
+
+        Returns:
+            Awaitable of the sequence embeddings of this rank's batch.
+
+        Raises:
+            NotImplementedError: For variable batch size per feature (VBE) inputs.
+        """
+        assert sharding_ctx is not None
+        if sharding_ctx.variable_batch_per_feature:
+            raise NotImplementedError(
+                "the lossy EmbeddingCollection sharder does not support variable batch size per "
+                "feature (VBE): shard this module with TorchRec's EmbeddingCollectionSharder"
+            )
+        assert sharding_ctx.lengths_after_input_dist is not None
+        assert sharding_ctx.features_before_input_dist is not None
+        return self._dist(
+            local_embs,
+            sharding_ctx.lengths_after_input_dist,
+            sharding_ctx.features_before_input_dist,
+            sharding_ctx.batch_size_per_rank,
+        )

@@ -1,0 +1,146 @@
+"""Table-wise and column-wise sequence shardings whose embedding all-to-all is compressed.
+
+Each class is TorchRec's sequence sharding (``EmbeddingCollection``) with the input dist
+replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, no output dedupe) and the
+output dist by :class:`.sequence_output_dist.LossyTwSequenceEmbeddingDist`; lookups and
+everything else are TorchRec's. Row-wise and data-parallel sequence shardings stay TorchRec's
+(see :func:`create_lossy_sequence_sharding`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingSharding,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.sharding.cw_sequence_sharding import CwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
+from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
+from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
+from torchrec_lossy.distributed.output_dist import pooled_layout
+from torchrec_lossy.distributed.sequence_output_dist import LossyTwSequenceEmbeddingDist
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+SequenceSharding = EmbeddingSharding[
+    SequenceShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
+]
+
+
+class LossyTwSequenceEmbeddingSharding(TwSequenceEmbeddingSharding):
+    """Table-wise sequence sharding with the packed input dist and a compressed output dist.
+
+    Args:
+        sharding_infos: Tables of this sharding.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        qcomm_codecs_registry: TorchRec qcomm codecs (used where the lossy dists are off).
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        comms: LossyComms,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        self._lossy_comms = comms
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def create_input_dist(
+        self, device: torch.device | None = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        """The packed lossless KJT all-to-all, or TorchRec's if ``input_dist.enabled`` is off.
+
+        Args:
+            device: Unused (as TorchRec's).
+
+        Returns:
+            The input dist.
+        """
+        if not self._lossy_comms.config.input_dist.enabled:
+            return super().create_input_dist(device)
+        assert self._pg is not None
+        # No output dedupe: every id's row travels (sequence rows are not pooled bags).
+        return LossyTwSparseFeaturesDist(self._pg, self.features_per_rank(), self._lossy_comms)
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[SequenceShardingContext, torch.Tensor, torch.Tensor]:
+        """The compressed sequence-embedding all-to-all.
+
+        Args:
+            device: Unused (buffers follow the embeddings).
+
+        Returns:
+            The output dist.
+        """
+        assert self._pg is not None
+        return LossyTwSequenceEmbeddingDist(
+            self._pg, pooled_layout(self._grouped_embedding_configs_per_rank), self._lossy_comms
+        )
+
+
+class LossyCwSequenceEmbeddingSharding(
+    LossyTwSequenceEmbeddingSharding, CwSequenceEmbeddingSharding
+):
+    """Column-wise sequence sharding: TorchRec's is its table-wise one over column shards (each
+    shard a feature of its own, merged by the sharded module), so the lossy one is likewise."""
+
+
+# Sequence sharding types whose embeddings travel by all-to-all: compressed here.
+LOSSY_SEQUENCE_SHARDING_TYPES: dict[str, type[LossyTwSequenceEmbeddingSharding]] = {
+    ShardingType.TABLE_WISE.value: LossyTwSequenceEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: LossyCwSequenceEmbeddingSharding,
+}
+
+
+def create_lossy_sequence_sharding(
+    sharding_type: str,
+    sharding_infos: list[EmbeddingShardingInfo],
+    env: ShardingEnv,
+    comms: LossyComms,
+    device: torch.device | None = None,
+    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+) -> SequenceSharding:
+    """The sequence sharding of one sharding type: compressed for TW/CW, TorchRec's otherwise.
+
+    Args:
+        sharding_type: The sharding type.
+        sharding_infos: Its tables.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        qcomm_codecs_registry: TorchRec qcomm codecs.
+
+    Returns:
+        The sharding.
+    """
+    cls = LOSSY_SEQUENCE_SHARDING_TYPES.get(sharding_type)
+    if cls is not None:
+        return cls(sharding_infos, env, comms, device, qcomm_codecs_registry=qcomm_codecs_registry)
+    if sharding_type != ShardingType.DATA_PARALLEL.value:  # DP sends no embeddings at all
+        for info in sharding_infos:
+            logger.warning(
+                "EmbeddingCollection table %r is %s-sharded: the lossy sharder compresses only "
+                "table-wise and column-wise sequence shardings, so it is sharded by TorchRec's "
+                "own %s sharding, NOT lossy-compressed",
+                info.embedding_config.name,
+                sharding_type,
+                sharding_type,
+            )
+    return ShardedEmbeddingCollection.create_embedding_sharding(
+        sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
+    )
