@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -40,18 +40,12 @@ from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.codec.grouped import start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.stats import Direction
-
-if TYPE_CHECKING:
-    from torchrec_lossy.distributed.input_dist import OutputDedupe
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
-
-
-class LossyAllToAllError(RuntimeError):
-    """A received payload could not be decoded into the blocks the sharding layout expects."""
 
 
 @dataclass(frozen=True)
