@@ -30,6 +30,7 @@ with compute.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -149,6 +150,43 @@ def _recv_meta_splits(
     return [meta_words(specs, info, p == my_rank) for p, specs in enumerate(specs_per_peer)]
 
 
+def _encode_and_exchange(
+    direction: Direction,
+    blocks: list[list[torch.Tensor]],
+    send_specs: Sequence[Sequence[BlockSpec]],
+    recv_specs: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    myreq: _LossyRequest,
+    device: torch.device,
+    my_rank: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Encodes this rank's blocks for every peer and runs the variable all-to-all.
+
+    The one encode-then-exchange sequence of the forward, the lossy backward and the
+    deduplicated gradient: the self blocks stay in the request (exact, off the wire), the sizes
+    and skeletons are exchanged (:func:`_exchange`), then the payloads, asynchronously.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks: Per peer, the blocks this rank sends it.
+        send_specs: Per peer, the specs of those blocks.
+        recv_specs: Per peer, the specs of the blocks it sends this rank.
+        info: Layout, compress flags and comms state.
+        myreq: The request; receives the self blocks, the skeletons and the bytes per peer.
+        device: Device of the blocks (the encoder's device path runs there).
+        my_rank: This rank.
+
+    Returns:
+        (received bytes, the payload exchange's work).
+    """
+    pending = start_encode(direction, blocks, send_specs, info, device, my_rank)
+    myreq.self_blocks = blocks[my_rank]
+    recv_meta_splits = _recv_meta_splits(recv_specs, info, my_rank)
+    recv, recv_sizes, work = _exchange(direction, pending, recv_meta_splits, myreq, info.comms)
+    myreq.recv_sizes = recv_sizes
+    return recv, work
+
+
 class LossyAll2AllPooledReq(Function):
     """Encodes and launches the forward exchange; its backward finishes the gradient exchange."""
 
@@ -169,7 +207,11 @@ class LossyAll2AllPooledReq(Function):
                 f"not match batch sizes {info.batch_size_per_rank} and local dim sum "
                 f"{info.dim_sum_per_rank[my_rank]}"
             )
-        info.dtype = input_embeddings.dtype
+        if input_embeddings.dtype != info.dtype:
+            raise ValueError(
+                f"pooled embeddings of dtype {input_embeddings.dtype}, the call's info says "
+                f"{info.dtype}"
+            )
         if info.output_dedupe is None:
             blocks = peer_blocks(
                 input_embeddings.detach(),
@@ -198,16 +240,18 @@ class LossyAll2AllPooledReq(Function):
             for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
-        pending = start_encode(
-            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
-        )
-        myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange(
-            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq, info.comms
+        recv, work = _encode_and_exchange(
+            "fwd",
+            blocks,
+            [info.layout[my_rank]] * world,
+            info.layout,
+            info,
+            myreq,
+            input_embeddings.device,
+            my_rank,
         )
         myreq.req = work
         myreq.tensor = recv
-        myreq.recv_sizes = recv_sizes
         myreq.a2ai = info
         myreq.wait_function = LossyAll2AllPooledWait
         ctx.myreq = myreq
@@ -345,13 +389,16 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
-            myreq.self_blocks = blocks[my_rank]
-            recv, recv_sizes, work = _exchange(
-                "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
-                myreq, info.comms,
-            )  # fmt: skip
-            myreq.recv_sizes = recv_sizes
+            recv, work = _encode_and_exchange(
+                "bwd",
+                blocks,
+                info.layout,
+                [info.layout[my_rank]] * world,
+                info,
+                myreq,
+                grad_output.device,
+                my_rank,
+            )
         else:
             wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
             send = backward_dense_send(grad_output, info, wire_dtype)
@@ -409,17 +456,16 @@ def _receiver_grad_dedupe(
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
-        myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange(
+        return _encode_and_exchange(
             "bwd",
-            pending,
-            _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
+            blocks,
+            info.layout,
+            [info.layout[my_rank]] * world,
+            info,
             myreq,
-            info.comms,
+            grad_output.device,
+            my_rank,
         )
-        myreq.recv_sizes = recv_sizes
-        return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
     in_elem = grad_output.element_size()
     wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
@@ -526,6 +572,8 @@ def alltoall_pooled_lossy(
         group = dist.distributed_c10d._get_default_group()
     if group.size() <= 1:
         return NoWait(a2a_pooled_embs_tensor)
+    if info.dtype != a2a_pooled_embs_tensor.dtype:  # the call's dtype is its input's
+        info = dataclasses.replace(info, dtype=a2a_pooled_embs_tensor.dtype)
     myreq = _LossyRequest(group, device=a2a_pooled_embs_tensor.device)
     LossyAll2AllPooledReq.apply(group, myreq, info, a2a_pooled_embs_tensor)
     return myreq

@@ -123,6 +123,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             layout=self._layout,
             comms=self._comms,
             compress=self._compress,
+            dtype=local_embs.dtype,
             output_dedupe=output_dedupe,
         )
         awaitable = PooledEmbeddingsAwaitable(

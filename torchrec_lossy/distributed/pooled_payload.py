@@ -79,7 +79,8 @@ class LossyAll2AllPooledInfo:
         layout: Per rank of the group, its table shards in output column order.
         comms: Shared config, bound provider, telemetry and hooks.
         compress: Table name to whether its blocks go through the codec (else raw).
-        dtype: Dtype of the pooled embeddings (set by the forward).
+        dtype: Dtype of the pooled embeddings (:func:`alltoall_pooled_lossy` takes its input's:
+            the info itself is never modified).
         output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
             deduplicated features travel once per distinct bag), or None.
     """
