@@ -73,7 +73,9 @@ def test_example_args_pair_the_runs() -> None:
     assert int(a[a.index("--steps") + 1]) * 2 * int(a[a.index("--batch-size") + 1]) >= 1_000_000
 
 
-def _run(mode: str, seed: int, auc: float, logloss: float = 0.5) -> dict[str, Any]:
+def _run(
+    mode: str, seed: int, auc: float, logloss: float = 0.5, wire: float = 100.0
+) -> dict[str, Any]:
     return {
         "dataset": "synthetic",
         "mode": mode,
@@ -84,7 +86,13 @@ def _run(mode: str, seed: int, auc: float, logloss: float = 0.5) -> dict[str, An
             "history": {"train_loss": [0.7, logloss]},
             "run": {"steps_run": 2, "global_batch_size": 4, "comm_description": mode},
             "plan": {"summary": "TW 26"},
-            "comms": {"fwd_ratio": 1.0, "bwd_ratio": 2.0, "bwd_wire_bytes_per_step": 1.0},
+            "comms": {
+                "fwd_ratio": 1.0,
+                "bwd_ratio": 2.0,
+                "input_wire_bytes_per_step": wire,
+                "fwd_wire_bytes_per_step": 2 * wire,
+                "bwd_wire_bytes_per_step": wire,
+            },
             "timing": {"step_time_s_median": 0.01},
         },
     }
@@ -94,24 +102,55 @@ def test_summary_pairs_by_seed_and_checks_the_target() -> None:
     runs = [
         _run("none", 0, 0.760),
         _run("none", 1, 0.764),  # spread 0.004
-        _run("lossy", 0, 0.759),
-        _run("lossy", 1, 0.7645),  # dAUC -0.001, +0.0005: mean -0.00025
-        _run("mx4", 0, 0.750),
-        _run("mx4", 1, 0.752),  # mean -0.011: lost
+        _run("lossy", 0, 0.7598, wire=1.0),
+        _run("lossy", 1, 0.7642, wire=1.0),  # dAUC -0.0002, +0.0002: mean 0, SE 0.0002
+        _run("mx4", 0, 0.750, wire=10.0),
+        _run("mx4", 1, 0.752, wire=10.0),  # mean -0.011: lost
         _run("lossy-bf16", 0, 0.770),
-        _run("lossy-bf16", 1, 0.774),  # +0.010: gain beyond the spread
+        _run("lossy-bf16", 1, 0.774),  # +0.010: a gain is no loss
+        _run("lossy-rtn", 0, 0.760, logloss=0.501),
+        _run("lossy-rtn", 1, 0.764, logloss=0.501),  # same AUC, log loss +0.001: missed
     ]
-    variants = [ab.BUILTIN[n] for n in ("none", "lossy", "mx4", "lossy-bf16")]
-    s = ab.summarize(runs, variants, "lossy")["synthetic"]
+    variants = [ab.BUILTIN[n] for n in ("none", "lossy", "mx4", "lossy-bf16", "lossy-rtn")]
+    s = ab.summarize(runs, variants, "mx4")["synthetic"]
     assert s["none_auc_spread"] == pytest.approx(0.004)
     lossy = s["modes"]["lossy"]
-    assert lossy["dauc_by_seed"] == {0: pytest.approx(-0.001), 1: pytest.approx(0.0005)}
-    assert lossy["dauc_mean"] == pytest.approx(-0.00025)
-    assert lossy["target"]["met"] and lossy["target"]["no_loss"]
+    assert lossy["dauc_by_seed"] == {0: pytest.approx(-0.0002), 1: pytest.approx(0.0002)}
+    assert lossy["dauc_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert lossy["dauc_se"] == pytest.approx(0.0002)
+    assert lossy["dauc_vs_ref_mean"] == pytest.approx(0.011)
+    assert lossy["step_wire_bytes"] == pytest.approx(4.0)
+    assert lossy["bytes_vs_none"] == pytest.approx(100.0)
+    assert lossy["target"]["met"] and lossy["target"]["not_worse_than_ref"]
     mx4 = s["modes"]["mx4"]
-    assert not mx4["target"]["met"] and not mx4["target"]["no_loss"]
-    assert mx4["dauc_vs_ref_mean"] == pytest.approx(-0.01075)
-    bf16 = s["modes"]["lossy-bf16"]
-    assert not bf16["target"]["met"] and bf16["target"]["no_loss"]
+    assert mx4["dauc_mean"] == pytest.approx(-0.011) and not mx4["target"]["met"]
+    assert s["modes"]["lossy-bf16"]["target"]["met"]
+    rtn = s["modes"]["lossy-rtn"]
+    assert rtn["dlogloss_mean"] == pytest.approx(0.001) and not rtn["target"]["met"]
+    assert "target" not in s["modes"]["none"]
     table = ab.format_table({"synthetic": s})
-    assert "| mx4 | 2 |" in table and "MISSED" in table and "gain > spread" in table
+    assert "| mx4 | 2 |" in table and "MISSED" in table and "+0.0000 ± 0.0002" in table
+    assert "| 100.0x |" in table
+
+
+def test_a_mode_worse_than_the_reference_misses_the_target() -> None:
+    runs = [
+        _run("none", 0, 0.760),
+        _run("none", 1, 0.770),
+        _run("mx4", 0, 0.7601),
+        _run("mx4", 1, 0.7701),
+        _run("lossy", 0, 0.7598),
+        _run("lossy", 1, 0.7698),  # -0.0002 vs none (within the floor), -0.0003 vs mx4, SE 0
+    ]
+    variants = [ab.BUILTIN[n] for n in ("none", "mx4", "lossy")]
+    target = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]["lossy"]["target"]
+    assert not target["not_worse_than_ref"] and not target["met"]
+
+
+def test_seed_lists_take_ranges() -> None:
+    assert ab.parse_args(["--seeds", "0-3,7"]).seeds == [0, 1, 2, 3, 7]
+    args = ab.parse_args(["--datasets", "movielens"])
+    assert len(args.seeds) == 20 and args.ref == "mx4"
+    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, Path("/tmp/x"))
+    assert flags[flags.index("--dataset") + 1] == "criteo-kaggle"
+    assert flags[flags.index("--data-path") + 1].endswith("movielens_small_criteo.tsv.gz")

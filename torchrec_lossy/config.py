@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 Backend = Literal["auto", "cpu", "triton", "reference"]
 BoundMode = Literal["relative", "absolute"]
+EvaluationMode = Literal["exact", "lossy"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
@@ -317,6 +318,10 @@ class LossyCommsConfig:
             always does.
         error_sample_every: Every this many backward calls, the sender decodes its own lossy
             payload to record the signed error (``TableCommStats.mean_signed_error``); 0: never.
+        evaluation: The forward all-to-all while the sharded module is in ``eval()`` mode:
+            ``"exact"`` (the default: lossless, so an evaluation measures the model, not the
+            codec; the exact output dedupe and the lossless input codec still apply) or
+            ``"lossy"`` (each table's training bound, as in training).
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
@@ -331,6 +336,7 @@ class LossyCommsConfig:
     backward_seed: int = 0
     backward_dedupe: bool = True
     error_sample_every: int = 16
+    evaluation: EvaluationMode = "exact"
     schedule: ErrorBoundSchedule = field(
         default_factory=lambda: ErrorBoundSchedule(kind="constant")
     )
@@ -340,6 +346,7 @@ class LossyCommsConfig:
     def __post_init__(self) -> None:
         _check_literal("backward", self.backward, BackwardCodec)
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
+        _check_literal("evaluation", self.evaluation, EvaluationMode)
         _require(
             isinstance(self.backward_seed, int) and not isinstance(self.backward_seed, bool),
             "backward_seed",

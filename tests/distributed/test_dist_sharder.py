@@ -430,6 +430,67 @@ def test_bounded_forward_training_and_byte_counts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Evaluation: exact by default (bit-equal to TorchRec), lossy on request, lossy again in training.
+
+
+def _eval_outputs(run: _Run, kjt: Any, training: bool) -> torch.Tensor:
+    run.model.train(training)
+    with torch.no_grad():
+        per_key = run.model(kjt).wait().to_dict()
+    keys: list[str] = kjt.keys()  # a KJT, not a dict
+    return torch.cat([per_key[k] for k in keys], dim=1)
+
+
+def _worker_eval(rank: int, world_size: int) -> dict[str, Any]:
+    import dataclasses
+
+    config = _bounded_config()
+    tables = make_tables(BOUNDED_TABLES)
+    kjt = make_batch(tables, 16, seed=7 + rank)
+    runs = {
+        "torchrec": _Run(tables, _torchrec_sharder(), _bounded_plan(), world_size),
+        "exact": _Run(tables, _lossy_sharder(**vars(config)), _bounded_plan(), world_size),
+        "lossy": _Run(
+            tables,
+            _lossy_sharder(**vars(dataclasses.replace(config, evaluation="lossy"))),
+            _bounded_plan(),
+            world_size,
+        ),
+    }
+    out = {
+        (name, mode): _eval_outputs(run, kjt, mode == "train")
+        for name, run in runs.items()
+        for mode in ("eval", "train", "eval again")
+    }
+    ref = out["torchrec", "eval"]
+    excess = {}
+    for table, cols in _column_slices(tables).items():
+        ref_cols = torch.cat([ref[:, c] for c in cols], dim=1)
+        upper = _abs_bound_upper(config, table, ref_cols)
+        for key, got in out.items():
+            got_cols = torch.cat([got[:, c] for c in cols], dim=1)
+            excess[key, table] = ((got_cols - ref_cols).abs().max() - upper).item()
+    return {
+        "equal": {key: torch.equal(got, ref) for key, got in out.items()},
+        "excess": excess,
+        "fwd_err": runs["exact"].model.module.lossy_stats.total("fwd").max_error,
+    }
+
+
+def test_evaluation_is_exact_by_default_and_lossy_on_request() -> None:
+    for rank, r in enumerate(run_workers(_worker_eval, 2)):
+        eq = r["equal"]
+        # Exact evaluation: bit-equal to TorchRec's sharder, before and after a training forward.
+        assert eq["exact", "eval"] and eq["exact", "eval again"], (rank, eq)
+        # Training stays lossy, and so does evaluation with evaluation="lossy".
+        assert not eq["exact", "train"] and not eq["lossy", "train"], (rank, eq)
+        assert not eq["lossy", "eval"] and not eq["lossy", "eval again"], (rank, eq)
+        assert r["fwd_err"] > 0
+        for key, excess in r["excess"].items():
+            assert excess <= 1e-5, (rank, key, excess)
+
+
+# ---------------------------------------------------------------------------------------------
 # Three ranks, uneven batches, uneven splits, empty features, a rank without table-wise tables.
 
 UNEVEN_TABLES = [

@@ -138,6 +138,8 @@ class LossyComms:
             step in a deferred decode error); None until it is first called.
         deferred: Device decodes whose status has not been read yet (the next host read of
             these dists reads it, or :func:`~torchrec_lossy.distributed.check_lossy_decodes`).
+        evaluating: Whether the owning sharded module was in ``eval()`` mode at its latest
+            forward (set by it there: TorchRec's dist modules do not follow ``model.eval()``).
     """
 
     config: LossyCommsConfig
@@ -148,6 +150,13 @@ class LossyComms:
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
     steps: int | None = None
     deferred: list[DeferredCheck] = field(default_factory=list)
+    evaluating: bool = False
+
+    @property
+    def exact_forward(self) -> bool:
+        """Whether the next forward all-to-all is lossless: in evaluation, unless the config's
+        ``evaluation`` is ``"lossy"``."""
+        return self.evaluating and self.config.evaluation == "exact"
 
     def take_deferred(self) -> list[DeferredCheck]:
         """The pending deferred checks, handed over (the list is emptied).

@@ -125,6 +125,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             compress=self._compress,
             dtype=local_embs.dtype,
             output_dedupe=output_dedupe,
+            exact_forward=self._comms.exact_forward,
         )
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)

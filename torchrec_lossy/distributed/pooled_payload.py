@@ -83,6 +83,8 @@ class LossyAll2AllPooledInfo:
             the info itself is never modified).
         output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
             deduplicated features travel once per distinct bag), or None.
+        exact_forward: The forward travels lossless (bound 0 for every table; the bound
+            provider neither asked nor shown the blocks): an exact evaluation.
     """
 
     batch_size_per_rank: list[int]
@@ -91,6 +93,7 @@ class LossyAll2AllPooledInfo:
     compress: dict[str, bool]
     dtype: torch.dtype = torch.float32
     output_dedupe: OutputDedupe | None = None
+    exact_forward: bool = False
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -615,7 +618,10 @@ def start_encode(
             flat_blocks = [
                 blocks_per_peer[p][i] for p, idx in zip(peers, plan.coded, strict=True) for i in idx
             ]
-        if direction == "fwd":  # each table's bound now (an adaptive provider moves them)
+        if direction == "fwd" and info.exact_forward:
+            values = [0.0] * len(flat_blocks)
+            relative = [False] * len(flat_blocks)
+        elif direction == "fwd":  # each table's bound now (an adaptive provider moves them)
             bounds = [comms.bounds.bound(t) for t in plan.distinct]
             values = [bounds[i].value for i in plan.table_at]
             relative = [bounds[i].mode == "relative" for i in plan.table_at]
@@ -687,7 +693,7 @@ def start_encode(
                 group_tables = plan.tables[at : at + len(idx)]
                 at += len(idx)
                 blocks = blocks_per_peer[p]
-                if direction == "fwd":
+                if direction == "fwd" and not info.exact_forward:
                     for k, t, bound in zip(idx, group_tables, cols.bound, strict=True):
                         comms.bounds.observe(t, blocks[k], bound)
                 if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at

@@ -146,9 +146,9 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def compute(
         self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList
     ) -> list[torch.Tensor]:
-        """TorchRec's lookups, after binding each sharding's input state (see
-        :meth:`compute_and_output_dist`; pipelines that split the lookup from the output dist
-        call this, then ``output_dist``).
+        """TorchRec's lookups, after binding each sharding's input state and the module's mode
+        (see :meth:`compute_and_output_dist`; pipelines that split the lookup from the output
+        dist call this, then ``output_dist``).
 
         Args:
             ctx: The module's context of this batch.
@@ -157,8 +157,13 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Returns:
             Per sharding, the pooled embeddings.
         """
-        bind_input_state(ctx, dist_input)
+        self._prepare_dists(ctx, dist_input)
         return super().compute(ctx, dist_input)
+
+    def _prepare_dists(self, ctx: EmbeddingBagCollectionContext, features: KJTList) -> None:
+        """Hands the output dists this batch's input state and the module's mode."""
+        bind_input_state(ctx, features)
+        self._lossy_comms.evaluating = not self.training
 
     def compute_and_output_dist(
         self, ctx: EmbeddingBagCollectionContext, input: KJTList
@@ -168,7 +173,9 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         The batch sizes per rank and the output dedupe state the packed input dist decoded each
         sharding's features with are put into its sharding context first
         (:func:`~torchrec_lossy.distributed.context.bind_input_state`): a train pipeline's
-        re-attach can pair a batch's tensors with a fresh context.
+        re-attach can pair a batch's tensors with a fresh context. The module's mode is handed
+        to its dists here, where ``model.eval()`` reaches: in evaluation the forward travels
+        lossless unless ``LossyCommsConfig.evaluation`` is ``"lossy"``.
 
         Args:
             ctx: The module's context of this batch.
@@ -177,7 +184,7 @@ class LossyShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Returns:
             As ``ShardedEmbeddingBagCollection.compute_and_output_dist``.
         """
-        bind_input_state(ctx, input)
+        self._prepare_dists(ctx, input)
         return super().compute_and_output_dist(ctx, input)
 
     @property
