@@ -257,3 +257,104 @@ def test_private_import_scan_sees_every_form() -> None:
         ("torchrec_lossy.kernels.common", "_scan_kernel"),
         ("torchrec_lossy.codec.container", "_pack"),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Import cycles.
+
+
+def _module_level_imports(rel: str, body: list[ast.stmt], ours: set[str]) -> set[str]:
+    """Modules of ours a file imports at module level (``if``/``try`` blocks included, such as
+    ``if TYPE_CHECKING:``; imports inside functions are deferred and not counted).
+
+    ``from a.b import c`` names ``a.b.c`` where that is a module of ours, else ``a.b``; the
+    parent packages an import initializes are not counted (every submodule would otherwise form
+    a cycle with an ``__init__`` that re-exports it).
+    """
+    found: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.ImportFrom):
+            module = _resolve(rel, node)
+            for a in node.names:
+                found.add(f"{module}.{a.name}" if f"{module}.{a.name}" in ours else module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.If | ast.Try):
+            nested = [*node.body, *node.orelse]
+            if isinstance(node, ast.Try):
+                nested += [*node.finalbody, *(s for h in node.handlers for s in h.body)]
+            found |= _module_level_imports(rel, nested, ours)
+    return found & ours
+
+
+def import_graph(sources: dict[str, tuple[str, str]]) -> dict[str, set[str]]:
+    """The graph of module-level imports among this project's modules.
+
+    Args:
+        sources: Module name -> (file path relative to the repository root, its text).
+
+    Returns:
+        Module name -> the modules of ``sources`` it imports (itself excluded).
+    """
+    ours = set(sources)
+    return {
+        module: _module_level_imports(rel, ast.parse(text, filename=rel).body, ours) - {module}
+        for module, (rel, text) in sources.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None if it is acyclic."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles_among_the_package_modules() -> None:
+    sources = {
+        module: (str(path.relative_to(ROOT)), path.read_text()) for module, path in _files().items()
+    }
+    cycle = find_cycle(import_graph(sources))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
+    """The cycle check is not vacuous: a cycle closed by an ``if TYPE_CHECKING:`` import and a
+    ``from pkg import module`` import is found and named."""
+    sources = {
+        "torchrec_lossy.a": ("torchrec_lossy/a.py", "from torchrec_lossy import b\n"),
+        "torchrec_lossy.b": ("torchrec_lossy/b.py", "from .c import X\n"),
+        "torchrec_lossy.c": (
+            "torchrec_lossy/c.py",
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from torchrec_lossy.a import Y\n",
+        ),
+        "torchrec_lossy.d": ("torchrec_lossy/d.py", "def f():\n    from torchrec_lossy import d\n"),
+    }
+    graph = import_graph(sources)
+    assert graph["torchrec_lossy.d"] == set()
+    assert find_cycle(graph) == [
+        "torchrec_lossy.a",
+        "torchrec_lossy.b",
+        "torchrec_lossy.c",
+        "torchrec_lossy.a",
+    ]
+    del graph["torchrec_lossy.c"], graph["torchrec_lossy.b"]
+    graph["torchrec_lossy.a"] = set()
+    assert find_cycle(graph) is None

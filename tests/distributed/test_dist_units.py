@@ -27,7 +27,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     encode_payloads,
     join_blocks,
 )
-from torchrec_lossy.distributed.sharder import _check_provider
+from torchrec_lossy.distributed.sharder import check_bound_provider
 from torchrec_lossy.distributed.stats import CONTAINER
 
 SPECS = (BlockSpec("a", 0, 2, 4), BlockSpec("b", 8, 1, 6), BlockSpec("c", 14, 3, 2))
@@ -277,7 +277,7 @@ def test_bound_providers_conform(cls: type) -> None:
     config = LossyCommsConfig(tables={"t1": TableCodecConfig(bound=ErrorBound("absolute", 0.5))})
     provider = cls(["t0", "t1"], config)
     assert isinstance(provider, torch.nn.Module) and isinstance(provider, BoundProvider)
-    _check_provider(provider)
+    check_bound_provider(provider)
     provider.eval()
     assert provider.bound("t1") == ErrorBound("absolute", 0.5)
     assert provider.bound("t0") == config.default_bound
@@ -287,7 +287,7 @@ def test_bound_providers_conform(cls: type) -> None:
 
 def test_bad_bound_provider_is_rejected() -> None:
     with pytest.raises(TypeError, match="bound provider"):
-        _check_provider(object())
+        check_bound_provider(object())
 
 
 def test_sharder_is_a_drop_in() -> None:
@@ -301,3 +301,47 @@ def test_sharder_is_a_drop_in() -> None:
     assert sharder.comms_config == LossyCommsConfig()
     assert sharder.sharding_types("cpu") == EmbeddingBagCollectionSharder().sharding_types("cpu")
     assert sharder.stats() == {}
+
+
+def test_decoded_kjt_carries_its_state_into_a_lossy_sharding_context() -> None:
+    """The per-batch state travels explicitly: the decoded KJT keeps TorchRec's tensors and
+    cached per-key lengths, and ``bind_input_state`` builds the output dist's context from it
+    (only for the shardings the packed input dist decoded)."""
+    from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+    from torchrec.distributed.embedding_types import KJTList
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lossy.distributed.context import (
+        DistributedKJT,
+        KJTDistState,
+        LossyShardingContext,
+        bind_input_state,
+    )
+    from torchrec_lossy.distributed.dedupe import OutputDedupe
+
+    plain = KeyedJaggedTensor(
+        keys=["f", "g"],
+        values=torch.tensor([3, 1, 4, 1, 5]),
+        lengths=torch.tensor([1, 2, 0, 2]),
+        stride=2,
+    ).sync()
+    dedupe = OutputDedupe([[1, None]], [[None, None]], sum_grads=False)
+    kjt = DistributedKJT.of(plain, KJTDistState([1, 1], dedupe))
+    assert kjt.keys() == plain.keys() and kjt.stride() == plain.stride()
+    assert torch.equal(kjt.values(), plain.values()) and torch.equal(kjt.offsets(), plain.offsets())
+    assert kjt.length_per_key() == [3, 2] and kjt.offset_per_key() == [0, 3, 5]
+
+    ctx = EmbeddingBagCollectionContext(
+        sharding_contexts=[
+            EmbeddingShardingContext(batch_size_per_feature_pre_a2a=[2, 2]),
+            EmbeddingShardingContext(batch_size_per_rank=[7]),
+        ]
+    )
+    untouched = ctx.sharding_contexts[1]
+    bind_input_state(ctx, KJTList([kjt, plain]))
+    bound = ctx.sharding_contexts[0]
+    assert isinstance(bound, LossyShardingContext)
+    assert bound.batch_size_per_rank == [1, 1] and bound.output_dedupe is dedupe
+    assert bound.batch_size_per_feature_pre_a2a == [2, 2]
+    assert ctx.sharding_contexts[1] is untouched  # TorchRec's input dist: its own context

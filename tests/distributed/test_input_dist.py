@@ -269,6 +269,7 @@ def _worker_a2a(rank: int, world_size: int) -> dict[str, Any]:
     from torchrec.distributed.dist_data import KJTAllToAll
 
     from torchrec_lossy.distributed import LossyKJTAllToAll
+    from torchrec_lossy.distributed.context import DistributedKJT
 
     pg = dist.group.WORLD
     splits = [2, 3] if world_size == 2 else [2, 0, 3]
@@ -283,7 +284,9 @@ def _worker_a2a(rank: int, world_size: int) -> dict[str, Any]:
             awaitable = LossyKJTAllToAll(pg, splits, comms)(kjt).wait()
             got = awaitable.wait()
             out[(case, dedupe)] = _same_kjt(got, expected)
-            out[(case, dedupe, "strides")] = awaitable._stride_per_rank
+            # The batch size of every source rides on the KJT, for the output dist.
+            assert isinstance(got, DistributedKJT) and got.dist_state is not None
+            out[(case, dedupe, "strides")] = got.dist_state.batch_size_per_rank
     out["batch"] = batch
     return out
 

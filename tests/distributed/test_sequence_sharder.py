@@ -263,7 +263,7 @@ class _TwoModules(torch.nn.Module):
 
 
 def _worker_both(rank: int, world_size: int) -> dict[str, Any]:
-    from _harness import make_ebc, make_tables
+    from harness import make_ebc, make_tables
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan

@@ -5,6 +5,7 @@ This subpackage is the only part of torchrec_lossy that imports ``torchrec.distr
 
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import BoundProvider, LossyComms, StaticBounds
+from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.input_dist import (
     LossyKJTAllToAll,
     LossyTwSparseFeaturesDist,
@@ -22,11 +23,7 @@ from torchrec_lossy.distributed.output_dist import (
     LossyTwPooledEmbeddingDist,
     pooled_layout,
 )
-from torchrec_lossy.distributed.pooled_payload import (
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    LossyAllToAllError,
-)
+from torchrec_lossy.distributed.pooled_payload import BlockSpec, LossyAll2AllPooledInfo
 from torchrec_lossy.distributed.sequence_output_dist import (
     LossySequenceEmbeddingsAllToAll,
     LossyTwSequenceEmbeddingDist,

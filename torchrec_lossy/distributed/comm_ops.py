@@ -30,6 +30,7 @@ with compute.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -63,7 +64,7 @@ from torchrec_lossy.distributed.stats import Direction
 _CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class _LossyRequest(Request[torch.Tensor]):
+class LossyRequest(Request[torch.Tensor]):
     """TorchRec's Request plus the state of a variable-size exchange."""
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
@@ -77,14 +78,14 @@ class _LossyRequest(Request[torch.Tensor]):
         self.recv_skeletons: dict[int, np.ndarray] | None = None
 
 
-def _take_self_blocks(myreq: _LossyRequest) -> list[torch.Tensor]:
+def _take_self_blocks(myreq: LossyRequest) -> list[torch.Tensor]:
     """The self blocks stored with the exchange (released from the request)."""
     blocks, myreq.self_blocks = myreq.self_blocks, None
     assert blocks is not None, "the lossy exchange lost its self blocks"
     return blocks
 
 
-def _take_skeletons(myreq: _LossyRequest) -> dict[int, np.ndarray] | None:
+def _take_skeletons(myreq: LossyRequest) -> dict[int, np.ndarray] | None:
     """The skeletons received in the size exchange (released from the request)."""
     skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
     return skeletons
@@ -94,7 +95,7 @@ def _exchange(
     direction: Direction,
     pending: PendingPayloads,
     recv_meta_splits: list[int],
-    myreq: _LossyRequest,
+    myreq: LossyRequest,
     comms: LossyComms,
 ) -> tuple[torch.Tensor, list[int], dist.Work]:
     """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
@@ -149,6 +150,44 @@ def _recv_meta_splits(
     return [meta_words(specs, info, p, my_rank) for p, specs in enumerate(specs_per_peer)]
 
 
+def encode_and_exchange(
+    direction: Direction,
+    blocks: list[list[torch.Tensor]],
+    send_specs: Sequence[Sequence[BlockSpec]],
+    recv_specs: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    device: torch.device,
+    my_rank: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Encodes this rank's blocks for every peer and runs the variable all-to-all.
+
+    The one encode-then-exchange sequence of the pooled forward, the lossy backward, the
+    deduplicated gradient and the sequence all-to-all (both directions): the self blocks stay
+    in the request (exact, off the wire), the sizes and skeletons are exchanged
+    (:func:`_exchange`), then the payloads, asynchronously.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks: Per peer, the blocks this rank sends it.
+        send_specs: Per peer, the specs of those blocks.
+        recv_specs: Per peer, the specs of the blocks it sends this rank.
+        info: Layout, compress flags and comms state.
+        myreq: The request; receives the self blocks, the skeletons and the bytes per peer.
+        device: Device of the blocks (the encoder's device path runs there).
+        my_rank: This rank.
+
+    Returns:
+        (received bytes, the payload exchange's work).
+    """
+    pending = start_encode(direction, blocks, send_specs, info, device, my_rank)
+    myreq.self_blocks = blocks[my_rank]
+    recv_meta_splits = _recv_meta_splits(recv_specs, info, my_rank)
+    recv, recv_sizes, work = _exchange(direction, pending, recv_meta_splits, myreq, info.comms)
+    myreq.recv_sizes = recv_sizes
+    return recv, work
+
+
 class LossyAll2AllPooledReq(Function):
     """Encodes and launches the forward exchange; its backward finishes the gradient exchange."""
 
@@ -156,7 +195,7 @@ class LossyAll2AllPooledReq(Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         pg: dist.ProcessGroup,
-        myreq: _LossyRequest,
+        myreq: LossyRequest,
         info: LossyAll2AllPooledInfo,
         input_embeddings: torch.Tensor,
     ) -> torch.Tensor:
@@ -169,7 +208,11 @@ class LossyAll2AllPooledReq(Function):
                 f"not match batch sizes {info.batch_size_per_rank} and local dim sum "
                 f"{info.dim_sum_per_rank[my_rank]}"
             )
-        info.dtype = input_embeddings.dtype
+        if input_embeddings.dtype != info.dtype:
+            raise ValueError(
+                f"pooled embeddings of dtype {input_embeddings.dtype}, the call's info says "
+                f"{info.dtype}"
+            )
         if info.output_dedupe is None:
             blocks = peer_blocks(
                 input_embeddings.detach(),
@@ -198,16 +241,18 @@ class LossyAll2AllPooledReq(Function):
             for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
                 rows = s.num_features * info.batch_size_per_rank[d]
                 info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
-        pending = start_encode(
-            "fwd", blocks, [info.layout[my_rank]] * world, info, input_embeddings.device, my_rank
-        )
-        myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange(
-            "fwd", pending, _recv_meta_splits(info.layout, info, my_rank), myreq, info.comms
+        recv, work = encode_and_exchange(
+            "fwd",
+            blocks,
+            [info.layout[my_rank]] * world,
+            info.layout,
+            info,
+            myreq,
+            input_embeddings.device,
+            my_rank,
         )
         myreq.req = work
         myreq.tensor = recv
-        myreq.recv_sizes = recv_sizes
         myreq.a2ai = info
         myreq.wait_function = LossyAll2AllPooledWait
         ctx.myreq = myreq
@@ -217,7 +262,7 @@ class LossyAll2AllPooledReq(Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *unused: torch.Tensor) -> tuple:
         pg = ctx.pg
-        myreq: _LossyRequest = ctx.myreq
+        myreq: LossyRequest = ctx.myreq
         info: LossyAll2AllPooledInfo = myreq.a2ai
         my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
         assert myreq.req is not None, "backward of the lossy all-to-all ran before its wait"
@@ -270,7 +315,7 @@ class LossyAll2AllPooledWait(Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         pg: dist.ProcessGroup,
-        myreq: _LossyRequest,
+        myreq: LossyRequest,
         *dummy_tensor: torch.Tensor,
     ) -> torch.Tensor:
         my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
@@ -319,7 +364,7 @@ class LossyAll2AllPooledWait(Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
         pg = ctx.pg
-        myreq: _LossyRequest = ctx.myreq
+        myreq: LossyRequest = ctx.myreq
         info: LossyAll2AllPooledInfo = myreq.a2ai
         my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
         b_local, d_global = grad_output.shape
@@ -345,13 +390,16 @@ class LossyAll2AllPooledWait(Function):
             blocks = peer_blocks(
                 grad_output, [0] * world, [b_local] * world, col_bases, info.layout
             )
-            pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
-            myreq.self_blocks = blocks[my_rank]
-            recv, recv_sizes, work = _exchange(
-                "bwd", pending, _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
-                myreq, info.comms,
-            )  # fmt: skip
-            myreq.recv_sizes = recv_sizes
+            recv, work = encode_and_exchange(
+                "bwd",
+                blocks,
+                info.layout,
+                [info.layout[my_rank]] * world,
+                info,
+                myreq,
+                grad_output.device,
+                my_rank,
+            )
         else:
             wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
             send = backward_dense_send(grad_output, info, wire_dtype)
@@ -379,7 +427,7 @@ class LossyAll2AllPooledWait(Function):
 def _receiver_grad_dedupe(
     pg: dist.ProcessGroup,
     grad_output: torch.Tensor,
-    myreq: _LossyRequest,
+    myreq: LossyRequest,
     info: LossyAll2AllPooledInfo,
     my_rank: int,
     world: int,
@@ -409,17 +457,16 @@ def _receiver_grad_dedupe(
     myreq.dense_blocks = None
     myreq.recv_sizes = None
     if codec == "lossy":
-        pending = start_encode("bwd", blocks, info.layout, info, grad_output.device, my_rank)
-        myreq.self_blocks = blocks[my_rank]
-        recv, recv_sizes, work = _exchange(
+        return encode_and_exchange(
             "bwd",
-            pending,
-            _recv_meta_splits([info.layout[my_rank]] * world, info, my_rank),
+            blocks,
+            info.layout,
+            [info.layout[my_rank]] * world,
+            info,
             myreq,
-            info.comms,
+            grad_output.device,
+            my_rank,
         )
-        myreq.recv_sizes = recv_sizes
-        return recv, work
     wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
     in_elem = grad_output.element_size()
     wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
@@ -453,7 +500,7 @@ def _receiver_grad_dedupe(
 
 def _owner_grad_dedupe(
     recv: torch.Tensor,
-    myreq: _LossyRequest,
+    myreq: LossyRequest,
     info: LossyAll2AllPooledInfo,
     my_rank: int,
     world: int,
@@ -526,38 +573,8 @@ def alltoall_pooled_lossy(
         group = dist.distributed_c10d._get_default_group()
     if group.size() <= 1:
         return NoWait(a2a_pooled_embs_tensor)
-    myreq = _LossyRequest(group, device=a2a_pooled_embs_tensor.device)
+    if info.dtype != a2a_pooled_embs_tensor.dtype:  # the call's dtype is its input's
+        info = dataclasses.replace(info, dtype=a2a_pooled_embs_tensor.dtype)
+    myreq = LossyRequest(group, device=a2a_pooled_embs_tensor.device)
     LossyAll2AllPooledReq.apply(group, myreq, info, a2a_pooled_embs_tensor)
     return myreq
-
-
-# The request of a variable-size exchange, for collectives built on it (the sequence one).
-LossyRequest = _LossyRequest
-
-
-def exchange_encoded(
-    direction: Direction,
-    pending: PendingPayloads,
-    recv_specs_per_peer: Sequence[Sequence[BlockSpec]],
-    info: LossyAll2AllPooledInfo,
-    myreq: _LossyRequest,
-    my_rank: int,
-) -> None:
-    """Size exchange (the one host sync) and asynchronous payload exchange of encoded blocks.
-
-    The public form of the pooled all-to-all's two phases, for other collectives that cut their
-    own blocks: afterwards ``myreq.req`` is the payload exchange's work, ``myreq.tensor`` the
-    receive buffer, ``myreq.recv_sizes`` the bytes from each peer and ``myreq.recv_skeletons``
-    the codec skeletons (pass them to ``decode_payloads``).
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        pending: From ``start_encode``.
-        recv_specs_per_peer: Per peer, the specs of the blocks it sends this rank.
-        info: Compress flags and comms state.
-        myreq: The request (its group; receives the exchange's state).
-        my_rank: This rank (its own entry carries no skeleton).
-    """
-    splits = _recv_meta_splits(recv_specs_per_peer, info, my_rank)
-    recv, recv_sizes, work = _exchange(direction, pending, splits, myreq, info.comms)
-    myreq.req, myreq.tensor, myreq.recv_sizes = work, recv, recv_sizes

@@ -8,9 +8,9 @@ Two kinds of deduplication live here, both pure tensor functions (no collectives
 - **Cross-side output dedupe** (:class:`OutputDedupe`): the input dist marks the distinct bags
   of features whose bags hold at most one id (:func:`bag_keys`, :func:`bag_inverse` on the
   sender, :func:`distinct_bags` / :func:`first_bags` on the owner) and the output dist sends the
-  pooled row of each distinct bag once. The state of one call rides from the input dist to the
-  output dist on the sharding context's ``batch_size_per_rank`` (a :class:`Strides`), read back
-  by :func:`output_dedupe_of`.
+  pooled row of each distinct bag once. The state of one call travels from the input dist to
+  the output dist in explicit types (:mod:`torchrec_lossy.distributed.context`): on the decoded
+  KJT, then on the sharding context.
 
 The sender's and the owner's orders of the distinct bags agree by construction: the empty bag
 first (if any), then the distinct ids in ascending order.
@@ -19,7 +19,6 @@ first (if any), then the distinct ids in ascending order.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -60,72 +59,17 @@ class OutputDedupe:
     sum_grads: bool
     select: list[list[torch.Tensor | None]] | None = None
 
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks the state's tensors as used on ``stream`` (the output dist's).
 
-class Strides(list):
-    """``stride_per_rank`` (batch size per source rank) carrying the call's :class:`OutputDedupe`.
-
-    A plain ``list[int]`` to TorchRec. TorchRec copies the tensors awaitable's
-    ``_stride_per_rank`` into the sharding context's ``batch_size_per_rank``
-    (``_set_sharding_context_intra_a2a``, also under the train pipelines), which reaches the
-    output dist; riding on it keeps the state with its own batch (no module-level queue) and
-    makes any input dist that is not ours fall back by itself (its list has no state).
-
-    Example::
-
-        strides = Strides([4, 4])
-        strides.output_dedupe = OutputDedupe(recv_rows, send, sum_grads=False)
-        assert output_dedupe_of(strides) is strides.output_dedupe
-
-    Attributes:
-        output_dedupe: The call's cross-side dedupe state; None when no feature is deduplicated.
-    """
-
-    output_dedupe: OutputDedupe | None = None
-
-
-# The batch sizes (with dedupe state) each KJT our input dist decoded came with (weak: a KJT
-# is forgotten with its batch).
-_BATCH_SIZES_OF: weakref.WeakKeyDictionary[object, Strides] = weakref.WeakKeyDictionary()
-
-
-def tag_batch_sizes(features: object, strides: Strides) -> None:
-    """Remembers the batch sizes per rank a decoded KJT belongs to (see :func:`batch_sizes_of`).
-
-    Args:
-        features: The KJT the lossy input dist returned.
-        strides: Its batch sizes per source rank, with the call's dedupe state.
-    """
-    _BATCH_SIZES_OF[features] = strides
-
-
-def batch_sizes_of(features: object) -> Strides | None:
-    """The batch sizes per rank (with dedupe state) the lossy input dist decoded a KJT with.
-
-    The sharded module restores them into the sharding context before its output dist, from
-    the data itself: a train pipeline that re-attaches (``detach()``/``attach()`` around an
-    evaluation) re-runs the in-flight batch's input dist into a fresh context but feeds the
-    forward the tensors of the first run, so the context alone would lose the dedupe state
-    for that batch.
-
-    Args:
-        features: A KJT of the module's ``compute_and_output_dist`` input.
-
-    Returns:
-        Its :class:`Strides`, or None for a KJT our input dist did not decode.
-    """
-    return _BATCH_SIZES_OF.get(features)
-
-
-def output_dedupe_of(batch_size_per_rank: object) -> OutputDedupe | None:
-    """The cross-side dedupe state riding on a sharding context's ``batch_size_per_rank``.
-
-    Args:
-        batch_size_per_rank: ``EmbeddingShardingContext.batch_size_per_rank``.
-
-    Returns:
-        The state, or None when the input dist deduplicated no output rows.
-    """
-    return getattr(batch_size_per_rank, "output_dedupe", None)
+        Args:
+            stream: The stream the output dist runs on.
+        """
+        tensors = [inv for row in self.send for x in row if x is not None for inv in x[1:]]
+        tensors += [t for row in self.select or [] for t in row if t is not None]
+        for t in tensors:
+            if t.device.type != "cpu":
+                t.record_stream(stream)  # type: ignore[arg-type]
 
 
 def segment_sort(

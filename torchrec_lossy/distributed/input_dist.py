@@ -24,9 +24,10 @@ once more; set ``InputDistConfig.dedupe=False`` for exactly TorchRec's host sync
 Each payload ends with a checksum the receiver verifies (``InputDistConfig.checksum``), and
 ``LossyComms.payload_hook`` sees every received payload as ``hook("input", source, words)``.
 
-The input dist also carries the state of the cross-side output dedupe
-(:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`) to the output dist, on the sharding
-context's ``batch_size_per_rank`` (a :class:`~torchrec_lossy.distributed.dedupe.Strides`).
+The decoded KJT is a :class:`~torchrec_lossy.distributed.context.DistributedKJT`: it carries
+the batch size of every source and the state of the cross-side output dedupe
+(:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`) to the lossy sharded module, which
+puts them into the sharding context its output dist reads.
 
 Variable batch per feature (VBE) inputs, 2-D weights and single-rank groups fall back to
 TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace the ``forward`` of
@@ -36,24 +37,22 @@ each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed pa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable, _get_recat
+from torchrec.distributed.dist_data import KJTAllToAll, _get_recat
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.dedupe import (
-    OutputDedupe,
-    OutputDedupeMode,
-    Strides,
-    tag_batch_sizes,
-)
+from torchrec_lossy.distributed.context import DistributedKJT, KJTDistState
+from torchrec_lossy.distributed.dedupe import OutputDedupe, OutputDedupeMode
 from torchrec_lossy.distributed.kjt_codec import (
     EncodedKJT,
     FeatureMeta,
@@ -155,89 +154,87 @@ def record_encode(
 # Awaitables and modules.
 
 
-class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
+@dataclass
+class PayloadExchange:
+    """The packed payload all-to-all in flight.
+
+    Attributes:
+        recv: Receive buffer (int32 words).
+        recv_words: Words from each source.
+        work: The collective; None once waited (or for a synchronous one).
+    """
+
+    recv: torch.Tensor
+    recv_words: list[int]
+    work: dist.Work | None
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        """Waits for the exchange.
+
+        Returns:
+            The received words and the words from each source.
+        """
+        if self.work is not None:
+            with record_function("## lossy_input payload wait ##"):
+                self.work.wait()
+            self.work = None
+        return self.recv, self.recv_words
+
+
+class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
     """Second step: waits for the packed payloads and decodes them into the local KJT.
 
-    A ``KJTAllToAllTensorsAwaitable`` (TorchRec's sharding contexts read its ``_stride_per_rank``
-    and ``_recat``), but its collectives were launched by :class:`LossyKJTAllToAllSplitsAwaitable`.
+    The KJT is a :class:`~torchrec_lossy.distributed.context.DistributedKJT` carrying the
+    batch sizes per rank and the cross-side dedupe state, which the lossy sharded module puts
+    into the sharding context before its output dist (TorchRec's own awaitable passes the batch
+    sizes through private fields that only its constructor, which launches TorchRec's
+    collectives, sets).
 
     Args:
         pg: Process group.
-        input: The sender's KJT.
         splits: Features per destination rank.
         keys: Local keys after the all-to-all.
-        recv: Receive buffer (int32 words) of the payload exchange.
-        recv_words: Words from each source.
-        work: The payload exchange.
+        exchange: The payload exchange in flight.
         metas_per_src: Per source, per local feature, its format.
         stride_per_rank: Batch size of every source.
         codes: Per source, its dtype codes.
-        input_splits: Ids sent to each rank (TorchRec's ``values`` splits).
-        output_splits: Ids received from each rank.
         comms: Shared state (telemetry).
-        output_dedupe: The call's cross-side dedupe state; the decode fills in the owner's
-            bag selection of the exact mode.
+        output_dedupe: The call's cross-side dedupe state; the decode adds the owner's bag
+            selection of the exact mode.
     """
 
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        input: KeyedJaggedTensor,
         splits: list[int],
         keys: list[str],
-        recv: torch.Tensor,
-        recv_words: list[int],
-        work: dist.Work | None,
+        exchange: PayloadExchange,
         metas_per_src: list[list[FeatureMeta]],
         stride_per_rank: list[int],
         codes: list[int],
-        input_splits: list[int],
-        output_splits: list[int],
         comms: LossyComms,
         output_dedupe: OutputDedupe | None = None,
     ) -> None:
-        Awaitable.__init__(self)  # no TorchRec collectives: only its attributes
-        self._workers = pg.size()
+        super().__init__()
         self._pg = pg
-        self._device = recv.device
-        self._input = input
-        self._splits = splits
         self._keys = keys
-        self._stagger = 1
-        self._stride_per_rank = stride_per_rank
-        self._input_splits = {"values": input_splits}
-        self._output_splits = {"values": output_splits}
         self._recat = _get_recat(
             local_split=splits[pg.rank()],
             num_splits=len(splits),
             stagger=1,
-            device=recv.device,
+            device=exchange.recv.device,
             batch_size_per_rank=stride_per_rank,
         )
-        self._recv = recv
-        self._recv_words = recv_words
-        self._work = work
+        self._exchange = exchange
         self._metas_per_src = metas_per_src
+        self._stride_per_rank = stride_per_rank
         self._codes = codes
         self._comms = comms
         self._output_dedupe = output_dedupe
 
-    def clear_inputs(self) -> int:
-        """Waits for the exchange; the sender's packed words are already the only copy.
-
-        Returns:
-            0: the input KJT's storage is left to its owner.
-        """
-        if self._work is not None:
-            self._work.wait()
-        return 0
-
     def _wait_impl(self) -> KeyedJaggedTensor:
-        if self._work is not None:
-            with record_function("## lossy_input payload wait ##"):
-                self._work.wait()
+        recv, recv_words = self._exchange.wait()
         start = time.perf_counter()
-        recv, recv_words = self._recv, self._recv_words
         hook = self._comms.payload_hook
         if hook is not None:  # sees each source's payload, as on the output side
             parts = [
@@ -246,7 +243,7 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
             recv_words = [int(p.numel()) for p in parts]
             recv = torch.cat(parts) if parts else recv
         with record_function("## lossy_input decode ##"):
-            tensors = decode_kjt(
+            lengths, values, weights, selects = decode_kjt(
                 recv,
                 recv_words,
                 self._metas_per_src,
@@ -255,25 +252,24 @@ class LossyKJTAllToAllTensorsAwaitable(KJTAllToAllTensorsAwaitable):
                 self._keys,
                 self._pg.rank(),
             )
-        lengths, values, weights, selects = tensors
-        if self._output_dedupe is not None and not self._output_dedupe.sum_grads:
-            self._output_dedupe.select = selects
+        dedupe = self._output_dedupe
+        if dedupe is not None and not dedupe.sum_grads:
+            dedupe = dataclasses.replace(dedupe, select=selects)
         shares = {k: 1 for k in self._keys}
         self._comms.stats.record_time("input", "decode", shares, time.perf_counter() - start)
         features = KeyedJaggedTensor.dist_init(
             keys=self._keys,
             tensors=[lengths, values] + ([weights] if weights is not None else []),
             variable_stride_per_key=False,
-            num_workers=self._workers,
+            num_workers=self._pg.size(),
             recat=self._recat,
             stride_per_rank=self._stride_per_rank,
             stagger=1,
         )
-        tag_batch_sizes(features, self._stride_per_rank)
-        return features
+        return DistributedKJT.of(features, KJTDistState(self._stride_per_rank, dedupe))
 
 
-class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
+class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
     """First step: encodes and exchanges the metadata; its wait launches the payload exchange.
 
     Args:
@@ -297,7 +293,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
     ) -> None:
         super().__init__()
         self._pg = pg
-        self._input = input
+        self._input = input  # alive until the exchange it feeds is launched
         self._splits = splits
         self._keys = keys
         self._comms = comms
@@ -318,20 +314,18 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
                 async_op=True,
             )
 
-    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+    def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
         with record_function("## lossy_input splits ##"):
             self._meta_work.wait()
             meta = self._recv_meta.tolist()  # the host read of the splits exchange
         n = meta_words(len(self._keys))
-        recv_words, strides, codes, metas_per_src, output_splits = [], [], [], [], []
+        recv_words, strides, codes, metas_per_src = [], [], [], []
         for src in range(self._pg.size()):
             row = parse_meta(meta[src * n : (src + 1) * n], len(self._keys))
             recv_words.append(row.payload_words)
             strides.append(row.batch)
             codes.append(row.codes)
             metas_per_src.append(row.features)
-            output_splits.append(sum(m.num_ids for m in row.features))
-        stride_per_rank = Strides(strides)
         recv_rows = [
             [m.num_unique if m.lookup else (m.out_rows or None) for m in fm] for fm in metas_per_src
         ]
@@ -342,7 +336,6 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             dedupe = OutputDedupe(
                 recv_rows, self._enc.expand, sum_grads=self._output_dedupe == "lookup"
             )
-            stride_per_rank.output_dedupe = dedupe
         send = self._enc.send
         recv = torch.empty(sum(recv_words), dtype=torch.int32, device=send.device)
         with record_function("## lossy_input payload ##"):
@@ -351,17 +344,12 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             )
         return LossyKJTAllToAllTensorsAwaitable(
             pg=self._pg,
-            input=self._input,
             splits=self._splits,
             keys=self._keys,
-            recv=recv,
-            recv_words=recv_words,
-            work=work,
+            exchange=PayloadExchange(recv, recv_words, work),
             metas_per_src=metas_per_src,
-            stride_per_rank=stride_per_rank,
+            stride_per_rank=strides,
             codes=codes,
-            input_splits=self._enc.num_ids_per_dest,
-            output_splits=output_splits,
             comms=self._comms,
             output_dedupe=dedupe,
         )
@@ -407,7 +395,7 @@ class LossyKJTAllToAll(KJTAllToAll):
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the codec's compiled path, load it now
             warm_up_host()
 
-    def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+    def forward(self, input: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Sends each rank its features, packed (see :meth:`packed`).
 
         Args:
@@ -418,7 +406,7 @@ class LossyKJTAllToAll(KJTAllToAll):
         """
         return self.packed(input)
 
-    def packed(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+    def packed(self, input: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Sends each rank its features, packed; TorchRec's path for the inputs it cannot pack.
 
         Not ``forward``, so that a train pipeline's override of ``forward`` does not bypass it.

@@ -58,7 +58,7 @@ from torchrec_lossy.distributed.dedupe import (
     segment_inverse,
     segment_sort,
 )
-from torchrec_lossy.distributed.pooled_payload import LossyAllToAllError
+from torchrec_lossy.distributed.errors import LossyAllToAllError
 
 _WORD_BITS = 32
 _MASK32 = (1 << 32) - 1

@@ -22,7 +22,8 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec_lossy import codec
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.dedupe import output_dedupe_of
+from torchrec_lossy.distributed.context import LossyShardingContext
+from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -97,20 +98,21 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self,
         local_embs: torch.Tensor,
         batch_size_per_rank: list[int] | None = None,
+        output_dedupe: OutputDedupe | None = None,
     ) -> PooledEmbeddingsAwaitable:
         """Sends each rank its rows of the local pooled embeddings, compressed.
 
         Args:
             local_embs: ``[B_global, D_local_sum]`` pooled embeddings of the local shards.
             batch_size_per_rank: Batch size of every rank; None or empty: equal split.
+            output_dedupe: The batch's cross-side dedupe state (from the packed input dist,
+                see :class:`~torchrec_lossy.distributed.context.LossyShardingContext`); None:
+                every row travels.
 
         Returns:
             Awaitable of ``[B_local, D_global_sum]``.
         """
         world = self._pg.size()
-        # Set only by our packed input dist with output dedupe; a plain list (TorchRec's input
-        # dist) means the normal path.
-        dedupe = output_dedupe_of(batch_size_per_rank)
         if not batch_size_per_rank:
             b_global = local_embs.size(0)
             if b_global % world != 0:
@@ -124,7 +126,8 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             layout=self._layout,
             comms=self._comms,
             compress=self._compress,
-            output_dedupe=dedupe,
+            dtype=local_embs.dtype,
+            output_dedupe=output_dedupe,
             exact_forward=self._comms.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
@@ -190,7 +193,8 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
 
         Args:
             local_embs: ``[B_global, D_local_sum]`` pooled embeddings.
-            sharding_ctx: Context of the input dist (batch size per rank).
+            sharding_ctx: Context of the input dist: batch size per rank, and the output dedupe
+                state where it is a ``context.LossyShardingContext``.
 
         Returns:
             Awaitable of ``[B_local, D_global_sum]``.
@@ -205,7 +209,20 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
                 "EmbeddingBagCollectionSharder, or send a fixed batch size per feature (a "
                 "different batch size per rank is supported)"
             )
-        return super().forward(local_embs, sharding_ctx)
+        if self._dist is None:  # TorchRec's lazy creation (_create_output_dist_module below)
+            self._create_output_dist_module(sharding_ctx)
+        a2a = self._dist
+        assert isinstance(a2a, LossyPooledEmbeddingsAllToAll)
+        if sharding_ctx is None:
+            return a2a(local_embs)
+        dedupe = (
+            sharding_ctx.output_dedupe if isinstance(sharding_ctx, LossyShardingContext) else None
+        )
+        return a2a(
+            local_embs,
+            batch_size_per_rank=sharding_ctx.batch_size_per_rank,
+            output_dedupe=dedupe,
+        )
 
     def _create_output_dist_module(
         self, sharding_ctx: EmbeddingShardingContext | None = None

@@ -33,12 +33,12 @@ from torchrec_lossy.codec import (
     host_sync,
 )
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.pooled_payload import (
     ALIGN,
     BlockSpec,
     LayoutCache,
     LossyAll2AllPooledInfo,
-    LossyAllToAllError,
     padded_size,
 )
 from torchrec_lossy.distributed.stats import Direction

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -40,18 +40,12 @@ from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.codec.grouped import start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.stats import Direction
-
-if TYPE_CHECKING:
-    from torchrec_lossy.distributed.input_dist import OutputDedupe
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
-
-
-class LossyAllToAllError(RuntimeError):
-    """A received payload could not be decoded into the blocks the sharding layout expects."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,8 @@ class LossyAll2AllPooledInfo:
         layout: Per rank of the group, its table shards in output column order.
         comms: Shared config, bound provider, telemetry and hooks.
         compress: Table name to whether its blocks go through the codec (else raw).
-        dtype: Dtype of the pooled embeddings (set by the forward).
+        dtype: Dtype of the pooled embeddings (:func:`alltoall_pooled_lossy` takes its input's:
+            the info itself is never modified).
         output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
             deduplicated features travel once per distinct bag), or None.
         exact_forward: The forward travels lossless (bound 0 for every table; the bound

@@ -6,11 +6,10 @@ pooling) back to the rank whose batch holds the id. The owner's lookup output is
 sends rank ``d`` its rows, the owner's features in order. :class:`LossySequenceEmbeddingsAllToAll`
 produces exactly the same tensor, but cuts the rows for each destination into one block per
 local table shard (the rows of its features, consecutive) and sends them through the pooled
-all-to-all's codec path: one payload per destination with each table's bound
-(:func:`.pooled_payload.start_encode`), the size then payload exchange
-(:func:`.comm_ops.exchange_encoded`), one decode call of every source's payload
-(:func:`.pooled_decode.decode_payloads`, which raises ``LossyAllToAllError`` naming the source
-rank on a corrupt payload). The gradient goes back the other way with
+all-to-all's codec path: one payload per destination with each table's bound, the size then
+payload exchange (:func:`.comm_ops.encode_and_exchange`), one decode call of every source's
+payload (:func:`.pooled_decode.decode_payloads`, which raises ``LossyAllToAllError`` naming
+the source rank on a corrupt payload). The gradient goes back the other way with
 ``LossyCommsConfig.backward`` (the codec, a cast, or exact). Rows are not deduplicated: every id
 travels, as in TorchRec.
 """
@@ -35,13 +34,12 @@ from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy import codec
-from torchrec_lossy.distributed.comm_ops import LossyRequest, exchange_encoded
+from torchrec_lossy.distributed.comm_ops import LossyRequest, encode_and_exchange
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
-    start_encode,
 )
 from torchrec_lossy.distributed.topology import peer_links
 
@@ -154,9 +152,9 @@ class LossyAll2AllSeqReq(Function):
             if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
                 for b, s in zip(blocks_d, specs, strict=True):
                     pooled.comms.stats.record_rows("fwd", s.table, b.shape[0], b.shape[0])
-        pending = start_encode("fwd", blocks, [specs] * world, pooled, local_embs.device, my_rank)
-        myreq.self_blocks = blocks[my_rank]
-        exchange_encoded("fwd", pending, pooled.layout, pooled, myreq, my_rank)
+        myreq.tensor, myreq.req = encode_and_exchange(
+            "fwd", blocks, [specs] * world, pooled.layout, pooled, myreq, local_embs.device, my_rank
+        )
         myreq.a2ai = info
         myreq.wait_function = LossyAll2AllSeqWait
         ctx.myreq = myreq
@@ -234,10 +232,10 @@ class LossyAll2AllSeqWait(Function):
                 for b, s in zip(bs, specs, strict=True):
                     pooled.comms.stats.record_rows("bwd", s.table, b.shape[0], b.shape[0])
         if codec_name == "lossy":
-            pending = start_encode("bwd", blocks, pooled.layout, pooled, grad.device, my_rank)
-            myreq.self_blocks = blocks[my_rank]
             specs = pooled.layout[my_rank]
-            exchange_encoded("bwd", pending, [specs] * world, pooled, myreq, my_rank)
+            myreq.tensor, myreq.req = encode_and_exchange(
+                "bwd", blocks, pooled.layout, [specs] * world, pooled, myreq, grad.device, my_rank
+            )
         else:
             _dense_send(pg, blocks, info, _CAST_DTYPES.get(codec_name, grad.dtype), myreq, my_rank)
         return (None, None, myreq.dummy_tensor)

@@ -42,7 +42,7 @@ from torchrec_lossy.distributed.comms import (
     LossyComms,
     StaticBounds,
 )
-from torchrec_lossy.distributed.dedupe import batch_sizes_of
+from torchrec_lossy.distributed.context import bind_input_state
 from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
     PooledSharding,
@@ -201,16 +201,39 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
+    def compute(
+        self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList
+    ) -> list[torch.Tensor]:
+        """TorchRec's lookups, after binding each sharding's input state and the module's mode
+        (see :meth:`compute_and_output_dist`; pipelines that split the lookup from the output
+        dist call this, then ``output_dist``).
+
+        Args:
+            ctx: The module's context of this batch.
+            dist_input: Per sharding, the local features.
+
+        Returns:
+            Per sharding, the pooled embeddings.
+        """
+        self._prepare_dists(ctx, dist_input)
+        return super().compute(ctx, dist_input)
+
+    def _prepare_dists(self, ctx: EmbeddingBagCollectionContext, features: KJTList) -> None:
+        """Hands the output dists this batch's input state and the module's mode."""
+        bind_input_state(ctx, features)
+        self.hand_mode_to_dists()
+
     def compute_and_output_dist(
         self, ctx: EmbeddingBagCollectionContext, input: KJTList
     ) -> LazyAwaitable[KeyedTensor]:
-        """TorchRec's lookup and output dist, with each sharding's batch sizes from its data.
+        """TorchRec's lookup and output dist, with each sharding's input state from its data.
 
-        The batch sizes per rank (and the output dedupe state riding on them) of every KJT the
-        lossy input dist decoded are put into its sharding context first (:func:`batch_sizes_of`):
-        a train pipeline's re-attach can pair a batch's tensors with a fresh context. The
-        module's mode is handed to its dists here, where ``model.eval()`` reaches: in evaluation
-        the forward travels lossless unless ``LossyCommsConfig.evaluation`` is ``"lossy"``.
+        The batch sizes per rank and the output dedupe state the packed input dist decoded each
+        sharding's features with are put into its sharding context first
+        (:func:`~torchrec_lossy.distributed.context.bind_input_state`): a train pipeline's
+        re-attach can pair a batch's tensors with a fresh context. The module's mode is handed
+        to its dists here, where ``model.eval()`` reaches: in evaluation the forward travels
+        lossless unless ``LossyCommsConfig.evaluation`` is ``"lossy"``.
 
         Args:
             ctx: The module's context of this batch.
@@ -219,11 +242,7 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
         Returns:
             As ``ShardedEmbeddingBagCollection.compute_and_output_dist``.
         """
-        for sharding_ctx, features in zip(ctx.sharding_contexts, input, strict=False):
-            strides = batch_sizes_of(features)
-            if strides is not None:
-                sharding_ctx.batch_size_per_rank = strides
-        self.hand_mode_to_dists()
+        self._prepare_dists(ctx, input)
         return super().compute_and_output_dist(ctx, input)
 
 

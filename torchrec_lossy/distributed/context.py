@@ -1,0 +1,158 @@
+"""Explicit per-batch state of the lossy dists, from the input dist to the output dist.
+
+TorchRec's input dist hands the output dist its per-batch state (the batch size of every rank)
+through the sharding context. The lossy dists need one more thing per batch: the cross-side
+dedupe state (:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`). It travels in two
+explicit types:
+
+- :class:`DistributedKJT`: the KJT the packed input dist decodes, carrying the state it was
+  decoded with (:class:`KJTDistState`). The state must follow the data: a train pipeline that
+  re-attaches (``detach()``/``attach()`` around an evaluation) re-runs the in-flight batch's
+  input dist into a fresh module context but feeds the forward the tensors of the first run.
+- :class:`LossyShardingContext`: the sharding context the lossy output dist reads. The sharded
+  module builds it from the features it is about to look up (:func:`bind_input_state`, in its
+  ``compute`` and ``compute_and_output_dist``), so context and data always belong to one batch.
+
+Example::
+
+    kjt = DistributedKJT.of(decoded, KJTDistState([4, 4], output_dedupe=None))
+    bind_input_state(ctx, KJTList([kjt]))
+    assert ctx.sharding_contexts[0].batch_size_per_rank == [4, 4]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy.distributed.dedupe import OutputDedupe
+
+
+@dataclass(frozen=True)
+class KJTDistState:
+    """What the packed input dist learned about one batch, for the output dist.
+
+    Attributes:
+        batch_size_per_rank: Batch size of every source rank (TorchRec's ``stride_per_rank``).
+        output_dedupe: The batch's cross-side dedupe state; None when nothing is deduplicated.
+    """
+
+    batch_size_per_rank: list[int]
+    output_dedupe: OutputDedupe | None = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks the state's tensors as used on ``stream`` (as ``Multistreamable``).
+
+        Args:
+            stream: The stream the output dist runs on.
+        """
+        if self.output_dedupe is not None:
+            self.output_dedupe.record_stream(stream)
+
+
+class DistributedKJT(KeyedJaggedTensor):
+    """A ``KeyedJaggedTensor`` decoded by the packed input dist, with its :class:`KJTDistState`.
+
+    The tensors are those of ``KeyedJaggedTensor.dist_init`` (bit-identical to TorchRec's
+    ``KJTAllToAll`` result); only :attr:`dist_state` is added. Build it with :meth:`of`.
+
+    Attributes:
+        dist_state: The batch's state; None on KJTs derived from this one by TorchRec's methods.
+    """
+
+    dist_state: KJTDistState | None = None
+
+    @classmethod
+    def of(cls, kjt: KeyedJaggedTensor, state: KJTDistState) -> DistributedKJT:
+        """The same KJT (same tensors and cached per-key lengths and offsets), with ``state``.
+
+        Args:
+            kjt: A synced KJT (``dist_init`` returns one).
+            state: The batch's state.
+
+        Returns:
+            The KJT with its state.
+        """
+        out = cls(
+            keys=kjt.keys(),
+            values=kjt.values(),
+            weights=kjt.weights_or_none(),
+            lengths=kjt.lengths(),
+            stride=kjt.stride(),
+            length_per_key=kjt.length_per_key(),
+            offset_per_key=kjt.offset_per_key(),
+        )
+        out.dist_state = state
+        return out
+
+    def record_stream(self, stream: torch.Stream) -> None:  # type: ignore[override]
+        """Marks the tensors and the dist state's tensors as used on ``stream``.
+
+        Args:
+            stream: The stream the lookup and output dist run on.
+        """
+        super().record_stream(stream)  # type: ignore[arg-type]
+        if self.dist_state is not None:
+            self.dist_state.record_stream(stream)
+
+
+@dataclass
+class LossyShardingContext(EmbeddingShardingContext):
+    """TorchRec's sharding context plus the batch's cross-side dedupe state.
+
+    Attributes:
+        output_dedupe: The state the lossy output dist sends deduplicated rows by; None: off.
+    """
+
+    output_dedupe: OutputDedupe | None = None
+
+    @classmethod
+    def from_input(
+        cls, base: EmbeddingShardingContext, state: KJTDistState
+    ) -> LossyShardingContext:
+        """``base`` with the batch sizes and dedupe state of the features it goes with.
+
+        Args:
+            base: The sharding context TorchRec's input dist filled (or a fresh one).
+            state: The state the features were decoded with.
+
+        Returns:
+            A new context; ``base`` is left as it is.
+        """
+        return cls(
+            batch_size_per_rank=list(state.batch_size_per_rank),
+            batch_size_per_rank_per_feature=base.batch_size_per_rank_per_feature,
+            batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
+            variable_batch_per_feature=base.variable_batch_per_feature,
+            output_dedupe=state.output_dedupe,
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks the dedupe state's tensors as used on ``stream``.
+
+        Args:
+            stream: The stream the output dist runs on.
+        """
+        if self.output_dedupe is not None:
+            self.output_dedupe.record_stream(stream)
+
+
+def bind_input_state(ctx: EmbeddingBagCollectionContext, features: KJTList) -> None:
+    """Puts each sharding's input state into its context, from the features themselves.
+
+    Shardings whose features the packed input dist decoded (a :class:`DistributedKJT`) get a
+    :class:`LossyShardingContext`; the others keep TorchRec's context.
+
+    Args:
+        ctx: The module's context of this batch (its ``sharding_contexts`` are replaced).
+        features: Per sharding, the local features about to be looked up.
+    """
+    for i, kjt in enumerate(features):
+        base = ctx.sharding_contexts[i] if i < len(ctx.sharding_contexts) else None
+        if base is not None and isinstance(kjt, DistributedKJT) and kjt.dist_state is not None:
+            ctx.sharding_contexts[i] = LossyShardingContext.from_input(base, kjt.dist_state)
