@@ -71,7 +71,12 @@ class Data:
 
 
 def load_data(
-    path: str, world: int = 2, batch_size: int = 512, holdout_every: int = 16, eval_batches: int = 8
+    path: str,
+    world: int = 2,
+    batch_size: int = 512,
+    holdout_every: int = 16,
+    eval_batches: int = 8,
+    max_rows: int = criteo_data.DEFAULT_MAX_ROWS,
 ) -> Data:
     """Reads a Criteo TSV file as ``world`` ranks of the example would.
 
@@ -81,11 +86,12 @@ def load_data(
         batch_size: The example's ``--batch-size`` (per rank).
         holdout_every: The example's ``--holdout-every``.
         eval_batches: The example's ``--eval-batches``.
+        max_rows: The example's ``--max-rows`` (cap on table rows).
 
     Returns:
         The data.
     """
-    sizes = criteo_data.table_sizes("criteo_kaggle", criteo_data.DEFAULT_MAX_ROWS)
+    sizes = criteo_data.table_sizes("criteo_kaggle", max_rows)
     readers = [
         criteo_data.RawCriteoReader([path], sizes, r, world, holdout_every) for r in range(world)
     ]
