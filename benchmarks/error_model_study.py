@@ -174,8 +174,10 @@ def run_seed(
         rec["fixed"] = {s: fixed_weight(run, data, s, seed, args.grad_steps) for s in args.fixed}
         if seed == args.seeds[0]:  # the codes' statistics barely move with the seed
             blocks = [b for t in fq_harness.pooled_blocks(run, data, 4) for b in t.unbind(0)]
-            rec["bits"] = {
-                s: code_entropy_bits(parse_model(s.partition("@")[0]), blocks) for s in args.fixed
+            models = {s: parse_model(s.partition("@")[0]) for s in args.fixed}
+            rec["bits"] = {s: code_entropy_bits(m, blocks) for s, m in models.items()}
+            rec["bits_distinct"] = {
+                s: code_entropy_bits(m, blocks, True) for s, m in models.items()
             }
         print(
             f"seed {seed} exact {rec['exact']['auc']:.4f} ({time.perf_counter() - t0:.0f} s)",
@@ -210,11 +212,12 @@ def summarize(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """
     recs = {int(s): r for s, r in seeds.items() if "exact" in r}
     exact = {s: r["exact"] for s, r in recs.items()}
-    bits = next((r["bits"] for r in recs.values() if "bits" in r), {})
+    first = next((r for r in recs.values() if "bits" in r), {})
+    bits, bits_distinct = first.get("bits", {}), first.get("bits_distinct", {})
     specs = dict.fromkeys(k for r in recs.values() for k in (*r["fixed"], *r.get("trained", {})))
     out: dict[str, Any] = {}
     for spec in specs:
-        s: dict[str, Any] = {"bits": bits.get(spec)}
+        s: dict[str, Any] = {"bits": bits.get(spec), "bits_distinct": bits_distinct.get(spec)}
         fixed = {k: r["fixed"][spec] for k, r in recs.items() if spec in r["fixed"]}
         if fixed:
             s["fixed"] = {m: _stat(_paired(fixed, exact, m)) for m in ("auc", "logloss")}
@@ -247,14 +250,15 @@ def format_table(summary: dict[str, Any]) -> str:
         return f"{cell(mean, '+.1f')} ± {cell(se, '.1f')} ({s[key]['n']})"
 
     lines = [
-        "| model | bits/value | fixed-weight dAUC | fixed dLogLoss | dense grad cos | "
+        "| model | bits/value | deduped | fixed-weight dAUC | fixed dLogLoss | dense grad cos | "
         "emb grad rel err | train-only dAUC | train-only dLogLoss | train+eval dAUC |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spec, s in summary.items():
         g = s.get("grad") or {}
         lines.append(
-            f"| {spec} | {cell(s['bits'], '.2f')} | {pm(s.get('fixed'), 'auc')} | "
+            f"| {spec} | {cell(s['bits'], '.2f')} | {cell(s.get('bits_distinct'), '.2f')} | "
+            f"{pm(s.get('fixed'), 'auc')} | "
             f"{pm(s.get('fixed'), 'logloss')} | {cell(g.get('dense_cos'), '.4f')} | "
             f"{cell(g.get('emb_rel'), '.3f')} | {pm(s.get('train'), 'auc')} | "
             f"{pm(s.get('train'), 'logloss')} | {pm(s.get('train+eval'), 'auc')} |"

@@ -242,7 +242,9 @@ def stated_bound(model: ErrorModel, block: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, math.inf)
 
 
-def code_entropy_bits(model: ErrorModel, blocks: list[torch.Tensor]) -> float | None:
+def code_entropy_bits(
+    model: ErrorModel, blocks: list[torch.Tensor], distinct: bool = False
+) -> float | None:
     """Bits per value of ``blocks`` under the model: order-0 code entropy plus side information.
 
     The entropy is taken per block (a block is coded on its own) and averaged by size; casts
@@ -250,7 +252,9 @@ def code_entropy_bits(model: ErrorModel, blocks: list[torch.Tensor]) -> float | 
 
     Args:
         model: The model.
-        blocks: Blocks of real traffic.
+        blocks: Blocks ``[rows, dim]`` of real traffic.
+        distinct: Code only each block's distinct rows, as the codec's exact dedupe sends them
+            (the bits are still per value of the full block).
 
     Returns:
         Bits per value, or None for ``exact``.
@@ -263,10 +267,12 @@ def code_entropy_bits(model: ErrorModel, blocks: list[torch.Tensor]) -> float | 
     gen = torch.Generator().manual_seed(0)
     bits, n = 0.0, 0
     for b in blocks:
-        codes = model.fn(b, gen)[1]
+        sent = torch.unique(b, dim=0) if distinct else b
+        codes = model.fn(sent, gen)[1]
         assert codes is not None
         _, counts = torch.unique(codes, return_counts=True)
         p = counts.double() / codes.numel()
-        bits += float(-(p * torch.log2(p)).sum()) * codes.numel()
-        n += codes.numel()
-    return bits / max(n, 1) + SIDE_BITS[model.scale]
+        entropy = float(-(p * torch.log2(p)).sum()) + SIDE_BITS[model.scale]
+        bits += entropy * codes.numel()
+        n += b.numel()
+    return bits / max(n, 1)
