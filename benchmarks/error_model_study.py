@@ -222,7 +222,7 @@ def summarize(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if fixed:
             s["fixed"] = {m: _stat(_paired(fixed, exact, m)) for m in ("auc", "logloss")}
             s["grad"] = {
-                g: _mean([f[g] for f in fixed.values()])
+                g: _mean([f.get(g) for f in fixed.values()])
                 for g in ("dense_cos", "dense_rel", "emb_cos", "emb_rel")
             }
         for mode in ("train", "train+eval"):
