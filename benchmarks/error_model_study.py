@@ -34,7 +34,7 @@ from typing import Any
 import fq_harness
 import torch
 from accuracy_bench import _mean, _paired
-from fake_quant import code_entropy_bits, parse_model
+from fake_quant import code_entropy_bits, error_stats, parse_model
 from table_fmt import cell
 
 DATA = next(
@@ -57,6 +57,7 @@ FIXED = (
     "group-nearest:0.03", "group-stochastic:0.03", "log:0.03",
     "block-nearest:0.03@0,1", "block-nearest:0.03@" + ",".join(map(str, range(2, 26))),
 )  # fmt: skip
+ID_TABLES = 2  # tables 0 and 1: the user and movie ids of the MovieLens log
 TRAIN = ("block-nearest:0.03", "block-stochastic:0.03", "block-midrise:0.03", "mx4")
 
 
@@ -176,6 +177,14 @@ def run_seed(
             blocks = [b for t in fq_harness.pooled_blocks(run, data, 4) for b in t.unbind(0)]
             models = {s: parse_model(s.partition("@")[0]) for s in args.fixed}
             rec["bits"] = {s: code_entropy_bits(m, blocks) for s, m in models.items()}
+            n = len(data.sizes)  # blocks run table by table within each (batch, rank)
+            split = {
+                "id_tables": [b for k, b in enumerate(blocks) if k % n < ID_TABLES],
+                "other_tables": [b for k, b in enumerate(blocks) if k % n >= ID_TABLES],
+            }
+            rec["stats"] = {
+                s: {t: error_stats(m, bs) for t, bs in split.items()} for s, m in models.items()
+            }
             rec["bits_distinct"] = {
                 s: code_entropy_bits(m, blocks, True) for s, m in models.items()
             }

@@ -276,3 +276,33 @@ def code_entropy_bits(
         bits += entropy * codes.numel()
         n += b.numel()
     return bits / max(n, 1)
+
+
+def error_stats(model: ErrorModel, blocks: list[torch.Tensor]) -> dict[str, float]:
+    """What the error does to real traffic: its energy and its dead zone.
+
+    Args:
+        model: The model.
+        blocks: Blocks ``[rows, dim]`` of real traffic (finite).
+
+    Returns:
+        ``rel_mse``: ``sum (x' - x)^2 / sum x^2``; ``max_rel_row``: the largest error relative
+        to its row's max magnitude; ``zeroed``: share of nonzero values decoded as exactly 0.
+    """
+    gen = torch.Generator().manual_seed(0)
+    err2 = sig2 = zeroed = nonzero = 0.0
+    max_rel_row = 0.0
+    for b in blocks:
+        y = model(b, gen).double()
+        x = b.double()
+        err2 += float(((y - x) ** 2).sum())
+        sig2 += float((x**2).sum())
+        zeroed += float(((y == 0) & (x != 0)).sum())
+        nonzero += float((x != 0).sum())
+        row = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        max_rel_row = max(max_rel_row, float(((y - x).abs() / row).max()))
+    return {
+        "rel_mse": err2 / max(sig2, 1e-300),
+        "max_rel_row": max_rel_row,
+        "zeroed": zeroed / max(nonzero, 1.0),
+    }
