@@ -287,11 +287,14 @@ def error_stats(model: ErrorModel, blocks: list[torch.Tensor]) -> dict[str, floa
 
     Returns:
         ``rel_mse``: ``sum (x' - x)^2 / sum x^2``; ``max_rel_row``: the largest error relative
-        to its row's max magnitude; ``zeroed``: share of nonzero values decoded as exactly 0.
+        to its row's max magnitude; ``zeroed``: share of nonzero values decoded as exactly 0;
+        ``row_to_range``: the median row's max magnitude over its block's range (a property of
+        the traffic: how loose a block-range bound is for a typical row).
     """
     gen = torch.Generator().manual_seed(0)
     err2 = sig2 = zeroed = nonzero = 0.0
     max_rel_row = 0.0
+    ratios = []
     for b in blocks:
         y = model(b, gen).double()
         x = b.double()
@@ -301,8 +304,10 @@ def error_stats(model: ErrorModel, blocks: list[torch.Tensor]) -> dict[str, floa
         nonzero += float((x != 0).sum())
         row = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
         max_rel_row = max(max_rel_row, float(((y - x).abs() / row).max()))
+        ratios.append(float(row.median() / _block_range(x).clamp_min(1e-300).squeeze()))
     return {
         "rel_mse": err2 / max(sig2, 1e-300),
         "max_rel_row": max_rel_row,
         "zeroed": zeroed / max(nonzero, 1.0),
+        "row_to_range": float(torch.tensor(ratios).median()) if ratios else math.nan,
     }

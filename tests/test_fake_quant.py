@@ -104,3 +104,14 @@ def test_entropy_orders_bounds_and_counts_side_information() -> None:
 def test_bad_specs_are_rejected(spec: str) -> None:
     with pytest.raises(ValueError, match="error model"):
         fq.parse_model(spec)
+
+
+def test_error_stats_measure_energy_dead_zone_and_row_scale() -> None:
+    blocks = list(torch.randn(2, 256, 16, generator=torch.Generator().manual_seed(7)).unbind(0))
+    exact = fq.error_stats(fq.parse_model("exact"), blocks)
+    assert exact["rel_mse"] == exact["zeroed"] == exact["max_rel_row"] == 0.0
+    near = fq.error_stats(fq.parse_model("block-nearest:0.03"), blocks)
+    sto = fq.error_stats(fq.parse_model("block-stochastic:0.03"), blocks)
+    assert near["zeroed"] > 0.05 and 0.3 < sto["rel_mse"] / near["rel_mse"] < 0.7  # var halves
+    assert fq.error_stats(fq.parse_model("log:0.03"), blocks)["max_rel_row"] <= 0.03 + 1e-6
+    assert 0 < near["row_to_range"] < 1
