@@ -119,14 +119,16 @@ def test_rowwise_adagrad_matches_fbgemm_exact_rowwise_adagrad() -> None:
     assert not torch.allclose(w.detach(), w.detach()[[0]])  # rows moved apart: not vacuous
 
 
-def test_fixed_weight_sensitivity_of_the_recommended_model_stays_under_the_papers(
+def test_fixed_weight_sensitivity_of_the_recommended_models_stays_under_the_papers(
     data: h.Data,
 ) -> None:
-    # docs/accuracy.md: per-value relative (log-domain) 3% moves the logits of a trained model
-    # several times less than the paper's 3% of block range, at fixed weights (no seed noise).
+    # docs/accuracy.md: block-relative 0.01 with stochastic rounding (today's options) and the
+    # per-value relative 3% (log domain) move a trained model's logits several times less than
+    # the paper's 3% of block range, at fixed weights (no seed noise). MX4 moves them more.
     run = h.build(data, 0)
     h.train(run, data, 2)
     paper = h.logit_shift(run, data, fq.parse_model("block-nearest:0.03"))
-    recommended = h.logit_shift(run, data, fq.parse_model("log:0.03"))
-    assert 0 < recommended < 0.5 * paper
+    for spec in ("block-stochastic:0.01", "log:0.03"):
+        assert 0 < h.logit_shift(run, data, fq.parse_model(spec)) < 0.5 * paper, spec
+    assert h.logit_shift(run, data, fq.parse_model("mx4")) > paper
     assert h.logit_shift(run, data, fq.parse_model("exact")) == 0.0
