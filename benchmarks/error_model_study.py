@@ -58,7 +58,7 @@ FIXED = (
     "block-nearest:0.03@0,1", "block-nearest:0.03@" + ",".join(map(str, range(2, 26))),
 )  # fmt: skip
 ID_TABLES = 2  # tables 0 and 1: the user and movie ids of the MovieLens log
-TRAIN = ("block-nearest:0.03", "block-stochastic:0.03", "block-midrise:0.03", "mx4")
+TRAIN = ("block-nearest:0.03", "block-stochastic:0.03", "log:0.03", "block-stochastic:0.01")
 
 
 def _seeds(text: str) -> list[int]:
