@@ -443,12 +443,13 @@ def run_one(
     return record
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
+def mean_finite(values: Sequence[float | None]) -> float | None:
+    """Mean of the finite values (None if there is none)."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.fmean(vals) if vals else None
 
 
-def _sem(values: Sequence[float | None]) -> float | None:
+def sem_finite(values: Sequence[float | None]) -> float | None:
     """Standard error of the mean (None below two finite values)."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None
@@ -463,7 +464,7 @@ def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
         "auc": m["final"]["auc"],
         "logloss": m["final"]["logloss"],
         "train_loss": m["final"]["train_loss"],
-        "train_loss_mean": _mean(losses),
+        "train_loss_mean": mean_finite(losses),
         "finite": all(v is not None and math.isfinite(v) for v in losses),
         "eval_rows": m["final"]["eval_rows"],
         "samples": m["run"]["steps_run"] * m["run"]["global_batch_size"],
@@ -481,7 +482,7 @@ def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _paired(
+def paired_deltas(
     mine: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], key: str
 ) -> dict[int, float]:
     """Per seed run by both: ``mine[key] - ref[key]`` (seeds where either lacks it skipped)."""
@@ -522,36 +523,36 @@ def summarize(
             if not mine:
                 continue
             seeds = sorted(mine)
-            dauc = _paired(mine, none, "auc")
-            dll = _paired(mine, none, "logloss")
-            dtl = _paired(mine, none, "train_loss_mean")
-            mean_dauc = _mean(list(dauc.values()))
-            dauc_ref = _paired(mine, ref, "auc")
-            none_bytes = _mean([f["step_wire_bytes"] for f in none.values()])
-            step_bytes = _mean([mine[k]["step_wire_bytes"] for k in seeds])
+            dauc = paired_deltas(mine, none, "auc")
+            dll = paired_deltas(mine, none, "logloss")
+            dtl = paired_deltas(mine, none, "train_loss_mean")
+            mean_dauc = mean_finite(list(dauc.values()))
+            dauc_ref = paired_deltas(mine, ref, "auc")
+            none_bytes = mean_finite([f["step_wire_bytes"] for f in none.values()])
+            step_bytes = mean_finite([mine[k]["step_wire_bytes"] for k in seeds])
             s: dict[str, Any] = {
                 "seeds": seeds,
                 "per_seed": {k: mine[k] for k in seeds},
-                "auc": _mean([mine[k]["auc"] for k in seeds]),
-                "logloss": _mean([mine[k]["logloss"] for k in seeds]),
+                "auc": mean_finite([mine[k]["auc"] for k in seeds]),
+                "logloss": mean_finite([mine[k]["logloss"] for k in seeds]),
                 "dauc_by_seed": dauc,
                 "dauc_mean": mean_dauc,
-                "dauc_se": _sem(list(dauc.values())),
+                "dauc_se": sem_finite(list(dauc.values())),
                 "dlogloss_by_seed": dll,
-                "dlogloss_mean": _mean(list(dll.values())),
-                "dlogloss_se": _sem(list(dll.values())),
-                "dtrain_loss_mean": _mean(list(dtl.values())),
+                "dlogloss_mean": mean_finite(list(dll.values())),
+                "dlogloss_se": sem_finite(list(dll.values())),
+                "dtrain_loss_mean": mean_finite(list(dtl.values())),
                 "ref": ref_name,
-                "dauc_vs_ref_mean": _mean(list(dauc_ref.values())),
-                "dauc_vs_ref_se": _sem(list(dauc_ref.values())),
+                "dauc_vs_ref_mean": mean_finite(list(dauc_ref.values())),
+                "dauc_vs_ref_se": sem_finite(list(dauc_ref.values())),
                 "step_wire_bytes": step_bytes,
                 "bytes_vs_none": none_bytes / step_bytes if none_bytes and step_bytes else None,
                 "finite": all(mine[k]["finite"] for k in seeds),
                 "comm": mine[seeds[0]]["comm"],
                 "plan": mine[seeds[0]]["plan"],
                 "samples_per_run": mine[seeds[0]]["samples"],
-                "fwd_ratio": _mean([mine[k]["fwd_ratio"] for k in seeds]),
-                "bwd_ratio": _mean([mine[k]["bwd_ratio"] for k in seeds]),
+                "fwd_ratio": mean_finite([mine[k]["fwd_ratio"] for k in seeds]),
+                "bwd_ratio": mean_finite([mine[k]["bwd_ratio"] for k in seeds]),
                 "rss_peak_mib": max((mine[k]["rss_peak_mib"] or 0.0) for k in seeds),
                 "rss_growth_mib": max((mine[k]["rss_growth_mib"] or 0.0) for k in seeds),
             }

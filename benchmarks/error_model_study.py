@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import fq_harness
 import torch
-from accuracy_bench import _mean, _paired
+from accuracy_bench import mean_finite, paired_deltas, sem_finite
 from fake_quant import code_entropy_bits, error_stats, parse_model
 from table_fmt import cell
 
@@ -206,8 +205,7 @@ def run_seed(
 
 def _stat(deltas: dict[int, float]) -> dict[str, Any]:
     vals = list(deltas.values())
-    se = statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None
-    return {"n": len(vals), "mean": _mean(vals), "se": se}
+    return {"n": len(vals), "mean": mean_finite(vals), "se": sem_finite(vals)}
 
 
 def summarize(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -229,15 +227,15 @@ def summarize(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
         s: dict[str, Any] = {"bits": bits.get(spec), "bits_distinct": bits_distinct.get(spec)}
         fixed = {k: r["fixed"][spec] for k, r in recs.items() if spec in r["fixed"]}
         if fixed:
-            s["fixed"] = {m: _stat(_paired(fixed, exact, m)) for m in ("auc", "logloss")}
+            s["fixed"] = {m: _stat(paired_deltas(fixed, exact, m)) for m in ("auc", "logloss")}
             s["grad"] = {
-                g: _mean([f.get(g) for f in fixed.values()])
+                g: mean_finite([f.get(g) for f in fixed.values()])
                 for g in ("dense_cos", "dense_rel", "emb_cos", "emb_rel")
             }
         for mode in ("train", "train+eval"):
             runs = {k: r["trained"][spec][mode] for k, r in recs.items() if spec in r["trained"]}
             if runs:
-                s[mode] = {m: _stat(_paired(runs, exact, m)) for m in ("auc", "logloss")}
+                s[mode] = {m: _stat(paired_deltas(runs, exact, m)) for m in ("auc", "logloss")}
         out[spec] = s
     return out
 

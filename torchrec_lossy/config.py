@@ -68,7 +68,9 @@ class CodecConfig:
             ``"stochastic"``: unbiased stochastic rounding on a grid of step ``bound``
             (``E[x'] = x``; still ``|x - x'| <= bound``), drawn from a counter-based hash of
             (``seed``, block index, element index): deterministic, the same on every backend.
-        seed: Seed of stochastic rounding (any integer; vary it per call, e.g. per step).
+        seed: Base seed of stochastic rounding (any integer). The sharder draws each
+            all-to-all afresh from (seed, call, sending rank); a direct codec call uses it as
+            given (vary it per call, e.g. per step).
     """
 
     huffman_chunk_symbols: int = 2048

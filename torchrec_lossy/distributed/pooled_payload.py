@@ -322,14 +322,22 @@ def _entry_words(n_coded: int) -> int:
 def _codec_config(
     config: LossyCommsConfig, direction: Direction, call: int, rank: int
 ) -> CodecConfig:
-    """The codec knobs of one all-to-all: the forward's as configured; the backward's with its
-    rounding, seeded per (seed, call, sending rank) so every call draws afresh and a rerun draws
-    the same. Within the call, blocks draw by their index in their payload."""
-    if direction == "fwd" or config.backward_rounding == "nearest":
+    """The codec knobs of one all-to-all: the forward's rounding as configured
+    (``codec.rounding``), the backward's ``backward_rounding``. Stochastic rounding is seeded
+    per (seed, call, sending rank), so every call draws afresh (a seed fixed across calls would
+    round each position the same way every step) and a rerun draws the same. Within the call,
+    blocks draw by their index in their payload."""
+    if direction == "fwd":
+        rounding, seed = config.codec.rounding, config.codec.seed
+    else:
+        rounding, seed = config.backward_rounding, config.backward_seed
+    if rounding == config.codec.rounding == "nearest":
         return config.codec
+    if rounding == "nearest":  # a stochastic forward's codec knobs, for a nearest backward
+        return dataclasses.replace(config.codec, rounding="nearest")
     # Tuple hashes of ints are the same in every process (no hash randomization for ints).
-    call_seed = hash((config.backward_seed, call, rank)) & ((1 << 63) - 1)
-    return dataclasses.replace(config.codec, rounding=config.backward_rounding, seed=call_seed)
+    call_seed = hash((seed, call, rank)) & ((1 << 63) - 1)
+    return dataclasses.replace(config.codec, rounding=rounding, seed=call_seed)
 
 
 def _record_signed_error(
