@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
+from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig, TableCodecConfig
 from torchrec_lossy.distributed import (
     BlockSpec,
     BoundProvider,
@@ -108,6 +108,31 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
     assert 0 < rel <= 0.05 * (a_in.max() - a_in.min()).item() / rms
     assert a.snapped_to_zero == int(((a_in != 0) & (a_out == 0)).sum()) > 0
     assert math.isnan(stats.table("b", "fwd").relative_rms_error)  # raw: not sampled
+
+
+def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None:
+    """``codec.rounding: stochastic`` in the forward: each call draws its own rounding (a seed
+    fixed across calls would round every position the same way every step), within the bound,
+    and a rerun from the same state draws the same; a nearest backward stays nearest."""
+    config = LossyCommsConfig(
+        default_bound=ErrorBound("relative", 0.05), codec=CodecConfig(rounding="stochastic")
+    )
+    x = torch.randn(64, 20)
+    blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
+
+    def run(info: LossyAll2AllPooledInfo, direction: str = "fwd") -> torch.Tensor:
+        payloads = encode_payloads(direction, blocks, [SPECS], info, x.device)
+        got = decode_payloads(direction, payloads[0], [payloads[0].numel()], [SPECS], [64], info, 0)
+        return got[0][0]
+
+    info = _info(config, [SPECS])
+    first, second = run(info), run(info)
+    assert not torch.equal(first, second)  # another call, other draws
+    assert torch.equal(run(_info(config, [SPECS])), first)  # a rerun draws the same
+    a = blocks[0][0]
+    assert float((first - a).abs().max()) <= 0.05 * float(a.max() - a.min()) * (1 + 1e-6)
+    # The backward (nearest by default) is deterministic: two calls decode alike.
+    assert torch.equal(run(info, "bwd"), run(info, "bwd"))
 
 
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(
