@@ -162,13 +162,21 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             sharded_module_order_overwrite=sharded_module_order_overwrite,
         )
         self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
-        a2a_codec = (qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)
-        if a2a_codec is not None and any(t in LOSSY_SHARDING_TYPES for t in self._sharding_types):
+        unused = [
+            op.name
+            for op, uses in (
+                (CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, LOSSY_SHARDING_TYPES.keys() - {"row_wise"}),
+                (CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER, {"row_wise"}),
+            )
+            if op.name in (qcomm_codecs_registry or {}) and uses & set(self._sharding_types)
+        ]
+        if unused:
             logger.warning(
-                "%s: the qcomm codec for POOLED_EMBEDDINGS_ALL_TO_ALL is not used for table-, "
-                "column- and table-column-wise tables: their all-to-all is lossy-compressed, "
-                "with LossyCommsConfig.backward=%r for the gradient",
+                "%s: the qcomm codecs for %s are not used for table-, column-, table-column- "
+                "and row-wise tables: their pooled embeddings are lossy-compressed, with "
+                "LossyCommsConfig.backward=%r for the gradient",
                 module_fqn or "EmbeddingBagCollection",
+                " and ".join(unused),
                 config.backward,
             )
 
@@ -190,7 +198,7 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             qcomm_codecs_registry: TorchRec qcomm codecs.
 
         Returns:
-            The sharding: compressed for TW/CW/TWCW, TorchRec's for the others.
+            The sharding: compressed for TW/CW/TWCW/RW, TorchRec's for the others.
         """
         return create_lossy_embedding_bag_sharding(
             sharding_infos,

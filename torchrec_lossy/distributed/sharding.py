@@ -3,9 +3,9 @@
 Each class is TorchRec's sharding with ``create_output_dist`` overridden, and
 ``create_input_dist`` replaced by the lossless packed KJT all-to-all
 (:mod:`torchrec_lossy.distributed.input_dist`, ``LossyCommsConfig.input_dist``); lookups and
-everything else are TorchRec's. Row-wise and table-row-wise shardings send their pooled
-embeddings by reduce-scatter, which sums what ranks send: a variable-size lossy payload cannot
-be summed, so those stay TorchRec's (see :func:`create_lossy_embedding_bag_sharding`).
+everything else are TorchRec's. Row-wise tables are compressed by
+:mod:`~torchrec_lossy.distributed.rw_sharding` (an all-to-all and a local sum instead of the
+reduce-scatter); :func:`create_lossy_embedding_bag_sharding` picks the class per sharding type.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupeMode
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
+from torchrec_lossy.distributed.rw_sharding import LossyRwPooledEmbeddingSharding
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -181,11 +182,12 @@ class LossyTwCwPooledEmbeddingSharding(LossyCwPooledEmbeddingSharding, TwCwPoole
     """
 
 
-# Sharding types whose pooled output travels by all-to-all, and so can be lossy-compressed.
+# Sharding types whose pooled output the lossy codec carries (row-wise: by all-to-all and sum).
 LOSSY_SHARDING_TYPES: dict[str, type] = {
     ShardingType.TABLE_WISE.value: LossyTwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: LossyCwPooledEmbeddingSharding,
     ShardingType.TABLE_COLUMN_WISE.value: LossyTwCwPooledEmbeddingSharding,
+    ShardingType.ROW_WISE.value: LossyRwPooledEmbeddingSharding,
 }
 
 
@@ -197,7 +199,7 @@ def create_lossy_embedding_bag_sharding(
     permute_embeddings: bool = False,
     qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
 ) -> PooledSharding:
-    """The sharding for one sharding type: compressed for TW/CW/TWCW, TorchRec's otherwise.
+    """The sharding for one sharding type: compressed for TW/CW/TWCW/RW, TorchRec's otherwise.
 
     Args:
         sharding_infos: Tables of one sharding type.
@@ -224,7 +226,7 @@ def create_lossy_embedding_bag_sharding(
     if device is not None and device.type == "meta":
         replace_placement_with_meta_device(sharding_infos)
     kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
-    if cls is not LossyTwPooledEmbeddingSharding:
+    if issubclass(cls, LossyCwPooledEmbeddingSharding):
         kwargs["permute_embeddings"] = permute_embeddings
     return cls(sharding_infos, env, comms, device, **kwargs)
 
@@ -246,7 +248,7 @@ def _log_uncompressed(
         logger.warning(
             "table %r is %s-sharded: its pooled embeddings travel by reduce-scatter, which sums "
             "what ranks send, so they are NOT lossy-compressed (sent %s). Shard it table-wise, "
-            "column-wise or data-parallel to compress it.",
+            "column-wise, row-wise or data-parallel to compress it.",
             info.embedding_config.name,
             sharding_type,
             how,

@@ -1,0 +1,236 @@
+"""Row-wise sharding whose pooled output travels compressed: an all-to-all plus a local sum.
+
+TorchRec sends a row-wise table's partial pooled sums by reduce-scatter, which adds what the
+ranks send on the wire: a variable-size lossy payload cannot be added there. Here each rank
+codes its partial sums per destination like a table-wise block (the block it keeps is exact),
+and the receiver decodes them and adds them in fp32, in rank order. Bags whose ids live on
+another rank's row shard have a zero partial sum: such rows repeat, so vector-LZ sends them as
+one vector and references.
+
+Bound of the sum: a destination's pooled value is the sum of ``world`` parts; the part it
+computed itself is exact and each other part is within the absolute bound its sender used, so
+the sum is within the sum of the ``world - 1`` senders' bounds (plus fp32 rounding of the sum).
+
+The backward is the adjoint: every source receives the gradient of the rows it sent, coded
+with ``LossyCommsConfig.backward`` (TorchRec's all-gather, compressed per destination).
+Variable batch per feature (VBE) stays TorchRec's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+    bucketize_kjt_before_all2all,
+)
+from torchrec.distributed.sharding.rw_sharding import (
+    RwPooledEmbeddingDist,
+    RwPooledEmbeddingSharding,
+    RwSparseFeaturesDist,
+)
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
+from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
+from torchrec_lossy.distributed.pooled_payload import BlockSpec
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class PartialSums:
+    """The receiver's reduction: ``[B, world * D]`` (one part per source) -> ``[B, D]``.
+
+    Adds the parts in fp32 in source order (TorchRec's reduce-scatter, done locally);
+    autograd's adjoint hands every source the same gradient.
+
+    Args:
+        parts: Sources (the group size).
+    """
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+
+    def __call__(self, received: torch.Tensor) -> torch.Tensor:
+        """Sums the parts.
+
+        Args:
+            received: ``[B, parts * D]``, source ``s``'s part at columns ``s*D:(s+1)*D``.
+
+        Returns:
+            ``[B, D]`` in ``received``'s dtype.
+        """
+        parts = received.unflatten(1, (self.parts, -1))
+        return parts.sum(dim=1, dtype=torch.float32).to(received.dtype)
+
+
+class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
+    """``RwPooledEmbeddingDist`` whose reduce-scatter is a compressed all-to-all and a local sum.
+
+    Args:
+        pg: Process group of the row shards.
+        embedding_dims: Output columns of each feature (TorchRec's argument).
+        specs: The local lookup's table shards in column order (the same on every rank: each
+            holds a row shard of every table).
+        comms: Shared state of the sharded module.
+        device: Device of the embeddings.
+        qcomm_codecs_registry: TorchRec qcomm codecs (its reduce-scatter codec serves VBE).
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        embedding_dims: list[int],
+        specs: tuple[BlockSpec, ...],
+        comms: LossyComms,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(pg, embedding_dims, qcomm_codecs_registry=qcomm_codecs_registry)
+        if sum(s.width for s in specs) != sum(embedding_dims):
+            raise ValueError(
+                f"table shards span {sum(s.width for s in specs)} columns, the features "
+                f"{sum(embedding_dims)}"
+            )
+        world = pg.size()
+        self._a2a = LossyPooledEmbeddingsAllToAll(
+            pg, [specs] * world, comms, device, callbacks=[PartialSums(world)]
+        )
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: EmbeddingShardingContext | None = None,
+    ) -> Awaitable[torch.Tensor]:
+        """Sends each rank its rows of the partial sums, compressed; the receiver adds them.
+
+        Args:
+            local_embs: ``[B_global, D]`` partial pooled sums of the local row shards.
+            sharding_ctx: Context of the input dist (batch size per rank).
+
+        Returns:
+            Awaitable of ``[B_local, D]``, the pooled embeddings.
+        """
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            return super().forward(local_embs, sharding_ctx)  # TorchRec's VBE reduce-scatter
+        batch_size_per_rank = sharding_ctx.batch_size_per_rank if sharding_ctx else None
+        return self._a2a(local_embs, batch_size_per_rank=batch_size_per_rank)
+
+
+class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
+    """``RwSparseFeaturesDist`` whose bucketized KJT all-to-all is packed losslessly.
+
+    TorchRec bucketizes the ids by row shard and sends bucket ``r`` to rank ``r`` through its
+    ``_dist`` (a ``KJTAllToAll``, which train pipelines look for there); this adapter puts
+    :class:`LossyKJTAllToAll` in its place and calls its ``packed`` (so a pipeline's override
+    of ``_dist.forward`` does not bypass it). ``tests/distributed/test_rw_sharding.py`` fails
+    when TorchRec's dist changes what this relies on.
+
+    Args:
+        comms: Shared state of the sharded module.
+        **kwargs: ``RwSparseFeaturesDist``'s arguments.
+    """
+
+    def __init__(self, comms: LossyComms, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        pg = kwargs["pg"]
+        assert isinstance(pg, dist.ProcessGroup)
+        self._dist = LossyKJTAllToAll(pg, [self._num_features] * self._world_size, comms)
+
+    def forward(
+        self, sparse_features: KeyedJaggedTensor
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Bucketizes the ids by row shard (as TorchRec does), then the packed all-to-all.
+
+        Args:
+            sparse_features: This rank's features.
+
+        Returns:
+            Awaitable of an awaitable of the local KJT.
+        """
+        bucketized, self.unbucketize_permute_tensor = bucketize_kjt_before_all2all(
+            sparse_features,
+            num_buckets=self._world_size,
+            block_sizes=self._feature_block_sizes_tensor,
+            total_num_blocks=(
+                self._feature_total_num_blocks_tensor
+                if self._has_multiple_blocks_per_shard
+                else None
+            ),
+            output_permute=self._is_sequence,
+            bucketize_pos=(
+                self._has_feature_processor
+                if sparse_features.weights_or_none() is None
+                else self._need_pos
+            ),
+            keep_original_indices=self._keep_original_indices,
+            block_bucketize_row_pos=self.zch_bucketize_row_pos,
+        )
+        assert isinstance(self._dist, LossyKJTAllToAll)
+        return self._dist.packed(bucketized)
+
+
+class LossyRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """Row-wise sharding with a compressed output dist and a packed input dist.
+
+    Args:
+        sharding_infos: Tables of this sharding.
+        env: Sharding environment.
+        comms: Shared state of the sharded module.
+        device: Device of the lookups.
+        qcomm_codecs_registry: TorchRec qcomm codecs (VBE's reduce-scatter may use them).
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        comms: LossyComms,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        self._lossy_comms = comms
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def create_input_dist(
+        self, device: torch.device | None = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        base = super().create_input_dist(device)
+        if (
+            not self._lossy_comms.config.input_dist.enabled
+            or type(base) is not RwSparseFeaturesDist
+        ):
+            return base
+        assert self._pg is not None
+        return LossyRwSparseFeaturesDist(
+            self._lossy_comms,
+            pg=self._pg,
+            num_features=self._get_num_features(),
+            feature_hash_sizes=self._get_feature_hash_sizes(),
+            device=device if device is not None else self._device,
+            is_sequence=False,
+            has_feature_processor=self._has_feature_processor,
+            virtual_table_feature_num_buckets=self._get_virtual_table_feature_num_buckets(),
+            need_pos=self._need_pos,
+        )
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        assert self._pg is not None
+        (specs,) = pooled_layout([self._grouped_embedding_configs])
+        return LossyRwPooledEmbeddingDist(
+            self._pg,
+            embedding_dims=self.embedding_dims(),
+            specs=specs,
+            comms=self._lossy_comms,
+            device=device if device is not None else self._device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+        )
