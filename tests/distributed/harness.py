@@ -191,8 +191,11 @@ def sgd_fused_params(lr: float) -> dict[str, Any]:
     return {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
 
 
-def manual_plan(ebc: Any, sharder: Any, per_table: dict[str, Any], world_size: int) -> Any:
-    """A ShardingPlan for ``ebc`` at module path ``""`` from sharding_plan generators."""
+def manual_plan(
+    ebc: Any, sharder: Any, per_table: dict[str, Any], world_size: int, local_size: int = 0
+) -> Any:
+    """A ShardingPlan for ``ebc`` at module path ``""`` from sharding_plan generators
+    (``local_size`` ranks per host; 0: one host)."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
 
@@ -200,7 +203,7 @@ def manual_plan(ebc: Any, sharder: Any, per_table: dict[str, Any], world_size: i
         ebc,
         per_table,
         sharder=sharder,
-        local_size=world_size,
+        local_size=local_size or world_size,
         world_size=world_size,
         device_type="cpu",
     )
@@ -224,6 +227,16 @@ def local_weights(sharded_state: dict[str, Any]) -> dict[str, list[tuple[Any, to
         elif isinstance(value, torch.Tensor):
             out[key] = [(None, value.detach().clone())]
     return out
+
+
+def same_local_pieces(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two sharded state dicts hold bit-equal local pieces at the same offsets."""
+    la, lb = local_weights(a), local_weights(b)
+    return la.keys() == lb.keys() and all(
+        oa == ob and torch.equal(ta, tb)
+        for key, pieces in la.items()
+        for (oa, ta), (ob, tb) in zip(pieces, lb[key], strict=True)
+    )
 
 
 def load_full_weights(sharded_state: dict[str, Any], full_state: dict[str, torch.Tensor]) -> None:
@@ -390,11 +403,13 @@ def mse_loss(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class TrainRun:
     """One sharded model trained for a few steps; keeps outputs and final weights."""
 
-    def __init__(self, tables: list, sharder: Any, per_table: dict, world_size: int) -> None:
+    def __init__(
+        self, tables: list, sharder: Any, per_table: dict, world_size: int, local_size: int = 0
+    ) -> None:
         from torchrec.distributed.model_parallel import DistributedModelParallel
 
         ebc = make_ebc(tables, seed=0)
-        plan = manual_plan(ebc, sharder, per_table, world_size)
+        plan = manual_plan(ebc, sharder, per_table, world_size, local_size)
         self.model = DistributedModelParallel(ebc, device=CPU, plan=plan, sharders=[sharder])
         load_full_weights(self.model.state_dict(), ebc.state_dict())
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)

@@ -21,13 +21,13 @@ from harness import (
     bounded_plan,
     column_slices,
     compare_weights,
-    local_weights,
     make_batch,
     make_ebc,
     make_tables,
     max_row_count,
     reference_training,
     run_workers,
+    same_local_pieces,
     sgd_fused_params,
 )
 
@@ -170,19 +170,8 @@ def _worker_exact(rank: int, world_size: int) -> dict[str, Any]:
     # Bit-equality with TorchRec's weights: compare this rank's pieces pairwise.
     tr_state = tr.weights()
     for name, run in runs.items():
-        result[name]["w_equal_torchrec"] = _pieces_equal(run.weights(), tr_state)
+        result[name]["w_equal_torchrec"] = same_local_pieces(run.weights(), tr_state)
     return result
-
-
-def _pieces_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    la, lb = local_weights(a), local_weights(b)
-    if la.keys() != lb.keys():
-        return False
-    for key in la:
-        for (oa, ta), (ob, tb) in zip(la[key], lb[key], strict=True):
-            if oa != ob or not torch.equal(ta, tb):
-                return False
-    return True
 
 
 def test_bound0_matches_torchrec_and_backward_codecs() -> None:
@@ -457,7 +446,7 @@ def _worker_uneven(rank: int, world_size: int) -> dict[str, Any]:
         "out_equal": all(
             torch.equal(a, b) for a, b in zip(runs["exact"].outputs, tr.outputs, strict=True)
         ),
-        "w_equal": _pieces_equal(runs["exact"].weights(), tr.weights()),
+        "w_equal": same_local_pieces(runs["exact"].weights(), tr.weights()),
         "shape": tuple(runs["exact"].outputs[0].shape),
         "excess": excess,
         "fwd_err_over_bound": lossy_stats.total("fwd").max_error_over_bound,

@@ -16,6 +16,7 @@ from harness import (
     make_batch,
     max_row_count,
     run_workers,
+    same_local_pieces,
     sgd_fused_params,
 )
 
@@ -116,15 +117,6 @@ def _step(model: Any, kjt: Any, seed: int) -> torch.Tensor:
     return values.detach().clone()
 
 
-def _pieces_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    la, lb = local_weights(a), local_weights(b)
-    return la.keys() == lb.keys() and all(
-        oa == ob and torch.equal(ta, tb)
-        for key in la
-        for (oa, ta), (ob, tb) in zip(la[key], lb[key], strict=True)
-    )
-
-
 def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     la, lb = local_weights(a), local_weights(b)
     return max(
@@ -180,7 +172,7 @@ def _worker_tw_cw(rank: int, world_size: int) -> dict[str, Any]:
         "exact_out_equal": all(
             torch.equal(a, b) for a, b in zip(outs["exact"], outs["torchrec"], strict=True)
         ),
-        "exact_w_equal": _pieces_equal(models["exact"].state_dict(), tr),
+        "exact_w_equal": same_local_pieces(models["exact"].state_dict(), tr),
         "lossy_eval_equal": torch.equal(evals["lossy"], evals["torchrec"]),
         "lossy_out0_err": (outs["lossy"][0] - outs["torchrec"][0]).abs().max().item(),
         "lossy_w_err": _max_diff(models["lossy"].state_dict(), tr),

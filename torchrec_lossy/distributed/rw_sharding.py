@@ -26,7 +26,6 @@ from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
     EmbeddingShardingContext,
-    EmbeddingShardingInfo,
     bucketize_kjt_before_all2all,
 )
 from torchrec.distributed.sharding.rw_sharding import (
@@ -34,13 +33,14 @@ from torchrec.distributed.sharding.rw_sharding import (
     RwPooledEmbeddingSharding,
     RwSparseFeaturesDist,
 )
-from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv
+from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
 from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
+from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -177,27 +177,9 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
         return self._dist.packed(bucketized)
 
 
-class LossyRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
-    """Row-wise sharding with a compressed output dist and a packed input dist.
-
-    Args:
-        sharding_infos: Tables of this sharding.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        qcomm_codecs_registry: TorchRec qcomm codecs (VBE's reduce-scatter may use them).
-    """
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        comms: LossyComms,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        self._lossy_comms = comms
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+class LossyRwPooledEmbeddingSharding(LossyShardingMixin, RwPooledEmbeddingSharding):
+    """Row-wise sharding with a compressed output dist and a packed input dist (constructor:
+    ``LossyShardingMixin``)."""
 
     def create_input_dist(
         self, device: torch.device | None = None

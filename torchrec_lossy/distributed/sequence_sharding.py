@@ -29,6 +29,7 @@ from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import pooled_layout
 from torchrec_lossy.distributed.sequence_output_dist import LossyTwSequenceEmbeddingDist
+from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -37,27 +38,9 @@ SequenceSharding = EmbeddingSharding[
 ]
 
 
-class LossyTwSequenceEmbeddingSharding(TwSequenceEmbeddingSharding):
-    """Table-wise sequence sharding with the packed input dist and a compressed output dist.
-
-    Args:
-        sharding_infos: Tables of this sharding.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        qcomm_codecs_registry: TorchRec qcomm codecs (used where the lossy dists are off).
-    """
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        comms: LossyComms,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        self._lossy_comms = comms
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+class LossyTwSequenceEmbeddingSharding(LossyShardingMixin, TwSequenceEmbeddingSharding):
+    """Table-wise sequence sharding with the packed input dist and a compressed output dist
+    (constructor: ``LossyShardingMixin``)."""
 
     def create_input_dist(
         self, device: torch.device | None = None

@@ -172,9 +172,10 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
         ]
         if unused:
             logger.warning(
-                "%s: the qcomm codecs for %s are not used for table-, column-, table-column- "
-                "and row-wise tables: their pooled embeddings are lossy-compressed, with "
-                "LossyCommsConfig.backward=%r for the gradient",
+                "%s: the qcomm codecs for %s are superseded where the lossy codec carries the "
+                "pooled embeddings (the all-to-all of TW/CW/TWCW tables, the cross-host "
+                "all-to-all of TWRW/grid tables, the reduce-scatter of RW tables; TWRW/grid keep "
+                "it inside a host), with LossyCommsConfig.backward=%r for the gradient",
                 module_fqn or "EmbeddingBagCollection",
                 " and ".join(unused),
                 config.backward,

@@ -5,7 +5,10 @@ Each class is TorchRec's sharding with ``create_output_dist`` overridden, and
 (:mod:`torchrec_lossy.distributed.input_dist`, ``LossyCommsConfig.input_dist``); lookups and
 everything else are TorchRec's. Row-wise tables are compressed by
 :mod:`~torchrec_lossy.distributed.rw_sharding` (an all-to-all and a local sum instead of the
-reduce-scatter); :func:`create_lossy_embedding_bag_sharding` picks the class per sharding type.
+reduce-scatter), table-row-wise and grid tables by
+:mod:`~torchrec_lossy.distributed.twrw_sharding` (their cross-host all-to-all);
+:func:`create_lossy_embedding_bag_sharding` picks the class per sharding type (data-parallel
+tables send nothing and stay TorchRec's).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torchrec.distributed.sharding.tw_sharding import (
     TwSparseFeaturesDist,
 )
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
-from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
@@ -41,6 +44,11 @@ from torchrec_lossy.distributed.dedupe import OutputDedupeMode
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import LossyTwPooledEmbeddingDist, pooled_layout
 from torchrec_lossy.distributed.rw_sharding import LossyRwPooledEmbeddingSharding
+from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
+from torchrec_lossy.distributed.twrw_sharding import (
+    LossyGridPooledEmbeddingSharding,
+    LossyTwRwPooledEmbeddingSharding,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -50,15 +58,16 @@ PooledSharding = EmbeddingSharding[
 
 
 class _LossyOutputDistMixin(
-    BaseTwEmbeddingSharding[EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor]
+    LossyShardingMixin,
+    BaseTwEmbeddingSharding[
+        EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
+    ],
 ):
     """Replaces a TW/CW/TWCW sharding's output dist by the compressed one.
 
     Mixed in before TorchRec's sharding class, whose ``create_output_dist`` still runs first, so
     that whatever it attaches (the column-wise permute callback) is reused, not re-derived.
     """
-
-    _lossy_comms: LossyComms
 
     def create_input_dist(
         self, device: torch.device | None = None
@@ -121,57 +130,12 @@ class _LossyOutputDistMixin(
 
 
 class LossyTwPooledEmbeddingSharding(_LossyOutputDistMixin, TwPooledEmbeddingSharding):
-    """Table-wise sharding with a compressed output dist.
-
-    Args:
-        sharding_infos: Tables of this sharding.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
-    """
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        comms: LossyComms,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        self._lossy_comms = comms
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+    """Table-wise sharding with a compressed output dist (constructor: ``LossyShardingMixin``)."""
 
 
 class LossyCwPooledEmbeddingSharding(_LossyOutputDistMixin, CwPooledEmbeddingSharding):
-    """Column-wise sharding with a compressed output dist.
-
-    Args:
-        sharding_infos: Tables of this sharding.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        permute_embeddings: Reorder column shards into table order after the all-to-all.
-        qcomm_codecs_registry: TorchRec qcomm codecs (the input dist may use them).
-    """
-
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        comms: LossyComms,
-        device: torch.device | None = None,
-        permute_embeddings: bool = False,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        self._lossy_comms = comms
-        super().__init__(
-            sharding_infos,
-            env,
-            device,
-            permute_embeddings=permute_embeddings,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
+    """Column-wise sharding with a compressed output dist (constructor: ``LossyShardingMixin``,
+    with TorchRec's ``permute_embeddings``)."""
 
 
 class LossyTwCwPooledEmbeddingSharding(LossyCwPooledEmbeddingSharding, TwCwPooledEmbeddingSharding):
@@ -182,12 +146,15 @@ class LossyTwCwPooledEmbeddingSharding(LossyCwPooledEmbeddingSharding, TwCwPoole
     """
 
 
-# Sharding types whose pooled output the lossy codec carries (row-wise: by all-to-all and sum).
+# Sharding types whose pooled output the lossy codec carries (row-wise: by all-to-all and sum;
+# table-row-wise and grid: their cross-host all-to-all).
 LOSSY_SHARDING_TYPES: dict[str, type] = {
     ShardingType.TABLE_WISE.value: LossyTwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: LossyCwPooledEmbeddingSharding,
     ShardingType.TABLE_COLUMN_WISE.value: LossyTwCwPooledEmbeddingSharding,
     ShardingType.ROW_WISE.value: LossyRwPooledEmbeddingSharding,
+    ShardingType.TABLE_ROW_WISE.value: LossyTwRwPooledEmbeddingSharding,
+    ShardingType.GRID_SHARD.value: LossyGridPooledEmbeddingSharding,
 }
 
 
@@ -199,7 +166,8 @@ def create_lossy_embedding_bag_sharding(
     permute_embeddings: bool = False,
     qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
 ) -> PooledSharding:
-    """The sharding for one sharding type: compressed for TW/CW/TWCW/RW, TorchRec's otherwise.
+    """The sharding for one sharding type: compressed for TW/CW/TWCW/RW/TWRW/grid, TorchRec's
+    otherwise (data-parallel).
 
     Args:
         sharding_infos: Tables of one sharding type.
@@ -215,7 +183,6 @@ def create_lossy_embedding_bag_sharding(
     sharding_type = sharding_infos[0].param_sharding.sharding_type
     cls = LOSSY_SHARDING_TYPES.get(sharding_type)
     if cls is None:
-        _log_uncompressed(sharding_infos, sharding_type, qcomm_codecs_registry)
         return ShardedEmbeddingBagCollection.create_embedding_bag_sharding(
             sharding_infos,
             env,
@@ -229,27 +196,3 @@ def create_lossy_embedding_bag_sharding(
     if issubclass(cls, LossyCwPooledEmbeddingSharding):
         kwargs["permute_embeddings"] = permute_embeddings
     return cls(sharding_infos, env, comms, device, **kwargs)
-
-
-def _log_uncompressed(
-    sharding_infos: list[EmbeddingShardingInfo],
-    sharding_type: str,
-    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
-) -> None:
-    if sharding_type == ShardingType.DATA_PARALLEL.value:
-        return  # no pooled-embedding communication at all
-    rs_codec = (qcomm_codecs_registry or {}).get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)
-    how = (
-        f"with TorchRec's qcomm codec as {rs_codec.forward.quantized_dtype}"
-        if rs_codec is not None
-        else "uncompressed"
-    )
-    for info in sharding_infos:
-        logger.warning(
-            "table %r is %s-sharded: its pooled embeddings travel by reduce-scatter, which sums "
-            "what ranks send, so they are NOT lossy-compressed (sent %s). Shard it table-wise, "
-            "column-wise, row-wise or data-parallel to compress it.",
-            info.embedding_config.name,
-            sharding_type,
-            how,
-        )

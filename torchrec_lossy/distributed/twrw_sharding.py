@@ -1,0 +1,123 @@
+"""Table-row-wise and grid shardings whose cross-host all-to-all is compressed.
+
+TorchRec sends a TWRW (or grid) table's pooled embeddings in two hops: a reduce-scatter among
+the ranks of the host that holds the table's row shards, then an all-to-all across hosts. The
+first hop stays TorchRec's (raw or its qcomm codec: it runs on the fast intra-host link and sums
+on the wire); the cross-host hop, on the slow link, is the lossy pooled all-to-all, one block
+per (destination host, table). Every value is within its table's bound: the reduce-scatter is
+exact, and each value crosses hosts once. The input dist and VBE stay TorchRec's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, EmbeddingShardingContext
+from torchrec.distributed.sharding.grid_sharding import (
+    GridPooledEmbeddingDist,
+    GridPooledEmbeddingSharding,
+)
+from torchrec.distributed.sharding.twrw_sharding import (
+    TwRwPooledEmbeddingDist,
+    TwRwPooledEmbeddingSharding,
+)
+
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
+from torchrec_lossy.distributed.pooled_payload import BlockSpec
+from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
+
+
+class LossyCrossHostDistMixin:
+    """Puts the lossy pooled all-to-all where TorchRec's two-hop dist creates its cross-host one.
+
+    TorchRec's ``TwRwPooledEmbeddingDist`` and ``GridPooledEmbeddingDist`` create their
+    collectives lazily in ``_create_output_dist_modules`` and call ``_cross_dist`` as a
+    ``PooledEmbeddingsAllToAll`` (``tests/distributed/test_twrw_sharding.py`` fails when
+    that changes).
+
+    Args:
+        layout: Per host (rank of the cross-host group), its table shards in column order.
+        comms: Shared state of the sharded module.
+        **kwargs: The TorchRec dist's arguments.
+    """
+
+    _cross_dist: Any
+    _cross_pg: Any
+    _device: torch.device | None
+    _dim_sum_per_node: list[int]
+
+    def __init__(
+        self, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[call-arg]
+        self._lossy_layout = [tuple(specs) for specs in layout]
+        self._lossy_comms = comms
+        got = [sum(s.width for s in specs) for specs in self._lossy_layout]
+        if got != list(self._dim_sum_per_node):
+            raise ValueError(
+                f"layout widths {got} differ from dim_sum_per_node {self._dim_sum_per_node}"
+            )
+
+    def _create_output_dist_modules(
+        self, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> None:
+        super()._create_output_dist_modules(sharding_ctx)  # type: ignore[misc]
+        self._cross_dist = LossyPooledEmbeddingsAllToAll(
+            self._cross_pg,
+            self._lossy_layout,
+            self._lossy_comms,
+            self._device,
+            callbacks=getattr(self, "_callbacks", None),
+        )
+
+
+class LossyTwRwPooledEmbeddingDist(LossyCrossHostDistMixin, TwRwPooledEmbeddingDist):
+    """``TwRwPooledEmbeddingDist`` with the cross-host all-to-all compressed."""
+
+
+class LossyGridPooledEmbeddingDist(LossyCrossHostDistMixin, GridPooledEmbeddingDist):
+    """``GridPooledEmbeddingDist`` with the cross-host all-to-all compressed."""
+
+
+class LossyTwRwPooledEmbeddingSharding(LossyShardingMixin, TwRwPooledEmbeddingSharding):
+    """Table-row-wise sharding with the cross-host all-to-all compressed (constructor:
+    ``LossyShardingMixin``)."""
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        return LossyTwRwPooledEmbeddingDist(**_cross_host_kwargs(self, device))
+
+
+class LossyGridPooledEmbeddingSharding(LossyShardingMixin, GridPooledEmbeddingSharding):
+    """Grid sharding (column shards, each table-row-wise) with the cross-host all-to-all
+    compressed (constructor: ``LossyShardingMixin``)."""
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[EmbeddingShardingContext, torch.Tensor, torch.Tensor]:
+        base = super().create_output_dist(device)  # for the column permute it attaches
+        assert isinstance(base, GridPooledEmbeddingDist)
+        kwargs = _cross_host_kwargs(self, device)
+        return LossyGridPooledEmbeddingDist(callbacks=base._callbacks, **kwargs)
+
+
+def _cross_host_kwargs(
+    sharding: LossyTwRwPooledEmbeddingSharding | LossyGridPooledEmbeddingSharding,
+    device: torch.device | None,
+) -> dict[str, Any]:
+    """The arguments TorchRec passes its two-hop dist, plus the lossy layout and state."""
+    return {
+        "layout": pooled_layout(sharding._grouped_embedding_configs_per_node),
+        "comms": sharding._lossy_comms,
+        "rank": sharding._rank,
+        "cross_pg": sharding._cross_pg,
+        "intra_pg": sharding._intra_pg,
+        "dim_sum_per_node": sharding._dim_sum_per_node(),
+        "emb_dim_per_node_per_feature": sharding._emb_dim_per_node_per_feature(),
+        "device": device if device is not None else sharding._device,
+        "qcomm_codecs_registry": sharding.qcomm_codecs_registry,
+    }
