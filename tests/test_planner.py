@@ -101,7 +101,7 @@ def test_exact_tw_costs_with_compression() -> None:
     topology = build_topology(config.topology)
     torchrec = estimate(EmbeddingPerfEstimator(topology), config)
     fmt = WireFormat("lossy", ratio=8.0, encode_gib_s=100.0, decode_gib_s=50.0)
-    model = FixedCommsModel("test", "test", TableComms(fwd=fmt, fwd_rs=None))
+    model = FixedCommsModel("test", "test", TableComms(fwd=fmt))
     ours = estimate(LossyPerfEstimator(topology, model), config)
 
     # TorchRec: batch 512 x world 2 x dim 64 x fp32 over the intra-host bandwidth (one host).
@@ -151,7 +151,7 @@ def test_backward_priced_per_table_like_the_forward() -> None:
     model = LossyCommsModel(config, CROSS_NODE_BANDWIDTH, backward_ratios={"t0": 30.0})
     assert model.for_table("t0").bwd == WireFormat("lossy", 30.0, 200.0, 50.0)
     assert model.for_table("t1").bwd == WireFormat("lossy", 12.0, 200.0, 50.0)
-    assert model.for_table("t1").bwd_rs is None  # a lossy gradient cannot ride a reduce-scatter
+    assert model.for_table("t1").row_wise_all_to_all  # RW gradients ride the coded all-to-all
     # A codec far slower than the link: the backward goes raw when the planner may drop it.
     slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3, drop_unprofitable=True)
     dropped = LossyCommsModel(LossyPlanConfig(planner=slow), CROSS_NODE_BANDWIDTH)
@@ -239,23 +239,27 @@ def plan_small(config: LossyPlanConfig, **kwargs: object) -> LossyShardingPlanne
     return planner
 
 
-def test_compressed_tables_are_steered_off_reduce_scatter() -> None:
+def test_row_wise_is_offered_and_priced_with_the_codec() -> None:
     planner = plan_small(small_config())
-    excluded = planner._lossy_enumerator.excluded
-    row_wise = {RW, ShardingType.TABLE_ROW_WISE.value}
-    assert set(excluded) == {"big", "mid", "tiny"}
-    assert all(set(excluded[t]) == row_wise for t in excluded)
+    assert planner._lossy_enumerator.excluded == {}  # nothing steered off RW/TWRW any more
     plan = {t.name: t for t in planner.planned_tables}
-    assert plan["big"].sharding_type in {TW, "column_wise", "table_column_wise"}
     assert plan["big"].fwd_format == "lossy"
-    assert plan["big"].fwd_raw_bytes == 2048 * 4 * 64 * 4
     assert plan["big"].fwd_wire_bytes == pytest.approx(plan["big"].fwd_raw_bytes / 10)
     # Replicating a 4-row table beats any all-to-all.
     assert plan["tiny"].sharding_type == DP
     assert plan["tiny"].ranks == (0, 1, 2, 3)
     assert plan["raw_big"].fwd_format == "raw"
     assert "compress: false" in plan["raw_big"].reason
-    assert "no RW/TWRW" in plan["big"].reason
+    assert "no RW" not in plan["big"].reason
+    # Forced row-wise: the partial sums at the table's ratio, the same bytes as TW.
+    row_wise = plan_small(
+        small_config(), constraints={"big": ParameterConstraints(sharding_types=[RW])}
+    )
+    rw = next(t for t in row_wise.planned_tables if t.name == "big")
+    assert rw.sharding_type == RW and rw.fwd_format == "lossy"
+    # Each of the 4 row shards sends partial sums of the whole global batch (2048 x 4 ranks).
+    assert rw.fwd_raw_bytes == 4 * (2048 * 4 * 64 * 4)
+    assert rw.fwd_wire_bytes == pytest.approx(rw.fwd_raw_bytes / 10)
 
 
 def test_explained_plan_and_step_cost() -> None:
@@ -273,9 +277,9 @@ def test_explained_plan_and_step_cost() -> None:
 
 
 def test_no_usable_option_names_table_and_fix() -> None:
-    config = small_config()
-    with pytest.raises(PlannerError, match=r"table\(s\) \['big'\].*compress: false"):
-        plan_small(config, constraints={"big": ParameterConstraints(sharding_types=[RW])})
+    config = small_config(data_parallel=False)
+    with pytest.raises(PlannerError, match=r"table\(s\) \['big'\].*data_parallel"):
+        plan_small(config, constraints={"big": ParameterConstraints(sharding_types=[DP])})
 
 
 def test_data_parallel_can_be_switched_off() -> None:
@@ -288,8 +292,15 @@ def test_unprofitable_codec_is_flagged_or_dropped() -> None:
     one_host = dataclasses.replace(small_config(), topology=TopologyConfig(world_size=2))
     planner = plan_small(one_host)
     big = next(t for t in planner.planned_tables if t.name == "big")
-    assert big.fwd_format == "lossy" and "drop_unprofitable is off" in big.reason
+    # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
+    assert big.sharding_type == "table_row_wise" and big.fwd_format == "raw"
+    assert "drop_unprofitable is off" in big.reason
     assert planner.comms_config is one_host.comms
+    tw_only = {"big": ParameterConstraints(sharding_types=[TW])}
+    big = next(
+        t for t in plan_small(one_host, constraints=tw_only).planned_tables if t.name == "big"
+    )
+    assert big.fwd_format == "lossy" and "drop_unprofitable is off" in big.reason
 
     dropping = dataclasses.replace(
         one_host, planner=dataclasses.replace(one_host.planner, drop_unprofitable=True)

@@ -191,9 +191,9 @@ def preview(
     for row in lines:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)), file=out)
     print(
-        "\nfwd comms: pooled all-to-all (reduce-scatter for RW/TWRW); bwd comms: gradient "
-        "all-to-all, all-gather and DP all-reduce; codec: encode + decode; planner step: "
-        "TorchRec's perf rating incl. embedding compute. Formats:",
+        "\nfwd comms: pooled all-to-all (TorchRec: reduce-scatter for RW; TWRW/grid: both); "
+        "bwd comms: gradient all-to-all, all-gather and DP all-reduce; codec: encode + decode; "
+        "planner step: TorchRec's perf rating incl. embedding compute. Formats:",
         file=out,
     )
     for r in results:

@@ -361,8 +361,9 @@ def _worker_eval(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(900)
 def test_evaluation_is_exact_by_default_and_lossy_on_request() -> None:
-    for rank, r in enumerate(run_workers(_worker_eval, 2)):
+    for rank, r in enumerate(run_workers(_worker_eval, 2, timeout_s=600)):
         eq = r["equal"]
         # Exact evaluation: bit-equal to TorchRec's sharder, before and after a training forward.
         assert eq["exact", "eval"] and eq["exact", "eval again"], (rank, eq)

@@ -2,9 +2,10 @@
 
 A :class:`WireFormat` is one encoding of one direction of traffic: a ratio (raw bytes / wire
 bytes) and the encode/decode throughputs that the codec time follows from. A :class:`TableComms`
-gives a table its formats for the all-to-all (TW, CW, TWCW) and for the reduce-scatter path (RW,
-TWRW), where ``None`` means the format cannot ride a reduce-scatter (which sums what it carries:
-a variable-size lossy payload cannot be summed). A :class:`CommsModel` maps table names to their
+gives a table its formats for the all-to-all (TW, CW, TWCW; and RW where the row-wise partial
+sums travel by all-to-all, as this project sends them) and for TorchRec's reduce-scatter path
+(RW, and TWRW/grid, whose cross-host hop this project codes but which are priced as TorchRec's:
+the estimate has no split between the hops). A :class:`CommsModel` maps table names to their
 :class:`TableComms`: :class:`FixedCommsModel` for uncompressed traffic and TorchRec's qcomm
 codecs, :class:`LossyCommsModel` for this project's codec.
 
@@ -122,24 +123,21 @@ class TableComms:
     """How one table's pooled-embedding traffic travels, per collective.
 
     Attributes:
-        fwd: Format of the forward all-to-all (TW, CW, TWCW).
+        fwd: Format of the forward all-to-all (TW, CW, TWCW; RW if ``row_wise_all_to_all``).
         bwd: Format of the gradient all-to-all.
-        fwd_rs: Format of the forward reduce-scatter (RW, TWRW); None: the forward format cannot
-            ride a reduce-scatter, so the planner keeps the table off RW/TWRW.
-        bwd_rs: Format of the gradient all-gather of RW/TWRW; None as for ``fwd_rs``.
+        fwd_rs: Format of the forward reduce-scatter path (TorchRec's RW; TWRW, grid).
+        bwd_rs: Format of its gradient all-gather.
         note: Why the table travels this way (shown in the printed plan).
+        row_wise_all_to_all: RW partial sums travel by the (coded) all-to-all and a local sum,
+            priced with ``fwd``/``bwd``: the same bytes as TorchRec's reduce-scatter, coded.
     """
 
     fwd: WireFormat = RAW
     bwd: WireFormat = RAW
-    fwd_rs: WireFormat | None = RAW
-    bwd_rs: WireFormat | None = RAW
+    fwd_rs: WireFormat = RAW
+    bwd_rs: WireFormat = RAW
     note: str = ""
-
-    @property
-    def reduce_scatter_ok(self) -> bool:
-        """Whether the table may be sharded row-wise (RW/TWRW/grid)."""
-        return self.fwd_rs is not None and self.bwd_rs is not None
+    row_wise_all_to_all: bool = False
 
 
 @runtime_checkable
@@ -229,11 +227,13 @@ def qcomm_model(forward: str, backward: str, device: str) -> FixedCommsModel:
 
 
 class LossyCommsModel:
-    """This project's codec: per-table ratio, codec throughput and reduce-scatter steering.
+    """This project's codec: per-table ratio and codec throughput.
 
     A compressed table's forward travels in the lossy format at its expected ratio (calibrated,
-    else ``planner.table_ratios``, else ``planner.expected_ratio``) and cannot ride a
-    reduce-scatter. With ``planner.drop_unprofitable`` a table whose codec costs more than it
+    else ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial
+    sums by the coded all-to-all); TWRW and grid are priced as TorchRec's raw two-hop path (their
+    coded cross-host hop is not credited: a conservative price). With
+    ``planner.drop_unprofitable`` a table whose codec costs more than it
     saves on the topology's all-to-all bandwidth ``bw`` (``1/R + bw/enc + bw/dec >= 1``) travels
     raw instead.
 
@@ -338,18 +338,17 @@ class LossyCommsModel:
             Its :class:`TableComms`.
         """
         bwd = self.backward_format(table)
-        bwd_rs = None if bwd.name == "lossy" else bwd
         if not self.config.comms.table(table).compress:
-            return TableComms(RAW, bwd, RAW, bwd_rs, "compress: false in the config")
+            return TableComms(RAW, bwd, note="compress: false in the config")
         r = self.ratio(table)
         cost = self.break_even(r)
         source = "calibrated" if table in self.ratios else "configured"
         if cost >= 1.0:
             why = f"codec slower than the bytes it saves: 1/R + bw/enc + bw/dec = {cost:.2f} >= 1"
             if self.config.planner.drop_unprofitable:
-                return TableComms(RAW, bwd, RAW, bwd_rs, f"sent raw: {why}")
+                return TableComms(RAW, bwd, note=f"sent raw: {why}", row_wise_all_to_all=True)
             note = f"ratio {r:.1f}x ({source}); {why} (planner.drop_unprofitable is off)"
         else:
             note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
         fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
-        return TableComms(fwd, bwd, None, bwd_rs, note)
+        return TableComms(fwd, bwd, note=note, row_wise_all_to_all=True)

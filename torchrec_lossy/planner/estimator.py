@@ -32,7 +32,6 @@ from torchrec_lossy.planner.cost import CommsModel, WireFormat
 
 __all__ = [
     "A2A_SHARDING_TYPES",
-    "RS_SHARDING_TYPES",
     "LossyPerfEstimator",
     "ShardCost",
     "option_key",
@@ -46,15 +45,6 @@ A2A_SHARDING_TYPES: frozenset[str] = frozenset(
         ShardingType.TABLE_COLUMN_WISE.value,
     }
 )
-# Pooled outputs travel by reduce-scatter, which sums payloads: a lossy payload cannot ride it.
-RS_SHARDING_TYPES: frozenset[str] = frozenset(
-    {
-        ShardingType.ROW_WISE.value,
-        ShardingType.TABLE_ROW_WISE.value,
-        ShardingType.GRID_SHARD.value,
-    }
-)
-
 OptionKey = tuple[str, str, str, tuple[tuple[int, ...], ...]]
 
 
@@ -195,11 +185,12 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
             formats = (None, None)
         else:
             comms = self.comms_model.for_table(option.name)
-            if option.sharding_type in A2A_SHARDING_TYPES:
+            rw_a2a = (
+                comms.row_wise_all_to_all and option.sharding_type == ShardingType.ROW_WISE.value
+            )
+            if option.sharding_type in A2A_SHARDING_TYPES or rw_a2a:
                 formats = (comms.fwd, comms.bwd)
             else:
-                # RW/TWRW for a table that cannot ride a reduce-scatter is priced raw here; the
-                # enumerator drops such options before the planner sees them.
                 formats = (comms.fwd_rs, comms.bwd_rs)
         elem = (
             DATA_TYPE_NUM_BITS[option.output_dtype] / 8

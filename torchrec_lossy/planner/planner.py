@@ -2,9 +2,8 @@
 
 It is an ``EmbeddingShardingPlanner`` (same ``plan`` / ``collective_plan``) whose enumerator
 prices every sharding option with :class:`~torchrec_lossy.planner.estimator.LossyPerfEstimator`
-and drops the options a table's traffic cannot use: a table whose forward all-to-all is
-compressed cannot be sharded row-wise (RW, TWRW, grid), because those sum partial outputs with a
-reduce-scatter and a variable-size lossy payload cannot be summed. Data-parallel stays available
+(row-wise tables compressed like table-wise ones: their partial sums travel by the coded
+all-to-all). Data-parallel stays available
 (unless ``planner.data_parallel`` is off), so a tiny table is replicated where its gradient
 all-reduce is cheaper than any all-to-all. After planning, :meth:`LossyShardingPlanner.explain`
 gives the per-table plan with the reason for each choice, and :meth:`LossyShardingPlanner.sharder`
@@ -57,7 +56,6 @@ from torchrec_lossy.config import (
 )
 from torchrec_lossy.planner.cost import CommsModel, LossyCommsModel, gib_s_to_bytes_per_ms
 from torchrec_lossy.planner.estimator import (
-    RS_SHARDING_TYPES,
     LossyPerfEstimator,
     option_key,
 )
@@ -238,12 +236,6 @@ class LossyEnumerator(EmbeddingEnumerator):
     def _exclusion(self, option: ShardingOption) -> str | None:
         if option.sharding_type == ShardingType.DATA_PARALLEL.value:
             return None if self.data_parallel else "planner.data_parallel is off"
-        if (
-            option.is_pooled
-            and option.sharding_type in RS_SHARDING_TYPES
-            and not self.comms_model.for_table(option.name).reduce_scatter_ok
-        ):
-            return "reduce-scatter can't carry the codec"
         return None
 
     def enumerate(
@@ -275,9 +267,9 @@ class LossyEnumerator(EmbeddingEnumerator):
         if lost:
             detail = "; ".join(f"{n}: {excluded[n]}" for n in lost)
             raise PlannerError(
-                f"no usable sharding option for table(s) {lost} ({detail}). Allow TW/CW/TWCW "
-                f"for them (ParameterConstraints.sharding_types, sharder sharding types) or send "
-                f"them uncompressed (comms.tables.<name>.compress: false)",
+                f"no usable sharding option for table(s) {lost} ({detail}). Allow another "
+                f"sharding type for them (ParameterConstraints.sharding_types, sharder sharding "
+                f"types) or turn planner.data_parallel back on",
                 PlannerErrorType.STRICT_CONSTRAINTS,
             )
         self.excluded = excluded
