@@ -259,6 +259,118 @@ def _backward_bytes(
     return out
 
 
+def _rw_kjts(
+    ids: torch.Tensor, world: int, cards: list[int]
+) -> tuple[list[KeyedJaggedTensor], list[int]]:
+    """Per rank, its KJT bucketized by row shard as TorchRec's RW input dist sends it (every
+    table row-wise over ``world`` ranks); and the splits (26 features to each destination)."""
+    from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
+
+    block_sizes = torch.tensor([(c + world - 1) // world for c in cards])
+    kjts = []
+    for local in ids.chunk(world, dim=0):
+        b = local.shape[0]
+        kjt = KeyedJaggedTensor(
+            keys=[f"C{f + 1}" for f in range(NUM_FEATURES)],
+            values=local.T.reshape(-1).contiguous(),
+            lengths=torch.ones(NUM_FEATURES * b, dtype=torch.int64),
+        )
+        kjts.append(bucketize_kjt_before_all2all(kjt, world, block_sizes)[0])
+    return kjts, [NUM_FEATURES] * world
+
+
+def _rw_input_bytes(ids: torch.Tensor, world: int, cards: list[int]) -> dict[str, float]:
+    """Bucketized KJT all-to-all bytes: TorchRec's (lengths, ids, splits) and ours (packed)."""
+    kjts, splits = _rw_kjts(ids, world, cards)
+    config = LossyCommsConfig()
+    comms = LossyComms(config=config, bounds=StaticBounds([], config))
+    for kjt in kjts:
+        encode_with_telemetry(kjt, splits, comms)
+    total = comms.stats.total("input")
+    return {"none": total.raw_bytes, "packed": total.wire_bytes}
+
+
+def _rw_output_bytes(
+    ids: torch.Tensor, ranks: torch.Tensor, world: int, preset: str, dim: int
+) -> dict[str, float]:
+    """Forward bytes of row-wise tables: TorchRec's reduce-scatter (each rank sends its partial
+    sums of the whole global batch, fp32 or its FP16 qcomm) and ours (each rank's partial sums
+    coded per destination at the default bound; a bag's row lives on the rank owning its id,
+    the other ranks' partial sums are zero)."""
+    cards = table_cardinalities(preset)
+    model = default_value_model(preset)
+    names = [f"t{f}" for f in range(NUM_FEATURES)]
+    specs = tuple(BlockSpec(n, f * dim, 1, dim) for f, n in enumerate(names))
+    batch = ids.shape[0] // world
+    raw = world * ids.shape[0] * NUM_FEATURES * dim
+    info = _default_info(names, [specs] * world, batch)
+    lossy = 0
+    for o in range(world):
+        blocks = []
+        for d in range(world):
+            rows_d = slice(d * batch, (d + 1) * batch)
+            per_table = []
+            for f in range(NUM_FEATURES):
+                block = (cards[f] + world - 1) // world
+                mine = ids[rows_d, f] // block == o
+                rows = torch.zeros(batch, dim)
+                rows[mine] = embedding_rows(f, ranks[rows_d, f][mine], dim, cards[f], 0, model)
+                per_table.append(rows)
+            blocks.append(per_table)
+        payloads = encode_payloads("fwd", blocks, [specs] * world, info, ids.device)
+        lossy += sum(p.numel() for p in payloads)
+    return {"none": 4 * raw, "fp16": 2 * raw, "lossy": lossy}
+
+
+def _rw_backward_bytes(
+    ids: torch.Tensor, world: int, dim: int, generator: torch.Generator
+) -> dict[str, float]:
+    """Gradient bytes of row-wise tables: TorchRec's all-gather (fp32 or FP16 qcomm: every rank
+    receives every rank's gradient rows) and ours (each destination's gradient rows coded once
+    per source rank with the default backward codec; no dedupe: no input-dist state)."""
+    grads = _pooled_grads(ids.shape[0], dim, generator)
+    names = [f"t{f}" for f in range(NUM_FEATURES)]
+    specs = tuple(BlockSpec(n, f * dim, 1, dim) for f, n in enumerate(names))
+    batch = ids.shape[0] // world
+    raw = world * ids.shape[0] * NUM_FEATURES * dim
+    total = 0
+    for d in range(world):
+        info = _default_info(names, [specs] * world, batch)
+        own = [grads[d * batch : (d + 1) * batch, f] for f in range(NUM_FEATURES)]
+        # Every destination coded, its own too: the self-send counted as TorchRec counts it.
+        payloads = encode_payloads("bwd", [own] * world, [specs] * world, info, ids.device)
+        total += sum(p.numel() for p in payloads)
+        assert info.comms.stats.total("bwd").max_error_over_bound <= 1.0
+    return {"none": 4 * raw, "fp16": 2 * raw, "lossy": total}
+
+
+def _row_wise_results(
+    ids: torch.Tensor, ranks: torch.Tensor, world: int, preset: str, dim: int, g: torch.Generator
+) -> list[dict[str, float | str | int]]:
+    """One row per mode for every table row-wise: TorchRec fp32, TorchRec FP16 both ways (its
+    best qcomm for the reduce-scatter path), ours (packed input, coded partial sums, coded
+    gradients)."""
+    cards = table_cardinalities(preset)
+    inp = _rw_input_bytes(ids, world, cards)
+    out = _rw_output_bytes(ids, ranks, world, preset, dim)
+    bwd = _rw_backward_bytes(ids, world, dim, g)
+    rows = []
+    for mode, i, o in (
+        ("none", "none", "none"),
+        ("fp16", "none", "fp16"),
+        ("lossy", "packed", "lossy"),
+    ):
+        rows.append(
+            {
+                "mode": mode,
+                "input_bytes": inp[i],
+                "output_bytes": out[o],
+                "backward_bytes": bwd[o],
+            }
+        )
+    return rows
+
+
 def _timing(batch: int, world: int, reps: int) -> dict[str, float]:
     """Median CPU ms per step of one rank's encode and of rank 0's decode (default config)."""
     import time
@@ -302,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2048, help="synthetic: samples per rank")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 8])
     p.add_argument("--json", help="also write the results here")
+    p.add_argument(
+        "--sharding",
+        choices=("table_wise", "row_wise"),
+        default="table_wise",
+        help="every table table-wise round-robin, or every table row-wise over all ranks",
+    )
     p.add_argument("--timing", action="store_true", help="time the input codec instead")
     p.add_argument("--timing-batches", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--reps", type=int, default=200, help="timing: steps (median reported)")
@@ -338,6 +456,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, ids, ranks, preset, dim in datasets:
             keep = ids.shape[0] // world * world
             ids, ranks = ids[:keep], ranks[:keep]
+            if args.sharding == "row_wise":
+                for row in _row_wise_results(ids, ranks, world, preset, dim, g):
+                    results.append(
+                        {
+                            "dataset": name,
+                            "world": world,
+                            "batch_per_rank": keep // world,
+                            "dim": dim,
+                            "sharding": "row_wise",
+                            "output_rows": NUM_FEATURES * keep,
+                            **row,
+                        }
+                    )
+                continue
             inp = _input_bytes(ids, world)
             outp = _output_bytes(ids, ranks, world, preset, dim)
             bwd = _backward_bytes(ids, world, dim, g)

@@ -8,6 +8,7 @@ bounds) when lossy; the bucketized input all-to-all packed losslessly.
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import pytest
@@ -103,7 +104,20 @@ def _worker(rank: int, world_size: int, batch_sizes: list[int]) -> dict[str, Any
     cols = column_slices(tables)
     rw_cols = torch.cat([torch.arange(c.start, c.stop) for t in ("rw0", "rw1") for c in cols[t]])
     fwd = sharded.lossy_stats.tables("fwd")
+    # Bags of g0 (rw0: 64 rows) whose ids all live in this rank's row shard, or none at all:
+    # the receiver adds only the parts of ranks holding their ids, so they arrive exact.
+    block = (64 + world_size - 1) // world_size
+    g0 = batches[0][rank]["g0"]
+    owners = [
+        set((g0.values()[a:b] // block).tolist())
+        for a, b in itertools.pairwise(g0.offsets().tolist())
+    ]
+    own = torch.tensor([o <= {rank} for o in owners])
+    g0_err = (lossy.outputs[0] - ref_outs[0])[:, cols["rw0"][0]].abs().amax(dim=1)
     return {
+        "own_bags": int(own.sum()),
+        "own_bags_err": g0_err[own].max().item() if own.any() else 0.0,
+        "other_bags_err": g0_err[~own].max().item() if (~own).any() else 0.0,
         "exact_out_equal": tr is not None
         and all(torch.equal(a, b) for a, b in zip(exact.outputs, tr.outputs, strict=True)),
         "exact_w_equal": tr is not None and same_local_pieces(exact.weights(), tr.weights()),
@@ -132,7 +146,8 @@ def _worker(rank: int, world_size: int, batch_sizes: list[int]) -> dict[str, Any
 @pytest.mark.timeout(900)
 def test_row_wise_bit_equal_at_bound_zero_and_within_the_sum_bound() -> None:
     world = 2
-    for rank, r in enumerate(run_workers(_worker, world, [8, 8], timeout_s=600)):
+    results = run_workers(_worker, world, [8, 8], timeout_s=600)
+    for rank, r in enumerate(results):
         assert r["adapter"] and r["out_dist"], rank
         assert r["exact_out_equal"], rank
         assert r["exact_w_equal"], rank
@@ -144,6 +159,10 @@ def test_row_wise_bit_equal_at_bound_zero_and_within_the_sum_bound() -> None:
             raw, wire, err = r["rw_fwd"][table]
             assert 0 < wire < raw and err <= r["bound"], (rank, table, r["rw_fwd"])
         assert r["input_wire"] > 0
+        # Bags without ids on a remote rank get no remote part: exact.
+        assert r["own_bags_err"] == 0.0, (rank, r["own_bags"], r["own_bags_err"])
+    assert min(r["own_bags"] for r in results) > 0
+    assert max(r["other_bags_err"] for r in results) > 0
 
 
 @pytest.mark.slow

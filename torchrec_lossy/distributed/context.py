@@ -107,9 +107,14 @@ class LossyShardingContext(EmbeddingShardingContext):
 
     Attributes:
         output_dedupe: The state the lossy output dist sends deduplicated rows by; None: off.
+        source_mask: Row-wise shardings: bool ``[world, features, batch]``, whether each of this
+            rank's bags has ids in each source rank's row shard (the lengths of TorchRec's
+            bucketized KJT, kept by the packed RW input dist); the receiver adds only those
+            sources' partial sums and sends each source only those rows' gradients. None: all.
     """
 
     output_dedupe: OutputDedupe | None = None
+    source_mask: torch.Tensor | None = None
 
     @classmethod
     def from_input(
@@ -130,6 +135,7 @@ class LossyShardingContext(EmbeddingShardingContext):
             batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
             variable_batch_per_feature=base.variable_batch_per_feature,
             output_dedupe=state.output_dedupe,
+            source_mask=base.source_mask if isinstance(base, LossyShardingContext) else None,
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -140,6 +146,29 @@ class LossyShardingContext(EmbeddingShardingContext):
         """
         if self.output_dedupe is not None:
             self.output_dedupe.record_stream(stream)
+        if self.source_mask is not None:
+            self.source_mask.record_stream(stream)
+
+
+def with_source_mask(
+    base: EmbeddingShardingContext, source_mask: torch.Tensor
+) -> LossyShardingContext:
+    """``base`` (TorchRec's context of a row-wise sharding) with its batch's source mask.
+
+    Args:
+        base: The context TorchRec's input dist filled.
+        source_mask: See :attr:`LossyShardingContext.source_mask`.
+
+    Returns:
+        A new context; ``base`` is left as it is.
+    """
+    return LossyShardingContext(
+        batch_size_per_rank=base.batch_size_per_rank,
+        batch_size_per_rank_per_feature=base.batch_size_per_rank_per_feature,
+        batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
+        variable_batch_per_feature=base.variable_batch_per_feature,
+        source_mask=source_mask,
+    )
 
 
 def bind_input_state(ctx: EmbeddingBagCollectionContext, features: KJTList) -> None:

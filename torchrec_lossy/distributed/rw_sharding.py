@@ -19,6 +19,7 @@ Variable batch per feature (VBE) stays TorchRec's reduce-scatter.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
 from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
@@ -48,15 +50,20 @@ logger: logging.Logger = logging.getLogger(__name__)
 class PartialSums:
     """The receiver's reduction: ``[B, world * D]`` (one part per source) -> ``[B, D]``.
 
-    Adds the parts in fp32 in source order (TorchRec's reduce-scatter, done locally);
-    autograd's adjoint hands every source the same gradient.
+    Adds the parts in fp32 in source order (TorchRec's reduce-scatter, done locally). With a
+    source mask, a source's part of a bag without ids in its row shard is left out: it is zero
+    before coding, so the sum is unchanged but for the coding error it would add, and autograd
+    hands that source a zero gradient row there (its lookup has nothing to update), which the
+    backward codec sends as a repeated row.
 
     Args:
         parts: Sources (the group size).
+        column_mask: Bool ``[B, parts, D]``: which parts' columns count; None: all.
     """
 
-    def __init__(self, parts: int) -> None:
+    def __init__(self, parts: int, column_mask: torch.Tensor | None = None) -> None:
         self.parts = parts
+        self.column_mask = column_mask
 
     def __call__(self, received: torch.Tensor) -> torch.Tensor:
         """Sums the parts.
@@ -68,7 +75,23 @@ class PartialSums:
             ``[B, D]`` in ``received``'s dtype.
         """
         parts = received.unflatten(1, (self.parts, -1))
+        if self.column_mask is not None:
+            parts = parts.masked_fill(~self.column_mask, 0.0)
         return parts.sum(dim=1, dtype=torch.float32).to(received.dtype)
+
+
+def column_mask(source_mask: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """A source mask per feature widened to the features' output columns.
+
+    Args:
+        source_mask: Bool ``[world, F, B]`` (see ``LossyShardingContext.source_mask``).
+        dims: Output columns of each of the ``F`` features, in column order.
+
+    Returns:
+        Bool ``[B, world, sum(dims)]``.
+    """
+    widths = torch.tensor(list(dims), device=source_mask.device)
+    return source_mask.permute(2, 0, 1).repeat_interleave(widths, dim=2)
 
 
 class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
@@ -99,10 +122,9 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
                 f"table shards span {sum(s.width for s in specs)} columns, the features "
                 f"{sum(embedding_dims)}"
             )
-        world = pg.size()
-        self._a2a = LossyPooledEmbeddingsAllToAll(
-            pg, [specs] * world, comms, device, callbacks=[PartialSums(world)]
-        )
+        self._parts_layout = [specs] * pg.size()
+        self._feature_dims = list(embedding_dims)
+        self._a2a = LossyPooledEmbeddingsAllToAll(pg, self._parts_layout, comms, device)
 
     def forward(
         self,
@@ -121,7 +143,11 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
             return super().forward(local_embs, sharding_ctx)  # TorchRec's VBE reduce-scatter
         batch_size_per_rank = sharding_ctx.batch_size_per_rank if sharding_ctx else None
-        return self._a2a(local_embs, batch_size_per_rank=batch_size_per_rank)
+        awaitable = self._a2a(local_embs, batch_size_per_rank=batch_size_per_rank)
+        mask = sharding_ctx.source_mask if isinstance(sharding_ctx, LossyShardingContext) else None
+        columns = column_mask(mask, self._feature_dims) if mask is not None else None
+        awaitable.callbacks.append(PartialSums(len(self._parts_layout), columns))
+        return awaitable
 
 
 class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
@@ -143,6 +169,7 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
         pg = kwargs["pg"]
         assert isinstance(pg, dist.ProcessGroup)
         self._dist = LossyKJTAllToAll(pg, [self._num_features] * self._world_size, comms)
+        self._source_mask: torch.Tensor | None = None
 
     def forward(
         self, sparse_features: KeyedJaggedTensor
@@ -173,8 +200,23 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
             keep_original_indices=self._keep_original_indices,
             block_bucketize_row_pos=self.zch_bucketize_row_pos,
         )
+        # Which of this rank's bags have ids in each rank's row shard, for the output dist.
+        self._source_mask = bucketized.lengths().view(self._world_size, self._num_features, -1) > 0
         assert isinstance(self._dist, LossyKJTAllToAll)
         return self._dist.packed(bucketized)
+
+    def take_source_mask(self) -> torch.Tensor | None:
+        """The source mask of the batch :meth:`forward` last bucketized (then forgotten).
+
+        The sharded module moves it into that batch's sharding context right after the input
+        dist runs (``context.with_source_mask``), as TorchRec does with its sequence
+        shardings' ``unbucketize_permute_tensor``.
+
+        Returns:
+            Bool ``[world, features, batch]``, or None if no batch was bucketized since.
+        """
+        mask, self._source_mask = self._source_mask, None
+        return mask
 
 
 class LossyRwPooledEmbeddingSharding(LossyShardingMixin, RwPooledEmbeddingSharding):
