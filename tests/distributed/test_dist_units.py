@@ -28,7 +28,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     join_blocks,
 )
 from torchrec_lossy.distributed.sharder import check_bound_provider
-from torchrec_lossy.distributed.stats import CONTAINER
+from torchrec_lossy.distributed.stats import CONTAINER, ErrorSample
 
 SPECS = (BlockSpec("a", 0, 2, 4), BlockSpec("b", 8, 1, 6), BlockSpec("c", 14, 3, 2))
 
@@ -245,7 +245,9 @@ def test_stats_batched_records_match_one_by_one() -> None:
     many.record_blocks("input", ["f"], [40], [12])  # errors and bounds default to exact
     for table, error_sum, count in (("a", 0.25, 10), ("b", -1.5, 3), ("a", 0.125, 4)):
         one.record_signed_error("bwd", table, error_sum, count)
-    many.record_signed_errors("bwd", ["a", "b", "a"], [0.25, -1.5, 0.125], [10, 3, 4])
+    many.record_error_samples(
+        "bwd", [ErrorSample("a", 0.25, 10), ErrorSample("b", -1.5, 3), ErrorSample("a", 0.125, 4)]
+    )
     one.record_ids("input", "f", 9, 2)
     one.record_ids("input", "g", 5, 0)
     many.record_id_counts("input", ["f", "g"], [9, 5], [2, 0])

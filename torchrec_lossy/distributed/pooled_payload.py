@@ -41,7 +41,7 @@ from torchrec_lossy.codec.grouped import start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
-from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.distributed.stats import Direction, ErrorSample
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -340,15 +340,15 @@ def _codec_config(
     return dataclasses.replace(config.codec, rounding=rounding, seed=call_seed)
 
 
-def _record_signed_error(
+def _record_error_samples(
     direction: Direction,
     info: LossyAll2AllPooledInfo,
     payload: torch.Tensor,
     coded: Sequence[tuple[torch.Tensor, BlockSpec]],
 ) -> None:
-    """Decodes a payload on its sender and records each block's error sample (telemetry): the
-    signed and squared error sums, the squared value sum and the values snapped to zero, over
-    the block's finite elements.
+    """Decodes a payload on its sender and records each block's :class:`ErrorSample`
+    (telemetry): the signed and squared error sums, the squared value sum and the values
+    snapped to zero, over the block's finite elements.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -369,17 +369,15 @@ def _record_signed_error(
         per_block = torch.stack(
             [diff, diff * diff, x * x, ((x != 0) & (y == 0)).double(), fin.double()]
         )
-        sums, sq, val_sq, snapped, counts = torch.stack(
-            [p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1
-        ).tolist()
-        info.comms.stats.record_signed_errors(
+        sums = torch.stack([p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1)
+        info.comms.stats.record_error_samples(
             direction,
-            [s.table for _, s in coded],
-            sums,
-            [int(c) for c in counts],
-            sq,
-            val_sq,
-            [int(z) for z in snapped],
+            [
+                ErrorSample(s.table, err, int(n), err_sq, val_sq, int(zeroed))
+                for (_, s), err, err_sq, val_sq, zeroed, n in zip(
+                    coded, *sums.tolist(), strict=True
+                )
+            ],
         )
 
 
@@ -745,7 +743,7 @@ def start_encode(
                 errors += cols.max_error
                 abs_bounds += cols.bound
                 if sample:
-                    _record_signed_error(
+                    _record_error_samples(
                         direction, info, payload, [(blocks[k], specs_per_peer[p][k]) for k in idx]
                     )
                 # The payload header belongs to no block.
