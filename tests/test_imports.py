@@ -131,7 +131,8 @@ def test_the_child_reports_a_failing_import() -> None:
 # no import cycles). The lead empties this list when merging that work; do not add to it.
 CODEC_ALLOWLIST: set[tuple[str, str, str]] = set()
 # Third-party private names with no public equivalent: TorchRec's own KJTAllToAllTensorsAwaitable
-# builds its recat with _get_recat, and the lossy awaitable must produce the identical recat.
+# builds its recat with _get_recat, and the lossy awaitable must produce the identical recat
+# (one adapter, input_dist.torchrec_recat, pinned by tests/distributed/test_input_dist.py).
 THIRD_PARTY_ALLOWLIST = {
     ("torchrec_lossy/distributed/input_dist.py", "torchrec.distributed.dist_data", "_get_recat"),
 }
