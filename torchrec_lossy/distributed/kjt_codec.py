@@ -35,6 +35,7 @@ features and fields cost more than the packing). The tensor work then runs on on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -46,8 +47,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lossy.codec import segment_checksums
-from torchrec_lossy.codec.container import upload
+from torchrec_lossy.codec.container import segment_checksums, upload
 from torchrec_lossy.config import InputDistConfig
 from torchrec_lossy.distributed import kjt_host, kjt_layout
 from torchrec_lossy.distributed.dedupe import (
@@ -447,6 +447,53 @@ def _feature_stats(
     return _FeatureStats(stats, seg, ids)
 
 
+@dataclass(frozen=True)
+class _EncodeCall:
+    """One :func:`encode_kjt` call's input, as either backend takes it.
+
+    Attributes:
+        keys: The KJT's keys.
+        batch: Its stride.
+        lens: Its lengths as int64.
+        ids: Its ids as int64.
+        weights: Its weights (None: unweighted).
+        wire_w: Their dtype on the wire (None: unweighted).
+        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
+        want_dedupe: Find each feature's distinct ids (wire or output dedupe).
+        config: The input dist's config (wire dedupe, checksum).
+        mode: Output dedupe (``kjt_layout.OUT_NONE``, ``OUT_EXACT`` or ``OUT_LOOKUP``).
+        codes: The dtype codes word of the metadata.
+    """
+
+    keys: Sequence[str]
+    batch: int
+    lens: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor | None
+    wire_w: torch.dtype | None
+    feat_off: np.ndarray
+    want_dedupe: bool
+    config: InputDistConfig
+    mode: int
+    codes: int
+
+
+class _Packed(NamedTuple):
+    """What a backend's encode gives :func:`encode_kjt`.
+
+    Attributes:
+        plan: The payloads' plan (``kjt_layout.plan_encode``).
+        send: int32 words of all payloads.
+        uniques: Every feature's distinct ids (None if no feature needed them).
+        inverse: Per id, the index of its distinct id in its feature (idem).
+    """
+
+    plan: kjt_layout.EncodePlan
+    send: torch.Tensor
+    uniques: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+
 def encode_kjt(
     kjt: KeyedJaggedTensor,
     splits: Sequence[int],
@@ -473,65 +520,92 @@ def encode_kjt(
     Raises:
         ValueError: If a length or an id is negative, or the backend does not fit the KJT.
     """
-    keys = kjt.keys()
-    batch = kjt.stride()
     lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
-    dev = values.device
-    host = on_host(dev, backend)
-    want_dedupe = config.dedupe or output_dedupe is not None
-    wire_w = None
-    if weights is not None:
-        wire_w = _WEIGHT_CASTS.get(config.weights, weights.dtype)
-    codes = (
+    # The backend, chosen once: both take the same call and give the same words.
+    pack = _pack_numba if on_host(values.device, backend) else _pack_torch
+    wire_w = None if weights is None else _WEIGHT_CASTS.get(config.weights, weights.dtype)
+    feat_off, meta_splits = _split_offsets(tuple(splits))
+    call = _EncodeCall(
+        keys=kjt.keys(),
+        batch=kjt.stride(),
+        lens=lengths.to(torch.int64),
+        ids=values.to(torch.int64),
+        weights=weights,
+        wire_w=wire_w,
+        feat_off=feat_off,
+        want_dedupe=config.dedupe or output_dedupe is not None,
+        config=config,
+        mode=_OUT_MODES[output_dedupe],
+        codes=_dtype_codes(lengths, values, weights, wire_w, config.checksum),
+    )
+    plan, send, _, inverse = pack(call)
+    stats_rows = plan.stats.tolist()
+    return EncodedKJT(
+        send=send,
+        send_words=plan.payloads[:, 2].tolist(),
+        meta=torch.from_numpy(plan.meta).to(values.device),
+        meta_splits=meta_splits,
+        num_ids_per_dest=plan.payloads[:, 1].tolist(),
+        expand=_expand_rows(call, plan, stats_rows, inverse),
+        formats=plan.formats,
+        feature_stats=stats_rows,
+        feature_bytes=plan.feature_bytes.tolist(),
+        wire_weights=wire_w,
+    )
+
+
+def _dtype_codes(
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    wire_w: torch.dtype | None,
+    checksum: bool,
+) -> int:
+    """The metadata's dtype codes word: the KJT's dtypes, the weights' wire dtype, the checksum.
+
+    Args:
+        lengths: The KJT's lengths.
+        values: Its ids.
+        weights: Its weights (None: unweighted).
+        wire_w: Their dtype on the wire.
+        checksum: The payloads end with a checksum.
+
+    Returns:
+        The word.
+    """
+    return (
         _CODES[lengths.dtype]
         | _CODES[values.dtype] << 8
         | _CODES[weights.dtype if weights is not None else None] << 16
         | _CODES[wire_w] << 24
-        | (_CHECK_FLAG if config.checksum else 0)
+        | (_CHECK_FLAG if checksum else 0)
     )
-    feat_off, meta_splits = _split_offsets(tuple(splits))
-    mode = _OUT_MODES[output_dedupe]
-    v = values.to(torch.int64)
-    lens = lengths.to(torch.int64)
-    if host:
-        out = kjt_host.encode(
-            lens, v, weights.to(wire_w) if weights is not None else None, batch, feat_off,
-            want_dedupe, config.dedupe, mode, config.checksum, codes,
-        )  # fmt: skip
-        if not isinstance(out, kjt_host.HostEncoded):
-            why, stats = out
-            if why == kjt_host.BAD_SUM:
-                raise ValueError(
-                    f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but "
-                    f"it holds {v.numel()} ids; pass a KJT whose lengths match its values"
-                )
-            _refuse_negative(keys, stats.tolist())
-        plan, send, uniques, inverse = out
-    else:
-        fs = _feature_stats(lens, v, len(keys), batch, want_dedupe)
-        stats = fs.stats.cpu().numpy()  # the host read of the encoder
-        _refuse_negative(keys, stats.tolist())
-        esize = wire_w.itemsize if wire_w is not None else 0
-        plan = kjt_layout.plan_encode(
-            stats, batch, feat_off, config.dedupe, mode, esize, config.checksum, codes
-        )
-        inverse = uniques = None
-        if plan.formats[:, [2, 6]].any():  # wire or output dedupe (a lookup feature's too)
-            assert fs.ids is not None
-            order, new = fs.ids
-            inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
-            uniques = v[order][new]
-        send = _pack_torch(
-            plan, lens, v, uniques, inverse, weights, wire_w, config.checksum, feat_off.tolist()
-        )
 
-    stats_rows = plan.stats.tolist()
+
+def _expand_rows(
+    call: _EncodeCall,
+    plan: kjt_layout.EncodePlan,
+    stats_rows: Sequence[Sequence[int]],
+    inverse: torch.Tensor | None,
+) -> list[list[tuple[int, torch.Tensor] | None]]:
+    """:attr:`EncodedKJT.expand`: per destination, per feature, (rows the owner sends back,
+    inverse index of this rank's bags into them) of output-deduplicated features, else None.
+
+    Args:
+        call: The encode's input.
+        plan: Its plan.
+        stats_rows: Per feature its statistics, as host ints.
+        inverse: Per id, the index of its distinct id in its feature (None if not found).
+
+    Returns:
+        The rows.
+    """
     val_off = plan.starts[kjt_layout.IDS].tolist()
-    expand: list[list[tuple[int, torch.Tensor] | None]] = []
-    offsets = feat_off.tolist()
+    offsets = call.feat_off.tolist()
     # Per feature: lookup, distinct ids, exact output dedupe rows.
     kinds = plan.formats[:, [5, 4, 6]].tolist()
-    for d in range(len(splits)):
+    expand: list[list[tuple[int, torch.Tensor] | None]] = []
+    for d in range(len(offsets) - 1):
         row: list[tuple[int, torch.Tensor] | None] = []
         for f in range(offsets[d], offsets[d + 1]):
             lookup, num_unique, out_rows = kinds[f]
@@ -539,24 +613,12 @@ def encode_kjt(
                 assert inverse is not None
                 row.append((num_unique, inverse[val_off[f] : val_off[f + 1]]))
             elif out_rows:
-                bag_inv = bag_inverse(f, stats_rows[f], batch, lens, inverse, val_off)
+                bag_inv = bag_inverse(f, stats_rows[f], call.batch, call.lens, inverse, val_off)
                 row.append((out_rows, bag_inv))
             else:
                 row.append(None)
         expand.append(row)
-
-    return EncodedKJT(
-        send=send,
-        send_words=plan.payloads[:, 2].tolist(),
-        meta=torch.from_numpy(plan.meta).to(dev),
-        meta_splits=meta_splits,
-        num_ids_per_dest=plan.payloads[:, 1].tolist(),
-        expand=expand,
-        formats=plan.formats,
-        feature_stats=stats_rows,
-        feature_bytes=plan.feature_bytes.tolist(),
-        wire_weights=wire_w,
-    )
+    return expand
 
 
 _OUT_MODES: dict[OutputDedupeMode, int] = {
@@ -593,35 +655,87 @@ def _refuse_negative(keys: Sequence[str], stats: Sequence[Sequence[int]]) -> Non
             )
 
 
-def _pack_torch(
+def _pack_numba(call: _EncodeCall) -> _Packed:
+    """The numba backend's encode: statistics, plan and packing in one compiled call
+    (``kjt_host.encode``).
+
+    Args:
+        call: The encode's input (CPU tensors).
+
+    Returns:
+        The plan and the payloads.
+
+    Raises:
+        ValueError: If the lengths do not sum to the ids, or a length or an id is negative.
+    """
+    weights = call.weights.to(call.wire_w) if call.weights is not None else None
+    config = call.config
+    out = kjt_host.encode(
+        call.lens, call.ids, weights, call.batch, call.feat_off, call.want_dedupe,
+        config.dedupe, call.mode, config.checksum, call.codes,
+    )  # fmt: skip
+    if not isinstance(out, kjt_host.HostEncoded):
+        why, stats = out
+        if why == kjt_host.BAD_SUM:
+            raise ValueError(
+                f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but "
+                f"it holds {call.ids.numel()} ids; pass a KJT whose lengths match its values"
+            )
+        _refuse_negative(call.keys, stats.tolist())
+    return _Packed(*out)
+
+
+def _pack_torch(call: _EncodeCall) -> _Packed:
+    """The torch backend's encode, by tensor ops on the KJT's device: the statistics (one host
+    read), the plan (``kjt_layout.plan_encode``), the distinct ids, the packing.
+
+    Args:
+        call: The encode's input.
+
+    Returns:
+        The plan and the payloads.
+
+    Raises:
+        ValueError: If a length or an id is negative.
+    """
+    fs = _feature_stats(call.lens, call.ids, len(call.keys), call.batch, call.want_dedupe)
+    stats = fs.stats.cpu().numpy()  # the host read of the encoder
+    _refuse_negative(call.keys, stats.tolist())
+    esize = call.wire_w.itemsize if call.wire_w is not None else 0
+    config = call.config
+    plan = kjt_layout.plan_encode(
+        stats, call.batch, call.feat_off, config.dedupe, call.mode, esize, config.checksum,
+        call.codes,
+    )  # fmt: skip
+    inverse = uniques = None
+    if plan.formats[:, [2, 6]].any():  # wire or output dedupe (a lookup feature's too)
+        assert fs.ids is not None
+        order, new = fs.ids
+        inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
+        uniques = call.ids[order][new]
+    return _Packed(plan, _pack_words(plan, call, uniques, inverse), uniques, inverse)
+
+
+def _pack_words(
     plan: kjt_layout.EncodePlan,
-    lens: torch.Tensor,
-    v: torch.Tensor,
+    call: _EncodeCall,
     uniques: torch.Tensor | None,
     inverse: torch.Tensor | None,
-    weights: torch.Tensor | None,
-    wire_w: torch.dtype | None,
-    checksum: bool,
-    feat_off: Sequence[int],
 ) -> torch.Tensor:
-    """:func:`encode_kjt`'s payloads by tensor ops on the KJT's device (what ``kjt_host.encode``
-    packs on the host).
+    """The torch backend's payloads: every section packed (:func:`pack_bits`), the weights'
+    bytes, the checksums (what ``kjt_host.encode`` packs on the host).
 
     Args:
         plan: The payloads' plan.
-        lens: The KJT's int64 lengths.
-        v: Its int64 ids.
+        call: The encode's input.
         uniques: Every feature's distinct ids (None if no feature is deduplicated).
         inverse: Per id, the index of its distinct id in its feature (idem).
-        weights: Its weights (None: unweighted).
-        wire_w: Their dtype on the wire.
-        checksum: End every payload with its checksum.
-        feat_off: Each destination's first feature, then F.
 
     Returns:
         int32 words of all payloads.
     """
-    sources = (lens, v, uniques, inverse)  # indexed by kjt_layout.LENGTHS, IDS, UNIQUE, INVERSE
+    # Indexed by kjt_layout.LENGTHS, IDS, UNIQUE, INVERSE.
+    sources = (call.lens, call.ids, uniques, inverse)
     starts = plan.starts.tolist()
     sections = plan.sections.tolist()
     parts: list[torch.Tensor] = []
@@ -633,16 +747,17 @@ def _pack_torch(
         # Values over 32 bits travel as two parts; narrower ones fit as they are.
         parts.append(t >> shift if shift else t & _MASK32 if width == 32 else t)
     layout = _Layout([s[2] for s in sections], [s[3] for s in sections], [s[5] for s in sections])
-    w_t, p_t = layout.positions(v.device)
-    flat = torch.cat(parts) if parts else v.new_empty(0)
+    w_t, p_t = layout.positions(call.ids.device)
+    flat = torch.cat(parts) if parts else call.ids.new_empty(0)
     send_words = plan.payloads[:, 2].tolist()
     send = pack_bits(flat, w_t, p_t, sum(send_words))
-    if weights is not None:
+    if call.weights is not None:
         val_off = starts[kjt_layout.IDS]
+        feat_off = call.feat_off.tolist()
         for (at, _, _), f0, f1 in zip(plan.payloads.tolist(), feat_off, feat_off[1:], strict=False):
-            ww = _words_of(weights[val_off[f0] : val_off[f1]].to(wire_w))
+            ww = _words_of(call.weights[val_off[f0] : val_off[f1]].to(call.wire_w))
             send[at : at + ww.numel()] = ww
-    if checksum:
+    if call.config.checksum:
         _write_checksums(send, send_words)
     return send
 
@@ -697,15 +812,14 @@ def decode_kjt(
         LossyAllToAllError: If the sources' dtypes differ, or a payload does not match its
             metadata or checksum.
     """
-    dev = recv.device
-    host = on_host(dev, backend)
-    wire_w = _DTYPES[codes[0] >> 24 & 0xFF] if codes else None
-    trailer = bool(codes) and bool(codes[0] & _CHECK_FLAG)
+    # The backend, chosen once: both take the same call and give the same tensors.
+    unpack = _unpack_numba if on_host(recv.device, backend) else _unpack_torch
     if any(c != codes[0] for c in codes):
         raise LossyAllToAllError(
             f"lossy input dist on rank {my_rank}: source ranks sent KJTs of different dtypes "
             f"(codes {codes}); every rank must feed the same lengths/values/weights dtypes"
         )
+    code = codes[0] if codes else _CODES[torch.int64] | _CODES[torch.int64] << 8
 
     def fail(src: int, why: str) -> NoReturn:
         raise LossyAllToAllError(
@@ -714,55 +828,133 @@ def decode_kjt(
             "different torchrec_lossy versions or sharding plans, or the bytes were corrupted."
         )
 
-    # Every source's formats in one array for the compiled planner (FeatureMeta is a tuple).
-    formats = np.array([m for metas in metas_per_src for m in metas], np.int64).reshape(
-        -1, len(kjt_layout.FORMAT_COLUMNS)
+    wire_w = _DTYPES[code >> 24 & 0xFF]
+    call = _DecodeCall(
+        recv=recv,
+        recv_words=recv_words,
+        metas_per_src=metas_per_src,
+        batch_per_src=batch_per_src,
+        # Every source's formats in one array for the compiled planner (FeatureMeta is a tuple).
+        formats=np.array([m for metas in metas_per_src for m in metas], np.int64).reshape(
+            -1, len(kjt_layout.FORMAT_COLUMNS)
+        ),
+        feat_off=_split_offsets(tuple(map(len, metas_per_src)))[0],
+        esize=wire_w.itemsize if wire_w is not None else 0,
+        trailer=bool(code & _CHECK_FLAG),
+        fail=fail,
     )
-    feat_off = _split_offsets(tuple(map(len, metas_per_src)))[0]
-    batch = np.array(batch_per_src, np.int64)
-    words = np.array(recv_words, np.int64)
-    esize = wire_w.itemsize if wire_w is not None else 0
-    selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in metas_per_src]
-    if host:
-        out = kjt_host.decode(recv, words, trailer, formats, feat_off, batch, esize)
-        _refuse(fail, out.refusal)
-        lengths, values, payloads = out.lengths, out.values, out.payloads
-        for (src, f), first in zip(out.segments, out.first_bags, strict=True):
-            selects[src][f] = first
-    else:
-        plan = kjt_layout.plan_decode(formats, feat_off, batch, words, esize, trailer)
-        _refuse(fail, plan.refusal)
-        if trailer:
-            # One host read for all sources; the sizes are known to be right by now.
-            ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
-            _check_sums(fail, ok.tolist())
-        payloads = plan.payloads
-        lengths, values = _unpack_torch(
-            recv, plan.sections, metas_per_src, batch_per_src, fail, selects
-        )
-
-    len_dtype = _DTYPES[codes[0] & 0xFF] if codes else torch.int64
-    val_dtype = _DTYPES[codes[0] >> 8 & 0xFF] if codes else torch.int64
-    w_dtype = _DTYPES[codes[0] >> 16 & 0xFF] if codes else None
+    lengths, values, payloads, selects = unpack(call)
+    len_dtype, val_dtype = _DTYPES[code & 0xFF], _DTYPES[code >> 8 & 0xFF]
     assert len_dtype is not None and val_dtype is not None
-    out_weights = None
-    if w_dtype is not None:
-        weights: list[torch.Tensor] = []
-        assert wire_w is not None
-        for weights_at, num_ids, _ in payloads.tolist():
-            nw = _weight_words(num_ids, wire_w)
-            raw = recv[weights_at : weights_at + nw].view(torch.uint8).clone()  # aligned
-            weights.append(raw[: num_ids * esize].view(wire_w))
-        out_weights = (
-            torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
-        )
-    return DecodedKJT(lengths.to(len_dtype), values.to(val_dtype), out_weights, selects)
+    weights = _decode_weights(recv, payloads, _DTYPES[code >> 16 & 0xFF], wire_w)
+    return DecodedKJT(lengths.to(len_dtype), values.to(val_dtype), weights, selects)
 
 
 class _Fail(Protocol):
     """Raises :func:`decode_kjt`'s error for a source's payload."""
 
     def __call__(self, src: int, why: str) -> NoReturn: ...
+
+
+@dataclass(frozen=True)
+class _DecodeCall:
+    """One :func:`decode_kjt` call's input, as either backend takes it.
+
+    Attributes:
+        recv: int32 words: every source's payload, back to back in source order.
+        recv_words: Words from each source.
+        metas_per_src: Per source, per received feature, its format.
+        batch_per_src: Batch size of every source.
+        formats: int64 ``[F, 7]``: the same formats, sources in order
+            (``kjt_layout.FORMAT_COLUMNS``).
+        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
+        esize: Bytes of a weight on the wire (0: unweighted).
+        trailer: The payloads end with a checksum.
+        fail: Raises the decode's error for a source.
+    """
+
+    recv: torch.Tensor
+    recv_words: Sequence[int]
+    metas_per_src: Sequence[Sequence[FeatureMeta]]
+    batch_per_src: Sequence[int]
+    formats: np.ndarray
+    feat_off: np.ndarray
+    esize: int
+    trailer: bool
+    fail: _Fail
+
+    def no_selects(self) -> list[list[torch.Tensor | None]]:
+        """Per source, per feature, None: the bag selection before the output dedupe's."""
+        return [[None] * len(m) for m in self.metas_per_src]
+
+
+class _Unpacked(NamedTuple):
+    """What a backend's decode gives :func:`decode_kjt`.
+
+    Attributes:
+        lengths: int64 bag lengths of every source's features.
+        values: int64 ids of them.
+        payloads: ``[P, 3]`` (``kjt_layout.PAYLOAD_COLUMNS``).
+        selects: Per source, per feature, the first bags of the exact output dedupe (None
+            where not deduplicated).
+    """
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    payloads: np.ndarray
+    selects: list[list[torch.Tensor | None]]
+
+
+def _decode_weights(
+    recv: torch.Tensor,
+    payloads: np.ndarray,
+    w_dtype: torch.dtype | None,
+    wire_w: torch.dtype | None,
+) -> torch.Tensor | None:
+    """The received weights of every source, in the senders' dtype.
+
+    Args:
+        recv: The payloads' words.
+        payloads: ``[P, 3]`` (``kjt_layout.PAYLOAD_COLUMNS``).
+        w_dtype: The senders' weights dtype (None: unweighted).
+        wire_w: Their dtype on the wire.
+
+    Returns:
+        The weights, or None if unweighted.
+    """
+    if w_dtype is None:
+        return None
+    assert wire_w is not None
+    weights: list[torch.Tensor] = []
+    for weights_at, num_ids, _ in payloads.tolist():
+        nw = _weight_words(num_ids, wire_w)
+        raw = recv[weights_at : weights_at + nw].view(torch.uint8).clone()  # aligned
+        weights.append(raw[: num_ids * wire_w.itemsize].view(wire_w))
+    return torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
+
+
+def _unpack_numba(call: _DecodeCall) -> _Unpacked:
+    """The numba backend's decode: plan, checksums, unpacking and first bags in one compiled
+    call (``kjt_host.decode``).
+
+    Args:
+        call: The decode's input (CPU words).
+
+    Returns:
+        The lengths, ids, payload layout and bag selection.
+
+    Raises:
+        LossyAllToAllError: If a payload does not match its metadata or checksum.
+    """
+    out = kjt_host.decode(
+        call.recv, np.array(call.recv_words, np.int64), call.trailer, call.formats,
+        call.feat_off, np.array(call.batch_per_src, np.int64), call.esize,
+    )  # fmt: skip
+    _refuse(call.fail, out.refusal)
+    selects = call.no_selects()
+    for (src, f), first in zip(out.segments, out.first_bags, strict=True):
+        selects[src][f] = first
+    return _Unpacked(out.lengths, out.values, out.payloads, selects)
 
 
 # Why a payload was refused (kjt_layout.Refusal's reasons), given its ``a`` and ``b``.
@@ -803,96 +995,160 @@ def _check_sums(fail: _Fail, ok: Sequence[bool]) -> None:
             _refuse(fail, kjt_layout.Refusal(src, kjt_layout.BAD_CHECKSUM, 0, 0))
 
 
-def _unpack_torch(
-    recv: torch.Tensor,
-    sections: np.ndarray,
-    metas_per_src: Sequence[Sequence[FeatureMeta]],
-    batch_per_src: Sequence[int],
-    fail: _Fail,
-    selects: list[list[torch.Tensor | None]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_kjt`'s lengths, ids and bag selection, by tensor ops on ``recv``'s device.
+def _unpack_torch(call: _DecodeCall) -> _Unpacked:
+    """The torch backend's decode, by tensor ops on the words' device: the plan
+    (``kjt_layout.plan_decode``), the checksums (one host read), the unpacking
+    (:func:`unpack_bits`), the first bags of the exact output dedupe.
+
+    Args:
+        call: The decode's input.
+
+    Returns:
+        The lengths, ids, payload layout and bag selection.
+
+    Raises:
+        LossyAllToAllError: If a payload does not match its metadata or checksum.
+    """
+    recv, recv_words = call.recv, call.recv_words
+    plan = kjt_layout.plan_decode(
+        call.formats, call.feat_off, np.array(call.batch_per_src, np.int64),
+        np.array(recv_words, np.int64), call.esize, call.trailer,
+    )  # fmt: skip
+    _refuse(call.fail, plan.refusal)
+    if call.trailer:
+        # One host read for all sources; the sizes are known to be right by now.
+        ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
+        _check_sums(call.fail, ok.tolist())
+    features = _Features.unpack(call, _unpack_fields(recv, plan.sections))
+    empty = recv.new_empty(0, dtype=torch.int64)
+    return _Unpacked(
+        torch.cat(features.lengths) if features.lengths else empty,
+        torch.cat(features.values) if features.values else empty,
+        plan.payloads,
+        features.selects(call),
+    )
+
+
+def _unpack_fields(
+    recv: torch.Tensor, sections: np.ndarray
+) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Every section of the payloads, unpacked (:func:`unpack_bits`).
 
     Args:
         recv: The payloads' words.
         sections: Their sections (``kjt_layout.plan_decode``).
-        metas_per_src: Per source, per feature, its format.
-        batch_per_src: Batch size of every source.
-        fail: Raises the decode's error for a source.
-        selects: Out: per source, per feature, the first bags of the exact output dedupe (None
-            where not deduplicated).
 
     Returns:
-        int64 lengths and ids of every source's features.
+        Per (feature row, field), its sections' int64 values (low part, then high part).
     """
-    dev = recv.device
     rows = sections.tolist()
-    w_t, p_t = _Layout([r[2] for r in rows], [r[3] for r in rows], [r[5] for r in rows]).positions(
-        dev
-    )
-    flat = unpack_bits(recv, w_t, p_t)
+    layout = _Layout([r[2] for r in rows], [r[3] for r in rows], [r[5] for r in rows])
+    flat = unpack_bits(recv, *layout.positions(recv.device))
     unpacked = torch.split(flat, [r[2] for r in rows]) if rows else []
-    # Per (feature row, field): its sections' values.
     fields: dict[tuple[int, int], list[torch.Tensor]] = {}
     for (feature, field, *_), part in zip(rows, unpacked, strict=True):
         fields.setdefault((feature, field), []).append(part)
+    return fields
 
-    lengths: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    # Exact output dedupe, (source, index in lengths, rows sent back, id bits) of the features
-    # the owner sorts, and (the same, inverse index, distinct ids) of those whose ids arrived
-    # deduplicated: their distinct bags follow from the inverse index, no sort needed.
-    out_segs: list[tuple[int, int, int, int]] = []
-    out_inv: list[tuple[int, int, int, torch.Tensor, int]] = []
-    for src, (metas, batch) in enumerate(zip(metas_per_src, batch_per_src, strict=True)):
-        for m in metas:
-            row = len(lengths)  # the feature's row, over all sources
 
-            def field(name: int, n: int, row: int = row) -> torch.Tensor:
-                return _join_field(fields.get((row, name), []), n, dev)
+@dataclass
+class _Features:
+    """The torch backend's decoded features, and those the exact output dedupe selects bags of.
 
-            if m.lookup:
-                ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
-                lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
-                values.append(field(kjt_layout.UNIQUE, m.num_unique))
-                continue
-            lengths.append(field(kjt_layout.LENGTHS, batch))
-            if m.dedupe:
-                inv = field(kjt_layout.INVERSE, m.num_ids)
-                values.append(field(kjt_layout.UNIQUE, m.num_unique)[inv])
-            else:
-                inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
-                values.append(field(kjt_layout.IDS, m.num_ids))
-            if m.out_rows and inv is not None:
-                out_inv.append((src, row, m.out_rows, inv, m.num_unique))
-            elif m.out_rows:
-                out_segs.append((src, row, m.out_rows, m.id_bits))
-    firsts: list[torch.Tensor] = []
-    with record_function("## lossy_input dedupe select ##"):
-        if out_inv:
-            firsts += first_bags(
-                [lengths[i] for _, i, _, _, _ in out_inv],
-                [inv for _, _, _, inv, _ in out_inv],
-                [u for _, _, _, _, u in out_inv],
-            )
-        if out_segs:
-            firsts += distinct_bags(
-                [lengths[i] for _, i, _, _ in out_segs],
-                [values[i] for _, i, _, _ in out_segs],
-                max(1 << b for *_, b in out_segs),
-                with_inverse=False,
-            )[2]
-    segs = [x[:3] for x in out_inv] + [x[:3] for x in out_segs]
-    for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
-        local = i - sum(len(m) for m in metas_per_src[:src])
-        if first.numel() != rows_sent:
-            _refuse(fail, kjt_layout.Refusal(src, kjt_layout.BAD_ROWS, first.numel(), rows_sent))
-        selects[src][local] = first
-    empty = recv.new_empty(0, dtype=torch.int64)
-    return (
-        torch.cat(lengths) if lengths else empty,
-        torch.cat(values) if values else empty,
+    Attributes:
+        lengths: Per feature row (over all sources), its int64 lengths.
+        values: Per feature row, its int64 ids.
+        by_inverse: (source, row, rows sent back, inverse index, distinct ids) of the
+            output-deduplicated features whose ids arrived deduplicated: their distinct bags
+            follow from the inverse index, no sort needed.
+        by_sort: (source, row, rows sent back, id bits) of the other output-deduplicated
+            features (the receiver sorts their bags).
+    """
+
+    lengths: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    by_inverse: list[tuple[int, int, int, torch.Tensor, int]] = dataclasses.field(
+        default_factory=list
     )
+    by_sort: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def unpack(call: _DecodeCall, fields: dict[tuple[int, int], list[torch.Tensor]]) -> _Features:
+        """Every source's features from their unpacked fields.
+
+        Args:
+            call: The decode's input.
+            fields: Per (feature row, field), its sections' values (:func:`_unpack_fields`).
+
+        Returns:
+            The features.
+        """
+        out = _Features()
+        dev = call.recv.device
+        for src, (metas, batch) in enumerate(
+            zip(call.metas_per_src, call.batch_per_src, strict=True)
+        ):
+            for m in metas:
+                row = len(out.lengths)  # the feature's row, over all sources
+
+                def get(name: int, n: int, row: int = row) -> torch.Tensor:
+                    return _join_field(fields.get((row, name), []), n, dev)
+
+                if m.lookup:
+                    ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
+                    out.lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
+                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique))
+                    continue
+                out.lengths.append(get(kjt_layout.LENGTHS, batch))
+                if m.dedupe:
+                    inv = get(kjt_layout.INVERSE, m.num_ids)
+                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique)[inv])
+                else:
+                    inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
+                    out.values.append(get(kjt_layout.IDS, m.num_ids))
+                if m.out_rows and inv is not None:
+                    out.by_inverse.append((src, row, m.out_rows, inv, m.num_unique))
+                elif m.out_rows:
+                    out.by_sort.append((src, row, m.out_rows, m.id_bits))
+        return out
+
+    def selects(self, call: _DecodeCall) -> list[list[torch.Tensor | None]]:
+        """The exact output dedupe's bag selection: per source, per feature, the first bag of
+        each distinct bag (None where not deduplicated).
+
+        Args:
+            call: The decode's input.
+
+        Returns:
+            The selection.
+
+        Raises:
+            LossyAllToAllError: If a feature's distinct bags are not the rows it sends back.
+        """
+        firsts: list[torch.Tensor] = []
+        with record_function("## lossy_input dedupe select ##"):
+            if self.by_inverse:
+                firsts += first_bags(
+                    [self.lengths[i] for _, i, _, _, _ in self.by_inverse],
+                    [inv for _, _, _, inv, _ in self.by_inverse],
+                    [u for _, _, _, _, u in self.by_inverse],
+                )
+            if self.by_sort:
+                firsts += distinct_bags(
+                    [self.lengths[i] for _, i, _, _ in self.by_sort],
+                    [self.values[i] for _, i, _, _ in self.by_sort],
+                    max(1 << b for *_, b in self.by_sort),
+                    with_inverse=False,
+                )[2]
+        selects = call.no_selects()
+        segs = [x[:3] for x in self.by_inverse] + [x[:3] for x in self.by_sort]
+        for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
+            local = i - sum(len(m) for m in call.metas_per_src[:src])
+            if first.numel() != rows_sent:
+                why = kjt_layout.Refusal(src, kjt_layout.BAD_ROWS, first.numel(), rows_sent)
+                _refuse(call.fail, why)
+            selects[src][local] = first
+        return selects
 
 
 @functools.cache
