@@ -460,9 +460,7 @@ class _EncodeCall:
         wire_w: Their dtype on the wire (None: unweighted).
         feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
         want_dedupe: Find each feature's distinct ids (wire or output dedupe).
-        config: The input dist's config (wire dedupe, checksum).
-        mode: Output dedupe (``kjt_layout.OUT_NONE``, ``OUT_EXACT`` or ``OUT_LOOKUP``).
-        codes: The dtype codes word of the metadata.
+        opts: The plan's options (wire and output dedupe, weights, checksum, dtype codes).
     """
 
     keys: Sequence[str]
@@ -473,9 +471,7 @@ class _EncodeCall:
     wire_w: torch.dtype | None
     feat_off: np.ndarray
     want_dedupe: bool
-    config: InputDistConfig
-    mode: int
-    codes: int
+    opts: kjt_layout.PlanOptions
 
 
 class _Packed(NamedTuple):
@@ -534,9 +530,13 @@ def encode_kjt(
         wire_w=wire_w,
         feat_off=feat_off,
         want_dedupe=config.dedupe or output_dedupe is not None,
-        config=config,
-        mode=_OUT_MODES[output_dedupe],
-        codes=_dtype_codes(lengths, values, weights, wire_w, config.checksum),
+        opts=kjt_layout.PlanOptions(
+            dedupe=config.dedupe,
+            mode=_OUT_MODES[output_dedupe],
+            wire_esize=wire_w.itemsize if wire_w is not None else 0,
+            checksum=config.checksum,
+            codes=_dtype_codes(lengths, values, weights, wire_w, config.checksum),
+        ),
     )
     plan, send, _, inverse = pack(call)
     stats_rows = plan.stats.tolist()
@@ -669,11 +669,9 @@ def _pack_numba(call: _EncodeCall) -> _Packed:
         ValueError: If the lengths do not sum to the ids, or a length or an id is negative.
     """
     weights = call.weights.to(call.wire_w) if call.weights is not None else None
-    config = call.config
     out = kjt_host.encode(
-        call.lens, call.ids, weights, call.batch, call.feat_off, call.want_dedupe,
-        config.dedupe, call.mode, config.checksum, call.codes,
-    )  # fmt: skip
+        call.lens, call.ids, weights, call.batch, call.feat_off, call.want_dedupe, call.opts
+    )
     if not isinstance(out, kjt_host.HostEncoded):
         why, stats = out
         if why == kjt_host.BAD_SUM:
@@ -701,12 +699,7 @@ def _pack_torch(call: _EncodeCall) -> _Packed:
     fs = _feature_stats(call.lens, call.ids, len(call.keys), call.batch, call.want_dedupe)
     stats = fs.stats.cpu().numpy()  # the host read of the encoder
     _refuse_negative(call.keys, stats.tolist())
-    esize = call.wire_w.itemsize if call.wire_w is not None else 0
-    config = call.config
-    plan = kjt_layout.plan_encode(
-        stats, call.batch, call.feat_off, config.dedupe, call.mode, esize, config.checksum,
-        call.codes,
-    )  # fmt: skip
+    plan = kjt_layout.plan_encode(stats, call.batch, call.feat_off, call.opts)
     inverse = uniques = None
     if plan.formats[:, [2, 6]].any():  # wire or output dedupe (a lookup feature's too)
         assert fs.ids is not None
@@ -757,7 +750,7 @@ def _pack_words(
         for (at, _, _), f0, f1 in zip(plan.payloads.tolist(), feat_off, feat_off[1:], strict=False):
             ww = _words_of(call.weights[val_off[f0] : val_off[f1]].to(call.wire_w))
             send[at : at + ww.numel()] = ww
-    if call.config.checksum:
+    if call.opts.checksum:
         _write_checksums(send, send_words)
     return send
 

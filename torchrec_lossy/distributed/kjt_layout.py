@@ -48,6 +48,26 @@ BAD_WORDS = 6  # the payload's size is not its layout's
 BAD_CHECKSUM = 7  # its checksum does not match
 BAD_ROWS = 8  # an output-deduplicated feature's distinct bags are not its rows sent back
 
+
+class PlanOptions(NamedTuple):
+    """What an encode's plan depends on besides the KJT's statistics: one record, which the
+    compiled kernels take whole (numba types a named tuple of ints and bools).
+
+    Attributes:
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+        codes: The dtype codes word of the metadata.
+    """
+
+    dedupe: bool
+    mode: int
+    wire_esize: int
+    checksum: bool
+    codes: int
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels (host ints, compiled: the host codec's kernels inline them).
 
@@ -209,15 +229,7 @@ def _layout_payload(
 
 @numba.njit(cache=True, nogil=True)
 def plan_encode_kernel(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    weighted: bool,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
+    stats: np.ndarray, batch: int, feat_off: np.ndarray, opts: PlanOptions
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Plans one rank's payloads from its KJT's statistics (see :func:`plan_encode`).
 
@@ -229,7 +241,8 @@ def plan_encode_kernel(
     """
     num_f = stats.shape[0]
     fmt = np.zeros((num_f, len(FORMAT_COLUMNS)), np.int64)
-    _formats(stats, batch, dedupe, mode, weighted, fmt)
+    wire_esize, checksum, codes = opts.wire_esize, opts.checksum, opts.codes
+    _formats(stats, batch, opts.dedupe, opts.mode, wire_esize > 0, fmt)
     starts = np.zeros((4, num_f + 1), np.int64)
     for f in range(num_f):
         starts[LENGTHS, f + 1] = starts[LENGTHS, f] + batch
@@ -359,14 +372,7 @@ class EncodePlan(NamedTuple):
 
 
 def plan_encode(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
+    stats: np.ndarray, batch: int, feat_off: np.ndarray, opts: PlanOptions
 ) -> EncodePlan:
     """Plans one rank's payloads from its KJT's statistics: each feature's format (wire dedupe
     where it saves bits, the output dedupe's rows), the bit layout and the metadata rows.
@@ -376,18 +382,12 @@ def plan_encode(
             id negative.
         batch: The KJT's stride.
         feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
-        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
-        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
-        wire_esize: Bytes of a weight on the wire (0: unweighted).
-        checksum: The payloads end with a checksum.
-        codes: The dtype codes word of the metadata.
+        opts: Wire and output dedupe, weights, checksum and dtype codes.
 
     Returns:
         The plan.
     """
-    plan = plan_encode_kernel(
-        stats, batch, feat_off, dedupe, mode, wire_esize > 0, wire_esize, checksum, codes
-    )
+    plan = plan_encode_kernel(stats, batch, feat_off, opts)
     return EncodePlan(stats, *plan)
 
 
@@ -476,6 +476,7 @@ __all__ = [
     "UNIQUE",
     "DecodePlan",
     "EncodePlan",
+    "PlanOptions",
     "Refusal",
     "bit_length",
     "plan_decode",
