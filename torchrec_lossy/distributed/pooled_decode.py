@@ -222,7 +222,7 @@ def decode_payloads(
                 # The whole buffer when one peer sent everything (2 ranks): no view to make.
                 payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
                 frames[peer] = call.frame(peer, payload)
-        by_peer = call.decode_codec(frames, recv.new_empty(0), skeletons)
+        by_peer = call.decode_codec(frames, recv, skeletons)
         out = [
             list(self_blocks)
             if self_blocks is not None and peer == my_rank
@@ -320,7 +320,7 @@ class _DecodeCall:
     def decode_codec(
         self,
         frames: dict[int, _Frame],
-        empty: torch.Tensor,
+        recv: torch.Tensor,
         skeletons: dict[int, np.ndarray] | None,
     ) -> dict[int, list[torch.Tensor]]:
         """Decodes every source's codec payload in ONE codec call.
@@ -330,7 +330,8 @@ class _DecodeCall:
 
         Args:
             frames: Per source, its framed payload.
-            empty: An empty uint8 tensor on the payloads' device.
+            recv: The received bytes (an empty buffer is made on their device if no source
+                sent codec blocks).
             skeletons: Per source with codec blocks, its skeleton from the size exchange, or
                 None.
 
@@ -349,7 +350,7 @@ class _DecodeCall:
                 peers[g], f"CodecError: a {sizes[g]}-byte payload is not a whole number of words"
             )
         # One source (2 ranks): its payload as it came, no copy.
-        buffer = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else empty
+        buffer = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else recv.new_empty(0)
         comms = self.info.comms
         decoded, status = decompress_groups(
             buffer,
