@@ -367,7 +367,13 @@ def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
 # The lossless KJT input dist takes only format-level helpers from the codec: the checksum and
 # the host-to-device upload. (Importing them still runs the codec package's __init__, which
 # loads the lossy codec; a leaf format module outside it is the codec refactor's to make.)
-LOSSLESS_INPUT_DIST = ("input_dist.py", "kjt_codec.py", "kjt_host.py", "kjt_layout.py")
+LOSSLESS_INPUT_DIST = (
+    "input_dist.py",
+    "kjt_codec.py",
+    "kjt_host.py",
+    "kjt_layout.py",
+    "kjt_torch.py",
+)
 FORMAT_HELPERS = {
     ("torchrec_lossy.codec.format", "checksum_words"),
     ("torchrec_lossy.codec.container", "segment_checksums"),

@@ -32,13 +32,8 @@ from torchrec_lossy.config import ConfigError, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed import LossyAllToAllError, LossyComms, StaticBounds
 from torchrec_lossy.distributed.dedupe import distinct_bags, first_bags, segment_sort
 from torchrec_lossy.distributed.input_dist import SPLITS, encode_with_telemetry, torchrec_recat
-from torchrec_lossy.distributed.kjt_codec import (
-    decode_kjt,
-    pack_bits,
-    parse_meta,
-    payload_checksums,
-    unpack_bits,
-)
+from torchrec_lossy.distributed.kjt_codec import decode_kjt, parse_meta
+from torchrec_lossy.distributed.kjt_torch import pack_bits, payload_checksums, unpack_bits
 
 KEYS = ["a", "b", "c", "d", "e"]
 

@@ -2,9 +2,10 @@
 
 :mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; for CPU tensors its tensor work runs
 here, where a Python loop over features or tens of small torch ops per call would dominate on
-the input dist's small KJTs. The words and tensors are those of its torch path (the device path
-and the test oracle), and the layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose
-planning kernels compile into the ones here:
+the input dist's small KJTs. The words and tensors are those of the torch backend
+(:mod:`torchrec_lossy.distributed.kjt_torch`: the device path and the test oracle), and the
+layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose planning kernels compile into the
+ones here:
 
 - :func:`encode` (sender): per-feature statistics and each feature's distinct ids in ascending
   order with the inverse index (one radix sort of all ids by (feature, id, position), the order
@@ -639,7 +640,7 @@ def encode(
 ) -> HostEncoded | tuple[int, np.ndarray]:
     """Encodes one rank's KJT in one compiled call: per-feature statistics and distinct ids (one
     radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the plan
-    (``kjt_layout.plan_encode``), and the packing (``kjt_codec.pack_bits`` of every section, the
+    (``kjt_layout.plan_encode``), and the packing (``kjt_torch.pack_bits`` of every section, the
     weights' bytes, the checksums).
 
     Args:
@@ -719,7 +720,7 @@ def decode(
     wire_esize: int,
 ) -> Decoded:
     """Decodes the received payloads in one compiled call: plans them (``kjt_layout.plan_decode``),
-    verifies the checksums, unpacks every section (``kjt_codec.unpack_bits``), completes each
+    verifies the checksums, unpacks every section (``kjt_torch.unpack_bits``), completes each
     feature's ids, and finds the first bag of each distinct bag of the exact output dedupe.
 
     The first bags of features whose ids arrived deduplicated follow ``dedupe.first_bags`` (rows
