@@ -11,7 +11,7 @@ step (the self-send included, as TorchRec's all-to-alls do):
 - output dist (forward pooled embeddings): ``none`` fp32; ``fp16``/``mx4`` TorchRec's qcomm size
   (``calc_quantized_size`` of each (source, destination) chunk, as ``All2All_Pooled_Req``);
   ``lossy`` the codec payloads of
-  ``torchrec_lossy.distributed.pooled_payload.encode_payloads`` at the default bound (relative
+  ``torchrec_lossy.distributed.pooled_payload.start_encode`` at the default bound (relative
   0.03 per table and block), without and with the exact output dedupe (each destination gets
   the pooled row of each distinct id once per table).
 
@@ -62,7 +62,7 @@ from torchrec_lossy.distributed.kjt_codec import decode_kjt, meta_words, parse_m
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
-    encode_payloads,
+    start_encode,
 )
 from torchrec_lossy.traffic import (
     criteo_sample_ids,
@@ -193,7 +193,7 @@ def _output_bytes(
                     sent_rows += r.numel()
                     per_table.append(embedding_rows(f, r, dim, cards[f], 0, model))
                 blocks.append(per_table)
-            payloads = encode_payloads("fwd", blocks, [layout[o]] * world, info, ids.device)
+            payloads = start_encode("fwd", blocks, [layout[o]] * world, info, ids.device).read()
             assert sum(p.numel() for p in payloads) == comms.stats.total("fwd").wire_bytes
             out.setdefault(variant, {"bytes": 0, "rows": 0})
             out[variant]["bytes"] += comms.stats.total("fwd").wire_bytes
@@ -251,7 +251,7 @@ def _backward_bytes(
                     g = g.new_zeros((uniq.numel(), dim)).index_add_(0, inv, g)
                 per_table.append(g)
             blocks.append(per_table)
-        payloads = encode_payloads("bwd", blocks, layout, info, ids.device, d)
+        payloads = start_encode("bwd", blocks, layout, info, ids.device, d).read()
         total += sum(p.numel() for p in payloads)
         err = comms.stats.total("bwd").max_error_over_bound
         assert err <= 1.0, err

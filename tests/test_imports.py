@@ -131,7 +131,8 @@ def test_the_child_reports_a_failing_import() -> None:
 # no import cycles). The lead empties this list when merging that work; do not add to it.
 CODEC_ALLOWLIST: set[tuple[str, str, str]] = set()
 # Third-party private names with no public equivalent: TorchRec's own KJTAllToAllTensorsAwaitable
-# builds its recat with _get_recat, and the lossy awaitable must produce the identical recat.
+# builds its recat with _get_recat, and the lossy awaitable must produce the identical recat
+# (one adapter, input_dist.torchrec_recat, pinned by tests/distributed/test_input_dist.py).
 THIRD_PARTY_ALLOWLIST = {
     ("torchrec_lossy/distributed/input_dist.py", "torchrec.distributed.dist_data", "_get_recat"),
 }
@@ -358,3 +359,39 @@ def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
     del graph["torchrec_lossy.c"], graph["torchrec_lossy.b"]
     graph["torchrec_lossy.a"] = set()
     assert find_cycle(graph) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The lossless input dist and the lossy codec.
+
+# The lossless KJT input dist takes only format-level helpers from the codec: the checksum and
+# the host-to-device upload. (Importing them still runs the codec package's __init__, which
+# loads the lossy codec; a leaf format module outside it is the codec refactor's to make.)
+LOSSLESS_INPUT_DIST = (
+    "input_dist.py",
+    "kjt_codec.py",
+    "kjt_host.py",
+    "kjt_layout.py",
+    "kjt_torch.py",
+)
+FORMAT_HELPERS = {
+    ("torchrec_lossy.codec.format", "checksum_words"),
+    ("torchrec_lossy.codec.container", "segment_checksums"),
+    ("torchrec_lossy.codec.container", "upload"),
+}
+
+
+def test_lossless_input_dist_takes_only_format_helpers_from_the_codec() -> None:
+    found: set[tuple[str, str, str]] = set()
+    for name in LOSSLESS_INPUT_DIST:
+        rel = f"{PACKAGE}/distributed/{name}"
+        for node in ast.walk(ast.parse((ROOT / rel).read_text(), filename=rel)):
+            if isinstance(node, ast.ImportFrom):
+                module = _resolve(rel, node)
+                found |= {(rel, module, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {(rel, a.name, "*") for a in node.names}
+    codec = {f for f in found if f[1] == f"{PACKAGE}.codec" or f[1].startswith(f"{PACKAGE}.codec.")}
+    assert codec, "the scan found no codec import at all: is it still looking at the right files?"
+    extra = sorted(f for f in codec if f[1:] not in FORMAT_HELPERS)
+    assert not extra, f"the lossless input dist imports more than format helpers: {extra}"

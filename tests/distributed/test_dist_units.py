@@ -24,11 +24,11 @@ from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
     abs_bounds,
     cut_block,
-    encode_payloads,
     join_blocks,
+    start_encode,
 )
 from torchrec_lossy.distributed.sharder import check_bound_provider
-from torchrec_lossy.distributed.stats import CONTAINER
+from torchrec_lossy.distributed.stats import CONTAINER, ErrorSample
 
 SPECS = (BlockSpec("a", 0, 2, 4), BlockSpec("b", 8, 1, 6), BlockSpec("c", 14, 3, 2))
 
@@ -76,7 +76,7 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
     x = torch.randn(sum(rows), 20).to(dtype)
     x[0, 0] = float("nan")
     sent = [[cut_block(x, r0, n, 0, s) for s in SPECS] for r0, n in ((0, 5), (5, 3))]
-    payloads = encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device)
+    payloads = start_encode("fwd", sent, [SPECS, SPECS], info, x.device).read()
     recv = torch.cat(payloads)
     got = decode_payloads("fwd", recv, [p.numel() for p in payloads], [SPECS] * 2, rows, info, 0)
     stats = info.comms.stats
@@ -121,7 +121,7 @@ def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None
     blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
 
     def run(info: LossyAll2AllPooledInfo, direction: str = "fwd") -> torch.Tensor:
-        payloads = encode_payloads(direction, blocks, [SPECS], info, x.device)
+        payloads = start_encode(direction, blocks, [SPECS], info, x.device).read()
         got = decode_payloads(direction, payloads[0], [payloads[0].numel()], [SPECS], [64], info, 0)
         return got[0][0]
 
@@ -152,7 +152,7 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
 
     def run(info: LossyAll2AllPooledInfo) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         blocks = [[cut_block(g, 0, 256, 0, s) for s in specs]]
-        payloads = encode_payloads("bwd", blocks, [specs], info, g.device)
+        payloads = start_encode("bwd", blocks, [specs], info, g.device).read()
         got = decode_payloads("bwd", payloads[0], [payloads[0].numel()], [specs], [256], info, 0)
         return blocks[0], got[0]
 
@@ -182,9 +182,9 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
 def test_corrupt_payload_error_names_rank_and_tables() -> None:
     info = _info(LossyCommsConfig(), [SPECS])
     x = torch.randn(4, 20)
-    payload = encode_payloads(
+    payload = start_encode(
         "fwd", [[cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], info, x.device
-    )[0]
+    ).read()[0]
     bad = payload.clone()
     bad[-3] ^= 0x5A
     with pytest.raises(
@@ -194,9 +194,9 @@ def test_corrupt_payload_error_names_rank_and_tables() -> None:
     with pytest.raises(LossyAllToAllError, match="truncated"):
         decode_payloads("fwd", payload[:0], [0], [SPECS], [4], info, 2)
     raw_only = _info(LossyCommsConfig(tables={"*": TableCodecConfig(compress=False)}), [SPECS])
-    raw = encode_payloads(
+    raw = start_encode(
         "fwd", [[cut_block(x, 0, 4, 0, s) for s in SPECS]], [SPECS], raw_only, x.device
-    )[0]
+    ).read()[0]
     with pytest.raises(
         LossyAllToAllError, match="304 bytes received, expected exactly 320 bytes of raw blocks"
     ):
@@ -207,7 +207,7 @@ def test_self_block_skips_codec_and_wire() -> None:
     info = _info(LossyCommsConfig(default_bound=ErrorBound("relative", 0.05)), [SPECS, SPECS])
     x = torch.randn(8, 20)
     sent = [[cut_block(x, r0, 4, 0, s) for s in SPECS] for r0 in (0, 4)]
-    payloads = encode_payloads("fwd", sent, [SPECS, SPECS], info, x.device, my_rank=1)
+    payloads = start_encode("fwd", sent, [SPECS, SPECS], info, x.device, my_rank=1).read()
     assert payloads[1].numel() == 0 and payloads[0].numel() > 0
     stats = info.comms.stats
     nbytes = [sum(b.numel() * b.element_size() for b in bs) for bs in sent]
@@ -227,7 +227,7 @@ def test_one_decode_call_names_the_corrupt_source_rank() -> None:
     info = _info(LossyCommsConfig(), [SPECS] * 3)
     x = torch.randn(12, 20)
     sent = [[cut_block(x, r0, 4, 0, s) for s in SPECS] for r0 in (0, 4, 8)]
-    payloads = encode_payloads("fwd", sent, [SPECS] * 3, info, x.device)
+    payloads = start_encode("fwd", sent, [SPECS] * 3, info, x.device).read()
     bad = [p.clone() for p in payloads]
     bad[1][-3] ^= 0x5A
     sizes = [p.numel() for p in bad]
@@ -245,7 +245,9 @@ def test_stats_batched_records_match_one_by_one() -> None:
     many.record_blocks("input", ["f"], [40], [12])  # errors and bounds default to exact
     for table, error_sum, count in (("a", 0.25, 10), ("b", -1.5, 3), ("a", 0.125, 4)):
         one.record_signed_error("bwd", table, error_sum, count)
-    many.record_signed_errors("bwd", ["a", "b", "a"], [0.25, -1.5, 0.125], [10, 3, 4])
+    many.record_error_samples(
+        "bwd", [ErrorSample("a", 0.25, 10), ErrorSample("b", -1.5, 3), ErrorSample("a", 0.125, 4)]
+    )
     one.record_ids("input", "f", 9, 2)
     one.record_ids("input", "g", 5, 0)
     many.record_id_counts("input", ["f", "g"], [9, 5], [2, 0])

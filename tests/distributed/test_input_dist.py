@@ -6,6 +6,7 @@ of its send buffer); multi-process tests compare with TorchRec's ``KJTAllToAll``
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any
 
@@ -25,18 +26,14 @@ from harness import (
     skewed_batch,
     train_step,
 )
+from torchrec.distributed.dist_data import KJTAllToAllTensorsAwaitable, _get_recat
 
 from torchrec_lossy.config import ConfigError, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed import LossyAllToAllError, LossyComms, StaticBounds
 from torchrec_lossy.distributed.dedupe import distinct_bags, first_bags, segment_sort
-from torchrec_lossy.distributed.input_dist import SPLITS, encode_with_telemetry
-from torchrec_lossy.distributed.kjt_codec import (
-    decode_kjt,
-    pack_bits,
-    parse_meta,
-    payload_checksums,
-    unpack_bits,
-)
+from torchrec_lossy.distributed.input_dist import SPLITS, encode_with_telemetry, torchrec_recat
+from torchrec_lossy.distributed.kjt_codec import decode_kjt, parse_meta
+from torchrec_lossy.distributed.kjt_torch import pack_bits, payload_checksums, unpack_bits
 
 KEYS = ["a", "b", "c", "d", "e"]
 
@@ -476,3 +473,16 @@ def test_sharder_exact_with_and_without_dedupe_and_fewer_bytes_on_skew() -> None
         on, off = r["input_bytes"]["dedupe"], r["input_bytes"]["plain"]
         assert on[1] < off[1], (rank, on, off)  # the skewed step
         assert on[0] <= off[0] and on[2] <= off[2], (rank, on, off)
+
+
+def test_recat_adapter_pins_torchrec() -> None:
+    """``torchrec_recat`` is the one adapter to TorchRec's private ``_get_recat``: this fails
+    when TorchRec renames it, changes its parameters, stops building its awaitable's recat with
+    it, or changes its values."""
+    assert "_get_recat(" in inspect.getsource(KJTAllToAllTensorsAwaitable.__init__)
+    params = list(inspect.signature(_get_recat).parameters)
+    assert params == ["local_split", "num_splits", "stagger", "device", "batch_size_per_rank"]
+    cpu = torch.device("cpu")
+    assert torchrec_recat([2, 2, 2], 0, cpu, [2, 2, 2]).tolist() == [0, 2, 4, 1, 3, 5]
+    got = torchrec_recat([2, 2, 2], 1, cpu, [1, 2, 3]).tolist()
+    assert got == [0, 2, 3, 6, 7, 8, 1, 4, 5, 9, 10, 11]

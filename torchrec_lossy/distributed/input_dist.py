@@ -154,6 +154,35 @@ def record_encode(
 # Awaitables and modules.
 
 
+def torchrec_recat(
+    splits: list[int], rank: int, device: torch.device, stride_per_rank: list[int]
+) -> torch.Tensor | None:
+    """The recat TorchRec's ``KJTAllToAllTensorsAwaitable`` gives its KJT (stagger 1).
+
+    The one adapter to TorchRec's private ``_get_recat`` (TorchRec has no public way to build
+    it, and the lossy KJT must carry TorchRec's recat exactly). ``tests/distributed/
+    test_input_dist.py`` pins its signature, TorchRec's own use of it and its values, so a
+    TorchRec change fails there rather than in training.
+
+    Args:
+        splits: Features per destination rank (TorchRec's ``splits``).
+        rank: This rank.
+        device: Where the recat lives.
+        stride_per_rank: Batch size of every source rank.
+
+    Returns:
+        The int32 permutation from source-major to feature-major order, or None when there is
+        nothing to permute.
+    """
+    return _get_recat(
+        local_split=splits[rank],
+        num_splits=len(splits),
+        stagger=1,
+        device=device,
+        batch_size_per_rank=stride_per_rank,
+    )
+
+
 @dataclass
 class PayloadExchange:
     """The packed payload all-to-all in flight.
@@ -218,13 +247,7 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         super().__init__()
         self._pg = pg
         self._keys = keys
-        self._recat = _get_recat(
-            local_split=splits[pg.rank()],
-            num_splits=len(splits),
-            stagger=1,
-            device=exchange.recv.device,
-            batch_size_per_rank=stride_per_rank,
-        )
+        self._recat = torchrec_recat(splits, pg.rank(), exchange.recv.device, stride_per_rank)
         self._exchange = exchange
         self._metas_per_src = metas_per_src
         self._stride_per_rank = stride_per_rank

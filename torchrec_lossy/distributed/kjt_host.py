@@ -2,9 +2,10 @@
 
 :mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; for CPU tensors its tensor work runs
 here, where a Python loop over features or tens of small torch ops per call would dominate on
-the input dist's small KJTs. The words and tensors are those of its torch path (the device path
-and the test oracle), and the layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose
-planning kernels compile into the ones here:
+the input dist's small KJTs. The words and tensors are those of the torch backend
+(:mod:`torchrec_lossy.distributed.kjt_torch`: the device path and the test oracle), and the
+layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose planning kernels compile into the
+ones here:
 
 - :func:`encode` (sender): per-feature statistics and each feature's distinct ids in ascending
   order with the inverse index (one radix sort of all ids by (feature, id, position), the order
@@ -34,6 +35,7 @@ from torchrec_lossy.distributed.kjt_layout import (
     LENGTHS,
     UNIQUE,
     EncodePlan,
+    PlanOptions,
     Refusal,
     bit_length,
     plan_decode_kernel,
@@ -473,12 +475,7 @@ def _encode_kernel(
     batch: int,
     feat_off: np.ndarray,
     want_dedupe: bool,
-    dedupe: bool,
-    mode: int,
-    weighted: bool,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
+    opts: PlanOptions,
 ) -> tuple:
     """:func:`_stats_kernel`, ``kjt_layout.plan_encode_kernel`` and :func:`_pack_kernel` in one
     call (see :func:`encode`).
@@ -501,11 +498,12 @@ def _encode_kernel(
         e2, e1 = np.zeros((0, 0), np.int64), np.zeros(0, np.int64)
         return status, stats, uniques, inverse, e2, e2, e2, e1, e1, e2, np.zeros(0, np.uint32)
     fmt, sections, payloads, feature_bytes, meta, starts = plan_encode_kernel(
-        stats, batch, feat_off, dedupe, mode, weighted, wire_esize, checksum, codes
+        stats, batch, feat_off, opts
     )
+    wire_esize = opts.wire_esize
     ends = np.cumsum(payloads[:, 2])
     out = np.zeros(ends[-1] if ends.shape[0] else 0, np.uint32)
-    slots = np.empty((payloads.shape[0] if weighted else 0, 3), np.int64)
+    slots = np.empty((payloads.shape[0] if wire_esize > 0 else 0, 3), np.int64)
     for p in range(slots.shape[0]):
         first, last = starts[IDS, feat_off[p]], starts[IDS, feat_off[p + 1]]
         slots[p] = (
@@ -515,7 +513,7 @@ def _encode_kernel(
         )
     _pack_kernel(
         out, sections, starts, lengths, values, uniques[:num_unique], inverse, weight_bytes,
-        slots, ends, checksum,
+        slots, ends, opts.checksum,
     )  # fmt: skip
     return (
         status, stats, uniques[:num_unique], inverse, fmt, sections, payloads, feature_bytes,
@@ -638,14 +636,11 @@ def encode(
     batch: int,
     feat_off: np.ndarray,
     want_dedupe: bool,
-    dedupe: bool,
-    mode: int,
-    checksum: bool,
-    codes: int,
+    opts: PlanOptions,
 ) -> HostEncoded | tuple[int, np.ndarray]:
     """Encodes one rank's KJT in one compiled call: per-feature statistics and distinct ids (one
     radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the plan
-    (``kjt_layout.plan_encode``), and the packing (``kjt_codec.pack_bits`` of every section, the
+    (``kjt_layout.plan_encode``), and the packing (``kjt_torch.pack_bits`` of every section, the
     weights' bytes, the checksums).
 
     Args:
@@ -655,17 +650,16 @@ def encode(
         batch: Its stride.
         feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
         want_dedupe: Find each feature's distinct ids (wire or output dedupe).
-        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
-        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
-        checksum: End the payloads with a checksum.
-        codes: The dtype codes word of the metadata.
+        opts: The plan's options (``opts.wire_esize`` must be the weights' element size, 0
+            when unweighted).
 
     Returns:
         The encoding, or (:data:`BAD_SUM` or :data:`BAD_NEGATIVE`, the statistics) if the
         lengths do not sum to the ids or one of them is negative.
 
     Raises:
-        ValueError: If the lengths are not ``F * batch``.
+        ValueError: If the lengths are not ``F * batch``, or the weights' element size is not
+            ``opts.wire_esize``.
     """
     # Contiguous: a strided array would make numba compile another specialization.
     lens, ids = lengths.contiguous().numpy(), values.contiguous().numpy()
@@ -675,15 +669,16 @@ def encode(
             f"lossy input dist: the KJT has {lens.shape[0]} lengths for {num_f} features "
             f"of stride {batch}; pass a KJT with one length per feature and sample"
         )
+    esize = 0 if weights is None else weights.element_size()
+    if esize != opts.wire_esize:
+        raise ValueError(f"weights of {esize} bytes, the plan's options say {opts.wire_esize}")
     if weights is None:
-        w_bytes, esize = np.zeros(0, np.uint8), 0
+        w_bytes = np.zeros(0, np.uint8)
     else:
         w_bytes = weights.contiguous().view(-1).view(torch.uint8).numpy()
-        esize = weights.element_size()
     status, stats, uniques, inverse, *plan, out = _encode_kernel(
-        lens, ids, w_bytes, batch, feat_off, want_dedupe, dedupe, mode, weights is not None,
-        esize, checksum, codes,
-    )  # fmt: skip
+        lens, ids, w_bytes, batch, feat_off, want_dedupe, opts
+    )
     if status:
         return status, stats
     return HostEncoded(
@@ -725,7 +720,7 @@ def decode(
     wire_esize: int,
 ) -> Decoded:
     """Decodes the received payloads in one compiled call: plans them (``kjt_layout.plan_decode``),
-    verifies the checksums, unpacks every section (``kjt_codec.unpack_bits``), completes each
+    verifies the checksums, unpacks every section (``kjt_torch.unpack_bits``), completes each
     feature's ids, and finds the first bag of each distinct bag of the exact output dedupe.
 
     The first bags of features whose ids arrived deduplicated follow ``dedupe.first_bags`` (rows

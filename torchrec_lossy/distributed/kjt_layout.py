@@ -1,9 +1,11 @@
 """The KJT codec's layout, shared by both backends: each feature's format, the bit layout of
-every payload, and the metadata rows.
+every payload, the metadata rows, and the records a call hands a backend.
 
-:mod:`torchrec_lossy.distributed.kjt_codec` (the torch path) and
-:mod:`torchrec_lossy.distributed.kjt_host` (the compiled CPU path, whose kernels inline the ones
-here) lay out a payload alike from this module only:
+:mod:`torchrec_lossy.distributed.kjt_torch` (the torch backend) and
+:mod:`torchrec_lossy.distributed.kjt_host` (the compiled CPU backend, whose kernels inline the
+ones here) lay out a payload alike from this module only, and take and give the same records
+(:class:`EncodeCall` / :class:`Packed`, :class:`DecodeCall` / :class:`Unpacked`), which
+:mod:`torchrec_lossy.distributed.kjt_codec` builds once per call:
 
 - :func:`plan_encode` (sender): each feature's format from its statistics (wire dedupe where it
   saves bits, the output dedupe's rows), the bit layout of every payload, the metadata rows.
@@ -18,10 +20,13 @@ on host ints; it is compiled so that a host encode or decode stays one numba cal
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, NoReturn, Protocol
 
 import numba
 import numpy as np
+import torch
 
 # A section's field: what it reads (encode) or writes (decode).
 LENGTHS = 0  # bag lengths
@@ -47,6 +52,26 @@ BAD_COUNT = 5  # a negative id count
 BAD_WORDS = 6  # the payload's size is not its layout's
 BAD_CHECKSUM = 7  # its checksum does not match
 BAD_ROWS = 8  # an output-deduplicated feature's distinct bags are not its rows sent back
+
+
+class PlanOptions(NamedTuple):
+    """What an encode's plan depends on besides the KJT's statistics: one record, which the
+    compiled kernels take whole (numba types a named tuple of ints and bools).
+
+    Attributes:
+        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
+        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
+        wire_esize: Bytes of a weight on the wire (0: unweighted).
+        checksum: The payloads end with a checksum.
+        codes: The dtype codes word of the metadata.
+    """
+
+    dedupe: bool
+    mode: int
+    wire_esize: int
+    checksum: bool
+    codes: int
+
 
 # ---------------------------------------------------------------------------------------------
 # Kernels (host ints, compiled: the host codec's kernels inline them).
@@ -209,15 +234,7 @@ def _layout_payload(
 
 @numba.njit(cache=True, nogil=True)
 def plan_encode_kernel(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    weighted: bool,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
+    stats: np.ndarray, batch: int, feat_off: np.ndarray, opts: PlanOptions
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Plans one rank's payloads from its KJT's statistics (see :func:`plan_encode`).
 
@@ -229,7 +246,8 @@ def plan_encode_kernel(
     """
     num_f = stats.shape[0]
     fmt = np.zeros((num_f, len(FORMAT_COLUMNS)), np.int64)
-    _formats(stats, batch, dedupe, mode, weighted, fmt)
+    wire_esize, checksum, codes = opts.wire_esize, opts.checksum, opts.codes
+    _formats(stats, batch, opts.dedupe, opts.mode, wire_esize > 0, fmt)
     starts = np.zeros((4, num_f + 1), np.int64)
     for f in range(num_f):
         starts[LENGTHS, f + 1] = starts[LENGTHS, f] + batch
@@ -359,14 +377,7 @@ class EncodePlan(NamedTuple):
 
 
 def plan_encode(
-    stats: np.ndarray,
-    batch: int,
-    feat_off: np.ndarray,
-    dedupe: bool,
-    mode: int,
-    wire_esize: int,
-    checksum: bool,
-    codes: int,
+    stats: np.ndarray, batch: int, feat_off: np.ndarray, opts: PlanOptions
 ) -> EncodePlan:
     """Plans one rank's payloads from its KJT's statistics: each feature's format (wire dedupe
     where it saves bits, the output dedupe's rows), the bit layout and the metadata rows.
@@ -376,18 +387,12 @@ def plan_encode(
             id negative.
         batch: The KJT's stride.
         feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
-        dedupe: Wire dedupe (``InputDistConfig.dedupe``).
-        mode: Output dedupe: :data:`OUT_NONE`, :data:`OUT_EXACT` or :data:`OUT_LOOKUP`.
-        wire_esize: Bytes of a weight on the wire (0: unweighted).
-        checksum: The payloads end with a checksum.
-        codes: The dtype codes word of the metadata.
+        opts: Wire and output dedupe, weights, checksum and dtype codes.
 
     Returns:
         The plan.
     """
-    plan = plan_encode_kernel(
-        stats, batch, feat_off, dedupe, mode, wire_esize > 0, wire_esize, checksum, codes
-    )
+    plan = plan_encode_kernel(stats, batch, feat_off, opts)
     return EncodePlan(stats, *plan)
 
 
@@ -409,6 +414,27 @@ class Refusal(NamedTuple):
     why: int
     a: int
     b: int
+
+    def message(self) -> str:
+        """What is wrong with the refused payload, in words (for the decode's error).
+
+        Returns:
+            The reason, with ``a`` and ``b`` filled in.
+        """
+        return _WHY[self.why].format(a=self.a, b=self.b)
+
+
+# Why a payload was refused (Refusal's reasons), given its ``a`` and ``b``.
+_WHY: dict[int, str] = {
+    BAD_LOOKUP: "{a} distinct single-hot ids for a batch of {b}",
+    BAD_BITS: "{a}-bit fields (at most 64)",
+    BAD_COUNT: "a negative batch size or id count",
+    BAD_WORDS: "{a} words received, {b} expected",
+    BAD_CHECKSUM: "its checksum does not match (corrupted in transit)",
+    BAD_LENGTHS: "feature {a} of the payload: its lengths do not sum to its ids",
+    BAD_INVERSE: ("feature {a} of the payload: its inverse index points past its distinct ids"),
+    BAD_ROWS: "{a} distinct bags in a deduplicated feature, {b} sent",
+}
 
 
 class DecodePlan(NamedTuple):
@@ -455,6 +481,176 @@ def plan_decode(
     return DecodePlan(Refusal(*refusal.tolist()), sections, payloads)
 
 
+# ---------------------------------------------------------------------------------------------
+# The records both backends share: a feature's format, an encode's and a decode's call.
+
+
+class FeatureMeta(NamedTuple):
+    """What the receiver needs to unpack one feature from one source.
+
+    A named tuple (its fields are :data:`FORMAT_COLUMNS`): the codec passes every
+    feature's format to its compiled planner as one array, ``np.array`` of these tuples.
+
+    Attributes:
+        len_bits: Bits per length.
+        id_bits: Bits per id (of the distinct ids when deduplicated).
+        dedupe: Ids travel as distinct ids plus an inverse index.
+        num_ids: Ids (values) of the feature as the receiver gets them.
+        num_unique: Distinct ids (0 when not deduplicated).
+        lookup: Cross-side dedupe of a single-hot feature: only the distinct ids travel (the
+            inverse index stays with the sender) and the receiver gets ``num_unique`` bags of
+            one id followed by empty bags (see ``dedupe.OutputDedupe``).
+        out_rows: Exact output dedupe (0: off): the feature's bags hold at most one id and no
+            weights, and the owner sends back only the first bag of each of these many distinct
+            bags (ids, and one empty bag if any); the KJT itself travels whole.
+    """
+
+    len_bits: int
+    id_bits: int
+    dedupe: bool
+    num_ids: int
+    num_unique: int
+    lookup: bool = False
+    out_rows: int = 0
+
+    @staticmethod
+    def from_words(w: Sequence[int]) -> FeatureMeta:
+        """A feature's format from its three metadata words (as :func:`plan_encode_kernel`
+        writes them: widths and flags, ids, distinct ids)."""
+        return FeatureMeta(
+            w[0] & 0xFF,
+            (w[0] >> 8) & 0xFF,
+            bool(w[0] >> 16 & 1),
+            w[1],
+            w[2],
+            bool(w[0] >> 17 & 1),
+            w[0] >> 32,
+        )
+
+
+@dataclass(frozen=True)
+class EncodeCall:
+    """One ``kjt_codec.encode_kjt`` call's input, as either backend takes it.
+
+    Attributes:
+        keys: The KJT's keys.
+        batch: Its stride.
+        lens: Its lengths as int64.
+        ids: Its ids as int64.
+        weights: Its weights (None: unweighted).
+        wire_w: Their dtype on the wire (None: unweighted).
+        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
+        want_dedupe: Find each feature's distinct ids (wire or output dedupe).
+        opts: The plan's options (wire and output dedupe, weights, checksum, dtype codes).
+    """
+
+    keys: Sequence[str]
+    batch: int
+    lens: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor | None
+    wire_w: torch.dtype | None
+    feat_off: np.ndarray
+    want_dedupe: bool
+    opts: PlanOptions
+
+    def check_signs(self, stats: Sequence[Sequence[int]]) -> None:
+        """Raises for the first feature with a negative length or id.
+
+        Args:
+            stats: Per feature its statistics (length sum, max, min; id max, min; ...).
+
+        Raises:
+            ValueError: If a length or an id is negative.
+        """
+        for key, st in zip(self.keys, stats, strict=True):
+            if st[2] < 0 or st[4] < 0:
+                raise ValueError(
+                    f"lossy input dist: feature {key!r} has a negative "
+                    f"{'length' if st[2] < 0 else 'id'}; KJT lengths and ids must be >= 0"
+                )
+
+
+class Packed(NamedTuple):
+    """What a backend's encode gives ``kjt_codec.encode_kjt``.
+
+    Attributes:
+        plan: The payloads' plan (:func:`plan_encode`).
+        send: int32 words of all payloads.
+        uniques: Every feature's distinct ids (None if no feature needed them).
+        inverse: Per id, the index of its distinct id in its feature (idem).
+    """
+
+    plan: EncodePlan
+    send: torch.Tensor
+    uniques: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+
+class Fail(Protocol):
+    """Raises ``kjt_codec.decode_kjt``'s error for a source's payload."""
+
+    def __call__(self, src: int, why: str) -> NoReturn: ...
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One ``kjt_codec.decode_kjt`` call's input, as either backend takes it.
+
+    Attributes:
+        recv: int32 words: every source's payload, back to back in source order.
+        recv_words: Words from each source.
+        metas_per_src: Per source, per received feature, its format.
+        batch_per_src: Batch size of every source.
+        formats: int64 ``[F, 7]``: the same formats, sources in order
+            (:data:`FORMAT_COLUMNS`).
+        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
+        esize: Bytes of a weight on the wire (0: unweighted).
+        trailer: The payloads end with a checksum.
+        fail: Raises the decode's error for a source.
+    """
+
+    recv: torch.Tensor
+    recv_words: Sequence[int]
+    metas_per_src: Sequence[Sequence[FeatureMeta]]
+    batch_per_src: Sequence[int]
+    formats: np.ndarray
+    feat_off: np.ndarray
+    esize: int
+    trailer: bool
+    fail: Fail
+
+    def no_selects(self) -> list[list[torch.Tensor | None]]:
+        """Per source, per feature, None: the bag selection before the output dedupe's."""
+        return [[None] * len(m) for m in self.metas_per_src]
+
+    def refuse(self, refusal: Refusal) -> None:
+        """Raises the decode's error for a refused payload (nothing if none was).
+
+        Args:
+            refusal: The planner's or a backend's verdict.
+        """
+        if refusal.source >= 0:
+            self.fail(refusal.source, refusal.message())
+
+
+class Unpacked(NamedTuple):
+    """What a backend's decode gives ``kjt_codec.decode_kjt``.
+
+    Attributes:
+        lengths: int64 bag lengths of every source's features.
+        values: int64 ids of them.
+        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+        selects: Per source, per feature, the first bags of the exact output dedupe (None
+            where not deduplicated).
+    """
+
+    lengths: torch.Tensor
+    values: torch.Tensor
+    payloads: np.ndarray
+    selects: list[list[torch.Tensor | None]]
+
+
 __all__ = [
     "BAD_BITS",
     "BAD_CHECKSUM",
@@ -474,9 +670,16 @@ __all__ = [
     "PAYLOAD_COLUMNS",
     "SECTION_COLUMNS",
     "UNIQUE",
+    "DecodeCall",
     "DecodePlan",
+    "EncodeCall",
     "EncodePlan",
+    "Fail",
+    "FeatureMeta",
+    "Packed",
+    "PlanOptions",
     "Refusal",
+    "Unpacked",
     "bit_length",
     "plan_decode",
     "plan_decode_kernel",

@@ -198,135 +198,250 @@ def decode_payloads(
     Raises:
         LossyAllToAllError: A payload does not decode into the expected blocks.
     """
-    comms = info.comms
-    dtype = info.dtype
-    elem = dtype.itemsize
-    compress = info.compress
-    n_peers = len(recv_sizes)
-    offsets = list(itertools.accumulate(recv_sizes, initial=0))
     rows_per_peer = [
         [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
         for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
     ]
-    coded_per_peer = [
-        (False,) * len(specs) if peer in info.raw_peers else _coded_flags(specs, compress)
-        for peer, specs in enumerate(specs_per_peer)
-    ]
+    call = _DecodeCall(
+        direction=direction,
+        specs_per_peer=specs_per_peer,
+        rows_per_peer=rows_per_peer,
+        coded_per_peer=[
+            (False,) * len(specs) if peer in info.raw_peers else _coded_flags(specs, info.compress)
+            for peer, specs in enumerate(specs_per_peer)
+        ],
+        info=info,
+        my_rank=my_rank,
+    )
     start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
-        payloads: dict[int, torch.Tensor] = {}
-        raw_lens: dict[int, int] = {}
-        codec_parts: list[torch.Tensor] = []
-        codec_peers: list[int] = []
+        offsets = list(itertools.accumulate(recv_sizes, initial=0))
+        frames: dict[int, _Frame] = {}
         for peer, size in enumerate(recv_sizes):
-            if self_blocks is not None and peer == my_rank:
-                continue
-            specs, rows, coded = specs_per_peer[peer], rows_per_peer[peer], coded_per_peer[peer]
-            # The whole buffer when one peer sent everything (2 ranks): no view to make.
-            payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
-            if comms.payload_hook is not None:
-                payload = comms.payload_hook(direction, peer, payload)
-            # Raw blocks then start 16-byte aligned.
-            payload = _aligned(payload)
-            payloads[peer] = payload
-            n_coded = sum(coded)
-            raw_len = 0
-            if n_coded < len(specs):
-                for s, br, c in zip(specs, rows, coded, strict=True):
-                    if not c:
-                        raw_len += padded_size(br * s.dim * elem)
-            raw_lens[peer] = raw_len
-            size = payload.numel()
-            if n_coded == 0 and size != raw_len:
-                _fail(
-                    direction,
-                    my_rank,
-                    peer,
-                    specs,
-                    f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks",
-                )
-            if size < raw_len:
-                _fail(
-                    direction,
-                    my_rank,
-                    peer,
-                    specs,
-                    f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks",
-                )
-            if n_coded:
-                codec_parts.append(payload[raw_len:] if raw_len else payload)
-                codec_peers.append(peer)
-        sizes = [p.numel() for p in codec_parts]
-        if codec_parts and sum(sizes) % 4:
-            g = next(i for i, n in enumerate(sizes) if n % 4)
-            peer = codec_peers[g]
-            _fail(
-                direction,
-                my_rank,
-                peer,
-                specs_per_peer[peer],
-                f"CodecError: a {sizes[g]}-byte payload is not a whole number of words",
+            if self_blocks is None or peer != my_rank:
+                # The whole buffer when one peer sent everything (2 ranks): no view to make.
+                payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
+                frames[peer] = call.frame(peer, payload)
+        by_peer = call.decode_codec(frames, recv, skeletons)
+        out = [
+            list(self_blocks)
+            if self_blocks is not None and peer == my_rank
+            else call.split(peer, frames[peer].payload, by_peer.get(peer, []))
+            for peer in range(len(recv_sizes))
+        ]
+    # The call's time, shared among every source's tables by their bytes (one record).
+    shares: dict[str, int] = {}
+    for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
+        for s, br in zip(specs, rows, strict=True):
+            shares[s.table] = shares.get(s.table, 0) + br * s.dim * info.dtype.itemsize
+    info.comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+    return out
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One source's payload, framed.
+
+    Attributes:
+        payload: Its bytes (16-byte aligned: its raw blocks first).
+        raw_len: Bytes of its raw blocks (padded).
+        codec: Its codec payload, or None if it has no codec blocks.
+    """
+
+    payload: torch.Tensor
+    raw_len: int
+    codec: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _DecodeCall:
+    """The layout of one :func:`decode_payloads` call, and its steps per source.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        specs_per_peer: Per source, the specs of its blocks.
+        rows_per_peer: Per source, the rows of each block.
+        coded_per_peer: Per source, whether each block went through the codec.
+        info: Layout, dtype and comms state.
+        my_rank: This rank.
+    """
+
+    direction: Direction
+    specs_per_peer: Sequence[Sequence[BlockSpec]]
+    rows_per_peer: list[list[int]]
+    coded_per_peer: list[tuple[bool, ...]]
+    info: LossyAll2AllPooledInfo
+    my_rank: int
+
+    def fail(self, peer: int, why: str) -> NoReturn:
+        """Raises :class:`LossyAllToAllError` for ``peer``'s payload.
+
+        Args:
+            peer: The source rank.
+            why: What is wrong.
+        """
+        _fail(self.direction, self.my_rank, peer, self.specs_per_peer[peer], why)
+
+    def frame(self, peer: int, payload: torch.Tensor) -> _Frame:
+        """Shows ``peer``'s payload to the payload hook, aligns it and checks its raw part.
+
+        Args:
+            peer: The source rank.
+            payload: Its received bytes.
+
+        Returns:
+            The framed payload.
+
+        Raises:
+            LossyAllToAllError: The payload is shorter than its raw blocks, or has bytes past
+                them although it carries no codec block.
+        """
+        hook = self.info.comms.payload_hook
+        if hook is not None:
+            payload = hook(self.direction, peer, payload)
+        payload = _aligned(payload)  # raw blocks then start 16-byte aligned
+        specs, coded = self.specs_per_peer[peer], self.coded_per_peer[peer]
+        elem = self.info.dtype.itemsize
+        raw_len = sum(
+            padded_size(br * s.dim * elem)
+            for s, br, c in zip(specs, self.rows_per_peer[peer], coded, strict=True)
+            if not c
+        )
+        size = payload.numel()
+        if not any(coded) and size != raw_len:
+            self.fail(
+                peer, f"{size} bytes received, expected exactly {raw_len} bytes of raw blocks"
             )
-        if len(codec_parts) == 1:  # one source (2 ranks): its payload as it came, no copy
-            buffer = codec_parts[0]
-        else:
-            buffer = torch.cat(codec_parts) if codec_parts else recv.new_empty(0)
+        if size < raw_len:
+            self.fail(peer, f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks")
+        codec = (payload[raw_len:] if raw_len else payload) if any(coded) else None
+        return _Frame(payload, raw_len, codec)
+
+    def decode_codec(
+        self,
+        frames: dict[int, _Frame],
+        recv: torch.Tensor,
+        skeletons: dict[int, np.ndarray] | None,
+    ) -> dict[int, list[torch.Tensor]]:
+        """Decodes every source's codec payload in ONE codec call.
+
+        A host-known failure raises at once; a device decode's status is kept for a later host
+        read (:class:`DeferredDecode`), its failed sources' blocks zeroed meanwhile.
+
+        Args:
+            frames: Per source, its framed payload.
+            recv: The received bytes (an empty buffer is made on their device if no source
+                sent codec blocks).
+            skeletons: Per source with codec blocks, its skeleton from the size exchange, or
+                None.
+
+        Returns:
+            Per source with codec blocks, its decoded blocks in spec order.
+
+        Raises:
+            LossyAllToAllError: A payload is not whole words, or failed to decode (host path).
+        """
+        coded = [(p, f.codec) for p, f in frames.items() if f.codec is not None]
+        peers, parts = [p for p, _ in coded], [c for _, c in coded]
+        sizes = [c.numel() for c in parts]
+        if sum(sizes) % 4:
+            g = next(i for i, n in enumerate(sizes) if n % 4)
+            self.fail(
+                peers[g], f"CodecError: a {sizes[g]}-byte payload is not a whole number of words"
+            )
+        # One source (2 ranks): its payload as it came, no copy.
+        buffer = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else recv.new_empty(0)
+        comms = self.info.comms
         decoded, status = decompress_groups(
             buffer,
             sizes,
             backend=comms.config.codec.backend,
-            skeletons=None if skeletons is None else [skeletons[p] for p in codec_peers],
+            skeletons=None if skeletons is None else [skeletons[p] for p in peers],
             label=False,  # inside this call's own range
         )
         flags = contain_failures(status)  # device path: failed groups zeroed, status kept
         if flags is None or status.rejected:
             failure = first_failure(status)  # host-known errors: no read on the host path
             if failure is not None:
-                peer = codec_peers[failure[0]]
-                _fail(direction, my_rank, peer, specs_per_peer[peer], f"CodecError: {failure[1]}")
+                self.fail(peers[failure[0]], f"CodecError: {failure[1]}")
         else:
-            for g, peer in enumerate(codec_peers):
-                if raw_lens[peer]:  # the raw blocks of a failed peer are zeroed with its codec ones
-                    payloads[peer][: raw_lens[peer]].masked_fill_(flags[g] != 0, 0)
+            for g, peer in enumerate(peers):
+                raw_len = frames[peer].raw_len
+                if raw_len:  # the raw blocks of a failed peer are zeroed with its codec ones
+                    frames[peer].payload[:raw_len].masked_fill_(flags[g] != 0, 0)
             comms.deferred.append(
                 DeferredDecode(
-                    direction,
-                    my_rank,
-                    comms.calls.get(direction, 1) - 1,
+                    self.direction,
+                    self.my_rank,
+                    comms.calls.get(self.direction, 1) - 1,
                     comms.steps,
-                    codec_peers,
-                    specs_per_peer,
+                    peers,
+                    self.specs_per_peer,
                     status,
                     flags,
                 )
             )
-        by_peer = dict(zip(codec_peers, decoded, strict=True))
-        out: list[list[torch.Tensor]] = []
-        for peer in range(n_peers):
-            if self_blocks is not None and peer == my_rank:
-                out.append(list(self_blocks))
-                continue
-            out.append(
-                _split_peer(
-                    direction,
-                    payloads[peer],
-                    by_peer.get(peer, []),
-                    peer,
-                    specs_per_peer[peer],
-                    rows_per_peer[peer],
-                    coded_per_peer[peer],
-                    info,
-                    my_rank,
-                )
-            )
-    spent = time.perf_counter() - start
-    # The call's time, shared among every source's tables by their bytes (one record).
-    shares: dict[str, int] = {}
-    for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
-        for s, br in zip(specs, rows, strict=True):
-            shares[s.table] = shares.get(s.table, 0) + br * s.dim * elem
-    comms.stats.record_time(direction, "decode", shares, spent)
-    return out
+        return dict(zip(peers, decoded, strict=True))
+
+    def split(
+        self, peer: int, payload: torch.Tensor, decoded: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """One source's blocks in spec order: raw ones from its payload, coded ones decoded.
+
+        Args:
+            peer: The source rank.
+            payload: Its payload (its raw blocks first).
+            decoded: Its coded blocks, decoded, in spec order.
+
+        Returns:
+            Its blocks, in spec order.
+
+        Raises:
+            LossyAllToAllError: A decoded block's count, shape or dtype is not the layout's.
+        """
+        specs, block_rows = self.specs_per_peer[peer], self.rows_per_peer[peer]
+        coded_flags, dtype = self.coded_per_peer[peer], self.info.dtype
+        n_coded = sum(coded_flags)
+        if len(decoded) != n_coded:
+            self.fail(peer, f"{len(decoded)} blocks decoded, {n_coded} expected")
+        if n_coded == len(specs):  # no raw block (the usual payload): check and pass them on
+            for s, br, b in zip(specs, block_rows, decoded, strict=True):
+                if b.shape != (br, s.dim) or b.dtype != dtype:
+                    self._bad_block(peer, s, b, (br, s.dim))
+            return decoded
+        blocks: list[torch.Tensor] = []
+        coded = iter(decoded)
+        raw_at = 0
+        for s, br, is_coded in zip(specs, block_rows, coded_flags, strict=True):
+            shape = (br, s.dim)
+            if is_coded:
+                b = next(coded)
+                if b.shape != shape or b.dtype != dtype:
+                    self._bad_block(peer, s, b, shape)
+            else:
+                n = shape[0] * shape[1] * dtype.itemsize
+                b = payload[raw_at : raw_at + n].view(dtype).view(shape)
+                raw_at += padded_size(n)
+            blocks.append(b)
+        return blocks
+
+    def _bad_block(
+        self, peer: int, spec: BlockSpec, block: torch.Tensor, shape: tuple[int, int]
+    ) -> NoReturn:
+        """Raises :class:`LossyAllToAllError`: ``block`` of ``spec`` is not ``shape`` and the
+        call's dtype.
+
+        Args:
+            peer: The source rank.
+            spec: The block's spec.
+            block: The decoded block.
+            shape: The layout's shape for it.
+        """
+        self.fail(
+            peer,
+            f"table {spec.table}: block {tuple(block.shape)} {block.dtype}, "
+            f"expected {shape} {self.info.dtype}",
+        )
 
 
 # Compress flags per table shard, by layout.
@@ -345,81 +460,6 @@ def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple
         One flag per spec.
     """
     return _CODED.get((specs, compress), compress, lambda: tuple(compress[s.table] for s in specs))
-
-
-def _split_peer(
-    direction: Direction,
-    payload: torch.Tensor,
-    decoded: list[torch.Tensor],
-    peer: int,
-    specs: Sequence[BlockSpec],
-    block_rows: Sequence[int],
-    coded_flags: Sequence[bool],
-    info: LossyAll2AllPooledInfo,
-    my_rank: int,
-) -> list[torch.Tensor]:
-    """One peer's blocks in spec order: raw ones from its payload, coded ones decoded.
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        payload: The peer's payload (its raw blocks first).
-        decoded: Its coded blocks, decoded, in spec order.
-        peer: Its rank.
-        specs: The specs of its blocks.
-        block_rows: Rows of each block.
-        coded_flags: Whether each block went through the codec.
-        info: Dtype.
-        my_rank: This rank.
-
-    Returns:
-        Its blocks, in spec order.
-
-    Raises:
-        LossyAllToAllError: A decoded block's count, shape or dtype is not the layout's.
-    """
-    dtype = info.dtype
-    n_coded = sum(coded_flags)
-    if len(decoded) != n_coded:
-        _fail(direction, my_rank, peer, specs, f"{len(decoded)} blocks decoded, {n_coded} expected")
-    if n_coded == len(specs):  # no raw block (the usual payload): check and pass them on
-        for s, br, b in zip(specs, block_rows, decoded, strict=True):
-            if b.shape != (br, s.dim) or b.dtype != dtype:
-                _bad_block(direction, my_rank, peer, specs, s, b, (br, s.dim), dtype)
-        return decoded
-    blocks: list[torch.Tensor] = []
-    coded = iter(decoded)
-    raw_at = 0
-    for s, br, is_coded in zip(specs, block_rows, coded_flags, strict=True):
-        shape = (br, s.dim)
-        if is_coded:
-            b = next(coded)
-            if b.shape != shape or b.dtype != dtype:
-                _bad_block(direction, my_rank, peer, specs, s, b, shape, dtype)
-        else:
-            n = shape[0] * shape[1] * dtype.itemsize
-            b = payload[raw_at : raw_at + n].view(dtype).view(shape)
-            raw_at += padded_size(n)
-        blocks.append(b)
-    return blocks
-
-
-def _bad_block(
-    direction: Direction,
-    my_rank: int,
-    peer: int,
-    specs: Sequence[BlockSpec],
-    spec: BlockSpec,
-    block: torch.Tensor,
-    shape: tuple[int, int],
-    dtype: torch.dtype,
-) -> NoReturn:
-    _fail(
-        direction,
-        my_rank,
-        peer,
-        specs,
-        f"table {spec.table}: block {tuple(block.shape)} {block.dtype}, expected {shape} {dtype}",
-    )
 
 
 __all__ = ["DeferredDecode", "decode_payloads", "read_checked"]

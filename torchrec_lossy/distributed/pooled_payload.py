@@ -37,11 +37,11 @@ from torchrec_lossy.codec import (
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import skeleton_words, upload
-from torchrec_lossy.codec.grouped import start_compress_blocks
+from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
-from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.distributed.stats import Direction, ErrorSample
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -294,6 +294,16 @@ class PendingPayloads:
     meta: torch.Tensor
     meta_splits: list[int]
 
+    def read(self) -> list[torch.Tensor]:
+        """The payloads at once, without an exchange: reads ``readback`` (one host read, if
+        any) and calls ``finish``.
+
+        Returns:
+            One payload per destination.
+        """
+        host = host_sync.to_host(self.readback).tolist() if self.readback.numel() else []
+        return self.finish(host)
+
 
 def meta_words(
     specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, peer: int, my_rank: int
@@ -340,15 +350,15 @@ def _codec_config(
     return dataclasses.replace(config.codec, rounding=rounding, seed=call_seed)
 
 
-def _record_signed_error(
+def _record_error_samples(
     direction: Direction,
     info: LossyAll2AllPooledInfo,
     payload: torch.Tensor,
     coded: Sequence[tuple[torch.Tensor, BlockSpec]],
 ) -> None:
-    """Decodes a payload on its sender and records each block's error sample (telemetry): the
-    signed and squared error sums, the squared value sum and the values snapped to zero, over
-    the block's finite elements.
+    """Decodes a payload on its sender and records each block's :class:`ErrorSample`
+    (telemetry): the signed and squared error sums, the squared value sum and the values
+    snapped to zero, over the block's finite elements.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -369,17 +379,15 @@ def _record_signed_error(
         per_block = torch.stack(
             [diff, diff * diff, x * x, ((x != 0) & (y == 0)).double(), fin.double()]
         )
-        sums, sq, val_sq, snapped, counts = torch.stack(
-            [p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1
-        ).tolist()
-        info.comms.stats.record_signed_errors(
+        sums = torch.stack([p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1)
+        info.comms.stats.record_error_samples(
             direction,
-            [s.table for _, s in coded],
-            sums,
-            [int(c) for c in counts],
-            sq,
-            val_sq,
-            [int(z) for z in snapped],
+            [
+                ErrorSample(s.table, err, int(n), err_sq, val_sq, int(zeroed))
+                for (_, s), err, err_sq, val_sq, zeroed, n in zip(
+                    coded, *sums.tolist(), strict=True
+                )
+            ],
         )
 
 
@@ -435,34 +443,6 @@ def _warn_exact(
         bs.mode,
         bs.bound,
     )
-
-
-def encode_payloads(
-    direction: Direction,
-    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
-    specs_per_peer: Sequence[Sequence[BlockSpec]],
-    info: LossyAll2AllPooledInfo,
-    device: torch.device,
-    my_rank: int | None = None,
-) -> list[torch.Tensor]:
-    """Encodes each peer's blocks into one uint8 payload (raw blocks first, then the codec's).
-
-    :func:`start_encode` and its host read in one go (see there).
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        blocks_per_peer: Per destination, its blocks (one per spec).
-        specs_per_peer: Per destination, the specs of its blocks.
-        info: Layout, compress flags and comms state.
-        device: Where empty payloads are allocated.
-        my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
-
-    Returns:
-        One payload per destination.
-    """
-    pending = start_encode(direction, blocks_per_peer, specs_per_peer, info, device, my_rank)
-    host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
-    return pending.finish(host)
 
 
 @dataclass(frozen=True)
@@ -621,157 +601,335 @@ def start_encode(
 
     Returns:
         The pending payloads: read ``readback`` (with the exchange's received sizes) and call
-        ``finish``.
+        ``finish``, or call ``read`` to do both without an exchange.
     """
-    comms = info.comms
-    config = comms.config
-    stats = comms.stats
     start = time.perf_counter()
+    comms = info.comms
     call = comms.next_call(direction)
-    # The sender decodes a payload now and then for its error statistics (telemetry); host
-    # payloads only, so that the device path keeps its one host sync per all-to-all.
-    sample = config.error_sample_every > 0 and device.type == "cpu"
-    sample = sample and call % config.error_sample_every == 0
-    sample = sample and not (direction == "fwd" and info.exact_forward)
-    n_peers = len(blocks_per_peer)
     plan = _encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
-    peers = plan.peers
-    for p in peers:  # one block per spec (the plan indexes them)
+    _check_blocks(plan, blocks_per_peer, specs_per_peer)
+    n_peers = len(blocks_per_peer)
+    if my_rank is not None and my_rank < n_peers:
+        own = blocks_per_peer[my_rank]
+        comms.stats.record_self(direction, sum(b.numel() * b.element_size() for b in own))
+    with record_function(f"## lossy_a2a {direction} encode ##"):
+        # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
+        # layout's shapes on one device, so the codec's own checks are skipped.
+        flat_blocks = [
+            blocks_per_peer[p][i]
+            for p, idx in zip(plan.peers, plan.coded, strict=True)
+            for i in idx
+        ]
+        values, relative = _codec_bounds(direction, info, plan, len(flat_blocks))
+        pending = start_compress_blocks(
+            flat_blocks,
+            values,
+            [len(idx) for idx in plan.coded],
+            _codec_config(comms.config, direction, call, my_rank or 0),
+            relative,
+        )
+        raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
+        device_sizes, meta = _size_words(pending, plan, raw_parts, device)
+    encode = _EncodeCall(
+        direction=direction,
+        blocks_per_peer=blocks_per_peer,
+        specs_per_peer=specs_per_peer,
+        info=info,
+        device=device,
+        plan=plan,
+        pending=pending,
+        raw_parts=raw_parts,
+        sample=_samples_errors(info, direction, call, device),
+        setup_s=time.perf_counter() - start,
+    )
+    return PendingPayloads(
+        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits)
+    )
+
+
+def _check_blocks(
+    plan: _EncodePlan,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+) -> None:
+    """Raises ValueError unless every encoded peer has one block per spec (the plan indexes
+    them).
+
+    Args:
+        plan: The layout's plan.
+        blocks_per_peer: Per destination, its blocks.
+        specs_per_peer: Per destination, the specs of its blocks.
+    """
+    for p in plan.peers:
         if len(blocks_per_peer[p]) != len(specs_per_peer[p]):
             raise ValueError(
                 f"destination {p}: {len(blocks_per_peer[p])} blocks for "
                 f"{len(specs_per_peer[p])} specs: pass one block per spec"
             )
-    if my_rank is not None and my_rank < n_peers:
-        stats.record_self(
-            direction, sum(b.numel() * b.element_size() for b in blocks_per_peer[my_rank])
-        )
-    with record_function(f"## lossy_a2a {direction} encode ##"):
-        # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
-        # layout's shapes on one device, so the codec's own checks are skipped.
-        if not plan.raw:  # every block of ``peers`` goes through the codec, in order
-            flat_blocks = [b for p in peers for b in blocks_per_peer[p]]
-        else:
-            flat_blocks = [
-                blocks_per_peer[p][i] for p, idx in zip(peers, plan.coded, strict=True) for i in idx
-            ]
-        if direction == "fwd" and info.exact_forward:
-            values = [0.0] * len(flat_blocks)
-            relative = [False] * len(flat_blocks)
-        elif direction == "fwd":  # each table's bound now (an adaptive provider moves them)
-            bounds = [comms.bounds.bound(t) for t in plan.distinct]
-            values = [bounds[i].value for i in plan.table_at]
-            relative = [bounds[i].mode == "relative" for i in plan.table_at]
-        else:
-            eb = config.backward_bound
-            values = [eb.value] * len(flat_blocks)
-            relative = [eb.mode == "relative"] * len(flat_blocks)
-        pending = start_compress_blocks(
-            flat_blocks,
-            values,
-            [len(idx) for idx in plan.coded],
-            _codec_config(config, direction, call, my_rank or 0),
-            relative,
-        )
-        raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
-        for p, i, _ in plan.raw:
-            b = blocks_per_peer[p][i]
-            nbytes = b.numel() * b.element_size()
-            raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
-            raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
-            raw_parts[p].append(raw)
-        # Send sizes: raw parts (known here) plus each codec payload (a peer without codec
-        # blocks sends none); on the host path all of it is known already.
-        raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
-        group_of = plan.group_of
-        done = pending.done
-        if done is not None:
-            for p, g in group_of.items():
-                raw_len[p] += done.sizes[g]
-            sizes_np = np.array(raw_len, np.int64)
-            meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
-            device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
-            if device.type != "cpu":  # a no-op .to() still costs a dispatch
-                device_sizes, meta = device_sizes.to(device), meta.to(device)
-        else:
-            (raw_len_t,) = upload([raw_len], device)
-            zero = torch.zeros(1, dtype=torch.int64, device=device)
-            codec_len = [
-                pending.device_sizes[group_of[p] : group_of[p] + 1] if p in group_of else zero
-                for p in range(n_peers)
-            ]
-            device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
-            skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
-            skeletons = [
-                pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(peers))
-            ]
-            meta = _meta_words(device_sizes, skeletons, group_of, torch.cat)
-    setup_s = time.perf_counter() - start
 
-    def finish(host: Sequence[int]) -> list[torch.Tensor]:
+
+def _samples_errors(
+    info: LossyAll2AllPooledInfo, direction: Direction, call: int, device: torch.device
+) -> bool:
+    """Whether this call's sender decodes its payloads for their error samples (telemetry):
+    every ``error_sample_every``-th call, host payloads only (the device path keeps its one
+    host sync per all-to-all), never an exact forward.
+
+    Args:
+        info: Config and exact-forward flag.
+        direction: ``"fwd"`` or ``"bwd"``.
+        call: The call's number in its direction.
+        device: Where the payloads live.
+
+    Returns:
+        Whether to sample.
+    """
+    every = info.comms.config.error_sample_every
+    if every <= 0 or device.type != "cpu" or call % every:
+        return False
+    return not (direction == "fwd" and info.exact_forward)
+
+
+def _codec_bounds(
+    direction: Direction, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
+) -> tuple[list[float], list[bool]]:
+    """Each codec block's bound: 0 for an exact forward, each table's bound now for the
+    forward (an adaptive provider moves them; asked once per table), the backward's for the
+    backward.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        info: Comms state (bound provider, config).
+        plan: The layout's plan (the codec blocks' tables).
+        n_blocks: Codec blocks of the call.
+
+    Returns:
+        Bound values and whether each is relative, one per codec block.
+    """
+    if direction == "fwd" and info.exact_forward:
+        return [0.0] * n_blocks, [False] * n_blocks
+    if direction == "fwd":
+        bounds = [info.comms.bounds.bound(t) for t in plan.distinct]
+        at = plan.table_at
+        return [bounds[i].value for i in at], [bounds[i].mode == "relative" for i in at]
+    eb = info.comms.config.backward_bound
+    return [eb.value] * n_blocks, [eb.mode == "relative"] * n_blocks
+
+
+def _raw_parts(
+    plan: _EncodePlan,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    n_peers: int,
+    device: torch.device,
+) -> list[list[torch.Tensor]]:
+    """Per destination, its raw blocks' bytes, each padded to :data:`ALIGN`.
+
+    Args:
+        plan: The layout's plan (which blocks travel raw).
+        blocks_per_peer: Per destination, its blocks.
+        n_peers: Destinations.
+        device: Where the parts are made.
+
+    Returns:
+        uint8 parts per destination, in order.
+    """
+    raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
+    for p, i, _ in plan.raw:
+        b = blocks_per_peer[p][i]
+        nbytes = b.numel() * b.element_size()
+        raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
+        raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
+        raw_parts[p].append(raw)
+    return raw_parts
+
+
+def _size_words(
+    pending: PendingGroups,
+    plan: _EncodePlan,
+    raw_parts: Sequence[Sequence[torch.Tensor]],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send sizes and size-exchange words: raw parts (known here) plus each codec payload (a
+    peer without codec blocks sends none); on the host path all of it is known already.
+
+    Args:
+        pending: The codec's pending payloads.
+        plan: The layout's plan.
+        raw_parts: Per destination, its raw parts.
+        device: Where the sizes and words live.
+
+    Returns:
+        int64 payload bytes per destination, and :class:`PendingPayloads` ``meta``.
+    """
+    raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
+    n_peers = len(raw_len)
+    group_of = plan.group_of
+    done = pending.done
+    if done is not None:
+        for p, g in group_of.items():
+            raw_len[p] += done.sizes[g]
+        sizes_np = np.array(raw_len, np.int64)
+        meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
+        device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
+        if device.type != "cpu":  # a no-op .to() still costs a dispatch
+            device_sizes, meta = device_sizes.to(device), meta.to(device)
+        return device_sizes, meta
+    (raw_len_t,) = upload([raw_len], device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    codec_len = [
+        pending.device_sizes[group_of[p] : group_of[p] + 1] if p in group_of else zero
+        for p in range(n_peers)
+    ]
+    device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
+    skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
+    skeletons = [
+        pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(plan.peers))
+    ]
+    return device_sizes, _meta_words(device_sizes, skeletons, group_of, torch.cat)
+
+
+@dataclass
+class _BlockRecords:
+    """The telemetry of every block of one encode call, in order (``record_encode``'s lists).
+
+    Attributes:
+        tables: Table of each block.
+        raw_bytes: Uncompressed bytes of each block.
+        wire_bytes: Bytes sent for each block.
+        errors: Largest error of each block.
+        abs_bounds: Absolute bound of each block.
+        container: Codec payload bytes that belong to no block (headers).
+    """
+
+    tables: list[str] = field(default_factory=list)
+    raw_bytes: list[int] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+    abs_bounds: list[float | None] = field(default_factory=list)
+    container: int = 0
+
+
+@dataclass
+class _EncodeCall:
+    """One :func:`start_encode` call's state, up to its ``finish`` (its arguments, plan,
+    pending codec payloads and raw parts).
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks_per_peer: Per destination, its blocks.
+        specs_per_peer: Per destination, the specs of its blocks.
+        info: Layout, compress flags and comms state.
+        device: Where the payloads live.
+        plan: The layout's plan.
+        pending: The codec's pending payloads.
+        raw_parts: Per destination, its padded raw blocks.
+        sample: Whether the sender decodes its payloads for error samples.
+        setup_s: Seconds spent before the host read.
+    """
+
+    direction: Direction
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]]
+    specs_per_peer: Sequence[Sequence[BlockSpec]]
+    info: LossyAll2AllPooledInfo
+    device: torch.device
+    plan: _EncodePlan
+    pending: PendingGroups
+    raw_parts: list[list[torch.Tensor]]
+    sample: bool
+    setup_s: float
+
+    def finish(self, host: Sequence[int]) -> list[torch.Tensor]:
+        """Builds the payloads from the host read's values and records the call's telemetry.
+
+        Args:
+            host: The values of :class:`PendingPayloads` ``readback``.
+
+        Returns:
+            One uint8 payload per destination (raw blocks first, then the codec's).
+        """
         start = time.perf_counter()
-        grouped = pending.finish(host)
-        sent: dict[int, torch.Tensor] = {}
-        # Every block of the call, raw blocks first (telemetry).
-        raw_blocks = [blocks_per_peer[p][i] for p, i, _ in plan.raw]
-        tables = [s.table for _, _, s in plan.raw]
+        plan, stats = self.plan, self.info.comms.stats
+        grouped = self.pending.finish(host)
+        raw_blocks = [self.blocks_per_peer[p][i] for p, i, _ in plan.raw]
         raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
-        wire_bytes = [padded_size(n) for n in raw_bytes]
-        errors = [0.0] * len(raw_blocks)
-        abs_bounds: list[float | None] = [0.0] * len(raw_blocks)
-        container = 0
+        rec = _BlockRecords(  # every block of the call, raw blocks first
+            tables=[s.table for _, _, s in plan.raw],
+            raw_bytes=raw_bytes,
+            wire_bytes=[padded_size(n) for n in raw_bytes],
+            errors=[0.0] * len(raw_blocks),
+            abs_bounds=[0.0] * len(raw_blocks),
+        )
+        sent: dict[int, torch.Tensor] = {}
         at = 0  # the first codec block of the group in plan.tables
-        for g, (p, idx) in enumerate(zip(peers, plan.coded, strict=True)):
-            parts = raw_parts[p]
+        for g, (p, idx) in enumerate(zip(plan.peers, plan.coded, strict=True)):
+            parts = self.raw_parts[p]
             if idx:
-                cols = grouped.columns[g]
                 payload = grouped.payload(g)
                 parts = [*parts, payload]
-                group_tables = plan.tables[at : at + len(idx)]
+                self._record_group(rec, grouped, g, plan.tables[at : at + len(idx)], payload)
                 at += len(idx)
-                blocks = blocks_per_peer[p]
-                if direction == "fwd" and not info.exact_forward:
-                    for k, t, bound in zip(idx, group_tables, cols.bound, strict=True):
-                        comms.bounds.observe(t, blocks[k], bound)
-                if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
-                    for i, (t, bound, mode, rows, dim) in enumerate(
-                        zip(group_tables, cols.bound, cols.mode, cols.rows, cols.dim, strict=True)
-                    ):
-                        if bound > 0 and mode in ("raw", "lz") and rows * dim >= 1024:
-                            _warn_exact(info, direction, t, cols.slice(i, i + 1).stats()[0])
-                tables += group_tables
-                raw_bytes += cols.raw_bytes
-                wire_bytes += cols.wire_bytes
-                errors += cols.max_error
-                abs_bounds += cols.bound
-                if sample:
-                    _record_signed_error(
-                        direction, info, payload, [(blocks[k], specs_per_peer[p][k]) for k in idx]
-                    )
-                # The payload header belongs to no block.
-                container += grouped.sizes[g] - sum(cols.wire_bytes)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
-        out = [sent[p] if p in sent else _empty_payload(device) for p in range(n_peers)]
-        same_host = sum(out[p].numel() for p in info.same_host if p < n_peers)
-        stats.record_links(direction, same_host, sum(t.numel() for t in out) - same_host)
+        n_peers = len(self.blocks_per_peer)
+        out = [sent[p] if p in sent else _empty_payload(self.device) for p in range(n_peers)]
+        same_host = sum(out[p].numel() for p in self.info.same_host if p < n_peers)
+        stats.record_links(self.direction, same_host, sum(t.numel() for t in out) - same_host)
         # Telemetry of every block sent to a peer, in one record (its own time included); the
         # codec works on all peers at once, so its time is shared out by raw bytes.
-        spent = setup_s + time.perf_counter() - start
         stats.record_encode(
-            direction,
-            tables,
-            raw_bytes,
-            wire_bytes,
-            errors,
-            abs_bounds,
-            container if group_of else None,
-            spent,
+            self.direction,
+            rec.tables,
+            rec.raw_bytes,
+            rec.wire_bytes,
+            rec.errors,
+            rec.abs_bounds,
+            rec.container if plan.group_of else None,
+            self.setup_s + time.perf_counter() - start,
         )
         return out
 
-    return PendingPayloads(device_sizes, pending.readback, finish, meta, list(plan.meta_splits))
+    def _record_group(
+        self,
+        rec: _BlockRecords,
+        grouped: GroupedPayloads,
+        g: int,
+        tables: Sequence[str],
+        payload: torch.Tensor,
+    ) -> None:
+        """Adds codec group ``g``'s blocks to ``rec``; shows the forward's blocks to the bound
+        provider, warns of exact blocks and takes the error sample.
+
+        Args:
+            rec: The call's block records.
+            grouped: The codec's payloads.
+            g: The group (a destination with codec blocks).
+            tables: Its blocks' tables.
+            payload: Its codec payload.
+        """
+        p, idx = self.plan.peers[g], self.plan.coded[g]
+        cols = grouped.columns[g]
+        blocks = self.blocks_per_peer[p]
+        info, direction = self.info, self.direction
+        if direction == "fwd" and not info.exact_forward:
+            for k, t, bound in zip(idx, tables, cols.bound, strict=True):
+                info.comms.bounds.observe(t, blocks[k], bound)
+        if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
+            for i, (t, bound, mode, rows, dim) in enumerate(
+                zip(tables, cols.bound, cols.mode, cols.rows, cols.dim, strict=True)
+            ):
+                if bound > 0 and mode in ("raw", "lz") and rows * dim >= 1024:
+                    _warn_exact(info, direction, t, cols.slice(i, i + 1).stats()[0])
+        rec.tables += tables
+        rec.raw_bytes += cols.raw_bytes
+        rec.wire_bytes += cols.wire_bytes
+        rec.errors += cols.max_error
+        rec.abs_bounds += cols.bound
+        if self.sample:
+            specs = self.specs_per_peer[p]
+            _record_error_samples(direction, info, payload, [(blocks[k], specs[k]) for k in idx])
+        # The payload header belongs to no block.
+        rec.container += grouped.sizes[g] - sum(cols.wire_bytes)
 
 
 # A zero-byte payload per device (what a peer that is sent nothing gets); never written to.

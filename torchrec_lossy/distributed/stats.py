@@ -31,6 +31,28 @@ Link = Literal["self", "same_host", "cross_host"]
 CONTAINER = "<container>"
 
 
+@dataclass(frozen=True)
+class ErrorSample:
+    """The error sample of one block: its sender decoded its own payload (every
+    ``error_sample_every``-th call) and summed over the block's finite elements.
+
+    Attributes:
+        table: Table name.
+        error_sum: Sum of the signed errors ``x' - x``.
+        count: Number of elements summed.
+        error_sq_sum: Sum of the squared errors.
+        value_sq_sum: Sum of the squared values.
+        snapped: How many were not 0 and decoded to 0.
+    """
+
+    table: str
+    error_sum: float
+    count: int
+    error_sq_sum: float = 0.0
+    value_sq_sum: float = 0.0
+    snapped: int = 0
+
+
 @dataclass
 class TableCommStats:
     """Counters of one table (or the container pseudo-table) in one direction.
@@ -147,7 +169,9 @@ class LossyCommsStats:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # backward hooks may record from autograd's threads
+        # Backward hooks may record from autograd's threads; reentrant, so that one record can
+        # take the lock and call another (record_encode's record_time).
+        self._lock = threading.RLock()
         self._tables: dict[tuple[Direction, str], TableCommStats] = {}
         # Device-side running maxima (cast errors), folded in on read so that recording them
         # never forces a device-to-host sync.
@@ -255,7 +279,7 @@ class LossyCommsStats:
             self._add_blocks(direction, tables, raw_bytes, wire_bytes, max_errors, abs_bounds)
             if container_bytes is not None:
                 self._entry(direction, CONTAINER).wire_bytes += container_bytes
-            self._add_time(direction, "encode", shares, s + time.perf_counter() - start)
+            self.record_time(direction, "encode", shares, s + time.perf_counter() - start)
 
     def _add_blocks(
         self,
@@ -343,47 +367,23 @@ class LossyCommsStats:
             error_sum: Sum of the signed errors of the block's finite elements.
             count: Number of those elements.
         """
-        self.record_signed_errors(direction, [table], [error_sum], [count])
+        self.record_error_samples(direction, [ErrorSample(table, error_sum, count)])
 
-    def record_signed_errors(
-        self,
-        direction: Direction,
-        tables: Sequence[str],
-        error_sums: Sequence[float],
-        counts: Sequence[int],
-        error_sq_sums: Sequence[float] | None = None,
-        value_sq_sums: Sequence[float] | None = None,
-        snapped: Sequence[int] | None = None,
-    ) -> None:
-        """:meth:`record_signed_error` for several sampled blocks at once, under one lock.
+    def record_error_samples(self, direction: Direction, samples: Sequence[ErrorSample]) -> None:
+        """Adds the error sample of several blocks at once, under one lock.
 
         Args:
             direction: ``"fwd"`` or ``"bwd"``.
-            tables: Table name of each block.
-            error_sums: Sum of the signed errors of each block's finite elements.
-            counts: Number of those elements, per block.
-            error_sq_sums: Sum of their squared errors, per block (None: not sampled).
-            value_sq_sums: Sum of their squared values, per block (None: not sampled).
-            snapped: How many of them were not 0 and decoded to 0, per block (None: 0).
+            samples: One per sampled block.
         """
-        n = len(tables)
-        rows = zip(
-            tables,
-            error_sums,
-            counts,
-            error_sq_sums or [0.0] * n,
-            value_sq_sums or [0.0] * n,
-            snapped or [0] * n,
-            strict=True,
-        )
         with self._lock:
-            for table, error_sum, count, err_sq, val_sq, zeroed in rows:
-                e = self._entry(direction, table)
-                e.error_sum += error_sum
-                e.error_count += count
-                e.error_sq_sum += err_sq
-                e.value_sq_sum += val_sq
-                e.snapped_to_zero += zeroed
+            for b in samples:
+                e = self._entry(direction, b.table)
+                e.error_sum += b.error_sum
+                e.error_count += b.count
+                e.error_sq_sum += b.error_sq_sum
+                e.value_sq_sum += b.value_sq_sum
+                e.snapped_to_zero += b.snapped
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
@@ -416,26 +416,16 @@ class LossyCommsStats:
             shares: Raw bytes per table handled by the call.
             s: Seconds the call took.
         """
-        with self._lock:
-            self._add_time(direction, phase, shares, s)
-
-    def _add_time(
-        self,
-        direction: Direction,
-        phase: Literal["encode", "decode"],
-        shares: dict[str, int],
-        s: float,
-    ) -> None:
-        """:meth:`record_time`, the lock held by the caller."""
         total = sum(shares.values())
         if total == 0:
             return
-        for table, nbytes in shares.items():
-            e = self._entry(direction, table)
-            if phase == "encode":
-                e.encode_s += s * nbytes / total
-            else:
-                e.decode_s += s * nbytes / total
+        with self._lock:
+            for table, nbytes in shares.items():
+                e = self._entry(direction, table)
+                if phase == "encode":
+                    e.encode_s += s * nbytes / total
+                else:
+                    e.decode_s += s * nbytes / total
 
     def record_self(self, direction: Direction, nbytes: int) -> None:
         """Records the bytes of the blocks a rank keeps for itself (the self block).

@@ -1,0 +1,485 @@
+"""The torch backend of the KJT codec: vectorized tensor ops on the KJT's device (the device
+path and the test oracle).
+
+:mod:`torchrec_lossy.distributed.kjt_codec` chooses the backend once per call and hands it one
+call record (``kjt_layout.EncodeCall`` / ``DecodeCall``); this module and
+:mod:`torchrec_lossy.distributed.kjt_host` (the numba backend) give back the same words and
+tensors. Both lay the payloads out with :mod:`torchrec_lossy.distributed.kjt_layout`'s planner.
+
+- :func:`pack` (sender): per-feature statistics (one host read) and the dedupe sort, the plan,
+  the distinct ids, then every section packed by :func:`pack_bits` (``index_add_`` of shifted
+  32-bit fields into int64 accumulators), the weights' bytes and the checksums.
+- :func:`unpack` (receiver): the plan, the checksums (one host read), every section unpacked by
+  :func:`unpack_bits`, the ids completed, the exact output dedupe's first bags.
+- Checksum words (:func:`payload_checksums`): the codec's checksum
+  (``codec.container.segment_checksums``) over each payload, its last two words left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.autograd.profiler import record_function
+
+from torchrec_lossy.codec.container import segment_checksums, upload
+from torchrec_lossy.distributed import kjt_layout
+from torchrec_lossy.distributed.dedupe import (
+    distinct_bags,
+    first_bags,
+    segment_inverse,
+    segment_sort,
+)
+from torchrec_lossy.distributed.kjt_layout import DecodeCall, EncodeCall, Packed, Unpacked
+
+_WORD_BITS = 32
+_MASK32 = (1 << 32) - 1
+_CHECK_WORDS = 2  # int32 words of the int64 checksum that ends each payload (if on)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing.
+
+
+def _join_field(parts: Sequence[torch.Tensor], count: int, device: torch.device) -> torch.Tensor:
+    """Joins a field's sections (low part, then the high part of values over 32 bits)."""
+    if not parts:
+        return torch.zeros(count, dtype=torch.int64, device=device)
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0] | (parts[1] << _WORD_BITS)
+
+
+@dataclass
+class _Layout:
+    """Bit positions of a sequence of packed sections (host lists, built identically on both ends).
+
+    Attributes:
+        counts: Elements per section.
+        widths: Bits per element of each section (1..32).
+        starts: First bit of each section in the whole buffer.
+    """
+
+    counts: list[int]
+    widths: list[int]
+    starts: list[int]
+
+    def positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element, its width and its first bit (int64 tensors on ``device``)."""
+        total = sum(self.counts)
+        # Element i of a section starting at element e0 and bit b0 sits at bit
+        # b0 + (i - e0) * width: one per-section (width, b0 - e0 * width) pair, repeated.
+        firsts = list(itertools.accumulate(self.counts, initial=0))[:-1]
+        offsets = [b - e * w for b, e, w in zip(self.starts, firsts, self.widths, strict=True)]
+        per_sec = torch.tensor([self.widths, offsets], dtype=torch.int64).view(2, -1)
+        counts = torch.tensor(self.counts, dtype=torch.int64)
+        w, off = torch.repeat_interleave(per_sec, counts, dim=1, output_size=total)
+        return w.to(device), (torch.arange(total) * w + off).to(device)
+
+
+def pack_bits(
+    values: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor, num_words: int
+) -> torch.Tensor:
+    """Packs each value into ``widths[i]`` bits at bit ``positions[i]`` of an int32 word buffer.
+
+    Fields must not overlap and each value must fit its width (at most 32 bits). Bits are
+    little-endian within a word; a field may straddle two words.
+
+    Args:
+        values: int64 values in ``[0, 2**widths)``.
+        widths: int64 widths, 1..32.
+        positions: int64 first bit of each field.
+        num_words: Words of the output.
+
+    Returns:
+        int32 tensor ``[num_words]`` on the values' device.
+    """
+    acc = torch.zeros(num_words + 1, dtype=torch.int64, device=values.device)
+    if values.numel():
+        word = positions >> 5
+        off = positions & 31
+        # Fields do not overlap, so adding the shifted pieces is the same as OR-ing them.
+        acc.index_add_(0, word, (values << off) & _MASK32)
+        acc.index_add_(0, word + 1, values >> (_WORD_BITS - off))
+    acc = acc[:num_words]
+    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)
+
+
+def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`.
+
+    Args:
+        words: int32 word buffer.
+        widths: int64 widths, 1..32.
+        positions: int64 first bit of each field.
+
+    Returns:
+        int64 values.
+    """
+    u = torch.cat([words.to(torch.int64) & _MASK32, words.new_zeros(1, dtype=torch.int64)])
+    word = positions >> 5
+    off = positions & 31
+    lo = u[word] >> off
+    # Only the next word's low ``off`` bits belong to the field: masking first avoids overflow.
+    hi = (u[word + 1] & ((1 << off) - 1)) << (_WORD_BITS - off)
+    return (lo | hi) & ((1 << widths) - 1)
+
+
+def _words_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as int32 words (zero-padded to a multiple of 4 bytes)."""
+    b = t.contiguous().view(-1).view(torch.uint8)
+    pad = -b.numel() % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return b.view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksum words: the codec's checksum (codec.container.segment_checksums) over each payload;
+# _write_checksums and _stored_checksums only place its words.
+
+
+def payload_checksums(words: torch.Tensor, seg_words: Sequence[int]) -> torch.Tensor:
+    """The codec's checksum (``torchrec_lossy.codec.segment_checksums``) of each payload, its
+    last ``_CHECK_WORDS`` words left out.
+
+    Args:
+        words: int32 buffer holding the payloads back to back.
+        seg_words: Words of each payload (checksum words included).
+
+    Returns:
+        int64 checksum per payload.
+    """
+    if not seg_words:
+        return torch.zeros(0, dtype=torch.int64, device=words.device)
+    starts = list(itertools.accumulate(seg_words, initial=0))[:-1]
+    lengths = [max(n - _CHECK_WORDS, 0) for n in seg_words]
+    starts_t, lengths_t = upload([starts, lengths], words.device)
+    return segment_checksums(words, starts_t, lengths_t)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 values as int32 (two's complement)."""
+    x = x & _MASK32
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _write_checksums(send: torch.Tensor, send_words: Sequence[int]) -> None:
+    """Fills the last two words of every payload with its checksum (low, high part)."""
+    if not send_words:
+        return
+    sums = payload_checksums(send, send_words)
+    ends = torch.tensor(list(itertools.accumulate(send_words)), device=send.device)
+    send[ends - 2] = _as_int32(sums)
+    send[ends - 1] = _as_int32(sums >> _WORD_BITS)
+
+
+def _stored_checksums(recv: torch.Tensor, recv_words: Sequence[int]) -> torch.Tensor:
+    """The checksums at the end of each received payload (inverse of :func:`_write_checksums`)."""
+    ends = torch.tensor(list(itertools.accumulate(recv_words)), device=recv.device)
+    lo = recv[ends - 2].to(torch.int64) & _MASK32
+    return lo | (recv[ends - 1].to(torch.int64) << _WORD_BITS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode.
+
+
+@dataclass
+class _FeatureStats:
+    """Per-feature statistics of one KJT and the sort its id deduplications need.
+
+    Attributes:
+        stats: ``[F, 6]`` (length sum, max, min; id max, min; distinct ids), read once on the
+            host.
+        seg: Feature of every id.
+        ids: (order, first-occurrence mask) of the (feature, id) sort, if asked for.
+    """
+
+    stats: torch.Tensor
+    seg: torch.Tensor
+    ids: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _feature_stats(
+    lengths: torch.Tensor, values: torch.Tensor, num_features: int, batch: int, dedupe: bool
+) -> _FeatureStats:
+    """Per-feature statistics in one tensor (read once on the host), plus the dedupe sort.
+
+    Args:
+        lengths: The KJT's lengths, ``[F * batch]``.
+        values: Its ids.
+        num_features: F.
+        batch: Its stride.
+        dedupe: Also count distinct ids and keep the sort that found them.
+
+    Returns:
+        The statistics (zero distinct counts without ``dedupe``).
+    """
+    dev = values.device
+    lens = lengths.to(torch.int64).view(num_features, batch)
+    zeros = torch.zeros(num_features, dtype=torch.int64, device=dev)
+    if batch:
+        len_sum, len_max, len_min = lens.sum(1), lens.amax(1), lens.amin(1)
+    else:
+        len_sum, len_max, len_min = zeros, zeros, zeros
+    v = values.to(torch.int64)
+    seg = torch.repeat_interleave(
+        torch.arange(num_features, device=dev), len_sum, output_size=v.numel()
+    )
+    id_max = zeros.scatter_reduce(0, seg, v, "amax", include_self=False)
+    id_min = zeros.scatter_reduce(0, seg, v, "amin", include_self=False)
+    num_unique = zeros
+    ids = None
+    if dedupe:
+        # On the host the bound of the keys costs nothing (on a GPU it would be one more sync).
+        bound = None
+        if dev.type == "cpu" and v.numel():
+            lo, hi = torch.aminmax(v)
+            bound = int(hi) + 1 if int(lo) >= 0 else None
+        order, new = segment_sort(v, seg, bound, num_features)
+        num_unique = zeros.scatter_add(0, seg[order], new.to(torch.int64))
+        ids = (order, new)
+    stats = torch.stack([len_sum, len_max, len_min, id_max, id_min, num_unique], dim=1)
+    return _FeatureStats(stats, seg, ids)
+
+
+def pack(call: EncodeCall) -> Packed:
+    """The torch backend's encode, by tensor ops on the KJT's device: the statistics (one host
+    read), the plan (``kjt_layout.plan_encode``), the distinct ids, the packing.
+
+    Args:
+        call: The encode's input.
+
+    Returns:
+        The plan and the payloads.
+
+    Raises:
+        ValueError: If a length or an id is negative.
+    """
+    fs = _feature_stats(call.lens, call.ids, len(call.keys), call.batch, call.want_dedupe)
+    stats = fs.stats.cpu().numpy()  # the host read of the encoder
+    call.check_signs(stats.tolist())
+    plan = kjt_layout.plan_encode(stats, call.batch, call.feat_off, call.opts)
+    inverse = uniques = None
+    if plan.formats[:, [2, 6]].any():  # wire or output dedupe (a lookup feature's too)
+        assert fs.ids is not None
+        order, new = fs.ids
+        inverse = segment_inverse(order, new, fs.seg, fs.stats[:, 5])
+        uniques = call.ids[order][new]
+    return Packed(plan, _pack_words(plan, call, uniques, inverse), uniques, inverse)
+
+
+def _pack_words(
+    plan: kjt_layout.EncodePlan,
+    call: EncodeCall,
+    uniques: torch.Tensor | None,
+    inverse: torch.Tensor | None,
+) -> torch.Tensor:
+    """The torch backend's payloads: every section packed (:func:`pack_bits`), the weights'
+    bytes, the checksums (what ``kjt_host.encode`` packs on the host).
+
+    Args:
+        plan: The payloads' plan.
+        call: The encode's input.
+        uniques: Every feature's distinct ids (None if no feature is deduplicated).
+        inverse: Per id, the index of its distinct id in its feature (idem).
+
+    Returns:
+        int32 words of all payloads.
+    """
+    # Indexed by kjt_layout.LENGTHS, IDS, UNIQUE, INVERSE.
+    sources = (call.lens, call.ids, uniques, inverse)
+    starts = plan.starts.tolist()
+    sections = plan.sections.tolist()
+    parts: list[torch.Tensor] = []
+    for feature, field, count, width, shift, _ in sections:
+        src = sources[field]
+        assert src is not None
+        a = starts[field][feature]
+        t = src[a : a + count]
+        # Values over 32 bits travel as two parts; narrower ones fit as they are.
+        parts.append(t >> shift if shift else t & _MASK32 if width == 32 else t)
+    layout = _Layout([s[2] for s in sections], [s[3] for s in sections], [s[5] for s in sections])
+    w_t, p_t = layout.positions(call.ids.device)
+    flat = torch.cat(parts) if parts else call.ids.new_empty(0)
+    send_words = plan.payloads[:, 2].tolist()
+    send = pack_bits(flat, w_t, p_t, sum(send_words))
+    if call.weights is not None:
+        val_off = starts[kjt_layout.IDS]
+        feat_off = call.feat_off.tolist()
+        for (at, _, _), f0, f1 in zip(plan.payloads.tolist(), feat_off, feat_off[1:], strict=False):
+            ww = _words_of(call.weights[val_off[f0] : val_off[f1]].to(call.wire_w))
+            send[at : at + ww.numel()] = ww
+    if call.opts.checksum:
+        _write_checksums(send, send_words)
+    return send
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode.
+
+
+def unpack(call: DecodeCall) -> Unpacked:
+    """The torch backend's decode, by tensor ops on the words' device: the plan
+    (``kjt_layout.plan_decode``), the checksums (one host read), the unpacking
+    (:func:`unpack_bits`), the first bags of the exact output dedupe.
+
+    Args:
+        call: The decode's input.
+
+    Returns:
+        The lengths, ids, payload layout and bag selection.
+
+    Raises:
+        LossyAllToAllError: If a payload does not match its metadata or checksum.
+    """
+    recv, recv_words = call.recv, call.recv_words
+    plan = kjt_layout.plan_decode(
+        call.formats, call.feat_off, np.array(call.batch_per_src, np.int64),
+        np.array(recv_words, np.int64), call.esize, call.trailer,
+    )  # fmt: skip
+    call.refuse(plan.refusal)
+    if call.trailer:
+        # One host read for all sources; the sizes are known to be right by now.
+        ok = payload_checksums(recv, recv_words) == _stored_checksums(recv, recv_words)
+        for src, good in enumerate(ok.tolist()):
+            if not good:
+                call.refuse(kjt_layout.Refusal(src, kjt_layout.BAD_CHECKSUM, 0, 0))
+    features = _Features.unpack(call, _unpack_fields(recv, plan.sections))
+    empty = recv.new_empty(0, dtype=torch.int64)
+    return Unpacked(
+        torch.cat(features.lengths) if features.lengths else empty,
+        torch.cat(features.values) if features.values else empty,
+        plan.payloads,
+        features.selects(call),
+    )
+
+
+def _unpack_fields(
+    recv: torch.Tensor, sections: np.ndarray
+) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Every section of the payloads, unpacked (:func:`unpack_bits`).
+
+    Args:
+        recv: The payloads' words.
+        sections: Their sections (``kjt_layout.plan_decode``).
+
+    Returns:
+        Per (feature row, field), its sections' int64 values (low part, then high part).
+    """
+    rows = sections.tolist()
+    layout = _Layout([r[2] for r in rows], [r[3] for r in rows], [r[5] for r in rows])
+    flat = unpack_bits(recv, *layout.positions(recv.device))
+    unpacked = torch.split(flat, [r[2] for r in rows]) if rows else []
+    fields: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for (feature, field, *_), part in zip(rows, unpacked, strict=True):
+        fields.setdefault((feature, field), []).append(part)
+    return fields
+
+
+@dataclass
+class _Features:
+    """The torch backend's decoded features, and those the exact output dedupe selects bags of.
+
+    Attributes:
+        lengths: Per feature row (over all sources), its int64 lengths.
+        values: Per feature row, its int64 ids.
+        by_inverse: (source, row, rows sent back, inverse index, distinct ids) of the
+            output-deduplicated features whose ids arrived deduplicated: their distinct bags
+            follow from the inverse index, no sort needed.
+        by_sort: (source, row, rows sent back, id bits) of the other output-deduplicated
+            features (the receiver sorts their bags).
+    """
+
+    lengths: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    by_inverse: list[tuple[int, int, int, torch.Tensor, int]] = dataclasses.field(
+        default_factory=list
+    )
+    by_sort: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def unpack(call: DecodeCall, fields: dict[tuple[int, int], list[torch.Tensor]]) -> _Features:
+        """Every source's features from their unpacked fields.
+
+        Args:
+            call: The decode's input.
+            fields: Per (feature row, field), its sections' values (:func:`_unpack_fields`).
+
+        Returns:
+            The features.
+        """
+        out = _Features()
+        dev = call.recv.device
+        for src, (metas, batch) in enumerate(
+            zip(call.metas_per_src, call.batch_per_src, strict=True)
+        ):
+            for m in metas:
+                row = len(out.lengths)  # the feature's row, over all sources
+
+                def get(name: int, n: int, row: int = row) -> torch.Tensor:
+                    return _join_field(fields.get((row, name), []), n, dev)
+
+                if m.lookup:
+                    ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
+                    out.lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
+                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique))
+                    continue
+                out.lengths.append(get(kjt_layout.LENGTHS, batch))
+                if m.dedupe:
+                    inv = get(kjt_layout.INVERSE, m.num_ids)
+                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique)[inv])
+                else:
+                    inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
+                    out.values.append(get(kjt_layout.IDS, m.num_ids))
+                if m.out_rows and inv is not None:
+                    out.by_inverse.append((src, row, m.out_rows, inv, m.num_unique))
+                elif m.out_rows:
+                    out.by_sort.append((src, row, m.out_rows, m.id_bits))
+        return out
+
+    def selects(self, call: DecodeCall) -> list[list[torch.Tensor | None]]:
+        """The exact output dedupe's bag selection: per source, per feature, the first bag of
+        each distinct bag (None where not deduplicated).
+
+        Args:
+            call: The decode's input.
+
+        Returns:
+            The selection.
+
+        Raises:
+            LossyAllToAllError: If a feature's distinct bags are not the rows it sends back.
+        """
+        firsts: list[torch.Tensor] = []
+        with record_function("## lossy_input dedupe select ##"):
+            if self.by_inverse:
+                firsts += first_bags(
+                    [self.lengths[i] for _, i, _, _, _ in self.by_inverse],
+                    [inv for _, _, _, inv, _ in self.by_inverse],
+                    [u for _, _, _, _, u in self.by_inverse],
+                )
+            if self.by_sort:
+                firsts += distinct_bags(
+                    [self.lengths[i] for _, i, _, _ in self.by_sort],
+                    [self.values[i] for _, i, _, _ in self.by_sort],
+                    max(1 << b for *_, b in self.by_sort),
+                    with_inverse=False,
+                )[2]
+        selects = call.no_selects()
+        segs = [x[:3] for x in self.by_inverse] + [x[:3] for x in self.by_sort]
+        for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
+            local = i - sum(len(m) for m in call.metas_per_src[:src])
+            if first.numel() != rows_sent:
+                why = kjt_layout.Refusal(src, kjt_layout.BAD_ROWS, first.numel(), rows_sent)
+                call.refuse(why)
+            selects[src][local] = first
+        return selects
+
+
+__all__ = ["pack", "pack_bits", "payload_checksums", "unpack", "unpack_bits"]
