@@ -21,8 +21,10 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     VERSION,
     checksum_words,
+    ref_width,
+    refs_bits,
+    refs_packing,
 )
-from torchrec_lossy.codec.vector_lz import best_refs_mode, ref_width, refs_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAME_TO_MODE = {v: k for k, v in MODE_NAMES.items()}
@@ -191,7 +193,7 @@ def test_lz_wire_bytes_and_packing(distinct, rows):
     payload, stats = compress_with_stats([x], [0.0])
     s = stats[0]
     assert s.mode == "lz" and s.n_unique == distinct
-    mode = best_refs_mode(rows, distinct)
+    mode = int(refs_packing(rows, distinct)[0])
     assert s.wire_bytes == 24 + 32 + 4 * math.ceil(refs_bits(rows, distinct, mode) / 32) + 4 * (
         math.ceil(distinct * 6 * 2 / 4)
     )
@@ -201,11 +203,11 @@ def test_lz_wire_bytes_and_packing(distinct, rows):
 
 
 def test_both_reference_packings_are_chosen():
-    assert best_refs_mode(64, 2) == REFS_FIXED
-    assert best_refs_mode(210, 200) == REFS_FLAGGED
+    assert int(refs_packing(64, 2)[0]) == REFS_FIXED
+    assert int(refs_packing(210, 200)[0]) == REFS_FLAGGED
     # FIXED wins ties
     assert refs_bits(2, 2, REFS_FIXED) == 2 and refs_bits(2, 2, REFS_FLAGGED) == 2
-    assert best_refs_mode(2, 2) == REFS_FIXED
+    assert int(refs_packing(2, 2)[0]) == REFS_FIXED
 
 
 # ---------------------------------------------------------------------------------------------

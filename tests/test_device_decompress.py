@@ -285,7 +285,7 @@ def _section_offsets(buf: bytes, block: int) -> dict[str, int]:
     at = {"codebook": off + 32}
     pos = off + 32 + words((int(sh["sym_count"]) + 1) // 2)
     if mode & 1:
-        from torchrec_lossy.codec.vector_lz import refs_bits
+        from torchrec_lossy.codec.format import refs_bits
 
         at["refs"] = pos
         pos += words((refs_bits(rows, n_unique, int(sh["ref_mode"])) + 7) // 8)

@@ -70,9 +70,11 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     SYMBOL_OFFSET,
     VERSION,
+    refs_packing,
     words_for_bits,
     words_for_bytes,
 )
+from torchrec_lossy.codec.format import ref_width as id_width
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -530,9 +532,9 @@ def _compress(
     lo_sel = torch.where(is_q, sym_lo[sel], 0)
     count_sel = torch.where(is_q, sym_count[sel], 0)
     n_chunks = (n_sym + chunk - 1) // chunk
-    ref_mode, ref_width, ref_bits = sm.refs(rows, torch.where(has_refs, n_sent, 1))
+    ref_mode, _, ref_bits = refs_packing(rows, torch.where(has_refs, n_sent, 1))
     ref_mode = torch.where(has_refs, ref_mode, 0)
-    ref_width = sm.bit_length((n_sent - 1).clamp(min=0))
+    ref_width = id_width(n_sent)
     refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
 
     # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).

@@ -68,6 +68,8 @@ from torchrec_lossy.codec.format import (
     REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
     CodecError,
+    ref_width,
+    refs_bits,
 )
 
 _HEADER_WORDS = HEADER_WORDS
@@ -145,11 +147,6 @@ def _words(n_bytes: np.ndarray) -> np.ndarray:
     return (n_bytes + 3) // 4
 
 
-def _bit_length(v: np.ndarray) -> np.ndarray:
-    """``int.bit_length`` of non-negative int64 values below 2**53 (exact: frexp's exponent)."""
-    return np.frexp(v.astype(np.float64))[1].astype(np.int64)
-
-
 def _layout(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
 ) -> dict[str, np.ndarray] | None:
@@ -202,9 +199,8 @@ def _layout(
     # _decode_refs: 1 <= n_unique <= rows, width = bit_length(n_unique - 1), a known packing.
     nu_ok = (n_unique >= 1) & (n_unique <= rows)
     nu = np.where(lz & nu_ok, n_unique, rows)  # clipped, so sizes below stay small
-    ok &= ~lz | (nu_ok & (width == _bit_length(nu - 1)) & (ref_mode <= REFS_FLAGGED))
-    w = np.minimum(width, 64)
-    ref_bits = np.where(ref_mode == REFS_FIXED, rows * w, rows + (rows - nu) * w)
+    ok &= ~lz | (nu_ok & (width == ref_width(nu)) & (ref_mode <= REFS_FLAGGED))
+    ref_bits = refs_bits(rows, nu, ref_mode)
     ref_words = np.where(lz, (ref_bits + 31) // 32, 0)
     head = _SEGMENT_HEADER_WORDS
     ok &= (mode != MODE_LZ) | (seg == head + ref_words + _words(nu * dim * itemsize))

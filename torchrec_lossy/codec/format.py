@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.elementwise import jitable
+from torchrec_lossy.codec.elementwise import N, bit_length, clamp_min, jitable, where
 
 MAGIC = 0x434C5254  # b"TRLC" read as a little-endian uint32
 VERSION = 1
@@ -155,3 +155,57 @@ def checksum_words(words: np.ndarray) -> np.uint64:
     for i in range(words.shape[0]):
         acc += np.uint64(words[i]) * np.uint64(2 * i + 1)
     return acc
+
+
+# The references of a vector-LZ block (``rows`` row -> distinct-vector ids): the one rule every
+# backend's encoder, decoder and size model uses. Element-wise and numba-compilable.
+
+
+@jitable
+def ref_width(n_unique: N) -> N:
+    """Bits per vector id.
+
+    Args:
+        n_unique: Distinct vectors of a block (>= 1).
+
+    Returns:
+        ``bit_length(n_unique - 1)``.
+    """
+    return bit_length(clamp_min(n_unique - 1, 0))
+
+
+@jitable
+def refs_bits(rows: N, n_unique: N, mode: N) -> N:
+    """Bits of a block's references in the given packing.
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct vectors (>= 1).
+        mode: REFS_FIXED, else REFS_FLAGGED is assumed.
+
+    Returns:
+        Bit count.
+    """
+    width = ref_width(n_unique)
+    return where(mode == REFS_FIXED, rows * width, rows + (rows - n_unique) * width)
+
+
+@jitable
+def refs_packing(rows: N, n_unique: N) -> tuple[N, N, N]:
+    """The cheaper reference packing of blocks with ``n_unique`` distinct vectors.
+
+    Args:
+        rows: Rows per block.
+        n_unique: Distinct vectors per block (>= 1).
+
+    Returns:
+        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
+    """
+    width = ref_width(n_unique)
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    return (
+        where(fixed > flagged, REFS_FLAGGED, REFS_FIXED),
+        width,
+        where(fixed > flagged, flagged, fixed),
+    )

@@ -49,6 +49,7 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
     VERSION,
     checksum_words,
+    refs_packing,
 )
 from torchrec_lossy.config import CodecConfig
 
@@ -496,7 +497,7 @@ def _compress_kernel(
             sent = max(nu_r[b], 1)
         elif m == MODE_QUANT:
             coded = rows[b]
-        r_mode, ref_width[b], _ = sm.refs(rows[b], max(sent, 1))
+        r_mode, ref_width[b], _ = refs_packing(rows[b], max(sent, 1))
         ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
         n_chunks = (coded * dims[b] + chunk - 1) // chunk
         seg_max[b] = (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2

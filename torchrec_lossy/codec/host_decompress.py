@@ -36,6 +36,9 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     VERSION,
     checksum_words,
+    ref_width,
+    refs_bits,
+    words_for_bits,
 )
 
 _SEG_WORDS = sm.SEGMENT_HEADER_WORDS
@@ -47,28 +50,16 @@ _FALL_BACK = 1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _ref_width(n_unique: int) -> int:
-    width = 0
-    while (1 << width) < n_unique:
-        width += 1
-    return width
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
 def _refs(
     words: np.ndarray, pos: int, end: int, rows: int, n_unique: int, ref_mode: int, width: int,
     ids: np.ndarray,
 ) -> int:  # fmt: skip
     """Unpacks a segment's vector references at word ``pos``; -> the next word, -1 if corrupt."""
-    if n_unique < 1 or n_unique > rows or width != _ref_width(n_unique):
+    if n_unique < 1 or n_unique > rows or width != ref_width(n_unique):
         return -1
-    if ref_mode == REFS_FIXED:
-        n_bits = rows * width
-    elif ref_mode == REFS_FLAGGED:
-        n_bits = rows + (rows - n_unique) * width
-    else:
+    if ref_mode != REFS_FIXED and ref_mode != REFS_FLAGGED:
         return -1
-    n_words = (n_bits + 31) // 32
+    n_words = words_for_bits(refs_bits(rows, n_unique, ref_mode))
     if pos + n_words > end:
         return -1
     if vector_lz.unpack_refs_kernel(words[pos : pos + n_words], rows, n_unique, ref_mode, width,

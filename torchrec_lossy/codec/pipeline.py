@@ -57,6 +57,9 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     SEGMENT_HEADER,
     CodecError,
+    ref_width,
+    refs_bits,
+    refs_packing,
     words_for_bits,
     words_for_bytes,
 )
@@ -400,7 +403,7 @@ def _quantized_sections(
         sym_count=code.sym_count,
         escape_length=code.lengths[ESCAPE_SYMBOL],
         ref_mode=refs[1] if refs else 0,
-        ref_width=vector_lz.ref_width(rows.shape[0]),
+        ref_width=int(ref_width(rows.shape[0])),
     )
     sections = [header, nibbles]
     if refs:
@@ -469,7 +472,7 @@ def _encode_block(
     if mode == MODE_RAW:
         return _Encoded(MODE_RAW, [raw_bits])
     if mode == MODE_LZ:
-        ref_mode, width, _ = sm.refs(rows, n_unique)
+        ref_mode, width, _ = refs_packing(rows, n_unique)
         header = _segment_header(n_unique=n_unique, ref_mode=int(ref_mode), ref_width=int(width))
         packed = ops.pack_refs(raw_ids, n_unique, int(ref_mode))
         return _Encoded(MODE_LZ, [header, packed, raw_bits[raw_first]], n_unique=n_unique)
@@ -477,7 +480,7 @@ def _encode_block(
         every_row = np.arange(rows, dtype=np.int32)
         sections = _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None)
         return _Encoded(MODE_QUANT, sections, max_err, rows, n_esc)
-    ref_mode = int(sm.refs(rows, n_unique_quantized)[0])
+    ref_mode = int(refs_packing(rows, n_unique_quantized)[0])
     refs = (ops.pack_refs(ids, n_unique_quantized, ref_mode), ref_mode)
     sections = _quantized_sections(ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs)
     return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique_quantized, n_esc_u)
@@ -704,11 +707,11 @@ def compress(
 
 
 def _decode_refs(r: Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
-    if not 1 <= n_unique <= rows or width != vector_lz.ref_width(n_unique):
+    if not 1 <= n_unique <= rows or width != ref_width(n_unique):
         raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
         raise r.fail(f"unknown reference packing {ref_mode}")
-    words = r.take(words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode)), "references")
+    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), "references")
     ids = np.empty(rows, dtype=np.int32)
     if vector_lz.unpack_refs_kernel(words, rows, n_unique, ref_mode, width, ids) != 0:
         raise r.fail("vector references out of range")
