@@ -46,10 +46,12 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    SEGMENT_HEADER,
     SYMBOL_OFFSET,
     VERSION,
     checksum_words,
     refs_packing,
+    words_for_bytes,
 )
 from torchrec_lossy.config import CodecConfig
 
@@ -269,8 +271,10 @@ def _emit_kernel(
             pos += _put_rows(out, pos, blk_bits, every_row[r0 : r0 + n_rows], dim, isz)
         elif m == MODE_LZ:
             nu = nu_r[b]
-            out[pos + 2] = nu
-            out[pos + 7] = (ref_mode[b] << 8) | (ref_width[b] << 16)
+            hdr = np.zeros(1, SEGMENT_HEADER)  # the format's record: unnamed fields are 0
+            h = hdr[0]
+            h["n_unique"], h["ref_mode"], h["ref_width"] = nu, ref_mode[b], ref_width[b]
+            out[pos : pos + _SEG_WORDS] = hdr.view(np.uint32)
             pos += _SEG_WORDS
             pos += vector_lz.pack_refs_into(ids_r[r0 : r0 + n_rows], nu, ref_mode[b], out[pos:])
             pos += _put_rows(out, pos, blk_bits, first_r[r0 : r0 + nu], dim, isz)
@@ -296,20 +300,19 @@ def _emit_kernel(
             )
             n_sym = n_sent * dim
             n_chunks = (n_sym + chunk - 1) // chunk
-            out[pos] = np.float32(step[b]).view(np.uint32)
-            out[pos + 1] = np.uint32(np.int64(center[b]) & 0xFFFFFFFF)
-            out[pos + 2] = n_sent
-            out[pos + 3] = n_esc
-            out[pos + 4] = chunk
-            out[pos + 5] = n_chunks
-            out[pos + 6] = lo | (count << 16)
-            out[pos + 7] = esc_len | (ref_mode[b] << 8) | (ref_width[b] << 16)
+            hdr = np.zeros(1, SEGMENT_HEADER)
+            h = hdr[0]
+            h["step"], h["center"], h["n_unique"] = step[b], center[b], n_sent
+            h["n_escapes"], h["chunk_symbols"], h["n_chunks"] = n_esc, chunk, n_chunks
+            h["sym_lo"], h["sym_count"], h["escape_length"] = lo, count, esc_len
+            h["ref_mode"], h["ref_width"] = ref_mode[b], ref_width[b]
+            out[pos : pos + _SEG_WORDS] = hdr.view(np.uint32)
             pos += _SEG_WORDS
-            for k in range(count):  # the codebook: 4-bit lengths, low nibble first
-                byte = k >> 1
-                nib = np.uint32(lengths[lo - base + k]) << np.uint32(4 * (k & 1))
-                out[pos + (byte >> 2)] |= nib << np.uint32(8 * (byte & 3))
-            pos += (((count + 1) // 2) + 3) // 4
+            nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
+            out[pos : pos + words_for_bytes(nibbles.shape[0])].view(np.uint8)[
+                : nibbles.shape[0]
+            ] = nibbles
+            pos += words_for_bytes(nibbles.shape[0])
             if lz:
                 pos += vector_lz.pack_refs_into(
                     ids_q[r0 : r0 + n_rows], n_sent, ref_mode[b], out[pos:]
