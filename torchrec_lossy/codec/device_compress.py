@@ -68,7 +68,6 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
-    SYMBOL_OFFSET,
     VERSION,
     refs_packing,
     words_for_bits,
@@ -174,7 +173,6 @@ class _HostTables:
         step = np.zeros(b, np.float32)
         inv_step = np.zeros(b, np.float32)
         quant_try = np.zeros(b, np.int64)
-        span = np.zeros(b, np.float64)
         stochastic = config.rounding == "stochastic"
         self.grid_factor = quantize.grid_bound(1.0, stochastic)  # grid bound / bound
         sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
@@ -193,7 +191,6 @@ class _HostTables:
             s, inv, _, ok = quantize.quant_params_kernel(grid, 0.0)
             if ok:
                 step[i], inv_step[i], quant_try[i] = s, inv, 1
-            span[i] = 2 * SYMBOL_OFFSET * min(2.0 * grid, _FLT_MAX)
         self.quant_try = quant_try
         lz_allowed = np.array([config.enable_lz and r > 1 for r in self.rows], dtype=np.int64)
         raw_words = (self.numel * self.itemsize + 3) // 4
@@ -238,7 +235,6 @@ class _HostTables:
             "step_bits": step.view(np.int32).astype(np.int64),
             "inv_step_bits": inv_step.view(np.int32).astype(np.int64),
             "bound_bits": bound_bits,
-            "span_bits": span.view(np.int64),
             "quant_try": quant_try,
             "sr_key": self.sr_key,
             "relative": rel,
@@ -426,7 +422,6 @@ def _compress(
     bound = t["bound_bits"].view(torch.float64)
     step = t["step_bits"].to(torch.int32).view(torch.float32)
     inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
-    span_limit = t["span_bits"].view(torch.float64)
     quant_try = t["quant_try"] == 1
     if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
         rel = t["relative"] == 1
@@ -435,12 +430,9 @@ def _compress(
         r_step, r_inv, r_ok = _device_quant_params(grid)
         step = torch.where(rel, r_step, step)
         inv_step = torch.where(rel, r_inv, inv_step)
-        span_limit = torch.where(
-            rel, 2 * SYMBOL_OFFSET * (2.0 * grid).clamp(max=_FLT_MAX), span_limit
-        )
         quant_try = torch.where(rel, quant_try & r_ok & (eb > 0), quant_try)
         bound = eb
-    narrow = (hi64 - lo64) <= span_limit
+    narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
     # Median of the finite values (np.median: the middle one, or the mean of the middle two).
     keyed = torch.where(finite, x, math.inf)
     order = torch.argsort(keyed, stable=True)

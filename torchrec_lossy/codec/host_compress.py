@@ -47,7 +47,6 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
-    SYMBOL_OFFSET,
     VERSION,
     checksum_words,
     refs_packing,
@@ -56,7 +55,6 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.config import CodecConfig
 
 _SEG_WORDS = sm.SEGMENT_HEADER_WORDS
-_FLT_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -422,7 +420,7 @@ def _compress_kernel(
         grid[b] = grid_scale * bnd[b]
         if np.isnan(lo[b]):
             continue
-        if (hi[b] - lo[b]) <= 2 * SYMBOL_OFFSET * min(2.0 * grid[b], _FLT_MAX):
+        if quantize.midpoint_fits(lo[b], hi[b], grid[b]):
             mid[b] = 0.5 * (lo[b] + hi[b])
         elif wanted[b]:  # outliers: the median of the block's finite values
             v = x[elem_off[b] : elem_off[b + 1]]
