@@ -90,12 +90,9 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = MASK32
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 
-# Device-to-host transfers made by compress_device (tests read it; see _host).
-host_transfers = 0
-
 
 def _host(t: torch.Tensor) -> list[int]:
-    """The one device-to-host transfer of a compress (counted in ``host_transfers``).
+    """The one device-to-host transfer of a compress (counted as ``host_sync``'s "compress").
 
     Args:
         t: 1-D int64 tensor on the device.
@@ -103,9 +100,7 @@ def _host(t: torch.Tensor) -> list[int]:
     Returns:
         Its values.
     """
-    global host_transfers
-    host_transfers += 1
-    return host_sync.to_host(t).tolist()
+    return host_sync.to_host(t, "compress").tolist()
 
 
 def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
