@@ -125,6 +125,42 @@ class BlockColumns:
         return [BlockStats(*row) for row in zip(*fields, strict=True)]
 
     @staticmethod
+    def assemble(
+        shape: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        mode: Sequence[int],
+        seg_words: Sequence[int],
+        bound: Sequence[float],
+        max_error: Sequence[float],
+        sent: tuple[Sequence[int], Sequence[int]],
+    ) -> BlockColumns:
+        """The columns from an encoder's per-block results: the one place every backend's
+        stats are derived (sizes, mode names) from what it wrote.
+
+        Args:
+            shape: (rows, columns, bytes per element) of each block.
+            mode: Mode of each block (``MODE_*``).
+            seg_words: Segment words of each block.
+            bound: Absolute error bound of each block.
+            max_error: Max error of each block (0 for lossless modes).
+            sent: (distinct vectors sent, escaped elements) of each block.
+
+        Returns:
+            The columns (Python ints and floats).
+        """
+        rows, dim, itemsize = (np.asarray(v, dtype=np.int64) for v in shape)
+        return BlockColumns(
+            rows=rows.tolist(),
+            dim=dim.tolist(),
+            raw_bytes=(rows * dim * itemsize).tolist(),
+            wire_bytes=(DESCRIPTOR.itemsize + 4 * np.asarray(seg_words, np.int64)).tolist(),
+            mode=[MODE_NAMES[m] for m in np.asarray(mode).tolist()],
+            bound=np.asarray(bound, np.float64).tolist(),
+            max_error=np.asarray(max_error, np.float64).tolist(),
+            n_unique=np.asarray(sent[0], np.int64).tolist(),
+            n_escapes=np.asarray(sent[1], np.int64).tolist(),
+        )
+
+    @staticmethod
     def of(stats: Sequence[BlockStats]) -> BlockColumns:
         """The columns of ``stats``.
 

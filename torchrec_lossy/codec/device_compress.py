@@ -48,6 +48,7 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
     MASK32,
+    BlockColumns,
     BlockStats,
     pack_records,
     segment_checksums,
@@ -63,7 +64,6 @@ from torchrec_lossy.codec.format import (
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
@@ -808,20 +808,9 @@ class PendingCompress:
         skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
         errs = h[4].view(np.float64)
         bounds_used = h[5].view(np.float64)
-        stats = [
-            BlockStats(
-                rows=int(ht.rows[i]),
-                dim=int(ht.dim[i]),
-                raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
-                wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
-                mode=MODE_NAMES[int(h[0, i])],
-                bound=float(bounds_used[i]),
-                max_error=float(errs[i]),
-                n_unique=int(h[1, i]),
-                n_escapes=int(h[2, i]),
-            )
-            for i in range(nb)
-        ]
+        stats = BlockColumns.assemble(
+            (ht.rows, ht.dim, ht.itemsize), h[0], h[3], bounds_used, errs, (h[1], h[2])
+        ).stats()
         payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
         per_group = []
         at = 0

@@ -42,7 +42,6 @@ from torchrec_lossy.codec.format import (
     HEADER,
     MAGIC,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
@@ -110,22 +109,11 @@ class BatchEncoded:
         Returns:
             The columns, in block order.
         """
-        rows, dims = self.rows, self.dims
-        modes, seg_words, n_unique, n_escapes = self.per_block.tolist()
-        return BlockColumns(
-            rows=rows,
-            dim=dims,
-            raw_bytes=[
-                r * d * CODE_DTYPES[c].itemsize
-                for r, d, c in zip(rows, dims, self.dtype_codes, strict=True)
-            ],
-            wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in seg_words],
-            mode=[MODE_NAMES[m] for m in modes],
-            bound=self.bounds.tolist(),
-            max_error=self.max_error.tolist(),
-            n_unique=n_unique,
-            n_escapes=n_escapes,
-        )
+        itemsize = [CODE_DTYPES[c].itemsize for c in self.dtype_codes]
+        return BlockColumns.assemble(
+            (self.rows, self.dims, itemsize), self.mode, self.seg_words, self.bounds,
+            self.max_error, (self.n_unique, self.n_escapes),
+        )  # fmt: skip
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:

@@ -49,7 +49,6 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
@@ -599,31 +598,35 @@ def compress_with_stats(
         ]
         segments = [[_as_bytes(s) for s in e.sections] for e in encoded]
         desc = np.zeros(len(blocks), DESCRIPTOR)
-        stats = []
-        for i, (b, e, segs) in enumerate(zip(blocks, encoded, segments, strict=True)):
-            seg_bytes = sum(s.shape[0] for s in segs)
+        seg_words = [sum(s.shape[0] for s in segs) // 4 for segs in segments]
+        for i, (b, e) in enumerate(zip(blocks, encoded, strict=True)):
             desc[i] = (
                 b.shape[0],
                 b.shape[1],
                 DTYPE_CODES[b.dtype],
                 e.mode,
                 0,
-                seg_bytes // 4,
+                seg_words[i],
                 bounds[i],
             )
-            stats.append(
-                BlockStats(
-                    rows=b.shape[0],
-                    dim=b.shape[1],
-                    raw_bytes=b.numel() * b.element_size(),
-                    wire_bytes=DESCRIPTOR.itemsize + seg_bytes,
-                    mode=MODE_NAMES[e.mode],
-                    bound=bounds[i],
-                    max_error=e.max_error,
-                    n_unique=e.n_unique if e.mode != MODE_RAW else b.shape[0],
-                    n_escapes=e.n_escapes,
-                )
-            )
+        stats = BlockColumns.assemble(
+            (
+                [b.shape[0] for b in blocks],
+                [b.shape[1] for b in blocks],
+                [b.element_size() for b in blocks],
+            ),
+            [e.mode for e in encoded],
+            seg_words,
+            bounds,
+            [e.max_error for e in encoded],
+            (
+                [
+                    e.n_unique if e.mode != MODE_RAW else b.shape[0]
+                    for b, e in zip(blocks, encoded, strict=True)
+                ],
+                [e.n_escapes for e in encoded],
+            ),
+        ).stats()
         body = np.concatenate([desc.view(np.uint8)] + [s for segs in segments for s in segs])
         payload = torch.from_numpy(np.concatenate([host_header(len(blocks), body), body]))
     return payload.to(device), stats
