@@ -21,12 +21,16 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.container import DESCRIPTOR_WORDS, HEADER_WORDS
+from torchrec_lossy.codec.container import (
+    DESCRIPTOR_WORDS,
+    HEADER_OK,
+    HEADER_WORDS,
+    check_header,
+)
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
     ESCAPE_SYMBOL,
-    MAGIC,
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
@@ -34,8 +38,6 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
-    VERSION,
-    checksum_words,
     ref_width,
     refs_bits,
     words_for_bits,
@@ -304,42 +306,6 @@ def _decode_segment(
 
 
 @numba.njit(cache=True, nogil=True)
-def _payload_blocks(words: np.ndarray, base: int, n_bytes: int, max_elements: int) -> int:
-    """Blocks of the payload at word ``base``, or -1 where ``container.parse_header`` raises
-    (the same checks: header, checksum, descriptors, segment lengths, the element limit)."""
-    if n_bytes < HEADER_WORDS * 4:
-        return -1
-    if words[base] != MAGIC or (words[base + 1] & 0xFFFF) != VERSION:
-        return -1
-    body_words = np.uint64(words[base + 4]) | (np.uint64(words[base + 5]) << np.uint64(32))
-    if (n_bytes - HEADER_WORDS * 4) % 4 or body_words != np.uint64(n_bytes // 4 - HEADER_WORDS):
-        return -1
-    body = words[base + HEADER_WORDS : base + n_bytes // 4]
-    check = np.uint64(words[base + 6]) | (np.uint64(words[base + 7]) << np.uint64(32))
-    if checksum_words(body) != check:
-        return -1
-    n_blocks = np.int64(words[base + 2])
-    desc_words = n_blocks * DESCRIPTOR_WORDS
-    if desc_words > body.shape[0]:
-        return -1
-    total = 0
-    seg_total = 0
-    for b in range(n_blocks):
-        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
-        seg_total += np.int64(d[3])
-        if (d[2] & 0xFF) not in (1, 2, 3) or ((d[2] >> 8) & 0xFF) > MODE_QUANT_LZ:
-            return -1
-        rows = np.int64(d[0])
-        dim = max(np.int64(d[1]), 1)
-        if rows > (max_elements - total) // dim:  # total + rows * dim > max_elements, no wrap
-            return -1
-        total += rows * dim
-    if seg_total != body.shape[0] - desc_words:
-        return -1
-    return n_blocks
-
-
-@numba.njit(cache=True, nogil=True)
 def _decode_payloads_kernel(
     words: np.ndarray, groups: np.ndarray, max_elements: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -358,7 +324,8 @@ def _decode_payloads_kernel(
     group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     for g in range(n_groups):
-        n_of[g] = _payload_blocks(words, group_base[g], group_bytes[g], max_elements)
+        status, n = check_header(words, group_base[g], group_bytes[g], max_elements, True)
+        n_of[g] = n if status == HEADER_OK else -1
     first = np.zeros(n_groups + 1, np.int64)
     for g in range(n_groups):
         first[g + 1] = first[g] + max(n_of[g], 0)
