@@ -30,17 +30,10 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
-    ESCAPE_SYMBOL,
-    MAX_CENTER,
-    MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_QUANT_LZ,
     MODE_RAW,
-    REFS_FIXED,
-    REFS_FLAGGED,
-    ref_width,
-    refs_bits,
-    words_for_bits,
+    SEGMENT_HEADER,
+    segment_layout,
 )
 
 _SEG_WORDS = sm.SEGMENT_HEADER_WORDS
@@ -52,22 +45,18 @@ _FALL_BACK = 1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _refs(
-    words: np.ndarray, pos: int, end: int, rows: int, n_unique: int, ref_mode: int, width: int,
-    ids: np.ndarray,
-) -> int:  # fmt: skip
-    """Unpacks a segment's vector references at word ``pos``; -> the next word, -1 if corrupt."""
-    if n_unique < 1 or n_unique > rows or width != ref_width(n_unique):
-        return -1
-    if ref_mode != REFS_FIXED and ref_mode != REFS_FLAGGED:
-        return -1
-    n_words = words_for_bits(refs_bits(rows, n_unique, ref_mode))
-    if pos + n_words > end:
-        return -1
-    if vector_lz.unpack_refs_kernel(words[pos : pos + n_words], rows, n_unique, ref_mode, width,
-                                    ids) != 0:  # fmt: skip
-        return -1
-    return pos + n_words
+def _header_fields(words: np.ndarray, s: int, mode: int) -> tuple:
+    """The segment header at word ``s`` as ``format.segment_layout`` takes it (zeros for raw)."""
+    if mode == MODE_RAW:
+        z = np.int64(0)
+        return np.float32(0.0), z, z, z, z, z, z, z, z, z, z
+    h = words[s : s + _SEG_WORDS].view(SEGMENT_HEADER)[0]
+    return (
+        np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
+        np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
+        np.int64(h["sym_lo"]), np.int64(h["sym_count"]), np.int64(h["escape_length"]),
+        np.int64(h["ref_mode"]), np.int64(h["ref_width"]),
+    )  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -155,14 +144,14 @@ def _huffman_values(
 
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
-    words: np.ndarray, halves: np.ndarray, floats: np.ndarray, s: int, end: int, n_rows: int,
+    words: np.ndarray, halves: np.ndarray, s: int, end: int, n_rows: int,
     dim: int, isz: int, dtype_code: int, m: int, o: int, out32: np.ndarray, out32f: np.ndarray,
     out16: np.ndarray, ids: np.ndarray, symbols: np.ndarray, values: np.ndarray,
     halves_out: np.ndarray, compact: np.ndarray, vtable: np.ndarray, vtable16: np.ndarray,
 ) -> int:  # fmt: skip
     """Decodes one block's segment ``words[s:end]`` into ``out32`` / ``out16`` at ``o``.
 
-    ``words`` / ``halves`` / ``floats`` are views of one buffer (uint32, uint16, float32);
+    ``words`` / ``halves`` are views of one buffer (uint32, uint16);
     ``out32f`` is the float32 view of ``out32``. Every check of ``pipeline``'s per-block
     decoder is made: a block that fails one is ``_FALL_BACK``, left for that decoder to name
     the error, as is a float16 quantized block. ``ids``, ``symbols``, ``values`` (float32) and
@@ -175,10 +164,16 @@ def _decode_segment(
     """
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
+    if m != MODE_RAW and end - s < _SEG_WORDS:
+        return _FALL_BACK
+    header = _header_fields(words, s, m)
+    ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
+        (m, n_rows, dim, isz, end - s), header
+    )
+    if not ok:
+        return _FALL_BACK
     if m == MODE_RAW:
         numel = n_rows * dim
-        if s + (numel * isz + 3) // 4 != end:
-            return _FALL_BACK
         if isz == 4:
             dst = out32[o : o + numel]
             for k in range(numel):
@@ -188,17 +183,14 @@ def _decode_segment(
             for k in range(numel):
                 out16[o + k] = halves[h + k]
         return _DECODED
-    if end - s < _SEG_WORDS:
+    step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
+    lz = (m & 1) == 1  # the vector-LZ bit
+    ref_at = s + _SEG_WORDS + (0 if m == MODE_LZ else cb_words)
+    if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
+                                           ref_mode, width, ids) != 0:  # fmt: skip
         return _FALL_BACK
-    n_unique = np.int64(words[s + 2])
-    w7 = np.int64(words[s + 7])
-    ref_mode = (w7 >> 8) & 0xFF
-    width = (w7 >> 16) & 0xFF
-    pos = s + _SEG_WORDS
     if m == MODE_LZ:
-        pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
-        if pos < 0 or pos + (n_unique * dim * isz + 3) // 4 != end:
-            return _FALL_BACK
+        pos = ref_at + ref_words
         for r in range(n_rows):
             u = np.int64(ids[r])
             if isz == 4:
@@ -211,46 +203,20 @@ def _decode_segment(
                 for j in range(dim):
                     out16[o + r * dim + j] = halves[h + j]
         return _DECODED
-    step = floats[s]
-    center = np.int64(np.int32(words[s + 1]))
-    n_esc = np.int64(words[s + 3])
-    chunk = np.int64(words[s + 4])
-    n_chunks = np.int64(words[s + 5])
-    lo = np.int64(words[s + 6]) & 0xFFFF
-    count = np.int64(words[s + 6]) >> 16
-    esc_len = w7 & 0xFF
-    if (
-        dtype_code == 2
-        or not (np.isfinite(step) and step > 0 and abs(center) <= MAX_CENTER)
-        or lo + count > ESCAPE_SYMBOL
-        or esc_len > MAX_CODE_LENGTH
-    ):
-        return _FALL_BACK
-    n_nib = (count + 1) // 2
-    if pos + (n_nib + 3) // 4 > end:
+    if dtype_code == 2:
         return _FALL_BACK
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
-    nibbles = words[pos : pos + (n_nib + 3) // 4].view(np.uint8)
+    nibbles = words[s + _SEG_WORDS : s + _SEG_WORDS + cb_words].view(np.uint8)
     for k in range(count):
         nib = nibbles[k >> 1]
         compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
     compact[count] = esc_len
-    pos += (n_nib + 3) // 4
-    lz = m == MODE_QUANT_LZ
-    if lz:
-        pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
-    elif n_unique != n_rows:
-        pos = -1
-    n_sym = n_unique * dim
-    if pos < 0 or n_esc > n_sym or chunk < 1 or n_chunks != (n_sym + chunk - 1) // chunk:
-        return _FALL_BACK
-    esc_at = pos
+    n_sym = nu * dim
+    esc_at += s
     esc_bits_at = esc_at + n_esc
-    ends_at = esc_bits_at + (n_esc * isz + 3) // 4
-    if ends_at + n_chunks > end:
-        return _FALL_BACK
-    bits_at = ends_at + n_chunks
+    ends_at = s + ct_at
+    bits_at = s + bs_at
     stream = words[bits_at:end]
     chunk_ends = words[ends_at:bits_at]
     code = compact[: count + 1]
@@ -368,14 +334,13 @@ def _decode_payloads_kernel(
     vtable = np.empty(ALPHABET_SIZE, np.float32)
     vtable16 = np.empty(ALPHABET_SIZE, np.uint16)
     halves = words.view(np.uint16)
-    floats = words.view(np.float32)
     out32f = out32.view(np.float32)
     for g in range(n_groups):
         for b in range(first[g], first[g + 1]):
             code = table[2, b]
             modes = words[group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS + 2]
             table[4, b] = _decode_segment(
-                words, halves, floats, seg[0, b], seg[1, b], table[0, b], table[1, b],
+                words, halves, seg[0, b], seg[1, b], table[0, b], table[1, b],
                 4 if code == 1 else 2, code, np.int64((modes >> 8) & 0xFF), table[3, b], out32,
                 out32f, out16, ids, symbols, values, halves_out, compact, vtable, vtable16,
             )  # fmt: skip
