@@ -29,6 +29,7 @@ from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DESCRIPTOR,
     HEADER,
+    HEADER_WORDS,
     MAX_CODE_LENGTH,
     SEGMENT_HEADER,
 )
@@ -614,7 +615,7 @@ def test_larger_blocks_decode_like_cpu(dtype: torch.dtype) -> None:
 
 def test_header_view_is_the_header() -> None:
     """The decoder reads the header the format module defines (a guard for the layout)."""
-    assert HEADER.itemsize == 32 and dd._HEADER_WORDS == 8
+    assert HEADER.itemsize == 32 and dd.HEADER_WORDS == HEADER_WORDS == 8
 
 
 @pytest.mark.slow

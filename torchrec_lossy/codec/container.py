@@ -18,13 +18,15 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec.elementwise import jitable
-from torchrec_lossy.codec.format import (
+from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     CODE_DTYPES,
     DESCRIPTOR,
+    DESCRIPTOR_WORDS,
     HEADER,
+    HEADER_WORDS,
     MAGIC,
     MODE_NAMES,
-    SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     CodecError,
     checksum_words,
@@ -34,8 +36,6 @@ from torchrec_lossy.codec.format import (
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
 # be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
 DEFAULT_MAX_ELEMENTS = 1 << 28
-HEADER_WORDS = HEADER.itemsize // 4
-DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
 MASK32 = 0xFFFFFFFF
 
 
@@ -270,8 +270,6 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Skeletons: the words a decoder's layout depends on.
-
-SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
 def upload(

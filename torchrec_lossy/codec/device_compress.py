@@ -68,6 +68,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     refs_packing,
     words_for_bits,
@@ -82,9 +83,6 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.common import block_for
 
 _A = ALPHABET_SIZE
-_SEG = sm.SEGMENT_HEADER_WORDS  # segment header words
-_DESC = DESCRIPTOR_WORDS  # descriptor words
-_HEAD = HEADER_WORDS  # payload header words
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = MASK32
@@ -205,7 +203,7 @@ class _HostTables:
         # Worst-case segment of every block: the largest of its modes' worst cases.
         refs_max = (self.rows * 33 + 31) // 32
         quant_max = (
-            _SEG
+            SEGMENT_HEADER_WORDS
             + 512
             + refs_max
             + self.numel
@@ -213,10 +211,10 @@ class _HostTables:
             + 2 * slots
             + (self.numel * MAX_CODE_LENGTH + 31) // 32
         )
-        seg_max = np.maximum(raw_words, _SEG + refs_max + raw_words)
+        seg_max = np.maximum(raw_words, SEGMENT_HEADER_WORDS + refs_max + raw_words)
         seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
         self.n_groups = len(group_sizes)
-        self.body_max = _DESC * b + int(seg_max.sum()) + _HEAD * self.n_groups
+        self.body_max = DESCRIPTOR_WORDS * b + int(seg_max.sum()) + HEADER_WORDS * self.n_groups
         group = np.repeat(np.arange(self.n_groups, dtype=np.int64), sizes)
         bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
         mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
@@ -567,7 +565,7 @@ def _compress(
     seg_words = torch.where(
         mode == MODE_RAW,
         t["raw_words"],
-        _SEG
+        SEGMENT_HEADER_WORDS
         + refs_words
         + uniq_words
         + nib_words
@@ -580,15 +578,19 @@ def _compress(
     ng = ht.n_groups
     group, local, group_blocks = t["group"], t["local"], t["group_blocks"]
     group_segs = torch.zeros(ng, dtype=i64, device=dev).index_add_(0, group, seg_words)
-    body_words = _DESC * group_blocks + group_segs  # per payload
-    payload_words = _HEAD + body_words
+    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs  # per payload
+    payload_words = HEADER_WORDS + body_words
     payload_base = torch.cumsum(payload_words, 0) - payload_words
     seg_excl = torch.cumsum(seg_words, 0) - seg_words
     group_seg_base = torch.cumsum(group_segs, 0) - group_segs  # segments before the group
     seg_start = (
-        payload_base[group] + _HEAD + _DESC * group_blocks[group] + seg_excl - group_seg_base[group]
+        payload_base[group]
+        + HEADER_WORDS
+        + DESCRIPTOR_WORDS * group_blocks[group]
+        + seg_excl
+        - group_seg_base[group]
     )  # buffer words
-    refs_at = seg_start + _SEG + nib_words
+    refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
     uniq_at = refs_at + refs_words
     escp_at = refs_at + refs_words
     escb_at = escp_at + n_escapes
@@ -600,7 +602,9 @@ def _compress(
     # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
     # serialise them on one address.
     buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
-    n_lanes = max(n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, _SEG * nb)
+    n_lanes = max(
+        n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, SEGMENT_HEADER_WORDS * nb
+    )
     trash = total_max + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
 
     def put(dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
@@ -634,10 +638,11 @@ def _compress(
     )
     put(
         (
-            (payload_base[group] + _HEAD + _DESC * local)[:, None] + torch.arange(_DESC, device=dev)
+            (payload_base[group] + HEADER_WORDS + DESCRIPTOR_WORDS * local)[:, None]
+            + torch.arange(DESCRIPTOR_WORDS, device=dev)
         ).reshape(-1),
         desc.reshape(-1),
-        torch.ones(_DESC * nb, dtype=torch.bool, device=dev),
+        torch.ones(DESCRIPTOR_WORDS * nb, dtype=torch.bool, device=dev),
     )
     # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
     esc_length = lengths_sel[:, ESCAPE_SYMBOL]
@@ -658,15 +663,15 @@ def _compress(
         },
     )
     put(
-        (seg_start[:, None] + torch.arange(_SEG, device=dev)).reshape(-1),
+        (seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev)).reshape(-1),
         seg_hdr.reshape(-1),
-        (mode != MODE_RAW)[:, None].expand(nb, _SEG).reshape(-1),
+        (mode != MODE_RAW)[:, None].expand(nb, SEGMENT_HEADER_WORDS).reshape(-1),
     )
     # Codebook nibbles: lengths of symbols sym_lo .., low nibble first.
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = lengths_sel.gather(1, (lo_sel[:, None] + k).clamp(max=_A - 1)) << (4 * (k % 8))
     put(
-        (seg_start[:, None] + _SEG + k // 8).reshape(-1),
+        (seg_start[:, None] + SEGMENT_HEADER_WORDS + k // 8).reshape(-1),
         nib.reshape(-1),
         (k[None, :] < count_sel[:, None]).reshape(-1),
     )
@@ -722,11 +727,13 @@ def _compress(
             "version": VERSION,
             "n_blocks": group_blocks,
             "body_words": body_words,
-            "checksum": segment_checksums(buf, payload_base + _HEAD, body_words),
+            "checksum": segment_checksums(buf, payload_base + HEADER_WORDS, body_words),
         },
     )
     # Tensor-indexed writes (no host tensor is built, no sync).
-    buf[(payload_base[:, None] + torch.arange(_HEAD, device=dev)).reshape(-1)] = header.reshape(-1)
+    buf[(payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)] = (
+        header.reshape(-1)
+    )
     words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
@@ -802,8 +809,7 @@ class PendingCompress:
         h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
         skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
         skel_sizes = [
-            HEADER_WORDS + (DESCRIPTOR_WORDS + sm.SEGMENT_HEADER_WORDS) * n
-            for n in self.group_sizes
+            HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n for n in self.group_sizes
         ]
         skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
         errs = h[4].view(np.float64)

@@ -63,13 +63,12 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     CodecError,
     segment_layout,
     words_for_bytes,
 )
 
-_HEADER_WORDS = HEADER_WORDS
-_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 # Per-block fields the kernels read (int64 each), uploaded together.
 _FIELDS = (
     "rows",
@@ -171,7 +170,7 @@ def _layout(
     itemsize = np.where(dtype == 1, 4, 2)
     raw, lz, quant = mode == MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
     # Segment headers, read in place (garbage for raw or short segments, which never use them).
-    idx = np.minimum(start[:, None] + np.arange(_SEGMENT_HEADER_WORDS), body.shape[0] - 1)
+    idx = np.minimum(start[:, None] + np.arange(SEGMENT_HEADER_WORDS), body.shape[0] - 1)
     sh = np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(n_blocks)
     step = sh["step"]
     fields = [sh[name].astype(np.int64) for name in SEGMENT_HEADER.names[1:11]]
@@ -181,9 +180,9 @@ def _layout(
     )
     if not ok.all():
         return None
-    head = _SEGMENT_HEADER_WORDS
+    head = SEGMENT_HEADER_WORDS
     n_sym = nu * dim
-    base = _HEADER_WORDS + start  # segment starts, in payload words
+    base = HEADER_WORDS + start  # segment starts, in payload words
     zero = np.zeros(n_blocks, dtype=np.int64)
     n_out = rows * dim
     out_words = words_for_bytes(n_out * itemsize)

@@ -106,7 +106,10 @@ SEGMENT_HEADER = np.dtype(
     ]
 )
 assert HEADER.itemsize == 32 and DESCRIPTOR.itemsize == 24 and SEGMENT_HEADER.itemsize == 32
-_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
+# Words of each record (every section of a payload is word-aligned).
+HEADER_WORDS = HEADER.itemsize // 4
+DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
+SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
 class CodecError(ValueError):
@@ -234,7 +237,7 @@ def segment_layout(desc: tuple, header: tuple) -> tuple:
     mode, rows, dim, itemsize, seg = desc
     step, center, n_unique, n_esc, chunk_symbols, n_chunks, lo, count, esc_len = header[:9]
     ref_mode, width = header[9], header[10]
-    head = _SEGMENT_HEADER_WORDS
+    head = SEGMENT_HEADER_WORDS
     lz = (mode & 1) == 1
     nu_ok = (n_unique >= 1) & (n_unique <= rows)
     nu = where(lz & nu_ok, n_unique, rows)  # clipped, so the sizes below stay small

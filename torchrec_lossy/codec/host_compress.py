@@ -46,14 +46,13 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     checksum_words,
     refs_packing,
     words_for_bytes,
 )
 from torchrec_lossy.config import CodecConfig
-
-_SEG_WORDS = sm.SEGMENT_HEADER_WORDS
 
 
 @dataclass(frozen=True)
@@ -260,8 +259,8 @@ def _emit_kernel(
             hdr = np.zeros(1, SEGMENT_HEADER)  # the format's record: unnamed fields are 0
             h = hdr[0]
             h["n_unique"], h["ref_mode"], h["ref_width"] = nu, ref_mode[b], ref_width[b]
-            out[pos : pos + _SEG_WORDS] = hdr.view(np.uint32)
-            pos += _SEG_WORDS
+            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+            pos += SEGMENT_HEADER_WORDS
             pos += vector_lz.pack_refs_into(ids_r[r0 : r0 + n_rows], nu, ref_mode[b], out[pos:])
             pos += _put_rows(out, pos, blk_bits, first_r[r0 : r0 + nu], dim, isz)
         else:
@@ -292,8 +291,8 @@ def _emit_kernel(
             h["n_escapes"], h["chunk_symbols"], h["n_chunks"] = n_esc, chunk, n_chunks
             h["sym_lo"], h["sym_count"], h["escape_length"] = lo, count, esc_len
             h["ref_mode"], h["ref_width"] = ref_mode[b], ref_width[b]
-            out[pos : pos + _SEG_WORDS] = hdr.view(np.uint32)
-            pos += _SEG_WORDS
+            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+            pos += SEGMENT_HEADER_WORDS
             nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
             out[pos : pos + words_for_bytes(nibbles.shape[0])].view(np.uint8)[
                 : nibbles.shape[0]

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
-from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_OK,
@@ -33,10 +32,9 @@ from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     segment_layout,
 )
-
-_SEG_WORDS = sm.SEGMENT_HEADER_WORDS
 
 # Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
 # segment, whose exact error that decoder names, or a float16 quantized block).
@@ -50,7 +48,7 @@ def _header_fields(words: np.ndarray, s: int, mode: int) -> tuple:
     if mode == MODE_RAW:
         z = np.int64(0)
         return np.float32(0.0), z, z, z, z, z, z, z, z, z, z
-    h = words[s : s + _SEG_WORDS].view(SEGMENT_HEADER)[0]
+    h = words[s : s + SEGMENT_HEADER_WORDS].view(SEGMENT_HEADER)[0]
     return (
         np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
         np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
@@ -164,7 +162,7 @@ def _decode_segment(
     """
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
-    if m != MODE_RAW and end - s < _SEG_WORDS:
+    if m != MODE_RAW and end - s < SEGMENT_HEADER_WORDS:
         return _FALL_BACK
     header = _header_fields(words, s, m)
     ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
@@ -185,7 +183,7 @@ def _decode_segment(
         return _DECODED
     step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
-    ref_at = s + _SEG_WORDS + (0 if m == MODE_LZ else cb_words)
+    ref_at = s + SEGMENT_HEADER_WORDS + (0 if m == MODE_LZ else cb_words)
     if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
                                            ref_mode, width, ids) != 0:  # fmt: skip
         return _FALL_BACK
@@ -207,7 +205,7 @@ def _decode_segment(
         return _FALL_BACK
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
-    nibbles = words[s + _SEG_WORDS : s + _SEG_WORDS + cb_words].view(np.uint8)
+    nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
     for k in range(count):
         nib = nibbles[k >> 1]
         compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)

@@ -55,6 +55,7 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     CodecError,
     ref_width,
     refs_bits,
@@ -80,7 +81,6 @@ __all__ = [
     "on_device",
     "validate_inputs",
 ]
-_SEGMENT_HEADER_WORDS = sm.SEGMENT_HEADER_WORDS
 
 
 class StageOps(Protocol):
@@ -735,7 +735,7 @@ def _decode_block(
         raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    header = r.take(_SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
+    header = r.take(SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
     step, center, n_unique, n_esc, chunk_symbols, n_chunks = header[:6]
     lo, count, esc_len, ref_mode, width = header[6:11]
     if mode == MODE_LZ:

@@ -15,13 +15,13 @@ so far, so the host path can skip its dedupe.
 
 from __future__ import annotations
 
-from torchrec_lossy.codec.container import SEGMENT_HEADER_WORDS
 from torchrec_lossy.codec.elementwise import N, jitable, where
 from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    SEGMENT_HEADER_WORDS,
     refs_packing,
     words_for_bits,
     words_for_bytes,
