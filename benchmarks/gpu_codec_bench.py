@@ -54,8 +54,13 @@ class _Block:
     def __init__(self, block: torch.Tensor, bound: float, chunk: int, dev: torch.device) -> None:
         from torchrec_lossy.codec import huffman
         from torchrec_lossy.codec import quantize as cpu_quantize
-        from torchrec_lossy.codec.format import BITS_DTYPES, DTYPE_CODES, ESCAPE_SYMBOL, REFS_FIXED
-        from torchrec_lossy.codec.vector_lz import best_refs_mode
+        from torchrec_lossy.codec.format import (
+            BITS_DTYPES,
+            DTYPE_CODES,
+            ESCAPE_SYMBOL,
+            REFS_FIXED,
+            refs_packing,
+        )
         from torchrec_lossy.kernels import huffman as k_huffman
         from torchrec_lossy.kernels import quantize as k_quantize
         from torchrec_lossy.kernels import vector_lz as k_vector_lz
@@ -78,7 +83,9 @@ class _Block:
         self.sym = sym.reshape(self.rows, self.dim)
         self.ids, self.first = k_vector_lz.dedupe(self.sym, self.bits)
         self.n_unique = self.first.shape[0]
-        self.ref_mode = best_refs_mode(self.rows, self.n_unique) if self.rows > 1 else REFS_FIXED
+        self.ref_mode = (
+            int(refs_packing(self.rows, self.n_unique)[0]) if self.rows > 1 else REFS_FIXED
+        )
         hist = k_huffman.histogram_rows(self.sym, self.first).cpu().numpy().astype(np.int64)
         lengths = huffman.code_lengths_kernel(hist)
         codes = huffman.canonical_codes_kernel(lengths)

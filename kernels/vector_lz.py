@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED
-from torchrec_lossy.codec.vector_lz import ref_width, refs_bits
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, ref_width, refs_bits
 from torchrec_lossy.kernels.common import (
     SCAN_MAX,
     SCAN_SUM,
@@ -398,8 +397,8 @@ def pack_refs(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
     ids = ids.contiguous()
     rows = ids.shape[0]
     dev = ids.device
-    width = ref_width(n_unique)
-    n_words = (refs_bits(rows, n_unique, mode) + 31) // 32
+    width = int(ref_width(n_unique))
+    n_words = (int(refs_bits(rows, n_unique, mode)) + 31) // 32
     out = torch.empty(n_words, dtype=torch.int32, device=dev)
     if n_words == 0:
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -12,17 +13,26 @@ from torchrec_lossy.codec import CodecConfig, compress, compress_with_stats, dec
 from torchrec_lossy.codec.container import checksum
 from torchrec_lossy.codec.format import (
     DESCRIPTOR,
+    DESCRIPTOR_WORDS,
     DTYPE_CODES,
     HEADER,
     MAGIC,
+    MODE_LZ,
     MODE_NAMES,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     checksum_words,
+    ref_width,
+    refs_bits,
+    refs_packing,
+    segment_layout,
 )
-from torchrec_lossy.codec.vector_lz import best_refs_mode, ref_width, refs_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NAME_TO_MODE = {v: k for k, v in MODE_NAMES.items()}
@@ -191,7 +201,7 @@ def test_lz_wire_bytes_and_packing(distinct, rows):
     payload, stats = compress_with_stats([x], [0.0])
     s = stats[0]
     assert s.mode == "lz" and s.n_unique == distinct
-    mode = best_refs_mode(rows, distinct)
+    mode = int(refs_packing(rows, distinct)[0])
     assert s.wire_bytes == 24 + 32 + 4 * math.ceil(refs_bits(rows, distinct, mode) / 32) + 4 * (
         math.ceil(distinct * 6 * 2 / 4)
     )
@@ -201,11 +211,11 @@ def test_lz_wire_bytes_and_packing(distinct, rows):
 
 
 def test_both_reference_packings_are_chosen():
-    assert best_refs_mode(64, 2) == REFS_FIXED
-    assert best_refs_mode(210, 200) == REFS_FLAGGED
+    assert int(refs_packing(64, 2)[0]) == REFS_FIXED
+    assert int(refs_packing(210, 200)[0]) == REFS_FLAGGED
     # FIXED wins ties
     assert refs_bits(2, 2, REFS_FIXED) == 2 and refs_bits(2, 2, REFS_FLAGGED) == 2
-    assert best_refs_mode(2, 2) == REFS_FIXED
+    assert int(refs_packing(2, 2)[0]) == REFS_FIXED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,3 +391,62 @@ def test_checksum_sees_every_single_bit_flip_and_word_swaps():
         w = words.copy()
         w[i], w[j] = words[j], words[i]
         assert int(checksum_words(w)) != base
+
+
+# ---------------------------------------------------------------------------------------------
+# The format's shared rules give one answer on every backend
+
+
+@numba.njit(cache=False)
+def _refs_rules_compiled(rows: int, n_unique: int) -> tuple[int, int, int, int, int]:
+    mode, _, bits = refs_packing(rows, n_unique)
+    return (
+        ref_width(n_unique),
+        refs_bits(rows, n_unique, 0),
+        refs_bits(rows, n_unique, 1),
+        mode,
+        bits,
+    )
+
+
+def test_reference_rules_agree_on_python_numpy_torch_and_numba():
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 5000, 200)
+    n_unique = np.minimum(rows, rng.integers(1, 5000, 200))
+    want = np.array(
+        [_refs_rules_compiled(int(r), int(u)) for r, u in zip(rows, n_unique, strict=True)]
+    ).T
+    for kind in (np.asarray, torch.from_numpy):
+        r, u = kind(rows), kind(n_unique)
+        mode, _, bits = refs_packing(r, u)
+        got = [ref_width(u), refs_bits(r, u, 0), refs_bits(r, u, 1), mode, bits]
+        assert all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want, strict=True))
+    for r, u, w in zip(rows.tolist(), n_unique.tolist(), want.T, strict=True):
+        assert int(ref_width(u)) == w[0] == max(u - 1, 0).bit_length()
+        assert (
+            int(refs_bits(r, u, REFS_FIXED)) == w[1] and int(refs_bits(r, u, REFS_FLAGGED)) == w[2]
+        )
+
+
+def test_segment_layout_accepts_what_compress_writes_and_rejects_short_segments():
+    torch.manual_seed(0)
+    blocks = [torch.randn(64, 8), torch.randn(4, 8).repeat(8, 1), torch.randn(3, 5)]
+    blocks.append(torch.randn(8, 64).repeat(16, 1))
+    payload = compress(blocks, [0.01, 0.0, 0.0, 0.01], CodecConfig()).numpy()
+    body = payload[HEADER.itemsize :].view(np.uint32)
+    descs = body[: DESCRIPTOR_WORDS * len(blocks)].view(DESCRIPTOR)
+    start = DESCRIPTOR_WORDS * len(blocks)
+    assert sorted(descs["mode"].tolist()) == [MODE_RAW, MODE_LZ, MODE_QUANT, MODE_QUANT_LZ]
+    for d in descs:
+        seg = int(d["seg_words"])
+        head = body[start : start + SEGMENT_HEADER_WORDS]
+        fields = (0.0, *([0] * 10))
+        if d["mode"] != 0:
+            h = head.view(SEGMENT_HEADER)[0]
+            fields = (h["step"], *(int(h[n]) for n in SEGMENT_HEADER.names[1:11]))
+        desc = (int(d["mode"]), int(d["rows"]), int(d["dim"]), 4, seg)
+        ok, *_, bs_off = segment_layout(desc, fields)
+        # Raw and lz segments have an exact size; a quantized one needs room for its sections.
+        short = int(bs_off) - 1 if d["mode"] & 2 else seg - 1
+        assert bool(ok) and not bool(segment_layout((*desc[:4], short), fields)[0])
+        start += seg

@@ -22,6 +22,9 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     SYMBOL_OFFSET,
+    ref_width,
+    refs_bits,
+    refs_packing,
     words_for_bits,
 )
 
@@ -321,8 +324,8 @@ def test_pack_refs_kernel_matches_reference_and_round_trips(mode, rows, n_unique
     ref = vector_lz.pack_refs_reference(torch.from_numpy(ids), n_unique, mode)
     assert words.dtype == np.uint32
     assert words.astype(np.int64).tolist() == ref.tolist()
-    assert words.shape[0] == words_for_bits(vector_lz.refs_bits(rows, n_unique, mode))
-    width = vector_lz.ref_width(n_unique)
+    assert words.shape[0] == words_for_bits(refs_bits(rows, n_unique, mode))
+    width = ref_width(n_unique)
     assert width == (n_unique - 1).bit_length()
     out = np.full(rows, -1, np.int32)
     assert vector_lz.unpack_refs_kernel(words, rows, n_unique, mode, width, out) == 0
@@ -349,15 +352,15 @@ def test_unpack_refs_rejects_bad_streams():
 
 
 def test_refs_sizes_and_choice():
-    assert vector_lz.refs_bits(100, 1, REFS_FIXED) == 0
-    assert vector_lz.refs_bits(100, 1, REFS_FLAGGED) == 100
-    assert vector_lz.refs_bits(100, 5, REFS_FIXED) == 300
-    assert vector_lz.refs_bits(100, 5, REFS_FLAGGED) == 100 + 95 * 3
-    assert vector_lz.refs_bits(100, 90, REFS_FLAGGED) == 100 + 10 * 7
+    assert refs_bits(100, 1, REFS_FIXED) == 0
+    assert refs_bits(100, 1, REFS_FLAGGED) == 100
+    assert refs_bits(100, 5, REFS_FIXED) == 300
+    assert refs_bits(100, 5, REFS_FLAGGED) == 100 + 95 * 3
+    assert refs_bits(100, 90, REFS_FLAGGED) == 100 + 10 * 7
     for rows, n in itertools.product([1, 2, 10, 100, 1000], [1, 2, 3, 9, 100, 1000]):
         if n <= rows:
-            best = vector_lz.best_refs_mode(rows, n)
-            sizes = [vector_lz.refs_bits(rows, n, m) for m in (REFS_FIXED, REFS_FLAGGED)]
+            best = int(refs_packing(rows, n)[0])
+            sizes = [refs_bits(rows, n, m) for m in (REFS_FIXED, REFS_FLAGGED)]
             assert sizes[best] == min(sizes)
 
 

@@ -29,6 +29,7 @@ from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DESCRIPTOR,
     HEADER,
+    HEADER_WORDS,
     MAX_CODE_LENGTH,
     SEGMENT_HEADER,
 )
@@ -285,7 +286,7 @@ def _section_offsets(buf: bytes, block: int) -> dict[str, int]:
     at = {"codebook": off + 32}
     pos = off + 32 + words((int(sh["sym_count"]) + 1) // 2)
     if mode & 1:
-        from torchrec_lossy.codec.vector_lz import refs_bits
+        from torchrec_lossy.codec.format import refs_bits
 
         at["refs"] = pos
         pos += words((refs_bits(rows, n_unique, int(sh["ref_mode"])) + 7) // 8)
@@ -614,7 +615,7 @@ def test_larger_blocks_decode_like_cpu(dtype: torch.dtype) -> None:
 
 def test_header_view_is_the_header() -> None:
     """The decoder reads the header the format module defines (a guard for the layout)."""
-    assert HEADER.itemsize == 32 and dd._HEADER_WORDS == 8
+    assert HEADER.itemsize == 32 and dd.HEADER_WORDS == HEADER_WORDS == 8
 
 
 @pytest.mark.slow

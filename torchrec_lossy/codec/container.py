@@ -18,13 +18,15 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec.elementwise import jitable
-from torchrec_lossy.codec.format import (
+from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     CODE_DTYPES,
     DESCRIPTOR,
+    DESCRIPTOR_WORDS,
     HEADER,
+    HEADER_WORDS,
     MAGIC,
     MODE_NAMES,
-    SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     CodecError,
     checksum_words,
@@ -34,8 +36,6 @@ from torchrec_lossy.codec.format import (
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
 # be able to make it allocate without bound); pass ``max_elements`` to decompress to raise it.
 DEFAULT_MAX_ELEMENTS = 1 << 28
-HEADER_WORDS = HEADER.itemsize // 4
-DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
 MASK32 = 0xFFFFFFFF
 
 
@@ -123,6 +123,42 @@ class BlockColumns:
         """
         fields = (getattr(self, f) for f in _STAT_FIELDS)
         return [BlockStats(*row) for row in zip(*fields, strict=True)]
+
+    @staticmethod
+    def assemble(
+        shape: tuple[Sequence[int], Sequence[int], Sequence[int]],
+        mode: Sequence[int],
+        seg_words: Sequence[int],
+        bound: Sequence[float],
+        max_error: Sequence[float],
+        sent: tuple[Sequence[int], Sequence[int]],
+    ) -> BlockColumns:
+        """The columns from an encoder's per-block results: the one place every backend's
+        stats are derived (sizes, mode names) from what it wrote.
+
+        Args:
+            shape: (rows, columns, bytes per element) of each block.
+            mode: Mode of each block (``MODE_*``).
+            seg_words: Segment words of each block.
+            bound: Absolute error bound of each block.
+            max_error: Max error of each block (0 for lossless modes).
+            sent: (distinct vectors sent, escaped elements) of each block.
+
+        Returns:
+            The columns (Python ints and floats).
+        """
+        rows, dim, itemsize = (np.asarray(v, dtype=np.int64) for v in shape)
+        return BlockColumns(
+            rows=rows.tolist(),
+            dim=dim.tolist(),
+            raw_bytes=(rows * dim * itemsize).tolist(),
+            wire_bytes=(DESCRIPTOR.itemsize + 4 * np.asarray(seg_words, np.int64)).tolist(),
+            mode=[MODE_NAMES[m] for m in np.asarray(mode).tolist()],
+            bound=np.asarray(bound, np.float64).tolist(),
+            max_error=np.asarray(max_error, np.float64).tolist(),
+            n_unique=np.asarray(sent[0], np.int64).tolist(),
+            n_escapes=np.asarray(sent[1], np.int64).tolist(),
+        )
 
     @staticmethod
     def of(stats: Sequence[BlockStats]) -> BlockColumns:
@@ -234,8 +270,6 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Skeletons: the words a decoder's layout depends on.
-
-SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
 def upload(
@@ -438,6 +472,130 @@ def check_payload(payload: object) -> None:
         )
 
 
+# Word positions of the header and descriptor fields the header check reads.
+_HEAD_WORD = {name: HEADER.fields[name][1] // 4 for name in HEADER.names}
+_MAGIC_WORD, _VERSION_WORD = _HEAD_WORD["magic"], _HEAD_WORD["version"]
+_BODY_WORD, _CHECKSUM_WORD = _HEAD_WORD["body_words"], _HEAD_WORD["checksum"]
+_ROWS_FIELD = DESCRIPTOR.fields["rows"][1] // 4
+_DIM_FIELD = DESCRIPTOR.fields["dim"][1] // 4
+_CODES_FIELD = DESCRIPTOR.fields["dtype"][1] // 4  # dtype, mode: the low two bytes
+# check_header's verdicts (the order it checks in); parse_header names each.
+HEADER_OK = 0
+HEADER_TRUNCATED = 1
+HEADER_BAD_MAGIC = 2
+HEADER_BAD_VERSION = 3
+HEADER_BAD_LENGTH = 4
+HEADER_BAD_CHECKSUM = 5
+HEADER_BAD_DESCRIPTORS = 6
+HEADER_BAD_SEGMENTS = 7
+HEADER_BAD_BLOCK = 8
+HEADER_TOO_LARGE = 9
+_DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+_MAX_MODE = max(MODE_NAMES)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _u64(words: np.ndarray, at: int) -> np.uint64:
+    return np.uint64(words[at]) | (np.uint64(words[at + 1]) << np.uint64(32))
+
+
+@numba.njit(cache=True, nogil=True)
+def check_header(
+    words: np.ndarray, base: int, n_bytes: int, max_elements: int, verify_checksum: bool
+) -> tuple[int, int]:
+    """Every check of a payload before its segments, the one both host decoders make.
+
+    Args:
+        words: uint32 words holding the payload at word ``base`` (its whole words).
+        base: First word of the payload.
+        n_bytes: Bytes of the payload.
+        max_elements: Refuse payloads that decode to more elements than this in total.
+        verify_checksum: False for a skeleton (the device checks the real payload's checksum).
+
+    Returns:
+        (``HEADER_OK``, block count), or (the first failed check's ``HEADER_*``, the failing
+        block for ``HEADER_BAD_BLOCK``, else 0).
+    """
+    if n_bytes < HEADER_WORDS * 4:
+        return HEADER_TRUNCATED, 0
+    if words[base + _MAGIC_WORD] != MAGIC:
+        return HEADER_BAD_MAGIC, 0
+    if (words[base + _VERSION_WORD] & 0xFFFF) != VERSION:
+        return HEADER_BAD_VERSION, 0
+    body_words = _u64(words, base + _BODY_WORD)
+    if (n_bytes - HEADER_WORDS * 4) % 4 or body_words != np.uint64(n_bytes // 4 - HEADER_WORDS):
+        return HEADER_BAD_LENGTH, 0
+    body = words[base + HEADER_WORDS : base + n_bytes // 4]
+    if verify_checksum and checksum_words(body) != _u64(words, base + _CHECKSUM_WORD):
+        return HEADER_BAD_CHECKSUM, 0
+    n_blocks = np.int64(words[base + _N_BLOCKS_WORD])
+    desc_words = n_blocks * DESCRIPTOR_WORDS
+    if desc_words > body.shape[0]:
+        return HEADER_BAD_DESCRIPTORS, 0
+    seg_total = 0
+    for b in range(n_blocks):
+        seg_total += np.int64(body[b * DESCRIPTOR_WORDS + _SEG_WORDS_FIELD])
+    if seg_total != body.shape[0] - desc_words:
+        return HEADER_BAD_SEGMENTS, 0
+    total = 0
+    for b in range(n_blocks):
+        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
+        codes = d[_CODES_FIELD]
+        dtype_code, mode = codes & 0xFF, (codes >> 8) & 0xFF
+        if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or mode > _MAX_MODE:
+            return HEADER_BAD_BLOCK, b
+    for b in range(n_blocks):
+        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
+        dim = max(np.int64(d[_DIM_FIELD]), 1)
+        if np.int64(d[_ROWS_FIELD]) > (max_elements - total) // dim:  # no int64 wrap-around
+            return HEADER_TOO_LARGE, 0
+        total += np.int64(d[_ROWS_FIELD]) * dim
+    return HEADER_OK, n_blocks
+
+
+def _header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
+    """The error naming ``check_header``'s verdict on the payload ``buf``."""
+    n = buf.shape[0]
+    if status == HEADER_TRUNCATED:
+        return CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
+    header = buf[: HEADER.itemsize].view(HEADER)[0]
+    if status == HEADER_BAD_MAGIC:
+        return CodecError(
+            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
+            f"expected 0x{MAGIC:08x}"
+        )
+    if status == HEADER_BAD_VERSION:
+        return CodecError(
+            f"payload format version {int(header['version'])} is not supported "
+            f"(this build reads version {VERSION})"
+        )
+    if status == HEADER_BAD_LENGTH:
+        return CodecError(
+            f"truncated or padded payload: {n} bytes, the header says "
+            f"{HEADER.itemsize + 4 * int(header['body_words'])}"
+        )
+    if status == HEADER_BAD_CHECKSUM:
+        return CodecError("corrupt payload: checksum mismatch")
+    if status == HEADER_BAD_DESCRIPTORS:
+        return CodecError(
+            f"corrupt payload: {int(header['n_blocks'])} block descriptors do not fit"
+        )
+    if status == HEADER_BAD_SEGMENTS:
+        return CodecError("corrupt payload: segment lengths do not add up to the body")
+    descs = buf[HEADER.itemsize :].view(np.uint32)[: int(header["n_blocks"]) * DESCRIPTOR_WORDS]
+    descs = descs.view(DESCRIPTOR)
+    if status == HEADER_BAD_BLOCK:
+        d = descs[detail]
+        return CodecError(
+            f"corrupt payload: block {detail}: dtype {int(d['dtype'])} / mode {int(d['mode'])}"
+        )
+    total = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
+    return CodecError(
+        f"payload decodes to {total} elements, more than max_elements={max_elements}: "
+        "pass a larger max_elements if it is trusted"
+    )
+
+
 def parse_header(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
 ) -> tuple[np.ndarray, list[tuple], np.ndarray]:
@@ -459,47 +617,15 @@ def parse_header(
         CodecError: Anything wrong before the segments.
     """
     n = buf.shape[0]
-    if n < HEADER.itemsize:
-        raise CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
-    header = buf[: HEADER.itemsize].view(HEADER)[0]
-    if int(header["magic"]) != MAGIC:
-        raise CodecError(
-            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
-            f"expected 0x{MAGIC:08x}"
-        )
-    if int(header["version"]) != VERSION:
-        raise CodecError(
-            f"payload format version {int(header['version'])} is not supported "
-            f"(this build reads version {VERSION})"
-        )
-    body_words = int(header["body_words"])
-    if n != HEADER.itemsize + 4 * body_words:
-        raise CodecError(
-            f"truncated or padded payload: {n} bytes, the header says "
-            f"{HEADER.itemsize + 4 * body_words}"
-        )
-    body = buf[HEADER.itemsize :].view(np.uint32)
-    if verify_checksum and checksum(body) != int(header["checksum"]):
-        raise CodecError("corrupt payload: checksum mismatch")
-    n_blocks = int(header["n_blocks"])
-    if n_blocks * DESCRIPTOR.itemsize > body.shape[0] * 4:
-        raise CodecError(f"corrupt payload: {n_blocks} block descriptors do not fit")
-    desc_words = n_blocks * DESCRIPTOR_WORDS
+    words = buf[: n - n % 4].view(np.uint32)
+    status, detail = check_header(words, 0, n, max_elements, verify_checksum)
+    if status != HEADER_OK:
+        raise _header_error(status, detail, buf, max_elements)
+    body = words[HEADER_WORDS:]
+    desc_words = detail * DESCRIPTOR_WORDS
     descs = body[:desc_words].view(DESCRIPTOR)
     seg_words = descs["seg_words"].astype(np.int64)
-    if int(seg_words.sum()) != body.shape[0] - desc_words:
-        raise CodecError("corrupt payload: segment lengths do not add up to the body")
     desc_fields = [d.item() for d in descs]
-    for i, (_, _, dtype_code, mode, *_rest) in enumerate(desc_fields):
-        if dtype_code not in CODE_DTYPES or mode not in MODE_NAMES:
-            raise CodecError(f"corrupt payload: block {i}: dtype {dtype_code} / mode {mode}")
-    # Python ints (no int64 wrap-around); a zero-dim block still allocates per row.
-    total = sum(int(rows) * max(int(dim), 1) for rows, dim, *_rest in desc_fields)
-    if total > max_elements:
-        raise CodecError(
-            f"payload decodes to {total} elements, more than max_elements={max_elements}: "
-            "pass a larger max_elements if it is trusted"
-        )
     offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
     return body, desc_fields, offsets
 

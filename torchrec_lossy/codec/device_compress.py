@@ -48,6 +48,7 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
     MASK32,
+    BlockColumns,
     BlockStats,
     pack_records,
     segment_checksums,
@@ -63,16 +64,17 @@ from torchrec_lossy.codec.format import (
     MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
     SEGMENT_HEADER,
-    SYMBOL_OFFSET,
+    SEGMENT_HEADER_WORDS,
     VERSION,
+    refs_packing,
     words_for_bits,
     words_for_bytes,
 )
+from torchrec_lossy.codec.format import ref_width as id_width
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -81,20 +83,14 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.common import block_for
 
 _A = ALPHABET_SIZE
-_SEG = sm.SEGMENT_HEADER_WORDS  # segment header words
-_DESC = DESCRIPTOR_WORDS  # descriptor words
-_HEAD = HEADER_WORDS  # payload header words
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = MASK32
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 
-# Device-to-host transfers made by compress_device (tests read it; see _host).
-host_transfers = 0
-
 
 def _host(t: torch.Tensor) -> list[int]:
-    """The one device-to-host transfer of a compress (counted in ``host_transfers``).
+    """The one device-to-host transfer of a compress (counted as ``host_sync``'s "compress").
 
     Args:
         t: 1-D int64 tensor on the device.
@@ -102,9 +98,7 @@ def _host(t: torch.Tensor) -> list[int]:
     Returns:
         Its values.
     """
-    global host_transfers
-    host_transfers += 1
-    return host_sync.to_host(t).tolist()
+    return host_sync.to_host(t, "compress").tolist()
 
 
 def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
@@ -172,7 +166,6 @@ class _HostTables:
         step = np.zeros(b, np.float32)
         inv_step = np.zeros(b, np.float32)
         quant_try = np.zeros(b, np.int64)
-        span = np.zeros(b, np.float64)
         stochastic = config.rounding == "stochastic"
         self.grid_factor = quantize.grid_bound(1.0, stochastic)  # grid bound / bound
         sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
@@ -191,7 +184,6 @@ class _HostTables:
             s, inv, _, ok = quantize.quant_params_kernel(grid, 0.0)
             if ok:
                 step[i], inv_step[i], quant_try[i] = s, inv, 1
-            span[i] = 2 * SYMBOL_OFFSET * min(2.0 * grid, _FLT_MAX)
         self.quant_try = quant_try
         lz_allowed = np.array([config.enable_lz and r > 1 for r in self.rows], dtype=np.int64)
         raw_words = (self.numel * self.itemsize + 3) // 4
@@ -211,7 +203,7 @@ class _HostTables:
         # Worst-case segment of every block: the largest of its modes' worst cases.
         refs_max = (self.rows * 33 + 31) // 32
         quant_max = (
-            _SEG
+            SEGMENT_HEADER_WORDS
             + 512
             + refs_max
             + self.numel
@@ -219,10 +211,10 @@ class _HostTables:
             + 2 * slots
             + (self.numel * MAX_CODE_LENGTH + 31) // 32
         )
-        seg_max = np.maximum(raw_words, _SEG + refs_max + raw_words)
+        seg_max = np.maximum(raw_words, SEGMENT_HEADER_WORDS + refs_max + raw_words)
         seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
         self.n_groups = len(group_sizes)
-        self.body_max = _DESC * b + int(seg_max.sum()) + _HEAD * self.n_groups
+        self.body_max = DESCRIPTOR_WORDS * b + int(seg_max.sum()) + HEADER_WORDS * self.n_groups
         group = np.repeat(np.arange(self.n_groups, dtype=np.int64), sizes)
         bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
         mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
@@ -236,7 +228,6 @@ class _HostTables:
             "step_bits": step.view(np.int32).astype(np.int64),
             "inv_step_bits": inv_step.view(np.int32).astype(np.int64),
             "bound_bits": bound_bits,
-            "span_bits": span.view(np.int64),
             "quant_try": quant_try,
             "sr_key": self.sr_key,
             "relative": rel,
@@ -424,7 +415,6 @@ def _compress(
     bound = t["bound_bits"].view(torch.float64)
     step = t["step_bits"].to(torch.int32).view(torch.float32)
     inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
-    span_limit = t["span_bits"].view(torch.float64)
     quant_try = t["quant_try"] == 1
     if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
         rel = t["relative"] == 1
@@ -433,12 +423,9 @@ def _compress(
         r_step, r_inv, r_ok = _device_quant_params(grid)
         step = torch.where(rel, r_step, step)
         inv_step = torch.where(rel, r_inv, inv_step)
-        span_limit = torch.where(
-            rel, 2 * SYMBOL_OFFSET * (2.0 * grid).clamp(max=_FLT_MAX), span_limit
-        )
         quant_try = torch.where(rel, quant_try & r_ok & (eb > 0), quant_try)
         bound = eb
-    narrow = (hi64 - lo64) <= span_limit
+    narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
     # Median of the finite values (np.median: the middle one, or the mean of the middle two).
     keyed = torch.where(finite, x, math.inf)
     order = torch.argsort(keyed, stable=True)
@@ -530,9 +517,9 @@ def _compress(
     lo_sel = torch.where(is_q, sym_lo[sel], 0)
     count_sel = torch.where(is_q, sym_count[sel], 0)
     n_chunks = (n_sym + chunk - 1) // chunk
-    ref_mode, ref_width, ref_bits = sm.refs(rows, torch.where(has_refs, n_sent, 1))
+    ref_mode, _, ref_bits = refs_packing(rows, torch.where(has_refs, n_sent, 1))
     ref_mode = torch.where(has_refs, ref_mode, 0)
-    ref_width = sm.bit_length((n_sent - 1).clamp(min=0))
+    ref_width = id_width(n_sent)
     refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
 
     # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).
@@ -578,7 +565,7 @@ def _compress(
     seg_words = torch.where(
         mode == MODE_RAW,
         t["raw_words"],
-        _SEG
+        SEGMENT_HEADER_WORDS
         + refs_words
         + uniq_words
         + nib_words
@@ -591,15 +578,19 @@ def _compress(
     ng = ht.n_groups
     group, local, group_blocks = t["group"], t["local"], t["group_blocks"]
     group_segs = torch.zeros(ng, dtype=i64, device=dev).index_add_(0, group, seg_words)
-    body_words = _DESC * group_blocks + group_segs  # per payload
-    payload_words = _HEAD + body_words
+    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs  # per payload
+    payload_words = HEADER_WORDS + body_words
     payload_base = torch.cumsum(payload_words, 0) - payload_words
     seg_excl = torch.cumsum(seg_words, 0) - seg_words
     group_seg_base = torch.cumsum(group_segs, 0) - group_segs  # segments before the group
     seg_start = (
-        payload_base[group] + _HEAD + _DESC * group_blocks[group] + seg_excl - group_seg_base[group]
+        payload_base[group]
+        + HEADER_WORDS
+        + DESCRIPTOR_WORDS * group_blocks[group]
+        + seg_excl
+        - group_seg_base[group]
     )  # buffer words
-    refs_at = seg_start + _SEG + nib_words
+    refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
     uniq_at = refs_at + refs_words
     escp_at = refs_at + refs_words
     escb_at = escp_at + n_escapes
@@ -611,7 +602,9 @@ def _compress(
     # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
     # serialise them on one address.
     buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
-    n_lanes = max(n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, _SEG * nb)
+    n_lanes = max(
+        n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, SEGMENT_HEADER_WORDS * nb
+    )
     trash = total_max + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
 
     def put(dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
@@ -645,10 +638,11 @@ def _compress(
     )
     put(
         (
-            (payload_base[group] + _HEAD + _DESC * local)[:, None] + torch.arange(_DESC, device=dev)
+            (payload_base[group] + HEADER_WORDS + DESCRIPTOR_WORDS * local)[:, None]
+            + torch.arange(DESCRIPTOR_WORDS, device=dev)
         ).reshape(-1),
         desc.reshape(-1),
-        torch.ones(_DESC * nb, dtype=torch.bool, device=dev),
+        torch.ones(DESCRIPTOR_WORDS * nb, dtype=torch.bool, device=dev),
     )
     # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
     esc_length = lengths_sel[:, ESCAPE_SYMBOL]
@@ -669,15 +663,15 @@ def _compress(
         },
     )
     put(
-        (seg_start[:, None] + torch.arange(_SEG, device=dev)).reshape(-1),
+        (seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev)).reshape(-1),
         seg_hdr.reshape(-1),
-        (mode != MODE_RAW)[:, None].expand(nb, _SEG).reshape(-1),
+        (mode != MODE_RAW)[:, None].expand(nb, SEGMENT_HEADER_WORDS).reshape(-1),
     )
     # Codebook nibbles: lengths of symbols sym_lo .., low nibble first.
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = lengths_sel.gather(1, (lo_sel[:, None] + k).clamp(max=_A - 1)) << (4 * (k % 8))
     put(
-        (seg_start[:, None] + _SEG + k // 8).reshape(-1),
+        (seg_start[:, None] + SEGMENT_HEADER_WORDS + k // 8).reshape(-1),
         nib.reshape(-1),
         (k[None, :] < count_sel[:, None]).reshape(-1),
     )
@@ -733,11 +727,13 @@ def _compress(
             "version": VERSION,
             "n_blocks": group_blocks,
             "body_words": body_words,
-            "checksum": segment_checksums(buf, payload_base + _HEAD, body_words),
+            "checksum": segment_checksums(buf, payload_base + HEADER_WORDS, body_words),
         },
     )
     # Tensor-indexed writes (no host tensor is built, no sync).
-    buf[(payload_base[:, None] + torch.arange(_HEAD, device=dev)).reshape(-1)] = header.reshape(-1)
+    buf[(payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)] = (
+        header.reshape(-1)
+    )
     words = buf[:total_max]
     words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
@@ -813,26 +809,14 @@ class PendingCompress:
         h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
         skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
         skel_sizes = [
-            HEADER_WORDS + (DESCRIPTOR_WORDS + sm.SEGMENT_HEADER_WORDS) * n
-            for n in self.group_sizes
+            HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n for n in self.group_sizes
         ]
         skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
         errs = h[4].view(np.float64)
         bounds_used = h[5].view(np.float64)
-        stats = [
-            BlockStats(
-                rows=int(ht.rows[i]),
-                dim=int(ht.dim[i]),
-                raw_bytes=int(ht.numel[i] * ht.itemsize[i]),
-                wire_bytes=DESCRIPTOR.itemsize + 4 * int(h[3, i]),
-                mode=MODE_NAMES[int(h[0, i])],
-                bound=float(bounds_used[i]),
-                max_error=float(errs[i]),
-                n_unique=int(h[1, i]),
-                n_escapes=int(h[2, i]),
-            )
-            for i in range(nb)
-        ]
+        stats = BlockColumns.assemble(
+            (ht.rows, ht.dim, ht.itemsize), h[0], h[3], bounds_used, errs, (h[1], h[2])
+        ).stats()
         payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
         per_group = []
         at = 0

@@ -57,21 +57,18 @@ from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DECODE_ERRORS,
     DESCRIPTOR,
-    ESCAPE_SYMBOL,
     HEADER,
-    MAX_CENTER,
-    MAX_CODE_LENGTH,
-    MODE_LZ,
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
     REFS_OUT_OF_RANGE,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     CodecError,
+    segment_layout,
+    words_for_bytes,
 )
 
-_HEADER_WORDS = HEADER_WORDS
-_SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 # Per-block fields the kernels read (int64 each), uploaded together.
 _FIELDS = (
     "rows",
@@ -141,25 +138,15 @@ def _bases(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
 
-def _words(n_bytes: np.ndarray) -> np.ndarray:
-    return (n_bytes + 3) // 4
-
-
-def _bit_length(v: np.ndarray) -> np.ndarray:
-    """``int.bit_length`` of non-negative int64 values below 2**53 (exact: frexp's exponent)."""
-    return np.frexp(v.astype(np.float64))[1].astype(np.int64)
-
-
 def _layout(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
 ) -> dict[str, np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
-    raises its ``CodecError``: those checks precede any block on the CPU path too). The segment
-    conditions are ``_decode_block``'s and ``_decode_refs``' (every ``take`` fits, ``done``
-    leaves nothing, every field check), as numpy expressions over all blocks at once; for them the
-    messages are left to the CPU path.
+    raises its ``CodecError``: those checks precede any block on the CPU path too). The segments
+    are checked and laid out by ``format.segment_layout`` over all blocks at once (the checks of
+    the CPU path's per-block decoder, which is left to name the error).
 
     Args:
         buf: The payload's bytes.
@@ -183,51 +170,22 @@ def _layout(
     itemsize = np.where(dtype == 1, 4, 2)
     raw, lz, quant = mode == MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
     # Segment headers, read in place (garbage for raw or short segments, which never use them).
-    idx = np.minimum(start[:, None] + np.arange(_SEGMENT_HEADER_WORDS), body.shape[0] - 1)
+    idx = np.minimum(start[:, None] + np.arange(SEGMENT_HEADER_WORDS), body.shape[0] - 1)
     sh = np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(n_blocks)
     step = sh["step"]
-    center = sh["center"].astype(np.int64)
-    n_unique = sh["n_unique"].astype(np.int64)
-    n_esc = sh["n_escapes"].astype(np.int64)
-    chunk_symbols = sh["chunk_symbols"].astype(np.int64)
-    n_chunks = sh["n_chunks"].astype(np.int64)
-    lo = sh["sym_lo"].astype(np.int64)
-    count = sh["sym_count"].astype(np.int64)
-    esc_len = sh["escape_length"].astype(np.int64)
-    ref_mode = sh["ref_mode"].astype(np.int64)
-    width = sh["ref_width"].astype(np.int64)
-
-    ok = ~raw | (seg == _words(rows * dim * itemsize))  # raw values, then done()
-    ok &= raw | (seg >= _SEGMENT_HEADER_WORDS)
-    # _decode_refs: 1 <= n_unique <= rows, width = bit_length(n_unique - 1), a known packing.
-    nu_ok = (n_unique >= 1) & (n_unique <= rows)
-    nu = np.where(lz & nu_ok, n_unique, rows)  # clipped, so sizes below stay small
-    ok &= ~lz | (nu_ok & (width == _bit_length(nu - 1)) & (ref_mode <= REFS_FLAGGED))
-    w = np.minimum(width, 64)
-    ref_bits = np.where(ref_mode == REFS_FIXED, rows * w, rows + (rows - nu) * w)
-    ref_words = np.where(lz, (ref_bits + 31) // 32, 0)
-    head = _SEGMENT_HEADER_WORDS
-    ok &= (mode != MODE_LZ) | (seg == head + ref_words + _words(nu * dim * itemsize))
-    # Quantized modes: step, center, codebook range, escapes, chunks, and every section fits.
-    n_sym = nu * dim
-    q_ok = np.isfinite(step) & (step > 0) & (np.abs(center) <= MAX_CENTER)
-    q_ok &= (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
-    q_ok &= lz | (n_unique == rows)
-    q_ok &= (n_esc <= n_sym) & (chunk_symbols >= 1)
-    q_ok &= n_chunks == -(-n_sym // np.maximum(chunk_symbols, 1))
-    cb_words = _words((count + 1) // 2)
-    esc_val_words = _words(n_esc * itemsize)
-    esc_pos_off = head + cb_words + ref_words
-    ct_off = esc_pos_off + n_esc + esc_val_words
-    bs_off = ct_off + n_chunks
-    q_ok &= bs_off <= seg
-    ok &= ~quant | q_ok
+    fields = [sh[name].astype(np.int64) for name in SEGMENT_HEADER.names[1:11]]
+    center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = fields
+    ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off = segment_layout(
+        (mode, rows, dim, itemsize, seg), (step, *fields)
+    )
     if not ok.all():
         return None
-    base = _HEADER_WORDS + start  # segment starts, in payload words
+    head = SEGMENT_HEADER_WORDS
+    n_sym = nu * dim
+    base = HEADER_WORDS + start  # segment starts, in payload words
     zero = np.zeros(n_blocks, dtype=np.int64)
     n_out = rows * dim
-    out_words = _words(n_out * itemsize)
+    out_words = words_for_bytes(n_out * itemsize)
     return {
         "rows": rows,
         "dim": dim,

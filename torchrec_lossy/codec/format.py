@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.elementwise import jitable
+from torchrec_lossy.codec.elementwise import N, bit_length, clamp_min, isfinite, jitable, where
 
 MAGIC = 0x434C5254  # b"TRLC" read as a little-endian uint32
 VERSION = 1
@@ -106,6 +106,10 @@ SEGMENT_HEADER = np.dtype(
     ]
 )
 assert HEADER.itemsize == 32 and DESCRIPTOR.itemsize == 24 and SEGMENT_HEADER.itemsize == 32
+# Words of each record (every section of a payload is word-aligned).
+HEADER_WORDS = HEADER.itemsize // 4
+DESCRIPTOR_WORDS = DESCRIPTOR.itemsize // 4
+SEGMENT_HEADER_WORDS = SEGMENT_HEADER.itemsize // 4
 
 
 class CodecError(ValueError):
@@ -155,3 +159,100 @@ def checksum_words(words: np.ndarray) -> np.uint64:
     for i in range(words.shape[0]):
         acc += np.uint64(words[i]) * np.uint64(2 * i + 1)
     return acc
+
+
+# The references of a vector-LZ block (``rows`` row -> distinct-vector ids): the one rule every
+# backend's encoder, decoder and size model uses. Element-wise and numba-compilable.
+
+
+@jitable
+def ref_width(n_unique: N) -> N:
+    """Bits per vector id.
+
+    Args:
+        n_unique: Distinct vectors of a block (>= 1).
+
+    Returns:
+        ``bit_length(n_unique - 1)``.
+    """
+    return bit_length(clamp_min(n_unique - 1, 0))
+
+
+@jitable
+def refs_bits(rows: N, n_unique: N, mode: N) -> N:
+    """Bits of a block's references in the given packing.
+
+    Args:
+        rows: Rows of the block.
+        n_unique: Distinct vectors (>= 1).
+        mode: REFS_FIXED, else REFS_FLAGGED is assumed.
+
+    Returns:
+        Bit count.
+    """
+    width = ref_width(n_unique)
+    return where(mode == REFS_FIXED, rows * width, rows + (rows - n_unique) * width)
+
+
+@jitable
+def refs_packing(rows: N, n_unique: N) -> tuple[N, N, N]:
+    """The cheaper reference packing of blocks with ``n_unique`` distinct vectors.
+
+    Args:
+        rows: Rows per block.
+        n_unique: Distinct vectors per block (>= 1).
+
+    Returns:
+        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
+    """
+    width = ref_width(n_unique)
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    return (
+        where(fixed > flagged, REFS_FLAGGED, REFS_FIXED),
+        width,
+        where(fixed > flagged, flagged, fixed),
+    )
+
+
+@jitable
+def segment_layout(desc: tuple, header: tuple) -> tuple:
+    """Where each section of a block's segment lies, and whether the segment is well-formed.
+
+    The one reading of docs/format.md's segment layout that the batched host decoder (per
+    block, compiled) and the device decoder's planner (over ``[n_blocks]`` arrays) use; the
+    per-block reference decoder makes the same checks one section at a time, to name the error.
+    Element-wise over ints, numpy arrays, torch tensors and numba scalars.
+
+    Args:
+        desc: (mode, rows, dim, bytes per element, segment words) of the block's descriptor.
+        header: The segment header's fields in ``SEGMENT_HEADER`` order (int64 but ``step``;
+            any values for a raw block, which has no header).
+
+    Returns:
+        (well-formed; vectors sent; reference words; codebook words; offset of the escape
+        positions; of the chunk table; of the bitstream), offsets in words from the segment's
+        start. Only ``well-formed`` is meaningful where it is False.
+    """
+    mode, rows, dim, itemsize, seg = desc
+    step, center, n_unique, n_esc, chunk_symbols, n_chunks, lo, count, esc_len = header[:9]
+    ref_mode, width = header[9], header[10]
+    head = SEGMENT_HEADER_WORDS
+    lz = (mode & 1) == 1
+    nu_ok = (n_unique >= 1) & (n_unique <= rows)
+    nu = where(lz & nu_ok, n_unique, rows)  # clipped, so the sizes below stay small
+    refs_ok = nu_ok & (width == ref_width(nu)) & (ref_mode <= REFS_FLAGGED)
+    ref_words = where(lz, words_for_bits(refs_bits(rows, nu, ref_mode)), 0)
+    n_sym = nu * dim
+    cb_words = words_for_bytes((count + 1) // 2)
+    esc_pos_off = head + cb_words + ref_words
+    ct_off = esc_pos_off + n_esc + words_for_bytes(n_esc * itemsize)
+    bs_off = ct_off + n_chunks
+    lz_ok = refs_ok & (seg == head + ref_words + words_for_bytes(n_sym * itemsize))
+    q_ok = isfinite(step) & (step > 0) & (abs(center) <= MAX_CENTER)
+    q_ok = q_ok & (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
+    q_ok = q_ok & where(lz, refs_ok, n_unique == rows) & (n_esc <= n_sym) & (chunk_symbols >= 1)
+    q_ok = q_ok & (n_chunks == -(-n_sym // clamp_min(chunk_symbols, 1))) & (bs_off <= seg)
+    ok = where(mode == MODE_RAW, seg == words_for_bytes(rows * dim * itemsize), seg >= head)
+    ok = ok & where((mode & 2) == 2, q_ok, where(lz, lz_ok, True))
+    return ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off

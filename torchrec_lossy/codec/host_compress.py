@@ -42,18 +42,17 @@ from torchrec_lossy.codec.format import (
     HEADER,
     MAGIC,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
-    SYMBOL_OFFSET,
+    SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     VERSION,
     checksum_words,
+    refs_packing,
+    words_for_bytes,
 )
 from torchrec_lossy.config import CodecConfig
-
-_SEG_WORDS = sm.SEGMENT_HEADER_WORDS
-_FLT_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -109,22 +108,11 @@ class BatchEncoded:
         Returns:
             The columns, in block order.
         """
-        rows, dims = self.rows, self.dims
-        modes, seg_words, n_unique, n_escapes = self.per_block.tolist()
-        return BlockColumns(
-            rows=rows,
-            dim=dims,
-            raw_bytes=[
-                r * d * CODE_DTYPES[c].itemsize
-                for r, d, c in zip(rows, dims, self.dtype_codes, strict=True)
-            ],
-            wire_bytes=[DESCRIPTOR.itemsize + 4 * w for w in seg_words],
-            mode=[MODE_NAMES[m] for m in modes],
-            bound=self.bounds.tolist(),
-            max_error=self.max_error.tolist(),
-            n_unique=n_unique,
-            n_escapes=n_escapes,
-        )
+        itemsize = [CODE_DTYPES[c].itemsize for c in self.dtype_codes]
+        return BlockColumns.assemble(
+            (self.rows, self.dims, itemsize), self.mode, self.seg_words, self.bounds,
+            self.max_error, (self.n_unique, self.n_escapes),
+        )  # fmt: skip
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -268,9 +256,11 @@ def _emit_kernel(
             pos += _put_rows(out, pos, blk_bits, every_row[r0 : r0 + n_rows], dim, isz)
         elif m == MODE_LZ:
             nu = nu_r[b]
-            out[pos + 2] = nu
-            out[pos + 7] = (ref_mode[b] << 8) | (ref_width[b] << 16)
-            pos += _SEG_WORDS
+            hdr = np.zeros(1, SEGMENT_HEADER)  # the format's record: unnamed fields are 0
+            h = hdr[0]
+            h["n_unique"], h["ref_mode"], h["ref_width"] = nu, ref_mode[b], ref_width[b]
+            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+            pos += SEGMENT_HEADER_WORDS
             pos += vector_lz.pack_refs_into(ids_r[r0 : r0 + n_rows], nu, ref_mode[b], out[pos:])
             pos += _put_rows(out, pos, blk_bits, first_r[r0 : r0 + nu], dim, isz)
         else:
@@ -295,20 +285,19 @@ def _emit_kernel(
             )
             n_sym = n_sent * dim
             n_chunks = (n_sym + chunk - 1) // chunk
-            out[pos] = np.float32(step[b]).view(np.uint32)
-            out[pos + 1] = np.uint32(np.int64(center[b]) & 0xFFFFFFFF)
-            out[pos + 2] = n_sent
-            out[pos + 3] = n_esc
-            out[pos + 4] = chunk
-            out[pos + 5] = n_chunks
-            out[pos + 6] = lo | (count << 16)
-            out[pos + 7] = esc_len | (ref_mode[b] << 8) | (ref_width[b] << 16)
-            pos += _SEG_WORDS
-            for k in range(count):  # the codebook: 4-bit lengths, low nibble first
-                byte = k >> 1
-                nib = np.uint32(lengths[lo - base + k]) << np.uint32(4 * (k & 1))
-                out[pos + (byte >> 2)] |= nib << np.uint32(8 * (byte & 3))
-            pos += (((count + 1) // 2) + 3) // 4
+            hdr = np.zeros(1, SEGMENT_HEADER)
+            h = hdr[0]
+            h["step"], h["center"], h["n_unique"] = step[b], center[b], n_sent
+            h["n_escapes"], h["chunk_symbols"], h["n_chunks"] = n_esc, chunk, n_chunks
+            h["sym_lo"], h["sym_count"], h["escape_length"] = lo, count, esc_len
+            h["ref_mode"], h["ref_width"] = ref_mode[b], ref_width[b]
+            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+            pos += SEGMENT_HEADER_WORDS
+            nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
+            out[pos : pos + words_for_bytes(nibbles.shape[0])].view(np.uint8)[
+                : nibbles.shape[0]
+            ] = nibbles
+            pos += words_for_bytes(nibbles.shape[0])
             if lz:
                 pos += vector_lz.pack_refs_into(
                     ids_q[r0 : r0 + n_rows], n_sent, ref_mode[b], out[pos:]
@@ -418,7 +407,7 @@ def _compress_kernel(
         grid[b] = grid_scale * bnd[b]
         if np.isnan(lo[b]):
             continue
-        if (hi[b] - lo[b]) <= 2 * SYMBOL_OFFSET * min(2.0 * grid[b], _FLT_MAX):
+        if quantize.midpoint_fits(lo[b], hi[b], grid[b]):
             mid[b] = 0.5 * (lo[b] + hi[b])
         elif wanted[b]:  # outliers: the median of the block's finite values
             v = x[elem_off[b] : elem_off[b + 1]]
@@ -496,7 +485,7 @@ def _compress_kernel(
             sent = max(nu_r[b], 1)
         elif m == MODE_QUANT:
             coded = rows[b]
-        r_mode, ref_width[b], _ = sm.refs(rows[b], max(sent, 1))
+        r_mode, ref_width[b], _ = refs_packing(rows[b], max(sent, 1))
         ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
         n_chunks = (coded * dims[b] + chunk - 1) // chunk
         seg_max[b] = (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2

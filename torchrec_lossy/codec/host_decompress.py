@@ -20,25 +20,21 @@ import numpy as np
 import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
-from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.container import DESCRIPTOR_WORDS, HEADER_WORDS
+from torchrec_lossy.codec.container import (
+    DESCRIPTOR_WORDS,
+    HEADER_OK,
+    HEADER_WORDS,
+    check_header,
+)
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
-    ESCAPE_SYMBOL,
-    MAGIC,
-    MAX_CENTER,
-    MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_QUANT_LZ,
     MODE_RAW,
-    REFS_FIXED,
-    REFS_FLAGGED,
-    VERSION,
-    checksum_words,
+    SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
+    segment_layout,
 )
-
-_SEG_WORDS = sm.SEGMENT_HEADER_WORDS
 
 # Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
 # segment, whose exact error that decoder names, or a float16 quantized block).
@@ -47,34 +43,18 @@ _FALL_BACK = 1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _ref_width(n_unique: int) -> int:
-    width = 0
-    while (1 << width) < n_unique:
-        width += 1
-    return width
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _refs(
-    words: np.ndarray, pos: int, end: int, rows: int, n_unique: int, ref_mode: int, width: int,
-    ids: np.ndarray,
-) -> int:  # fmt: skip
-    """Unpacks a segment's vector references at word ``pos``; -> the next word, -1 if corrupt."""
-    if n_unique < 1 or n_unique > rows or width != _ref_width(n_unique):
-        return -1
-    if ref_mode == REFS_FIXED:
-        n_bits = rows * width
-    elif ref_mode == REFS_FLAGGED:
-        n_bits = rows + (rows - n_unique) * width
-    else:
-        return -1
-    n_words = (n_bits + 31) // 32
-    if pos + n_words > end:
-        return -1
-    if vector_lz.unpack_refs_kernel(words[pos : pos + n_words], rows, n_unique, ref_mode, width,
-                                    ids) != 0:  # fmt: skip
-        return -1
-    return pos + n_words
+def _header_fields(words: np.ndarray, s: int, mode: int) -> tuple:
+    """The segment header at word ``s`` as ``format.segment_layout`` takes it (zeros for raw)."""
+    if mode == MODE_RAW:
+        z = np.int64(0)
+        return np.float32(0.0), z, z, z, z, z, z, z, z, z, z
+    h = words[s : s + SEGMENT_HEADER_WORDS].view(SEGMENT_HEADER)[0]
+    return (
+        np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
+        np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
+        np.int64(h["sym_lo"]), np.int64(h["sym_count"]), np.int64(h["escape_length"]),
+        np.int64(h["ref_mode"]), np.int64(h["ref_width"]),
+    )  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -162,14 +142,14 @@ def _huffman_values(
 
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
-    words: np.ndarray, halves: np.ndarray, floats: np.ndarray, s: int, end: int, n_rows: int,
+    words: np.ndarray, halves: np.ndarray, s: int, end: int, n_rows: int,
     dim: int, isz: int, dtype_code: int, m: int, o: int, out32: np.ndarray, out32f: np.ndarray,
     out16: np.ndarray, ids: np.ndarray, symbols: np.ndarray, values: np.ndarray,
     halves_out: np.ndarray, compact: np.ndarray, vtable: np.ndarray, vtable16: np.ndarray,
 ) -> int:  # fmt: skip
     """Decodes one block's segment ``words[s:end]`` into ``out32`` / ``out16`` at ``o``.
 
-    ``words`` / ``halves`` / ``floats`` are views of one buffer (uint32, uint16, float32);
+    ``words`` / ``halves`` are views of one buffer (uint32, uint16);
     ``out32f`` is the float32 view of ``out32``. Every check of ``pipeline``'s per-block
     decoder is made: a block that fails one is ``_FALL_BACK``, left for that decoder to name
     the error, as is a float16 quantized block. ``ids``, ``symbols``, ``values`` (float32) and
@@ -182,10 +162,16 @@ def _decode_segment(
     """
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
+    if m != MODE_RAW and end - s < SEGMENT_HEADER_WORDS:
+        return _FALL_BACK
+    header = _header_fields(words, s, m)
+    ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
+        (m, n_rows, dim, isz, end - s), header
+    )
+    if not ok:
+        return _FALL_BACK
     if m == MODE_RAW:
         numel = n_rows * dim
-        if s + (numel * isz + 3) // 4 != end:
-            return _FALL_BACK
         if isz == 4:
             dst = out32[o : o + numel]
             for k in range(numel):
@@ -195,17 +181,14 @@ def _decode_segment(
             for k in range(numel):
                 out16[o + k] = halves[h + k]
         return _DECODED
-    if end - s < _SEG_WORDS:
+    step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
+    lz = (m & 1) == 1  # the vector-LZ bit
+    ref_at = s + SEGMENT_HEADER_WORDS + (0 if m == MODE_LZ else cb_words)
+    if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
+                                           ref_mode, width, ids) != 0:  # fmt: skip
         return _FALL_BACK
-    n_unique = np.int64(words[s + 2])
-    w7 = np.int64(words[s + 7])
-    ref_mode = (w7 >> 8) & 0xFF
-    width = (w7 >> 16) & 0xFF
-    pos = s + _SEG_WORDS
     if m == MODE_LZ:
-        pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
-        if pos < 0 or pos + (n_unique * dim * isz + 3) // 4 != end:
-            return _FALL_BACK
+        pos = ref_at + ref_words
         for r in range(n_rows):
             u = np.int64(ids[r])
             if isz == 4:
@@ -218,46 +201,20 @@ def _decode_segment(
                 for j in range(dim):
                     out16[o + r * dim + j] = halves[h + j]
         return _DECODED
-    step = floats[s]
-    center = np.int64(np.int32(words[s + 1]))
-    n_esc = np.int64(words[s + 3])
-    chunk = np.int64(words[s + 4])
-    n_chunks = np.int64(words[s + 5])
-    lo = np.int64(words[s + 6]) & 0xFFFF
-    count = np.int64(words[s + 6]) >> 16
-    esc_len = w7 & 0xFF
-    if (
-        dtype_code == 2
-        or not (np.isfinite(step) and step > 0 and abs(center) <= MAX_CENTER)
-        or lo + count > ESCAPE_SYMBOL
-        or esc_len > MAX_CODE_LENGTH
-    ):
-        return _FALL_BACK
-    n_nib = (count + 1) // 2
-    if pos + (n_nib + 3) // 4 > end:
+    if dtype_code == 2:
         return _FALL_BACK
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
-    nibbles = words[pos : pos + (n_nib + 3) // 4].view(np.uint8)
+    nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
     for k in range(count):
         nib = nibbles[k >> 1]
         compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
     compact[count] = esc_len
-    pos += (n_nib + 3) // 4
-    lz = m == MODE_QUANT_LZ
-    if lz:
-        pos = _refs(words, pos, end, n_rows, n_unique, ref_mode, width, ids)
-    elif n_unique != n_rows:
-        pos = -1
-    n_sym = n_unique * dim
-    if pos < 0 or n_esc > n_sym or chunk < 1 or n_chunks != (n_sym + chunk - 1) // chunk:
-        return _FALL_BACK
-    esc_at = pos
+    n_sym = nu * dim
+    esc_at += s
     esc_bits_at = esc_at + n_esc
-    ends_at = esc_bits_at + (n_esc * isz + 3) // 4
-    if ends_at + n_chunks > end:
-        return _FALL_BACK
-    bits_at = ends_at + n_chunks
+    ends_at = s + ct_at
+    bits_at = s + bs_at
     stream = words[bits_at:end]
     chunk_ends = words[ends_at:bits_at]
     code = compact[: count + 1]
@@ -313,42 +270,6 @@ def _decode_segment(
 
 
 @numba.njit(cache=True, nogil=True)
-def _payload_blocks(words: np.ndarray, base: int, n_bytes: int, max_elements: int) -> int:
-    """Blocks of the payload at word ``base``, or -1 where ``container.parse_header`` raises
-    (the same checks: header, checksum, descriptors, segment lengths, the element limit)."""
-    if n_bytes < HEADER_WORDS * 4:
-        return -1
-    if words[base] != MAGIC or (words[base + 1] & 0xFFFF) != VERSION:
-        return -1
-    body_words = np.uint64(words[base + 4]) | (np.uint64(words[base + 5]) << np.uint64(32))
-    if (n_bytes - HEADER_WORDS * 4) % 4 or body_words != np.uint64(n_bytes // 4 - HEADER_WORDS):
-        return -1
-    body = words[base + HEADER_WORDS : base + n_bytes // 4]
-    check = np.uint64(words[base + 6]) | (np.uint64(words[base + 7]) << np.uint64(32))
-    if checksum_words(body) != check:
-        return -1
-    n_blocks = np.int64(words[base + 2])
-    desc_words = n_blocks * DESCRIPTOR_WORDS
-    if desc_words > body.shape[0]:
-        return -1
-    total = 0
-    seg_total = 0
-    for b in range(n_blocks):
-        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
-        seg_total += np.int64(d[3])
-        if (d[2] & 0xFF) not in (1, 2, 3) or ((d[2] >> 8) & 0xFF) > MODE_QUANT_LZ:
-            return -1
-        rows = np.int64(d[0])
-        dim = max(np.int64(d[1]), 1)
-        if rows > (max_elements - total) // dim:  # total + rows * dim > max_elements, no wrap
-            return -1
-        total += rows * dim
-    if seg_total != body.shape[0] - desc_words:
-        return -1
-    return n_blocks
-
-
-@numba.njit(cache=True, nogil=True)
 def _decode_payloads_kernel(
     words: np.ndarray, groups: np.ndarray, max_elements: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -367,7 +288,8 @@ def _decode_payloads_kernel(
     group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     for g in range(n_groups):
-        n_of[g] = _payload_blocks(words, group_base[g], group_bytes[g], max_elements)
+        status, n = check_header(words, group_base[g], group_bytes[g], max_elements, True)
+        n_of[g] = n if status == HEADER_OK else -1
     first = np.zeros(n_groups + 1, np.int64)
     for g in range(n_groups):
         first[g + 1] = first[g] + max(n_of[g], 0)
@@ -410,14 +332,13 @@ def _decode_payloads_kernel(
     vtable = np.empty(ALPHABET_SIZE, np.float32)
     vtable16 = np.empty(ALPHABET_SIZE, np.uint16)
     halves = words.view(np.uint16)
-    floats = words.view(np.float32)
     out32f = out32.view(np.float32)
     for g in range(n_groups):
         for b in range(first[g], first[g + 1]):
             code = table[2, b]
             modes = words[group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS + 2]
             table[4, b] = _decode_segment(
-                words, halves, floats, seg[0, b], seg[1, b], table[0, b], table[1, b],
+                words, halves, seg[0, b], seg[1, b], table[0, b], table[1, b],
                 4 if code == 1 else 2, code, np.int64((modes >> 8) & 0xFF), table[3, b], out32,
                 out32f, out16, ids, symbols, values, halves_out, compact, vtable, vtable16,
             )  # fmt: skip

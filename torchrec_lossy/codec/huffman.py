@@ -542,8 +542,9 @@ def pack_codebook_kernel(lengths: np.ndarray, sym_lo: int, sym_count: int) -> np
     """The wire codebook: code lengths of value symbols ``sym_lo ..``, two 4-bit nibbles a byte.
 
     Args:
-        lengths: uint8 [ALPHABET_SIZE] code lengths.
-        sym_lo: First value symbol of the codebook.
+        lengths: uint8 code lengths indexed by symbol (the whole alphabet, or any slice of it
+            with ``sym_lo`` relative to the slice).
+        sym_lo: Index in ``lengths`` of the codebook's first value symbol.
         sym_count: Number of value symbols.
 
     Returns:

@@ -49,14 +49,17 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     MAX_CODE_LENGTH,
     MODE_LZ,
-    MODE_NAMES,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
+    SEGMENT_HEADER_WORDS,
     CodecError,
+    ref_width,
+    refs_bits,
+    refs_packing,
     words_for_bits,
     words_for_bytes,
 )
@@ -78,7 +81,6 @@ __all__ = [
     "on_device",
     "validate_inputs",
 ]
-_SEGMENT_HEADER_WORDS = sm.SEGMENT_HEADER_WORDS
 
 
 class StageOps(Protocol):
@@ -400,7 +402,7 @@ def _quantized_sections(
         sym_count=code.sym_count,
         escape_length=code.lengths[ESCAPE_SYMBOL],
         ref_mode=refs[1] if refs else 0,
-        ref_width=vector_lz.ref_width(rows.shape[0]),
+        ref_width=int(ref_width(rows.shape[0])),
     )
     sections = [header, nibbles]
     if refs:
@@ -469,7 +471,7 @@ def _encode_block(
     if mode == MODE_RAW:
         return _Encoded(MODE_RAW, [raw_bits])
     if mode == MODE_LZ:
-        ref_mode, width, _ = sm.refs(rows, n_unique)
+        ref_mode, width, _ = refs_packing(rows, n_unique)
         header = _segment_header(n_unique=n_unique, ref_mode=int(ref_mode), ref_width=int(width))
         packed = ops.pack_refs(raw_ids, n_unique, int(ref_mode))
         return _Encoded(MODE_LZ, [header, packed, raw_bits[raw_first]], n_unique=n_unique)
@@ -477,7 +479,7 @@ def _encode_block(
         every_row = np.arange(rows, dtype=np.int32)
         sections = _quantized_sections(ops, sym2d, every_row, code, raw_bits, params, chunk, None)
         return _Encoded(MODE_QUANT, sections, max_err, rows, n_esc)
-    ref_mode = int(sm.refs(rows, n_unique_quantized)[0])
+    ref_mode = int(refs_packing(rows, n_unique_quantized)[0])
     refs = (ops.pack_refs(ids, n_unique_quantized, ref_mode), ref_mode)
     sections = _quantized_sections(ops, sym2d, first, uniq_code, raw_bits, params, chunk, refs)
     return _Encoded(MODE_QUANT_LZ, sections, max_err, n_unique_quantized, n_esc_u)
@@ -596,31 +598,35 @@ def compress_with_stats(
         ]
         segments = [[_as_bytes(s) for s in e.sections] for e in encoded]
         desc = np.zeros(len(blocks), DESCRIPTOR)
-        stats = []
-        for i, (b, e, segs) in enumerate(zip(blocks, encoded, segments, strict=True)):
-            seg_bytes = sum(s.shape[0] for s in segs)
+        seg_words = [sum(s.shape[0] for s in segs) // 4 for segs in segments]
+        for i, (b, e) in enumerate(zip(blocks, encoded, strict=True)):
             desc[i] = (
                 b.shape[0],
                 b.shape[1],
                 DTYPE_CODES[b.dtype],
                 e.mode,
                 0,
-                seg_bytes // 4,
+                seg_words[i],
                 bounds[i],
             )
-            stats.append(
-                BlockStats(
-                    rows=b.shape[0],
-                    dim=b.shape[1],
-                    raw_bytes=b.numel() * b.element_size(),
-                    wire_bytes=DESCRIPTOR.itemsize + seg_bytes,
-                    mode=MODE_NAMES[e.mode],
-                    bound=bounds[i],
-                    max_error=e.max_error,
-                    n_unique=e.n_unique if e.mode != MODE_RAW else b.shape[0],
-                    n_escapes=e.n_escapes,
-                )
-            )
+        stats = BlockColumns.assemble(
+            (
+                [b.shape[0] for b in blocks],
+                [b.shape[1] for b in blocks],
+                [b.element_size() for b in blocks],
+            ),
+            [e.mode for e in encoded],
+            seg_words,
+            bounds,
+            [e.max_error for e in encoded],
+            (
+                [
+                    e.n_unique if e.mode != MODE_RAW else b.shape[0]
+                    for b, e in zip(blocks, encoded, strict=True)
+                ],
+                [e.n_escapes for e in encoded],
+            ),
+        ).stats()
         body = np.concatenate([desc.view(np.uint8)] + [s for segs in segments for s in segs])
         payload = torch.from_numpy(np.concatenate([host_header(len(blocks), body), body]))
     return payload.to(device), stats
@@ -704,11 +710,11 @@ def compress(
 
 
 def _decode_refs(r: Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
-    if not 1 <= n_unique <= rows or width != vector_lz.ref_width(n_unique):
+    if not 1 <= n_unique <= rows or width != ref_width(n_unique):
         raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
         raise r.fail(f"unknown reference packing {ref_mode}")
-    words = r.take(words_for_bits(vector_lz.refs_bits(rows, n_unique, ref_mode)), "references")
+    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), "references")
     ids = np.empty(rows, dtype=np.int32)
     if vector_lz.unpack_refs_kernel(words, rows, n_unique, ref_mode, width, ids) != 0:
         raise r.fail("vector references out of range")
@@ -729,7 +735,7 @@ def _decode_block(
         raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    header = r.take(_SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
+    header = r.take(SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
     step, center, n_unique, n_esc, chunk_symbols, n_chunks = header[:6]
     lo, count, esc_len, ref_mode, width = header[6:11]
     if mode == MODE_LZ:

@@ -24,6 +24,7 @@ import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec.elementwise import N, jitable, where
 from torchrec_lossy.codec.format import (
     DTYPE_CODES,
     ESCAPE_SYMBOL,
@@ -152,6 +153,25 @@ def _mix32_nb(h: np.uint64) -> np.uint64:
     return h ^ (h >> np.uint64(16))
 
 
+@jitable
+def midpoint_fits(lo: N, hi: N, grid: N) -> N:
+    """Whether a block centers on the midpoint of its finite values, else on their median.
+
+    The midpoint when the finite range fits the alphabet; otherwise (an outlier) the median, so
+    the outlier is escaped and the rest still quantizes. The one rule of every backend.
+
+    Args:
+        lo: Smallest finite value (float64; ``lo > hi`` when none is finite).
+        hi: Largest finite value.
+        grid: The grid's bound (:func:`grid_bound` of the absolute bound).
+
+    Returns:
+        True where the midpoint is the center.
+    """
+    two = 2.0 * grid
+    return (hi - lo) <= 2 * SYMBOL_OFFSET * where(two > _FLT_MAX, _FLT_MAX, two)  # NaN stays
+
+
 @numba.njit(cache=True, nogil=True)
 def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
     """Quantization step, its float32 reciprocal and the center code for a bound and midpoint.
@@ -194,7 +214,7 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
     lo, hi = finite_range(x)
     if not math.isfinite(lo):
         mid = 0.0
-    elif hi - lo <= 2 * SYMBOL_OFFSET * min(2.0 * bound, _FLT_MAX):
+    elif midpoint_fits(lo, hi, bound):
         mid = 0.5 * (lo + hi)
     else:
         mid = float(np.median(x[np.isfinite(x)].astype(np.float64)))

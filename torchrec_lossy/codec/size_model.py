@@ -15,37 +15,17 @@ so far, so the host path can skip its dedupe.
 
 from __future__ import annotations
 
-from torchrec_lossy.codec.container import SEGMENT_HEADER_WORDS
-from torchrec_lossy.codec.elementwise import N, bit_length, clamp_min, jitable, where
+from torchrec_lossy.codec.elementwise import N, jitable, where
 from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
-    REFS_FIXED,
-    REFS_FLAGGED,
+    SEGMENT_HEADER_WORDS,
+    refs_packing,
     words_for_bits,
     words_for_bytes,
 )
-
-
-@jitable
-def refs(rows: N, n_unique: N) -> tuple[N, N, N]:
-    """The cheaper reference packing of blocks with ``n_unique`` distinct vectors.
-
-    Args:
-        rows: Rows per block.
-        n_unique: Distinct vectors per block (>= 1).
-
-    Returns:
-        (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width ``bit_length(n_unique - 1)``;
-        bits of that packing).
-    """
-    width = bit_length(clamp_min(n_unique - 1, 0))
-    fixed = rows * width
-    flagged = rows + (rows - n_unique) * width
-    mode = where(fixed > flagged, REFS_FLAGGED, REFS_FIXED)
-    return mode, width, where(fixed > flagged, flagged, fixed)
 
 
 @jitable
@@ -111,7 +91,7 @@ def quant_lz_words(rows: N, n_unique: N, n_escapes: N, itemsize: N, coded_words:
     Returns:
         Word count.
     """
-    ref_bits = refs(rows, n_unique)[2]
+    ref_bits = refs_packing(rows, n_unique)[2]
     return (
         SEGMENT_HEADER_WORDS
         + words_for_bits(ref_bits)
@@ -135,7 +115,7 @@ def lossless_lz_words(rows: N, n_unique: N, dim: N, itemsize: N) -> N:
     """
     return (
         SEGMENT_HEADER_WORDS
-        + words_for_bits(refs(rows, n_unique)[2])
+        + words_for_bits(refs_packing(rows, n_unique)[2])
         + words_for_bytes(n_unique * dim * itemsize)
     )
 

@@ -19,8 +19,14 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import size_model
-from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, words_for_bits
+from torchrec_lossy.codec.format import (
+    ESCAPE_SYMBOL,
+    REFS_FIXED,
+    REFS_FLAGGED,
+    ref_width,
+    refs_bits,
+    words_for_bits,
+)
 
 _ESCAPED_KEY = np.int64(1) << np.int64(32)
 
@@ -245,48 +251,6 @@ def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tens
     return torch.where(symbols == ESCAPE_SYMBOL, (1 << 32) | raw_key, symbols.long())
 
 
-def ref_width(n_unique: int) -> int:
-    """Bits per vector id.
-
-    Args:
-        n_unique: Number of distinct vectors (>= 1).
-
-    Returns:
-        ``bit_length(n_unique - 1)``.
-    """
-    return max(n_unique - 1, 0).bit_length()
-
-
-def refs_bits(rows: int, n_unique: int, mode: int) -> int:
-    """Size in bits of a block's references in the given packing.
-
-    Args:
-        rows: Rows of the block.
-        n_unique: Distinct vectors.
-        mode: REFS_FIXED or REFS_FLAGGED.
-
-    Returns:
-        Bit count.
-    """
-    width = ref_width(n_unique)
-    if mode == REFS_FIXED:
-        return rows * width
-    return rows + (rows - n_unique) * width
-
-
-def best_refs_mode(rows: int, n_unique: int) -> int:
-    """The packing with fewer bits (REFS_FIXED on a tie).
-
-    Args:
-        rows: Rows of the block.
-        n_unique: Distinct vectors.
-
-    Returns:
-        REFS_FIXED or REFS_FLAGGED.
-    """
-    return int(size_model.refs(rows, n_unique)[0])
-
-
 @numba.njit(cache=True, nogil=True, inline="always")
 def write_bits(words: np.ndarray, pos: int, value: int, n_bits: int) -> int:
     """Writes the low ``n_bits`` (<= 32) of value MSB-first at bit ``pos`` of zeroed words."""
@@ -330,10 +294,8 @@ def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray)
         Words of the packing.
     """
     rows = ids.shape[0]
-    width = 0
-    while (1 << width) < n_unique:
-        width += 1
-    n_bits = rows * width if mode == REFS_FIXED else rows + (rows - n_unique) * width
+    width = ref_width(n_unique)
+    n_bits = refs_bits(rows, n_unique, mode)
     # MSB-first through a 64-bit accumulator (as write_bits would place them): at most 33 bits
     # join per row and a word leaves as soon as 32 are pending, so nothing overflows.
     acc = np.uint64(0)
@@ -459,7 +421,6 @@ def pack_refs_reference(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Te
 __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
-    "best_refs_mode",
     "dedupe_blocks_kernel",
     "dedupe_kernel",
     "dedupe_reference",
@@ -469,8 +430,6 @@ __all__ = [
     "pack_refs_kernel",
     "pack_refs_reference",
     "read_bits",
-    "ref_width",
-    "refs_bits",
     "unpack_refs_kernel",
     "write_bits",
 ]
