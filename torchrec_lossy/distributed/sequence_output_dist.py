@@ -75,10 +75,14 @@ class LossyAll2AllSeqInfo:
 
     def spans(self, rank: int) -> list[tuple[int, int]]:
         """Per table shard of ``rank``: its features' range in the rank's feature order."""
-        at = list(
-            itertools.accumulate((s.num_features for s in self.pooled.layout[rank]), initial=0)
-        )
-        return list(itertools.pairwise(at))
+        return _spans(self.pooled.layout[rank])
+
+
+def _spans(specs: Sequence[BlockSpec]) -> list[tuple[int, int]]:
+    """Per table shard: its features' range in the rank's feature order."""
+    return list(
+        itertools.pairwise(itertools.accumulate((s.num_features for s in specs), initial=0))
+    )
 
 
 def cut_sequence_blocks(
@@ -348,6 +352,8 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         lengths: torch.Tensor,
         features_before_input_dist: KeyedJaggedTensor,
         batch_size_per_rank: list[int] | None = None,
+        rows_per_owner: list[list[int]] | None = None,
+        unbucketize_permute_tensor: torch.Tensor | None = None,
     ) -> SequenceEmbeddingsAwaitable:
         """Sends every id's row to the rank whose batch holds it, compressed.
 
@@ -357,6 +363,11 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             features_before_input_dist: This rank's KJT of the sharding's features, in the
                 input dist's order (the rows each owner sends back follow from its lengths).
             batch_size_per_rank: Batch size of every rank; None or empty: equal split.
+            rows_per_owner: Row-wise: per owner, per feature of its layout, how many of this
+                rank's ids it holds (and sends back); None: each owner holds all of this rank's
+                ids of its features (table- and column-wise).
+            unbucketize_permute_tensor: Row-wise: TorchRec's permute from owner order back to
+                this rank's id order (applied on wait); None otherwise.
 
         Returns:
             Awaitable of ``[num_ids_local, D]``.
@@ -367,12 +378,12 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         with record_function("## lossy_seq_a2a rows ##"):
             per_src = [c.sum(dim=1) for c in lengths.split(list(batch_size_per_rank), dim=1)]
             feature_rows = torch.stack(per_src, dim=1).tolist() if per_src else []
-            key_rows = features_before_input_dist.length_per_key()
-        # This rank's ids of each owner's table shard: its features' lengths, in layout order.
-        at = itertools.accumulate((s.num_features for sp in self._layout for s in sp), initial=0)
-        per_spec = [sum(key_rows[a:b]) for a, b in itertools.pairwise(at)]
-        it = iter(per_spec)
-        recv_rows = [[next(it) for _ in specs] for specs in self._layout]
+            if rows_per_owner is None:
+                rows_per_owner = self._rows_per_owner(features_before_input_dist.length_per_key())
+        recv_rows = [
+            [sum(rows[a:b]) for a, b in _spans(specs)]
+            for specs, rows in zip(self._layout, rows_per_owner, strict=True)
+        ]
         pooled = LossyAll2AllPooledInfo(
             batch_size_per_rank=list(batch_size_per_rank),
             layout=self._layout,
@@ -385,8 +396,74 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         info = LossyAll2AllSeqInfo(pooled, feature_rows, recv_rows, self._dim)
         return SequenceEmbeddingsAwaitable(
             tensor_awaitable=alltoall_sequence_lossy(local_embs, info, self._pg),
-            unbucketize_permute_tensor=None,
+            unbucketize_permute_tensor=unbucketize_permute_tensor,
             embedding_dim=self._dim,
+        )
+
+    def _rows_per_owner(self, key_rows: list[int]) -> list[list[int]]:
+        """Table- and column-wise: each owner's features are the next ones of this rank's KJT
+        (layout order), and it sends back all of this rank's ids of them."""
+        it = iter(key_rows)
+        return [[next(it) for s in specs for _ in range(s.num_features)] for specs in self._layout]
+
+
+class LossyRwSequenceEmbeddingDist(
+    BaseEmbeddingDist[SequenceShardingContext, torch.Tensor, torch.Tensor]
+):
+    """``RwSequenceEmbeddingDist`` over :class:`LossySequenceEmbeddingsAllToAll`.
+
+    Every rank holds a row shard of every table: an owner sends each rank the rows of that
+    rank's ids in its shard (TorchRec's bucketization: id ``i`` of feature ``f`` lives on rank
+    ``i // block_sizes[f]``), one block per (destination, table); the receiver puts them back in
+    its id order with TorchRec's unbucketize permute.
+
+    Args:
+        pg: Process group.
+        specs: The table shards in feature order (the same on every rank).
+        block_sizes: Rows of each feature's table per rank (TorchRec's bucket size).
+        comms: Shared state of the sharded module.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        specs: Sequence[BlockSpec],
+        block_sizes: Sequence[int],
+        comms: LossyComms,
+    ) -> None:
+        super().__init__()
+        self._world = pg.size()
+        self._block_sizes = list(block_sizes)
+        self._dist = LossySequenceEmbeddingsAllToAll(pg, [tuple(specs)] * self._world, comms)
+
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: SequenceShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
+        """Compressed all-to-all of the row-wise sequence embeddings.
+
+        Args:
+            local_embs: ``[num_ids, D]`` lookup output (this rank's rows of every source's ids).
+            sharding_ctx: Context of the input dist (lengths, this rank's features, permute).
+
+        Returns:
+            Awaitable of the sequence embeddings of this rank's batch, in its id order.
+        """
+        assert sharding_ctx is not None and not sharding_ctx.variable_batch_per_feature
+        features = sharding_ctx.features_before_input_dist
+        assert sharding_ctx.lengths_after_input_dist is not None and features is not None
+        with record_function("## lossy_seq_a2a rows ##"):
+            owners = [
+                torch.bincount(features[key].values() // block, minlength=self._world)
+                for key, block in zip(features.keys(), self._block_sizes, strict=True)
+            ]
+            rows_per_owner = torch.stack(owners, dim=1).tolist() if owners else []
+        return self._dist(
+            local_embs,
+            sharding_ctx.lengths_after_input_dist,
+            features,
+            sharding_ctx.batch_size_per_rank,
+            rows_per_owner=rows_per_owner or [[] for _ in range(self._world)],
+            unbucketize_permute_tensor=sharding_ctx.unbucketize_permute_tensor,
         )
 
 

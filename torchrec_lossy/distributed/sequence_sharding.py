@@ -1,10 +1,10 @@
-"""Table-wise and column-wise sequence shardings whose embedding all-to-all is compressed.
+"""Table-wise, column-wise and row-wise sequence shardings whose embedding all-to-all is compressed.
 
 Each class is TorchRec's sequence sharding (``EmbeddingCollection``) with the input dist
-replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, no output dedupe) and the
-output dist by :class:`.sequence_output_dist.LossyTwSequenceEmbeddingDist`; lookups and
-everything else are TorchRec's. Row-wise and data-parallel sequence shardings stay TorchRec's
-(see :func:`create_lossy_sequence_sharding`).
+replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, no output dedupe; row-wise:
+the bucketized one of :mod:`.rw_sharding`) and the output dist by the compressed one of
+:mod:`.sequence_output_dist`; lookups and everything else are TorchRec's. Data-parallel
+sequence shardings stay TorchRec's (see :func:`create_lossy_sequence_sharding`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.sharding.cw_sequence_sharding import CwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
@@ -28,7 +30,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import pooled_layout
-from torchrec_lossy.distributed.sequence_output_dist import LossyTwSequenceEmbeddingDist
+from torchrec_lossy.distributed.rw_sharding import LossyRwSparseFeaturesDist
+from torchrec_lossy.distributed.sequence_output_dist import (
+    LossyRwSequenceEmbeddingDist,
+    LossyTwSequenceEmbeddingDist,
+)
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -83,10 +89,63 @@ class LossyCwSequenceEmbeddingSharding(
     shard a feature of its own, merged by the sharded module), so the lossy one is likewise."""
 
 
+class LossyRwSequenceEmbeddingSharding(LossyShardingMixin, RwSequenceEmbeddingSharding):
+    """Row-wise sequence sharding: the bucketized KJT all-to-all packed, the rows of each
+    rank's ids coded per (destination, table) (constructor: ``LossyShardingMixin``)."""
+
+    def create_input_dist(
+        self, device: torch.device | None = None
+    ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+        """The packed bucketized KJT all-to-all, or TorchRec's if ``input_dist.enabled`` is off.
+
+        Args:
+            device: Device of TorchRec's bucketization buffers.
+
+        Returns:
+            The input dist.
+        """
+        base = super().create_input_dist(device)
+        if (
+            not self._lossy_comms.config.input_dist.enabled
+            or type(base) is not RwSparseFeaturesDist
+        ):
+            return base
+        assert self._pg is not None
+        return LossyRwSparseFeaturesDist(
+            self._lossy_comms,
+            pg=self._pg,
+            num_features=self._get_num_features(),
+            feature_hash_sizes=self._get_feature_hash_sizes(),
+            device=device if device is not None else self._device,
+            is_sequence=True,
+            has_feature_processor=self._has_feature_processor,
+            need_pos=False,
+            virtual_table_feature_num_buckets=self._get_virtual_table_feature_num_buckets(),
+        )
+
+    def create_output_dist(
+        self, device: torch.device | None = None
+    ) -> BaseEmbeddingDist[SequenceShardingContext, torch.Tensor, torch.Tensor]:
+        """The compressed row-wise sequence-embedding all-to-all.
+
+        Args:
+            device: Unused (buffers follow the embeddings).
+
+        Returns:
+            The output dist.
+        """
+        assert self._pg is not None
+        world = self._pg.size()
+        blocks = [(h + world - 1) // world for h in self._get_feature_hash_sizes()]
+        (specs,) = pooled_layout([self._grouped_embedding_configs])
+        return LossyRwSequenceEmbeddingDist(self._pg, specs, blocks, self._lossy_comms)
+
+
 # Sequence sharding types whose embeddings travel by all-to-all: compressed here.
-LOSSY_SEQUENCE_SHARDING_TYPES: dict[str, type[LossyTwSequenceEmbeddingSharding]] = {
+LOSSY_SEQUENCE_SHARDING_TYPES: dict[str, type] = {
     ShardingType.TABLE_WISE.value: LossyTwSequenceEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: LossyCwSequenceEmbeddingSharding,
+    ShardingType.ROW_WISE.value: LossyRwSequenceEmbeddingSharding,
 }
 
 
@@ -98,7 +157,7 @@ def create_lossy_sequence_sharding(
     device: torch.device | None = None,
     qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
 ) -> SequenceSharding:
-    """The sequence sharding of one sharding type: compressed for TW/CW, TorchRec's otherwise.
+    """The sequence sharding of one sharding type: compressed for TW/CW/RW, TorchRec's otherwise.
 
     Args:
         sharding_type: The sharding type.
@@ -117,8 +176,8 @@ def create_lossy_sequence_sharding(
     if sharding_type != ShardingType.DATA_PARALLEL.value:  # DP sends no embeddings at all
         for info in sharding_infos:
             logger.warning(
-                "EmbeddingCollection table %r is %s-sharded: the lossy sharder compresses only "
-                "table-wise and column-wise sequence shardings, so it is sharded by TorchRec's "
+                "EmbeddingCollection table %r is %s-sharded: the lossy sharder compresses "
+                "table-, column- and row-wise sequence shardings, so it is sharded by TorchRec's "
                 "own %s sharding, NOT lossy-compressed",
                 info.embedding_config.name,
                 sharding_type,
