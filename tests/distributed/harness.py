@@ -17,6 +17,7 @@ import socket
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -519,3 +520,33 @@ class DLRMish(torch.nn.Module):
         logits = self.head(self.ebc(batch.sparse_features).values()).squeeze(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, logits.detach()
+
+
+def torchrec_test_sharding() -> Any:
+    """TorchRec's ``test_utils.test_sharding`` module, importable from the wheel.
+
+    It imports ``torchrec.distributed.tests.test_sequence_model``, which the wheel lacks: the
+    vendored copy (``tests/third_party/torchrec/sequence_model.py``) is registered under that
+    name first.
+
+    Returns:
+        The module.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    name = "torchrec.distributed.tests.test_sequence_model"
+    if name not in sys.modules:
+        path = (
+            Path(__file__).resolve().parents[1] / "third_party" / "torchrec" / "sequence_model.py"
+        )
+        sys.modules.setdefault(
+            "torchrec.distributed.tests", types.ModuleType("torchrec.distributed.tests")
+        )
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module("torchrec.distributed.test_utils.test_sharding")
