@@ -262,6 +262,43 @@ def test_row_wise_is_offered_and_priced_with_the_codec() -> None:
     assert rw.fwd_wire_bytes == pytest.approx(rw.fwd_raw_bytes / 10)
 
 
+def test_embedding_collection_tables_are_priced_with_the_codec() -> None:
+    """Sequence tables: one output row per id, coded at the table's ratio (RW too: TorchRec's
+    row-wise sequence sharding travels by all-to-all)."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    config = small_config()
+    ec = EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                feature_names=[f"f_{t.name}"],
+            )
+            for t in config.embedding_tables
+        ],
+        device=torch.device("meta"),
+    )
+    lengths = {f"f_{t.name}": [50.0] for t in config.embedding_tables}
+    constraints = {
+        t.name: ParameterConstraints(pooling_factors=lengths[f"f_{t.name}"])
+        for t in config.embedding_tables
+    }
+    constraints["big"] = ParameterConstraints(sharding_types=[RW], pooling_factors=[50.0])
+    planner = LossyShardingPlanner(config, stats=[], debug=False, constraints=constraints)
+    planner.plan(ec, [EmbeddingCollectionSharder()])
+    plan = {t.name: t for t in planner.planned_tables}
+    assert [t.name for t in planner.planned_tables] == ["big", "mid", "tiny", "raw_big"]
+    big = plan["big"]
+    assert big.sharding_type == RW and big.fwd_format == "lossy"
+    # 50 ids per sample, 2,048 samples per rank (8,192 / 4 ranks), 64 fp32 columns, per shard.
+    assert big.fwd_raw_bytes == len(big.ranks) * 50 * 8192 * 64 * 4
+    assert big.fwd_wire_bytes == pytest.approx(big.fwd_raw_bytes / 10)
+    assert plan["raw_big"].fwd_format == "raw"
+
+
 def test_explained_plan_and_step_cost() -> None:
     planner = plan_small(small_config())
     text = planner.explain()

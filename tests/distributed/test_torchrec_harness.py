@@ -1,11 +1,12 @@
-"""TorchRec's own model-parallel check with the lossy sharder substituted, per sharding type.
+"""TorchRec's own model-parallel check with the lossy sharders substituted, per sharding type.
 
 ``torchrec.distributed.test_utils.test_sharding.sharding_single_rank_test_single_process``
-(what TorchRec's ``test_model_parallel`` runs) builds its ``TestSparseNN`` (unweighted, weighted
-and shared-feature tables, dense and over arches), shards it with the given sharder, trains a
-step and compares the predictions with the unsharded model's. Here the sharder is the lossy one
-at bound 0 with the exact backward (lossless), restricted to one sharding type as TorchRec's
-``TestEBCSharder`` restricts its own: TW, CW, RW (2 ranks) and TWRW (2 hosts x 1 rank). (Grid
+(what TorchRec's ``test_model_parallel`` and ``test_sequence_model_parallel`` run) builds its
+``TestSparseNN`` (unweighted, weighted and shared-feature tables, dense and over arches) or
+``TestSequenceSparseNN``, shards it with the given sharder, trains a step and compares the
+predictions with the unsharded model's. Here the sharder is the lossy one at bound 0 with the
+exact backward (lossless), restricted to one sharding type as TorchRec's ``TestEBCSharder``
+restricts its own: EBC TW, CW, RW (2 ranks) and TWRW (2 hosts x 1 rank); EC TW, CW, RW. (Grid
 finds no option for this model's tables on 2 ranks; tests/distributed/test_twrw_sharding.py
 covers it.) A lossy bound must make TorchRec's comparison fail: the check sees our dists.
 """
@@ -21,126 +22,22 @@ from harness import EXACT_BACKWARD, run_workers, torchrec_test_sharding
 pytestmark = pytest.mark.dist
 
 
-def _tables() -> tuple[list[Any], list[Any], dict[str, list[str]]]:
-    """TorchRec's ``ModelParallelTestShared`` tables, weighted tables and embedding groups."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-
+def _tables(config_cls: Any, dim: Any, rows: Any) -> tuple[list[Any], dict[str, list[str]]]:
+    """TorchRec's test tables: 4 of their own features, 2 sharing features 0 and 1; the
+    embedding groups that name the shared ones ``feature@table``."""
     tables = [
-        EmbeddingBagConfig(
-            num_embeddings=(i + 1) * 10,
-            embedding_dim=(i + 2) * 8,
+        config_cls(
+            num_embeddings=rows(i),
+            embedding_dim=dim(i),
             name=f"table_{i}",
             feature_names=[f"feature_{i}"],
         )
         for i in range(4)
     ]
     tables += [
-        EmbeddingBagConfig(
-            num_embeddings=(i + 1) * 10,
-            embedding_dim=(i + 2) * 8,
-            name=f"table_{i + 4}",
-            feature_names=[f"feature_{i}"],
-        )
-        for i in range(2)
-    ]
-    weighted = [
-        EmbeddingBagConfig(
-            num_embeddings=(i + 1) * 10,
-            embedding_dim=(i + 2) * 4,
-            name=f"weighted_table_{i}",
-            feature_names=[f"weighted_feature_{i}"],
-        )
-        for i in range(2)
-    ]
-    shared = {"feature_0", "feature_1"}
-    groups = {
-        "group_0": [f"{f}@{t.name}" if f in shared else f for t in tables for f in t.feature_names]
-    }
-    return tables, weighted, groups
-
-
-def _worker(
-    rank: int, world_size: int, sharding_type: str, local_size: int, bound: float = 0.0
-) -> str:
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_size)
-    import torch
-    import torch.distributed as dist
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.test_utils.test_model import TestSparseNN
-
-    from torchrec_lossy.config import ErrorBound, LossyCommsConfig
-    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
-
-    class OneTypeSharder(LossyEmbeddingBagCollectionSharder):
-        """The lossy sharder offering one sharding type and the fused kernel (TorchRec's
-        ``TestEBCSharder`` does the same with its own sharder)."""
-
-        def sharding_types(self, compute_device_type: str) -> list[str]:
-            return [sharding_type]
-
-        def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-            return ["fused"]
-
-    config = LossyCommsConfig(
-        default_bound=ErrorBound("absolute", bound), local_world_size=local_size, **EXACT_BACKWARD
-    )
-    sharder = OneTypeSharder(fused_params={"learning_rate": 0.1}, comms_config=config)
-    tables, weighted, groups = _tables()
-    torchrec_test_sharding().sharding_single_rank_test_single_process(
-        pg=dist.group.WORLD,
-        device=torch.device("cpu"),
-        rank=rank,
-        world_size=world_size,
-        model_class=TestSparseNN,
-        embedding_groups=groups,
-        tables=tables,
-        weighted_tables=weighted,
-        sharders=[sharder],
-        optim=EmbOptimType.EXACT_SGD,
-        local_size=local_size,
-    )
-    return "ok"
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "sharding_type,local_size",
-    [
-        ("table_wise", 2),
-        ("column_wise", 2),
-        ("row_wise", 2),
-        ("table_row_wise", 1),
-    ],
-)
-def test_torchrec_model_parallel_check_passes_with_the_lossy_sharder(
-    sharding_type: str, local_size: int
-) -> None:
-    assert run_workers(_worker, 2, sharding_type, local_size, timeout_s=600) == ["ok", "ok"]
-
-
-@pytest.mark.timeout(900)
-def test_torchrec_check_fails_when_the_forward_is_lossy() -> None:
-    with pytest.raises(AssertionError, match="not close"):
-        run_workers(_worker, 2, "table_wise", 2, 0.5, timeout_s=600)
-
-
-def _sequence_tables() -> tuple[list[Any], dict[str, list[str]]]:
-    """TorchRec's ``SequenceModelParallelTest`` tables and embedding groups."""
-    from torchrec.modules.embedding_configs import EmbeddingConfig
-
-    tables = [
-        EmbeddingConfig(
-            num_embeddings=(i + 1) * 11,
-            embedding_dim=16,
-            name=f"table_{i}",
-            feature_names=[f"feature_{i}"],
-        )
-        for i in range(4)
-    ]
-    tables += [
-        EmbeddingConfig(
-            num_embeddings=(i + 1) * 11,
-            embedding_dim=16,
+        config_cls(
+            num_embeddings=rows(i),
+            embedding_dim=dim(i),
             name=f"table_{i + 4}",
             feature_names=[f"feature_{i}"],
         )
@@ -153,42 +50,108 @@ def _sequence_tables() -> tuple[list[Any], dict[str, list[str]]]:
     return tables, groups
 
 
-def _sequence_worker(rank: int, world_size: int, sharding_type: str) -> str:
-    import torch
-    import torch.distributed as dist
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
+def _one_type(base_cls: type, sharding_type: str, bound: float, local_size: int) -> Any:
+    """``base_cls`` (a lossy sharder) offering one sharding type and the fused kernel, as
+    TorchRec's ``TestEBCSharder`` does with its own, at an absolute ``bound``."""
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig
-    from torchrec_lossy.distributed import LossyEmbeddingCollectionSharder
 
-    test_sharding = torchrec_test_sharding()  # registers the vendored sequence model first
-    from torchrec.distributed.tests.test_sequence_model import TestSequenceSparseNN
-
-    class OneTypeSharder(LossyEmbeddingCollectionSharder):
-        """The lossy EC sharder offering one sharding type and the fused kernel."""
-
+    class OneTypeSharder(base_cls):  # type: ignore[misc, valid-type]
         def sharding_types(self, compute_device_type: str) -> list[str]:
             return [sharding_type]
 
         def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
             return ["fused"]
 
-    config = LossyCommsConfig(default_bound=ErrorBound("absolute", 0.0), **EXACT_BACKWARD)
-    sharder = OneTypeSharder(fused_params={"learning_rate": 0.1}, comms_config=config)
-    tables, groups = _sequence_tables()
-    test_sharding.sharding_single_rank_test_single_process(
+    config = LossyCommsConfig(
+        default_bound=ErrorBound("absolute", bound), local_world_size=local_size, **EXACT_BACKWARD
+    )
+    return OneTypeSharder(fused_params={"learning_rate": 0.1}, comms_config=config)
+
+
+def _check(rank: int, world_size: int, **kwargs: Any) -> str:
+    import torch
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    torchrec_test_sharding().sharding_single_rank_test_single_process(
         pg=dist.group.WORLD,
         device=torch.device("cpu"),
         rank=rank,
         world_size=world_size,
+        optim=EmbOptimType.EXACT_SGD,
+        **kwargs,
+    )
+    return "ok"
+
+
+def _ebc_worker(
+    rank: int, world_size: int, sharding_type: str, local_size: int, bound: float = 0.0
+) -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_size)
+    from torchrec.distributed.test_utils.test_model import TestSparseNN
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
+
+    tables, groups = _tables(EmbeddingBagConfig, lambda i: (i + 2) * 8, lambda i: (i + 1) * 10)
+    weighted = [
+        EmbeddingBagConfig(
+            num_embeddings=(i + 1) * 10,
+            embedding_dim=(i + 2) * 4,
+            name=f"weighted_table_{i}",
+            feature_names=[f"weighted_feature_{i}"],
+        )
+        for i in range(2)
+    ]
+    sharder = _one_type(LossyEmbeddingBagCollectionSharder, sharding_type, bound, local_size)
+    return _check(
+        rank,
+        world_size,
+        model_class=TestSparseNN,
+        embedding_groups=groups,
+        tables=tables,
+        weighted_tables=weighted,
+        sharders=[sharder],
+        local_size=local_size,
+    )
+
+
+def _ec_worker(rank: int, world_size: int, sharding_type: str) -> str:
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    from torchrec_lossy.distributed import LossyEmbeddingCollectionSharder
+
+    torchrec_test_sharding()  # registers the vendored sequence model first
+    from torchrec.distributed.tests.test_sequence_model import TestSequenceSparseNN
+
+    tables, groups = _tables(EmbeddingConfig, lambda i: 16, lambda i: (i + 1) * 11)
+    sharder = _one_type(LossyEmbeddingCollectionSharder, sharding_type, 0.0, world_size)
+    return _check(
+        rank,
+        world_size,
         model_class=TestSequenceSparseNN,
         embedding_groups=groups,
         tables=tables,
         sharders=[sharder],
-        optim=EmbOptimType.EXACT_SGD,
         global_constant_batch=True,
     )
-    return "ok"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "sharding_type,local_size",
+    [("table_wise", 2), ("column_wise", 2), ("row_wise", 2), ("table_row_wise", 1)],
+)
+def test_torchrec_model_parallel_check_passes_with_the_lossy_sharder(
+    sharding_type: str, local_size: int
+) -> None:
+    assert run_workers(_ebc_worker, 2, sharding_type, local_size, timeout_s=600) == ["ok"] * 2
+
+
+@pytest.mark.timeout(900)
+def test_torchrec_check_fails_when_the_forward_is_lossy() -> None:
+    with pytest.raises(AssertionError, match="not close"):
+        run_workers(_ebc_worker, 2, "table_wise", 2, 0.5, timeout_s=600)
 
 
 @pytest.mark.timeout(900)
@@ -196,4 +159,4 @@ def _sequence_worker(rank: int, world_size: int, sharding_type: str) -> str:
 def test_torchrec_sequence_model_check_passes_with_the_lossy_ec_sharder(
     sharding_type: str,
 ) -> None:
-    assert run_workers(_sequence_worker, 2, sharding_type, timeout_s=600) == ["ok", "ok"]
+    assert run_workers(_ec_worker, 2, sharding_type, timeout_s=600) == ["ok"] * 2

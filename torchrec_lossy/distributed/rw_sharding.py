@@ -29,6 +29,7 @@ from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingContext,
     bucketize_kjt_before_all2all,
 )
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import (
     RwPooledEmbeddingDist,
     RwPooledEmbeddingSharding,
@@ -219,6 +220,42 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
         return mask
 
 
+def packed_rw_input_dist(
+    sharding: RwPooledEmbeddingSharding | RwSequenceEmbeddingSharding,
+    base: BaseSparseFeaturesDist[KeyedJaggedTensor],
+    device: torch.device | None,
+    is_sequence: bool,
+) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+    """A row-wise sharding's input dist: :class:`LossyRwSparseFeaturesDist` with TorchRec's
+    arguments, or TorchRec's own (``base``) if ``input_dist.enabled`` is off or TorchRec built
+    another kind.
+
+    Args:
+        sharding: The lossy row-wise sharding (pooled or sequence; carries ``_lossy_comms``).
+        base: The input dist TorchRec's sharding created.
+        device: Device of the bucketization buffers.
+        is_sequence: Whether the sharding is a sequence (``EmbeddingCollection``) one.
+
+    Returns:
+        The input dist.
+    """
+    comms: LossyComms = sharding._lossy_comms  # type: ignore[union-attr]
+    if not comms.config.input_dist.enabled or type(base) is not RwSparseFeaturesDist:
+        return base
+    assert sharding._pg is not None
+    return LossyRwSparseFeaturesDist(
+        comms,
+        pg=sharding._pg,
+        num_features=sharding._get_num_features(),
+        feature_hash_sizes=sharding._get_feature_hash_sizes(),
+        device=device if device is not None else sharding._device,
+        is_sequence=is_sequence,
+        has_feature_processor=sharding._has_feature_processor,
+        virtual_table_feature_num_buckets=sharding._get_virtual_table_feature_num_buckets(),
+        need_pos=False if is_sequence else sharding._need_pos,
+    )
+
+
 class LossyRwPooledEmbeddingSharding(LossyShardingMixin, RwPooledEmbeddingSharding):
     """Row-wise sharding with a compressed output dist and a packed input dist (constructor:
     ``LossyShardingMixin``)."""
@@ -226,24 +263,7 @@ class LossyRwPooledEmbeddingSharding(LossyShardingMixin, RwPooledEmbeddingShardi
     def create_input_dist(
         self, device: torch.device | None = None
     ) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
-        base = super().create_input_dist(device)
-        if (
-            not self._lossy_comms.config.input_dist.enabled
-            or type(base) is not RwSparseFeaturesDist
-        ):
-            return base
-        assert self._pg is not None
-        return LossyRwSparseFeaturesDist(
-            self._lossy_comms,
-            pg=self._pg,
-            num_features=self._get_num_features(),
-            feature_hash_sizes=self._get_feature_hash_sizes(),
-            device=device if device is not None else self._device,
-            is_sequence=False,
-            has_feature_processor=self._has_feature_processor,
-            virtual_table_feature_num_buckets=self._get_virtual_table_feature_num_buckets(),
-            need_pos=self._need_pos,
-        )
+        return packed_rw_input_dist(self, super().create_input_dist(device), device, False)
 
     def create_output_dist(
         self, device: torch.device | None = None

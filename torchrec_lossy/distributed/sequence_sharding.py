@@ -21,7 +21,6 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.sharding.cw_sequence_sharding import CwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
-from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
@@ -30,7 +29,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import pooled_layout
-from torchrec_lossy.distributed.rw_sharding import LossyRwSparseFeaturesDist
+from torchrec_lossy.distributed.rw_sharding import packed_rw_input_dist
 from torchrec_lossy.distributed.sequence_output_dist import (
     LossyRwSequenceEmbeddingDist,
     LossyTwSequenceEmbeddingDist,
@@ -104,24 +103,7 @@ class LossyRwSequenceEmbeddingSharding(LossyShardingMixin, RwSequenceEmbeddingSh
         Returns:
             The input dist.
         """
-        base = super().create_input_dist(device)
-        if (
-            not self._lossy_comms.config.input_dist.enabled
-            or type(base) is not RwSparseFeaturesDist
-        ):
-            return base
-        assert self._pg is not None
-        return LossyRwSparseFeaturesDist(
-            self._lossy_comms,
-            pg=self._pg,
-            num_features=self._get_num_features(),
-            feature_hash_sizes=self._get_feature_hash_sizes(),
-            device=device if device is not None else self._device,
-            is_sequence=True,
-            has_feature_processor=self._has_feature_processor,
-            need_pos=False,
-            virtual_table_feature_num_buckets=self._get_virtual_table_feature_num_buckets(),
-        )
+        return packed_rw_input_dist(self, super().create_input_dist(device), device, True)
 
     def create_output_dist(
         self, device: torch.device | None = None

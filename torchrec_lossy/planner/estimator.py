@@ -156,13 +156,15 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
             self.type_costs.setdefault(table, {}).update(per_type)
 
     def batch_outputs(self, option: ShardingOption) -> float:
-        """Pooled outputs per rank and step (TorchRec's ``batch_outputs``).
+        """Output rows per rank and step (TorchRec's ``batch_outputs``): pooled rows, or for a
+        sequence (``EmbeddingCollection``) table one row per id.
 
         Args:
             option: A sharding option.
 
         Returns:
-            ``sum(min(1, pooling) * num_poolings * batch_size)`` over the table's features.
+            ``sum(min(1, pooling) * num_poolings * batch_size)`` over the table's features
+            (``pooling`` itself for a sequence table).
         """
         constraints = self._constraints or {}
         c = constraints.get(option.name)
@@ -173,7 +175,7 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
             else [option.batch_size] * option.num_inputs
         )
         return sum(
-            min(1.0, il) * n * b
+            (min(1.0, il) if option.is_pooled else il) * n * b
             for il, n, b in zip(option.input_lengths, num_poolings, batch_sizes, strict=True)
         )
 
@@ -181,12 +183,13 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
         """Rewrites the option's shard perfs for its table's formats; returns the breakdown."""
         dp = option.sharding_type == ShardingType.DATA_PARALLEL.value
         formats: tuple[WireFormat | None, WireFormat | None]
-        if dp or not option.is_pooled:
+        if dp:
             formats = (None, None)
         else:
             comms = self.comms_model.for_table(option.name)
-            rw_a2a = (
-                comms.row_wise_all_to_all and option.sharding_type == ShardingType.ROW_WISE.value
+            # Sequence tables travel by all-to-all for every type TorchRec offers them (RW too).
+            rw_a2a = option.sharding_type == ShardingType.ROW_WISE.value and (
+                comms.row_wise_all_to_all or not option.is_pooled
             )
             if option.sharding_type in A2A_SHARDING_TYPES or rw_a2a:
                 formats = (comms.fwd, comms.bwd)

@@ -45,7 +45,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_lossy.config import (
     EmbeddingTableConfig,
@@ -437,12 +437,16 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
             The sharding plan.
         """
         plan = super().plan(module, sharders if sharders is not None else [self.sharder()])
-        # Print tables in the module's order (EmbeddingBagCollections' config order).
+        # Print tables in the module's order (the collections' config order).
         order = [
             cfg.name
             for m in module.modules()
-            if isinstance(m, EmbeddingBagCollection)
-            for cfg in m.embedding_bag_configs()
+            if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+            for cfg in (
+                m.embedding_bag_configs()
+                if isinstance(m, EmbeddingBagCollection)
+                else m.embedding_configs()
+            )
         ]
         self._record(self._best_plan or [], {name: i for i, name in enumerate(order)})
         logger.info("torchrec-lossy plan:\n%s", self.explain())
