@@ -304,8 +304,9 @@ def test_explained_plan_and_step_cost() -> None:
     text = planner.explain()
     lines = text.splitlines()
     assert lines[0].startswith("torchrec-lossy: forward lossy")
-    assert lines[1].split()[:4] == ["table", "rows", "dim", "sharding"]
-    assert [line.split()[0] for line in lines[2:]] == ["big", "mid", "tiny", "raw_big", "total"]
+    assert lines[1].startswith("the codec pays on this all-to-all for ratios above")
+    assert lines[2].split()[:4] == ["table", "rows", "dim", "sharding"]
+    assert [line.split()[0] for line in lines[3:]] == ["big", "mid", "tiny", "raw_big", "total"]
     cost = planner.step_cost()
     plan = planner.planned_tables
     assert cost.fwd_raw_bytes == sum(t.fwd_raw_bytes for t in plan)
@@ -331,13 +332,16 @@ def test_unprofitable_codec_is_flagged_or_dropped() -> None:
     big = next(t for t in planner.planned_tables if t.name == "big")
     # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
     assert big.sharding_type == "table_row_wise" and big.fwd_format == "raw"
-    assert "drop_unprofitable is off" in big.reason
     assert planner.comms_config is one_host.comms
+    # Said once for the plan, not on every table's line; each table gives its own numbers.
+    text = planner.explain()
+    assert text.count("does not pay") == 1 and "drop_unprofitable is off" in text.splitlines()[1]
+    assert "drop_unprofitable" not in big.reason and "13.10 of raw time" in big.reason
     tw_only = {"big": ParameterConstraints(sharding_types=[TW])}
     big = next(
         t for t in plan_small(one_host, constraints=tw_only).planned_tables if t.name == "big"
     )
-    assert big.fwd_format == "lossy" and "drop_unprofitable is off" in big.reason
+    assert big.fwd_format == "lossy" and "13.10 of raw time" in big.reason
 
     dropping = dataclasses.replace(
         one_host, planner=dataclasses.replace(one_host.planner, drop_unprofitable=True)
@@ -345,6 +349,7 @@ def test_unprofitable_codec_is_flagged_or_dropped() -> None:
     planner = plan_small(dropping)
     big = next(t for t in planner.planned_tables if t.name == "big")
     assert big.fwd_format == "raw" and big.reason.startswith("sent raw")
+    assert "those tables are sent raw" in planner.explain().splitlines()[1]
     effective = planner.comms_config
     assert [effective.table(n).compress for n in ("big", "mid", "tiny", "raw_big")] == [False] * 4
     assert effective.table("raw_big") == one_host.comms.table("raw_big")

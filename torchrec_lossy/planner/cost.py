@@ -146,6 +146,7 @@ class CommsModel(Protocol):
 
     name: str
     description: str
+    pays_note: str  # where the codec pays on this topology, said once per plan ("" if moot)
 
     def for_table(self, table: str) -> TableComms:
         """The table's formats.
@@ -167,11 +168,13 @@ class FixedCommsModel:
         name: Short scenario name.
         description: One line for the printed plan.
         comms: The formats every table gets.
+        pays_note: Nothing to say about a codec's break-even (no codec of ours).
     """
 
     name: str
     description: str
     comms: TableComms
+    pays_note: str = ""
 
     def for_table(self, table: str) -> TableComms:
         """The formats (the same for every table).
@@ -283,6 +286,22 @@ class LossyCommsModel:
             f"{comms.default_bound.value:g} default), backward {bwd_kind}; codec "
             f"{self.encode_gib_s:.3g}/{self.decode_gib_s:.3g} GiB/s encode/decode"
         )
+        self.pays_note = self._pays_note()
+
+    def _pays_note(self) -> str:
+        """Where the codec pays on this topology, said once for the whole plan."""
+        codec_share = self.break_even(math.inf)  # bw/enc + bw/dec
+        drop = self.config.planner.drop_unprofitable
+        fate = "those tables are sent raw" if drop else "planner.drop_unprofitable is off"
+        if codec_share >= 1.0:
+            return (
+                f"the codec does not pay on this all-to-all: its time alone is {codec_share:.2f} "
+                f"of the raw transfer's at any ratio; {fate}"
+            )
+        return (
+            f"the codec pays on this all-to-all for ratios above {1 / (1 - codec_share):.2f}x "
+            f"(1/R + bw/enc + bw/dec < 1)" + ("" if drop else f"; {fate} for the others")
+        )
 
     def ratio(self, table: str) -> float:
         """The table's expected forward ratio.
@@ -343,12 +362,10 @@ class LossyCommsModel:
         r = self.ratio(table)
         cost = self.break_even(r)
         source = "calibrated" if table in self.ratios else "configured"
-        if cost >= 1.0:
-            why = f"codec slower than the bytes it saves: 1/R + bw/enc + bw/dec = {cost:.2f} >= 1"
-            if self.config.planner.drop_unprofitable:
-                return TableComms(RAW, bwd, note=f"sent raw: {why}", row_wise_all_to_all=True)
-            note = f"ratio {r:.1f}x ({source}); {why} (planner.drop_unprofitable is off)"
-        else:
-            note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
+        # Whether the codec pays is said once (pays_note); each table gives its own numbers.
+        if cost >= 1.0 and self.config.planner.drop_unprofitable:
+            note = f"sent raw: ratio {r:.1f}x ({source}) would take {cost:.2f} of raw time"
+            return TableComms(RAW, bwd, note=note, row_wise_all_to_all=True)
+        note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
         fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
         return TableComms(fwd, bwd, note=note, row_wise_all_to_all=True)

@@ -570,7 +570,9 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
         Returns:
             The text.
         """
-        return f"{self.comms_model.description}\n{format_plan(self._planned)}"
+        pays = self.comms_model.pays_note
+        header = self.comms_model.description + (f"\n{pays}" if pays else "")
+        return f"{header}\n{format_plan(self._planned)}"
 
     def step_cost(self) -> StepCost:
         """Estimated per-step embedding costs of the last plan (max over ranks).
