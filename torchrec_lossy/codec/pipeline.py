@@ -829,7 +829,7 @@ def decompress_host_groups(
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
     With the compiled backend one call parses and decodes every block of every payload; the
-    payloads it leaves (a corrupt one, or one with a float16 quantized block) go through the
+    payloads it leaves (corrupt ones) go through the
     header parser and the per-block decoder, in block order, for the blocks it did not decode,
     so each payload's result or error is what :func:`decompress` gives for it.
 
