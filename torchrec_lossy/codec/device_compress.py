@@ -360,47 +360,23 @@ def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return step, inv, ok
 
 
-def _compress(
-    blocks: list[torch.Tensor],
-    bounds: list[float],
-    relative: list[bool],
-    group_sizes: list[int],
-    config: CodecConfig,
-    dev: torch.device,
-) -> PendingCompress:
-    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
-    chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
-    t, _pinned = ht.to_device(dev)
-    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
-    i64 = torch.int64
-    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
-    elem_off, row_off = t["elem_off"], t["row_off"]
-    blk_ids = torch.arange(nb, device=dev)
+def _quant_params(
+    ht: _HostTables, t: dict[str, torch.Tensor], x: torch.Tensor, e_blk: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Every block's bound, step and center on the device (``quantize.quant_params``' rule).
 
-    # ---- flat layouts: every element, every row, back to back in block order ----------------
-    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
-    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
-    x = torch.cat([f.float() for f in flat]) if flat else empty_f
-    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
-    bits = (
-        torch.cat(
-            [
-                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
-                for f in flat
-            ]
-        )
-        if flat
-        else torch.zeros(0, dtype=torch.int32, device=dev)
-    )
-    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
-    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
-    e_dim = dim[e_blk].clamp(min=1)
-    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
-    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
-    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
+    Args:
+        ht: The host tables.
+        t: Their device tensors.
+        x: Every element as float32, block after block.
+        e_blk: The block of every element.
 
-    # ---- 1. quantization parameters -------------------------------------------------------
+    Returns:
+        (float64 absolute bound, float32 step, float32 1 / step, int64 center, whether each
+        block may quantize), each [n_blocks].
+    """
+    nb, n_el, dev, i64 = ht.n_blocks, ht.n_elems, x.device, torch.int64
+    rows, dim, elem_off = t["rows"], t["dim"], t["elem_off"]
     finite = torch.isfinite(x)
     numel = rows * dim
 
@@ -442,6 +418,91 @@ def _compress(
     center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
     quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
     center = torch.where(quant_ok, center_f, 0.0).to(i64)
+    return bound, step, inv_step, center, quant_ok
+
+
+def _vector_lz(
+    symbols: torch.Tensor | None,
+    bits: torch.Tensor,
+    row_args: tuple,
+    t: dict[str, torch.Tensor],
+    r_blk: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Repeated rows of every block, over the quantized symbols or (None) the raw bits.
+
+    Args:
+        symbols: int16 quantized symbols of every element, or None for the raw bits.
+        bits: int32 raw bits of every element.
+        row_args: ``k_vector_lz.representatives``' row arguments.
+        t: The host tables' device tensors.
+        r_blk: The block of every row.
+
+    Returns:
+        (per row 1 for a first occurrence, per row its distinct vector's id in its block,
+        per block the first occurrences before it, per block its distinct vectors, the
+        first occurrences' rows back to back: block b's at [base[b], base[b] + n_unique[b]),
+        then a trash area).
+    """
+    rows, row_off, i64 = t["rows"], t["row_off"], torch.int64
+    n_rows, dev = r_blk.shape[0], bits.device
+    rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
+    firsts = is_first.to(i64)
+    rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
+    rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
+    base = rank0[row_off]  # first occurrences in the blocks before
+    n_unique = rank0[row_off + rows] - base
+    ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
+    # Repeats write to a (spread) trash area past the end.
+    row_ids = torch.arange(n_rows, device=dev)
+    first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
+    first_rows.scatter_(
+        0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
+    )
+    return firsts, ids, base, n_unique, first_rows
+
+
+def _compress(
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    relative: list[bool],
+    group_sizes: list[int],
+    config: CodecConfig,
+    dev: torch.device,
+) -> PendingCompress:
+    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
+    chunk = config.huffman_chunk_symbols
+    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
+    t, _pinned = ht.to_device(dev)
+    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
+    i64 = torch.int64
+    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
+    elem_off, row_off = t["elem_off"], t["row_off"]
+    blk_ids = torch.arange(nb, device=dev)
+
+    # ---- flat layouts: every element, every row, back to back in block order ----------------
+    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
+    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
+    x = torch.cat([f.float() for f in flat]) if flat else empty_f
+    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
+    bits = (
+        torch.cat(
+            [
+                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
+                for f in flat
+            ]
+        )
+        if flat
+        else torch.zeros(0, dtype=torch.int32, device=dev)
+    )
+    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
+    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
+    e_dim = dim[e_blk].clamp(min=1)
+    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
+    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
+    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
+
+    # ---- 1. quantization parameters -------------------------------------------------------
+    bound, step, inv_step, center, quant_ok = _quant_params(ht, t, x, e_blk)
 
     # ---- 2. quantize, escapes, histograms ---------------------------------------------------
     sym, hist_q, tile_err = k_quantize.quantize_tiles(
@@ -461,25 +522,8 @@ def _compress(
 
     # ---- 3. vector-LZ over the quantized symbols and over the raw bits -------------------------
     row_args = (r_elem, dim[r_blk].to(torch.int32), r_blk.to(torch.int32), ht.max_dim, t["mults"])
-    lz = {}
-    for name, symbols in (("q", sym), ("r", None)):
-        rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
-        firsts = is_first.to(i64)
-        rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
-        rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
-        base = rank0[row_off]  # first occurrences in the blocks before
-        n_unique = rank0[row_off + rows] - base
-        ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
-        # first_rows of every block back to back: block b's at [base[b], base[b] + n_unique[b]).
-        # Repeats write to a (spread) trash area past the end.
-        row_ids = torch.arange(n_rows, device=dev)
-        first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
-        first_rows.scatter_(
-            0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
-        )
-        lz[name] = (firsts, ids, base, n_unique, first_rows)
-    first_q, ids_q, base_q, nu_q, first_rows_q = lz["q"]
-    first_r, ids_r, base_r, nu_r, first_rows_r = lz["r"]
+    first_q, ids_q, base_q, nu_q, first_rows_q = _vector_lz(sym, bits, row_args, t, r_blk)
+    first_r, ids_r, base_r, nu_r, first_rows_r = _vector_lz(None, bits, row_args, t, r_blk)
 
     # ---- 4. distinct-row histograms, code lengths, sizes, mode choice --------------------------
     sym16 = sym.to(i64) & 0xFFFF
