@@ -461,6 +461,95 @@ def _vector_lz(
     return firsts, ids, base, n_unique, first_rows
 
 
+class _WordBuffer:
+    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
+
+    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
+    serialise them on one address.
+
+    Args:
+        n_words: Words of the payloads.
+        n_lanes: The most lanes one write takes.
+        dev: The device.
+    """
+
+    def __init__(self, n_words: int, n_lanes: int, dev: torch.device) -> None:
+        self.buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
+        self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
+
+    def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
+        """Adds ``value`` at word ``dest`` where ``valid`` (the words start at 0).
+
+        Args:
+            dest: Word index per lane.
+            value: Word per lane.
+            valid: Which lanes write.
+        """
+        lanes = dest.shape[0]
+        dest = torch.where(valid, dest, self.trash[:lanes])
+        self.buf.index_add_(0, dest, torch.where(valid, value, 0))
+
+    def put_elements(
+        self,
+        at: torch.Tensor,
+        k: torch.Tensor,
+        size: torch.Tensor,
+        raw: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        """Element ``k`` of a section of raw values at word ``at``: 4-byte values take a word,
+        2-byte ones half.
+
+        Args:
+            at: The section's first word, per lane.
+            k: The element's index in the section, per lane.
+            size: The element's bytes (4 or 2), per lane.
+            raw: The element's raw bits, per lane.
+            valid: Which lanes write.
+        """
+        wide = size == 4
+        raw64 = raw.to(torch.int64)
+        value = torch.where(wide, raw64 & _MASK32, (raw64 & 0xFFFF) << (16 * (k % 2)))
+        self.put(at + torch.where(wide, k, k // 2), value, valid)
+
+
+def _put_references(
+    out: _WordBuffer,
+    r_blk: torch.Tensor,
+    row_off: torch.Tensor,
+    r_ids: torch.Tensor,
+    r_first: torch.Tensor,
+    packing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    refs_at: torch.Tensor,
+) -> None:
+    """Writes every block's vector references, MSB-first: fixed width, or a flag bit (1: first
+    occurrence) and the repeats' ids.
+
+    Args:
+        out: The payloads' words.
+        r_blk: The block of every row.
+        row_off: Each block's first row.
+        r_ids: Every row's distinct-vector id in its block.
+        r_first: Whether every row is a first occurrence.
+        packing: Per block (reference mode, id width, whether it sends references).
+        refs_at: Per block, the word its references start at.
+    """
+    ref_mode, ref_width, has_refs = (a[r_blk] for a in packing)
+    flagged = ref_mode == 1
+    r_len = torch.where(flagged & r_first, 1, ref_width + flagged.to(torch.int64))
+    r_len = torch.where(has_refs, r_len, 0)
+    r_val = torch.where(flagged & r_first, 1, r_ids)
+    r_end = torch.cumsum(r_len, 0)
+    r_end0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=r_len.device), r_end])
+    pos = r_end - r_len - r_end0[row_off[r_blk]]
+    end = pos % 32 + r_len
+    head = torch.where(
+        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
+    )
+    out.put(refs_at[r_blk] + pos // 32, head & _MASK32, r_len > 0)
+    out.put(refs_at[r_blk] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
+
+
 def _compress(
     blocks: list[torch.Tensor],
     bounds: list[float],
@@ -643,29 +732,11 @@ def _compress(
 
     # ---- payload assembly ------------------------------------------------------------------
     total_max = ht.body_max
-    # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
-    # serialise them on one address.
-    buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
     n_lanes = max(
         n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, SEGMENT_HEADER_WORDS * nb
     )
-    trash = total_max + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
-
-    def put(dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
-        lanes = dest.shape[0]
-        buf.index_add_(0, torch.where(valid, dest, trash[:lanes]), torch.where(valid, value, 0))
-
-    def put_elements(
-        at: torch.Tensor,
-        k: torch.Tensor,
-        size: torch.Tensor,
-        raw: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        # Element k of a section of raw values: 4-byte values take a word, 2-byte ones half.
-        wide = size == 4
-        value = torch.where(wide, raw.to(i64) & _MASK32, (raw.to(i64) & 0xFFFF) << (16 * (k % 2)))
-        put(at + torch.where(wide, k, k // 2), value, valid)
+    out = _WordBuffer(total_max, n_lanes, dev)
+    buf, put, put_elements = out.buf, out.put, out.put_elements
 
     # Descriptors.
     bound_bits = bound.view(i64)
@@ -720,23 +791,9 @@ def _compress(
         (k[None, :] < count_sel[:, None]).reshape(-1),
     )
     # References, MSB-first: fixed width, or a flag bit (1: first occurrence) and repeats' ids.
-    rb = r_blk
-    r_ids = torch.where(is_qlz[rb], ids_q, ids_r)
-    r_first = torch.where(is_qlz[rb], first_q, first_r) == 1
-    flagged = ref_mode[rb] == 1
-    r_len = torch.where(flagged & r_first, 1, ref_width[rb] + flagged.to(i64))
-    r_len = torch.where(has_refs[rb], r_len, 0)
-    r_val = torch.where(flagged & r_first, 1, r_ids)
-    r_end = torch.cumsum(r_len, 0)
-    r_end0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), r_end])
-    pos = r_end - r_len - r_end0[row_off[rb]]
-    off = pos % 32
-    end = off + r_len
-    head = torch.where(
-        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
-    )
-    put(refs_at[rb] + pos // 32, head & _MASK32, r_len > 0)
-    put(refs_at[rb] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
+    r_ids = torch.where(is_qlz[r_blk], ids_q, ids_r)
+    r_first = torch.where(is_qlz[r_blk], first_q, first_r) == 1
+    _put_references(out, r_blk, row_off, r_ids, r_first, (ref_mode, ref_width, has_refs), refs_at)
     # Escapes: positions in the sent stream, then the escaped elements' raw bits.
     is_esc = s_valid & (s_sym == ESCAPE_SYMBOL)
     esc_rank = torch.cumsum(is_esc.to(i64), 0)
