@@ -8,9 +8,10 @@ bounds):
   vector-LZ dedupe, row histogram, reference packing, Huffman encode and decode;
 - the device-resident ``compress`` (``device_compress``: one launch per stage for all blocks, one
   device-to-host sync), what CUDA blocks get with ``backend="auto"``;
-- the full ``compress`` / ``decompress`` through ``TritonOps`` (the host-orchestrated pipeline:
-  every stage call copies its inputs to the device and its outputs back) and through the numba
-  ``CpuOps``, and whether the payloads are byte-identical;
+- the full ``compress`` / ``decompress`` stage by stage (``pipeline.compress_staged`` /
+  ``decompress_staged``) through ``TritonOps`` (tests/triton_stage_ops.py: every stage call copies
+  its inputs to the device and its outputs back), the compiled host path (numba), and whether
+  the payloads are byte-identical;
 - beside them on the same traffic, fused ``[rows, tables * dim]`` as TorchRec sends it: a
   device-to-device copy, torch's FP16 cast, and fbgemm's FP16 and MX4 quantize / dequantize when
   ``fbgemm_gpu`` imports.
@@ -239,16 +240,18 @@ def run(
     Returns:
         The JSON-ready results.
     """
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from triton_stage_ops import TritonOps  # the stage-level oracle of the kernel tests
+
     from torchrec_lossy.codec import pipeline
-    from torchrec_lossy.codec.triton_ops import TritonOps
     from torchrec_lossy.config import CodecConfig
 
     spec = TrafficSpec(preset=args.preset, dim=args.dim, batch_rows=args.batch_rows, seed=args.seed)
     cpu_blocks, bounds = paper_traffic(spec)
     raw_bytes = sum(b.numel() * 4 for b in cpu_blocks)
     config = CodecConfig(huffman_chunk_symbols=args.chunk_symbols)
-    # Stage by stage through the swapped-in ops (CUDA blocks with "auto" go device-resident).
-    staged = dataclasses.replace(config, backend="cpu")
+    limit = pipeline.DEFAULT_MAX_ELEMENTS
+    host = dataclasses.replace(config, backend="cpu")  # the compiled host path, off the device
     rows: list[dict[str, Any]] = []
 
     def record(group: str, name: str, fn: Callable[[], object]) -> None:
@@ -257,14 +260,21 @@ def run(
 
     # Bit-exactness on this device first: the payload through TritonOps against CpuOps.
     dev_blocks = [b.to(dev) for b in cpu_blocks]
-    all_ops = {"TritonOps": TritonOps(dev), "CpuOps (numba)": pipeline.CpuOps()}
-    payloads = {}
-    decoded = {}
-    for label, ops in all_ops.items():
-        with pipeline.stage_ops("cpu", ops):
-            payloads[label] = pipeline.compress(dev_blocks, bounds, staged)
-            decoded[label] = [b.cpu() for b in pipeline.decompress(payloads[label], backend="cpu")]
-    (pt, dt), (pc, dc) = ((payloads[k].cpu(), decoded[k]) for k in all_ops)
+    triton_ops = TritonOps(dev)
+    # label -> (encode, decode): stage by stage through TritonOps; the compiled host path (numba)
+    codecs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object]]] = {
+        "TritonOps": (
+            lambda: pipeline.compress_staged(dev_blocks, bounds, config, triton_ops)[0],
+            lambda p: pipeline.decompress_staged(p, limit, triton_ops),
+        ),
+        "numba host path": (
+            lambda: pipeline.compress(dev_blocks, bounds, host),
+            lambda p: pipeline.decompress(p, backend="cpu"),
+        ),
+    }
+    payloads = {label: encode() for label, (encode, _) in codecs.items()}
+    decoded = {label: [b.cpu() for b in codecs[label][1](p)] for label, p in payloads.items()}
+    (pt, dt), (pc, dc) = ((payloads[k].cpu(), decoded[k]) for k in codecs)
     identical = bool(torch.equal(pt, pc)) and all(
         torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dt, dc, strict=True)
     )
@@ -281,7 +291,7 @@ def run(
     print(
         f"{args.preset} dim {args.dim}, {args.batch_rows} rows x {len(cpu_blocks)} tables = "
         f"{raw_bytes / 1e6:.2f} MB fp32 | ratio {raw_bytes / pt.numel():.2f} | "
-        f"device-resident and TritonOps payloads byte-identical to CpuOps: {identical}"
+        f"device-resident and TritonOps payloads byte-identical to the numba host path: {identical}"
     )
 
     blocks = [
@@ -296,18 +306,9 @@ def run(
         lambda: pipeline.compress(dev_blocks, bounds, config),
     )
     record("pipeline", "decompress, device-resident", lambda: pipeline.decompress(device_payload))
-    for label, ops in all_ops.items():
-        with pipeline.stage_ops("cpu", ops):
-            record(
-                "pipeline",
-                f"compress, {label}",
-                lambda: pipeline.compress(dev_blocks, bounds, staged),
-            )
-            record(
-                "pipeline",
-                f"decompress, {label}",
-                lambda p=payloads[label]: pipeline.decompress(p, backend="cpu"),
-            )
+    for label, (encode, decode) in codecs.items():
+        record("pipeline", f"compress, {label}", encode)
+        record("pipeline", f"decompress, {label}", lambda p=payloads[label], d=decode: d(p))
 
     fns, notes = _baseline_fns(cpu_blocks, dev)
     for name, fn in fns.items():

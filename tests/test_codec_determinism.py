@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from torchrec_lossy.codec import CodecConfig, compress, compress_with_stats, decompress, huffman
+from torchrec_lossy.codec import (
+    CodecConfig,
+    compress,
+    compress_with_stats,
+    decompress,
+    host_decompress,
+    huffman,
+)
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED
 from torchrec_lossy.codec.pipeline import CpuOps, ReferenceOps, StageOps
 from torchrec_lossy.codec.quantize import quant_params
@@ -133,6 +140,17 @@ def test_batched_decode_matches_reference_decode(chunk):
     for c, r, b in zip(cpu, ref, blocks, strict=True):
         assert c.dtype == r.dtype == b.dtype and c.shape == r.shape == b.shape
         assert torch.equal(c.view(torch.uint8), r.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_batched_decode_takes_quantized_blocks_of_every_dtype(dtype):
+    """No dtype's quantized block leaves the compiled batched reader for the per-block path."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    payload, stats = compress_with_stats([x], [0.01], CodecConfig(backend="cpu"))
+    assert stats[0].mode == "quant"
+    words = payload.numpy().view(np.uint32)
+    batch = host_decompress.decompress_payloads(words, np.array([0, payload.numel()]), 1 << 30)
+    assert batch.complete(0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])

@@ -114,6 +114,25 @@ def test_round_to_dtype_keeps_negative_zero(dtype):
     assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
 
 
+@numba.njit
+def _half_bits_all(bits, dtype_code):
+    out = np.empty(bits.shape[0], np.int64)
+    for i in range(bits.shape[0]):
+        out[i] = quantize.half_bits(np.int64(bits[i]), dtype_code)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_bits_match_torch_cast(dtype):
+    """The compiled decoder's 16-bit patterns are torch's cast, bit for bit (NaN aside)."""
+    x = _rounding_inputs(dtype)
+    x = np.concatenate([x[~np.isnan(x)], np.float32([0.0, -0.0])])
+    got = _half_bits_all(x.view(np.uint32), DTYPE_CODES[dtype])
+    want = torch.from_numpy(x).to(dtype).view(torch.int16).numpy().view(np.uint16)
+    diff = np.flatnonzero(got != want)
+    assert diff.size == 0, f"{diff.size} mismatches; first x={x[diff[0]]!r}"
+
+
 def test_round_to_dtype_is_identity_for_float32():
     x = _rounding_inputs(torch.float16)
     got = _round_all(x, DTYPE_CODES[torch.float32])

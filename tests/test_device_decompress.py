@@ -554,7 +554,7 @@ def test_codec_imports_and_decodes_without_triton(run_without_triton: Callable[[
         "        print('ERR', e)\n"
     )
     assert "OK torch.Size([8, 4])" in out
-    assert out.count("ERR TritonOps needs the triton package") == 2, out
+    assert out.count("ERR the triton backend needs the triton package") == 2, out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 import numba
 from helpers import DTYPES, bound_for, make_block
+from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline, vector_lz
@@ -36,7 +37,6 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     checksum_words,
 )
-from torchrec_lossy.codec.triton_ops import TritonOps
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -355,11 +355,9 @@ def test_huffman_decode_errors_match_cpu() -> None:
 
 
 @pytest.fixture
-def triton_ops(monkeypatch: pytest.MonkeyPatch) -> TritonOps:
-    """TritonOps in the place of the CPU ops, for compress and decompress alike."""
-    ops = TritonOps(DEVICE)
-    monkeypatch.setitem(pipeline._OPS, "cpu", ops)
-    return ops
+def triton_ops() -> TritonOps:
+    """The Triton stages, for ``pipeline.compress_staged`` / ``decompress_staged``."""
+    return TritonOps(DEVICE)
 
 
 def _payload_blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
@@ -373,32 +371,24 @@ def _payload_blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], lis
 
 
 def _assert_same_payloads(
-    monkeypatch: pytest.MonkeyPatch,
-    ops: TritonOps,
-    blocks: list[torch.Tensor],
-    bounds: list[float],
-    config: CodecConfig,
+    ops: TritonOps, blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig
 ) -> None:
-    monkeypatch.setitem(pipeline._OPS, "cpu", pipeline.CpuOps())
+    """The compiled CPU path's payload and blocks, stage by stage through the Triton kernels."""
     want, want_stats = pipeline.compress_with_stats(blocks, bounds, config)
     want_out = pipeline.decompress(want)
-    monkeypatch.setitem(pipeline._OPS, "cpu", ops)
-    got, got_stats = pipeline.compress_with_stats(blocks, bounds, config)
+    got, got_stats = pipeline.compress_staged(blocks, bounds, config, ops)
     assert torch.equal(got, want), "payload bytes differ"
     assert got_stats == want_stats
-    for i, (a, b) in enumerate(zip(pipeline.decompress(got), want_out, strict=True)):
+    got_out = pipeline.decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
+    for i, (a, b) in enumerate(zip(got_out, want_out, strict=True)):
         assert torch.equal(as_bits(a), as_bits(b)), f"block {i} decodes differently"
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("bound_kind", BOUND_KINDS)
-def test_payload_byte_identical(
-    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps, bound_kind: str, kind: str
-) -> None:
+def test_payload_byte_identical(triton_ops: TritonOps, bound_kind: str, kind: str) -> None:
     blocks, bounds = _payload_blocks(kind, bound_kind)
-    _assert_same_payloads(
-        monkeypatch, triton_ops, blocks, bounds, CodecConfig(huffman_chunk_symbols=64)
-    )
+    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
 
 
 def test_payload_modes_covered() -> None:
@@ -412,11 +402,9 @@ def test_payload_modes_covered() -> None:
     assert modes == {"raw", "lz", "quant", "quant+lz"}
 
 
-def test_corrupt_payloads_fail_alike(
-    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps
-) -> None:
+def test_corrupt_payloads_fail_alike(triton_ops: TritonOps) -> None:
     """Bit flips in the segments (checksum fixed up so decoding is reached) give the same
-    blocks or the same CodecError message with TritonOps as with CpuOps."""
+    blocks or the same CodecError message with TritonOps as the compiled CPU path."""
     blocks = [
         make_block(40, 16, torch.float32, "mild", seed=1),
         make_block(33, 16, torch.float16, "repeat", seed=2),
@@ -436,10 +424,13 @@ def test_corrupt_payloads_fail_alike(
         header = p[: HEADER.itemsize].view(HEADER)
         header["checksum"] = checksum_words(p[HEADER.itemsize :].view(np.uint32))
         results = []
-        for ops in (pipeline.CpuOps(), triton_ops):
-            monkeypatch.setitem(pipeline._OPS, "cpu", ops)
+        decoders = (
+            lambda t: pipeline.decompress(t, backend="cpu"),
+            lambda t: pipeline.decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
+        )
+        for decode in decoders:
             try:
-                results.append([as_bits(b) for b in pipeline.decompress(torch.from_numpy(p))])
+                results.append([as_bits(b) for b in decode(torch.from_numpy(p))])
             except ValueError as e:
                 results.append(str(e))
         if isinstance(results[0], str):
@@ -452,26 +443,24 @@ def test_corrupt_payloads_fail_alike(
 
 
 @pytest.mark.slow
-def test_payload_realistic_traffic(monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps) -> None:
+def test_payload_realistic_traffic(triton_ops: TritonOps) -> None:
     from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
     spec = TrafficSpec(batch_rows=128)
     blocks, bounds = paper_traffic(spec)
-    _assert_same_payloads(monkeypatch, triton_ops, blocks, bounds, CodecConfig())
+    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_payload_larger_blocks(
-    monkeypatch: pytest.MonkeyPatch, triton_ops: TritonOps, dtype: torch.dtype
-) -> None:
+def test_payload_larger_blocks(triton_ops: TritonOps, dtype: torch.dtype) -> None:
     blocks = [
         make_block(rows, dim, dtype, kind, seed=rows + dim)
         for rows, dim in [(257, 64), (1000, 8), (129, 33)]
         for kind in ("adversarial", "repeat")
     ]
     bounds = [bound_for(b, k) for b, k in zip(blocks, ["rel0.01", "tiny"] * 3, strict=True)]
-    _assert_same_payloads(monkeypatch, triton_ops, blocks, bounds, CodecConfig())
+    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig())
 
 
 @pytest.mark.slow
@@ -494,16 +483,18 @@ def test_kernels_compile_for_h100() -> None:
 
 
 def test_triton_ops_imports_without_triton(run_without_triton: Callable[[str], str]) -> None:
-    """The module imports with triton unimportable; using it raises a clear error."""
+    """The loader and the Triton stages import with triton unimportable; using them raises a
+    clear error."""
     out = run_without_triton(
-        "from torchrec_lossy.codec.triton_ops import TritonOps\n"
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from triton_stage_ops import TritonOps\n"
         "import numpy as np\n"
         "try:\n"
         "    TritonOps('cpu').pack_refs(np.zeros(3, np.int32), 1, 0)\n"
         "except RuntimeError as e:\n"
         "    print('ERR', e)\n"
     )
-    assert "ERR TritonOps needs the triton package" in out, out
+    assert "ERR the triton backend needs the triton package" in out, out
 
 
 def test_histogram_alphabet() -> None:

@@ -360,47 +360,23 @@ def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return step, inv, ok
 
 
-def _compress(
-    blocks: list[torch.Tensor],
-    bounds: list[float],
-    relative: list[bool],
-    group_sizes: list[int],
-    config: CodecConfig,
-    dev: torch.device,
-) -> PendingCompress:
-    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
-    chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
-    t, _pinned = ht.to_device(dev)
-    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
-    i64 = torch.int64
-    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
-    elem_off, row_off = t["elem_off"], t["row_off"]
-    blk_ids = torch.arange(nb, device=dev)
+def _quant_params(
+    ht: _HostTables, t: dict[str, torch.Tensor], x: torch.Tensor, e_blk: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Every block's bound, step and center on the device (``quantize.quant_params``' rule).
 
-    # ---- flat layouts: every element, every row, back to back in block order ----------------
-    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
-    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
-    x = torch.cat([f.float() for f in flat]) if flat else empty_f
-    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
-    bits = (
-        torch.cat(
-            [
-                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
-                for f in flat
-            ]
-        )
-        if flat
-        else torch.zeros(0, dtype=torch.int32, device=dev)
-    )
-    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
-    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
-    e_dim = dim[e_blk].clamp(min=1)
-    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
-    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
-    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
+    Args:
+        ht: The host tables.
+        t: Their device tensors.
+        x: Every element as float32, block after block.
+        e_blk: The block of every element.
 
-    # ---- 1. quantization parameters -------------------------------------------------------
+    Returns:
+        (float64 absolute bound, float32 step, float32 1 / step, int64 center, whether each
+        block may quantize), each [n_blocks].
+    """
+    nb, n_el, dev, i64 = ht.n_blocks, ht.n_elems, x.device, torch.int64
+    rows, dim, elem_off = t["rows"], t["dim"], t["elem_off"]
     finite = torch.isfinite(x)
     numel = rows * dim
 
@@ -442,6 +418,180 @@ def _compress(
     center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
     quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
     center = torch.where(quant_ok, center_f, 0.0).to(i64)
+    return bound, step, inv_step, center, quant_ok
+
+
+def _vector_lz(
+    symbols: torch.Tensor | None,
+    bits: torch.Tensor,
+    row_args: tuple,
+    t: dict[str, torch.Tensor],
+    r_blk: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Repeated rows of every block, over the quantized symbols or (None) the raw bits.
+
+    Args:
+        symbols: int16 quantized symbols of every element, or None for the raw bits.
+        bits: int32 raw bits of every element.
+        row_args: ``k_vector_lz.representatives``' row arguments.
+        t: The host tables' device tensors.
+        r_blk: The block of every row.
+
+    Returns:
+        (per row 1 for a first occurrence, per row its distinct vector's id in its block,
+        per block the first occurrences before it, per block its distinct vectors, the
+        first occurrences' rows back to back: block b's at [base[b], base[b] + n_unique[b]),
+        then a trash area).
+    """
+    rows, row_off, i64 = t["rows"], t["row_off"], torch.int64
+    n_rows, dev = r_blk.shape[0], bits.device
+    rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
+    firsts = is_first.to(i64)
+    rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
+    rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
+    base = rank0[row_off]  # first occurrences in the blocks before
+    n_unique = rank0[row_off + rows] - base
+    ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
+    # Repeats write to a (spread) trash area past the end.
+    row_ids = torch.arange(n_rows, device=dev)
+    first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
+    first_rows.scatter_(
+        0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
+    )
+    return firsts, ids, base, n_unique, first_rows
+
+
+class _WordBuffer:
+    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
+
+    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
+    serialise them on one address.
+
+    Args:
+        n_words: Words of the payloads.
+        n_lanes: The most lanes one write takes.
+        dev: The device.
+    """
+
+    def __init__(self, n_words: int, n_lanes: int, dev: torch.device) -> None:
+        self.buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
+        self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
+
+    def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
+        """Adds ``value`` at word ``dest`` where ``valid`` (the words start at 0).
+
+        Args:
+            dest: Word index per lane.
+            value: Word per lane.
+            valid: Which lanes write.
+        """
+        lanes = dest.shape[0]
+        dest = torch.where(valid, dest, self.trash[:lanes])
+        self.buf.index_add_(0, dest, torch.where(valid, value, 0))
+
+    def put_elements(
+        self,
+        at: torch.Tensor,
+        k: torch.Tensor,
+        size: torch.Tensor,
+        raw: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        """Element ``k`` of a section of raw values at word ``at``: 4-byte values take a word,
+        2-byte ones half.
+
+        Args:
+            at: The section's first word, per lane.
+            k: The element's index in the section, per lane.
+            size: The element's bytes (4 or 2), per lane.
+            raw: The element's raw bits, per lane.
+            valid: Which lanes write.
+        """
+        wide = size == 4
+        raw64 = raw.to(torch.int64)
+        value = torch.where(wide, raw64 & _MASK32, (raw64 & 0xFFFF) << (16 * (k % 2)))
+        self.put(at + torch.where(wide, k, k // 2), value, valid)
+
+
+def _put_references(
+    out: _WordBuffer,
+    r_blk: torch.Tensor,
+    row_off: torch.Tensor,
+    r_ids: torch.Tensor,
+    r_first: torch.Tensor,
+    packing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    refs_at: torch.Tensor,
+) -> None:
+    """Writes every block's vector references, MSB-first: fixed width, or a flag bit (1: first
+    occurrence) and the repeats' ids.
+
+    Args:
+        out: The payloads' words.
+        r_blk: The block of every row.
+        row_off: Each block's first row.
+        r_ids: Every row's distinct-vector id in its block.
+        r_first: Whether every row is a first occurrence.
+        packing: Per block (reference mode, id width, whether it sends references).
+        refs_at: Per block, the word its references start at.
+    """
+    ref_mode, ref_width, has_refs = (a[r_blk] for a in packing)
+    flagged = ref_mode == 1
+    r_len = torch.where(flagged & r_first, 1, ref_width + flagged.to(torch.int64))
+    r_len = torch.where(has_refs, r_len, 0)
+    r_val = torch.where(flagged & r_first, 1, r_ids)
+    r_end = torch.cumsum(r_len, 0)
+    r_end0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=r_len.device), r_end])
+    pos = r_end - r_len - r_end0[row_off[r_blk]]
+    end = pos % 32 + r_len
+    head = torch.where(
+        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
+    )
+    out.put(refs_at[r_blk] + pos // 32, head & _MASK32, r_len > 0)
+    out.put(refs_at[r_blk] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
+
+
+def _compress(
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    relative: list[bool],
+    group_sizes: list[int],
+    config: CodecConfig,
+    dev: torch.device,
+) -> PendingCompress:
+    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
+    chunk = config.huffman_chunk_symbols
+    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
+    t, _pinned = ht.to_device(dev)
+    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
+    i64 = torch.int64
+    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
+    elem_off, row_off = t["elem_off"], t["row_off"]
+    blk_ids = torch.arange(nb, device=dev)
+
+    # ---- flat layouts: every element, every row, back to back in block order ----------------
+    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
+    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
+    x = torch.cat([f.float() for f in flat]) if flat else empty_f
+    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
+    bits = (
+        torch.cat(
+            [
+                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
+                for f in flat
+            ]
+        )
+        if flat
+        else torch.zeros(0, dtype=torch.int32, device=dev)
+    )
+    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
+    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
+    e_dim = dim[e_blk].clamp(min=1)
+    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
+    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
+    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
+
+    # ---- 1. quantization parameters -------------------------------------------------------
+    bound, step, inv_step, center, quant_ok = _quant_params(ht, t, x, e_blk)
 
     # ---- 2. quantize, escapes, histograms ---------------------------------------------------
     sym, hist_q, tile_err = k_quantize.quantize_tiles(
@@ -461,25 +611,8 @@ def _compress(
 
     # ---- 3. vector-LZ over the quantized symbols and over the raw bits -------------------------
     row_args = (r_elem, dim[r_blk].to(torch.int32), r_blk.to(torch.int32), ht.max_dim, t["mults"])
-    lz = {}
-    for name, symbols in (("q", sym), ("r", None)):
-        rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
-        firsts = is_first.to(i64)
-        rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
-        rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
-        base = rank0[row_off]  # first occurrences in the blocks before
-        n_unique = rank0[row_off + rows] - base
-        ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
-        # first_rows of every block back to back: block b's at [base[b], base[b] + n_unique[b]).
-        # Repeats write to a (spread) trash area past the end.
-        row_ids = torch.arange(n_rows, device=dev)
-        first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
-        first_rows.scatter_(
-            0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
-        )
-        lz[name] = (firsts, ids, base, n_unique, first_rows)
-    first_q, ids_q, base_q, nu_q, first_rows_q = lz["q"]
-    first_r, ids_r, base_r, nu_r, first_rows_r = lz["r"]
+    first_q, ids_q, base_q, nu_q, first_rows_q = _vector_lz(sym, bits, row_args, t, r_blk)
+    first_r, ids_r, base_r, nu_r, first_rows_r = _vector_lz(None, bits, row_args, t, r_blk)
 
     # ---- 4. distinct-row histograms, code lengths, sizes, mode choice --------------------------
     sym16 = sym.to(i64) & 0xFFFF
@@ -599,29 +732,11 @@ def _compress(
 
     # ---- payload assembly ------------------------------------------------------------------
     total_max = ht.body_max
-    # Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
-    # serialise them on one address.
-    buf = torch.zeros(total_max + _TRASH, dtype=i64, device=dev)
     n_lanes = max(
         n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, SEGMENT_HEADER_WORDS * nb
     )
-    trash = total_max + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
-
-    def put(dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
-        lanes = dest.shape[0]
-        buf.index_add_(0, torch.where(valid, dest, trash[:lanes]), torch.where(valid, value, 0))
-
-    def put_elements(
-        at: torch.Tensor,
-        k: torch.Tensor,
-        size: torch.Tensor,
-        raw: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        # Element k of a section of raw values: 4-byte values take a word, 2-byte ones half.
-        wide = size == 4
-        value = torch.where(wide, raw.to(i64) & _MASK32, (raw.to(i64) & 0xFFFF) << (16 * (k % 2)))
-        put(at + torch.where(wide, k, k // 2), value, valid)
+    out = _WordBuffer(total_max, n_lanes, dev)
+    buf, put, put_elements = out.buf, out.put, out.put_elements
 
     # Descriptors.
     bound_bits = bound.view(i64)
@@ -676,23 +791,9 @@ def _compress(
         (k[None, :] < count_sel[:, None]).reshape(-1),
     )
     # References, MSB-first: fixed width, or a flag bit (1: first occurrence) and repeats' ids.
-    rb = r_blk
-    r_ids = torch.where(is_qlz[rb], ids_q, ids_r)
-    r_first = torch.where(is_qlz[rb], first_q, first_r) == 1
-    flagged = ref_mode[rb] == 1
-    r_len = torch.where(flagged & r_first, 1, ref_width[rb] + flagged.to(i64))
-    r_len = torch.where(has_refs[rb], r_len, 0)
-    r_val = torch.where(flagged & r_first, 1, r_ids)
-    r_end = torch.cumsum(r_len, 0)
-    r_end0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), r_end])
-    pos = r_end - r_len - r_end0[row_off[rb]]
-    off = pos % 32
-    end = off + r_len
-    head = torch.where(
-        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
-    )
-    put(refs_at[rb] + pos // 32, head & _MASK32, r_len > 0)
-    put(refs_at[rb] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
+    r_ids = torch.where(is_qlz[r_blk], ids_q, ids_r)
+    r_first = torch.where(is_qlz[r_blk], first_q, first_r) == 1
+    _put_references(out, r_blk, row_off, r_ids, r_first, (ref_mode, ref_width, has_refs), refs_at)
     # Escapes: positions in the sent stream, then the escaped elements' raw bits.
     is_esc = s_valid & (s_sym == ESCAPE_SYMBOL)
     esc_rank = torch.cumsum(is_esc.to(i64), 0)

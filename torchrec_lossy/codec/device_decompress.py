@@ -125,7 +125,7 @@ def host_syncs() -> int:
 
 def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
     """The kernel modules (imports triton; the interpreter for CPU tensors)."""
-    from torchrec_lossy.codec.triton_ops import load_kernels
+    from torchrec_lossy.codec.triton_loader import load_kernels
 
     k_quantize, k_vector_lz, k_huffman = load_kernels(device)
     from torchrec_lossy.kernels import codebook as k_codebook

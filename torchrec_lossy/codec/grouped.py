@@ -273,7 +273,7 @@ def start_compress_blocks(
     sizes = list(group_sizes)
     if on_device(device, config.backend):
         from torchrec_lossy.codec.device_compress import start_groups_device
-        from torchrec_lossy.codec.triton_ops import load_kernels
+        from torchrec_lossy.codec.triton_loader import load_kernels
 
         load_kernels(device)
         pending = start_groups_device(blocks, bounds, relative, sizes, config)

@@ -121,9 +121,13 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-class _Scratch(threading.local):
+class _ThreadWorkBuffers(threading.local):
     """Per-thread work buffers, kept between calls: a fresh multi-megabyte array costs a page
-    fault per 4 KiB on first touch, which on small payloads cost as much as a stage."""
+    fault per 4 KiB on first touch, which on small payloads cost as much as a stage.
+
+    Memory only, no per-call state: every call overwrites what it reads, and nothing it returns
+    points into a buffer (the kernel writes the payload to a fresh array).
+    """
 
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
@@ -138,7 +142,7 @@ class _Scratch(threading.local):
         return buf[:n]
 
 
-_SCRATCH = _Scratch()
+_WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
 
 
 def _flatten(
@@ -158,11 +162,11 @@ def _flatten(
         if dim and dims.count(dim) == len(dims):
             # One copy straight from the blocks, whatever their strides (flattening a strided
             # block first would copy it twice).
-            x_np = _SCRATCH.array("x", sum(rows) * dim, np.float32)
+            x_np = _WORK_BUFFERS.array("x", sum(rows) * dim, np.float32)
             torch.cat(blocks, out=torch.from_numpy(x_np).view(-1, dim))
         else:
             flat = [b.reshape(-1) for b in blocks]
-            x_np = _SCRATCH.array("x", sum(f.shape[0] for f in flat), np.float32)
+            x_np = _WORK_BUFFERS.array("x", sum(f.shape[0] for f in flat), np.float32)
             torch.cat(flat, out=torch.from_numpy(x_np))
         return x_np, x_np.view(np.int32)
     flat = [b.reshape(-1) for b in blocks]
@@ -588,8 +592,8 @@ def compress_blocks(
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
         x, bits, layout, bnd, group_arr, keys, config.enable_quantization,
         config.enable_lz, quantize.grid_bound(1.0, config.rounding == "stochastic"),
-        config.huffman_chunk_symbols, _SCRATCH.array("symbols", x.shape[0], np.uint16),
-        _SCRATCH.array("rows", 4 * n_rows, np.int32),
+        config.huffman_chunk_symbols, _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),
+        _WORK_BUFFERS.array("rows", 4 * n_rows, np.int32),
     )  # fmt: skip
     if len(groups) == 1:  # one destination (2 ranks): nothing to cut
         skeletons = [skel]

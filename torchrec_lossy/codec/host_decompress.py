@@ -5,7 +5,7 @@ The reader of :mod:`torchrec_lossy.codec.host_compress`'s payloads (and of any o
 ``_decode_payloads_kernel`` walks every payload's header, descriptors and segments and decodes
 each block (vector-LZ references, the Huffman streams straight to values, escapes) into one
 output buffer. A block it cannot take (a corrupt segment, whose exact error the per-block
-decoder names, or a float16 quantized block) is left to the per-block decoder of ``pipeline``
+decoder names) is left to the per-block decoder of ``pipeline``
 (:class:`BatchDecoded` marks it), so the errors and the values are those of the stage-by-stage
 path, the test oracle.
 """
@@ -37,7 +37,7 @@ from torchrec_lossy.codec.format import (
 )
 
 # Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
-# segment, whose exact error that decoder names, or a float16 quantized block).
+# segment, whose exact error that decoder names).
 _DECODED = 0
 _FALL_BACK = 1
 
@@ -152,7 +152,7 @@ def _decode_segment(
     ``words`` / ``halves`` are views of one buffer (uint32, uint16);
     ``out32f`` is the float32 view of ``out32``. Every check of ``pipeline``'s per-block
     decoder is made: a block that fails one is ``_FALL_BACK``, left for that decoder to name
-    the error, as is a float16 quantized block. ``ids``, ``symbols``, ``values`` (float32) and
+    the error. ``ids``, ``symbols``, ``values`` (float32) and
     ``halves_out`` (uint16) are scratch of the largest block (``symbols`` at least the
     alphabet's size), ``compact`` (uint8), ``vtable`` (float32) and ``vtable16`` (uint16) of
     the alphabet's size.
@@ -201,8 +201,6 @@ def _decode_segment(
                 for j in range(dim):
                     out16[o + r * dim + j] = halves[h + j]
         return _DECODED
-    if dtype_code == 2:
-        return _FALL_BACK
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
     nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
@@ -226,7 +224,7 @@ def _decode_segment(
         if isz == 2:
             vt_bits = vtable.view(np.uint32)
             for k in range(count):
-                vtable16[k] = np.uint16(quantize.bf16_round_bits(np.int64(vt_bits[k])) >> 16)
+                vtable16[k] = np.uint16(quantize.half_bits(np.int64(vt_bits[k]), dtype_code))
             h = halves_out[:n_sym] if lz else out16[o : o + n_sym]
             if not _huffman_values(stream, chunk_ends, chunk, code, vtable16[: count + 1], h):
                 return _FALL_BACK
@@ -240,11 +238,11 @@ def _decode_segment(
         if huffman.decode_range_kernel(stream, chunk_ends, chunk, code, lo,
                                        words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
             return _FALL_BACK
-        if isz == 2:  # bfloat16: the round-to-nearest-even cast the encoder checked
+        if isz == 2:  # the round-to-nearest-even cast the encoder checked
             quantize.dequantize_kernel(sym, step, center, values[:n_sym])
             h = halves_out[:n_sym]
             for k in range(n_sym):
-                h[k] = np.uint16(quantize.bf16_round_bits(np.int64(values_u[k])) >> 16)
+                h[k] = np.uint16(quantize.half_bits(np.int64(values_u[k]), dtype_code))
             for k in range(n_esc):
                 h[np.int64(words[esc_at + k])] = halves[2 * esc_bits_at + k]
             if not lz:
@@ -440,7 +438,7 @@ def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int
 
     Every check of ``container.parse_header`` and of ``pipeline``'s per-block decoder is made;
     a payload that fails one is left (not :meth:`BatchDecoded.complete`) for that decoder, which
-    names the error, as is a float16 quantized block.
+    names the error.
 
     Args:
         words: The payloads' words (uint32; one buffer).

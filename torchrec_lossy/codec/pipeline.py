@@ -3,9 +3,15 @@
 Per block: quantize under the bound (escaping what it cannot cover), find repeated vectors, then
 Huffman-code the symbols of the distinct vectors. Each block is sent in the smallest of four
 modes: raw, raw with repeated vectors referenced (lossless), quantized, quantized with repeated
-vectors referenced. The stages run through a :class:`StageOps` implementation: the compiled CPU
-kernels (``backend="cpu"``) or their plain torch twins (``backend="reference"``, the oracle);
-both produce the same bytes.
+vectors referenced.
+
+The backend is chosen once, here, from ``CodecConfig.backend`` and the tensors' device: the
+device-resident Triton path (``device_compress`` / ``device_decompress``), the compiled host path
+(``host_compress`` / ``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path), or the
+stage-by-stage path below over the plain torch twins of every stage (:class:`ReferenceOps`,
+``"reference"``: the oracle). The stage-by-stage path takes its :class:`StageOps` as an argument
+(:func:`compress_staged`, :func:`decompress_staged`), so tests and the GPU bench run it over
+other stage implementations; all produce the same bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,7 +70,7 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.triton_ops import load_kernels, triton_available
+from torchrec_lossy.codec.triton_loader import load_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
 
 __all__ = [
@@ -75,9 +81,11 @@ __all__ = [
     "StageOps",
     "compress",
     "compress_host_groups",
+    "compress_staged",
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
+    "decompress_staged",
     "on_device",
     "validate_inputs",
 ]
@@ -131,7 +139,12 @@ class StageOps(Protocol):
 
 
 class CpuOps:
-    """The compiled (numba) CPU kernels."""
+    """The compiled (numba) CPU kernels, stage by stage.
+
+    The compiled backend's per-block decoder (:func:`decompress_host_groups` names a corrupt
+    payload's error with it); its encode stages are the stage-level oracle of the kernel tests
+    (``host_compress`` encodes all blocks at once).
+    """
 
     def quantize(
         self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
@@ -262,14 +275,6 @@ class ReferenceOps:
         return out
 
 
-# The stage-by-stage backends. "triton" is not among them: it always runs device-resident
-# (on_device); TritonOps stays the stage-level oracle the kernel tests swap in for "cpu".
-_OPS: dict[str, StageOps] = {
-    "cpu": CpuOps(),
-    "reference": ReferenceOps(),
-}
-
-
 def on_device(device: torch.device, backend: str) -> bool:
     """Whether compress / decompress run device-resident (``device_compress`` /
     ``device_decompress``) rather than stage by stage.
@@ -288,34 +293,6 @@ def on_device(device: torch.device, backend: str) -> bool:
     if backend == "triton":
         return True
     return backend == "auto" and device.type == "cuda" and triton_available()
-
-
-@contextlib.contextmanager
-def stage_ops(backend: str, ops: StageOps) -> Iterator[None]:
-    """Runs the host path of ``backend`` with other stage ops for a while (e.g. a benchmark
-    timing device kernels stage by stage through the pipeline).
-
-    Args:
-        backend: ``"cpu"`` or ``"reference"``.
-        ops: The stage ops to use instead.
-
-    Yields:
-        Nothing; the backend's own ops are back on exit.
-    """
-    if backend not in _OPS:
-        raise ValueError(f"stage_ops: backend {backend!r} is not one of {sorted(_OPS)}")
-    saved = _OPS[backend]
-    _OPS[backend] = ops
-    try:
-        yield
-    finally:
-        _OPS[backend] = saved
-
-
-def _ops_for(backend: str) -> StageOps:
-    # Only for backends on_device turned down: "auto" (CPU tensors, or CUDA ones without
-    # triton) is the compiled CPU path.
-    return _OPS["cpu" if backend == "auto" else backend]
 
 
 @dataclass
@@ -586,11 +563,28 @@ def compress_with_stats(
         from torchrec_lossy.codec.device_compress import compress_device
 
         return compress_device(blocks, bounds, config)
-    ops = _ops_for(config.backend)
-    if isinstance(ops, CpuOps):
-        with record_function("## lossy_codec encode ##"):
-            enc = host_compress.compress_blocks(blocks, bounds, config)
-        return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
+    if config.backend == "reference":
+        return compress_staged(blocks, bounds, config, ReferenceOps())
+    with record_function("## lossy_codec encode ##"):
+        enc = host_compress.compress_blocks(blocks, bounds, config)
+    return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
+
+
+def compress_staged(
+    blocks: Sequence[torch.Tensor], bounds: list[float], config: CodecConfig, ops: StageOps
+) -> tuple[torch.Tensor, list[BlockStats]]:
+    """:func:`compress_with_stats` stage by stage, block by block, over the given stages.
+
+    Args:
+        blocks: Validated 2-D blocks (one device).
+        bounds: Validated absolute bound per block.
+        config: Codec knobs (its ``backend`` is not read: ``ops`` are the stages).
+        ops: The stage implementations (``ReferenceOps`` for ``backend="reference"``).
+
+    Returns:
+        (1-D uint8 payload on the blocks' device, one BlockStats per block).
+    """
+    device = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
         encoded = [
             _encode_block(b.detach().cpu(), eb, config, ops, key)
@@ -658,7 +652,7 @@ def compress_host_groups(
         (``container.payload_skeletons``, uint32 words)).
     """
     device = blocks[0].device if blocks else torch.device("cpu")
-    if isinstance(_ops_for(config.backend), CpuOps) and group_sizes:
+    if config.backend != "reference" and group_sizes:
         enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, relative)
         flat = enc.columns()
         if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
@@ -829,9 +823,10 @@ def decompress_host_groups(
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
     With the compiled backend one call parses and decodes every block of every payload; the
-    payloads it leaves (a corrupt one, or one with a float16 quantized block) go through the
-    header parser and the per-block decoder, in block order, for the blocks it did not decode,
-    so each payload's result or error is what :func:`decompress` gives for it.
+    payloads it leaves (corrupt ones) go through the header parser and the per-block decoder
+    (:class:`CpuOps`), in block order, for the blocks it did not decode, so each payload's
+    result or error is what :func:`decompress` gives for it. ``"reference"`` decodes every
+    block with :class:`ReferenceOps`.
 
     Args:
         buffer: 1-D uint8 tensor: the payloads back to back.
@@ -849,11 +844,12 @@ def decompress_host_groups(
         buf = buffer.numpy()  # uint8 never requires grad: no detach needed
     else:
         buf = buffer.detach().cpu().contiguous().numpy()
-    ops = _ops_for(backend)
+    compiled = backend != "reference"
+    ops: StageOps = CpuOps() if compiled else ReferenceOps()
     with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
         starts = list(itertools.accumulate(sizes, initial=0))
         batch = None
-        if isinstance(ops, CpuOps) and sizes:
+        if compiled and sizes:
             batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
             if device.type != "cpu":
                 batch = dataclasses.replace(
@@ -864,23 +860,73 @@ def decompress_host_groups(
             if batch is not None and batch.complete(g):
                 results.append(batch.blocks(g))
                 continue
-            try:
-                body, desc_fields, offsets = parse_header(buf[starts[g] : starts[g] + n],
-                                                          max_elements)  # fmt: skip
-                first = int(batch.first[g]) if batch is not None and batch.accepted[g] else -1
-                # Blocks the batched call left, in block order: the first failing one raises.
-                results.append([
-                    (
-                        _decode_block(body[offsets[i] : offsets[i + 1]], rows, dim,
-                                      CODE_DTYPES[code], mode, i, ops).to(device)
-                        if first < 0 or (blk := batch.block(first + i)) is None
-                        else blk
-                    )
-                    for i, (rows, dim, code, mode, *_rest) in enumerate(desc_fields)
-                ])  # fmt: skip
-            except CodecError as e:
-                results.append(e)
+            decoded = None  # what the batched reader decoded of an accepted payload
+            if batch is not None and batch.accepted[g]:
+                decoded = [batch.block(i) for i in range(batch.first[g], batch.first[g + 1])]
+            results.append(
+                _decode_payload(buf[starts[g] : starts[g] + n], max_elements, ops, decoded, device)
+            )
     return results
+
+
+def decompress_staged(
+    payload: torch.Tensor, max_elements: int, ops: StageOps
+) -> list[torch.Tensor]:
+    """:func:`decompress` block by block over the given stages (on the host).
+
+    Args:
+        payload: 1-D uint8 tensor.
+        max_elements: Refuse payloads that decode to more elements than this in total.
+        ops: The stage implementations.
+
+    Returns:
+        The blocks, on the payload's device.
+
+    Raises:
+        CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
+    """
+    check_payload(payload)
+    buf = payload.detach().cpu().contiguous().numpy()
+    out = _decode_payload(buf, max_elements, ops, None, payload.device)
+    if isinstance(out, CodecError):
+        raise out
+    return out
+
+
+def _decode_payload(
+    buf: np.ndarray,
+    max_elements: int,
+    ops: StageOps,
+    decoded: list[torch.Tensor | None] | None,
+    device: torch.device,
+) -> list[torch.Tensor] | CodecError:
+    """One payload's blocks, decoded by ``ops`` where ``decoded`` has none (in block order:
+    the first failing block names the error).
+
+    Args:
+        buf: The payload's bytes.
+        max_elements: Refuse a payload that decodes to more elements than this.
+        ops: The stage implementations.
+        decoded: Per block, what the batched reader decoded (None: left to ``ops``); None:
+            every block left.
+        device: Where the blocks go.
+
+    Returns:
+        The blocks, or the CodecError the payload raises.
+    """
+    try:
+        body, desc_fields, offsets = parse_header(buf, max_elements)
+        return [
+            (
+                _decode_block(body[offsets[i] : offsets[i + 1]], rows, dim, CODE_DTYPES[code],
+                              mode, i, ops).to(device)
+                if decoded is None or decoded[i] is None
+                else decoded[i]
+            )
+            for i, (rows, dim, code, mode, *_rest) in enumerate(desc_fields)
+        ]  # fmt: skip
+    except CodecError as e:
+        return e
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -256,6 +256,32 @@ def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def half_bits(bits: int, dtype_code: int) -> int:
+    """A finite float32 rounded to float16 (code 2) or bfloat16 (code 3): the 16-bit pattern.
+
+    The round-to-nearest-even cast the encoder checked the bound against (torch's).
+
+    Args:
+        bits: The float32's bits, as a non-negative int (not NaN).
+        dtype_code: 2 (float16) or 3 (bfloat16).
+
+    Returns:
+        The 16-bit value's bits, as a non-negative int.
+    """
+    if dtype_code == 3:
+        return bf16_round_bits(bits) >> 16
+    half = _round_to_dtype(np.uint32(bits).view(np.float32), 2)  # exact in float16 (or inf)
+    rb = np.int64(np.float32(half).view(np.uint32))  # (a fresh variable for numba's inliner)
+    sign = (rb >> 16) & 0x8000
+    exponent = ((rb >> 23) & 0xFF) - 127
+    if exponent > 15:  # infinity
+        return sign | 0x7C00
+    if exponent < -14:  # subnormal or zero: a multiple of 2**-24
+        return sign | np.int64(abs(np.float64(half)) * 16777216.0)
+    return sign | ((exponent + 15) << 10) | ((rb >> 13) & 0x3FF)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_loop(
     x: np.ndarray,
     step: np.float32,

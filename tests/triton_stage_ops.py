@@ -1,27 +1,18 @@
-"""The codec's stages as Triton kernels: a :class:`~torchrec_lossy.codec.pipeline.StageOps`.
+"""The codec's stages as Triton kernels, numpy in and numpy out: a ``pipeline.StageOps``.
 
-:class:`TritonOps` runs every data-sized stage (quantize + escapes + histogram, dequantize,
-row histogram, vector-LZ dedupe and reference packing, Huffman encode and decode) through the
-kernels in ``torchrec_lossy.kernels`` and produces the same arrays as ``CpuOps``, so a payload
-built with it is byte-identical. The O(alphabet) table work (code lengths, canonical codes,
-decode table) stays on the host, as in ``CpuOps``.
+:class:`TritonOps` runs every data-sized stage (quantize + escapes + histogram, dequantize, row
+histogram, vector-LZ dedupe and reference packing, Huffman encode and decode) through the
+single-block launchers in ``torchrec_lossy.kernels`` and gives the arrays ``CpuOps`` gives, so a
+payload built with it through ``pipeline.compress_staged`` is byte-identical. The O(alphabet)
+table work (code lengths, canonical codes, decode table) stays on the host, as in ``CpuOps``.
 
-The protocol is numpy in, numpy out: each call moves its inputs to the device and its outputs
-back. That is the price of plugging into the host-orchestrated pipeline; the device-resident
-pipeline (``device_compress``, ``device_decompress``, ``grouped``) keeps data on the device and
-is what CUDA tensors take; this class is the stage-level oracle for the kernel tests.
-
-Importing this module never imports triton; the first stage call does, and raises a clear
-error when triton is missing. On a machine without CUDA the kernels run on CPU tensors in the
-Triton interpreter: the first call sets ``TRITON_INTERPRET=1`` for the process before the
-kernels are imported (slow; meant for tests).
+Each call moves its inputs to the device and its outputs back: it is the stage-level oracle of
+tests/test_kernels.py and what ``benchmarks/gpu_codec_bench.py`` times stage by stage, not a
+production path (CUDA tensors go device-resident: ``device_compress`` / ``device_decompress``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from types import ModuleType
 
 import numpy as np
@@ -30,48 +21,7 @@ import torch
 from torchrec_lossy.codec import huffman
 from torchrec_lossy.codec.format import DECODE_BAD_CODEBOOK, DECODE_ERRORS, ESCAPE_SYMBOL
 from torchrec_lossy.codec.quantize import QuantParams
-
-
-def triton_available() -> bool:
-    """Whether the triton package is installed (without importing it).
-
-    Returns:
-        True if ``triton`` can be imported.
-    """
-    return importlib.util.find_spec("triton") is not None
-
-
-def load_kernels(device: torch.device) -> tuple[ModuleType, ModuleType, ModuleType]:
-    """Imports the kernel modules, switching to the interpreter for CPU tensors.
-
-    Args:
-        device: Where the kernels will run (CPU: the Triton interpreter).
-
-    Returns:
-        The kernel modules (quantize, vector_lz, huffman).
-
-    Raises:
-        RuntimeError: triton is missing, or was imported compiled without a CUDA device.
-    """
-    if not triton_available():
-        raise RuntimeError(
-            "TritonOps needs the triton package: pip install triton (with a CUDA GPU), or use "
-            "backend 'cpu'"
-        )
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # @triton.jit picks compiled or interpreted at decoration time, triton.language's own
-        # helpers included, so the switch must precede the first import of triton.
-        if "triton" in sys.modules:
-            raise RuntimeError(
-                "triton was imported without TRITON_INTERPRET=1 and no CUDA device is "
-                "available: set TRITON_INTERPRET=1 before anything imports triton"
-            )
-        os.environ["TRITON_INTERPRET"] = "1"
-    from torchrec_lossy.kernels import huffman as k_huffman
-    from torchrec_lossy.kernels import quantize as k_quantize
-    from torchrec_lossy.kernels import vector_lz as k_vector_lz
-
-    return k_quantize, k_vector_lz, k_huffman
+from torchrec_lossy.codec.triton_loader import load_kernels
 
 
 class TritonOps:
@@ -202,6 +152,3 @@ class TritonOps:
         if code != 0:
             return DECODE_ERRORS[code]
         return out.cpu().numpy().view(np.uint16)
-
-
-__all__ = ["TritonOps", "triton_available"]
