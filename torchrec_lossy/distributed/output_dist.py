@@ -2,18 +2,24 @@
 
 :class:`LossyPooledEmbeddingsAllToAll` is the drop-in for TorchRec's ``PooledEmbeddingsAllToAll``
 (same call, same result shape), and :class:`LossyTwPooledEmbeddingDist` is a
-``TwPooledEmbeddingDist`` that creates it instead of TorchRec's.
+``TwPooledEmbeddingDist`` that creates it instead of TorchRec's. Variable batch per feature
+(VBE) batches go through TorchRec's uncompressed ``VariableBatchPooledEmbeddingsAllToAll``, with
+one warning per dist naming its tables.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable
+from torchrec.distributed.dist_data import (
+    PooledEmbeddingsAwaitable,
+    VariableBatchPooledEmbeddingsAllToAll,
+)
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
@@ -29,6 +35,8 @@ from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
 )
 from torchrec_lossy.distributed.topology import peer_links
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 def pooled_layout(
@@ -197,17 +205,13 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
                 state where it is a ``context.LossyShardingContext``.
 
         Returns:
-            Awaitable of ``[B_local, D_global_sum]``.
-
-        Raises:
-            NotImplementedError: For variable batch size per feature (VBE) inputs.
+            Awaitable of ``[B_local, D_global_sum]``; for VBE batches, TorchRec's flat VBE output.
         """
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
-            raise NotImplementedError(
-                "the lossy sharder does not support variable batch size per feature (KJTs with "
-                "stride_per_key_per_rank): shard these tables with TorchRec's "
-                "EmbeddingBagCollectionSharder, or send a fixed batch size per feature (a "
-                "different batch size per rank is supported)"
+            return self._variable_batch_dist()(
+                local_embs,
+                batch_size_per_rank_per_feature=sharding_ctx.batch_size_per_rank_per_feature,
+                batch_size_per_feature_pre_a2a=sharding_ctx.batch_size_per_feature_pre_a2a,
             )
         if self._dist is None:  # TorchRec's lazy creation (_create_output_dist_module below)
             self._create_output_dist_module(sharding_ctx)
@@ -223,6 +227,30 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             batch_size_per_rank=sharding_ctx.batch_size_per_rank,
             output_dedupe=dedupe,
         )
+
+    def _variable_batch_dist(self) -> VariableBatchPooledEmbeddingsAllToAll:
+        """TorchRec's uncompressed VBE all-to-all, created (and warned about) on first use.
+
+        Returns:
+            The all-to-all, built as ``TwPooledEmbeddingDist`` builds it (no callbacks: TorchRec
+            permutes VBE outputs itself).
+        """
+        if self._variable_dist is None:
+            tables = sorted({s.table for specs in self._layout for s in specs})
+            logger.warning(
+                "tables %s: variable batch size per feature (VBE) is sent uncompressed by "
+                "TorchRec's VariableBatchPooledEmbeddingsAllToAll (the lossy codec does not "
+                "carry VBE batches yet)",
+                ", ".join(tables),
+            )
+            self._variable_dist = VariableBatchPooledEmbeddingsAllToAll(
+                pg=self._pg,
+                emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature,
+                device=self._device,
+                callbacks=None,
+                codecs=self._codecs,
+            )
+        return self._variable_dist
 
     def _create_output_dist_module(
         self, sharding_ctx: EmbeddingShardingContext | None = None

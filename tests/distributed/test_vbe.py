@@ -1,0 +1,150 @@
+"""Variable batch size per feature (VBE) on table-wise and column-wise tables.
+
+KJTs with ``stride_per_key_per_rank`` (each feature its own batch size on each rank, expanded
+by ``inverse_indices``) through the lossy sharder on gloo ranks, against TorchRec's
+``EmbeddingBagCollectionSharder``: outputs and trained weights bit-equal at bound 0 with the
+exact backward, and plain batches still running through the compressed path in between.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from harness import (
+    EXACT_BACKWARD,
+    LR,
+    TrainRun,
+    make_batch,
+    make_tables,
+    run_workers,
+    same_local_pieces,
+    sgd_fused_params,
+)
+
+pytestmark = pytest.mark.dist
+
+VBE_TABLES = [
+    ("t0", 40, 8, ["f0"]),
+    ("t1", 30, 8, ["f1", "f1b"]),
+    ("c0", 50, 16, ["g0"]),
+]
+
+
+def _plan() -> dict[str, Any]:
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
+
+    # The fused kernel: TorchRec's dense CPU kernel does not pool VBE batches.
+    fused = "fused"
+    return {
+        "t0": table_wise(rank=0, compute_kernel=fused),
+        "t1": table_wise(rank=1, compute_kernel=fused),
+        "c0": column_wise(ranks=[0, 1], compute_kernel=fused),
+    }
+
+
+def _sharders(bound: float | None) -> Any:
+    """TorchRec's sharder (bound None) or the lossy one, both with fused exact SGD."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
+
+    fused = sgd_fused_params(LR)
+    if bound is None:
+        return EmbeddingBagCollectionSharder(fused_params=fused)
+    config = LossyCommsConfig(default_bound=ErrorBound("absolute", bound), **EXACT_BACKWARD)
+    return LossyEmbeddingBagCollectionSharder(fused_params=fused, comms_config=config)
+
+
+def vbe_batch(tables: list, batch_size: int, seed: int, max_len: int = 3) -> Any:
+    """A VBE KJT: each feature a random number of distinct bags, expanded to ``batch_size``.
+
+    Args:
+        tables: The tables whose features the batch holds.
+        batch_size: Rows of the expanded output (``inverse_indices`` width).
+        seed: Seed of the draw.
+        max_len: Most ids per bag.
+
+    Returns:
+        A KeyedJaggedTensor with ``stride_per_key_per_rank`` and ``inverse_indices``.
+    """
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    keys, lengths, values, strides, inverse = [], [], [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            stride = int(torch.randint(1, batch_size + 1, (1,), generator=g))
+            n = torch.randint(0, max_len + 1, (stride,), generator=g)
+            keys.append(f)
+            lengths.append(n)
+            values.append((torch.rand(int(n.sum()), generator=g) * t.num_embeddings).long())
+            strides.append([stride])
+            inverse.append(torch.randint(0, stride, (batch_size,), generator=g))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=strides,
+        inverse_indices=(keys, torch.stack(inverse)),
+    )
+
+
+class _Warnings(logging.Handler):
+    """Collects the messages of warnings logged while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _worker(rank: int, world_size: int) -> dict[str, Any]:
+    tables = make_tables(VBE_TABLES)
+    warnings = _Warnings()
+    logging.getLogger("torchrec_lossy").addHandler(warnings)
+    runs = {
+        "torchrec": TrainRun(tables, _sharders(None), _plan(), world_size),
+        "exact": TrainRun(tables, _sharders(0.0), _plan(), world_size),
+        "lossy": TrainRun(tables, _sharders(0.01), _plan(), world_size),
+    }
+    # VBE, then a plain batch (the compressed path), then VBE again.
+    batches = [
+        vbe_batch(tables, 6, seed=10 + rank),
+        make_batch(tables, 6, seed=20 + rank),
+        vbe_batch(tables, 5 + rank, seed=30 + rank),
+    ]
+    for s, batch in enumerate(batches):
+        for run in runs.values():
+            run.step(batch, 1000 * s + rank)
+    tr, exact, lossy = runs["torchrec"], runs["exact"], runs["lossy"]
+    return {
+        "shapes": [tuple(o.shape) for o in exact.outputs],
+        "exact_out_equal": [
+            torch.equal(a, b) for a, b in zip(exact.outputs, tr.outputs, strict=True)
+        ],
+        "exact_w_equal": same_local_pieces(exact.weights(), tr.weights()),
+        # Step 0 only: the lossy plain step 1 changes the weights step 2 reads.
+        "lossy_vbe_err": (lossy.outputs[0] - tr.outputs[0]).abs().max().item(),
+        "vbe_warnings": [m for m in warnings.messages if "variable batch size" in m],
+    }
+
+
+@pytest.mark.timeout(900)
+def test_vbe_on_table_and_column_wise_bit_equal_to_torchrec() -> None:
+    results = run_workers(_worker, 2, timeout_s=600)
+    for rank, r in enumerate(results):
+        assert r["shapes"][0][0] == 6 and r["shapes"][2][0] == 5 + rank, r["shapes"]
+        assert all(r["exact_out_equal"]), (rank, r["exact_out_equal"])
+        assert r["exact_w_equal"], rank
+        # VBE batches travel uncompressed (TorchRec's all-to-all): exact even when lossy.
+        assert r["lossy_vbe_err"] == 0.0, (rank, r["lossy_vbe_err"])
+        # One warning per output dist (TW and CW) per lossy model, naming its tables.
+        warned = r["vbe_warnings"]
+        assert len(warned) == 4, warned
+        assert sum("t0, t1" in m for m in warned) == 2 and sum("c0" in m for m in warned) == 2
