@@ -144,6 +144,30 @@ def test_vbe_on_table_and_column_wise_bit_equal_to_torchrec() -> None:
             assert raw > 0 and wire > 0 and err <= r["bound"], (rank, table, r["fwd"])
 
 
+def _worker_one_owner(rank: int, world_size: int) -> dict[str, Any]:
+    from torchrec.distributed.sharding_plan import table_wise
+
+    tables = make_tables(VBE_TABLES)
+    plan = {t.name: table_wise(rank=0, compute_kernel="fused") for t in tables}
+    tr = TrainRun(tables, _sharders(None), plan, world_size)
+    exact = TrainRun(tables, _sharders(0.0), plan, world_size)
+    for s in range(2):
+        batch = vbe_batch(tables, 4 + rank, seed=40 + 10 * s + rank)
+        tr.step(batch, s)
+        exact.step(batch, s)
+    return {
+        "out_equal": all(torch.equal(a, b) for a, b in zip(exact.outputs, tr.outputs, strict=True)),
+        "w_equal": same_local_pieces(exact.weights(), tr.weights()),
+    }
+
+
+@pytest.mark.timeout(900)
+def test_vbe_with_a_rank_without_local_features() -> None:
+    # Rank 1 owns no table: it only receives, with no per-feature batches of its own to send.
+    for rank, r in enumerate(run_workers(_worker_one_owner, 2, timeout_s=600)):
+        assert r["out_equal"] and r["w_equal"], (rank, r)
+
+
 def test_pad_and_unpad_follow_torchrec_flat_layout() -> None:
     from torchrec_lossy.distributed.vbe import pad_vbe_input, unpad_vbe_output
 

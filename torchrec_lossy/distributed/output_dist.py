@@ -154,7 +154,9 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         dims = [[s.dim for s in specs for _ in range(s.num_features)] for specs in self._layout]
         rows = vbe_rows_per_rank(self._pg, batch_size_per_feature_pre_a2a, local_embs.device)
         me = self._pg.rank()
-        padded = pad_vbe_input(local_embs, batch_size_per_rank_per_feature, dims[me], rows)
+        # TorchRec leaves the per-feature batches empty on a rank without local features.
+        batches = batch_size_per_rank_per_feature or [[] for _ in rows]
+        padded = pad_vbe_input(local_embs, batches, dims[me], rows)
         info = self._info(rows, local_embs.dtype, None)
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(padded, info, self._pg)

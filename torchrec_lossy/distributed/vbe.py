@@ -66,13 +66,15 @@ def pad_vbe_input(
         b * d for per_f in batch_size_per_rank_per_feature for b, d in zip(per_f, dims, strict=True)
     ]
     pieces = iter(local_embs.view(-1).split(sizes))
+    empty = local_embs.view(-1)[:0].view(1, 0)
     blocks = []
     for batches, rows in zip(batch_size_per_rank_per_feature, rows_per_rank, strict=True):
         cols = [
             F.pad(next(pieces).view(b, d), (0, 0, 0, rows - b))
             for b, d in zip(batches, dims, strict=True)
         ]
-        blocks.append(torch.cat(cols, dim=1) if cols else local_embs.new_zeros((rows, 0)))
+        # No local features: an empty view of the input, so the autograd graph stays connected.
+        blocks.append(torch.cat(cols, dim=1) if cols else empty.expand(rows, 0))
     return torch.cat(blocks)
 
 
