@@ -2,11 +2,13 @@
 
 :class:`LossyPooledEmbeddingsAllToAll` is the drop-in for TorchRec's ``PooledEmbeddingsAllToAll``
 (same call, same result shape), and :class:`LossyTwPooledEmbeddingDist` is a
-``TwPooledEmbeddingDist`` that creates it instead of TorchRec's.
+``TwPooledEmbeddingDist`` that creates it instead of TorchRec's. Variable batch per feature
+(VBE) batches are compressed too (:meth:`LossyPooledEmbeddingsAllToAll.forward_variable_batch`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -29,6 +31,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     LossyAll2AllPooledInfo,
 )
 from torchrec_lossy.distributed.topology import peer_links
+from torchrec_lossy.distributed.vbe import pad_vbe_input, unpad_vbe_output, vbe_rows_per_rank
 
 
 def pooled_layout(
@@ -121,22 +124,71 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
                     "batch_size_per_rank for uneven batches"
                 )
             batch_size_per_rank = [b_global // world] * world
-        info = LossyAll2AllPooledInfo(
-            batch_size_per_rank=list(batch_size_per_rank),
-            layout=self._layout,
-            comms=self._comms,
-            compress=self._compress,
-            dtype=local_embs.dtype,
-            output_dedupe=output_dedupe,
-            exact_forward=self._comms.exact_forward,
-            same_host=self._same_host,
-            raw_peers=self._raw_peers,
-        )
+        info = self._info(batch_size_per_rank, local_embs.dtype, output_dedupe)
         awaitable = PooledEmbeddingsAwaitable(
             tensor_awaitable=alltoall_pooled_lossy(local_embs, info, self._pg)
         )
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
+
+    def forward_variable_batch(
+        self,
+        local_embs: torch.Tensor,
+        batch_size_per_rank_per_feature: list[list[int]],
+        batch_size_per_feature_pre_a2a: list[int],
+    ) -> PooledEmbeddingsAwaitable:
+        """The VBE all-to-all, compressed (TorchRec's: ``VariableBatchPooledEmbeddingsAllToAll``).
+
+        Each (destination, table) block holds the destination's bags of the table's features
+        (module :mod:`~torchrec_lossy.distributed.vbe`); no callbacks run (TorchRec permutes VBE
+        outputs itself).
+
+        Args:
+            local_embs: Flat pooled embeddings: per destination, per local feature, its bags.
+            batch_size_per_rank_per_feature: Per destination rank, per local feature, its batch.
+            batch_size_per_feature_pre_a2a: This rank's batch of every feature (column order).
+
+        Returns:
+            Awaitable of TorchRec's flat VBE output: per feature in order, this rank's bags.
+        """
+        dims = [[s.dim for s in specs for _ in range(s.num_features)] for specs in self._layout]
+        rows = vbe_rows_per_rank(self._pg, batch_size_per_feature_pre_a2a, local_embs.device)
+        me = self._pg.rank()
+        # TorchRec leaves the per-feature batches empty on a rank without local features.
+        batches = batch_size_per_rank_per_feature or [[] for _ in rows]
+        padded = pad_vbe_input(local_embs, batches, dims[me], rows)
+        info = self._info(rows, local_embs.dtype, None)
+        awaitable = PooledEmbeddingsAwaitable(
+            tensor_awaitable=alltoall_pooled_lossy(padded, info, self._pg)
+        )
+        all_dims = [d for per_rank in dims for d in per_rank]
+        awaitable.callbacks.append(
+            functools.partial(
+                unpad_vbe_output,
+                batch_size_per_feature_pre_a2a=batch_size_per_feature_pre_a2a,
+                dims=all_dims,
+            )
+        )
+        return awaitable
+
+    def _info(
+        self,
+        batch_size_per_rank: list[int],
+        dtype: torch.dtype,
+        output_dedupe: OutputDedupe | None,
+    ) -> LossyAll2AllPooledInfo:
+        """Per-call parameters of :func:`alltoall_pooled_lossy` for this all-to-all."""
+        return LossyAll2AllPooledInfo(
+            batch_size_per_rank=list(batch_size_per_rank),
+            layout=self._layout,
+            comms=self._comms,
+            compress=self._compress,
+            dtype=dtype,
+            output_dedupe=output_dedupe,
+            exact_forward=self._comms.exact_forward,
+            same_host=self._same_host,
+            raw_peers=self._raw_peers,
+        )
 
     @property
     def callbacks(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
@@ -197,22 +249,18 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
                 state where it is a ``context.LossyShardingContext``.
 
         Returns:
-            Awaitable of ``[B_local, D_global_sum]``.
-
-        Raises:
-            NotImplementedError: For variable batch size per feature (VBE) inputs.
+            Awaitable of ``[B_local, D_global_sum]``; for VBE batches, TorchRec's flat VBE output.
         """
-        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
-            raise NotImplementedError(
-                "the lossy sharder does not support variable batch size per feature (KJTs with "
-                "stride_per_key_per_rank): shard these tables with TorchRec's "
-                "EmbeddingBagCollectionSharder, or send a fixed batch size per feature (a "
-                "different batch size per rank is supported)"
-            )
         if self._dist is None:  # TorchRec's lazy creation (_create_output_dist_module below)
             self._create_output_dist_module(sharding_ctx)
         a2a = self._dist
         assert isinstance(a2a, LossyPooledEmbeddingsAllToAll)
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            return a2a.forward_variable_batch(
+                local_embs,
+                sharding_ctx.batch_size_per_rank_per_feature,
+                sharding_ctx.batch_size_per_feature_pre_a2a,
+            )
         if sharding_ctx is None:
             return a2a(local_embs)
         dedupe = (

@@ -1,0 +1,101 @@
+"""Variable batch per feature (VBE) pooled embeddings in the lossy all-to-all's dense layout.
+
+TorchRec's ``VariableBatchPooledEmbeddingsAllToAll`` exchanges flat 1-D tensors: the sender's
+holds, per destination rank in order, per local feature in order, that destination's bags of
+the feature (``[b, d]`` row-major); the receiver's, per source rank in order, per feature of the
+source, its own bags of the feature. :func:`pad_vbe_input` lays the sender's out as the
+``[sum_r M_r, D_local_sum]`` input of ``comm_ops.alltoall_pooled_lossy`` (destination ``r``
+gets ``M_r`` rows, the largest batch of any feature on ``r``; the rows past a feature's batch
+are zero, one repeated vector to the codec), and :func:`unpad_vbe_output` takes the receiver's
+flat tensor back out of ``[M_me, D_global_sum]``. Both are copies (slices, pads,
+concatenations), so values and gradients are exact and autograd carries the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def vbe_rows_per_rank(
+    pg: dist.ProcessGroup, batch_size_per_feature_pre_a2a: Sequence[int], device: torch.device
+) -> list[int]:
+    """Rows each rank receives in the dense layout: its largest batch of any feature.
+
+    A sender knows only its own features' batches per destination, so every rank's largest
+    batch is all-gathered (one small collective and host read per VBE call).
+
+    Args:
+        pg: Process group of the all-to-all.
+        batch_size_per_feature_pre_a2a: This rank's batch size of every feature (all ranks'
+            features, in source-rank order).
+        device: Device of the embeddings (the collective's backend needs its tensors there).
+
+    Returns:
+        Per rank of ``pg``, its row count.
+    """
+    with torch.profiler.record_function("## lossy_vbe_rows_all_gather ##"):
+        mine = torch.tensor([max(batch_size_per_feature_pre_a2a, default=0)], device=device)
+        gathered = [torch.empty_like(mine) for _ in range(pg.size())]
+        dist.all_gather(gathered, mine, group=pg)
+        return [int(x) for x in torch.cat(gathered).tolist()]
+
+
+def pad_vbe_input(
+    local_embs: torch.Tensor,
+    batch_size_per_rank_per_feature: Sequence[Sequence[int]],
+    dims: Sequence[int],
+    rows_per_rank: Sequence[int],
+) -> torch.Tensor:
+    """The sender's flat VBE lookup output as ``[sum_r M_r, D_local_sum]``.
+
+    Args:
+        local_embs: Flat pooled embeddings, destination-major, then feature, then bag.
+        batch_size_per_rank_per_feature: Per destination rank, per local feature, its batch.
+        dims: Per local feature, its columns (in lookup order).
+        rows_per_rank: Per destination rank, its rows ``M_r`` (:func:`vbe_rows_per_rank`).
+
+    Returns:
+        The dense tensor: destination ``r``'s rows ``[off_r, off_r + M_r)``, its bags of
+        feature ``f`` first in ``f``'s columns, zero below them.
+    """
+    sizes = [
+        b * d for per_f in batch_size_per_rank_per_feature for b, d in zip(per_f, dims, strict=True)
+    ]
+    pieces = iter(local_embs.view(-1).split(sizes))
+    empty = local_embs.view(-1)[:0].view(1, 0)
+    blocks = []
+    for batches, rows in zip(batch_size_per_rank_per_feature, rows_per_rank, strict=True):
+        cols = [
+            F.pad(next(pieces).view(b, d), (0, 0, 0, rows - b))
+            for b, d in zip(batches, dims, strict=True)
+        ]
+        # No local features: an empty view of the input, so the autograd graph stays connected.
+        blocks.append(torch.cat(cols, dim=1) if cols else empty.expand(rows, 0))
+    return torch.cat(blocks)
+
+
+def unpad_vbe_output(
+    out: torch.Tensor,
+    batch_size_per_feature_pre_a2a: Sequence[int],
+    dims: Sequence[int],
+) -> torch.Tensor:
+    """The receiver's ``[M_me, D_global_sum]`` as TorchRec's flat VBE all-to-all output.
+
+    Args:
+        out: What the dense all-to-all delivered (columns of every source in rank order).
+        batch_size_per_feature_pre_a2a: This rank's batch of every feature, in column order.
+        dims: Every feature's columns, in column order.
+
+    Returns:
+        Flat: per feature in order, its first ``b_f`` rows, row-major.
+    """
+    pieces = []
+    col = 0
+    for b, d in zip(batch_size_per_feature_pre_a2a, dims, strict=True):
+        pieces.append(out[:b, col : col + d].reshape(-1))
+        col += d
+    return torch.cat(pieces) if pieces else out.new_empty((0,))
