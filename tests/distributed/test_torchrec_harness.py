@@ -25,23 +25,16 @@ pytestmark = pytest.mark.dist
 def _tables(config_cls: Any, dim: Any, rows: Any) -> tuple[list[Any], dict[str, list[str]]]:
     """TorchRec's test tables: 4 of their own features, 2 sharing features 0 and 1; the
     embedding groups that name the shared ones ``feature@table``."""
+    # (table index, feature index): tables 4 and 5 share the features of tables 0 and 1.
+    slots = [(i, i) for i in range(4)] + [(i + 4, i) for i in range(2)]
     tables = [
         config_cls(
-            num_embeddings=rows(i),
-            embedding_dim=dim(i),
-            name=f"table_{i}",
-            feature_names=[f"feature_{i}"],
+            num_embeddings=rows(f),
+            embedding_dim=dim(f),
+            name=f"table_{t}",
+            feature_names=[f"feature_{f}"],
         )
-        for i in range(4)
-    ]
-    tables += [
-        config_cls(
-            num_embeddings=rows(i),
-            embedding_dim=dim(i),
-            name=f"table_{i + 4}",
-            feature_names=[f"feature_{i}"],
-        )
-        for i in range(2)
+        for t, f in slots
     ]
     shared = {"feature_0", "feature_1"}
     groups = {

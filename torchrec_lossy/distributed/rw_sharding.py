@@ -123,9 +123,9 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
                 f"table shards span {sum(s.width for s in specs)} columns, the features "
                 f"{sum(embedding_dims)}"
             )
-        self._parts_layout = [specs] * pg.size()
+        self._parts = pg.size()  # one part of every bag's sum per rank
         self._feature_dims = list(embedding_dims)
-        self._a2a = LossyPooledEmbeddingsAllToAll(pg, self._parts_layout, comms, device)
+        self._a2a = LossyPooledEmbeddingsAllToAll(pg, [specs] * self._parts, comms, device)
 
     def forward(
         self,
@@ -147,7 +147,7 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         awaitable = self._a2a(local_embs, batch_size_per_rank=batch_size_per_rank)
         mask = sharding_ctx.source_mask if isinstance(sharding_ctx, LossyShardingContext) else None
         columns = column_mask(mask, self._feature_dims) if mask is not None else None
-        awaitable.callbacks.append(PartialSums(len(self._parts_layout), columns))
+        awaitable.callbacks.append(PartialSums(self._parts, columns))
         return awaitable
 
 
