@@ -9,7 +9,7 @@ is imported.
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +36,14 @@ def run_without_triton() -> Callable[[str], str]:
         return res.stdout
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module of small tensor ops: on a busy 2-core machine, torch's
+    intra-op threads spin against each other and run them ~10x slower than one thread does.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,14 +41,7 @@ def comms(**homogenization: object) -> LossyCommsConfig:
     return LossyCommsConfig(homogenization=HomogenizationConfig(enabled=True, **homogenization))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """These tests run small tensor ops; on a busy 2-core machine, torch's intra-op threads
-    spin against each other and run them ~10x slower than one thread does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------------

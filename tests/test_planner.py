@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,14 +80,7 @@ def fused(
     return options[(table, sharding, "dense" if sharding == DP else "fused")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """These tests run small tensor ops; on a busy 2-core machine, torch's intra-op threads
-    spin against each other and run them ~10x slower than one thread does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------------
