@@ -5,6 +5,7 @@
   :func:`interesting_values`, :func:`set_field`, :func:`apply_mutation`.
 - Test blocks: :func:`make_block` (adversarial, mild or repeated data in any dtype),
   :func:`bound_for` (an absolute bound of a named kind), ``DTYPES``, ``SPECIALS``.
+- CUDA sync checks: :func:`cuda_syncs_only_in_to_host`.
 
 Fixtures live in ``conftest.py``; test modules import from here, never from each other.
 """
@@ -12,12 +13,15 @@ Fixtures live in ``conftest.py``; test modules import from here, never from each
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import numpy as np
+import pytest
 import torch
 
-from torchrec_lossy.codec import CodecConfig, compress_with_stats
+from torchrec_lossy.codec import CodecConfig, compress_with_stats, host_sync
 from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     HEADER,
@@ -238,3 +242,32 @@ def bound_for(block: torch.Tensor, kind: str) -> float:
         "rel0.05": 0.05 * span,
         "huge": 1e30,
     }[kind]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA sync checks
+
+
+@contextmanager
+def cuda_syncs_only_in_to_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Runs the block under CUDA sync debug mode "error", allowing syncs only inside
+    :func:`torchrec_lossy.codec.host_sync.to_host` (the codec's one device-to-host read).
+
+    Args:
+        monkeypatch: The test's monkeypatch fixture (it restores ``to_host`` after the test).
+    """
+    real = host_sync.to_host
+
+    def allowed(*args: object, **kwargs: object) -> np.ndarray:
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(host_sync, "to_host", allowed)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

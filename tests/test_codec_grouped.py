@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from helpers import corpus, make_block, parse, with_checksum
+from helpers import corpus, cuda_syncs_only_in_to_host, make_block, parse, with_checksum
 
 from torchrec_lossy.codec import (
     CodecConfig,
@@ -275,23 +275,10 @@ def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyP
     groups = [[b.cuda() for b in g] for g in groups_of_blocks()]
     values = rel_values(groups)
     compress_groups(groups, values, CFG, relative=True)  # compile first
-    real = host_sync.to_host
-
-    def allowed(t: torch.Tensor) -> np.ndarray:
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return real(t)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(host_sync, "to_host", allowed)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_only_in_to_host(monkeypatch):
         out = compress_groups(groups, values, CFG, relative=True)
         blocks, status = decompress_groups(out.buffer, out.sizes, skeletons=out.skeletons)
         failed = contain_failures(status)  # the deferred check: no sync either
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert failed is not None and int(failed.count_nonzero()) == 0
     check_groups(status)
     assert [len(g) for g in blocks] == [len(g) for g in groups]

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from helpers import DTYPES, SPECIALS, bound_for, make_block
+from helpers import DTYPES, SPECIALS, bound_for, cuda_syncs_only_in_to_host, make_block
 
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
 from torchrec_lossy.config import CodecConfig
@@ -286,26 +286,13 @@ def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sync debug mode")
 def test_one_cuda_sync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA, torch's sync debug mode raises on any synchronizing call except in ``_host``."""
+    """On CUDA, torch's sync debug mode raises on any synchronizing call but the one read."""
     blocks, bounds = _blocks("adversarial", "rel0.01")
     blocks = [b.cuda() for b in blocks]
     config = CodecConfig(huffman_chunk_symbols=64)
     device_compress.compress_device(blocks, bounds, config)  # compile / warm up
-    real_host = device_compress._host
-
-    def allowed(t: torch.Tensor) -> list[int]:
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return real_host(t)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(device_compress, "_host", allowed)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_only_in_to_host(monkeypatch):
         device_compress.compress_device(blocks, bounds, config)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 # ------------------------------------------------------------------------------------------------
