@@ -31,6 +31,13 @@ from the trained-model value model of :mod:`torchrec_lossy.traffic`:
 
 Run: ``.venv/bin/python benchmarks/input_dist_bench.py [--json out.json]``.
 
+``--module ec`` measures an ``EmbeddingCollection`` instead (:func:`_ec_results`): sequence
+features of :data:`EC_TABLES` (Kaggle cardinalities, Zipf ids, ``--seq-len`` ids per sample,
+one table each, table-wise round-robin), bytes of one training step (input KJT + forward
+sequence all-to-all + gradient all-to-all) for TorchRec's EC sharder (without and with
+``use_index_dedup``, fp32 and with its FP16 / MX4 qcomm on the sequence all-to-all) and ours
+(default config, and without the row dedupe).
+
 ``--timing`` instead times the input codec on this machine (CPU ms per step and rank, no
 process group): every rank's KJT is encoded (``encode_with_telemetry``, default config: wire
 dedupe, exact output dedupe, checksums) and rank 0 decodes what it would receive
@@ -75,6 +82,8 @@ from torchrec_lossy.traffic import (
 
 NUM_FEATURES = 26
 QCOMM = {"fp16": CommType.FP16, "mx4": CommType.MX4}
+# EmbeddingCollection mode: Kaggle table indices (C4, C7, C10, C15, C24, C26) of its features.
+EC_TABLES = (3, 6, 9, 14, 23, 25)
 
 
 def _owner(f: int, world: int) -> int:
@@ -113,14 +122,19 @@ def _input_bytes(ids: torch.Tensor, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _qcomm_bytes(mode: str, elements_per_chunk: list[int], backward: bool = False) -> int:
+def _qcomm_bytes(
+    mode: str,
+    elements_per_chunk: list[int],
+    backward: bool = False,
+    op: CommOp = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+) -> int:
     """TorchRec's qcomm bytes (forward, or the backward with ``mode`` as its precision): each
-    (source, destination) chunk quantized alone."""
+    (source, destination) chunk of the all-to-all ``op`` quantized alone."""
     registry = get_qcomm_codecs_registry(
         QCommsConfig(forward_precision=QCOMM[mode], backward_precision=QCOMM[mode])
     )
     assert registry is not None
-    codecs = registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+    codecs = registry[op.name]
     codec = codecs.backward if backward else codecs.forward
     elem = torch.empty((), dtype=codec.quantized_dtype).element_size()
     return sum(
@@ -382,6 +396,174 @@ def _row_wise_results(
     return rows
 
 
+def _ec_kjts(
+    ids: list[torch.Tensor], world: int
+) -> tuple[list[KeyedJaggedTensor], list[int], list[list[int]]]:
+    """Per rank, its KJT of the EC's sequence features (feature ``t`` owned by rank
+    ``t % world``, keys ordered by owner), the splits, and each owner's features."""
+    owned = [[t for t in range(len(ids)) if t % world == r] for r in range(world)]
+    order = [t for ts in owned for t in ts]
+    kjts = []
+    for r in range(world):
+        local = [ids[t].chunk(world)[r] for t in order]
+        kjts.append(
+            KeyedJaggedTensor(
+                keys=[f"s{EC_TABLES[t]}" for t in order],
+                values=torch.cat([x.reshape(-1) for x in local]),
+                lengths=torch.cat(
+                    [torch.full((x.shape[0],), x.shape[1], dtype=torch.int64) for x in local]
+                ),
+            )
+        )
+    return kjts, [len(ts) for ts in owned], owned
+
+
+def _ec_seq_grads(n: int, seq_len: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    """A model of the gradient of each position's embedding, ``[n, seq_len, dim]``: the sample's
+    BCE factor (as :func:`_pooled_grads`) times a per-position Jacobian row ``N(0, s^2)``."""
+    logits = torch.randn(n, generator=g) - 1.5
+    p = torch.sigmoid(logits)
+    y = (torch.rand(n, generator=g) < p).float()
+    scale = torch.exp(torch.rand(1, generator=g) * 2 - 1)
+    return ((p - y) / n)[:, None, None] * torch.randn(n, seq_len, dim, generator=g) * scale
+
+
+def _ec_results(world: int, batch: int, seq_len: int, dim: int, g: torch.Generator) -> list[dict]:
+    """Bytes of one EC training step (all ranks, self-sends included) for every mode.
+
+    TorchRec's input is its KJT all-to-all (int64 lengths and ids, splits exchange); with
+    ``use_index_dedup`` each rank sends each feature's distinct ids of its whole batch (its
+    ``jagged_unique_indices``), gets one row per distinct id back and sends one gradient row per
+    distinct id. Ours: the packed input dist, one row per distinct id per (destination, table)
+    coded at the default bound, the gradient summed per distinct id and coded at the default
+    backward bound (``lossy, no row dedupe``: every position's row and gradient coded).
+    """
+    cards = table_cardinalities("criteo_kaggle")
+    model = default_value_model("criteo_kaggle")
+    n = batch * world
+    ids = [sample_ids(cards[f], n * seq_len, generator=g).view(n, seq_len) for f in EC_TABLES]
+    kjts, splits, owned = _ec_kjts(ids, world)
+    config = LossyCommsConfig()
+    comms = LossyComms(config=config, bounds=StaticBounds([], config))
+    for kjt in kjts:
+        encode_with_telemetry(kjt, splits, comms)
+    inp = comms.stats.total("input")
+    names = [f"s{f}" for f in EC_TABLES]
+    layout = [tuple(BlockSpec(names[t], 0, 1, dim) for t in ts) for ts in owned]
+    # Per (destination rank, feature): its ids, distinct ids, inverse, rows and gradients.
+    per = {}
+    for t, f in enumerate(EC_TABLES):
+        grads = _ec_seq_grads(n, seq_len, dim, g)
+        for d in range(world):
+            x = ids[t].chunk(world)[d].reshape(-1)
+            uniq, inv = torch.unique(x, return_inverse=True)
+            rows = embedding_rows(f, uniq, dim, cards[f], 0, model)
+            per[d, t] = (x.numel(), uniq.numel(), inv, rows, grads.chunk(world)[d].reshape(-1, dim))
+    n_ids = sum(v[0] for v in per.values())
+    n_uniq = sum(v[1] for v in per.values())
+    elem = kjts[0].values().element_size()
+    chunks = [
+        [sum(per[d, t][k] for t in owned[o]) * dim for o in range(world) for d in range(world)]
+        for k in (0, 1)
+    ]
+    seq = CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL
+    rows: list[dict] = [
+        {
+            "mode": "torchrec",
+            "input_bytes": inp.raw_bytes,
+            "output_bytes": 4 * dim * n_ids,
+            "backward_bytes": 4 * dim * n_ids,
+            "rows": n_ids,
+        },
+        {
+            "mode": "torchrec index_dedup",
+            "input_bytes": inp.raw_bytes - elem * (n_ids - n_uniq),
+            "output_bytes": 4 * dim * n_uniq,
+            "backward_bytes": 4 * dim * n_uniq,
+            "rows": n_uniq,
+        },
+    ]
+    for q in QCOMM:
+        rows.append(
+            {
+                **rows[1],
+                "mode": f"torchrec index_dedup {q}",
+                "output_bytes": _qcomm_bytes(q, chunks[1], op=seq),
+                "backward_bytes": _qcomm_bytes(q, chunks[1], backward=True, op=seq),
+            }
+        )
+    for mode, dedupe in (("lossy, no row dedupe", False), ("lossy", True)):
+        fwd = bwd = 0
+        for o in range(world):  # the owner codes every destination's rows
+            info = _default_info(names, [layout[o]] * world, batch)
+            blocks = [
+                [per[d, t][3] if dedupe else per[d, t][3][per[d, t][2]] for t in owned[o]]
+                for d in range(world)
+            ]
+            fwd += sum(
+                p.numel()
+                for p in start_encode(
+                    "fwd", blocks, [layout[o]] * world, info, torch.device("cpu")
+                ).read()
+            )
+            assert info.comms.stats.total("fwd").max_error_over_bound <= 1.0
+        for d in range(world):  # each rank codes its gradient for every owner
+            info = _default_info(names, layout, batch)
+            blocks = []
+            for o in range(world):
+                per_t = []
+                for t in owned[o]:
+                    _, u, inv, _, gr = per[d, t]
+                    per_t.append(gr.new_zeros((u, dim)).index_add_(0, inv, gr) if dedupe else gr)
+                blocks.append(per_t)
+            bwd += sum(
+                p.numel()
+                for p in start_encode("bwd", blocks, layout, info, torch.device("cpu")).read()
+            )
+            assert info.comms.stats.total("bwd").max_error_over_bound <= 1.0
+        rows.append(
+            {
+                "mode": mode,
+                "input_bytes": inp.wire_bytes,
+                "output_bytes": fwd,
+                "backward_bytes": bwd,
+                "rows": n_uniq if dedupe else n_ids,
+            }
+        )
+    common = {
+        "module": "ec",
+        "world": world,
+        "batch_per_rank": batch,
+        "seq_len": seq_len,
+        "dim": dim,
+        "tables": [f"C{f + 1}:{cards[f]}" for f in EC_TABLES],
+    }
+    return [
+        {**common, **r, "step_bytes": r["input_bytes"] + r["output_bytes"] + r["backward_bytes"]}
+        for r in rows
+    ]
+
+
+def _print_ec(results: list[dict]) -> None:
+    """The EC table: bytes per step and the reduction against TorchRec with index dedupe."""
+    print(
+        f"{'world':>5} {'mode':<27} {'input B':>11} {'fwd B':>12} {'bwd B':>12} {'step B':>12} "
+        f"{'vs tr':>6} {'vs dedup':>8} {'rows sent':>9}"
+    )
+    for r in results:
+        same = [x for x in results if x["world"] == r["world"]]
+        tr, dd = (
+            next(x for x in same if x["mode"] == m) for m in ("torchrec", "torchrec index_dedup")
+        )
+        print(
+            f"{r['world']:>5} {r['mode']:<27} {r['input_bytes']:>11,.0f} "
+            f"{r['output_bytes']:>12,.0f} {r['backward_bytes']:>12,.0f} "
+            f"{r['step_bytes']:>12,.0f} {tr['step_bytes'] / r['step_bytes']:>6.1f} "
+            f"{dd['step_bytes'] / r['step_bytes']:>8.1f} "
+            f"{r['rows'] / tr['rows']:>9.1%}"
+        )
+
+
 def _timing(batch: int, world: int, reps: int) -> dict[str, float]:
     """Median CPU ms per step of one rank's encode and of rank 0's decode (default config)."""
     import time
@@ -431,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         default="table_wise",
         help="every table table-wise round-robin, or every table row-wise over all ranks",
     )
+    p.add_argument("--module", choices=("ebc", "ec"), default="ebc", help="module type")
+    p.add_argument("--seq-len", type=int, default=50, help="ec: ids per sample and feature")
     p.add_argument("--timing", action="store_true", help="time the input codec instead")
     p.add_argument("--timing-batches", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--reps", type=int, default=200, help="timing: steps (median reported)")
@@ -451,6 +635,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     g = torch.Generator().manual_seed(0)
+    if args.module == "ec":
+        ec = [r for w in args.worlds for r in _ec_results(w, args.batch, args.seq_len, 32, g)]
+        _print_ec(ec)
+        if args.json:
+            with open(args.json, "w") as fh:
+                fh.write(json.dumps(ec, indent=1) + "\n")
+        return 0
     results = []
     for world in args.worlds:
         n = args.batch * world

@@ -261,7 +261,9 @@ class InputDistConfig:
             whose bags hold at most one id and no weights, the output dist sends the pooled row
             of each distinct id (and of the empty bag) once per destination and the receiver
             expands it with the inverse index it built when it sent the ids; lookups and the
-            backward are TorchRec's, so training is bit-identical. Needs ``enabled``.
+            backward are TorchRec's, so training is bit-identical. Needs ``enabled``. For an
+            ``EmbeddingCollection`` (either input dist): the sequence all-to-all sends one row
+            per distinct id per (destination, table), the gradient per ``backward_dedupe``.
         dedupe_lookups: The variant that also cuts lookup work, for unweighted single-hot
             features: only distinct ids travel and the owner looks up each once per source;
             gradients are summed per distinct id first (equal within float rounding, not
@@ -317,8 +319,8 @@ class LossyCommsConfig:
         backward_seed: Base seed of the stochastic rounding (each call draws from
             (seed, call, sending rank); blocks by their index in their payload).
         backward_dedupe: Under the exact output dedupe, send the gradient one row per distinct
-            bag (summed over its copies); exact up to float summation order. The lookup dedupe
-            always does.
+            bag (summed over its copies; an ``EmbeddingCollection``: per distinct id); exact up
+            to float summation order. The lookup dedupe always does.
         error_sample_every: Every this many calls of each direction (forward, backward), the
             sender decodes its own lossy payloads to record error statistics
             (``TableCommStats.mean_signed_error``, ``relative_rms_error``, ``snapped_share``;

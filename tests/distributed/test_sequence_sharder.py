@@ -145,7 +145,6 @@ def _worker_tw_cw(rank: int, world_size: int) -> dict[str, Any]:
         "default_bound": ErrorBound("absolute", FWD_BOUND),
         "backward": "lossy",
         "backward_bound": ErrorBound("absolute", BWD_BOUND),
-        "backward_dedupe": False,
     }
     models = {
         "torchrec": _shard(_make_ec(tables), _torchrec_sharder(), world_size),
@@ -178,6 +177,7 @@ def _worker_tw_cw(rank: int, world_size: int) -> dict[str, Any]:
         "lossy_w_err": _max_diff(models["lossy"].state_dict(), tr),
         "max_count": max(max_row_count(b) for b in batches),
         "fwd": stats.total("fwd"),
+        "exact_fwd": models["exact"].module.lossy_stats.total("fwd"),
         "bwd": stats.total("bwd"),
         "tables_fwd": {t: stats.table(t, "fwd") for t in ("t0", "t1", "t2", "t3")},
         "logs": logs,
@@ -204,6 +204,7 @@ def _worker_tw_cw(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ec_tw_cw_rw_lossless_bit_equal_and_lossy_within_bound() -> None:
     results = run_workers(_worker_tw_cw, 2, timeout_s=900)
     for t in ("t0", "t1", "t2", "t3"):  # every TW / CW / RW table's ids travelled compressed
@@ -224,8 +225,11 @@ def test_ec_tw_cw_rw_lossless_bit_equal_and_lossy_within_bound() -> None:
         assert r["lossy_w_err"] <= tol, (r["lossy_w_err"], tol)
         fwd, bwd = r["fwd"], r["bwd"]
         assert fwd.wire_bytes > 0 and fwd.raw_bytes > fwd.wire_bytes, fwd
+        # The row dedupe (on by default) sends fewer rows than ids, both ways; lossless too.
+        assert 0 < fwd.rows_sent < fwd.rows and 0 < bwd.rows_sent < bwd.rows, (fwd, bwd)
+        assert 0 < r["exact_fwd"].rows_sent < r["exact_fwd"].rows, r["exact_fwd"]
         # The gradient blocks are small here (the codec may keep them exact): within bound.
-        assert bwd.wire_bytes > 0 and bwd.rows == bwd.rows_sent > 0, bwd
+        assert bwd.wire_bytes > 0, bwd
         assert bwd.max_error_over_bound <= 1.0, bwd
         for t, ts in r["tables_fwd"].items():  # counted by the sender: the owner's tables
             assert ts.max_error_over_bound <= 1.0, (t, ts)
@@ -235,6 +239,71 @@ def test_ec_tw_cw_rw_lossless_bit_equal_and_lossy_within_bound() -> None:
             assert f"## lossy_a2a fwd {phase} ##" in r["ranges"], r["ranges"]
             assert f"## lossy_a2a bwd {phase} ##" in r["ranges"], r["ranges"]
         assert r["corrupt"] is not None and f"from rank {1 - rank}" in r["corrupt"], r["corrupt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient dedupe (the adjoint of the row dedupe) against TorchRec, with integer gradients:
+# every sum of them is exact in fp32, whatever its order, so trained weights are bit-equal.
+
+
+def _step_integer_grads(model: Any, kjt: Any, seed: int) -> torch.Tensor:
+    """One fused-SGD step whose gradient w.r.t. each sequence embedding is a small integer."""
+    values = _values(model(_copy(kjt)).wait(), kjt.keys())
+    g = torch.Generator().manual_seed(seed)
+    (values * torch.randint(-3, 4, values.shape, generator=g).float()).sum().backward()
+    return values.detach().clone()
+
+
+def _worker_grad_dedupe(rank: int, world_size: int) -> dict[str, Any]:
+    from torchrec_lossy.config import ErrorBound, InputDistConfig
+
+    tables = _ec_tables()
+    batches = [[make_batch(tables, 6, seed=100 * s + r) for r in range(world_size)] for s in (0, 1)]
+    exact = ErrorBound("absolute", 0.0)
+    models = {
+        "torchrec": _shard(_make_ec(tables), _torchrec_sharder(), world_size),
+        # Defaults but exact: row dedupe both ways.
+        "dedupe": _shard(_make_ec(tables), _lossy_sharder(default_bound=exact, backward="none"),
+                         world_size),
+        # The row dedupe off: every id's row and gradient travel.
+        "no_dedupe": _shard(
+            _make_ec(tables),
+            _lossy_sharder(default_bound=exact, backward="none",
+                           input_dist=InputDistConfig(dedupe_outputs=False)),
+            world_size,
+        ),
+    }  # fmt: skip
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    for s in (0, 1):
+        for name, model in models.items():
+            outs[name].append(_step_integer_grads(model, batches[s][rank], 1000 * s + rank))
+    tr = models["torchrec"].state_dict()
+    result: dict[str, Any] = {}
+    for name in ("dedupe", "no_dedupe"):
+        stats = models[name].module.lossy_stats
+        pairs = zip(outs[name], outs["torchrec"], strict=True)
+        result[name] = {
+            "out_equal": all(torch.equal(a, b) for a, b in pairs),
+            "w_equal": same_local_pieces(models[name].state_dict(), tr),
+            "fwd": stats.total("fwd"),
+            "bwd": stats.total("bwd"),
+        }
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ec_row_and_gradient_dedupe_bit_equal_to_torchrec() -> None:
+    for rank, r in enumerate(run_workers(_worker_grad_dedupe, 2, timeout_s=900)):
+        for name in ("dedupe", "no_dedupe"):
+            # Outputs and trained weights (so gradients: lr 0.5) bit-equal on TW, CW and RW.
+            assert r[name]["out_equal"], (rank, name)
+            assert r[name]["w_equal"], (rank, name)
+        dd, full = r["dedupe"], r["no_dedupe"]
+        for d in ("fwd", "bwd"):  # one row per distinct id both ways, every row without
+            assert 0 < dd[d].rows_sent < dd[d].rows == full[d].rows == full[d].rows_sent, d
+        assert dd["fwd"].wire_bytes < full["fwd"].wire_bytes, (dd["fwd"], full["fwd"])
+        assert dd["bwd"].wire_bytes < full["bwd"].wire_bytes, (dd["bwd"], full["bwd"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,12 +22,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.dedupe import OutputDedupe
@@ -185,3 +187,54 @@ def bind_input_state(ctx: EmbeddingBagCollectionContext, features: KJTList) -> N
         base = ctx.sharding_contexts[i] if i < len(ctx.sharding_contexts) else None
         if base is not None and isinstance(kjt, DistributedKJT) and kjt.dist_state is not None:
             ctx.sharding_contexts[i] = LossyShardingContext.from_input(base, kjt.dist_state)
+
+
+@dataclass
+class LossySequenceShardingContext(SequenceShardingContext):
+    """TorchRec's sequence sharding context plus the ids the owner looks up.
+
+    Attributes:
+        lookup_ids: The looked-up KJT's values (the ids of the lookup output's rows), for the
+            sequence all-to-all's row dedupe; None: every row travels.
+    """
+
+    lookup_ids: torch.Tensor | None = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks TorchRec's tensors and the lookup ids as used on ``stream``.
+
+        Args:
+            stream: The stream the output dist runs on.
+        """
+        super().record_stream(stream)
+        if self.lookup_ids is not None and self.lookup_ids.device.type != "cpu":
+            self.lookup_ids.record_stream(stream)  # type: ignore[arg-type]
+
+
+def bind_lookup_ids(contexts: list[SequenceShardingContext], features: KJTList) -> None:
+    """Replaces each sequence sharding context by one that carries its features' ids.
+
+    Args:
+        contexts: The module context's ``sharding_contexts`` (replaced in place).
+        features: Per sharding, the local features about to be looked up.
+    """
+    for i, kjt in enumerate(features):
+        if i < len(contexts):
+            base = contexts[i]
+            fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+            fields.pop("lookup_ids", None)
+            contexts[i] = LossySequenceShardingContext(**fields, lookup_ids=kjt.values())
+
+
+def lookup_ids_of(sharding_ctx: object) -> torch.Tensor | None:
+    """The lookup ids a sequence sharding context carries (None for TorchRec's own context).
+
+    Args:
+        sharding_ctx: A sharding context.
+
+    Returns:
+        The ids, or None.
+    """
+    if isinstance(sharding_ctx, LossySequenceShardingContext):
+        return sharding_ctx.lookup_ids
+    return None

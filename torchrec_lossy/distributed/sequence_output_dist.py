@@ -10,8 +10,9 @@ all-to-all's codec path: one payload per destination with each table's bound, th
 payload exchange (:func:`.comm_ops.encode_and_exchange`), one decode call of every source's
 payload (:func:`.pooled_decode.decode_payloads`, which raises ``LossyAllToAllError`` naming
 the source rank on a corrupt payload). The gradient goes back the other way with
-``LossyCommsConfig.backward`` (the codec, a cast, or exact). Rows are not deduplicated: every id
-travels, as in TorchRec.
+``LossyCommsConfig.backward`` (the codec, a cast, or exact). With the exact row dedupe
+(:mod:`.sequence_dedupe`, ``InputDistConfig.dedupe_outputs``) each block carries one row per
+distinct id, and the gradient one summed row per distinct id (``backward_dedupe``).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy import codec
 from torchrec_lossy.distributed.comm_ops import LossyRequest, encode_and_exchange
 from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.context import lookup_ids_of
 from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
 )
+from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
 from torchrec_lossy.distributed.topology import peer_links
 
 _CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -58,12 +61,26 @@ class LossyAll2AllSeqInfo:
         recv_rows: Receiver side: per owner rank, per table shard of its layout, the rows it
             sends this rank.
         dim: Embedding dim (every table shard of a sequence sharding has the same).
+        dedupe: The call's distinct ids (one row per distinct id per block); None: every id.
     """
 
     pooled: LossyAll2AllPooledInfo
     feature_rows: list[list[int]]
     recv_rows: list[list[int]]
     dim: int
+    dedupe: SequenceDedupe | None = None
+
+    @property
+    def dedupe_grads(self) -> bool:
+        """Whether the gradient travels one summed row per distinct id."""
+        return self.dedupe is not None and self.pooled.comms.config.backward_dedupe
+
+    def grad_rows(self, my_rank: int) -> list[list[int]]:
+        """Owner side: per source, per local table shard, the gradient rows it sends here."""
+        if self.dedupe_grads:
+            assert self.dedupe is not None
+            return self.dedupe.send_rows
+        return self.send_rows(my_rank)
 
     def send_rows(self, my_rank: int) -> list[list[int]]:
         """Per destination, per local table shard: the rows sent to it."""
@@ -151,11 +168,15 @@ class LossyAll2AllSeqReq(Function):
         pooled.dtype = local_embs.dtype
         specs = pooled.layout[my_rank]
         with record_function("## lossy_seq_a2a fwd cut ##"):
-            blocks = cut_sequence_blocks(local_embs.detach(), info, my_rank)
+            if info.dedupe is None:
+                blocks = cut_sequence_blocks(local_embs.detach(), info, my_rank)
+            else:
+                blocks = info.dedupe.owner_blocks(local_embs.detach())
+        full = info.send_rows(my_rank)
         for d, blocks_d in enumerate(blocks):
             if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
-                for b, s in zip(blocks_d, specs, strict=True):
-                    pooled.comms.stats.record_rows("fwd", s.table, b.shape[0], b.shape[0])
+                for b, s, n in zip(blocks_d, specs, full[d], strict=True):
+                    pooled.comms.stats.record_rows("fwd", s.table, n, b.shape[0])
         myreq.tensor, myreq.req = encode_and_exchange(
             "fwd", blocks, [specs] * world, pooled.layout, pooled, myreq, local_embs.device, my_rank
         )
@@ -174,7 +195,7 @@ class LossyAll2AllSeqReq(Function):
         myreq.req.wait()
         recv, myreq.req, myreq.tensor = myreq.tensor, None, None
         specs = info.pooled.layout[my_rank]
-        rows = info.send_rows(my_rank)
+        rows = info.grad_rows(my_rank)
         if myreq.recv_sizes is None:  # cast or exact: one dense run of every block
             blocks = _dense_blocks(recv, rows, specs, info)
         else:
@@ -184,7 +205,12 @@ class LossyAll2AllSeqReq(Function):
                 "bwd", recv, myreq.recv_sizes, [specs] * world, rows, info.pooled, my_rank,
                 self_blocks, skeletons,
             )  # fmt: skip
-        grad = join_sequence_blocks(blocks, info, my_rank).to(recv.device)
+        if info.dedupe_grads:
+            assert info.dedupe is not None
+            num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)
+            grad = info.dedupe.place_grad(blocks, num_ids)
+        else:
+            grad = join_sequence_blocks(blocks, info, my_rank).to(recv.device)
         if get_gradient_division():
             grad = grad / world
         myreq.dummy_tensor = None
@@ -209,14 +235,19 @@ class LossyAll2AllSeqWait(Function):
         self_blocks, myreq.self_blocks = myreq.self_blocks, None
         skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
         ctx.pg, ctx.myreq = pg, myreq
+        dd = info.dedupe
         blocks = decode_payloads(
-            "fwd", recv, myreq.recv_sizes, info.pooled.layout, info.recv_rows, info.pooled,
-            my_rank, self_blocks, skeletons,
+            "fwd", recv, myreq.recv_sizes, info.pooled.layout,
+            info.recv_rows if dd is None else dd.recv_rows, info.pooled, my_rank, self_blocks,
+            skeletons,
         )  # fmt: skip
         pieces = [b for bs in blocks for b in bs]
         if not pieces:
             return recv.new_empty((0, info.dim), dtype=info.pooled.dtype)
-        return torch.cat(pieces)
+        if dd is None:
+            return torch.cat(pieces)
+        with record_function("## lossy_seq_a2a fwd dedupe expand ##"):
+            return dd.expand(torch.cat(pieces))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
@@ -228,13 +259,18 @@ class LossyAll2AllSeqWait(Function):
         if codec_name != "lossy":  # no size exchange to carry the forward's deferred status
             read_checked(pooled.comms)
         grad = grad_output.contiguous()
-        sizes = [r for rows in info.recv_rows for r in rows]
-        it = iter(grad.split(sizes))
-        blocks = [[next(it) for _ in rows] for rows in info.recv_rows]
+        if info.dedupe_grads:
+            assert info.dedupe is not None
+            with record_function("## lossy_seq_a2a bwd dedupe reduce ##"):
+                blocks = info.dedupe.reduce_grad(grad)
+        else:
+            sizes = [r for rows in info.recv_rows for r in rows]
+            it = iter(grad.split(sizes))
+            blocks = [[next(it) for _ in rows] for rows in info.recv_rows]
         for p, (bs, specs) in enumerate(zip(blocks, pooled.layout, strict=True)):
             if p != my_rank:
-                for b, s in zip(bs, specs, strict=True):
-                    pooled.comms.stats.record_rows("bwd", s.table, b.shape[0], b.shape[0])
+                for b, s, n in zip(bs, specs, info.recv_rows[p], strict=True):
+                    pooled.comms.stats.record_rows("bwd", s.table, n, b.shape[0])
         if codec_name == "lossy":
             specs = pooled.layout[my_rank]
             myreq.tensor, myreq.req = encode_and_exchange(
@@ -271,7 +307,7 @@ def _dense_send(
                 stats.record_max_error_lazy("bwd", s.table, err)
     stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
     send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
-    recv_sizes = [sum(rows) * info.dim for rows in info.send_rows(my_rank)]
+    recv_sizes = [sum(rows) * info.dim for rows in info.grad_rows(my_rank)]
     recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=send.device)
     with record_function("## lossy_seq_a2a bwd payload ##"):
         myreq.req = dist.all_to_all_single(
@@ -354,6 +390,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         batch_size_per_rank: list[int] | None = None,
         rows_per_owner: list[list[int]] | None = None,
         unbucketize_permute_tensor: torch.Tensor | None = None,
+        lookup_ids: torch.Tensor | None = None,
     ) -> SequenceEmbeddingsAwaitable:
         """Sends every id's row to the rank whose batch holds it, compressed.
 
@@ -368,6 +405,9 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
                 ids of its features (table- and column-wise).
             unbucketize_permute_tensor: Row-wise: TorchRec's permute from owner order back to
                 this rank's id order (applied on wait); None otherwise.
+            lookup_ids: The ids of ``local_embs``' rows (the looked-up KJT's values): with
+                ``InputDistConfig.dedupe_outputs``, one row per distinct id travels per
+                (destination, table shard); None: every row.
 
         Returns:
             Awaitable of ``[num_ids_local, D]``.
@@ -393,11 +433,35 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             same_host=self._same_host,
             raw_peers=self._raw_peers,
         )
-        info = LossyAll2AllSeqInfo(pooled, feature_rows, recv_rows, self._dim)
+        dedupe = None
+        if lookup_ids is not None and self._comms.config.input_dist.dedupe_outputs:
+            dedupe = self._dedupe(
+                lookup_ids, feature_rows, features_before_input_dist.values(), rows_per_owner,
+                unbucketize_permute_tensor,
+            )  # fmt: skip
+        info = LossyAll2AllSeqInfo(pooled, feature_rows, recv_rows, self._dim, dedupe)
         return SequenceEmbeddingsAwaitable(
             tensor_awaitable=alltoall_sequence_lossy(local_embs, info, self._pg),
             unbucketize_permute_tensor=unbucketize_permute_tensor,
             embedding_dim=self._dim,
+        )
+
+    def _dedupe(
+        self,
+        lookup_ids: torch.Tensor,
+        feature_rows: list[list[int]],
+        my_ids: torch.Tensor,
+        rows_per_owner: list[list[int]],
+        unbucketize_permute: torch.Tensor | None,
+    ) -> SequenceDedupe:
+        """The call's distinct ids (:func:`.sequence_dedupe.plan_sequence_dedupe`)."""
+        if unbucketize_permute is not None:  # row-wise: this rank's ids in arrival order
+            recv_ids = torch.empty_like(my_ids)
+            recv_ids[unbucketize_permute.to(torch.int64)] = my_ids
+            my_ids = recv_ids
+        spans = [_spans(specs) for specs in self._layout]
+        return plan_sequence_dedupe(
+            lookup_ids, feature_rows, spans[self._pg.rank()], my_ids, rows_per_owner, spans
         )
 
     def _rows_per_owner(self, key_rows: list[int]) -> list[list[int]]:
@@ -464,6 +528,7 @@ class LossyRwSequenceEmbeddingDist(
             sharding_ctx.batch_size_per_rank,
             rows_per_owner=rows_per_owner or [[] for _ in range(self._world)],
             unbucketize_permute_tensor=sharding_ctx.unbucketize_permute_tensor,
+            lookup_ids=lookup_ids_of(sharding_ctx),
         )
 
 
@@ -512,4 +577,5 @@ class LossyTwSequenceEmbeddingDist(
             sharding_ctx.lengths_after_input_dist,
             sharding_ctx.features_before_input_dist,
             sharding_ctx.batch_size_per_rank,
+            lookup_ids=lookup_ids_of(sharding_ctx),
         )

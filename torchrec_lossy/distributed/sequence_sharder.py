@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.comms import BoundProviderFactory, StaticBounds
+from torchrec_lossy.distributed.context import bind_lookup_ids
 from torchrec_lossy.distributed.sequence_sharding import (
     SequenceSharding,
     create_lossy_sequence_sharding,
@@ -90,7 +91,8 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
         self, ctx: EmbeddingCollectionContext, input: KJTList
     ) -> LazyAwaitable[dict[str, JaggedTensor]]:
         """TorchRec's lookup and output dist, with this module's mode handed to its dists
-        (an exact forward in evaluation unless ``LossyCommsConfig.evaluation`` is "lossy").
+        (an exact forward in evaluation unless ``LossyCommsConfig.evaluation`` is "lossy") and
+        each sharding's lookup ids put in its context (for the row dedupe).
 
         Args:
             ctx: The module's context of this batch.
@@ -100,7 +102,23 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
             As ``ShardedEmbeddingCollection.compute_and_output_dist``.
         """
         self.hand_mode_to_dists()
+        bind_lookup_ids(ctx.sharding_contexts, input)
         return super().compute_and_output_dist(ctx, input)
+
+    def compute(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> list[torch.Tensor]:
+        """TorchRec's lookups, with each sharding's lookup ids put in its context (for the
+        row dedupe of a later ``output_dist``).
+
+        Args:
+            ctx: The module's context of this batch.
+            dist_input: Per sharding, the local features.
+
+        Returns:
+            As ``ShardedEmbeddingCollection.compute``.
+        """
+        self.hand_mode_to_dists()
+        bind_lookup_ids(ctx.sharding_contexts, dist_input)
+        return super().compute(ctx, dist_input)
 
     def create_embedding_sharding(  # type: ignore[override]
         self,
@@ -131,8 +149,9 @@ class LossyEmbeddingCollectionSharder(LossySharderMixin, EmbeddingCollectionShar
     """Drop-in for ``EmbeddingCollectionSharder`` that compresses the sequence all-to-all.
 
     Pass it next to :class:`LossyEmbeddingBagCollectionSharder` wherever TorchRec's sharders go
-    (one sharder per module type). TorchRec's ``use_index_dedup`` is not offered: it
-    deduplicates ids before the input dist, which this sharder's dists do not handle.
+    (one sharder per module type). TorchRec's ``use_index_dedup`` is not offered: the
+    sequence all-to-all's exact row dedupe (``InputDistConfig.dedupe_outputs``, on by default)
+    sends one row per distinct id per (destination, table) instead, with no index on the wire.
 
     Args:
         fused_params: As TorchRec.
