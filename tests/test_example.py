@@ -280,6 +280,26 @@ def test_netns_two_node_training(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+@pytest.mark.timeout(900)
+def test_netns_two_hosts_of_two_ranks(tmp_path: Path) -> None:
+    """--nproc-per-node 2: 4 ranks, 2 per namespace; on gloo (intra_host auto: coded) both
+    links carry coded bytes, counted apart."""
+    out = tmp_path / "m.json"
+    cmd = ["bash", str(NETNS), "--port", "29597", "--nproc-per-node", "2", "--"]
+    proc = _run([*cmd, *TINY, "--metrics-json", str(out)], 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = _load(out)
+    assert m["run"]["world_size"] == 4 and m["run"]["steps_done"] == 6
+    comms = m["comms"]
+    for d in ("fwd", "bwd"):
+        same, cross = (comms[f"{d}_{link}_bytes_per_step"] for link in ("same_host", "cross_host"))
+        assert same > 0 and cross > 0, comms
+        # Every wire byte goes to one of the two links (the self block never leaves the rank).
+        assert same + cross <= comms[f"{d}_wire_bytes_per_step"] + 1e-6, comms
+
+
+@pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _run(
