@@ -416,7 +416,10 @@ def format_table(summary: dict[str, Any]) -> str:
         if any(math.isfinite(v) for v in links.values()):
             lines.append(
                 f"{mode} wire MiB/step by link: "
-                + ", ".join(f"{k.replace('_', ' ', 1)} {_f(v, '.3f')}" for k, v in links.items())
+                + ", ".join(
+                    f"{k.replace('_', ' ', 1).replace('_', '-')} {_f(v, '.3f')}"
+                    for k, v in links.items()
+                )
             )
     t = summary["targets"]
     if "speedup_vs_none" in t:

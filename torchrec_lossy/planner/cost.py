@@ -305,7 +305,7 @@ class FixedCommsModel:
 
 
 def raw_model() -> FixedCommsModel:
-    """Uncompressed traffic: TorchRec's own cost model, unchanged.
+    """Uncompressed traffic: TorchRec's bytes, each all-to-all priced per link like the others.
 
     Returns:
         The model.
