@@ -86,6 +86,35 @@ def _check_common(m: dict[str, Any], steps: int) -> None:
     assert m["evals"] and m["evals"][-1]["step"] == steps
 
 
+def test_link_gbit_prices_the_link_between_hosts() -> None:
+    """--link-gbit is the inter-host bandwidth; on one host, every peer's."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+    from dlrm_env import DistEnv, load_plan_config
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    tables = [
+        EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=["f"])
+    ]
+    ebc = SimpleNamespace(embedding_bag_configs=lambda: tables)
+    sparse_arch = SimpleNamespace(embedding_bag_collection=ebc)
+    model = SimpleNamespace(model=SimpleNamespace(sparse_arch=sparse_arch))
+    args = argparse.Namespace(config=None, link_gbit=1.0, batch_size=32)
+    gib_s = 1e9 / 8 / 2**30
+
+    def topology(world: int, local: int) -> Any:
+        env = DistEnv(0, world, 0, local, torch.device("cpu"), "gloo")
+        return load_plan_config(args, env, model)[0].topology  # type: ignore[arg-type]
+
+    two_hosts = topology(4, 2)
+    assert two_hosts.local_world_size == 2 and two_hosts.inter_host_bandwidth_gib_s == gib_s
+    assert two_hosts.intra_host_bandwidth_gib_s is None  # TorchRec's default: ranks talk locally
+    one_host = topology(2, 2)
+    assert one_host.intra_host_bandwidth_gib_s == one_host.inter_host_bandwidth_gib_s == gib_s
+
+
 def test_parse_args_defaults_and_errors() -> None:
     import dlrm_criteo as ex
 
