@@ -12,6 +12,7 @@ gradients. FP8 is not offered: fbgemm-gpu-cpu 1.8.0's FP8 fails (row-wise) or cl
 (plain) on CPU.
 
     sudo python benchmarks/e2e_bench.py                        # 1 Gbit/s netns link, defaults
+    sudo python benchmarks/e2e_bench.py --nproc-per-node 2 --modes lossy --intra-host raw
     python benchmarks/e2e_bench.py --no-netns --steps 50       # localhost (loopback) instead
     python benchmarks/e2e_bench.py --modes none,lossy --rate 500mbit --json out.json
 """
@@ -42,6 +43,7 @@ MODES = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
 QCOMM_BACKWARD = ("auto", "fp32", "fp16", "bf16", "mx4")
 SPEEDUP_TARGET = 1.38
 AUC_FLOOR = 0.0002
+LINK_KEYS = ("fwd_same_host", "fwd_cross_host", "bwd_same_host", "bwd_cross_host")
 
 
 def _ints(text: str) -> list[int]:
@@ -97,6 +99,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     net.add_argument("--no-netns", dest="netns", action="store_false", help="localhost instead")
     ap.add_argument("--rate", default="1gbit", help="netns link rate (tc syntax)")
     ap.add_argument("--port", type=int, default=29581, help="netns rendezvous port")
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks per host (netns node); on localhost the job runs 2 x this many ranks",
+    )
+    ap.add_argument(
+        "--intra-host",
+        choices=("auto", "raw", "coded"),
+        default=None,
+        help="comms.intra_host of the lossy mode (a copy of --config with it set); default: "
+        "the config's",
+    )
     ap.add_argument("--example-args", default="", help="extra flags for the example (quoted)")
     ap.add_argument("--out-dir", default=None, help="per-run metrics and logs (default: temp)")
     ap.add_argument("--json", default=None, help="write the bench summary here")
@@ -112,6 +127,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = modes
     if args.dataset != "synthetic" and not args.data_path:
         ap.error(f"--dataset {args.dataset} needs --data-path")
+    if args.nproc_per_node < 1:
+        ap.error(f"--nproc-per-node {args.nproc_per_node}: use at least 1")
     args.link_gbit = _rate_gbit(args.rate)
     return args
 
@@ -150,12 +167,32 @@ def _example_args(args: argparse.Namespace, mode: str, seed: int, metrics: Path)
     else:
         out += ["--dataset", args.dataset, "--data-path", args.data_path]
     if mode == "lossy":
-        out += ["--config", args.config]
+        out += ["--config", str(args.config)]
     elif mode != "none":
         out += ["--qcomm-backward", qcomm_backward(args, mode)]
     if args.netns:
         out += ["--link-gbit", f"{args.link_gbit:g}"]
     return out + shlex.split(args.example_args)
+
+
+def with_intra_host(config: str, mode: str, out_dir: Path) -> Path:
+    """A copy of the planner config with ``comms.intra_host`` set.
+
+    Args:
+        config: The planner config YAML.
+        mode: ``auto``, ``raw`` or ``coded``.
+        out_dir: Where the copy goes.
+
+    Returns:
+        The copy's path.
+    """
+    import yaml
+
+    data = yaml.safe_load(Path(config).read_text()) or {}
+    data.setdefault("comms", {})["intra_host"] = mode
+    path = out_dir / f"{Path(config).stem}_intra_host_{mode}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
 
 
 def run_one(
@@ -179,10 +216,11 @@ def run_one(
     ex_args = _example_args(args, mode, seed, metrics)
     if args.netns:
         cmd = ["bash", str(NETNS), "--rate", args.rate, "--port", str(args.port)]
+        cmd += ["--nproc-per-node", str(args.nproc_per_node)]
         cmd += ["--log-dir", str(out_dir / f"{name}_nodes"), "--", *ex_args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node=2", str(EXAMPLE), *ex_args]
+        cmd += [f"--nproc_per_node={2 * args.nproc_per_node}", str(EXAMPLE), *ex_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
@@ -290,6 +328,11 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
             "fwd_ratio": _mean([m["comms"]["fwd_ratio"] or math.nan for m in ms]),
             "bwd_ratio": _mean([m["comms"]["bwd_ratio"] or math.nan for m in ms]),
             "codec_share": _mean([m["timing"]["codec_time_share"] for m in ms]),
+            # Lossy mode: wire bytes to same-host and to cross-host peers (all ranks).
+            "link_mib": {
+                key: _mean([m["comms"].get(f"{key}_bytes_per_step", math.nan) for m in ms]) / 2**20
+                for key in LINK_KEYS
+            },
             "sharding": ms[0]["plan"]["summary"],
             "comm": ms[0]["run"]["comm_description"],
         }
@@ -368,6 +411,16 @@ def format_table(summary: dict[str, Any]) -> str:
             f"| {_f(s['fwd_ratio'], '.1f')}x | {_f(s['bwd_ratio'], '.1f')}x "
             f"| {_f(s.get('input_ratio'), '.1f')}x | {_f(100 * s['codec_share'], '.0f')}% |"
         )
+    for mode, s in summary["modes"].items():
+        links = s.get("link_mib", {})
+        if any(math.isfinite(v) for v in links.values()):
+            lines.append(
+                f"{mode} wire MiB/step by link: "
+                + ", ".join(
+                    f"{k.replace('_', ' ', 1).replace('_', '-')} {_f(v, '.3f')}"
+                    for k, v in links.items()
+                )
+            )
     t = summary["targets"]
     if "speedup_vs_none" in t:
         x = t["speedup_vs_none"]
@@ -417,11 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="e2e_bench."))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.intra_host:
+        args.config = str(with_intra_host(args.config, args.intra_host, out_dir))
     link = f"netns {args.rate} link" if args.netns else "localhost"
     print(
         f"e2e bench: {', '.join(args.modes)} on {link}; {args.steps} steps, batch "
-        f"{args.batch_size}/rank, dim {args.embedding_dim}, sharding {args.sharding}; "
-        f"runs in {out_dir}",
+        f"{args.batch_size}/rank, dim {args.embedding_dim}, sharding {args.sharding}, "
+        f"{args.nproc_per_node} rank(s) per host; runs in {out_dir}",
         flush=True,
     )
     plan: list[tuple[str, int]] = []

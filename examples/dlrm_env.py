@@ -144,8 +144,9 @@ def load_plan_config(
 
     The ``comms`` and ``planner`` sections are used as written; ``embedding_tables`` become the
     model's tables, the topology gets this run's world size, ranks per host and device, and
-    ``--link-gbit`` sets its bandwidths. Without ``--config`` every table stays compressed
-    (``drop_unprofitable: false``): the example shows the codec at work on any link.
+    ``--link-gbit`` sets its inter-host bandwidth (on one host: both). Without ``--config``
+    every table stays compressed (``drop_unprofitable: false``): the example shows the codec at
+    work on any link.
 
     Args:
         args: Parsed flags.
@@ -177,8 +178,11 @@ def load_plan_config(
     )
     if args.link_gbit is not None:
         gib_s = args.link_gbit * 1e9 / 8 / (1 << 30)
+        # Across hosts the link is the one between them (ranks of one host talk locally);
+        # on one host every peer is behind it.
+        intra = topo.intra_host_bandwidth_gib_s if env.world_size > env.local_world_size else gib_s
         topo = dataclasses.replace(
-            topo, intra_host_bandwidth_gib_s=gib_s, inter_host_bandwidth_gib_s=gib_s
+            topo, intra_host_bandwidth_gib_s=intra, inter_host_bandwidth_gib_s=gib_s
         )
     planner = dataclasses.replace(
         config.planner, global_batch_size=args.batch_size * env.world_size

@@ -41,6 +41,9 @@ __all__ = [
     "plan_tables",
 ]
 
+# Links whose wire bytes the lossy stats count apart (the self block never leaves the rank).
+LINKS = ("same_host", "cross_host")
+
 
 @dataclass
 class ShardedModel:
@@ -179,6 +182,9 @@ class CommsMeter:
         self.env = env
         self.batch_size = batch_size
         self.totals: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}, "input": {}}
+        # Training wire bytes per (direction, link): "same_host" / "cross_host" peers.
+        self.link_totals: dict[str, int] = {f"{d}_{k}": 0 for d in ("fwd", "bwd") for k in LINKS}
+        self._interval_links: dict[str, int] = {}
         self.eval_bytes = 0
         self._steady_mark = 0.0
 
@@ -199,13 +205,18 @@ class CommsMeter:
 
     def _read(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}, "input": {}}
+        links = dict.fromkeys(self.link_totals, 0)
         for m in lossy_modules(self.sharded.model).values():
             stats = m.lossy_stats
             for direction in ("fwd", "bwd", "input"):
                 for table, entry in stats.tables(direction).items():
                     acc = out[direction].setdefault(table, TableCommStats())
                     acc.merge(entry)
+            for key in links:
+                direction, link = key.split("_", 1)
+                links[key] += stats.link_bytes(direction, link)  # type: ignore[arg-type]
             stats.reset()
+        self._interval_links = links
         return out
 
     def sample(self, phase: str = "train") -> dict[str, dict[str, Any]]:
@@ -226,6 +237,8 @@ class CommsMeter:
         for direction, tables in interval.items():
             for table, entry in tables.items():
                 self.totals[direction].setdefault(table, TableCommStats()).merge(entry)
+        for key, n in self._interval_links.items():
+            self.link_totals[key] += n
         return interval
 
     def bounds(self) -> dict[str, dict[str, Any]]:
@@ -536,6 +549,7 @@ class RunLog:
                     for d, tables in self.meter.totals.items()
                 },
                 "bounds": self.meter.bounds(),
+                "links": dict(self.meter.link_totals),
                 "parse": data.parse_stats(),
                 "losses": list(self.recent_losses),
             },
@@ -608,6 +622,10 @@ class RunLog:
                 "input_raw_bytes_per_step": sums["input"][0] / n,
                 "input_wire_bytes_per_step": sums["input"][1] / n,
             }
+            # Wire bytes by link, all ranks: to peers on the sender's host and on other hosts.
+            for key in self.meter.link_totals:
+                total = sum(r["links"][key] for r in per_rank)
+                comms[f"{key}_bytes_per_step"] = total / n
         else:
             planned = self.meter.planned_bytes()
             comms = {

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A two-node cluster on one machine: two network namespaces joined by a rate-limited veth pair,
-# one torchrun node (one process, gloo) in each, talking only over the veth link.
+# one torchrun node (--nproc-per-node processes, gloo) in each, talking across hosts only over
+# the veth link (the processes of one node reach each other on the namespace's own addresses,
+# which the kernel routes locally, off the rate-limited link).
 #
 #   sudo scripts/netns_cluster.sh [options] [-- example args...]
 #
@@ -15,6 +17,8 @@
 #                   [NETNS_DELAY, default 0: none]
 #   --subnet S      first three octets of the private /24 [NETNS_SUBNET, default 10.231.7]
 #   --port P        rendezvous port [NETNS_PORT, default 29577]
+#   --nproc-per-node N  training processes per node, i.e. ranks per host (torchrun sets
+#                   LOCAL_WORLD_SIZE=N) [NETNS_NPROC, default 1]
 #   --script F      the training script [NETNS_SCRIPT, default examples/dlrm_criteo.py]
 #   --torchrun T    torchrun binary [TORCHRUN, default .venv/bin/torchrun]
 #   --log-dir D     where node 1's output goes [NETNS_LOG_DIR, default a temp folder]
@@ -36,6 +40,7 @@ LATENCY="${NETNS_LATENCY:-50ms}"
 DELAY="${NETNS_DELAY:-0}"
 SUBNET="${NETNS_SUBNET:-10.231.7}"
 PORT="${NETNS_PORT:-29577}"
+NPROC="${NETNS_NPROC:-1}"
 SCRIPT="${NETNS_SCRIPT:-examples/dlrm_criteo.py}"
 TORCHRUN="${TORCHRUN:-$ROOT/.venv/bin/torchrun}"
 LOG_DIR="${NETNS_LOG_DIR:-}"
@@ -54,17 +59,19 @@ while [[ $# -gt 0 ]]; do
     --delay) DELAY="$2"; shift 2 ;;
     --subnet) SUBNET="$2"; shift 2 ;;
     --port) PORT="$2"; shift 2 ;;
+    --nproc-per-node) NPROC="$2"; shift 2 ;;
     --script) SCRIPT="$2"; shift 2 ;;
     --torchrun) TORCHRUN="$2"; shift 2 ;;
     --log-dir) LOG_DIR="$2"; shift 2 ;;
     --measure) MEASURE=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
 done
 
 EXAMPLE_ARGS=("$@")
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-node $NPROC: use a positive integer"
 
 [[ "$(id -u)" -eq 0 ]] || die "needs root (network namespaces and tc)"
 command -v ip >/dev/null || die "'ip' not found: apt-get update && apt-get install -y iproute2"
@@ -145,7 +152,7 @@ ip -n "$NS1" link set "$VETH1" up
 shape "$NS0" "$VETH0"
 shape "$NS1" "$VETH1"
 echo "netns_cluster: $NS0 ($ADDR0) <-> $NS1 ($ADDR1), tbf rate $RATE burst $BURST" \
-  "latency $LATENCY, delay $DELAY; logs in $LOG_DIR" >&2
+  "latency $LATENCY, delay $DELAY, $NPROC process(es) per node; logs in $LOG_DIR" >&2
 
 if [[ "$MEASURE" -eq 1 ]]; then
   # A plain TCP stream for 3 s, ns1 -> ns0, with the venv's Python (no iperf needed).
@@ -182,7 +189,7 @@ run_node() {  # run_node RANK NS DEV: one torchrun node inside its namespace
   local rank="$1" ns="$2" dev="$3"
   # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
   ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    "$TORCHRUN" --nnodes 2 --node-rank "$rank" --nproc-per-node 1 \
+    "$TORCHRUN" --nnodes 2 --node-rank "$rank" --nproc-per-node "$NPROC" \
     --master-addr "$ADDR0" --master-port "$PORT" ${TORCHRUN_ARGS:-} \
     "$SCRIPT" "${EXAMPLE_ARGS[@]}"
 }

@@ -86,6 +86,35 @@ def _check_common(m: dict[str, Any], steps: int) -> None:
     assert m["evals"] and m["evals"][-1]["step"] == steps
 
 
+def test_link_gbit_prices_the_link_between_hosts() -> None:
+    """--link-gbit is the inter-host bandwidth; on one host, every peer's."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+    from dlrm_env import DistEnv, load_plan_config
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    tables = [
+        EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=["f"])
+    ]
+    ebc = SimpleNamespace(embedding_bag_configs=lambda: tables)
+    sparse_arch = SimpleNamespace(embedding_bag_collection=ebc)
+    model = SimpleNamespace(model=SimpleNamespace(sparse_arch=sparse_arch))
+    args = argparse.Namespace(config=None, link_gbit=1.0, batch_size=32)
+    gib_s = 1e9 / 8 / 2**30
+
+    def topology(world: int, local: int) -> Any:
+        env = DistEnv(0, world, 0, local, torch.device("cpu"), "gloo")
+        return load_plan_config(args, env, model)[0].topology  # type: ignore[arg-type]
+
+    two_hosts = topology(4, 2)
+    assert two_hosts.local_world_size == 2 and two_hosts.inter_host_bandwidth_gib_s == gib_s
+    assert two_hosts.intra_host_bandwidth_gib_s is None  # TorchRec's default: ranks talk locally
+    one_host = topology(2, 2)
+    assert one_host.intra_host_bandwidth_gib_s == one_host.inter_host_bandwidth_gib_s == gib_s
+
+
 def test_parse_args_defaults_and_errors() -> None:
     import dlrm_criteo as ex
 
@@ -277,6 +306,26 @@ def test_netns_two_node_training(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_common(_load(out), 6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NETNS_SKIP is not None, reason=str(NETNS_SKIP))
+@pytest.mark.timeout(900)
+def test_netns_two_hosts_of_two_ranks(tmp_path: Path) -> None:
+    """--nproc-per-node 2: 4 ranks, 2 per namespace; on gloo (intra_host auto: coded) both
+    links carry coded bytes, counted apart."""
+    out = tmp_path / "m.json"
+    cmd = ["bash", str(NETNS), "--port", "29597", "--nproc-per-node", "2", "--"]
+    proc = _run([*cmd, *TINY, "--metrics-json", str(out)], 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = _load(out)
+    assert m["run"]["world_size"] == 4 and m["run"]["steps_done"] == 6
+    comms = m["comms"]
+    for d in ("fwd", "bwd"):
+        same, cross = (comms[f"{d}_{link}_bytes_per_step"] for link in ("same_host", "cross_host"))
+        assert same > 0 and cross > 0, comms
+        # Every wire byte goes to one of the two links (the self block never leaves the rank).
+        assert same + cross <= comms[f"{d}_wire_bytes_per_step"] + 1e-6, comms
 
 
 @pytest.mark.slow

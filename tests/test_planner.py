@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,26 +113,147 @@ def test_exact_tw_costs_with_compression() -> None:
     assert fused(ours, "t0", DP).shards[0].perf == fused(torchrec, "t0", DP).shards[0].perf
 
 
-def test_exact_costs_across_hosts_and_lossy_backward() -> None:
-    config = LossyPlanConfig(
-        comms=LossyCommsConfig(backward="lossy"),
+def two_hosts(intra_host: str = "auto", device: str = "cuda") -> LossyPlanConfig:
+    """2 hosts x 2 ranks, one 32-column table; forward ratio 20, backward 4, codec 200/50."""
+    return LossyPlanConfig(
+        comms=LossyCommsConfig(backward="lossy", intra_host=intra_host),  # type: ignore[arg-type]
         planner=PlannerConfig(
             expected_ratio=20.0, backward_ratio=4.0, encode_gib_s=200.0, decode_gib_s=50.0
         ),
-        topology=TopologyConfig(world_size=4, local_world_size=2),
+        topology=TopologyConfig(world_size=4, local_world_size=2, compute_device=device),
         embedding_tables=tables(5000, dim=32),
     )
+
+
+def codec_ms(raw: float) -> float:
+    """The 200/50 GiB/s codec's encode + decode time of ``raw`` bytes."""
+    return raw / (200 * GIB / 1000) + raw / (50 * GIB / 1000)
+
+
+def test_exact_per_destination_costs_on_two_hosts() -> None:
+    """A TW shard's 4 blocks (512 rows x 32 fp32 columns each): the own block and the one
+    same-host peer's at the intra-host bandwidth, the 2 cross-host ones at the inter-host
+    bandwidth; intra_host=auto on CUDA (NCCL) sends the same-host block raw, without codec."""
+    config = two_hosts()
     topology = build_topology(config.topology)
     model = LossyCommsModel(config, CROSS_NODE_BANDWIDTH)
-    ours = estimate(LossyPerfEstimator(topology, model), config)
-    perf = fused(ours, "t0", TW).shards[0].perf
-    raw_bytes = 512 * 4 * 32 * 4
-    codec_ms = raw_bytes / (200 * GIB / 1000) + raw_bytes / (50 * GIB / 1000)
-    raw_ms = raw_bytes / CROSS_NODE_BANDWIDTH
-    assert perf.fwd_comms == pytest.approx(raw_ms / 20 + codec_ms, rel=1e-12)
-    assert perf.bwd_comms == pytest.approx(raw_ms / 4 + codec_ms, rel=1e-12)
+    assert model.same_host_raw
+    shard = fused(estimate(LossyPerfEstimator(topology, model), config), "t0", TW).shards[0]
+    block = 512 * 32 * 4
+    perf = shard.perf
+    # Forward: own + same-host block raw, 2 cross-host blocks at 20x, codec on those 2 only.
+    assert perf.fwd_comms == pytest.approx(
+        2 * block / INTRA_NODE_BANDWIDTH
+        + 2 * block / 20 / CROSS_NODE_BANDWIDTH
+        + codec_ms(2 * block),
+        rel=1e-12,
+    )
+    # Backward (lossy at 4x): the same split.
+    assert perf.bwd_comms == pytest.approx(
+        2 * block / INTRA_NODE_BANDWIDTH
+        + 2 * block / 4 / CROSS_NODE_BANDWIDTH
+        + codec_ms(2 * block),
+        rel=1e-12,
+    )
     # The break-even of the planner's drop test: 1/R + bw/enc + bw/dec.
     assert model.break_even(20.0) == pytest.approx(0.05 + 12.5 / 200 + 12.5 / 50, rel=1e-12)
+
+
+def per_class_costs(intra_host: str, device: str = "cuda") -> tuple[Any, Any]:
+    """(ShardCost, perf) of the two-host TW shard of t0 under ``intra_host``."""
+    config = two_hosts(intra_host, device)
+    estimator = LossyPerfEstimator(
+        build_topology(config.topology), LossyCommsModel(config, CROSS_NODE_BANDWIDTH)
+    )
+    option = fused(estimate(estimator, config), "t0", TW)
+    from torchrec_lossy.planner.estimator import option_key
+
+    return estimator.shard_costs[option_key(option)][0], option.shards[0].perf
+
+
+def test_intra_host_coded_or_raw_moves_the_price_the_right_way() -> None:
+    block = 512 * 32 * 4
+    raw, raw_perf = per_class_costs("raw")
+    coded, coded_perf = per_class_costs("coded")
+    # Cross-host blocks are coded either way: same bytes, same time.
+    assert raw.fwd_links.cross_host_bytes == coded.fwd_links.cross_host_bytes == 2 * block / 20
+    assert raw.bwd_links.cross_host_bytes == coded.bwd_links.cross_host_bytes == 2 * block / 4
+    # Same host: raw sends the peer's block as it is, coded at the ratio; the own block is
+    # never coded.
+    assert raw.fwd_links.same_host_bytes == 2 * block
+    assert coded.fwd_links.same_host_bytes == pytest.approx(block + block / 20, rel=1e-12)
+    assert coded.bwd_links.same_host_bytes == pytest.approx(block + block / 4, rel=1e-12)
+    # Codec time: 2 coded blocks per direction (raw) vs 3 (coded).
+    assert raw.codec_ms == pytest.approx(2 * codec_ms(2 * block), rel=1e-12)
+    assert coded.codec_ms == pytest.approx(2 * codec_ms(3 * block), rel=1e-12)
+    assert coded_perf.fwd_comms == pytest.approx(
+        (block + block / 20) / INTRA_NODE_BANDWIDTH
+        + 2 * block / 20 / CROSS_NODE_BANDWIDTH
+        + codec_ms(3 * block),
+        rel=1e-12,
+    )
+    # Behind a 600 GiB/s intra-host link the codec costs more than it saves: raw is cheaper.
+    assert raw_perf.fwd_comms < coded_perf.fwd_comms
+    assert raw_perf.bwd_comms < coded_perf.bwd_comms
+    # auto resolves by the compute device's backend: raw on CUDA (NCCL), coded on CPU (gloo).
+    assert per_class_costs("auto")[0] == raw
+    auto_cpu = per_class_costs("auto", "cpu")[0]
+    assert auto_cpu.fwd_links.same_host_bytes == coded.fwd_links.same_host_bytes
+
+
+def test_one_host_with_intra_host_raw_prices_no_codec_time() -> None:
+    one_host = dataclasses.replace(small_config(), topology=TopologyConfig(world_size=2))
+    tw_only = {n: ParameterConstraints(sharding_types=[TW]) for n in ("big", "mid")}
+    planner = plan_small(one_host, constraints=tw_only)
+    assert planner.step_cost().codec_ms == 0.0
+    big = next(t for t in planner.planned_tables if t.name == "big")
+    assert big.collective == "a2a" and big.codec_ms == 0.0
+    assert big.fwd_wire_bytes == big.fwd_raw_bytes == big.fwd_same_host_bytes
+    assert big.fwd_cross_host_bytes == 0.0
+    assert "no block is coded, no codec time" in planner.explain().splitlines()[1]
+    # Forced coded, the same plan pays the codec on every peer but the own block (1 of 2).
+    coded = dataclasses.replace(
+        one_host, comms=dataclasses.replace(one_host.comms, intra_host="coded")
+    )
+    big = next(t for t in plan_small(coded, constraints=tw_only).planned_tables if t.name == "big")
+    half = big.fwd_raw_bytes / 2
+    assert big.fwd_wire_bytes == pytest.approx(half + half / 10, rel=1e-12)
+    assert big.codec_ms > 0
+
+
+def test_twrw_cross_host_hop_is_credited() -> None:
+    """TWRW: TorchRec's intra-host reduce-scatter stays, its cross-host all-to-all (one block
+    per host: batch x 2 hosts x cols) is priced per destination in the lossy formats."""
+    config = two_hosts()
+    topology = build_topology(config.topology)
+    torchrec = estimate(EmbeddingPerfEstimator(topology), config)
+    model = LossyCommsModel(config, CROSS_NODE_BANDWIDTH)
+    ours = estimate(LossyPerfEstimator(topology, model), config)
+    twrw = ShardingType.TABLE_ROW_WISE.value
+    hop = 512 * 2 * 32 * 4  # per shard: the whole table's columns
+    for base, shard in zip(
+        fused(torchrec, "t0", twrw).shards, fused(ours, "t0", twrw).shards, strict=True
+    ):
+        rs_fwd = base.perf.fwd_comms - hop / CROSS_NODE_BANDWIDTH
+        rs_bwd = base.perf.bwd_comms - hop / CROSS_NODE_BANDWIDTH
+        assert rs_fwd > 0 and rs_bwd > 0
+        # Own host's block raw at the intra-host bandwidth, the other host's coded.
+        own, other = hop / 2, hop / 2
+        assert shard.perf.fwd_comms == pytest.approx(
+            rs_fwd
+            + own / INTRA_NODE_BANDWIDTH
+            + other / 20 / CROSS_NODE_BANDWIDTH
+            + codec_ms(other),
+            rel=1e-12,
+        )
+        assert shard.perf.bwd_comms == pytest.approx(
+            rs_bwd
+            + own / INTRA_NODE_BANDWIDTH
+            + other / 4 / CROSS_NODE_BANDWIDTH
+            + codec_ms(other),
+            rel=1e-12,
+        )
+        assert shard.perf.fwd_comms < base.perf.fwd_comms
 
 
 def test_backward_priced_per_table_like_the_forward() -> None:
@@ -154,9 +276,11 @@ def test_backward_priced_per_table_like_the_forward() -> None:
 
 @pytest.mark.parametrize("sharding", [TW, RW])
 def test_fp16_model_equals_torchrec_qcomm_pricing(sharding: str) -> None:
-    """Ratio 2 without codec time is exactly TorchRec's pricing of an FP16 qcomm registry."""
+    """Ratio 2 without codec time is exactly TorchRec's pricing of an FP16 qcomm registry: on
+    one host for the all-to-all (across hosts ours prices each link at its own bandwidth), on
+    two hosts for TorchRec's row-wise reduce-scatter."""
     config = LossyPlanConfig(
-        topology=TopologyConfig(world_size=4, local_world_size=2),
+        topology=TopologyConfig(world_size=4, local_world_size=4 if sharding == TW else 2),
         embedding_tables=tables(100_000, dim=128),
     )
     topology = build_topology(config.topology)
@@ -236,7 +360,12 @@ def test_row_wise_is_offered_and_priced_with_the_codec() -> None:
     assert planner._lossy_enumerator.excluded == {}  # nothing steered off RW/TWRW any more
     plan = {t.name: t for t in planner.planned_tables}
     assert plan["big"].fwd_format == "lossy"
-    assert plan["big"].fwd_wire_bytes == pytest.approx(plan["big"].fwd_raw_bytes / 10)
+    # The chosen TWRW's cross-host hop: half its blocks (the other host's) coded at 10x.
+    big = plan["big"]
+    assert big.sharding_type == ShardingType.TABLE_ROW_WISE.value
+    hop = big.fwd_raw_bytes / 3  # the reduce-scatter's B plus the hop's B x 2 hosts / 4 ranks
+    assert big.fwd_cross_host_bytes == pytest.approx(hop / 2 / 10, rel=1e-12)
+    assert big.fwd_wire_bytes == pytest.approx(2 * hop + hop / 2 + hop / 20, rel=1e-12)
     # Replicating a 4-row table beats any all-to-all.
     assert plan["tiny"].sharding_type == DP
     assert plan["tiny"].ranks == (0, 1, 2, 3)
@@ -251,7 +380,9 @@ def test_row_wise_is_offered_and_priced_with_the_codec() -> None:
     assert rw.sharding_type == RW and rw.fwd_format == "lossy"
     # Each of the 4 row shards sends partial sums of the whole global batch (2048 x 4 ranks).
     assert rw.fwd_raw_bytes == 4 * (2048 * 4 * 64 * 4)
-    assert rw.fwd_wire_bytes == pytest.approx(rw.fwd_raw_bytes / 10)
+    # Per shard: own and same-host blocks raw (CUDA: intra_host auto is raw), 2 of 4 coded.
+    assert rw.fwd_cross_host_bytes == pytest.approx(rw.fwd_raw_bytes / 2 / 10, rel=1e-12)
+    assert rw.fwd_wire_bytes == pytest.approx(rw.fwd_raw_bytes * (0.5 + 0.05), rel=1e-12)
 
 
 def test_embedding_collection_tables_are_priced_with_the_codec() -> None:
@@ -287,7 +418,8 @@ def test_embedding_collection_tables_are_priced_with_the_codec() -> None:
     assert big.sharding_type == RW and big.fwd_format == "lossy"
     # 50 ids per sample, 2,048 samples per rank (8,192 / 4 ranks), 64 fp32 columns, per shard.
     assert big.fwd_raw_bytes == len(big.ranks) * 50 * 8192 * 64 * 4
-    assert big.fwd_wire_bytes == pytest.approx(big.fwd_raw_bytes / 10)
+    # Blocks for the other host coded at 10x, the own and same-host ones raw.
+    assert big.fwd_wire_bytes == pytest.approx(big.fwd_raw_bytes * (0.5 + 0.05), rel=1e-12)
     assert plan["raw_big"].fwd_format == "raw"
 
 
@@ -296,8 +428,8 @@ def test_explained_plan_and_step_cost() -> None:
     text = planner.explain()
     lines = text.splitlines()
     assert lines[0].startswith("torchrec-lossy: forward lossy")
-    assert lines[1].startswith("the codec pays on this all-to-all for ratios above")
-    assert lines[2].split()[:4] == ["table", "rows", "dim", "sharding"]
+    assert lines[1].startswith("the codec pays on the cross-host link for ratios above")
+    assert lines[2].split()[:5] == ["table", "rows", "dim", "sharding", "collective"]
     assert [line.split()[0] for line in lines[3:]] == ["big", "mid", "tiny", "raw_big", "total"]
     cost = planner.step_cost()
     plan = planner.planned_tables
@@ -318,8 +450,14 @@ def test_data_parallel_can_be_switched_off() -> None:
 
 
 def test_unprofitable_codec_is_flagged_or_dropped() -> None:
-    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself.
-    one_host = dataclasses.replace(small_config(), topology=TopologyConfig(world_size=2))
+    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded:
+    # with intra_host auto on CUDA no block would be coded at all).
+    base = small_config()
+    one_host = dataclasses.replace(
+        base,
+        comms=dataclasses.replace(base.comms, intra_host="coded"),
+        topology=TopologyConfig(world_size=2),
+    )
     planner = plan_small(one_host)
     big = next(t for t in planner.planned_tables if t.name == "big")
     # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
@@ -369,7 +507,10 @@ def test_calibration_measures_the_codec_and_feeds_the_plan() -> None:
     planner.calibrate(blocks)
     planner.plan(module, [EmbeddingBagCollectionSharder()])
     big = next(t for t in planner.planned_tables if t.name == "big")
-    assert big.fwd_raw_bytes / big.fwd_wire_bytes == pytest.approx(results["big"].ratio)
+    assert f"ratio {results['big'].ratio:.1f}x (calibrated)" in big.reason
+    # Its cross-host blocks travel at the calibrated ratio.
+    cross_raw = {"a2a": big.fwd_raw_bytes / 2, "rs+a2a": big.fwd_raw_bytes / 6}[big.collective]
+    assert cross_raw / big.fwd_cross_host_bytes == pytest.approx(results["big"].ratio)
     assert "(calibrated)" in big.reason
 
 

@@ -389,6 +389,18 @@ class LossyCommsConfig:
             "an integer >= 0 (0: never)",
         )
 
+    def same_host_raw(self, backend: str) -> bool:
+        """Whether blocks for same-host peers skip the codec on a group of ``backend``.
+
+        Args:
+            backend: The process group's backend (``"nccl"``, ``"gloo"``, ...).
+
+        Returns:
+            True for ``intra_host="raw"``, and for ``"auto"`` on NCCL (NVLink outruns the codec).
+        """
+        mode = self.intra_host
+        return mode == "raw" or (mode == "auto" and backend == "nccl")
+
     def table(self, name: str) -> TableCodecConfig:
         """The effective settings of one table (its first matching override, else defaults).
 

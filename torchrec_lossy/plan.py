@@ -168,8 +168,11 @@ def preview(
         "fwd comms",
         "bwd comms",
         "codec",
+        "same-host a2a",
+        "cross-host a2a",
         "comms total",
         "fwd wire MiB",
+        "fwd cross-host MiB",
         "planner step",
     )
     lines = [header]
@@ -182,8 +185,11 @@ def preview(
                 f"{c.fwd_comms_ms:.3f}",
                 f"{c.bwd_comms_ms:.3f}",
                 f"{c.codec_ms:.3f}",
+                f"{c.same_host_ms:.3f}",
+                f"{c.cross_host_ms:.3f}",
                 f"{c.comms_ms:.3f}",
                 f"{c.fwd_wire_bytes / 2**20:.1f}",
+                f"{c.fwd_cross_host_bytes / 2**20:.1f}",
                 f"{c.planner_ms:.3f}",
             )
         )
@@ -193,6 +199,9 @@ def preview(
     print(
         "\nfwd comms: pooled all-to-all (TorchRec: reduce-scatter for RW; TWRW/grid: both); "
         "bwd comms: gradient all-to-all, all-gather and DP all-reduce; codec: encode + decode; "
+        "same-/cross-host a2a: the all-to-alls' time on each link (fwd + bwd; part of fwd/bwd "
+        "comms: a rank's own block and its same-host peers' at the intra-host bandwidth, other "
+        "hosts' at the inter-host bandwidth, every scenario alike); "
         "planner step: TorchRec's perf rating incl. embedding compute. Formats:",
         file=out,
     )

@@ -84,5 +84,4 @@ def intra_host_raw(config: LossyCommsConfig, backend: str) -> bool:
     Returns:
         True for ``intra_host="raw"``, and for ``"auto"`` on NCCL (NVLink outruns the codec).
     """
-    mode = config.intra_host
-    return mode == "raw" or (mode == "auto" and backend == "nccl")
+    return config.same_host_raw(backend)

@@ -2,12 +2,15 @@
 
 A :class:`WireFormat` is one encoding of one direction of traffic: a ratio (raw bytes / wire
 bytes) and the encode/decode throughputs that the codec time follows from. A :class:`TableComms`
-gives a table its formats for the all-to-all (TW, CW, TWCW; and RW where the row-wise partial
-sums travel by all-to-all, as this project sends them) and for TorchRec's reduce-scatter path
-(RW, and TWRW/grid, whose cross-host hop this project codes but which are priced as TorchRec's:
-the estimate has no split between the hops). A :class:`CommsModel` maps table names to their
-:class:`TableComms`: :class:`FixedCommsModel` for uncompressed traffic and TorchRec's qcomm
-codecs, :class:`LossyCommsModel` for this project's codec.
+gives a table its formats for the all-to-all (TW, CW, TWCW; RW where the row-wise partial sums
+travel by all-to-all, as this project sends them; and the cross-host hop of TWRW/grid), per
+destination class (cross-host peers, same-host peers, the rank's own block), and for TorchRec's
+reduce-scatter (RW; the intra-host hop of TWRW/grid). :class:`Links` prices an all-to-all per
+destination class: blocks for peers on other hosts at the inter-host bandwidth, blocks for
+same-host peers and the rank's own block at the intra-host bandwidth, each class in its format.
+A :class:`CommsModel` maps table names to their :class:`TableComms`: :class:`FixedCommsModel`
+for uncompressed traffic and TorchRec's qcomm codecs, :class:`LossyCommsModel` for this
+project's codec.
 
 Units follow TorchRec's planner: bandwidths in bytes/ms, times in ms; throughputs in the configs
 are GiB/s (2**30 bytes/s), as TorchRec's bandwidth constants are.
@@ -15,6 +18,7 @@ are GiB/s (2**30 bytes/s), as TorchRec's bandwidth constants are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ __all__ = [
     "QCOMM_THROUGHPUT_GIB_S",
     "CommsModel",
     "FixedCommsModel",
+    "LinkCost",
+    "Links",
     "LossyCommsModel",
     "TableComms",
     "WireFormat",
@@ -60,6 +66,10 @@ QCOMM_THROUGHPUT_GIB_S: dict[tuple[str, str], tuple[float, float]] = {
     ("cpu", "bf16"): (0.55e9 / _GIB, 1.7e9 / _GIB),
     ("cpu", "mx4"): (0.05e9 / _GIB, 0.37e9 / _GIB),
 }
+
+
+# The process group backend each compute device's all-to-all runs on (``intra_host: auto``).
+BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
 
 
 def gib_s_to_bytes_per_ms(gib_s: float) -> float:
@@ -120,16 +130,23 @@ RAW = WireFormat()
 
 @dataclass(frozen=True)
 class TableComms:
-    """How one table's pooled-embedding traffic travels, per collective.
+    """How one table's pooled-embedding traffic travels, per collective and destination class.
 
     Attributes:
-        fwd: Format of the forward all-to-all (TW, CW, TWCW; RW if ``row_wise_all_to_all``).
-        bwd: Format of the gradient all-to-all.
-        fwd_rs: Format of the forward reduce-scatter path (TorchRec's RW; TWRW, grid).
+        fwd: Format of the forward all-to-all (TW, CW, TWCW; RW if ``row_wise_all_to_all``; the
+            cross-host hop of TWRW/grid) for cross-host peers, and for every peer unless
+            ``fwd_same_host`` is set.
+        bwd: Format of the gradient all-to-all, likewise.
+        fwd_rs: Format of the forward reduce-scatter (TorchRec's RW; the intra-host hop of
+            TWRW/grid).
         bwd_rs: Format of its gradient all-gather.
         note: Why the table travels this way (shown in the printed plan).
         row_wise_all_to_all: RW partial sums travel by the (coded) all-to-all and a local sum,
             priced with ``fwd``/``bwd``: the same bytes as TorchRec's reduce-scatter, coded.
+        fwd_same_host: Forward format for same-host peers; None: ``fwd``.
+        bwd_same_host: Gradient format for same-host peers; None: ``bwd``.
+        own_block_coded: Whether the rank's own block goes through the codec (TorchRec's qcomm
+            quantizes the whole tensor; this project's self block skips the codec).
     """
 
     fwd: WireFormat = RAW
@@ -138,6 +155,105 @@ class TableComms:
     bwd_rs: WireFormat = RAW
     note: str = ""
     row_wise_all_to_all: bool = False
+    fwd_same_host: WireFormat | None = None
+    bwd_same_host: WireFormat | None = None
+    own_block_coded: bool = True
+
+    def a2a_formats(self, backward: bool) -> tuple[WireFormat, WireFormat, WireFormat]:
+        """The all-to-all formats of one direction per destination class.
+
+        Args:
+            backward: The gradient all-to-all instead of the forward one.
+
+        Returns:
+            ``(cross_host, same_host, own_block)`` formats.
+        """
+        cross = self.bwd if backward else self.fwd
+        same = (self.bwd_same_host if backward else self.fwd_same_host) or cross
+        return cross, same, cross if self.own_block_coded else RAW
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One shard's all-to-all (one direction) priced per destination class.
+
+    Attributes:
+        same_host_bytes: Wire bytes for same-host peers and the rank's own block.
+        cross_host_bytes: Wire bytes for peers on other hosts.
+        same_host_ms: Their transfer time at the intra-host bandwidth.
+        cross_host_ms: Their transfer time at the inter-host bandwidth.
+        codec_ms: Encode + decode time of the coded classes.
+    """
+
+    same_host_bytes: float = 0.0
+    cross_host_bytes: float = 0.0
+    same_host_ms: float = 0.0
+    cross_host_ms: float = 0.0
+    codec_ms: float = 0.0
+
+    @property
+    def comms_ms(self) -> float:
+        """Transfer time of both classes (the links are priced one after the other)."""
+        return self.same_host_ms + self.cross_host_ms
+
+    def __add__(self, other: LinkCost) -> LinkCost:
+        return LinkCost(
+            *(
+                a + b
+                for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Links:
+    """The topology's two bandwidths, for pricing an all-to-all per destination class.
+
+    Attributes:
+        intra_bw: Intra-host bandwidth, bytes/ms.
+        inter_bw: Inter-host bandwidth per rank, bytes/ms.
+    """
+
+    intra_bw: float
+    inter_bw: float
+
+    def all_to_all(
+        self,
+        raw_bytes: float,
+        destinations: int,
+        same_host_peers: int,
+        formats: tuple[WireFormat, WireFormat, WireFormat],
+    ) -> LinkCost:
+        """Prices ``raw_bytes`` split evenly over ``destinations`` blocks.
+
+        One block is the rank's own, ``same_host_peers`` go to peers on its host (intra-host
+        bandwidth, as the own block), the rest to other hosts (inter-host bandwidth). Each
+        class travels in its format: its bytes divided by the ratio, plus its codec time.
+
+        Args:
+            raw_bytes: The shard's output bytes of one direction, before encoding.
+            destinations: Blocks (the collective's world size, the own block included).
+            same_host_peers: Destinations on the rank's host, itself excluded.
+            formats: ``(cross_host, same_host, own_block)`` formats.
+
+        Returns:
+            The per-class cost.
+        """
+        cross_fmt, same_fmt, own_fmt = formats
+        block = raw_bytes / destinations
+        same_raw = block * same_host_peers
+        cross_raw = block * (destinations - 1 - same_host_peers)
+        local_wire = block / own_fmt.ratio + same_raw / same_fmt.ratio
+        cross_wire = cross_raw / cross_fmt.ratio
+        return LinkCost(
+            same_host_bytes=local_wire,
+            cross_host_bytes=cross_wire,
+            same_host_ms=local_wire / self.intra_bw,
+            cross_host_ms=cross_wire / self.inter_bw,
+            codec_ms=own_fmt.codec_ms(block)
+            + same_fmt.codec_ms(same_raw)
+            + cross_fmt.codec_ms(cross_raw),
+        )
 
 
 @runtime_checkable
@@ -189,7 +305,7 @@ class FixedCommsModel:
 
 
 def raw_model() -> FixedCommsModel:
-    """Uncompressed traffic: TorchRec's own cost model, unchanged.
+    """Uncompressed traffic: TorchRec's bytes, each all-to-all priced per link like the others.
 
     Returns:
         The model.
@@ -234,9 +350,11 @@ class LossyCommsModel:
 
     A compressed table's forward travels in the lossy format at its expected ratio (calibrated,
     else ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial
-    sums by the coded all-to-all); TWRW and grid are priced as TorchRec's raw two-hop path (their
-    coded cross-host hop is not credited: a conservative price). With
-    ``planner.drop_unprofitable`` a table whose codec costs more than it
+    sums by the coded all-to-all), and on the cross-host hop of TWRW and grid (their intra-host
+    reduce-scatter stays raw). Per destination, as the sharder sends it: peers on other hosts
+    coded; same-host peers raw (no codec time) when ``comms.intra_host`` resolves to raw
+    (``raw``, or ``auto`` on a CUDA compute device, i.e. NCCL), coded otherwise; the rank's own
+    block never coded. With ``planner.drop_unprofitable`` a table whose codec costs more than it
     saves on the topology's all-to-all bandwidth ``bw`` (``1/R + bw/enc + bw/dec >= 1``) travels
     raw instead.
 
@@ -281,25 +399,36 @@ class LossyCommsModel:
             self._bwd = WireFormat(bwd_kind, 2.0, enc_q, dec_q)
         else:
             self._bwd = RAW
+        self.same_host_raw = comms.same_host_raw(BACKENDS[device])
+        same_host = "same-host peers raw" if self.same_host_raw else "every peer coded"
         self.description = (
             f"torchrec-lossy: forward lossy ({comms.default_bound.mode} "
-            f"{comms.default_bound.value:g} default), backward {bwd_kind}; codec "
+            f"{comms.default_bound.value:g} default), backward {bwd_kind}; {same_host} "
+            f"(comms.intra_host={comms.intra_host}); codec "
             f"{self.encode_gib_s:.3g}/{self.decode_gib_s:.3g} GiB/s encode/decode"
         )
         self.pays_note = self._pays_note()
 
     def _pays_note(self) -> str:
         """Where the codec pays on this topology, said once for the whole plan."""
+        topo = self.config.topology
+        one_host = topo.local_world_size in (None, topo.world_size)
+        if one_host and self.same_host_raw:
+            return (
+                "every peer shares the rank's host and travels raw (comms.intra_host resolves "
+                "to raw): no block is coded, no codec time"
+            )
         codec_share = self.break_even(math.inf)  # bw/enc + bw/dec
         drop = self.config.planner.drop_unprofitable
         fate = "those tables are sent raw" if drop else "planner.drop_unprofitable is off"
+        link = "this all-to-all" if one_host else "the cross-host link"
         if codec_share >= 1.0:
             return (
-                f"the codec does not pay on this all-to-all: its time alone is {codec_share:.2f} "
+                f"the codec does not pay on {link}: its time alone is {codec_share:.2f} "
                 f"of the raw transfer's at any ratio; {fate}"
             )
         return (
-            f"the codec pays on this all-to-all for ratios above {1 / (1 - codec_share):.2f}x "
+            f"the codec pays on {link} for ratios above {1 / (1 - codec_share):.2f}x "
             f"(1/R + bw/enc + bw/dec < 1)" + ("" if drop else f"; {fate} for the others")
         )
 
@@ -358,14 +487,25 @@ class LossyCommsModel:
         """
         bwd = self.backward_format(table)
         if not self.config.comms.table(table).compress:
-            return TableComms(RAW, bwd, note="compress: false in the config")
+            return self._per_destination(TableComms(RAW, bwd, note="compress: false in the config"))
         r = self.ratio(table)
         cost = self.break_even(r)
         source = "calibrated" if table in self.ratios else "configured"
         # Whether the codec pays is said once (pays_note); each table gives its own numbers.
         if cost >= 1.0 and self.config.planner.drop_unprofitable:
             note = f"sent raw: ratio {r:.1f}x ({source}) would take {cost:.2f} of raw time"
-            return TableComms(RAW, bwd, note=note, row_wise_all_to_all=True)
+            return self._per_destination(TableComms(RAW, bwd, note=note, row_wise_all_to_all=True))
         note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
         fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
-        return TableComms(fwd, bwd, note=note, row_wise_all_to_all=True)
+        return self._per_destination(TableComms(fwd, bwd, note=note, row_wise_all_to_all=True))
+
+    def _per_destination(self, comms: TableComms) -> TableComms:
+        """Same-host peers raw where ``comms.intra_host`` resolves to raw (the codec's formats
+        only: the fp16/bf16 gradient casts stay casts, as in the sharder); the own block is
+        never coded."""
+        if not self.same_host_raw:
+            return dataclasses.replace(comms, own_block_coded=False)
+        bwd_same = RAW if comms.bwd.name == "lossy" else None
+        return dataclasses.replace(
+            comms, fwd_same_host=RAW, bwd_same_host=bwd_same, own_block_coded=False
+        )

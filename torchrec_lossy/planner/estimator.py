@@ -1,15 +1,21 @@
 """A compression-aware shard perf estimator on top of TorchRec's ``EmbeddingPerfEstimator``.
 
 TorchRec prices each shard's forward and backward communication for fp32 traffic (for TW:
-``batch_outputs * world_size * emb_dim * 4 / bw``). This estimator lets TorchRec do that, then
-divides each pooled shard's forward and backward communication by its table's wire-format ratio
-and adds the format's encode + decode time of the shard's raw output bytes::
+``B / bw``, ``B = batch_outputs * world_size * emb_dim * 4``, every byte at the intra-host
+bandwidth on one host and at the inter-host bandwidth once the world spans hosts). This estimator
+lets TorchRec do that, then re-prices each pooled shard in its table's wire formats:
 
-    fwd_comms' = fwd_comms / R_fwd + B / enc + B / dec        B = batch_outputs * W * cols * 4
-    bwd_comms' = bwd_comms / R_bwd + B / enc_b + B / dec_b
+* an all-to-all (TW, CW, TWCW; RW where its partial sums travel by all-to-all) per destination
+  class: ``B / W`` per rank, the own block and the ``L - 1`` same-host peers' blocks at the
+  intra-host bandwidth, the ``W - L`` cross-host ones at the inter-host bandwidth, each class's
+  bytes over its format's ratio plus its codec time (``b / enc + b / dec`` of its raw bytes);
+* TorchRec's reduce-scatter (RW): ``comms / R + B / enc + B / dec``;
+* TWRW / grid: TorchRec's intra-host reduce-scatter so, and the cross-host all-to-all (one block
+  per host) as an all-to-all above, in place of TorchRec's raw price of that hop.
 
-Data-parallel shards have no embedding all-to-all and are left alone. With a ratio of 2 and no
-codec time this is exactly TorchRec's own pricing of an FP16 qcomm codec.
+Data-parallel shards have no embedding all-to-all and are left alone. On one host, a ratio of 2
+without codec time is exactly TorchRec's own pricing of an FP16 qcomm codec; across hosts every
+scenario (raw, qcomm, lossy) is priced per link alike.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 
-from torchrec_lossy.planner.cost import CommsModel, WireFormat
+from torchrec_lossy.planner.cost import CommsModel, LinkCost, Links, TableComms
 
 __all__ = [
     "A2A_SHARDING_TYPES",
+    "COLLECTIVES",
     "LossyPerfEstimator",
     "ShardCost",
     "option_key",
@@ -46,6 +53,19 @@ A2A_SHARDING_TYPES: frozenset[str] = frozenset(
     }
 )
 OptionKey = tuple[str, str, str, tuple[tuple[int, ...], ...]]
+
+# What carries a sharding option's pooled outputs (the plan shows it per table).
+DP_ALL_REDUCE = "all-reduce"
+ALL_TO_ALL = "a2a"
+REDUCE_SCATTER = "rs"
+TWO_HOP = "rs+a2a"
+NO_LINKS = LinkCost()
+COLLECTIVES: dict[str, str] = {
+    DP_ALL_REDUCE: "replicated: no output dist, the gradient all-reduce",
+    ALL_TO_ALL: "one all-to-all over every rank",
+    REDUCE_SCATTER: "TorchRec's reduce-scatter (and all-gather backward)",
+    TWO_HOP: "reduce-scatter inside the host, then an all-to-all across hosts",
+}
 
 
 def option_key(option: ShardingOption) -> OptionKey:
@@ -75,8 +95,13 @@ class ShardCost:
         fwd_comms_ms: Forward communication time without codec time.
         bwd_comms_ms: Backward communication time without codec time (DP: the all-reduce).
         codec_ms: Encode + decode time, forward and backward.
-        fwd_format: Forward wire format name (``"replicated"`` for DP).
+        fwd_format: Forward wire format name (``"replicated"`` for DP; the cross-host hop's
+            for TWRW/grid).
         bwd_format: Backward wire format name.
+        collective: What carries the outputs (:data:`COLLECTIVES`).
+        fwd_links: The forward all-to-all (TWRW/grid: its cross-host hop) per destination class.
+        bwd_links: The gradient all-to-all per destination class.
+        fwd_codec_ms: The forward's share of ``codec_ms``.
     """
 
     fwd_raw_bytes: float
@@ -86,6 +111,10 @@ class ShardCost:
     codec_ms: float
     fwd_format: str
     bwd_format: str
+    collective: str = "all-reduce"
+    fwd_links: LinkCost = NO_LINKS
+    bwd_links: LinkCost = NO_LINKS
+    fwd_codec_ms: float = 0.0
 
 
 class LossyPerfEstimator(EmbeddingPerfEstimator):
@@ -181,51 +210,119 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
 
     def _apply(self, option: ShardingOption) -> list[ShardCost]:
         """Rewrites the option's shard perfs for its table's formats; returns the breakdown."""
-        dp = option.sharding_type == ShardingType.DATA_PARALLEL.value
-        formats: tuple[WireFormat | None, WireFormat | None]
-        if dp:
-            formats = (None, None)
-        else:
-            comms = self.comms_model.for_table(option.name)
-            # Sequence tables travel by all-to-all for every type TorchRec offers them (RW too).
-            rw_a2a = option.sharding_type == ShardingType.ROW_WISE.value and (
-                comms.row_wise_all_to_all or not option.is_pooled
-            )
-            if option.sharding_type in A2A_SHARDING_TYPES or rw_a2a:
-                formats = (comms.fwd, comms.bwd)
-            else:
-                formats = (comms.fwd_rs, comms.bwd_rs)
+        collective = self.collective(option)
+        comms = None if collective == DP_ALL_REDUCE else self.comms_model.for_table(option.name)
         elem = (
             DATA_TYPE_NUM_BITS[option.output_dtype] / 8
             if option.output_dtype
             else option.tensor.element_size()
         )
-        outputs = 0.0 if dp else self.batch_outputs(option) * self._topology.world_size
+        outputs = 0.0 if comms is None else self.batch_outputs(option) * self._topology.world_size
         costs = []
         for shard in option.shards:
             perf = shard.perf
             if perf is None:
                 continue
-            raw_bytes = outputs * shard.size[1] * elem
-            fwd, bwd = formats
-            fwd_ratio = fwd.ratio if fwd is not None else 1.0
-            bwd_ratio = bwd.ratio if bwd is not None else 1.0
-            fwd_ms = perf.fwd_comms / fwd_ratio
-            bwd_ms = perf.bwd_comms / bwd_ratio
-            fwd_codec = fwd.codec_ms(raw_bytes) if fwd is not None else 0.0
-            bwd_codec = bwd.codec_ms(raw_bytes) if bwd is not None else 0.0
-            shard.perf = dataclasses.replace(
-                perf, fwd_comms=fwd_ms + fwd_codec, bwd_comms=bwd_ms + bwd_codec
-            )
-            costs.append(
-                ShardCost(
-                    fwd_raw_bytes=raw_bytes,
-                    fwd_wire_bytes=raw_bytes / fwd_ratio,
-                    fwd_comms_ms=fwd_ms,
-                    bwd_comms_ms=bwd_ms,
-                    codec_ms=fwd_codec + bwd_codec,
-                    fwd_format="replicated" if dp else (fwd.name if fwd else "raw"),
-                    bwd_format="all-reduce" if dp else (bwd.name if bwd else "raw"),
+            if comms is None:
+                costs.append(
+                    ShardCost(0.0, 0.0, 0.0, perf.bwd_comms, 0.0, "replicated", "all-reduce")
                 )
+                continue
+            cost = self._shard_cost(perf, comms, collective, outputs * shard.size[1] * elem)
+            shard.perf = dataclasses.replace(
+                perf,
+                fwd_comms=cost.fwd_comms_ms + cost.fwd_codec_ms,
+                bwd_comms=cost.bwd_comms_ms + (cost.codec_ms - cost.fwd_codec_ms),
             )
+            costs.append(cost)
         return costs
+
+    def collective(self, option: ShardingOption) -> str:
+        """Which collective carries the option's pooled outputs.
+
+        Args:
+            option: A sharding option.
+
+        Returns:
+            One of :data:`COLLECTIVES`' keys.
+        """
+        kind = option.sharding_type
+        if kind == ShardingType.DATA_PARALLEL.value:
+            return DP_ALL_REDUCE
+        if kind in A2A_SHARDING_TYPES:
+            return ALL_TO_ALL
+        if kind == ShardingType.ROW_WISE.value:
+            comms = self.comms_model.for_table(option.name)
+            # Sequence tables travel by all-to-all for every type TorchRec offers them (RW too).
+            a2a = comms.row_wise_all_to_all or not option.is_pooled
+            return ALL_TO_ALL if a2a else REDUCE_SCATTER
+        return TWO_HOP  # TWRW, grid
+
+    def _links(self) -> Links:
+        bw = self._topology.comms_bandwidths
+        return Links(intra_bw=bw.intra_host_bw, inter_bw=bw.inter_host_bw)
+
+    def _shard_cost(
+        self, perf: Perf, comms: TableComms, collective: str, raw_bytes: float
+    ) -> ShardCost:
+        """Prices one shard's forward and backward traffic in the table's formats.
+
+        All-to-all: ``raw_bytes`` over the world's ranks per destination class (own block,
+        same-host peers, cross-host peers; :meth:`Links.all_to_all`). Reduce-scatter (TorchRec's
+        RW): TorchRec's time over the format's ratio plus its codec time. Two-hop (TWRW, grid):
+        TorchRec's intra-host part so, and its cross-host all-to-all (one block per host,
+        ``raw_bytes / world x hosts``) per destination class in the all-to-all formats.
+
+        Args:
+            perf: TorchRec's (uncompressed) estimate of the shard.
+            comms: The table's formats.
+            collective: :meth:`collective` of the option.
+            raw_bytes: The shard's pooled output bytes before encoding.
+
+        Returns:
+            The breakdown.
+        """
+        topo = self._topology
+        world = topo.world_size
+        links = self._links()
+        if collective == ALL_TO_ALL:
+            same_host = min(topo.local_world_size, world) - 1
+            fwd = links.all_to_all(raw_bytes, world, same_host, comms.a2a_formats(False))
+            bwd = links.all_to_all(raw_bytes, world, same_host, comms.a2a_formats(True))
+            return ShardCost(
+                fwd_raw_bytes=raw_bytes,
+                fwd_wire_bytes=fwd.same_host_bytes + fwd.cross_host_bytes,
+                fwd_comms_ms=fwd.comms_ms,
+                bwd_comms_ms=bwd.comms_ms,
+                codec_ms=fwd.codec_ms + bwd.codec_ms,
+                fwd_format=comms.fwd.name,
+                bwd_format=comms.bwd.name,
+                collective=collective,
+                fwd_links=fwd,
+                bwd_links=bwd,
+                fwd_codec_ms=fwd.codec_ms,
+            )
+        hosts = world // max(1, topo.intra_group_size)
+        hop_bytes = raw_bytes / world * hosts if collective == TWO_HOP and hosts > 1 else 0.0
+        fwd, bwd = NO_LINKS, NO_LINKS
+        if hop_bytes:
+            fwd = links.all_to_all(hop_bytes, hosts, 0, comms.a2a_formats(False))
+            bwd = links.all_to_all(hop_bytes, hosts, 0, comms.a2a_formats(True))
+        # TorchRec priced the cross-host hop raw at the inter-host bandwidth: take it out.
+        hop_ms = hop_bytes / links.inter_bw
+        fwd_rs_codec = comms.fwd_rs.codec_ms(raw_bytes)
+        return ShardCost(
+            fwd_raw_bytes=raw_bytes + hop_bytes,
+            fwd_wire_bytes=raw_bytes / comms.fwd_rs.ratio
+            + fwd.same_host_bytes
+            + fwd.cross_host_bytes,
+            fwd_comms_ms=(perf.fwd_comms - hop_ms) / comms.fwd_rs.ratio + fwd.comms_ms,
+            bwd_comms_ms=(perf.bwd_comms - hop_ms) / comms.bwd_rs.ratio + bwd.comms_ms,
+            codec_ms=fwd_rs_codec + comms.bwd_rs.codec_ms(raw_bytes) + fwd.codec_ms + bwd.codec_ms,
+            fwd_format=(comms.fwd if hop_bytes else comms.fwd_rs).name,
+            bwd_format=(comms.bwd if hop_bytes else comms.bwd_rs).name,
+            collective=collective,
+            fwd_links=fwd,
+            bwd_links=bwd,
+            fwd_codec_ms=fwd_rs_codec + fwd.codec_ms,
+        )

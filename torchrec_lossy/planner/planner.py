@@ -295,6 +295,12 @@ class PlannedTable:
         bwd_comms_ms: Backward communication time, summed over shards, without codec.
         codec_ms: Encode + decode time, summed over shards.
         reason: Why this sharding and codec.
+        collective: What carries its outputs (``a2a``, ``rs``, ``rs+a2a``, ``all-reduce``).
+        fwd_same_host_bytes: Forward all-to-all wire bytes to same-host peers (own blocks
+            included), summed over shards.
+        fwd_cross_host_bytes: Forward all-to-all wire bytes to other hosts.
+        same_host_ms: All-to-all time on the intra-host link, forward and backward.
+        cross_host_ms: All-to-all time on the inter-host link, forward and backward.
     """
 
     name: str
@@ -311,6 +317,11 @@ class PlannedTable:
     bwd_comms_ms: float
     codec_ms: float
     reason: str
+    collective: str = "a2a"
+    fwd_same_host_bytes: float = 0.0
+    fwd_cross_host_bytes: float = 0.0
+    same_host_ms: float = 0.0
+    cross_host_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -325,6 +336,9 @@ class StepCost:
         planner_ms: TorchRec's perf rating: the slowest rank's total (compute, comms, codec).
         fwd_raw_bytes: Forward pooled-output bytes per step, all ranks, before encoding.
         fwd_wire_bytes: Expected forward bytes on the wire per step, all ranks.
+        same_host_ms: The slowest rank's all-to-all time on the intra-host link (fwd + bwd).
+        cross_host_ms: The slowest rank's all-to-all time on the inter-host link (fwd + bwd).
+        fwd_cross_host_bytes: Forward all-to-all wire bytes to other hosts, all ranks.
     """
 
     fwd_comms_ms: float
@@ -334,6 +348,9 @@ class StepCost:
     planner_ms: float
     fwd_raw_bytes: float
     fwd_wire_bytes: float
+    same_host_ms: float = 0.0
+    cross_host_ms: float = 0.0
+    fwd_cross_host_bytes: float = 0.0
 
 
 class LossyShardingPlanner(EmbeddingShardingPlanner):
@@ -581,8 +598,8 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
             The costs.
         """
         n = self._topology.world_size
-        fwd, bwd, codec, comms, total = ([0.0] * n for _ in range(5))
-        raw = wire = 0.0
+        fwd, bwd, codec, comms, total, same, cross = ([0.0] * n for _ in range(7))
+        raw = wire = cross_bytes = 0.0
         for rank, costs, perfs in self._planned_ranks:
             for c, p in zip(costs, perfs, strict=True):
                 fwd[rank] += c.fwd_comms_ms
@@ -590,9 +607,19 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
                 codec[rank] += c.codec_ms
                 comms[rank] += c.fwd_comms_ms + c.bwd_comms_ms + c.codec_ms
                 total[rank] += p.total
+                same[rank] += c.fwd_links.same_host_ms + c.bwd_links.same_host_ms
+                cross[rank] += c.fwd_links.cross_host_ms + c.bwd_links.cross_host_ms
                 raw += c.fwd_raw_bytes
                 wire += c.fwd_wire_bytes
-        return StepCost(max(fwd), max(bwd), max(codec), max(comms), max(total), raw, wire)
+                cross_bytes += c.fwd_links.cross_host_bytes
+        return StepCost(
+            *(max(v) for v in (fwd, bwd, codec, comms, total)),
+            fwd_raw_bytes=raw,
+            fwd_wire_bytes=wire,
+            same_host_ms=max(same),
+            cross_host_ms=max(cross),
+            fwd_cross_host_bytes=cross_bytes,
+        )
 
     def _record(self, best_plan: list[ShardingOption], order: Mapping[str, int]) -> None:
         """Builds the per-table explanation and the per-rank breakdown of ``best_plan``."""
@@ -621,6 +648,15 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
                     bwd_comms_ms=sum(c.bwd_comms_ms for c in costs),
                     codec_ms=sum(c.codec_ms for c in costs),
                     reason=self._reason(option),
+                    collective=self.estimator.collective(option),
+                    fwd_same_host_bytes=sum(c.fwd_links.same_host_bytes for c in costs),
+                    fwd_cross_host_bytes=sum(c.fwd_links.cross_host_bytes for c in costs),
+                    same_host_ms=sum(
+                        c.fwd_links.same_host_ms + c.bwd_links.same_host_ms for c in costs
+                    ),
+                    cross_host_ms=sum(
+                        c.fwd_links.cross_host_ms + c.bwd_links.cross_host_ms for c in costs
+                    ),
                 )
             )
         self._planned = sorted(
@@ -661,6 +697,10 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f}"
 
 
+def _links_mib(same: float, cross: float) -> str:
+    return f"{_mib(same)}/{_mib(cross)}" if same or cross else "-"
+
+
 def format_plan(tables: Sequence[PlannedTable]) -> str:
     """A plan as a fixed-width text table, one line per table.
 
@@ -675,9 +715,11 @@ def format_plan(tables: Sequence[PlannedTable]) -> str:
         "rows",
         "dim",
         "sharding",
+        "collective",
         "ranks",
         "fwd raw MiB",
         "fwd wire MiB",
+        "same/cross-host MiB",
         "ratio",
         "codec fwd/bwd",
         "why",
@@ -692,9 +734,11 @@ def format_plan(tables: Sequence[PlannedTable]) -> str:
                 f"{t.rows:,}",
                 str(t.dim),
                 _short(t.sharding_type),
+                t.collective,
                 ranks,
                 _mib(t.fwd_raw_bytes) if t.fwd_raw_bytes else "-",
                 _mib(t.fwd_wire_bytes) if t.fwd_raw_bytes else "-",
+                _links_mib(t.fwd_same_host_bytes, t.fwd_cross_host_bytes),
                 ratio,
                 f"{t.fwd_format}/{t.bwd_format}",
                 t.reason,
@@ -709,8 +753,13 @@ def format_plan(tables: Sequence[PlannedTable]) -> str:
             "",
             "",
             "",
+            "",
             _mib(raw),
             _mib(wire),
+            _links_mib(
+                sum(t.fwd_same_host_bytes for t in tables),
+                sum(t.fwd_cross_host_bytes for t in tables),
+            ),
             f"{raw / wire:.1f}x" if wire else "-",
             "",
             "",
