@@ -46,7 +46,7 @@ def _stream() -> tuple[torch.Tensor, ...]:
 def _relative_rms(bound: float, rounding: str) -> list[float]:
     blocks = list(_stream())
     config = CodecConfig(rounding=rounding)  # type: ignore[arg-type]
-    out = compress_groups([blocks], [[bound] * len(blocks)], config, relative=True)
+    out = compress_groups([blocks], [[bound] * len(blocks)], config, kinds=True)
     decoded = decompress(out.buffer)
     return [
         ((d - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()

@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
@@ -268,7 +268,10 @@ class _HostTables:
 
 
 def compress_device(
-    blocks: Sequence[torch.Tensor], bounds: Sequence[float], config: CodecConfig
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    config: CodecConfig,
+    kinds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[BlockStats]]:
     """Compresses blocks on their device; the payload equals ``pipeline.compress``'s (CPU).
 
@@ -277,13 +280,14 @@ def compress_device(
             CPU under ``TRITON_INTERPRET=1``).
         bounds: Validated absolute error bounds (floats >= 0), one per block.
         config: Codec knobs.
+        kinds: Per block, its ``BoundKind`` (absolute or relative here); None: all absolute.
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
     buf, _, stats, _ = compress_groups_device(
-        list(blocks), list(bounds), [False] * len(blocks), [len(blocks)], config
+        list(blocks), list(bounds), list(kinds or [0] * len(blocks)), [len(blocks)], config
     )
     return buf, stats[0]
 
@@ -291,7 +295,7 @@ def compress_device(
 def compress_groups_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
-    relative: Sequence[bool],
+    kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
 ) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
@@ -305,7 +309,7 @@ def compress_groups_device(
         blocks: Validated blocks, all on one device.
         bounds: Per block: the absolute bound, or for a relative block the fraction of its
             finite range (``max - min`` over the finite elements, float32).
-        relative: Per block, whether its bound is relative.
+        kinds: Per block, its ``BoundKind``.
         group_sizes: Blocks per payload.
         config: Codec knobs.
 
@@ -315,14 +319,14 @@ def compress_groups_device(
         (:func:`_host`).
     """
     with record_function("## lossy_codec encode ##"):
-        pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
+        pending = start_groups_device(blocks, bounds, kinds, group_sizes, config)
         return pending.finish(_host(pending.readback))
 
 
 def start_groups_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
-    relative: Sequence[bool],
+    kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
 ) -> PendingCompress:
@@ -331,17 +335,26 @@ def start_groups_device(
     Args:
         blocks: As :func:`compress_groups_device`.
         bounds: As :func:`compress_groups_device`.
-        relative: As :func:`compress_groups_device`.
+        kinds: As :func:`compress_groups_device`.
         group_sizes: As :func:`compress_groups_device`.
         config: Codec knobs.
 
     Returns:
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
+
+    Raises:
+        ValueError: A per-value bound (``BoundKind.VALUE``): not on the device path yet.
     """
+    if any(k == BoundKind.VALUE for k in kinds):
+        raise ValueError(
+            "per-value bounds (ErrorBound mode 'value') are not on the Triton device path yet: "
+            "use codec.backend 'cpu' (staged through host memory) or a relative bound"
+        )
+    relative = [k == BoundKind.RELATIVE for k in kinds]
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
+        return _compress(list(blocks), list(bounds), relative, list(group_sizes), config, dev)
 
 
 def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
