@@ -8,9 +8,13 @@ the grid is ``2**-(m + 1)`` with the m the docstrings promise; config errors nam
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 from helpers import parse, with_checksum
 
 from torchrec_lossy.codec import (
@@ -181,12 +185,47 @@ def test_errors_name_the_value_and_the_fix() -> None:
         compress_groups([[block]], [[V]], kinds=[[3]])
 
 
-def test_device_path_refuses_value_bounds() -> None:
+def tiny_blocks() -> list[torch.Tensor]:
+    """Small adversarial blocks of every dtype (the Triton interpreter is slow)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 8, generator=g) * torch.logspace(-1, 1, 64)[:, None]
+    x[0, :3] = torch.tensor([0.0, -0.0, math.nan])
+    x[1, :3] = torch.tensor([math.inf, 1e-40, 3e38])
+    x[2] = 0.0
+    rep = torch.randn(2, 8, generator=g)[torch.randint(0, 2, (64,), generator=g)]
+    return [b.to(d) for d in DTYPES for b in (x, rep)] + [torch.zeros(0, 4)]
+
+
+@pytest.mark.slow  # the Triton interpreter: about a minute
+def test_triton_writes_and_reads_the_host_bytes() -> None:
     pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="not on the Triton device path"):
-        compress_with_stats(
-            [torch.ones(2, 2)], [V], CodecConfig(backend="triton"), [BoundKind.VALUE]
-        )
+    blocks = tiny_blocks()
+    bounds = [0.03, 0.1, 0.01, 0.5, 0.2, 0.03, 0.03]
+    kinds = [BoundKind.VALUE] * len(blocks)
+    host, s_host = compress_with_stats(blocks, bounds, CodecConfig(backend="cpu"), kinds)
+    dev, s_dev = compress_with_stats(blocks, bounds, CodecConfig(backend="triton"), kinds)
+    assert torch.equal(host, dev)
+    assert s_host == s_dev
+    assert sum(s.mode.startswith("quant") for s in s_host) >= 3
+    got = decompress(host, backend="triton")
+    for b, o, v in zip(blocks, got, bounds, strict=True):
+        assert_within([b], [o], v)
+    ref = decompress(host, backend="cpu")
+    for o, r in zip(got, ref, strict=True):
+        assert torch.equal(o.view(BITS[o.dtype]), r.view(BITS[r.dtype]))
+    grouped = compress_groups(
+        [blocks[:3], blocks[3:]],
+        [bounds[:3], bounds[3:]],
+        CodecConfig(backend="triton"),
+        kinds=[[BoundKind.VALUE, BoundKind.RELATIVE, BoundKind.VALUE], [BoundKind.VALUE] * 4],
+    )
+    host_g = compress_groups(
+        [blocks[:3], blocks[3:]],
+        [bounds[:3], bounds[3:]],
+        CodecConfig(backend="cpu"),
+        kinds=[[BoundKind.VALUE, BoundKind.RELATIVE, BoundKind.VALUE], [BoundKind.VALUE] * 4],
+    )
+    assert torch.equal(grouped.buffer, host_g.buffer)
 
 
 def test_adaptive_schedule_caps_value_bounds() -> None:

@@ -60,6 +60,13 @@ def test_value_mode_entries_decode_and_the_reference_writes_them(name: str) -> N
     assert corpus.value_payload(config) == stored
 
 
+@pytest.mark.slow
+def test_device_backend_writes_the_value_mode_golden_bytes() -> None:
+    pytest.importorskip("triton")
+    config = dataclasses.replace(corpus.VALUE_CONFIGS["default"], backend="triton")
+    assert corpus.value_payload(config) == STORED["value/default"]
+
+
 def test_kjt_backends_agree_in_the_corpus() -> None:
     torch_entries = [k for k in STORED if k.startswith("kjt/") and k.endswith("/torch")]
     assert torch_entries
