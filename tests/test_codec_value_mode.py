@@ -1,8 +1,9 @@
 """The per-value relative bound (``ErrorBound(mode="value")``, ``BoundKind.VALUE``).
 
 Every finite element decodes within ``v * |x|`` (float64), zeros (both signs), NaN and Inf
-exactly, whatever the block's scale; the host and the reference backends write the same bytes;
-the grid is ``2**-(m + 1)`` with the m the docstrings promise; config errors name the fix.
+exactly, whatever the block's scale; the host, the reference and the Triton backends (its
+interpreter here) write the same bytes; the grid is ``2**-(m + 1)`` with the m the docstrings
+promise; config errors name the fix.
 """
 
 from __future__ import annotations
