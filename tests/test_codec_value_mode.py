@@ -249,3 +249,14 @@ def test_stats_max_error_is_relative() -> None:
     # m = 3 (8 levels per octave): 100 = 1.5625 * 64 is a tie, rounded up to 104 (0.04
     # relative); 1e4 -> 10240 (0.024); 1 and -3 are on the grid.
     assert s.max_error == pytest.approx(0.04, abs=1e-12)
+
+
+def test_planner_calibrates_value_bounds_with_the_codec() -> None:
+    from torchrec_lossy.planner.calibrate import calibrate
+
+    block = adversarial(torch.float32)[0]
+    comms = LossyCommsConfig(default_bound=ErrorBound("value", V))
+    (cal,) = calibrate({"t": block}, comms).values()
+    payload, _ = compress_with_stats([block], [V], kinds=[BoundKind.VALUE])
+    assert cal.wire_bytes == payload.numel() and cal.abs_bound == V
+    assert cal.bound == ErrorBound("value", V)
