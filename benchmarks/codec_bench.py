@@ -86,6 +86,20 @@ def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) if a.numel() else 0.0
 
 
+def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest ``|b - a| / |a|`` over the finite elements (0 where both are 0)."""
+    x, y = a.to(torch.float64), b.to(torch.float64)
+    fin = torch.isfinite(x)
+    d = (y[fin] - x[fin]).abs()
+    r = torch.where(d > 0, d / x[fin].abs(), 0.0)
+    return float(r.max()) if r.numel() else 0.0
+
+
+def value_bound(setting: str) -> float | None:
+    """The per-value bound of a ``value:v`` setting, else None."""
+    return float(setting.split(":", 1)[1]) if setting.startswith("value:") else None
+
+
 def _err_over_bound(err: float, bound: float) -> float:
     if bound > 0:
         return err / bound
@@ -194,9 +208,14 @@ class CodecRun:
 def _load_lossy() -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
     """The codec's compress/decompress, or why they cannot be imported."""
     try:
-        from torchrec_lossy.codec import compress, decompress
+        from torchrec_lossy.codec import BoundKind, compress_with_stats, decompress
     except Exception as e:  # the codec is optional for this script: report and go on
         return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
+
+    def compress(blocks: list[torch.Tensor], bounds: list[float], value: bool = False) -> Any:
+        kind = BoundKind.VALUE if value else BoundKind.ABSOLUTE
+        return compress_with_stats(blocks, bounds, None, [kind] * len(blocks))[0]
+
     return compress, decompress
 
 
@@ -208,7 +227,12 @@ def _load_grouped(
     signatures of :func:`_load_lossy`; a call whose block count does not split into
     ``destinations`` groups is one group."""
     try:
-        from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
+        from torchrec_lossy.codec import (
+            BoundKind,
+            check_groups,
+            compress_groups,
+            decompress_groups,
+        )
     except Exception as e:
         return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
     sizes: dict[tuple[int, int], list[int]] = {}
@@ -217,8 +241,9 @@ def _load_grouped(
         n = len(xs) // destinations if len(xs) % destinations == 0 else len(xs)
         return [xs[i : i + n] for i in range(0, len(xs), max(n, 1))]
 
-    def compress(blocks: list[torch.Tensor], bounds: list[float]) -> torch.Tensor:
-        out = compress_groups(split(blocks), split(bounds))
+    def compress(blocks: list[torch.Tensor], bounds: list[float], value: bool = False) -> Any:
+        kind = BoundKind.VALUE if value else BoundKind.ABSOLUTE
+        out = compress_groups(split(blocks), split(bounds), kinds=kind)
         sizes[(out.buffer.data_ptr(), out.buffer.numel())] = out.sizes
         return out.buffer
 
@@ -243,6 +268,7 @@ def run_lossy(
     blocks: list[torch.Tensor],
     bounds: list[float],
     reps: int,
+    value: bool = False,
 ) -> tuple[CodecRun, list[torch.Tensor]]:
     """Compress all blocks into one payload; time both directions; check the errors.
 
@@ -250,14 +276,15 @@ def run_lossy(
         compress: ``torchrec_lossy.codec.compress``.
         decompress: ``torchrec_lossy.codec.decompress``.
         blocks: One batch, one block per table.
-        bounds: Absolute bound per block.
+        bounds: Absolute bound per block (per-value where ``value``).
         reps: Timed repetitions.
+        value: Per-value bounds (the error is then relative to each element).
 
     Returns:
         The figures (without bound name and entropy) and the decoded blocks.
     """
     run = CodecRun("lossy", "", raw_bytes=sum(b.numel() * b.element_size() for b in blocks))
-    payload = compress(blocks, bounds)
+    payload = compress(blocks, bounds, value)
     decoded = decompress(payload)
     if len(decoded) != len(blocks) or any(
         d.shape != b.shape or d.dtype != b.dtype for d, b in zip(decoded, blocks, strict=False)
@@ -265,9 +292,10 @@ def run_lossy(
         raise RuntimeError("decompress returned blocks of other shapes or dtypes than the input")
     run.wire_bytes = payload.numel() * payload.element_size()
     errs = [_max_abs_err(b, d) for b, d in zip(blocks, decoded, strict=True)]
-    run.err_bound = max(_err_over_bound(e, eb) for e, eb in zip(errs, bounds, strict=True))
+    rel = [_max_rel_err(b, d) for b, d in zip(blocks, decoded, strict=True)] if value else errs
+    run.err_bound = max(_err_over_bound(e, eb) for e, eb in zip(rel, bounds, strict=True))
     run.err_range = max(_err_over_bound(e, _range(b)) for e, b in zip(errs, blocks, strict=True))
-    run.comp_s = median_seconds(lambda: compress(blocks, bounds), reps)
+    run.comp_s = median_seconds(lambda: compress(blocks, bounds, value), reps)
     run.decomp_s = median_seconds(lambda: decompress(payload), reps)
     return run, decoded
 
@@ -365,10 +393,10 @@ def relative_bounds(setting: str, preset: str) -> list[float]:
     if setting == "paper":
         return paper_class_bounds(preset)
     try:
-        value = float(setting)
+        value = float(setting.removeprefix("value:"))
     except ValueError:
         raise SystemExit(
-            f"--bounds takes 'paper' or numbers such as 0.01; got {setting!r}"
+            f"--bounds takes 'paper', numbers such as 0.01 or value:0.03; got {setting!r}"
         ) from None
     if not 0 < value < 1:
         raise SystemExit(f"a relative bound must lie in (0, 1); got {value}")
@@ -455,6 +483,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         for setting in args.bounds:
             rel = relative_bounds(setting, args.preset) * args.destinations
+            per_value = value_bound(setting) is not None
             pooled = CodecRun("lossy", setting)
             tables = [
                 {"table": f"C{t + 1}", "cardinality": c, "eb_rel": r, "raw_bytes": 0,
@@ -464,13 +493,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             ]  # fmt: skip
             lossy_ok = not isinstance(lossy, str)
             for blocks in batches:
-                bounds = relative_to_absolute_bounds(blocks, rel)
-                ent = entropy_fn(blocks, bounds)
+                bounds = rel if per_value else relative_to_absolute_bounds(blocks, rel)
+                ent = entropy_fn(blocks, bounds, [per_value] * len(blocks))
                 if isinstance(lossy, str):
                     run, decoded = CodecRun("lossy", setting, error=lossy), None
                 else:
                     try:
-                        run, decoded = run_lossy(*lossy, blocks, bounds, args.reps)
+                        run, decoded = run_lossy(*lossy, blocks, bounds, args.reps, per_value)
                     except Exception as e:
                         run, decoded = (
                             CodecRun("lossy", setting, error=f"{type(e).__name__}: {e}"),
@@ -487,11 +516,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     row["distinct_vectors"] += int(torch.unique(b, dim=0).shape[0])
                     if decoded is None:
                         continue
-                    err = _err_over_bound(_max_abs_err(b, decoded[t]), eb)
+                    err_of = _max_rel_err if per_value else _max_abs_err
+                    err = _err_over_bound(err_of(b, decoded[t]), eb)
                     row["max_err_over_bound"] = max(row["max_err_over_bound"], err)
                     if args.per_table:
                         # Standalone payload of one table, its own header included.
-                        row["wire_bytes"] += lossy[0]([b], [eb]).numel()
+                        row["wire_bytes"] += lossy[0]([b], [eb], per_value).numel()
             results.append({**head, **pooled.summary(args.link_gbps)})
             for row in tables:
                 row["entropy_bound_ratio"] = (  # None: a constant block, bound 0 bytes
@@ -678,7 +708,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 256], help="rows per block")
     p.add_argument(
         "--bounds", nargs="+", default=["paper", "0.01", "0.05"],
-        help="'paper' (0.01/0.03/0.05 by table size) and/or uniform relative bounds",
+        help="'paper' (0.01/0.03/0.05 by table size), uniform relative bounds and/or "
+        "per-value bounds such as value:0.03 (|x' - x| <= 0.03 |x|)",
     )  # fmt: skip
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     p.add_argument("--batches", type=int, default=4, help="batches per block size")

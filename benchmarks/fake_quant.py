@@ -12,12 +12,15 @@ step ``2 v s`` (error <= ``v s``), ``stochastic`` step ``v s`` (error < ``v s``,
 row's max magnitude (``row``) or a group of 32 consecutive values' max magnitude (``group``).
 ``midrise`` shifts the nearest grid by half a step (no value is snapped to exactly 0), ``dither``
 is subtractive dither (error uniform in ``[-v s, v s]`` and independent of the value). ``log``
-bounds each value's relative error by ``v``. ``mx4``, ``fp16`` and ``bf16`` are fbgemm's own
-casts as TorchRec's qcomm codecs use them (references; no stated bound).
+bounds each value's relative error by ``v``. ``value`` is the codec's own per-value grid
+(``ErrorBound(mode="value")``, through its torch reference: ``|x' - x| <= v |x|`` with m mantissa
+bits kept, ``2**-(m + 1) <= v``; what the codec escapes is exact). ``mx4``, ``fp16`` and
+``bf16`` are fbgemm's own casts as TorchRec's qcomm codecs use them (references; no stated
+bound).
 
 Spec syntax (:func:`parse_model`): ``exact``, ``fp16``, ``bf16``, ``mx4`` or
 ``SCALE-ROUNDING:V`` with SCALE in ``block``, ``row``, ``group``, ROUNDING in ``nearest``,
-``stochastic``, ``midrise``, ``dither`` (e.g. ``block-nearest:0.03``), or ``log:V``.
+``stochastic``, ``midrise``, ``dither`` (e.g. ``block-nearest:0.03``), ``log:V`` or ``value:V``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ SCALES = ("block", "row", "group")
 ROUNDINGS = ("nearest", "stochastic", "midrise", "dither")
 CASTS = ("exact", "fp16", "bf16", "mx4")
 # Side information per value, bits: one fp16 scale per row of 16, one 8-bit exponent per group.
-SIDE_BITS = {"block": 0.0, "row": 1.0, "group": 8.0 / GROUP, "log": 0.0}
+SIDE_BITS = {"block": 0.0, "row": 1.0, "group": 8.0 / GROUP, "log": 0.0, "value": 0.0}
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
 Quantizer = Callable[[torch.Tensor, torch.Generator | None], Result]
@@ -167,6 +170,32 @@ def _log(v: float) -> Quantizer:
     return fn
 
 
+def _value(v: float) -> Quantizer:
+    # The codec's per-value grid, block by block (a block's largest value sets which tiny
+    # values the codec escapes), through its torch reference: the codec's decoded bits.
+    from torchrec_lossy.codec.format import ESCAPE_SYMBOL
+    from torchrec_lossy.codec.quantize import (
+        QuantParams,
+        dequantize_reference,
+        quantize_reference,
+        value_params,
+    )
+
+    def fn(x: torch.Tensor, gen: torch.Generator | None) -> Result:
+        outs, codes = [], []
+        for blk in x.reshape(-1, *x.shape[-2:]):
+            fin = blk[torch.isfinite(blk)].abs()
+            step, qmax = value_params(v, float(fin.max()) if fin.numel() else 0.0)
+            params = QuantParams(step=step, inv_step=0.0, center=int(qmax), value=True)
+            sym, _ = quantize_reference(blk, params, v)
+            dec = dequantize_reference(sym, params).to(blk.dtype)
+            outs.append(torch.where(sym == ESCAPE_SYMBOL, blk.reshape(-1), dec))
+            codes.append(sym)
+        return torch.stack(outs).view_as(x), torch.stack(codes).view(x.shape)
+
+    return fn
+
+
 def _cast(name: str) -> Quantizer:
     def fn(x: torch.Tensor, gen: torch.Generator | None) -> Result:
         if name == "exact":
@@ -190,7 +219,8 @@ def parse_model(spec: str) -> ErrorModel:
     """Parses an error-model spec (see the module docstring).
 
     Args:
-        spec: E.g. ``"block-nearest:0.03"``, ``"row-stochastic:0.1"``, ``"log:0.03"``, ``"mx4"``.
+        spec: E.g. ``"block-nearest:0.03"``, ``"row-stochastic:0.1"``, ``"log:0.03"``,
+            ``"value:0.03"``, ``"mx4"``.
 
     Returns:
         The model.
@@ -209,10 +239,13 @@ def parse_model(spec: str) -> ErrorModel:
         raise ValueError(f"error model {spec!r}: expected one of {CASTS} or NAME:V with 0 < V < 1")
     if head == "log":
         return ErrorModel(spec, "log", "nearest", v, _log(v))
+    if head == "value":
+        return ErrorModel(spec, "value", "nearest", v, _value(v))
     scale, _, rounding = head.partition("-")
     if scale not in SCALES or rounding not in ROUNDINGS:
         raise ValueError(
-            f"error model {spec!r}: NAME is log or SCALE-ROUNDING with SCALE in {SCALES} and "
+            f"error model {spec!r}: NAME is log, value or SCALE-ROUNDING with SCALE in {SCALES} "
+            f"and "
             f"ROUNDING in {ROUNDINGS}"
         )
     return ErrorModel(spec, scale, rounding, v, _scaled(scale, rounding, v))
@@ -237,7 +270,7 @@ def stated_bound(model: ErrorModel, block: torch.Tensor) -> torch.Tensor:
     if model.scale == "group":
         g = _groups(x)
         return _ungroup((v * _finite_max_abs(g, dim=-1)).expand_as(g), x)
-    if model.scale == "log":
+    if model.scale in ("log", "value"):
         return v * x.abs()
     return torch.full_like(x, math.inf)
 

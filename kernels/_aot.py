@@ -63,6 +63,7 @@ def _specs() -> list[tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]]
         "dtype_ptr": "*i32",
         "sr_key_ptr": "*i64",
         "elem_off_ptr": "*i64",
+        "value_ptr": "*i64",
     }
     no_fma = {"num_warps": 8, "enable_fp_fusion": False}
     specs.append((quantize.JIT_KERNELS["quantize_kernel"], q_sig, {"BLOCK": 4096}, no_fma))

@@ -92,6 +92,35 @@ def uniform_draw(i, key):
 
 
 @triton.jit
+def value_shift(step_bits):
+    """``quantize.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
+    (22 + the binary exponent of any normal step), clamped to 0..23 so no lane shifts wildly."""
+    return tl.minimum(tl.maximum(((step_bits >> 23) & 0xFF) - 104, 0), 23)
+
+
+@triton.jit
+def value_symbol(bits, shift, qmax):
+    """Twin of ``quantize.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
+    of the reconstruction as a non-negative int64)."""
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    q = (mag + ((tl.full(mag.shape, 1, tl.int64) << shift) >> 1)) >> shift
+    d = qmax - q
+    fits = tl.where(mag == 0, sign == 0, (d >= 0) & (d < _OFFSET))
+    sym = _OFFSET + tl.where(mag == 0, 0, tl.where(sign == 0, d + 1, -d - 1))
+    return tl.where(fits, sym, _ESCAPE), ((q << shift) & 0x7FFFFFFF) | sign
+
+
+@triton.jit
+def value_decode_bits(symbols, shift, qmax):
+    """Twin of ``quantize.value_decode_bits`` on int64 lanes."""
+    s = symbols - _OFFSET
+    q = qmax + 1 - tl.abs(s)
+    mag = tl.where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
+    return mag | tl.where(s < 0, 0x80000000, 0)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     sym_ptr,
@@ -105,6 +134,7 @@ def _quantize_kernel(
     dtype_ptr,
     sr_key_ptr,
     elem_off_ptr,
+    value_ptr,
     BLOCK: tl.constexpr,
 ):
     # One program per tile; a tile is (first element, end element, block) and never straddles
@@ -135,6 +165,22 @@ def _quantize_kernel(
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
     q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
     sym = tl.where(ok, q + _OFFSET, _ESCAPE)
+    # The per-value grid (quantize.value_symbol), checked against bound * |x|; its max error
+    # is the relative one.
+    vbits = v.to(tl.uint32, bitcast=True).to(tl.int64)
+    shift = value_shift(step.to(tl.int32, bitcast=True).to(tl.int64))
+    vsym, rb = value_symbol(vbits, shift, center)
+    vr = rb.to(tl.uint32).to(tl.float32, bitcast=True)
+    vrecon = tl.where(
+        dtype_code == 2, round_to_dtype(vr, 2), tl.where(dtype_code == 3, round_to_dtype(vr, 3), vr)
+    )
+    ax = tl.abs(v.to(tl.float64))
+    verr = tl.abs(vrecon.to(tl.float64) - v.to(tl.float64))
+    vok = (vsym != _ESCAPE) & (verr <= bound * ax)  # False for NaN and Inf too
+    is_value = tl.load(value_ptr + blk) != 0
+    ok = tl.where(is_value, vok, ok)
+    sym = tl.where(is_value, tl.where(vok, vsym, _ESCAPE).to(tl.int32), sym)
+    err = tl.where(is_value, tl.where(ax > 0, verr / tl.where(ax > 0, ax, 1.0), 0.0), err)
     tl.store(sym_ptr + offs, sym.to(tl.int16), mask=in_range)
     tl.store(err_ptr + pid, tl.max(tl.where(ok & in_range, err, 0.0), axis=0))
     hist = tl.histogram(sym, _ALPHABET, mask=in_range)
@@ -205,6 +251,7 @@ def quantize_tiles(
     dtype_code: torch.Tensor,
     block: int,
     sr_key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantizes many blocks laid out back to back in one launch; nothing is synced.
 
@@ -220,6 +267,8 @@ def quantize_tiles(
         block: Elements per tile (a power of two).
         sr_key: int64 [n_blocks] stochastic-rounding keys, -1 for round to nearest; None: all
             round to nearest. The draw's counter is the element's index within its block.
+        value: int64 [n_blocks] 1 for blocks on the per-value grid (``step`` 2**-m,
+            ``center`` qmax, ``bound`` relative; their max error is relative); None: none.
 
     Returns:
         (int16 symbols like ``x`` (the uint16 symbols' bits), int32 [n_blocks, ALPHABET_SIZE]
@@ -232,6 +281,8 @@ def quantize_tiles(
     n_tiles = tiles.shape[0]
     errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
     elem_off = torch.zeros(step.shape[0], dtype=torch.int64, device=dev)
+    if value is None:
+        value = torch.zeros_like(elem_off)
     if sr_key is None:
         sr_key = torch.full_like(elem_off, -1)
     elif n_tiles:
@@ -252,6 +303,7 @@ def quantize_tiles(
             dtype_code,
             sr_key.contiguous(),
             elem_off,
+            value.contiguous(),
             BLOCK=block,
             num_warps=8,
             enable_fp_fusion=False,
@@ -357,9 +409,13 @@ def _decode_output_kernel(
     esc16 = tl.load(halves_ptr + 2 * val_off + k, mask=has & ~wide, other=0)
     # dequantize_kernel: float32(s - 2047 + center) * step (|s - 2047 + center| < 2**24: exact),
     # then the round-to-nearest-even cast of the block's dtype.
-    step = tl.load(step_ptr + b, mask=quant, other=0).to(tl.int32).to(tl.float32, bitcast=True)
+    step_bits = tl.load(step_ptr + b, mask=quant, other=0)
+    step = step_bits.to(tl.int32).to(tl.float32, bitcast=True)
     center = tl.load(center_ptr + b, mask=quant, other=0)
     v = (s.to(tl.int64) - _OFFSET + center).to(tl.float32) * step
+    # The per-value grid (descriptor mode bit 2): quantize.value_decode_bits.
+    vb = value_decode_bits(s.to(tl.int64), value_shift(step_bits), center)
+    v = tl.where((mode & 4) == 4, vb.to(tl.uint32).to(tl.float32, bitcast=True), v)
     half = round_to_dtype(v, 2).to(tl.float16).to(tl.int16, bitcast=True)
     bf16 = (round_to_dtype(v, 3).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
     q16 = tl.where(dtype_code == 2, half, bf16)

@@ -67,7 +67,7 @@ def test_host_grouped_payloads_equal_per_group_compress_and_decode() -> None:
     abs_flat = absolute_bounds(flat, [v for g in values for v in g], [True] * len(flat))
     it = iter(abs_flat)
     abs_bounds = [[next(it) for _ in g] for g in groups]
-    out = compress_groups(groups, values, CFG, relative=True)
+    out = compress_groups(groups, values, CFG, kinds=True)
     want = per_group(groups, abs_bounds, CFG)
     assert out.sizes == [p.numel() for p in want]
     for g, w in enumerate(want):
@@ -129,7 +129,7 @@ def test_host_mixed_relative_flags_resolve_as_absolute_bounds() -> None:
     flags = [[i % 2 == 0 for i, _ in enumerate(g)] for g in groups]
     flat = [b for g in groups for b in g]
     abs_flat = absolute_bounds(flat, [v for g in values for v in g], [f for g in flags for f in g])
-    out = compress_groups(groups, values, CFG, relative=flags)
+    out = compress_groups(groups, values, CFG, kinds=flags)
     assert [s.bound for g in out.stats for s in g] == abs_flat
     it = iter(abs_flat)
     want = per_group(groups, [[next(it) for _ in g] for g in groups], CFG)
@@ -171,8 +171,8 @@ def test_bad_arguments_name_the_fix() -> None:
     groups = groups_of_blocks()
     with pytest.raises(ValueError, match="one per group"):
         compress_groups(groups, [[0.0]], CFG)
-    with pytest.raises(ValueError, match="relative flags"):
-        compress_groups(groups, rel_values(groups), CFG, relative=[[True]])
+    with pytest.raises(ValueError, match="bound kinds"):
+        compress_groups(groups, rel_values(groups), CFG, kinds=[[True]])
     with pytest.raises(CodecError, match="add up to"):
         decompress_groups(torch.zeros(8, dtype=torch.uint8), [4])
 
@@ -187,9 +187,9 @@ def test_device_grouped_compress_is_per_group_compress_with_one_read(relative: b
     groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
     values = rel_values(groups) if relative else [[1e-3] * len(g) for g in groups]
     cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
-    compress_groups(groups, values, cfg, relative=relative)  # warm up
+    compress_groups(groups, values, cfg, kinds=relative)  # warm up
     before = host_sync.host_reads()
-    out = compress_groups(groups, values, cfg, relative=relative)
+    out = compress_groups(groups, values, cfg, kinds=relative)
     assert host_sync.host_reads() - before == 1
     flat = [b.cpu() for g in groups for b in g]
     abs_flat = absolute_bounds(flat, [v for g in values for v in g], [relative] * len(flat))
@@ -274,9 +274,9 @@ def test_device_grouped_decompress_with_skeletons_reads_nothing() -> None:
 def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
     groups = [[b.cuda() for b in g] for g in groups_of_blocks()]
     values = rel_values(groups)
-    compress_groups(groups, values, CFG, relative=True)  # compile first
+    compress_groups(groups, values, CFG, kinds=True)  # compile first
     with cuda_syncs_only_in_to_host(monkeypatch):
-        out = compress_groups(groups, values, CFG, relative=True)
+        out = compress_groups(groups, values, CFG, kinds=True)
         blocks, status = decompress_groups(out.buffer, out.sizes, skeletons=out.skeletons)
         failed = contain_failures(status)  # the deferred check: no sync either
     assert failed is not None and int(failed.count_nonzero()) == 0

@@ -18,7 +18,7 @@ BOUNDED = [
     for scale in fq.SCALES
     for rounding in fq.ROUNDINGS
     for v in (0.01, 0.1)
-] + ["log:0.01", "log:0.1"]  # fmt: skip
+] + ["log:0.01", "log:0.1", "value:0.01", "value:0.1"]  # fmt: skip
 
 
 def _adversarial() -> dict[str, torch.Tensor]:
@@ -57,6 +57,26 @@ def test_models_meet_their_bound_and_carry_non_finite_values(spec: str) -> None:
         ulp = (torch.nextafter(y, torch.full_like(y, math.inf)) - y).abs().double()[finite]
         bound = fq.stated_bound(model, x)[finite]
         assert bool((err <= bound * (1 + 1e-12) + ulp).all()), (name, float((err - bound).max()))
+
+
+@pytest.mark.parametrize("v", [0.03, 0.1])
+def test_value_spec_is_the_codec_bit_for_bit(v: float) -> None:
+    from torchrec_lossy.codec import BoundKind, CodecConfig, compress_with_stats, decompress
+
+    model = fq.parse_model(f"value:{v}")
+    quantized = 0
+    for name, x in _adversarial().items():
+        blocks = list(x)  # the leading dim: independent blocks, as the codec sends them
+        kinds = [BoundKind.VALUE] * len(blocks)
+        payload, stats = compress_with_stats(blocks, [v] * len(blocks), CodecConfig(), kinds)
+        got = model(x)
+        for b, s, y, d in zip(blocks, stats, got, decompress(payload), strict=True):
+            # A block the codec sends raw (cheaper, e.g. nearly all escaped) decodes exactly;
+            # every other one decodes to the grid's bits.
+            expected = b if s.mode in ("raw", "lz") else y
+            assert torch.equal(d.view(torch.int32), expected.view(torch.int32)), (name, s.mode)
+            quantized += s.mode.startswith("quant")
+    assert quantized >= 8
 
 
 def test_nearest_snaps_small_values_to_zero_and_midrise_and_log_do_not() -> None:

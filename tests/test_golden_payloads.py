@@ -24,7 +24,7 @@ PRODUCERS = corpus.producers()
 
 def test_corpus_covers_every_producer() -> None:
     assert set(PRODUCERS) <= set(STORED)
-    assert len(PRODUCERS) == 72
+    assert len(PRODUCERS) == 75
 
 
 @pytest.mark.parametrize("name", sorted(PRODUCERS))
@@ -50,6 +50,21 @@ def test_device_backend_writes_the_golden_bytes(name: str) -> None:
     config = dataclasses.replace(corpus.CODEC_CONFIGS[name], backend="triton")
     payload = compress(*corpus.codec_blocks(), config)
     assert payload.cpu().numpy().tobytes() == STORED[f"codec/{name}"]
+
+
+@pytest.mark.parametrize("name", sorted(corpus.VALUE_CONFIGS))
+def test_value_mode_entries_decode_and_the_reference_writes_them(name: str) -> None:
+    stored = STORED[f"value/{name}"]
+    assert corpus.decoded_digest(stored) == STORED[f"digest/value/{name}"].decode()
+    config = dataclasses.replace(corpus.VALUE_CONFIGS[name], backend="reference")
+    assert corpus.value_payload(config) == stored
+
+
+@pytest.mark.slow
+def test_device_backend_writes_the_value_mode_golden_bytes() -> None:
+    pytest.importorskip("triton")
+    config = dataclasses.replace(corpus.VALUE_CONFIGS["default"], backend="triton")
+    assert corpus.value_payload(config) == STORED["value/default"]
 
 
 def test_kjt_backends_agree_in_the_corpus() -> None:

@@ -313,7 +313,8 @@ class AdaptiveBounds(nn.Module):
 
         Returns:
             The bound to compress this iteration's block with (absolute bounds are scaled by the
-            decay factor too; a relative bound is capped at 1).
+            decay factor too; a relative bound is capped at 1, a per-value one at 0.5; only
+            relative bounds are homogenized).
         """
         t = self._slot_of(table)
         base = self._configured[t]
@@ -333,6 +334,8 @@ class AdaptiveBounds(nn.Module):
         value = base.value * factor
         if base.mode == "relative":
             value = min(value, 1.0)
+        if base.mode == "value":  # a per-value bound keeps at least one mantissa bit
+            value = min(value, 0.5)
         return ErrorBound(base.mode, value)
 
     def observe(self, table: str, block: torch.Tensor, abs_bound: float) -> None:

@@ -24,7 +24,7 @@ import yaml
 T = TypeVar("T")
 
 Backend = Literal["auto", "cpu", "triton", "reference"]
-BoundMode = Literal["relative", "absolute"]
+BoundMode = Literal["relative", "absolute", "value"]
 EvaluationMode = Literal["exact", "lossy"]
 IntraHost = Literal["auto", "coded", "raw"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
@@ -104,7 +104,12 @@ class ErrorBound:
 
     Attributes:
         mode: ``"relative"``: the absolute bound of each block is ``value * (max - min)`` of that
-            block (the paper's definition); ``"absolute"``: ``value`` itself.
+            block (the paper's definition); ``"absolute"``: ``value`` itself; ``"value"``: per
+            value, ``|x' - x| <= value * |x|`` for every finite element (checked in float64;
+            zeros, NaN and Inf exact), on a grid keeping m mantissa bits of each float32, the
+            least m with ``2**-(m + 1) <= value``: the effective bound is ``2**-(m + 1)``
+            (0.0156 for 0.03). Rounds to nearest only (``codec.rounding: stochastic`` is
+            refused with it).
         value: The bound; 0 means lossless.
     """
 
@@ -122,6 +127,8 @@ class ErrorBound:
         )
         if self.mode == "relative":
             _require(v <= 1.0, "bound.value", v, "<= 1 for a relative bound")
+        if self.mode == "value":
+            _require(v <= 0.5, "bound.value", v, "<= 0.5 for a per-value bound (0: lossless)")
 
 
 @dataclass(frozen=True)
@@ -359,6 +366,7 @@ class LossyCommsConfig:
 
     def __post_init__(self) -> None:
         _check_literal("backward", self.backward, BackwardCodec)
+        self._check_value_rounding()
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
         _check_literal("evaluation", self.evaluation, EvaluationMode)
         _check_literal("intra_host", self.intra_host, IntraHost)
@@ -400,6 +408,28 @@ class LossyCommsConfig:
         """
         mode = self.intra_host
         return mode == "raw" or (mode == "auto" and backend == "nccl")
+
+    def _check_value_rounding(self) -> None:
+        """Refuses per-value bounds with stochastic rounding (the per-value grid rounds to
+        nearest only), naming the bound and the fix."""
+        forward = [("default_bound", self.default_bound)] + [
+            (f"tables.{k}.bound", t.bound) for k, t in self.tables.items() if t.bound is not None
+        ]
+        for key, eb in forward:
+            _require(
+                not (eb.mode == "value" and self.codec.rounding == "stochastic"),
+                key,
+                f"{eb.mode}:{eb.value}",
+                "a relative or absolute bound with codec.rounding 'stochastic' (the per-value "
+                "grid rounds to nearest only), or codec.rounding 'nearest'",
+            )
+        _require(
+            not (self.backward_bound.mode == "value" and self.backward_rounding == "stochastic"),
+            "backward_bound",
+            f"{self.backward_bound.mode}:{self.backward_bound.value}",
+            "a relative or absolute bound with backward_rounding 'stochastic' (the per-value "
+            "grid rounds to nearest only), or backward_rounding 'nearest'",
+        )
 
     def table(self, name: str) -> TableCodecConfig:
         """The effective settings of one table (its first matching override, else defaults).

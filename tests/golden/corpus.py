@@ -5,7 +5,8 @@ lossless KJT input codec (every feature case, both backends, every input-dist op
 encoded here from fixed inputs. ``payloads.npz`` holds what main produced when the corpus was
 made; ``tests/test_golden_payloads.py`` fails when today's code writes other bytes or decodes
 the stored bytes to other values. Regenerate only for an intended format change:
-``python tests/golden/corpus.py`` (then say so in the commit).
+``python tests/golden/corpus.py`` (then say so in the commit); ``--append`` adds the entries of
+new producers and keeps every stored one as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import CodecConfig, compress, compress_groups, decompress
+from torchrec_lossy.codec import (
+    BoundKind,
+    CodecConfig,
+    compress,
+    compress_groups,
+    compress_with_stats,
+    decompress,
+)
 from torchrec_lossy.config import InputDistConfig
 
 PATH = Path(__file__).with_name("payloads.npz")
@@ -74,8 +82,32 @@ def _grouped(config: CodecConfig) -> bytes:
     groups = [blocks[0:4], blocks[4:9], blocks[9:21]]
     fractions = [[0.03] * len(g) for g in groups]
     fractions[1][1] = 0.0
-    out = compress_groups(groups, fractions, config, relative=True)
+    out = compress_groups(groups, fractions, config, kinds=True)
     return out.buffer.cpu().numpy().tobytes()
+
+
+# The per-value bound (descriptor mode bit 2), appended after the corpus was made.
+VALUE_CONFIGS = {
+    "default": CodecConfig(),
+    "no_lz": CodecConfig(enable_lz=False, huffman_chunk_symbols=96),
+}
+
+
+def value_payload(config: CodecConfig) -> bytes:
+    """The codec blocks under per-value bounds (4x each block's bound, at most 0.5)."""
+    blocks, bounds = codec_blocks()
+    values = [min(4.0 * b, 0.5) for b in bounds]
+    kinds = [BoundKind.VALUE] * len(blocks)
+    return compress_with_stats(blocks, values, config, kinds)[0].numpy().tobytes()
+
+
+def _value_grouped() -> bytes:
+    """Two destinations mixing every bound kind in one call."""
+    blocks, _ = codec_blocks()
+    groups = [blocks[0:6], blocks[10:16]]
+    kinds = [[BoundKind.VALUE, BoundKind.RELATIVE, BoundKind.ABSOLUTE] * 2] * 2
+    values = [[0.03, 0.03, 0.01] * 2] * 2
+    return compress_groups(groups, values, CodecConfig(), kinds).buffer.numpy().tobytes()
 
 
 def _kjt_cases() -> Iterator[tuple[str, object, list[int]]]:
@@ -128,6 +160,9 @@ def producers() -> dict[str, Callable[[], bytes]]:
     for name, config in CODEC_CONFIGS.items():
         out[f"codec/{name}"] = lambda c=config: compress(*codec_blocks(), c).numpy().tobytes()
         out[f"grouped/{name}"] = lambda c=config: _grouped(c)
+    for name, config in VALUE_CONFIGS.items():
+        out[f"value/{name}"] = lambda c=config: value_payload(c)
+    out["value_grouped/mixed"] = _value_grouped
     for case, kjt, splits in _kjt_cases():
         for name in KJT_CONFIGS:
             for backend in ("torch", "numba"):
@@ -153,14 +188,22 @@ def load() -> dict[str, bytes]:
         return {k: z[k].tobytes() for k in z.files}
 
 
-def main() -> int:
-    entries = {name: make() for name, make in producers().items()}
+def main(append: bool = False) -> int:
+    """Writes the corpus; ``append``: only the entries missing from it (the rest kept)."""
+    entries = load() if append else {}
+    for name, make in producers().items():
+        if name not in entries:
+            entries[name] = make()
     for name in CODEC_CONFIGS:
-        entries[f"digest/{name}"] = decoded_digest(entries[f"codec/{name}"]).encode()
+        entries.setdefault(f"digest/{name}", decoded_digest(entries[f"codec/{name}"]).encode())
+    for name in VALUE_CONFIGS:
+        entries.setdefault(
+            f"digest/value/{name}", decoded_digest(entries[f"value/{name}"]).encode()
+        )
     np.savez_compressed(PATH, **{k: np.frombuffer(v, np.uint8) for k, v in entries.items()})
     print(f"wrote {len(entries)} entries to {PATH} ({PATH.stat().st_size} bytes)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(append="--append" in sys.argv[1:]))

@@ -1,5 +1,6 @@
 """The error-bounded lossy codec. Imports torch (and numba), never torchrec."""
 
+from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import BlockColumns, checksum, segment_checksums
 from torchrec_lossy.codec.entropy import entropy_bound_bytes
 from torchrec_lossy.codec.format import CodecError
@@ -26,6 +27,7 @@ from torchrec_lossy.config import CodecConfig
 __all__ = [
     "BlockColumns",
     "BlockStats",
+    "BoundKind",
     "CodecConfig",
     "CodecError",
     "GroupStatus",

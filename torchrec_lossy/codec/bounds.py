@@ -1,18 +1,48 @@
-"""Relative error bounds turned absolute: one rule for the host and the device paths.
+"""The kinds of a block's bound, and relative bounds turned absolute: one rule for the host and
+the device paths.
 
 A relative bound ``r`` of a block is ``r * (max - min)`` over the block's finite elements, the
 range taken in float32 (as the block's values), the product in float64. A block with no finite
 element, or a range that is not finite or not positive, gets the absolute bound 0 (lossless).
+A per-value bound ``v`` is not resolved: the codec quantizes such a block on its per-value grid
+(``quantize.value_symbol``), ``|x' - x| <= v |x|`` for every element.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import IntEnum
 
 import torch
 
 from torchrec_lossy.codec.elementwise import N, as_float64, isfinite, jitable, where
+
+
+class BoundKind(IntEnum):
+    """What a block's bound value means (``ErrorBound.mode``), carried per block to the codec.
+
+    Attributes:
+        ABSOLUTE: ``|x' - x| <= value``.
+        RELATIVE: ``|x' - x| <= value * (max - min)`` of the block's finite elements.
+        VALUE: ``|x' - x| <= value * |x|`` for every element (the per-value grid).
+    """
+
+    ABSOLUTE = 0
+    RELATIVE = 1
+    VALUE = 2
+
+    @classmethod
+    def of(cls, mode: str) -> BoundKind:
+        """The kind of an ``ErrorBound.mode`` name.
+
+        Args:
+            mode: ``"absolute"``, ``"relative"`` or ``"value"``.
+
+        Returns:
+            The kind.
+        """
+        return cls[mode.upper()]
 
 
 @jitable
@@ -34,20 +64,22 @@ def finite_span(lo: N, hi: N) -> N:
 
 
 def absolute_bounds(
-    blocks: Sequence[torch.Tensor], values: Sequence[float], relative: Sequence[bool]
+    blocks: Sequence[torch.Tensor], values: Sequence[float], kinds: Sequence[int]
 ) -> list[float]:
     """Each block's absolute bound (the host-side twin of the device path's resolution).
 
     Args:
         blocks: 2-D float tensors.
-        values: Per block: the absolute bound, or the relative fraction.
-        relative: Per block, whether ``values[i]`` is relative.
+        values: Per block: the absolute bound, the relative fraction or the per-value bound.
+        kinds: Per block, its ``BoundKind``.
 
     Returns:
-        Absolute bounds (one host read for all relative blocks on a device).
+        Absolute bounds, per-value ones as they are (one host read for all relative blocks on
+        a device).
     """
-    idx = [i for i, r in enumerate(relative) if r and values[i] > 0 and blocks[i].numel() > 0]
-    out = [0.0 if r else float(v) for v, r in zip(values, relative, strict=True)]
+    rel = [k == BoundKind.RELATIVE for k in kinds]
+    idx = [i for i, r in enumerate(rel) if r and values[i] > 0 and blocks[i].numel() > 0]
+    out = [0.0 if r else float(v) for v, r in zip(values, rel, strict=True)]
     if not idx:
         return out
     lo, hi = [], []
@@ -60,3 +92,28 @@ def absolute_bounds(
     for i, s in zip(idx, spans, strict=True):
         out[i] = float(values[i]) * s
     return out
+
+
+def block_kinds(kinds: BoundKind | bool | Sequence[Sequence[int | bool]], n: int) -> list[int]:
+    """One ``BoundKind`` per block from a caller's kinds: one for all, or one per block per group.
+
+    Args:
+        kinds: A kind (``True`` / ``False``: relative / absolute) for every block, or per group
+            one per block.
+        n: Blocks in all.
+
+    Returns:
+        The kinds, flat.
+
+    Raises:
+        ValueError: Not one per block.
+    """
+    if isinstance(kinds, (bool, int)):
+        return [int(kinds)] * n
+    flat = [int(k) for g in kinds for k in g]
+    if len(flat) != n or any(k not in tuple(BoundKind) for k in flat):
+        raise ValueError(
+            f"got {len(flat)} bound kinds for {n} blocks: pass one BoundKind per block, "
+            "or one for all"
+        )
+    return flat

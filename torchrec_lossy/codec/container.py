@@ -30,6 +30,7 @@ from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     VERSION,
     CodecError,
     checksum_words,
+    mode_valid,
     words_for_bytes,
 )
 
@@ -491,7 +492,6 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
-_MAX_MODE = max(MODE_NAMES)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -542,7 +542,7 @@ def check_header(
         d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
         codes = d[_CODES_FIELD]
         dtype_code, mode = codes & 0xFF, (codes >> 8) & 0xFF
-        if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or mode > _MAX_MODE:
+        if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
             return HEADER_BAD_BLOCK, b
     for b in range(n_blocks):
         d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]

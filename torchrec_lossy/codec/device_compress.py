@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
@@ -67,6 +67,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    MODE_VALUE,
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     VERSION,
@@ -130,11 +131,11 @@ class _HostTables:
 
     Args:
         blocks: The blocks (only their shapes and dtypes are read).
-        bounds: Absolute bounds, or for ``relative`` blocks the fraction of the block's finite
-            range (resolved on the device).
+        bounds: Absolute bounds, or for relative blocks the fraction of the block's finite
+            range (resolved on the device), or per-value bounds.
         chunk: Symbols per Huffman chunk.
         config: Codec knobs.
-        relative: Per block, whether its bound is relative.
+        kinds: Per block, its ``BoundKind``.
         group_sizes: Blocks per payload (one payload per group, in block order).
     """
 
@@ -144,7 +145,7 @@ class _HostTables:
         bounds: Sequence[float],
         chunk: int,
         config: CodecConfig,
-        relative: Sequence[bool],
+        kinds: Sequence[int],
         group_sizes: Sequence[int],
     ) -> None:
         b = len(blocks)
@@ -172,10 +173,16 @@ class _HostTables:
         first_block = np.cumsum(sizes) - sizes
         local = np.arange(b, dtype=np.int64) - np.repeat(first_block, sizes)
         self.sr_key = quantize.block_keys(stochastic, config.seed, local)
-        rel = np.array(relative, dtype=np.int64).reshape(b)
+        kind = np.array(kinds, dtype=np.int64).reshape(b)
+        rel = (kind == BoundKind.RELATIVE).astype(np.int64)
+        value = (kind == BoundKind.VALUE).astype(np.int64)
         self.any_relative = bool(rel.any())
+        self.any_value = bool(value.any())
         for i, eb in enumerate(bounds):
             if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
+                continue
+            if value[i]:  # the per-value grid: step 2**-m; its qmax needs the data
+                step[i], quant_try[i] = 2.0 ** -quantize.value_mantissa_bits(eb), 1
                 continue
             if rel[i]:  # the worst case (it may quantize); the device decides
                 quant_try[i] = 1
@@ -231,6 +238,7 @@ class _HostTables:
             "quant_try": quant_try,
             "sr_key": self.sr_key,
             "relative": rel,
+            "value": value,
             "group": group,
             "local": local,
             "group_blocks": sizes,
@@ -268,7 +276,10 @@ class _HostTables:
 
 
 def compress_device(
-    blocks: Sequence[torch.Tensor], bounds: Sequence[float], config: CodecConfig
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    config: CodecConfig,
+    kinds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[BlockStats]]:
     """Compresses blocks on their device; the payload equals ``pipeline.compress``'s (CPU).
 
@@ -277,13 +288,14 @@ def compress_device(
             CPU under ``TRITON_INTERPRET=1``).
         bounds: Validated absolute error bounds (floats >= 0), one per block.
         config: Codec knobs.
+        kinds: Per block, its ``BoundKind`` (absolute, or per-value); None: all absolute.
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
     buf, _, stats, _ = compress_groups_device(
-        list(blocks), list(bounds), [False] * len(blocks), [len(blocks)], config
+        list(blocks), list(bounds), list(kinds or [0] * len(blocks)), [len(blocks)], config
     )
     return buf, stats[0]
 
@@ -291,7 +303,7 @@ def compress_device(
 def compress_groups_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
-    relative: Sequence[bool],
+    kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
 ) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
@@ -305,7 +317,7 @@ def compress_groups_device(
         blocks: Validated blocks, all on one device.
         bounds: Per block: the absolute bound, or for a relative block the fraction of its
             finite range (``max - min`` over the finite elements, float32).
-        relative: Per block, whether its bound is relative.
+        kinds: Per block, its ``BoundKind``.
         group_sizes: Blocks per payload.
         config: Codec knobs.
 
@@ -315,14 +327,14 @@ def compress_groups_device(
         (:func:`_host`).
     """
     with record_function("## lossy_codec encode ##"):
-        pending = start_groups_device(blocks, bounds, relative, group_sizes, config)
+        pending = start_groups_device(blocks, bounds, kinds, group_sizes, config)
         return pending.finish(_host(pending.readback))
 
 
 def start_groups_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
-    relative: Sequence[bool],
+    kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
 ) -> PendingCompress:
@@ -331,7 +343,7 @@ def start_groups_device(
     Args:
         blocks: As :func:`compress_groups_device`.
         bounds: As :func:`compress_groups_device`.
-        relative: As :func:`compress_groups_device`.
+        kinds: As :func:`compress_groups_device`.
         group_sizes: As :func:`compress_groups_device`.
         config: Codec knobs.
 
@@ -341,7 +353,7 @@ def start_groups_device(
     """
     dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), list(relative), list(group_sizes), config, dev)
+        return _compress(list(blocks), list(bounds), list(kinds), list(group_sizes), config, dev)
 
 
 def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -418,6 +430,13 @@ def _quant_params(
     center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
     quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
     center = torch.where(quant_ok, center_f, 0.0).to(i64)
+    if ht.any_value:  # the per-value grid: center qmax, the code of the largest finite |x|
+        val = t["value"] == 1
+        amax = torch.where(has_finite, torch.maximum(lo.abs(), hi.abs()), 0.0)
+        shift = ((step.view(torch.int32).to(i64) >> 23) & 0xFF) - 104  # 23 - m for 2**-m
+        qmax = quantize.value_code(amax.view(torch.int32).to(i64), shift.clamp(0, 23))
+        center = torch.where(val & quant_try, qmax, center)
+        quant_ok = torch.where(val, quant_try, quant_ok)
     return bound, step, inv_step, center, quant_ok
 
 
@@ -553,14 +572,14 @@ def _put_references(
 def _compress(
     blocks: list[torch.Tensor],
     bounds: list[float],
-    relative: list[bool],
+    kinds: list[int],
     group_sizes: list[int],
     config: CodecConfig,
     dev: torch.device,
 ) -> PendingCompress:
     """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
     chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config, relative, group_sizes)
+    ht = _HostTables(blocks, bounds, chunk, config, kinds, group_sizes)
     t, _pinned = ht.to_device(dev)
     nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
     i64 = torch.int64
@@ -604,6 +623,7 @@ def _compress(
         t["dtype_code"].to(torch.int32),
         ht.tile_block,
         t["sr_key"],
+        t["value"],
     )
     max_err = torch.zeros(nb, dtype=torch.float64, device=dev).scatter_reduce(
         0, t["tiles"].reshape(-1, 3)[:, 2], tile_err, "amax"
@@ -746,7 +766,7 @@ def _compress(
             "rows": rows,
             "dim": dim,
             "dtype": t["dtype_code"],
-            "mode": mode,
+            "mode": torch.where(is_q & (t["value"] == 1), mode | MODE_VALUE, mode),
             "seg_words": seg_words,
             "bound": bound_bits,
         },

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from torchrec_lossy.codec.quantize import value_code, value_mantissa_bits
+
 __all__ = ["entropy_bound_bytes"]
 
 
@@ -23,7 +25,9 @@ def _entropy_bits(counts: torch.Tensor) -> float:
 
 
 def entropy_bound_bytes(
-    blocks: Sequence[torch.Tensor], error_bounds: Sequence[float]
+    blocks: Sequence[torch.Tensor],
+    error_bounds: Sequence[float],
+    value: Sequence[bool] | None = None,
 ) -> list[float]:
     """Order-0 entropy bound of error-bounded, vector-deduplicated traffic, per block.
 
@@ -31,20 +35,27 @@ def entropy_bound_bytes(
     (distinct quantized vectors x dim x order-0 entropy of their codes) + (rows x order-0 entropy
     of the row -> distinct-vector references), in bytes. A block with bound 0 is coded losslessly,
     its float bit patterns standing in for the codes. Codebooks and headers are not counted.
+    A per-value block (``value``) is coded on the per-value grid: sign and ``quantize.value_code``
+    of each magnitude, with nothing escaped.
 
     Args:
         blocks: 2-D float tensors, one per table.
-        error_bounds: Absolute bound per block.
+        error_bounds: Absolute bound per block (the per-value bound where ``value``).
+        value: Per block, whether its bound is per-value; None: none is.
 
     Returns:
         Bytes per block.
     """
     out = []
-    for x, eb in zip(blocks, error_bounds, strict=True):
+    value = value if value is not None else [False] * len(blocks)
+    for x, eb, per_value in zip(blocks, error_bounds, value, strict=True):
         if x.numel() == 0:
             out.append(0.0)
             continue
-        if eb > 0:
+        if eb > 0 and per_value:
+            bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+            q = 2 * value_code(bits & 0x7FFFFFFF, 23 - value_mantissa_bits(eb)) + (bits < 0)
+        elif eb > 0:
             q = torch.floor(x.to(torch.float64) / (2.0 * eb) + 0.5).to(torch.int64)
         else:
             q = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)

@@ -37,6 +37,24 @@ MODE_LZ = 1
 MODE_QUANT = 2
 MODE_QUANT_LZ = 3
 MODE_NAMES = {MODE_RAW: "raw", MODE_LZ: "lz", MODE_QUANT: "quant", MODE_QUANT_LZ: "quant+lz"}
+# Bit 2 of a quantized block's descriptor mode: the codes are on the per-value relative grid
+# (``quantize.value_code``; the segment header's step is 2**-m, its center the block's largest
+# code qmax). Never set on raw / lz blocks; the stats report the mode without it.
+MODE_VALUE = 4
+
+
+@jitable
+def mode_valid(mode: N) -> N:
+    """Whether a descriptor's mode byte is one a decoder reads.
+
+    Args:
+        mode: Descriptor mode bytes.
+
+    Returns:
+        True for 0..3, and 6, 7 (quantized on the per-value grid).
+    """
+    return (mode <= MODE_QUANT_LZ) | ((mode >= MODE_VALUE | MODE_QUANT) & (mode <= 7))
+
 
 # How the row -> distinct-vector references of an LZ block are packed.
 REFS_FIXED = 0  # every row: its vector id in ref_width bits
@@ -249,7 +267,10 @@ def segment_layout(desc: tuple, header: tuple) -> tuple:
     ct_off = esc_pos_off + n_esc + words_for_bytes(n_esc * itemsize)
     bs_off = ct_off + n_chunks
     lz_ok = refs_ok & (seg == head + ref_words + words_for_bytes(n_sym * itemsize))
-    q_ok = isfinite(step) & (step > 0) & (abs(center) <= MAX_CENTER)
+    # The per-value grid (MODE_VALUE): step 2**-m for m in 0..23, center qmax >= 0.
+    value = (mode & MODE_VALUE) == MODE_VALUE
+    value_ok = (step >= 2.0**-23) & (step <= 1.0) & (center >= 0)
+    q_ok = isfinite(step) & (step > 0) & where(value, value_ok, abs(center) <= MAX_CENTER)
     q_ok = q_ok & (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
     q_ok = q_ok & where(lz, refs_ok, n_unique == rows) & (n_esc <= n_sym) & (chunk_symbols >= 1)
     q_ok = q_ok & (n_chunks == -(-n_sym // clamp_min(chunk_symbols, 1))) & (bs_off <= seg)

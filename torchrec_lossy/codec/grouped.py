@@ -26,6 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec.bounds import BoundKind, block_kinds
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockColumns,
@@ -34,6 +35,7 @@ from torchrec_lossy.codec.container import (
 )
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.pipeline import (
+    check_kinds,
     compress_host_groups,
     decompress,
     decompress_host_groups,
@@ -205,7 +207,7 @@ def start_compress_groups(
     groups: Sequence[Sequence[torch.Tensor]],
     error_bounds: Sequence[Sequence[float]],
     config: CodecConfig | None = None,
-    relative: bool | Sequence[Sequence[bool]] = False,
+    kinds: BoundKind | bool | Sequence[Sequence[int]] = BoundKind.ABSOLUTE,
 ) -> PendingGroups:
     """:func:`compress_groups` without its host read (no sync on the device path).
 
@@ -213,7 +215,7 @@ def start_compress_groups(
         groups: As :func:`compress_groups`.
         error_bounds: As :func:`compress_groups`.
         config: As :func:`compress_groups`.
-        relative: As :func:`compress_groups`.
+        kinds: As :func:`compress_groups`.
 
     Returns:
         The pending call: read ``readback`` and pass its values to ``finish``.
@@ -229,18 +231,10 @@ def start_compress_groups(
         )
     flat = [b for g in groups for b in g]
     values = [v for g in error_bounds for v in g]
-    if isinstance(relative, bool):
-        rel = [relative] * len(flat)
-    else:
-        rel = [bool(r) for g in relative for r in g]
-        if len(rel) != len(flat):
-            raise ValueError(
-                f"got {len(rel)} relative flags for {len(flat)} blocks: pass one per block, "
-                "or one bool for all"
-            )
     values, _ = validate_inputs(flat, values)
+    kind = check_kinds(block_kinds(kinds, len(flat)), values, config)
     with record_function("## lossy_codec encode ##"):
-        return start_compress_blocks(flat, values, sizes, config, rel)
+        return start_compress_blocks(flat, values, sizes, config, kind)
 
 
 def start_compress_blocks(
@@ -248,7 +242,7 @@ def start_compress_blocks(
     bounds: Sequence[float],
     group_sizes: Sequence[int],
     config: CodecConfig,
-    relative: Sequence[bool],
+    kinds: Sequence[int],
 ) -> PendingGroups:
     """:func:`start_compress_groups` for blocks the caller has already checked, given flat.
 
@@ -264,7 +258,7 @@ def start_compress_blocks(
             :func:`compress_groups`).
         group_sizes: Blocks per group (they add up to ``len(blocks)``).
         config: Codec knobs.
-        relative: Per block, whether its bound is relative.
+        kinds: Per block, its bound's ``BoundKind`` (checked: ``pipeline.check_kinds``).
 
     Returns:
         The pending call: read ``readback`` and pass its values to ``finish``.
@@ -276,7 +270,7 @@ def start_compress_blocks(
         from torchrec_lossy.codec.triton_loader import load_kernels
 
         load_kernels(device)
-        pending = start_groups_device(blocks, bounds, relative, sizes, config)
+        pending = start_groups_device(blocks, bounds, kinds, sizes, config)
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
@@ -286,7 +280,7 @@ def start_compress_blocks(
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
     buffer, out_sizes, columns, skeletons = compress_host_groups(
-        blocks, bounds, sizes, config, relative
+        blocks, bounds, sizes, config, kinds
     )
     done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
     readback = _NOTHING_TO_READ
@@ -309,16 +303,18 @@ def compress_groups(
     groups: Sequence[Sequence[torch.Tensor]],
     error_bounds: Sequence[Sequence[float]],
     config: CodecConfig | None = None,
-    relative: bool | Sequence[Sequence[bool]] = False,
+    kinds: BoundKind | bool | Sequence[Sequence[int]] = BoundKind.ABSOLUTE,
 ) -> GroupedPayloads:
     """Compresses the blocks of every group (destination) in one call.
 
     Args:
         groups: Per group, its 2-D float32 / float16 / bfloat16 blocks (all on one device).
-        error_bounds: Per group, one bound per block: absolute, or where ``relative`` the
-            fraction of the block's finite range (``max - min``, see ``codec/bounds.py``).
+        error_bounds: Per group, one bound per block, of the kind ``kinds`` gives it.
         config: Codec knobs; None uses the defaults.
-        relative: Whether the bounds are relative: one flag for all, or one per block.
+        kinds: The bounds' ``BoundKind`` (``codec/bounds.py``): one for all, or per group one
+            per block. ``ABSOLUTE``; ``RELATIVE`` (or True): the fraction of the block's finite
+            range (``max - min``); ``VALUE``: ``|x' - x| <= bound * |x|`` for every element
+            (``bound <= 0.5``, round to nearest only).
 
     Returns:
         The payloads back to back, their sizes and the per-block stats. On the device path
@@ -327,7 +323,7 @@ def compress_groups(
     Raises:
         ValueError: A bad block, bound, flag or group shape (the message names it and the fix).
     """
-    pending = start_compress_groups(groups, error_bounds, config, relative)
+    pending = start_compress_groups(groups, error_bounds, config, kinds)
     host = host_sync.to_host(pending.readback).tolist() if pending.readback.numel() else []
     return pending.finish(host)
 

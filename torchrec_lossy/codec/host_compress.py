@@ -26,7 +26,7 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import finite_span
+from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
@@ -45,6 +45,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    MODE_VALUE,
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     VERSION,
@@ -143,6 +144,9 @@ class _ThreadWorkBuffers(threading.local):
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
+# BoundKind's values as the compiled kernel compares them.
+BOUND_RELATIVE = int(BoundKind.RELATIVE)
+BOUND_VALUE = int(BoundKind.VALUE)
 
 
 def _flatten(
@@ -366,8 +370,8 @@ def _compress_kernel(
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
     ``layout`` is int64 [4 * n_blocks]: the rows, then the columns, then the dtype code, then
-    whether the bound is relative (1) or absolute (0), of each block. ``bnd`` is updated in
-    place (relative bounds resolved); the scratch arrays (``symbols`` as long as ``x``,
+    the bound's kind (``bounds.BoundKind``), of each block. ``bnd`` is updated in place
+    (relative bounds resolved); the scratch arrays (``symbols`` as long as ``x``,
     ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat arrays: reshaped here, where it
     costs nothing, rather than by the caller.) Returns (the payloads' words, back to back;
     bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent, escapes;
@@ -377,7 +381,7 @@ def _compress_kernel(
     """
     nb = layout.shape[0] // 4
     rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb : 3 * nb]
-    relative = layout[3 * nb :]
+    kinds = layout[3 * nb :]
     ng = groups.shape[0]
     q = row_scratch.shape[0] // 4
     ids_q, first_q = row_scratch[:q], row_scratch[q : 2 * q]
@@ -396,17 +400,23 @@ def _compress_kernel(
             every_row[row_off[b] + r] = r
 
     # 1. Quantization parameters (quantize.quant_params, for every block at once); relative
-    # bounds resolved as bounds.absolute_bounds does.
+    # bounds resolved as bounds.absolute_bounds does; the per-value grid's (value_params)
+    # from the same ranges.
     lo, hi = quantize.finite_ranges_kernel(x, elem_off)
     wanted = np.zeros(nb, np.bool_)
+    value = np.zeros(nb, np.bool_)
     grid = np.empty(nb, np.float64)
     mid = np.zeros(nb, np.float64)
     for b in range(nb):
-        if relative[b]:
+        if kinds[b] == BOUND_RELATIVE:
             span = finite_span(np.float32(lo[b]), np.float32(hi[b]))
             bnd[b] = bnd[b] * span if bnd[b] > 0 else 0.0
         numel = elem_off[b + 1] - elem_off[b]
         wanted[b] = bnd[b] > 0 and numel > 0 and quantization
+        if kinds[b] == BOUND_VALUE:
+            value[b] = wanted[b]
+            wanted[b] = False  # not on the absolute grid
+            continue
         # The grid the codes live on (quantize.grid_bound: half the bound for stochastic).
         grid[b] = grid_scale * bnd[b]
         if np.isnan(lo[b]):
@@ -418,10 +428,15 @@ def _compress_kernel(
             fin = v[np.isfinite(v)].astype(np.float64)
             mid[b] = np.median(fin)
     step, inv_step, center, quant_ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
+    for b in range(nb):
+        if value[b]:
+            amax = max(abs(lo[b]), abs(hi[b])) if not np.isnan(lo[b]) else 0.0
+            step[b], center[b] = quantize.value_params(bnd[b], amax)
+            quant_ok[b] = True
 
     # 2. Quantize (only the active blocks' symbols are ever read).
     max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
-        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys
+        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys, value
     )
 
     # 3. Vector-LZ over the symbols.
@@ -512,7 +527,9 @@ def _compress_kernel(
     desc = np.zeros(nb, DESCRIPTOR)
     for b in range(nb):
         desc[b]["rows"], desc[b]["dim"] = rows[b], dims[b]
-        desc[b]["dtype"], desc[b]["mode"] = dcodes[b], mode[b]
+        quantized = mode[b] == MODE_QUANT or mode[b] == MODE_QUANT_LZ
+        desc[b]["dtype"] = dcodes[b]
+        desc[b]["mode"] = mode[b] | MODE_VALUE if value[b] and quantized else mode[b]
         desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], bnd[b]
     desc_words = desc.view(np.uint32)
     header = np.zeros(ng, HEADER)
@@ -560,7 +577,7 @@ def compress_blocks(
     bounds: Sequence[float],
     config: CodecConfig,
     group_sizes: Sequence[int] | None = None,
-    relative: Sequence[bool] | None = None,
+    kinds: Sequence[int] | None = None,
 ) -> BatchEncoded:
     """Encodes validated blocks into one payload per group, each stage once over all blocks.
 
@@ -570,9 +587,9 @@ def compress_blocks(
         config: Codec knobs.
         group_sizes: Blocks per group (consecutive blocks; they sum to ``len(blocks)``); None
             for one group. Each group's payload is the bytes a call with its blocks alone gives.
-        relative: Per block, whether its bound is a fraction of its finite range, resolved as
-            ``bounds.absolute_bounds`` does (from the range this pass computes anyway); None:
-            all absolute.
+        kinds: Per block, its bound's ``bounds.BoundKind``: a fraction of its finite range is
+            resolved as ``bounds.absolute_bounds`` does (from the range this pass computes
+            anyway), a per-value bound quantizes on the per-value grid; None: all absolute.
 
     Returns:
         The payloads and per-block results.
@@ -583,8 +600,8 @@ def compress_blocks(
     dims = [b.shape[1] for b in blocks]
     dcodes = [DTYPE_CODES[b.dtype] for b in blocks]
     # Each numpy call costs microseconds on arrays this small: one per input dtype.
-    rel = [0] * nb if relative is None else [1 if r else 0 for r in relative]
-    layout = np.array(rows + dims + dcodes + rel, np.int64)
+    kind = [BoundKind.ABSOLUTE] * nb if kinds is None else list(kinds)
+    layout = np.array(rows + dims + dcodes + kind, np.int64)
     bnd = np.array(bounds, np.float64)
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
     n_rows = sum(rows)

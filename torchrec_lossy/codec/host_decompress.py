@@ -31,6 +31,7 @@ from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     MODE_LZ,
     MODE_RAW,
+    MODE_VALUE,
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     segment_layout,
@@ -170,6 +171,8 @@ def _decode_segment(
     )
     if not ok:
         return _FALL_BACK
+    value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
+    m = m & ~MODE_VALUE
     if m == MODE_RAW:
         numel = n_rows * dim
         if isz == 4:
@@ -219,7 +222,7 @@ def _decode_segment(
     # The values of the code's symbols, dequantized as every element would be (same bits).
     for k in range(count):
         symbols[k] = lo + k
-    quantize.dequantize_kernel(symbols[:count], step, center, vtable[:count])
+    quantize.dequantize_kernel(symbols[:count], step, center, vtable[:count], value)
     if n_esc == 0:  # the common case: symbols decode straight to values
         if isz == 2:
             vt_bits = vtable.view(np.uint32)
@@ -239,7 +242,7 @@ def _decode_segment(
                                        words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
             return _FALL_BACK
         if isz == 2:  # the round-to-nearest-even cast the encoder checked
-            quantize.dequantize_kernel(sym, step, center, values[:n_sym])
+            quantize.dequantize_kernel(sym, step, center, values[:n_sym], value)
             h = halves_out[:n_sym]
             for k in range(n_sym):
                 h[k] = np.uint16(quantize.half_bits(np.int64(values_u[k]), dtype_code))
@@ -250,7 +253,7 @@ def _decode_segment(
         else:
             vf = values[:n_sym] if lz else out32f[o : o + n_sym]
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
-            quantize.dequantize_kernel(sym, step, center, vf)
+            quantize.dequantize_kernel(sym, step, center, vf, value)
             for k in range(n_esc):
                 vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
     if lz:  # the distinct vectors, decoded into scratch, to the rows

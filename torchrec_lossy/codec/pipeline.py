@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_compress, host_decompress, huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     BlockColumns,
@@ -58,6 +58,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    MODE_VALUE,
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER,
@@ -79,6 +80,7 @@ __all__ = [
     "CpuOps",
     "ReferenceOps",
     "StageOps",
+    "check_kinds",
     "compress",
     "compress_host_groups",
     "compress_staged",
@@ -161,6 +163,7 @@ class CpuOps:
             symbols,
             hist,
             params.sr_key,
+            params.value,
         )
         return symbols, hist, int(n_esc), float(max_err)
 
@@ -169,7 +172,9 @@ class CpuOps:
 
     def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
         out = np.empty(symbols.shape[0], dtype=np.float32)
-        quantize.dequantize_kernel(symbols, np.float32(params.step), params.center, out)
+        quantize.dequantize_kernel(
+            symbols, np.float32(params.step), params.center, out, params.value
+        )
         return out
 
     def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -394,6 +399,7 @@ def _encode_block(
     config: CodecConfig,
     ops: StageOps,
     sr_key: int = quantize.NEAREST_KEY,
+    value: bool = False,
 ) -> _Encoded:
     """Encodes one block in the smallest of the modes the config and the bound allow.
 
@@ -401,7 +407,7 @@ def _encode_block(
     The choice is ``size_model``'s (shared with the device path): on a tie the simpler mode wins
     (raw, quant, quant+lz, lz), and the lossless dedupe runs only when it could still win.
     ``sr_key`` other than ``NEAREST_KEY`` rounds stochastically with that key (grid step
-    ``bound``).
+    ``bound``). ``value``: ``bound`` is a per-value bound (the per-value grid, to nearest).
     """
     rows, dim = block.shape
     raw_bits = block.contiguous().view(BITS_DTYPES[block.dtype]).numpy()
@@ -413,7 +419,11 @@ def _encode_block(
     lz_allowed = config.enable_lz and rows > 1
     x = block.reshape(-1).float().numpy()
     params = None
-    if config.enable_quantization and bound > 0:
+    if config.enable_quantization and bound > 0 and value:
+        finite = np.abs(x[np.isfinite(x)])
+        step, qmax = quantize.value_params(bound, float(finite.max()) if finite.size else 0.0)
+        params = QuantParams(step=step, inv_step=0.0, center=int(qmax), value=True)
+    elif config.enable_quantization and bound > 0:
         stochastic = sr_key != quantize.NEAREST_KEY
         params = quantize.quant_params(quantize.grid_bound(bound, stochastic), x)
         if params is not None and stochastic:
@@ -538,17 +548,56 @@ def validate_inputs(
     return out, device
 
 
+def check_kinds(
+    kinds: Sequence[int] | None, bounds: Sequence[float], config: CodecConfig
+) -> list[BoundKind]:
+    """Checks the bound kinds of a call against its bounds and config.
+
+    Args:
+        kinds: Per block, its bound's ``BoundKind``; None: all absolute.
+        bounds: The validated bounds.
+        config: Codec knobs.
+
+    Returns:
+        The kinds, one per block.
+
+    Raises:
+        ValueError: A kind per block is missing, a per-value bound is over 0.5 (it would keep no
+            mantissa bit), or per-value bounds meet stochastic rounding (the per-value grid
+            rounds to nearest only).
+    """
+    if kinds is None:
+        return [BoundKind.ABSOLUTE] * len(bounds)
+    out = [BoundKind(int(k)) for k in kinds]
+    if len(out) != len(bounds):
+        raise ValueError(f"got {len(out)} bound kinds for {len(bounds)} blocks: pass one per block")
+    for i, (k, b) in enumerate(zip(out, bounds, strict=True)):
+        if k == BoundKind.VALUE and b > 0.5:
+            raise ValueError(
+                f"per-value bound {i} is {b}: pass a value in (0, 0.5] (0 means lossless)"
+            )
+        if k == BoundKind.VALUE and b > 0 and config.rounding == "stochastic":
+            raise ValueError(
+                f"per-value bound {i} ({b}) with rounding='stochastic': the per-value grid "
+                "rounds to nearest only; set rounding='nearest' or use a relative bound"
+            )
+    return out
+
+
 def compress_with_stats(
     blocks: Sequence[torch.Tensor],
     error_bounds: Sequence[float],
     config: CodecConfig | None = None,
+    kinds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[BlockStats]]:
-    """Compresses blocks under absolute error bounds and reports what each block became.
+    """Compresses blocks under error bounds and reports what each block became.
 
     Args:
         blocks: 2-D float32 / float16 / bfloat16 tensors (rows = embedding vectors), one device.
-        error_bounds: Absolute bound per block; 0 means lossless for that block.
+        error_bounds: Bound per block; 0 means lossless for that block.
         config: Codec knobs; None uses the defaults.
+        kinds: Per block, its bound's ``BoundKind``; None: all absolute. A ``VALUE`` block
+            keeps ``|x' - x| <= bound * |x|`` for every element (``bound <= 0.5``).
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block).
@@ -558,37 +607,49 @@ def compress_with_stats(
     """
     config = config or CodecConfig()
     bounds, device = validate_inputs(blocks, error_bounds)
+    kinds = check_kinds(kinds, bounds, config)
+    if BoundKind.RELATIVE in kinds:
+        bounds = absolute_bounds(blocks, bounds, kinds)
+        kinds = [BoundKind.ABSOLUTE if k == BoundKind.RELATIVE else k for k in kinds]
     if on_device(device, config.backend):
         load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
         from torchrec_lossy.codec.device_compress import compress_device
 
-        return compress_device(blocks, bounds, config)
+        return compress_device(blocks, bounds, config, kinds)
     if config.backend == "reference":
-        return compress_staged(blocks, bounds, config, ReferenceOps())
+        return compress_staged(blocks, bounds, config, ReferenceOps(), kinds)
     with record_function("## lossy_codec encode ##"):
-        enc = host_compress.compress_blocks(blocks, bounds, config)
+        enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
     return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
 
 
 def compress_staged(
-    blocks: Sequence[torch.Tensor], bounds: list[float], config: CodecConfig, ops: StageOps
+    blocks: Sequence[torch.Tensor],
+    bounds: list[float],
+    config: CodecConfig,
+    ops: StageOps,
+    kinds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[BlockStats]]:
     """:func:`compress_with_stats` stage by stage, block by block, over the given stages.
 
     Args:
         blocks: Validated 2-D blocks (one device).
-        bounds: Validated absolute bound per block.
+        bounds: Validated bound per block: absolute, or per-value where ``kinds`` says so.
         config: Codec knobs (its ``backend`` is not read: ``ops`` are the stages).
         ops: The stage implementations (``ReferenceOps`` for ``backend="reference"``).
+        kinds: Per block, ``BoundKind.ABSOLUTE`` or ``BoundKind.VALUE``; None: all absolute.
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block).
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
+        value = [k == BoundKind.VALUE for k in kinds or [BoundKind.ABSOLUTE] * len(blocks)]
         encoded = [
-            _encode_block(b.detach().cpu(), eb, config, ops, key)
-            for b, eb, key in zip(blocks, bounds, sr_keys(config, len(blocks)), strict=True)
+            _encode_block(b.detach().cpu(), eb, config, ops, key, v)
+            for b, eb, key, v in zip(
+                blocks, bounds, sr_keys(config, len(blocks)), value, strict=True
+            )
         ]
         segments = [[_as_bytes(s) for s in e.sections] for e in encoded]
         desc = np.zeros(len(blocks), DESCRIPTOR)
@@ -598,7 +659,9 @@ def compress_staged(
                 b.shape[0],
                 b.shape[1],
                 DTYPE_CODES[b.dtype],
-                e.mode,
+                e.mode | MODE_VALUE
+                if value[i] and e.mode in (MODE_QUANT, MODE_QUANT_LZ)
+                else e.mode,
                 0,
                 seg_words[i],
                 bounds[i],
@@ -631,7 +694,7 @@ def compress_host_groups(
     bounds: list[float],
     group_sizes: Sequence[int],
     config: CodecConfig,
-    relative: Sequence[bool] | None = None,
+    kinds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[int], list[BlockColumns], list[np.ndarray]]:
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
@@ -640,11 +703,10 @@ def compress_host_groups(
 
     Args:
         blocks: Validated 2-D blocks, group after group (one device).
-        bounds: Validated bound per block: absolute, or where ``relative`` a fraction of the
-            block's finite range (``bounds.absolute_bounds``).
+        bounds: Validated bound per block, of its kind in ``kinds``.
         group_sizes: Blocks per group.
         config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
-        relative: Per block, whether its bound is relative; None: all absolute.
+        kinds: Per block, its bound's ``BoundKind``; None: all absolute.
 
     Returns:
         (the payloads back to back as one 1-D uint8 tensor on the blocks' device, bytes of
@@ -653,7 +715,7 @@ def compress_host_groups(
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     if config.backend != "reference" and group_sizes:
-        enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, relative)
+        enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, kinds)
         flat = enc.columns()
         if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
             columns = [flat]
@@ -664,12 +726,13 @@ def compress_host_groups(
         # A no-op .to() still costs a dispatch: only a device copy pays for one.
         payload = payload if device.type == "cpu" else payload.to(device)
         return payload, enc.sizes, columns, enc.skeletons
-    if relative is not None:
-        bounds = absolute_bounds(blocks, bounds, relative)
+    kinds = list(kinds) if kinds is not None else [BoundKind.ABSOLUTE] * len(blocks)
     payloads, stats = [], []
     at = 0
     for n in group_sizes:
-        p, s = compress_with_stats(blocks[at : at + n], bounds[at : at + n], config)
+        p, s = compress_with_stats(
+            blocks[at : at + n], bounds[at : at + n], config, kinds[at : at + n]
+        )
         payloads.append(p)
         stats.append(BlockColumns.of(s))
         at += n
@@ -732,13 +795,17 @@ def _decode_block(
     header = r.take(SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
     step, center, n_unique, n_esc, chunk_symbols, n_chunks = header[:6]
     lo, count, esc_len, ref_mode, width = header[6:11]
+    value = (mode & MODE_VALUE) == MODE_VALUE
+    mode &= ~MODE_VALUE
     if mode == MODE_LZ:
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
         uniq = r.take_bytes(n_unique * dim * itemsize, "distinct vectors").view(bits_dtype)
         r.done()
         return to_tensor(vector_lz.expand_rows_kernel(uniq.reshape(n_unique, dim), ids))
 
-    if not (math.isfinite(step) and step > 0 and abs(center) <= quantize.MAX_CENTER):
+    if value and not (2.0**-23 <= step <= 1.0 and center >= 0):
+        raise r.fail(f"per-value grid step {step} / largest code {center} out of range")
+    if not (math.isfinite(step) and step > 0 and (value or abs(center) <= quantize.MAX_CENTER)):
         raise r.fail(f"quantization step {step} / center {center} out of range")
     if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
         raise r.fail(f"codebook range {lo}+{count} / escape length {esc_len} out of range")
@@ -761,7 +828,9 @@ def _decode_block(
     symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths, esc_pos)
     if isinstance(symbols, str):
         raise r.fail(f"Huffman stream: {symbols}")
-    values = ops.dequantize(symbols, QuantParams(step=step, inv_step=0.0, center=center))
+    values = ops.dequantize(
+        symbols, QuantParams(step=step, inv_step=0.0, center=center, value=value)
+    )
     if itemsize == 4:
         out_bits = values.view(np.int32)
     else:  # the same round-to-nearest-even cast the encoder checked the bound against

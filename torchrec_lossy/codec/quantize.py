@@ -50,12 +50,127 @@ class QuantParams:
         center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
         sr_key: ``NEAREST_KEY``: round to nearest; else the block's stochastic-rounding key
             (encoder only: the decoder reconstructs ``q * step`` either way).
+        value: The per-value relative grid (``MODE_VALUE``): ``step`` is ``2**-m``, ``center``
+            the block's largest code ``qmax`` and ``inv_step`` unused (:func:`value_params`).
     """
 
     step: float
     inv_step: float
     center: int
     sr_key: int = NEAREST_KEY
+    value: bool = False
+
+
+# The per-value relative grid (``ErrorBound(mode="value")``), integer-only so that every backend
+# writes the same bytes: keep m mantissa bits of |x|'s float32, rounded to nearest (the carry into
+# the exponent is the right rounding), so |x' - x| <= 2**-(m + 1) |x| for normal values; what
+# that misses (denormals, overflow, the cast to fp16 / bf16) fails the float64 check and is
+# escaped. Symbol of x: SYMBOL_OFFSET + sign(x) (qmax - q + 1), counted down from the block's
+# largest code qmax, so the large values, which every block has, sit next to the symbol of +0.0
+# (SYMBOL_OFFSET) and the codebook spans the block's octaves, not the whole alphabet; codes
+# SYMBOL_OFFSET or more below qmax are escaped.
+
+
+@jitable
+def value_mantissa_bits(v: float) -> int:
+    """Mantissa bits m of the grid for a relative bound ``v``: the least m in 0..23 with
+    ``2**-(m + 1) <= v`` (exact: from ``v``'s binary exponent).
+
+    Args:
+        v: The relative bound (> 0).
+
+    Returns:
+        m.
+    """
+    m = -math.frexp(v)[1]  # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e
+    return min(max(m, 0), 23)
+
+
+@jitable
+def value_code(mag_bits: N, shift: N) -> N:
+    """Codes of magnitudes: float32 bits of ``|x|`` rounded to nearest to a multiple of
+    ``2**shift`` and divided by it (``shift = 23 - m``). Integers: ints, arrays, tensors.
+
+    Args:
+        mag_bits: float32 bits of ``|x|`` (non-negative, < 2**31).
+        shift: ``23 - m``.
+
+    Returns:
+        The codes q.
+    """
+    return (mag_bits + ((1 << shift) >> 1)) >> shift
+
+
+@jitable
+def value_symbol(bits: N, shift: N, qmax: N) -> tuple[N, N]:
+    """Symbols of float32 values on the per-value grid, and their reconstructions' bits.
+
+    Args:
+        bits: float32 bits of the values as non-negative ints (< 2**32).
+        shift: ``23 - m``.
+        qmax: The block's largest code (of its largest finite ``|x|``).
+
+    Returns:
+        (symbol, ``ESCAPE_SYMBOL`` where a code does not fit (``-0.0`` included: it would
+        decode as ``+0.0``); float32 bits of the reconstruction ``sign * (q << shift)``, as
+        non-negative ints). The caller still escapes what fails the float64 check.
+    """
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    q = value_code(mag, shift)
+    d = qmax - q  # < 0 only for non-finite values
+    fits = where(mag == 0, sign == 0, (d >= 0) & (d < SYMBOL_OFFSET))
+    sym = SYMBOL_OFFSET + where(mag == 0, 0, where(sign == 0, d + 1, -d - 1))
+    return where(fits, sym, ESCAPE_SYMBOL), ((q << shift) & 0x7FFFFFFF) | sign
+
+
+@jitable
+def value_decode_bits(symbols: N, shift: N, qmax: N) -> N:
+    """float32 bits of the values of per-value-grid symbols (the decoder's half of
+    :func:`value_symbol`; any symbol maps to some bits, so a corrupt stream cannot crash it).
+
+    Args:
+        symbols: Symbols (ints, arrays or tensors).
+        shift: ``23 - m``.
+        qmax: The block's largest code.
+
+    Returns:
+        float32 bits as non-negative ints.
+    """
+    s = symbols - SYMBOL_OFFSET
+    q = qmax + 1 - where(s < 0, -s, s)
+    mag = where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
+    return mag | where(s < 0, 0x80000000, 0)
+
+
+@jitable
+def value_params(v: float, amax: float) -> tuple[float, int]:
+    """The per-value grid of a block: its step ``2**-m`` and largest code ``qmax``.
+
+    Args:
+        v: The relative bound (> 0).
+        amax: Largest finite ``|x|`` of the block (0 when none is finite).
+
+    Returns:
+        (step, exact in float32; qmax, the code of ``amax``: the segment header's center).
+    """
+    m = value_mantissa_bits(v)
+    mag = np.int64(np.float32(amax).view(np.uint32)) & 0x7FFFFFFF
+    return 2.0**-m, value_code(mag, 23 - m)
+
+
+@jitable
+def value_shift(step: float) -> int:
+    """``23 - m`` from a segment header's step ``2**-m`` (its binary exponent; any step a
+    decoder accepts, in [2**-23, 1], gives a shift in 0..23).
+
+    Args:
+        step: The segment header's step.
+
+    Returns:
+        The shift.
+    """
+    return 22 + math.frexp(step)[1]  # step = 0.5 * 2**(1 - m) exactly
 
 
 def grid_bound(bound: float, stochastic: bool) -> float:
@@ -344,6 +459,30 @@ def _quantize_dtypes(
     return _quantize_loop(x, step, inv_step, center, bound, 3, stochastic, key, symbols)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _quantize_value_loop(
+    x: np.ndarray, shift: int, qmax: int, bound: float, dtype_code: int, symbols: np.ndarray
+) -> tuple[int, int, int]:
+    # The per-value grid (value_symbol): the error is checked against bound * |x| in float64,
+    # and the max error reported is the relative one, |x' - x| / |x|.
+    max_err_bits = np.int64(0)
+    lo = np.int64(ESCAPE_SYMBOL)
+    hi = np.int64(-1)
+    for i in range(x.shape[0]):
+        v = x[i]
+        sym, rb = value_symbol(np.int64(np.float32(v).view(np.uint32)), shift, qmax)
+        recon = _round_to_dtype(np.uint32(rb).view(np.float32), dtype_code)
+        av = abs(np.float64(v))
+        err = abs(np.float64(recon) - np.float64(v))
+        ok = (sym != ESCAPE_SYMBOL) & (err <= bound * av)  # False for NaN and Inf too
+        symbols[i] = np.uint16(sym if ok else ESCAPE_SYMBOL)
+        rel = err / av if ok and av > 0 else 0.0
+        max_err_bits = max(max_err_bits, np.float64(rel).view(np.int64))
+        lo = min(lo, sym if ok else np.int64(ESCAPE_SYMBOL))
+        hi = max(hi, sym if ok else np.int64(-1))
+    return max_err_bits, lo, hi
+
+
 @numba.njit(cache=True, nogil=True)
 def _quantize_any(
     x: np.ndarray,
@@ -354,11 +493,21 @@ def _quantize_any(
     dtype_code: int,
     symbols: np.ndarray,
     sr_key: int,
+    value: bool,
 ) -> tuple[float, int, int]:
     """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
-    every element escapes). ``sr_key``: ``NEAREST_KEY`` or the stochastic-rounding key."""
+    every element escapes). ``sr_key``: ``NEAREST_KEY`` or the stochastic-rounding key;
+    ``value``: the per-value grid (``step`` 2**-m, ``center`` qmax; round to nearest)."""
     key = np.uint64(sr_key & 0xFFFFFFFF)
-    if sr_key < 0:  # the rounding, like the dtype, is resolved at compile time
+    if value:
+        shift = value_shift(np.float64(step))
+        if dtype_code == 1:
+            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 1, symbols)
+        elif dtype_code == 2:
+            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 2, symbols)
+        else:
+            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 3, symbols)
+    elif sr_key < 0:  # the rounding, like the dtype, is resolved at compile time
         err_bits, lo, hi = _quantize_dtypes(
             x, step, inv_step, center, bound, dtype_code, False, key, symbols
         )
@@ -380,6 +529,7 @@ def quantize_kernel(
     symbols: np.ndarray,
     hist: np.ndarray,
     sr_key: int = NEAREST_KEY,
+    value: bool = False,
 ) -> tuple[int, float]:
     """Quantizes a flat float32 array into symbols; escapes what the bound cannot cover.
 
@@ -395,11 +545,15 @@ def quantize_kernel(
             Huffman stage a separate call).
         sr_key: ``NEAREST_KEY`` (-1): round to nearest; else the block's stochastic-rounding key
             (:func:`stochastic_key`).
+        value: The per-value grid (``QuantParams.value``; ``bound`` is then relative).
 
     Returns:
-        (number of escaped elements, max |x - x'| over the elements that were not escaped).
+        (number of escaped elements, max |x - x'| over the elements that were not escaped;
+        for ``value`` the max of ``|x - x'| / |x|``).
     """
-    max_error, _, _ = _quantize_any(x, step, inv_step, center, bound, dtype_code, symbols, sr_key)
+    max_error, _, _ = _quantize_any(
+        x, step, inv_step, center, bound, dtype_code, symbols, sr_key, value
+    )
     for s in symbols:
         hist[s] += 1
     return hist[ESCAPE_SYMBOL], max_error
@@ -480,6 +634,7 @@ def quantize_blocks_kernel(
     active: np.ndarray,
     symbols: np.ndarray,
     sr_keys: np.ndarray,
+    value: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`quantize_kernel` over every active block of a concatenation, in one call.
 
@@ -494,6 +649,7 @@ def quantize_blocks_kernel(
         active: bool [n_blocks] blocks to quantize (the others' symbols are left as they are).
         symbols: uint16 output, same length as ``x``.
         sr_keys: int64 [n_blocks] ``NEAREST_KEY`` or each block's stochastic-rounding key.
+        value: bool [n_blocks] blocks on the per-value grid (their bound is relative).
 
     Returns:
         Per block: max error (float64), lowest and highest value symbol (int64; ESCAPE_SYMBOL
@@ -515,12 +671,15 @@ def quantize_blocks_kernel(
                 dtype_codes[b],
                 symbols[s:e],
                 sr_keys[b],
+                value[b],
             )
     return max_err, lo, hi
 
 
 @numba.njit(cache=True, nogil=True)
-def dequantize_kernel(symbols: np.ndarray, step: np.float32, center: int, out: np.ndarray) -> None:
+def dequantize_kernel(
+    symbols: np.ndarray, step: np.float32, center: int, out: np.ndarray, value: bool = False
+) -> None:
     """Reconstructs float32 values from symbols (escapes are filled in afterwards).
 
     Args:
@@ -528,7 +687,14 @@ def dequantize_kernel(symbols: np.ndarray, step: np.float32, center: int, out: n
         step: Quantization step.
         center: Code of the block's midpoint.
         out: 1-D float32 output, same length.
+        value: The per-value grid (``step`` 2**-m, ``center`` qmax).
     """
+    if value:
+        shift = value_shift(np.float64(step))
+        bits = out.view(np.uint32)
+        for i in range(symbols.shape[0]):
+            bits[i] = np.uint32(value_decode_bits(np.int64(symbols[i]), shift, center))
+        return
     base = center - SYMBOL_OFFSET
     for i in range(symbols.shape[0]):
         out[i] = np.float32(np.int64(symbols[i]) + base) * step
@@ -569,6 +735,8 @@ def quantize_reference(
         (int64 symbols, flat, ESCAPE_SYMBOL where escaped; max error over non-escaped elements).
     """
     xf = x.reshape(-1).float()
+    if params.value:
+        return _quantize_value_reference(x, xf, params, bound)
     step = torch.tensor(params.step, dtype=torch.float32)
     inv = torch.tensor(params.inv_step, dtype=torch.float32)
     if sr_key == NEAREST_KEY:
@@ -586,6 +754,25 @@ def quantize_reference(
     return symbols, max_error
 
 
+def _quantize_value_reference(
+    x: torch.Tensor, xf: torch.Tensor, params: QuantParams, bound: float
+) -> tuple[torch.Tensor, float]:
+    """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
+    bits = xf.view(torch.int32).long() & 0xFFFFFFFF
+    sym, rb = value_symbol(bits, value_shift(params.step), params.center)
+    recon = _bits_to_float32(rb).to(x.dtype).double()
+    err = (recon - xf.double()).abs()
+    ax = xf.double().abs()
+    ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
+    rel = torch.where(ok & (ax > 0), err / ax, 0.0)
+    return torch.where(ok, sym, ESCAPE_SYMBOL), float(rel.max()) if rel.numel() else 0.0
+
+
+def _bits_to_float32(bits: torch.Tensor) -> torch.Tensor:
+    """float32 values from their bits held as non-negative int64."""
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
 def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Tensor:
     """Torch twin of :func:`dequantize_kernel`.
 
@@ -596,6 +783,9 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
     Returns:
         float32 reconstructions (escaped positions hold garbage, to be overwritten).
     """
+    if params.value:
+        shift = value_shift(params.step)
+        return _bits_to_float32(value_decode_bits(symbols.long(), shift, params.center))
     q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
     return q * torch.tensor(params.step, dtype=torch.float32)
 
@@ -618,4 +808,10 @@ __all__ = [
     "quantize_reference",
     "stochastic_key",
     "uniform_reference",
+    "value_code",
+    "value_decode_bits",
+    "value_mantissa_bits",
+    "value_params",
+    "value_shift",
+    "value_symbol",
 ]

@@ -35,7 +35,7 @@ from torchrec_lossy.codec import (
     decompress_groups,
     host_sync,
 )
-from torchrec_lossy.codec.bounds import absolute_bounds
+from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
 from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
@@ -256,7 +256,8 @@ def padded_size(nbytes: int) -> int:
 
 
 def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> list[float]:
-    """Absolute bound of each block: ``value`` or ``value * (max - min)`` of the block.
+    """Absolute bound of each block: ``value`` or ``value * (max - min)`` of the block (a
+    per-value bound as it is: it has no absolute form).
 
     The codec's rule (``torchrec_lossy.codec.bounds``), which ``compress_groups`` applies on
     the device; this host form is for callers that need the values before encoding.
@@ -268,9 +269,19 @@ def abs_bounds(blocks: Sequence[torch.Tensor], bounds: Sequence[ErrorBound]) -> 
     Returns:
         Absolute bounds.
     """
-    return absolute_bounds(
-        blocks, [eb.value for eb in bounds], [eb.mode == "relative" for eb in bounds]
-    )
+    return absolute_bounds(blocks, [eb.value for eb in bounds], bound_kinds(bounds))
+
+
+def bound_kinds(bounds: Sequence[ErrorBound]) -> list[BoundKind]:
+    """The codec's ``BoundKind`` of each bound.
+
+    Args:
+        bounds: Error bounds.
+
+    Returns:
+        One kind per bound.
+    """
+    return [BoundKind.of(eb.mode) for eb in bounds]
 
 
 @dataclass
@@ -620,13 +631,13 @@ def start_encode(
             for p, idx in zip(plan.peers, plan.coded, strict=True)
             for i in idx
         ]
-        values, relative = _codec_bounds(direction, info, plan, len(flat_blocks))
+        values, kinds = _codec_bounds(direction, info, plan, len(flat_blocks))
         pending = start_compress_blocks(
             flat_blocks,
             values,
             [len(idx) for idx in plan.coded],
             _codec_config(comms.config, direction, call, my_rank or 0),
-            relative,
+            kinds,
         )
         raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
         device_sizes, meta = _size_words(pending, plan, raw_parts, device)
@@ -692,7 +703,7 @@ def _samples_errors(
 
 def _codec_bounds(
     direction: Direction, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
-) -> tuple[list[float], list[bool]]:
+) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
     forward (an adaptive provider moves them; asked once per table), the backward's for the
     backward.
@@ -704,16 +715,16 @@ def _codec_bounds(
         n_blocks: Codec blocks of the call.
 
     Returns:
-        Bound values and whether each is relative, one per codec block.
+        Bound values and their kinds, one per codec block.
     """
     if direction == "fwd" and info.exact_forward:
-        return [0.0] * n_blocks, [False] * n_blocks
+        return [0.0] * n_blocks, [BoundKind.ABSOLUTE] * n_blocks
     if direction == "fwd":
         bounds = [info.comms.bounds.bound(t) for t in plan.distinct]
         at = plan.table_at
-        return [bounds[i].value for i in at], [bounds[i].mode == "relative" for i in at]
+        return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
     eb = info.comms.config.backward_bound
-    return [eb.value] * n_blocks, [eb.mode == "relative"] * n_blocks
+    return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
 
 
 def _raw_parts(

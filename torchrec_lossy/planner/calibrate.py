@@ -75,7 +75,7 @@ def calibrate(
     Returns:
         Per-table results, in the order of ``blocks``.
     """
-    from torchrec_lossy.codec import compress
+    from torchrec_lossy.codec import BoundKind, compress, compress_with_stats
 
     names = list(blocks)
     adaptive = AdaptiveBounds(names, comms)
@@ -93,7 +93,12 @@ def calibrate(
             )
         raw = block.numel() * block.element_size()
         bound = adaptive.bound(name)
-        if comms.table(name).compress:
+        if comms.table(name).compress and bound.mode == "value":  # no absolute form
+            payload, _ = compress_with_stats(
+                [block], [bound.value], comms.codec, kinds=[BoundKind.VALUE]
+            )
+            eb, wire = bound.value, int(payload.numel())
+        elif comms.table(name).compress:
             eb = _abs_bound(block, bound)
             wire = int(compress([block], [eb], comms.codec).numel())
         else:
