@@ -61,7 +61,7 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 )
 from torchrec.distributed.types import CommOp
 
-from torchrec_lossy.config import InputDistConfig, LossyCommsConfig
+from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
 from torchrec_lossy.distributed.dedupe import distinct_bags
 from torchrec_lossy.distributed.input_dist import encode_with_telemetry
@@ -153,10 +153,14 @@ def _pooled_setup(world: int, dim: int) -> tuple[list[str], list[tuple[BlockSpec
 
 
 def _default_info(
-    names: list[str], layout: list[tuple[BlockSpec, ...]], batch: int
+    names: list[str],
+    layout: list[tuple[BlockSpec, ...]],
+    batch: int,
+    config: LossyCommsConfig | None = None,
 ) -> LossyAll2AllPooledInfo:
-    """The pooled all-to-all's state with the default config and fresh telemetry."""
-    config = LossyCommsConfig()
+    """The pooled all-to-all's state with ``config`` (default: the default config) and fresh
+    telemetry."""
+    config = config or LossyCommsConfig()
     comms = LossyComms(config=config, bounds=StaticBounds(names, config))
     return LossyAll2AllPooledInfo(
         batch_size_per_rank=[batch] * len(layout),
@@ -167,7 +171,12 @@ def _default_info(
 
 
 def _output_bytes(
-    ids: torch.Tensor, ranks: torch.Tensor, world: int, preset: str, dim: int
+    ids: torch.Tensor,
+    ranks: torch.Tensor,
+    world: int,
+    preset: str,
+    dim: int,
+    config: LossyCommsConfig | None = None,
 ) -> dict[str, dict[str, float]]:
     """Forward pooled-embedding bytes per step for every mode.
 
@@ -177,6 +186,7 @@ def _output_bytes(
         world: Ranks.
         preset: Table sizes of the value model.
         dim: Embedding dimension.
+        config: The lossy forward's config (default: ``LossyCommsConfig()``).
     """
     cards = table_cardinalities(preset)
     model = default_value_model(preset)
@@ -188,7 +198,7 @@ def _output_bytes(
         **{m: {"bytes": _qcomm_bytes(m, chunks)} for m in QCOMM},
     }
     for variant, dedupe in (("lossy", False), ("lossy+out_dedupe", True)):
-        info = _default_info(names, layout, batch)
+        info = _default_info(names, layout, batch, config)
         comms = info.comms
         sent_rows = 0
         for o in range(world):
@@ -614,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every table table-wise round-robin, or every table row-wise over all ranks",
     )
     p.add_argument("--module", choices=("ebc", "ec"), default="ebc", help="module type")
+    p.add_argument(
+        "--forward-bound",
+        metavar="MODE:VALUE",
+        help="table-wise EBC: the lossy forward's default_bound instead of the default, e.g. "
+        "value:0.03125 (per-value) or relative:0.01",
+    )
     p.add_argument("--seq-len", type=int, default=50, help="ec: ids per sample and feature")
     p.add_argument("--timing", action="store_true", help="time the input codec instead")
     p.add_argument("--timing-batches", type=int, nargs="+", default=[512, 2048])
@@ -634,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps(timings, indent=1) + "\n")
         return 0
 
+    forward = None
+    if args.forward_bound:
+        mode, _, value = args.forward_bound.partition(":")
+        forward = LossyCommsConfig(default_bound=ErrorBound(mode=mode, value=float(value)))
     g = torch.Generator().manual_seed(0)
     if args.module == "ec":
         ec = [r for w in args.worlds for r in _ec_results(w, args.batch, args.seq_len, 32, g)]
@@ -673,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 continue
             inp = _input_bytes(ids, world)
-            outp = _output_bytes(ids, ranks, world, preset, dim)
+            outp = _output_bytes(ids, ranks, world, preset, dim, forward)
             bwd = _backward_bytes(ids, world, dim, g)
             # Modes as a user runs them: TorchRec's input dist with none / qcomm output codecs;
             # ours: the packed, deduplicated input dist with the lossy output dist.
