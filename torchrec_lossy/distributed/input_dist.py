@@ -34,7 +34,8 @@ batch with zero lengths, the features' batches in the metadata: ``kjt_codec``) a
 TorchRec's VBE KJT, bit-identical; they take no output dedupe. 2-D weights and single-rank
 groups fall back to TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace
 the ``forward`` of each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed
-path stays active: :class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`, not ``forward``.
+path stays active: :class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`,
+not ``forward``.
 """
 
 from __future__ import annotations
