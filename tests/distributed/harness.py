@@ -550,3 +550,37 @@ def torchrec_test_sharding() -> Any:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return importlib.import_module("torchrec.distributed.test_utils.test_sharding")
+
+
+def vbe_batch(tables: list, batch_size: int, seed: int, max_len: int = 3) -> Any:
+    """A VBE KJT: each feature a random number of distinct bags, expanded to ``batch_size``.
+
+    Args:
+        tables: The tables whose features the batch holds.
+        batch_size: Rows of the expanded output (``inverse_indices`` width).
+        seed: Seed of the draw.
+        max_len: Most ids per bag.
+
+    Returns:
+        A KeyedJaggedTensor with ``stride_per_key_per_rank`` and ``inverse_indices``.
+    """
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    keys, lengths, values, strides, inverse = [], [], [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            stride = int(torch.randint(1, batch_size + 1, (1,), generator=g))
+            n = torch.randint(0, max_len + 1, (stride,), generator=g)
+            keys.append(f)
+            lengths.append(n)
+            values.append((torch.rand(int(n.sum()), generator=g) * t.num_embeddings).long())
+            strides.append([stride])
+            inverse.append(torch.randint(0, stride, (batch_size,), generator=g))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=strides,
+        inverse_indices=(keys, torch.stack(inverse)),
+    )

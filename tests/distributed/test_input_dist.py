@@ -152,6 +152,58 @@ def test_int32_dtypes_weight_cast_and_dedupe_saves_bytes() -> None:
     assert on.stats.table(SPLITS, "input").raw_bytes == 2 * 2 * 3 * 8  # senders, dests, rows
 
 
+def _vbe_kjt(seed: int, keys: list[str] = KEYS, weighted: bool = False) -> Any:
+    """A VBE KJT: every feature its own batch (one of them 0), ids skewed toward 0."""
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    strides = torch.randint(1, 8, (len(keys),), generator=g).tolist()
+    strides[seed % len(keys)] = 0  # a feature without bags on this rank
+    lengths = torch.randint(0, 4, (sum(strides),), generator=g)
+    n = int(lengths.sum())
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=(torch.rand(n, generator=g) ** 3 * 1000).long(),
+        lengths=lengths,
+        weights=torch.randn(n, generator=g) if weighted else None,
+        stride_per_key_per_rank=[[b] for b in strides],
+    )
+
+
+def test_vbe_kjt_travels_padded_with_its_batches_appended_to_the_metadata() -> None:
+    from torchrec import KeyedJaggedTensor
+
+    from torchrec_lossy.distributed.kjt_codec import meta_words
+    from torchrec_lossy.distributed.vbe import pad_vbe_lengths
+
+    splits = [2, 3]
+    kjt = _vbe_kjt(3, weighted=True)
+    strides = kjt.stride_per_key()
+    padded, batch = pad_vbe_lengths(kjt.lengths(), strides)
+    assert batch == max(strides) and padded.numel() == len(KEYS) * batch
+    fixed = KeyedJaggedTensor(
+        keys=KEYS, values=kjt.values(), lengths=padded, weights=kjt.weights(), stride=batch
+    )
+    vbe_enc = encode_with_telemetry(kjt, splits, _comms())
+    fixed_enc = encode_with_telemetry(fixed, splits, _comms())
+    # The payloads are those of the padded fixed-batch KJT, word for word.
+    assert torch.equal(vbe_enc.send, fixed_enc.send)
+    assert vbe_enc.meta_splits == [meta_words(n, vbe=True) for n in splits] == [11, 15]
+    vbe_rows = torch.split(vbe_enc.meta, vbe_enc.meta_splits)
+    fixed_rows = torch.split(fixed_enc.meta, fixed_enc.meta_splits)
+    for d, (v, f) in enumerate(zip(vbe_rows, fixed_rows, strict=True)):
+        n = splits[d]
+        # Same row but for the VBE flag (bit 33 of the dtype-codes word), then the batches.
+        assert torch.equal(v[:2], f[:2]) and int(v[2]) == int(f[2]) | 1 << 33
+        assert torch.equal(v[3 : 3 + 3 * n], f[3:])
+        lo = sum(splits[:d])
+        assert v[3 + 3 * n :].tolist() == strides[lo : lo + n]
+        row = parse_meta(v.tolist(), n)
+        assert row.strides == strides[lo : lo + n] and parse_meta(f.tolist(), n).strides is None
+    with pytest.raises(ValueError, match="VBE"):
+        encode_with_telemetry(kjt, splits, _comms(), output_dedupe="exact")
+
+
 def test_negative_ids_and_mismatched_payload_are_refused() -> None:
     from torchrec import KeyedJaggedTensor
 
@@ -299,6 +351,40 @@ def test_kjt_all_to_all_bit_identical_to_torchrec(world_size: int) -> None:
                 assert value == batches, (rank, key)
             else:
                 assert value, (rank, key)
+
+
+def _worker_vbe_a2a(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torchrec.distributed.dist_data import KJTAllToAll
+
+    from torchrec_lossy.distributed import LossyKJTAllToAll
+
+    pg = dist.group.WORLD
+    splits = [2, 3] if world_size == 2 else [2, 0, 3]
+    ref = KJTAllToAll(pg, splits)
+    out: dict[Any, Any] = {}
+    for weighted in (False, True):
+        kjt = _vbe_kjt(10 * rank + weighted, weighted=weighted)
+        expected = ref(kjt).wait().wait()
+        for dedupe in (True, False):
+            comms = _comms(dedupe=dedupe)
+            got = LossyKJTAllToAll(pg, splits, comms)(kjt).wait().wait()
+            out[(weighted, dedupe)] = (
+                _same_kjt(got, expected)
+                and got.variable_stride_per_key()
+                and got.stride_per_key() == expected.stride_per_key()
+            )
+            total = comms.stats.total("input")
+            out[(weighted, dedupe, "smaller")] = total.wire_bytes < total.raw_bytes
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vbe_kjt_all_to_all_bit_identical_to_torchrec(world_size: int) -> None:
+    for rank, r in enumerate(run_workers(_worker_vbe_a2a, world_size)):
+        for key, value in r.items():
+            assert value, (rank, key)
 
 
 def _worker_input_faults(rank: int, world_size: int) -> dict[str, Any]:

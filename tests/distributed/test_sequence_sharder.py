@@ -18,6 +18,7 @@ from harness import (
     run_workers,
     same_local_pieces,
     sgd_fused_params,
+    vbe_batch,
 )
 
 pytestmark = pytest.mark.dist
@@ -318,6 +319,70 @@ class _TwoModules(torch.nn.Module):
 
     def forward(self, kjt: Any) -> tuple[Any, Any]:
         return self.ebc(kjt), self.ec(kjt)
+
+
+def _copy_vbe(kjt: Any) -> Any:
+    """A VBE KJT with its own storage (see :func:`_copy`)."""
+    from torchrec import KeyedJaggedTensor
+
+    keys, inverse = kjt.inverse_indices()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().clone(),
+        lengths=kjt.lengths().clone(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+        inverse_indices=(keys, inverse.clone()),
+    )
+
+
+def _worker_vbe(rank: int, world_size: int) -> dict[str, Any]:
+    from torchrec_lossy.config import ErrorBound
+
+    tables = _ec_tables()
+    models = {
+        "torchrec": _shard(_make_ec(tables), _torchrec_sharder(), world_size),
+        "exact": _shard(
+            _make_ec(tables),
+            _lossy_sharder(default_bound=ErrorBound("absolute", 0.0), **EXACT),
+            world_size,
+        ),
+        "lossy": _shard(
+            _make_ec(tables),
+            _lossy_sharder(default_bound=ErrorBound("absolute", FWD_BOUND), **EXACT),
+            world_size,
+        ),
+    }
+    outs: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    for s in range(2):
+        kjt = vbe_batch(tables, 12 + rank, seed=100 * s + rank)
+        for name, model in models.items():
+            values = _values(model(_copy_vbe(kjt)).wait(), kjt.keys())
+            g = torch.Generator().manual_seed(1000 * s + rank)
+            ((values - torch.rand(values.shape, generator=g)) ** 2).sum().backward()
+            outs[name].append(values.detach().clone())
+    tr = models["torchrec"].state_dict()
+    fwd = models["lossy"].module.lossy_stats.total("fwd")
+    return {
+        "exact_out_equal": all(
+            torch.equal(a, b) for a, b in zip(outs["exact"], outs["torchrec"], strict=True)
+        ),
+        "exact_w_equal": same_local_pieces(models["exact"].state_dict(), tr),
+        "lossy_out0_err": (outs["lossy"][0] - outs["torchrec"][0]).abs().max().item(),
+        "coded": fwd.raw_bytes > 0 and fwd.wire_bytes > 0,
+    }
+
+
+@pytest.mark.timeout(900)
+def test_ec_vbe_bit_equal_to_torchrec_and_lossy_within_bound() -> None:
+    # TorchRec's EC runs VBE by padding the KJT to its largest batch before the input dist and
+    # taking the padding out of the outputs; the lossy dists carry the padded batch, whose
+    # size differs per rank (the batch sizes come with the packed input dist's KJT).
+    results = run_workers(_worker_vbe, 2, timeout_s=600)
+    for rank, r in enumerate(results):
+        assert r["exact_out_equal"] and r["exact_w_equal"], (rank, r)
+        assert r["lossy_out0_err"] <= FWD_BOUND + 1e-6 and r["coded"], (rank, r)
+    # Blocks of a few rows travel raw (error 0, test_vbe.py), larger ones quantized.
+    assert max(r["lossy_out0_err"] for r in results) > 0, results
 
 
 def _worker_both(rank: int, world_size: int) -> dict[str, Any]:

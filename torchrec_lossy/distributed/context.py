@@ -112,7 +112,8 @@ class LossyShardingContext(EmbeddingShardingContext):
         source_mask: Row-wise shardings: bool ``[world, features, batch]``, whether each of this
             rank's bags has ids in each source rank's row shard (the lengths of TorchRec's
             bucketized KJT, kept by the packed RW input dist); the receiver adds only those
-            sources' partial sums and sends each source only those rows' gradients. None: all.
+            sources' partial sums and sends each source only those rows' gradients (VBE:
+            ``batch`` is the largest batch, each feature's bags padded with False). None: all.
     """
 
     output_dedupe: OutputDedupe | None = None

@@ -29,10 +29,13 @@ the batch size of every source and the state of the cross-side output dedupe
 (:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`) to the lossy sharded module, which
 puts them into the sharding context its output dist reads.
 
-Variable batch per feature (VBE) inputs, 2-D weights and single-rank groups fall back to
-TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace the ``forward`` of
-each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed path stays active:
-:class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`, not ``forward``.
+Variable batch per feature (VBE) KJTs travel packed too (their lengths padded to the largest
+batch with zero lengths, the features' batches in the metadata: ``kjt_codec``) and decode into
+TorchRec's VBE KJT, bit-identical; they take no output dedupe. 2-D weights and single-rank
+groups fall back to TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace
+the ``forward`` of each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed
+path stays active: :class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`,
+not ``forward``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import DistributedKJT, KJTDistState
 from torchrec_lossy.distributed.dedupe import OutputDedupe, OutputDedupeMode
+from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.kjt_codec import (
     EncodedKJT,
     FeatureMeta,
@@ -63,6 +67,7 @@ from torchrec_lossy.distributed.kjt_codec import (
     warm_up_host,
 )
 from torchrec_lossy.distributed.stats import LossyCommsStats
+from torchrec_lossy.distributed.vbe import vbe_lengths_mask
 
 # Pseudo-feature that holds the metadata exchange's bytes (raw: TorchRec's splits exchange).
 SPLITS = "<splits>"
@@ -93,11 +98,10 @@ def encode_with_telemetry(
     with record_function("## lossy_input encode ##"):
         enc = encode_kjt(kjt, splits, comms.config.input_dist, output_dedupe)
     record_encode(comms.stats, kjt, enc, splits, comms.config.input_dist.dedupe)
-    batch = kjt.stride()
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
     shares = {
-        k: batch * len_e + st[0] * val_e
-        for k, st in zip(kjt.keys(), enc.feature_stats, strict=True)
+        k: b * len_e + st[0] * val_e
+        for k, b, st in zip(kjt.keys(), kjt.stride_per_key(), enc.feature_stats, strict=True)
     }
     comms.stats.record_time("input", "encode", shares, time.perf_counter() - start)
     return enc
@@ -119,23 +123,24 @@ def record_encode(
         splits: Features per destination.
         dedupe: Wire dedupe was on (``InputDistConfig.dedupe``): record repeated ids.
     """
-    keys = kjt.keys()
-    batch, send_words = kjt.stride(), enc.send_words
+    keys, send_words = kjt.keys(), enc.send_words
     stats = enc.feature_stats
     weights = kjt.weights_or_none()
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
     w_e = weights.element_size() if weights is not None else 0
-    raw = [batch * len_e + st[0] * (val_e + w_e) for st in stats]
+    strides = kjt.stride_per_key()
+    raw = [b * len_e + st[0] * (val_e + w_e) for b, st in zip(strides, stats, strict=True)]
     wire = enc.feature_bytes
     feature_wire = sum(wire)
-    # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride).
+    # Metadata exchange vs TorchRec's splits exchange (lengths, values, [weights], stride or,
+    # for VBE, strides), plus its all-to-all of the per-feature batches for VBE (int64).
     torchrec_rows = 3 + (weights is not None)
-    meta_rows = sum(meta_words(n) for n in splits)
+    vbe_raw = 8 * len(keys) if kjt.variable_stride_per_key() else 0
     s.record_blocks(
         "input",
         [*keys, SPLITS],
-        [*raw, 8 * torchrec_rows * len(splits)],
-        [*wire, 8 * meta_rows],
+        [*raw, 8 * torchrec_rows * len(splits) + vbe_raw],
+        [*wire, 8 * sum(enc.meta_splits)],
     )
     # Repeats are counted where ids may be deduplicated: wire dedupe on, or lookup features.
     counted = range(len(keys)) if dedupe else enc.formats[:, 5].nonzero()[0].tolist()
@@ -230,6 +235,10 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         comms: Shared state (telemetry).
         output_dedupe: The call's cross-side dedupe state; the decode adds the owner's bag
             selection of the exact mode.
+        vbe_strides: VBE: per source, per local feature, its batch (``stride_per_rank`` is
+            then the batch each source padded its lengths to); the result is TorchRec's VBE
+            KJT, a plain ``KeyedJaggedTensor`` (no state to carry: no output dedupe, and
+            TorchRec's context takes the batches from its ``stride_per_key_per_rank``).
     """
 
     def __init__(
@@ -243,11 +252,14 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         codes: list[int],
         comms: LossyComms,
         output_dedupe: OutputDedupe | None = None,
+        vbe_strides: list[list[int]] | None = None,
     ) -> None:
         super().__init__()
         self._pg = pg
         self._keys = keys
-        self._recat = torchrec_recat(splits, pg.rank(), exchange.recv.device, stride_per_rank)
+        self._vbe_strides = vbe_strides
+        recat_strides = stride_per_rank if vbe_strides is None else None  # as TorchRec's VBE
+        self._recat = torchrec_recat(splits, pg.rank(), exchange.recv.device, recat_strides)
         self._exchange = exchange
         self._metas_per_src = metas_per_src
         self._stride_per_rank = stride_per_rank
@@ -280,6 +292,8 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             dedupe = dataclasses.replace(dedupe, select=selects)
         shares = {k: 1 for k in self._keys}
         self._comms.stats.record_time("input", "decode", shares, time.perf_counter() - start)
+        if self._vbe_strides is not None:
+            return self._vbe_kjt(lengths, values, weights)
         features = KeyedJaggedTensor.dist_init(
             keys=self._keys,
             tensors=[lengths, values] + ([weights] if weights is not None else []),
@@ -290,6 +304,26 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             stagger=1,
         )
         return DistributedKJT.of(features, KJTDistState(self._stride_per_rank, dedupe))
+
+    def _vbe_kjt(
+        self, lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
+    ) -> KeyedJaggedTensor:
+        """TorchRec's VBE KJT from the padded lengths: the real lengths, and the per-feature
+        batches as the int64 tensor TorchRec's all-to-all delivers."""
+        assert self._vbe_strides is not None
+        device = lengths.device
+        lengths = lengths[vbe_lengths_mask(self._vbe_strides, self._stride_per_rank, device)]
+        flat = [b for per_src in self._vbe_strides for b in per_src]
+        strides = torch.tensor(flat, dtype=torch.int64, device=device)
+        return KeyedJaggedTensor.dist_init(
+            keys=self._keys,
+            tensors=[lengths, values, strides] + ([weights] if weights is not None else []),
+            variable_stride_per_key=True,
+            num_workers=self._pg.size(),
+            recat=self._recat,
+            stride_per_rank=None,
+            stagger=1,
+        )
 
 
 class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
@@ -321,9 +355,12 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         self._keys = keys
         self._comms = comms
         self._output_dedupe = output_dedupe
-        self._enc = encode_with_telemetry(input, splits, comms, output_dedupe)
+        self._vbe = input.variable_stride_per_key()  # every rank's, as TorchRec assumes
+        self._enc = encode_with_telemetry(
+            input, splits, comms, None if self._vbe else output_dedupe
+        )
         world = pg.size()
-        self._recv_meta_splits = [meta_words(len(keys))] * world
+        self._recv_meta_splits = [meta_words(len(keys), self._vbe)] * world
         self._recv_meta = torch.empty(
             sum(self._recv_meta_splits), dtype=torch.int64, device=self._enc.meta.device
         )
@@ -341,14 +378,22 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         with record_function("## lossy_input splits ##"):
             self._meta_work.wait()
             meta = self._recv_meta.tolist()  # the host read of the splits exchange
-        n = meta_words(len(self._keys))
-        recv_words, strides, codes, metas_per_src = [], [], [], []
+        n = self._recv_meta_splits[0] if self._recv_meta_splits else 0
+        recv_words, strides, codes, metas_per_src, vbe_strides = [], [], [], [], []
         for src in range(self._pg.size()):
             row = parse_meta(meta[src * n : (src + 1) * n], len(self._keys))
+            if (row.strides is not None) != self._vbe:
+                raise LossyAllToAllError(
+                    f"lossy input dist on rank {self._pg.rank()}: rank {src} sent a "
+                    f"{'VBE' if row.strides is not None else 'fixed-batch'} KJT, this rank a "
+                    f"{'VBE' if self._vbe else 'fixed-batch'} one; every rank must feed KJTs "
+                    "of the same kind (as TorchRec's KJTAllToAll assumes)"
+                )
             recv_words.append(row.payload_words)
             strides.append(row.batch)
             codes.append(row.codes)
             metas_per_src.append(row.features)
+            vbe_strides.append(row.strides or [])
         recv_rows = [
             [m.num_unique if m.lookup else (m.out_rows or None) for m in fm] for fm in metas_per_src
         ]
@@ -375,6 +420,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             codes=codes,
             comms=self._comms,
             output_dedupe=dedupe,
+            vbe_strides=vbe_strides if self._vbe else None,
         )
 
 
@@ -441,11 +487,7 @@ class LossyKJTAllToAll(KJTAllToAll):
             Awaitable of an awaitable of the local KJT (as ``KJTAllToAll``).
         """
         weights = input.weights_or_none()
-        if (
-            self._pg.size() == 1
-            or input.variable_stride_per_key()
-            or (weights is not None and weights.dim() != 1)
-        ):
+        if self._pg.size() == 1 or (weights is not None and weights.dim() != 1):
             return KJTAllToAll.forward(self, input)
         with torch.no_grad():
             if len(input.keys()) != self._splits_cumsum[-1]:

@@ -59,9 +59,14 @@ from torchrec_lossy.distributed.kjt_layout import (
     Packed,
     Unpacked,
 )
+from torchrec_lossy.distributed.vbe import pad_vbe_lengths
 
 _HEADER = 3  # metadata words per destination: payload words, batch size, dtype codes
 _CHECK_FLAG = 1 << 32  # in the dtype-codes word: the payloads end with a checksum
+# In the dtype-codes word: the sender's KJT has a batch per feature (VBE). Its lengths travel
+# padded with zero lengths to the row's batch word, and the row ends with one word per
+# feature: that feature's batch. Rows without it are unchanged.
+_VBE_FLAG = 1 << 33
 _PER_FEATURE = 3  # metadata words per feature: widths and mode, value count, distinct count
 _DTYPES: tuple[torch.dtype | None, ...] = (
     None,
@@ -113,9 +118,17 @@ def _weight_words(num: int, dtype: torch.dtype) -> int:
     return -(-num * torch.empty(0, dtype=dtype).element_size() // 4)
 
 
-def meta_words(num_features: int) -> int:
-    """Metadata words (int64) of one destination that receives ``num_features`` features."""
-    return _HEADER + _PER_FEATURE * num_features
+def meta_words(num_features: int, vbe: bool = False) -> int:
+    """Metadata words (int64) of one destination that receives ``num_features`` features.
+
+    Args:
+        num_features: Features the destination receives.
+        vbe: The sender's KJT has a batch per feature (one more word per feature).
+
+    Returns:
+        The word count.
+    """
+    return _HEADER + (_PER_FEATURE + vbe) * num_features
 
 
 class SourceMeta(NamedTuple):
@@ -123,19 +136,21 @@ class SourceMeta(NamedTuple):
 
     Attributes:
         payload_words: int32 words of the source's payload.
-        batch: The source's batch size (KJT stride).
+        batch: The source's batch size (KJT stride; VBE: the batch its lengths are padded to).
         codes: Its dtype codes (pass on to :func:`decode_kjt`).
         features: Per received feature, its format.
+        strides: VBE: per received feature, its batch; None otherwise.
     """
 
     payload_words: int
     batch: int
     codes: int
     features: list[FeatureMeta]
+    strides: list[int] | None = None
 
 
 def parse_meta(row: Sequence[int], num_features: int) -> SourceMeta:
-    """Reads one source's metadata row (``meta_words(num_features)`` int64 words).
+    """Reads one source's metadata row (``meta_words(num_features, vbe)`` int64 words).
 
     Args:
         row: The row, as host ints.
@@ -148,7 +163,9 @@ def parse_meta(row: Sequence[int], num_features: int) -> SourceMeta:
         FeatureMeta.from_words(row[_HEADER + i * _PER_FEATURE : _HEADER + (i + 1) * _PER_FEATURE])
         for i in range(num_features)
     ]
-    return SourceMeta(row[0], row[1], row[2], features)
+    end = _HEADER + _PER_FEATURE * num_features
+    strides = list(row[end : end + num_features]) if row[2] & _VBE_FLAG else None
+    return SourceMeta(row[0], row[1], row[2], features, strides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,17 +238,28 @@ def encode_kjt(
     Returns:
         The payloads and metadata.
 
+    A VBE KJT (a batch per feature) travels with its lengths padded to its largest batch by
+    zero lengths, its features' batches in the metadata (``SourceMeta.strides``); the output
+    dedupe does not apply to it.
+
     Raises:
-        ValueError: If a length or an id is negative, or the backend does not fit the KJT.
+        ValueError: If a length or an id is negative, the backend does not fit the KJT, or
+            an output dedupe is asked for a VBE KJT.
     """
     lengths, values, weights = kjt.lengths(), kjt.values(), kjt.weights_or_none()
+    vbe_strides = kjt.stride_per_key() if kjt.variable_stride_per_key() else None
+    batch = kjt.stride()
+    if vbe_strides is not None:
+        if output_dedupe is not None:
+            raise ValueError("lossy input dist: no output dedupe for a VBE KJT; pass None")
+        lengths, batch = pad_vbe_lengths(lengths, vbe_strides)
     # The backend, chosen once: both take the same call and give the same words.
     pack = _pack_numba if on_host(values.device, backend) else kjt_torch.pack
     wire_w = None if weights is None else _WEIGHT_CASTS.get(config.weights, weights.dtype)
     feat_off, meta_splits = _split_offsets(tuple(splits))
     call = EncodeCall(
         keys=kjt.keys(),
-        batch=kjt.stride(),
+        batch=batch,
         lens=lengths.to(torch.int64),
         ids=values.to(torch.int64),
         weights=weights,
@@ -243,15 +271,19 @@ def encode_kjt(
             mode=_OUT_MODES[output_dedupe],
             wire_esize=wire_w.itemsize if wire_w is not None else 0,
             checksum=config.checksum,
-            codes=_dtype_codes(lengths, values, weights, wire_w, config.checksum),
+            codes=_dtype_codes(lengths, values, weights, wire_w, config.checksum)
+            | (_VBE_FLAG if vbe_strides is not None else 0),
         ),
     )
     plan, send, _, inverse = pack(call)
     stats_rows = plan.stats.tolist()
+    meta = plan.meta
+    if vbe_strides is not None:
+        meta, meta_splits = _with_strides(meta, feat_off, vbe_strides)
     return EncodedKJT(
         send=send,
         send_words=plan.payloads[:, 2].tolist(),
-        meta=torch.from_numpy(plan.meta).to(values.device),
+        meta=torch.from_numpy(meta).to(values.device),
         meta_splits=meta_splits,
         num_ids_per_dest=plan.payloads[:, 1].tolist(),
         expand=_expand_rows(call, plan, stats_rows, inverse),
@@ -260,6 +292,30 @@ def encode_kjt(
         feature_bytes=plan.feature_bytes.tolist(),
         wire_weights=wire_w,
     )
+
+
+def _with_strides(
+    meta: np.ndarray, feat_off: np.ndarray, strides: Sequence[int]
+) -> tuple[np.ndarray, list[int]]:
+    """The VBE metadata: each destination's row followed by its features' batches.
+
+    Args:
+        meta: The rows of the padded KJT, destinations in order.
+        feat_off: Each destination's first feature (then F).
+        strides: Every feature's batch.
+
+    Returns:
+        The rows and each row's words.
+    """
+    rows, at = [], 0
+    offsets = feat_off.tolist()
+    for d in range(len(offsets) - 1):
+        lo, hi = offsets[d], offsets[d + 1]
+        n = meta_words(hi - lo)
+        rows += [meta[at : at + n], np.asarray(strides[lo:hi], np.int64)]
+        at += n
+    splits = [meta_words(hi - lo, vbe=True) for lo, hi in itertools.pairwise(offsets)]
+    return np.concatenate(rows) if rows else meta, splits
 
 
 def _dtype_codes(

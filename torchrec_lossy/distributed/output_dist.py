@@ -196,6 +196,42 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         return self._callbacks
 
 
+class LossyVariableBatchAllToAll(nn.Module):
+    """TorchRec's ``VariableBatchPooledEmbeddingsAllToAll`` call, on the lossy all-to-all.
+
+    Where a TorchRec dist holds a VBE all-to-all module of its own (the table-row-wise
+    cross-host hop's ``_variable_cross_dist``), this takes its place and calls
+    :meth:`LossyPooledEmbeddingsAllToAll.forward_variable_batch`.
+
+    Args:
+        a2a: The lossy all-to-all of the same process group and layout.
+    """
+
+    def __init__(self, a2a: LossyPooledEmbeddingsAllToAll) -> None:
+        super().__init__()
+        self._a2a = a2a
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        batch_size_per_rank_per_feature: list[list[int]],
+        batch_size_per_feature_pre_a2a: list[int],
+    ) -> PooledEmbeddingsAwaitable:
+        """See :meth:`LossyPooledEmbeddingsAllToAll.forward_variable_batch`.
+
+        Args:
+            local_embs: Flat pooled embeddings: per destination, per local feature, its bags.
+            batch_size_per_rank_per_feature: Per destination rank, per local feature, its batch.
+            batch_size_per_feature_pre_a2a: This rank's batch of every feature (column order).
+
+        Returns:
+            Awaitable of TorchRec's flat VBE output.
+        """
+        return self._a2a.forward_variable_batch(
+            local_embs, batch_size_per_rank_per_feature, batch_size_per_feature_pre_a2a
+        )
+
+
 class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
     """``TwPooledEmbeddingDist`` whose all-to-all is :class:`LossyPooledEmbeddingsAllToAll`.
 

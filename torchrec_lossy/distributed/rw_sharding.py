@@ -13,11 +13,17 @@ the sum is within the sum of the ``world - 1`` senders' bounds (plus fp32 roundi
 
 The backward is the adjoint: every source receives the gradient of the rows it sent, coded
 with ``LossyCommsConfig.backward`` (TorchRec's all-gather, compressed per destination).
-Variable batch per feature (VBE) stays TorchRec's reduce-scatter.
+
+Variable batch per feature (VBE; TorchRec: ``VariableBatchPooledEmbeddingsReduceScatter``) goes
+the same way in the dense layout of :mod:`~torchrec_lossy.distributed.vbe`: destination ``r``
+gets ``M_r`` rows (its largest batch of any feature; every rank knows every rank's batches
+here, so no extra collective), each feature's bags first in its columns; the receiver sums the
+parts and takes its bags back out into TorchRec's flat VBE output.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -44,6 +50,7 @@ from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
 from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
+from torchrec_lossy.distributed.vbe import pad_vbe_input, pad_vbe_lengths, unpad_vbe_output
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -105,7 +112,8 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
             holds a row shard of every table).
         comms: Shared state of the sharded module.
         device: Device of the embeddings.
-        qcomm_codecs_registry: TorchRec qcomm codecs (its reduce-scatter codec serves VBE).
+        qcomm_codecs_registry: TorchRec qcomm codecs (kept for TorchRec's bookkeeping; the
+            lossy all-to-all replaces its reduce-scatter codec).
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
                 f"{sum(embedding_dims)}"
             )
         self._parts = pg.size()  # one part of every bag's sum per rank
+        self._a2a_rank = pg.rank()
         self._feature_dims = list(embedding_dims)
         self._a2a = LossyPooledEmbeddingsAllToAll(pg, [specs] * self._parts, comms, device)
 
@@ -135,19 +144,31 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         """Sends each rank its rows of the partial sums, compressed; the receiver adds them.
 
         Args:
-            local_embs: ``[B_global, D]`` partial pooled sums of the local row shards.
-            sharding_ctx: Context of the input dist (batch size per rank).
+            local_embs: ``[B_global, D]`` partial pooled sums of the local row shards (VBE:
+                TorchRec's flat layout, per destination, per feature, its bags).
+            sharding_ctx: Context of the input dist (batch size per rank, or per rank and
+                feature for VBE).
 
         Returns:
-            Awaitable of ``[B_local, D]``, the pooled embeddings.
+            Awaitable of ``[B_local, D]``, the pooled embeddings (VBE: TorchRec's flat output,
+            per feature, this rank's bags).
         """
-        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
-            return super().forward(local_embs, sharding_ctx)  # TorchRec's VBE reduce-scatter
-        batch_size_per_rank = sharding_ctx.batch_size_per_rank if sharding_ctx else None
+        vbe = sharding_ctx is not None and sharding_ctx.variable_batch_per_feature
+        batches = sharding_ctx.batch_size_per_rank_per_feature if sharding_ctx else []
+        rows = [max(b, default=0) for b in batches] if vbe else None
+        if rows is not None:
+            local_embs = pad_vbe_input(local_embs, batches, self._feature_dims, rows)
+        batch_size_per_rank = rows or (sharding_ctx.batch_size_per_rank if sharding_ctx else None)
         awaitable = self._a2a(local_embs, batch_size_per_rank=batch_size_per_rank)
         mask = sharding_ctx.source_mask if isinstance(sharding_ctx, LossyShardingContext) else None
         columns = column_mask(mask, self._feature_dims) if mask is not None else None
         awaitable.callbacks.append(PartialSums(self._parts, columns))
+        if rows is not None:
+            mine = batches[self._a2a_rank]
+            unpad = functools.partial(
+                unpad_vbe_output, batch_size_per_feature_pre_a2a=mine, dims=self._feature_dims
+            )
+            awaitable.callbacks.append(unpad)
         return awaitable
 
 
@@ -201,8 +222,13 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
             keep_original_indices=self._keep_original_indices,
             block_bucketize_row_pos=self.zch_bucketize_row_pos,
         )
-        # Which of this rank's bags have ids in each rank's row shard, for the output dist.
-        self._source_mask = bucketized.lengths().view(self._world_size, self._num_features, -1) > 0
+        # Which of this rank's bags have ids in each rank's row shard, for the output dist
+        # (VBE: each feature's bags padded to the largest batch, as the output dist lays them).
+        lengths = bucketized.lengths()
+        if sparse_features.variable_stride_per_key():
+            strides = sparse_features.stride_per_key() * self._world_size
+            lengths = pad_vbe_lengths(lengths, strides)[0]
+        self._source_mask = lengths.view(self._world_size, self._num_features, -1) > 0
         assert isinstance(self._dist, LossyKJTAllToAll)
         return self._dist.packed(bucketized)
 
@@ -214,7 +240,8 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
         shardings' ``unbucketize_permute_tensor``.
 
         Returns:
-            Bool ``[world, features, batch]``, or None if no batch was bucketized since.
+            Bool ``[world, features, batch]`` (VBE: the largest batch, padded with False), or
+            None if no batch was bucketized since.
         """
         mask, self._source_mask = self._source_mask, None
         return mask

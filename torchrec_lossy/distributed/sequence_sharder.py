@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.comms import BoundProviderFactory, StaticBounds
-from torchrec_lossy.distributed.context import bind_lookup_ids
+from torchrec_lossy.distributed.context import DistributedKJT, bind_lookup_ids
 from torchrec_lossy.distributed.sequence_sharding import (
     SequenceSharding,
     create_lossy_sequence_sharding,
@@ -94,6 +94,11 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
         (an exact forward in evaluation unless ``LossyCommsConfig.evaluation`` is "lossy") and
         each sharding's lookup ids put in its context (for the row dedupe).
 
+        The batch size of every rank, which TorchRec's own KJT all-to-all writes into each
+        sharding context, comes with the features the packed input dist decoded: it is put
+        into the context here (ranks with different batch sizes, and VBE batches, which
+        TorchRec's EC pads to each rank's largest batch).
+
         Args:
             ctx: The module's context of this batch.
             input: Per sharding, the local features.
@@ -101,6 +106,9 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
         Returns:
             As ``ShardedEmbeddingCollection.compute_and_output_dist``.
         """
+        for kjt, sharding_ctx in zip(input, ctx.sharding_contexts, strict=False):
+            if isinstance(kjt, DistributedKJT) and kjt.dist_state is not None:
+                sharding_ctx.batch_size_per_rank = list(kjt.dist_state.batch_size_per_rank)
         self.hand_mode_to_dists()
         bind_lookup_ids(ctx.sharding_contexts, input)
         return super().compute_and_output_dist(ctx, input)

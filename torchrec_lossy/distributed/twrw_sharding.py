@@ -5,7 +5,10 @@ the ranks of the host that holds the table's row shards, then an all-to-all acro
 first hop stays TorchRec's (raw or its qcomm codec: it runs on the fast intra-host link and sums
 on the wire); the cross-host hop, on the slow link, is the lossy pooled all-to-all, one block
 per (destination host, table). Every value is within its table's bound: the reduce-scatter is
-exact, and each value crosses hosts once. The input dist and VBE stay TorchRec's.
+exact, and each value crosses hosts once. Variable batch per feature (VBE) on TWRW tables
+takes the same path (TorchRec's VBE reduce-scatter inside the host, the lossy VBE all-to-all
+across hosts); TorchRec's grid sharding has no VBE path, so a VBE batch on grid tables is
+refused with an error naming them. The input dist stays TorchRec's.
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ from torchrec.distributed.sharding.twrw_sharding import (
     TwRwPooledEmbeddingDist,
     TwRwPooledEmbeddingSharding,
 )
+from torchrec.distributed.types import Awaitable
 
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
+from torchrec_lossy.distributed.output_dist import (
+    LossyPooledEmbeddingsAllToAll,
+    LossyVariableBatchAllToAll,
+    pooled_layout,
+)
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 
@@ -72,6 +80,8 @@ class LossyCrossHostDistMixin:
             self._device,
             callbacks=getattr(self, "_callbacks", None),
         )
+        if getattr(self, "_variable_cross_dist", None) is not None:  # TWRW's VBE hop
+            self._variable_cross_dist = LossyVariableBatchAllToAll(self._cross_dist)
 
 
 class LossyTwRwPooledEmbeddingDist(LossyCrossHostDistMixin, TwRwPooledEmbeddingDist):
@@ -80,6 +90,33 @@ class LossyTwRwPooledEmbeddingDist(LossyCrossHostDistMixin, TwRwPooledEmbeddingD
 
 class LossyGridPooledEmbeddingDist(LossyCrossHostDistMixin, GridPooledEmbeddingDist):
     """``GridPooledEmbeddingDist`` with the cross-host all-to-all compressed."""
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: EmbeddingShardingContext | None = None,
+    ) -> Awaitable[torch.Tensor]:
+        """TorchRec's two hops, the cross-host one compressed; VBE batches are refused.
+
+        Args:
+            local_embs: Pooled embeddings of the local shards.
+            sharding_ctx: Context of the input dist.
+
+        Returns:
+            Awaitable of the pooled embeddings.
+
+        Raises:
+            NotImplementedError: For a variable-batch-per-feature (VBE) batch.
+        """
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            tables = sorted({s.table for specs in self._lossy_layout for s in specs})
+            raise NotImplementedError(
+                f"grid-sharded tables {', '.join(tables)}: TorchRec's grid sharding has no "
+                "variable-batch-per-feature (VBE) path (its GridPooledEmbeddingDist sends a "
+                "VBE batch as a fixed batch); shard these tables table-row-wise or row-wise, "
+                "or feed them fixed-batch KJTs"
+            )
+        return super().forward(local_embs, sharding_ctx)
 
 
 class LossyTwRwPooledEmbeddingSharding(LossyShardingMixin, TwRwPooledEmbeddingSharding):

@@ -1,4 +1,11 @@
-"""Variable batch per feature (VBE) pooled embeddings in the lossy all-to-all's dense layout.
+"""Variable batch per feature (VBE) layouts: KJT lengths and pooled embeddings made rectangular.
+
+KJT lengths (the packed input dist): the KJT codec packs ``F * B`` lengths, one batch ``B`` per
+payload; :func:`pad_vbe_lengths` pads each feature's lengths with zero lengths (no ids) to the
+largest batch of the KJT, and :func:`vbe_lengths_mask` selects the real ones back on the
+receiver, given every feature's batch (which travels in the metadata).
+
+Pooled embeddings (the output dists):
 
 TorchRec's ``VariableBatchPooledEmbeddingsAllToAll`` exchanges flat 1-D tensors: the sender's
 holds, per destination rank in order, per local feature in order, that destination's bags of
@@ -15,9 +22,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+def pad_vbe_lengths(lengths: torch.Tensor, strides: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """A VBE KJT's lengths as ``[F * B]``, each feature's padded with zeros to ``B = max(strides)``.
+
+    Args:
+        lengths: The KJT's lengths, feature after feature (feature ``f`` has ``strides[f]``).
+        strides: Every feature's batch (``stride_per_key()``).
+
+    Returns:
+        The padded lengths (same dtype and device) and ``B``.
+    """
+    batch = max(strides, default=0)
+    mask = vbe_lengths_mask([strides], [batch], lengths.device)
+    out = lengths.new_zeros(len(strides) * batch)
+    out[mask] = lengths
+    return out, batch
+
+
+def vbe_lengths_mask(
+    strides_per_src: Sequence[Sequence[int]], batch_per_src: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Which padded lengths are real: per source, per feature, the first ``strides`` of ``B``.
+
+    Args:
+        strides_per_src: Per source (payload), per feature, its batch.
+        batch_per_src: Per source, the batch its lengths are padded to.
+        device: Where the mask goes.
+
+    Returns:
+        Bool ``[sum_s F_s * B_s]``, laid out as the padded lengths (source, feature, bag).
+    """
+    pieces = [
+        np.arange(batch)[None, :] < np.asarray(strides, np.int64).reshape(-1, 1)
+        for strides, batch in zip(strides_per_src, batch_per_src, strict=True)
+    ]
+    flat = np.concatenate([p.reshape(-1) for p in pieces]) if pieces else np.zeros(0, bool)
+    return torch.from_numpy(flat).to(device)
 
 
 def vbe_rows_per_rank(
