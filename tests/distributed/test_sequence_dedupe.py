@@ -91,7 +91,9 @@ def test_expand_restores_every_row_and_gradient_adjoint_sums_per_id() -> None:
     reduced = {r: plans[r][0].reduce_grad(grads[r]) for r in (0, 1)}
     for o in (0, 1):
         plan, lookup_ids, _ = plans[o]
-        placed = plan.place_grad([reduced[d][o] for d in (0, 1)], lookup_ids.numel())
+        placed = plan.place_grad(
+            [reduced[d][o] for d in (0, 1)], lookup_ids.numel(), DIM, torch.float32
+        )
         # Per table row, the placed gradient sums to what every position's gradient sums to.
         full = torch.cat(
             [grads[d][_recv_slice(ids, d, o, f)] for f in _features(o) for d in (0, 1)]
@@ -124,4 +126,8 @@ def test_empty_blocks() -> None:
     )  # fmt: skip
     assert plan.send_rows == [[0], [0]] and plan.recv_rows == [[0], []]
     assert plan.expand(torch.empty(0, DIM)).shape == (0, DIM)
-    assert plan.place_grad([[torch.empty(0, DIM)], [torch.empty(0, DIM)]], 0).shape == (0, DIM)
+    assert plan.place_grad(
+        [[torch.empty(0, DIM)], [torch.empty(0, DIM)]], 0, DIM, torch.float32
+    ).shape == (0, DIM)
+    # A rank holding no table shard still returns the lookup output's width.
+    assert plan.place_grad([[], []], 0, DIM, torch.float32).shape == (0, DIM)

@@ -83,22 +83,28 @@ class SequenceDedupe:
         summed = grad.new_zeros((total, grad.shape[1])).index_add_(0, self.recv_inverse, grad)
         return _split_blocks(summed, self.recv_rows)
 
-    def place_grad(self, blocks: Sequence[Sequence[torch.Tensor]], num_ids: int) -> torch.Tensor:
+    def place_grad(
+        self,
+        blocks: Sequence[Sequence[torch.Tensor]],
+        num_ids: int,
+        dim: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """Owner, backward of :meth:`owner_blocks`: each summed row at its id's first position.
 
         Args:
             blocks: Per destination, per local table shard, ``[distinct ids, D]`` gradients.
             num_ids: Rows of the lookup output.
+            dim: ``D``, the lookup output's width (also when this rank holds no table shard).
+            dtype: The lookup output's dtype.
 
         Returns:
             ``[num_ids, D]``, zero at every other position.
         """
         flat = [b for bs in blocks for b in bs]
-        dim = flat[0].shape[1] if flat else 0
-        dtype = flat[0].dtype if flat else torch.float32
         out = torch.zeros((num_ids, dim), dtype=dtype, device=self.send_first.device)
         if flat:
-            out.index_copy_(0, self.send_first, torch.cat(flat).to(out.device))
+            out.index_copy_(0, self.send_first, torch.cat(flat).to(out.device, dtype))
         return out
 
 

@@ -208,7 +208,7 @@ class LossyAll2AllSeqReq(Function):
         if info.dedupe_grads:
             assert info.dedupe is not None
             num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)
-            grad = info.dedupe.place_grad(blocks, num_ids)
+            grad = info.dedupe.place_grad(blocks, num_ids, info.dim, info.pooled.dtype)
         else:
             grad = join_sequence_blocks(blocks, info, my_rank).to(recv.device)
         if get_gradient_division():
