@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 bench-codec: $(STAMP)
 	$(PY) benchmarks/codec_bench.py
