@@ -6,9 +6,10 @@
 ``TestSequenceSparseNN``, shards it with the given sharder, trains a step and compares the
 predictions with the unsharded model's. Here the sharder is the lossy one at bound 0 with the
 exact backward (lossless), restricted to one sharding type as TorchRec's ``TestEBCSharder``
-restricts its own: EBC TW, CW, RW (2 ranks) and TWRW (2 hosts x 1 rank); EC TW, CW, RW. (Grid
-finds no option for this model's tables on 2 ranks; tests/distributed/test_twrw_sharding.py
-covers it.) A lossy bound must make TorchRec's comparison fail: the check sees our dists.
+restricts its own: EBC TW, CW, RW (2 ranks), TWRW and grid (2 hosts x 1 rank; grid with
+TorchRec's ``test_sharding_grid`` constraint of a minimum column partition); EC TW, CW, RW. A
+lossy bound must make TorchRec's comparison fail: the check sees our dists (also checked for
+grid by hand: bound 0.5 fails it).
 """
 
 from __future__ import annotations
@@ -97,9 +98,18 @@ def _ebc_worker(
         for i in range(2)
     ]
     sharder = _one_type(LossyEmbeddingBagCollectionSharder, sharding_type, bound, local_size)
+    constraints = None
+    if sharding_type == "grid_shard":  # column shards of 4, as TorchRec's test_sharding_grid
+        from torchrec.distributed.planner.types import ParameterConstraints
+
+        constraints = {
+            t.name: ParameterConstraints(min_partition=4, sharding_types=[sharding_type])
+            for t in tables + weighted
+        }
     return _check(
         rank,
         world_size,
+        constraints=constraints,
         model_class=TestSparseNN,
         embedding_groups=groups,
         tables=tables,
@@ -133,7 +143,13 @@ def _ec_worker(rank: int, world_size: int, sharding_type: str) -> str:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "sharding_type,local_size",
-    [("table_wise", 2), ("column_wise", 2), ("row_wise", 2), ("table_row_wise", 1)],
+    [
+        ("table_wise", 2),
+        ("column_wise", 2),
+        ("row_wise", 2),
+        ("table_row_wise", 1),
+        ("grid_shard", 1),
+    ],
 )
 def test_torchrec_model_parallel_check_passes_with_the_lossy_sharder(
     sharding_type: str, local_size: int
