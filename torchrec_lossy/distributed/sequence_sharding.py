@@ -1,10 +1,11 @@
 """Table-wise, column-wise and row-wise sequence shardings whose embedding all-to-all is compressed.
 
 Each class is TorchRec's sequence sharding (``EmbeddingCollection``) with the input dist
-replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, no output dedupe; row-wise:
-the bucketized one of :mod:`.rw_sharding`) and the output dist by the compressed one of
+replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, without its bag dedupe;
+row-wise: the bucketized one of :mod:`.rw_sharding`) and the output dist by the compressed one of
 :mod:`.sequence_output_dist`; lookups and everything else are TorchRec's. Data-parallel
-sequence shardings stay TorchRec's (see :func:`create_lossy_sequence_sharding`).
+sequence shardings stay TorchRec's (see :func:`create_lossy_sequence_sharding`). The row dedupe
+(one row per distinct id) is the output dist's own (:mod:`.sequence_dedupe`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class LossyTwSequenceEmbeddingSharding(LossyShardingMixin, TwSequenceEmbeddingSh
         if not self._lossy_comms.config.input_dist.enabled:
             return super().create_input_dist(device)
         assert self._pg is not None
-        # No output dedupe: every id's row travels (sequence rows are not pooled bags).
+        # Without the input dist's bag dedupe: the sequence output dist finds distinct ids itself.
         return LossyTwSparseFeaturesDist(self._pg, self.features_per_rank(), self._lossy_comms)
 
     def create_output_dist(
