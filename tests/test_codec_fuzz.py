@@ -406,6 +406,7 @@ print(json.dumps(test_codec_fuzz.campaign(int(sys.argv[2]), int(sys.argv[3]))))
 """
 
 
+@pytest.mark.slow  # about 75 s: a fresh interpreter recompiles the codec with bounds checks
 @pytest.mark.timeout(300)
 def test_fuzz_campaign_under_numba_boundscheck(request, tmp_path):
     # A separate numba cache: boundschecked machine code must never land in the project's cache

@@ -412,6 +412,7 @@ def _field_edits() -> list[bytes]:
     return out
 
 
+@pytest.mark.slow  # about 25 s under the Triton interpreter
 def test_field_edits_fail_or_decode_like_cpu() -> None:
     """A sample of the sweep: the vectorised layout checks accept exactly what the CPU path
     accepts (a disagreement shows as a different message, or as one side decoding)."""

@@ -81,6 +81,7 @@ def _worker(rank: int, world_size: int) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow  # about 75 s: two ranks through the Triton interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_one_host_read_per_alltoall_and_direction() -> None:
     for counts in run_workers(_worker, 2, timeout_s=600):
