@@ -111,7 +111,7 @@ class ShardCost:
     codec_ms: float
     fwd_format: str
     bwd_format: str
-    collective: str = "all-reduce"
+    collective: str = DP_ALL_REDUCE
     fwd_links: LinkCost = NO_LINKS
     bwd_links: LinkCost = NO_LINKS
     fwd_codec_ms: float = 0.0
