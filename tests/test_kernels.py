@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 import numba
 from helpers import DTYPES, bound_for, make_block
+from stage_ops import CpuOps
 from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
@@ -140,7 +141,7 @@ def test_round_to_dtype_matches_cpu(dtype_code: int) -> None:
 @pytest.mark.parametrize("bound_kind", ["tiny", "rel0.01", "rel0.05", "huge"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) -> None:
-    ops = pipeline.CpuOps()
+    ops = CpuOps()
     for rows in ROWS:
         for dim in DIMS:
             block = make_block(rows, dim, dtype, kind, seed=rows * 31 + dim)
@@ -180,14 +181,14 @@ def _dedupe_inputs(
     params = cpu_quantize.quant_params(0.05, x)
     if params is None:
         return np.full((rows, dim), ESCAPE_SYMBOL, np.uint16), bits
-    sym = pipeline.CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
+    sym = CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
     return sym.reshape(rows, dim), bits
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
-    ops = pipeline.CpuOps()
+    ops = CpuOps()
     for rows in [*ROWS, 64]:
         for dim in DIMS:
             sym, bits = _dedupe_inputs(rows, dim, dtype, kind)
@@ -209,7 +210,7 @@ def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> 
     for kind in ("adversarial", "repeat"):
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):
-            want = pipeline.CpuOps().dedupe(None if raw else sym, bits)
+            want = CpuOps().dedupe(None if raw else sym, bits)
             ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
             np.testing.assert_array_equal(host(ids), want[0])
             np.testing.assert_array_equal(host(first), want[1])
