@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import numba
+import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
 from stage_ops import CpuOps
 from triton_stage_ops import TritonOps
@@ -40,7 +41,6 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common
-from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
@@ -153,7 +153,7 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             want_sym, want_hist, want_esc, want_err = ops.quantize(
                 x, params, bound, DTYPE_CODES[dtype]
             )
-            sym, hist, err = k_quantize.quantize(
+            sym, hist, err = launchers.quantize(
                 dev(x), params.step, params.inv_step, params.center, bound, DTYPE_CODES[dtype]
             )
             what = f"rows={rows} dim={dim}"
@@ -161,7 +161,7 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             np.testing.assert_array_equal(host(hist).astype(np.int64), want_hist, err_msg=what)
             assert int(host(hist)[ESCAPE_SYMBOL]) == want_esc, what
             assert float(err) == want_err, what
-            got = host(k_quantize.dequantize(sym, params.step, params.center))
+            got = host(launchers.dequantize(sym, params.step, params.center))
             np.testing.assert_array_equal(
                 got.view(np.uint32), ops.dequantize(want_sym, params).view(np.uint32)
             )
@@ -198,7 +198,7 @@ def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
                     want_ids, want_first = ops.dedupe(None if raw else sym, bits)
                 else:
                     want_ids = want_first = np.zeros(0, np.int32)
-                ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+                ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
                 np.testing.assert_array_equal(host(ids), want_ids, err_msg=what)
                 np.testing.assert_array_equal(host(first), want_first, err_msg=what)
 
@@ -211,7 +211,7 @@ def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> 
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):
             want = CpuOps().dedupe(None if raw else sym, bits)
-            ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+            ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
             np.testing.assert_array_equal(host(ids), want[0])
             np.testing.assert_array_equal(host(first), want[1])
 
@@ -233,7 +233,7 @@ def test_pack_refs_matches_cpu(n_unique: int, mode: int) -> None:
             else:
                 ids[r] = rng.integers(0, nxt)
         want = vector_lz.pack_refs_kernel(ids, n_unique, mode)
-        got = host(k_vector_lz.pack_refs(dev(ids), n_unique, mode), np.uint32)
+        got = host(launchers.pack_refs(dev(ids), n_unique, mode), np.uint32)
         np.testing.assert_array_equal(got, want, err_msg=f"rows={rows}")
 
 
@@ -268,12 +268,12 @@ def test_huffman_encode_decode_match_cpu(n_rows: int, dim: int, spread: float, c
     for rows in (np.arange(n_rows, dtype=np.int32), rng.permutation(n_rows)[: n_rows // 2 + 1]):
         rows = rows.astype(np.int32)
         hist = huffman.histogram_rows_kernel(sym, rows)
-        got_hist = host(k_huffman.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
+        got_hist = host(launchers.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
         np.testing.assert_array_equal(got_hist, hist)
         lengths = huffman.code_lengths_kernel(hist)
         codes = huffman.canonical_codes_kernel(lengths)
         want_ends, want_words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
-        ends, words = k_huffman.encode(
+        ends, words = launchers.encode(
             dev(sym), dev(rows), dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk
         )
         np.testing.assert_array_equal(host(ends).astype(np.uint32), want_ends)
@@ -295,7 +295,7 @@ def _decode(
     esc: np.ndarray,
 ) -> tuple[np.ndarray, int]:
     table = huffman.decode_table_kernel(lengths)
-    out, status = k_huffman.decode(
+    out, status = launchers.decode(
         dev(words), dev(ends.astype(np.int64)), n, chunk, dev(table), dev(esc.astype(np.int64))
     )
     return host(out, np.uint16), int(status)
@@ -501,7 +501,7 @@ def test_triton_ops_imports_without_triton(run_without_triton: Callable[[str], s
 def test_histogram_alphabet() -> None:
     """Every histogram has the full alphabet (the Huffman planner indexes it by symbol)."""
     sym = np.array([[0, ESCAPE_SYMBOL, 5]], dtype=np.uint16)
-    hist = host(k_huffman.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
+    hist = host(launchers.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
     assert hist.shape == (ALPHABET_SIZE,)
     assert hist[0] == hist[5] == hist[ESCAPE_SYMBOL] == 1
 
