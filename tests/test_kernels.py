@@ -478,6 +478,20 @@ def test_kernels_compile_for_h100() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_aot_table_covers_every_launched_kernel() -> None:
+    """The ahead-of-time compile table has a row for every kernel ``kernels/`` launches, and the
+    check is not vacuous: without a row it names the kernel and fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torchrec_lossy.kernels._aot", "--check"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and "0 kernels missing" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run(
+        [*cmd, "--without", "join_words_kernel"], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "huffman._join_words_kernel" in res.stdout, res.stdout
+
+
 # ------------------------------------------------------------------------------------------------
 # Without triton
 # ------------------------------------------------------------------------------------------------
