@@ -1,4 +1,5 @@
-"""The compiled (numba) CPU kernels as a ``staged.StageOps``, numpy in and numpy out.
+"""The compiled (numba) CPU kernels as a ``staged.StageOps``, numpy in and numpy out, and
+:func:`decompress_staged`, the per-block decoder over any decode stages.
 
 :class:`CpuOps` runs each data-sized stage of the codec through the numba kernels of
 ``torchrec_lossy.codec`` one block at a time: the stage-level oracle the Triton stages
@@ -10,11 +11,39 @@ Production encodes every block at once (``host_compress``); its decode stages ar
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
-from torchrec_lossy.codec.format import ALPHABET_SIZE
+from torchrec_lossy.codec.container import check_payload
+from torchrec_lossy.codec.format import ALPHABET_SIZE, CodecError
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.staged import CompiledDecodeStages
+from torchrec_lossy.codec.staged import CompiledDecodeStages, DecodeStages, decode_payload
+
+
+def decompress_staged(
+    payload: torch.Tensor, max_elements: int, ops: DecodeStages
+) -> list[torch.Tensor]:
+    """``pipeline.decompress`` block by block over the given decode stages (on the host): the
+    per-block decoder with a test's stages (the library runs it over ``ReferenceOps`` for the
+    reference backend and over ``CompiledDecodeStages`` for refused payloads).
+
+    Args:
+        payload: 1-D uint8 tensor.
+        max_elements: Refuse payloads that decode to more elements than this in total.
+        ops: The decode stages.
+
+    Returns:
+        The blocks, on the payload's device.
+
+    Raises:
+        CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
+    """
+    check_payload(payload)
+    buf = payload.detach().cpu().contiguous().numpy()
+    out = decode_payload(buf, max_elements, ops, None, payload.device)
+    if isinstance(out, CodecError):
+        raise out
+    return out
 
 
 class CpuOps(CompiledDecodeStages):

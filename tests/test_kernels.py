@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 import numba
 import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
-from stage_ops import CpuOps
+from stage_ops import CpuOps, decompress_staged
 from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
@@ -39,6 +39,7 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     checksum_words,
 )
+from torchrec_lossy.codec.staged import compress_staged
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common
 from torchrec_lossy.kernels import quantize as k_quantize
@@ -357,7 +358,7 @@ def test_huffman_decode_errors_match_cpu() -> None:
 
 @pytest.fixture
 def triton_ops() -> TritonOps:
-    """The Triton stages, for ``pipeline.compress_staged`` / ``decompress_staged``."""
+    """The Triton stages, for ``staged.compress_staged`` / ``stage_ops.decompress_staged``."""
     return TritonOps(DEVICE)
 
 
@@ -377,10 +378,10 @@ def _assert_same_payloads(
     """The compiled CPU path's payload and blocks, stage by stage through the Triton kernels."""
     want, want_stats = pipeline.compress_with_stats(blocks, bounds, config)
     want_out = pipeline.decompress(want)
-    got, got_stats = pipeline.compress_staged(blocks, bounds, config, ops)
+    got, got_stats = compress_staged(blocks, bounds, config, ops)
     assert torch.equal(got, want), "payload bytes differ"
     assert got_stats == want_stats
-    got_out = pipeline.decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
+    got_out = decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
     for i, (a, b) in enumerate(zip(got_out, want_out, strict=True)):
         assert torch.equal(as_bits(a), as_bits(b)), f"block {i} decodes differently"
 
@@ -427,7 +428,7 @@ def test_corrupt_payloads_fail_alike(triton_ops: TritonOps) -> None:
         results = []
         decoders = (
             lambda t: pipeline.decompress(t, backend="cpu"),
-            lambda t: pipeline.decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
+            lambda t: decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
         )
         for decode in decoders:
             try:

@@ -41,7 +41,6 @@ from torchrec_lossy.codec.staged import (
     StageOps,
     compress_staged,
     decode_payload,
-    decompress_staged,
 )
 from torchrec_lossy.codec.triton_loader import load_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
@@ -59,7 +58,6 @@ __all__ = [
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
-    "decompress_staged",
     "on_device",
     "validate_inputs",
 ]

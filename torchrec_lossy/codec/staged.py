@@ -1,6 +1,6 @@
 """The codec stage by stage, one block at a time: the reference backend and the per-block decoder.
 
-``compress_staged`` / ``decompress_staged`` run the codec over an explicit :class:`StageOps`
+``compress_staged`` runs the encoder over an explicit :class:`StageOps`
 (the data-sized stages: quantize, dedupe, histogram, Huffman encode and decode). The library has
 one implementation, :class:`ReferenceOps`, the plain torch twins of every stage: the
 ``"reference"`` backend and the test oracle. Tests plug in the compiled and Triton stages
@@ -31,7 +31,6 @@ from torchrec_lossy.codec.container import (
     BlockColumns,
     BlockStats,
     Reader,
-    check_payload,
     host_header,
     parse_header,
 )
@@ -74,7 +73,6 @@ __all__ = [
     "StageOps",
     "compress_staged",
     "decode_payload",
-    "decompress_staged",
     "sr_keys",
 ]
 
@@ -618,30 +616,6 @@ def _decode_block(
     if ids is not None:
         out_bits = vector_lz.expand_rows_kernel(out_bits.reshape(n_unique, dim), ids)
     return to_tensor(out_bits)
-
-
-def decompress_staged(
-    payload: torch.Tensor, max_elements: int, ops: DecodeStages
-) -> list[torch.Tensor]:
-    """``pipeline.decompress`` block by block over the given stages (on the host).
-
-    Args:
-        payload: 1-D uint8 tensor.
-        max_elements: Refuse payloads that decode to more elements than this in total.
-        ops: The stage implementations.
-
-    Returns:
-        The blocks, on the payload's device.
-
-    Raises:
-        CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload.
-    """
-    check_payload(payload)
-    buf = payload.detach().cpu().contiguous().numpy()
-    out = decode_payload(buf, max_elements, ops, None, payload.device)
-    if isinstance(out, CodecError):
-        raise out
-    return out
 
 
 def decode_payload(
