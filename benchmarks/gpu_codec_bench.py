@@ -4,14 +4,13 @@ On one CUDA device, with ``triton.testing.do_bench`` (median of its timed runs, 
 between runs), it reports for one batch of traffic (``make_blocks``, 26 tables, paper class
 bounds):
 
-- every Triton stage on device-resident tensors: quantize (+ escapes + histogram), dequantize,
-  vector-LZ dedupe, row histogram, reference packing, Huffman encode and decode;
-- the device-resident ``compress`` (``device_compress``: one launch per stage for all blocks, one
-  device-to-host sync), what CUDA blocks get with ``backend="auto"``;
-- the full ``compress`` / ``decompress`` stage by stage (``pipeline.compress_staged`` /
-  ``decompress_staged``) through ``TritonOps`` (tests/triton_stage_ops.py: every stage call copies
-  its inputs to the device and its outputs back), the compiled host path (numba), and whether
-  the payloads are byte-identical;
+- the batched encode launchers ``device_compress`` runs, each once over every quantized block of
+  the batch: ``quantize_tiles`` (+ escapes + histograms), ``representatives`` (vector-LZ),
+  ``histogram_tiles``, ``code_lengths``, ``encode_chunks``;
+- the device-resident ``compress`` / ``decompress`` (``device_compress``: one launch per stage
+  for all blocks, one device-to-host sync; ``device_decompress``: two), what CUDA blocks get
+  with ``backend="auto"``, the compiled host path (numba), and whether the payloads are
+  byte-identical;
 - beside them on the same traffic, fused ``[rows, tables * dim]`` as TorchRec sends it: a
   device-to-device copy, torch's FP16 cast, and fbgemm's FP16 and MX4 quantize / dequantize when
   ``fbgemm_gpu`` imports.
@@ -49,103 +48,86 @@ def _fail(msg: str) -> int:
     return 2
 
 
-class _Block:
-    """One block's device-resident inputs and intermediate results for the stage timings."""
+class _Batch:
+    """Every quantized block of the batch laid out back to back on the device, as the
+    device-resident compress lays them out, for the batched production launchers."""
 
-    def __init__(self, block: torch.Tensor, bound: float, chunk: int, dev: torch.device) -> None:
-        from torchrec_lossy.codec import huffman
+    def __init__(
+        self, blocks: list[torch.Tensor], bounds: list[float], chunk: int, dev: torch.device
+    ) -> None:
         from torchrec_lossy.codec import quantize as cpu_quantize
-        from torchrec_lossy.codec.format import (
-            BITS_DTYPES,
-            DTYPE_CODES,
-            ESCAPE_SYMBOL,
-            REFS_FIXED,
-            refs_packing,
-        )
+        from torchrec_lossy.codec.format import ALPHABET_SIZE, BITS_DTYPES, DTYPE_CODES
+        from torchrec_lossy.kernels import codebook
         from torchrec_lossy.kernels import huffman as k_huffman
         from torchrec_lossy.kernels import quantize as k_quantize
-        from torchrec_lossy.kernels import vector_lz as k_vector_lz
+        from torchrec_lossy.kernels.common import tile_table
 
-        self.rows, self.dim = block.shape
+        quant = [
+            (b, eb, params)
+            for b, eb in zip(blocks, bounds, strict=True)
+            if (params := cpu_quantize.quant_params(eb, b.reshape(-1).float().numpy())) is not None
+        ]
+        self.n_blocks = len(quant)
         self.chunk = chunk
-        self.dtype_code = DTYPE_CODES[block.dtype]
-        x = block.reshape(-1).float()
-        self.bound = bound
-        self.params = cpu_quantize.quant_params(bound, x.numpy())
-        self.x = x.to(dev)
-        self.bits = block.contiguous().view(BITS_DTYPES[block.dtype]).to(torch.int32).to(dev)
-        if self.params is None:  # bound 0 or too small: the lossless path only
-            self.sym = None
-            return
-        p = self.params
-        sym, _, _ = k_quantize.quantize(
-            self.x, p.step, p.inv_step, p.center, bound, self.dtype_code
+        self.block = 4096  # elements per tile, as device_compress
+        sizes = np.array([b.numel() for b, _, _ in quant], np.int64)
+        self.tiles = torch.from_numpy(tile_table(sizes, self.block)).to(dev)
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        self.x = torch.cat([b.reshape(-1).float() for b, _, _ in quant]).to(dev)
+        self.params = (
+            col([p.step for _, _, p in quant], torch.float32),
+            col([p.inv_step for _, _, p in quant], torch.float32),
+            col([p.center for _, _, p in quant], torch.int64),
+            col([eb for _, eb, _ in quant], torch.float64),
+            col([DTYPE_CODES[b.dtype] for b, _, _ in quant], torch.int32),
         )
-        self.sym = sym.reshape(self.rows, self.dim)
-        self.ids, self.first = k_vector_lz.dedupe(self.sym, self.bits)
-        self.n_unique = self.first.shape[0]
-        self.ref_mode = (
-            int(refs_packing(self.rows, self.n_unique)[0]) if self.rows > 1 else REFS_FIXED
-        )
-        hist = k_huffman.histogram_rows(self.sym, self.first).cpu().numpy().astype(np.int64)
-        lengths = huffman.code_lengths_kernel(hist)
-        codes = huffman.canonical_codes_kernel(lengths)
-        self.lengths = torch.from_numpy(lengths.astype(np.int32)).to(dev)
-        self.codes = torch.from_numpy(codes.astype(np.int64)).to(dev)
-        self.ends, self.words = k_huffman.encode(
-            self.sym, self.first, self.lengths, self.codes, chunk
-        )
-        self.table = torch.from_numpy(huffman.decode_table_kernel(lengths)).to(dev)
-        sent = self.sym[self.first.long()].reshape(-1)
-        self.n_sent = sent.shape[0]
-        self.esc = torch.nonzero((sent.int() & 0xFFFF) == ESCAPE_SYMBOL).reshape(-1)
+        bits = [b.contiguous().view(BITS_DTYPES[b.dtype]).to(torch.int32) for b, _, _ in quant]
+        self.bits = torch.cat([t.reshape(-1) for t in bits]).to(dev)
+        rows = [b.shape[0] for b, _, _ in quant]
+        dims = np.repeat([b.shape[1] for b, _, _ in quant], rows)
+        self.max_dim = int(dims.max()) if dims.size else 1
+        self.row_off = torch.from_numpy(np.cumsum(dims) - dims).to(dev)
+        self.row_dim = torch.from_numpy(dims.astype(np.int32)).to(dev)
+        self.row_blk = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), rows))
+        self.row_blk = self.row_blk.to(dev)
+        self.sym = k_quantize.quantize_tiles(self.x, self.tiles, *self.params, self.block)[0]
+        self.keep = torch.ones_like(self.sym, dtype=torch.int32)
+        self.hist = k_huffman.histogram_tiles(self.sym, self.keep, self.tiles, len(quant), 4096)
+        self.lengths = codebook.code_lengths(self.hist)
+        self.codes = codebook.canonical_codes(self.lengths)
+        # Chunks of ``chunk`` symbols per block (the tiles of ``chunk``), each coded with its
+        # block's table.
+        chunks = torch.from_numpy(tile_table(sizes, chunk)).to(dev)
+        self.chunk_lo, self.chunk_hi = chunks[:, 0].contiguous(), chunks[:, 1].contiguous()
+        self.chunk_table = (chunks[:, 2] * ALPHABET_SIZE).contiguous()
 
 
-def _stage_fns(blocks: list[_Block]) -> dict[str, Callable[[], object]]:
-    """One closure per Triton stage, each running the stage over every quantized block."""
+def _stage_fns(batch: _Batch) -> dict[str, Callable[[], object]]:
+    """One closure per batched production launcher, each over every quantized block at once."""
+    from torchrec_lossy.kernels import codebook
     from torchrec_lossy.kernels import huffman as k_huffman
     from torchrec_lossy.kernels import quantize as k_quantize
     from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
-    q = [b for b in blocks if b.sym is not None]
-
-    def quantize() -> None:
-        for b in q:
-            p = b.params
-            k_quantize.quantize(b.x, p.step, p.inv_step, p.center, b.bound, b.dtype_code)
-
-    def dequantize() -> None:
-        for b in q:
-            k_quantize.dequantize(b.sym.reshape(-1), b.params.step, b.params.center)
-
-    def dedupe() -> None:
-        for b in q:
-            k_vector_lz.dedupe(b.sym, b.bits)
-
-    def histogram() -> None:
-        for b in q:
-            k_huffman.histogram_rows(b.sym, b.first)
-
-    def pack_refs() -> None:
-        for b in q:
-            k_vector_lz.pack_refs(b.ids, b.n_unique, b.ref_mode)
-
-    def encode() -> None:
-        for b in q:
-            k_huffman.encode(b.sym, b.first, b.lengths, b.codes, b.chunk)
-
-    def decode() -> None:
-        for b in q:
-            k_huffman.decode(b.words, b.ends, b.n_sent, b.chunk, b.table, b.esc)
-
+    b = batch
+    stream = b.sym.to(torch.int32)
     return {
-        "quantize + escapes + histogram": quantize,
-        "dequantize": dequantize,
-        "vector-LZ dedupe (1 sync/block)": dedupe,
-        "histogram of distinct rows": histogram,
-        "pack references": pack_refs,
-        "Huffman encode, distinct rows (1 sync/block)": encode,
-        "Huffman decode + escape check": decode,
+        "quantize_tiles (+ escapes + histograms)": lambda: k_quantize.quantize_tiles(
+            b.x, b.tiles, *b.params, b.block
+        ),
+        "representatives (vector-LZ, quantized)": lambda: k_vector_lz.representatives(
+            b.sym, b.bits, b.row_off, b.row_dim, b.row_blk, b.max_dim
+        ),
+        "histogram_tiles": lambda: k_huffman.histogram_tiles(
+            b.sym, b.keep, b.tiles, b.n_blocks, b.block
+        ),
+        "code_lengths": lambda: codebook.code_lengths(b.hist),
+        "encode_chunks (1 sync: sizes the words)": lambda: k_huffman.encode_chunks(
+            stream, b.chunk_lo, b.chunk_hi, b.chunk_table, b.lengths, b.codes, b.chunk
+        ),
     }
 
 
@@ -240,9 +222,6 @@ def run(
     Returns:
         The JSON-ready results.
     """
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from triton_stage_ops import TritonOps  # the stage-level oracle of the kernel tests
-
     from torchrec_lossy.codec import pipeline
     from torchrec_lossy.config import CodecConfig
 
@@ -250,7 +229,6 @@ def run(
     cpu_blocks, bounds = paper_traffic(spec)
     raw_bytes = sum(b.numel() * 4 for b in cpu_blocks)
     config = CodecConfig(huffman_chunk_symbols=args.chunk_symbols)
-    limit = pipeline.DEFAULT_MAX_ELEMENTS
     host = dataclasses.replace(config, backend="cpu")  # the compiled host path, off the device
     rows: list[dict[str, Any]] = []
 
@@ -258,47 +236,25 @@ def run(
         ms = bench(fn)
         rows.append({"group": group, "name": name, "ms": ms, "gbps": raw_bytes / (ms * 1e-3) / 1e9})
 
-    # Bit-exactness on this device first: the payload through TritonOps against CpuOps.
+    # Bit-exactness on this device first: the device-resident payload against the numba one.
     dev_blocks = [b.to(dev) for b in cpu_blocks]
-    triton_ops = TritonOps(dev)
-    # label -> (encode, decode): stage by stage through TritonOps; the compiled host path (numba)
-    codecs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], object]]] = {
-        "TritonOps": (
-            lambda: pipeline.compress_staged(dev_blocks, bounds, config, triton_ops)[0],
-            lambda p: pipeline.decompress_staged(p, limit, triton_ops),
-        ),
-        "numba host path": (
-            lambda: pipeline.compress(dev_blocks, bounds, host),
-            lambda p: pipeline.decompress(p, backend="cpu"),
-        ),
-    }
-    payloads = {label: encode() for label, (encode, _) in codecs.items()}
-    decoded = {label: [b.cpu() for b in codecs[label][1](p)] for label, p in payloads.items()}
-    (pt, dt), (pc, dc) = ((payloads[k].cpu(), decoded[k]) for k in codecs)
-    identical = bool(torch.equal(pt, pc)) and all(
-        torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dt, dc, strict=True)
-    )
+    host_payload = pipeline.compress(dev_blocks, bounds, host)
+    host_decoded = [b.cpu() for b in pipeline.decompress(host_payload, backend="cpu")]
     device_payload = pipeline.compress(dev_blocks, bounds, config)
     device_decoded = [b.cpu() for b in pipeline.decompress(device_payload)]
-    identical = (
-        identical
-        and bool(torch.equal(device_payload.cpu(), pc))
-        and all(
-            torch.equal(a.view(torch.int32), b.view(torch.int32))
-            for a, b in zip(device_decoded, dc, strict=True)
-        )
+    pc = host_payload.cpu()
+    identical = bool(torch.equal(device_payload.cpu(), pc)) and all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32))
+        for a, b in zip(device_decoded, host_decoded, strict=True)
     )
     print(
         f"{args.preset} dim {args.dim}, {args.batch_rows} rows x {len(cpu_blocks)} tables = "
-        f"{raw_bytes / 1e6:.2f} MB fp32 | ratio {raw_bytes / pt.numel():.2f} | "
-        f"device-resident and TritonOps payloads byte-identical to the numba host path: {identical}"
+        f"{raw_bytes / 1e6:.2f} MB fp32 | ratio {raw_bytes / pc.numel():.2f} | "
+        f"device-resident payload byte-identical to the numba host path: {identical}"
     )
 
-    blocks = [
-        _Block(b, eb, args.chunk_symbols, dev) for b, eb in zip(cpu_blocks, bounds, strict=True)
-    ]
-    n_quant = sum(b.sym is not None for b in blocks)
-    for name, fn in _stage_fns(blocks).items():
+    batch = _Batch(cpu_blocks, bounds, args.chunk_symbols, dev)
+    for name, fn in _stage_fns(batch).items():
         record("triton stage", name, fn)
     record(
         "pipeline",
@@ -306,20 +262,25 @@ def run(
         lambda: pipeline.compress(dev_blocks, bounds, config),
     )
     record("pipeline", "decompress, device-resident", lambda: pipeline.decompress(device_payload))
-    for label, (encode, decode) in codecs.items():
-        record("pipeline", f"compress, {label}", encode)
-        record("pipeline", f"decompress, {label}", lambda p=payloads[label], d=decode: d(p))
+    record(
+        "pipeline", "compress, numba host path", lambda: pipeline.compress(dev_blocks, bounds, host)
+    )
+    record(
+        "pipeline",
+        "decompress, numba host path",
+        lambda: pipeline.decompress(host_payload, backend="cpu"),
+    )
 
     fns, notes = _baseline_fns(cpu_blocks, dev)
     for name, fn in fns.items():
         record("baseline", name, fn)
 
     notes = [
-        f"{n_quant} of {len(blocks)} blocks quantize; the stages run over those",
+        f"{batch.n_blocks} of {len(cpu_blocks)} blocks quantize; the stages run over those, "
+        "each once for all of them (the batched launchers device_compress runs)",
         "GB/s = raw fp32 bytes of the whole batch / median seconds",
-        "pipeline rows: device-resident compress (one sync) and decompress (two), then "
-        "host-orchestrated ones "
-        "(every TritonOps stage call copies in and out)",
+        "pipeline rows: device-resident compress (one sync) and decompress (two), then the "
+        "numba host path (blocks copied to the host and back)",
         *notes,
     ]
     print(f"{'group':<13} {'entry':<46} {'ms':>9} {'GB/s':>9}")
@@ -332,7 +293,7 @@ def run(
         "python": platform.python_version(),
         "args": vars(args),
         "raw_bytes": raw_bytes,
-        "payload_bytes": int(pt.numel()),
+        "payload_bytes": int(pc.numel()),
         "payload_identical_to_cpu": identical,
         "rows": rows,
         "notes": notes,

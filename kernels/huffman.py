@@ -1,31 +1,29 @@
 """Triton chunked canonical Huffman: histogram, encode and decode, bit-identical to the CPU path.
 
-- :func:`histogram_rows`: symbol counts over selected rows (``histogram_rows_kernel``).
+- :func:`histogram_tiles`: per-block symbol counts of many blocks in one launch.
 - :func:`encode_chunks`: the chunks of many blocks in one pass each (a chunk table of stream
   ranges and code-table offsets; empty ranges are unused worst-case slots), no sync when the
-  caller bounds the word count; :func:`encode` is its one-block form, the same words and chunk
-  ends as ``encode_kernel``. Three passes,
+  caller bounds the word count; each block's words and chunk ends are ``encode_kernel``'s.
+  Three passes,
   without atomics: (1) one program per chunk sums its code lengths; (2) a prefix sum of the
   chunks' word counts gives every chunk its first word; (3) one program per chunk places each
   code at its bit position: a code starts in word ``w`` and may spill into ``w + 1``, so it is
   written as a 64-bit value aligned on ``w``; a segmented OR-scan merges the codes that start in
   the same word and the last code of each word stores the merged value; (4) each output word is
   the high half of its own 64-bit value ORed with the low half of the previous word's.
-- :func:`decode`: one program per chunk walks its bits with the one-lookup table of
-  ``decode_table_kernel``; a scan ranks the escapes it decoded so that each is checked against
-  the escape positions; same symbols and the same status as ``decode_kernel`` (the first error
-  in stream order), computed on the device without a sync.
-- :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: the same for every block of
-  a payload at once (device decompress): a global chunk table, sections read in place in the
-  payload, 12-bit decode tables from ``codebook.decode_tables``, per-block statuses by atomics.
+- :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: every block of a payload
+  at once (device decompress): one program per chunk walks its bits (:func:`decode_chunk`) with
+  the one-lookup tables of ``codebook.decode_tables``; a scan ranks the escapes decoded so that
+  each is checked against the escape positions; the same symbols and statuses as
+  ``decode_kernel`` (the first error in stream order), per block by atomics, without a sync.
 
 The device compress builds code lengths and canonical codes on the device
-(``kernels/codebook.py``); the single-block launchers take them from the caller.
+(``kernels/codebook.py``). The single-block launchers of the stage-level tests are in
+tests/triton_launchers.py.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -45,7 +43,6 @@ from torchrec_lossy.kernels.common import (
     block_for,
     find_segment,
     inclusive_scan,
-    tile_table,
 )
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -100,25 +97,6 @@ def histogram_tiles(
             num_warps=8,
         )
     return hist
-
-
-def histogram_rows(symbols: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Symbol counts over the selected rows of a [rows, dim] symbol matrix.
-
-    Args:
-        symbols: [rows, dim] int16 tensor of the uint16 symbols' bits.
-        rows: int32 row indices, same device.
-
-    Returns:
-        int32 [ALPHABET_SIZE] counts on the symbols' device.
-    """
-    dev = symbols.device
-    stream = symbols[rows.long()].reshape(-1)
-    n = stream.shape[0]
-    block = block_for(n, _HIST_BLOCK)
-    tiles = torch.from_numpy(tile_table(np.array([n]), block)).to(dev)
-    keep = torch.ones(n, dtype=torch.int32, device=dev)
-    return histogram_tiles(stream, keep, tiles, 1, block).reshape(-1)
 
 
 @triton.jit
@@ -206,35 +184,6 @@ def _join_words_kernel(merged_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
     tl.store(out_ptr + w, word.to(tl.uint32).to(tl.int32, bitcast=True), mask=mask)
 
 
-def encode(
-    symbols: torch.Tensor,
-    rows: torch.Tensor,
-    lengths: torch.Tensor,
-    codes: torch.Tensor,
-    chunk_symbols: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encodes the symbols of the selected rows into word-aligned chunks, like ``encode_kernel``.
-
-    Args:
-        symbols: [rows, dim] int16 tensor of the uint16 symbols' bits; every symbol encoded
-            needs a nonzero code length.
-        rows: int32 indices of the rows to encode, same device.
-        lengths: int32 [ALPHABET_SIZE] code lengths, same device.
-        codes: int64 [ALPHABET_SIZE] canonical codes (right-aligned), same device.
-        chunk_symbols: Symbols per chunk.
-
-    Returns:
-        (chunk_ends: int64 [n_chunks], the end word of each chunk; words: int32 tensor of the
-        uint32 bitstream's bits). Sizing ``words`` reads one scalar back from the device.
-    """
-    dev = symbols.device
-    stream = symbols[rows.long()].reshape(-1).to(torch.int32)
-    n = stream.shape[0]
-    lo = torch.arange(0, n, chunk_symbols, dtype=torch.int64, device=dev)
-    hi = torch.clamp(lo + chunk_symbols, max=n)
-    return encode_chunks(stream, lo, hi, torch.zeros_like(lo), lengths, codes, chunk_symbols)
-
-
 def encode_chunks(
     stream: torch.Tensor,
     chunk_lo: torch.Tensor,
@@ -298,7 +247,7 @@ def encode_chunks(
 
 
 @triton.jit
-def _decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, n, chunk_symbols):
+def decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, n, chunk_symbols):
     """decode_kernel's loop over one chunk, scalar for scalar: symbols ``i .. min(i +
     chunk_symbols, n)`` from words ``w .. end`` (already clamped to the stream). Returns where it
     stopped and the status (0, _INVALID or _OUT_OF_BITS)."""
@@ -327,145 +276,6 @@ def _decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i,
             n_bits -= length
             i += 1
     return i, status
-
-
-@triton.jit
-def _decode_kernel(
-    words_ptr,
-    ends_ptr,
-    table_ptr,
-    out_ptr,
-    esc_ptr,
-    status_ptr,
-    fail_ptr,
-    n,
-    n_words,
-    chunk_symbols,
-    peek_shift,
-):
-    # One program per chunk, one symbol at a time: decode_kernel's loop, scalar for scalar.
-    c = tl.program_id(0).to(tl.int64)
-    # Clamped to the stream so a corrupt chunk table cannot make a program read out of bounds
-    # (the launcher reports the bad table itself).
-    w = tl.minimum(tl.load(ends_ptr + c - 1, mask=c > 0, other=0), n_words).to(tl.int64)
-    end = tl.minimum(tl.load(ends_ptr + c), n_words).to(tl.int64)
-    i, status = _decode_chunk(
-        words_ptr,
-        w,
-        end,
-        table_ptr,
-        peek_shift,
-        out_ptr,
-        esc_ptr,
-        c * chunk_symbols,
-        n,
-        chunk_symbols,
-    )
-    tl.store(status_ptr + c, status)
-    tl.store(fail_ptr + c, i)  # where the chunk stopped: its end, or the symbol that failed
-
-
-@triton.jit
-def _escape_check_kernel(
-    esc_ptr, rank_ptr, expected_ptr, bad_ptr, n, n_escapes, BLOCK: tl.constexpr
-):
-    # decode_kernel requires the k-th escape decoded to sit at escape_positions[k]; the first
-    # position breaking that is where it would have stopped.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    is_esc = tl.load(esc_ptr + i, mask=mask, other=0) == 1
-    k = tl.load(rank_ptr + i, mask=mask, other=1).to(tl.int64) - 1
-    in_list = k < n_escapes
-    expected = tl.load(expected_ptr + k, mask=is_esc & in_list, other=-1)
-    bad = is_esc & (~in_list | (expected != i))
-    tl.store(bad_ptr + tl.program_id(0), tl.min(tl.where(bad, i, n), axis=0))
-
-
-def decode(
-    words: torch.Tensor,
-    chunk_ends: torch.Tensor,
-    n: int,
-    chunk_symbols: int,
-    table: torch.Tensor,
-    escape_positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decodes and validates every chunk like ``decode_kernel``, without a device sync.
-
-    Args:
-        words: int32 tensor of the uint32 bitstream's bits.
-        chunk_ends: int64 [n_chunks] end word of each chunk, same device (validated here).
-        n: Number of symbols.
-        chunk_symbols: Symbols per chunk (>= 1).
-        table: int32 decode table from ``decode_table_kernel`` (non-empty; its size is
-            ``2**peek``), same device.
-        escape_positions: int64 positions where the escape symbol must decode, increasing.
-
-    Returns:
-        (int16 symbols [n] (uint16 bits), int32 0-d status: 0 or the DECODE_* code
-        ``decode_kernel`` returns for the same input). The codebook check (DECODE_BAD_CODEBOOK)
-        is the caller's: it built ``table``.
-    """
-    dev = words.device
-    words = words.contiguous()
-    chunk_ends = chunk_ends.contiguous()
-    escape_positions = escape_positions.contiguous()
-    n_chunks = chunk_ends.shape[0]
-    n_words = words.shape[0]
-    n_escapes = escape_positions.shape[0]
-    out = torch.zeros(n, dtype=torch.int16, device=dev)
-    if n_chunks == 0:
-        return out, torch.tensor(0 if n_escapes == 0 else DECODE_BAD_ESCAPES, device=dev)
-    peek = table.shape[0].bit_length() - 1
-    is_esc = torch.zeros(n, dtype=torch.int32, device=dev)
-    status = torch.empty(n_chunks, dtype=torch.int32, device=dev)
-    stopped = torch.empty(n_chunks, dtype=torch.int64, device=dev)
-    # Scalar work: one warp per chunk is all it can use.
-    _decode_kernel[(n_chunks,)](
-        words,
-        chunk_ends,
-        table,
-        out,
-        is_esc,
-        status,
-        stopped,
-        n,
-        n_words,
-        chunk_symbols,
-        64 - peek,
-        num_warps=1,
-    )
-    # Glue on the device (O(n_chunks) torch ops): the first error in stream order wins, as in the
-    # sequential kernel.
-    none = torch.tensor(n, dtype=torch.int64, device=dev)
-    first_fail = torch.where(status != 0, stopped, none)
-    stream_pos, stream_chunk = first_fail.min(dim=0)
-    esc_pos = none
-    n_decoded = torch.zeros((), dtype=torch.int32, device=dev)
-    if n:
-        rank = inclusive_scan(is_esc, SCAN_SUM)
-        block = block_for(n, 4096)
-        grid = triton.cdiv(n, block)
-        bad = torch.empty(grid, dtype=torch.int64, device=dev)
-        _escape_check_kernel[(grid,)](
-            is_esc, rank, escape_positions, bad, n, n_escapes, BLOCK=block
-        )
-        esc_pos = bad.min()
-        n_decoded = rank[-1]
-    bad_table = (chunk_ends[1:] < chunk_ends[:-1]).any() | (chunk_ends[-1] != n_words)
-    result = torch.where(
-        bad_table,
-        DECODE_BAD_CHUNK_TABLE,
-        torch.where(
-            esc_pos < stream_pos,
-            DECODE_BAD_ESCAPES,
-            torch.where(
-                stream_pos < n,
-                status[stream_chunk],
-                torch.where(n_decoded != n_escapes, DECODE_BAD_ESCAPES, 0),
-            ),
-        ),
-    )
-    return out, result.to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -524,7 +334,7 @@ def _decode_blocks_kernel(
     # Clamped to the block's bitstream, so a corrupt table cannot make a program read elsewhere.
     w = tl.minimum(prev_end, n_words)
     end = tl.minimum(this_end, n_words)
-    i, status = _decode_chunk(
+    i, status = decode_chunk(
         bs, w, end, table, 52, out_ptr + sym0, esc_ptr + sym0, cl * chunk_symbols, n, chunk_symbols
     )  # 12-bit tables: peek the top 12 of 64 bits
     # Chunks are disjoint, so the smallest (position, code) key names the block's first failure.
@@ -739,9 +549,7 @@ JIT_KERNELS = {
     "block_status_kernel": _block_status_kernel,
     "chunk_words_kernel": _chunk_words_kernel,
     "decode_blocks_kernel": _decode_blocks_kernel,
-    "decode_kernel": _decode_kernel,
     "escape_check_blocks_kernel": _escape_check_blocks_kernel,
-    "escape_check_kernel": _escape_check_kernel,
     "histogram_tiles_kernel": _histogram_tiles_kernel,
     "join_words_kernel": _join_words_kernel,
     "place_codes_kernel": _place_codes_kernel,

@@ -1,4 +1,4 @@
-"""Triton quantize / dequantize, bit-exact with ``torchrec_lossy.codec.quantize``.
+"""Triton quantize and the decoder's output stage, bit-exact with ``torchrec_lossy.codec.quantize``.
 
 ``quantize`` fuses, per element: the code ``q = floor(x * inv_step + 0.5)`` in float32 (or the
 stochastic ``floor(t) + (u < t - floor(t))`` with ``u`` from :func:`uniform_draw`), the
@@ -6,8 +6,7 @@ reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype ex
 ``_round_to_dtype`` does, the float64 check ``|x - x'| <= bound``, the escape decision, the symbol,
 the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
 blocks in one launch (a tile table: each program's element range and block, whose step, center,
-bound and dtype it reads from device arrays); :func:`quantize` is its one-block form. The CPU
-twin is
+bound and dtype it reads from device arrays). The CPU twin is
 :func:`torchrec_lossy.codec.quantize.quantize_kernel`; the torch oracle is ``quantize_reference``.
 :func:`decode_outputs` is the decoder's last stage for every block of a payload in one launch:
 raw copies, LZ row expansion, ``dequantize_kernel`` plus the dtype cast, escaped values.
@@ -25,13 +24,13 @@ Bit-exactness notes:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
-from torchrec_lossy.kernels.common import block_for, find_segment, tile_table
+from torchrec_lossy.kernels.common import block_for, find_segment
+from torchrec_lossy.kernels.common import tile_table as tile_table  # device_compress reads it here
 
 _BLOCK = 4096
 # Globals a kernel reads must be constexpr.
@@ -189,58 +188,6 @@ def _quantize_kernel(
     tl.atomic_add(hist_ptr + blk * _ALPHABET + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit
-def _dequantize_kernel(sym_ptr, out_ptr, n, step, base, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    s = tl.load(sym_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    # |s + base| < 2**24, so the int -> float32 conversion is exact.
-    tl.store(out_ptr + offs, (s + base).to(tl.float32) * step, mask=mask)
-
-
-def quantize(
-    x: torch.Tensor,
-    step: float,
-    inv_step: float,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    sr_key: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantizes a flat float32 tensor into symbols on its device; escapes what it cannot cover.
-
-    Args:
-        x: 1-D float32 values (exact copies of the block's fp32 / fp16 / bf16 values).
-        step: Quantization step (float32-representable).
-        inv_step: float32 reciprocal of the step.
-        center: Code of the block's midpoint.
-        bound: Absolute bound, checked in float64.
-        dtype_code: The block's dtype code (the reconstruction is rounded to it).
-        sr_key: -1: round to nearest; else the block's stochastic-rounding key.
-
-    Returns:
-        (int16 symbols [n] (the uint16 symbols' bits), int32 histogram [ALPHABET_SIZE],
-        float64 0-d max error over the elements that were not escaped). Nothing is synced.
-    """
-    dev = x.device
-    n = x.shape[0]
-    block = block_for(n, _BLOCK)
-    symbols, hist, errors = quantize_tiles(
-        x,
-        torch.from_numpy(tile_table(np.array([n]), block)).to(dev),
-        torch.tensor([step], dtype=torch.float32, device=dev),
-        torch.tensor([inv_step], dtype=torch.float32, device=dev),
-        torch.tensor([center], dtype=torch.int64, device=dev),
-        torch.tensor([bound], dtype=torch.float64, device=dev),
-        torch.tensor([dtype_code], dtype=torch.int32, device=dev),
-        block,
-        torch.tensor([sr_key], dtype=torch.int64, device=dev),
-    )
-    err = errors.max() if errors.numel() else torch.zeros((), dtype=torch.float64, device=dev)
-    return symbols, hist.reshape(-1), err
-
-
 def quantize_tiles(
     x: torch.Tensor,
     tiles: torch.Tensor,
@@ -309,36 +256,6 @@ def quantize_tiles(
             enable_fp_fusion=False,
         )
     return symbols, hist, errors
-
-
-def dequantize(symbols: torch.Tensor, step: float, center: int) -> torch.Tensor:
-    """Reconstructs float32 values from symbols (escaped positions get garbage, overwritten later).
-
-    Args:
-        symbols: 1-D int16 tensor holding the uint16 symbols' bits.
-        step: Quantization step.
-        center: Code of the block's midpoint.
-
-    Returns:
-        1-D float32 tensor on the symbols' device.
-    """
-    symbols = symbols.contiguous()
-    n = symbols.shape[0]
-    out = torch.empty(n, dtype=torch.float32, device=symbols.device)
-    if n == 0:
-        return out
-    block = block_for(n, _BLOCK)
-    _dequantize_kernel[(triton.cdiv(n, block),)](
-        symbols,
-        out,
-        n,
-        step,
-        center - SYMBOL_OFFSET,
-        BLOCK=block,
-        num_warps=8,
-        enable_fp_fusion=False,
-    )
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,6 +410,5 @@ def decode_outputs(
 # callers launch them through the functions above.
 JIT_KERNELS = {
     "decode_output_kernel": _decode_output_kernel,
-    "dequantize_kernel": _dequantize_kernel,
     "quantize_kernel": _quantize_kernel,
 }

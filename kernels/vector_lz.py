@@ -1,25 +1,22 @@
-"""Triton vector-LZ: find repeated rows and pack the row -> vector references.
+"""Triton vector-LZ: find repeated rows of many blocks at once, and unpack the references.
 
-:func:`dedupe` returns exactly what :func:`torchrec_lossy.codec.vector_lz.dedupe_kernel` returns
-(ids numbered by first occurrence, the first row of every distinct vector), found in parallel
-instead of through a sequential hash table:
+:func:`representatives` gives each row the first identical row of its block, for the rows of
+many blocks in one pass (the device compress ranks them into ``dedupe_kernel``'s ids: numbered
+by first occurrence), found in parallel instead of through a sequential hash table:
 
 1. ``_row_hash_kernel``: a hash of every row over the same element keys as the CPU kernel (raw
    bits, or the symbol with escaped elements keyed by their raw bits). Rows come from row
-   tables (element offset, dim, block), so one launch covers the rows of many blocks
-   (:func:`representatives`, used by the device compress); the block id fills the top bits.
+   tables (element offset, dim, block); the block id fills the top bits.
 2. ``torch.sort`` (stable) of the hashes: equal rows of a block become adjacent, in row order.
 3. ``_run_flag_kernel`` + a max-scan: the sorted position where each row's hash run starts.
 4. ``_verify_kernel``: every row compares itself, key by key, with the rows of its hash run in
    row order and takes the first identical one as its representative. Without hash collisions
    the first comparison (with the run's head) succeeds; with collisions the loop walks on, so
    the result stays exact whatever the hash does.
-5. A sum-scan of the "is its own representative" flags ranks the distinct vectors by first
-   occurrence; ``_assign_kernel`` writes ids and first rows.
 
-:func:`pack_refs` writes each output word from the rows that overlap it (no atomics), bit-identical
-to ``pack_refs_kernel``. :func:`unpack_refs_blocks` is the decoder's side, for every LZ block of a
-payload in one launch (``unpack_refs_kernel``'s ids and checks).
+:func:`unpack_refs_blocks` is the decoder's side, for every LZ block of a payload in one launch
+(``unpack_refs_kernel``'s ids and checks). The single-block ``dedupe`` and ``pack_refs`` of the
+stage-level tests are in tests/triton_launchers.py.
 """
 
 from __future__ import annotations
@@ -31,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, ref_width, refs_bits
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL
 from torchrec_lossy.kernels.common import (
     SCAN_MAX,
-    SCAN_SUM,
     block_for,
     find_segment,
     inclusive_scan,
@@ -184,57 +180,6 @@ def _verify_kernel(
     tl.store(first_ptr + i, (rep == i).to(tl.int32), mask=pmask)
 
 
-@triton.jit
-def _assign_kernel(
-    rep_ptr, first_ptr, rank_ptr, ids_ptr, first_rows_ptr, rows, BLOCK: tl.constexpr
-):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < rows
-    rep = tl.load(rep_ptr + i, mask=mask, other=0)
-    # rank = inclusive count of first occurrences; a first occurrence's id is its rank - 1.
-    tl.store(ids_ptr + i, tl.load(rank_ptr + rep, mask=mask, other=1) - 1, mask=mask)
-    is_first = tl.load(first_ptr + i, mask=mask, other=0) == 1
-    slot = tl.load(rank_ptr + i, mask=mask, other=1) - 1
-    tl.store(first_rows_ptr + slot, i.to(tl.int32), mask=mask & is_first)
-
-
-def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finds repeated rows; the result equals ``dedupe_kernel``'s.
-
-    Args:
-        symbols: [rows, dim] int16 tensor of the uint16 symbols' bits, or None to compare raw
-            bits only (lossless dedupe).
-        bits: [rows, dim] int32 raw bits of the block's elements, same device.
-
-    Returns:
-        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
-        first_rows: int32 [n_unique], the row where each distinct vector first occurs). Sizing
-        ``first_rows`` reads one scalar back from the device.
-    """
-    rows, dim = bits.shape
-    dev = bits.device
-    if rows == 0:
-        empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return empty, empty
-    row = torch.arange(rows, dtype=torch.int64, device=dev)
-    rep, is_first = representatives(
-        None if symbols is None else symbols.reshape(-1),
-        bits.reshape(-1),
-        row * dim,
-        torch.full((rows,), dim, dtype=torch.int32, device=dev),
-        torch.zeros(rows, dtype=torch.int32, device=dev),
-        dim,
-    )
-    block = block_for(rows, 1024)
-    flat_grid = (triton.cdiv(rows, block),)
-    rank = inclusive_scan(is_first, SCAN_SUM)
-    n_unique = int(rank[-1])
-    ids = torch.empty(rows, dtype=torch.int32, device=dev)
-    first_rows = torch.empty(n_unique, dtype=torch.int32, device=dev)
-    _assign_kernel[flat_grid](rep, is_first, rank, ids, first_rows, rows, BLOCK=block)
-    return ids, first_rows
-
-
 def representatives(
     symbols: torch.Tensor | None,
     bits: torch.Tensor,
@@ -314,123 +259,6 @@ def representatives(
         BLOCK_D=block_d,
     )
     return rep, is_first
-
-
-@triton.jit
-def _flagged_len_kernel(ids_ptr, max_ptr, len_ptr, val_ptr, rows, width, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = r < rows
-    v = tl.load(ids_ptr + r, mask=mask, other=0)
-    before = tl.load(max_ptr + r - 1, mask=mask & (r > 0), other=-1)
-    # With ids numbered by first occurrence, a row is a first occurrence iff its id exceeds
-    # every earlier id: then it is sent as one flag bit, else as a 0 flag and its id.
-    first = v > before
-    tl.store(len_ptr + r, tl.where(first, 1, 1 + width).to(tl.int64), mask=mask)
-    tl.store(val_ptr + r, tl.where(first, 1, v), mask=mask)
-
-
-@triton.jit
-def _pack_refs_kernel(
-    val_ptr,
-    ends_ptr,
-    out_ptr,
-    rows,
-    n_words,
-    width,
-    n_iter,
-    FLAGGED: tl.constexpr,
-    ROWS_PER_WORD: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    w = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
-    wmask = w < n_words
-    word_start = w * 32
-    if FLAGGED:
-        # First row whose bits end after the word's first bit (binary search over the ends).
-        lo = tl.zeros([BLOCK_W], dtype=tl.int64)
-        hi = tl.zeros([BLOCK_W], dtype=tl.int64) + rows
-        for _ in range(n_iter):
-            active = lo < hi
-            mid = (lo + hi) // 2
-            e = tl.load(ends_ptr + mid, mask=wmask & active, other=0)
-            right = e > word_start
-            hi = tl.where(active & right, mid, hi)
-            lo = tl.where(active & ~right, mid + 1, lo)
-        r0 = lo
-    else:
-        r0 = word_start // width
-    acc = tl.zeros([BLOCK_W], dtype=tl.uint64)
-    for k in range(ROWS_PER_WORD):
-        r = r0 + k
-        rmask = wmask & (r < rows)
-        # The row's bits as a value of `length` bits: its id, or for REFS_FLAGGED the single
-        # bit 1 (first occurrence) or a 0 bit then its id (repeat).
-        v = tl.load(val_ptr + r, mask=rmask, other=0)
-        if FLAGGED:
-            pos = tl.load(ends_ptr + r - 1, mask=rmask & (r > 0), other=0)
-            length = tl.load(ends_ptr + r, mask=rmask, other=0) - pos
-        else:
-            length = tl.zeros([BLOCK_W], dtype=tl.int64) + width
-            pos = r * width
-        off = pos - word_start  # the row's first bit relative to the word's first bit
-        overlap = rmask & (off < 32) & (off + length > 0)
-        shift = 32 - off - length  # in [-32, 31] for overlapping rows
-        val = v.to(tl.uint64)
-        left = val << tl.where(overlap & (shift > 0), shift, 0).to(tl.uint64)
-        right = val >> tl.where(overlap & (shift < 0), -shift, 0).to(tl.uint64)
-        part = tl.where(shift >= 0, left, right) & 0xFFFFFFFF
-        acc |= tl.where(overlap, part, 0)
-    tl.store(out_ptr + w, acc.to(tl.uint32).to(tl.int32, bitcast=True), mask=wmask)
-
-
-def pack_refs(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
-    """Packs vector ids into words, bit-identical to ``pack_refs_kernel``.
-
-    Args:
-        ids: int32 [rows] ids numbered by first occurrence (as :func:`dedupe` returns them).
-        n_unique: Distinct vectors.
-        mode: REFS_FIXED or REFS_FLAGGED.
-
-    Returns:
-        int32 tensor of the uint32 words' bits, on the ids' device.
-    """
-    ids = ids.contiguous()
-    rows = ids.shape[0]
-    dev = ids.device
-    width = int(ref_width(n_unique))
-    n_words = (int(refs_bits(rows, n_unique, mode)) + 31) // 32
-    out = torch.empty(n_words, dtype=torch.int32, device=dev)
-    if n_words == 0:
-        return out
-    flagged = mode != REFS_FIXED
-    if flagged:
-        block = block_for(rows, 1024)
-        lengths = torch.empty(rows, dtype=torch.int64, device=dev)
-        vals = torch.empty(rows, dtype=torch.int32, device=dev)
-        running_max = inclusive_scan(ids, SCAN_MAX)
-        _flagged_len_kernel[(triton.cdiv(rows, block),)](
-            ids, running_max, lengths, vals, rows, width, BLOCK=block
-        )
-        ends = inclusive_scan(lengths, SCAN_SUM)
-        min_len = 1
-    else:
-        vals = ids
-        ends = ids  # unused: fixed-width rows start at row * width
-        min_len = width
-    block_w = block_for(n_words, 256)
-    _pack_refs_kernel[(triton.cdiv(n_words, block_w),)](
-        vals,
-        ends,
-        out,
-        rows,
-        n_words,
-        width,
-        rows.bit_length() + 1,  # binary-search steps over rows + 1 candidates
-        FLAGGED=flagged,
-        ROWS_PER_WORD=32 // min_len + 2,
-        BLOCK_W=block_w,
-    )
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,9 +432,6 @@ def unpack_refs_blocks(
 # The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``);
 # callers launch them through the functions above.
 JIT_KERNELS = {
-    "assign_kernel": _assign_kernel,
-    "flagged_len_kernel": _flagged_len_kernel,
-    "pack_refs_kernel": _pack_refs_kernel,
     "row_hash_kernel": _row_hash_kernel,
     "run_flag_kernel": _run_flag_kernel,
     "unpack_refs_blocks_kernel": _unpack_refs_blocks_kernel,

@@ -21,7 +21,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import numba
+import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
+from stage_ops import CpuOps, decompress_staged
 from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
@@ -37,9 +39,9 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     checksum_words,
 )
+from torchrec_lossy.codec.staged import compress_staged
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common
-from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
@@ -140,7 +142,7 @@ def test_round_to_dtype_matches_cpu(dtype_code: int) -> None:
 @pytest.mark.parametrize("bound_kind", ["tiny", "rel0.01", "rel0.05", "huge"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) -> None:
-    ops = pipeline.CpuOps()
+    ops = CpuOps()
     for rows in ROWS:
         for dim in DIMS:
             block = make_block(rows, dim, dtype, kind, seed=rows * 31 + dim)
@@ -152,7 +154,7 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             want_sym, want_hist, want_esc, want_err = ops.quantize(
                 x, params, bound, DTYPE_CODES[dtype]
             )
-            sym, hist, err = k_quantize.quantize(
+            sym, hist, err = launchers.quantize(
                 dev(x), params.step, params.inv_step, params.center, bound, DTYPE_CODES[dtype]
             )
             what = f"rows={rows} dim={dim}"
@@ -160,7 +162,7 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             np.testing.assert_array_equal(host(hist).astype(np.int64), want_hist, err_msg=what)
             assert int(host(hist)[ESCAPE_SYMBOL]) == want_esc, what
             assert float(err) == want_err, what
-            got = host(k_quantize.dequantize(sym, params.step, params.center))
+            got = host(launchers.dequantize(sym, params.step, params.center))
             np.testing.assert_array_equal(
                 got.view(np.uint32), ops.dequantize(want_sym, params).view(np.uint32)
             )
@@ -180,14 +182,14 @@ def _dedupe_inputs(
     params = cpu_quantize.quant_params(0.05, x)
     if params is None:
         return np.full((rows, dim), ESCAPE_SYMBOL, np.uint16), bits
-    sym = pipeline.CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
+    sym = CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
     return sym.reshape(rows, dim), bits
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
-    ops = pipeline.CpuOps()
+    ops = CpuOps()
     for rows in [*ROWS, 64]:
         for dim in DIMS:
             sym, bits = _dedupe_inputs(rows, dim, dtype, kind)
@@ -197,7 +199,7 @@ def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
                     want_ids, want_first = ops.dedupe(None if raw else sym, bits)
                 else:
                     want_ids = want_first = np.zeros(0, np.int32)
-                ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+                ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
                 np.testing.assert_array_equal(host(ids), want_ids, err_msg=what)
                 np.testing.assert_array_equal(host(first), want_first, err_msg=what)
 
@@ -209,8 +211,8 @@ def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> 
     for kind in ("adversarial", "repeat"):
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):
-            want = pipeline.CpuOps().dedupe(None if raw else sym, bits)
-            ids, first = k_vector_lz.dedupe(None if raw else dev(sym), dev(bits))
+            want = CpuOps().dedupe(None if raw else sym, bits)
+            ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
             np.testing.assert_array_equal(host(ids), want[0])
             np.testing.assert_array_equal(host(first), want[1])
 
@@ -232,7 +234,7 @@ def test_pack_refs_matches_cpu(n_unique: int, mode: int) -> None:
             else:
                 ids[r] = rng.integers(0, nxt)
         want = vector_lz.pack_refs_kernel(ids, n_unique, mode)
-        got = host(k_vector_lz.pack_refs(dev(ids), n_unique, mode), np.uint32)
+        got = host(launchers.pack_refs(dev(ids), n_unique, mode), np.uint32)
         np.testing.assert_array_equal(got, want, err_msg=f"rows={rows}")
 
 
@@ -267,12 +269,12 @@ def test_huffman_encode_decode_match_cpu(n_rows: int, dim: int, spread: float, c
     for rows in (np.arange(n_rows, dtype=np.int32), rng.permutation(n_rows)[: n_rows // 2 + 1]):
         rows = rows.astype(np.int32)
         hist = huffman.histogram_rows_kernel(sym, rows)
-        got_hist = host(k_huffman.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
+        got_hist = host(launchers.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
         np.testing.assert_array_equal(got_hist, hist)
         lengths = huffman.code_lengths_kernel(hist)
         codes = huffman.canonical_codes_kernel(lengths)
         want_ends, want_words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
-        ends, words = k_huffman.encode(
+        ends, words = launchers.encode(
             dev(sym), dev(rows), dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk
         )
         np.testing.assert_array_equal(host(ends).astype(np.uint32), want_ends)
@@ -294,7 +296,7 @@ def _decode(
     esc: np.ndarray,
 ) -> tuple[np.ndarray, int]:
     table = huffman.decode_table_kernel(lengths)
-    out, status = k_huffman.decode(
+    out, status = launchers.decode(
         dev(words), dev(ends.astype(np.int64)), n, chunk, dev(table), dev(esc.astype(np.int64))
     )
     return host(out, np.uint16), int(status)
@@ -356,7 +358,7 @@ def test_huffman_decode_errors_match_cpu() -> None:
 
 @pytest.fixture
 def triton_ops() -> TritonOps:
-    """The Triton stages, for ``pipeline.compress_staged`` / ``decompress_staged``."""
+    """The Triton stages, for ``staged.compress_staged`` / ``stage_ops.decompress_staged``."""
     return TritonOps(DEVICE)
 
 
@@ -376,10 +378,10 @@ def _assert_same_payloads(
     """The compiled CPU path's payload and blocks, stage by stage through the Triton kernels."""
     want, want_stats = pipeline.compress_with_stats(blocks, bounds, config)
     want_out = pipeline.decompress(want)
-    got, got_stats = pipeline.compress_staged(blocks, bounds, config, ops)
+    got, got_stats = compress_staged(blocks, bounds, config, ops)
     assert torch.equal(got, want), "payload bytes differ"
     assert got_stats == want_stats
-    got_out = pipeline.decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
+    got_out = decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
     for i, (a, b) in enumerate(zip(got_out, want_out, strict=True)):
         assert torch.equal(as_bits(a), as_bits(b)), f"block {i} decodes differently"
 
@@ -426,7 +428,7 @@ def test_corrupt_payloads_fail_alike(triton_ops: TritonOps) -> None:
         results = []
         decoders = (
             lambda t: pipeline.decompress(t, backend="cpu"),
-            lambda t: pipeline.decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
+            lambda t: decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
         )
         for decode in decoders:
             try:
@@ -477,6 +479,20 @@ def test_kernels_compile_for_h100() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_aot_table_covers_every_launched_kernel() -> None:
+    """The ahead-of-time compile table has a row for every kernel ``kernels/`` launches, and the
+    check is not vacuous: without a row it names the kernel and fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torchrec_lossy.kernels._aot", "--check"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and "0 kernels missing" in res.stdout, res.stdout + res.stderr
+    res = subprocess.run(
+        [*cmd, "--without", "join_words_kernel"], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "huffman._join_words_kernel" in res.stdout, res.stdout
+
+
 # ------------------------------------------------------------------------------------------------
 # Without triton
 # ------------------------------------------------------------------------------------------------
@@ -500,7 +516,7 @@ def test_triton_ops_imports_without_triton(run_without_triton: Callable[[str], s
 def test_histogram_alphabet() -> None:
     """Every histogram has the full alphabet (the Huffman planner indexes it by symbol)."""
     sym = np.array([[0, ESCAPE_SYMBOL, 5]], dtype=np.uint16)
-    hist = host(k_huffman.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
+    hist = host(launchers.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
     assert hist.shape == (ALPHABET_SIZE,)
     assert hist[0] == hist[5] == hist[ESCAPE_SYMBOL] == 1
 

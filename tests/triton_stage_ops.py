@@ -1,14 +1,15 @@
-"""The codec's stages as Triton kernels, numpy in and numpy out: a ``pipeline.StageOps``.
+"""The codec's stages as Triton kernels, numpy in and numpy out: a ``staged.StageOps``.
 
 :class:`TritonOps` runs every data-sized stage (quantize + escapes + histogram, dequantize, row
 histogram, vector-LZ dedupe and reference packing, Huffman encode and decode) through the
-single-block launchers in ``torchrec_lossy.kernels`` and gives the arrays ``CpuOps`` gives, so a
-payload built with it through ``pipeline.compress_staged`` is byte-identical. The O(alphabet)
-table work (code lengths, canonical codes, decode table) stays on the host, as in ``CpuOps``.
+single-block launchers of tests/triton_launchers.py and gives the arrays ``CpuOps``
+(tests/stage_ops.py) gives, so a payload built with it through ``staged.compress_staged`` is
+byte-identical. The O(alphabet) table work (code lengths, canonical codes, decode table) stays
+on the host, as in ``CpuOps``.
 
 Each call moves its inputs to the device and its outputs back: it is the stage-level oracle of
-tests/test_kernels.py and what ``benchmarks/gpu_codec_bench.py`` times stage by stage, not a
-production path (CUDA tensors go device-resident: ``device_compress`` / ``device_decompress``).
+tests/test_kernels.py, not a production path (CUDA tensors go device-resident:
+``device_compress`` / ``device_decompress``). Importing this module does not import triton.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TritonOps:
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self._device = torch.device(device) if device is not None else None
-        self._modules: tuple[ModuleType, ModuleType, ModuleType] | None = None
+        self._launchers: ModuleType | None = None
 
     @property
     def device(self) -> torch.device:
@@ -43,10 +44,15 @@ class TritonOps:
             self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return self._device
 
-    def _kernels(self) -> tuple[ModuleType, ModuleType, ModuleType]:
-        if self._modules is None:
-            self._modules = load_kernels(self.device)
-        return self._modules
+    def _kernels(self) -> ModuleType:
+        """tests/triton_launchers.py, once ``load_kernels`` has checked triton (and switched to
+        the interpreter for CPU tensors)."""
+        if self._launchers is None:
+            load_kernels(self.device)
+            import triton_launchers
+
+            self._launchers = triton_launchers
+        return self._launchers
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         a = np.ascontiguousarray(a)
@@ -60,8 +66,8 @@ class TritonOps:
         self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
     ) -> tuple[np.ndarray, np.ndarray, int, float]:
         """float32 [n] -> (uint16 symbols [n], int64 histogram, number of escapes, max error)."""
-        k_quantize, _, _ = self._kernels()
-        symbols, hist, max_err = k_quantize.quantize(
+        k = self._kernels()
+        symbols, hist, max_err = k.quantize(
             self._to_device(x.astype(np.float32, copy=False)),
             params.step,
             params.inv_step,
@@ -79,22 +85,22 @@ class TritonOps:
 
     def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Histogram of the given rows of a uint16 [rows, dim] matrix."""
-        _, _, k_huffman = self._kernels()
-        hist = k_huffman.histogram_rows(
+        k = self._kernels()
+        hist = k.histogram_rows(
             self._to_device(symbols), self._to_device(rows.astype(np.int32, copy=False))
         )
         return hist.cpu().numpy().astype(np.int64)
 
     def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
         """uint16 [n] -> float32 [n]."""
-        k_quantize, _, _ = self._kernels()
-        out = k_quantize.dequantize(self._to_device(symbols), params.step, params.center)
+        k = self._kernels()
+        out = k.dequantize(self._to_device(symbols), params.step, params.center)
         return out.cpu().numpy()
 
     def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, dim] -> (int32 ids [rows], int32 first_rows [n_unique])."""
-        _, k_vector_lz, _ = self._kernels()
-        ids, first = k_vector_lz.dedupe(
+        k = self._kernels()
+        ids, first = k.dedupe(
             None if symbols is None else self._to_device(symbols),
             self._to_device(bits.astype(np.int32, copy=False)),
         )
@@ -102,19 +108,17 @@ class TritonOps:
 
     def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
         """int32 ids -> uint32 words."""
-        _, k_vector_lz, _ = self._kernels()
-        words = k_vector_lz.pack_refs(
-            self._to_device(ids.astype(np.int32, copy=False)), n_unique, mode
-        )
+        k = self._kernels()
+        words = k.pack_refs(self._to_device(ids.astype(np.int32, copy=False)), n_unique, mode)
         return words.cpu().numpy().view(np.uint32)
 
     def huffman_encode(
         self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The given rows of uint16 [rows, dim] symbols -> (uint32 chunk_ends, uint32 words)."""
-        _, _, k_huffman = self._kernels()
+        k = self._kernels()
         codes = huffman.canonical_codes_kernel(lengths)  # O(alphabet): host
-        ends, words = k_huffman.encode(
+        ends, words = k.encode(
             self._to_device(symbols),
             self._to_device(rows.astype(np.int32, copy=False)),
             self._to_device(lengths.astype(np.int32)),
@@ -136,11 +140,11 @@ class TritonOps:
 
         The escape symbol must decode exactly at ``escape_positions``.
         """
-        _, _, k_huffman = self._kernels()
+        k = self._kernels()
         table = huffman.decode_table_kernel(lengths)  # O(alphabet): host
         if table.shape[0] == 0:
             return DECODE_ERRORS[DECODE_BAD_CODEBOOK]
-        out, status = k_huffman.decode(
+        out, status = k.decode(
             self._to_device(words),
             self._to_device(chunk_ends.astype(np.int64)),
             n,
