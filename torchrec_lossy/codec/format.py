@@ -164,27 +164,14 @@ def write_segment_header(words: np.ndarray, at: int, fields: tuple) -> int:
 
 @jitable
 def words_for_bytes(n_bytes: int) -> int:
-    """Number of 32-bit words that hold ``n_bytes`` bytes (sections are word-aligned).
-
-    Args:
-        n_bytes: Byte count.
-
-    Returns:
-        ``ceil(n_bytes / 4)``.
-    """
+    """``ceil(n_bytes / 4)``: the 32-bit words that hold ``n_bytes`` bytes (sections are
+    word-aligned)."""
     return (n_bytes + 3) // 4
 
 
 @jitable
 def words_for_bits(n_bits: int) -> int:
-    """Number of 32-bit words that hold ``n_bits`` bits.
-
-    Args:
-        n_bits: Bit count.
-
-    Returns:
-        ``ceil(n_bits / 32)``.
-    """
+    """``ceil(n_bits / 32)``: the 32-bit words that hold ``n_bits`` bits."""
     return (n_bits + 31) // 32
 
 

@@ -102,12 +102,6 @@ class BatchEncoded:
         )
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(counts.shape[0] + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
-
-
 class _ThreadWorkBuffers(threading.local):
     """Per-thread work buffers, kept between calls: a fresh multi-megabyte array costs a page
     fault per 4 KiB on first touch, which on small payloads cost as much as a stage.

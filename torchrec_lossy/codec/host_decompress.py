@@ -166,6 +166,22 @@ def _huffman_values(
     return escapes == 0
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _expand_rows(
+    src32: np.ndarray, src16: np.ndarray, ids: np.ndarray, seg: _Segment, outs: _Outputs
+) -> None:
+    """Row ``r`` of the block is distinct vector ``ids[r]`` of ``src32`` (int32, a 4-byte
+    block) or ``src16`` (uint16)."""
+    dim = seg.dim
+    for r in range(seg.rows):
+        u = np.int64(ids[r]) * dim
+        at = seg.out_at + r * dim
+        if seg.itemsize == 4:
+            outs.out32[at : at + dim] = src32[u : u + dim]
+        else:
+            outs.out16[at : at + dim] = src16[u : u + dim]
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
     words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
@@ -197,13 +213,9 @@ def _decode_segment(
     if m == MODE_RAW:
         numel = n_rows * dim
         if isz == 4:
-            dst = out32[o : o + numel]
-            for k in range(numel):
-                dst[k] = np.int32(words[s + k])
+            out32[o : o + numel] = words[s : s + numel].view(np.int32)
         else:
-            h = 2 * s
-            for k in range(numel):
-                out16[o + k] = halves[h + k]
+            out16[o : o + numel] = halves[2 * s : 2 * s + numel]
         return _DECODED
     step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
@@ -213,17 +225,7 @@ def _decode_segment(
         return _FALL_BACK
     if m == MODE_LZ:
         pos = ref_at + ref_words
-        for r in range(n_rows):
-            u = np.int64(ids[r])
-            if isz == 4:
-                src = words[pos + u * dim : pos + (u + 1) * dim]
-                dst = out32[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst[j] = np.int32(src[j])
-            else:
-                h = 2 * pos + u * dim
-                for j in range(dim):
-                    out16[o + r * dim + j] = halves[h + j]
+        _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
         return _DECODED
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
@@ -278,16 +280,7 @@ def _decode_segment(
             for k in range(n_esc):
                 vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
     if lz:  # the distinct vectors, decoded into scratch, to the rows
-        for r in range(n_rows):
-            u = np.int64(ids[r]) * dim
-            if isz == 2:
-                dst16 = out16[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst16[j] = halves_out[u + j]
-            else:
-                dst = out32[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst[j] = values_i[u + j]
+        _expand_rows(values_i, halves_out, ids, seg, outs)
     return _DECODED
 
 

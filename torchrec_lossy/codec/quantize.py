@@ -415,13 +415,14 @@ def half_bits(bits: int, dtype_code: int) -> int:
 
 
 class _Grid(NamedTuple):
-    """One block's grid as the loops take it (``value``: step 2**-m, center qmax)."""
+    """One block's grid as the loops take it (``value``: step 2**-m, center qmax); ``key``:
+    ``NEAREST_KEY`` or the stochastic-rounding key."""
 
     step: np.float32
     inv_step: np.float32
     center: int
     bound: float
-    key: np.uint64
+    key: int
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -431,7 +432,8 @@ def _quantize_loop(
     # Branch-free body (selects, reductions, no early exits) so that the compiler vectorises it.
     # float32 arithmetic is exact here: q and the center are integers below 2**24 in magnitude
     # wherever |q - center| <= SYMBOL_OFFSET can hold, and anything farther stays farther.
-    step, inv_step, bound, key = g.step, g.inv_step, g.bound, g.key
+    step, inv_step, bound = g.step, g.inv_step, g.bound
+    key = np.uint64(g.key & 0xFFFFFFFF)
     half = np.float32(0.5)
     center_f = np.float32(g.center)
     offset_f = np.float32(SYMBOL_OFFSET)
@@ -488,39 +490,28 @@ def _quantize_value_loop(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_grid(
-    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, stochastic: bool, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
 ) -> tuple[int, int, int]:
     # The grid and the rounding, like the dtype (a constant here), resolved at compile time.
     if value:
         return _quantize_value_loop(x, g, dtype_code, symbols)
-    if stochastic:
+    if g.key >= 0:
         return _quantize_loop(x, g, dtype_code, True, symbols)
     return _quantize_loop(x, g, dtype_code, False, symbols)
 
 
 @numba.njit(cache=True, nogil=True)
 def _quantize_any(
-    x: np.ndarray,
-    step: np.float32,
-    inv_step: np.float32,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    symbols: np.ndarray,
-    sr_key: int,
-    value: bool,
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
 ) -> tuple[float, int, int]:
     """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
-    every element escapes). ``sr_key``: ``NEAREST_KEY`` or the stochastic-rounding key;
-    ``value``: the per-value grid (``step`` 2**-m, ``center`` qmax; round to nearest)."""
-    g = _Grid(step, inv_step, center, bound, np.uint64(sr_key & 0xFFFFFFFF))
-    sr = sr_key >= 0
+    every element escapes). ``value``: the per-value grid (round to nearest)."""
     if dtype_code == 1:  # one loop per dtype, so that it is resolved at compile time
-        err_bits, lo, hi = _quantize_grid(x, g, 1, value, sr, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, 1, value, symbols)
     elif dtype_code == 2:
-        err_bits, lo, hi = _quantize_grid(x, g, 2, value, sr, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, 2, value, symbols)
     else:
-        err_bits, lo, hi = _quantize_grid(x, g, 3, value, sr, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, 3, value, symbols)
     return np.int64(err_bits).view(np.float64), lo, hi
 
 
@@ -557,9 +548,8 @@ def quantize_kernel(
         (number of escaped elements, max |x - x'| over the elements that were not escaped;
         for ``value`` the max of ``|x - x'| / |x|``).
     """
-    max_error, _, _ = _quantize_any(
-        x, step, inv_step, center, bound, dtype_code, symbols, sr_key, value
-    )
+    g = _Grid(step, inv_step, center, bound, sr_key)
+    max_error, _, _ = _quantize_any(x, g, dtype_code, value, symbols)
     for s in symbols:
         hist[s] += 1
     return hist[ESCAPE_SYMBOL], max_error
@@ -661,10 +651,10 @@ def quantize_blocks_kernel(
     for b in range(nb):
         if grids.ok[b]:
             s, e = elem_off[b], elem_off[b + 1]
+            g = _Grid(grids.step[b], grids.inv_step[b], grids.center[b], bounds[b], sr_keys[b])
             max_err[b], lo[b], hi[b] = _quantize_any(
-                x[s:e], grids.step[b], grids.inv_step[b], grids.center[b], bounds[b],
-                dtype_codes[b], symbols[s:e], sr_keys[b], grids.value[b],
-            )  # fmt: skip
+                x[s:e], g, dtype_codes[b], grids.value[b], symbols[s:e]
+            )
     return max_err, lo, hi
 
 
