@@ -444,13 +444,17 @@ def host_header(n_blocks: int, body: np.ndarray) -> np.ndarray:
     Returns:
         The header's bytes (uint8 [32]).
     """
+    return header_words(n_blocks, body.view(np.uint32)).view(np.uint8)
+
+
+@numba.njit(cache=True, nogil=True)
+def header_words(n_blocks: int, body: np.ndarray) -> np.ndarray:
+    """The payload header for a body (uint32 words, descriptors and segments), as words."""
     header = np.zeros(1, HEADER)
-    header["magic"] = MAGIC
-    header["version"] = VERSION
-    header["n_blocks"] = n_blocks
-    header["body_words"] = body.shape[0] // 4
-    header["checksum"] = checksum(body.view(np.uint32))
-    return header.view(np.uint8)
+    h = header[0]
+    h["magic"], h["version"], h["n_blocks"] = MAGIC, VERSION, n_blocks
+    h["body_words"], h["checksum"] = body.shape[0], checksum_words(body)
+    return header.view(np.uint32)
 
 
 def check_payload(payload: object) -> None:

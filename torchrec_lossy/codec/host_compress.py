@@ -32,6 +32,7 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
     BlockColumns,
+    header_words,
     skeletons_kernel,
 )
 from torchrec_lossy.codec.format import (
@@ -40,15 +41,11 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
-    HEADER,
-    MAGIC,
     MODE_LZ,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
     MODE_VALUE,
-    VERSION,
-    checksum_words,
     refs_packing,
     words_for_bytes,
     write_segment_header,
@@ -491,7 +488,6 @@ def _put_payload_heads(
         desc[b]["mode"] = m | MODE_VALUE if grids.value[b] and quantized else m
         desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], inputs.bounds[b]
     desc_words = desc.view(np.uint32)
-    header = np.zeros(1, HEADER)
     sizes = np.empty(groups.shape[0], np.int64)
     p0 = 0
     b0 = 0
@@ -502,10 +498,7 @@ def _put_payload_heads(
         out[d0 : d0 + DESCRIPTOR_WORDS * n] = desc_words[
             DESCRIPTOR_WORDS * b0 : DESCRIPTOR_WORDS * (b0 + n)
         ]
-        h = header[0]
-        h["magic"], h["version"], h["n_blocks"] = MAGIC, VERSION, n
-        h["body_words"], h["checksum"] = p1 - d0, checksum_words(out[d0:p1])
-        out[p0:d0] = header.view(np.uint32)
+        out[p0:d0] = header_words(n, out[d0:p1])
         sizes[g] = 4 * (p1 - p0)
         p0 = p1
         b0 += n

@@ -230,9 +230,7 @@ def _decode_segment(
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
     nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
-    for k in range(count):
-        nib = nibbles[k >> 1]
-        compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
+    huffman.unpack_codebook_into(nibbles, count, compact)
     compact[count] = esc_len
     n_sym = nu * dim
     esc_at += s

@@ -520,6 +520,15 @@ def pack_codebook_kernel(lengths: np.ndarray, sym_lo: int, sym_count: int) -> np
     return nibbles
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def unpack_codebook_into(nibbles: np.ndarray, sym_count: int, lengths: np.ndarray) -> None:
+    """The inverse of :func:`pack_codebook_kernel`: ``sym_count`` code lengths from the wire
+    codebook's nibbles (low first) into ``lengths[:sym_count]``."""
+    for k in range(sym_count):
+        b = nibbles[k >> 1]
+        lengths[k] = (b >> 4) if k & 1 else (b & 0xF)
+
+
 @numba.njit(cache=True, nogil=True)
 def expand_codebook_kernel(
     nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
@@ -536,9 +545,7 @@ def expand_codebook_kernel(
         uint8 [ALPHABET_SIZE] code lengths.
     """
     lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
-    for k in range(sym_count):
-        b = nibbles[k >> 1]
-        lengths[sym_lo + k] = (b >> 4) if k & 1 else (b & 0xF)
+    unpack_codebook_into(nibbles, sym_count, lengths[sym_lo:])
     lengths[ESCAPE_SYMBOL] = escape_length
     return lengths
 
