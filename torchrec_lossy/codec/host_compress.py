@@ -121,25 +121,16 @@ class _ThreadWorkBuffers(threading.local):
 
 
 class _Inputs(NamedTuple):
-    """What :func:`compress_blocks` hands the kernel.
+    """What :func:`compress_blocks` hands the kernel (per block: ``[n]``)."""
 
-    Attributes:
-        x: float32 values of every block, back to back.
-        bits: int32 raw bits, same layout (16-bit ones sign-extended).
-        layout: int64 [4 * n]: the rows, then the columns, then the dtype code, then the
-            bound's kind (``bounds.BoundKind``), of each block (flat: cut up in the kernel,
-            where it costs nothing).
-        bounds: float64 [n] bounds (relative ones resolved in place).
-        groups: int64 [G] blocks per payload.
-        keys: int64 [n] each block's rounding key (``quantize.block_keys``).
-    """
-
-    x: np.ndarray
-    bits: np.ndarray
+    x: np.ndarray  # float32 values of every block, back to back
+    bits: np.ndarray  # int32 raw bits, same layout (16-bit ones sign-extended)
+    # int64 [4 * n]: the rows, the columns, the dtype code, then the bound's kind
+    # (bounds.BoundKind) of each block (flat: cut up in the kernel, where it costs nothing)
     layout: np.ndarray
-    bounds: np.ndarray
-    groups: np.ndarray
-    keys: np.ndarray
+    bounds: np.ndarray  # float64 (relative ones resolved in place)
+    groups: np.ndarray  # int64 [G] blocks per payload
+    keys: np.ndarray  # int64 rounding keys (quantize.block_keys)
 
 
 class _Knobs(NamedTuple):
