@@ -172,14 +172,16 @@ def _expand_rows(
 ) -> None:
     """Row ``r`` of the block is distinct vector ``ids[r]`` of ``src32`` (int32, a 4-byte
     block) or ``src16`` (uint16)."""
-    dim = seg.dim
-    for r in range(seg.rows):
+    dim, out32, out16 = seg.dim, outs.out32, outs.out16
+    for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
         u = np.int64(ids[r]) * dim
         at = seg.out_at + r * dim
         if seg.itemsize == 4:
-            outs.out32[at : at + dim] = src32[u : u + dim]
+            for j in range(dim):
+                out32[at + j] = src32[u + j]
         else:
-            outs.out16[at : at + dim] = src16[u : u + dim]
+            for j in range(dim):
+                out16[at + j] = src16[u + j]
 
 
 @numba.njit(cache=True, nogil=True)
