@@ -177,11 +177,13 @@ def _expand_rows(
         u = np.int64(ids[r]) * dim
         at = seg.out_at + r * dim
         if seg.itemsize == 4:
+            dst, src = out32[at : at + dim], src32[u : u + dim]
             for j in range(dim):
-                out32[at + j] = src32[u + j]
+                dst[j] = src[j]
         else:
+            dst16, src16_row = out16[at : at + dim], src16[u : u + dim]
             for j in range(dim):
-                out16[at + j] = src16[u + j]
+                dst16[j] = src16_row[j]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -215,9 +217,13 @@ def _decode_segment(
     if m == MODE_RAW:
         numel = n_rows * dim
         if isz == 4:
-            out32[o : o + numel] = words[s : s + numel].view(np.int32)
+            dst = out32[o : o + numel]
+            for k in range(numel):
+                dst[k] = np.int32(words[s + k])
         else:
-            out16[o : o + numel] = halves[2 * s : 2 * s + numel]
+            h = 2 * s
+            for k in range(numel):
+                out16[o + k] = halves[h + k]
         return _DECODED
     step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
