@@ -444,13 +444,17 @@ def host_header(n_blocks: int, body: np.ndarray) -> np.ndarray:
     Returns:
         The header's bytes (uint8 [32]).
     """
+    return header_words(n_blocks, body.view(np.uint32)).view(np.uint8)
+
+
+@numba.njit(cache=True, nogil=True)
+def header_words(n_blocks: int, body: np.ndarray) -> np.ndarray:
+    """The payload header for a body (uint32 words, descriptors and segments), as words."""
     header = np.zeros(1, HEADER)
-    header["magic"] = MAGIC
-    header["version"] = VERSION
-    header["n_blocks"] = n_blocks
-    header["body_words"] = body.shape[0] // 4
-    header["checksum"] = checksum(body.view(np.uint32))
-    return header.view(np.uint8)
+    h = header[0]
+    h["magic"], h["version"], h["n_blocks"] = MAGIC, VERSION, n_blocks
+    h["body_words"], h["checksum"] = body.shape[0], checksum_words(body)
+    return header.view(np.uint32)
 
 
 def check_payload(payload: object) -> None:
@@ -492,6 +496,17 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def descriptor_fields(words: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
+    """The block descriptor at word ``at`` of ``words`` (uint32): (rows, dim, dtype code,
+    mode, segment words), int64."""
+    codes = np.int64(words[at + _CODES_FIELD])
+    return (
+        np.int64(words[at + _ROWS_FIELD]), np.int64(words[at + _DIM_FIELD]), codes & 0xFF,
+        (codes >> 8) & 0xFF, np.int64(words[at + _SEG_WORDS_FIELD]),
+    )  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -537,19 +552,17 @@ def check_header(
         seg_total += np.int64(body[b * DESCRIPTOR_WORDS + _SEG_WORDS_FIELD])
     if seg_total != body.shape[0] - desc_words:
         return HEADER_BAD_SEGMENTS, 0
-    total = 0
     for b in range(n_blocks):
-        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
-        codes = d[_CODES_FIELD]
-        dtype_code, mode = codes & 0xFF, (codes >> 8) & 0xFF
+        _, _, dtype_code, mode, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
         if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
             return HEADER_BAD_BLOCK, b
+    total = 0
     for b in range(n_blocks):
-        d = body[b * DESCRIPTOR_WORDS : (b + 1) * DESCRIPTOR_WORDS]
-        dim = max(np.int64(d[_DIM_FIELD]), 1)
-        if np.int64(d[_ROWS_FIELD]) > (max_elements - total) // dim:  # no int64 wrap-around
+        rows, dim, _, _, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
+        dim = max(dim, 1)
+        if rows > (max_elements - total) // dim:  # no int64 wrap-around
             return HEADER_TOO_LARGE, 0
-        total += np.int64(d[_ROWS_FIELD]) * dim
+        total += rows * dim
     return HEADER_OK, n_blocks
 
 

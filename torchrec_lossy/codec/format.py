@@ -134,29 +134,44 @@ class CodecError(ValueError):
     """A payload cannot be decoded: truncated, corrupted, or not a torchrec-lossy payload."""
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def read_segment_header(words: np.ndarray, at: int) -> tuple:
+    """The segment header at word ``at`` of ``words`` (uint32), as :func:`segment_layout`
+    takes it: its fields in ``SEGMENT_HEADER`` order, ``step`` float32, the rest int64."""
+    h = words[at : at + SEGMENT_HEADER_WORDS].view(SEGMENT_HEADER)[0]
+    return (
+        np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
+        np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
+        np.int64(h["sym_lo"]), np.int64(h["sym_count"]), np.int64(h["escape_length"]),
+        np.int64(h["ref_mode"]), np.int64(h["ref_width"]),
+    )  # fmt: skip
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def write_segment_header(words: np.ndarray, at: int, fields: tuple) -> int:
+    """Writes a segment header at word ``at`` of ``words`` (uint32): ``fields`` as
+    :func:`read_segment_header` returns them (``reserved`` 0); -> the word after it."""
+    hdr = np.zeros(1, SEGMENT_HEADER)
+    h = hdr[0]
+    (
+        h["step"], h["center"], h["n_unique"], h["n_escapes"], h["chunk_symbols"],
+        h["n_chunks"], h["sym_lo"], h["sym_count"], h["escape_length"], h["ref_mode"],
+        h["ref_width"],
+    ) = fields  # fmt: skip
+    words[at : at + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+    return at + SEGMENT_HEADER_WORDS
+
+
 @jitable
 def words_for_bytes(n_bytes: int) -> int:
-    """Number of 32-bit words that hold ``n_bytes`` bytes (sections are word-aligned).
-
-    Args:
-        n_bytes: Byte count.
-
-    Returns:
-        ``ceil(n_bytes / 4)``.
-    """
+    """``ceil(n_bytes / 4)``: the 32-bit words that hold ``n_bytes`` bytes (sections are
+    word-aligned)."""
     return (n_bytes + 3) // 4
 
 
 @jitable
 def words_for_bits(n_bits: int) -> int:
-    """Number of 32-bit words that hold ``n_bits`` bits.
-
-    Args:
-        n_bits: Bit count.
-
-    Returns:
-        ``ceil(n_bits / 32)``.
-    """
+    """``ceil(n_bits / 32)``: the 32-bit words that hold ``n_bits`` bits."""
     return (n_bits + 31) // 32
 
 

@@ -19,6 +19,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -31,6 +32,7 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
     BlockColumns,
+    header_words,
     skeletons_kernel,
 )
 from torchrec_lossy.codec.format import (
@@ -39,20 +41,16 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
-    HEADER,
-    MAGIC,
     MODE_LZ,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
     MODE_VALUE,
-    SEGMENT_HEADER,
-    SEGMENT_HEADER_WORDS,
-    VERSION,
-    checksum_words,
     refs_packing,
     words_for_bytes,
+    write_segment_header,
 )
+from torchrec_lossy.codec.host_records import Blocks, Codes, Dedupe, Grids, Segments
 from torchrec_lossy.config import CodecConfig
 
 
@@ -83,26 +81,6 @@ class BatchEncoded:
     max_error: np.ndarray
     skeletons: list[np.ndarray]
 
-    @property
-    def mode(self) -> np.ndarray:
-        """Block modes."""
-        return self.per_block[0]
-
-    @property
-    def seg_words(self) -> np.ndarray:
-        """Segment words per block."""
-        return self.per_block[1]
-
-    @property
-    def n_unique(self) -> np.ndarray:
-        """Vectors sent per block (rows for raw and quant)."""
-        return self.per_block[2]
-
-    @property
-    def n_escapes(self) -> np.ndarray:
-        """Escaped elements per block."""
-        return self.per_block[3]
-
     def columns(self) -> BlockColumns:
         """Every block's stats as BlockColumns (the kernel's arrays read to lists).
 
@@ -110,16 +88,15 @@ class BatchEncoded:
             The columns, in block order.
         """
         itemsize = [CODE_DTYPES[c].itemsize for c in self.dtype_codes]
+        mode, seg_words, n_unique, n_escapes = self.per_block
         return BlockColumns.assemble(
-            (self.rows, self.dims, itemsize), self.mode, self.seg_words, self.bounds,
-            self.max_error, (self.n_unique, self.n_escapes),
-        )  # fmt: skip
-
-
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(counts.shape[0] + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
+            (self.rows, self.dims, itemsize),
+            mode,
+            seg_words,
+            self.bounds,
+            self.max_error,
+            (n_unique, n_escapes),
+        )
 
 
 class _ThreadWorkBuffers(threading.local):
@@ -141,6 +118,36 @@ class _ThreadWorkBuffers(threading.local):
             buf = np.empty(max(n, 1024), dtype)
             self.arrays[name] = buf
         return buf[:n]
+
+
+class _Inputs(NamedTuple):
+    """What :func:`compress_blocks` hands the kernel (per block: ``[n]``)."""
+
+    x: np.ndarray  # float32 values of every block, back to back
+    bits: np.ndarray  # int32 raw bits, same layout (16-bit ones sign-extended)
+    # int64 [4 * n]: the rows, the columns, the dtype code, then the bound's kind
+    # (bounds.BoundKind) of each block (flat: cut up in the kernel, where it costs nothing)
+    layout: np.ndarray
+    bounds: np.ndarray  # float64 (relative ones resolved in place)
+    groups: np.ndarray  # int64 [G] blocks per payload
+    keys: np.ndarray  # int64 rounding keys (quantize.block_keys)
+
+
+class _Knobs(NamedTuple):
+    """The codec knobs the kernel reads (``CodecConfig``'s)."""
+
+    quantization: bool
+    lz: bool
+    grid_scale: float  # quantize.grid_bound of 1: the grid's bound per unit of the bound
+    chunk: int  # Huffman symbols per chunk
+
+
+class _Scratch(NamedTuple):
+    """Work arrays the kernel overwrites: ``symbols`` as long as ``x``, ``rows`` int32
+    [4 * total rows] (the two dedupes' ids and first rows)."""
+
+    symbols: np.ndarray
+    rows: np.ndarray
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
@@ -208,184 +215,123 @@ def _put_rows(
     return (k + 1) >> 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_escapes(
+    out: np.ndarray, pos: int, blk_sym: np.ndarray, blk_bits: np.ndarray, sent: np.ndarray,
+    dim: int, isz: int, n_esc: int,
+) -> int:  # fmt: skip
+    """Writes the escapes of the ``sent`` rows of a block: their positions, then their raw
+    bits (padded to a word); -> the word after them."""
+    esc_bits_at = pos + n_esc
+    k = 0
+    for i in range(sent.shape[0]):
+        r = sent[i]
+        for j in range(dim):
+            e = r * dim + j
+            if blk_sym[e] == ESCAPE_SYMBOL:
+                out[pos + k] = i * dim + j
+                v = np.uint32(blk_bits[e])
+                if isz == 4:
+                    out[esc_bits_at + k] = v
+                else:
+                    half = (v & np.uint32(0xFFFF)) << np.uint32(16 * (k & 1))
+                    out[esc_bits_at + (k >> 1)] |= half
+                k += 1
+    return esc_bits_at + (n_esc * isz + 3) // 4
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_coded(
+    out: np.ndarray, pos: int, b: int, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks,
+    grids: Grids, segs: Segments, rows: Dedupe, codes: Codes, entry: np.ndarray,
+) -> int:  # fmt: skip
+    """Writes block ``b``'s quantized segment at ``pos`` (its rows deduplicated by ``rows``
+    for quant+lz); -> the word after it. ``entry``: the encoder's table, overwritten."""
+    lz = segs.mode[b] == MODE_QUANT_LZ
+    n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
+    r0 = blocks.row_off[b]
+    n_sent = rows.n_unique[b] if lz else n_rows
+    sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
+    base, plan = codes.base[b], codes.plan[:, b]
+    lo, count, n_esc = plan[2], plan[3], plan[4]
+    lengths = codes.lengths[codes.len_off[b] : codes.len_off[b + 1]]
+    esc = lengths.shape[0] - 1
+    # The compact code's entries at their symbols (value symbols from base, then the escape).
+    compact = huffman.code_entries(lengths, huffman.canonical_codes_kernel(lengths))
+    entry[base : base + esc] = compact[:esc]
+    entry[ESCAPE_SYMBOL] = compact[esc]
+    chunk = segs.chunk
+    n_chunks = (n_sent * dim + chunk - 1) // chunk
+    pos = write_segment_header(
+        out, pos, (grids.step[b], grids.center[b], n_sent, n_esc, chunk, n_chunks, lo, count,
+                   lengths[esc], segs.ref_mode[b], segs.ref_width[b]),
+    )  # fmt: skip
+    nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
+    out[pos:].view(np.uint8)[: nibbles.shape[0]] = nibbles
+    pos += words_for_bytes(nibbles.shape[0])
+    if lz:
+        pos += vector_lz.pack_refs_into(
+            rows.ids[r0 : r0 + n_rows], n_sent, segs.ref_mode[b], out[pos:]
+        )
+    blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+    if n_esc:
+        blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+        pos = _put_escapes(out, pos, blk_sym, blk_bits, sent, dim, isz, n_esc)
+    stream = out[pos + n_chunks :]
+    w = huffman.encode_into(
+        blk_sym.reshape(n_rows, dim), sent, entry, chunk, out[pos : pos + n_chunks], stream
+    )
+    return pos + n_chunks + w
+
+
 @numba.njit(cache=True, nogil=True)
 def _emit_kernel(
-    out: np.ndarray,
-    bits: np.ndarray,
-    symbols: np.ndarray,
-    elem_off: np.ndarray,
-    row_off: np.ndarray,
-    rows: np.ndarray,
-    dims: np.ndarray,
-    itemsize: np.ndarray,
-    mode: np.ndarray,
-    ref_mode: np.ndarray,
-    ref_width: np.ndarray,
-    step: np.ndarray,
-    center: np.ndarray,
-    chunk: int,
-    every_row: np.ndarray,
-    ids_q: np.ndarray,
-    first_q: np.ndarray,
-    nu_q: np.ndarray,
-    ids_r: np.ndarray,
-    first_r: np.ndarray,
-    nu_r: np.ndarray,
-    sym_base: np.ndarray,
-    plan_q: np.ndarray,
-    len_off_q: np.ndarray,
-    lengths_q: np.ndarray,
-    plan_u: np.ndarray,
-    len_off_u: np.ndarray,
-    lengths_u: np.ndarray,
-    skip: np.ndarray,
-) -> np.ndarray:
-    """Writes every block's segment back to back into zeroed ``out``, ``skip[b]`` words before
-    block ``b`` left free (a payload's header and descriptors where its group starts).
+    out: np.ndarray, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks, grids: Grids,
+    segs: Segments, dedupe: tuple[Dedupe, Dedupe], codes: tuple[Codes, Codes],
+) -> np.ndarray:  # fmt: skip
+    """Writes every block's segment back to back into zeroed ``out``, ``segs.skip[b]`` words
+    before block ``b`` left free (a payload's header and descriptors where its group starts).
 
-    ``plan_q`` / ``plan_u``: int64 [5, n_blocks] (bits, symbols, sym_lo, sym_count, escapes) of
-    the all-rows and the distinct-rows codes; ``ref_mode`` / ``ref_width``: the segment header's
-    reference fields. Returns the segment words of each block.
+    ``dedupe``: the quantized rows' and the raw rows' vector-LZ; ``codes``: the codes of all
+    rows and of the distinct quantized rows. Returns the segment words of each block.
     """
-    nb = rows.shape[0]
+    nb = blocks.rows.shape[0]
     seg_words = np.zeros(nb, np.int64)
     entry = np.zeros(ALPHABET_SIZE, np.uint64)
     pos = 0
     for b in range(nb):
-        pos += skip[b]
-        m = mode[b]
-        n_rows = rows[b]
-        dim = dims[b]
-        isz = itemsize[b]
-        r0 = row_off[b]
-        blk_bits = bits[elem_off[b] : elem_off[b + 1]]
+        pos += segs.skip[b]
+        m = segs.mode[b]
+        dim, isz = blocks.dims[b], blocks.itemsize[b]
+        r0 = blocks.row_off[b]
+        blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
         p0 = pos
         if m == MODE_RAW:
-            pos += _put_rows(out, pos, blk_bits, every_row[r0 : r0 + n_rows], dim, isz)
+            every = blocks.every_row[r0 : r0 + blocks.rows[b]]
+            pos += _put_rows(out, pos, blk_bits, every, dim, isz)
         elif m == MODE_LZ:
-            nu = nu_r[b]
-            hdr = np.zeros(1, SEGMENT_HEADER)  # the format's record: unnamed fields are 0
-            h = hdr[0]
-            h["n_unique"], h["ref_mode"], h["ref_width"] = nu, ref_mode[b], ref_width[b]
-            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
-            pos += SEGMENT_HEADER_WORDS
-            pos += vector_lz.pack_refs_into(ids_r[r0 : r0 + n_rows], nu, ref_mode[b], out[pos:])
-            pos += _put_rows(out, pos, blk_bits, first_r[r0 : r0 + nu], dim, isz)
+            nu = dedupe[1].n_unique[b]
+            pos = write_segment_header(
+                out, pos, (0.0, 0, nu, 0, 0, 0, 0, 0, 0, segs.ref_mode[b], segs.ref_width[b])
+            )
+            ids = dedupe[1].ids[r0 : r0 + blocks.rows[b]]
+            pos += vector_lz.pack_refs_into(ids, nu, segs.ref_mode[b], out[pos:])
+            pos += _put_rows(out, pos, blk_bits, dedupe[1].first[r0 : r0 + nu], dim, isz)
         else:
             lz = m == MODE_QUANT_LZ
-            plan = plan_u if lz else plan_q
-            n_sent = nu_q[b] if lz else n_rows
-            sent = first_q[r0 : r0 + n_sent] if lz else every_row[r0 : r0 + n_rows]
-            base = sym_base[b]
-            lo = plan[2, b]
-            count = plan[3, b]
-            n_esc = plan[4, b]
-            off = len_off_u[b] if lz else len_off_q[b]
-            nxt = len_off_u[b + 1] if lz else len_off_q[b + 1]
-            lengths = lengths_u[off:nxt] if lz else lengths_q[off:nxt]
-            width_c = lengths.shape[0]
-            codes = huffman.canonical_codes_kernel(lengths)
-            for k in range(width_c - 1):
-                entry[base + k] = (np.uint64(codes[k]) << np.uint64(8)) | np.uint64(lengths[k])
-            esc_len = lengths[width_c - 1]
-            entry[ESCAPE_SYMBOL] = (np.uint64(codes[width_c - 1]) << np.uint64(8)) | np.uint64(
-                esc_len
-            )
-            n_sym = n_sent * dim
-            n_chunks = (n_sym + chunk - 1) // chunk
-            hdr = np.zeros(1, SEGMENT_HEADER)
-            h = hdr[0]
-            h["step"], h["center"], h["n_unique"] = step[b], center[b], n_sent
-            h["n_escapes"], h["chunk_symbols"], h["n_chunks"] = n_esc, chunk, n_chunks
-            h["sym_lo"], h["sym_count"], h["escape_length"] = lo, count, esc_len
-            h["ref_mode"], h["ref_width"] = ref_mode[b], ref_width[b]
-            out[pos : pos + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
-            pos += SEGMENT_HEADER_WORDS
-            nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
-            out[pos : pos + words_for_bytes(nibbles.shape[0])].view(np.uint8)[
-                : nibbles.shape[0]
-            ] = nibbles
-            pos += words_for_bytes(nibbles.shape[0])
-            if lz:
-                pos += vector_lz.pack_refs_into(
-                    ids_q[r0 : r0 + n_rows], n_sent, ref_mode[b], out[pos:]
-                )
-            blk_sym = symbols[elem_off[b] : elem_off[b + 1]]
-            if n_esc:
-                esc_bits_at = pos + n_esc
-                k = 0
-                for i in range(n_sent):
-                    r = sent[i]
-                    for j in range(dim):
-                        e = r * dim + j
-                        if blk_sym[e] == ESCAPE_SYMBOL:
-                            out[pos + k] = i * dim + j
-                            v = np.uint32(blk_bits[e])
-                            if isz == 4:
-                                out[esc_bits_at + k] = v
-                            else:
-                                out[esc_bits_at + (k >> 1)] |= (v & np.uint32(0xFFFF)) << np.uint32(
-                                    16 * (k & 1)
-                                )
-                            k += 1
-                pos = esc_bits_at + (n_esc * isz + 3) // 4
-            w = huffman.encode_into(
-                blk_sym.reshape(n_rows, dim),
-                sent,
-                entry,
-                chunk,
-                out[pos : pos + n_chunks],
-                out[pos + n_chunks :],
-            )
-            pos += n_chunks + w
+            pos = _put_coded(
+                out, pos, b, symbols, bits, blocks, grids, segs, dedupe[0],
+                codes[1] if lz else codes[0], entry,
+            )  # fmt: skip
         seg_words[b] = pos - p0
     return seg_words
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _code_offsets(sym_lo: np.ndarray, sym_hi: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """Start of each block's compact code lengths (value symbols, then the escape)."""
-    nb = sym_lo.shape[0]
-    off = np.zeros(nb + 1, np.int64)
-    for b in range(nb):
-        off[b + 1] = off[b] + (max(sym_hi[b] - sym_lo[b] + 1, 0) + 1 if active[b] else 0)
-    return off
-
-
 @numba.njit(cache=True, nogil=True)
-def _compress_kernel(
-    x: np.ndarray,
-    bits: np.ndarray,
-    layout: np.ndarray,
-    bnd: np.ndarray,
-    groups: np.ndarray,
-    keys: np.ndarray,
-    quantization: bool,
-    lz: bool,
-    grid_scale: float,
-    chunk: int,
-    symbols: np.ndarray,
-    row_scratch: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
-
-    ``layout`` is int64 [4 * n_blocks]: the rows, then the columns, then the dtype code, then
-    the bound's kind (``bounds.BoundKind``), of each block. ``bnd`` is updated in place
-    (relative bounds resolved); the scratch arrays (``symbols`` as long as ``x``,
-    ``row_scratch`` int32 [4 * rows]) are overwritten. (Flat arrays: reshaped here, where it
-    costs nothing, rather than by the caller.) Returns (the payloads' words, back to back;
-    bytes of each payload; int64 [4, n_blocks] mode, segment words, vectors sent, escapes;
-    float64 max error per block; the payloads' skeletons and their offsets, as
-    ``container.payload_skeletons`` gives them: gathered here, where the words are at hand,
-    rather than in a call of their own).
-    """
+def _blocks(layout: np.ndarray) -> Blocks:
+    """The blocks' layout from ``layout`` (``_compress_kernel``'s)."""
     nb = layout.shape[0] // 4
     rows, dims, dcodes = layout[:nb], layout[nb : 2 * nb], layout[2 * nb : 3 * nb]
-    kinds = layout[3 * nb :]
-    ng = groups.shape[0]
-    q = row_scratch.shape[0] // 4
-    ids_q, first_q = row_scratch[:q], row_scratch[q : 2 * q]
-    ids_r, first_r = row_scratch[2 * q : 3 * q], row_scratch[3 * q :]
     itemsize = np.empty(nb, np.int64)
     elem_off = np.zeros(nb + 1, np.int64)
     row_off = np.zeros(nb + 1, np.int64)
@@ -393,183 +339,220 @@ def _compress_kernel(
         itemsize[b] = 4 if dcodes[b] == 1 else 2
         elem_off[b + 1] = elem_off[b] + rows[b] * dims[b]
         row_off[b + 1] = row_off[b] + rows[b]
-    n_rows = row_off[nb]
-    every_row = np.empty(n_rows, np.int32)
+    every_row = np.empty(row_off[nb], np.int32)
     for b in range(nb):
         for r in range(rows[b]):
             every_row[row_off[b] + r] = r
+    return Blocks(rows, dims, itemsize, elem_off, row_off, every_row)
 
-    # 1. Quantization parameters (quantize.quant_params, for every block at once); relative
-    # bounds resolved as bounds.absolute_bounds does; the per-value grid's (value_params)
-    # from the same ranges.
-    lo, hi = quantize.finite_ranges_kernel(x, elem_off)
+
+@numba.njit(cache=True, nogil=True)
+def _grids(
+    x: np.ndarray, blocks: Blocks, kinds: np.ndarray, bnd: np.ndarray, knobs: _Knobs
+) -> Grids:
+    """Each block's grid (``quantize.quant_params`` for every block at once; the per-value
+    grid's ``value_params`` from the same ranges); relative bounds in ``bnd`` resolved in
+    place, as ``bounds.absolute_bounds`` does."""
+    lo, hi = quantize.finite_ranges_kernel(x, blocks.elem_off)
+    nb = blocks.rows.shape[0]
     wanted = np.zeros(nb, np.bool_)
     value = np.zeros(nb, np.bool_)
-    grid = np.empty(nb, np.float64)
+    grid = np.zeros(nb, np.float64)
     mid = np.zeros(nb, np.float64)
     for b in range(nb):
         if kinds[b] == BOUND_RELATIVE:
             span = finite_span(np.float32(lo[b]), np.float32(hi[b]))
             bnd[b] = bnd[b] * span if bnd[b] > 0 else 0.0
-        numel = elem_off[b + 1] - elem_off[b]
-        wanted[b] = bnd[b] > 0 and numel > 0 and quantization
+        e0, e1 = blocks.elem_off[b], blocks.elem_off[b + 1]
+        wanted[b] = bnd[b] > 0 and e1 > e0 and knobs.quantization
         if kinds[b] == BOUND_VALUE:
             value[b] = wanted[b]
             wanted[b] = False  # not on the absolute grid
-            continue
-        # The grid the codes live on (quantize.grid_bound: half the bound for stochastic).
-        grid[b] = grid_scale * bnd[b]
-        if np.isnan(lo[b]):
-            continue
-        if quantize.midpoint_fits(lo[b], hi[b], grid[b]):
-            mid[b] = 0.5 * (lo[b] + hi[b])
-        elif wanted[b]:  # outliers: the median of the block's finite values
-            v = x[elem_off[b] : elem_off[b + 1]]
-            fin = v[np.isfinite(v)].astype(np.float64)
-            mid[b] = np.median(fin)
-    step, inv_step, center, quant_ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
+        elif wanted[b]:
+            # The grid the codes live on (quantize.grid_bound: half the bound for stochastic).
+            grid[b] = knobs.grid_scale * bnd[b]
+            mid[b] = quantize.block_mid(x[e0:e1], lo[b], hi[b], grid[b])
+    step, inv_step, center, ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
     for b in range(nb):
         if value[b]:
             amax = max(abs(lo[b]), abs(hi[b])) if not np.isnan(lo[b]) else 0.0
             step[b], center[b] = quantize.value_params(bnd[b], amax)
-            quant_ok[b] = True
+            ok[b] = True
+    return Grids(step, inv_step, center, ok, value)
 
-    # 2. Quantize (only the active blocks' symbols are ever read).
-    max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
-        x, elem_off, step, inv_step, center, bnd, dcodes, quant_ok, symbols, keys, value
-    )
 
-    # 3. Vector-LZ over the symbols.
-    lz_allowed = np.empty(nb, np.bool_)
-    deduped = np.empty(nb, np.bool_)
+@numba.njit(cache=True, nogil=True)
+def _codes(sym_lo: np.ndarray, sym_hi: np.ndarray, coded: np.ndarray) -> Codes:
+    """Empty compact codes for the ``coded`` blocks (value symbols, then the escape)."""
+    nb = sym_lo.shape[0]
+    off = np.zeros(nb + 1, np.int64)
     for b in range(nb):
-        lz_allowed[b] = lz and rows[b] > 1 and elem_off[b + 1] > elem_off[b]
-        deduped[b] = quant_ok[b] and lz_allowed[b]
-    nu_q = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, elem_off, row_off, dims, deduped, False, ids_q, first_q
-    )
-    quant_lz_ok = np.empty(nb, np.bool_)
-    for b in range(nb):
-        quant_lz_ok[b] = deduped[b] and nu_q[b] < rows[b]
+        off[b + 1] = off[b] + (max(sym_hi[b] - sym_lo[b] + 1, 0) + 1 if coded[b] else 0)
+    return Codes(sym_lo, off, np.zeros(off[nb], np.uint8), np.zeros((5, nb), np.int64))
 
-    # 4. Huffman codes of all rows (their histogram from the distinct rows, weighted) and of
-    # the distinct rows; sizes; mode choice (size_model, per block).
-    len_off_q = _code_offsets(sym_lo, sym_hi, quant_ok)
-    len_off_u = _code_offsets(sym_lo, sym_hi, quant_lz_ok)
-    lengths_q = np.zeros(len_off_q[nb], np.uint8)
-    lengths_u = np.zeros(len_off_u[nb], np.uint8)
-    plan_q, plan_u = huffman.plan_blocks_kernel(
-        symbols, elem_off, row_off, dims, first_q, nu_q, ids_q, deduped, sym_lo, sym_hi,
-        quant_ok, quant_lz_ok, len_off_q, lengths_q, len_off_u, lengths_u,
-    )  # fmt: skip
+
+@numba.njit(cache=True, nogil=True)
+def _choose_lossy(
+    blocks: Blocks, grids: Grids, quant: Dedupe, codes: tuple[Codes, Codes], lz: bool, chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``size_model``'s lossy choice per block: (mode, its words, whether a lossless
+    dedupe may still win)."""
+    nb = blocks.rows.shape[0]
     mode = np.empty(nb, np.int64)
     best = np.empty(nb, np.int64)
     tried = np.empty(nb, np.bool_)
+    plan_q, plan_u = codes[0].plan, codes[1].plan
     for b in range(nb):
-        isz = itemsize[b]
+        rows, isz, nu = blocks.rows[b], blocks.itemsize[b], quant.n_unique[b]
+        numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
         quant_w = sm.quant_words(
             plan_q[4, b], isz, sm.code_words(plan_q[1, b], plan_q[0, b], plan_q[3, b], chunk)
         )
         quant_lz_w = sm.quant_lz_words(
-            rows[b], max(nu_q[b], 1), plan_u[4, b], isz,
+            rows, max(nu, 1), plan_u[4, b], isz,
             sm.code_words(plan_u[1, b], plan_u[0, b], plan_u[3, b], chunk),
         )  # fmt: skip
-        raw_words = ((elem_off[b + 1] - elem_off[b]) * isz + 3) // 4
+        quant_lz_ok = codes[1].len_off[b + 1] > codes[1].len_off[b]
         mode[b], best[b] = sm.choose_lossy(
-            raw_words, quant_ok[b], quant_w, quant_lz_ok[b], quant_lz_w
+            (numel * isz + 3) // 4, grids.ok[b], quant_w, quant_lz_ok, quant_lz_w
         )
-        lower = max(nu_q[b], 1) if deduped[b] else 1
-        tried[b] = sm.lossless_may_win(lz_allowed[b], rows[b], dims[b], isz, lower, best[b])
-    nu_r = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, elem_off, row_off, dims, tried, True, ids_r, first_r
-    )
-    # The segment header's reference fields: the packing of the distinct vectors sent; a quant
-    # block names its rows' id width with no packing. And each segment's size bound: a coded
-    # stream exceeds its estimate by less than a word a chunk.
+        lower = max(nu, 1) if quant.selected[b] else 1
+        lz_allowed = lz and rows > 1 and numel > 0
+        tried[b] = sm.lossless_may_win(lz_allowed, rows, blocks.dims[b], isz, lower, best[b])
+    return mode, best, tried
+
+
+@numba.njit(cache=True, nogil=True)
+def _segments(
+    blocks: Blocks, lossy: tuple, dedupe: tuple[Dedupe, Dedupe], groups: np.ndarray, chunk: int
+) -> tuple[Segments, int]:
+    """The final mode, the segment header's reference fields and where each segment goes;
+    -> (them, words the payloads may take at most).
+
+    ``lossy``: :func:`_choose_lossy`'s result. The reference fields: the packing of the
+    distinct vectors sent; a quant block names its rows' id width with no packing. A coded
+    stream exceeds its estimate by less than a word a chunk.
+    """
+    mode, best, tried = lossy
+    nb = blocks.rows.shape[0]
     ref_mode = np.empty(nb, np.int64)
     ref_width = np.empty(nb, np.int64)
-    seg_max = np.empty(nb, np.int64)
+    total = 0
     for b in range(nb):
-        lossless_w = sm.lossless_lz_words(rows[b], max(nu_r[b], 1), dims[b], itemsize[b])
-        m = sm.choose_lossless(
-            mode[b], best[b], tried[b], lossless_w, elem_off[b + 1] - elem_off[b]
-        )
+        rows, dim = blocks.rows[b], blocks.dims[b]
+        nu_q, nu_r = dedupe[0].n_unique[b], dedupe[1].n_unique[b]
+        lossless_w = sm.lossless_lz_words(rows, max(nu_r, 1), dim, blocks.itemsize[b])
+        numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
+        m = sm.choose_lossless(mode[b], best[b], tried[b], lossless_w, numel)
         mode[b] = m
-        sent = rows[b]
-        coded = 0
-        if m == MODE_QUANT_LZ:
-            sent = max(nu_q[b], 1)
-            coded = nu_q[b]
-        elif m == MODE_LZ:
-            sent = max(nu_r[b], 1)
-        elif m == MODE_QUANT:
-            coded = rows[b]
-        r_mode, ref_width[b], _ = refs_packing(rows[b], max(sent, 1))
+        sent = max(nu_q, 1) if m == MODE_QUANT_LZ else max(nu_r, 1) if m == MODE_LZ else rows
+        coded = nu_q if m == MODE_QUANT_LZ else rows if m == MODE_QUANT else 0
+        r_mode, ref_width[b], _ = refs_packing(rows, max(sent, 1))
         ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
-        n_chunks = (coded * dims[b] + chunk - 1) // chunk
-        seg_max[b] = (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2
-
-    # 5. The payloads: header, descriptors, segments per group, written in place.
+        n_chunks = (coded * dim + chunk - 1) // chunk
+        total += (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2
     skip = np.zeros(nb + 1, np.int64)  # words before a block's segment: its group's lead
-    total = seg_max.sum()
     at = 0
-    for g in range(ng):
+    for g in range(groups.shape[0]):
         lead = HEADER_WORDS + DESCRIPTOR_WORDS * groups[g]
         skip[at] += lead  # an empty group's lead lands on the next block
         total += lead
         at += groups[g]
-    out = np.zeros(total, np.uint32)
-    seg_words = _emit_kernel(
-        out, bits, symbols, elem_off, row_off, rows, dims, itemsize, mode, ref_mode, ref_width,
-        step, center, chunk, every_row, ids_q, first_q, nu_q, ids_r, first_r, nu_r, sym_lo,
-        plan_q, len_off_q, lengths_q, plan_u, len_off_u, lengths_u, skip,
-    )  # fmt: skip
+    return Segments(mode, ref_mode, ref_width, skip, chunk), total
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_payload_heads(
+    out: np.ndarray, blocks: Blocks, inputs: _Inputs, grids: Grids, segs: Segments,
+    seg_words: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """Writes each payload's descriptors, then its header (over the finished body);
+    -> bytes of each payload."""
+    nb = blocks.rows.shape[0]
+    groups = inputs.groups
     desc = np.zeros(nb, DESCRIPTOR)
     for b in range(nb):
-        desc[b]["rows"], desc[b]["dim"] = rows[b], dims[b]
-        quantized = mode[b] == MODE_QUANT or mode[b] == MODE_QUANT_LZ
-        desc[b]["dtype"] = dcodes[b]
-        desc[b]["mode"] = mode[b] | MODE_VALUE if value[b] and quantized else mode[b]
-        desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], bnd[b]
+        m = segs.mode[b]
+        quantized = m in (MODE_QUANT, MODE_QUANT_LZ)
+        desc[b]["rows"], desc[b]["dim"] = blocks.rows[b], blocks.dims[b]
+        desc[b]["dtype"] = inputs.layout[2 * nb + b]
+        desc[b]["mode"] = m | MODE_VALUE if grids.value[b] and quantized else m
+        desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], inputs.bounds[b]
     desc_words = desc.view(np.uint32)
-    header = np.zeros(ng, HEADER)
-    sizes = np.empty(ng, np.int64)
+    sizes = np.empty(groups.shape[0], np.int64)
     p0 = 0
     b0 = 0
-    for g in range(ng):
+    for g in range(groups.shape[0]):
         n = groups[g]
         d0 = p0 + HEADER_WORDS
         p1 = d0 + DESCRIPTOR_WORDS * n + seg_words[b0 : b0 + n].sum()
         out[d0 : d0 + DESCRIPTOR_WORDS * n] = desc_words[
             DESCRIPTOR_WORDS * b0 : DESCRIPTOR_WORDS * (b0 + n)
         ]
-        header[g]["magic"], header[g]["version"], header[g]["n_blocks"] = MAGIC, VERSION, n
-        header[g]["body_words"] = p1 - d0
-        header[g]["checksum"] = checksum_words(out[d0:p1])
-        sizes[g] = p1 - p0
+        out[p0:d0] = header_words(n, out[d0:p1])
+        sizes[g] = 4 * (p1 - p0)
         p0 = p1
         b0 += n
-    header_words = header.view(np.uint32)
-    p0 = 0
-    for g in range(ng):
-        out[p0 : p0 + HEADER_WORDS] = header_words[HEADER_WORDS * g : HEADER_WORDS * (g + 1)]
-        p0 += sizes[g]
-        sizes[g] *= 4
+    return sizes
 
+
+@numba.njit(cache=True, nogil=True)
+def _compress_kernel(
+    inputs: _Inputs, knobs: _Knobs, scratch: _Scratch
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
+
+    ``inputs.bounds`` is updated in place (relative bounds resolved); the scratch arrays are
+    overwritten. Returns (the payloads' words, back to back; bytes of each payload; int64
+    [4, n_blocks] mode, segment words, vectors sent, escapes; float64 max error per block;
+    the payloads' skeletons and their offsets, as ``container.payload_skeletons`` gives them:
+    gathered here, where the words are at hand, rather than in a call of their own).
+    """
+    x, bits, symbols, bnd = inputs.x, inputs.bits, scratch.symbols, inputs.bounds
+    nb = inputs.layout.shape[0] // 4
+    blocks = _blocks(inputs.layout)
+    q = scratch.rows.shape[0] // 4
+    grids = _grids(x, blocks, inputs.layout[3 * nb :], bnd, knobs)
+    max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
+        x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols
+    )
+    # Vector-LZ over the symbols, the Huffman codes of all rows (their histogram from the
+    # distinct rows, weighted) and of the distinct rows, the lossy mode choice.
+    lz_allowed = np.empty(nb, np.bool_)
+    for b in range(nb):
+        numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
+        lz_allowed[b] = knobs.lz and blocks.rows[b] > 1 and numel > 0 and grids.ok[b]
+    quant = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, blocks, lz_allowed, False, scratch.rows[:q], scratch.rows[q : 2 * q]
+    )
+    codes = (
+        _codes(sym_lo, sym_hi, grids.ok),
+        _codes(sym_lo, sym_hi, quant.selected & (quant.n_unique < blocks.rows)),
+    )
+    huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
+    lossy = _choose_lossy(blocks, grids, quant, codes, knobs.lz, knobs.chunk)
+    raw = vector_lz.dedupe_blocks_kernel(
+        symbols, bits, blocks, lossy[2], True, scratch.rows[2 * q : 3 * q], scratch.rows[3 * q :]
+    )
+    segs, total = _segments(blocks, lossy, (quant, raw), inputs.groups, knobs.chunk)
+    out = np.zeros(total, np.uint32)
+    seg_words = _emit_kernel(out, symbols, bits, blocks, grids, segs, (quant, raw), codes)
+    sizes = _put_payload_heads(out, blocks, inputs, grids, segs, seg_words)
     per_block = np.zeros((4, nb), np.int64)
     for b in range(nb):
-        m = mode[b]
-        per_block[0, b] = m
-        per_block[1, b] = seg_words[b]
-        per_block[2, b] = nu_q[b] if m == MODE_QUANT_LZ else nu_r[b] if m == MODE_LZ else rows[b]
-        if m == MODE_QUANT:
-            per_block[3, b] = plan_q[4, b]
-        elif m == MODE_QUANT_LZ:
-            per_block[3, b] = plan_u[4, b]
-        if m != MODE_QUANT and m != MODE_QUANT_LZ:
+        m = segs.mode[b]
+        per_block[0, b], per_block[1, b] = m, seg_words[b]
+        per_block[2, b] = (
+            quant.n_unique[b] if m == MODE_QUANT_LZ else raw.n_unique[b] if m == MODE_LZ
+            else blocks.rows[b]
+        )  # fmt: skip
+        if m in (MODE_QUANT, MODE_QUANT_LZ):
+            per_block[3, b] = codes[1 if m == MODE_QUANT_LZ else 0].plan[4, b]
+        else:
             max_err[b] = 0.0
-    skeletons, skeleton_ends = skeletons_kernel(out[:p0], sizes)
-    return out[:p0], sizes, per_block, max_err, skeletons, skeleton_ends
+    end = sizes.sum() // 4
+    skeletons, skeleton_ends = skeletons_kernel(out[:end], sizes)
+    return out[:end], sizes, per_block, max_err, skeletons, skeleton_ends
 
 
 def compress_blocks(
@@ -606,12 +589,17 @@ def compress_blocks(
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
     n_rows = sum(rows)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
-    words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
-        x, bits, layout, bnd, group_arr, keys, config.enable_quantization,
-        config.enable_lz, quantize.grid_bound(1.0, config.rounding == "stochastic"),
-        config.huffman_chunk_symbols, _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),
-        _WORK_BUFFERS.array("rows", 4 * n_rows, np.int32),
+    knobs = _Knobs(
+        config.enable_quantization, config.enable_lz,
+        quantize.grid_bound(1.0, config.rounding == "stochastic"), config.huffman_chunk_symbols,
     )  # fmt: skip
+    scratch = _Scratch(
+        _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),
+        _WORK_BUFFERS.array("rows", 4 * n_rows, np.int32),
+    )
+    words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
+        _Inputs(x, bits, layout, bnd, group_arr, keys), knobs, scratch
+    )
     if len(groups) == 1:  # one destination (2 ranks): nothing to cut
         skeletons = [skel]
     else:

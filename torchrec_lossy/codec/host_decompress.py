@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -25,6 +26,7 @@ from torchrec_lossy.codec.container import (
     HEADER_OK,
     HEADER_WORDS,
     check_header,
+    descriptor_fields,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -32,30 +34,53 @@ from torchrec_lossy.codec.format import (
     MODE_LZ,
     MODE_RAW,
     MODE_VALUE,
-    SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
+    read_segment_header,
     segment_layout,
 )
 
+# A raw segment has no header: segment_layout takes zeros.
+_RAW_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
 # Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
 # segment, whose exact error that decoder names).
 _DECODED = 0
 _FALL_BACK = 1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _header_fields(words: np.ndarray, s: int, mode: int) -> tuple:
-    """The segment header at word ``s`` as ``format.segment_layout`` takes it (zeros for raw)."""
-    if mode == MODE_RAW:
-        z = np.int64(0)
-        return np.float32(0.0), z, z, z, z, z, z, z, z, z, z
-    h = words[s : s + SEGMENT_HEADER_WORDS].view(SEGMENT_HEADER)[0]
-    return (
-        np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
-        np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
-        np.int64(h["sym_lo"]), np.int64(h["sym_count"]), np.int64(h["escape_length"]),
-        np.int64(h["ref_mode"]), np.int64(h["ref_width"]),
-    )  # fmt: skip
+class _Segment(NamedTuple):
+    """One block's segment, as its descriptor places it."""
+
+    start: int  # first word in the payloads' words
+    end: int  # the word after it
+    rows: int
+    dim: int
+    itemsize: int  # bytes per element
+    dtype_code: int
+    mode: int  # with the per-value bit
+    out_at: int  # first element in its output (out32 or out16)
+
+
+class _Outputs(NamedTuple):
+    """The decoded blocks: 4-byte ones' bits (int32, and the same buffer as float32), 2-byte
+    ones' (uint16), each back to back."""
+
+    out32: np.ndarray
+    out32f: np.ndarray
+    out16: np.ndarray
+
+
+class _Scratch(NamedTuple):
+    """Work arrays: ``ids`` (int32), ``symbols`` (uint16, at least the alphabet's size),
+    ``values`` (float32) and ``halves`` (uint16) of the largest block; ``compact`` (uint8),
+    ``vtable`` (float32) and ``vtable16`` (uint16) of the alphabet's size."""
+
+    ids: np.ndarray
+    symbols: np.ndarray
+    values: np.ndarray
+    halves: np.ndarray
+    compact: np.ndarray
+    vtable: np.ndarray
+    vtable16: np.ndarray
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -141,31 +166,47 @@ def _huffman_values(
     return escapes == 0
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _expand_rows(
+    src32: np.ndarray, src16: np.ndarray, ids: np.ndarray, seg: _Segment, outs: _Outputs
+) -> None:
+    """Row ``r`` of the block is distinct vector ``ids[r]`` of ``src32`` (int32, a 4-byte
+    block) or ``src16`` (uint16)."""
+    dim, out32, out16 = seg.dim, outs.out32, outs.out16
+    for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
+        u = np.int64(ids[r]) * dim
+        at = seg.out_at + r * dim
+        if seg.itemsize == 4:
+            dst, src = out32[at : at + dim], src32[u : u + dim]
+            for j in range(dim):
+                dst[j] = src[j]
+        else:
+            dst16, src16_row = out16[at : at + dim], src16[u : u + dim]
+            for j in range(dim):
+                dst16[j] = src16_row[j]
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
-    words: np.ndarray, halves: np.ndarray, s: int, end: int, n_rows: int,
-    dim: int, isz: int, dtype_code: int, m: int, o: int, out32: np.ndarray, out32f: np.ndarray,
-    out16: np.ndarray, ids: np.ndarray, symbols: np.ndarray, values: np.ndarray,
-    halves_out: np.ndarray, compact: np.ndarray, vtable: np.ndarray, vtable16: np.ndarray,
-) -> int:  # fmt: skip
-    """Decodes one block's segment ``words[s:end]`` into ``out32`` / ``out16`` at ``o``.
+    words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
+) -> int:
+    """Decodes one block's segment into its place in ``outs``.
 
-    ``words`` / ``halves`` are views of one buffer (uint32, uint16);
-    ``out32f`` is the float32 view of ``out32``. Every check of ``pipeline``'s per-block
-    decoder is made: a block that fails one is ``_FALL_BACK``, left for that decoder to name
-    the error. ``ids``, ``symbols``, ``values`` (float32) and
-    ``halves_out`` (uint16) are scratch of the largest block (``symbols`` at least the
-    alphabet's size), ``compact`` (uint8), ``vtable`` (float32) and ``vtable16`` (uint16) of
-    the alphabet's size.
+    ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of
+    ``pipeline``'s per-block decoder is made: a block that fails one is ``_FALL_BACK``, left
+    for that decoder to name the error.
 
     Returns:
         ``_DECODED`` or ``_FALL_BACK``.
     """
+    s, end, n_rows, dim, isz, dtype_code, m, o = seg
+    out32, out32f, out16 = outs
+    ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
     if m != MODE_RAW and end - s < SEGMENT_HEADER_WORDS:
         return _FALL_BACK
-    header = _header_fields(words, s, m)
+    header = _RAW_HEADER if m == MODE_RAW else read_segment_header(words, s)
     ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
         (m, n_rows, dim, isz, end - s), header
     )
@@ -192,24 +233,12 @@ def _decode_segment(
         return _FALL_BACK
     if m == MODE_LZ:
         pos = ref_at + ref_words
-        for r in range(n_rows):
-            u = np.int64(ids[r])
-            if isz == 4:
-                src = words[pos + u * dim : pos + (u + 1) * dim]
-                dst = out32[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst[j] = np.int32(src[j])
-            else:
-                h = 2 * pos + u * dim
-                for j in range(dim):
-                    out16[o + r * dim + j] = halves[h + j]
+        _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
         return _DECODED
     # The code in its compact form (value symbols lo .., then the escape), as the encoder
     # built it: the decode table then costs the code's size, not the alphabet's.
     nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
-    for k in range(count):
-        nib = nibbles[k >> 1]
-        compact[k] = (nib >> 4) if k & 1 else (nib & 0xF)
+    huffman.unpack_codebook_into(nibbles, count, compact)
     compact[count] = esc_len
     n_sym = nu * dim
     esc_at += s
@@ -257,16 +286,7 @@ def _decode_segment(
             for k in range(n_esc):
                 vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
     if lz:  # the distinct vectors, decoded into scratch, to the rows
-        for r in range(n_rows):
-            u = np.int64(ids[r]) * dim
-            if isz == 2:
-                dst16 = out16[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst16[j] = halves_out[u + j]
-            else:
-                dst = out32[o + r * dim : o + (r + 1) * dim]
-                for j in range(dim):
-                    dst[j] = values_i[u + j]
+        _expand_rows(values_i, halves_out, ids, seg, outs)
     return _DECODED
 
 
@@ -306,10 +326,7 @@ def _decode_payloads_kernel(
         at = body + max(n_of[g], 0) * DESCRIPTOR_WORDS
         for k in range(max(n_of[g], 0)):
             b = first[g] + k
-            d = words[body + k * DESCRIPTOR_WORDS : body + (k + 1) * DESCRIPTOR_WORDS]
-            rows = np.int64(d[0])
-            dim = np.int64(d[1])
-            code = np.int64(d[2] & 0xFF)
+            rows, dim, code, _, seg_words = descriptor_fields(words, body + k * DESCRIPTOR_WORDS)
             table[0, b] = rows
             table[1, b] = dim
             table[2, b] = code
@@ -319,31 +336,28 @@ def _decode_payloads_kernel(
             else:
                 n16 += rows * dim
             seg[0, b] = at
-            at += np.int64(d[3])
+            at += seg_words
             seg[1, b] = at
             big = max(big, rows * dim)
             max_rows = max(max_rows, rows)
     out32 = np.empty(n32, np.int32)
-    out16 = np.empty(n16, np.uint16)
-    ids = np.empty(max_rows, np.int32)
-    symbols = np.empty(big, np.uint16)
-    values = np.empty(big, np.float32)
-    halves_out = np.empty(big, np.uint16)
-    compact = np.zeros(ALPHABET_SIZE, np.uint8)
-    vtable = np.empty(ALPHABET_SIZE, np.float32)
-    vtable16 = np.empty(ALPHABET_SIZE, np.uint16)
+    outs = _Outputs(out32, out32.view(np.float32), np.empty(n16, np.uint16))
+    scratch = _Scratch(
+        np.empty(max_rows, np.int32), np.empty(big, np.uint16), np.empty(big, np.float32),
+        np.empty(big, np.uint16), np.zeros(ALPHABET_SIZE, np.uint8),
+        np.empty(ALPHABET_SIZE, np.float32), np.empty(ALPHABET_SIZE, np.uint16),
+    )  # fmt: skip
     halves = words.view(np.uint16)
-    out32f = out32.view(np.float32)
     for g in range(n_groups):
         for b in range(first[g], first[g + 1]):
-            code = table[2, b]
-            modes = words[group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS + 2]
-            table[4, b] = _decode_segment(
-                words, halves, seg[0, b], seg[1, b], table[0, b], table[1, b],
-                4 if code == 1 else 2, code, np.int64((modes >> 8) & 0xFF), table[3, b], out32,
-                out32f, out16, ids, symbols, values, halves_out, compact, vtable, vtable16,
-            )  # fmt: skip
-    return out32f, out16, table, first, n_of
+            rows, dim, code, mode, _ = descriptor_fields(
+                words, group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS
+            )
+            seg_b = _Segment(
+                seg[0, b], seg[1, b], rows, dim, 4 if code == 1 else 2, code, mode, table[3, b]
+            )
+            table[4, b] = _decode_segment(words, halves, seg_b, outs, scratch)
+    return outs.out32f, outs.out16, table, first, n_of
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     MAX_CODE_LENGTH,
 )
+from torchrec_lossy.codec.host_records import Blocks, Codes, Dedupe
 
 
 @numba.njit(cache=True, nogil=True)
@@ -245,15 +246,15 @@ def _histogram4(symbols: np.ndarray, base: int, esc: int, hists: np.ndarray, wei
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _plan_into(hists: np.ndarray, base: int, lengths: np.ndarray, plan: np.ndarray, b: int) -> None:
-    """The code of a compact histogram (4 interleaved ones, summed): its lengths into
-    ``lengths``, its (coded bits, symbols, lowest value symbol with a code, span of the value
-    symbols with a code, escapes) into ``plan[:, b]``."""
+def _plan_into(hists: np.ndarray, base: int, codes: Codes, b: int) -> None:
+    """Block ``b``'s code of a compact histogram (4 interleaved ones, summed): its lengths and
+    its ``plan`` column into ``codes``."""
     hist = (hists[0] + hists[1] + hists[2] + hists[3]).astype(np.int64)
     width = hist.shape[0]
     esc = width - 1
     blk_lengths = code_lengths_kernel(hist)
-    lengths[:] = blk_lengths
+    codes.lengths[codes.len_off[b] : codes.len_off[b] + width] = blk_lengths
+    plan = codes.plan
     c_lo = -1
     c_hi = -1
     for k in range(width):
@@ -271,90 +272,53 @@ def _plan_into(hists: np.ndarray, base: int, lengths: np.ndarray, plan: np.ndarr
 
 @numba.njit(cache=True, nogil=True)
 def plan_blocks_kernel(
-    symbols: np.ndarray,
-    elem_off: np.ndarray,
-    row_off: np.ndarray,
-    dims: np.ndarray,
-    first_rows: np.ndarray,
-    n_unique: np.ndarray,
-    ids: np.ndarray,
-    deduped: np.ndarray,
-    sym_lo: np.ndarray,
-    sym_hi: np.ndarray,
-    active: np.ndarray,
-    active_distinct: np.ndarray,
-    len_off: np.ndarray,
-    lengths: np.ndarray,
-    len_off_distinct: np.ndarray,
-    lengths_distinct: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+    symbols: np.ndarray, blocks: Blocks, dedupe: Dedupe, codes: Codes, distinct: Codes
+) -> None:
     """:func:`plan_kernel` of all rows and of the distinct rows of every block, in one call.
 
-    Histograms and codes are compact: block ``b``'s value symbols ``sym_lo[b] .. sym_hi[b]``
-    then the escape symbol, so a block costs its symbol span, not the alphabet (the code is
-    the same: ties are broken by symbol, whose order the compact index keeps). A deduplicated
-    block's symbols are read once: the distinct rows' histogram, plus each repeated vector's
-    repeats, is the histogram of all rows.
+    Histograms and codes are compact (:class:`~torchrec_lossy.codec.host_records.Codes`), so
+    a block costs its symbol span, not the alphabet (the code is the same: ties are broken by
+    symbol, whose order the compact index keeps). A deduplicated block's symbols are read
+    once: the distinct rows' histogram, plus each repeated vector's repeats, is the histogram
+    of all rows.
 
     Args:
         symbols: uint16 symbols of every block, flat, back to back.
-        elem_off: int64 [n_blocks + 1] block starts in ``symbols``, then the end.
-        row_off: int64 [n_blocks + 1] block starts in rows, then the total.
-        dims: int64 [n_blocks] columns.
-        first_rows: int32 [total rows]: a deduplicated block's first rows (vector-LZ) at its
-            row offset.
-        n_unique: int64 [n_blocks] distinct vectors of each deduplicated block.
-        ids: int32 [total rows] block-local vector ids of the deduplicated blocks.
-        deduped: bool [n_blocks] blocks with ``first_rows``, ``n_unique`` and ``ids``.
-        sym_lo: int64 [n_blocks] lowest value symbol of the block (any rows).
-        sym_hi: int64 [n_blocks] highest (below sym_lo when every element escapes).
-        active: bool [n_blocks] blocks to plan for all rows.
-        active_distinct: bool [n_blocks] blocks (active and deduplicated) to plan for their
-            distinct rows too.
-        len_off: int64 [n_blocks] start of each block's compact lengths in ``lengths``
-            (``max(sym_hi - sym_lo + 1, 0) + 1`` entries).
-        lengths: uint8 output: the compact code lengths of all rows, the escape's last.
-        len_off_distinct: As ``len_off``, for ``lengths_distinct``.
-        lengths_distinct: uint8 output: those of the distinct rows.
-
-    Returns:
-        int64 [5, n_blocks] plans of all rows and of the distinct rows: coded bits, symbols,
-        lowest value symbol with a code and span of the value symbols with a code (0, 0
-        without one), escapes; zeros where not planned.
+        blocks: The blocks' layout.
+        dedupe: The vector-LZ of the symbols (its selected blocks are read by distinct rows).
+        codes: The codes of all rows, to fill (``lengths``, ``plan``) for the blocks with a
+            range in ``len_off``.
+        distinct: The same for the distinct rows (blocks deduplicated and coded).
     """
-    nb = dims.shape[0]
-    plan = np.zeros((5, nb), np.int64)
-    plan_distinct = np.zeros((5, nb), np.int64)
-    for b in range(nb):
-        if not active[b]:
+    for b in range(blocks.dims.shape[0]):
+        width = codes.len_off[b + 1] - codes.len_off[b]
+        if width == 0:
             continue
-        base = sym_lo[b]
-        width = max(sym_hi[b] - base + 1, 0) + 1
+        base = codes.base[b]
         esc = width - 1
         # Four interleaved histograms: repeated symbols do not wait on each other's stores.
         hists = np.zeros((4, width), np.int32)
-        dim = dims[b]
-        blk = symbols[elem_off[b] : elem_off[b + 1]]
-        if not deduped[b]:  # every row, in order: one flat pass
+        dim = blocks.dims[b]
+        r0 = blocks.row_off[b]
+        blk = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+        if not dedupe.selected[b]:  # every row, in order: one flat pass
             _histogram4(blk, base, esc, hists, 1)
         else:
-            nu = n_unique[b]
-            sel = first_rows[row_off[b] : row_off[b] + nu]
+            nu = dedupe.n_unique[b]
+            sel = dedupe.first[r0 : r0 + nu]
             for k in range(nu):
                 _histogram4(blk[sel[k] * dim : (sel[k] + 1) * dim], base, esc, hists, 1)
-            if active_distinct[b]:
-                o = len_off_distinct[b]
-                _plan_into(hists, base, lengths_distinct[o : o + width], plan_distinct, b)
+            if distinct.len_off[b + 1] > distinct.len_off[b]:
+                _plan_into(hists, base, distinct, b)
             # Each distinct vector counts as often as ids refer to it: add its repeats.
             mult = np.zeros(nu, np.int32)
-            for v in ids[row_off[b] : row_off[b + 1]]:
+            for v in dedupe.ids[r0 : blocks.row_off[b + 1]]:
                 mult[v] += 1
             for k in range(nu):
                 if mult[k] > 1:
                     row = blk[sel[k] * dim : (sel[k] + 1) * dim]
                     _histogram4(row, base, esc, hists, mult[k] - 1)
-        _plan_into(hists, base, lengths[len_off[b] : len_off[b] + width], plan, b)
-    return plan, plan_distinct
+        _plan_into(hists, base, codes, b)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -556,6 +520,15 @@ def pack_codebook_kernel(lengths: np.ndarray, sym_lo: int, sym_count: int) -> np
     return nibbles
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def unpack_codebook_into(nibbles: np.ndarray, sym_count: int, lengths: np.ndarray) -> None:
+    """The inverse of :func:`pack_codebook_kernel`: ``sym_count`` code lengths from the wire
+    codebook's nibbles (low first) into ``lengths[:sym_count]``."""
+    for k in range(sym_count):
+        b = nibbles[k >> 1]
+        lengths[k] = (b >> 4) if k & 1 else (b & 0xF)
+
+
 @numba.njit(cache=True, nogil=True)
 def expand_codebook_kernel(
     nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
@@ -572,9 +545,7 @@ def expand_codebook_kernel(
         uint8 [ALPHABET_SIZE] code lengths.
     """
     lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
-    for k in range(sym_count):
-        b = nibbles[k >> 1]
-        lengths[sym_lo + k] = (b >> 4) if k & 1 else (b & 0xF)
+    unpack_codebook_into(nibbles, sym_count, lengths[sym_lo:])
     lengths[ESCAPE_SYMBOL] = escape_length
     return lengths
 

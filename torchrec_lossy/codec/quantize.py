@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -31,6 +32,7 @@ from torchrec_lossy.codec.format import (
     MAX_CENTER,
     SYMBOL_OFFSET,
 )
+from torchrec_lossy.codec.host_records import Grids
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = 0xFFFFFFFF
@@ -288,6 +290,27 @@ def midpoint_fits(lo: N, hi: N, grid: N) -> N:
 
 
 @numba.njit(cache=True, nogil=True)
+def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
+    """The value a block's grid centers on: the midpoint of its finite values when
+    :func:`midpoint_fits`, else their median (0 when none is finite).
+
+    Args:
+        x: The block's values as 1-D float32.
+        lo: Smallest finite value (NaN when none is finite).
+        hi: Largest finite value.
+        grid: The grid's bound.
+
+    Returns:
+        The midpoint (float64).
+    """
+    if np.isnan(lo):
+        return 0.0
+    if midpoint_fits(lo, hi, grid):
+        return 0.5 * (lo + hi)
+    return np.median(x[np.isfinite(x)].astype(np.float64))
+
+
+@numba.njit(cache=True, nogil=True)
 def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
     """Quantization step, its float32 reciprocal and the center code for a bound and midpoint.
 
@@ -327,12 +350,7 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         block's center is too far from 0 in units of the step.
     """
     lo, hi = finite_range(x)
-    if not math.isfinite(lo):
-        mid = 0.0
-    elif midpoint_fits(lo, hi, bound):
-        mid = 0.5 * (lo + hi)
-    else:
-        mid = float(np.median(x[np.isfinite(x)].astype(np.float64)))
+    mid = block_mid(x, lo, hi, bound)
     step, inv_step, center, ok = quant_params_kernel(bound, mid)
     return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
 
@@ -396,23 +414,28 @@ def half_bits(bits: int, dtype_code: int) -> int:
     return sign | ((exponent + 15) << 10) | ((rb >> 13) & 0x3FF)
 
 
+class _Grid(NamedTuple):
+    """One block's grid as the loops take it (``value``: step 2**-m, center qmax); ``key``:
+    ``NEAREST_KEY`` or the stochastic-rounding key."""
+
+    step: np.float32
+    inv_step: np.float32
+    center: int
+    bound: float
+    key: int
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_loop(
-    x: np.ndarray,
-    step: np.float32,
-    inv_step: np.float32,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    stochastic: bool,
-    key: np.uint64,
-    symbols: np.ndarray,
+    x: np.ndarray, g: _Grid, dtype_code: int, stochastic: bool, symbols: np.ndarray
 ) -> tuple[int, int, int]:
     # Branch-free body (selects, reductions, no early exits) so that the compiler vectorises it.
     # float32 arithmetic is exact here: q and the center are integers below 2**24 in magnitude
     # wherever |q - center| <= SYMBOL_OFFSET can hold, and anything farther stays farther.
+    step, inv_step, bound = g.step, g.inv_step, g.bound
+    key = np.uint64(g.key & 0xFFFFFFFF)
     half = np.float32(0.5)
-    center_f = np.float32(center)
+    center_f = np.float32(g.center)
     offset_f = np.float32(SYMBOL_OFFSET)
     max_err_bits = np.int64(0)  # non-negative float64s order as their bit patterns
     lo = np.int32(ESCAPE_SYMBOL)
@@ -440,31 +463,13 @@ def _quantize_loop(
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _quantize_dtypes(
-    x: np.ndarray,
-    step: np.float32,
-    inv_step: np.float32,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    stochastic: bool,
-    key: np.uint64,
-    symbols: np.ndarray,
-) -> tuple[int, int, int]:
-    # One loop per dtype so that it is resolved at compile time.
-    if dtype_code == 1:
-        return _quantize_loop(x, step, inv_step, center, bound, 1, stochastic, key, symbols)
-    if dtype_code == 2:
-        return _quantize_loop(x, step, inv_step, center, bound, 2, stochastic, key, symbols)
-    return _quantize_loop(x, step, inv_step, center, bound, 3, stochastic, key, symbols)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_value_loop(
-    x: np.ndarray, shift: int, qmax: int, bound: float, dtype_code: int, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, symbols: np.ndarray
 ) -> tuple[int, int, int]:
     # The per-value grid (value_symbol): the error is checked against bound * |x| in float64,
     # and the max error reported is the relative one, |x' - x| / |x|.
+    shift = value_shift(np.float64(g.step))
+    qmax, bound = g.center, g.bound
     max_err_bits = np.int64(0)
     lo = np.int64(ESCAPE_SYMBOL)
     hi = np.int64(-1)
@@ -483,38 +488,30 @@ def _quantize_value_loop(
     return max_err_bits, lo, hi
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _quantize_grid(
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
+) -> tuple[int, int, int]:
+    # The grid and the rounding, like the dtype (a constant here), resolved at compile time.
+    if value:
+        return _quantize_value_loop(x, g, dtype_code, symbols)
+    if g.key >= 0:
+        return _quantize_loop(x, g, dtype_code, True, symbols)
+    return _quantize_loop(x, g, dtype_code, False, symbols)
+
+
 @numba.njit(cache=True, nogil=True)
 def _quantize_any(
-    x: np.ndarray,
-    step: np.float32,
-    inv_step: np.float32,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    symbols: np.ndarray,
-    sr_key: int,
-    value: bool,
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
 ) -> tuple[float, int, int]:
     """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
-    every element escapes). ``sr_key``: ``NEAREST_KEY`` or the stochastic-rounding key;
-    ``value``: the per-value grid (``step`` 2**-m, ``center`` qmax; round to nearest)."""
-    key = np.uint64(sr_key & 0xFFFFFFFF)
-    if value:
-        shift = value_shift(np.float64(step))
-        if dtype_code == 1:
-            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 1, symbols)
-        elif dtype_code == 2:
-            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 2, symbols)
-        else:
-            err_bits, lo, hi = _quantize_value_loop(x, shift, center, bound, 3, symbols)
-    elif sr_key < 0:  # the rounding, like the dtype, is resolved at compile time
-        err_bits, lo, hi = _quantize_dtypes(
-            x, step, inv_step, center, bound, dtype_code, False, key, symbols
-        )
+    every element escapes). ``value``: the per-value grid (round to nearest)."""
+    if dtype_code == 1:  # one loop per dtype, so that it is resolved at compile time
+        err_bits, lo, hi = _quantize_grid(x, g, 1, value, symbols)
+    elif dtype_code == 2:
+        err_bits, lo, hi = _quantize_grid(x, g, 2, value, symbols)
     else:
-        err_bits, lo, hi = _quantize_dtypes(
-            x, step, inv_step, center, bound, dtype_code, True, key, symbols
-        )
+        err_bits, lo, hi = _quantize_grid(x, g, 3, value, symbols)
     return np.int64(err_bits).view(np.float64), lo, hi
 
 
@@ -551,9 +548,8 @@ def quantize_kernel(
         (number of escaped elements, max |x - x'| over the elements that were not escaped;
         for ``value`` the max of ``|x - x'| / |x|``).
     """
-    max_error, _, _ = _quantize_any(
-        x, step, inv_step, center, bound, dtype_code, symbols, sr_key, value
-    )
+    g = _Grid(step, inv_step, center, bound, sr_key)
+    max_error, _, _ = _quantize_any(x, g, dtype_code, value, symbols)
     for s in symbols:
         hist[s] += 1
     return hist[ESCAPE_SYMBOL], max_error
@@ -626,30 +622,23 @@ def quant_params_blocks_kernel(
 def quantize_blocks_kernel(
     x: np.ndarray,
     elem_off: np.ndarray,
-    step: np.ndarray,
-    inv_step: np.ndarray,
-    center: np.ndarray,
+    grids: Grids,
     bounds: np.ndarray,
     dtype_codes: np.ndarray,
-    active: np.ndarray,
-    symbols: np.ndarray,
     sr_keys: np.ndarray,
-    value: np.ndarray,
+    symbols: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`quantize_kernel` over every active block of a concatenation, in one call.
+    """:func:`quantize_kernel` over every quantized block of a concatenation, in one call.
 
     Args:
         x: 1-D float32 values of every block, back to back.
         elem_off: int64 [n_blocks + 1] block starts in ``x``, then the end.
-        step: float32 [n_blocks] steps.
-        inv_step: float32 [n_blocks] their reciprocals.
-        center: int64 [n_blocks] centers.
-        bounds: float64 [n_blocks] absolute bounds.
+        grids: Each block's grid (the blocks not ``ok`` are skipped: their symbols are left
+            as they are).
+        bounds: float64 [n_blocks] absolute bounds (relative on the per-value grid).
         dtype_codes: [n_blocks] dtype codes.
-        active: bool [n_blocks] blocks to quantize (the others' symbols are left as they are).
-        symbols: uint16 output, same length as ``x``.
         sr_keys: int64 [n_blocks] ``NEAREST_KEY`` or each block's stochastic-rounding key.
-        value: bool [n_blocks] blocks on the per-value grid (their bound is relative).
+        symbols: uint16 output, same length as ``x``.
 
     Returns:
         Per block: max error (float64), lowest and highest value symbol (int64; ESCAPE_SYMBOL
@@ -660,18 +649,11 @@ def quantize_blocks_kernel(
     lo = np.full(nb, ESCAPE_SYMBOL, np.int64)
     hi = np.full(nb, -1, np.int64)
     for b in range(nb):
-        if active[b]:
+        if grids.ok[b]:
             s, e = elem_off[b], elem_off[b + 1]
+            g = _Grid(grids.step[b], grids.inv_step[b], grids.center[b], bounds[b], sr_keys[b])
             max_err[b], lo[b], hi[b] = _quantize_any(
-                x[s:e],
-                step[b],
-                inv_step[b],
-                center[b],
-                bounds[b],
-                dtype_codes[b],
-                symbols[s:e],
-                sr_keys[b],
-                value[b],
+                x[s:e], g, dtype_codes[b], grids.value[b], symbols[s:e]
             )
     return max_err, lo, hi
 
@@ -795,6 +777,7 @@ __all__ = [
     "NEAREST_KEY",
     "QuantParams",
     "block_keys",
+    "block_mid",
     "dequantize_kernel",
     "dequantize_reference",
     "finite_range",

@@ -27,6 +27,7 @@ from torchrec_lossy.codec.format import (
     refs_bits,
     words_for_bits,
 )
+from torchrec_lossy.codec.host_records import Blocks, Dedupe
 
 _ESCAPED_KEY = np.int64(1) << np.int64(32)
 
@@ -153,42 +154,39 @@ def dedupe_kernel(
 def dedupe_blocks_kernel(
     symbols: np.ndarray,
     bits: np.ndarray,
-    elem_off: np.ndarray,
-    row_off: np.ndarray,
-    dims: np.ndarray,
-    active: np.ndarray,
+    blocks: Blocks,
+    selected: np.ndarray,
     raw: bool,
     ids: np.ndarray,
     first_rows: np.ndarray,
-) -> np.ndarray:
-    """:func:`dedupe_kernel` over every active block of a concatenation, in one call.
+) -> Dedupe:
+    """:func:`dedupe_kernel` over every selected block of a concatenation, in one call.
 
     Args:
         symbols: uint16 symbols of every block, flat, back to back (full length even when
             ``raw``, which does not read them).
         bits: int32 raw bits, same layout.
-        elem_off: int64 [n_blocks + 1] block starts in the flat arrays, then the end.
-        row_off: int64 [n_blocks + 1] block starts in rows, then the total.
-        dims: int64 [n_blocks] columns.
-        active: bool [n_blocks] blocks to dedupe.
+        blocks: The blocks' layout.
+        selected: bool [n_blocks] blocks to dedupe.
         raw: Compare raw bits only (lossless dedupe).
         ids: int32 [total rows] output: block-local vector ids, at the block's rows.
         first_rows: int32 [total rows] output: a block's first rows at its row offset.
 
     Returns:
-        int64 [n_blocks] distinct vectors per block (0 where not active).
+        The dedupe, over ``ids`` and ``first_rows``.
     """
-    nb = dims.shape[0]
+    nb = blocks.dims.shape[0]
     n_unique = np.zeros(nb, np.int64)
     for b in range(nb):
-        if active[b]:
-            s, e = elem_off[b], elem_off[b + 1]
-            r0, r1 = row_off[b], row_off[b + 1]
-            rows = r1 - r0
-            blk_bits = bits[s:e].reshape(rows, dims[b])
-            blk_sym = symbols[s:e].reshape(rows, dims[b])  # read only when not raw
-            n_unique[b] = _dedupe_into(blk_sym, blk_bits, raw, ids[r0:r1], first_rows[r0:r1])
-    return n_unique
+        if selected[b]:
+            s, e = blocks.elem_off[b], blocks.elem_off[b + 1]
+            r0, r1 = blocks.row_off[b], blocks.row_off[b + 1]
+            shape = (r1 - r0, blocks.dims[b])
+            blk_sym = symbols[s:e].reshape(shape)  # read only when not raw
+            n_unique[b] = _dedupe_into(
+                blk_sym, bits[s:e].reshape(shape), raw, ids[r0:r1], first_rows[r0:r1]
+            )
+    return Dedupe(selected, n_unique, ids, first_rows)
 
 
 @numba.njit(cache=True, nogil=True)
