@@ -300,15 +300,8 @@ class _Flat(NamedTuple):
     r_elem: torch.Tensor  # first element of every row
 
     def source(self, valid: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """The element the lane of every element sends: column ``e_loc % dim`` of ``row``.
-
-        Args:
-            valid: Which lanes send.
-            row: Per lane, the flat row it sends from.
-
-        Returns:
-            Per lane, a flat element index (0 where not valid).
-        """
+        """Per element lane, the flat element it sends: column ``e_loc % dim`` of flat row
+        ``row`` (0 where not ``valid``)."""
         if not self.x.shape[0]:
             return self.e_loc
         last = max(self.r_elem.shape[0] - 1, 0)
@@ -410,16 +403,15 @@ def _flatten(blocks: Sequence[torch.Tensor], ht: _HostTables, t: _Columns) -> _F
     blk_ids = torch.arange(ht.n_blocks, device=dev)
     e_blk = torch.repeat_interleave(blk_ids, t.rows * t.dim, output_size=ht.n_elems)
     r_blk = torch.repeat_interleave(blk_ids, t.rows, output_size=ht.n_rows)
+    e_loc = torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk]
     r_loc = torch.arange(ht.n_rows, device=dev) - t.row_off[r_blk]
-    return _Flat(
-        x=x,
-        bits=bits,
-        e_blk=e_blk,
-        e_loc=torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk],
-        e_dim=t.dim[e_blk].clamp(min=1),
-        r_blk=r_blk,
-        r_elem=t.elem_off[r_blk] + r_loc * t.dim[r_blk],
-    )
+    r_elem = t.elem_off[r_blk] + r_loc * t.dim[r_blk]
+    return _Flat(x, bits, e_blk, e_loc, t.dim[e_blk].clamp(min=1), r_blk, r_elem)
+
+
+def _bases(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums of int64 counts with the total appended (``n + 1`` entries)."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
 
 def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -> torch.Tensor:
@@ -533,8 +525,8 @@ def _vector_lz(symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat:
         t.mults,
     )
     firsts = is_first.to(torch.int64)
-    rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
-    rank0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), rank])
+    rank0 = _bases(firsts)
+    rank = rank0[1:]  # inclusive count of first occurrences
     base = rank0[t.row_off]  # first occurrences in the blocks before
     n_rows = r_blk.shape[0]
     ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
@@ -655,13 +647,13 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
     group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
     body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
     payload_words = HEADER_WORDS + body_words
-    payload_base = torch.cumsum(payload_words, 0) - payload_words
-    segs_before = torch.cumsum(seg_words, 0) - seg_words  # in all groups before, too
-    segs_before = segs_before - (torch.cumsum(group_segs, 0) - group_segs)[group]
+    payload_base = _bases(payload_words)[:-1]
+    segs_before = _bases(seg_words)[:-1] - _bases(group_segs)[group]  # in the group
     head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
     seg_start = (payload_base + head)[group] + segs_before
     refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
     escp_at = refs_at + s.refs_words
+    table_at = escp_at + esc_words
     return _Sections(
         seg_words=seg_words,
         payload_base=payload_base,
@@ -671,8 +663,8 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
         refs_at=refs_at,
         escp_at=escp_at,
         escb_at=escp_at + s.n_escapes,
-        table_at=escp_at + esc_words,
-        stream_at=escp_at + esc_words + s.n_chunks,
+        table_at=table_at,
+        stream_at=table_at + s.n_chunks,
     )
 
 
@@ -693,26 +685,14 @@ class _WordBuffer:
         self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
 
     def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
-        """Adds ``value`` at word ``dest`` where ``valid`` (the words start at 0).
-
-        Args:
-            dest: Word index per lane.
-            value: Word per lane.
-            valid: Which lanes write.
-        """
+        """Per lane, adds word ``value`` at word ``dest`` where ``valid`` (words from 0)."""
         lanes = dest.shape[0]
         dest = torch.where(valid, dest, self.trash[:lanes])
         self.buf.index_add_(0, dest, torch.where(valid, value, 0))
 
     def put_records(self, at: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> None:
-        """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word ``at[i]``
-        where ``valid[i]``.
-
-        Args:
-            at: First word per record.
-            words: [n, words per record].
-            valid: Which records are written.
-        """
+        """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word
+        ``at[i]`` where ``valid[i]``."""
         n, w = words.shape
         dest = at[:, None] + torch.arange(w, device=at.device)
         self.put(dest.reshape(-1), words.reshape(-1), valid[:, None].expand(n, w).reshape(-1))
@@ -725,16 +705,8 @@ class _WordBuffer:
         raw: torch.Tensor,
         valid: torch.Tensor,
     ) -> None:
-        """Element ``k`` of a section of raw values at word ``at``: 4-byte values take a word,
-        2-byte ones half.
-
-        Args:
-            at: The section's first word, per lane.
-            k: The element's index in the section, per lane.
-            size: The element's bytes (4 or 2), per lane.
-            raw: The element's raw bits, per lane.
-            valid: Which lanes write.
-        """
+        """Per lane, element ``k`` (raw bits ``raw``, ``size`` bytes: 4 take a word, 2 half)
+        of a section of raw values at word ``at``, where ``valid``."""
         wide = size == 4
         raw64 = raw.to(torch.int64)
         value = torch.where(wide, raw64 & MASK32, (raw64 & 0xFFFF) << (16 * (k % 2)))
@@ -798,9 +770,8 @@ def _put_references(
     r_len = torch.where(flagged & first, 1, s.ref_width[r_blk] + flagged.to(torch.int64))
     r_len = torch.where(s.has_refs[r_blk], r_len, 0)
     r_val = torch.where(flagged & first, 1, torch.where(qlz, dq.ids, dr.ids))
-    r_end = torch.cumsum(r_len, 0)
-    r_end0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=r_len.device), r_end])
-    pos = r_end - r_len - r_end0[t.row_off[r_blk]]
+    r_start = _bases(r_len)
+    pos = r_start[:-1] - r_start[t.row_off[r_blk]]
     end = pos % 32 + r_len
     head = torch.where(
         end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
@@ -814,9 +785,8 @@ def _put_escapes(out: _WordBuffer, t: _Columns, flat: _Flat, c: _Coded, sec: _Se
     """Escapes: positions in the sent stream, then the escaped elements' raw bits."""
     e_blk = flat.e_blk
     is_esc = c.valid & (c.sym == ESCAPE_SYMBOL)
-    rank = torch.cumsum(is_esc.to(torch.int64), 0)
-    rank0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=rank.device), rank])
-    k = rank - 1 - rank0[t.elem_off[e_blk]]
+    rank0 = _bases(is_esc.to(torch.int64))
+    k = rank0[:-1] - rank0[t.elem_off[e_blk]]
     out.put(sec.escp_at[e_blk] + k, flat.e_loc, is_esc)
     out.put_elements(sec.escb_at[e_blk], k, t.itemsize[e_blk], c.bits, is_esc)
 

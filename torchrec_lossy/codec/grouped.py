@@ -129,68 +129,45 @@ def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
     return [len(g) for g in groups]
 
 
+@dataclass
 class PendingGroups:
     """A :func:`start_compress_groups` call waiting for its one host read.
 
     On the device path the payloads are built but their sizes and stats are still on the
     device: read :attr:`readback` (alone, or concatenated with tensors of the caller's, in ONE
-    copy) and pass its values to :meth:`finish`. :attr:`device_sizes` are the payload sizes on
+    copy) and pass its values to :attr:`finish`. :attr:`device_sizes` are the payload sizes on
     the device, usable before the read (e.g. in a size all-to-all). On the host path everything
     is known already and :attr:`readback` is empty.
 
-    Args:
-        device_sizes: int64 bytes per payload, on the blocks' device, or a function building
-            them on first use (the host path, whose callers mostly read ``done`` instead).
+    Attributes:
         readback: int64 values the host must read (may be empty).
-        finish: Builds the result from ``readback``'s host values.
-        device_skeletons: int64 skeleton words of every payload back to back, on the device
-            (a receiver decodes without a read given them: :func:`decompress_groups`), or a
-            function building them on first use.
+        finish: Builds the result (the payloads, their sizes and stats) from ``readback``'s
+            host values, in order.
         skeleton_sizes: Words of each payload's skeleton.
-        done: The result, on the host path (known already: :meth:`finish` returns it); None
+        sizes_of: Builds :attr:`device_sizes` (on first use: the host path's callers mostly
+            read ``done`` instead).
+        skeletons_of: Builds :attr:`device_skeletons` (on first use).
+        done: The result, on the host path (known already: :attr:`finish` returns it); None
             on the device path.
     """
 
-    def __init__(
-        self,
-        device_sizes: torch.Tensor | Callable[[], torch.Tensor],
-        readback: torch.Tensor,
-        finish: Callable[[Sequence[int]], GroupedPayloads],
-        device_skeletons: torch.Tensor | Callable[[], torch.Tensor],
-        skeleton_sizes: list[int],
-        done: GroupedPayloads | None = None,
-    ) -> None:
-        self._device_sizes = device_sizes
-        self.readback = readback
-        self._finish = finish
-        self._device_skeletons = device_skeletons
-        self.skeleton_sizes = skeleton_sizes
-        self.done = done
+    readback: torch.Tensor
+    finish: Callable[[Sequence[int]], GroupedPayloads]
+    skeleton_sizes: list[int]
+    sizes_of: Callable[[], torch.Tensor]
+    skeletons_of: Callable[[], torch.Tensor]
+    done: GroupedPayloads | None = None
 
-    @property
+    @functools.cached_property
     def device_sizes(self) -> torch.Tensor:
         """int64 bytes per payload, on the blocks' device."""
-        if not isinstance(self._device_sizes, torch.Tensor):
-            self._device_sizes = self._device_sizes()
-        return self._device_sizes
+        return self.sizes_of()
 
-    @property
+    @functools.cached_property
     def device_skeletons(self) -> torch.Tensor:
-        """int64 skeleton words of every payload back to back, on the blocks' device."""
-        if not isinstance(self._device_skeletons, torch.Tensor):
-            self._device_skeletons = self._device_skeletons()
-        return self._device_skeletons
-
-    def finish(self, host: Sequence[int]) -> GroupedPayloads:
-        """The payloads, from the host values of :attr:`readback`.
-
-        Args:
-            host: ``readback``'s values, in order.
-
-        Returns:
-            The payloads, their sizes and stats.
-        """
-        return self._finish(host)
+        """int64 skeleton words of every payload back to back, on the blocks' device (a
+        receiver decodes without a read given them: :func:`decompress_groups`)."""
+        return self.skeletons_of()
 
 
 def _device_result(
@@ -272,11 +249,11 @@ def start_compress_blocks(
         load_kernels(device)
         pending = start_groups_device(blocks, bounds, kinds, sizes, config)
         return PendingGroups(
-            pending.device_sizes,
             pending.readback,
             lambda host: _device_result(*pending.finish(host)),
-            pending.device_skeleton,
             [skeleton_words(n) for n in sizes],
+            lambda: pending.device_sizes,
+            lambda: pending.device_skeleton,
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
     buffer, out_sizes, columns, skeletons = compress_host_groups(
@@ -287,14 +264,13 @@ def start_compress_blocks(
     if device.type != "cpu":
         readback = torch.zeros(0, dtype=torch.int64, device=device)
     # The device-side copies of what is known here are built only if a caller asks.
+    words = np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)
     return PendingGroups(
-        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
         readback,
         lambda host: done,
-        lambda: torch.from_numpy(np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)).to(
-            device
-        ),
         [s.shape[0] for s in skeletons],
+        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
+        lambda: torch.from_numpy(words).to(device),
         done,
     )
 
@@ -372,23 +348,19 @@ def decompress_groups(
             f"payload sizes {sizes} add up to {sum(sizes)} bytes, the buffer has "
             f"{buffer.numel()}: pass the sizes the buffer was built with"
         )
-    status = GroupStatus()
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
         got = decompress_groups_device(buffer, sizes, max_elements, skeletons)
-        status.codes, status.block_group, status.group_bad = (
-            got.codes,
-            got.block_group,
-            got.group_bad,
-        )
-        status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
-        status.failed, status.out, status.spans = got.failed, got.out, got.spans
+        status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes)
+        status.max_elements, status.failed = max_elements, got.failed
+        status.out, status.spans = got.out, got.spans
         for g, part in got.rejected.items():
             if part is None:  # the announced skeleton was rejected: read the payload itself
                 part = _payload_bytes(status, g)
             status.rejected[g] = _host_error(part, max_elements)
         return got.blocks, status
+    status = GroupStatus()
     out = []
     for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend, label)):
         if isinstance(got, CodecError):
