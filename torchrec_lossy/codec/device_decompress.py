@@ -563,36 +563,16 @@ def decompress_groups_device(
     kernels = _kernels(buffer.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
-        layouts, bases, groups = [], [], []
-        rejected: dict[int, np.ndarray | None] = {}
-        checks: list[_SkeletonCheck] = []
-        at = 0
-        for g, n in enumerate(sizes):
-            try:
-                if skeletons is None:
-                    part = buf[at : at + n]
-                    lay = _layout(part, max_elements) if n % 4 == 0 else None
-                else:
-                    part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
-                    lay = _layout(part, max_elements, verify_checksum=False)
-                    words = part.view(np.uint32)[pos]
-                    checks.append(_SkeletonCheck(g, at // 4 + pos, words, at // 4))
-            except CodecError:
-                lay = None
-            if lay is None:
-                rejected[g] = buf[at : at + n] if buf is not None else None
-            elif lay.rows.shape[0]:
-                layouts.append(lay)
-                bases.append(at // 4)
-                groups.append(np.full(lay.rows.shape[0], g, dtype=np.int64))
-            at += n
+        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
-        block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        groups = [np.full(lay.rows.shape[0], g, np.int64) for g, lay in layouts.items()]
+        block_group = np.concatenate([*groups, np.zeros(0, np.int64)])
         if not layouts:
             failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
             return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
-        merged = merge_layouts(layouts, bases)
+        word_base = _bases(sizes)[list(layouts)] // 4
+        merged = merge_layouts(list(layouts.values()), word_base.tolist())
         blocks, codes, words_out = _decode_on_device(buffer, merged, kernels, defer_status=True)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
@@ -606,6 +586,39 @@ def decompress_groups_device(
         }
         failed = _failed_groups(len(sizes), codes, block_group, group_bad, buffer.device)
         return DeviceGroups(out, codes, block_group, rejected, group_bad, failed, words_out, spans)
+
+
+def _read_layouts(
+    buf: np.ndarray | None,
+    sizes: list[int],
+    max_elements: int,
+    skeletons: Sequence[np.ndarray] | None,
+) -> tuple[dict[int, _Layout[np.ndarray]], dict[int, np.ndarray | None], list[_SkeletonCheck]]:
+    """Every payload's layout, from the buffer's host copy ``buf`` or from its skeleton.
+
+    Returns:
+        (the layout of every payload with blocks, by payload; the rejected payloads: their
+        bytes, None in skeleton mode; what the device checks of each payload in skeleton mode).
+    """
+    layouts: dict[int, _Layout[np.ndarray]] = {}
+    rejected: dict[int, np.ndarray | None] = {}
+    checks: list[_SkeletonCheck] = []
+    for g, (at, n) in enumerate(zip(_bases(sizes)[:-1].tolist(), sizes, strict=True)):
+        try:
+            if buf is not None:
+                lay = _layout(buf[at : at + n], max_elements) if n % 4 == 0 else None
+            else:
+                part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
+                lay = _layout(part, max_elements, verify_checksum=False)
+                words = part.view(np.uint32)[pos]
+                checks.append(_SkeletonCheck(g, at // 4 + pos, words, at // 4))
+        except CodecError:
+            lay = None
+        if lay is None:
+            rejected[g] = buf[at : at + n] if buf is not None else None
+        elif lay.rows.shape[0]:
+            layouts[g] = lay
+    return layouts, rejected, checks
 
 
 class _SkeletonCheck(NamedTuple):
