@@ -129,45 +129,68 @@ def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
     return [len(g) for g in groups]
 
 
-@dataclass
 class PendingGroups:
     """A :func:`start_compress_groups` call waiting for its one host read.
 
     On the device path the payloads are built but their sizes and stats are still on the
     device: read :attr:`readback` (alone, or concatenated with tensors of the caller's, in ONE
-    copy) and pass its values to :attr:`finish`. :attr:`device_sizes` are the payload sizes on
+    copy) and pass its values to :meth:`finish`. :attr:`device_sizes` are the payload sizes on
     the device, usable before the read (e.g. in a size all-to-all). On the host path everything
     is known already and :attr:`readback` is empty.
 
-    Attributes:
+    Args:
+        device_sizes: int64 bytes per payload, on the blocks' device, or a function building
+            them on first use (the host path, whose callers mostly read ``done`` instead).
         readback: int64 values the host must read (may be empty).
-        finish: Builds the result (the payloads, their sizes and stats) from ``readback``'s
-            host values, in order.
+        finish: Builds the result from ``readback``'s host values.
+        device_skeletons: int64 skeleton words of every payload back to back, on the device
+            (a receiver decodes without a read given them: :func:`decompress_groups`), or a
+            function building them on first use.
         skeleton_sizes: Words of each payload's skeleton.
-        sizes_of: Builds :attr:`device_sizes` (on first use: the host path's callers mostly
-            read ``done`` instead).
-        skeletons_of: Builds :attr:`device_skeletons` (on first use).
-        done: The result, on the host path (known already: :attr:`finish` returns it); None
+        done: The result, on the host path (known already: :meth:`finish` returns it); None
             on the device path.
     """
 
-    readback: torch.Tensor
-    finish: Callable[[Sequence[int]], GroupedPayloads]
-    skeleton_sizes: list[int]
-    sizes_of: Callable[[], torch.Tensor]
-    skeletons_of: Callable[[], torch.Tensor]
-    done: GroupedPayloads | None = None
+    def __init__(
+        self,
+        device_sizes: torch.Tensor | Callable[[], torch.Tensor],
+        readback: torch.Tensor,
+        finish: Callable[[Sequence[int]], GroupedPayloads],
+        device_skeletons: torch.Tensor | Callable[[], torch.Tensor],
+        skeleton_sizes: list[int],
+        done: GroupedPayloads | None = None,
+    ) -> None:
+        self._device_sizes = device_sizes
+        self.readback = readback
+        self._finish = finish
+        self._device_skeletons = device_skeletons
+        self.skeleton_sizes = skeleton_sizes
+        self.done = done
 
-    @functools.cached_property
+    @property
     def device_sizes(self) -> torch.Tensor:
         """int64 bytes per payload, on the blocks' device."""
-        return self.sizes_of()
+        if not isinstance(self._device_sizes, torch.Tensor):
+            self._device_sizes = self._device_sizes()
+        return self._device_sizes
 
-    @functools.cached_property
+    @property
     def device_skeletons(self) -> torch.Tensor:
-        """int64 skeleton words of every payload back to back, on the blocks' device (a
-        receiver decodes without a read given them: :func:`decompress_groups`)."""
-        return self.skeletons_of()
+        """int64 skeleton words of every payload back to back, on the blocks' device."""
+        if not isinstance(self._device_skeletons, torch.Tensor):
+            self._device_skeletons = self._device_skeletons()
+        return self._device_skeletons
+
+    def finish(self, host: Sequence[int]) -> GroupedPayloads:
+        """The payloads, from the host values of :attr:`readback`.
+
+        Args:
+            host: ``readback``'s values, in order.
+
+        Returns:
+            The payloads, their sizes and stats.
+        """
+        return self._finish(host)
 
 
 def _device_result(
@@ -249,11 +272,11 @@ def start_compress_blocks(
         load_kernels(device)
         pending = start_groups_device(blocks, bounds, kinds, sizes, config)
         return PendingGroups(
+            pending.device_sizes,
             pending.readback,
             lambda host: _device_result(*pending.finish(host)),
+            pending.device_skeleton,
             [skeleton_words(n) for n in sizes],
-            lambda: pending.device_sizes,
-            lambda: pending.device_skeleton,
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
     buffer, out_sizes, columns, skeletons = compress_host_groups(
@@ -264,13 +287,14 @@ def start_compress_blocks(
     if device.type != "cpu":
         readback = torch.zeros(0, dtype=torch.int64, device=device)
     # The device-side copies of what is known here are built only if a caller asks.
-    words = np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)
     return PendingGroups(
+        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
         readback,
         lambda host: done,
+        lambda: torch.from_numpy(np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)).to(
+            device
+        ),
         [s.shape[0] for s in skeletons],
-        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
-        lambda: torch.from_numpy(words).to(device),
         done,
     )
 
