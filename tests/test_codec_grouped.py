@@ -22,6 +22,7 @@ from helpers import corpus, cuda_syncs_only_in_to_host, make_block, parse, with_
 from torchrec_lossy.codec import (
     CodecConfig,
     CodecError,
+    GroupedPayloads,
     check_groups,
     compress_groups,
     compress_with_stats,
@@ -180,6 +181,14 @@ def test_bad_arguments_name_the_fix() -> None:
 triton_only = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
+def device_payloads() -> tuple[list[list[torch.Tensor]], list[list[float]], GroupedPayloads]:
+    """groups_of_blocks on DEVICE, their bounds (1e-3) and the device path's payloads."""
+    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
+    values = [[1e-3] * len(g) for g in groups]
+    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
+    return groups, values, compress_groups(groups, values, cfg)
+
+
 @triton_only
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("relative", [False, True])
@@ -235,10 +244,7 @@ def test_device_grouped_decompress_defers_status_and_names_the_group() -> None:
 @triton_only
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_device_grouped_decompress_with_skeletons_reads_nothing() -> None:
-    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
-    values = [[1e-3] * len(g) for g in groups]
-    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
-    out = compress_groups(groups, values, cfg)
+    groups, values, out = device_payloads()
     host = compress_groups([[b.cpu() for b in g] for g in groups], values, CFG)
     # The sender's skeletons: the same words on both paths, and the payload's own.
     for g in range(len(groups)):
@@ -287,10 +293,7 @@ def test_cuda_grouped_compress_syncs_only_in_to_host(monkeypatch: pytest.MonkeyP
 @triton_only
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_contain_failures_zeroes_only_the_failed_group_and_reads_nothing() -> None:
-    groups = [[b.to(DEVICE) for b in g] for g in groups_of_blocks()]
-    values = [[1e-3] * len(g) for g in groups]
-    cfg = CodecConfig(huffman_chunk_symbols=64, backend="triton")
-    out = compress_groups(groups, values, cfg)
+    groups, values, out = device_payloads()
     bad = out.buffer.clone()
     bad[out.offsets[0] + out.sizes[0] - 1] ^= 4  # a body bit of group 0: its checksum fails
     blocks, status = decompress_groups(bad, out.sizes, backend="triton", skeletons=out.skeletons)

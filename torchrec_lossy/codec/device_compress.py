@@ -2,13 +2,13 @@
 
 ``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
 ``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
-device. ``compress_groups_device`` does the same for several payloads at once (groups of
-consecutive blocks, each payload byte-identical to its own compress), and
-``start_groups_device`` stops before the read (:class:`PendingCompress`). Blocks are laid out
-back to back (elements, rows, chunk slots), and host-side tables derived from the shapes only
-(offsets, tiles, chunk slots, bound-derived steps) go to the device in one non-blocking copy;
-relative bounds are resolved on the device from each block's finite range. Then, for all blocks
-at once:
+device. ``start_groups_device`` does the same for several payloads at once (groups of
+consecutive blocks, each payload byte-identical to its own compress) and stops before the read
+(:class:`PendingCompress`). Blocks are laid out back to back (elements, rows, chunk slots), and
+host-side tables derived from the shapes only (:class:`_HostTables`: offsets, tiles, chunk slots,
+bound-derived steps) go to the device in one non-blocking copy; relative bounds are resolved on
+the device from each block's finite range. Then, for all blocks at once, each stage a function
+passing a record to the next:
 
 1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
    (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -53,6 +55,7 @@ from torchrec_lossy.codec.container import (
     pack_records,
     segment_checksums,
     skeleton_index,
+    skeleton_words,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -71,11 +74,11 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     VERSION,
+    ref_width,
     refs_packing,
     words_for_bits,
     words_for_bytes,
 )
-from torchrec_lossy.codec.format import ref_width as id_width
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
@@ -83,11 +86,10 @@ from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.common import block_for
 
-_A = ALPHABET_SIZE
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
-_MASK32 = MASK32
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
+_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 
 
 def _host(t: torch.Tensor) -> list[int]:
@@ -102,177 +104,781 @@ def _host(t: torch.Tensor) -> list[int]:
     return host_sync.to_host(t, "compress").tolist()
 
 
-def _plan(hist: torch.Tensor, lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
-    """``pipeline._Code.plan`` for many histograms.
+# ---- what is known before the data is read ---------------------------------------------------
 
-    Args:
-        hist: [n, ALPHABET_SIZE] symbol counts.
-        lengths: int64 [n, ALPHABET_SIZE] their code lengths.
-        chunk: Symbols per Huffman chunk.
+
+@dataclass(frozen=True)
+class _Columns(Generic[_Array]):
+    """The int64 columns a compress derives from shapes, bounds and config: numpy arrays on the
+    host, tensors on the device (``host_sync.upload_record``). Per block unless said."""
+
+    rows: _Array
+    dim: _Array
+    itemsize: _Array
+    dtype_code: _Array  # format.DTYPE_CODES
+    elem_off: _Array  # first element in the flat layout
+    row_off: _Array  # first row in the flat layout
+    step_bits: _Array  # float32 bits of the grid's step (0 where the device resolves it)
+    inv_step_bits: _Array  # float32 bits of 1 / step
+    value_shift: _Array  # 23 - m of the per-value grid (quantize.value_shift), else 0
+    bound_bits: _Array  # float64 bits of the bound (relative: the fraction of the range)
+    quant_try: _Array  # 1 where it may quantize
+    sr_key: _Array  # rounding key (quantize.block_keys)
+    relative: _Array  # 1 for a relative bound
+    value: _Array  # 1 for a per-value bound
+    group: _Array  # its payload
+    local: _Array  # its index in its payload
+    group_blocks: _Array  # per payload, its blocks
+    lz_allowed: _Array  # 1 where vector-LZ may run
+    raw_words: _Array  # words of its raw segment
+    first_slot: _Array  # its first Huffman chunk slot
+    n_slots: _Array  # its chunk slots (the worst case: every row sent)
+    slot_blk: _Array  # per chunk slot, its block
+    slot_k: _Array  # per chunk slot, its chunk in the block
+    tiles: _Array  # the quantize launch's tiles (k_quantize.tile_table rows, flattened)
+    mults: _Array  # the row hash's column multipliers
+
+
+@dataclass(frozen=True)
+class _HostTables:
+    """Everything a compress derives from shapes, bounds and config, on the host (no data)."""
+
+    cols: _Columns[np.ndarray]  # uploaded in one copy
+    n_blocks: int  # of all payloads
+    n_elems: int
+    n_rows: int
+    max_dim: int
+    grid_factor: float  # the grid's bound over the bound (quantize.grid_bound)
+    any_relative: bool
+    any_value: bool
+    tile_block: int  # elements per quantize tile
+    n_slots: int  # Huffman chunk slots of all blocks
+    stream_words: int  # worst-case words of all Huffman streams
+    body_max: int  # worst-case words of all payloads
+    chunk: int  # symbols per Huffman chunk
+
+
+def _grids(
+    bounds: Sequence[float], kind: np.ndarray, numel: np.ndarray, config: CodecConfig
+) -> tuple[np.ndarray, ...]:
+    """Each block's grid as far as its bound decides it (``quantize.quant_params_kernel`` with
+    any midpoint; the center needs the data, a relative bound the block's range).
 
     Returns:
-        (words: codebook + chunk table + bitstream, chunk padding estimated as half a word per
-        chunk; sym_lo; sym_count; n_escapes), each int64 [n].
+        (float32 step, float32 1 / step, int64 per-value shift, int64 1 where it may quantize).
     """
-    hist = hist.to(torch.int64)
-    bits = (hist * lengths).sum(dim=1)
-    n = hist.sum(dim=1)
+    b = numel.shape[0]
+    step, inv_step = np.zeros(b, np.float32), np.zeros(b, np.float32)
+    shift, quant_try = np.zeros(b, np.int64), np.zeros(b, np.int64)
+    factor = quantize.grid_bound(1.0, config.rounding == "stochastic")
+    for i, eb in enumerate(bounds):
+        if not (config.enable_quantization and eb > 0 and numel[i] > 0):
+            continue
+        quant_try[i] = 1  # a relative block: the worst case (it may quantize); the device decides
+        if kind[i] == BoundKind.VALUE:  # the per-value grid: step 2**-m; its qmax needs the data
+            step[i] = 2.0 ** -quantize.value_mantissa_bits(eb)
+            shift[i] = quantize.value_shift(float(step[i]))
+        elif kind[i] != BoundKind.RELATIVE:
+            s, inv, _, ok = quantize.quant_params_kernel(factor * eb, 0.0)
+            step[i], inv_step[i], quant_try[i] = s, inv, int(ok)
+    return step, inv_step, shift, quant_try
+
+
+def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
+    """Huffman chunk slots: the worst case (every row sent) of the blocks that may quantize.
+
+    Returns:
+        (per block: its slots, its first slot; per slot: its block, its chunk index; the
+        worst-case words of all their streams).
+    """
+    slots = np.where(quant_try == 1, (numel + chunk - 1) // chunk, 0)
+    first_slot = np.cumsum(slots) - slots
+    slot_blk = np.repeat(np.arange(numel.shape[0], dtype=np.int64), slots)
+    slot_k = np.arange(int(slots.sum()), dtype=np.int64) - first_slot[slot_blk]
+    slot_syms = np.minimum(chunk, numel[slot_blk] - slot_k * chunk)
+    stream_words = int(words_for_bits(slot_syms * MAX_CODE_LENGTH).sum())
+    return slots, first_slot, slot_blk, slot_k, stream_words
+
+
+def _segment_max(c: _Columns[np.ndarray], numel: np.ndarray) -> int:
+    """Worst-case words of all segments: per block, the largest of its modes' worst cases."""
+    refs_max = words_for_bits(c.rows * 33)
+    quant_max = (
+        SEGMENT_HEADER_WORDS
+        + 512  # codebook nibbles of the whole alphabet
+        + refs_max
+        + sm.escape_words(numel, c.itemsize)
+        + 2 * c.n_slots
+        + words_for_bits(numel * MAX_CODE_LENGTH)
+    )
+    seg_max = np.maximum(c.raw_words, SEGMENT_HEADER_WORDS + refs_max + c.raw_words)
+    return int(np.where(c.quant_try == 1, np.maximum(seg_max, quant_max), seg_max).sum())
+
+
+def _host_tables(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    kinds: Sequence[int],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+) -> _HostTables:
+    """:class:`_HostTables` of a compress (arguments as :func:`start_groups_device`)."""
+    b = len(blocks)
+    if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
+        raise ValueError(f"{b} blocks in one payload: pass fewer than 2**23")
+    rows = np.array([t.shape[0] for t in blocks], dtype=np.int64)
+    dim = np.array([t.shape[1] for t in blocks], dtype=np.int64)
+    itemsize = np.array([t.element_size() for t in blocks], dtype=np.int64)
+    numel = rows * dim
+    max_dim = int(dim.max()) if b else 0
+    stochastic = config.rounding == "stochastic"
+    kind = np.array(kinds, dtype=np.int64).reshape(b)
+    step, inv_step, shift, quant_try = _grids(bounds, kind, numel, config)
+    sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
+    local = np.arange(b, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    tile_block = block_for(int(numel.max()) if b else 1, _QUANT_BLOCK)
+    tiles = k_quantize.tile_table(numel, tile_block)  # over the blocks that may quantize
+    slots, first_slot, slot_blk, slot_k, stream_words = _slots(
+        numel, quant_try, config.huffman_chunk_symbols
+    )
+    cols = _Columns(
+        rows=rows,
+        dim=dim,
+        itemsize=itemsize,
+        dtype_code=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
+        elem_off=np.cumsum(numel) - numel,
+        row_off=np.cumsum(rows) - rows,
+        step_bits=step.view(np.int32).astype(np.int64),
+        inv_step_bits=inv_step.view(np.int32).astype(np.int64),
+        value_shift=shift,
+        bound_bits=np.array(bounds, dtype=np.float64).view(np.int64),
+        quant_try=quant_try,
+        sr_key=quantize.block_keys(stochastic, config.seed, local),
+        relative=(kind == BoundKind.RELATIVE).astype(np.int64),
+        value=(kind == BoundKind.VALUE).astype(np.int64),
+        group=np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes),
+        local=local,
+        group_blocks=sizes,
+        lz_allowed=((rows > 1) & config.enable_lz).astype(np.int64),
+        raw_words=words_for_bytes(numel * itemsize),
+        first_slot=first_slot,
+        n_slots=slots,
+        slot_blk=slot_blk,
+        slot_k=slot_k,
+        tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
+        mults=k_vector_lz.column_multipliers(max(max_dim, 1)),
+    )
+    return _HostTables(
+        cols=cols,
+        n_blocks=b,
+        n_elems=int(numel.sum()),
+        n_rows=int(rows.sum()),
+        max_dim=max_dim,
+        grid_factor=quantize.grid_bound(1.0, stochastic),
+        any_relative=bool(cols.relative.any()),
+        any_value=bool(cols.value.any()),
+        tile_block=tile_block,
+        n_slots=int(slots.sum()),
+        stream_words=stream_words,
+        body_max=DESCRIPTOR_WORDS * b + _segment_max(cols, numel) + HEADER_WORDS * len(sizes),
+        chunk=config.huffman_chunk_symbols,
+    )
+
+
+# ---- the device stages' records ----------------------------------------------------------------
+
+
+class _Flat(NamedTuple):
+    """Every element and every row of the blocks, back to back in block order."""
+
+    x: torch.Tensor  # float32 value of every element
+    bits: torch.Tensor  # int32 raw bits (16-bit dtypes sign-extend, as the CPU path's astype)
+    e_blk: torch.Tensor  # block of every element
+    e_loc: torch.Tensor  # its index within the block
+    e_dim: torch.Tensor  # its block's columns (at least 1)
+    r_blk: torch.Tensor  # block of every row
+    r_elem: torch.Tensor  # first element of every row
+
+    def source(self, valid: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """Per element lane, the flat element it sends: column ``e_loc % dim`` of flat row
+        ``row`` (0 where not ``valid``)."""
+        if not self.x.shape[0]:
+            return self.e_loc
+        last = max(self.r_elem.shape[0] - 1, 0)
+        return torch.where(valid, self.r_elem[row.clamp(max=last)] + self.e_loc % self.e_dim, 0)
+
+
+class _Grid(NamedTuple):
+    """Every block's quantization grid (``quantize.quant_params``' rule), each [n_blocks]."""
+
+    bound: torch.Tensor  # float64 absolute bound (relative ones resolved)
+    step: torch.Tensor  # float32
+    inv_step: torch.Tensor  # float32 1 / step
+    center: torch.Tensor  # int64 code of the center (qmax for the per-value grid)
+    ok: torch.Tensor  # whether the block may quantize
+
+
+class _Dedupe(NamedTuple):
+    """Repeated rows of every block (``k_vector_lz.representatives``)."""
+
+    first: torch.Tensor  # per row, 1 for a first occurrence
+    ids: torch.Tensor  # per row, its distinct vector's id in its block
+    base: torch.Tensor  # per block, the first occurrences before it
+    n_unique: torch.Tensor  # per block, its distinct vectors
+    first_rows: torch.Tensor  # block b's first occurrences' rows at [base[b], + n_unique[b])
+
+    def row(self, flat: _Flat, vec: torch.Tensor) -> torch.Tensor:
+        """Per element lane, the flat row of distinct vector ``vec`` of the lane's block."""
+        return self.first_rows[(self.base[flat.e_blk] + vec).clamp(max=flat.r_blk.shape[0])]
+
+
+class _Codes(NamedTuple):
+    """Huffman codes of histograms (every block's symbols, then its distinct rows' ones)."""
+
+    lengths: torch.Tensor  # int64 [n, ALPHABET_SIZE] code lengths
+    words: torch.Tensor  # codebook + chunk table + bitstream (``size_model.code_words``)
+    sym_lo: torch.Tensor  # first value symbol of the codebook
+    sym_count: torch.Tensor  # value symbols of the codebook
+    n_esc: torch.Tensor  # escapes
+
+
+class _Sends(NamedTuple):
+    """What every block sends, each [n_blocks]."""
+
+    mode: torch.Tensor  # MODE_* (without MODE_VALUE)
+    is_q: torch.Tensor  # a Huffman-coded mode
+    is_qlz: torch.Tensor
+    is_lz: torch.Tensor
+    has_refs: torch.Tensor
+    n_sent: torch.Tensor  # vectors sent (rows without references)
+    n_sym: torch.Tensor  # symbols coded
+    lengths: torch.Tensor  # [n_blocks, ALPHABET_SIZE] code lengths of its histogram
+    codes: torch.Tensor  # their canonical codes
+    n_escapes: torch.Tensor
+    sym_lo: torch.Tensor
+    sym_count: torch.Tensor
+    n_chunks: torch.Tensor
+    ref_mode: torch.Tensor
+    ref_width: torch.Tensor
+    refs_words: torch.Tensor
+
+
+class _Coded(NamedTuple):
+    """The sent symbol stream (element layout: block b's at elem_off[b], n_sym[b] long), coded."""
+
+    valid: torch.Tensor  # per element lane, whether it carries a sent symbol
+    sym: torch.Tensor  # int64 sent symbols
+    bits: torch.Tensor  # int32 raw bits of the sent elements
+    chunk_ends: torch.Tensor  # per chunk slot, the end of its bits, in stream words
+    stream: torch.Tensor  # every block's bitstream words, back to back
+    base: torch.Tensor  # per block, its first stream word
+    words: torch.Tensor  # per block, its stream words
+
+
+class _Sections(NamedTuple):
+    """Where everything goes, in words of the buffer (payloads back to back)."""
+
+    seg_words: torch.Tensor  # per block
+    payload_base: torch.Tensor  # per payload, its first word
+    payload_words: torch.Tensor  # per payload
+    body_words: torch.Tensor  # per payload
+    seg_start: torch.Tensor  # per block, its segment's first word
+    refs_at: torch.Tensor  # its references (the codebook precedes them)
+    escp_at: torch.Tensor  # its escape positions, or (mode lz) its distinct rows
+    escb_at: torch.Tensor  # its escaped values
+    table_at: torch.Tensor  # its chunk table
+    stream_at: torch.Tensor  # its bitstream
+
+
+# ---- the device stages ---------------------------------------------------------------------
+
+
+def _flatten(blocks: Sequence[torch.Tensor], ht: _HostTables, t: _Columns) -> _Flat:
+    """:class:`_Flat` of the blocks."""
+    dev = t.rows.device
+    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
+    x = torch.cat([torch.zeros(0, device=dev), *(f.float() for f in flat)])
+    wide = [f.view(torch.int32 if f.element_size() == 4 else torch.int16) for f in flat]
+    bits = torch.cat([torch.zeros(0, dtype=torch.int32, device=dev), *(w.int() for w in wide)])
+    blk_ids = torch.arange(ht.n_blocks, device=dev)
+    e_blk = torch.repeat_interleave(blk_ids, t.rows * t.dim, output_size=ht.n_elems)
+    r_blk = torch.repeat_interleave(blk_ids, t.rows, output_size=ht.n_rows)
+    e_loc = torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk]
+    r_loc = torch.arange(ht.n_rows, device=dev) - t.row_off[r_blk]
+    r_elem = t.elem_off[r_blk] + r_loc * t.dim[r_blk]
+    return _Flat(x, bits, e_blk, e_loc, t.dim[e_blk].clamp(min=1), r_blk, r_elem)
+
+
+def _bases(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums of int64 counts with the total appended (``n + 1`` entries)."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+
+def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -> torch.Tensor:
+    """Segmented reduction over every block's elements (no atomics; unsafe: skips the length
+    checks, which would sync)."""
+    return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
+
+
+def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize.quant_params_kernel``'s step rule on the device (float64 bounds [n]).
+
+    Returns:
+        (float32 step, float32 1 / step, whether the step is usable).
+    """
+    two = (2.0 * eb).clamp(max=_FLT_MAX)
+    step = two.float()
+    down = (step.view(torch.int32) - 1).view(torch.float32)  # round down: step / 2 <= bound
+    step = torch.where(step.double() > 2.0 * eb, down, step)
+    ok = step >= float(np.finfo(np.float32).tiny)
+    step = torch.where(ok, step, 0.0)
+    inv = torch.where(ok, 1.0 / torch.where(ok, step, 1.0), 0.0)
+    return step, inv, ok
+
+
+def _median(flat: _Flat, finite: torch.Tensor, t: _Columns) -> torch.Tensor:
+    """Every block's median of its finite values, float64 (np.median: the middle one, or the
+    mean of the middle two; garbage for a block without any)."""
+    n_el = flat.x.shape[0]
+    if not n_el:
+        return torch.zeros(t.rows.shape[0], dtype=torch.float64, device=flat.x.device)
+    keyed = torch.where(finite, flat.x, math.inf)
+    order = torch.argsort(keyed, stable=True)
+    order = order[torch.argsort(flat.e_blk[order], stable=True)]
+    ordered = keyed[order].double()
+    n_fin = _per_block(finite.double(), "sum", t.rows * t.dim, 0.0).to(torch.int64)  # < 2**53
+    upper = (t.elem_off + n_fin // 2).clamp(max=n_el - 1)
+    lower = (t.elem_off + (n_fin - 1) // 2).clamp(min=0, max=n_el - 1)
+    return (ordered[lower] + ordered[upper]) / 2
+
+
+def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
+    """Stage 1: every block's bound, step and center (``quantize.quant_params``' rule)."""
+    finite = torch.isfinite(flat.x)
+    numel = t.rows * t.dim
+    lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
+    hi = _per_block(torch.where(finite, flat.x, -math.inf), "max", numel, -math.inf)
+    bound = t.bound_bits.view(torch.float64)
+    step = t.step_bits.to(torch.int32).view(torch.float32)
+    inv_step = t.inv_step_bits.to(torch.int32).view(torch.float32)
+    quant_try = t.quant_try == 1
+    if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
+        rel = t.relative == 1
+        bound = torch.where(rel, bound * finite_span(lo, hi), bound)
+        r_step, r_inv, r_ok = _device_quant_params(ht.grid_factor * bound)
+        step = torch.where(rel, r_step, step)
+        inv_step = torch.where(rel, r_inv, inv_step)
+        quant_try = torch.where(rel, quant_try & r_ok & (bound > 0), quant_try)
+    lo64, hi64 = lo.double(), hi.double()
+    narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
+    mid = torch.where(narrow, 0.5 * (lo64 + hi64), _median(flat, finite, t))
+    mid = torch.where(lo <= hi, mid, 0.0)  # no finite value: center 0
+    center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
+    quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
+    center = torch.where(quant_ok, center_f, 0.0).to(torch.int64)
+    if ht.any_value:  # the per-value grid: center qmax, the code of the largest finite |x|
+        val = t.value == 1
+        amax = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
+        qmax = quantize.value_code(amax.view(torch.int32).to(torch.int64), t.value_shift)
+        center = torch.where(val & quant_try, qmax, center)
+        quant_ok = torch.where(val, quant_try, quant_ok)
+    return _Grid(bound, step, inv_step, center, quant_ok)
+
+
+def _quantize(
+    ht: _HostTables, t: _Columns, flat: _Flat, grid: _Grid
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2: quantize, escapes and histograms (``k_quantize.quantize_tiles``, one launch).
+
+    Returns:
+        (int16 symbol of every element, [n_blocks, ALPHABET_SIZE] histograms, float64 max error
+        per block).
+    """
+    tiles = t.tiles.reshape(-1, 3)
+    sym, hist, tile_err = k_quantize.quantize_tiles(
+        flat.x,
+        tiles,
+        grid.step,
+        grid.inv_step,
+        grid.center,
+        grid.bound,
+        t.dtype_code.to(torch.int32),
+        ht.tile_block,
+        t.sr_key,
+        t.value,
+    )
+    max_err = torch.zeros(ht.n_blocks, dtype=torch.float64, device=flat.x.device)
+    return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
+
+
+def _vector_lz(symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat: _Flat) -> _Dedupe:
+    """Stage 3: repeated rows of every block, over the quantized symbols or (None) the raw bits
+    (``k_vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
+    r_blk, dev = flat.r_blk, flat.x.device
+    rep, is_first = k_vector_lz.representatives(
+        symbols,
+        flat.bits,
+        flat.r_elem,
+        t.dim[r_blk].to(torch.int32),
+        r_blk.to(torch.int32),
+        ht.max_dim,
+        t.mults,
+    )
+    firsts = is_first.to(torch.int64)
+    rank0 = _bases(firsts)
+    rank = rank0[1:]  # inclusive count of first occurrences
+    base = rank0[t.row_off]  # first occurrences in the blocks before
+    n_rows = r_blk.shape[0]
+    ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
+    # Repeats write to a (spread) trash area past the end.
+    row_ids = torch.arange(n_rows, device=dev)
+    first_rows = torch.zeros(n_rows + _TRASH, dtype=torch.int64, device=dev)
+    trash = n_rows + (row_ids & (_TRASH - 1))
+    first_rows.scatter_(0, torch.where(firsts == 1, rank - 1, trash), row_ids)
+    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows)
+
+
+def _codes(hists: torch.Tensor, chunk: int) -> _Codes:
+    """Stage 4a: ``pipeline._Code.plan`` for many histograms (``kernels.codebook``)."""
+    hists = hists.to(torch.int64)
+    lengths = codebook.code_lengths(hists).to(torch.int64)
     value = lengths[:, :ESCAPE_SYMBOL] > 0
     used = value.any(dim=1)
-    lo = value.to(torch.int8).argmax(dim=1)
+    lo = torch.where(used, value.to(torch.int8).argmax(dim=1), 0)
     hi = ESCAPE_SYMBOL - 1 - value.flip(1).to(torch.int8).argmax(dim=1)
-    lo = torch.where(used, lo, 0)
     count = torch.where(used, hi - lo + 1, 0)
-    return sm.code_words(n, bits, count, chunk), lo, count, hist[:, ESCAPE_SYMBOL]
+    bits = (hists * lengths).sum(dim=1)
+    words = sm.code_words(hists.sum(dim=1), bits, count, chunk)
+    return _Codes(lengths, words, lo, count, hists[:, ESCAPE_SYMBOL])
 
 
-class _HostTables:
-    """Everything derived from shapes, bounds and config, computed on the host (no data).
+def _choose_mode(
+    t: _Columns, quant_ok: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe
+) -> torch.Tensor:
+    """Stage 4b: the mode of every block, by ``size_model`` (as on the host path)."""
+    nb = t.rows.shape[0]
+    rows, dim, itemsize, lz_allowed = t.rows, t.dim, t.itemsize, t.lz_allowed == 1
+    quant_w = sm.quant_words(c.n_esc[:nb], itemsize, c.words[:nb])
+    qlz_w = sm.quant_lz_words(rows, dq.n_unique, c.n_esc[nb:], itemsize, c.words[nb:])
+    qlz_ok = quant_ok & lz_allowed & (dq.n_unique < rows)
+    mode, best = sm.choose_lossy(t.raw_words, quant_ok, quant_w, qlz_ok, qlz_w)
+    nu_lower = torch.where(quant_ok & lz_allowed, dq.n_unique, 1)
+    lz_tried = sm.lossless_may_win(lz_allowed, rows, dim, itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(rows, dr.n_unique, dim, itemsize)
+    return sm.choose_lossless(mode, best, lz_tried, lossless_w, rows * dim)
+
+
+def _sends(
+    t: _Columns, mode: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe, chunk: int
+) -> _Sends:
+    """Stage 5a: what every block sends, from its mode."""
+    nb = mode.shape[0]
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    is_qlz, is_lz = mode == MODE_QUANT_LZ, mode == MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = torch.where(is_qlz, dq.n_unique, torch.where(is_lz, dr.n_unique, t.rows))
+    n_sym = torch.where(is_q, n_sent * t.dim, 0)
+    blk_ids = torch.arange(nb, device=mode.device)
+    sel = torch.where(is_qlz, nb + blk_ids, blk_ids)  # which histogram / code each block uses
+    lengths = c.lengths[sel]
+    ref_mode, _, ref_bits = refs_packing(t.rows, torch.where(has_refs, n_sent, 1))
+    return _Sends(
+        mode=mode,
+        is_q=is_q,
+        is_qlz=is_qlz,
+        is_lz=is_lz,
+        has_refs=has_refs,
+        n_sent=n_sent,
+        n_sym=n_sym,
+        lengths=lengths,
+        codes=codebook.canonical_codes(lengths),
+        n_escapes=torch.where(is_q, c.n_esc[sel], 0),
+        sym_lo=torch.where(is_q, c.sym_lo[sel], 0),
+        sym_count=torch.where(is_q, c.sym_count[sel], 0),
+        n_chunks=(n_sym + chunk - 1) // chunk,
+        ref_mode=torch.where(has_refs, ref_mode, 0),
+        ref_width=ref_width(n_sent),
+        refs_words=torch.where(has_refs, words_for_bits(ref_bits), 0),
+    )
+
+
+def _encode(
+    ht: _HostTables, t: _Columns, flat: _Flat, sym: torch.Tensor, dq: _Dedupe, s: _Sends
+) -> _Coded:
+    """Stage 5b: the sent symbol stream and the Huffman encode of every chunk of every block
+    (``k_huffman.encode_chunks``, chunk slots sized for the worst case)."""
+    e_blk, e_loc, dev = flat.e_blk, flat.e_loc, flat.x.device
+    valid = e_loc < s.n_sym[e_blk]
+    vec = e_loc // flat.e_dim  # sent vector
+    row = torch.where(s.is_qlz[e_blk], dq.row(flat, vec), t.row_off[e_blk] + vec)
+    src = flat.source(valid, row)
+    sym64 = sym.to(torch.int64) & 0xFFFF
+    sent = torch.where(valid, sym64[src], 0) if ht.n_elems else sym64
+    slot_blk, slot_k, ck = t.slot_blk, t.slot_k, ht.chunk
+    c_lo = t.elem_off[slot_blk] + slot_k * ck
+    c_hi = t.elem_off[slot_blk] + torch.minimum((slot_k + 1) * ck, s.n_sym[slot_blk])
+    chunk_ends, stream = k_huffman.encode_chunks(
+        sent.to(torch.int32),
+        c_lo,
+        torch.maximum(c_hi, c_lo),
+        slot_blk * ALPHABET_SIZE,
+        s.lengths.to(torch.int32),
+        s.codes,
+        ck,
+        ht.stream_words,
+    )
+    ends0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), chunk_ends])
+    base = ends0[t.first_slot]
+    words = ends0[t.first_slot + t.n_slots] - base
+    bits = flat.bits[src] if ht.n_elems else flat.bits
+    return _Coded(valid, sent, bits, chunk_ends, stream, base, words)
+
+
+def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -> _Sections:
+    """Stage 6: every section's offset (cumsums); payload g's header, descriptors and segments
+    from ``payload_base[g]`` on."""
+    uniq_words = torch.where(s.is_lz, words_for_bytes(dr.n_unique * t.dim * t.itemsize), 0)
+    nib_words = torch.where(s.is_q, words_for_bytes((s.sym_count + 1) // 2), 0)
+    esc_words = sm.escape_words(s.n_escapes, t.itemsize)  # positions, then values
+    coded = nib_words + esc_words + s.n_chunks + torch.where(s.is_q, stream_words, 0)
+    body = SEGMENT_HEADER_WORDS + s.refs_words + uniq_words + coded
+    seg_words = torch.where(s.mode == MODE_RAW, t.raw_words, body)
+    group, group_blocks = t.group, t.group_blocks
+    group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
+    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
+    payload_words = HEADER_WORDS + body_words
+    payload_base = _bases(payload_words)[:-1]
+    segs_before = _bases(seg_words)[:-1] - _bases(group_segs)[group]  # in the group
+    head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
+    seg_start = (payload_base + head)[group] + segs_before
+    refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
+    escp_at = refs_at + s.refs_words
+    table_at = escp_at + esc_words
+    return _Sections(
+        seg_words=seg_words,
+        payload_base=payload_base,
+        payload_words=payload_words,
+        body_words=body_words,
+        seg_start=seg_start,
+        refs_at=refs_at,
+        escp_at=escp_at,
+        escb_at=escp_at + s.n_escapes,
+        table_at=table_at,
+        stream_at=table_at + s.n_chunks,
+    )
+
+
+class _WordBuffer:
+    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
+
+    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
+    serialise them on one address.
 
     Args:
-        blocks: The blocks (only their shapes and dtypes are read).
-        bounds: Absolute bounds, or for relative blocks the fraction of the block's finite
-            range (resolved on the device), or per-value bounds.
-        chunk: Symbols per Huffman chunk.
-        config: Codec knobs.
-        kinds: Per block, its ``BoundKind``.
-        group_sizes: Blocks per payload (one payload per group, in block order).
+        n_words: Words of the payloads.
+        n_lanes: The most lanes one write takes.
+        dev: The device.
     """
 
-    def __init__(
+    def __init__(self, n_words: int, n_lanes: int, dev: torch.device) -> None:
+        self.buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
+        self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
+
+    def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
+        """Per lane, adds word ``value`` at word ``dest`` where ``valid`` (words from 0)."""
+        lanes = dest.shape[0]
+        dest = torch.where(valid, dest, self.trash[:lanes])
+        self.buf.index_add_(0, dest, torch.where(valid, value, 0))
+
+    def put_records(self, at: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> None:
+        """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word
+        ``at[i]`` where ``valid[i]``."""
+        n, w = words.shape
+        dest = at[:, None] + torch.arange(w, device=at.device)
+        self.put(dest.reshape(-1), words.reshape(-1), valid[:, None].expand(n, w).reshape(-1))
+
+    def put_elements(
         self,
-        blocks: Sequence[torch.Tensor],
-        bounds: Sequence[float],
-        chunk: int,
-        config: CodecConfig,
-        kinds: Sequence[int],
-        group_sizes: Sequence[int],
+        at: torch.Tensor,
+        k: torch.Tensor,
+        size: torch.Tensor,
+        raw: torch.Tensor,
+        valid: torch.Tensor,
     ) -> None:
-        b = len(blocks)
-        if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
-            raise ValueError(f"{b} blocks in one payload: pass fewer than 2**23")
-        self.n_blocks = b
-        self.rows = np.array([t.shape[0] for t in blocks], dtype=np.int64)
-        self.dim = np.array([t.shape[1] for t in blocks], dtype=np.int64)
-        self.itemsize = np.array([t.element_size() for t in blocks], dtype=np.int64)
-        self.dtype_code = np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64)
-        self.numel = self.rows * self.dim
-        self.elem_off = np.cumsum(self.numel) - self.numel
-        self.row_off = np.cumsum(self.rows) - self.rows
-        self.n_elems = int(self.numel.sum())
-        self.n_rows = int(self.rows.sum())
-        self.max_dim = int(self.dim.max()) if b else 0
-        # Step and its reciprocal depend on the bound only (``quant_params_kernel`` with any
-        # midpoint); the center needs the data and is computed on the device.
-        step = np.zeros(b, np.float32)
-        inv_step = np.zeros(b, np.float32)
-        quant_try = np.zeros(b, np.int64)
-        stochastic = config.rounding == "stochastic"
-        self.grid_factor = quantize.grid_bound(1.0, stochastic)  # grid bound / bound
-        sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
-        first_block = np.cumsum(sizes) - sizes
-        local = np.arange(b, dtype=np.int64) - np.repeat(first_block, sizes)
-        self.sr_key = quantize.block_keys(stochastic, config.seed, local)
-        kind = np.array(kinds, dtype=np.int64).reshape(b)
-        rel = (kind == BoundKind.RELATIVE).astype(np.int64)
-        value = (kind == BoundKind.VALUE).astype(np.int64)
-        self.any_relative = bool(rel.any())
-        self.any_value = bool(value.any())
-        for i, eb in enumerate(bounds):
-            if not (config.enable_quantization and eb > 0 and self.numel[i] > 0):
-                continue
-            if value[i]:  # the per-value grid: step 2**-m; its qmax needs the data
-                step[i], quant_try[i] = 2.0 ** -quantize.value_mantissa_bits(eb), 1
-                continue
-            if rel[i]:  # the worst case (it may quantize); the device decides
-                quant_try[i] = 1
-                continue
-            grid = self.grid_factor * eb
-            s, inv, _, ok = quantize.quant_params_kernel(grid, 0.0)
-            if ok:
-                step[i], inv_step[i], quant_try[i] = s, inv, 1
-        self.quant_try = quant_try
-        lz_allowed = np.array([config.enable_lz and r > 1 for r in self.rows], dtype=np.int64)
-        raw_words = (self.numel * self.itemsize + 3) // 4
-        # Tiles of the quantize launch, over the blocks that may quantize.
-        tile_block = block_for(int(self.numel.max()) if b else 1, _QUANT_BLOCK)
-        tiles = k_quantize.tile_table(self.numel, tile_block)
-        tiles = tiles[quant_try[tiles[:, 2]] == 1]
-        self.tile_block = tile_block
-        # Huffman chunk slots: the worst case (every row sent) of the blocks that may quantize.
-        slots = np.where(quant_try == 1, (self.numel + chunk - 1) // chunk, 0)
-        self.first_slot = np.cumsum(slots) - slots
-        self.n_slots = int(slots.sum())
-        slot_blk = np.repeat(np.arange(b, dtype=np.int64), slots)
-        slot_k = np.arange(self.n_slots, dtype=np.int64) - self.first_slot[slot_blk]
-        slot_syms = np.minimum(chunk, self.numel[slot_blk] - slot_k * chunk)
-        self.stream_words = int(((slot_syms * MAX_CODE_LENGTH + 31) // 32).sum())
-        # Worst-case segment of every block: the largest of its modes' worst cases.
-        refs_max = (self.rows * 33 + 31) // 32
-        quant_max = (
-            SEGMENT_HEADER_WORDS
-            + 512
-            + refs_max
-            + self.numel
-            + (self.numel * self.itemsize + 3) // 4
-            + 2 * slots
-            + (self.numel * MAX_CODE_LENGTH + 31) // 32
-        )
-        seg_max = np.maximum(raw_words, SEGMENT_HEADER_WORDS + refs_max + raw_words)
-        seg_max = np.where(quant_try == 1, np.maximum(seg_max, quant_max), seg_max)
-        self.n_groups = len(group_sizes)
-        self.body_max = DESCRIPTOR_WORDS * b + int(seg_max.sum()) + HEADER_WORDS * self.n_groups
-        group = np.repeat(np.arange(self.n_groups, dtype=np.int64), sizes)
-        bound_bits = np.array(bounds, dtype=np.float64).view(np.int64)
-        mults = k_vector_lz.column_multipliers(max(self.max_dim, 1))
-        fields = {
-            "rows": self.rows,
-            "dim": self.dim,
-            "itemsize": self.itemsize,
-            "dtype_code": self.dtype_code,
-            "elem_off": self.elem_off,
-            "row_off": self.row_off,
-            "step_bits": step.view(np.int32).astype(np.int64),
-            "inv_step_bits": inv_step.view(np.int32).astype(np.int64),
-            "bound_bits": bound_bits,
-            "quant_try": quant_try,
-            "sr_key": self.sr_key,
-            "relative": rel,
-            "value": value,
-            "group": group,
-            "local": local,
-            "group_blocks": sizes,
-            "lz_allowed": lz_allowed,
-            "raw_words": raw_words,
-            "first_slot": self.first_slot,
-            "n_slots": slots,
-            "slot_blk": slot_blk,
-            "slot_k": slot_k,
-            "tiles": tiles.reshape(-1),
-            "mults": mults,
-        }
-        self.fields = fields
+        """Per lane, element ``k`` (raw bits ``raw``, ``size`` bytes: 4 take a word, 2 half)
+        of a section of raw values at word ``at``, where ``valid``."""
+        wide = size == 4
+        raw64 = raw.to(torch.int64)
+        value = torch.where(wide, raw64 & MASK32, (raw64 & 0xFFFF) << (16 * (k % 2)))
+        self.put(at + torch.where(wide, k, k // 2), value, valid)
 
-    def to_device(self, dev: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """All tables in one host-to-device copy (non-blocking from pinned memory on CUDA).
 
-        Args:
-            dev: The blocks' device.
+def _put_headers(
+    out: _WordBuffer, t: _Columns, grid: _Grid, s: _Sends, sec: _Sections, chunk: int
+) -> None:
+    """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
+    references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first)."""
+    is_q, dev = s.is_q, t.rows.device
+    desc = {
+        "rows": t.rows,
+        "dim": t.dim,
+        "dtype": t.dtype_code,
+        "mode": torch.where(is_q & (t.value == 1), s.mode | MODE_VALUE, s.mode),
+        "seg_words": sec.seg_words,
+        "bound": grid.bound.view(torch.int64),
+    }
+    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
+    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(is_q))
+    head = {
+        "step": torch.where(is_q, grid.step.view(torch.int32).to(torch.int64), 0),
+        "center": torch.where(is_q, grid.center, 0),
+        "n_unique": s.n_sent,
+        "n_escapes": s.n_escapes,
+        "chunk_symbols": torch.where(is_q, chunk, 0),
+        "n_chunks": s.n_chunks,
+        "sym_lo": s.sym_lo,
+        "sym_count": s.sym_count,
+        "escape_length": torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0),
+        "ref_mode": s.ref_mode,
+        "ref_width": s.ref_width,
+    }
+    out.put_records(sec.seg_start, pack_records(SEGMENT_HEADER, head), s.mode != MODE_RAW)
+    k = torch.arange(ESCAPE_SYMBOL, device=dev)
+    nib = s.lengths.gather(1, (s.sym_lo[:, None] + k).clamp(max=ALPHABET_SIZE - 1))
+    out.put(
+        (sec.seg_start[:, None] + SEGMENT_HEADER_WORDS + k // 8).reshape(-1),
+        (nib << (4 * (k % 8))).reshape(-1),
+        (k[None, :] < s.sym_count[:, None]).reshape(-1),
+    )
 
-        Returns:
-            (device views by name, the host buffer, to keep alive until the copy is done).
-        """
-        sizes = [v.shape[0] for v in self.fields.values()]
-        host = torch.from_numpy(np.concatenate([*self.fields.values(), np.zeros(1, np.int64)]))
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(dev, non_blocking=True)
-        out = {}
-        start = 0
-        for name, n in zip(self.fields, sizes, strict=True):
-            out[name] = flat[start : start + n]
-            start += n
-        return out, host
+
+def _put_references(
+    out: _WordBuffer,
+    t: _Columns,
+    flat: _Flat,
+    s: _Sends,
+    sec: _Sections,
+    dedupes: tuple[_Dedupe, _Dedupe],
+) -> None:
+    """Every block's vector references, MSB-first: fixed width, or a flag bit (1: first
+    occurrence) and the repeats' ids (``dedupes``: over the symbols, over the raw bits)."""
+    dq, dr = dedupes
+    r_blk = flat.r_blk
+    qlz = s.is_qlz[r_blk]
+    first = torch.where(qlz, dq.first, dr.first) == 1
+    flagged = s.ref_mode[r_blk] == 1
+    r_len = torch.where(flagged & first, 1, s.ref_width[r_blk] + flagged.to(torch.int64))
+    r_len = torch.where(s.has_refs[r_blk], r_len, 0)
+    r_val = torch.where(flagged & first, 1, torch.where(qlz, dq.ids, dr.ids))
+    r_start = _bases(r_len)
+    pos = r_start[:-1] - r_start[t.row_off[r_blk]]
+    end = pos % 32 + r_len
+    head = torch.where(
+        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
+    )
+    at = sec.refs_at[r_blk] + pos // 32
+    out.put(at, head & MASK32, r_len > 0)
+    out.put(at + 1, (r_val << (64 - end).clamp(0, 63)) & MASK32, end > 32)
+
+
+def _put_escapes(out: _WordBuffer, t: _Columns, flat: _Flat, c: _Coded, sec: _Sections) -> None:
+    """Escapes: positions in the sent stream, then the escaped elements' raw bits."""
+    e_blk = flat.e_blk
+    is_esc = c.valid & (c.sym == ESCAPE_SYMBOL)
+    rank0 = _bases(is_esc.to(torch.int64))
+    k = rank0[:-1] - rank0[t.elem_off[e_blk]]
+    out.put(sec.escp_at[e_blk] + k, flat.e_loc, is_esc)
+    out.put_elements(sec.escb_at[e_blk], k, t.itemsize[e_blk], c.bits, is_esc)
+
+
+def _put_streams(
+    out: _WordBuffer, ht: _HostTables, t: _Columns, s: _Sends, c: _Coded, sec: _Sections
+) -> None:
+    """Chunk tables (chunk ends relative to the block's bitstream), then the bitstreams."""
+    slot_blk, slot_k = t.slot_blk, t.slot_k
+    used = slot_k < s.n_chunks[slot_blk]
+    out.put(sec.table_at[slot_blk] + slot_k, c.chunk_ends - c.base[slot_blk], used)
+    last = max(ht.n_blocks - 1, 0)
+    w = torch.arange(ht.stream_words, device=c.stream.device)
+    w_blk = torch.searchsorted(c.base + c.words, w, right=True).clamp(max=last)
+    w_used = w < (c.base + c.words)[w_blk] if ht.n_blocks else w < 0
+    dest = sec.stream_at[w_blk] + w - c.base[w_blk]
+    out.put(dest, c.stream.to(torch.int64) & MASK32, w_used & s.is_q[w_blk])
+
+
+def _put_rows(
+    out: _WordBuffer, t: _Columns, flat: _Flat, s: _Sends, dr: _Dedupe, sec: _Sections
+) -> None:
+    """Raw blocks, and the distinct rows of lossless vector-LZ blocks."""
+    e_blk, e_loc = flat.e_blk, flat.e_loc
+    size = t.itemsize[e_blk]
+    out.put_elements(sec.seg_start[e_blk], e_loc, size, flat.bits, (s.mode == MODE_RAW)[e_blk])
+    valid = s.is_lz[e_blk] & (e_loc < dr.n_unique[e_blk] * t.dim[e_blk])
+    src = flat.source(valid, dr.row(flat, e_loc // flat.e_dim))
+    out.put_elements(sec.escp_at[e_blk], e_loc, size, flat.bits[src], valid)
+
+
+def _close(
+    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
+    layout depends on, for the receiver)."""
+    dev = out.buf.device
+    header = {
+        "magic": MAGIC,
+        "version": VERSION,
+        "n_blocks": t.group_blocks,
+        "body_words": sec.body_words,
+        "checksum": segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words),
+    }
+    # Tensor-indexed writes (no host tensor is built, no sync).
+    at = (sec.payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)
+    out.buf[at] = pack_records(HEADER, header).reshape(-1)
+    words = out.buf[: ht.body_max]
+    words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    index = skeleton_index(sec.payload_base, sec.payload_words, group_sizes, sec.seg_start)
+    return words32, out.buf[index]
+
+
+def _compress(
+    blocks: list[torch.Tensor],
+    bounds: list[float],
+    kinds: list[int],
+    group_sizes: list[int],
+    config: CodecConfig,
+) -> PendingCompress:
+    """:func:`start_groups_device`'s stages, in the module docstring's order."""
+    ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
+    dev = blocks[0].device if blocks else torch.device("cpu")
+    t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
+    flat = _flatten(blocks, ht, t)
+    grid = _grid(ht, t, flat)
+    sym, hist, max_err = _quantize(ht, t, flat, grid)
+    dq, dr = _vector_lz(sym, ht, t, flat), _vector_lz(None, ht, t, flat)
+    # Distinct rows' histograms: the quantized symbols of first occurrences only.
+    keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
+    hist_u = k_huffman.histogram_tiles(
+        sym, keep, t.tiles.reshape(-1, 3), ht.n_blocks, ht.tile_block
+    )
+    codes = _codes(torch.cat([hist, hist_u]), ht.chunk)
+    s = _sends(t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
+    coded = _encode(ht, t, flat, sym, dq, s)
+    sec = _sections(t, s, dr, coded.words)
+    nb = ht.n_blocks
+    lanes = (ht.n_elems, ht.n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL)
+    out = _WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
+    _put_headers(out, t, grid, s, sec, ht.chunk)
+    _put_references(out, t, flat, s, sec, (dq, dr))
+    _put_escapes(out, t, flat, coded, sec)
+    _put_streams(out, ht, t, s, coded, sec)
+    _put_rows(out, t, flat, s, dr, sec)
+    words32, skeleton = _close(out, ht, t, sec, group_sizes)
+    per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
+    errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
+    readback = torch.cat(
+        [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
+    )
+    return PendingCompress(words32, readback, ht, group_sizes)
 
 
 def compress_device(
@@ -294,24 +900,25 @@ def compress_device(
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
-    buf, _, stats, _ = compress_groups_device(
-        list(blocks), list(bounds), list(kinds or [0] * len(blocks)), [len(blocks)], config
-    )
+    kinds = list(kinds or [BoundKind.ABSOLUTE] * len(blocks))
+    with record_function("## lossy_codec encode ##"):
+        pending = start_groups_device(blocks, bounds, kinds, [len(blocks)], config)
+        buf, _, stats, _ = pending.finish(_host(pending.readback))
     return buf, stats[0]
 
 
-def compress_groups_device(
+def start_groups_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
     kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
-) -> tuple[torch.Tensor, list[int], list[list[BlockStats]], list[np.ndarray]]:
-    """Compresses several payloads (groups of consecutive blocks) in one pass, one host read.
+) -> PendingCompress:
+    """Compresses several payloads (groups of consecutive blocks) in one pass, without a sync.
 
     Payload ``g`` holds blocks ``sum(group_sizes[:g]) ..`` and is byte-identical to
     :func:`compress_device` of those blocks (with relative bounds resolved as
-    :func:`torchrec_lossy.codec.grouped.absolute_bounds` does, on the device).
+    :func:`torchrec_lossy.codec.bounds.absolute_bounds` does, on the device).
 
     Args:
         blocks: Validated blocks, all on one device.
@@ -322,561 +929,14 @@ def compress_groups_device(
         config: Codec knobs.
 
     Returns:
-        (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per payload
-        and block, each payload's skeleton). Exactly one device-to-host transfer is made
-        (:func:`_host`).
-    """
-    with record_function("## lossy_codec encode ##"):
-        pending = start_groups_device(blocks, bounds, kinds, group_sizes, config)
-        return pending.finish(_host(pending.readback))
-
-
-def start_groups_device(
-    blocks: Sequence[torch.Tensor],
-    bounds: Sequence[float],
-    kinds: Sequence[int],
-    group_sizes: Sequence[int],
-    config: CodecConfig,
-) -> PendingCompress:
-    """:func:`compress_groups_device` without its host read (no sync).
-
-    Args:
-        blocks: As :func:`compress_groups_device`.
-        bounds: As :func:`compress_groups_device`.
-        kinds: As :func:`compress_groups_device`.
-        group_sizes: As :func:`compress_groups_device`.
-        config: Codec knobs.
-
-    Returns:
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
     """
-    dev = blocks[0].device if blocks else torch.device("cpu")
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), list(kinds), list(group_sizes), config, dev)
+        return _compress(list(blocks), list(bounds), list(kinds), list(group_sizes), config)
 
 
-def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize.quant_params_kernel``'s step rule on the device (float64 bounds [n]).
-
-    Returns:
-        (float32 step, float32 1 / step, whether the step is usable).
-    """
-    two = (2.0 * eb).clamp(max=_FLT_MAX)
-    step = two.float()
-    down = (step.view(torch.int32) - 1).view(torch.float32)  # round down: step / 2 <= bound
-    step = torch.where(step.double() > 2.0 * eb, down, step)
-    ok = step >= float(np.finfo(np.float32).tiny)
-    step = torch.where(ok, step, 0.0)
-    inv = torch.where(ok, 1.0 / torch.where(ok, step, 1.0), 0.0)
-    return step, inv, ok
-
-
-def _quant_params(
-    ht: _HostTables, t: dict[str, torch.Tensor], x: torch.Tensor, e_blk: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """Every block's bound, step and center on the device (``quantize.quant_params``' rule).
-
-    Args:
-        ht: The host tables.
-        t: Their device tensors.
-        x: Every element as float32, block after block.
-        e_blk: The block of every element.
-
-    Returns:
-        (float64 absolute bound, float32 step, float32 1 / step, int64 center, whether each
-        block may quantize), each [n_blocks].
-    """
-    nb, n_el, dev, i64 = ht.n_blocks, ht.n_elems, x.device, torch.int64
-    rows, dim, elem_off = t["rows"], t["dim"], t["elem_off"]
-    finite = torch.isfinite(x)
-    numel = rows * dim
-
-    def per_block(v: torch.Tensor, how: str, initial: float) -> torch.Tensor:
-        # Segmented reductions (no atomics); unsafe: skip the length checks, which would sync.
-        return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
-
-    lo = per_block(torch.where(finite, x, math.inf), "min", math.inf)
-    hi = per_block(torch.where(finite, x, -math.inf), "max", -math.inf)
-    has_finite = lo <= hi
-    lo64, hi64 = lo.double(), hi.double()
-    bound = t["bound_bits"].view(torch.float64)
-    step = t["step_bits"].to(torch.int32).view(torch.float32)
-    inv_step = t["inv_step_bits"].to(torch.int32).view(torch.float32)
-    quant_try = t["quant_try"] == 1
-    if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
-        rel = t["relative"] == 1
-        eb = torch.where(rel, bound * finite_span(lo, hi), bound)
-        grid = ht.grid_factor * eb  # the grid's bound (half the bound for stochastic rounding)
-        r_step, r_inv, r_ok = _device_quant_params(grid)
-        step = torch.where(rel, r_step, step)
-        inv_step = torch.where(rel, r_inv, inv_step)
-        quant_try = torch.where(rel, quant_try & r_ok & (eb > 0), quant_try)
-        bound = eb
-    narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
-    # Median of the finite values (np.median: the middle one, or the mean of the middle two).
-    keyed = torch.where(finite, x, math.inf)
-    order = torch.argsort(keyed, stable=True)
-    order = order[torch.argsort(e_blk[order], stable=True)]
-    ordered = keyed[order].double()
-    n_fin = per_block(finite.double(), "sum", 0.0).to(i64)  # exact below 2**53
-    upper = (elem_off + n_fin // 2).clamp(max=max(n_el - 1, 0))
-    lower = (elem_off + (n_fin - 1) // 2).clamp(min=0, max=max(n_el - 1, 0))
-    if n_el:
-        median = (ordered[lower] + ordered[upper]) / 2
-    else:
-        median = torch.zeros(nb, dtype=torch.float64, device=dev)
-    mid = torch.where(has_finite, torch.where(narrow, 0.5 * (lo64 + hi64), median), 0.0)
-    center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
-    quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
-    center = torch.where(quant_ok, center_f, 0.0).to(i64)
-    if ht.any_value:  # the per-value grid: center qmax, the code of the largest finite |x|
-        val = t["value"] == 1
-        amax = torch.where(has_finite, torch.maximum(lo.abs(), hi.abs()), 0.0)
-        shift = ((step.view(torch.int32).to(i64) >> 23) & 0xFF) - 104  # 23 - m for 2**-m
-        qmax = quantize.value_code(amax.view(torch.int32).to(i64), shift.clamp(0, 23))
-        center = torch.where(val & quant_try, qmax, center)
-        quant_ok = torch.where(val, quant_try, quant_ok)
-    return bound, step, inv_step, center, quant_ok
-
-
-def _vector_lz(
-    symbols: torch.Tensor | None,
-    bits: torch.Tensor,
-    row_args: tuple,
-    t: dict[str, torch.Tensor],
-    r_blk: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
-    """Repeated rows of every block, over the quantized symbols or (None) the raw bits.
-
-    Args:
-        symbols: int16 quantized symbols of every element, or None for the raw bits.
-        bits: int32 raw bits of every element.
-        row_args: ``k_vector_lz.representatives``' row arguments.
-        t: The host tables' device tensors.
-        r_blk: The block of every row.
-
-    Returns:
-        (per row 1 for a first occurrence, per row its distinct vector's id in its block,
-        per block the first occurrences before it, per block its distinct vectors, the
-        first occurrences' rows back to back: block b's at [base[b], base[b] + n_unique[b]),
-        then a trash area).
-    """
-    rows, row_off, i64 = t["rows"], t["row_off"], torch.int64
-    n_rows, dev = r_blk.shape[0], bits.device
-    rep, is_first = k_vector_lz.representatives(symbols, bits, *row_args)
-    firsts = is_first.to(i64)
-    rank = torch.cumsum(firsts, 0)  # inclusive count of first occurrences
-    rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), rank])
-    base = rank0[row_off]  # first occurrences in the blocks before
-    n_unique = rank0[row_off + rows] - base
-    ids = rank[rep.to(i64)] - 1 - base[r_blk] if n_rows else rank
-    # Repeats write to a (spread) trash area past the end.
-    row_ids = torch.arange(n_rows, device=dev)
-    first_rows = torch.zeros(n_rows + _TRASH, dtype=i64, device=dev)
-    first_rows.scatter_(
-        0, torch.where(firsts == 1, rank - 1, n_rows + (row_ids & (_TRASH - 1))), row_ids
-    )
-    return firsts, ids, base, n_unique, first_rows
-
-
-class _WordBuffer:
-    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
-
-    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
-    serialise them on one address.
-
-    Args:
-        n_words: Words of the payloads.
-        n_lanes: The most lanes one write takes.
-        dev: The device.
-    """
-
-    def __init__(self, n_words: int, n_lanes: int, dev: torch.device) -> None:
-        self.buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
-        self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
-
-    def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
-        """Adds ``value`` at word ``dest`` where ``valid`` (the words start at 0).
-
-        Args:
-            dest: Word index per lane.
-            value: Word per lane.
-            valid: Which lanes write.
-        """
-        lanes = dest.shape[0]
-        dest = torch.where(valid, dest, self.trash[:lanes])
-        self.buf.index_add_(0, dest, torch.where(valid, value, 0))
-
-    def put_elements(
-        self,
-        at: torch.Tensor,
-        k: torch.Tensor,
-        size: torch.Tensor,
-        raw: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        """Element ``k`` of a section of raw values at word ``at``: 4-byte values take a word,
-        2-byte ones half.
-
-        Args:
-            at: The section's first word, per lane.
-            k: The element's index in the section, per lane.
-            size: The element's bytes (4 or 2), per lane.
-            raw: The element's raw bits, per lane.
-            valid: Which lanes write.
-        """
-        wide = size == 4
-        raw64 = raw.to(torch.int64)
-        value = torch.where(wide, raw64 & _MASK32, (raw64 & 0xFFFF) << (16 * (k % 2)))
-        self.put(at + torch.where(wide, k, k // 2), value, valid)
-
-
-def _put_references(
-    out: _WordBuffer,
-    r_blk: torch.Tensor,
-    row_off: torch.Tensor,
-    r_ids: torch.Tensor,
-    r_first: torch.Tensor,
-    packing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    refs_at: torch.Tensor,
-) -> None:
-    """Writes every block's vector references, MSB-first: fixed width, or a flag bit (1: first
-    occurrence) and the repeats' ids.
-
-    Args:
-        out: The payloads' words.
-        r_blk: The block of every row.
-        row_off: Each block's first row.
-        r_ids: Every row's distinct-vector id in its block.
-        r_first: Whether every row is a first occurrence.
-        packing: Per block (reference mode, id width, whether it sends references).
-        refs_at: Per block, the word its references start at.
-    """
-    ref_mode, ref_width, has_refs = (a[r_blk] for a in packing)
-    flagged = ref_mode == 1
-    r_len = torch.where(flagged & r_first, 1, ref_width + flagged.to(torch.int64))
-    r_len = torch.where(has_refs, r_len, 0)
-    r_val = torch.where(flagged & r_first, 1, r_ids)
-    r_end = torch.cumsum(r_len, 0)
-    r_end0 = torch.cat([torch.zeros(1, dtype=torch.int64, device=r_len.device), r_end])
-    pos = r_end - r_len - r_end0[row_off[r_blk]]
-    end = pos % 32 + r_len
-    head = torch.where(
-        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
-    )
-    out.put(refs_at[r_blk] + pos // 32, head & _MASK32, r_len > 0)
-    out.put(refs_at[r_blk] + pos // 32 + 1, (r_val << (64 - end).clamp(0, 63)) & _MASK32, end > 32)
-
-
-def _compress(
-    blocks: list[torch.Tensor],
-    bounds: list[float],
-    kinds: list[int],
-    group_sizes: list[int],
-    config: CodecConfig,
-    dev: torch.device,
-) -> PendingCompress:
-    """:func:`start_groups_device` for blocks on ``dev`` (see the module docstring)."""
-    chunk = config.huffman_chunk_symbols
-    ht = _HostTables(blocks, bounds, chunk, config, kinds, group_sizes)
-    t, _pinned = ht.to_device(dev)
-    nb, n_el, n_rows = ht.n_blocks, ht.n_elems, ht.n_rows
-    i64 = torch.int64
-    rows, dim, itemsize = t["rows"], t["dim"], t["itemsize"]
-    elem_off, row_off = t["elem_off"], t["row_off"]
-    blk_ids = torch.arange(nb, device=dev)
-
-    # ---- flat layouts: every element, every row, back to back in block order ----------------
-    flat = [b.detach().contiguous().reshape(-1) for b in blocks]
-    empty_f = torch.zeros(0, dtype=torch.float32, device=dev)
-    x = torch.cat([f.float() for f in flat]) if flat else empty_f
-    # Raw bits as int32; 16-bit dtypes sign-extend, as the CPU path's astype(np.int32).
-    bits = (
-        torch.cat(
-            [
-                f.view(torch.int32 if f.element_size() == 4 else torch.int16).to(torch.int32)
-                for f in flat
-            ]
-        )
-        if flat
-        else torch.zeros(0, dtype=torch.int32, device=dev)
-    )
-    e_blk = torch.repeat_interleave(blk_ids, rows * dim, output_size=n_el)
-    e_loc = torch.arange(n_el, device=dev) - elem_off[e_blk]  # index within the block
-    e_dim = dim[e_blk].clamp(min=1)
-    r_blk = torch.repeat_interleave(blk_ids, rows, output_size=n_rows)
-    r_loc = torch.arange(n_rows, device=dev) - row_off[r_blk]
-    r_elem = elem_off[r_blk] + r_loc * dim[r_blk]  # first element of every row
-
-    # ---- 1. quantization parameters -------------------------------------------------------
-    bound, step, inv_step, center, quant_ok = _quant_params(ht, t, x, e_blk)
-
-    # ---- 2. quantize, escapes, histograms ---------------------------------------------------
-    sym, hist_q, tile_err = k_quantize.quantize_tiles(
-        x,
-        t["tiles"].reshape(-1, 3),
-        step,
-        inv_step,
-        center,
-        bound,
-        t["dtype_code"].to(torch.int32),
-        ht.tile_block,
-        t["sr_key"],
-        t["value"],
-    )
-    max_err = torch.zeros(nb, dtype=torch.float64, device=dev).scatter_reduce(
-        0, t["tiles"].reshape(-1, 3)[:, 2], tile_err, "amax"
-    )
-
-    # ---- 3. vector-LZ over the quantized symbols and over the raw bits -------------------------
-    row_args = (r_elem, dim[r_blk].to(torch.int32), r_blk.to(torch.int32), ht.max_dim, t["mults"])
-    first_q, ids_q, base_q, nu_q, first_rows_q = _vector_lz(sym, bits, row_args, t, r_blk)
-    first_r, ids_r, base_r, nu_r, first_rows_r = _vector_lz(None, bits, row_args, t, r_blk)
-
-    # ---- 4. distinct-row histograms, code lengths, sizes, mode choice --------------------------
-    sym16 = sym.to(i64) & 0xFFFF
-    # Distinct rows' histograms: the quantized symbols of first occurrences only.
-    keep = first_q[row_off[e_blk] + e_loc // e_dim].to(torch.int32) if n_el else e_blk
-    hist_u = k_huffman.histogram_tiles(sym, keep, t["tiles"].reshape(-1, 3), nb, ht.tile_block)
-    hists = torch.cat([hist_q, hist_u]).to(i64)
-    lengths = codebook.code_lengths(hists).to(i64)
-    words, sym_lo, sym_count, n_esc = _plan(hists, lengths, chunk)
-    words_q, words_u = words[:nb], words[nb:]
-    esc_q, esc_u = n_esc[:nb], n_esc[nb:]
-
-    # The size model and mode choice are size_model's, as on the host path.
-    lz_allowed = t["lz_allowed"] == 1
-    quant_w = sm.quant_words(esc_q, itemsize, words_q)
-    qlz_w = sm.quant_lz_words(rows, nu_q, esc_u, itemsize, words_u)
-    qlz_ok = quant_ok & lz_allowed & (nu_q < rows)
-    mode, best = sm.choose_lossy(t["raw_words"], quant_ok, quant_w, qlz_ok, qlz_w)
-    nu_lower = torch.where(quant_ok & lz_allowed, nu_q, 1)
-    lz_tried = sm.lossless_may_win(lz_allowed, rows, dim, itemsize, nu_lower, best)
-    lossless_w = sm.lossless_lz_words(rows, nu_r, dim, itemsize)
-    mode = sm.choose_lossless(mode, best, lz_tried, lossless_w, rows * dim)
-
-    # ---- 5. what each block sends --------------------------------------------------------------
-    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
-    is_qlz = mode == MODE_QUANT_LZ
-    is_lz = mode == MODE_LZ
-    has_refs = is_qlz | is_lz
-    n_sent = torch.where(is_qlz, nu_q, torch.where(is_lz, nu_r, rows))
-    n_sym = torch.where(is_q, n_sent * dim, 0)
-    sel = torch.where(is_qlz, nb + blk_ids, blk_ids)  # which histogram / code each block uses
-    lengths_sel = lengths[sel]
-    codes = codebook.canonical_codes(lengths_sel)
-    n_escapes = torch.where(is_q, n_esc[sel], 0)
-    lo_sel = torch.where(is_q, sym_lo[sel], 0)
-    count_sel = torch.where(is_q, sym_count[sel], 0)
-    n_chunks = (n_sym + chunk - 1) // chunk
-    ref_mode, _, ref_bits = refs_packing(rows, torch.where(has_refs, n_sent, 1))
-    ref_mode = torch.where(has_refs, ref_mode, 0)
-    ref_width = id_width(n_sent)
-    refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
-
-    # The sent symbol stream, in the element layout (block b's at elem_off[b], n_sym[b] long).
-    s_valid = e_loc < n_sym[e_blk]
-    s_vec = e_loc // e_dim  # sent vector
-    s_row = torch.where(
-        is_qlz[e_blk],
-        first_rows_q[(base_q[e_blk] + s_vec).clamp(max=n_rows)],
-        row_off[e_blk] + s_vec,
-    )
-    s_src = (
-        torch.where(s_valid, r_elem[s_row.clamp(max=max(n_rows - 1, 0))] + e_loc % e_dim, 0)
-        if n_el
-        else e_loc
-    )
-    s_sym = torch.where(s_valid, sym16[s_src], 0) if n_el else sym16
-    s_bits = bits[s_src] if n_el else bits
-
-    # ---- Huffman encode of every chunk of every block --------------------------------------
-    slot_blk, slot_k = t["slot_blk"], t["slot_k"]
-    c_lo = elem_off[slot_blk] + slot_k * chunk
-    c_hi = torch.maximum(
-        elem_off[slot_blk] + torch.minimum((slot_k + 1) * chunk, n_sym[slot_blk]), c_lo
-    )
-    chunk_ends, stream = k_huffman.encode_chunks(
-        s_sym.to(torch.int32),
-        c_lo,
-        c_hi,
-        slot_blk * _A,
-        lengths_sel.to(torch.int32),
-        codes,
-        chunk,
-        ht.stream_words,
-    )
-    ends0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), chunk_ends])
-    stream_base = ends0[t["first_slot"]]
-    stream_words = ends0[t["first_slot"] + t["n_slots"]] - stream_base
-
-    # ---- 6. section offsets --------------------------------------------------------------------
-    uniq_words = torch.where(is_lz, words_for_bytes(nu_r * dim * itemsize), 0)
-    nib_words = torch.where(is_q, words_for_bytes((count_sel + 1) // 2), 0)
-    escb_words = words_for_bytes(n_escapes * itemsize)
-    seg_words = torch.where(
-        mode == MODE_RAW,
-        t["raw_words"],
-        SEGMENT_HEADER_WORDS
-        + refs_words
-        + uniq_words
-        + nib_words
-        + n_escapes
-        + escb_words
-        + n_chunks
-        + torch.where(is_q, stream_words, 0),
-    )
-    # Payloads back to back: group g's header, descriptors and segments at payload_base[g].
-    ng = ht.n_groups
-    group, local, group_blocks = t["group"], t["local"], t["group_blocks"]
-    group_segs = torch.zeros(ng, dtype=i64, device=dev).index_add_(0, group, seg_words)
-    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs  # per payload
-    payload_words = HEADER_WORDS + body_words
-    payload_base = torch.cumsum(payload_words, 0) - payload_words
-    seg_excl = torch.cumsum(seg_words, 0) - seg_words
-    group_seg_base = torch.cumsum(group_segs, 0) - group_segs  # segments before the group
-    seg_start = (
-        payload_base[group]
-        + HEADER_WORDS
-        + DESCRIPTOR_WORDS * group_blocks[group]
-        + seg_excl
-        - group_seg_base[group]
-    )  # buffer words
-    refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
-    uniq_at = refs_at + refs_words
-    escp_at = refs_at + refs_words
-    escb_at = escp_at + n_escapes
-    table_at = escb_at + escb_words
-    stream_at = table_at + n_chunks
-
-    # ---- payload assembly ------------------------------------------------------------------
-    total_max = ht.body_max
-    n_lanes = max(
-        n_el, n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL, SEGMENT_HEADER_WORDS * nb
-    )
-    out = _WordBuffer(total_max, n_lanes, dev)
-    buf, put, put_elements = out.buf, out.put, out.put_elements
-
-    # Descriptors.
-    bound_bits = bound.view(i64)
-    desc = pack_records(
-        DESCRIPTOR,
-        {
-            "rows": rows,
-            "dim": dim,
-            "dtype": t["dtype_code"],
-            "mode": torch.where(is_q & (t["value"] == 1), mode | MODE_VALUE, mode),
-            "seg_words": seg_words,
-            "bound": bound_bits,
-        },
-    )
-    put(
-        (
-            (payload_base[group] + HEADER_WORDS + DESCRIPTOR_WORDS * local)[:, None]
-            + torch.arange(DESCRIPTOR_WORDS, device=dev)
-        ).reshape(-1),
-        desc.reshape(-1),
-        torch.ones(DESCRIPTOR_WORDS * nb, dtype=torch.bool, device=dev),
-    )
-    # Segment headers (every mode but raw; mode lz fills n_unique and the references only).
-    esc_length = lengths_sel[:, ESCAPE_SYMBOL]
-    seg_hdr = pack_records(
-        SEGMENT_HEADER,
-        {
-            "step": torch.where(is_q, step.view(torch.int32).to(i64), 0),
-            "center": torch.where(is_q, center, 0),
-            "n_unique": n_sent,
-            "n_escapes": n_escapes,
-            "chunk_symbols": torch.where(is_q, chunk, 0),
-            "n_chunks": n_chunks,
-            "sym_lo": lo_sel,
-            "sym_count": count_sel,
-            "escape_length": torch.where(is_q, esc_length, 0),
-            "ref_mode": ref_mode,
-            "ref_width": ref_width,
-        },
-    )
-    put(
-        (seg_start[:, None] + torch.arange(SEGMENT_HEADER_WORDS, device=dev)).reshape(-1),
-        seg_hdr.reshape(-1),
-        (mode != MODE_RAW)[:, None].expand(nb, SEGMENT_HEADER_WORDS).reshape(-1),
-    )
-    # Codebook nibbles: lengths of symbols sym_lo .., low nibble first.
-    k = torch.arange(ESCAPE_SYMBOL, device=dev)
-    nib = lengths_sel.gather(1, (lo_sel[:, None] + k).clamp(max=_A - 1)) << (4 * (k % 8))
-    put(
-        (seg_start[:, None] + SEGMENT_HEADER_WORDS + k // 8).reshape(-1),
-        nib.reshape(-1),
-        (k[None, :] < count_sel[:, None]).reshape(-1),
-    )
-    # References, MSB-first: fixed width, or a flag bit (1: first occurrence) and repeats' ids.
-    r_ids = torch.where(is_qlz[r_blk], ids_q, ids_r)
-    r_first = torch.where(is_qlz[r_blk], first_q, first_r) == 1
-    _put_references(out, r_blk, row_off, r_ids, r_first, (ref_mode, ref_width, has_refs), refs_at)
-    # Escapes: positions in the sent stream, then the escaped elements' raw bits.
-    is_esc = s_valid & (s_sym == ESCAPE_SYMBOL)
-    esc_rank = torch.cumsum(is_esc.to(i64), 0)
-    esc_rank0 = torch.cat([torch.zeros(1, dtype=i64, device=dev), esc_rank])
-    k_esc = esc_rank - 1 - esc_rank0[elem_off[e_blk]] if n_el else esc_rank
-    put(escp_at[e_blk] + k_esc, e_loc, is_esc)
-    put_elements(escb_at[e_blk], k_esc, itemsize[e_blk], s_bits, is_esc)
-    # Chunk tables (chunk ends relative to the block's bitstream), then the bitstreams.
-    s_used = slot_k < n_chunks[slot_blk]
-    put(table_at[slot_blk] + slot_k, chunk_ends - stream_base[slot_blk], s_used)
-    w = torch.arange(ht.stream_words, device=dev)
-    w_blk = torch.searchsorted(stream_base + stream_words, w, right=True).clamp(max=max(nb - 1, 0))
-    w_used = w < (stream_base + stream_words)[w_blk] if nb else w < 0
-    put(stream_at[w_blk] + w - stream_base[w_blk], stream.to(i64) & _MASK32, w_used & is_q[w_blk])
-    # Raw blocks, and the distinct rows of lossless vector-LZ blocks.
-    e_raw = (mode == MODE_RAW)[e_blk]
-    put_elements(seg_start[e_blk], e_loc, itemsize[e_blk], bits, e_raw)
-    u_valid = is_lz[e_blk] & (e_loc < nu_r[e_blk] * dim[e_blk])
-    u_row = first_rows_r[(base_r[e_blk] + s_vec).clamp(max=n_rows)]
-    u_src = (
-        torch.where(u_valid, r_elem[u_row.clamp(max=max(n_rows - 1, 0))] + e_loc % e_dim, 0)
-        if n_el
-        else e_loc
-    )
-    put_elements(uniq_at[e_blk], e_loc, itemsize[e_blk], bits[u_src] if n_el else bits, u_valid)
-
-    # ---- checksum and header -----------------------------------------------------------------
-    header = pack_records(
-        HEADER,
-        {
-            "magic": MAGIC,
-            "version": VERSION,
-            "n_blocks": group_blocks,
-            "body_words": body_words,
-            "checksum": segment_checksums(buf, payload_base + HEADER_WORDS, body_words),
-        },
-    )
-    # Tensor-indexed writes (no host tensor is built, no sync).
-    buf[(payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)] = (
-        header.reshape(-1)
-    )
-    words = buf[:total_max]
-    words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-    # ---- what the one device-to-host transfer reads ------------------------------------------
-    stats_max_err = torch.where(is_q, max_err, 0.0)
-    # The payloads' skeletons (what a decoder's layout depends on), for the receiver.
-    skeleton = buf[skeleton_index(payload_base, payload_words, group_sizes, seg_start)]
-    readback = torch.cat(
-        [
-            payload_words,
-            mode,
-            n_sent,
-            n_escapes,
-            seg_words,
-            stats_max_err.view(i64),
-            bound_bits,
-            skeleton,
-        ]
-    )
-    return PendingCompress(words32, readback, ht, list(group_sizes))
-
-
+@dataclass(frozen=True)
 class PendingCompress:
     """A compress whose payloads are built on the device, waiting for its one host read.
 
@@ -884,24 +944,17 @@ class PendingCompress:
     group, in words, then the per-block stats); a caller may read it together with tensors of
     its own in one copy, then call :meth:`finish` with its values.
 
-    Args:
+    Attributes:
         words: int32 buffer holding the payloads back to back (and worst-case slack).
         readback: The values the host needs.
         tables: The host tables of the call (shapes).
         group_sizes: Blocks per payload.
     """
 
-    def __init__(
-        self,
-        words: torch.Tensor,
-        readback: torch.Tensor,
-        tables: _HostTables,
-        group_sizes: list[int],
-    ) -> None:
-        self.words = words
-        self.readback = readback
-        self._tables = tables
-        self.group_sizes = group_sizes
+    words: torch.Tensor
+    readback: torch.Tensor
+    tables: _HostTables
+    group_sizes: list[int]
 
     @property
     def device_sizes(self) -> torch.Tensor:
@@ -911,7 +964,7 @@ class PendingCompress:
     @property
     def device_skeleton(self) -> torch.Tensor:
         """int64 skeleton words of every payload (``container.skeleton_index``), on the device."""
-        return self.readback[len(self.group_sizes) + 6 * self._tables.n_blocks :]
+        return self.readback[len(self.group_sizes) + 6 * self.tables.n_blocks :]
 
     def finish(
         self, host: Sequence[int]
@@ -925,23 +978,16 @@ class PendingCompress:
             (uint8 buffer with the payloads back to back, bytes per payload, BlockStats per
             payload and block, uint32 skeleton of every payload).
         """
-        ht, ng, nb = self._tables, len(self.group_sizes), self._tables.n_blocks
+        c, ng, nb = self.tables.cols, len(self.group_sizes), self.tables.n_blocks
         sizes = [4 * int(w) for w in host[:ng]]
         h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
         skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
-        skel_sizes = [
-            HEADER_WORDS + (DESCRIPTOR_WORDS + SEGMENT_HEADER_WORDS) * n for n in self.group_sizes
-        ]
-        skeletons = np.split(skel, np.cumsum(skel_sizes)[:-1]) if ng else []
-        errs = h[4].view(np.float64)
-        bounds_used = h[5].view(np.float64)
+        skel_ends = np.cumsum([skeleton_words(n) for n in self.group_sizes], dtype=np.int64)
+        errs, bounds_used = h[4].view(np.float64), h[5].view(np.float64)
         stats = BlockColumns.assemble(
-            (ht.rows, ht.dim, ht.itemsize), h[0], h[3], bounds_used, errs, (h[1], h[2])
+            (c.rows, c.dim, c.itemsize), h[0], h[3], bounds_used, errs, (h[1], h[2])
         ).stats()
         payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
-        per_group = []
-        at = 0
-        for n in self.group_sizes:
-            per_group.append(stats[at : at + n])
-            at += n
-        return payload, sizes, per_group, skeletons
+        first = np.cumsum(self.group_sizes, dtype=np.int64) - self.group_sizes
+        per_group = [stats[a : a + n] for a, n in zip(first, self.group_sizes, strict=True)]
+        return payload, sizes, per_group, np.split(skel, skel_ends[:-1]) if ng else []

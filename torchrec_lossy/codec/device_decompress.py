@@ -32,9 +32,11 @@ The returned blocks are views into one output buffer (each block contiguous and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -69,37 +71,9 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 
-# Per-block fields the kernels read (int64 each), uploaded together.
-_FIELDS = (
-    "rows",
-    "dim",
-    "dtype",
-    "mode",
-    "n_unique",  # vectors sent (rows for raw / quant)
-    "src_off",  # raw values / distinct vectors (raw, lz)
-    "ref_off",
-    "ref_words",
-    "width",
-    "id_base",
-    "has_stream",
-    "step_bits",
-    "center",
-    "cb_off",
-    "sym_lo",
-    "sym_count",
-    "esc_len",
-    "esc_pos_off",
-    "n_esc",
-    "esc_val_off",
-    "ct_off",
-    "bs_off",
-    "bs_words",
-    "chunk_symbols",
-    "table_idx",
-    "out_off",
-)
-# Per-block status rows the kernels update (from an initial value, only raised / lowered).
-_STATUS_ROWS = ("refs_bad", "codebook_bad", "table_bad", "fail", "esc_bad")
+_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
+# The offsets into the payload's words that move with a payload inside a grouped buffer.
+_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -123,14 +97,23 @@ def host_syncs() -> int:
     return host_sync.host_reads("decompress")
 
 
-def _kernels(device: torch.device) -> tuple[ModuleType, ...]:
+class _Kernels(NamedTuple):
+    """The kernel modules (``triton_loader.load_kernels`` and ``kernels.codebook``)."""
+
+    quantize: ModuleType
+    vector_lz: ModuleType
+    huffman: ModuleType
+    codebook: ModuleType
+
+
+def _kernels(device: torch.device) -> _Kernels:
     """The kernel modules (imports triton; the interpreter for CPU tensors)."""
     from torchrec_lossy.codec.triton_loader import load_kernels
 
     k_quantize, k_vector_lz, k_huffman = load_kernels(device)
-    from torchrec_lossy.kernels import codebook as k_codebook
+    from torchrec_lossy.kernels import codebook
 
-    return k_quantize, k_vector_lz, k_huffman, k_codebook
+    return _Kernels(k_quantize, k_vector_lz, k_huffman, codebook)
 
 
 def _bases(counts: np.ndarray) -> np.ndarray:
@@ -138,9 +121,79 @@ def _bases(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 payload's int32 words (a copy only where its start is not word-aligned)."""
+    t = t.detach().contiguous()
+    return (t.clone() if t.storage_offset() % 4 else t).view(torch.int32)
+
+
+@dataclass(frozen=True)
+class _Layout(Generic[_Array]):
+    """Every block's fields and section offsets, int64 [n_blocks] each (word offsets into the
+    payload's words); blocks of several payloads concatenate (:func:`merge_layouts`)."""
+
+    rows: _Array
+    dim: _Array
+    dtype: _Array
+    mode: _Array
+    n_unique: _Array  # vectors sent (rows for raw / quant)
+    src_off: _Array  # raw values / distinct vectors (raw, lz)
+    ref_off: _Array
+    ref_words: _Array
+    ref_mode: _Array  # -1 without references
+    width: _Array
+    has_stream: _Array
+    step_bits: _Array
+    center: _Array
+    cb_off: _Array
+    sym_lo: _Array
+    sym_count: _Array
+    esc_len: _Array
+    esc_pos_off: _Array
+    n_esc: _Array
+    esc_val_off: _Array
+    ct_off: _Array
+    bs_off: _Array
+    bs_words: _Array
+    chunk_symbols: _Array
+    n_chunks: _Array
+    n_sym: _Array
+    n_out: _Array
+    out_words: _Array
+
+
+@dataclass(frozen=True)
+class _Inputs(_Layout[_Array]):
+    """A layout with what the kernels derive from it: numbering over all blocks, and the
+    per-block status rows they update (from an initial value, only raised / lowered)."""
+
+    id_base: _Array  # first vector id of each block with references
+    table_idx: _Array  # decode table of each block with a stream
+    out_off: _Array  # first output word of each block (each block word-aligned)
+    out_base: _Array  # first output element of each block, and the total
+    sym_base: _Array
+    chunk_base: _Array
+    fixed_base: _Array
+    fixed_blocks: _Array
+    flagged_blocks: _Array
+    quant_blocks: _Array
+    refs_bad: _Array
+    codebook_bad: _Array
+    table_bad: _Array
+    fail: _Array
+    esc_bad: _Array
+
+
+def _segment_headers(body: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Every block's segment header, read in place (garbage for raw or short segments, which
+    never use them): ``SEGMENT_HEADER`` records."""
+    idx = np.minimum(start[:, None] + np.arange(SEGMENT_HEADER_WORDS), body.shape[0] - 1)
+    return np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(start.shape[0])
+
+
 def _layout(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
-) -> dict[str, np.ndarray] | None:
+) -> _Layout[np.ndarray] | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
@@ -154,72 +207,56 @@ def _layout(
         verify_checksum: False for a skeleton's stand-in (the device checks the payload).
 
     Returns:
-        int64 arrays by field name (word offsets are into the payload), or None.
+        The layout (word offsets are into the payload), or None.
     """
-    body, desc_fields, offsets = parse_header(buf, max_elements, verify_checksum)
-    n_blocks = len(desc_fields)
+    body, _, offsets = parse_header(buf, max_elements, verify_checksum)
     descs = body[: offsets[0]].view(DESCRIPTOR)
-    seg = descs["seg_words"].astype(np.int64)
-    rows = descs["rows"].astype(np.int64)
-    dim = descs["dim"].astype(np.int64)
-    dtype = descs["dtype"].astype(np.int64)
-    mode = descs["mode"].astype(np.int64)
-    if n_blocks == 0:
-        return {"rows": rows}
-    start = offsets[:-1]  # segment starts, in body words
-    itemsize = np.where(dtype == 1, 4, 2)
-    raw, lz, quant = mode == MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
-    # Segment headers, read in place (garbage for raw or short segments, which never use them).
-    idx = np.minimum(start[:, None] + np.arange(SEGMENT_HEADER_WORDS), body.shape[0] - 1)
-    sh = np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(n_blocks)
-    step = sh["step"]
-    fields = [sh[name].astype(np.int64) for name in SEGMENT_HEADER.names[1:11]]
-    center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = fields
+    rows, dim, dtype, mode, seg = (
+        descs[name].astype(np.int64) for name in ("rows", "dim", "dtype", "mode", "seg_words")
+    )
+    sh = _segment_headers(body, offsets[:-1])
+    header = [sh[name].astype(np.int64) for name in SEGMENT_HEADER.names[1:11]]
+    center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = header
+    itemsize = np.where(dtype == 1, 4, 2)  # float32, else a 16-bit dtype
     ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off = segment_layout(
-        (mode, rows, dim, itemsize, seg), (step, *fields)
+        (mode, rows, dim, itemsize, seg), (sh["step"], *header)
     )
     if not ok.all():
         return None
+    base = HEADER_WORDS + offsets[:-1]  # segment starts, in payload words
+    lz, quant = (mode & 1) == 1, (mode & 2) == 2
     head = SEGMENT_HEADER_WORDS
-    n_sym = nu * dim
-    base = HEADER_WORDS + start  # segment starts, in payload words
-    zero = np.zeros(n_blocks, dtype=np.int64)
     n_out = rows * dim
-    out_words = words_for_bytes(n_out * itemsize)
-    return {
-        "rows": rows,
-        "dim": dim,
-        "dtype": dtype,
-        "mode": mode,
-        "n_unique": nu,
-        "src_off": base + np.where(raw, 0, head + ref_words),
-        "ref_off": base + head + np.where(quant, cb_words, 0),
-        "ref_words": ref_words,
-        "ref_mode": np.where(lz, ref_mode, -1),
-        "width": np.where(lz, width, 0),
-        "id_base": _bases(np.where(lz, rows, 0))[:-1],
-        "has_stream": quant.astype(np.int64),
-        "step_bits": np.ascontiguousarray(step).view(np.int32).astype(np.int64),
-        "center": np.where(quant, center, 0),
-        "cb_off": base + head,
-        "sym_lo": np.where(quant, lo, 0),
-        "sym_count": np.where(quant, count, 0),
-        "esc_len": np.where(quant, esc_len, 0),
-        "esc_pos_off": base + esc_pos_off,
-        "n_esc": np.where(quant, n_esc, 0),
-        "esc_val_off": base + esc_pos_off + n_esc,
-        "ct_off": base + ct_off,
-        "bs_off": base + bs_off,
-        "bs_words": np.where(quant, seg - bs_off, 0),
-        "chunk_symbols": np.where(quant, chunk_symbols, 0),
-        "n_chunks": np.where(quant, n_chunks, 0),
-        "n_sym": np.where(quant, n_sym, 0),
-        "table_idx": np.where(quant, np.cumsum(quant) - 1, 0),
-        "n_out": n_out,
-        "out_words": out_words,
-        "out_off": _bases(out_words)[:-1],
-        "zero": zero,
-    }
+    return _Layout(
+        rows=rows,
+        dim=dim,
+        dtype=dtype,
+        mode=mode,
+        n_unique=nu,
+        src_off=base + np.where(mode == MODE_RAW, 0, head + ref_words),
+        ref_off=base + head + np.where(quant, cb_words, 0),
+        ref_words=ref_words,
+        ref_mode=np.where(lz, ref_mode, -1),
+        width=np.where(lz, width, 0),
+        has_stream=quant.astype(np.int64),
+        step_bits=np.ascontiguousarray(sh["step"]).view(np.int32).astype(np.int64),
+        center=np.where(quant, center, 0),
+        cb_off=base + head,
+        sym_lo=np.where(quant, lo, 0),
+        sym_count=np.where(quant, count, 0),
+        esc_len=np.where(quant, esc_len, 0),
+        esc_pos_off=base + esc_pos_off,
+        n_esc=np.where(quant, n_esc, 0),
+        esc_val_off=base + esc_pos_off + n_esc,
+        ct_off=base + ct_off,
+        bs_off=base + bs_off,
+        bs_words=np.where(quant, seg - bs_off, 0),
+        chunk_symbols=np.where(quant, chunk_symbols, 0),
+        n_chunks=np.where(quant, n_chunks, 0),
+        n_sym=np.where(quant, nu * dim, 0),
+        n_out=n_out,
+        out_words=words_for_bytes(n_out * itemsize),
+    )
 
 
 def decompress_device(
@@ -256,142 +293,88 @@ def decompress_device(
                 on_reject(buf)
             # Unreachable with the host decoder while _layout and it agree (tested).
             raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
-        if layout["rows"].shape[0] == 0:
+        if layout.rows.shape[0] == 0:
             return []
-        return _decode_on_device(payload, layout, *kernels)[0]
+        return _decode_on_device(payload, layout, kernels)[0]
 
 
-def _decode_on_device(
-    payload: torch.Tensor,
-    col: dict[str, np.ndarray],
-    k_quantize: ModuleType,
-    k_vector_lz: ModuleType,
-    k_huffman: ModuleType,
-    k_codebook: ModuleType,
-    defer_status: bool = False,
-) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
-    """Launches every stage for all blocks and returns them with the device status codes.
+def _inputs(col: _Layout[np.ndarray], no_failure: int) -> _Inputs[np.ndarray]:
+    """:class:`_Inputs` of a layout (its blocks numbered from 0)."""
+    lz, quant = col.ref_mode >= 0, col.has_stream == 1
+    fixed = np.flatnonzero(col.ref_mode == REFS_FIXED)
+    zero = np.zeros(col.rows.shape[0], dtype=np.int64)
+    return _Inputs(
+        **vars(col),
+        id_base=_bases(np.where(lz, col.rows, 0))[:-1],
+        table_idx=np.where(quant, np.cumsum(quant) - 1, 0),
+        out_off=_bases(col.out_words)[:-1],
+        out_base=_bases(col.n_out),
+        sym_base=_bases(col.n_sym),
+        chunk_base=_bases(col.n_chunks),
+        fixed_base=_bases(col.rows[fixed]),
+        fixed_blocks=fixed,
+        flagged_blocks=np.flatnonzero(col.ref_mode == REFS_FLAGGED),
+        quant_blocks=np.flatnonzero(quant),
+        refs_bad=zero,
+        codebook_bad=zero,
+        table_bad=zero,
+        fail=zero + no_failure,
+        esc_bad=zero + no_failure,
+    )
 
-    Unless ``defer_status``, the status is read once here and the first error raised. The
-    blocks are views of the returned int32 output words (block ``i`` at ``col["out_off"][i]``).
+
+def _decode_symbols(
+    words: torch.Tensor, d: _Inputs[torch.Tensor], col: _Inputs[np.ndarray], k: _Kernels
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode tables, vector references, Huffman streams and escape ranks of every block.
+
+    Returns:
+        (vector ids, int16 symbols, int32 escape ranks; a 1-element dummy where there are none).
     """
-    device = payload.device
-    lz = col["ref_mode"] >= 0
-    quant = col["has_stream"] == 1
-    fixed = np.flatnonzero(col["ref_mode"] == REFS_FIXED)
-    flagged = np.flatnonzero(col["ref_mode"] == REFS_FLAGGED)
-    fixed_base = _bases(col["rows"][fixed])
-    # Everything the kernels need from the host, in one upload (no sync: non-blocking).
-    pieces = {name: col[name] for name in _FIELDS}
-    pieces |= {
-        "out_base": _bases(col["n_out"]),
-        "sym_base": _bases(col["n_sym"]),
-        "chunk_base": _bases(col["n_chunks"]),
-        "fixed_base": fixed_base,
-        "fixed_blocks": fixed,
-        "flagged_blocks": flagged,
-        "quant_blocks": np.flatnonzero(quant),
-    }
-    for row in _STATUS_ROWS:
-        pieces[row] = col["zero"] + (k_huffman.NO_FAILURE if row in ("fail", "esc_bad") else 0)
-    ends = np.cumsum([p.shape[0] for p in pieces.values()])
-    upload = torch.from_numpy(np.concatenate(list(pieces.values())).astype(np.int64))
-    if device.type == "cuda":  # a pageable source may make the copy wait for the stream
-        upload = upload.pin_memory()
-    upload = upload.to(device, non_blocking=True)
-    dev = {
-        name: upload[end - p.shape[0] : end]
-        for (name, p), end in zip(pieces.items(), ends, strict=True)
-    }
-
-    words = payload.detach().contiguous()
-    if words.storage_offset() % 4:  # an int32 view needs a word-aligned start
-        words = words.clone()
-    words = words.view(torch.int32)
-    dummy = torch.zeros(1, dtype=torch.int32, device=device)
-    n_ids = int(col["rows"][lz].sum())
-    total_sym = int(col["n_sym"].sum())
-
-    tables = k_codebook.decode_tables(
-        words,
-        dev["quant_blocks"],
-        dev["cb_off"],
-        dev["sym_lo"],
-        dev["sym_count"],
-        dev["esc_len"],
-        dev["codebook_bad"],
+    dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
+    n_ids, total_sym = int(col.rows[col.ref_mode >= 0].sum()), int(col.n_sym.sum())
+    tables = k.codebook.decode_tables(
+        words, d.quant_blocks, d.cb_off, d.sym_lo, d.sym_count, d.esc_len, d.codebook_bad
     )
-    ids = k_vector_lz.unpack_refs_blocks(
+    ids = k.vector_lz.unpack_refs_blocks(
         words,
-        dev["fixed_base"],
-        dev["fixed_blocks"],
-        dev["flagged_blocks"],
-        dev["ref_off"],
-        dev["ref_words"],
-        dev["rows"],
-        dev["n_unique"],
-        dev["width"],
-        dev["id_base"],
-        dev["refs_bad"],
+        d.fixed_base,
+        d.fixed_blocks,
+        d.flagged_blocks,
+        d.ref_off,
+        d.ref_words,
+        d.rows,
+        d.n_unique,
+        d.width,
+        d.id_base,
+        d.refs_bad,
         n_ids,
-        int(fixed_base[-1]),
+        int(col.fixed_base[-1]),
     )
-    symbols, is_esc = k_huffman.decode_blocks(
+    symbols, is_esc = k.huffman.decode_blocks(
         words,
-        dev["chunk_base"],
-        dev["sym_base"],
-        dev["ct_off"],
-        dev["bs_off"],
-        dev["bs_words"],
-        dev["chunk_symbols"],
-        dev["table_idx"],
+        d.chunk_base,
+        d.sym_base,
+        d.ct_off,
+        d.bs_off,
+        d.bs_words,
+        d.chunk_symbols,
+        d.table_idx,
         tables,
-        dev["table_bad"],
-        dev["fail"],
-        int(col["n_chunks"].sum()),
+        d.table_bad,
+        d.fail,
+        int(col.n_chunks.sum()),
         total_sym,
     )
-    rank = k_huffman.check_escapes(
-        is_esc, dev["sym_base"], words, dev["esc_pos_off"], dev["n_esc"], dev["esc_bad"]
-    )
-    out = k_quantize.decode_outputs(
-        words,
-        dev["out_base"],
-        dev["mode"],
-        dev["dtype"],
-        dev["dim"],
-        dev["n_unique"],
-        dev["src_off"],
-        dev["id_base"],
-        dev["sym_base"],
-        dev["step_bits"],
-        dev["center"],
-        dev["esc_val_off"],
-        dev["n_esc"],
-        dev["out_off"],
-        ids if n_ids else dummy,
-        symbols if total_sym else dummy.view(torch.int16),
-        rank if total_sym else dummy,
-        int(col["out_words"].sum()),
-        int(col["n_out"].sum()),
-    )
-    if lz.any() or quant.any():
-        codes = k_huffman.block_status(
-            dev["sym_base"],
-            rank if total_sym else dummy,
-            dev["n_esc"],
-            dev["has_stream"],
-            dev["refs_bad"],
-            dev["codebook_bad"],
-            dev["table_bad"],
-            dev["fail"],
-            dev["esc_bad"],
-        )
-        if not defer_status:
-            raise_status(_host(codes))  # sync 2: every decode error of every block
-    else:
-        codes = None
-    # One typed view of the buffer per dtype, then one as_strided per block.
+    rank = k.huffman.check_escapes(is_esc, d.sym_base, words, d.esc_pos_off, d.n_esc, d.esc_bad)
+    if not total_sym:
+        symbols, rank = dummy.view(torch.int16), dummy
+    return ids if n_ids else dummy, symbols, rank
+
+
+def _block_views(out: torch.Tensor, col: _Inputs[np.ndarray]) -> list[torch.Tensor]:
+    """Every block as a view of the output words: one typed view per dtype, then one
+    ``as_strided`` per block."""
     halves = out.view(torch.int16)
     typed = {
         1: out.view(torch.float32),
@@ -400,18 +383,56 @@ def _decode_on_device(
     }
     blocks = []
     for r, c, d, o, n in zip(
-        col["rows"].tolist(),
-        col["dim"].tolist(),
-        col["dtype"].tolist(),
-        col["out_off"].tolist(),
-        col["n_out"].tolist(),
-        strict=True,
+        *(a.tolist() for a in (col.rows, col.dim, col.dtype, col.out_off, col.n_out)), strict=True
     ):
         if n == 0:
-            blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=device))
+            blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=out.device))
         else:
             blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
-    return blocks, codes, out
+    return blocks
+
+
+def _decode_on_device(
+    payload: torch.Tensor, layout: _Layout[np.ndarray], k: _Kernels, defer_status: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    """Launches every stage for all blocks and returns them with the device status codes.
+
+    Unless ``defer_status``, the status is read once here and the first error raised. The
+    blocks are views of the returned int32 output words.
+    """
+    col = _inputs(layout, k.huffman.NO_FAILURE)
+    # Everything the kernels need from the host, in one upload (no sync: non-blocking).
+    d: _Inputs[torch.Tensor] = host_sync.upload_record(col, payload.device)
+    words = _words(payload)
+    ids, symbols, rank = _decode_symbols(words, d, col, k)
+    out = k.quantize.decode_outputs(
+        words,
+        d.out_base,
+        d.mode,
+        d.dtype,
+        d.dim,
+        d.n_unique,
+        d.src_off,
+        d.id_base,
+        d.sym_base,
+        d.step_bits,
+        d.center,
+        d.esc_val_off,
+        d.n_esc,
+        d.out_off,
+        ids,
+        symbols,
+        rank,
+        int(col.out_words.sum()),
+        int(col.n_out.sum()),
+    )
+    codes = None
+    if (col.ref_mode >= 0).any() or col.has_stream.any():  # what decoding itself can find wrong
+        bad = (d.refs_bad, d.codebook_bad, d.table_bad, d.fail, d.esc_bad)
+        codes = k.huffman.block_status(d.sym_base, rank, d.n_esc, d.has_stream, *bad)
+        if not defer_status:
+            raise_status(_host(codes))  # sync 2: every decode error of every block
+    return _block_views(out, col), codes, out
 
 
 def status_error(code: int, block: int) -> CodecError:
@@ -444,11 +465,7 @@ def raise_status(codes: np.ndarray) -> None:
         raise status_error(int(codes[bad[0]]), int(bad[0]))
 
 
-# The offsets into the payload's words that move with a payload inside a grouped buffer.
-_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
-
-
-def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) -> dict:
+def merge_layouts(layouts: list[_Layout[np.ndarray]], word_base: list[int]) -> _Layout[np.ndarray]:
     """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
 
     Args:
@@ -459,20 +476,15 @@ def merge_layouts(layouts: list[dict[str, np.ndarray]], word_base: list[int]) ->
         The merged layout, block indexes running over all payloads.
     """
     merged = {
-        k: np.concatenate(
+        f.name: np.concatenate(
             [
-                lay[k] + (w if k in _WORD_OFFSETS else 0)
+                getattr(lay, f.name) + (w if f.name in _WORD_OFFSETS else 0)
                 for lay, w in zip(layouts, word_base, strict=True)
             ]
         )
-        for k in layouts[0]
+        for f in dataclasses.fields(_Layout)
     }
-    lz = merged["ref_mode"] >= 0
-    quant = merged["has_stream"] == 1
-    merged["id_base"] = _bases(np.where(lz, merged["rows"], 0))[:-1]
-    merged["table_idx"] = np.where(quant, np.cumsum(quant) - 1, 0)
-    merged["out_off"] = _bases(merged["out_words"])[:-1]
-    return merged
+    return _Layout(**merged)
 
 
 @dataclass
@@ -551,48 +563,71 @@ def decompress_groups_device(
     kernels = _kernels(buffer.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
-        layouts, bases, groups = [], [], []
-        rejected: dict[int, np.ndarray | None] = {}
-        checks: list[tuple[int, np.ndarray, np.ndarray, int]] = []
-        at = 0
-        for g, n in enumerate(sizes):
-            try:
-                if skeletons is None:
-                    part = buf[at : at + n]
-                    lay = _layout(part, max_elements) if n % 4 == 0 else None
-                else:
-                    part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
-                    lay = _layout(part, max_elements, verify_checksum=False)
-                    checks.append((g, at // 4 + pos, part.view(np.uint32)[pos], at // 4))
-            except CodecError:
-                lay = None
-            if lay is None:
-                rejected[g] = buf[at : at + n] if buf is not None else None
-            elif lay["rows"].shape[0]:
-                layouts.append(lay)
-                bases.append(at // 4)
-                groups.append(np.full(lay["rows"].shape[0], g, dtype=np.int64))
-            at += n
+        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
-        block_group = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        groups = [np.full(lay.rows.shape[0], g, np.int64) for g, lay in layouts.items()]
+        block_group = np.concatenate([*groups, np.zeros(0, np.int64)])
         if not layouts:
             failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
             return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
-        merged = merge_layouts(layouts, bases)
-        blocks, codes, words_out = _decode_on_device(buffer, merged, *kernels, defer_status=True)
+        word_base = _bases(sizes)[list(layouts)] // 4
+        merged = merge_layouts(list(layouts.values()), word_base.tolist())
+        blocks, codes, words_out = _decode_on_device(buffer, merged, kernels, defer_status=True)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
         # Each payload's blocks are consecutive in the merged layout, so in the output words.
-        ends = merged["out_off"] + merged["out_words"]
+        out_bases = _bases(merged.out_words)
         firsts = np.flatnonzero(np.r_[True, block_group[1:] != block_group[:-1]])
-        lasts = np.r_[firsts[1:], block_group.shape[0]] - 1
+        ends = np.r_[firsts[1:], block_group.shape[0]]
         spans = {
-            int(block_group[a]): (int(merged["out_off"][a]), int(ends[b]))
-            for a, b in zip(firsts, lasts, strict=True)
+            int(block_group[a]): (int(out_bases[a]), int(out_bases[b]))
+            for a, b in zip(firsts, ends, strict=True)
         }
         failed = _failed_groups(len(sizes), codes, block_group, group_bad, buffer.device)
         return DeviceGroups(out, codes, block_group, rejected, group_bad, failed, words_out, spans)
+
+
+def _read_layouts(
+    buf: np.ndarray | None,
+    sizes: list[int],
+    max_elements: int,
+    skeletons: Sequence[np.ndarray] | None,
+) -> tuple[dict[int, _Layout[np.ndarray]], dict[int, np.ndarray | None], list[_SkeletonCheck]]:
+    """Every payload's layout, from the buffer's host copy ``buf`` or from its skeleton.
+
+    Returns:
+        (the layout of every payload with blocks, by payload; the rejected payloads: their
+        bytes, None in skeleton mode; what the device checks of each payload in skeleton mode).
+    """
+    layouts: dict[int, _Layout[np.ndarray]] = {}
+    rejected: dict[int, np.ndarray | None] = {}
+    checks: list[_SkeletonCheck] = []
+    for g, (at, n) in enumerate(zip(_bases(sizes)[:-1].tolist(), sizes, strict=True)):
+        try:
+            if buf is not None:
+                lay = _layout(buf[at : at + n], max_elements) if n % 4 == 0 else None
+            else:
+                part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
+                lay = _layout(part, max_elements, verify_checksum=False)
+                words = part.view(np.uint32)[pos]
+                checks.append(_SkeletonCheck(g, at // 4 + pos, words, at // 4))
+        except CodecError:
+            lay = None
+        if lay is None:
+            rejected[g] = buf[at : at + n] if buf is not None else None
+        elif lay.rows.shape[0]:
+            layouts[g] = lay
+    return layouts, rejected, checks
+
+
+class _SkeletonCheck(NamedTuple):
+    """What the device checks of a payload decoded from its announced skeleton."""
+
+    group: int  # the payload
+    pos: np.ndarray  # the skeleton's word positions in the buffer
+    words: np.ndarray  # uint32 words announced there
+    first_word: int  # the payload's first word in the buffer
 
 
 def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -624,41 +659,29 @@ def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.n
 
 
 def _check_skeletons(
-    buffer: torch.Tensor,
-    sizes: list[int],
-    checks: list[tuple[int, np.ndarray, np.ndarray, int]],
+    buffer: torch.Tensor, sizes: list[int], checks: list[_SkeletonCheck]
 ) -> torch.Tensor:
     """Per payload on the device: 1 where it differs from its skeleton or fails its checksum."""
-    dev = buffer.device
-    bad = torch.zeros(len(sizes), dtype=torch.int32, device=dev)
+    bad = torch.zeros(len(sizes), dtype=torch.int32, device=buffer.device)
     if not checks:
         return bad
-    words = (
-        buffer.view(torch.int32)
-        if buffer.storage_offset() % 4 == 0
-        else buffer.clone().view(torch.int32)
-    )
-    pos = np.concatenate([c[1] for c in checks])
-    expected = np.concatenate([c[2] for c in checks]).astype(np.int64)
-    group = np.concatenate([np.full(c[1].shape[0], c[0], np.int64) for c in checks])
-    starts = np.array([c[3] + HEADER_WORDS for c in checks], np.int64)
-    lengths = np.array([sizes[c[0]] // 4 - HEADER_WORDS for c in checks], np.int64)
+    words = _words(buffer)
     # The announced checksum: header bytes 24..31 (the skeleton's header is the payload's).
-    announced = np.array(
-        [c[2][:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks], np.uint64
-    ).view(np.int64)
-    ids = np.array([c[0] for c in checks], np.int64)
-    table = torch.from_numpy(
-        np.concatenate([pos, expected, group, starts, lengths, announced, ids])
+    announced = [c.words[:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks]
+    pos, expected, group, starts, lengths, checksum, ids = upload(
+        [
+            np.concatenate([c.pos for c in checks]),
+            np.concatenate([c.words for c in checks]),
+            np.concatenate([np.full(c.pos.shape[0], c.group, np.int64) for c in checks]),
+            [c.first_word + HEADER_WORDS for c in checks],
+            [sizes[c.group] // 4 - HEADER_WORDS for c in checks],
+            np.array(announced, np.uint64).view(np.int64),
+            [c.group for c in checks],
+        ],
+        buffer.device,
     )
-    if dev.type == "cuda":
-        table = table.pin_memory()
-    t = table.to(dev, non_blocking=True)
-    k, m = pos.shape[0], len(checks)
-    t_pos, t_exp, t_grp = t[:k], t[k : 2 * k], t[2 * k : 3 * k]
-    t_starts, t_len, t_ann, t_ids = (t[3 * k + i * m : 3 * k + (i + 1) * m] for i in range(4))
-    differs = ((words[t_pos].to(torch.int64) & 0xFFFFFFFF) != t_exp).to(torch.int32)
-    bad.scatter_reduce_(0, t_grp, differs, "amax")
-    sums = segment_checksums(words, t_starts, t_len)
-    bad.scatter_reduce_(0, t_ids, (sums != t_ann).to(torch.int32), "amax")
+    differs = ((words[pos].to(torch.int64) & 0xFFFFFFFF) != expected).to(torch.int32)
+    bad.scatter_reduce_(0, group, differs, "amax")
+    sums = segment_checksums(words, starts, lengths)
+    bad.scatter_reduce_(0, ids, (sums != checksum).to(torch.int32), "amax")
     return bad

@@ -372,23 +372,19 @@ def decompress_groups(
             f"payload sizes {sizes} add up to {sum(sizes)} bytes, the buffer has "
             f"{buffer.numel()}: pass the sizes the buffer was built with"
         )
-    status = GroupStatus()
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
         got = decompress_groups_device(buffer, sizes, max_elements, skeletons)
-        status.codes, status.block_group, status.group_bad = (
-            got.codes,
-            got.block_group,
-            got.group_bad,
-        )
-        status.buffer, status.sizes, status.max_elements = buffer, sizes, max_elements
-        status.failed, status.out, status.spans = got.failed, got.out, got.spans
+        status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes)
+        status.max_elements, status.failed = max_elements, got.failed
+        status.out, status.spans = got.out, got.spans
         for g, part in got.rejected.items():
             if part is None:  # the announced skeleton was rejected: read the payload itself
                 part = _payload_bytes(status, g)
             status.rejected[g] = _host_error(part, max_elements)
         return got.blocks, status
+    status = GroupStatus()
     out = []
     for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend, label)):
         if isinstance(got, CodecError):
