@@ -356,11 +356,9 @@ def dense_grad_blocks(
 class ExchangeSteps(Protocol):
     """What one variable all-to-all does at each step of :class:`LossyAll2AllReq`/``Wait``.
 
-    Each step takes the tensor it works on (the input, the received buffer, or the output's
-    gradient, contiguous), the request of the exchange (its byte counts, self blocks and
-    skeletons), this rank and the group's size. The send steps return the receive buffer and
-    the exchange's work, the receive steps the decoded tensor (the input's gradient before
-    TorchRec's gradient division).
+    The pooled all-to-all's are :class:`PooledSteps`, the sequence all-to-all's
+    ``sequence_output_dist.SequenceSteps``; the request carries the exchange's byte counts,
+    self blocks and skeletons from a send step to the matching receive step.
 
     Attributes:
         comms: The module's dists' state (config, telemetry, deferred checks).
@@ -371,25 +369,38 @@ class ExchangeSteps(Protocol):
     def send_forward(
         self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> tuple[torch.Tensor, dist.Work]:
-        """Cuts and sends the forward's blocks; returns (receive buffer, work)."""
+        """Cuts the forward's blocks from the input and sends them.
+
+        Args:
+            x: The input (what the Req function was applied to).
+            myreq: The request of the exchange.
+            my_rank: This rank.
+            world: The group's size.
+
+        Returns:
+            (the receive buffer, the exchange's work).
+        """
         ...
 
     def receive_forward(
         self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
-        """Decodes the forward's received bytes into the output."""
+        """Decodes the forward's received bytes into the output (arguments as
+        :meth:`send_forward`'s, with the received buffer)."""
         ...
 
     def send_grad(
         self, grad: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> tuple[torch.Tensor, dist.Work]:
-        """Cuts and sends the gradient the other way; returns (receive buffer, work)."""
+        """Cuts the output's gradient (contiguous) and sends it the other way; returns as
+        :meth:`send_forward`."""
         ...
 
     def receive_grad(
         self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
-        """The input's gradient from the received bytes (before gradient division)."""
+        """The input's gradient from the received buffer, before TorchRec's gradient
+        division (arguments as :meth:`receive_forward`'s)."""
         ...
 
 
