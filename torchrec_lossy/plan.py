@@ -83,99 +83,140 @@ def preview(
     Returns:
         The scenarios, ours last.
     """
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner.storage_reservations import (
-        FixedPercentageStorageReservation,
-    )
-
-    from torchrec_lossy.planner import (
-        LossyShardingPlanner,
-        build_module,
-        per_rank_batch_size,
-        qcomm_model,
-        raw_model,
-        synthetic_blocks,
-    )
-    from torchrec_lossy.planner.planner import SHORT_NAMES
+    from torchrec_lossy.planner import build_module, qcomm_model, raw_model
 
     out = out or sys.stdout
-    topo = config.topology
+    _print_model(config, out)
     module = build_module(config.embedding_tables)
-    rows = sum(t.num_embeddings for t in config.embedding_tables)
-    params = sum(t.num_embeddings * t.embedding_dim for t in config.embedding_tables)
-    batch = per_rank_batch_size(config)
-    device = topo.compute_device
-    print(
-        f"{len(config.embedding_tables)} tables, {rows:,} rows, {params * 4 / 2**30:.1f} GiB "
-        f"fp32; {topo.world_size} ranks, {topo.local_world_size or topo.world_size} per host, "
-        f"{device} cost model; batch {batch:,} per rank ({batch * topo.world_size:,} global)",
-        file=out,
-    )
-
+    device = config.topology.compute_device
     scenarios = [
         ("no compression", raw_model()),
         ("TorchRec FP16", qcomm_model("fp16", "fp16", device)),
         ("TorchRec MX4", qcomm_model("mx4", "mx4", device)),
         ("torchrec-lossy", None),
     ]
-    results = []
     # TorchRec's uncompressed estimates are the same in every scenario: compute them once.
     base_cache: dict[Any, Any] = {}
-    for label, model in scenarios:
-        planner = LossyShardingPlanner(
-            config,
-            comms_model=model,
-            stats=[],
-            debug=False,
-            storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
-            base_cache=base_cache,
-        )
-        sharders = [EmbeddingBagCollectionSharder()]
-        if model is None:
-            if calibrate_rows > 0:
-                blocks = synthetic_blocks(config.embedding_tables, calibrate_rows)
-                cal = planner.calibrate(blocks)
-                print(f"\ncalibration on {calibrate_rows} rows of Criteo-like traffic:", file=out)
-                for c in cal.values():
-                    index = "-" if c.index is None else f"{c.index:.3f}"
-                    print(
-                        f"  {c.table:<12} class {c.table_class:<10} index {index:<6} "
-                        f"{c.bound.mode} {c.bound.value:g}  ratio {c.ratio:.1f}x",
-                        file=out,
-                    )
-            sharders = [_lossy_sharder(planner, out)]
-        planner.plan(module, sharders)
-        counts: dict[str, int] = {}
-        for t in planner.planned_tables:
-            short = SHORT_NAMES.get(t.sharding_type, t.sharding_type)
-            counts[short] = counts.get(short, 0) + 1
-        results.append(
-            ScenarioResult(
-                label=label,
-                description=planner.comms_model.description,
-                shardings=", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
-                cost=planner.step_cost(),
-                explanation=planner.explain(),
-            )
-        )
-
+    results = [
+        _plan_scenario(label, model, config, module, base_cache, calibrate_rows, out)
+        for label, model in scenarios
+    ]
     print(f"\nplan ({results[-1].description}):", file=out)
     print(results[-1].explanation.split("\n", 1)[1], file=out)
-    print("\nestimated embedding communication per training step (slowest rank, ms):", file=out)
-    header = (
-        "scenario",
-        "shardings",
-        "fwd comms",
-        "bwd comms",
-        "codec",
-        "same-host a2a",
-        "cross-host a2a",
-        "comms total",
-        "fwd wire MiB",
-        "fwd cross-host MiB",
-        "planner step",
+    _print_comparison(results, out)
+    return results
+
+
+def _print_model(config: LossyPlanConfig, out: Any) -> None:
+    """Prints the model's size, the topology and the batch."""
+    from torchrec_lossy.planner import per_rank_batch_size
+
+    topo = config.topology
+    rows = sum(t.num_embeddings for t in config.embedding_tables)
+    params = sum(t.num_embeddings * t.embedding_dim for t in config.embedding_tables)
+    batch = per_rank_batch_size(config)
+    print(
+        f"{len(config.embedding_tables)} tables, {rows:,} rows, {params * 4 / 2**30:.1f} GiB "
+        f"fp32; {topo.world_size} ranks, {topo.local_world_size or topo.world_size} per host, "
+        f"{topo.compute_device} cost model; batch {batch:,} per rank "
+        f"({batch * topo.world_size:,} global)",
+        file=out,
     )
-    lines = [header]
+
+
+def _plan_scenario(
+    label: str,
+    model: Any,
+    config: LossyPlanConfig,
+    module: Any,
+    base_cache: dict[Any, Any],
+    calibrate_rows: int,
+    out: Any,
+) -> ScenarioResult:
+    """Plans the model with one comms model (None: ours, with the lossy sharder).
+
+    Args:
+        label: The scenario's name.
+        model: Its comms model; None: torchrec-lossy's (calibrated first if
+            ``calibrate_rows``).
+        config: The plan config.
+        module: The model's EmbeddingBagCollection (meta device).
+        base_cache: TorchRec's uncompressed estimates, shared among the scenarios.
+        calibrate_rows: Rows of synthetic traffic to calibrate ours on; 0: none.
+        out: Text stream to print the calibration to.
+
+    Returns:
+        The scenario's shardings, costs and explained plan.
+    """
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.storage_reservations import (
+        FixedPercentageStorageReservation,
+    )
+
+    from torchrec_lossy.planner import LossyShardingPlanner
+    from torchrec_lossy.planner.planner import SHORT_NAMES
+
+    planner = LossyShardingPlanner(
+        config,
+        comms_model=model,
+        stats=[],
+        debug=False,
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
+        base_cache=base_cache,
+    )
+    sharders = [EmbeddingBagCollectionSharder()]
+    if model is None:
+        if calibrate_rows > 0:
+            _calibrate(planner, config, calibrate_rows, out)
+        sharders = [_lossy_sharder(planner, out)]
+    planner.plan(module, sharders)
+    counts: dict[str, int] = {}
+    for t in planner.planned_tables:
+        short = SHORT_NAMES.get(t.sharding_type, t.sharding_type)
+        counts[short] = counts.get(short, 0) + 1
+    return ScenarioResult(
+        label=label,
+        description=planner.comms_model.description,
+        shardings=", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+        cost=planner.step_cost(),
+        explanation=planner.explain(),
+    )
+
+
+def _calibrate(planner: Any, config: LossyPlanConfig, calibrate_rows: int, out: Any) -> None:
+    """Measures each table's ratio on synthetic traffic (into the planner) and prints it."""
+    from torchrec_lossy.planner import synthetic_blocks
+
+    cal = planner.calibrate(synthetic_blocks(config.embedding_tables, calibrate_rows))
+    print(f"\ncalibration on {calibrate_rows} rows of Criteo-like traffic:", file=out)
+    for c in cal.values():
+        index = "-" if c.index is None else f"{c.index:.3f}"
+        print(
+            f"  {c.table:<12} class {c.table_class:<10} index {index:<6} "
+            f"{c.bound.mode} {c.bound.value:g}  ratio {c.ratio:.1f}x",
+            file=out,
+        )
+
+
+_COMPARISON_HEADER = (
+    "scenario",
+    "shardings",
+    "fwd comms",
+    "bwd comms",
+    "codec",
+    "same-host a2a",
+    "cross-host a2a",
+    "comms total",
+    "fwd wire MiB",
+    "fwd cross-host MiB",
+    "planner step",
+)
+
+
+def _print_comparison(results: list[ScenarioResult], out: Any) -> None:
+    """Prints the scenarios' estimated communication per step as a table, then its legend."""
+    print("\nestimated embedding communication per training step (slowest rank, ms):", file=out)
+    lines = [_COMPARISON_HEADER]
     for r in results:
         c = r.cost
         lines.append(
@@ -193,7 +234,7 @@ def preview(
                 f"{c.planner_ms:.3f}",
             )
         )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in lines) for i in range(len(_COMPARISON_HEADER))]
     for row in lines:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)), file=out)
     print(
@@ -207,7 +248,6 @@ def preview(
     )
     for r in results:
         print(f"  {r.label}: {r.description}", file=out)
-    return results
 
 
 def _lossy_sharder(planner: Any, out: Any) -> Any:

@@ -143,3 +143,19 @@ def test_two_hosts_of_one_rank() -> None:
 @pytest.mark.timeout(1200)
 def test_two_hosts_of_two_ranks() -> None:
     _check(run_workers(_worker, 4, 2, timeout_s=900))
+
+
+def test_cross_host_adapter_matches_torchrec() -> None:
+    """``LossyCrossHostDistMixin`` replaces the cross-host collectives TorchRec's two-hop dists
+    create in ``_create_output_dist_modules`` and call in ``forward`` (TWRW's VBE hop too):
+    this fails, without starting a process, when TorchRec changes where it creates them."""
+    from torchrec.distributed.sharding.grid_sharding import GridPooledEmbeddingDist
+    from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
+
+    for cls in (TwRwPooledEmbeddingDist, GridPooledEmbeddingDist):
+        create = inspect.getsource(cls._create_output_dist_modules)
+        assert "self._cross_dist = PooledEmbeddingsAllToAll(" in create, cls
+        assert "self._cross_dist)(" in inspect.getsource(cls.forward), cls
+    create = inspect.getsource(TwRwPooledEmbeddingDist._create_output_dist_modules)
+    assert "self._variable_cross_dist = VariableBatchPooledEmbeddingsAllToAll(" in create
+    assert "self._variable_cross_dist" in inspect.getsource(TwRwPooledEmbeddingDist.forward)

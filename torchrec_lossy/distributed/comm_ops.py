@@ -25,7 +25,9 @@ decoded :mod:`.pooled_decode`.
 The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
 As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
 Req/Wait pair around a :class:`~torchrec.distributed.comm_ops.Request`, so pipelines can overlap it
-with compute.
+with compute. The pair (:class:`LossyAll2AllReq`, :class:`LossyAll2AllWait`) is shared with the
+sequence all-to-all (:mod:`.sequence_output_dist`): what differs, how blocks are cut, joined and
+sent back, is an :class:`ExchangeSteps` (:class:`PooledSteps` here).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -64,31 +67,41 @@ from torchrec_lossy.distributed.stats import Direction
 _CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def wire_dtype_of(backward: str, dtype: torch.dtype) -> torch.dtype:
+    """The gradient's wire dtype without codec: ``backward`` "fp16"/"bf16" casts, "none" keeps.
+
+    Args:
+        backward: ``LossyCommsConfig.backward`` (not "lossy").
+        dtype: The gradient's dtype.
+
+    Returns:
+        The dtype the gradient travels in.
+    """
+    return _CAST_DTYPES.get(backward, dtype)
+
+
 class LossyRequest(Request[torch.Tensor]):
     """TorchRec's Request plus the state of a variable-size exchange."""
 
     def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(pg, device)
         self.recv_sizes: list[int] | None = None  # None: a fixed-size (dense) exchange
-        # Dense gradient exchange in block form (lookup dedupe): elements from each peer.
-        self.dense_blocks: list[int] | None = None
         # The blocks this rank sends itself: exact, never encoded, never on the wire.
         self.self_blocks: list[torch.Tensor] | None = None
         # Each peer's codec payload skeleton, received in the size exchange.
         self.recv_skeletons: dict[int, np.ndarray] | None = None
 
+    def take_received(self) -> torch.Tensor:
+        """Waits for the exchange in flight and releases what it received.
 
-def _take_self_blocks(myreq: LossyRequest) -> list[torch.Tensor]:
-    """The self blocks stored with the exchange (released from the request)."""
-    blocks, myreq.self_blocks = myreq.self_blocks, None
-    assert blocks is not None, "the lossy exchange lost its self blocks"
-    return blocks
-
-
-def _take_skeletons(myreq: LossyRequest) -> dict[int, np.ndarray] | None:
-    """The skeletons received in the size exchange (released from the request)."""
-    skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
-    return skeletons
+        Returns:
+            The received tensor (payload bytes, or the dense gradient).
+        """
+        assert self.req is not None, "the lossy all-to-all was waited on before it was launched"
+        self.req.wait()
+        recv, self.req, self.tensor = self.tensor, None, None
+        assert recv is not None
+        return recv
 
 
 def _exchange(
@@ -143,13 +156,6 @@ def _exchange(
     return recv, recv_sizes, work
 
 
-def _recv_meta_splits(
-    specs_per_peer: Sequence[Sequence[BlockSpec]], info: LossyAll2AllPooledInfo, my_rank: int
-) -> list[int]:
-    """Words of the size exchange expected from each peer."""
-    return [meta_words(specs, info, p, my_rank) for p, specs in enumerate(specs_per_peer)]
-
-
 def encode_and_exchange(
     direction: Direction,
     blocks: list[list[torch.Tensor]],
@@ -182,13 +188,223 @@ def encode_and_exchange(
     """
     pending = start_encode(direction, blocks, send_specs, info, device, my_rank)
     myreq.self_blocks = blocks[my_rank]
-    recv_meta_splits = _recv_meta_splits(recv_specs, info, my_rank)
+    recv_meta_splits = [meta_words(specs, info, p, my_rank) for p, specs in enumerate(recv_specs)]
     recv, recv_sizes, work = _exchange(direction, pending, recv_meta_splits, myreq, info.comms)
     myreq.recv_sizes = recv_sizes
     return recv, work
 
 
-class LossyAll2AllPooledReq(Function):
+def decode_exchanged(
+    direction: Direction,
+    recv: torch.Tensor,
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    rows_per_peer: Sequence[Sequence[int]],
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    my_rank: int,
+) -> list[list[torch.Tensor]]:
+    """Decodes what :func:`encode_and_exchange` received: every peer's blocks, the self blocks
+    taken from the request (exact), the skeletons from its size exchange.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received payload bytes.
+        specs_per_peer: Per peer, the specs of the blocks it sent.
+        rows_per_peer: Per peer, the rows of each of those blocks.
+        info: Layout, compress flags and comms state.
+        myreq: The request of the exchange (its byte counts, self blocks and skeletons).
+        my_rank: This rank.
+
+    Returns:
+        Per peer, its decoded blocks.
+    """
+    assert myreq.recv_sizes is not None, "decode of a lossy exchange that sent no payloads"
+    self_blocks, myreq.self_blocks = myreq.self_blocks, None
+    assert self_blocks is not None, "the lossy exchange lost its self blocks"
+    skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+    return decode_payloads(
+        direction, recv, myreq.recv_sizes, specs_per_peer, rows_per_peer, info, my_rank,
+        self_blocks, skeletons,
+    )  # fmt: skip
+
+
+def dense_block_send(
+    pg: dist.ProcessGroup,
+    blocks: list[list[torch.Tensor]],
+    layout: Sequence[Sequence[BlockSpec]],
+    recv_sizes: list[int],
+    wire_dtype: torch.dtype,
+    device: torch.device,
+    comms: LossyComms,
+    tag: str,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Sends gradient blocks without codec (a cast or exact), asynchronously.
+
+    Args:
+        pg: Process group.
+        blocks: Per peer, the gradient blocks this rank sends it.
+        layout: Per peer, the specs of those blocks (their tables, for the telemetry).
+        recv_sizes: Elements expected from each peer.
+        wire_dtype: The dtype on the wire.
+        device: Device of the gradient (and of the receive buffer).
+        comms: The module's dists' state (telemetry).
+        tag: The profiler label's prefix (``lossy_a2a`` or ``lossy_seq_a2a``).
+
+    Returns:
+        (the receive buffer, the exchange's work).
+    """
+    stats = comms.stats
+    start = time.perf_counter()
+    with record_function(f"## {tag} bwd encode ##"):
+        flat = [b.reshape(-1) for bs in blocks for b in bs]
+        send = torch.cat(flat).to(wire_dtype) if flat else torch.empty(0, dtype=wire_dtype)
+        send = send.to(device)
+    wire_elem = send.element_size()
+    shares: dict[str, int] = {}
+    for bs, specs in zip(blocks, layout, strict=True):
+        for b, s in zip(bs, specs, strict=True):
+            # Raw: the rows sent (under dedupe rows / rows_sent scale it to TorchRec's).
+            raw = b.numel() * b.element_size()
+            shares[s.table] = shares.get(s.table, 0) + raw
+            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+            if wire_dtype != b.dtype and b.numel():
+                err = (b - b.to(wire_dtype).to(b.dtype)).abs().amax()
+                stats.record_max_error_lazy("bwd", s.table, err)
+    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
+    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
+    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=device)
+    with record_function(f"## {tag} bwd payload ##"):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
+    return recv, work
+
+
+def send_grad_blocks(
+    blocks: list[list[torch.Tensor]],
+    recv_rows: Sequence[Sequence[int]],
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    device: torch.device,
+    my_rank: int,
+    tag: str,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Sends gradient blocks back to their owners: encoded (``backward`` "lossy"), or cast or
+    exact (:func:`dense_block_send`, ``myreq.recv_sizes`` then None).
+
+    Args:
+        blocks: Per peer (owner), the gradient blocks of its table shards.
+        recv_rows: Per peer, per local table shard, the rows it sends back here.
+        info: Layout, compress flags and comms state.
+        myreq: The request.
+        device: Device of the gradient.
+        my_rank: This rank.
+        tag: The profiler label's prefix of the dense path.
+
+    Returns:
+        (the receive buffer, the exchange's work).
+    """
+    codec = info.comms.config.backward
+    specs = info.layout[my_rank]
+    if codec == "lossy":
+        return encode_and_exchange(
+            "bwd", blocks, info.layout, [specs] * len(blocks), info, myreq, device, my_rank
+        )
+    myreq.recv_sizes = None
+    recv_sizes = [sum(r * s.dim for r, s in zip(rs, specs, strict=True)) for rs in recv_rows]
+    wire = wire_dtype_of(codec, info.dtype)
+    return dense_block_send(
+        myreq.pg, blocks, info.layout, recv_sizes, wire, device, info.comms, tag
+    )
+
+
+def dense_grad_blocks(
+    recv: torch.Tensor,
+    rows_per_peer: Sequence[Sequence[int]],
+    specs: Sequence[BlockSpec],
+    dtype: torch.dtype,
+    comms: LossyComms,
+    tag: str,
+) -> list[list[torch.Tensor]]:
+    """The owner's gradient received by :func:`dense_block_send`, as blocks.
+
+    Args:
+        recv: The received elements (wire dtype), every peer's blocks in order.
+        rows_per_peer: Per peer, per local table shard, its rows.
+        specs: The local table shards.
+        dtype: The gradient's dtype.
+        comms: The module's dists' state (telemetry).
+        tag: The profiler label's prefix.
+
+    Returns:
+        Per peer, per local table shard, a ``[rows, dim]`` block.
+    """
+    start = time.perf_counter()
+    with record_function(f"## {tag} bwd decode ##"):
+        sizes = [r * s.dim for rs in rows_per_peer for r, s in zip(rs, specs, strict=True)]
+        it = iter(recv.to(dtype).split(sizes))
+        blocks = [
+            [next(it).view(r, s.dim) for r, s in zip(rs, specs, strict=True)]
+            for rs in rows_per_peer
+        ]
+    shares: dict[str, int] = {}
+    for rs in rows_per_peer:
+        for r, s in zip(rs, specs, strict=True):
+            shares[s.table] = shares.get(s.table, 0) + r * s.dim * recv.element_size()
+    comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+    return blocks
+
+
+class ExchangeSteps(Protocol):
+    """What one variable all-to-all does at each step of :class:`LossyAll2AllReq`/``Wait``.
+
+    The pooled all-to-all's are :class:`PooledSteps`, the sequence all-to-all's
+    ``sequence_output_dist.SequenceSteps``; the request carries the exchange's byte counts,
+    self blocks and skeletons from a send step to the matching receive step.
+
+    Attributes:
+        comms: The module's dists' state (config, telemetry, deferred checks).
+    """
+
+    comms: LossyComms
+
+    def send_forward(
+        self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Cuts the forward's blocks from the input and sends them.
+
+        Args:
+            x: The input (what the Req function was applied to).
+            myreq: The request of the exchange.
+            my_rank: This rank.
+            world: The group's size.
+
+        Returns:
+            (the receive buffer, the exchange's work).
+        """
+        ...
+
+    def receive_forward(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> torch.Tensor:
+        """Decodes the forward's received bytes into the output (arguments as
+        :meth:`send_forward`'s, with the received buffer)."""
+        ...
+
+    def send_grad(
+        self, grad: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Cuts the output's gradient (contiguous) and sends it the other way; returns as
+        :meth:`send_forward`."""
+        ...
+
+    def receive_grad(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> torch.Tensor:
+        """The input's gradient from the received buffer, before TorchRec's gradient
+        division (arguments as :meth:`receive_forward`'s)."""
+        ...
+
+
+class LossyAll2AllReq(Function):
     """Encodes and launches the forward exchange; its backward finishes the gradient exchange."""
 
     @staticmethod
@@ -196,119 +412,29 @@ class LossyAll2AllPooledReq(Function):
         ctx: torch.autograd.function.FunctionCtx,
         pg: dist.ProcessGroup,
         myreq: LossyRequest,
-        info: LossyAll2AllPooledInfo,
-        input_embeddings: torch.Tensor,
+        steps: ExchangeSteps,
+        x: torch.Tensor,
     ) -> torch.Tensor:
-        my_rank = dist.get_rank(pg)
-        world = dist.get_world_size(pg)
-        b_global, d_local = input_embeddings.shape
-        if b_global != sum(info.batch_size_per_rank) or d_local != info.dim_sum_per_rank[my_rank]:
-            raise ValueError(
-                f"pooled embeddings of shape {tuple(input_embeddings.shape)} on rank {my_rank} do "
-                f"not match batch sizes {info.batch_size_per_rank} and local dim sum "
-                f"{info.dim_sum_per_rank[my_rank]}"
-            )
-        if input_embeddings.dtype != info.dtype:
-            raise ValueError(
-                f"pooled embeddings of dtype {input_embeddings.dtype}, the call's info says "
-                f"{info.dtype}"
-            )
-        if info.output_dedupe is None:
-            blocks = peer_blocks(
-                input_embeddings.detach(),
-                list(itertools.accumulate(info.batch_size_per_rank, initial=0))[:-1],
-                info.batch_size_per_rank,
-                [0] * world,
-                [info.layout[my_rank]] * world,
-            )
-        else:
-            # Deduplicated features: only their distinct rows (first U bags) travel.
-            x = input_embeddings.detach()
-            r0s = list(itertools.accumulate(info.batch_size_per_rank, initial=0))
-            with record_function("## lossy_a2a fwd dedupe cut ##"):
-                blocks = [
-                    [
-                        cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
-                        for s, fr in zip(
-                            info.layout[my_rank], info.owner_feats(my_rank, d), strict=True
-                        )
-                    ]
-                    for d in range(world)
-                ]
-        for d, blocks_d in enumerate(blocks):
-            if d == my_rank:  # the self block is counted apart (LossyCommsStats.self_bytes)
-                continue
-            for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
-                rows = s.num_features * info.batch_size_per_rank[d]
-                info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
-        recv, work = encode_and_exchange(
-            "fwd",
-            blocks,
-            [info.layout[my_rank]] * world,
-            info.layout,
-            info,
-            myreq,
-            input_embeddings.device,
-            my_rank,
-        )
-        myreq.req = work
-        myreq.tensor = recv
-        myreq.a2ai = info
-        myreq.wait_function = LossyAll2AllPooledWait
-        ctx.myreq = myreq
-        ctx.pg = pg
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        myreq.tensor, myreq.req = steps.send_forward(x, myreq, my_rank, world)
+        myreq.a2ai = steps
+        myreq.wait_function = LossyAll2AllWait
+        ctx.myreq, ctx.pg = myreq, pg
         return myreq.dummy_tensor
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *unused: torch.Tensor) -> tuple:
-        pg = ctx.pg
-        myreq: LossyRequest = ctx.myreq
-        info: LossyAll2AllPooledInfo = myreq.a2ai
+        pg, myreq = ctx.pg, ctx.myreq
         my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        assert myreq.req is not None, "backward of the lossy all-to-all ran before its wait"
-        myreq.req.wait()
-        myreq.req = None
-        recv = myreq.tensor
-        b_global = sum(info.batch_size_per_rank)
-        d_local = info.dim_sum_per_rank[my_rank]
-        if info.dedupe_grads:
-            grad_input = _owner_grad_dedupe(recv, myreq, info, my_rank, world)
-        elif myreq.recv_sizes is None:
-            start = time.perf_counter()
-            with record_function("## lossy_a2a bwd decode ##"):
-                grad_input = recv.view(b_global, d_local).to(info.dtype)
-            shares = {s.table: b_global * s.width for s in info.layout[my_rank]}
-            info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
-        else:
-            blocks = decode_payloads(
-                "bwd",
-                recv,
-                myreq.recv_sizes,
-                [info.layout[my_rank]] * world,
-                [
-                    [s.num_features * b for s in info.layout[my_rank]]
-                    for b in info.batch_size_per_rank
-                ],
-                info,
-                my_rank,
-                _take_self_blocks(myreq),
-                _take_skeletons(myreq),
-            )
-            pieces = [
-                torch.cat(join_blocks(bs, info.layout[my_rank], rows), dim=1)
-                if bs
-                else recv.new_empty((rows, 0), dtype=info.dtype)
-                for bs, rows in zip(blocks, info.batch_size_per_rank, strict=True)
-            ]
-            grad_input = torch.cat(pieces, dim=0)
+        recv = myreq.take_received()
+        grad = myreq.a2ai.receive_grad(recv, myreq, my_rank, world)
         if get_gradient_division():
-            grad_input = grad_input / world
-        myreq.tensor = None
+            grad = grad / world
         myreq.dummy_tensor = None
-        return (None, None, None, grad_input)
+        return (None, None, None, grad)
 
 
-class LossyAll2AllPooledWait(Function):
+class LossyAll2AllWait(Function):
     """Waits for the forward exchange and decodes; its backward launches the gradient exchange."""
 
     @staticmethod
@@ -319,31 +445,71 @@ class LossyAll2AllPooledWait(Function):
         *dummy_tensor: torch.Tensor,
     ) -> torch.Tensor:
         my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        info: LossyAll2AllPooledInfo = myreq.a2ai
-        assert myreq.req is not None and myreq.recv_sizes is not None
-        myreq.req.wait()
-        recv, recv_sizes = myreq.tensor, myreq.recv_sizes
-        myreq.req = None
-        myreq.tensor = None
-        ctx.pg = pg
-        ctx.myreq = myreq
+        assert myreq.recv_sizes is not None, "the forward exchange sent no payloads"
+        recv = myreq.take_received()
+        ctx.pg, ctx.myreq = pg, myreq
+        return myreq.a2ai.receive_forward(recv, myreq, my_rank, world)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+        pg, myreq = ctx.pg, ctx.myreq
+        steps: ExchangeSteps = myreq.a2ai
+        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        if steps.comms.config.backward != "lossy":
+            # No size exchange to ride: the forward's deferred decode status is read here,
+            # before any gradient of this step leaves (no read if nothing is pending).
+            read_checked(steps.comms)
+        grad = grad_output.contiguous()
+        myreq.tensor, myreq.req = steps.send_grad(grad, myreq, my_rank, world)
+        return (None, None, myreq.dummy_tensor)
+
+
+@dataclasses.dataclass
+class PooledSteps:
+    """The pooled all-to-all's steps (:class:`ExchangeSteps`): blocks of ``[rows, width]``
+    per (peer, table shard), cut from and joined into ``[B, D]`` tensors.
+
+    Args:
+        info: The call's layout, batch sizes, dedupe state and comms state.
+    """
+
+    info: LossyAll2AllPooledInfo
+
+    @property
+    def comms(self) -> LossyComms:
+        """The module's dists' state."""
+        return self.info.comms
+
+    def send_forward(
+        self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Cuts ``[B_global, D_local]`` into per-destination blocks and sends them encoded."""
+        info = self.info
+        _check_pooled_input(x, info, my_rank)
+        blocks = _forward_blocks(x.detach(), info, my_rank, world)
+        for d, blocks_d in enumerate(blocks):
+            if d == my_rank:  # the self block is counted apart (LossyCommsStats.self_bytes)
+                continue
+            for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
+                rows = s.num_features * info.batch_size_per_rank[d]
+                info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
+        specs = info.layout[my_rank]
+        return encode_and_exchange(
+            "fwd", blocks, [specs] * world, info.layout, info, myreq, x.device, my_rank
+        )
+
+    def receive_forward(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> torch.Tensor:
+        """Decodes every source's blocks into ``[B_local, D_global]``."""
+        info = self.info
         b_local = info.batch_size_per_rank[my_rank]
         if info.output_dedupe is None:
             block_rows = [[s.num_features * b_local for s in specs] for specs in info.layout]
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             block_rows = [[sum(r for r, _ in f) for f in feats] for feats in sender]
-        blocks = decode_payloads(
-            "fwd",
-            recv,
-            recv_sizes,
-            info.layout,
-            block_rows,
-            info,
-            my_rank,
-            _take_self_blocks(myreq),
-            _take_skeletons(myreq),
-        )
+        blocks = decode_exchanged("fwd", recv, info.layout, block_rows, info, myreq, my_rank)
         if info.output_dedupe is None:
             pieces = [
                 piece
@@ -361,90 +527,133 @@ class LossyAll2AllPooledWait(Function):
             return recv.new_empty((b_local, 0), dtype=info.dtype)
         return torch.cat(pieces, dim=1)
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
-        pg = ctx.pg
-        myreq: LossyRequest = ctx.myreq
-        info: LossyAll2AllPooledInfo = myreq.a2ai
-        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        b_local, d_global = grad_output.shape
+    def send_grad(
+        self, grad: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Sends each source rank the gradient of its columns: encoded, cast or exact; summed
+        per distinct bag under ``dedupe_grads``.
+        """
+        info = self.info
+        b_local, d_global = grad.shape
         assert d_global == sum(info.dim_sum_per_rank)
         codec = info.comms.config.backward
-        if codec != "lossy":
-            # No size exchange to ride: the forward's deferred decode status is read here,
-            # before any gradient of this step leaves (no read if nothing is pending).
-            read_checked(info.comms)
-        grad_output = grad_output.contiguous()
-        if not info.dedupe_grads:  # every row travels (the dedupe path counts its own)
+        if info.dedupe_grads:
+            blocks = _reduce_grad_blocks(grad, info, my_rank, world)
+        else:
             for p, specs in enumerate(info.layout):
                 if p == my_rank:  # rows over the wire-crossing peers, as the forward counts
                     continue
                 for s in specs:
                     rows = s.num_features * b_local
                     info.comms.stats.record_rows("bwd", s.table, rows, rows)
-        if info.dedupe_grads:
-            recv, work = _receiver_grad_dedupe(pg, grad_output, myreq, info, my_rank, world)
-        elif codec == "lossy":
+            if codec != "lossy":
+                myreq.recv_sizes = None
+                wire = wire_dtype_of(codec, grad.dtype)
+                return _dense_grad_send(myreq.pg, grad, info, wire, my_rank)
             # Every source rank gets all local rows of its own columns.
             col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
-            blocks = peer_blocks(
-                grad_output, [0] * world, [b_local] * world, col_bases, info.layout
-            )
-            recv, work = encode_and_exchange(
-                "bwd",
-                blocks,
-                info.layout,
-                [info.layout[my_rank]] * world,
-                info,
-                myreq,
-                grad_output.device,
-                my_rank,
-            )
-        else:
-            wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
-            send = backward_dense_send(grad_output, info, wire_dtype)
-            d_local = info.dim_sum_per_rank[my_rank]
-            recv = torch.empty(
-                d_local * sum(info.batch_size_per_rank),
-                dtype=wire_dtype,
-                device=grad_output.device,
-            )
-            with record_function("## lossy_a2a bwd payload ##"):
-                work = dist.all_to_all_single(
-                    recv,
-                    send,
-                    [d_local * b for b in info.batch_size_per_rank],
-                    [b_local * d for d in info.dim_sum_per_rank],
-                    group=pg,
-                    async_op=True,
-                )
-            myreq.recv_sizes = None
-        myreq.req = work
-        myreq.tensor = recv
-        return (None, None, myreq.dummy_tensor)
+            blocks = peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
+        recv_rows = [[sum(fr) for fr in info.owner_rows(my_rank, p)] for p in range(world)]
+        return send_grad_blocks(blocks, recv_rows, info, myreq, grad.device, my_rank, "lossy_a2a")
+
+    def receive_grad(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> torch.Tensor:
+        """The owner's ``[B_global, D_local]`` gradient from what the sources sent back."""
+        info = self.info
+        if info.dedupe_grads:
+            return _owner_grad_dedupe(recv, myreq, info, my_rank, world)
+        b_global = sum(info.batch_size_per_rank)
+        specs = info.layout[my_rank]
+        if myreq.recv_sizes is None:
+            start = time.perf_counter()
+            with record_function("## lossy_a2a bwd decode ##"):
+                grad = recv.view(b_global, info.dim_sum_per_rank[my_rank]).to(info.dtype)
+            shares = {s.table: b_global * s.width for s in specs}
+            info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+            return grad
+        rows = [[s.num_features * b for s in specs] for b in info.batch_size_per_rank]
+        blocks = decode_exchanged("bwd", recv, [specs] * world, rows, info, myreq, my_rank)
+        pieces = [
+            torch.cat(join_blocks(bs, specs, n), dim=1)
+            if bs
+            else recv.new_empty((n, 0), dtype=info.dtype)
+            for bs, n in zip(blocks, info.batch_size_per_rank, strict=True)
+        ]
+        return torch.cat(pieces, dim=0)
 
 
-def _receiver_grad_dedupe(
+def _check_pooled_input(x: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int) -> None:
+    """Raises ``ValueError`` unless ``x`` has the call's shape and dtype."""
+    b_global, d_local = x.shape
+    if b_global != sum(info.batch_size_per_rank) or d_local != info.dim_sum_per_rank[my_rank]:
+        raise ValueError(
+            f"pooled embeddings of shape {tuple(x.shape)} on rank {my_rank} do "
+            f"not match batch sizes {info.batch_size_per_rank} and local dim sum "
+            f"{info.dim_sum_per_rank[my_rank]}"
+        )
+    if x.dtype != info.dtype:
+        raise ValueError(f"pooled embeddings of dtype {x.dtype}, the call's info says {info.dtype}")
+
+
+def _forward_blocks(
+    x: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int, world: int
+) -> list[list[torch.Tensor]]:
+    """Per destination, per local table shard: the rows of its batch (under output dedupe,
+    only its distinct bags: the first U rows of each feature)."""
+    r0s = list(itertools.accumulate(info.batch_size_per_rank, initial=0))
+    if info.output_dedupe is None:
+        return peer_blocks(
+            x, r0s[:-1], info.batch_size_per_rank, [0] * world, [info.layout[my_rank]] * world
+        )
+    with record_function("## lossy_a2a fwd dedupe cut ##"):
+        return [
+            [
+                cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
+                for s, fr in zip(info.layout[my_rank], info.owner_feats(my_rank, d), strict=True)
+            ]
+            for d in range(world)
+        ]
+
+
+def _dense_grad_send(
     pg: dist.ProcessGroup,
-    grad_output: torch.Tensor,
-    myreq: LossyRequest,
+    grad: torch.Tensor,
     info: LossyAll2AllPooledInfo,
+    wire: torch.dtype,
     my_rank: int,
-    world: int,
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Gradient send under output dedupe: rows summed per distinct bag, then sent as blocks.
+    """Every row's gradient without codec, as TorchRec's all-to-all sends it (a fixed split)."""
+    b_local = grad.shape[0]
+    send = backward_dense_send(grad, info, wire)
+    d_local = info.dim_sum_per_rank[my_rank]
+    recv = torch.empty(d_local * sum(info.batch_size_per_rank), dtype=wire, device=grad.device)
+    with record_function("## lossy_a2a bwd payload ##"):
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            [d_local * b for b in info.batch_size_per_rank],
+            [b_local * d for d in info.dim_sum_per_rank],
+            group=pg,
+            async_op=True,
+        )
+    return recv, work
+
+
+def _reduce_grad_blocks(
+    grad: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int, world: int
+) -> list[list[torch.Tensor]]:
+    """Gradient blocks under output dedupe: rows summed per distinct bag.
 
     The owner's lookup backward then sees, per distinct bag, the same total gradient it would
     have accumulated over the repeated bags (up to float summation order).
     """
-    codec = info.comms.config.backward
-    stats = info.comms.stats
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
-    b_local = grad_output.shape[0]
+    b_local = grad.shape[0]
     with record_function("## lossy_a2a bwd dedupe reduce ##"):
         blocks = [
             [
-                reduce_grad_block(grad_output, col_bases[p], s, f)
+                reduce_grad_block(grad, col_bases[p], s, f)
                 for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
             ]
             for p in range(world)
@@ -453,49 +662,8 @@ def _receiver_grad_dedupe(
         if p == my_rank:  # rows over the wire-crossing peers, as the forward counts them
             continue
         for b, s in zip(bs, specs, strict=True):
-            stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
-    myreq.dense_blocks = None
-    myreq.recv_sizes = None
-    if codec == "lossy":
-        return encode_and_exchange(
-            "bwd",
-            blocks,
-            info.layout,
-            [info.layout[my_rank]] * world,
-            info,
-            myreq,
-            grad_output.device,
-            my_rank,
-        )
-    wire_dtype = _CAST_DTYPES.get(codec, grad_output.dtype)
-    in_elem = grad_output.element_size()
-    wire_elem = torch.empty(0, dtype=wire_dtype).element_size()
-    start = time.perf_counter()
-    with record_function("## lossy_a2a bwd encode ##"):
-        send = torch.cat(
-            [b.reshape(-1) for bs in blocks for b in bs] or [grad_output.new_empty(0)]
-        ).to(wire_dtype)
-    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
-    shares: dict[str, int] = {}
-    for bs, specs in zip(blocks, info.layout, strict=True):
-        for b, s in zip(bs, specs, strict=True):
-            # Raw: the rows sent, as in the forward (rows / rows_sent scale it to TorchRec's).
-            raw = b.numel() * in_elem
-            shares[s.table] = shares.get(s.table, 0) + raw
-            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
-    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
-    recv_sizes = [
-        sum(
-            sum(fr) * s.dim
-            for s, fr in zip(info.layout[my_rank], info.owner_rows(my_rank, p), strict=True)
-        )
-        for p in range(world)
-    ]
-    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=grad_output.device)
-    with record_function("## lossy_a2a bwd payload ##"):
-        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
-    myreq.dense_blocks = recv_sizes
-    return recv, work
+            info.comms.stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
+    return blocks
 
 
 def _owner_grad_dedupe(
@@ -510,36 +678,10 @@ def _owner_grad_dedupe(
     specs = info.layout[my_rank]
     owner = [info.owner_feats(my_rank, p) for p in range(world)]
     block_rows = [[sum(r for r, _ in fr) for fr in feats] for feats in owner]
-    if myreq.dense_blocks is None:
-        assert myreq.recv_sizes is not None
-        blocks = decode_payloads(
-            "bwd",
-            recv,
-            myreq.recv_sizes,
-            [specs] * world,
-            block_rows,
-            info,
-            my_rank,
-            _take_self_blocks(myreq),
-            _take_skeletons(myreq),
-        )
+    if myreq.recv_sizes is not None:
+        blocks = decode_exchanged("bwd", recv, [specs] * world, block_rows, info, myreq, my_rank)
     else:
-        start = time.perf_counter()
-        with record_function("## lossy_a2a bwd decode ##"):
-            flat = recv.to(info.dtype).split(
-                [br * s.dim for brs in block_rows for br, s in zip(brs, specs, strict=True)]
-            )
-            it = iter(flat)
-            blocks = [
-                [next(it).view(br, s.dim) for br, s in zip(brs, specs, strict=True)]
-                for brs in block_rows
-            ]
-        elem = recv.element_size()
-        shares: dict[str, int] = {}
-        for i, s in enumerate(specs):
-            n = sum(block_rows[p][i] for p in range(world)) * s.dim * elem
-            shares[s.table] = shares.get(s.table, 0) + n
-        info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
+        blocks = dense_grad_blocks(recv, block_rows, specs, info.dtype, info.comms, "lossy_a2a")
     pieces = []
     for p in range(world):
         rows = info.batch_size_per_rank[p]
@@ -576,5 +718,5 @@ def alltoall_pooled_lossy(
     if info.dtype != a2a_pooled_embs_tensor.dtype:  # the call's dtype is its input's
         info = dataclasses.replace(info, dtype=a2a_pooled_embs_tensor.dtype)
     myreq = LossyRequest(group, device=a2a_pooled_embs_tensor.device)
-    LossyAll2AllPooledReq.apply(group, myreq, info, a2a_pooled_embs_tensor)
+    LossyAll2AllReq.apply(group, myreq, PooledSteps(info), a2a_pooled_embs_tensor)
     return myreq

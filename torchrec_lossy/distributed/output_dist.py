@@ -271,6 +271,9 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             raise ValueError(f"layout widths {got} differ from dim_sum_per_rank {dim_sum_per_rank}")
         self._layout = [tuple(specs) for specs in layout]
         self._comms = comms
+        # Ours, not TorchRec's ``_dist`` (which stays None: this forward replaces the one that
+        # reads it); created on first use, as TorchRec's, so callbacks added until then apply.
+        self._lossy_a2a: LossyPooledEmbeddingsAllToAll | None = None
 
     def forward(
         self,
@@ -287,10 +290,15 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
         Returns:
             Awaitable of ``[B_local, D_global_sum]``; for VBE batches, TorchRec's flat VBE output.
         """
-        if self._dist is None:  # TorchRec's lazy creation (_create_output_dist_module below)
-            self._create_output_dist_module(sharding_ctx)
-        a2a = self._dist
-        assert isinstance(a2a, LossyPooledEmbeddingsAllToAll)
+        if self._lossy_a2a is None:
+            self._lossy_a2a = LossyPooledEmbeddingsAllToAll(
+                pg=self._pg,
+                layout=self._layout,
+                comms=self._comms,
+                device=self._device,
+                callbacks=self._callbacks,
+            )
+        a2a = self._lossy_a2a
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
             return a2a.forward_variable_batch(
                 local_embs,
@@ -306,15 +314,4 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             local_embs,
             batch_size_per_rank=sharding_ctx.batch_size_per_rank,
             output_dedupe=dedupe,
-        )
-
-    def _create_output_dist_module(
-        self, sharding_ctx: EmbeddingShardingContext | None = None
-    ) -> None:
-        self._dist = LossyPooledEmbeddingsAllToAll(
-            pg=self._pg,
-            layout=self._layout,
-            comms=self._comms,
-            device=self._device,
-            callbacks=self._callbacks,
         )

@@ -198,30 +198,10 @@ def decode_payloads(
     Raises:
         LossyAllToAllError: A payload does not decode into the expected blocks.
     """
-    rows_per_peer = [
-        [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
-        for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
-    ]
-    call = _DecodeCall(
-        direction=direction,
-        specs_per_peer=specs_per_peer,
-        rows_per_peer=rows_per_peer,
-        coded_per_peer=[
-            (False,) * len(specs) if peer in info.raw_peers else _coded_flags(specs, info.compress)
-            for peer, specs in enumerate(specs_per_peer)
-        ],
-        info=info,
-        my_rank=my_rank,
-    )
+    call = _DecodeCall.of(direction, specs_per_peer, block_rows_per_peer, info, my_rank)
     start = time.perf_counter()
     with record_function(f"## lossy_a2a {direction} decode ##"):
-        offsets = list(itertools.accumulate(recv_sizes, initial=0))
-        frames: dict[int, _Frame] = {}
-        for peer, size in enumerate(recv_sizes):
-            if self_blocks is None or peer != my_rank:
-                # The whole buffer when one peer sent everything (2 ranks): no view to make.
-                payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
-                frames[peer] = call.frame(peer, payload)
+        frames = call.frames(recv, recv_sizes, skip_self=self_blocks is not None)
         by_peer = call.decode_codec(frames, recv, skeletons)
         out = [
             list(self_blocks)
@@ -229,12 +209,7 @@ def decode_payloads(
             else call.split(peer, frames[peer].payload, by_peer.get(peer, []))
             for peer in range(len(recv_sizes))
         ]
-    # The call's time, shared among every source's tables by their bytes (one record).
-    shares: dict[str, int] = {}
-    for specs, rows in zip(specs_per_peer, rows_per_peer, strict=False):
-        for s, br in zip(specs, rows, strict=True):
-            shares[s.table] = shares.get(s.table, 0) + br * s.dim * info.dtype.itemsize
-    info.comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+    info.comms.stats.record_time(direction, "decode", call.shares(), time.perf_counter() - start)
     return out
 
 
@@ -272,6 +247,78 @@ class _DecodeCall:
     coded_per_peer: list[tuple[bool, ...]]
     info: LossyAll2AllPooledInfo
     my_rank: int
+
+    @classmethod
+    def of(
+        cls,
+        direction: Direction,
+        specs_per_peer: Sequence[Sequence[BlockSpec]],
+        block_rows_per_peer: Sequence[int | Sequence[int]],
+        info: LossyAll2AllPooledInfo,
+        my_rank: int,
+    ) -> _DecodeCall:
+        """The call's layout from :func:`decode_payloads`' arguments.
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            specs_per_peer: Per source, the specs of its blocks.
+            block_rows_per_peer: Per source, the rows of each block, or one batch size.
+            info: Layout, compress flags and comms state.
+            my_rank: This rank.
+
+        Returns:
+            The call, with every block's rows and whether it went through the codec.
+        """
+        return cls(
+            direction=direction,
+            specs_per_peer=specs_per_peer,
+            rows_per_peer=[
+                [s.num_features * br for s in specs] if isinstance(br, int) else list(br)
+                for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
+            ],
+            coded_per_peer=[
+                (False,) * len(specs)
+                if peer in info.raw_peers
+                else _coded_flags(specs, info.compress)
+                for peer, specs in enumerate(specs_per_peer)
+            ],
+            info=info,
+            my_rank=my_rank,
+        )
+
+    def frames(
+        self, recv: torch.Tensor, recv_sizes: Sequence[int], skip_self: bool
+    ) -> dict[int, _Frame]:
+        """Every source's payload in ``recv``, framed (:meth:`frame`).
+
+        Args:
+            recv: The received bytes, payloads in rank order.
+            recv_sizes: Bytes from each source.
+            skip_self: This rank's own blocks skipped the wire (no payload to frame).
+
+        Returns:
+            Source rank to its framed payload.
+        """
+        offsets = list(itertools.accumulate(recv_sizes, initial=0))
+        frames: dict[int, _Frame] = {}
+        for peer, size in enumerate(recv_sizes):
+            if not skip_self or peer != self.my_rank:
+                # The whole buffer when one peer sent everything (2 ranks): no view to make.
+                payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
+                frames[peer] = self.frame(peer, payload)
+        return frames
+
+    def shares(self) -> dict[str, int]:
+        """The call's decoded bytes per table (its time is shared among them by these).
+
+        Returns:
+            Table to the bytes of its blocks, every source's together.
+        """
+        shares: dict[str, int] = {}
+        for specs, rows in zip(self.specs_per_peer, self.rows_per_peer, strict=False):
+            for s, br in zip(specs, rows, strict=True):
+                shares[s.table] = shares.get(s.table, 0) + br * s.dim * self.info.dtype.itemsize
+        return shares
 
     def fail(self, peer: int, why: str) -> NoReturn:
         """Raises :class:`LossyAllToAllError` for ``peer``'s payload.
@@ -365,23 +412,35 @@ class _DecodeCall:
             if failure is not None:
                 self.fail(peers[failure[0]], f"CodecError: {failure[1]}")
         else:
-            for g, peer in enumerate(peers):
-                raw_len = frames[peer].raw_len
-                if raw_len:  # the raw blocks of a failed peer are zeroed with its codec ones
-                    frames[peer].payload[:raw_len].masked_fill_(flags[g] != 0, 0)
-            comms.deferred.append(
-                DeferredDecode(
-                    self.direction,
-                    self.my_rank,
-                    comms.calls.get(self.direction, 1) - 1,
-                    comms.steps,
-                    peers,
-                    self.specs_per_peer,
-                    status,
-                    flags,
-                )
-            )
+            self._defer(frames, peers, status, flags)
         return dict(zip(peers, decoded, strict=True))
+
+    def _defer(
+        self,
+        frames: dict[int, _Frame],
+        peers: list[int],
+        status: GroupStatus,
+        flags: torch.Tensor,
+    ) -> None:
+        """Device path: zeroes the raw blocks of failed sources (their codec blocks already
+        are) and keeps the status for the next host read (:class:`DeferredDecode`)."""
+        for g, peer in enumerate(peers):
+            raw_len = frames[peer].raw_len
+            if raw_len:
+                frames[peer].payload[:raw_len].masked_fill_(flags[g] != 0, 0)
+        comms = self.info.comms
+        comms.deferred.append(
+            DeferredDecode(
+                self.direction,
+                self.my_rank,
+                comms.calls.get(self.direction, 1) - 1,
+                comms.steps,
+                peers,
+                self.specs_per_peer,
+                status,
+                flags,
+            )
+        )
 
     def split(
         self, peer: int, payload: torch.Tensor, decoded: list[torch.Tensor]

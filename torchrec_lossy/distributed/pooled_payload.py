@@ -624,21 +624,7 @@ def start_encode(
         own = blocks_per_peer[my_rank]
         comms.stats.record_self(direction, sum(b.numel() * b.element_size() for b in own))
     with record_function(f"## lossy_a2a {direction} encode ##"):
-        # The codec's input, flat (group after group): the blocks are 2-D float tensors of the
-        # layout's shapes on one device, so the codec's own checks are skipped.
-        flat_blocks = [
-            blocks_per_peer[p][i]
-            for p, idx in zip(plan.peers, plan.coded, strict=True)
-            for i in idx
-        ]
-        values, kinds = _codec_bounds(direction, info, plan, len(flat_blocks))
-        pending = start_compress_blocks(
-            flat_blocks,
-            values,
-            [len(idx) for idx in plan.coded],
-            _codec_config(comms.config, direction, call, my_rank or 0),
-            kinds,
-        )
+        pending = _start_codec(direction, blocks_per_peer, info, plan, call, my_rank)
         raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
         device_sizes, meta = _size_words(pending, plan, raw_parts, device)
     encode = _EncodeCall(
@@ -655,6 +641,32 @@ def start_encode(
     )
     return PendingPayloads(
         device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits)
+    )
+
+
+def _start_codec(
+    direction: Direction,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    info: LossyAll2AllPooledInfo,
+    plan: _EncodePlan,
+    call: int,
+    my_rank: int | None,
+) -> PendingGroups:
+    """Starts ONE codec call over every peer's codec blocks (a group per peer).
+
+    The codec's input is flat (group after group): the blocks are 2-D float tensors of the
+    layout's shapes on one device, so the codec's own checks are skipped.
+    """
+    flat_blocks = [
+        blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
+    ]
+    values, kinds = _codec_bounds(direction, info, plan, len(flat_blocks))
+    return start_compress_blocks(
+        flat_blocks,
+        values,
+        [len(idx) for idx in plan.coded],
+        _codec_config(info.comms.config, direction, call, my_rank or 0),
+        kinds,
     )
 
 

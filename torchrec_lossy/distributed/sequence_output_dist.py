@@ -17,17 +17,14 @@ distinct id, and the gradient one summed row per distinct id (``backward_dedupe`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Function
 from torch.autograd.profiler import record_function
-from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.dist_data import SequenceEmbeddingsAwaitable
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
@@ -35,10 +32,16 @@ from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy import codec
-from torchrec_lossy.distributed.comm_ops import LossyRequest, encode_and_exchange
+from torchrec_lossy.distributed.comm_ops import (
+    LossyAll2AllReq,
+    LossyRequest,
+    decode_exchanged,
+    dense_grad_blocks,
+    encode_and_exchange,
+    send_grad_blocks,
+)
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import lookup_ids_of
-from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -46,10 +49,8 @@ from torchrec_lossy.distributed.pooled_payload import (
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
 from torchrec_lossy.distributed.topology import peer_links
 
-_CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-
-@dataclass
+@dataclasses.dataclass
 class LossyAll2AllSeqInfo:
     """Per-call parameters of :func:`alltoall_sequence_lossy`.
 
@@ -152,95 +153,51 @@ def join_sequence_blocks(
     return torch.cat([seg[(f, d)] for f in range(len(info.feature_rows)) for d in range(world)])
 
 
-class LossyAll2AllSeqReq(Function):
-    """Encodes and launches the forward exchange; its backward decodes the gradient."""
+@dataclasses.dataclass
+class SequenceSteps:
+    """The sequence all-to-all's steps (:class:`.comm_ops.ExchangeSteps`): blocks of
+    ``[rows, D]`` per (peer, table shard), cut from and joined into ``[num_ids, D]`` tensors.
 
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        pg: dist.ProcessGroup,
-        myreq: LossyRequest,
-        info: LossyAll2AllSeqInfo,
-        local_embs: torch.Tensor,
-    ) -> torch.Tensor:
-        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        pooled = info.pooled
-        pooled.dtype = local_embs.dtype
+    Args:
+        info: The call's row counts, layout, dedupe and comms state.
+    """
+
+    info: LossyAll2AllSeqInfo
+
+    @property
+    def comms(self) -> LossyComms:
+        """The module's dists' state."""
+        return self.info.pooled.comms
+
+    def send_forward(
+        self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Cuts the owner's rows per (destination, table shard) and sends them encoded."""
+        info, pooled = self.info, self.info.pooled
         specs = pooled.layout[my_rank]
         with record_function("## lossy_seq_a2a fwd cut ##"):
             if info.dedupe is None:
-                blocks = cut_sequence_blocks(local_embs.detach(), info, my_rank)
+                blocks = cut_sequence_blocks(x.detach(), info, my_rank)
             else:
-                blocks = info.dedupe.owner_blocks(local_embs.detach())
+                blocks = info.dedupe.owner_blocks(x.detach())
         full = info.send_rows(my_rank)
         for d, blocks_d in enumerate(blocks):
             if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
                 for b, s, n in zip(blocks_d, specs, full[d], strict=True):
                     pooled.comms.stats.record_rows("fwd", s.table, n, b.shape[0])
-        myreq.tensor, myreq.req = encode_and_exchange(
-            "fwd", blocks, [specs] * world, pooled.layout, pooled, myreq, local_embs.device, my_rank
+        return encode_and_exchange(
+            "fwd", blocks, [specs] * world, pooled.layout, pooled, myreq, x.device, my_rank
         )
-        myreq.a2ai = info
-        myreq.wait_function = LossyAll2AllSeqWait
-        ctx.myreq = myreq
-        ctx.pg = pg
-        return myreq.dummy_tensor
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, *unused: torch.Tensor) -> tuple:
-        pg, myreq = ctx.pg, ctx.myreq
-        info: LossyAll2AllSeqInfo = myreq.a2ai
-        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        assert myreq.req is not None, "backward of the lossy sequence all-to-all before its wait"
-        myreq.req.wait()
-        recv, myreq.req, myreq.tensor = myreq.tensor, None, None
-        specs = info.pooled.layout[my_rank]
-        rows = info.grad_rows(my_rank)
-        if myreq.recv_sizes is None:  # cast or exact: one dense run of every block
-            blocks = _dense_blocks(recv, rows, specs, info)
-        else:
-            self_blocks, myreq.self_blocks = myreq.self_blocks, None
-            skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
-            blocks = decode_payloads(
-                "bwd", recv, myreq.recv_sizes, [specs] * world, rows, info.pooled, my_rank,
-                self_blocks, skeletons,
-            )  # fmt: skip
-        if info.dedupe_grads:
-            assert info.dedupe is not None
-            num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)
-            grad = info.dedupe.place_grad(blocks, num_ids, info.dim, info.pooled.dtype)
-        else:
-            grad = join_sequence_blocks(blocks, info, my_rank).to(recv.device)
-        if get_gradient_division():
-            grad = grad / world
-        myreq.dummy_tensor = None
-        return (None, None, None, grad)
-
-
-class LossyAll2AllSeqWait(Function):
-    """Waits for the forward exchange and decodes; its backward launches the gradient's."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        pg: dist.ProcessGroup,
-        myreq: LossyRequest,
-        *dummy_tensor: torch.Tensor,
+    def receive_forward(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
-        my_rank = dist.get_rank(pg)
-        info: LossyAll2AllSeqInfo = myreq.a2ai
-        assert myreq.req is not None and myreq.recv_sizes is not None
-        myreq.req.wait()
-        recv, myreq.req, myreq.tensor = myreq.tensor, None, None
-        self_blocks, myreq.self_blocks = myreq.self_blocks, None
-        skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
-        ctx.pg, ctx.myreq = pg, myreq
-        dd = info.dedupe
-        blocks = decode_payloads(
-            "fwd", recv, myreq.recv_sizes, info.pooled.layout,
-            info.recv_rows if dd is None else dd.recv_rows, info.pooled, my_rank, self_blocks,
-            skeletons,
-        )  # fmt: skip
+        """Decodes every owner's rows into this rank's ``[num_ids_local, D]``."""
+        info, dd = self.info, self.info.dedupe
+        rows = info.recv_rows if dd is None else dd.recv_rows
+        blocks = decode_exchanged(
+            "fwd", recv, info.pooled.layout, rows, info.pooled, myreq, my_rank
+        )
         pieces = [b for bs in blocks for b in bs]
         if not pieces:
             return recv.new_empty((0, info.dim), dtype=info.pooled.dtype)
@@ -249,16 +206,13 @@ class LossyAll2AllSeqWait(Function):
         with record_function("## lossy_seq_a2a fwd dedupe expand ##"):
             return dd.expand(torch.cat(pieces))
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
-        pg, myreq = ctx.pg, ctx.myreq
-        info: LossyAll2AllSeqInfo = myreq.a2ai
-        pooled = info.pooled
-        my_rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        codec_name = pooled.comms.config.backward
-        if codec_name != "lossy":  # no size exchange to carry the forward's deferred status
-            read_checked(pooled.comms)
-        grad = grad_output.contiguous()
+    def send_grad(
+        self, grad: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Sends each owner the gradient of its rows: encoded, cast or exact; one summed row
+        per distinct id under ``dedupe_grads``.
+        """
+        info, pooled = self.info, self.info.pooled
         if info.dedupe_grads:
             assert info.dedupe is not None
             with record_function("## lossy_seq_a2a bwd dedupe reduce ##"):
@@ -271,66 +225,30 @@ class LossyAll2AllSeqWait(Function):
             if p != my_rank:
                 for b, s, n in zip(bs, specs, info.recv_rows[p], strict=True):
                     pooled.comms.stats.record_rows("bwd", s.table, n, b.shape[0])
-        if codec_name == "lossy":
-            specs = pooled.layout[my_rank]
-            myreq.tensor, myreq.req = encode_and_exchange(
-                "bwd", blocks, pooled.layout, [specs] * world, pooled, myreq, grad.device, my_rank
+        return send_grad_blocks(
+            blocks, info.grad_rows(my_rank), pooled, myreq, grad.device, my_rank, "lossy_seq_a2a"
+        )
+
+    def receive_grad(
+        self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
+    ) -> torch.Tensor:
+        """The owner's ``[num_ids, D]`` gradient, feature-major, from what the sources sent."""
+        info = self.info
+        specs = info.pooled.layout[my_rank]
+        rows = info.grad_rows(my_rank)
+        if myreq.recv_sizes is None:  # cast or exact: one dense run of every block
+            blocks = dense_grad_blocks(
+                recv, rows, specs, info.pooled.dtype, info.pooled.comms, "lossy_seq_a2a"
             )
         else:
-            _dense_send(pg, blocks, info, _CAST_DTYPES.get(codec_name, grad.dtype), myreq, my_rank)
-        return (None, None, myreq.dummy_tensor)
-
-
-def _dense_send(
-    pg: dist.ProcessGroup,
-    blocks: list[list[torch.Tensor]],
-    info: LossyAll2AllSeqInfo,
-    wire_dtype: torch.dtype,
-    myreq: LossyRequest,
-    my_rank: int,
-) -> None:
-    """Gradient exchange without codec (``backward`` "none", "fp16" or "bf16"), asynchronous."""
-    stats = info.pooled.comms.stats
-    start = time.perf_counter()
-    with record_function("## lossy_seq_a2a bwd encode ##"):
-        flat = [b.reshape(-1) for bs in blocks for b in bs]
-        send = torch.cat(flat).to(wire_dtype) if flat else torch.empty(0, dtype=wire_dtype)
-    wire_elem = send.element_size()
-    shares: dict[str, int] = {}
-    for bs, specs in zip(blocks, info.pooled.layout, strict=True):
-        for b, s in zip(bs, specs, strict=True):
-            raw = b.numel() * b.element_size()
-            shares[s.table] = shares.get(s.table, 0) + raw
-            stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
-            if wire_dtype != b.dtype and b.numel():
-                err = (b - b.to(wire_dtype).to(b.dtype)).abs().amax()
-                stats.record_max_error_lazy("bwd", s.table, err)
-    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
-    send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
-    recv_sizes = [sum(rows) * info.dim for rows in info.grad_rows(my_rank)]
-    recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=send.device)
-    with record_function("## lossy_seq_a2a bwd payload ##"):
-        myreq.req = dist.all_to_all_single(
-            recv, send, recv_sizes, send_sizes, group=pg, async_op=True
-        )
-    myreq.tensor = recv
-    myreq.recv_sizes = None
-
-
-def _dense_blocks(
-    recv: torch.Tensor, rows: list[list[int]], specs: Sequence[BlockSpec], info: LossyAll2AllSeqInfo
-) -> list[list[torch.Tensor]]:
-    """The owner's received dense gradient, as blocks (per source, per local table shard)."""
-    start = time.perf_counter()
-    with record_function("## lossy_seq_a2a bwd decode ##"):
-        it = iter(recv.to(info.pooled.dtype).split([r * info.dim for rs in rows for r in rs]))
-        blocks = [[next(it).view(r, info.dim) for r in rs] for rs in rows]
-    shares: dict[str, int] = {}
-    for rs in rows:
-        for r, s in zip(rs, specs, strict=True):
-            shares[s.table] = shares.get(s.table, 0) + r * info.dim * recv.element_size()
-    info.pooled.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
-    return blocks
+            blocks = decode_exchanged(
+                "bwd", recv, [specs] * world, rows, info.pooled, myreq, my_rank
+            )
+        if info.dedupe_grads:
+            assert info.dedupe is not None
+            num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)
+            return info.dedupe.place_grad(blocks, num_ids, info.dim, info.pooled.dtype)
+        return join_sequence_blocks(blocks, info, my_rank).to(recv.device)
 
 
 def alltoall_sequence_lossy(
@@ -349,8 +267,12 @@ def alltoall_sequence_lossy(
     """
     if group.size() <= 1:
         return NoWait(local_embs)
+    if info.pooled.dtype != local_embs.dtype:  # the call's dtype is its input's
+        info = dataclasses.replace(
+            info, pooled=dataclasses.replace(info.pooled, dtype=local_embs.dtype)
+        )
     myreq = LossyRequest(group, device=local_embs.device)
-    LossyAll2AllSeqReq.apply(group, myreq, info, local_embs)
+    LossyAll2AllReq.apply(group, myreq, SequenceSteps(info), local_embs)
     return myreq
 
 
@@ -432,6 +354,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             exact_forward=self._comms.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
+            dtype=local_embs.dtype,
         )
         dedupe = None
         if lookup_ids is not None and self._comms.config.input_dist.dedupe_outputs:

@@ -12,7 +12,10 @@ Example::
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch import nn
 from torchrec.distributed.embedding import (
     EmbeddingCollectionContext,
     EmbeddingCollectionSharder,
@@ -22,25 +25,25 @@ from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
     LazyAwaitable,
-    ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
+    ShardingType,
 )
-from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.comms import BoundProviderFactory, StaticBounds
 from torchrec_lossy.distributed.context import DistributedKJT, bind_lookup_ids
 from torchrec_lossy.distributed.sequence_sharding import (
+    LOSSY_SEQUENCE_SHARDING_TYPES,
     SequenceSharding,
-    create_lossy_sequence_sharding,
 )
 from torchrec_lossy.distributed.sharder import (
     LossyCommsModule,
     LossySharderMixin,
-    lossy_comms_of,
 )
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollection):
@@ -61,31 +64,10 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
         lossy_bounds: The bound provider (a registered submodule, so in ``state_dict``).
     """
 
-    def __init__(
-        self,
-        module: EmbeddingCollection,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        fused_params: dict[str, object] | None = None,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-        module_fqn: str | None = None,
-        comms_config: LossyCommsConfig | None = None,
-        bounds_factory: BoundProviderFactory = StaticBounds,
-    ) -> None:
-        table_names = [c.name for c in module.embedding_configs()]
-        # Set before the base __init__, which creates the shardings (they need it).
-        self._lossy_comms = lossy_comms_of(table_names, comms_config, bounds_factory)
-        super().__init__(
-            module=module,
-            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
-            env=env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-        self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
+    @staticmethod
+    def lossy_table_names(module: nn.Module) -> list[str]:
+        """The EmbeddingCollection's table names (see the base's)."""
+        return [c.name for c in module.embedding_configs()]  # type: ignore[operator]
 
     def compute_and_output_dist(
         self, ctx: EmbeddingCollectionContext, input: KJTList
@@ -146,10 +128,28 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
             qcomm_codecs_registry: TorchRec qcomm codecs.
 
         Returns:
-            The sharding: compressed for TW/CW, TorchRec's for the others.
+            The sharding: compressed for TW/CW/RW (``LOSSY_SEQUENCE_SHARDING_TYPES``),
+            TorchRec's for the others (data-parallel sends no embeddings; any other type is
+            logged as not compressed).
         """
-        return create_lossy_sequence_sharding(
-            sharding_type, sharding_infos, env, self._lossy_comms, device, qcomm_codecs_registry
+        cls = LOSSY_SEQUENCE_SHARDING_TYPES.get(sharding_type)
+        if cls is not None:
+            return cls(
+                sharding_infos, env, self._lossy_comms, device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+            )  # fmt: skip
+        if sharding_type != ShardingType.DATA_PARALLEL.value:  # DP sends no embeddings at all
+            for info in sharding_infos:
+                logger.warning(
+                    "EmbeddingCollection table %r is %s-sharded: the lossy sharder compresses "
+                    "table-, column- and row-wise sequence shardings, so it is sharded by "
+                    "TorchRec's own %s sharding, NOT lossy-compressed",
+                    info.embedding_config.name,
+                    sharding_type,
+                    sharding_type,
+                )
+        return ShardedEmbeddingCollection.create_embedding_sharding(
+            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
         )
 
 
@@ -178,40 +178,6 @@ class LossyEmbeddingCollectionSharder(LossySharderMixin, EmbeddingCollectionShar
     ) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         self._init_lossy(comms_config, bounds_factory)
-
-    def shard(
-        self,
-        module: EmbeddingCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> LossyShardedEmbeddingCollection:
-        """Shards ``module`` like TorchRec's sharder, with compressed sequence all-to-alls.
-
-        Args:
-            module: The EmbeddingCollection.
-            params: Its tables' plan.
-            env: Sharding environment.
-            device: Device of the shards.
-            module_fqn: Its name in the model.
-
-        Returns:
-            The sharded module.
-        """
-        sharded = LossyShardedEmbeddingCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-            comms_config=self._comms_config,
-            bounds_factory=self._bounds_factory,
-        )
-        self._sharded[module_fqn or ""] = sharded
-        return sharded
 
     @property
     def sharded_module_type(self) -> type[LossyShardedEmbeddingCollection]:

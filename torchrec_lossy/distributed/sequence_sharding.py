@@ -4,30 +4,26 @@ Each class is TorchRec's sequence sharding (``EmbeddingCollection``) with the in
 replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, without its bag dedupe;
 row-wise: the bucketized one of :mod:`.rw_sharding`) and the output dist by the compressed one of
 :mod:`.sequence_output_dist`; lookups and everything else are TorchRec's. Data-parallel
-sequence shardings stay TorchRec's (see :func:`create_lossy_sequence_sharding`). The row dedupe
+sequence shardings stay TorchRec's (see
+``LossyShardedEmbeddingCollection.create_embedding_sharding``). The row dedupe
 (one row per distinct id) is the output dist's own (:mod:`.sequence_dedupe`).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_sharding import (
     BaseEmbeddingDist,
     BaseSparseFeaturesDist,
     EmbeddingSharding,
-    EmbeddingShardingInfo,
 )
 from torchrec.distributed.sharding.cw_sequence_sharding import CwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
 from torchrec_lossy.distributed.output_dist import pooled_layout
 from torchrec_lossy.distributed.rw_sharding import packed_rw_input_dist
@@ -36,8 +32,6 @@ from torchrec_lossy.distributed.sequence_output_dist import (
     LossyTwSequenceEmbeddingDist,
 )
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
-
-logger: logging.Logger = logging.getLogger(__name__)
 
 SequenceSharding = EmbeddingSharding[
     SequenceShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor
@@ -130,42 +124,3 @@ LOSSY_SEQUENCE_SHARDING_TYPES: dict[str, type] = {
     ShardingType.COLUMN_WISE.value: LossyCwSequenceEmbeddingSharding,
     ShardingType.ROW_WISE.value: LossyRwSequenceEmbeddingSharding,
 }
-
-
-def create_lossy_sequence_sharding(
-    sharding_type: str,
-    sharding_infos: list[EmbeddingShardingInfo],
-    env: ShardingEnv,
-    comms: LossyComms,
-    device: torch.device | None = None,
-    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-) -> SequenceSharding:
-    """The sequence sharding of one sharding type: compressed for TW/CW/RW, TorchRec's otherwise.
-
-    Args:
-        sharding_type: The sharding type.
-        sharding_infos: Its tables.
-        env: Sharding environment.
-        comms: Shared state of the sharded module.
-        device: Device of the lookups.
-        qcomm_codecs_registry: TorchRec qcomm codecs.
-
-    Returns:
-        The sharding.
-    """
-    cls = LOSSY_SEQUENCE_SHARDING_TYPES.get(sharding_type)
-    if cls is not None:
-        return cls(sharding_infos, env, comms, device, qcomm_codecs_registry=qcomm_codecs_registry)
-    if sharding_type != ShardingType.DATA_PARALLEL.value:  # DP sends no embeddings at all
-        for info in sharding_infos:
-            logger.warning(
-                "EmbeddingCollection table %r is %s-sharded: the lossy sharder compresses "
-                "table-, column- and row-wise sequence shardings, so it is sharded by TorchRec's "
-                "own %s sharding, NOT lossy-compressed",
-                info.embedding_config.name,
-                sharding_type,
-                sharding_type,
-            )
-    return ShardedEmbeddingCollection.create_embedding_sharding(
-        sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
-    )

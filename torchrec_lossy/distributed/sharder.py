@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,13 +59,47 @@ logger: logging.Logger = logging.getLogger(__name__)
 class LossyCommsModule:
     """What every lossy-sharded module adds to TorchRec's: its dists' shared state and telemetry.
 
-    Mixed in before the TorchRec sharded module class; ``lossy_comms_of`` builds the state,
-    which the subclass sets as ``_lossy_comms`` before TorchRec's ``__init__`` (that creates the
-    shardings, which need it) and registers the provider as ``lossy_bounds`` after.
+    Mixed in before the TorchRec sharded module class: its constructor sets the shared state
+    (:func:`lossy_comms_of`) as ``_lossy_comms`` before TorchRec's ``__init__`` (that creates
+    the shardings, which need it) and registers the bound provider as ``lossy_bounds`` after.
+
+    Args:
+        module: The unsharded module.
+        *args: TorchRec's sharded module's other positional arguments.
+        comms_config: Bounds, codec knobs and backward codec; None: ``LossyCommsConfig()``.
+        bounds_factory: Builds the bound provider as ``bounds_factory(table_names, config)``.
+        **kwargs: TorchRec's sharded module's keyword arguments.
     """
 
     _lossy_comms: LossyComms
     lossy_bounds: nn.Module
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *args: Any,
+        comms_config: LossyCommsConfig | None = None,
+        bounds_factory: BoundProviderFactory = StaticBounds,
+        **kwargs: Any,
+    ) -> None:
+        # A plain (non-Module) attribute may be set before Module.__init__.
+        self._lossy_comms = lossy_comms_of(
+            self.lossy_table_names(module), comms_config, bounds_factory
+        )
+        super().__init__(module, *args, **kwargs)  # type: ignore[call-arg]
+        self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
+
+    @staticmethod
+    def lossy_table_names(module: nn.Module) -> list[str]:
+        """The names of ``module``'s tables (their bounds' keys).
+
+        Args:
+            module: The unsharded module.
+
+        Returns:
+            Its tables' names, in config order.
+        """
+        raise NotImplementedError
 
     @property
     def lossy_stats(self) -> LossyCommsStats:
@@ -148,11 +183,6 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
         comms_config: LossyCommsConfig | None = None,
         bounds_factory: BoundProviderFactory = StaticBounds,
     ) -> None:
-        table_names = [c.name for c in module.embedding_bag_configs()]
-        # The base __init__ creates the shardings (create_embedding_bag_sharding below), which
-        # need the shared state; a plain (non-Module) attribute may be set before Module.__init__.
-        self._lossy_comms = lossy_comms_of(table_names, comms_config, bounds_factory)
-        config = self._lossy_comms.config
         super().__init__(
             module=module,
             table_name_to_parameter_sharding=table_name_to_parameter_sharding,
@@ -162,8 +192,9 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
             sharded_module_order_overwrite=sharded_module_order_overwrite,
+            comms_config=comms_config,
+            bounds_factory=bounds_factory,
         )
-        self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
         unused = [
             op.name
             for op, uses in (
@@ -180,8 +211,13 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
                 "it inside a host), with LossyCommsConfig.backward=%r for the gradient",
                 module_fqn or "EmbeddingBagCollection",
                 " and ".join(unused),
-                config.backward,
+                self._lossy_comms.config.backward,
             )
+
+    @staticmethod
+    def lossy_table_names(module: nn.Module) -> list[str]:
+        """The EmbeddingBagCollection's table names (see the base's)."""
+        return [c.name for c in module.embedding_bag_configs()]  # type: ignore[operator]
 
     def create_embedding_bag_sharding(  # type: ignore[override]
         self,
@@ -336,6 +372,49 @@ class LossySharderMixin:
         """Builds each sharded module's bound provider (pickled by reference: a top-level name)."""
         return self._bounds_factory
 
+    def lossy_module_options(self) -> dict[str, Any]:
+        """TorchRec sharder options the sharded module takes besides the common ones.
+
+        Returns:
+            Keyword arguments for the sharded module's constructor; none by default.
+        """
+        return {}
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> LossyCommsModule:
+        """Shards ``module`` like TorchRec's sharder, with compressed embedding all-to-alls.
+
+        Args:
+            module: The module (of this sharder's type).
+            params: Its tables' plan.
+            env: Sharding environment.
+            device: Device of the shards.
+            module_fqn: Its name in the model.
+
+        Returns:
+            The sharded module (``sharded_module_type``), registered for :meth:`stats`.
+        """
+        sharded = self.sharded_module_type(  # type: ignore[attr-defined]
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,  # type: ignore[attr-defined]
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,  # type: ignore[attr-defined]
+            module_fqn=module_fqn,
+            comms_config=self._comms_config,
+            bounds_factory=self._bounds_factory,
+            **self.lossy_module_options(),
+        )
+        self._sharded[module_fqn or ""] = sharded
+        return sharded
+
     def stats(self) -> dict[str, LossyCommsStats]:
         """Telemetry of every live module this sharder sharded, by module name.
 
@@ -376,40 +455,13 @@ class LossyEmbeddingBagCollectionSharder(LossySharderMixin, EmbeddingBagCollecti
         )
         self._init_lossy(comms_config, bounds_factory)
 
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> LossyShardedEmbeddingBagCollection:
-        """Shards ``module`` like TorchRec's sharder, with compressed output all-to-alls.
-
-        Args:
-            module: The EmbeddingBagCollection.
-            params: Its tables' plan.
-            env: Sharding environment.
-            device: Device of the shards.
-            module_fqn: Its name in the model.
+    def lossy_module_options(self) -> dict[str, Any]:
+        """TorchRec's module order overwrite, which the EBC sharder passes on.
 
         Returns:
-            The sharded module.
+            ``sharded_module_order_overwrite`` for the sharded module.
         """
-        sharded = LossyShardedEmbeddingBagCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-            comms_config=self._comms_config,
-            bounds_factory=self._bounds_factory,
-        )
-        self._sharded[module_fqn or ""] = sharded
-        return sharded
+        return {"sharded_module_order_overwrite": self._sharded_module_order_overwrite}
 
     @property
     def sharded_module_type(self) -> type[LossyShardedEmbeddingBagCollection]:
