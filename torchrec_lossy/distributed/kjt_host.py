@@ -407,20 +407,17 @@ def _first_bags_kernel(
     nseg = segments.shape[0]
     rows = np.zeros(nseg, np.int64)
     out_start = np.zeros(nseg + 1, np.int64)
-    for g in range(nseg):
-        kind, row = segments[g, 0], segments[g, 1]
-        _, _, batch, _, num_ids, _, num_unique = features[row]
-        if kind == BY_INVERSE:
-            rows[g] = (1 if num_ids < batch else 0) + num_unique
-        out_start[g + 1] = out_start[g] + max(batch, rows[g])
-    first = np.empty(out_start[nseg], np.int64)
     # By inverse (``dedupe.first_bags``): bag b maps to row 0 if empty (the empty bag comes
     # first when there is one), to row ``empty + inverse`` otherwise; unmapped rows hold the
     # total bag count of these segments, as there.
     unmapped = 0
     for g in range(nseg):
+        _, _, batch, _, num_ids, _, num_unique = features[segments[g, 1]]
         if segments[g, 0] == BY_INVERSE:
-            unmapped += features[segments[g, 1], 2]
+            rows[g] = (1 if num_ids < batch else 0) + num_unique
+            unmapped += batch
+        out_start[g + 1] = out_start[g] + max(batch, rows[g])
+    first = np.empty(out_start[nseg], np.int64)
     # By sort (``dedupe.distinct_bags``): a bag's key is its id if it holds one, -1 if empty and
     # below -1 (distinct per bag, over all these segments) if longer.
     keys = np.empty(out_start[nseg], np.int64)
@@ -428,17 +425,16 @@ def _first_bags_kernel(
     sort_start = np.zeros(nseg + 1, np.int64)
     k = 0
     for g in range(nseg):
-        kind, row = segments[g, 0], segments[g, 1]
-        _, len_start, batch, val_start, num_ids, _, _ = features[row]
+        _, len_start, batch, val_start, num_ids, _, _ = features[segments[g, 1]]
         at = val_start
-        if kind == BY_INVERSE:
+        if segments[g, 0] == BY_INVERSE:
             empty = 1 if num_ids < batch else 0
             out = first[out_start[g] : out_start[g + 1]]
             out[: rows[g]] = unmapped
             for b in range(batch):
                 n = lengths[len_start + b]
-                row = 0 if n == 0 else empty + inverse[at + n - 1]
-                out[row] = min(out[row], b)
+                r = 0 if n == 0 else empty + inverse[at + n - 1]
+                out[r] = min(out[r], b)
                 at += n
         else:
             n_sort = sort_start[k]
