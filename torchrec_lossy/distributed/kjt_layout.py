@@ -153,24 +153,16 @@ def _add_field(
     """
     if count == 0 or width == 0:
         return s
-    if width <= 32:
-        sections[s] = (
-            np.int64(feature),
-            np.int64(field),
-            np.int64(count),
-            np.int64(width),
-            np.int64(0),
-            np.int64(bit),
-        )
-        return s + 1
     sections[s] = (
         np.int64(feature),
         np.int64(field),
         np.int64(count),
-        np.int64(32),
+        np.int64(min(width, 32)),
         np.int64(0),
         np.int64(bit),
     )
+    if width <= 32:
+        return s + 1
     sections[s + 1] = (
         np.int64(feature),
         np.int64(field),
