@@ -104,8 +104,7 @@ def pack_bits(
         # Fields do not overlap, so adding the shifted pieces is the same as OR-ing them.
         acc.index_add_(0, word, (values << off) & _MASK32)
         acc.index_add_(0, word + 1, values >> (_WORD_BITS - off))
-    acc = acc[:num_words]
-    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)
+    return _as_int32(acc[:num_words])
 
 
 def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
