@@ -11,20 +11,21 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
 from torchrec_lossy.config import InputDistConfig
-from torchrec_lossy.distributed import LossyAllToAllError, kjt_host, kjt_layout
+from torchrec_lossy.distributed import LossyAllToAllError
 from torchrec_lossy.distributed.kjt_codec import (
+    DecodedKJT,
     EncodedKJT,
     decode_kjt,
     encode_kjt,
     on_host,
     parse_meta,
 )
+from torchrec_lossy.distributed.kjt_layout import FeatureMeta
 
 ENCODED_FIELDS = (
     "send",
@@ -143,18 +144,20 @@ def test_numba_decode_refuses_fields_that_do_not_match_the_metadata() -> None:
 
     # An inverse index past the distinct ids: one deduplicated feature of one bag of 2 ids and
     # 3 distinct ids (2-bit lengths, 1-bit ids, 2-bit inverse index), in one word.
-    formats = np.array([[2, 1, 1, 2, 3, 0, 0]], np.int64)
+    meta = FeatureMeta(len_bits=2, id_bits=1, dedupe=True, num_ids=2, num_unique=3)
+    codes = args[-3]  # int64 lengths and ids, no checksum
 
-    def decode(inverse: list[int]) -> kjt_host.Decoded:
+    def decode(inverse: list[int]) -> DecodedKJT:
         word = 2 | 0b101 << 2 | inverse[0] << 5 | inverse[1] << 7  # bags [2], distinct [1, 0, 1]
         words = torch.tensor([word], dtype=torch.int32)
-        one = np.array([1], np.int64)
-        return kjt_host.decode(words, one, False, formats, np.array([0, 1]), one, 0)
+        return decode_kjt(words, [1], [[meta]], [1], codes, ["k"], 0, backend="numba")
 
-    out = decode([3, 0])
-    assert out.refusal == (0, kjt_layout.BAD_INVERSE, 0, 0)
+    with pytest.raises(
+        LossyAllToAllError,
+        match=r"from rank 0 .*feature 0 of the payload: its inverse index points past its",
+    ):
+        decode([3, 0])
     out = decode([2, 0])  # in range
-    assert out.refusal.source == -1
     assert out.lengths.tolist() == [2] and out.values.tolist() == [1, 1]
 
 

@@ -56,8 +56,6 @@ from torchrec_lossy.distributed.kjt_layout import (
     DecodeCall,
     EncodeCall,
     FeatureMeta,
-    Packed,
-    Unpacked,
 )
 from torchrec_lossy.distributed.vbe import pad_vbe_lengths
 
@@ -254,7 +252,7 @@ def encode_kjt(
             raise ValueError("lossy input dist: no output dedupe for a VBE KJT; pass None")
         lengths, batch = pad_vbe_lengths(lengths, vbe_strides)
     # The backend, chosen once: both take the same call and give the same words.
-    pack = _pack_numba if on_host(values.device, backend) else kjt_torch.pack
+    pack = kjt_host.pack if on_host(values.device, backend) else kjt_torch.pack
     wire_w = None if weights is None else _WEIGHT_CASTS.get(config.weights, weights.dtype)
     feat_off, meta_splits = _split_offsets(tuple(splits))
     call = EncodeCall(
@@ -401,34 +399,6 @@ def _split_offsets(splits: tuple[int, ...]) -> tuple[np.ndarray, list[int]]:
     return offsets, [meta_words(n) for n in splits]
 
 
-def _pack_numba(call: EncodeCall) -> Packed:
-    """The numba backend's encode: statistics, plan and packing in one compiled call
-    (``kjt_host.encode``).
-
-    Args:
-        call: The encode's input (CPU tensors).
-
-    Returns:
-        The plan and the payloads.
-
-    Raises:
-        ValueError: If the lengths do not sum to the ids, or a length or an id is negative.
-    """
-    weights = call.weights.to(call.wire_w) if call.weights is not None else None
-    out = kjt_host.encode(
-        call.lens, call.ids, weights, call.batch, call.feat_off, call.want_dedupe, call.opts
-    )
-    if not isinstance(out, kjt_host.HostEncoded):
-        why, stats = out
-        if why == kjt_host.BAD_SUM:
-            raise ValueError(
-                f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but "
-                f"it holds {call.ids.numel()} ids; pass a KJT whose lengths match its values"
-            )
-        call.check_signs(stats.tolist())
-    return Packed(*out)
-
-
 # ---------------------------------------------------------------------------------------------
 # Decode.
 
@@ -480,7 +450,7 @@ def decode_kjt(
             metadata or checksum.
     """
     # The backend, chosen once: both take the same call and give the same tensors.
-    unpack = _unpack_numba if on_host(recv.device, backend) else kjt_torch.unpack
+    unpack = kjt_host.unpack if on_host(recv.device, backend) else kjt_torch.unpack
     if any(c != codes[0] for c in codes):
         raise LossyAllToAllError(
             f"lossy input dist on rank {my_rank}: source ranks sent KJTs of different dtypes "
@@ -510,11 +480,12 @@ def decode_kjt(
         trailer=bool(code & _CHECK_FLAG),
         fail=fail,
     )
-    lengths, values, payloads, selects = unpack(call)
+    out = unpack(call)
+    selects = call.selects(out.segments, out.first_bags)
     len_dtype, val_dtype = _DTYPES[code & 0xFF], _DTYPES[code >> 8 & 0xFF]
     assert len_dtype is not None and val_dtype is not None
-    weights = _decode_weights(recv, payloads, _DTYPES[code >> 16 & 0xFF], wire_w)
-    return DecodedKJT(lengths.to(len_dtype), values.to(val_dtype), weights, selects)
+    weights = _decode_weights(recv, out.payloads, _DTYPES[code >> 16 & 0xFF], wire_w)
+    return DecodedKJT(out.lengths.to(len_dtype), out.values.to(val_dtype), weights, selects)
 
 
 def _decode_weights(
@@ -543,30 +514,6 @@ def _decode_weights(
         raw = recv[weights_at : weights_at + nw].view(torch.uint8).clone()  # aligned
         weights.append(raw[: num_ids * wire_w.itemsize].view(wire_w))
     return torch.cat(weights).to(w_dtype) if weights else recv.new_empty(0, dtype=w_dtype)
-
-
-def _unpack_numba(call: DecodeCall) -> Unpacked:
-    """The numba backend's decode: plan, checksums, unpacking and first bags in one compiled
-    call (``kjt_host.decode``).
-
-    Args:
-        call: The decode's input (CPU words).
-
-    Returns:
-        The lengths, ids, payload layout and bag selection.
-
-    Raises:
-        LossyAllToAllError: If a payload does not match its metadata or checksum.
-    """
-    out = kjt_host.decode(
-        call.recv, np.array(call.recv_words, np.int64), call.trailer, call.formats,
-        call.feat_off, np.array(call.batch_per_src, np.int64), call.esize,
-    )  # fmt: skip
-    call.refuse(out.refusal)
-    selects = call.no_selects()
-    for (src, f), first in zip(out.segments, out.first_bags, strict=True):
-        selects[src][f] = first
-    return Unpacked(out.lengths, out.values, out.payloads, selects)
 
 
 @functools.cache

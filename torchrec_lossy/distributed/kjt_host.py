@@ -1,25 +1,24 @@
-"""The compiled CPU path of the KJT codec: one numba call per host encode or decode.
+"""The numba backend of the KJT codec: one compiled call per host encode or decode.
 
-:mod:`torchrec_lossy.distributed.kjt_codec` runs the codec; for CPU tensors its tensor work runs
-here, where a Python loop over features or tens of small torch ops per call would dominate on
-the input dist's small KJTs. The words and tensors are those of the torch backend
+:mod:`torchrec_lossy.distributed.kjt_codec` chooses the backend once per call and hands it one
+call record (``kjt_layout.EncodeCall`` / ``DecodeCall``); for CPU tensors the work runs here,
+where a Python loop over features or tens of small torch ops per call would dominate on the
+input dist's small KJTs. The words and tensors are those of the torch backend
 (:mod:`torchrec_lossy.distributed.kjt_torch`: the device path and the test oracle), and the
 layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose planning kernels compile into the
 ones here:
 
-- :func:`encode` (sender): per-feature statistics and each feature's distinct ids in ascending
+- :func:`pack` (sender): per-feature statistics and each feature's distinct ids in ascending
   order with the inverse index (one radix sort of all ids by (feature, id, position), the order
   of ``dedupe.segment_sort``), the plan (``kjt_layout.plan_encode``), the packing, the weights
   and the checksums.
-- :func:`decode` (receiver): the plan (``kjt_layout.plan_decode``), the checksum check, the
-  unpacking and the ids' expansion, and the first bag of each distinct bag of the exact output
-  dedupe (``dedupe.first_bags`` from an inverse index, ``dedupe.distinct_bags`` by the sort
-  otherwise).
+- :func:`unpack` (receiver): the plan (``kjt_layout.plan_decode``, with its feature and segment
+  tables), the checksum check, the unpacking and the ids' expansion, and the first bag of each
+  distinct bag of the exact output dedupe (``dedupe.first_bags`` from an inverse index,
+  ``dedupe.distinct_bags`` by the sort otherwise).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -30,29 +29,25 @@ from torchrec_lossy.distributed.kjt_layout import (
     BAD_CHECKSUM,
     BAD_INVERSE,
     BAD_LENGTHS,
-    BAD_ROWS,
+    BY_INVERSE,
+    DEDUPED,
     IDS,
     LENGTHS,
+    LOOKUP,
     UNIQUE,
+    DecodeCall,
+    EncodeCall,
     EncodePlan,
+    Packed,
     PlanOptions,
     Refusal,
+    Unpacked,
     bit_length,
     plan_decode_kernel,
     plan_encode_kernel,
 )
 
-# Per feature of a decode: how its ids are completed after unpacking.
-PLAIN = 0  # the ids arrived as they are
-DEDUPED = 1  # ids = distinct ids [inverse index]
-LOOKUP = 2  # single-hot distinct ids: the first num_unique bags hold one id each
-FEATURE_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "uniq_start", "num_unique")
-# Per segment of the exact output dedupe: its distinct bags come from the inverse index or a sort.
-BY_INVERSE = 0
-BY_SORT = 1
-SEGMENT_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "num_unique")
-
-# Why :func:`encode` refused a KJT.
+# Why the encode kernel refused a KJT.
 BAD_SUM = 1  # its lengths do not sum to its ids
 BAD_NEGATIVE = 2  # a length or an id is negative
 
@@ -281,7 +276,7 @@ def _pack_kernel(
 
     Args:
         out: uint32 words of all payloads, zeroed.
-        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`).
+        sections: ``[S, 6]`` (``kjt_layout.SECTION_COLUMNS``).
         starts: ``[4, >= F]``: per field (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE`,
             :data:`INVERSE`), where each feature's elements start in its array.
         lengths: int64 bag lengths (array :data:`LENGTHS`).
@@ -337,8 +332,8 @@ def _unpack_kernel(
 
     Args:
         words: uint32 words of the payloads.
-        sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of ``features``.
-        features: ``[F, 7]`` (:data:`FEATURE_COLUMNS`).
+        sections: ``[S, 6]`` (``kjt_layout.SECTION_COLUMNS``), ``feature`` a row of ``features``.
+        features: ``[F, 7]`` (``kjt_layout.FEATURE_COLUMNS``).
         lengths: Out (:data:`LENGTHS`).
         values: Out (:data:`IDS`).
         uniques: Out, scratch (:data:`UNIQUE`).
@@ -389,14 +384,19 @@ def _unpack_kernel(
 
 @numba.njit(cache=True, nogil=True)
 def _first_bags_kernel(
-    segments: np.ndarray, lengths: np.ndarray, values: np.ndarray, inverse: np.ndarray
+    segments: np.ndarray,
+    features: np.ndarray,
+    lengths: np.ndarray,
+    values: np.ndarray,
+    inverse: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment, the first bag of each distinct bag (see :func:`decode`).
+    """Per segment, the first bag of each distinct bag (see :func:`unpack`).
 
     Every segment's lengths must sum to its ids (:func:`_unpack_kernel` checks it).
 
     Args:
-        segments: ``[G, 6]`` (:data:`SEGMENT_COLUMNS`).
+        segments: ``[G, 5]`` (``kjt_layout.SEGMENT_COLUMNS``).
+        features: ``[F, 7]`` (``kjt_layout.FEATURE_COLUMNS``).
         lengths: int64 bag lengths of every feature.
         values: int64 ids of every feature.
         inverse: int64 inverse index at the ids of deduplicated features.
@@ -407,19 +407,17 @@ def _first_bags_kernel(
     nseg = segments.shape[0]
     rows = np.zeros(nseg, np.int64)
     out_start = np.zeros(nseg + 1, np.int64)
-    for g in range(nseg):
-        kind, _, batch, _, num_ids, num_unique = segments[g]
-        if kind == BY_INVERSE:
-            rows[g] = (1 if num_ids < batch else 0) + num_unique
-        out_start[g + 1] = out_start[g] + max(batch, rows[g])
-    first = np.empty(out_start[nseg], np.int64)
     # By inverse (``dedupe.first_bags``): bag b maps to row 0 if empty (the empty bag comes
     # first when there is one), to row ``empty + inverse`` otherwise; unmapped rows hold the
     # total bag count of these segments, as there.
     unmapped = 0
     for g in range(nseg):
+        _, _, batch, _, num_ids, _, num_unique = features[segments[g, 1]]
         if segments[g, 0] == BY_INVERSE:
-            unmapped += segments[g, 2]
+            rows[g] = (1 if num_ids < batch else 0) + num_unique
+            unmapped += batch
+        out_start[g + 1] = out_start[g] + max(batch, rows[g])
+    first = np.empty(out_start[nseg], np.int64)
     # By sort (``dedupe.distinct_bags``): a bag's key is its id if it holds one, -1 if empty and
     # below -1 (distinct per bag, over all these segments) if longer.
     keys = np.empty(out_start[nseg], np.int64)
@@ -427,16 +425,16 @@ def _first_bags_kernel(
     sort_start = np.zeros(nseg + 1, np.int64)
     k = 0
     for g in range(nseg):
-        kind, len_start, batch, val_start, num_ids, num_unique = segments[g]
+        _, len_start, batch, val_start, num_ids, _, _ = features[segments[g, 1]]
         at = val_start
-        if kind == BY_INVERSE:
+        if segments[g, 0] == BY_INVERSE:
             empty = 1 if num_ids < batch else 0
             out = first[out_start[g] : out_start[g + 1]]
             out[: rows[g]] = unmapped
             for b in range(batch):
                 n = lengths[len_start + b]
-                row = 0 if n == 0 else empty + inverse[at + n - 1]
-                out[row] = min(out[row], b)
+                r = 0 if n == 0 else empty + inverse[at + n - 1]
+                out[r] = min(out[r], b)
                 at += n
         else:
             n_sort = sort_start[k]
@@ -478,7 +476,7 @@ def _encode_kernel(
     opts: PlanOptions,
 ) -> tuple:
     """:func:`_stats_kernel`, ``kjt_layout.plan_encode_kernel`` and :func:`_pack_kernel` in one
-    call (see :func:`encode`).
+    call (see :func:`pack`).
 
     Returns:
         A status (0, :data:`BAD_SUM` or :data:`BAD_NEGATIVE`: the rest is then not planned),
@@ -532,156 +530,84 @@ def _decode_kernel(
     wire_esize: int,
 ) -> tuple:
     """Plans, verifies the checksums, unpacks, and finds the exact output dedupe's first bags
-    (see :func:`decode`).
+    (see :func:`unpack`).
 
     Returns:
-        The refusal (as ``kjt_layout.plan_decode_kernel``), the payloads, the lengths, the ids,
-        the first bags, their count per segment and each segment's (source, feature there).
+        The refusal (as ``kjt_layout.plan_decode_kernel``), the payloads, the segment table,
+        the lengths, the ids, the first bags and their count per segment.
     """
     none = np.zeros(0, np.int64)
-    refusal, sections, payloads = plan_decode_kernel(
+    refusal, sections, payloads, features, segments = plan_decode_kernel(
         fmt, feat_off, batch, recv_words, wire_esize, checksum
     )
-    none2 = np.zeros((0, 2), np.int64)
     if refusal[0] >= 0:
-        return refusal, payloads, none, none, none, none, none2
+        return refusal, payloads, segments, none, none, none, none
     if checksum:
         bad = _sign(words, np.cumsum(recv_words), False)
         if bad >= 0:
             refusal[:] = (np.int64(bad), np.int64(BAD_CHECKSUM), np.int64(0), np.int64(0))
-            return refusal, payloads, none, none, none, none, none2
-    # Per feature where its outputs start (FEATURE_COLUMNS); per exact output dedupe segment
-    # how its first bags are found (SEGMENT_COLUMNS): as _unpack_torch, a feature without ids
-    # has an (empty) inverse index.
-    num_f = fmt.shape[0]
-    features = np.empty((num_f, len(FEATURE_COLUMNS)), np.int64)
-    segments = np.empty((num_f, len(SEGMENT_COLUMNS)), np.int64)
-    seg_feature = np.empty(num_f, np.int64)
-    len_at, val_at, uniq_at, g = 0, 0, 0, 0
-    for p in range(feat_off.shape[0] - 1):
-        b = batch[p]
-        for f in range(feat_off[p], feat_off[p + 1]):
-            _, _, dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
-            kind = LOOKUP if lookup else DEDUPED if dedupe else PLAIN
-            features[f] = (
-                np.int64(kind),
-                np.int64(len_at),
-                np.int64(b),
-                np.int64(val_at),
-                np.int64(num_ids),
-                np.int64(uniq_at),
-                np.int64(num_unique),
-            )
-            if out_rows and not lookup:
-                by = BY_INVERSE if dedupe or not num_ids else BY_SORT
-                segments[g] = (
-                    np.int64(by),
-                    np.int64(len_at),
-                    np.int64(b),
-                    np.int64(val_at),
-                    np.int64(num_ids),
-                    np.int64(num_unique),
-                )
-                seg_feature[g] = f
-                g += 1
-            len_at += b
-            val_at += num_ids
-            uniq_at += num_unique if kind == DEDUPED else 0
-    lengths = np.zeros(len_at, np.int64)
-    values = np.zeros(val_at, np.int64)
-    inverse = np.zeros(val_at, np.int64)
+            return refusal, payloads, segments, none, none, none, none
+    num_uniques = 0
+    for r in range(features.shape[0]):
+        num_uniques += features[r, 6] if features[r, 0] == DEDUPED else 0
+    lengths = np.zeros(features[:, 2].sum(), np.int64)
+    values = np.zeros(features[:, 4].sum(), np.int64)
+    inverse = np.zeros(values.shape[0], np.int64)
     row, why = _unpack_kernel(
-        words, sections, features, lengths, values, np.zeros(uniq_at, np.int64), inverse
+        words, sections, features, lengths, values, np.zeros(num_uniques, np.int64), inverse
     )
     if row >= 0:
         p = np.searchsorted(feat_off, row, side="right") - 1
         refusal[:] = (np.int64(p), np.int64(why), np.int64(row - feat_off[p]), np.int64(0))
-        return refusal, payloads, none, none, none, none, none2
-    first, counts = _first_bags_kernel(segments[:g], lengths, values, inverse)
-    seg_of = np.empty((g, 2), np.int64)  # per segment, its source and feature there
-    for j in range(g):
-        f = seg_feature[j]
-        p = np.searchsorted(feat_off, f, side="right") - 1
-        if counts[j] != fmt[f, 6]:
-            refusal[:] = (np.int64(p), np.int64(BAD_ROWS), np.int64(counts[j]), np.int64(fmt[f, 6]))
-            return refusal, payloads, none, none, none, none, seg_of[:0]
-        seg_of[j] = (np.int64(p), np.int64(f - feat_off[p]))
-    return refusal, payloads, lengths, values, first, counts, seg_of
+        return refusal, payloads, segments, none, none, none, none
+    first, counts = _first_bags_kernel(segments, features, lengths, values, inverse)
+    return refusal, payloads, segments, lengths, values, first, counts
 
 
 # ---------------------------------------------------------------------------------------------
-# Wrappers.
+# The backend: the same records as ``kjt_torch.pack`` / ``unpack``.
 
 
-class HostEncoded(NamedTuple):
-    """What :func:`encode` returns.
-
-    Attributes:
-        plan: The plan (``kjt_layout.plan_encode``).
-        send: int32 words of all payloads.
-        uniques: int64, every feature's distinct ids in ascending order, features in order.
-        inverse: int64, per id, the index of its distinct id within its feature.
-    """
-
-    plan: EncodePlan
-    send: torch.Tensor
-    uniques: torch.Tensor
-    inverse: torch.Tensor
-
-
-def encode(
-    lengths: torch.Tensor,
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    batch: int,
-    feat_off: np.ndarray,
-    want_dedupe: bool,
-    opts: PlanOptions,
-) -> HostEncoded | tuple[int, np.ndarray]:
-    """Encodes one rank's KJT in one compiled call: per-feature statistics and distinct ids (one
-    radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the plan
-    (``kjt_layout.plan_encode``), and the packing (``kjt_torch.pack_bits`` of every section, the
-    weights' bytes, the checksums).
+def pack(call: EncodeCall) -> Packed:
+    """The numba backend's encode in one compiled call: per-feature statistics and distinct ids
+    (one radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the
+    plan (``kjt_layout.plan_encode``), and the packing (``kjt_torch.pack_bits`` of every section,
+    the weights' bytes, the checksums).
 
     Args:
-        lengths: The KJT's lengths as int64, ``[F * batch]`` (CPU).
-        values: Its ids as int64.
-        weights: Its weights, already in their wire dtype (None: unweighted).
-        batch: Its stride.
-        feat_off: int64 ``[P + 1]``: each destination's first feature, then F.
-        want_dedupe: Find each feature's distinct ids (wire or output dedupe).
-        opts: The plan's options (``opts.wire_esize`` must be the weights' element size, 0
-            when unweighted).
+        call: The encode's input (CPU tensors).
 
     Returns:
-        The encoding, or (:data:`BAD_SUM` or :data:`BAD_NEGATIVE`, the statistics) if the
-        lengths do not sum to the ids or one of them is negative.
+        The plan and the payloads.
 
     Raises:
-        ValueError: If the lengths are not ``F * batch``, or the weights' element size is not
-            ``opts.wire_esize``.
+        ValueError: If the lengths are not ``F * batch`` or do not sum to the ids, or a length
+            or an id is negative.
     """
     # Contiguous: a strided array would make numba compile another specialization.
-    lens, ids = lengths.contiguous().numpy(), values.contiguous().numpy()
-    num_f = int(feat_off[-1])
-    if lens.shape[0] != num_f * batch:
+    lens, ids = call.lens.contiguous().numpy(), call.ids.contiguous().numpy()
+    num_f = int(call.feat_off[-1])
+    if lens.shape[0] != num_f * call.batch:
         raise ValueError(
             f"lossy input dist: the KJT has {lens.shape[0]} lengths for {num_f} features "
-            f"of stride {batch}; pass a KJT with one length per feature and sample"
+            f"of stride {call.batch}; pass a KJT with one length per feature and sample"
         )
-    esize = 0 if weights is None else weights.element_size()
-    if esize != opts.wire_esize:
-        raise ValueError(f"weights of {esize} bytes, the plan's options say {opts.wire_esize}")
-    if weights is None:
+    if call.weights is None:
         w_bytes = np.zeros(0, np.uint8)
     else:
-        w_bytes = weights.contiguous().view(-1).view(torch.uint8).numpy()
+        weights = call.weights.to(call.wire_w).contiguous()
+        w_bytes = weights.view(-1).view(torch.uint8).numpy()
     status, stats, uniques, inverse, *plan, out = _encode_kernel(
-        lens, ids, w_bytes, batch, feat_off, want_dedupe, opts
+        lens, ids, w_bytes, call.batch, call.feat_off, call.want_dedupe, call.opts
     )
-    if status:
-        return status, stats
-    return HostEncoded(
+    if status == BAD_SUM:
+        raise ValueError(
+            f"lossy input dist: the KJT's lengths sum to {int(stats[:, 0].sum())} but "
+            f"it holds {ids.shape[0]} ids; pass a KJT whose lengths match its values"
+        )
+    if status == BAD_NEGATIVE:
+        call.check_signs(stats.tolist())
+    return Packed(
         EncodePlan(stats, *plan),
         torch.from_numpy(out.view(np.int32)),
         torch.from_numpy(uniques),
@@ -689,84 +615,33 @@ def encode(
     )
 
 
-class Decoded(NamedTuple):
-    """What :func:`decode` returns.
-
-    Attributes:
-        refusal: Why the payloads were refused (``source`` -1 if they were decoded).
-        payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
-        lengths: int64 bag lengths of every feature.
-        values: int64 ids of every feature.
-        first_bags: Per segment of the exact output dedupe, the first bag of each distinct bag
-            (int64, views of one buffer).
-        segments: Per segment, its source and its feature there.
-    """
-
-    refusal: Refusal
-    payloads: np.ndarray
-    lengths: torch.Tensor
-    values: torch.Tensor
-    first_bags: list[torch.Tensor]
-    segments: list[list[int]]
-
-
-def decode(
-    recv: torch.Tensor,
-    recv_words: np.ndarray,
-    checksum: bool,
-    formats: np.ndarray,
-    feat_off: np.ndarray,
-    batch: np.ndarray,
-    wire_esize: int,
-) -> Decoded:
-    """Decodes the received payloads in one compiled call: plans them (``kjt_layout.plan_decode``),
-    verifies the checksums, unpacks every section (``kjt_torch.unpack_bits``), completes each
-    feature's ids, and finds the first bag of each distinct bag of the exact output dedupe.
+def unpack(call: DecodeCall) -> Unpacked:
+    """The numba backend's decode in one compiled call: the plan (``kjt_layout.plan_decode``),
+    the checksum check, every section unpacked (``kjt_torch.unpack_bits``), each feature's ids
+    completed, and the first bag of each distinct bag of the exact output dedupe.
 
     The first bags of features whose ids arrived deduplicated follow ``dedupe.first_bags`` (rows
     from the inverse index), of the others ``dedupe.distinct_bags`` (the order of the bag keys);
     both give the empty bag first (if any), then the distinct ids ascending.
 
     Args:
-        recv: int32 words of the payloads, back to back.
-        recv_words: int64 ``[P]``: words of each payload.
-        checksum: The payloads end with a checksum to verify.
-        formats: As ``kjt_layout.plan_decode``.
-        feat_off: As ``kjt_layout.plan_decode``.
-        batch: As ``kjt_layout.plan_decode``.
-        wire_esize: As ``kjt_layout.plan_decode``.
+        call: The decode's input (CPU words).
 
     Returns:
-        The lengths, ids and first bags, or why the payloads do not match their metadata.
+        The lengths, ids, payload layout and first bags.
+
+    Raises:
+        LossyAllToAllError: If a payload does not match its metadata or checksum.
     """
-    refusal, payloads, lengths, values, first, counts, segments = _decode_kernel(
-        recv.contiguous().numpy().view(np.uint32), recv_words, checksum, formats, feat_off,
-        batch, wire_esize,
+    refusal, payloads, segments, lengths, values, first, counts = _decode_kernel(
+        call.recv.contiguous().numpy().view(np.uint32), np.array(call.recv_words, np.int64),
+        call.trailer, call.formats, call.feat_off, np.array(call.batch_per_src, np.int64),
+        call.esize,
     )  # fmt: skip
+    call.refuse(Refusal(*refusal.tolist()))
     # split_with_sizes: Tensor.split's Python overload resolution costs more than the views.
     firsts = list(torch.from_numpy(first).split_with_sizes(counts.tolist()))
-    return Decoded(
-        Refusal(*refusal.tolist()),
-        payloads,
-        torch.from_numpy(lengths),
-        torch.from_numpy(values),
-        firsts,
-        segments.tolist(),
-    )
+    return Unpacked(torch.from_numpy(lengths), torch.from_numpy(values), payloads, segments, firsts)
 
 
-__all__ = [
-    "BAD_NEGATIVE",
-    "BAD_SUM",
-    "BY_INVERSE",
-    "BY_SORT",
-    "DEDUPED",
-    "FEATURE_COLUMNS",
-    "LOOKUP",
-    "PLAIN",
-    "SEGMENT_COLUMNS",
-    "Decoded",
-    "HostEncoded",
-    "decode",
-    "encode",
-]
+__all__ = ["BAD_NEGATIVE", "BAD_SUM", "pack", "unpack"]

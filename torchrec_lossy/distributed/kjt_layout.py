@@ -42,6 +42,17 @@ PAYLOAD_COLUMNS = ("weights_at", "num_ids", "words")
 OUT_NONE = 0
 OUT_EXACT = 1
 OUT_LOOKUP = 2
+# Per received feature (a row of a decode's feature table, :data:`FEATURE_COLUMNS`): how its ids
+# are completed after unpacking, and where its outputs start.
+PLAIN = 0  # the ids arrived as they are
+DEDUPED = 1  # ids = distinct ids [inverse index]
+LOOKUP = 2  # single-hot distinct ids: the first num_unique bags hold one id each
+FEATURE_COLUMNS = ("kind", "len_start", "batch", "val_start", "num_ids", "uniq_start", "num_unique")
+# Per feature of the exact output dedupe (a row of a decode's segment table,
+# :data:`SEGMENT_COLUMNS`): its distinct bags come from the inverse index or from a sort.
+BY_INVERSE = 0
+BY_SORT = 1
+SEGMENT_COLUMNS = ("by", "row", "source", "feature", "out_rows")
 
 # Why a decode refused a payload (:class:`Refusal`): the layout's checks, then the decoder's.
 BAD_LENGTHS = 1  # a feature's lengths do not sum to its ids
@@ -142,24 +153,16 @@ def _add_field(
     """
     if count == 0 or width == 0:
         return s
-    if width <= 32:
-        sections[s] = (
-            np.int64(feature),
-            np.int64(field),
-            np.int64(count),
-            np.int64(width),
-            np.int64(0),
-            np.int64(bit),
-        )
-        return s + 1
     sections[s] = (
         np.int64(feature),
         np.int64(field),
         np.int64(count),
-        np.int64(32),
+        np.int64(min(width, 32)),
         np.int64(0),
         np.int64(bit),
     )
+    if width <= 32:
+        return s + 1
     sections[s + 1] = (
         np.int64(feature),
         np.int64(field),
@@ -280,6 +283,71 @@ def plan_encode_kernel(
 
 
 @numba.njit(cache=True, nogil=True)
+def _check_format(fmt: np.ndarray, batch: int, refusal: np.ndarray, p: int) -> bool:
+    """Checks one received feature's format against its source's batch size.
+
+    Args:
+        fmt: Its format (a row of :data:`FORMAT_COLUMNS`).
+        batch: Its source's batch size.
+        refusal: Out: why it is refused (:class:`Refusal`'s fields), if it is.
+        p: Its source.
+
+    Returns:
+        Whether it is refused.
+    """
+    len_bits, id_bits, _, num_ids, num_unique, lookup, _ = fmt
+    if lookup and num_unique > batch:
+        refusal[:] = (np.int64(p), np.int64(BAD_LOOKUP), np.int64(num_unique), np.int64(batch))
+    elif max(len_bits, id_bits) > 64:
+        bits = np.int64(max(len_bits, id_bits))
+        refusal[:] = (np.int64(p), np.int64(BAD_BITS), bits, np.int64(0))
+    elif min(num_ids, num_unique, batch) < 0:
+        refusal[:] = (np.int64(p), np.int64(BAD_COUNT), np.int64(0), np.int64(0))
+    return refusal[0] >= 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _output_tables(
+    fmt: np.ndarray, feat_off: np.ndarray, batch: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each received feature's outputs start, and how the exact output dedupe's features
+    find their distinct bags.
+
+    Args:
+        fmt: ``[F, 7]`` formats (:data:`FORMAT_COLUMNS`), sources in order.
+        feat_off: int64 ``[P + 1]``: each source's first feature, then F.
+        batch: int64 ``[P]``: each source's batch size.
+
+    Returns:
+        The feature table ``[F, 7]`` (:data:`FEATURE_COLUMNS`: its kind, first length, bags,
+        first id, ids, first distinct id, distinct ids) and the segment table ``[G, 5]``
+        (:data:`SEGMENT_COLUMNS`: by the inverse index where its ids arrived deduplicated or it
+        has none, else by sort; its feature row, source, feature there and rows sent back).
+    """
+    num_f = fmt.shape[0]
+    features = np.empty((num_f, len(FEATURE_COLUMNS)), np.int64)
+    segments = np.empty((num_f, len(SEGMENT_COLUMNS)), np.int64)
+    len_at, val_at, uniq_at, g = 0, 0, 0, 0
+    for p in range(feat_off.shape[0] - 1):
+        b = batch[p]
+        for f in range(feat_off[p], feat_off[p + 1]):
+            _, _, dedupe, num_ids, num_unique, lookup, out_rows = fmt[f]
+            kind = LOOKUP if lookup else DEDUPED if dedupe else PLAIN
+            features[f, 0], features[f, 1], features[f, 2] = kind, len_at, b
+            features[f, 3], features[f, 4] = val_at, num_ids
+            features[f, 5], features[f, 6] = uniq_at, num_unique
+            if out_rows and not lookup:
+                by = BY_INVERSE if dedupe or not num_ids else BY_SORT
+                segments[g, 0], segments[g, 1], segments[g, 2] = by, f, p
+                segments[g, 3], segments[g, 4] = f - feat_off[p], out_rows
+                g += 1
+            len_at += b
+            val_at += num_ids
+            uniq_at += num_unique if kind == DEDUPED else 0
+    return features, segments[:g]
+
+
+@numba.njit(cache=True, nogil=True)
 def plan_decode_kernel(
     fmt: np.ndarray,
     feat_off: np.ndarray,
@@ -287,55 +355,37 @@ def plan_decode_kernel(
     recv_words: np.ndarray,
     wire_esize: int,
     checksum: bool,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Checks every source's formats and size, and lays out its payload (see :func:`plan_decode`).
 
     Returns:
         The refusal (:class:`Refusal`'s fields: source, why, a, b; source -1 if none), the
-        sections and the payloads ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+        sections, the payloads ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`), the feature table and the
+        segment table (:func:`_output_tables`; empty if refused).
     """
     num_p = feat_off.shape[0] - 1
     sections = np.empty((6 * fmt.shape[0], 6), np.int64)
     payloads = np.zeros((num_p, 3), np.int64)
     feature_bits = np.empty(fmt.shape[0], np.int64)
     refusal = np.full(4, -1, np.int64)
+    none = np.zeros((0, len(FEATURE_COLUMNS)), np.int64)
+    no_segments = np.zeros((0, len(SEGMENT_COLUMNS)), np.int64)
     s, word0 = 0, 0
     for p in range(num_p):
         for f in range(feat_off[p], feat_off[p + 1]):
-            len_bits, id_bits, _, num_ids, num_unique, lookup, _ = fmt[f]
-            if lookup and num_unique > batch[p]:
-                refusal[:] = (
-                    np.int64(p),
-                    np.int64(BAD_LOOKUP),
-                    np.int64(num_unique),
-                    np.int64(batch[p]),
-                )
-            elif max(len_bits, id_bits) > 64:
-                refusal[:] = (
-                    np.int64(p),
-                    np.int64(BAD_BITS),
-                    np.int64(max(len_bits, id_bits)),
-                    np.int64(0),
-                )
-            elif min(num_ids, num_unique, batch[p]) < 0:
-                refusal[:] = (np.int64(p), np.int64(BAD_COUNT), np.int64(0), np.int64(0))
-            if refusal[0] >= 0:
-                return refusal, sections[:0], payloads
+            if _check_format(fmt[f], batch[p], refusal, p):
+                return refusal, sections[:0], payloads, none, no_segments
         s, weights_at, num_ids, words = _layout_payload(
             fmt, feat_off[p], feat_off[p + 1], batch[p], word0, wire_esize, checksum,
             sections, s, feature_bits,
         )  # fmt: skip
         if words != recv_words[p]:
-            refusal[:] = (
-                np.int64(p),
-                np.int64(BAD_WORDS),
-                np.int64(recv_words[p]),
-                np.int64(words),
-            )
-            return refusal, sections[:0], payloads
+            refusal[:] = (np.int64(p), np.int64(BAD_WORDS), recv_words[p], np.int64(words))
+            return refusal, sections[:0], payloads, none, no_segments
         payloads[p] = (np.int64(weights_at), np.int64(num_ids), np.int64(words))
         word0 += words
-    return refusal, sections[:s], payloads
+    features, segments = _output_tables(fmt, feat_off, batch)
+    return refusal, sections[:s], payloads, features, segments
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -444,11 +494,16 @@ class DecodePlan(NamedTuple):
         refusal: Why they do not match their metadata (``source`` -1 if they do).
         sections: ``[S, 6]`` (:data:`SECTION_COLUMNS`), ``feature`` a row of the formats.
         payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
+        features: ``[F, 7]`` (:data:`FEATURE_COLUMNS`): per feature row, how its ids are
+            completed and where its outputs start.
+        segments: ``[G, 5]`` (:data:`SEGMENT_COLUMNS`): the exact output dedupe's features.
     """
 
     refusal: Refusal
     sections: np.ndarray
     payloads: np.ndarray
+    features: np.ndarray
+    segments: np.ndarray
 
 
 def plan_decode(
@@ -472,13 +527,11 @@ def plan_decode(
         checksum: The payloads end with a checksum.
 
     Returns:
-        The layout, or the first source whose metadata or size is wrong (:data:`BAD_LOOKUP`,
-        :data:`BAD_BITS`, :data:`BAD_COUNT`, :data:`BAD_WORDS`).
+        The layout and the output tables, or the first source whose metadata or size is wrong
+        (:data:`BAD_LOOKUP`, :data:`BAD_BITS`, :data:`BAD_COUNT`, :data:`BAD_WORDS`).
     """
-    refusal, sections, payloads = plan_decode_kernel(
-        formats, feat_off, batch, recv_words, wire_esize, checksum
-    )
-    return DecodePlan(Refusal(*refusal.tolist()), sections, payloads)
+    refusal, *plan = plan_decode_kernel(formats, feat_off, batch, recv_words, wire_esize, checksum)
+    return DecodePlan(Refusal(*refusal.tolist()), *plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,9 +673,28 @@ class DecodeCall:
     trailer: bool
     fail: Fail
 
-    def no_selects(self) -> list[list[torch.Tensor | None]]:
-        """Per source, per feature, None: the bag selection before the output dedupe's."""
-        return [[None] * len(m) for m in self.metas_per_src]
+    def selects(
+        self, segments: np.ndarray, first_bags: Sequence[torch.Tensor]
+    ) -> list[list[torch.Tensor | None]]:
+        """The exact output dedupe's bag selection, checked against the rows each feature
+        sends back.
+
+        Args:
+            segments: The decode plan's segment table (:data:`SEGMENT_COLUMNS`).
+            first_bags: Per segment, the first bag of each of its distinct bags.
+
+        Returns:
+            Per source, per feature, its first bags (None where not deduplicated).
+
+        Raises:
+            LossyAllToAllError: If a feature's distinct bags are not the rows it sends back.
+        """
+        selects: list[list[torch.Tensor | None]] = [[None] * len(m) for m in self.metas_per_src]
+        for (_, _, src, f, out_rows), first in zip(segments.tolist(), first_bags, strict=True):
+            if first.numel() != out_rows:
+                self.refuse(Refusal(src, BAD_ROWS, first.numel(), out_rows))
+            selects[src][f] = first
+        return selects
 
     def refuse(self, refusal: Refusal) -> None:
         """Raises the decode's error for a refused payload (nothing if none was).
@@ -641,14 +713,17 @@ class Unpacked(NamedTuple):
         lengths: int64 bag lengths of every source's features.
         values: int64 ids of them.
         payloads: ``[P, 3]`` (:data:`PAYLOAD_COLUMNS`).
-        selects: Per source, per feature, the first bags of the exact output dedupe (None
-            where not deduplicated).
+        segments: The plan's segment table (:data:`SEGMENT_COLUMNS`): the exact output
+            dedupe's features.
+        first_bags: Per segment, the first bag of each of its distinct bags (unchecked:
+            :meth:`DecodeCall.selects` checks and places them).
     """
 
     lengths: torch.Tensor
     values: torch.Tensor
     payloads: np.ndarray
-    selects: list[list[torch.Tensor | None]]
+    segments: np.ndarray
+    first_bags: list[torch.Tensor]
 
 
 __all__ = [
@@ -660,15 +735,22 @@ __all__ = [
     "BAD_LOOKUP",
     "BAD_ROWS",
     "BAD_WORDS",
+    "BY_INVERSE",
+    "BY_SORT",
+    "DEDUPED",
+    "FEATURE_COLUMNS",
     "FORMAT_COLUMNS",
     "IDS",
     "INVERSE",
     "LENGTHS",
+    "LOOKUP",
     "OUT_EXACT",
     "OUT_LOOKUP",
     "OUT_NONE",
     "PAYLOAD_COLUMNS",
+    "PLAIN",
     "SECTION_COLUMNS",
+    "SEGMENT_COLUMNS",
     "UNIQUE",
     "DecodeCall",
     "DecodePlan",

@@ -17,7 +17,6 @@ tensors. Both lay the payloads out with :mod:`torchrec_lossy.distributed.kjt_lay
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,8 +104,7 @@ def pack_bits(
         # Fields do not overlap, so adding the shifted pieces is the same as OR-ing them.
         acc.index_add_(0, word, (values << off) & _MASK32)
         acc.index_add_(0, word + 1, values >> (_WORD_BITS - off))
-    acc = acc[:num_words]
-    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)
+    return _as_int32(acc[:num_words])
 
 
 def unpack_bits(words: torch.Tensor, widths: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -333,7 +331,7 @@ def unpack(call: DecodeCall) -> Unpacked:
         call: The decode's input.
 
     Returns:
-        The lengths, ids, payload layout and bag selection.
+        The lengths, ids, payload layout and first bags.
 
     Raises:
         LossyAllToAllError: If a payload does not match its metadata or checksum.
@@ -350,13 +348,16 @@ def unpack(call: DecodeCall) -> Unpacked:
         for src, good in enumerate(ok.tolist()):
             if not good:
                 call.refuse(kjt_layout.Refusal(src, kjt_layout.BAD_CHECKSUM, 0, 0))
-    features = _Features.unpack(call, _unpack_fields(recv, plan.sections))
+    lengths, values, inverses = _features(plan, _unpack_fields(recv, plan.sections), recv.device)
     empty = recv.new_empty(0, dtype=torch.int64)
+    with record_function("## lossy_input dedupe select ##"):
+        firsts = _first_bags(plan, call.formats, lengths, values, inverses)
     return Unpacked(
-        torch.cat(features.lengths) if features.lengths else empty,
-        torch.cat(features.values) if features.values else empty,
+        torch.cat(lengths) if lengths else empty,
+        torch.cat(values) if values else empty,
         plan.payloads,
-        features.selects(call),
+        plan.segments,
+        firsts,
     )
 
 
@@ -382,104 +383,90 @@ def _unpack_fields(
     return fields
 
 
-@dataclass
-class _Features:
-    """The torch backend's decoded features, and those the exact output dedupe selects bags of.
+def _features(
+    plan: kjt_layout.DecodePlan,
+    fields: dict[tuple[int, int], list[torch.Tensor]],
+    dev: torch.device,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor]]:
+    """Every received feature's lengths and ids from its unpacked fields, as the plan's feature
+    table says (``kjt_layout.FEATURE_COLUMNS``).
 
-    Attributes:
-        lengths: Per feature row (over all sources), its int64 lengths.
-        values: Per feature row, its int64 ids.
-        by_inverse: (source, row, rows sent back, inverse index, distinct ids) of the
-            output-deduplicated features whose ids arrived deduplicated: their distinct bags
-            follow from the inverse index, no sort needed.
-        by_sort: (source, row, rows sent back, id bits) of the other output-deduplicated
-            features (the receiver sorts their bags).
+    Args:
+        plan: The decode's plan.
+        fields: Per (feature row, field), its sections' values (:func:`_unpack_fields`).
+        dev: The words' device.
+
+    Returns:
+        Per feature row its int64 lengths and ids, and the inverse index of the rows whose ids
+        arrived deduplicated.
     """
+    lengths: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    inverses: dict[int, torch.Tensor] = {}
+    for row, (kind, _, batch, _, num_ids, _, num_unique) in enumerate(plan.features.tolist()):
 
-    lengths: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    by_inverse: list[tuple[int, int, int, torch.Tensor, int]] = dataclasses.field(
-        default_factory=list
-    )
-    by_sort: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+        def get(field: int, n: int, row: int = row) -> torch.Tensor:
+            return _join_field(fields.get((row, field), []), n, dev)
 
-    @staticmethod
-    def unpack(call: DecodeCall, fields: dict[tuple[int, int], list[torch.Tensor]]) -> _Features:
-        """Every source's features from their unpacked fields.
+        if kind == kjt_layout.LOOKUP:
+            ones = torch.ones(num_unique, dtype=torch.int64, device=dev)
+            lengths.append(torch.cat([ones, ones.new_zeros(batch - num_unique)]))
+            values.append(get(kjt_layout.UNIQUE, num_unique))
+            continue
+        lengths.append(get(kjt_layout.LENGTHS, batch))
+        if kind == kjt_layout.DEDUPED:
+            inverses[row] = get(kjt_layout.INVERSE, num_ids)
+            values.append(get(kjt_layout.UNIQUE, num_unique)[inverses[row]])
+        else:
+            values.append(get(kjt_layout.IDS, num_ids))
+    return lengths, values, inverses
 
-        Args:
-            call: The decode's input.
-            fields: Per (feature row, field), its sections' values (:func:`_unpack_fields`).
 
-        Returns:
-            The features.
-        """
-        out = _Features()
-        dev = call.recv.device
-        for src, (metas, batch) in enumerate(
-            zip(call.metas_per_src, call.batch_per_src, strict=True)
-        ):
-            for m in metas:
-                row = len(out.lengths)  # the feature's row, over all sources
+def _first_bags(
+    plan: kjt_layout.DecodePlan,
+    formats: np.ndarray,
+    lengths: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    inverses: dict[int, torch.Tensor],
+) -> list[torch.Tensor]:
+    """Per segment of the exact output dedupe (the plan's segment table), the first bag of each
+    distinct bag: ``dedupe.first_bags`` from the inverse index, ``dedupe.distinct_bags`` by sort.
 
-                def get(name: int, n: int, row: int = row) -> torch.Tensor:
-                    return _join_field(fields.get((row, name), []), n, dev)
+    Args:
+        plan: The decode's plan.
+        formats: Its formats (:data:`kjt_layout.FORMAT_COLUMNS`).
+        lengths: Per feature row, its lengths.
+        values: Per feature row, its ids.
+        inverses: Per feature row whose ids arrived deduplicated, its inverse index.
 
-                if m.lookup:
-                    ones = torch.ones(m.num_unique, dtype=torch.int64, device=dev)
-                    out.lengths.append(torch.cat([ones, ones.new_zeros(batch - m.num_unique)]))
-                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique))
-                    continue
-                out.lengths.append(get(kjt_layout.LENGTHS, batch))
-                if m.dedupe:
-                    inv = get(kjt_layout.INVERSE, m.num_ids)
-                    out.values.append(get(kjt_layout.UNIQUE, m.num_unique)[inv])
-                else:
-                    inv = None if m.num_ids else torch.empty(0, dtype=torch.int64, device=dev)
-                    out.values.append(get(kjt_layout.IDS, m.num_ids))
-                if m.out_rows and inv is not None:
-                    out.by_inverse.append((src, row, m.out_rows, inv, m.num_unique))
-                elif m.out_rows:
-                    out.by_sort.append((src, row, m.out_rows, m.id_bits))
-        return out
-
-    def selects(self, call: DecodeCall) -> list[list[torch.Tensor | None]]:
-        """The exact output dedupe's bag selection: per source, per feature, the first bag of
-        each distinct bag (None where not deduplicated).
-
-        Args:
-            call: The decode's input.
-
-        Returns:
-            The selection.
-
-        Raises:
-            LossyAllToAllError: If a feature's distinct bags are not the rows it sends back.
-        """
-        firsts: list[torch.Tensor] = []
-        with record_function("## lossy_input dedupe select ##"):
-            if self.by_inverse:
-                firsts += first_bags(
-                    [self.lengths[i] for _, i, _, _, _ in self.by_inverse],
-                    [inv for _, _, _, inv, _ in self.by_inverse],
-                    [u for _, _, _, _, u in self.by_inverse],
-                )
-            if self.by_sort:
-                firsts += distinct_bags(
-                    [self.lengths[i] for _, i, _, _ in self.by_sort],
-                    [self.values[i] for _, i, _, _ in self.by_sort],
-                    max(1 << b for *_, b in self.by_sort),
-                    with_inverse=False,
-                )[2]
-        selects = call.no_selects()
-        segs = [x[:3] for x in self.by_inverse] + [x[:3] for x in self.by_sort]
-        for (src, i, rows_sent), first in zip(segs, firsts, strict=True):
-            local = i - sum(len(m) for m in call.metas_per_src[:src])
-            if first.numel() != rows_sent:
-                why = kjt_layout.Refusal(src, kjt_layout.BAD_ROWS, first.numel(), rows_sent)
-                call.refuse(why)
-            selects[src][local] = first
-        return selects
+    Returns:
+        The first bags, segments in order.
+    """
+    segments = plan.segments.tolist()
+    by_inverse = [g for g, seg in enumerate(segments) if seg[0] == kjt_layout.BY_INVERSE]
+    by_sort = [g for g, seg in enumerate(segments) if seg[0] == kjt_layout.BY_SORT]
+    firsts: list[torch.Tensor | None] = [None] * len(segments)
+    rows = [seg[1] for seg in segments]
+    if by_inverse:
+        # A feature without ids has an empty inverse index.
+        none = torch.empty(0, dtype=torch.int64, device=lengths[rows[by_inverse[0]]].device)
+        found = first_bags(
+            [lengths[rows[g]] for g in by_inverse],
+            [inverses.get(rows[g], none) for g in by_inverse],
+            [int(formats[rows[g], 4]) for g in by_inverse],
+        )
+        for g, first in zip(by_inverse, found, strict=True):
+            firsts[g] = first
+    if by_sort:
+        found = distinct_bags(
+            [lengths[rows[g]] for g in by_sort],
+            [values[rows[g]] for g in by_sort],
+            max(1 << int(formats[rows[g], 1]) for g in by_sort),
+            with_inverse=False,
+        )[2]
+        for g, first in zip(by_sort, found, strict=True):
+            firsts[g] = first
+    return [f for f in firsts if f is not None]
 
 
 __all__ = ["pack", "pack_bits", "payload_checksums", "unpack", "unpack_bits"]

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -130,22 +131,9 @@ class TableCommStats:
         Args:
             other: Counters to fold in.
         """
-        self.blocks += other.blocks
-        self.raw_bytes += other.raw_bytes
-        self.wire_bytes += other.wire_bytes
-        self.max_error = max(self.max_error, other.max_error)
-        self.max_error_over_bound = _nanmax(self.max_error_over_bound, other.max_error_over_bound)
-        self.encode_s += other.encode_s
-        self.decode_s += other.decode_s
-        self.ids += other.ids
-        self.repeated_ids += other.repeated_ids
-        self.rows += other.rows
-        self.rows_sent += other.rows_sent
-        self.error_sum += other.error_sum
-        self.error_sq_sum += other.error_sq_sum
-        self.value_sq_sum += other.value_sq_sum
-        self.snapped_to_zero += other.snapped_to_zero
-        self.error_count += other.error_count
+        for field in dataclasses.fields(self):
+            fold = _MAXIMA.get(field.name, operator.add)
+            setattr(self, field.name, fold(getattr(self, field.name), getattr(other, field.name)))
 
 
 def _nanmax(a: float, b: float) -> float:
@@ -154,6 +142,13 @@ def _nanmax(a: float, b: float) -> float:
     if math.isnan(b):
         return a
     return max(a, b)
+
+
+# The counters :meth:`TableCommStats.merge` maxes (every other one is summed).
+_MAXIMA: dict[str, Callable[[float, float], float]] = {
+    "max_error": max,
+    "max_error_over_bound": _nanmax,
+}
 
 
 class LossyCommsStats:
