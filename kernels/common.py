@@ -26,15 +26,6 @@ _IDENTITY = {
 }
 
 
-def interpreting() -> bool:
-    """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
-
-    Returns:
-        True under the interpreter.
-    """
-    return bool(triton.knobs.runtime.interpret)
-
-
 def block_for(n: int, cap: int, floor: int = 16) -> int:
     """A power-of-two block size covering ``n`` elements, between ``floor`` and ``cap``.
 

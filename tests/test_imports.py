@@ -452,11 +452,6 @@ def test_codec_leaf_modules_do_not_load_the_lossy_codec() -> None:
     assert f"{PACKAGE}.codec.pipeline" in _loaded_after(f"{PACKAGE}.codec:compress")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchrec_lossy/distributed/__init__.py imports comm_ops (-> pooled_decode -> "
-    "codec.pipeline / codec.grouped) eagerly; the seam's to make lazy",
-)
 def test_lossless_kjt_codec_does_not_load_the_lossy_codec() -> None:
     pytest.importorskip("torchrec")
     loaded = _loaded_after(f"{PACKAGE}.distributed.kjt_codec")

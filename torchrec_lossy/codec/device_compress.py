@@ -539,7 +539,7 @@ def _vector_lz(symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat:
 
 
 def _codes(hists: torch.Tensor, chunk: int) -> _Codes:
-    """Stage 4a: ``pipeline._Code.plan`` for many histograms (``kernels.codebook``)."""
+    """Stage 4a: ``staged``'s per-block code plan for many histograms (``kernels.codebook``)."""
     hists = hists.to(torch.int64)
     lengths = codebook.code_lengths(hists).to(torch.int64)
     value = lengths[:, :ESCAPE_SYMBOL] > 0

@@ -5,7 +5,7 @@ The reader of :mod:`torchrec_lossy.codec.host_compress`'s payloads (and of any o
 ``_decode_payloads_kernel`` walks every payload's header, descriptors and segments and decodes
 each block (vector-LZ references, the Huffman streams straight to values, escapes) into one
 output buffer. A block it cannot take (a corrupt segment, whose exact error the per-block
-decoder names) is left to the per-block decoder of ``pipeline``
+decoder names) is left to the per-block decoder of ``staged``
 (:class:`BatchDecoded` marks it), so the errors and the values are those of the stage-by-stage
 path, the test oracle.
 """
@@ -193,7 +193,7 @@ def _decode_segment(
     """Decodes one block's segment into its place in ``outs``.
 
     ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of
-    ``pipeline``'s per-block decoder is made: a block that fails one is ``_FALL_BACK``, left
+    ``staged``'s per-block decoder is made: a block that fails one is ``_FALL_BACK``, left
     for that decoder to name the error.
 
     Returns:
@@ -453,7 +453,7 @@ class BatchDecoded:
 def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int) -> BatchDecoded:
     """Parses and decodes every payload of one buffer in one compiled call.
 
-    Every check of ``container.parse_header`` and of ``pipeline``'s per-block decoder is made;
+    Every check of ``container.parse_header`` and of ``staged``'s per-block decoder is made;
     a payload that fails one is left (not :meth:`BatchDecoded.complete`) for that decoder, which
     names the error.
 

@@ -1,84 +1,74 @@
 """The TorchRec seam: compressed pooled-embedding all-to-all and the drop-in sharder.
 
-This subpackage is the only part of torchrec_lossy that imports ``torchrec.distributed``.
+This subpackage is the only part of torchrec_lossy that imports ``torchrec.distributed``. Its
+public names load their module on first use (``lazy_exports``): the lossless KJT input codec
+does not load the lossy output dists.
 """
 
-from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-from torchrec_lossy.distributed.comms import BoundProvider, LossyComms, StaticBounds
-from torchrec_lossy.distributed.errors import LossyAllToAllError
-from torchrec_lossy.distributed.input_dist import (
-    LossyKJTAllToAll,
-    LossyTwSparseFeaturesDist,
-)
-from torchrec_lossy.distributed.model_utils import (
-    bounds_state,
-    check_lossy_decodes,
-    load_bounds_state,
-    lossy_modules,
-    lossy_stats,
-    step_lossy_bounds,
-)
-from torchrec_lossy.distributed.output_dist import (
-    LossyPooledEmbeddingsAllToAll,
-    LossyTwPooledEmbeddingDist,
-    pooled_layout,
-)
-from torchrec_lossy.distributed.pooled_payload import BlockSpec, LossyAll2AllPooledInfo
-from torchrec_lossy.distributed.sequence_output_dist import (
-    LossySequenceEmbeddingsAllToAll,
-    LossyTwSequenceEmbeddingDist,
-    alltoall_sequence_lossy,
-)
-from torchrec_lossy.distributed.sequence_sharder import (
-    LossyEmbeddingCollectionSharder,
-    LossyShardedEmbeddingCollection,
-)
-from torchrec_lossy.distributed.sequence_sharding import (
-    LossyCwSequenceEmbeddingSharding,
-    LossyTwSequenceEmbeddingSharding,
-)
-from torchrec_lossy.distributed.sharder import (
-    LossyEmbeddingBagCollectionSharder,
-    LossyShardedEmbeddingBagCollection,
-)
-from torchrec_lossy.distributed.sharding import (
-    LossyCwPooledEmbeddingSharding,
-    LossyTwCwPooledEmbeddingSharding,
-    LossyTwPooledEmbeddingSharding,
-)
-from torchrec_lossy.distributed.stats import LossyCommsStats, TableCommStats
+from __future__ import annotations
 
-__all__ = [
-    "BlockSpec",
-    "BoundProvider",
-    "LossyAll2AllPooledInfo",
-    "LossyAllToAllError",
-    "LossyComms",
-    "LossyCommsStats",
-    "LossyCwPooledEmbeddingSharding",
-    "LossyCwSequenceEmbeddingSharding",
-    "LossyEmbeddingBagCollectionSharder",
-    "LossyEmbeddingCollectionSharder",
-    "LossyKJTAllToAll",
-    "LossyPooledEmbeddingsAllToAll",
-    "LossySequenceEmbeddingsAllToAll",
-    "LossyShardedEmbeddingBagCollection",
-    "LossyShardedEmbeddingCollection",
-    "LossyTwCwPooledEmbeddingSharding",
-    "LossyTwPooledEmbeddingDist",
-    "LossyTwPooledEmbeddingSharding",
-    "LossyTwSequenceEmbeddingDist",
-    "LossyTwSequenceEmbeddingSharding",
-    "LossyTwSparseFeaturesDist",
-    "StaticBounds",
-    "TableCommStats",
-    "alltoall_pooled_lossy",
-    "alltoall_sequence_lossy",
-    "bounds_state",
-    "check_lossy_decodes",
-    "load_bounds_state",
-    "lossy_modules",
-    "lossy_stats",
-    "pooled_layout",
-    "step_lossy_bounds",
-]
+from torchrec_lossy.lazy_exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "torchrec_lossy.distributed.comm_ops": [
+            "alltoall_pooled_lossy",
+        ],
+        "torchrec_lossy.distributed.comms": [
+            "BoundProvider",
+            "LossyComms",
+            "StaticBounds",
+        ],
+        "torchrec_lossy.distributed.errors": [
+            "LossyAllToAllError",
+        ],
+        "torchrec_lossy.distributed.input_dist": [
+            "LossyKJTAllToAll",
+            "LossyTwSparseFeaturesDist",
+        ],
+        "torchrec_lossy.distributed.model_utils": [
+            "bounds_state",
+            "check_lossy_decodes",
+            "load_bounds_state",
+            "lossy_modules",
+            "lossy_stats",
+            "step_lossy_bounds",
+        ],
+        "torchrec_lossy.distributed.output_dist": [
+            "LossyPooledEmbeddingsAllToAll",
+            "LossyTwPooledEmbeddingDist",
+            "pooled_layout",
+        ],
+        "torchrec_lossy.distributed.pooled_payload": [
+            "BlockSpec",
+            "LossyAll2AllPooledInfo",
+        ],
+        "torchrec_lossy.distributed.sequence_output_dist": [
+            "LossySequenceEmbeddingsAllToAll",
+            "LossyTwSequenceEmbeddingDist",
+            "alltoall_sequence_lossy",
+        ],
+        "torchrec_lossy.distributed.sequence_sharder": [
+            "LossyEmbeddingCollectionSharder",
+            "LossyShardedEmbeddingCollection",
+        ],
+        "torchrec_lossy.distributed.sequence_sharding": [
+            "LossyCwSequenceEmbeddingSharding",
+            "LossyTwSequenceEmbeddingSharding",
+        ],
+        "torchrec_lossy.distributed.sharder": [
+            "LossyEmbeddingBagCollectionSharder",
+            "LossyShardedEmbeddingBagCollection",
+        ],
+        "torchrec_lossy.distributed.sharding": [
+            "LossyCwPooledEmbeddingSharding",
+            "LossyTwCwPooledEmbeddingSharding",
+            "LossyTwPooledEmbeddingSharding",
+        ],
+        "torchrec_lossy.distributed.stats": [
+            "LossyCommsStats",
+            "TableCommStats",
+        ],
+    },
+)
