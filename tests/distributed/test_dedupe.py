@@ -263,7 +263,9 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(2, marks=pytest.mark.slow), 3]
+)  # 2 ranks: slow step (many other tests cover 2 ranks)
 def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) -> None:
     results = run_workers(_worker, world_size)
     for rank, r in enumerate(results):

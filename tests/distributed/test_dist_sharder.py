@@ -455,6 +455,7 @@ def _worker_uneven(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # ~20-35 s of gloo ranks; CI runs it in the slow step
 def test_three_ranks_uneven_batches_and_splits() -> None:
     results = run_workers(_worker_uneven, 3)
     for rank, r in enumerate(results):
@@ -659,6 +660,7 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # ~20-35 s of gloo ranks; CI runs it in the slow step
 def test_planner_pipeline_profiler_and_bound_provider_state() -> None:
     for r in run_workers(_worker_pipeline, 2):
         assert r["sharding_types"] == [
