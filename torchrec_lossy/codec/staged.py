@@ -57,6 +57,7 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     CodecError,
+    read_segment_header,
     ref_width,
     refs_bits,
     refs_packing,
@@ -568,9 +569,10 @@ def _decode_block(
         raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    header = r.take(SEGMENT_HEADER_WORDS, "segment header").view(SEGMENT_HEADER)[0].item()
-    step, center, n_unique, n_esc, chunk_symbols, n_chunks = header[:6]
-    lo, count, esc_len, ref_mode, width = header[6:11]
+    header = read_segment_header(r.take(SEGMENT_HEADER_WORDS, "segment header"), 0)
+    step = float(header[0])
+    center, n_unique, n_esc, chunk_symbols, n_chunks = (int(v) for v in header[1:6])
+    lo, count, esc_len, ref_mode, width = (int(v) for v in header[6:11])
     value = (mode & MODE_VALUE) == MODE_VALUE
     mode &= ~MODE_VALUE
     if mode == MODE_LZ:
