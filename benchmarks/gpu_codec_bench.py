@@ -60,7 +60,7 @@ class _Batch:
         from torchrec_lossy.kernels import codebook
         from torchrec_lossy.kernels import huffman as k_huffman
         from torchrec_lossy.kernels import quantize as k_quantize
-        from torchrec_lossy.kernels.common import tile_table
+        from torchrec_lossy.kernels.launch_tables import tile_table
 
         quant = [
             (b, eb, params)

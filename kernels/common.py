@@ -9,10 +9,11 @@ in: integer sums and maxima are exact.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from torchrec_lossy.kernels.launch_tables import block_for
 
 SCAN_SUM = 0
 SCAN_MAX = 1
@@ -24,20 +25,6 @@ _IDENTITY = {
     (SCAN_MAX, torch.int32): -(1 << 31),
     (SCAN_MAX, torch.int64): -(1 << 63),
 }
-
-
-def block_for(n: int, cap: int, floor: int = 16) -> int:
-    """A power-of-two block size covering ``n`` elements, between ``floor`` and ``cap``.
-
-    Args:
-        n: Elements to cover.
-        cap: Largest block wanted (a power of two).
-        floor: Smallest block wanted (a power of two).
-
-    Returns:
-        The block size.
-    """
-    return max(floor, min(cap, triton.next_power_of_2(max(n, 1))))
 
 
 @triton.jit
@@ -150,27 +137,3 @@ def find_segment(bases_ptr, idx, n_segments, n_iter):
         lo = tl.where(active & right, mid, lo)
         hi = tl.where(active & ~right, mid, hi)
     return lo
-
-
-def tile_table(sizes: np.ndarray, block: int) -> np.ndarray:
-    """Tiles of at most ``block`` elements over segments laid out back to back (host-side).
-
-    Batched kernels that need one segment per program (a per-block histogram row, per-block
-    parameters as scalars) launch one program per tile.
-
-    Args:
-        sizes: int64 [n_segments] elements per segment.
-        block: Elements per tile.
-
-    Returns:
-        int64 [n_tiles, 3] (first element, end element, segment); a tile never straddles two
-        segments and empty segments have none.
-    """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    n_tiles = (sizes + block - 1) // block
-    seg = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), n_tiles)
-    k = np.arange(seg.shape[0], dtype=np.int64) - (np.cumsum(n_tiles) - n_tiles)[seg]
-    lo = starts[seg] + k * block
-    return np.stack([lo, np.minimum(lo + block, ends[seg]), seg], axis=1).reshape(-1, 3)

@@ -38,12 +38,8 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     REFS_OUT_OF_RANGE,
 )
-from torchrec_lossy.kernels.common import (
-    SCAN_SUM,
-    block_for,
-    find_segment,
-    inclusive_scan,
-)
+from torchrec_lossy.kernels.common import SCAN_SUM, find_segment, inclusive_scan
+from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
@@ -78,7 +74,7 @@ def histogram_tiles(
     Args:
         symbols: 1-D int16 / int32 symbols (the uint16 symbols' bits) of every segment.
         keep: 1-D int32 / int64, same length: nonzero where a symbol counts.
-        tiles: int64 [n_tiles, 3] from ``common.tile_table`` with ``block``-element tiles, on
+        tiles: int64 [n_tiles, 3] from ``launch_tables.tile_table`` with ``block``-element tiles, on
             the symbols' device.
         n_rows: Number of histograms (segments).
         block: Elements per tile (a power of two).
@@ -287,7 +283,6 @@ def decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, 
 # that start at 0 (flags) or at INT64_MAX (first-failure positions) and are only ever raised /
 # lowered by atomics, so the result does not depend on the order programs run in.
 
-NO_FAILURE = (1 << 63) - 1  # initial value of the first-failure rows
 _NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
 _REFS_BAD: tl.constexpr = tl.constexpr(REFS_OUT_OF_RANGE)
 _BAD_ESCAPES: tl.constexpr = tl.constexpr(DECODE_BAD_ESCAPES)

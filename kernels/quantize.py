@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
-from torchrec_lossy.kernels.common import block_for, find_segment
-from torchrec_lossy.kernels.common import tile_table as tile_table  # device_compress reads it here
+from torchrec_lossy.kernels.common import find_segment
+from torchrec_lossy.kernels.launch_tables import block_for
 
 _BLOCK = 4096
 # Globals a kernel reads must be constexpr.
@@ -204,7 +204,7 @@ def quantize_tiles(
 
     Args:
         x: 1-D float32 values of every block (exact copies of their fp32 / fp16 / bf16 values).
-        tiles: int64 [n_tiles, 3] from :func:`tile_table` (with tiles of ``block`` elements), on
+        tiles: int64 [n_tiles, 3] from ``launch_tables.tile_table`` (``block``-element tiles), on
             ``x``'s device.
         step: float32 [n_blocks] quantization steps.
         inv_step: float32 [n_blocks] float32 reciprocals of the steps.

@@ -21,46 +21,17 @@ stage-level tests are in tests/triton_launchers.py.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
-from torchrec_lossy.kernels.common import (
-    SCAN_MAX,
-    block_for,
-    find_segment,
-    inclusive_scan,
-)
+from torchrec_lossy.kernels import launch_tables
+from torchrec_lossy.kernels.common import SCAN_MAX, find_segment, inclusive_scan
+from torchrec_lossy.kernels.launch_tables import block_for
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
-_MASK64 = (1 << 64) - 1
-
-
-def column_multipliers(dim: int) -> np.ndarray:
-    """The row hash's per-column odd multipliers as int64 bit patterns (host-side, cached).
-
-    Args:
-        dim: Number of columns.
-
-    Returns:
-        int64 [dim] (the first ``k`` do not depend on ``dim``).
-    """
-    return _column_multipliers(dim)
-
-
-@functools.lru_cache(maxsize=64)
-def _column_multipliers(dim: int) -> np.ndarray:
-    """The per-column odd multipliers of ``dedupe_kernel``'s row hash, as int64 bit patterns."""
-    mults = np.empty(dim, dtype=np.uint64)
-    m = 0x9E3779B97F4A7C15
-    for j in range(dim):
-        mults[j] = m | 1
-        m = (m * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
-    return mults.view(np.int64)
 
 
 _MULTS_ON_DEVICE: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
@@ -68,7 +39,7 @@ _MULTS_ON_DEVICE: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]
 
 def _device_multipliers(dim: int, dev: torch.device) -> torch.Tensor:
     """The column multipliers on ``dev``, copied there once per (dim, device)."""
-    mults = _column_multipliers(dim)  # cached: the same array object for a given dim
+    mults = launch_tables.column_multipliers(dim)  # cached: the same array object for a given dim
     cached = _MULTS_ON_DEVICE.get((dim, dev))
     if cached is None or cached[0] is not mults:
         cached = _MULTS_ON_DEVICE[(dim, dev)] = (mults, torch.from_numpy(mults).to(dev))
@@ -201,7 +172,7 @@ def representatives(
             order).
         max_dim: The largest ``row_dim`` (host-side).
         mults: int64 [>= max_dim] column multipliers of the row hash on the device (from
-            :func:`column_multipliers`); None copies them there (cached per dim and device).
+            ``launch_tables.column_multipliers``); None copies them there (cached per dim, device).
 
     Returns:
         (rep: int32 [rows], the first row of its block identical to each row (global index);

@@ -41,9 +41,8 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.staged import compress_staged
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import common
+from torchrec_lossy.kernels import common, launch_tables
 from torchrec_lossy.kernels import quantize as k_quantize
-from torchrec_lossy.kernels import vector_lz as k_vector_lz
 
 # The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
 # those lanes away.
@@ -207,7 +206,7 @@ def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
 def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> None:
     """With every column multiplier 0 all rows hash alike: the key comparison alone must still
     give the CPU kernel's ids."""
-    monkeypatch.setattr(k_vector_lz, "_column_multipliers", lambda dim: np.zeros(dim, np.int64))
+    monkeypatch.setattr(launch_tables, "column_multipliers", lambda dim: np.zeros(dim, np.int64))
     for kind in ("adversarial", "repeat"):
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):

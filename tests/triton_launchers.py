@@ -27,8 +27,9 @@ from torchrec_lossy.codec.format import (
     ref_width,
     refs_bits,
 )
-from torchrec_lossy.kernels.common import SCAN_MAX, SCAN_SUM, block_for, inclusive_scan, tile_table
+from torchrec_lossy.kernels.common import SCAN_MAX, SCAN_SUM, inclusive_scan
 from torchrec_lossy.kernels.huffman import decode_chunk, encode_chunks, histogram_tiles
+from torchrec_lossy.kernels.launch_tables import block_for, tile_table
 from torchrec_lossy.kernels.quantize import quantize_tiles
 from torchrec_lossy.kernels.vector_lz import representatives
 

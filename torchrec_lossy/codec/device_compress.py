@@ -84,7 +84,7 @@ from torchrec_lossy.kernels import codebook
 from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
-from torchrec_lossy.kernels.common import block_for
+from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -135,7 +135,7 @@ class _Columns(Generic[_Array]):
     n_slots: _Array  # its chunk slots (the worst case: every row sent)
     slot_blk: _Array  # per chunk slot, its block
     slot_k: _Array  # per chunk slot, its chunk in the block
-    tiles: _Array  # the quantize launch's tiles (k_quantize.tile_table rows, flattened)
+    tiles: _Array  # the quantize launch's tiles (launch_tables.tile_table rows, flattened)
     mults: _Array  # the row hash's column multipliers
 
 
@@ -237,7 +237,7 @@ def _host_tables(
     sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
     local = np.arange(b, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     tile_block = block_for(int(numel.max()) if b else 1, _QUANT_BLOCK)
-    tiles = k_quantize.tile_table(numel, tile_block)  # over the blocks that may quantize
+    tiles = tile_table(numel, tile_block)  # over the blocks that may quantize
     slots, first_slot, slot_blk, slot_k, stream_words = _slots(
         numel, quant_try, config.huffman_chunk_symbols
     )
@@ -266,7 +266,7 @@ def _host_tables(
         slot_blk=slot_blk,
         slot_k=slot_k,
         tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
-        mults=k_vector_lz.column_multipliers(max(max_dim, 1)),
+        mults=column_multipliers(max(max_dim, 1)),
     )
     return _HostTables(
         cols=cols,

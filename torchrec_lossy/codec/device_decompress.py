@@ -70,6 +70,7 @@ from torchrec_lossy.codec.format import (
     segment_layout,
     words_for_bytes,
 )
+from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 # The offsets into the payload's words that move with a payload inside a grouped buffer.
@@ -400,7 +401,7 @@ def _decode_on_device(
     Unless ``defer_status``, the status is read once here and the first error raised. The
     blocks are views of the returned int32 output words.
     """
-    col = _inputs(layout, k.huffman.NO_FAILURE)
+    col = _inputs(layout, NO_FAILURE)
     # Everything the kernels need from the host, in one upload (no sync: non-blocking).
     d: _Inputs[torch.Tensor] = host_sync.upload_record(col, payload.device)
     words = _words(payload)
