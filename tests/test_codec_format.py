@@ -28,10 +28,14 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER_WORDS,
     VERSION,
     checksum_words,
+    read_segment_header,
     ref_width,
     refs_bits,
     refs_packing,
+    segment_header_fields,
+    segment_header_words,
     segment_layout,
+    write_segment_header,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -450,3 +454,37 @@ def test_segment_layout_accepts_what_compress_writes_and_rejects_short_segments(
         short = int(bs_off) - 1 if d["mode"] & 2 else seg - 1
         assert bool(ok) and not bool(segment_layout((*desc[:4], short), fields)[0])
         start += seg
+
+
+def _header_fields(rng: np.random.Generator) -> tuple:
+    """Random segment-header fields, each over its field's whole range."""
+    wide = [int(rng.integers(0, 2**32)) for _ in range(4)]
+    short = [int(rng.integers(0, 2**16)) for _ in range(2)]
+    byte = [int(rng.integers(0, 256)) for _ in range(3)]
+    step = np.float32(rng.standard_normal() * 10.0 ** rng.integers(-30, 30))
+    return (step, int(rng.integers(-(2**31), 2**31)), *wide, *short, *byte)
+
+
+def test_segment_header_words_are_the_records_and_read_back_on_every_backend():
+    """The one writer (``segment_header_words``: numba scalars through ``write_segment_header``,
+    Python ints, torch tensors) gives the bytes of a numpy ``SEGMENT_HEADER`` record, and the
+    reader gives the fields back."""
+    rng = np.random.default_rng(0)
+    fields = [_header_fields(rng) for _ in range(64)]
+    records = np.zeros(len(fields), SEGMENT_HEADER)
+    for name, column in zip(SEGMENT_HEADER.names[:11], zip(*fields, strict=True), strict=True):
+        records[name] = column
+    want = records.view(np.uint32).reshape(len(fields), SEGMENT_HEADER_WORDS)
+    columns = [torch.tensor(np.asarray(c)) for c in zip(*fields, strict=True)]
+    by_tensor = torch.stack(segment_header_words(tuple(columns)), dim=1)
+    assert np.array_equal(by_tensor.numpy(), want)
+    words = np.zeros(SEGMENT_HEADER_WORDS * len(fields) + 1, np.uint32)
+    for i, f in enumerate(fields):
+        assert [int(w) for w in segment_header_words(f)] == want[i].tolist()
+        assert write_segment_header(words, 1 + 8 * i, f) == 9 + 8 * i
+        back = read_segment_header(words, 1 + 8 * i)
+        assert back[0] == f[0] and [int(v) for v in back[1:]] == list(f[1:])
+    assert np.array_equal(words[1:].reshape(-1, SEGMENT_HEADER_WORDS), want)
+    back = segment_header_fields(tuple(torch.from_numpy(want.astype(np.int64)).unbind(1)))
+    assert torch.equal(back[0], columns[0].float())
+    assert all(torch.equal(b, c) for b, c in zip(back[1:], columns[1:], strict=True))

@@ -71,11 +71,11 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     MODE_VALUE,
-    SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     VERSION,
     ref_width,
     refs_packing,
+    segment_header_words,
     words_for_bits,
     words_for_bytes,
 )
@@ -729,20 +729,23 @@ def _put_headers(
     }
     desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
     out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(is_q))
-    head = {
-        "step": torch.where(is_q, grid.step.view(torch.int32).to(torch.int64), 0),
-        "center": torch.where(is_q, grid.center, 0),
-        "n_unique": s.n_sent,
-        "n_escapes": s.n_escapes,
-        "chunk_symbols": torch.where(is_q, chunk, 0),
-        "n_chunks": s.n_chunks,
-        "sym_lo": s.sym_lo,
-        "sym_count": s.sym_count,
-        "escape_length": torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0),
-        "ref_mode": s.ref_mode,
-        "ref_width": s.ref_width,
-    }
-    out.put_records(sec.seg_start, pack_records(SEGMENT_HEADER, head), s.mode != MODE_RAW)
+    head = segment_header_words(
+        (
+            torch.where(is_q, grid.step, 0.0),
+            torch.where(is_q, grid.center, 0),
+            s.n_sent,
+            s.n_escapes,
+            torch.where(is_q, chunk, 0),
+            s.n_chunks,
+            s.sym_lo,
+            s.sym_count,
+            torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0),
+            s.ref_mode,
+            s.ref_width,
+        )
+    )
+    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
+    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = s.lengths.gather(1, (s.sym_lo[:, None] + k).clamp(max=ALPHABET_SIZE - 1))
     out.put(

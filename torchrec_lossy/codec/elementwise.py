@@ -1,10 +1,11 @@
 """Element-wise primitives for rules written once for every backend.
 
-The size model (``size_model``) and the relative-bound rule (``bounds.finite_span``) are plain
-arithmetic on top of these few primitives, so one definition serves Python scalars, numpy arrays,
-torch tensors on any device (no sync) and numba-compiled code: here each primitive dispatches on
-its arguments' kind, and a numba overload gives its scalar form, so a rule decorated with
-:func:`jitable` compiles into the host codec's kernels unchanged.
+The size model (``size_model``), the relative-bound rule (``bounds.finite_span``), the segment
+header's words (``format.segment_header_words``) and the quantization grid (``quantize``) are
+plain arithmetic on top of these few primitives, so one definition serves Python scalars, numpy
+arrays, torch tensors on any device (no sync) and numba-compiled code: here each primitive
+dispatches on its arguments' kind, and a numba overload gives its scalar form, so a rule
+decorated with :func:`jitable` compiles into the host codec's kernels unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from numba.extending import overload, register_jitable
 # An int, a float, a numpy array or a torch tensor: every function below maps like to like.
 N = TypeVar("N", int, float, np.ndarray, torch.Tensor)
 F = TypeVar("F", bound=Callable[..., object])
+_MASK32 = 0xFFFFFFFF
 
 
 def jitable(fn: F) -> F:
@@ -122,6 +124,69 @@ def as_float64(x: N) -> N:
     return float(x)
 
 
+def as_float32(x: N) -> N:
+    """The values rounded to float32 (to nearest even, as every backend's cast).
+
+    Args:
+        x: Floats.
+
+    Returns:
+        float32 values (a numpy float32 scalar for a Python number).
+    """
+    if isinstance(x, torch.Tensor):
+        return x.float()
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float32)
+    return np.float32(x)
+
+
+def floor(x: N) -> N:
+    """``floor`` of floats, kept float (infinities and NaN pass through).
+
+    Args:
+        x: Floats.
+
+    Returns:
+        Floats of the same kind and precision.
+    """
+    if isinstance(x, torch.Tensor):
+        return torch.floor(x)
+    return np.floor(x)
+
+
+def float32_bits(x: N) -> N:
+    """The bits of float32 values, as non-negative ints below 2**32.
+
+    Args:
+        x: float32 values (others are rounded to float32 first).
+
+    Returns:
+        int64 tensors or arrays, or an int.
+    """
+    if isinstance(x, torch.Tensor):
+        return x.float().view(torch.int32).to(torch.int64) & _MASK32
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float32).view(np.uint32).astype(np.int64)
+    return int(np.float32(x).view(np.uint32))
+
+
+def float32_from_bits(bits: N) -> N:
+    """float32 values from their bits (the inverse of :func:`float32_bits`).
+
+    Args:
+        bits: Ints; their low 32 bits are the float's.
+
+    Returns:
+        float32 values (a numpy float32 scalar for an int).
+    """
+    if isinstance(bits, torch.Tensor):
+        low = bits.to(torch.int64) & _MASK32
+        return (low - ((low >> 31) << 32)).to(torch.int32).view(torch.float32)
+    if isinstance(bits, np.ndarray):
+        return (bits.astype(np.int64) & _MASK32).astype(np.uint32).view(np.float32)
+    return np.uint32(int(bits) & _MASK32).view(np.float32)
+
+
 # Scalar forms inside numba-compiled code (arrays and tensors never reach them there). numba
 # wants each implementation's signature to equal its typing function's, annotations included.
 
@@ -188,4 +253,59 @@ def _as_float64_nb(x: types.Type) -> Callable | None:
     return impl
 
 
-__all__ = ["as_float64", "bit_length", "clamp_min", "isfinite", "jitable", "where"]
+@overload(as_float32, jit_options={"nogil": True})
+def _as_float32_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        return np.float32(x)
+
+    return impl
+
+
+@overload(floor, jit_options={"nogil": True})
+def _floor_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, types.Float):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        return np.floor(x)
+
+    return impl
+
+
+@overload(float32_bits, jit_options={"nogil": True})
+def _float32_bits_nb(x: types.Type) -> Callable | None:
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def impl(x: types.Type) -> Callable | None:
+        return np.int64(np.float32(x).view(np.uint32))
+
+    return impl
+
+
+@overload(float32_from_bits, jit_options={"nogil": True})
+def _float32_from_bits_nb(bits: types.Type) -> Callable | None:
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def impl(bits: types.Type) -> Callable | None:
+        return np.uint32(np.int64(bits) & _MASK32).view(np.float32)
+
+    return impl
+
+
+__all__ = [
+    "as_float32",
+    "as_float64",
+    "bit_length",
+    "clamp_min",
+    "float32_bits",
+    "float32_from_bits",
+    "floor",
+    "isfinite",
+    "jitable",
+    "where",
+]

@@ -17,7 +17,16 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.elementwise import N, bit_length, clamp_min, isfinite, jitable, where
+from torchrec_lossy.codec.elementwise import (
+    N,
+    bit_length,
+    clamp_min,
+    float32_bits,
+    float32_from_bits,
+    isfinite,
+    jitable,
+    where,
+)
 
 MAGIC = 0x434C5254  # b"TRLC" read as a little-endian uint32
 VERSION = 1
@@ -134,31 +143,78 @@ class CodecError(ValueError):
     """A payload cannot be decoded: truncated, corrupted, or not a torchrec-lossy payload."""
 
 
+# The segment header as words: the one writer and reader of every path (the host encoder and
+# decoder per block on numba scalars, the device encoder over all blocks' [n] tensors).
+_M32 = 0xFFFFFFFF
+
+
+@jitable
+def segment_header_words(fields: tuple) -> tuple:
+    """The ``SEGMENT_HEADER`` record's eight words from its fields.
+
+    Args:
+        fields: The fields in ``SEGMENT_HEADER`` order, ``reserved`` left out (0), as
+            :func:`segment_header_fields` returns them: ``step`` a float (written as float32),
+            the rest ints in their field's range. Ints, numba scalars or tensors [n].
+
+    Returns:
+        The words, in order, as ints in [0, 2**32) (int64 tensors for tensor fields).
+    """
+    step, center, n_unique, n_esc, chunk_symbols, n_chunks, lo, count, esc_len = fields[:9]
+    ref_mode, width = fields[9], fields[10]
+    return (
+        float32_bits(step),
+        center & _M32,
+        n_unique & _M32,
+        n_esc & _M32,
+        chunk_symbols & _M32,
+        n_chunks & _M32,
+        (lo & 0xFFFF) | ((count & 0xFFFF) << 16),
+        (esc_len & 0xFF) | ((ref_mode & 0xFF) << 8) | ((width & 0xFF) << 16),
+    )
+
+
+@jitable
+def segment_header_fields(words: tuple) -> tuple:
+    """The mirror of :func:`segment_header_words`: a segment header's fields from its words.
+
+    Args:
+        words: Its eight words (uint32 or non-negative ints; an array, a tuple of tensors).
+
+    Returns:
+        The fields in ``SEGMENT_HEADER`` order but ``reserved``, as :func:`segment_layout`
+        takes them: ``step`` float32, the rest int64.
+    """
+    center = words[1] & _M32
+    lo_count, len_mode_width = words[6] & _M32, words[7] & _M32
+    return (
+        float32_from_bits(words[0]),
+        center - ((center >> 31) << 32),  # int32
+        words[2] & _M32,
+        words[3] & _M32,
+        words[4] & _M32,
+        words[5] & _M32,
+        lo_count & 0xFFFF,
+        lo_count >> 16,
+        len_mode_width & 0xFF,
+        (len_mode_width >> 8) & 0xFF,
+        (len_mode_width >> 16) & 0xFF,
+    )
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def read_segment_header(words: np.ndarray, at: int) -> tuple:
-    """The segment header at word ``at`` of ``words`` (uint32), as :func:`segment_layout`
-    takes it: its fields in ``SEGMENT_HEADER`` order, ``step`` float32, the rest int64."""
-    h = words[at : at + SEGMENT_HEADER_WORDS].view(SEGMENT_HEADER)[0]
-    return (
-        np.float32(h["step"]), np.int64(h["center"]), np.int64(h["n_unique"]),
-        np.int64(h["n_escapes"]), np.int64(h["chunk_symbols"]), np.int64(h["n_chunks"]),
-        np.int64(h["sym_lo"]), np.int64(h["sym_count"]), np.int64(h["escape_length"]),
-        np.int64(h["ref_mode"]), np.int64(h["ref_width"]),
-    )  # fmt: skip
+    """The segment header at word ``at`` of ``words`` (uint32): :func:`segment_header_fields`."""
+    return segment_header_fields(words[at : at + SEGMENT_HEADER_WORDS])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def write_segment_header(words: np.ndarray, at: int, fields: tuple) -> int:
-    """Writes a segment header at word ``at`` of ``words`` (uint32): ``fields`` as
-    :func:`read_segment_header` returns them (``reserved`` 0); -> the word after it."""
-    hdr = np.zeros(1, SEGMENT_HEADER)
-    h = hdr[0]
-    (
-        h["step"], h["center"], h["n_unique"], h["n_escapes"], h["chunk_symbols"],
-        h["n_chunks"], h["sym_lo"], h["sym_count"], h["escape_length"], h["ref_mode"],
-        h["ref_width"],
-    ) = fields  # fmt: skip
-    words[at : at + SEGMENT_HEADER_WORDS] = hdr.view(np.uint32)
+    """Writes a segment header (:func:`segment_header_words` of ``fields``) at word ``at`` of
+    ``words`` (uint32); -> the word after it."""
+    head = segment_header_words(fields)
+    for k in range(SEGMENT_HEADER_WORDS):
+        words[at + k] = head[k]
     return at + SEGMENT_HEADER_WORDS
 
 
