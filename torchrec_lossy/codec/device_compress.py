@@ -57,6 +57,7 @@ from torchrec_lossy.codec.container import (
     skeleton_index,
     skeleton_words,
 )
+from torchrec_lossy.codec.elementwise import float32_from_bits
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -64,7 +65,6 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     HEADER,
     MAGIC,
-    MAX_CENTER,
     MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_QUANT,
@@ -87,7 +87,6 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
-_FLT_MAX = float(np.finfo(np.float32).max)
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 
@@ -420,22 +419,6 @@ def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -
     return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
 
 
-def _device_quant_params(eb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize.quant_params_kernel``'s step rule on the device (float64 bounds [n]).
-
-    Returns:
-        (float32 step, float32 1 / step, whether the step is usable).
-    """
-    two = (2.0 * eb).clamp(max=_FLT_MAX)
-    step = two.float()
-    down = (step.view(torch.int32) - 1).view(torch.float32)  # round down: step / 2 <= bound
-    step = torch.where(step.double() > 2.0 * eb, down, step)
-    ok = step >= float(np.finfo(np.float32).tiny)
-    step = torch.where(ok, step, 0.0)
-    inv = torch.where(ok, 1.0 / torch.where(ok, step, 1.0), 0.0)
-    return step, inv, ok
-
-
 def _median(flat: _Flat, finite: torch.Tensor, t: _Columns) -> torch.Tensor:
     """Every block's median of its finite values, float64 (np.median: the middle one, or the
     mean of the middle two; garbage for a block without any)."""
@@ -459,13 +442,13 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
     lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
     hi = _per_block(torch.where(finite, flat.x, -math.inf), "max", numel, -math.inf)
     bound = t.bound_bits.view(torch.float64)
-    step = t.step_bits.to(torch.int32).view(torch.float32)
-    inv_step = t.inv_step_bits.to(torch.int32).view(torch.float32)
+    step = float32_from_bits(t.step_bits)
+    inv_step = float32_from_bits(t.inv_step_bits)
     quant_try = t.quant_try == 1
     if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
         rel = t.relative == 1
         bound = torch.where(rel, bound * finite_span(lo, hi), bound)
-        r_step, r_inv, r_ok = _device_quant_params(ht.grid_factor * bound)
+        r_step, r_inv, r_ok = quantize.grid_step(ht.grid_factor * bound)
         step = torch.where(rel, r_step, step)
         inv_step = torch.where(rel, r_inv, inv_step)
         quant_try = torch.where(rel, quant_try & r_ok & (bound > 0), quant_try)
@@ -473,13 +456,13 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
     narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
     mid = torch.where(narrow, 0.5 * (lo64 + hi64), _median(flat, finite, t))
     mid = torch.where(lo <= hi, mid, 0.0)  # no finite value: center 0
-    center_f = torch.floor((mid.float() * inv_step).double() + 0.5)
-    quant_ok = quant_try & (center_f.abs() <= MAX_CENTER)  # False for inf / nan
+    center_f, center_ok = quantize.grid_center(mid, inv_step)
+    quant_ok = quant_try & center_ok
     center = torch.where(quant_ok, center_f, 0.0).to(torch.int64)
     if ht.any_value:  # the per-value grid: center qmax, the code of the largest finite |x|
         val = t.value == 1
         amax = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
-        qmax = quantize.value_code(amax.view(torch.int32).to(torch.int64), t.value_shift)
+        qmax = quantize.value_qmax(amax, t.value_shift)
         center = torch.where(val & quant_try, qmax, center)
         quant_ok = torch.where(val, quant_try, quant_ok)
     return _Grid(bound, step, inv_step, center, quant_ok)

@@ -25,7 +25,16 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec.elementwise import N, jitable, where
+from torchrec_lossy.codec.elementwise import (
+    N,
+    as_float32,
+    as_float64,
+    float32_bits,
+    float32_from_bits,
+    floor,
+    jitable,
+    where,
+)
 from torchrec_lossy.codec.format import (
     DTYPE_CODES,
     ESCAPE_SYMBOL,
@@ -146,6 +155,20 @@ def value_decode_bits(symbols: N, shift: N, qmax: N) -> N:
 
 
 @jitable
+def value_qmax(amax: N, shift: N) -> N:
+    """The largest code ``qmax`` of blocks on the per-value grid (the segment header's center).
+
+    Args:
+        amax: Largest finite ``|x|`` of each block (0 when none is finite).
+        shift: ``23 - m``.
+
+    Returns:
+        The code of ``amax`` (its float32).
+    """
+    return value_code(float32_bits(amax) & 0x7FFFFFFF, shift)
+
+
+@jitable
 def value_params(v: float, amax: float) -> tuple[float, int]:
     """The per-value grid of a block: its step ``2**-m`` and largest code ``qmax``.
 
@@ -157,8 +180,7 @@ def value_params(v: float, amax: float) -> tuple[float, int]:
         (step, exact in float32; qmax, the code of ``amax``: the segment header's center).
     """
     m = value_mantissa_bits(v)
-    mag = np.int64(np.float32(amax).view(np.uint32)) & 0x7FFFFFFF
-    return 2.0**-m, value_code(mag, 23 - m)
+    return 2.0**-m, value_qmax(amax, 23 - m)
 
 
 @jitable
@@ -310,9 +332,50 @@ def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
     return np.median(x[np.isfinite(x)].astype(np.float64))
 
 
+# The grid of round to nearest and stochastic rounding, element-wise: the numba kernels take it
+# per block, the device path over [n_blocks] tensors.
+
+
+@jitable
+def grid_step(bound: N) -> tuple[N, N, N]:
+    """The quantization step of a grid's bound: the float32 at most ``2 * bound``.
+
+    Args:
+        bound: The grid's bound (:func:`grid_bound`), float64.
+
+    Returns:
+        (float32 step; its float32 reciprocal; ok: False where the step is below float32's
+        normal range (or the bound NaN), the block is then not quantized and both are 0).
+    """
+    two = 2.0 * bound
+    step = as_float32(where(two > _FLT_MAX, _FLT_MAX, two))  # NaN stays
+    down = float32_from_bits(float32_bits(step) - 1)  # round down: step / 2 <= bound
+    step = where(as_float64(step) > two, down, step)
+    ok = step >= _FLT_MIN
+    # float32's 1 / step: float64's quotient rounded to float32 is the correctly rounded one.
+    inv_step = as_float32(1.0 / as_float64(where(ok, step, 1.0)))
+    return as_float32(where(ok, step, 0.0)), as_float32(where(ok, inv_step, 0.0)), ok
+
+
+@jitable
+def grid_center(mid: N, inv_step: N) -> tuple[N, N]:
+    """The center code of a block's midpoint on its grid.
+
+    Args:
+        mid: The block's midpoint (:func:`block_mid`), float64.
+        inv_step: The grid's float32 ``1 / step`` (:func:`grid_step`).
+
+    Returns:
+        (the code, float64; ok: it is within ``MAX_CENTER``, False for inf and NaN).
+    """
+    center = floor(as_float64(as_float32(mid) * inv_step) + 0.5)
+    return center, abs(center) <= MAX_CENTER
+
+
 @numba.njit(cache=True, nogil=True)
 def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
-    """Quantization step, its float32 reciprocal and the center code for a bound and midpoint.
+    """Quantization step, its float32 reciprocal and the center code for a bound and midpoint
+    (:func:`grid_step`, :func:`grid_center`).
 
     Args:
         bound: Absolute error bound (> 0).
@@ -322,14 +385,9 @@ def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bo
         (step, inv_step, center, ok); ok is False when the step is below float32's normal
         range or the center's code is out of range (the block is then not quantized).
     """
-    step = np.float32(min(2.0 * bound, _FLT_MAX))
-    if np.float64(step) > 2.0 * bound:  # round down so that step / 2 never exceeds the bound
-        step = np.uint32(step.view(np.uint32) - np.uint32(1)).view(np.float32)
-    if step < _FLT_MIN:
-        return 0.0, 0.0, 0, False
-    inv_step = np.float32(1.0) / step
-    center = np.floor(np.float64(np.float32(mid) * inv_step) + 0.5)
-    if not abs(center) <= MAX_CENTER:  # also rejects inf and nan
+    step, inv_step, step_ok = grid_step(bound)
+    center, center_ok = grid_center(mid, inv_step)
+    if not (step_ok and center_ok):
         return 0.0, 0.0, 0, False
     return np.float64(step), np.float64(inv_step), np.int64(center), True
 
@@ -742,17 +800,12 @@ def _quantize_value_reference(
     """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
     bits = xf.view(torch.int32).long() & 0xFFFFFFFF
     sym, rb = value_symbol(bits, value_shift(params.step), params.center)
-    recon = _bits_to_float32(rb).to(x.dtype).double()
+    recon = float32_from_bits(rb).to(x.dtype).double()
     err = (recon - xf.double()).abs()
     ax = xf.double().abs()
     ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
     rel = torch.where(ok & (ax > 0), err / ax, 0.0)
     return torch.where(ok, sym, ESCAPE_SYMBOL), float(rel.max()) if rel.numel() else 0.0
-
-
-def _bits_to_float32(bits: torch.Tensor) -> torch.Tensor:
-    """float32 values from their bits held as non-negative int64."""
-    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
 def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Tensor:
@@ -767,7 +820,7 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
     """
     if params.value:
         shift = value_shift(params.step)
-        return _bits_to_float32(value_decode_bits(symbols.long(), shift, params.center))
+        return float32_from_bits(value_decode_bits(symbols.long(), shift, params.center))
     q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
     return q * torch.tensor(params.step, dtype=torch.float32)
 
@@ -783,6 +836,8 @@ __all__ = [
     "finite_range",
     "finite_ranges_kernel",
     "grid_bound",
+    "grid_center",
+    "grid_step",
     "mix32",
     "quant_params",
     "quant_params_blocks_kernel",
@@ -795,6 +850,7 @@ __all__ = [
     "value_decode_bits",
     "value_mantissa_bits",
     "value_params",
+    "value_qmax",
     "value_shift",
     "value_symbol",
 ]
