@@ -10,12 +10,13 @@ Production encodes every block at once (``host_compress``); its decode stages ar
 
 from __future__ import annotations
 
+import host_kernels
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import huffman
 from torchrec_lossy.codec.container import check_payload
-from torchrec_lossy.codec.format import ALPHABET_SIZE, CodecError
+from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.codec.staged import CompiledDecodeStages, DecodeStages, decode_payload
 
@@ -54,39 +55,32 @@ class CpuOps(CompiledDecodeStages):
         self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
     ) -> tuple[np.ndarray, np.ndarray, int, float]:
         """float32 [n] -> (uint16 symbols [n], int64 histogram, number of escapes, max error)."""
-        symbols = np.empty(x.shape[0], dtype=np.uint16)
-        hist = np.zeros(ALPHABET_SIZE, dtype=np.int64)
-        n_esc, max_err = quantize.quantize_kernel(
+        return host_kernels.quantize_block(
             x,
             np.float32(params.step),
             np.float32(params.inv_step),
             params.center,
             bound,
             dtype_code,
-            symbols,
-            hist,
             params.sr_key,
             params.value,
         )
-        return symbols, hist, int(n_esc), float(max_err)
 
     def histogram_rows(self, symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Histogram of the given rows of a uint16 [rows, dim] matrix."""
-        return huffman.histogram_rows_kernel(symbols, rows)
+        return host_kernels.histogram_rows(symbols, rows)
 
     def dedupe(self, symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, dim] -> (int32 ids [rows], int32 first_rows [n_unique])."""
-        if symbols is None:
-            return vector_lz.dedupe_kernel(np.zeros((1, 1), np.uint16), bits, True)
-        return vector_lz.dedupe_kernel(symbols, bits, False)
+        return host_kernels.dedupe(symbols, bits)
 
     def pack_refs(self, ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
         """int32 ids -> uint32 words."""
-        return vector_lz.pack_refs_kernel(ids, n_unique, mode)
+        return host_kernels.pack_refs(ids, n_unique, mode)
 
     def huffman_encode(
         self, symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, chunk_symbols: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The given rows of uint16 [rows, dim] symbols -> (uint32 chunk_ends, uint32 words)."""
         codes = huffman.canonical_codes_kernel(lengths)
-        return huffman.encode_kernel(symbols, rows, lengths, codes, chunk_symbols)
+        return host_kernels.encode(symbols, rows, lengths, codes, chunk_symbols)

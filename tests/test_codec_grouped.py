@@ -32,7 +32,7 @@ from torchrec_lossy.codec import (
     host_sync,
 )
 from torchrec_lossy.codec.bounds import absolute_bounds
-from torchrec_lossy.codec.container import payload_skeleton, skeleton_index
+from torchrec_lossy.codec.container import payload_skeletons, skeleton_index
 from torchrec_lossy.codec.format import BITS_DTYPES, DESCRIPTOR, HEADER
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +165,7 @@ def test_host_skeletons_are_skeleton_index_words() -> None:
             seg_start,
         )
         assert np.array_equal(out.skeletons[g], words[idx.numpy()])
-        assert np.array_equal(payload_skeleton(words), out.skeletons[g])
+        assert np.array_equal(payload_skeletons(words, [4 * words.shape[0]])[0], out.skeletons[g])
 
 
 def test_bad_arguments_name_the_fix() -> None:
@@ -249,9 +249,8 @@ def test_device_grouped_decompress_with_skeletons_reads_nothing() -> None:
     # The sender's skeletons: the same words on both paths, and the payload's own.
     for g in range(len(groups)):
         assert np.array_equal(out.skeletons[g], host.skeletons[g])
-        assert np.array_equal(
-            out.skeletons[g], payload_skeleton(host.payload(g).numpy().view(np.uint32))
-        )
+        words = host.payload(g).numpy().view(np.uint32)
+        assert np.array_equal(out.skeletons[g], payload_skeletons(words, [4 * words.shape[0]])[0])
     decompress_groups(out.buffer, out.sizes, backend="triton", skeletons=out.skeletons)
     before = host_sync.host_reads()
     blocks, status = decompress_groups(

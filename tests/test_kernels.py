@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
+import host_kernels
 import numba
 import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
@@ -27,7 +28,7 @@ from stage_ops import CpuOps, decompress_staged
 from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
-from torchrec_lossy.codec import huffman, pipeline, vector_lz
+from torchrec_lossy.codec import huffman, pipeline
 from torchrec_lossy.codec import quantize as cpu_quantize
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -232,7 +233,7 @@ def test_pack_refs_matches_cpu(n_unique: int, mode: int) -> None:
                 nxt += 1
             else:
                 ids[r] = rng.integers(0, nxt)
-        want = vector_lz.pack_refs_kernel(ids, n_unique, mode)
+        want = host_kernels.pack_refs(ids, n_unique, mode)
         got = host(launchers.pack_refs(dev(ids), n_unique, mode), np.uint32)
         np.testing.assert_array_equal(got, want, err_msg=f"rows={rows}")
 
@@ -267,12 +268,12 @@ def test_huffman_encode_decode_match_cpu(n_rows: int, dim: int, spread: float, c
     rng = np.random.default_rng(0)
     for rows in (np.arange(n_rows, dtype=np.int32), rng.permutation(n_rows)[: n_rows // 2 + 1]):
         rows = rows.astype(np.int32)
-        hist = huffman.histogram_rows_kernel(sym, rows)
+        hist = host_kernels.histogram_rows(sym, rows)
         got_hist = host(launchers.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
         np.testing.assert_array_equal(got_hist, hist)
         lengths = huffman.code_lengths_kernel(hist)
         codes = huffman.canonical_codes_kernel(lengths)
-        want_ends, want_words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
+        want_ends, want_words = host_kernels.encode(sym, rows, lengths, codes, chunk)
         ends, words = launchers.encode(
             dev(sym), dev(rows), dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk
         )
@@ -308,9 +309,9 @@ def test_huffman_decode_errors_match_cpu() -> None:
     chunk = 32
     sent = sym.reshape(-1)
     n = sent.shape[0]
-    lengths = huffman.code_lengths_kernel(huffman.histogram_rows_kernel(sym, rows))
+    lengths = huffman.code_lengths_kernel(host_kernels.histogram_rows(sym, rows))
     codes = huffman.canonical_codes_kernel(lengths)
-    ends, words = huffman.encode_kernel(sym, rows, lengths, codes, chunk)
+    ends, words = host_kernels.encode(sym, rows, lengths, codes, chunk)
     esc = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
     assert esc.shape[0] >= 2
     rng = np.random.default_rng(1)

@@ -418,18 +418,6 @@ def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarr
     return skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
 
 
-def payload_skeleton(words: np.ndarray) -> np.ndarray:
-    """The skeleton (:func:`skeleton_index`) of one well-formed payload, on the host.
-
-    Args:
-        words: The payload as uint32 words (made by ``compress``).
-
-    Returns:
-        uint32 skeleton words.
-    """
-    return payload_skeletons(words, [4 * words.shape[0]])[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # Host side: header, descriptor parse, reader.
 

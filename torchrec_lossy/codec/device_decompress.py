@@ -89,15 +89,6 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return host_sync.to_host(t, "decompress")
 
 
-def host_syncs() -> int:
-    """Device-to-host copies made by this module since the process started.
-
-    Returns:
-        The count.
-    """
-    return host_sync.host_reads("decompress")
-
-
 class _Kernels(NamedTuple):
     """The kernel modules (``triton_loader.load_kernels`` and ``kernels.codebook``)."""
 

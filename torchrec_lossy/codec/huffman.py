@@ -160,7 +160,7 @@ def encode_into(
     chunk_ends: np.ndarray,
     words: np.ndarray,
 ) -> int:
-    """:func:`encode_kernel` writing into given buffers.
+    """Encodes the symbols of the selected rows, in order, into word-aligned chunks.
 
     Args:
         symbols: uint16 [rows, dim] symbols.
@@ -200,34 +200,6 @@ def encode_into(
         w = _flush(words, w, acc, n_acc)
         chunk_ends[c] = w
     return w
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_kernel(
-    symbols: np.ndarray,
-    rows: np.ndarray,
-    lengths: np.ndarray,
-    codes: np.ndarray,
-    chunk_symbols: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Encodes the symbols of the selected rows, in order, into word-aligned chunks.
-
-    Args:
-        symbols: uint16 [rows, dim] symbols; every symbol encoded needs a nonzero code length.
-        rows: int32 indices of the rows to encode (the distinct vectors, or every row).
-        lengths: uint8 [ALPHABET_SIZE] code lengths.
-        codes: uint32 [ALPHABET_SIZE] canonical codes.
-        chunk_symbols: Symbols per chunk.
-
-    Returns:
-        (chunk_ends: uint32 [n_chunks], the end word of each chunk; words: uint32 bitstream).
-    """
-    n = rows.shape[0] * symbols.shape[1]
-    n_chunks = (n + chunk_symbols - 1) // chunk_symbols
-    chunk_ends = np.empty(n_chunks, dtype=np.uint32)
-    words = np.empty((n * MAX_CODE_LENGTH + 31) // 32 + n_chunks, dtype=np.uint32)
-    w = encode_into(symbols, rows, code_entries(lengths, codes), chunk_symbols, chunk_ends, words)
-    return chunk_ends, words[:w]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -319,24 +291,6 @@ def plan_blocks_kernel(
                     row = blk[sel[k] * dim : (sel[k] + 1) * dim]
                     _histogram4(row, base, esc, hists, mult[k] - 1)
         _plan_into(hists, base, codes, b)
-
-
-@numba.njit(cache=True, nogil=True)
-def histogram_rows_kernel(symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Symbol counts over the selected rows of a [rows, dim] symbol matrix.
-
-    Args:
-        symbols: uint16 [rows, dim].
-        rows: int32 row indices.
-
-    Returns:
-        int64 [ALPHABET_SIZE].
-    """
-    hist = np.zeros(ALPHABET_SIZE, dtype=np.int64)
-    for r in rows:
-        for j in range(symbols.shape[1]):
-            hist[symbols[r, j]] += 1
-    return hist
 
 
 @numba.njit(cache=True, nogil=True)
@@ -574,7 +528,7 @@ def plan_kernel(hist: np.ndarray) -> tuple[np.ndarray, int, int, int, int]:
 def encode_reference(
     symbols: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, chunk_symbols: int
 ) -> tuple[list[int], list[int]]:
-    """Plain-Python twin of :func:`encode_kernel` (the test oracle).
+    """Plain-Python twin of :func:`encode_into` (the test oracle).
 
     Args:
         symbols: Symbols.

@@ -574,46 +574,6 @@ def _quantize_any(
 
 
 @numba.njit(cache=True, nogil=True)
-def quantize_kernel(
-    x: np.ndarray,
-    step: np.float32,
-    inv_step: np.float32,
-    center: int,
-    bound: float,
-    dtype_code: int,
-    symbols: np.ndarray,
-    hist: np.ndarray,
-    sr_key: int = NEAREST_KEY,
-    value: bool = False,
-) -> tuple[int, float]:
-    """Quantizes a flat float32 array into symbols; escapes what the bound cannot cover.
-
-    Args:
-        x: 1-D float32 values (exact copies of the block's fp32/fp16/bf16 values).
-        step: Quantization step (float32).
-        inv_step: float32 reciprocal of the step.
-        center: Code of the block's midpoint.
-        bound: Absolute bound, checked in float64.
-        dtype_code: The block's dtype code (the reconstruction is rounded to it).
-        symbols: 1-D uint16 output, same length as ``x``.
-        hist: int64 [ALPHABET_SIZE] zeroed output: the symbol histogram (fused here to save the
-            Huffman stage a separate call).
-        sr_key: ``NEAREST_KEY`` (-1): round to nearest; else the block's stochastic-rounding key
-            (:func:`stochastic_key`).
-        value: The per-value grid (``QuantParams.value``; ``bound`` is then relative).
-
-    Returns:
-        (number of escaped elements, max |x - x'| over the elements that were not escaped;
-        for ``value`` the max of ``|x - x'| / |x|``).
-    """
-    g = _Grid(step, inv_step, center, bound, sr_key)
-    max_error, _, _ = _quantize_any(x, g, dtype_code, value, symbols)
-    for s in symbols:
-        hist[s] += 1
-    return hist[ESCAPE_SYMBOL], max_error
-
-
-@numba.njit(cache=True, nogil=True)
 def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Smallest and largest finite value of every block of a concatenation (one call for all).
 
@@ -686,7 +646,8 @@ def quantize_blocks_kernel(
     sr_keys: np.ndarray,
     symbols: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`quantize_kernel` over every quantized block of a concatenation, in one call.
+    """Quantizes every quantized block of a concatenation into symbols, in one call; escapes
+    what the bound cannot cover.
 
     Args:
         x: 1-D float32 values of every block, back to back.
@@ -763,7 +724,7 @@ def finite_range(x: np.ndarray) -> tuple[float, float]:
 def quantize_reference(
     x: torch.Tensor, params: QuantParams, bound: float, sr_key: int = NEAREST_KEY
 ) -> tuple[torch.Tensor, float]:
-    """Torch twin of :func:`quantize_kernel` (the test oracle).
+    """Torch twin of :func:`quantize_blocks_kernel` on one block (the test oracle).
 
     Args:
         x: Block of any accepted dtype, any shape.
@@ -842,7 +803,6 @@ __all__ = [
     "quant_params",
     "quant_params_blocks_kernel",
     "quantize_blocks_kernel",
-    "quantize_kernel",
     "quantize_reference",
     "stochastic_key",
     "uniform_reference",

@@ -62,7 +62,10 @@ def _rows_equal(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, r: int
 def _dedupe_into(
     symbols: np.ndarray, bits: np.ndarray, raw: bool, ids: np.ndarray, first_rows: np.ndarray
 ) -> int:
-    """:func:`dedupe_kernel` writing into ``ids`` [rows] and ``first_rows`` [>= n_unique].
+    """Finds one block's repeated rows with a hash table over whole rows (``raw``: raw bits
+    only, else the symbols, escaped elements by their raw bits): each row's distinct-vector id
+    into ``ids`` [rows], numbered by first occurrence, and the row where each distinct vector
+    first occurs into ``first_rows`` [>= n_unique].
 
     Returns:
         The number of distinct vectors.
@@ -129,28 +132,6 @@ def _dedupe_into(
 
 
 @numba.njit(cache=True, nogil=True)
-def dedupe_kernel(
-    symbols: np.ndarray, bits: np.ndarray, raw: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Finds repeated rows with a hash table over whole rows.
-
-    Args:
-        symbols: [rows, dim] uint16 symbols (ignored when ``raw``).
-        bits: [rows, dim] int32 raw bits of the block's elements.
-        raw: Compare raw bits only (lossless dedupe) instead of symbols.
-
-    Returns:
-        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
-        first_rows: int32 [n_unique], the row where each distinct vector first occurs).
-    """
-    rows = bits.shape[0]
-    ids = np.empty(rows, dtype=np.int32)
-    first_rows = np.empty(rows, dtype=np.int32)
-    n_unique = _dedupe_into(symbols, bits, raw, ids, first_rows)
-    return ids, first_rows[:n_unique].copy()
-
-
-@numba.njit(cache=True, nogil=True)
 def dedupe_blocks_kernel(
     symbols: np.ndarray,
     bits: np.ndarray,
@@ -160,7 +141,7 @@ def dedupe_blocks_kernel(
     ids: np.ndarray,
     first_rows: np.ndarray,
 ) -> Dedupe:
-    """:func:`dedupe_kernel` over every selected block of a concatenation, in one call.
+    """Finds the repeated rows of every selected block of a concatenation, in one call.
 
     Args:
         symbols: uint16 symbols of every block, flat, back to back (full length even when
@@ -210,7 +191,7 @@ def expand_rows_kernel(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`dedupe_kernel` (the test oracle).
+    """Torch twin of :func:`dedupe_blocks_kernel` on one block (the test oracle).
 
     Args:
         keys: [rows, dim] int64 element identities (see ``_key``).
@@ -234,7 +215,7 @@ def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tensor:
-    """Element identities as ``dedupe_kernel`` compares them (torch, for the oracle).
+    """Element identities as ``dedupe_blocks_kernel`` compares them (torch, for the oracle).
 
     Args:
         symbols: [rows, dim] symbols, or None for raw (lossless) dedupe.
@@ -323,23 +304,6 @@ def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray)
 
 
 @numba.njit(cache=True, nogil=True)
-def pack_refs_kernel(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
-    """Packs vector ids into words.
-
-    Args:
-        ids: int32 [rows] ids numbered by first occurrence.
-        n_unique: Distinct vectors.
-        mode: REFS_FIXED or REFS_FLAGGED.
-
-    Returns:
-        uint32 words.
-    """
-    rows = ids.shape[0]
-    words = np.zeros((rows * 33 + 31) // 32 + 1, dtype=np.uint32)  # +1: write_bits may touch w+1
-    return words[: pack_refs_into(ids, n_unique, mode, words)]
-
-
-@numba.njit(cache=True, nogil=True)
 def unpack_refs_kernel(
     words: np.ndarray, rows: int, n_unique: int, mode: int, width: int, ids: np.ndarray
 ) -> int:
@@ -390,7 +354,7 @@ def unpack_refs_kernel(
 
 
 def pack_refs_reference(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
-    """Plain-Python twin of :func:`pack_refs_kernel` (the test oracle).
+    """Plain-Python twin of :func:`pack_refs_into` (the test oracle).
 
     Args:
         ids: Vector id per row.
@@ -420,12 +384,10 @@ __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
     "dedupe_blocks_kernel",
-    "dedupe_kernel",
     "dedupe_reference",
     "element_keys",
     "expand_rows_kernel",
     "pack_refs_into",
-    "pack_refs_kernel",
     "pack_refs_reference",
     "read_bits",
     "unpack_refs_kernel",

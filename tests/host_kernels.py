@@ -1,0 +1,147 @@
+"""The compiled host stages one block at a time, for tests: numpy in, numpy out.
+
+Production runs each stage over every block of a batch at once (``host_compress``); these
+wrappers call the same compiled kernels (``quantize.quantize_blocks_kernel``,
+``vector_lz.dedupe_blocks_kernel``, ``vector_lz.pack_refs_into``, ``huffman.encode_into``) on
+one block, so a test can compare a block's stage with its torch twin (``*_reference``) and with
+the Triton launchers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchrec_lossy.codec import huffman, vector_lz
+from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
+from torchrec_lossy.codec.host_records import Blocks, Grids
+from torchrec_lossy.codec.quantize import NEAREST_KEY, quantize_blocks_kernel
+
+
+def quantize_block(
+    x: np.ndarray,
+    step: np.float32,
+    inv_step: np.float32,
+    center: int,
+    bound: float,
+    dtype_code: int,
+    sr_key: int = NEAREST_KEY,
+    value: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """Quantizes one flat float32 block (``quantize_blocks_kernel`` on one block).
+
+    Args:
+        x: 1-D float32 values (exact copies of the block's fp32/fp16/bf16 values).
+        step: Quantization step (float32).
+        inv_step: float32 reciprocal of the step.
+        center: Code of the block's midpoint (``qmax`` on the per-value grid).
+        bound: Absolute bound (relative on the per-value grid), checked in float64.
+        dtype_code: The block's dtype code (the reconstruction is rounded to it).
+        sr_key: ``NEAREST_KEY`` or the block's stochastic-rounding key.
+        value: The per-value grid.
+
+    Returns:
+        (uint16 symbols, int64 [ALPHABET_SIZE] histogram, escaped elements, max error over the
+        elements not escaped; for ``value`` the max of ``|x - x'| / |x|``).
+    """
+    grids = Grids(
+        np.array([step], np.float32),
+        np.array([inv_step], np.float32),
+        np.array([center], np.int64),
+        np.ones(1, np.bool_),
+        np.array([value], np.bool_),
+    )
+    symbols = np.empty(x.shape[0], np.uint16)
+    max_err, _, _ = quantize_blocks_kernel(
+        x,
+        np.array([0, x.shape[0]], np.int64),
+        grids,
+        np.array([bound], np.float64),
+        np.array([dtype_code], np.int64),
+        np.array([sr_key], np.int64),
+        symbols,
+    )
+    hist = np.bincount(symbols, minlength=ALPHABET_SIZE).astype(np.int64)
+    return symbols, hist, int(hist[ESCAPE_SYMBOL]), float(max_err[0])
+
+
+def histogram_rows(symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Symbol counts over the selected rows of a uint16 [rows, dim] matrix.
+
+    Args:
+        symbols: uint16 [rows, dim].
+        rows: int32 row indices.
+
+    Returns:
+        int64 [ALPHABET_SIZE].
+    """
+    selected = symbols[rows].reshape(-1)
+    return np.bincount(selected, minlength=ALPHABET_SIZE).astype(np.int64)
+
+
+def dedupe(symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Finds repeated rows of one block (``dedupe_blocks_kernel`` on one block).
+
+    Args:
+        symbols: [rows, dim] uint16 symbols, or None to compare raw bits only (lossless).
+        bits: [rows, dim] int32 raw bits of the block's elements.
+
+    Returns:
+        (ids: int32 [rows], the distinct-vector id of each row, numbered by first occurrence;
+        first_rows: int32 [n_unique], the row where each distinct vector first occurs).
+    """
+    rows, dim = bits.shape
+    raw = symbols is None
+    flat = np.zeros(rows * dim, np.uint16) if raw else symbols.reshape(-1)
+    blocks = Blocks(
+        np.array([rows], np.int64),
+        np.array([dim], np.int64),
+        np.array([4], np.int64),
+        np.array([0, rows * dim], np.int64),
+        np.array([0, rows], np.int64),
+        np.arange(rows, dtype=np.int32),
+    )
+    ids, first = np.empty(rows, np.int32), np.empty(rows, np.int32)
+    out = vector_lz.dedupe_blocks_kernel(
+        flat, bits.reshape(-1), blocks, np.ones(1, np.bool_), raw, ids, first
+    )
+    return ids, first[: out.n_unique[0]].copy()
+
+
+def pack_refs(ids: np.ndarray, n_unique: int, mode: int) -> np.ndarray:
+    """Packs vector ids into words (``pack_refs_into`` on a fresh buffer).
+
+    Args:
+        ids: int32 [rows] ids numbered by first occurrence.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        uint32 words.
+    """
+    words = np.zeros((ids.shape[0] * 33 + 31) // 32 + 1, np.uint32)  # +1: writes may touch it
+    return words[: vector_lz.pack_refs_into(ids, n_unique, mode, words)]
+
+
+def encode(
+    symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, codes: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encodes the symbols of the selected rows, in order, into word-aligned chunks
+    (``encode_into`` on fresh buffers).
+
+    Args:
+        symbols: uint16 [rows, dim] symbols; every symbol encoded needs a nonzero code length.
+        rows: int32 indices of the rows to encode (the distinct vectors, or every row).
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        codes: uint32 [ALPHABET_SIZE] canonical codes.
+        chunk: Symbols per chunk.
+
+    Returns:
+        (chunk_ends: uint32 [n_chunks], the end word of each chunk; words: uint32 bitstream).
+    """
+    n = rows.shape[0] * symbols.shape[1]
+    n_chunks = (n + chunk - 1) // chunk
+    chunk_ends = np.empty(n_chunks, np.uint32)
+    words = np.empty((n * MAX_CODE_LENGTH + 31) // 32 + n_chunks, np.uint32)
+    entry = huffman.code_entries(lengths, codes)
+    w = huffman.encode_into(symbols, rows, entry, chunk, chunk_ends, words)
+    return chunk_ends, words[:w]
