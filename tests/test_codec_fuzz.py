@@ -394,9 +394,9 @@ def campaign(seed: int, n_random: int) -> dict[str, int]:
 _CAMPAIGN = """
 import json, sys
 import numpy as np
-from torchrec_lossy.codec.vector_lz import read_bits
-try:  # bounds checking is really on: an out-of-bounds read raises
-    read_bits(np.zeros(1, np.uint32), 64, 8)
+import numba
+try:  # bounds checking is really on: an out-of-bounds read in compiled code raises
+    numba.njit(lambda a, i: a[i])(np.zeros(1, np.uint32), 2)
     sys.exit("NUMBA_BOUNDSCHECK had no effect")
 except IndexError:
     pass

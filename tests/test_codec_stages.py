@@ -371,21 +371,6 @@ def test_refs_sizes_and_choice():
             assert sizes[best] == min(sizes)
 
 
-def test_write_read_bits_round_trip():
-    r = rng(3)
-    widths = r.integers(0, 33, 2000)
-    values = [int(r.integers(0, 2**w)) if w else 0 for w in widths]
-    words = np.zeros(words_for_bits(int(widths.sum())) + 1, np.uint32)
-    pos = 0
-    for v, w in zip(values, widths, strict=True):
-        pos = vector_lz.write_bits(words, pos, v, int(w))
-    assert pos == widths.sum()
-    pos = 0
-    for v, w in zip(values, widths, strict=True):
-        assert vector_lz.read_bits(words, pos, int(w)) == v
-        pos += int(w)
-
-
 # ---------------------------------------------------------------------------------------------
 # Huffman: code lengths
 

@@ -217,84 +217,33 @@ def _clamp_min_nb(x: types.Type, lo: types.Type) -> Callable | None:
     return impl
 
 
-@overload(bit_length, jit_options={"nogil": True})
-def _bit_length_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, types.Integer):
-        return None
+def _scalar_form(fn: Callable, kinds: tuple[type, ...], impl: Callable) -> None:
+    """Registers ``impl`` as the one-argument primitive ``fn``'s form on numba scalars of
+    ``kinds`` (other kinds: no form, numba's error)."""
 
-    def impl(x: types.Type) -> Callable | None:
-        n = 0
-        while (x >> n) > 0:
-            n += 1
-        return n
+    def typer(x):  # unannotated, as the impls: numba wants the two signatures equal
+        return impl if isinstance(x, kinds) else None
 
-    return impl
+    overload(fn, jit_options={"nogil": True})(typer)
 
 
-@overload(isfinite, jit_options={"nogil": True})
-def _isfinite_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, types.Float):
-        return None
-
-    def impl(x: types.Type) -> Callable | None:
-        return np.isfinite(x)
-
-    return impl
+def _bit_length_scalar(x):  # unannotated: see _scalar_form
+    n = 0
+    while (x >> n) > 0:
+        n += 1
+    return n
 
 
-@overload(as_float64, jit_options={"nogil": True})
-def _as_float64_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, (types.Float, types.Integer)):
-        return None
-
-    def impl(x: types.Type) -> Callable | None:
-        return np.float64(x)
-
-    return impl
-
-
-@overload(as_float32, jit_options={"nogil": True})
-def _as_float32_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, (types.Float, types.Integer)):
-        return None
-
-    def impl(x: types.Type) -> Callable | None:
-        return np.float32(x)
-
-    return impl
-
-
-@overload(floor, jit_options={"nogil": True})
-def _floor_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, types.Float):
-        return None
-
-    def impl(x: types.Type) -> Callable | None:
-        return np.floor(x)
-
-    return impl
-
-
-@overload(float32_bits, jit_options={"nogil": True})
-def _float32_bits_nb(x: types.Type) -> Callable | None:
-    if not isinstance(x, (types.Float, types.Integer)):
-        return None
-
-    def impl(x: types.Type) -> Callable | None:
-        return np.int64(np.float32(x).view(np.uint32))
-
-    return impl
-
-
-@overload(float32_from_bits, jit_options={"nogil": True})
-def _float32_from_bits_nb(bits: types.Type) -> Callable | None:
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def impl(bits: types.Type) -> Callable | None:
-        return np.uint32(np.int64(bits) & _MASK32).view(np.float32)
-
-    return impl
+_NUMBERS = (types.Float, types.Integer)
+_scalar_form(bit_length, (types.Integer,), _bit_length_scalar)
+_scalar_form(isfinite, (types.Float,), lambda x: np.isfinite(x))
+_scalar_form(as_float64, _NUMBERS, lambda x: np.float64(x))
+_scalar_form(as_float32, _NUMBERS, lambda x: np.float32(x))
+_scalar_form(floor, (types.Float,), lambda x: np.floor(x))
+_scalar_form(float32_bits, _NUMBERS, lambda x: np.int64(np.float32(x).view(np.uint32)))
+_scalar_form(
+    float32_from_bits, (types.Integer,), lambda x: np.uint32(np.int64(x) & _MASK32).view(np.float32)
+)
 
 
 __all__ = [

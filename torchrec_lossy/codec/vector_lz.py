@@ -230,35 +230,6 @@ def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tens
     return torch.where(symbols == ESCAPE_SYMBOL, (1 << 32) | raw_key, symbols.long())
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def write_bits(words: np.ndarray, pos: int, value: int, n_bits: int) -> int:
-    """Writes the low ``n_bits`` (<= 32) of value MSB-first at bit ``pos`` of zeroed words."""
-    if n_bits == 0:
-        return pos
-    v = np.uint64(value) & ((np.uint64(1) << np.uint64(n_bits)) - np.uint64(1))
-    w = pos >> 5
-    off = pos & 31
-    shifted = v << np.uint64(64 - n_bits - off)  # left-align within a 64-bit window at word w
-    words[w] |= np.uint32(shifted >> np.uint64(32))
-    low = np.uint32(shifted & np.uint64(0xFFFFFFFF))
-    if low != 0:
-        words[w + 1] |= low
-    return pos + n_bits
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def read_bits(words: np.ndarray, pos: int, n_bits: int) -> int:
-    """Reads ``n_bits`` (<= 32) MSB-first at bit ``pos``; the caller checks the bounds."""
-    if n_bits == 0:
-        return 0
-    w = pos >> 5
-    window = np.uint64(words[w]) << np.uint64(32)
-    if w + 1 < words.shape[0]:
-        window |= np.uint64(words[w + 1])
-    window <<= np.uint64(pos & 31)
-    return np.int64(window >> np.uint64(64 - n_bits))
-
-
 @numba.njit(cache=True, nogil=True)
 def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray) -> int:
     """Packs vector ids into ``words`` (at least the packing's words).
@@ -275,7 +246,7 @@ def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray)
     rows = ids.shape[0]
     width = ref_width(n_unique)
     n_bits = refs_bits(rows, n_unique, mode)
-    # MSB-first through a 64-bit accumulator (as write_bits would place them): at most 33 bits
+    # MSB-first through a 64-bit accumulator: at most 33 bits
     # join per row and a word leaves as soon as 32 are pending, so nothing overflows.
     acc = np.uint64(0)
     n_acc = np.uint64(0)
@@ -389,7 +360,5 @@ __all__ = [
     "expand_rows_kernel",
     "pack_refs_into",
     "pack_refs_reference",
-    "read_bits",
     "unpack_refs_kernel",
-    "write_bits",
 ]
