@@ -6,10 +6,11 @@ modes: raw, raw with repeated vectors referenced (lossless), quantized, quantize
 vectors referenced.
 
 The backend is chosen once, here, from ``CodecConfig.backend`` and the tensors' device: the
-device-resident Triton path (``device_compress`` / ``device_decompress``), the compiled host path
-(``host_compress`` / ``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path), or the
-stage-by-stage path of ``staged`` over the plain torch twins of every stage (``"reference"``:
-the oracle). All produce the same bytes and decode every payload alike.
+device orchestration (``device_compress`` / ``device_decompress``) over a kernel set
+(``kernel_set``: the Triton launchers for ``"triton"`` and ``"auto"`` on CUDA, their torch twins
+for ``"reference"``, the oracle, on any device), or the compiled host path (``host_compress`` /
+``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path). All produce the same bytes
+and decode every payload alike.
 """
 
 from __future__ import annotations
@@ -34,27 +35,16 @@ from torchrec_lossy.codec.container import (
     payload_skeletons,
 )
 from torchrec_lossy.codec.format import DTYPE_CODES, CodecError
-from torchrec_lossy.codec.staged import (
-    CompiledDecodeStages,
-    DecodeStages,
-    ReferenceOps,
-    StageOps,
-    compress_staged,
-    decode_payload,
-)
-from torchrec_lossy.codec.triton_loader import load_kernels, triton_available
+from torchrec_lossy.codec.kernel_set import backend_kernels, triton_available
+from torchrec_lossy.codec.staged import CompiledDecodeStages, decode_payload
 from torchrec_lossy.config import Backend, CodecConfig
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",
     "BlockStats",
-    # The stage-by-stage path lives in ``staged``; re-exported here, where it was public.
-    "ReferenceOps",
-    "StageOps",
     "check_kinds",
     "compress",
     "compress_host_groups",
-    "compress_staged",
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
@@ -64,12 +54,12 @@ __all__ = [
 
 
 def on_device(device: torch.device, backend: str) -> bool:
-    """Whether compress / decompress run device-resident (``device_compress`` /
-    ``device_decompress``) rather than stage by stage.
+    """Whether compress / decompress run the device orchestration (``device_compress`` /
+    ``device_decompress``) rather than the compiled host path.
 
-    CUDA tensors do with ``"auto"`` (when triton is installed; without it they are staged
-    through the host path) and ``"triton"``; CPU tensors only with ``"triton"`` (the Triton
-    interpreter: slow, for tests).
+    Tensors on any device do with ``"triton"`` (CPU tensors: the Triton interpreter, slow, for
+    tests) and ``"reference"`` (the kernels' torch twins); CUDA tensors also with ``"auto"``
+    when triton is installed (without it they are staged through the host path).
 
     Args:
         device: The tensors' device.
@@ -78,7 +68,7 @@ def on_device(device: torch.device, backend: str) -> bool:
     Returns:
         True for the device-resident path.
     """
-    if backend == "triton":
+    if backend in ("triton", "reference"):
         return True
     return backend == "auto" and device.type == "cuda" and triton_available()
 
@@ -209,12 +199,11 @@ def compress_with_stats(
         bounds = absolute_bounds(blocks, bounds, kinds)
         kinds = [BoundKind.ABSOLUTE if k == BoundKind.RELATIVE else k for k in kinds]
     if on_device(device, config.backend):
-        load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
+        # Raises if triton is missing; picks the interpreter on CPU (not for the torch twins).
+        kernels = backend_kernels(device, config.backend)
         from torchrec_lossy.codec.device_compress import compress_device
 
-        return compress_device(blocks, bounds, config, kinds)
-    if config.backend == "reference":
-        return compress_staged(blocks, bounds, config, ReferenceOps(), kinds)
+        return compress_device(blocks, bounds, config, kinds, kernels)
     with record_function("## lossy_codec encode ##"):
         enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
     return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
@@ -230,13 +219,16 @@ def compress_host_groups(
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
     With the compiled backend every stage runs once over all groups' blocks; each payload is
-    the bytes :func:`compress_with_stats` gives for its group alone.
+    the bytes :func:`compress_with_stats` gives for its group alone (``"reference"`` is not a
+    host backend: each group goes through :func:`compress_with_stats`, the device orchestration
+    over the torch twins).
 
     Args:
         blocks: Validated 2-D blocks, group after group (one device).
         bounds: Validated bound per block, of its kind in ``kinds``.
         group_sizes: Blocks per group.
-        config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
+        config: Codec knobs (a host backend: "auto" off the device path, "cpu"; or
+            "reference").
         kinds: Per block, its bound's ``BoundKind``; None: all absolute.
 
     Returns:
@@ -305,10 +297,11 @@ def decompress(
     """Decodes a payload made by :func:`compress`.
 
     A CUDA payload (backend ``"auto"`` with triton installed, or ``"triton"``) and a CPU payload
-    with backend ``"triton"`` are decoded on their device by
+    with backend ``"triton"`` or ``"reference"`` are decoded on their device by
     :func:`torchrec_lossy.codec.device_decompress.decompress_device` (all blocks at once, two
-    host syncs); everything else by the host path below. Both give the same bits and the same
-    errors.
+    host syncs; over the Triton launchers, or their torch twins for ``"reference"``);
+    everything else by the host path below. Both give the same bits and the same errors (a
+    payload the device decoder rejects is decoded again by the host path, which names it).
 
     Args:
         payload: 1-D uint8 tensor.
@@ -330,7 +323,8 @@ def decompress(
         def on_reject(buf: np.ndarray) -> None:
             decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
 
-        return decompress_device(payload, max_elements, on_reject)
+        kernels = backend_kernels(payload.device, backend)
+        return decompress_device(payload, max_elements, on_reject, kernels)
     (out,) = decompress_host_groups(payload, [payload.numel()], max_elements, backend)
     if isinstance(out, CodecError):
         raise out
@@ -350,7 +344,8 @@ def decompress_host_groups(
     payloads it leaves (corrupt ones) go through the per-block decoder
     (``staged.decode_payload`` over the compiled decode stages), in block order, for the blocks
     it did not decode, so each payload's result or error is what :func:`decompress` gives for
-    it. ``"reference"`` decodes every block with the torch stages (``ReferenceOps``).
+    it. ``"reference"`` (not a host backend) decodes each payload with :func:`decompress`: the
+    device orchestration over the torch twins.
 
     Args:
         buffer: 1-D uint8 tensor: the payloads back to back.
@@ -363,17 +358,18 @@ def decompress_host_groups(
     Returns:
         Per payload its blocks (on the buffer's device) or the CodecError it raises.
     """
+    if backend == "reference":
+        return [_decoded_or_error(p, max_elements, backend) for p in buffer.split(list(sizes))]
     device = buffer.device
     if device.type == "cpu" and buffer.is_contiguous():
         buf = buffer.numpy()  # uint8 never requires grad: no detach needed
     else:
         buf = buffer.detach().cpu().contiguous().numpy()
-    compiled = backend != "reference"
-    ops: DecodeStages = CompiledDecodeStages() if compiled else ReferenceOps()
+    ops = CompiledDecodeStages()
     with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
         starts = list(itertools.accumulate(sizes, initial=0))
         batch = None
-        if compiled and sizes:
+        if sizes:
             batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
             if device.type != "cpu":
                 batch = dataclasses.replace(
@@ -391,6 +387,16 @@ def decompress_host_groups(
                 decode_payload(buf[starts[g] : starts[g] + n], max_elements, ops, decoded, device)
             )
     return results
+
+
+def _decoded_or_error(
+    payload: torch.Tensor, max_elements: int, backend: Backend
+) -> list[torch.Tensor] | CodecError:
+    """:func:`decompress`'s blocks of one payload, or the CodecError it raises."""
+    try:
+        return decompress(payload, max_elements, backend)
+    except CodecError as e:
+        return e
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
