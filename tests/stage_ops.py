@@ -4,8 +4,7 @@
 :class:`CpuOps` runs each data-sized stage of the codec through the numba kernels of
 ``torchrec_lossy.codec`` one block at a time: the stage-level oracle the Triton stages
 (tests/triton_stage_ops.py) and the torch stages (``staged.ReferenceOps``) are compared with.
-Production encodes every block at once (``host_compress``); its decode stages are the library's
-``staged.CompiledDecodeStages``, which the per-block decoder names a corrupt payload's error with.
+Production encodes and decodes every block at once (``host_compress``, ``host_decompress``).
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec.container import check_payload
-from torchrec_lossy.codec.format import ALPHABET_SIZE, CodecError
+from torchrec_lossy.codec.format import ALPHABET_SIZE, DECODE_ERRORS, CodecError
 from torchrec_lossy.codec.quantize import QuantParams
-from torchrec_lossy.codec.staged import CompiledDecodeStages, DecodeStages, decode_payload
+from torchrec_lossy.codec.staged import DecodeStages, decode_payload
 
 
 def decompress_staged(
@@ -25,7 +24,7 @@ def decompress_staged(
 ) -> list[torch.Tensor]:
     """``pipeline.decompress`` block by block over the given decode stages (on the host): the
     per-block decoder with a test's stages (the library runs it over ``ReferenceOps`` for the
-    reference backend and over ``CompiledDecodeStages`` for refused payloads).
+    reference backend).
 
     Args:
         payload: 1-D uint8 tensor.
@@ -46,9 +45,33 @@ def decompress_staged(
     return out
 
 
-class CpuOps(CompiledDecodeStages):
-    """The compiled CPU kernels, stage by stage: the library's decode stages plus the encode
-    stages ``host_compress`` runs batched."""
+class CpuOps:
+    """The compiled CPU kernels, stage by stage (production runs them batched:
+    ``host_compress``, ``host_decompress``)."""
+
+    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+        """uint16 [n] -> float32 [n]."""
+        out = np.empty(symbols.shape[0], dtype=np.float32)
+        quantize.dequantize_kernel(
+            symbols, np.float32(params.step), params.center, out, params.value
+        )
+        return out
+
+    def huffman_decode(
+        self,
+        words: np.ndarray,
+        chunk_ends: np.ndarray,
+        n: int,
+        chunk_symbols: int,
+        lengths: np.ndarray,
+        escape_positions: np.ndarray,
+    ) -> np.ndarray | str:
+        """-> uint16 symbols [n], or what is wrong with a corrupt stream."""
+        out = np.empty(n, dtype=np.uint16)
+        status = huffman.decode_kernel(
+            words, chunk_ends, chunk_symbols, lengths, escape_positions, out
+        )
+        return out if status == 0 else DECODE_ERRORS[status]
 
     def quantize(
         self, x: np.ndarray, params: QuantParams, bound: float, dtype_code: int

@@ -20,6 +20,7 @@ import torch
 from torchrec_lossy.codec.elementwise import jitable
 from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     CODE_DTYPES,
+    DECODE_ERRORS,
     DESCRIPTOR,
     DESCRIPTOR_WORDS,
     HEADER,
@@ -496,6 +497,30 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+# A segment's verdicts (the per-block decoders' checks, in the order they make them); each
+# comes with four integer details, and segment_error names it.
+SEGMENT_OK = 0
+SEGMENT_TRUNCATED = 1  # section (SECTIONS), its words, at word, segment words
+SEGMENT_TRAILING = 2  # words left over
+SEGMENT_BAD_REFS = 3  # distinct vectors, id width, rows
+SEGMENT_BAD_PACKING = 4  # reference packing
+SEGMENT_REFS_RANGE = 5  # vector references out of range
+SEGMENT_BAD_VALUE_GRID = 6  # step (float32 bits), largest code
+SEGMENT_BAD_GRID = 7  # step (float32 bits), center
+SEGMENT_BAD_CODEBOOK = 8  # lowest symbol, symbols, escape length
+SEGMENT_BAD_VECTORS = 9  # vectors, rows
+SEGMENT_BAD_ESCAPES = 10  # escapes, elements
+SEGMENT_BAD_CHUNKS = 11  # chunks, symbols per chunk, symbols
+SEGMENT_BAD_STREAM = 12  # the Huffman decoder's DECODE_* status
+# A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
+SECTIONS = (
+    "raw values", "segment header", "codebook", "references", "distinct vectors",
+    "escape positions", "escaped values", "chunk table",
+)  # fmt: skip
+(
+    SECTION_RAW, SECTION_HEADER, SECTION_CODEBOOK, SECTION_REFS, SECTION_VECTORS,
+    SECTION_ESC_POS, SECTION_ESC_VALUES, SECTION_CHUNKS,
+) = range(len(SECTIONS))  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -566,8 +591,23 @@ def check_header(
     return HEADER_OK, n_blocks
 
 
-def _header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
-    """The error naming ``check_header``'s verdict on the payload ``buf``."""
+def _block_error(block: int, what: str) -> CodecError:
+    """The error for something wrong in block ``block`` of a payload."""
+    return CodecError(f"corrupt payload: block {block}: {what}")
+
+
+def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
+    """The error naming :func:`check_header`'s verdict on a payload.
+
+    Args:
+        status: The verdict (a ``HEADER_*`` other than ``HEADER_OK``).
+        detail: Its detail (the failing block for ``HEADER_BAD_BLOCK``).
+        buf: The payload's bytes.
+        max_elements: The limit it was checked against.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
     n = buf.shape[0]
     if status == HEADER_TRUNCATED:
         return CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
@@ -599,14 +639,56 @@ def _header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) 
     descs = descs.view(DESCRIPTOR)
     if status == HEADER_BAD_BLOCK:
         d = descs[detail]
-        return CodecError(
-            f"corrupt payload: block {detail}: dtype {int(d['dtype'])} / mode {int(d['mode'])}"
-        )
+        return _block_error(detail, f"dtype {int(d['dtype'])} / mode {int(d['mode'])}")
     total = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
     return CodecError(
         f"payload decodes to {total} elements, more than max_elements={max_elements}: "
         "pass a larger max_elements if it is trusted"
     )
+
+
+def _segment_what(status: int, d: Sequence[int]) -> str:
+    """What is wrong with a segment, for ``segment_error``."""
+    if status == SEGMENT_TRUNCATED:
+        return f"{SECTIONS[d[0]]} needs {d[1]} words at word {d[2]} of a {d[3]}-word segment"
+    if status == SEGMENT_TRAILING:
+        return f"{d[0]} trailing words"
+    if status == SEGMENT_BAD_REFS:
+        return f"{d[0]} distinct vectors with {d[1]}-bit ids for {d[2]} rows"
+    if status == SEGMENT_BAD_PACKING:
+        return f"unknown reference packing {d[0]}"
+    if status == SEGMENT_REFS_RANGE:
+        return "vector references out of range"
+    if status in (SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID):
+        step = float(np.array(d[0], np.uint32).view(np.float32))
+        if status == SEGMENT_BAD_VALUE_GRID:
+            return f"per-value grid step {step} / largest code {d[1]} out of range"
+        return f"quantization step {step} / center {d[1]} out of range"
+    if status == SEGMENT_BAD_CODEBOOK:
+        return f"codebook range {d[0]}+{d[1]} / escape length {d[2]} out of range"
+    if status == SEGMENT_BAD_VECTORS:
+        return f"{d[0]} vectors for {d[1]} rows"
+    if status == SEGMENT_BAD_ESCAPES:
+        return f"{d[0]} escapes for {d[1]} elements"
+    if status == SEGMENT_BAD_CHUNKS:
+        return f"{d[0]} chunks of {d[1]} symbols for {d[2]} symbols"
+    if status == SEGMENT_BAD_STREAM:
+        return f"Huffman stream: {DECODE_ERRORS[d[0]]}"
+    raise ValueError(f"no segment error {status}")
+
+
+def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
+    """The error naming a segment's verdict (the per-block decoders' checks, ``SEGMENT_*``).
+
+    Args:
+        status: The verdict (not ``SEGMENT_OK``).
+        details: Its four integer details (see the ``SEGMENT_*`` constants; unused ones 0).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    return _block_error(block, _segment_what(status, details))
 
 
 def parse_header(
@@ -633,7 +715,7 @@ def parse_header(
     words = buf[: n - n % 4].view(np.uint32)
     status, detail = check_header(words, 0, n, max_elements, verify_checksum)
     if status != HEADER_OK:
-        raise _header_error(status, detail, buf, max_elements)
+        raise header_error(status, detail, buf, max_elements)
     body = words[HEADER_WORDS:]
     desc_words = detail * DESCRIPTOR_WORDS
     descs = body[:desc_words].view(DESCRIPTOR)
@@ -644,7 +726,7 @@ def parse_header(
 
 
 class Reader:
-    """Bounds-checked cursor over one segment's words.
+    """Bounds-checked cursor over one segment's words (its errors are :func:`segment_error`'s).
 
     Args:
         words: The segment (uint32 words).
@@ -665,14 +747,14 @@ class Reader:
         Returns:
             A CodecError naming the block (the caller raises it).
         """
-        return CodecError(f"corrupt payload: block {self.block}: {what}")
+        return _block_error(self.block, what)
 
-    def take(self, n_words: int, what: str) -> np.ndarray:
+    def take(self, n_words: int, section: int) -> np.ndarray:
         """The next ``n_words`` words.
 
         Args:
             n_words: How many.
-            what: The section's name (for the error).
+            section: Which section (``SECTION_*``, named in the error).
 
         Returns:
             A view of the words.
@@ -680,28 +762,27 @@ class Reader:
         Raises:
             CodecError: They run past the segment.
         """
-        if n_words < 0 or self.pos + n_words > self.words.shape[0]:
-            raise self.fail(
-                f"{what} needs {n_words} words at word {self.pos} of a "
-                f"{self.words.shape[0]}-word segment"
-            )
+        n = self.words.shape[0]
+        if n_words < 0 or self.pos + n_words > n:
+            raise segment_error(SEGMENT_TRUNCATED, (section, n_words, self.pos, n), self.block)
         out = self.words[self.pos : self.pos + n_words]
         self.pos += n_words
         return out
 
-    def take_bytes(self, n_bytes: int, what: str) -> np.ndarray:
+    def take_bytes(self, n_bytes: int, section: int) -> np.ndarray:
         """The next ``n_bytes`` bytes (whole words are consumed).
 
         Args:
             n_bytes: How many.
-            what: The section's name (for the error).
+            section: Which section (``SECTION_*``, named in the error).
 
         Returns:
             A uint8 view.
         """
-        return self.take(words_for_bytes(n_bytes), what).view(np.uint8)[:n_bytes]
+        return self.take(words_for_bytes(n_bytes), section).view(np.uint8)[:n_bytes]
 
     def done(self) -> None:
         """Raises CodecError unless the whole segment was consumed."""
         if self.pos != self.words.shape[0]:
-            raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")
+            left = (self.words.shape[0] - self.pos, 0, 0, 0)
+            raise segment_error(SEGMENT_TRAILING, left, self.block)

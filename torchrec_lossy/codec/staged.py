@@ -6,10 +6,9 @@ one implementation, :class:`ReferenceOps`, the plain torch twins of every stage:
 ``"reference"`` backend and the test oracle. Tests plug in the compiled and Triton stages
 (tests/stage_ops.py, tests/triton_stage_ops.py) to compare them stage by stage on whole payloads.
 
-Decoding needs only two stages (:class:`DecodeStages`). :func:`decode_payload` is the one
-per-block decoder: with :class:`ReferenceOps` for the reference backend, and with
-:class:`CompiledDecodeStages` (the numba kernels) for the payloads the batched compiled reader
-(``host_decompress``) refuses, whose exact error it names.
+Decoding needs only two stages (:class:`DecodeStages`). :func:`decode_payload` is the
+per-block decoder of the reference backend (over :class:`ReferenceOps`); it names a corrupt
+segment's error with ``container.segment_error``, as the compiled host decoder does.
 """
 
 from __future__ import annotations
@@ -28,11 +27,30 @@ from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import (
+    SECTION_CHUNKS,
+    SECTION_CODEBOOK,
+    SECTION_ESC_POS,
+    SECTION_ESC_VALUES,
+    SECTION_HEADER,
+    SECTION_RAW,
+    SECTION_REFS,
+    SECTION_VECTORS,
+    SEGMENT_BAD_CHUNKS,
+    SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_ESCAPES,
+    SEGMENT_BAD_GRID,
+    SEGMENT_BAD_PACKING,
+    SEGMENT_BAD_REFS,
+    SEGMENT_BAD_STREAM,
+    SEGMENT_BAD_VALUE_GRID,
+    SEGMENT_BAD_VECTORS,
+    SEGMENT_REFS_RANGE,
     BlockColumns,
     BlockStats,
     Reader,
     host_header,
     parse_header,
+    segment_error,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -68,7 +86,6 @@ from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
 
 __all__ = [
-    "CompiledDecodeStages",
     "DecodeStages",
     "ReferenceOps",
     "StageOps",
@@ -127,33 +144,6 @@ class StageOps(DecodeStages, Protocol):
     ) -> tuple[np.ndarray, np.ndarray]:
         """The given rows of uint16 [rows, dim] symbols -> (uint32 chunk_ends, uint32 words)."""
         ...
-
-
-class CompiledDecodeStages:
-    """The compiled (numba) decode stages: the per-block decoder's for the payloads the batched
-    compiled reader refuses, so their errors are the compiled decoder's own."""
-
-    def dequantize(self, symbols: np.ndarray, params: QuantParams) -> np.ndarray:
-        out = np.empty(symbols.shape[0], dtype=np.float32)
-        quantize.dequantize_kernel(
-            symbols, np.float32(params.step), params.center, out, params.value
-        )
-        return out
-
-    def huffman_decode(
-        self,
-        words: np.ndarray,
-        chunk_ends: np.ndarray,
-        n: int,
-        chunk_symbols: int,
-        lengths: np.ndarray,
-        escape_positions: np.ndarray,
-    ) -> np.ndarray | str:
-        out = np.empty(n, dtype=np.uint16)
-        status = huffman.decode_kernel(
-            words, chunk_ends, chunk_symbols, lengths, escape_positions, out
-        )
-        return out if status == 0 else DECODE_ERRORS[status]
 
 
 class ReferenceOps:
@@ -537,15 +527,19 @@ def compress_staged(
     return payload.to(device), stats
 
 
+# The decode stages name a stream's error (DECODE_ERRORS' text); segment_error takes its code.
+_DECODE_CODES = {what: code for code, what in DECODE_ERRORS.items()}
+
+
 def _decode_refs(r: Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
     if not 1 <= n_unique <= rows or width != ref_width(n_unique):
-        raise r.fail(f"{n_unique} distinct vectors with {width}-bit ids for {rows} rows")
+        raise segment_error(SEGMENT_BAD_REFS, (n_unique, width, rows, 0), r.block)
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
-        raise r.fail(f"unknown reference packing {ref_mode}")
-    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), "references")
+        raise segment_error(SEGMENT_BAD_PACKING, (ref_mode, 0, 0, 0), r.block)
+    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), SECTION_REFS)
     ids = np.empty(rows, dtype=np.int32)
     if vector_lz.unpack_refs_kernel(words, rows, n_unique, ref_mode, width, ids) != 0:
-        raise r.fail("vector references out of range")
+        raise segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), r.block)
     return ids
 
 
@@ -566,10 +560,10 @@ def _decode_block(
         return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, dim)).view(dtype)
 
     if mode == MODE_RAW:
-        raw = r.take_bytes(rows * dim * itemsize, "raw values").view(bits_dtype)
+        raw = r.take_bytes(rows * dim * itemsize, SECTION_RAW).view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    header = read_segment_header(r.take(SEGMENT_HEADER_WORDS, "segment header"), 0)
+    header = read_segment_header(r.take(SEGMENT_HEADER_WORDS, SECTION_HEADER), 0)
     step = float(header[0])
     center, n_unique, n_esc, chunk_symbols, n_chunks = (int(v) for v in header[1:6])
     lo, count, esc_len, ref_mode, width = (int(v) for v in header[6:11])
@@ -577,35 +571,39 @@ def _decode_block(
     mode &= ~MODE_VALUE
     if mode == MODE_LZ:
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
-        uniq = r.take_bytes(n_unique * dim * itemsize, "distinct vectors").view(bits_dtype)
+        uniq = r.take_bytes(n_unique * dim * itemsize, SECTION_VECTORS).view(bits_dtype)
         r.done()
         return to_tensor(vector_lz.expand_rows_kernel(uniq.reshape(n_unique, dim), ids))
 
+    def fail(status: int, *details: int) -> CodecError:
+        return segment_error(status, (*details, 0, 0, 0)[:4], block)
+
+    step_bits = int(np.float32(step).view(np.uint32))
     if value and not (2.0**-23 <= step <= 1.0 and center >= 0):
-        raise r.fail(f"per-value grid step {step} / largest code {center} out of range")
+        raise fail(SEGMENT_BAD_VALUE_GRID, step_bits, center)
     if not (math.isfinite(step) and step > 0 and (value or abs(center) <= quantize.MAX_CENTER)):
-        raise r.fail(f"quantization step {step} / center {center} out of range")
+        raise fail(SEGMENT_BAD_GRID, step_bits, center)
     if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
-        raise r.fail(f"codebook range {lo}+{count} / escape length {esc_len} out of range")
-    nibbles = r.take_bytes((count + 1) // 2, "codebook")
+        raise fail(SEGMENT_BAD_CODEBOOK, lo, count, esc_len)
+    nibbles = r.take_bytes((count + 1) // 2, SECTION_CODEBOOK)
     lengths = huffman.expand_codebook_kernel(nibbles, lo, count, esc_len)
     ids = None
     if mode == MODE_QUANT_LZ:
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
     elif n_unique != rows:
-        raise r.fail(f"{n_unique} vectors for {rows} rows")
+        raise fail(SEGMENT_BAD_VECTORS, n_unique, rows)
     n_sym = n_unique * dim
     if n_esc > n_sym:
-        raise r.fail(f"{n_esc} escapes for {n_sym} elements")
-    esc_pos = r.take(n_esc, "escape positions")
-    esc_bits = r.take_bytes(n_esc * itemsize, "escaped values").view(bits_dtype)
+        raise fail(SEGMENT_BAD_ESCAPES, n_esc, n_sym)
+    esc_pos = r.take(n_esc, SECTION_ESC_POS)
+    esc_bits = r.take_bytes(n_esc * itemsize, SECTION_ESC_VALUES).view(bits_dtype)
     if chunk_symbols < 1 or n_chunks != -(-n_sym // chunk_symbols):
-        raise r.fail(f"{n_chunks} chunks of {chunk_symbols} symbols for {n_sym} symbols")
-    chunk_ends = r.take(n_chunks, "chunk table")
-    words = r.take(seg.shape[0] - r.pos, "bitstream")
+        raise fail(SEGMENT_BAD_CHUNKS, n_chunks, chunk_symbols, n_sym)
+    chunk_ends = r.take(n_chunks, SECTION_CHUNKS)
+    words = seg[r.pos :]  # the bitstream: the rest
     symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths, esc_pos)
     if isinstance(symbols, str):
-        raise r.fail(f"Huffman stream: {symbols}")
+        raise fail(SEGMENT_BAD_STREAM, _DECODE_CODES[symbols])
     values = ops.dequantize(
         symbols, QuantParams(step=step, inv_step=0.0, center=center, value=value)
     )
