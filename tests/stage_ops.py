@@ -58,14 +58,9 @@ class CpuOps:
         return out
 
     def huffman_decode(
-        self,
-        words: np.ndarray,
-        chunk_ends: np.ndarray,
-        n: int,
-        chunk_symbols: int,
-        lengths: np.ndarray,
-        escape_positions: np.ndarray,
-    ) -> np.ndarray | str:
+        self, words: np.ndarray, chunk_ends: np.ndarray, n: int, chunk_symbols: int,
+        lengths: np.ndarray, escape_positions: np.ndarray,
+    ) -> np.ndarray | str:  # fmt: skip
         """-> uint16 symbols [n], or what is wrong with a corrupt stream."""
         out = np.empty(n, dtype=np.uint16)
         status = huffman.decode_kernel(

@@ -497,21 +497,27 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
-# A segment's verdicts (the per-block decoders' checks, in the order they make them); each
-# comes with four integer details, and segment_error names it.
-SEGMENT_OK = 0
-SEGMENT_TRUNCATED = 1  # section (SECTIONS), its words, at word, segment words
-SEGMENT_TRAILING = 2  # words left over
-SEGMENT_BAD_REFS = 3  # distinct vectors, id width, rows
-SEGMENT_BAD_PACKING = 4  # reference packing
-SEGMENT_REFS_RANGE = 5  # vector references out of range
-SEGMENT_BAD_VALUE_GRID = 6  # step (float32 bits), largest code
-SEGMENT_BAD_GRID = 7  # step (float32 bits), center
-SEGMENT_BAD_CODEBOOK = 8  # lowest symbol, symbols, escape length
-SEGMENT_BAD_VECTORS = 9  # vectors, rows
-SEGMENT_BAD_ESCAPES = 10  # escapes, elements
-SEGMENT_BAD_CHUNKS = 11  # chunks, symbols per chunk, symbols
-SEGMENT_BAD_STREAM = 12  # the Huffman decoder's DECODE_* status
+# A segment's verdicts (the per-block decoders' checks, in the order they make them), each
+# with four integer details (unused ones 0) that segment_error puts in its message.
+(
+    SEGMENT_OK, SEGMENT_TRUNCATED, SEGMENT_TRAILING, SEGMENT_BAD_REFS, SEGMENT_BAD_PACKING,
+    SEGMENT_REFS_RANGE, SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID, SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_VECTORS, SEGMENT_BAD_ESCAPES, SEGMENT_BAD_CHUNKS, SEGMENT_BAD_STREAM,
+) = range(13)  # fmt: skip
+_SEGMENT_WHAT = {
+    SEGMENT_TRUNCATED: "{0} needs {1} words at word {2} of a {3}-word segment",  # SECTIONS[0]
+    SEGMENT_TRAILING: "{0} trailing words",
+    SEGMENT_BAD_REFS: "{0} distinct vectors with {1}-bit ids for {2} rows",
+    SEGMENT_BAD_PACKING: "unknown reference packing {0}",
+    SEGMENT_REFS_RANGE: "vector references out of range",
+    SEGMENT_BAD_VALUE_GRID: "per-value grid step {0} / largest code {1} out of range",  # bits
+    SEGMENT_BAD_GRID: "quantization step {0} / center {1} out of range",  # {0}: float32 bits
+    SEGMENT_BAD_CODEBOOK: "codebook range {0}+{1} / escape length {2} out of range",
+    SEGMENT_BAD_VECTORS: "{0} vectors for {1} rows",
+    SEGMENT_BAD_ESCAPES: "{0} escapes for {1} elements",
+    SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
+    SEGMENT_BAD_STREAM: "Huffman stream: {0}",  # {0}: a DECODE_* status
+}
 # A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
 SECTIONS = (
     "raw values", "segment header", "codebook", "references", "distinct vectors",
@@ -647,36 +653,6 @@ def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -
     )
 
 
-def _segment_what(status: int, d: Sequence[int]) -> str:
-    """What is wrong with a segment, for ``segment_error``."""
-    if status == SEGMENT_TRUNCATED:
-        return f"{SECTIONS[d[0]]} needs {d[1]} words at word {d[2]} of a {d[3]}-word segment"
-    if status == SEGMENT_TRAILING:
-        return f"{d[0]} trailing words"
-    if status == SEGMENT_BAD_REFS:
-        return f"{d[0]} distinct vectors with {d[1]}-bit ids for {d[2]} rows"
-    if status == SEGMENT_BAD_PACKING:
-        return f"unknown reference packing {d[0]}"
-    if status == SEGMENT_REFS_RANGE:
-        return "vector references out of range"
-    if status in (SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID):
-        step = float(np.array(d[0], np.uint32).view(np.float32))
-        if status == SEGMENT_BAD_VALUE_GRID:
-            return f"per-value grid step {step} / largest code {d[1]} out of range"
-        return f"quantization step {step} / center {d[1]} out of range"
-    if status == SEGMENT_BAD_CODEBOOK:
-        return f"codebook range {d[0]}+{d[1]} / escape length {d[2]} out of range"
-    if status == SEGMENT_BAD_VECTORS:
-        return f"{d[0]} vectors for {d[1]} rows"
-    if status == SEGMENT_BAD_ESCAPES:
-        return f"{d[0]} escapes for {d[1]} elements"
-    if status == SEGMENT_BAD_CHUNKS:
-        return f"{d[0]} chunks of {d[1]} symbols for {d[2]} symbols"
-    if status == SEGMENT_BAD_STREAM:
-        return f"Huffman stream: {DECODE_ERRORS[d[0]]}"
-    raise ValueError(f"no segment error {status}")
-
-
 def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
     """The error naming a segment's verdict (the per-block decoders' checks, ``SEGMENT_*``).
 
@@ -688,7 +664,14 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
     Returns:
         The CodecError (the caller raises it).
     """
-    return _block_error(block, _segment_what(status, details))
+    d: list[object] = list(details)
+    if status == SEGMENT_TRUNCATED:
+        d[0] = SECTIONS[d[0]]
+    elif status in (SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID):
+        d[0] = float(np.array(d[0], np.uint32).view(np.float32))
+    elif status == SEGMENT_BAD_STREAM:
+        d[0] = DECODE_ERRORS[d[0]]
+    return _block_error(block, _SEGMENT_WHAT[status].format(*d))
 
 
 def parse_header(

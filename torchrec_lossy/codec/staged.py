@@ -23,28 +23,10 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import container, huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import (
-    SECTION_CHUNKS,
-    SECTION_CODEBOOK,
-    SECTION_ESC_POS,
-    SECTION_ESC_VALUES,
-    SECTION_HEADER,
-    SECTION_RAW,
-    SECTION_REFS,
-    SECTION_VECTORS,
-    SEGMENT_BAD_CHUNKS,
-    SEGMENT_BAD_CODEBOOK,
-    SEGMENT_BAD_ESCAPES,
-    SEGMENT_BAD_GRID,
-    SEGMENT_BAD_PACKING,
-    SEGMENT_BAD_REFS,
-    SEGMENT_BAD_STREAM,
-    SEGMENT_BAD_VALUE_GRID,
-    SEGMENT_BAD_VECTORS,
-    SEGMENT_REFS_RANGE,
     BlockColumns,
     BlockStats,
     Reader,
@@ -533,13 +515,13 @@ _DECODE_CODES = {what: code for code, what in DECODE_ERRORS.items()}
 
 def _decode_refs(r: Reader, rows: int, n_unique: int, ref_mode: int, width: int) -> np.ndarray:
     if not 1 <= n_unique <= rows or width != ref_width(n_unique):
-        raise segment_error(SEGMENT_BAD_REFS, (n_unique, width, rows, 0), r.block)
+        raise segment_error(container.SEGMENT_BAD_REFS, (n_unique, width, rows, 0), r.block)
     if ref_mode not in (REFS_FIXED, REFS_FLAGGED):
-        raise segment_error(SEGMENT_BAD_PACKING, (ref_mode, 0, 0, 0), r.block)
-    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), SECTION_REFS)
+        raise segment_error(container.SEGMENT_BAD_PACKING, (ref_mode, 0, 0, 0), r.block)
+    words = r.take(int(words_for_bits(refs_bits(rows, n_unique, ref_mode))), container.SECTION_REFS)
     ids = np.empty(rows, dtype=np.int32)
     if vector_lz.unpack_refs_kernel(words, rows, n_unique, ref_mode, width, ids) != 0:
-        raise segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), r.block)
+        raise segment_error(container.SEGMENT_REFS_RANGE, (0, 0, 0, 0), r.block)
     return ids
 
 
@@ -560,10 +542,10 @@ def _decode_block(
         return torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, dim)).view(dtype)
 
     if mode == MODE_RAW:
-        raw = r.take_bytes(rows * dim * itemsize, SECTION_RAW).view(bits_dtype)
+        raw = r.take_bytes(rows * dim * itemsize, container.SECTION_RAW).view(bits_dtype)
         r.done()
         return to_tensor(raw.copy())
-    header = read_segment_header(r.take(SEGMENT_HEADER_WORDS, SECTION_HEADER), 0)
+    header = read_segment_header(r.take(SEGMENT_HEADER_WORDS, container.SECTION_HEADER), 0)
     step = float(header[0])
     center, n_unique, n_esc, chunk_symbols, n_chunks = (int(v) for v in header[1:6])
     lo, count, esc_len, ref_mode, width = (int(v) for v in header[6:11])
@@ -571,7 +553,7 @@ def _decode_block(
     mode &= ~MODE_VALUE
     if mode == MODE_LZ:
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
-        uniq = r.take_bytes(n_unique * dim * itemsize, SECTION_VECTORS).view(bits_dtype)
+        uniq = r.take_bytes(n_unique * dim * itemsize, container.SECTION_VECTORS).view(bits_dtype)
         r.done()
         return to_tensor(vector_lz.expand_rows_kernel(uniq.reshape(n_unique, dim), ids))
 
@@ -580,30 +562,30 @@ def _decode_block(
 
     step_bits = int(np.float32(step).view(np.uint32))
     if value and not (2.0**-23 <= step <= 1.0 and center >= 0):
-        raise fail(SEGMENT_BAD_VALUE_GRID, step_bits, center)
+        raise fail(container.SEGMENT_BAD_VALUE_GRID, step_bits, center)
     if not (math.isfinite(step) and step > 0 and (value or abs(center) <= quantize.MAX_CENTER)):
-        raise fail(SEGMENT_BAD_GRID, step_bits, center)
+        raise fail(container.SEGMENT_BAD_GRID, step_bits, center)
     if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
-        raise fail(SEGMENT_BAD_CODEBOOK, lo, count, esc_len)
-    nibbles = r.take_bytes((count + 1) // 2, SECTION_CODEBOOK)
+        raise fail(container.SEGMENT_BAD_CODEBOOK, lo, count, esc_len)
+    nibbles = r.take_bytes((count + 1) // 2, container.SECTION_CODEBOOK)
     lengths = huffman.expand_codebook_kernel(nibbles, lo, count, esc_len)
     ids = None
     if mode == MODE_QUANT_LZ:
         ids = _decode_refs(r, rows, n_unique, ref_mode, width)
     elif n_unique != rows:
-        raise fail(SEGMENT_BAD_VECTORS, n_unique, rows)
+        raise fail(container.SEGMENT_BAD_VECTORS, n_unique, rows)
     n_sym = n_unique * dim
     if n_esc > n_sym:
-        raise fail(SEGMENT_BAD_ESCAPES, n_esc, n_sym)
-    esc_pos = r.take(n_esc, SECTION_ESC_POS)
-    esc_bits = r.take_bytes(n_esc * itemsize, SECTION_ESC_VALUES).view(bits_dtype)
+        raise fail(container.SEGMENT_BAD_ESCAPES, n_esc, n_sym)
+    esc_pos = r.take(n_esc, container.SECTION_ESC_POS)
+    esc_bits = r.take_bytes(n_esc * itemsize, container.SECTION_ESC_VALUES).view(bits_dtype)
     if chunk_symbols < 1 or n_chunks != -(-n_sym // chunk_symbols):
-        raise fail(SEGMENT_BAD_CHUNKS, n_chunks, chunk_symbols, n_sym)
-    chunk_ends = r.take(n_chunks, SECTION_CHUNKS)
+        raise fail(container.SEGMENT_BAD_CHUNKS, n_chunks, chunk_symbols, n_sym)
+    chunk_ends = r.take(n_chunks, container.SECTION_CHUNKS)
     words = seg[r.pos :]  # the bitstream: the rest
     symbols = ops.huffman_decode(words, chunk_ends, n_sym, chunk_symbols, lengths, esc_pos)
     if isinstance(symbols, str):
-        raise fail(SEGMENT_BAD_STREAM, _DECODE_CODES[symbols])
+        raise fail(container.SEGMENT_BAD_STREAM, _DECODE_CODES[symbols])
     values = ops.dequantize(
         symbols, QuantParams(step=step, inv_step=0.0, center=center, value=value)
     )
