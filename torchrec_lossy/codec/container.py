@@ -497,26 +497,28 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
-# A segment's verdicts (the per-block decoders' checks, in the order they make them), each
-# with four integer details (unused ones 0) that segment_error puts in its message.
+# A segment's verdicts: its checks, in the order its sections are read (wire order), each
+# with four integer details (unused ones 0) that segment_error puts in its message (the first
+# detail is a SECTIONS index for a truncated section, the step's float32 bits for the grids,
+# the Huffman decoder's DECODE_* status for the stream).
 (
     SEGMENT_OK, SEGMENT_TRUNCATED, SEGMENT_TRAILING, SEGMENT_BAD_REFS, SEGMENT_BAD_PACKING,
     SEGMENT_REFS_RANGE, SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID, SEGMENT_BAD_CODEBOOK,
     SEGMENT_BAD_VECTORS, SEGMENT_BAD_ESCAPES, SEGMENT_BAD_CHUNKS, SEGMENT_BAD_STREAM,
 ) = range(13)  # fmt: skip
 _SEGMENT_WHAT = {
-    SEGMENT_TRUNCATED: "{0} needs {1} words at word {2} of a {3}-word segment",  # SECTIONS[0]
+    SEGMENT_TRUNCATED: "{0} needs {1} words at word {2} of a {3}-word segment",
     SEGMENT_TRAILING: "{0} trailing words",
     SEGMENT_BAD_REFS: "{0} distinct vectors with {1}-bit ids for {2} rows",
     SEGMENT_BAD_PACKING: "unknown reference packing {0}",
     SEGMENT_REFS_RANGE: "vector references out of range",
-    SEGMENT_BAD_VALUE_GRID: "per-value grid step {0} / largest code {1} out of range",  # bits
-    SEGMENT_BAD_GRID: "quantization step {0} / center {1} out of range",  # {0}: float32 bits
+    SEGMENT_BAD_VALUE_GRID: "per-value grid step {0} / largest code {1} out of range",
+    SEGMENT_BAD_GRID: "quantization step {0} / center {1} out of range",
     SEGMENT_BAD_CODEBOOK: "codebook range {0}+{1} / escape length {2} out of range",
     SEGMENT_BAD_VECTORS: "{0} vectors for {1} rows",
     SEGMENT_BAD_ESCAPES: "{0} escapes for {1} elements",
     SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
-    SEGMENT_BAD_STREAM: "Huffman stream: {0}",  # {0}: a DECODE_* status
+    SEGMENT_BAD_STREAM: "Huffman stream: {0}",
 }
 # A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
 SECTIONS = (
@@ -654,11 +656,11 @@ def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -
 
 
 def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
-    """The error naming a segment's verdict (the per-block decoders' checks, ``SEGMENT_*``).
+    """The error naming a segment's verdict (the first of its checks it fails, ``SEGMENT_*``).
 
     Args:
         status: The verdict (not ``SEGMENT_OK``).
-        details: Its four integer details (see the ``SEGMENT_*`` constants; unused ones 0).
+        details: Its four integer details, in the order its message names them (unused: 0).
         block: The block's index in its payload.
 
     Returns:
