@@ -48,17 +48,18 @@ from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
-    Reader,
+    SEGMENT_BAD_STREAM,
+    SEGMENT_REFS_RANGE,
     check_payload,
     parse_header,
     segment_checksums,
+    segment_error,
     skeleton_index,
     skeleton_words,
     upload,
 )
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
-    DECODE_ERRORS,
     DESCRIPTOR,
     HEADER,
     MODE_RAW,
@@ -182,8 +183,8 @@ def _layout(
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
     raises its ``CodecError``: those checks precede any block on the CPU path too). The segments
-    are checked and laid out by ``format.segment_layout`` over all blocks at once (the checks of
-    the CPU path's per-block decoder, which is left to name the error).
+    are checked and laid out by ``format.segment_layout`` over all blocks at once (the host
+    decoder names the error of a segment that fails).
 
     Args:
         buf: The payload's bytes.
@@ -433,10 +434,9 @@ def status_error(code: int, block: int) -> CodecError:
     Returns:
         The CodecError (the caller raises it).
     """
-    r = Reader(np.zeros(0, np.uint32), block)
     if code == REFS_OUT_OF_RANGE:
-        return r.fail("vector references out of range")
-    return r.fail(f"Huffman stream: {DECODE_ERRORS[code]}")
+        return segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), block)
+    return segment_error(SEGMENT_BAD_STREAM, (code, 0, 0, 0), block)
 
 
 def raise_status(codes: np.ndarray) -> None:

@@ -36,7 +36,6 @@ from torchrec_lossy.codec.container import (
 )
 from torchrec_lossy.codec.format import DTYPE_CODES, CodecError
 from torchrec_lossy.codec.kernel_set import backend_kernels, triton_available
-from torchrec_lossy.codec.staged import CompiledDecodeStages, decode_payload
 from torchrec_lossy.config import Backend, CodecConfig
 
 __all__ = [
@@ -340,11 +339,10 @@ def decompress_host_groups(
 ) -> list[list[torch.Tensor] | CodecError]:
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
-    With the compiled backend one call parses and decodes every block of every payload; the
-    payloads it leaves (corrupt ones) go through the per-block decoder
-    (``staged.decode_payload`` over the compiled decode stages), in block order, for the blocks
-    it did not decode, so each payload's result or error is what :func:`decompress` gives for
-    it. ``"reference"`` (not a host backend) decodes each payload with :func:`decompress`: the
+    With the compiled backend one call parses and decodes every block of every payload, and
+    names the first check each rejected payload fails (``host_decompress.BatchDecoded.error``),
+    so each payload's result or error is what :func:`decompress` gives for it.
+    ``"reference"`` (not a host backend) decodes each payload with :func:`decompress`: the
     device orchestration over the torch twins.
 
     Args:
@@ -365,27 +363,21 @@ def decompress_host_groups(
         buf = buffer.numpy()  # uint8 never requires grad: no detach needed
     else:
         buf = buffer.detach().cpu().contiguous().numpy()
-    ops = CompiledDecodeStages()
+    starts = list(itertools.accumulate(sizes, initial=0))
+    results: list[list[torch.Tensor] | CodecError] = []
     with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
-        starts = list(itertools.accumulate(sizes, initial=0))
-        batch = None
-        if sizes:
-            batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
-            if device.type != "cpu":
-                batch = dataclasses.replace(
-                    batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
-                )
-        results: list[list[torch.Tensor] | CodecError] = []
-        for g, n in enumerate(sizes):
-            if batch is not None and batch.complete(g):
-                results.append(batch.blocks(g))
-                continue
-            decoded = None  # what the batched reader decoded of an accepted payload
-            if batch is not None and batch.accepted[g]:
-                decoded = [batch.block(i) for i in range(batch.first[g], batch.first[g + 1])]
-            results.append(
-                decode_payload(buf[starts[g] : starts[g] + n], max_elements, ops, decoded, device)
+        if not sizes:
+            return results
+        batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
+        if device.type != "cpu":
+            batch = dataclasses.replace(
+                batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
             )
+        for g, n in enumerate(sizes):
+            if batch.complete(g):
+                results.append(batch.blocks(g))
+            else:
+                results.append(batch.error(g, buf[starts[g] : starts[g] + n], max_elements))
     return results
 
 
