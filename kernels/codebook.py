@@ -12,7 +12,8 @@ same tie-breaking, same JPEG Annex K.3 length limiting):
 3. torch: the k-th most frequent leaf gets the length whose cumulative count first exceeds k.
 
 :func:`canonical_codes` is vectorised torch (a sort by (length, symbol) and a scan of
-``bl_count``), the twin of ``canonical_codes_kernel``.
+``bl_count``), the twin of ``canonical_codes_kernel``; it lives in the triton-free
+``kernels/codebook_ref.py`` and is re-exported here.
 
 Scalar loops re-read what they stored: the kernel runs on one warp and puts a
 ``tl.debug_barrier()`` between a store and a later load of the same address (a scalar store is
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
+from torchrec_lossy.kernels.codebook_ref import canonical_codes as canonical_codes
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _MAX_LEN: tl.constexpr = tl.constexpr(MAX_CODE_LENGTH)
@@ -150,39 +152,6 @@ def code_lengths(hist: torch.Tensor) -> torch.Tensor:
         1, torch.where(valid, leaves, ALPHABET_SIZE), torch.where(valid, length, 0).to(torch.int32)
     )
     return out[:, :ALPHABET_SIZE].contiguous()
-
-
-def canonical_codes(lengths: torch.Tensor) -> torch.Tensor:
-    """Canonical codes of many code-length tables, like ``canonical_codes_kernel``.
-
-    Args:
-        lengths: int32 [n, ALPHABET_SIZE] code lengths (<= MAX_CODE_LENGTH).
-
-    Returns:
-        int64 [n, ALPHABET_SIZE] codes, right-aligned in ``lengths`` bits (0 where unused).
-    """
-    n = lengths.shape[0]
-    dev = lengths.device
-    lengths = lengths.to(torch.int64)
-    n_len = MAX_CODE_LENGTH + 1
-    bl_count = torch.zeros(n, n_len, dtype=torch.int64, device=dev)
-    bl_count.scatter_add_(1, lengths, torch.ones_like(lengths))
-    bl_count[:, 0] = 0
-    # next_code[L] = (next_code[L-1] + bl_count[L-1]) << 1 = sum_{l < L} bl_count[l] << (L - l).
-    ls = torch.arange(n_len, device=dev)
-    weights = torch.where(
-        ls[:, None] < ls[None, :], 1 << (ls[None, :] - ls[:, None]).clamp(min=0), 0
-    )
-    first_code = (bl_count[:, :, None] * weights[None]).sum(dim=1)
-    # Position of each symbol in (length, symbol) order, minus where its length starts.
-    symbols = torch.arange(ALPHABET_SIZE, device=dev)
-    order = torch.argsort(lengths * ALPHABET_SIZE + symbols, dim=1)
-    starts = torch.cumsum(bl_count, dim=1) - bl_count + (lengths == 0).sum(dim=1, keepdim=True)
-    starts[:, 0] = 0
-    pos = torch.empty_like(order)
-    pos.scatter_(1, order, symbols.expand(n, -1).contiguous())
-    codes = first_code.gather(1, lengths) + pos - starts.gather(1, lengths)
-    return torch.where(lengths > 0, codes, 0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 
 def snapshot(value: Any) -> Any:
-    """A deep copy of tensors and arrays inside tuples, lists and dicts (other values as they are)."""
+    """A deep copy of the tensors and arrays in nested tuples, lists and dicts."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, np.ndarray):

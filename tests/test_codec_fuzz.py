@@ -18,6 +18,7 @@ instead of silent garbage or a segfault.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -51,6 +52,7 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
     VERSION,
 )
+from torchrec_lossy.codec.pipeline import decompress_host_groups
 
 FUZZ_MAX_ELEMENTS = 1 << 22  # keeps a mutated rows/dim field from asking for gigabytes
 HERE = Path(__file__).resolve().parent
@@ -277,6 +279,130 @@ def test_body_mutations_with_a_valid_checksum(k, mutations):
         buf = apply_mutation(buf, m)
     msg = decode_or_error(with_checksum(buf))
     assert msg is None or "checksum" not in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact messages: the first check a block fails names the error, whichever decoder runs
+
+
+def _segment_fields(buf: bytes, block: int, **fields: float) -> bytes:
+    """``buf`` with segment header fields of block ``block`` set, checksum recomputed."""
+    offset = parse(buf)[2][block][0]
+    for name, v in fields.items():
+        dt, off = SEGMENT_HEADER.fields[name][:2]
+        buf = set_field(buf, offset + off, dt, v)
+    return with_checksum(buf)
+
+
+def _descriptor_field(buf: bytes, block: int, name: str, v: int) -> bytes:
+    dt, off = DESCRIPTOR.fields[name][:2]
+    return with_checksum(set_field(buf, 32 + 24 * block + off, dt, v))
+
+
+def _exact_cases() -> dict[str, tuple[bytes, str]]:
+    c = dict(corpus())
+    two = _segment_fields(c["multi"], 1, n_unique=0)  # blocks 1 and 3 both corrupt
+    two = _segment_fields(two, 3, ref_mode=7)
+    # Each case fails a later check too (the one named is the first in wire order).
+    cases = {
+        "escapes before chunks": (
+            _segment_fields(c["quant"], 0, n_escapes=10**6, n_chunks=0),
+            "1000000 escapes for 576 elements",
+        ),
+        "codebook before chunks": (
+            _segment_fields(c["quant"], 0, n_chunks=0, sym_lo=4095),
+            "codebook range 4095+165 / escape length 0 out of range",
+        ),
+        "grid before codebook": (
+            _segment_fields(c["quant"], 0, step=math.nan, sym_lo=4095),
+            "quantization step nan / center 6 out of range",
+        ),
+        "center": (
+            _segment_fields(c["quant"], 0, center=2**24),
+            "quantization step 0.03999999910593033 / center 16777216 out of range",
+        ),
+        "per-value grid": (
+            _descriptor_field(_segment_fields(c["quant"], 0, step=2.0), 0, "mode", 6),
+            "per-value grid step 2.0 / largest code 6 out of range",
+        ),
+        "vectors before escapes": (
+            _segment_fields(c["quant"], 0, n_unique=5, n_escapes=10**6),
+            "5 vectors for 48 rows",
+        ),
+        "chunk size": (
+            _segment_fields(c["quant"], 0, chunk_symbols=0),
+            "9 chunks of 0 symbols for 576 symbols",
+        ),
+        "escape positions truncated": (
+            _segment_fields(c["quant"], 0, n_escapes=200),
+            "escape positions needs 200 words at word 29 of a 157-word segment",
+        ),
+        "references before escapes": (
+            _segment_fields(c["quant_lz_fixed"], 0, ref_width=9, n_escapes=10**6),
+            "4 distinct vectors with 9-bit ids for 60 rows",
+        ),
+        "packing before chunks": (
+            _segment_fields(c["quant_lz_flagged"], 0, ref_mode=2, n_chunks=1),
+            "unknown reference packing 2",
+        ),
+        "references out of range": (
+            _segment_fields(c["lz_fixed"], 0, n_unique=3),
+            "vector references out of range",
+        ),
+        "trailing": (
+            _segment_fields(c["lz_fixed"], 0, n_unique=1, ref_width=0),
+            "18 trailing words",
+        ),
+        "raw truncated": (
+            _descriptor_field(c["multi"], 2, "dim", 6),
+            "raw values needs 36 words at word 0 of a 30-word segment",
+        ),
+        "segment header truncated": (
+            _descriptor_field(c["degenerate"], 2, "mode", 2),
+            "segment header needs 8 words at word 0 of a 1-word segment",
+        ),
+        "first block wins": (two, "0 distinct vectors with 2-bit ids for 30 rows"),
+    }
+    block = {"raw truncated": 2, "segment header truncated": 2, "first block wins": 1}
+    return {
+        k: (buf, f"corrupt payload: block {block.get(k, 0)}: {m}") for k, (buf, m) in cases.items()
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("case", list(_exact_cases()))
+def test_segment_errors_are_exact(case, backend):
+    buf, message = _exact_cases()[case]
+    with pytest.raises(CodecError) as info:
+        decompress(as_tensor(buf), backend=backend)
+    assert str(info.value) == message
+
+
+def test_huffman_stream_error_is_the_compiled_decoders():
+    """The compiled decoder names the stream's own failure (the reference stages name any
+    undecodable pattern an invalid code)."""
+    buf = bytearray(dict(corpus())["quant"])
+    offset, n = parse(bytes(buf))[2][0]
+    buf[offset + n - 4] ^= 0xFF  # the bitstream's last word
+    with pytest.raises(CodecError) as info:
+        decompress(as_tensor(with_checksum(bytes(buf))))
+    assert str(info.value) == "corrupt payload: block 0: Huffman stream: a chunk runs out of bits"
+
+
+def test_grouped_decode_names_each_payloads_error():
+    """Several payloads in one compiled call: each corrupt one gets its own first error, the
+    others decode to what they decode to alone."""
+    cases = _exact_cases()
+    good = [buf for _, buf in corpus()[:3]]
+    bad = [cases["first block wins"], cases["raw truncated"], cases["trailing"]]
+    bufs = [good[0], bad[0][0], good[1], bad[1][0], bad[2][0], good[2]]
+    sizes = [len(b) for b in bufs]
+    got = decompress_host_groups(as_tensor(b"".join(bufs)), sizes, 1 << 22, "cpu")
+    for k in (0, 2, 5):
+        want = decompress(as_tensor(bufs[k]))
+        assert all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+                   for a, b in zip(got[k], want, strict=True))  # fmt: skip
+    assert [str(got[k]) for k in (1, 3, 4)] == [m for _, m in bad]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,10 +81,10 @@ def test_host_grouped_payloads_equal_per_group_compress_and_decode() -> None:
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
-def test_host_batched_decode_is_the_per_block_reference_decoder(misaligned: bool) -> None:
+def test_host_batched_decode_is_the_reference_decoder(misaligned: bool) -> None:
     """The one compiled decode call of every payload (escapes, vector-LZ, every dtype, several
-    chunks per block; payloads off word boundaries too) gives the bits of the per-block
-    decoder with the torch reference stages."""
+    chunks per block; payloads off word boundaries too) gives the bits of the reference
+    backend's decoder (the device orchestration over the kernels' torch twins)."""
     groups = groups_of_blocks()
     groups.append([make_block(200, 8, torch.float32, k, seed=3) for k in ("repeat", "mild")])
     groups.append([make_block(150, 4, torch.bfloat16, "repeat", seed=5)])

@@ -128,6 +128,44 @@ def test_payload_byte_identical(kind: str, bound_kind: str) -> None:
     _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
 
 
+@pytest.mark.parametrize(
+    ("kind", "bound_kind"), [("adversarial", "rel0.01"), ("repeat", "zero"), ("repeat", "rel0.05")]
+)
+def test_backends_byte_identical(kind: str, bound_kind: str) -> None:
+    """cpu, reference (the device orchestration over the kernels' torch twins) and triton give
+    the same payload and stats, and each decodes every payload to the same bits."""
+    blocks, bounds = _blocks(kind, bound_kind)
+    backends = ("cpu", "reference", "triton")
+    got = {
+        b: pipeline.compress_with_stats(
+            [x.to(DEVICE) for x in blocks], bounds, CodecConfig(backend=b, huffman_chunk_symbols=64)
+        )
+        for b in backends
+    }
+    want, want_stats = got["cpu"]
+    for b in backends:
+        assert torch.equal(got[b][0].cpu(), want.cpu()), f"{b}: payload bytes differ"
+        assert got[b][1] == want_stats, b
+    want_out = pipeline.decompress(want.cpu(), backend="cpu")
+    for b in backends:
+        out = pipeline.decompress(want.to(DEVICE), backend=b)
+        assert len(out) == len(want_out)
+        for i, (x, y) in enumerate(zip(out, want_out, strict=True)):
+            assert x.dtype == y.dtype and x.shape == y.shape, (b, i)
+            assert torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8)), (b, i)
+
+
+def test_payload_modes_covered() -> None:
+    """The payload tests' blocks reach every mode (raw, lz, quant, quant+lz)."""
+    modes = set()
+    config = CodecConfig(backend="cpu", huffman_chunk_symbols=64)
+    for kind in ("adversarial", "repeat"):
+        for bound_kind in BOUND_KINDS:
+            blocks, bounds = _blocks(kind, bound_kind)
+            modes |= {s.mode for s in pipeline.compress_with_stats(blocks, bounds, config)[1]}
+    assert modes == {"raw", "lz", "quant", "quant+lz"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bound_kind", BOUND_KINDS)
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])

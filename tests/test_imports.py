@@ -402,7 +402,6 @@ LOSSY_CODEC = tuple(
     f"{PACKAGE}.codec.{m}"
     for m in (
         "pipeline",
-        "staged",
         "grouped",
         "quantize",
         "huffman",

@@ -1,4 +1,6 @@
-"""The Triton kernels against the CPU (numba) kernels: equal outputs, byte-identical payloads.
+"""The Triton kernels against the CPU (numba) kernels, stage by stage (single-block launchers of
+tests/triton_launchers.py over the batched kernels). Whole payloads through the device path are
+tests/test_device_compress.py's and tests/test_device_decompress.py's.
 
 Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which this module
 switches on (``TRITON_INTERPRET=1``) before triton or the kernels are imported. The interpreter
@@ -10,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -24,8 +25,6 @@ import host_kernels
 import numba
 import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
-from stage_ops import CpuOps, decompress_staged
-from triton_stage_ops import TritonOps
 
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline
@@ -35,12 +34,10 @@ from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
-    HEADER,
     REFS_FIXED,
     REFS_FLAGGED,
-    checksum_words,
 )
-from torchrec_lossy.codec.staged import compress_staged
+from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, launch_tables
 from torchrec_lossy.kernels import quantize as k_quantize
@@ -74,6 +71,23 @@ def host(t: torch.Tensor, dtype: type | None = None) -> np.ndarray:
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """A float tensor's raw bits (compares NaN payloads and signed zeros too)."""
     return t.contiguous().view(BITS_DTYPES[t.dtype])
+
+
+def cpu_quantize_block(
+    x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """The numba quantize of one block: float32 [n] -> (uint16 symbols [n], int64 histogram,
+    number of escapes, max error)."""
+    return host_kernels.quantize_block(
+        x, np.float32(params.step), np.float32(params.inv_step), params.center, bound,
+        dtype_code, params.sr_key, params.value,
+    )  # fmt: skip
+
+
+def cpu_dedupe(symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The numba dedupe of one block: [rows, dim] symbols (None: the raw bits) -> (int32 ids
+    [rows], int32 first rows [n_unique])."""
+    return host_kernels.dedupe(symbols, bits)
 
 
 @numba.njit(cache=False)
@@ -142,7 +156,6 @@ def test_round_to_dtype_matches_cpu(dtype_code: int) -> None:
 @pytest.mark.parametrize("bound_kind", ["tiny", "rel0.01", "rel0.05", "huge"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) -> None:
-    ops = CpuOps()
     for rows in ROWS:
         for dim in DIMS:
             block = make_block(rows, dim, dtype, kind, seed=rows * 31 + dim)
@@ -151,7 +164,7 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             params = cpu_quantize.quant_params(bound, x)
             if params is None:
                 continue
-            want_sym, want_hist, want_esc, want_err = ops.quantize(
+            want_sym, want_hist, want_esc, want_err = cpu_quantize_block(
                 x, params, bound, DTYPE_CODES[dtype]
             )
             sym, hist, err = launchers.quantize(
@@ -164,8 +177,18 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             assert float(err) == want_err, what
             got = host(launchers.dequantize(sym, params.step, params.center))
             np.testing.assert_array_equal(
-                got.view(np.uint32), ops.dequantize(want_sym, params).view(np.uint32)
+                got.view(np.uint32),
+                _cpu_dequantize(want_sym, params).view(np.uint32),
             )
+
+
+def _cpu_dequantize(symbols: np.ndarray, params: QuantParams) -> np.ndarray:
+    """The compiled host path's dequantize (uint16 symbols -> float32 values)."""
+    out = np.empty(symbols.shape[0], dtype=np.float32)
+    cpu_quantize.dequantize_kernel(
+        symbols, np.float32(params.step), params.center, out, params.value
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,21 +205,20 @@ def _dedupe_inputs(
     params = cpu_quantize.quant_params(0.05, x)
     if params is None:
         return np.full((rows, dim), ESCAPE_SYMBOL, np.uint16), bits
-    sym = CpuOps().quantize(x, params, 0.05, DTYPE_CODES[dtype])[0]
+    sym = cpu_quantize_block(x, params, 0.05, DTYPE_CODES[dtype])[0]
     return sym.reshape(rows, dim), bits
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
-    ops = CpuOps()
     for rows in [*ROWS, 64]:
         for dim in DIMS:
             sym, bits = _dedupe_inputs(rows, dim, dtype, kind)
             for raw in (True, False):
                 what = f"rows={rows} dim={dim} raw={raw}"
                 if rows:
-                    want_ids, want_first = ops.dedupe(None if raw else sym, bits)
+                    want_ids, want_first = cpu_dedupe(None if raw else sym, bits)
                 else:
                     want_ids = want_first = np.zeros(0, np.int32)
                 ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
@@ -211,7 +233,7 @@ def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> 
     for kind in ("adversarial", "repeat"):
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):
-            want = CpuOps().dedupe(None if raw else sym, bits)
+            want = cpu_dedupe(None if raw else sym, bits)
             ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
             np.testing.assert_array_equal(host(ids), want[0])
             np.testing.assert_array_equal(host(first), want[1])
@@ -352,117 +374,8 @@ def test_huffman_decode_errors_match_cpu() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Full payloads through TritonOps
+# Compile
 # ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def triton_ops() -> TritonOps:
-    """The Triton stages, for ``staged.compress_staged`` / ``stage_ops.decompress_staged``."""
-    return TritonOps(DEVICE)
-
-
-def _payload_blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
-    blocks = [
-        make_block(rows, dim, dtype, kind, seed=100 * rows + 10 * dim + i)
-        for rows in ROWS
-        for dim in DIMS
-        for i, dtype in enumerate(DTYPES)
-    ]
-    return blocks, [bound_for(b, bound_kind) for b in blocks]
-
-
-def _assert_same_payloads(
-    ops: TritonOps, blocks: list[torch.Tensor], bounds: list[float], config: CodecConfig
-) -> None:
-    """The compiled CPU path's payload and blocks, stage by stage through the Triton kernels."""
-    want, want_stats = pipeline.compress_with_stats(blocks, bounds, config)
-    want_out = pipeline.decompress(want)
-    got, got_stats = compress_staged(blocks, bounds, config, ops)
-    assert torch.equal(got, want), "payload bytes differ"
-    assert got_stats == want_stats
-    got_out = decompress_staged(got, pipeline.DEFAULT_MAX_ELEMENTS, ops)
-    for i, (a, b) in enumerate(zip(got_out, want_out, strict=True)):
-        assert torch.equal(as_bits(a), as_bits(b)), f"block {i} decodes differently"
-
-
-@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
-@pytest.mark.parametrize("bound_kind", BOUND_KINDS)
-def test_payload_byte_identical(triton_ops: TritonOps, bound_kind: str, kind: str) -> None:
-    blocks, bounds = _payload_blocks(kind, bound_kind)
-    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
-
-
-def test_payload_modes_covered() -> None:
-    """The payload tests reach every mode (raw, lz, quant, quant+lz)."""
-    modes = set()
-    config = CodecConfig(huffman_chunk_symbols=64)
-    for kind in ("adversarial", "repeat"):
-        for bound_kind in BOUND_KINDS:
-            blocks, bounds = _payload_blocks(kind, bound_kind)
-            modes |= {s.mode for s in pipeline.compress_with_stats(blocks, bounds, config)[1]}
-    assert modes == {"raw", "lz", "quant", "quant+lz"}
-
-
-def test_corrupt_payloads_fail_alike(triton_ops: TritonOps) -> None:
-    """Bit flips in the segments (checksum fixed up so decoding is reached) give the same
-    blocks or the same CodecError message with TritonOps as the compiled CPU path."""
-    blocks = [
-        make_block(40, 16, torch.float32, "mild", seed=1),
-        make_block(33, 16, torch.float16, "repeat", seed=2),
-    ]
-    bounds = [bound_for(b, "rel0.05") for b in blocks]
-    payload, stats = pipeline.compress_with_stats(
-        blocks, bounds, CodecConfig(huffman_chunk_symbols=64)
-    )
-    assert [s.mode for s in stats] == ["quant", "quant+lz"]
-    payload = payload.numpy()
-    rng = np.random.default_rng(5)
-    body_start = HEADER.itemsize + len(blocks) * 24  # segments only: descriptors stay valid
-    messages = []
-    for _ in range(16):
-        p = payload.copy()
-        p[int(rng.integers(body_start, p.shape[0]))] ^= np.uint8(1 << int(rng.integers(0, 8)))
-        header = p[: HEADER.itemsize].view(HEADER)
-        header["checksum"] = checksum_words(p[HEADER.itemsize :].view(np.uint32))
-        results = []
-        decoders = (
-            lambda t: pipeline.decompress(t, backend="cpu"),
-            lambda t: decompress_staged(t, pipeline.DEFAULT_MAX_ELEMENTS, triton_ops),
-        )
-        for decode in decoders:
-            try:
-                results.append([as_bits(b) for b in decode(torch.from_numpy(p))])
-            except ValueError as e:
-                results.append(str(e))
-        if isinstance(results[0], str):
-            assert results[1] == results[0]
-            messages.append(results[0])
-        else:
-            assert not isinstance(results[1], str), results[1]
-            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
-    assert any("Huffman stream" in m for m in messages), messages
-
-
-@pytest.mark.slow
-def test_payload_realistic_traffic(triton_ops: TritonOps) -> None:
-    from torchrec_lossy.traffic import TrafficSpec, paper_traffic
-
-    spec = TrafficSpec(batch_rows=128)
-    blocks, bounds = paper_traffic(spec)
-    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig())
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_payload_larger_blocks(triton_ops: TritonOps, dtype: torch.dtype) -> None:
-    blocks = [
-        make_block(rows, dim, dtype, kind, seed=rows + dim)
-        for rows, dim in [(257, 64), (1000, 8), (129, 33)]
-        for kind in ("adversarial", "repeat")
-    ]
-    bounds = [bound_for(b, k) for b, k in zip(blocks, ["rel0.01", "tiny"] * 3, strict=True)]
-    _assert_same_payloads(triton_ops, blocks, bounds, CodecConfig())
 
 
 @pytest.mark.slow
@@ -494,23 +407,8 @@ def test_aot_table_covers_every_launched_kernel() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Without triton
+# Wiring
 # ------------------------------------------------------------------------------------------------
-
-
-def test_triton_ops_imports_without_triton(run_without_triton: Callable[[str], str]) -> None:
-    """The loader and the Triton stages import with triton unimportable; using them raises a
-    clear error."""
-    out = run_without_triton(
-        "import sys; sys.path.insert(0, 'tests')\n"
-        "from triton_stage_ops import TritonOps\n"
-        "import numpy as np\n"
-        "try:\n"
-        "    TritonOps('cpu').pack_refs(np.zeros(3, np.int32), 1, 0)\n"
-        "except RuntimeError as e:\n"
-        "    print('ERR', e)\n"
-    )
-    assert "ERR the triton backend needs the triton package" in out, out
 
 
 def test_histogram_alphabet() -> None:

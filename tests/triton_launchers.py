@@ -2,14 +2,13 @@
 
 Each runs one stage of one block through the production kernels' building blocks
 (``quantize_tiles``, ``representatives``, ``histogram_tiles``, ``encode_chunks``, the
-``decode_chunk`` loop of ``decode_blocks``) and returns what the numba stage
-(tests/stage_ops.py ``CpuOps``) returns, so the batched kernels are checked stage by stage. The
+``decode_chunk`` loop of ``decode_blocks``) and returns what the numba stage kernel returns
+(tests/test_kernels.py), so the batched kernels are checked stage by stage. The
 few kernels only a single-block launcher needs (dequantize, id assignment, reference packing,
 single-stream decode and escape check) live here with them. Production never runs these: CUDA
 tensors go device-resident (``device_compress`` / ``device_decompress``, batched launchers).
 
-Importing this module imports triton; tests/triton_stage_ops.py reaches it only through
-``TritonOps`` (which checks triton first).
+Importing this module imports triton (tests/test_kernels.py skips without it).
 """
 
 from __future__ import annotations

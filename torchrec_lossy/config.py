@@ -62,8 +62,9 @@ class CodecConfig:
             installed, CPU tensors through the compiled (numba) CPU path. ``"cpu"``: always the
             CPU path (CUDA tensors staged through host memory). ``"triton"``: always the
             device-resident Triton path (on CPU tensors under ``TRITON_INTERPRET=1``: slow, for
-            tests). ``"reference"``: the plain torch twins of every stage (the test oracle;
-            slow). All produce byte-identical payloads and decode every payload.
+            tests). ``"reference"``: the same device orchestration over the Triton kernels'
+            plain torch twins (``kernels/*_ref.py``) on any device, without triton (the test
+            oracle; slow). All produce byte-identical payloads and decode every payload.
         rounding: ``"nearest"``: codes round to nearest on a grid of step ``2 * bound``.
             ``"stochastic"``: unbiased stochastic rounding on a grid of step ``bound``
             (``E[x'] = x``; still ``|x - x'| <= bound``), drawn from a counter-based hash of

@@ -20,6 +20,7 @@ import torch
 from torchrec_lossy.codec.elementwise import jitable
 from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     CODE_DTYPES,
+    DECODE_ERRORS,
     DESCRIPTOR,
     DESCRIPTOR_WORDS,
     HEADER,
@@ -31,7 +32,6 @@ from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     CodecError,
     checksum_words,
     mode_valid,
-    words_for_bytes,
 )
 
 # A payload may not ask the decoder for more output elements than this (a crafted payload must not
@@ -419,20 +419,7 @@ def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarr
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side: header, descriptor parse, reader.
-
-
-def host_header(n_blocks: int, body: np.ndarray) -> np.ndarray:
-    """The 32-byte payload header for a body.
-
-    Args:
-        n_blocks: Blocks in the payload.
-        body: The body's bytes (descriptors and segments; a whole number of words).
-
-    Returns:
-        The header's bytes (uint8 [32]).
-    """
-    return header_words(n_blocks, body.view(np.uint32)).view(np.uint8)
+# Host side: header, descriptor parse.
 
 
 @numba.njit(cache=True, nogil=True)
@@ -484,6 +471,38 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+# A segment's verdicts: its checks, in the order its sections are read (wire order), each
+# with four integer details (unused ones 0) that segment_error puts in its message (the first
+# detail is a SECTIONS index for a truncated section, the step's float32 bits for the grids,
+# the Huffman decoder's DECODE_* status for the stream).
+(
+    SEGMENT_OK, SEGMENT_TRUNCATED, SEGMENT_TRAILING, SEGMENT_BAD_REFS, SEGMENT_BAD_PACKING,
+    SEGMENT_REFS_RANGE, SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID, SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_VECTORS, SEGMENT_BAD_ESCAPES, SEGMENT_BAD_CHUNKS, SEGMENT_BAD_STREAM,
+) = range(13)  # fmt: skip
+_SEGMENT_WHAT = {
+    SEGMENT_TRUNCATED: "{0} needs {1} words at word {2} of a {3}-word segment",
+    SEGMENT_TRAILING: "{0} trailing words",
+    SEGMENT_BAD_REFS: "{0} distinct vectors with {1}-bit ids for {2} rows",
+    SEGMENT_BAD_PACKING: "unknown reference packing {0}",
+    SEGMENT_REFS_RANGE: "vector references out of range",
+    SEGMENT_BAD_VALUE_GRID: "per-value grid step {0} / largest code {1} out of range",
+    SEGMENT_BAD_GRID: "quantization step {0} / center {1} out of range",
+    SEGMENT_BAD_CODEBOOK: "codebook range {0}+{1} / escape length {2} out of range",
+    SEGMENT_BAD_VECTORS: "{0} vectors for {1} rows",
+    SEGMENT_BAD_ESCAPES: "{0} escapes for {1} elements",
+    SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
+    SEGMENT_BAD_STREAM: "Huffman stream: {0}",
+}
+# A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
+SECTIONS = (
+    "raw values", "segment header", "codebook", "references", "distinct vectors",
+    "escape positions", "escaped values", "chunk table",
+)  # fmt: skip
+(
+    SECTION_RAW, SECTION_HEADER, SECTION_CODEBOOK, SECTION_REFS, SECTION_VECTORS,
+    SECTION_ESC_POS, SECTION_ESC_VALUES, SECTION_CHUNKS,
+) = range(len(SECTIONS))  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -554,8 +573,23 @@ def check_header(
     return HEADER_OK, n_blocks
 
 
-def _header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
-    """The error naming ``check_header``'s verdict on the payload ``buf``."""
+def _block_error(block: int, what: str) -> CodecError:
+    """The error for something wrong in block ``block`` of a payload."""
+    return CodecError(f"corrupt payload: block {block}: {what}")
+
+
+def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
+    """The error naming :func:`check_header`'s verdict on a payload.
+
+    Args:
+        status: The verdict (a ``HEADER_*`` other than ``HEADER_OK``).
+        detail: Its detail (the failing block for ``HEADER_BAD_BLOCK``).
+        buf: The payload's bytes.
+        max_elements: The limit it was checked against.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
     n = buf.shape[0]
     if status == HEADER_TRUNCATED:
         return CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
@@ -587,14 +621,33 @@ def _header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) 
     descs = descs.view(DESCRIPTOR)
     if status == HEADER_BAD_BLOCK:
         d = descs[detail]
-        return CodecError(
-            f"corrupt payload: block {detail}: dtype {int(d['dtype'])} / mode {int(d['mode'])}"
-        )
+        return _block_error(detail, f"dtype {int(d['dtype'])} / mode {int(d['mode'])}")
     total = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
     return CodecError(
         f"payload decodes to {total} elements, more than max_elements={max_elements}: "
         "pass a larger max_elements if it is trusted"
     )
+
+
+def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
+    """The error naming a segment's verdict (the first of its checks it fails, ``SEGMENT_*``).
+
+    Args:
+        status: The verdict (not ``SEGMENT_OK``).
+        details: Its four integer details, in the order its message names them (unused: 0).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    d: list[object] = list(details)
+    if status == SEGMENT_TRUNCATED:
+        d[0] = SECTIONS[d[0]]
+    elif status in (SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID):
+        d[0] = float(np.array(d[0], np.uint32).view(np.float32))
+    elif status == SEGMENT_BAD_STREAM:
+        d[0] = DECODE_ERRORS[d[0]]
+    return _block_error(block, _SEGMENT_WHAT[status].format(*d))
 
 
 def parse_header(
@@ -621,7 +674,7 @@ def parse_header(
     words = buf[: n - n % 4].view(np.uint32)
     status, detail = check_header(words, 0, n, max_elements, verify_checksum)
     if status != HEADER_OK:
-        raise _header_error(status, detail, buf, max_elements)
+        raise header_error(status, detail, buf, max_elements)
     body = words[HEADER_WORDS:]
     desc_words = detail * DESCRIPTOR_WORDS
     descs = body[:desc_words].view(DESCRIPTOR)
@@ -629,67 +682,3 @@ def parse_header(
     desc_fields = [d.item() for d in descs]
     offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
     return body, desc_fields, offsets
-
-
-class Reader:
-    """Bounds-checked cursor over one segment's words.
-
-    Args:
-        words: The segment (uint32 words).
-        block: The block's index (named in errors).
-    """
-
-    def __init__(self, words: np.ndarray, block: int) -> None:
-        self.words = words
-        self.pos = 0
-        self.block = block
-
-    def fail(self, what: str) -> CodecError:
-        """The error for something wrong in this block.
-
-        Args:
-            what: What is wrong.
-
-        Returns:
-            A CodecError naming the block (the caller raises it).
-        """
-        return CodecError(f"corrupt payload: block {self.block}: {what}")
-
-    def take(self, n_words: int, what: str) -> np.ndarray:
-        """The next ``n_words`` words.
-
-        Args:
-            n_words: How many.
-            what: The section's name (for the error).
-
-        Returns:
-            A view of the words.
-
-        Raises:
-            CodecError: They run past the segment.
-        """
-        if n_words < 0 or self.pos + n_words > self.words.shape[0]:
-            raise self.fail(
-                f"{what} needs {n_words} words at word {self.pos} of a "
-                f"{self.words.shape[0]}-word segment"
-            )
-        out = self.words[self.pos : self.pos + n_words]
-        self.pos += n_words
-        return out
-
-    def take_bytes(self, n_bytes: int, what: str) -> np.ndarray:
-        """The next ``n_bytes`` bytes (whole words are consumed).
-
-        Args:
-            n_bytes: How many.
-            what: The section's name (for the error).
-
-        Returns:
-            A uint8 view.
-        """
-        return self.take(words_for_bytes(n_bytes), what).view(np.uint8)[:n_bytes]
-
-    def done(self) -> None:
-        """Raises CodecError unless the whole segment was consumed."""
-        if self.pos != self.words.shape[0]:
-            raise self.fail(f"{self.words.shape[0] - self.pos} trailing words")

@@ -7,19 +7,20 @@ consecutive blocks, each payload byte-identical to its own compress) and stops b
 (:class:`PendingCompress`). Blocks are laid out back to back (elements, rows, chunk slots), and
 host-side tables derived from the shapes only (:class:`_HostTables`: offsets, tiles, chunk slots,
 bound-derived steps) go to the device in one non-blocking copy; relative bounds are resolved on
-the device from each block's finite range. Then, for all blocks at once, each stage a function
-passing a record to the next:
+the device from each block's finite range. The data-sized stages run over the caller's kernel set
+(``kernel_set.KernelSet``: the Triton launchers, or their torch twins for ``"reference"``). Then,
+for all blocks at once, each stage a function passing a record to the next:
 
 1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
    (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
-2. quantize + escapes + per-block histograms: ``kernels.quantize.quantize_tiles`` (one launch);
-3. vector-LZ, quantized and lossless: ``kernels.vector_lz.representatives`` (hash with the block
+2. quantize + escapes + per-block histograms: ``quantize.quantize_tiles`` (one launch);
+3. vector-LZ, quantized and lossless: ``vector_lz.representatives`` (hash with the block
    in the top bits, one sort, verify), ranks by a cumsum;
-4. histograms of the distinct rows (``histogram_tiles``), code lengths of both histograms of every
-   block (``kernels.codebook.code_lengths``), the size of every mode and the mode choice by
+4. histograms of the distinct rows (``huffman.histogram_tiles``), code lengths of both histograms
+   of every block (``codebook.code_lengths``), the size of every mode and the mode choice by
    ``size_model`` (the functions the host path calls) - torch ops over ``[n_blocks]`` tensors;
-5. the sent symbol stream, canonical codes, Huffman encode of every chunk of every block
-   (``kernels.huffman.encode_chunks``, chunk slots sized for the worst case);
+5. the sent symbol stream, canonical codes (``codebook.canonical_codes``), Huffman encode of
+   every chunk of every block (``huffman.encode_chunks``, chunk slots sized for the worst case);
 6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
    codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
    distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
@@ -79,11 +80,8 @@ from torchrec_lossy.codec.format import (
     words_for_bits,
     words_for_bytes,
 )
+from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import codebook
-from torchrec_lossy.kernels import huffman as k_huffman
-from torchrec_lossy.kernels import quantize as k_quantize
-from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
@@ -318,7 +316,7 @@ class _Grid(NamedTuple):
 
 
 class _Dedupe(NamedTuple):
-    """Repeated rows of every block (``k_vector_lz.representatives``)."""
+    """Repeated rows of every block (``vector_lz.representatives``)."""
 
     first: torch.Tensor  # per row, 1 for a first occurrence
     ids: torch.Tensor  # per row, its distinct vector's id in its block
@@ -469,16 +467,16 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
 
 
 def _quantize(
-    ht: _HostTables, t: _Columns, flat: _Flat, grid: _Grid
+    k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat, grid: _Grid
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 2: quantize, escapes and histograms (``k_quantize.quantize_tiles``, one launch).
+    """Stage 2: quantize, escapes and histograms (``quantize.quantize_tiles``, one launch).
 
     Returns:
         (int16 symbol of every element, [n_blocks, ALPHABET_SIZE] histograms, float64 max error
         per block).
     """
     tiles = t.tiles.reshape(-1, 3)
-    sym, hist, tile_err = k_quantize.quantize_tiles(
+    sym, hist, tile_err = k.quantize.quantize_tiles(
         flat.x,
         tiles,
         grid.step,
@@ -494,11 +492,13 @@ def _quantize(
     return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
 
 
-def _vector_lz(symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat: _Flat) -> _Dedupe:
+def _vector_lz(
+    k: KernelSet, symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat: _Flat
+) -> _Dedupe:
     """Stage 3: repeated rows of every block, over the quantized symbols or (None) the raw bits
-    (``k_vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
+    (``vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
     r_blk, dev = flat.r_blk, flat.x.device
-    rep, is_first = k_vector_lz.representatives(
+    rep, is_first = k.vector_lz.representatives(
         symbols,
         flat.bits,
         flat.r_elem,
@@ -521,10 +521,10 @@ def _vector_lz(symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat:
     return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows)
 
 
-def _codes(hists: torch.Tensor, chunk: int) -> _Codes:
-    """Stage 4a: ``staged``'s per-block code plan for many histograms (``kernels.codebook``)."""
+def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
+    """Stage 4a: the per-block code plan for many histograms (``codebook.code_lengths``)."""
     hists = hists.to(torch.int64)
-    lengths = codebook.code_lengths(hists).to(torch.int64)
+    lengths = k.codebook.code_lengths(hists).to(torch.int64)
     value = lengths[:, :ESCAPE_SYMBOL] > 0
     used = value.any(dim=1)
     lo = torch.where(used, value.to(torch.int8).argmax(dim=1), 0)
@@ -552,7 +552,7 @@ def _choose_mode(
 
 
 def _sends(
-    t: _Columns, mode: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe, chunk: int
+    k: KernelSet, t: _Columns, mode: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe, chunk: int
 ) -> _Sends:
     """Stage 5a: what every block sends, from its mode."""
     nb = mode.shape[0]
@@ -574,7 +574,7 @@ def _sends(
         n_sent=n_sent,
         n_sym=n_sym,
         lengths=lengths,
-        codes=codebook.canonical_codes(lengths),
+        codes=k.codebook.canonical_codes(lengths),
         n_escapes=torch.where(is_q, c.n_esc[sel], 0),
         sym_lo=torch.where(is_q, c.sym_lo[sel], 0),
         sym_count=torch.where(is_q, c.sym_count[sel], 0),
@@ -586,10 +586,16 @@ def _sends(
 
 
 def _encode(
-    ht: _HostTables, t: _Columns, flat: _Flat, sym: torch.Tensor, dq: _Dedupe, s: _Sends
+    k: KernelSet,
+    ht: _HostTables,
+    t: _Columns,
+    flat: _Flat,
+    sym: torch.Tensor,
+    dq: _Dedupe,
+    s: _Sends,
 ) -> _Coded:
     """Stage 5b: the sent symbol stream and the Huffman encode of every chunk of every block
-    (``k_huffman.encode_chunks``, chunk slots sized for the worst case)."""
+    (``huffman.encode_chunks``, chunk slots sized for the worst case)."""
     e_blk, e_loc, dev = flat.e_blk, flat.e_loc, flat.x.device
     valid = e_loc < s.n_sym[e_blk]
     vec = e_loc // flat.e_dim  # sent vector
@@ -600,7 +606,7 @@ def _encode(
     slot_blk, slot_k, ck = t.slot_blk, t.slot_k, ht.chunk
     c_lo = t.elem_off[slot_blk] + slot_k * ck
     c_hi = t.elem_off[slot_blk] + torch.minimum((slot_k + 1) * ck, s.n_sym[slot_blk])
-    chunk_ends, stream = k_huffman.encode_chunks(
+    chunk_ends, stream = k.huffman.encode_chunks(
         sent.to(torch.int32),
         c_lo,
         torch.maximum(c_hi, c_lo),
@@ -832,23 +838,24 @@ def _compress(
     kinds: list[int],
     group_sizes: list[int],
     config: CodecConfig,
+    k: KernelSet,
 ) -> PendingCompress:
-    """:func:`start_groups_device`'s stages, in the module docstring's order."""
+    """:func:`start_groups_device`'s stages, in the module docstring's order, over ``k``."""
     ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
     dev = blocks[0].device if blocks else torch.device("cpu")
     t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
     flat = _flatten(blocks, ht, t)
     grid = _grid(ht, t, flat)
-    sym, hist, max_err = _quantize(ht, t, flat, grid)
-    dq, dr = _vector_lz(sym, ht, t, flat), _vector_lz(None, ht, t, flat)
+    sym, hist, max_err = _quantize(k, ht, t, flat, grid)
+    dq, dr = _vector_lz(k, sym, ht, t, flat), _vector_lz(k, None, ht, t, flat)
     # Distinct rows' histograms: the quantized symbols of first occurrences only.
     keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
-    hist_u = k_huffman.histogram_tiles(
+    hist_u = k.huffman.histogram_tiles(
         sym, keep, t.tiles.reshape(-1, 3), ht.n_blocks, ht.tile_block
     )
-    codes = _codes(torch.cat([hist, hist_u]), ht.chunk)
-    s = _sends(t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
-    coded = _encode(ht, t, flat, sym, dq, s)
+    codes = _codes(k, torch.cat([hist, hist_u]), ht.chunk)
+    s = _sends(k, t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
+    coded = _encode(k, ht, t, flat, sym, dq, s)
     sec = _sections(t, s, dr, coded.words)
     nb = ht.n_blocks
     lanes = (ht.n_elems, ht.n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL)
@@ -872,23 +879,27 @@ def compress_device(
     bounds: Sequence[float],
     config: CodecConfig,
     kinds: Sequence[int] | None = None,
+    kernels: KernelSet | None = None,
 ) -> tuple[torch.Tensor, list[BlockStats]]:
     """Compresses blocks on their device; the payload equals ``pipeline.compress``'s (CPU).
 
     Args:
         blocks: Validated 2-D float32 / float16 / bfloat16 tensors, all on one device (CUDA, or
-            CPU under ``TRITON_INTERPRET=1``).
+            CPU under ``TRITON_INTERPRET=1`` or with the torch twins).
         bounds: Validated absolute error bounds (floats >= 0), one per block.
-        config: Codec knobs.
+        config: Codec knobs (its ``backend`` is not read: ``kernels`` are the stages).
         kinds: Per block, its ``BoundKind`` (absolute, or per-value); None: all absolute.
+        kernels: The kernel set (``kernel_set.load_kernels``); None: the Triton launchers.
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
         device-to-host transfer is made (:func:`_host`).
     """
     kinds = list(kinds or [BoundKind.ABSOLUTE] * len(blocks))
+    if kernels is None:
+        kernels = load_kernels(blocks[0].device if blocks else torch.device("cpu"))
     with record_function("## lossy_codec encode ##"):
-        pending = start_groups_device(blocks, bounds, kinds, [len(blocks)], config)
+        pending = start_groups_device(blocks, bounds, kinds, [len(blocks)], config, kernels)
         buf, _, stats, _ = pending.finish(_host(pending.readback))
     return buf, stats[0]
 
@@ -899,6 +910,7 @@ def start_groups_device(
     kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
+    kernels: KernelSet,
 ) -> PendingCompress:
     """Compresses several payloads (groups of consecutive blocks) in one pass, without a sync.
 
@@ -912,14 +924,17 @@ def start_groups_device(
             finite range (``max - min`` over the finite elements, float32).
         kinds: Per block, its ``BoundKind``.
         group_sizes: Blocks per payload.
-        config: Codec knobs.
+        config: Codec knobs (its ``backend`` is not read: ``kernels`` are the stages).
+        kernels: The kernel set (``kernel_set.load_kernels``).
 
     Returns:
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
     """
     with record_function("## lossy_codec encode ##"):
-        return _compress(list(blocks), list(bounds), list(kinds), list(group_sizes), config)
+        return _compress(
+            list(blocks), list(bounds), list(kinds), list(group_sizes), config, kernels
+        )
 
 
 @dataclass(frozen=True)

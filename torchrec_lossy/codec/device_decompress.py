@@ -1,8 +1,9 @@
 """Device-resident, batched decompress: every block of a payload decoded at once, on its device.
 
 :func:`decompress_device` decodes a payload where it lives (a CUDA tensor, or a CPU tensor under
-the Triton interpreter) with one launch per stage for all blocks, and gives the same bits and the
-same ``CodecError`` messages as the host path (``pipeline.decompress`` with ``backend="cpu"``).
+the Triton interpreter or the torch twins) with one launch per stage for all blocks, and gives the
+same bits and the same ``CodecError`` messages as the host path (``pipeline.decompress`` with
+``backend="cpu"``).
 
 Host syncs: at most two per payload, whatever the number of blocks, both through :func:`_host`
 (the module's only device-to-host path, which counts itself):
@@ -20,7 +21,8 @@ Host syncs: at most two per payload, whatever the number of blocks, both through
    references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
    or missing escapes. The first failing block's error is raised with the CPU path's message.
 
-Device work (all blocks per launch): decode tables from the wire codebooks
+Device work (all blocks per launch, over the caller's kernel set ``kernel_set.KernelSet``: the
+Triton launchers, or their torch twins for ``"reference"``): decode tables from the wire codebooks
 (``codebook.decode_tables``), reference unpacking (``vector_lz.unpack_refs_blocks``), Huffman
 decode over a global chunk table (``huffman.decode_blocks``), escape ranking and checking
 (``huffman.check_escapes``), the status per block (``huffman.block_status``) and the output
@@ -35,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -47,17 +48,18 @@ from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
-    Reader,
+    SEGMENT_BAD_STREAM,
+    SEGMENT_REFS_RANGE,
     check_payload,
     parse_header,
     segment_checksums,
+    segment_error,
     skeleton_index,
     skeleton_words,
     upload,
 )
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
-    DECODE_ERRORS,
     DESCRIPTOR,
     HEADER,
     MODE_RAW,
@@ -70,6 +72,7 @@ from torchrec_lossy.codec.format import (
     segment_layout,
     words_for_bytes,
 )
+from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
@@ -89,23 +92,6 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return host_sync.to_host(t, "decompress")
 
 
-class _Kernels(NamedTuple):
-    """The kernel modules (``triton_loader.load_kernels`` and ``kernels.codebook``)."""
-
-    quantize: ModuleType
-    vector_lz: ModuleType
-    huffman: ModuleType
-    codebook: ModuleType
-
-
-def _kernels(device: torch.device) -> _Kernels:
-    """The kernel modules (imports triton; the interpreter for CPU tensors)."""
-    from torchrec_lossy.codec.triton_loader import load_kernels
-
-    k_quantize, k_vector_lz, k_huffman = load_kernels(device)
-    from torchrec_lossy.kernels import codebook
-
-    return _Kernels(k_quantize, k_vector_lz, k_huffman, codebook)
 
 
 def _bases(counts: np.ndarray) -> np.ndarray:
@@ -190,8 +176,8 @@ def _layout(
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
     raises its ``CodecError``: those checks precede any block on the CPU path too). The segments
-    are checked and laid out by ``format.segment_layout`` over all blocks at once (the checks of
-    the CPU path's per-block decoder, which is left to name the error).
+    are checked and laid out by ``format.segment_layout`` over all blocks at once (the host
+    decoder names the error of a segment that fails).
 
     Args:
         buf: The payload's bytes.
@@ -255,16 +241,19 @@ def decompress_device(
     payload: torch.Tensor,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     on_reject: Callable[[np.ndarray], object] | None = None,
+    kernels: KernelSet | None = None,
 ) -> list[torch.Tensor]:
     """Decodes a payload made by ``compress`` on the payload's device, all blocks at once.
 
     Args:
-        payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        payload: 1-D uint8 tensor (CUDA, or CPU under ``TRITON_INTERPRET=1`` or with the
+            torch twins).
         max_elements: Refuse payloads that decode to more elements than this in total.
         on_reject: Called with the host copy of a payload whose segments the layout checks
             reject, before any launch; it should raise the exact error (``pipeline.decompress``
             passes its host decoder: a data error in an earlier block, which only decoding
             finds, must win, as on the CPU path). Without it a generic CodecError is raised.
+        kernels: The kernel set (``kernel_set.load_kernels``); None: the Triton launchers.
 
     Returns:
         The blocks: same shapes, dtypes and bits as the CPU path's, on the payload's device
@@ -273,10 +262,11 @@ def decompress_device(
     Raises:
         CodecError: The payload is truncated, corrupted or not a torchrec-lossy payload (the
             CPU path's message).
-        RuntimeError: triton is not installed.
+        RuntimeError: The Triton set was asked for and triton is not installed.
     """
     check_payload(payload)
-    kernels = _kernels(payload.device)
+    if kernels is None:
+        kernels = load_kernels(payload.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(payload)  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
@@ -316,7 +306,7 @@ def _inputs(col: _Layout[np.ndarray], no_failure: int) -> _Inputs[np.ndarray]:
 
 
 def _decode_symbols(
-    words: torch.Tensor, d: _Inputs[torch.Tensor], col: _Inputs[np.ndarray], k: _Kernels
+    words: torch.Tensor, d: _Inputs[torch.Tensor], col: _Inputs[np.ndarray], k: KernelSet
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode tables, vector references, Huffman streams and escape ranks of every block.
 
@@ -385,7 +375,7 @@ def _block_views(out: torch.Tensor, col: _Inputs[np.ndarray]) -> list[torch.Tens
 
 
 def _decode_on_device(
-    payload: torch.Tensor, layout: _Layout[np.ndarray], k: _Kernels, defer_status: bool = False
+    payload: torch.Tensor, layout: _Layout[np.ndarray], k: KernelSet, defer_status: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """Launches every stage for all blocks and returns them with the device status codes.
 
@@ -437,10 +427,9 @@ def status_error(code: int, block: int) -> CodecError:
     Returns:
         The CodecError (the caller raises it).
     """
-    r = Reader(np.zeros(0, np.uint32), block)
     if code == REFS_OUT_OF_RANGE:
-        return r.fail("vector references out of range")
-    return r.fail(f"Huffman stream: {DECODE_ERRORS[code]}")
+        return segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), block)
+    return segment_error(SEGMENT_BAD_STREAM, (code, 0, 0, 0), block)
 
 
 def raise_status(codes: np.ndarray) -> None:
@@ -533,6 +522,7 @@ def decompress_groups_device(
     buffer: torch.Tensor,
     sizes: list[int],
     max_elements: int,
+    kernels: KernelSet,
     skeletons: Sequence[np.ndarray] | None = None,
 ) -> DeviceGroups:
     """Decodes several payloads held back to back in one buffer, all blocks in one pass.
@@ -544,15 +534,15 @@ def decompress_groups_device(
     the caller to check at a sync point of its choosing.
 
     Args:
-        buffer: 1-D uint8 tensor on the device (CUDA, or CPU under the interpreter).
+        buffer: 1-D uint8 tensor on the device (CUDA, or CPU: interpreter or twins).
         sizes: Bytes of each payload.
         max_elements: Refuse payloads that decode to more elements than this (each).
+        kernels: The kernel set (``kernel_set.load_kernels``).
         skeletons: Per payload, its announced skeleton (uint32 words), or None.
 
     Returns:
         The blocks and the status, on the device (:class:`DeviceGroups`).
     """
-    kernels = _kernels(buffer.device)
     with record_function("## lossy_codec decode ##"):
         buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
         layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)

@@ -34,6 +34,7 @@ from torchrec_lossy.codec.container import (
     skeleton_words,
 )
 from torchrec_lossy.codec.format import CodecError
+from torchrec_lossy.codec.kernel_set import backend_kernels
 from torchrec_lossy.codec.pipeline import (
     check_kinds,
     compress_host_groups,
@@ -267,10 +268,9 @@ def start_compress_blocks(
     sizes = list(group_sizes)
     if on_device(device, config.backend):
         from torchrec_lossy.codec.device_compress import start_groups_device
-        from torchrec_lossy.codec.triton_loader import load_kernels
 
-        load_kernels(device)
-        pending = start_groups_device(blocks, bounds, kinds, sizes, config)
+        kernels = backend_kernels(device, config.backend)
+        pending = start_groups_device(blocks, bounds, kinds, sizes, config, kernels)
         return PendingGroups(
             pending.device_sizes,
             pending.readback,
@@ -318,7 +318,8 @@ def compress_groups(
 
     Returns:
         The payloads back to back, their sizes and the per-block stats. On the device path
-        (``config.backend`` "triton", or "auto" on CUDA) exactly one device-to-host read.
+        (``config.backend`` "triton" or "reference", or "auto" on CUDA) exactly one
+        device-to-host read.
 
     Raises:
         ValueError: A bad block, bound, flag or group shape (the message names it and the fix).
@@ -375,7 +376,8 @@ def decompress_groups(
     if on_device(buffer.device, backend):
         from torchrec_lossy.codec.device_decompress import decompress_groups_device
 
-        got = decompress_groups_device(buffer, sizes, max_elements, skeletons)
+        kernels = backend_kernels(buffer.device, backend)
+        got = decompress_groups_device(buffer, sizes, max_elements, kernels, skeletons)
         status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes)
         status.max_elements, status.failed = max_elements, got.failed
         status.out, status.spans = got.out, got.spans

@@ -4,10 +4,10 @@ payloads.
 The reader of :mod:`torchrec_lossy.codec.host_compress`'s payloads (and of any other valid one):
 ``_decode_payloads_kernel`` walks every payload's header, descriptors and segments and decodes
 each block (vector-LZ references, the Huffman streams straight to values, escapes) into one
-output buffer. A block it cannot take (a corrupt segment, whose exact error the per-block
-decoder names) is left to the per-block decoder of ``staged``
-(:class:`BatchDecoded` marks it), so the errors and the values are those of the stage-by-stage
-path, the test oracle.
+output buffer. A block it rejects (a corrupt segment) gets a verdict: the first check it fails,
+reading the segment's sections in wire order (``_segment_verdict``), as a
+``container.SEGMENT_*`` status and its details, which :meth:`BatchDecoded.error` turns into
+the exact error (``container.segment_error``).
 """
 
 from __future__ import annotations
@@ -25,26 +25,56 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_OK,
     HEADER_WORDS,
+    SECTION_CHUNKS,
+    SECTION_CODEBOOK,
+    SECTION_ESC_POS,
+    SECTION_ESC_VALUES,
+    SECTION_HEADER,
+    SECTION_RAW,
+    SECTION_REFS,
+    SECTION_VECTORS,
+    SEGMENT_BAD_CHUNKS,
+    SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_ESCAPES,
+    SEGMENT_BAD_GRID,
+    SEGMENT_BAD_PACKING,
+    SEGMENT_BAD_REFS,
+    SEGMENT_BAD_STREAM,
+    SEGMENT_BAD_VALUE_GRID,
+    SEGMENT_BAD_VECTORS,
+    SEGMENT_OK,
+    SEGMENT_REFS_RANGE,
+    SEGMENT_TRAILING,
+    SEGMENT_TRUNCATED,
     check_header,
     descriptor_fields,
+    header_error,
+    segment_error,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
+    ESCAPE_SYMBOL,
+    MAX_CENTER,
+    MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_RAW,
     MODE_VALUE,
+    REFS_FLAGGED,
     SEGMENT_HEADER_WORDS,
+    CodecError,
     read_segment_header,
+    ref_width,
     segment_layout,
+    words_for_bytes,
 )
 
 # A raw segment has no header: segment_layout takes zeros.
 _RAW_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
-# Block status of the batched reader: decoded, or left to the per-block decoder (a corrupt
-# segment, whose exact error that decoder names).
+# What _decode_segment says of a block: decoded, or rejected (a corrupt segment, whose exact
+# error _segment_verdict names).
 _DECODED = 0
-_FALL_BACK = 1
+_REJECTED = 1
 
 
 class _Segment(NamedTuple):
@@ -58,6 +88,16 @@ class _Segment(NamedTuple):
     dtype_code: int
     mode: int  # with the per-value bit
     out_at: int  # first element in its output (out32 or out16)
+
+
+class _Verdict(NamedTuple):
+    """A segment's verdict: a ``container.SEGMENT_*`` status and its four details."""
+
+    status: int
+    a: int
+    b: int
+    c: int
+    d: int
 
 
 class _Outputs(NamedTuple):
@@ -192,12 +232,12 @@ def _decode_segment(
 ) -> int:
     """Decodes one block's segment into its place in ``outs``.
 
-    ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of
-    ``staged``'s per-block decoder is made: a block that fails one is ``_FALL_BACK``, left
-    for that decoder to name the error.
+    ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of the
+    segment is made (``format.segment_layout``'s, the references', the stream's): a block that
+    fails one is ``_REJECTED``, and :func:`_segment_verdict` names the check.
 
     Returns:
-        ``_DECODED`` or ``_FALL_BACK``.
+        ``_DECODED`` or ``_REJECTED``.
     """
     s, end, n_rows, dim, isz, dtype_code, m, o = seg
     out32, out32f, out16 = outs
@@ -205,13 +245,13 @@ def _decode_segment(
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
     if m != MODE_RAW and end - s < SEGMENT_HEADER_WORDS:
-        return _FALL_BACK
+        return _REJECTED
     header = _RAW_HEADER if m == MODE_RAW else read_segment_header(words, s)
     ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
         (m, n_rows, dim, isz, end - s), header
     )
     if not ok:
-        return _FALL_BACK
+        return _REJECTED
     value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
     m = m & ~MODE_VALUE
     if m == MODE_RAW:
@@ -230,7 +270,7 @@ def _decode_segment(
     ref_at = s + SEGMENT_HEADER_WORDS + (0 if m == MODE_LZ else cb_words)
     if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
                                            ref_mode, width, ids) != 0:  # fmt: skip
-        return _FALL_BACK
+        return _REJECTED
     if m == MODE_LZ:
         pos = ref_at + ref_words
         _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
@@ -259,17 +299,17 @@ def _decode_segment(
                 vtable16[k] = np.uint16(quantize.half_bits(np.int64(vt_bits[k]), dtype_code))
             h = halves_out[:n_sym] if lz else out16[o : o + n_sym]
             if not _huffman_values(stream, chunk_ends, chunk, code, vtable16[: count + 1], h):
-                return _FALL_BACK
+                return _REJECTED
         else:
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
             vt_i = vtable.view(np.int32)[: count + 1]
             if not _huffman_values(stream, chunk_ends, chunk, code, vt_i, vi):
-                return _FALL_BACK
+                return _REJECTED
     else:
         sym = symbols[:n_sym]
         if huffman.decode_range_kernel(stream, chunk_ends, chunk, code, lo,
                                        words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
-            return _FALL_BACK
+            return _REJECTED
         if isz == 2:  # the round-to-nearest-even cast the encoder checked
             quantize.dequantize_kernel(sym, step, center, values[:n_sym], value)
             h = halves_out[:n_sym]
@@ -290,6 +330,120 @@ def _decode_segment(
     return _DECODED
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _verdict(status: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> _Verdict:
+    """A segment's verdict, its details as int64."""
+    return _Verdict(status, np.int64(a), np.int64(b), np.int64(c), np.int64(d))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _short(section: int, at: int, n_words: int, seg_words: int) -> _Verdict:
+    """``SEGMENT_TRUNCATED`` if section ``section``, ``n_words`` words at word ``at``, runs
+    past the segment, else ``SEGMENT_OK``."""
+    if at + n_words > seg_words:
+        return _verdict(SEGMENT_TRUNCATED, section, n_words, at, seg_words)
+    return _verdict(SEGMENT_OK)
+
+
+@numba.njit(cache=True, nogil=True)
+def _refs_verdict(
+    words: np.ndarray, seg: _Segment, at: int, header: tuple, ref_words: int, ids: np.ndarray
+) -> _Verdict:
+    """The checks of a vector-LZ block's references, which start at word ``at`` of the
+    segment (they unpack into ``ids``)."""
+    rows = seg.rows
+    n_unique, ref_mode, width = header[2], header[9], header[10]
+    if not 1 <= n_unique <= rows or width != ref_width(n_unique):
+        return _verdict(SEGMENT_BAD_REFS, n_unique, width, rows)
+    if ref_mode > REFS_FLAGGED:
+        return _verdict(SEGMENT_BAD_PACKING, ref_mode)
+    v = _short(SECTION_REFS, at, ref_words, seg.end - seg.start)
+    refs = words[seg.start + at : seg.start + at + ref_words]
+    if v.status == SEGMENT_OK and vector_lz.unpack_refs_kernel(
+        refs, rows, n_unique, ref_mode, width, ids
+    ):
+        return _verdict(SEGMENT_REFS_RANGE)
+    return v
+
+
+@numba.njit(cache=True, nogil=True)
+def _quant_verdict(
+    words: np.ndarray, seg: _Segment, header: tuple, layout: tuple, scratch: _Scratch
+) -> _Verdict:
+    """The checks of a quantized block's segment after its header, in wire order: grid,
+    codebook, references (vector-LZ) or vector count, escapes, chunk table, then the Huffman
+    stream's decode."""
+    s, n_seg, dim = seg.start, seg.end - seg.start, seg.dim
+    step, center, n_unique, n_esc, chunk, n_chunks, lo, count, esc_len = header[:9]
+    _, _, ref_words, cb_words, esc_at, ct_at, bs_at = layout
+    bits = words[s]  # the step's
+    value = (seg.mode & MODE_VALUE) == MODE_VALUE
+    if value and not (2.0**-23 <= step <= 1.0 and center >= 0):
+        return _verdict(SEGMENT_BAD_VALUE_GRID, bits, center)
+    if not (np.isfinite(step) and step > 0 and (value or abs(center) <= MAX_CENTER)):
+        return _verdict(SEGMENT_BAD_GRID, bits, center)
+    if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
+        return _verdict(SEGMENT_BAD_CODEBOOK, lo, count, esc_len)
+    v = _short(SECTION_CODEBOOK, SEGMENT_HEADER_WORDS, cb_words, n_seg)
+    if v.status == SEGMENT_OK and (seg.mode & 1) == 1:
+        v = _refs_verdict(words, seg, SEGMENT_HEADER_WORDS + cb_words, header, ref_words,
+                          scratch.ids)  # fmt: skip
+    elif v.status == SEGMENT_OK and n_unique != seg.rows:
+        v = _verdict(SEGMENT_BAD_VECTORS, n_unique, seg.rows)
+    if v.status != SEGMENT_OK:
+        return v
+    n_sym = n_unique * dim
+    if n_esc > n_sym:
+        return _verdict(SEGMENT_BAD_ESCAPES, n_esc, n_sym)
+    v = _short(SECTION_ESC_POS, esc_at, n_esc, n_seg)
+    if v.status == SEGMENT_OK:
+        v = _short(SECTION_ESC_VALUES, esc_at + n_esc, ct_at - esc_at - n_esc, n_seg)
+    if v.status != SEGMENT_OK:
+        return v
+    if chunk < 1 or n_chunks != -(-n_sym // chunk):
+        return _verdict(SEGMENT_BAD_CHUNKS, n_chunks, chunk, n_sym)
+    v = _short(SECTION_CHUNKS, ct_at, n_chunks, n_seg)
+    if v.status != SEGMENT_OK:
+        return v
+    nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words]
+    huffman.unpack_codebook_into(nibbles.view(np.uint8), count, scratch.compact)
+    scratch.compact[count] = esc_len
+    status = huffman.decode_range_kernel(
+        words[s + bs_at : seg.end], words[s + ct_at : s + bs_at], chunk,
+        scratch.compact[: count + 1], lo, words[s + esc_at : s + esc_at + n_esc],
+        scratch.symbols[:n_sym],
+    )  # fmt: skip
+    return _verdict(SEGMENT_BAD_STREAM if status else SEGMENT_OK, status)
+
+
+@numba.njit(cache=True, nogil=True)
+def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Verdict:
+    """The first check of a block's segment that fails, reading its sections in wire order
+    (a section's fields are checked before the section is taken; the stream decoded last): the
+    exact error of a block :func:`_decode_segment` rejects, which it runs for only
+    (``SEGMENT_OK`` would be a bug). Sections lie where ``format.segment_layout`` says."""
+    n_seg, mode = seg.end - seg.start, seg.mode
+    if mode == MODE_RAW:
+        n = words_for_bytes(seg.rows * seg.dim * seg.itemsize)
+        v = _short(SECTION_RAW, 0, n, n_seg)
+        return _verdict(SEGMENT_TRAILING, n_seg - n) if v.status == 0 and n < n_seg else v
+    v = _short(SECTION_HEADER, 0, SEGMENT_HEADER_WORDS, n_seg)
+    if v.status != SEGMENT_OK:
+        return v
+    header = read_segment_header(words, seg.start)
+    layout = segment_layout((mode, seg.rows, seg.dim, seg.itemsize, n_seg), header)
+    if mode != MODE_LZ:
+        return _quant_verdict(words, seg, header, layout, scratch)
+    nu, ref_words = layout[1], layout[2]
+    v = _refs_verdict(words, seg, SEGMENT_HEADER_WORDS, header, ref_words, scratch.ids)
+    if v.status != SEGMENT_OK:
+        return v
+    at = SEGMENT_HEADER_WORDS + ref_words
+    n = words_for_bytes(nu * seg.dim * seg.itemsize)
+    v = _short(SECTION_VECTORS, at, n, n_seg)
+    return _verdict(SEGMENT_TRAILING, n_seg - at - n) if v.status == 0 and at + n < n_seg else v
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_payloads_kernel(
     words: np.ndarray, groups: np.ndarray, max_elements: int
@@ -301,21 +455,26 @@ def _decode_payloads_kernel(
 
     Returns:
         (the 4-byte blocks' bits as float32 and the 2-byte ones' as uint16, each back to
-        back; int64 [5, n] rows, dim, dtype code, offset in its output and status of every
-        block; int64 [G + 1] first block of each payload; int64 [G] blocks of each payload,
-        -1 where its header is rejected).
+        back; int64 [5, n] rows, dim, dtype code, offset in its output and verdict
+        (``container.SEGMENT_*``) of every block; int64 [G + 1] first block of each payload;
+        int64 [G] blocks of each payload, -1 where its header is rejected; int64 [2, G]
+        ``check_header``'s verdict and detail of each payload; int64 [4, n] each block's
+        verdict's details).
     """
     n_groups = groups.shape[0] // 2
     group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
+    heads = np.empty((2, n_groups), np.int64)
     for g in range(n_groups):
         status, n = check_header(words, group_base[g], group_bytes[g], max_elements, True)
+        heads[0, g], heads[1, g] = status, n
         n_of[g] = n if status == HEADER_OK else -1
     first = np.zeros(n_groups + 1, np.int64)
     for g in range(n_groups):
         first[g + 1] = first[g] + max(n_of[g], 0)
     nb = first[n_groups]
     table = np.empty((5, nb), np.int64)
+    details = np.zeros((4, nb), np.int64)
     seg = np.empty((2, nb), np.int64)
     n32 = 0
     n16 = 0
@@ -356,8 +515,14 @@ def _decode_payloads_kernel(
             seg_b = _Segment(
                 seg[0, b], seg[1, b], rows, dim, 4 if code == 1 else 2, code, mode, table[3, b]
             )
-            table[4, b] = _decode_segment(words, halves, seg_b, outs, scratch)
-    return outs.out32f, outs.out16, table, first, n_of
+            table[4, b] = SEGMENT_OK
+            if _decode_segment(words, halves, seg_b, outs, scratch) != _DECODED:
+                v = _segment_verdict(words, seg_b, scratch)
+                if v.status == SEGMENT_OK:
+                    raise AssertionError("a block was rejected by no check")
+                table[4, b] = v.status
+                details[:, b] = (v.a, v.b, v.c, v.d)
+    return outs.out32f, outs.out16, table, first, n_of, heads, details
 
 
 @dataclass(frozen=True)
@@ -373,6 +538,9 @@ class BatchDecoded:
         first: int64 [G + 1]: first block of each payload in ``layout``, then the end.
         n_blocks: int64 [G]: blocks of each payload, -1 where its header or descriptors were
             not sound.
+        heads: int64 [2, G]: ``container.check_header``'s verdict on each payload and its
+            detail.
+        details: int64 [4, n]: the details of each block's verdict (``layout``'s last row).
     """
 
     out32: torch.Tensor
@@ -380,6 +548,8 @@ class BatchDecoded:
     layout: np.ndarray
     first: np.ndarray
     n_blocks: np.ndarray
+    heads: np.ndarray
+    details: np.ndarray
 
     @functools.cached_property
     def accepted(self) -> np.ndarray:
@@ -393,8 +563,8 @@ class BatchDecoded:
         return self.layout.tolist(), self.first.tolist(), self.n_blocks.tolist()
 
     def complete(self, group: int) -> bool:
-        """Whether every block of payload ``group`` decoded here (else the per-block decoder
-        must run on it, to decode what was left or to name what is wrong).
+        """Whether every block of payload ``group`` decoded (else :meth:`error` names what is
+        wrong with it).
 
         Args:
             group: The payload's index.
@@ -405,18 +575,34 @@ class BatchDecoded:
         layout, first, n_blocks = self._lists
         return n_blocks[group] >= 0 and not any(layout[4][first[group] : first[group + 1]])
 
-    def block(self, index: int) -> torch.Tensor | None:
-        """One block (by its index in ``layout``), or None where it was left undecoded.
+    def error(self, group: int, buf: np.ndarray, max_elements: int) -> CodecError:
+        """The error payload ``group`` (not :meth:`complete`) raises: its header's, else its
+        first rejected block's.
+
+        Args:
+            group: The payload's index.
+            buf: The payload's bytes.
+            max_elements: The limit it was decoded under.
+
+        Returns:
+            The CodecError (the caller raises it).
+        """
+        if not self.accepted[group]:
+            return header_error(*self.heads[:, group].tolist(), buf, max_elements)
+        b0 = int(self.first[group])
+        bad = b0 + int(np.flatnonzero(self.layout[4, b0 : self.first[group + 1]])[0])
+        return segment_error(int(self.layout[4, bad]), self.details[:, bad].tolist(), bad - b0)
+
+    def block(self, index: int) -> torch.Tensor:
+        """One decoded block (by its index in ``layout``).
 
         Args:
             index: The block's index.
 
         Returns:
-            A ``[rows, dim]`` view of the outputs in the block's dtype, or None.
+            A ``[rows, dim]`` view of the outputs in the block's dtype.
         """
-        rows, dim, code, at, status = self.layout[:, index].tolist()
-        if status != _DECODED:
-            return None
+        rows, dim, code, at, _ = self.layout[:, index].tolist()
         base = self.out32 if code == 1 else self.out16
         return base.narrow(0, at, rows * dim).view(CODE_DTYPES[code]).view(rows, dim)
 
@@ -453,9 +639,9 @@ class BatchDecoded:
 def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int) -> BatchDecoded:
     """Parses and decodes every payload of one buffer in one compiled call.
 
-    Every check of ``container.parse_header`` and of ``staged``'s per-block decoder is made;
-    a payload that fails one is left (not :meth:`BatchDecoded.complete`) for that decoder, which
-    names the error.
+    Every check of ``container.parse_header`` and of the segments is made; a payload that
+    fails one is not :meth:`BatchDecoded.complete`, and :meth:`BatchDecoded.error` names the
+    first check it failed.
 
     Args:
         words: The payloads' words (uint32; one buffer).
@@ -466,10 +652,8 @@ def decompress_payloads(words: np.ndarray, groups: np.ndarray, max_elements: int
     Returns:
         The decoded blocks and their layout.
     """
-    out32, out16, layout, first, n_of = _decode_payloads_kernel(words, groups, max_elements)
-    return BatchDecoded(
-        torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), layout, first, n_of
-    )
+    out32, out16, *tables = _decode_payloads_kernel(words, groups, max_elements)
+    return BatchDecoded(torch.from_numpy(out32), torch.from_numpy(out16.view(np.int16)), *tables)
 
 
 __all__ = ["BatchDecoded", "decompress_payloads"]

@@ -6,10 +6,11 @@ modes: raw, raw with repeated vectors referenced (lossless), quantized, quantize
 vectors referenced.
 
 The backend is chosen once, here, from ``CodecConfig.backend`` and the tensors' device: the
-device-resident Triton path (``device_compress`` / ``device_decompress``), the compiled host path
-(``host_compress`` / ``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path), or the
-stage-by-stage path of ``staged`` over the plain torch twins of every stage (``"reference"``:
-the oracle). All produce the same bytes and decode every payload alike.
+device orchestration (``device_compress`` / ``device_decompress``) over a kernel set
+(``kernel_set``: the Triton launchers for ``"triton"`` and ``"auto"`` on CUDA, their torch twins
+for ``"reference"``, the oracle, on any device), or the compiled host path (``host_compress`` /
+``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path). All produce the same bytes
+and decode every payload alike.
 """
 
 from __future__ import annotations
@@ -34,27 +35,15 @@ from torchrec_lossy.codec.container import (
     payload_skeletons,
 )
 from torchrec_lossy.codec.format import DTYPE_CODES, CodecError
-from torchrec_lossy.codec.staged import (
-    CompiledDecodeStages,
-    DecodeStages,
-    ReferenceOps,
-    StageOps,
-    compress_staged,
-    decode_payload,
-)
-from torchrec_lossy.codec.triton_loader import load_kernels, triton_available
+from torchrec_lossy.codec.kernel_set import backend_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",
     "BlockStats",
-    # The stage-by-stage path lives in ``staged``; re-exported here, where it was public.
-    "ReferenceOps",
-    "StageOps",
     "check_kinds",
     "compress",
     "compress_host_groups",
-    "compress_staged",
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
@@ -64,12 +53,12 @@ __all__ = [
 
 
 def on_device(device: torch.device, backend: str) -> bool:
-    """Whether compress / decompress run device-resident (``device_compress`` /
-    ``device_decompress``) rather than stage by stage.
+    """Whether compress / decompress run the device orchestration (``device_compress`` /
+    ``device_decompress``) rather than the compiled host path.
 
-    CUDA tensors do with ``"auto"`` (when triton is installed; without it they are staged
-    through the host path) and ``"triton"``; CPU tensors only with ``"triton"`` (the Triton
-    interpreter: slow, for tests).
+    Tensors on any device do with ``"triton"`` (CPU tensors: the Triton interpreter, slow, for
+    tests) and ``"reference"`` (the kernels' torch twins); CUDA tensors also with ``"auto"``
+    when triton is installed (without it they are staged through the host path).
 
     Args:
         device: The tensors' device.
@@ -78,7 +67,7 @@ def on_device(device: torch.device, backend: str) -> bool:
     Returns:
         True for the device-resident path.
     """
-    if backend == "triton":
+    if backend in ("triton", "reference"):
         return True
     return backend == "auto" and device.type == "cuda" and triton_available()
 
@@ -209,12 +198,11 @@ def compress_with_stats(
         bounds = absolute_bounds(blocks, bounds, kinds)
         kinds = [BoundKind.ABSOLUTE if k == BoundKind.RELATIVE else k for k in kinds]
     if on_device(device, config.backend):
-        load_kernels(device)  # raises if triton is missing; picks the interpreter on CPU
+        # Raises if triton is missing; picks the interpreter on CPU (not for the torch twins).
+        kernels = backend_kernels(device, config.backend)
         from torchrec_lossy.codec.device_compress import compress_device
 
-        return compress_device(blocks, bounds, config, kinds)
-    if config.backend == "reference":
-        return compress_staged(blocks, bounds, config, ReferenceOps(), kinds)
+        return compress_device(blocks, bounds, config, kinds, kernels)
     with record_function("## lossy_codec encode ##"):
         enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
     return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
@@ -230,13 +218,16 @@ def compress_host_groups(
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
     With the compiled backend every stage runs once over all groups' blocks; each payload is
-    the bytes :func:`compress_with_stats` gives for its group alone.
+    the bytes :func:`compress_with_stats` gives for its group alone (``"reference"`` is not a
+    host backend: each group goes through :func:`compress_with_stats`, the device orchestration
+    over the torch twins).
 
     Args:
         blocks: Validated 2-D blocks, group after group (one device).
         bounds: Validated bound per block, of its kind in ``kinds``.
         group_sizes: Blocks per group.
-        config: Codec knobs (a host backend: "auto" off the device path, "cpu", "reference").
+        config: Codec knobs (a host backend: "auto" off the device path, "cpu"; or
+            "reference").
         kinds: Per block, its bound's ``BoundKind``; None: all absolute.
 
     Returns:
@@ -305,10 +296,11 @@ def decompress(
     """Decodes a payload made by :func:`compress`.
 
     A CUDA payload (backend ``"auto"`` with triton installed, or ``"triton"``) and a CPU payload
-    with backend ``"triton"`` are decoded on their device by
+    with backend ``"triton"`` or ``"reference"`` are decoded on their device by
     :func:`torchrec_lossy.codec.device_decompress.decompress_device` (all blocks at once, two
-    host syncs); everything else by the host path below. Both give the same bits and the same
-    errors.
+    host syncs; over the Triton launchers, or their torch twins for ``"reference"``);
+    everything else by the host path below. Both give the same bits and the same errors (a
+    payload the device decoder rejects is decoded again by the host path, which names it).
 
     Args:
         payload: 1-D uint8 tensor.
@@ -330,7 +322,8 @@ def decompress(
         def on_reject(buf: np.ndarray) -> None:
             decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
 
-        return decompress_device(payload, max_elements, on_reject)
+        kernels = backend_kernels(payload.device, backend)
+        return decompress_device(payload, max_elements, on_reject, kernels)
     (out,) = decompress_host_groups(payload, [payload.numel()], max_elements, backend)
     if isinstance(out, CodecError):
         raise out
@@ -346,11 +339,11 @@ def decompress_host_groups(
 ) -> list[list[torch.Tensor] | CodecError]:
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
-    With the compiled backend one call parses and decodes every block of every payload; the
-    payloads it leaves (corrupt ones) go through the per-block decoder
-    (``staged.decode_payload`` over the compiled decode stages), in block order, for the blocks
-    it did not decode, so each payload's result or error is what :func:`decompress` gives for
-    it. ``"reference"`` decodes every block with the torch stages (``ReferenceOps``).
+    With the compiled backend one call parses and decodes every block of every payload, and
+    names the first check each rejected payload fails (``host_decompress.BatchDecoded.error``),
+    so each payload's result or error is what :func:`decompress` gives for it.
+    ``"reference"`` (not a host backend) decodes each payload with :func:`decompress`: the
+    device orchestration over the torch twins.
 
     Args:
         buffer: 1-D uint8 tensor: the payloads back to back.
@@ -363,34 +356,39 @@ def decompress_host_groups(
     Returns:
         Per payload its blocks (on the buffer's device) or the CodecError it raises.
     """
+    if backend == "reference":
+        return [_decoded_or_error(p, max_elements, backend) for p in buffer.split(list(sizes))]
     device = buffer.device
     if device.type == "cpu" and buffer.is_contiguous():
         buf = buffer.numpy()  # uint8 never requires grad: no detach needed
     else:
         buf = buffer.detach().cpu().contiguous().numpy()
-    compiled = backend != "reference"
-    ops: DecodeStages = CompiledDecodeStages() if compiled else ReferenceOps()
+    starts = list(itertools.accumulate(sizes, initial=0))
+    results: list[list[torch.Tensor] | CodecError] = []
     with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
-        starts = list(itertools.accumulate(sizes, initial=0))
-        batch = None
-        if compiled and sizes:
-            batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
-            if device.type != "cpu":
-                batch = dataclasses.replace(
-                    batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
-                )
-        results: list[list[torch.Tensor] | CodecError] = []
-        for g, n in enumerate(sizes):
-            if batch is not None and batch.complete(g):
-                results.append(batch.blocks(g))
-                continue
-            decoded = None  # what the batched reader decoded of an accepted payload
-            if batch is not None and batch.accepted[g]:
-                decoded = [batch.block(i) for i in range(batch.first[g], batch.first[g + 1])]
-            results.append(
-                decode_payload(buf[starts[g] : starts[g] + n], max_elements, ops, decoded, device)
+        if not sizes:
+            return results
+        batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)
+        if device.type != "cpu":
+            batch = dataclasses.replace(
+                batch, out32=batch.out32.to(device), out16=batch.out16.to(device)
             )
+        for g, n in enumerate(sizes):
+            if batch.complete(g):
+                results.append(batch.blocks(g))
+            else:
+                results.append(batch.error(g, buf[starts[g] : starts[g] + n], max_elements))
     return results
+
+
+def _decoded_or_error(
+    payload: torch.Tensor, max_elements: int, backend: Backend
+) -> list[torch.Tensor] | CodecError:
+    """:func:`decompress`'s blocks of one payload, or the CodecError it raises."""
+    try:
+        return decompress(payload, max_elements, backend)
+    except CodecError as e:
+        return e
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,130 @@
+"""Torch twins of ``kernels/codebook.py``'s launchers (no triton): the test oracle.
+
+Same names, signatures and outputs bit for bit as the Triton launchers, for every call the
+device path makes. Code lengths come from the CPU kernel's Python body
+(``huffman.code_lengths_kernel.py_func``), one histogram at a time; :func:`canonical_codes` is
+the one copy of the vectorised canonical codes (``kernels/codebook.py`` imports it from here);
+decode tables are built one wire codebook at a time from the (length, symbol) order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_lossy.codec import huffman
+from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
+
+
+def code_lengths(hist: torch.Tensor) -> torch.Tensor:
+    """Length-limited Huffman code lengths of many histograms, like ``code_lengths_kernel``.
+
+    Args:
+        hist: int32 / int64 [n, ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        int32 [n, ALPHABET_SIZE] code lengths (0 = unused symbol), on the histograms' device.
+    """
+    rows = hist.detach().to(torch.int64).cpu().numpy()
+    out = torch.zeros(hist.shape[0], ALPHABET_SIZE, dtype=torch.int32)
+    for h in range(rows.shape[0]):
+        out[h] = torch.from_numpy(huffman.code_lengths_kernel.py_func(rows[h]).astype("int32"))
+    return out.to(hist.device)
+
+
+def canonical_codes(lengths: torch.Tensor) -> torch.Tensor:
+    """Canonical codes of many code-length tables, like ``canonical_codes_kernel``.
+
+    Args:
+        lengths: int32 [n, ALPHABET_SIZE] code lengths (<= MAX_CODE_LENGTH).
+
+    Returns:
+        int64 [n, ALPHABET_SIZE] codes, right-aligned in ``lengths`` bits (0 where unused).
+    """
+    n = lengths.shape[0]
+    dev = lengths.device
+    lengths = lengths.to(torch.int64)
+    n_len = MAX_CODE_LENGTH + 1
+    bl_count = torch.zeros(n, n_len, dtype=torch.int64, device=dev)
+    bl_count.scatter_add_(1, lengths, torch.ones_like(lengths))
+    bl_count[:, 0] = 0
+    # next_code[L] = (next_code[L-1] + bl_count[L-1]) << 1 = sum_{l < L} bl_count[l] << (L - l).
+    ls = torch.arange(n_len, device=dev)
+    weights = torch.where(
+        ls[:, None] < ls[None, :], 1 << (ls[None, :] - ls[:, None]).clamp(min=0), 0
+    )
+    first_code = (bl_count[:, :, None] * weights[None]).sum(dim=1)
+    # Position of each symbol in (length, symbol) order, minus where its length starts.
+    symbols = torch.arange(ALPHABET_SIZE, device=dev)
+    order = torch.argsort(lengths * ALPHABET_SIZE + symbols, dim=1)
+    starts = torch.cumsum(bl_count, dim=1) - bl_count + (lengths == 0).sum(dim=1, keepdim=True)
+    starts[:, 0] = 0
+    pos = torch.empty_like(order)
+    pos.scatter_(1, order, symbols.expand(n, -1).contiguous())
+    codes = first_code.gather(1, lengths) + pos - starts.gather(1, lengths)
+    return torch.where(lengths > 0, codes, 0)
+
+
+def _wire_lengths(words: torch.Tensor, off: int, lo: int, count: int, esc_len: int) -> torch.Tensor:
+    """A wire codebook's code lengths over the whole alphabet: symbols ``lo .. lo + count - 1``
+    from 4-bit nibbles at word ``off`` (nibble ``k`` is bits ``4 * (k % 8)`` of word
+    ``k // 8``), the escape's length last."""
+    k = torch.arange(count, device=words.device)
+    nibbles = (words[off + (k >> 3)].to(torch.int64) >> (4 * (k & 7))) & 0xF
+    lengths = torch.zeros(ALPHABET_SIZE, dtype=torch.int64, device=words.device)
+    lengths[lo : lo + count] = nibbles
+    lengths[ESCAPE_SYMBOL] = esc_len
+    return lengths
+
+
+def _table(lengths: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The 12-bit one-lookup table of one code (all -1 when the code is bad), and whether it is
+    bad (a length over ``MAX_CODE_LENGTH`` or a Kraft sum over 1).
+
+    Canonical codes in (length, symbol) order tile the index space from 0: the code of length
+    ``L`` owns ``2**(MAX_CODE_LENGTH - L)`` consecutive entries, ``symbol | L << 16``."""
+    table = torch.full((ALPHABET_SIZE,), -1, dtype=torch.int32, device=lengths.device)
+    used = torch.nonzero((lengths > 0) & (lengths <= MAX_CODE_LENGTH)).reshape(-1)
+    spans = 1 << (MAX_CODE_LENGTH - lengths[used])
+    if int(lengths.max()) > MAX_CODE_LENGTH or int(spans.sum()) > ALPHABET_SIZE:
+        return table, True
+    order = torch.argsort(lengths[used] * ALPHABET_SIZE + used)
+    used, spans = used[order], spans[order]
+    entries = torch.repeat_interleave(used | (lengths[used] << 16), spans)
+    table[: entries.shape[0]] = entries.to(torch.int32)
+    return table, False
+
+
+def decode_tables(
+    words: torch.Tensor,
+    blocks: torch.Tensor,
+    cb_off: torch.Tensor,
+    sym_lo: torch.Tensor,
+    sym_count: torch.Tensor,
+    escape_length: torch.Tensor,
+    bad: torch.Tensor,
+) -> torch.Tensor:
+    """12-bit one-lookup decode tables of many wire codebooks (``codebook.decode_tables``).
+
+    Args:
+        words: int32 words holding the codebooks (the payload).
+        blocks: int64 [n] block index of each table.
+        cb_off: int64 [n_blocks] word offset of each block's codebook in ``words``.
+        sym_lo: int64 [n_blocks] first value symbol of each codebook.
+        sym_count: int64 [n_blocks] value symbols in each codebook (``sym_lo + sym_count <=
+            4095``).
+        escape_length: int64 [n_blocks] code length of the escape symbol (<= 12).
+        bad: int64 [n_blocks] output: 1 where a length exceeds 12 or the Kraft sum exceeds 1
+            (that table is all -1), else 0. Only ``blocks`` are written.
+
+    Returns:
+        int32 [n, ALPHABET_SIZE] tables (``symbol | length << 16``, -1 for bit patterns no code
+        starts with) on the words' device.
+    """
+    tables = torch.empty(blocks.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=words.device)
+    for q, b in enumerate(blocks.tolist()):
+        lengths = _wire_lengths(
+            words, int(cb_off[b]), int(sym_lo[b]), int(sym_count[b]), int(escape_length[b])
+        )
+        tables[q], is_bad = _table(lengths)
+        bad[b] = int(is_bad)
+    return tables

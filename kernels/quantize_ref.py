@@ -1,0 +1,207 @@
+"""Torch twins of ``kernels/quantize.py``'s launchers: same names, signatures and bits, no triton.
+
+:func:`quantize_tiles` quantizes each block with ``codec.quantize.quantize_reference`` and
+takes each tile's max error from the reconstruction ``dequantize_reference`` gives (what the
+decoder will produce); :func:`decode_outputs` expands, dequantizes and fills in the escaped
+values block by block. They are the oracle of the Triton kernels and the ``"reference"`` kernel
+set: written for clarity, one Python iteration per block (or tile), never per element.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_lossy.codec.format import ALPHABET_SIZE, CODE_DTYPES, ESCAPE_SYMBOL
+from torchrec_lossy.codec.quantize import (
+    NEAREST_KEY,
+    QuantParams,
+    dequantize_reference,
+    quantize_reference,
+)
+
+
+def _block_ranges(tiles: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """Each block's element range, the union of its tiles (``tile_table``: contiguous)."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for lo, hi, b in tiles:
+        first, end = ranges.get(b, (lo, hi))
+        ranges[b] = (min(first, lo), max(end, hi))
+    return ranges
+
+
+def _errors(x: torch.Tensor, symbols: torch.Tensor, params: QuantParams) -> torch.Tensor:
+    """float64 error of each element the decoder reconstructs from its symbol (0 if escaped).
+
+    Args:
+        x: The block's values in its dtype.
+        symbols: Their symbols (``quantize_reference``).
+        params: The block's grid.
+
+    Returns:
+        ``|x' - x|`` (relative, ``|x' - x| / |x|``, on the per-value grid; 0 for ``x == 0``).
+    """
+    exact = x.double()
+    err = (dequantize_reference(symbols, params).to(x.dtype).double() - exact).abs()
+    if params.value:
+        err = torch.where(exact != 0, err / exact.abs(), 0.0)
+    return torch.where(symbols != ESCAPE_SYMBOL, err, 0.0)
+
+
+def quantize_tiles(
+    x: torch.Tensor, tiles: torch.Tensor, step: torch.Tensor, inv_step: torch.Tensor,
+    center: torch.Tensor, bound: torch.Tensor, dtype_code: torch.Tensor, block: int,
+    sr_key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Twin of ``kernels.quantize.quantize_tiles`` (its docstring has the full contract).
+
+    Args:
+        x: float32 values of all blocks, back to back (exactly representable in their dtype).
+        tiles: The launch's tiles, rows (first element, end element, block).
+        step: Per block, the float32 step.
+        inv_step: Per block, the float32 ``1 / step``.
+        center: Per block, the int64 code of its center (qmax on the per-value grid).
+        bound: Per block, the float64 bound (relative on the per-value grid).
+        dtype_code: Per block, the code of its dtype (``format.DTYPE_CODES``).
+        block: Tile size (not needed here: the tiles say where they are).
+        sr_key: Per block, its stochastic-rounding key or -1; None: all -1. Element ``i`` of a
+            block draws with counter ``i``, whichever tile holds it.
+        value: Per block, 1 on the per-value grid; None: all 0.
+
+    Returns:
+        (int16 symbol bits of every element, 0 where no tile reaches; int32 symbol counts per
+        block and symbol; float64 per tile, the largest error of its elements not escaped).
+    """
+    del block
+    n_blocks, dev = step.shape[0], x.device
+    symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)
+    hist = torch.zeros(n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    err = torch.zeros(x.shape[0], dtype=torch.float64, device=dev)
+    tile_list = tiles.reshape(-1, 3).tolist()
+    keys = sr_key.tolist() if sr_key is not None else [NEAREST_KEY] * n_blocks
+    values = value.tolist() if value is not None else [0] * n_blocks
+    steps, inv, centers, bounds, codes = (
+        t.tolist() for t in (step, inv_step, center, bound, dtype_code)
+    )
+    for b, (lo, hi) in _block_ranges(tile_list).items():
+        params = QuantParams(steps[b], inv[b], centers[b], value=values[b] != 0)
+        xb = x[lo:hi].cpu().to(CODE_DTYPES[codes[b]])  # the references draw on the CPU
+        sym, _ = quantize_reference(xb, params, bounds[b], keys[b])
+        symbols[lo:hi] = sym.to(torch.int16)
+        hist[b] = torch.bincount(sym, minlength=ALPHABET_SIZE).to(torch.int32)
+        err[lo:hi] = _errors(xb, sym, params)
+    tile_err = [err[lo:hi].max() if hi > lo else err.new_zeros(()) for lo, hi, _ in tile_list]
+    errors = torch.stack(tile_err) if tile_err else err.new_zeros(0)
+    return symbols, hist, errors
+
+
+def _half_bits(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int16 bits of float32 values rounded to a 16-bit dtype (nearest even, as the kernel).
+
+    A NaN (only a crafted per-value-grid payload decodes to one) keeps torch's bits, which the
+    kernel's do not match (they differ between the interpreter and the GPU, too).
+    """
+    return v.to(dtype).view(torch.int16)
+
+
+def _quantized(
+    sym: torch.Tensor, params: QuantParams, dtype_code: int, escaped: torch.Tensor
+) -> torch.Tensor:
+    """Dequantized values as output bits (int32 words or int16 halves by dtype), where
+    ``escaped`` the values given (already in output bits)."""
+    v = dequantize_reference(sym, params)
+    bits = v.view(torch.int32) if dtype_code == 1 else _half_bits(v, CODE_DTYPES[dtype_code])
+    return torch.where(sym == ESCAPE_SYMBOL, escaped, bits)
+
+
+def _escaped_values(
+    src: torch.Tensor, sym_at: torch.Tensor, rank: torch.Tensor, first: int, n_esc: int, at: int
+) -> torch.Tensor:
+    """The escaped value of every lane of a quantized block (garbage where not escaped).
+
+    Args:
+        src: The payload as words or halves (the block's element width).
+        sym_at: Global symbol index of every lane.
+        rank: int32 inclusive count of escapes of every symbol (``huffman.check_escapes``).
+        first: The block's first symbol.
+        n_esc: Its escapes.
+        at: Where its escaped values start in ``src``.
+
+    Returns:
+        Escape ``k`` of the block (by rank, clamped into ``[0, n_esc)``) for each lane; 0 when
+        the block has none.
+    """
+    if n_esc == 0:
+        return torch.zeros_like(sym_at, dtype=src.dtype)
+    before = int(rank[first - 1]) if first > 0 else 0
+    k = (rank[sym_at].long() - 1 - before).clamp(0, n_esc - 1)
+    return src[at + k]
+
+
+def decode_outputs(
+    words: torch.Tensor, out_base: torch.Tensor, mode: torch.Tensor, dtype_code: torch.Tensor,
+    dim: torch.Tensor, n_unique: torch.Tensor, src_off: torch.Tensor, id_base: torch.Tensor,
+    sym_base: torch.Tensor, step_bits: torch.Tensor, center: torch.Tensor,
+    esc_val_off: torch.Tensor, n_esc: torch.Tensor, out_off: torch.Tensor, ids: torch.Tensor,
+    symbols: torch.Tensor, rank: torch.Tensor, n_out_words: int, n_elements: int,
+) -> torch.Tensor:  # fmt: skip
+    """Twin of ``kernels.quantize.decode_outputs`` (its docstring has the full contract).
+
+    Row ``r`` of a block is its vector ``ids[id_base + r]`` (LZ modes) or ``r``, clamped into
+    ``[0, n_unique)``; a vector's elements are raw payload values (raw, lz) or dequantized
+    symbols with escapes (quant, quant+lz; the per-value grid for mode bit 4).
+
+    Args:
+        words: The payload as int32 words (16-bit values through its int16 view).
+        out_base: Where each block's elements start, plus the total (n_blocks + 1 entries).
+        mode: Per block, its descriptor mode.
+        dtype_code: Per block, its dtype code (1 is 32-bit, 2 and 3 are 16-bit).
+        dim: Per block, its columns.
+        n_unique: Per block, the vectors it sends.
+        src_off: Per block, the word where its raw values or distinct vectors start.
+        id_base: Per LZ block, its first entry of ``ids``.
+        sym_base: Where each block's symbols start in ``symbols`` (n_blocks + 1 entries).
+        step_bits: Per block, its step's float32 bits.
+        center: Per block, its center code.
+        esc_val_off: Per block, the word where its escaped values start.
+        n_esc: Per block, its escapes.
+        out_off: Per block, its first output word.
+        ids: Vector ids of the LZ blocks' rows.
+        symbols: Decoded symbols (int16 bits).
+        rank: Inclusive escape count of every symbol.
+        n_out_words: Length of the output.
+        n_elements: Elements of all blocks.
+
+    Returns:
+        int32 [n_out_words]: block ``b``'s elements from word ``out_off[b]``, as 32-bit words or
+        16-bit halves by dtype; 0 in what no block writes (the launcher leaves it unspecified).
+    """
+    out = torch.zeros(n_out_words, dtype=torch.int32, device=words.device)
+    if not n_elements:
+        return out
+    steps = step_bits.to(torch.int32).view(torch.float32).tolist()
+    base = out_base.tolist()
+    per_block = (mode, dtype_code, dim, n_unique, src_off, id_base, sym_base, center, esc_val_off)
+    n_blocks = mode.shape[0]  # sym_base has one entry more
+    columns = zip(*(t[:n_blocks].tolist() for t in (*per_block, n_esc, out_off)), strict=True)
+    for b, (m, code, d, nu, src, idb, sb, c, ev, ne, oo) in enumerate(columns):
+        e = torch.arange(base[b + 1] - base[b], device=words.device)
+        if not e.numel():
+            continue
+        r = e // d
+        u = ids[idb + r].long() if m & 1 else r
+        idx = u.clamp(0, nu - 1) * d + (e - r * d)
+        unit = 1 if code == 1 else 2  # output elements per word
+        src_units = words if code == 1 else words.view(torch.int16)
+        if m & 2:
+            sym = symbols[sb + idx].long() & 0xFFFF
+            params = QuantParams(steps[b], 0.0, c, value=(m & 4) == 4)
+            escaped = _escaped_values(src_units, sb + idx, rank, sb, ne, unit * ev)
+            vals = _quantized(sym, params, code, escaped)
+        else:
+            vals = src_units[unit * src + idx]
+        dst = out if code == 1 else out.view(torch.int16)
+        dst[unit * oo + e] = vals
+    return out
+
+
+__all__ = ["decode_outputs", "quantize_tiles"]

@@ -1,0 +1,158 @@
+"""Torch twins of ``kernels/vector_lz.py``'s launchers: same names, signatures and bits, no triton.
+
+:func:`representatives` dedupes each block's rows with ``codec.vector_lz.dedupe_reference`` over
+``element_keys`` (the first identical row represents a group); :func:`unpack_refs_blocks` reads
+each block's references from its bits, fixed-width rows at once, flagged rows one after the
+other as the stream dictates, with the launcher's checks. They are the oracle of the Triton
+kernels and the ``"reference"`` kernel set: one Python iteration per block (per row only for
+flagged references, whose positions depend on the rows before).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrec_lossy.codec.vector_lz import dedupe_reference, element_keys
+
+
+def _row_keys(
+    symbols: torch.Tensor | None, bits: torch.Tensor, row_off: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """int64 [rows, max(dim, 1)] element keys of rows (one 0 column for rows without elements:
+    they are all equal)."""
+    if dim == 0:
+        return torch.zeros(row_off.shape[0], 1, dtype=torch.int64)
+    idx = row_off[:, None] + torch.arange(dim, device=row_off.device)[None, :]
+    sym = None if symbols is None else symbols[idx].long() & 0xFFFF  # the uint16 symbols
+    return element_keys(sym, bits[idx]).cpu()
+
+
+def representatives(
+    symbols: torch.Tensor | None, bits: torch.Tensor, row_off: torch.Tensor,
+    row_dim: torch.Tensor, row_blk: torch.Tensor, max_dim: int, mults: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Twin of ``kernels.vector_lz.representatives`` (its docstring has the full contract).
+
+    Args:
+        symbols: int16 bits of every element's symbol; None for raw (lossless) dedupe.
+        bits: int32 raw bits of every element.
+        row_off: Per row, its first element.
+        row_dim: Per row, its elements (the same for all rows of a block).
+        row_blk: Per row, its block (a block's rows are consecutive).
+        max_dim: Largest row (not needed here).
+        mults: The hash's multipliers (not needed here: nothing is hashed).
+
+    Returns:
+        (int32 per row, the global index of the first row of its block equal to it, element key
+        by element key; int32 per row, 1 where that is the row itself).
+    """
+    del max_dim, mults
+    rows, dev = row_off.shape[0], bits.device
+    rep = torch.zeros(rows, dtype=torch.int32, device=dev)
+    _, counts = torch.unique_consecutive(row_blk, return_counts=True)
+    dims = row_dim.tolist()
+    start = 0
+    for n in counts.tolist():
+        keys = _row_keys(symbols, bits, row_off[start : start + n], dims[start])
+        ids, first_rows = dedupe_reference(keys)
+        rep[start : start + n] = (first_rows[ids] + start).to(torch.int32)
+        start += n
+    is_first = (rep == torch.arange(rows, device=dev)).to(torch.int32)
+    return rep, is_first
+
+
+def _bit_stream(refs: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """The bits of int32 words MSB-first (int64 0 / 1), zero-padded to at least ``n_bits``."""
+    shifts = torch.arange(31, -1, -1, device=refs.device)
+    bits = ((refs.long()[:, None] >> shifts) & 1).reshape(-1)
+    return torch.cat([bits, bits.new_zeros(max(n_bits - bits.shape[0], 0))])
+
+
+def _fixed_ids(
+    refs: torch.Tensor, rows: int, width: int, n_unique: int
+) -> tuple[torch.Tensor, bool]:
+    """REFS_FIXED: row ``r``'s id in bits ``[r * width, (r + 1) * width)``.
+
+    Returns:
+        (int64 [rows] ids, bits past the end reading as 0; whether every id is within the
+        references' bits and below ``n_unique``).
+    """
+    pos = torch.arange(rows, device=refs.device) * width
+    k = torch.arange(width, device=refs.device)
+    stream = _bit_stream(refs, rows * width)
+    v = (stream[pos[:, None] + k] << (width - 1 - k)).sum(dim=1)
+    ok = (pos + width <= refs.shape[0] * 32) & (v < n_unique)
+    return v, bool(ok.all())
+
+
+def _flagged_ids(
+    refs: torch.Tensor, rows: int, width: int, n_unique: int
+) -> tuple[list[int], bool]:
+    """REFS_FLAGGED: per row a flag (1: the next new vector) or a 0 and a ``width``-bit id.
+
+    Returns:
+        (the ids of the rows read before the first failure; whether every row was read within
+        the references' bits with an id below ``n_unique``, introducing ``n_unique`` vectors).
+    """
+    n_bits = refs.shape[0] * 32
+    stream = "".join(map(str, _bit_stream(refs, n_bits + width + 1).tolist()))
+    ids: list[int] = []
+    pos = seen = 0
+    for _ in range(rows):
+        first = stream[pos] == "1"
+        used = 1 if first else 1 + width
+        v = seen if first else int(stream[pos + 1 : pos + used] or "0", 2)
+        if pos + used > n_bits or v >= n_unique:
+            return ids, False
+        ids.append(v)
+        seen += first
+        pos += used
+    return ids, seen == n_unique
+
+
+def unpack_refs_blocks(
+    words: torch.Tensor, fixed_base: torch.Tensor, fixed_blocks: torch.Tensor,
+    flagged_blocks: torch.Tensor, ref_off: torch.Tensor, ref_words: torch.Tensor,
+    rows: torch.Tensor, n_unique: torch.Tensor, width: torch.Tensor, id_base: torch.Tensor,
+    bad: torch.Tensor, n_ids: int, n_fixed_rows: int,
+) -> torch.Tensor:  # fmt: skip
+    """Twin of ``kernels.vector_lz.unpack_refs_blocks`` (its docstring has the full contract).
+
+    Args:
+        words: The payload as int32 words.
+        fixed_base: Where each REFS_FIXED block's rows start, plus their total.
+        fixed_blocks: The REFS_FIXED blocks.
+        flagged_blocks: The REFS_FLAGGED blocks.
+        ref_off: Per block, the word where its references start.
+        ref_words: Per block, the words of its references.
+        rows: Per block, its rows.
+        n_unique: Per block, its distinct vectors.
+        width: Per block, its id width in bits.
+        id_base: Per block, its first entry of the output.
+        bad: Per block, written: raised to 1 for a block whose references fail the checks
+            (an id not below ``n_unique``, bits running out, a flagged block introducing other
+            than ``n_unique`` vectors).
+        n_ids: Length of the output.
+        n_fixed_rows: Rows of all REFS_FIXED blocks (not needed here).
+
+    Returns:
+        int32 [n_ids] vector id of every row; where ``bad``: a fixed block's ids as read, a
+        flagged block's up to its first failure, then 0 (the launcher leaves those unspecified).
+    """
+    del n_fixed_rows
+    ids = torch.zeros(n_ids, dtype=torch.int32, device=words.device)
+    off, n_words, n_rows, uniq, widths, base = (
+        t.tolist() for t in (ref_off, ref_words, rows, n_unique, width, id_base)
+    )
+    fixed_rows = fixed_base.diff().tolist()
+    blocks = [(b, n, _fixed_ids) for b, n in zip(fixed_blocks.tolist(), fixed_rows, strict=True)]
+    blocks += [(b, n_rows[b], _flagged_ids) for b in flagged_blocks.tolist()]
+    for b, n, unpack in blocks:
+        v, ok = unpack(words[off[b] : off[b] + n_words[b]], n, widths[b], uniq[b])
+        ids[base[b] : base[b] + len(v)] = torch.as_tensor(v, dtype=torch.int64).to(ids)
+        if not ok:
+            bad[b] = bad[b].clamp(min=1)
+    return ids
+
+
+__all__ = ["representatives", "unpack_refs_blocks"]
