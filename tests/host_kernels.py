@@ -1,19 +1,37 @@
 """The compiled host stages one block at a time, for tests: numpy in, numpy out.
 
-Production runs each stage over every block of a batch at once (``host_compress``); these
-wrappers call the same compiled kernels (``quantize.quantize_blocks_kernel``,
-``vector_lz.dedupe_blocks_kernel``, ``vector_lz.pack_refs_into``, ``huffman.encode_into``) on
-one block, so a test can compare a block's stage with its torch twin (``*_reference``) and with
-the Triton launchers.
+Production runs each stage over every block of a batch at once (``host_compress``,
+``host_decompress``); these wrappers call the same compiled kernels
+(``quantize.quantize_blocks_kernel``, ``vector_lz.dedupe_blocks_kernel``,
+``vector_lz.pack_refs_into``, ``huffman.encode_into``) on one block, so a test can compare a
+block's stage with its torch twin (``*_reference``) and with the Triton launchers. The
+plain-Python references of the Huffman coder and of the reference packing, and the one-block
+decode helpers, are here too: only tests call them.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+import torch
 
 from torchrec_lossy.codec import huffman, vector_lz
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    ESCAPE_SYMBOL,
+    MAX_CODE_LENGTH,
+    REFS_FLAGGED,
+    ref_width,
+    words_for_bits,
+)
 from torchrec_lossy.codec.host_records import Blocks, Grids
+from torchrec_lossy.codec.huffman import (
+    canonical_codes_kernel,
+    code_lengths_kernel,
+    decode_range_kernel,
+    symbol_range_kernel,
+    unpack_codebook_into,
+)
 from torchrec_lossy.codec.quantize import NEAREST_KEY, quantize_blocks_kernel
 
 
@@ -145,3 +163,158 @@ def encode(
     entry = huffman.code_entries(lengths, codes)
     w = huffman.encode_into(symbols, rows, entry, chunk, chunk_ends, words)
     return chunk_ends, words[:w]
+
+
+def decode_reference(
+    words: list[int], chunk_ends: list[int], n: int, chunk_symbols: int, lengths: torch.Tensor
+) -> list[int]:
+    """Bit-by-bit canonical Huffman decode (the test oracle).
+
+    Args:
+        words: uint32 words.
+        chunk_ends: End word of each chunk.
+        n: Number of symbols.
+        chunk_symbols: Symbols per chunk.
+        lengths: Code lengths.
+
+    Returns:
+        The symbols.
+    """
+    codes = canonical_codes_kernel.py_func(lengths.numpy().astype(np.uint8))
+    by_code = {(int(lengths[s]), int(codes[s])): s for s in range(len(lengths)) if lengths[s] > 0}
+    out: list[int] = []
+    start = 0
+    for c, end in enumerate(chunk_ends):
+        bits = "".join(format(w, "032b") for w in words[start:end])
+        pos = 0
+        for _ in range(min(chunk_symbols, n - c * chunk_symbols)):
+            length = 1
+            while (length, int(bits[pos : pos + length] or "x", 2)) not in by_code:
+                length += 1
+                if length > MAX_CODE_LENGTH or pos + length > len(bits):
+                    raise ValueError(f"no code at bit {pos} of chunk {c}")
+            out.append(by_code[(length, int(bits[pos : pos + length], 2))])
+            pos += length
+        start = end
+    return out
+
+
+def encode_reference(
+    symbols: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, chunk_symbols: int
+) -> tuple[list[int], list[int]]:
+    """Plain-Python twin of :func:`encode_into` (the test oracle).
+
+    Args:
+        symbols: Symbols.
+        lengths: Code lengths.
+        codes: Canonical codes.
+        chunk_symbols: Symbols per chunk.
+
+    Returns:
+        (chunk end words, uint32 words) as Python ints.
+    """
+    syms = symbols.tolist()
+    chunk_ends: list[int] = []
+    words: list[int] = []
+    for c in range(0, len(syms), chunk_symbols):
+        bits = "".join(
+            format(int(codes[s]), f"0{int(lengths[s])}b") for s in syms[c : c + chunk_symbols]
+        )
+        bits += "0" * (-len(bits) % 32)
+        words += [int(bits[k : k + 32], 2) for k in range(0, len(bits), 32)]
+        chunk_ends.append(len(words))
+    return chunk_ends, words
+
+
+@numba.njit(cache=True, nogil=True)
+def plan_kernel(hist: np.ndarray) -> tuple[np.ndarray, int, int, int, int]:
+    """Code lengths of a histogram and the sizes the encoder needs to choose a mode.
+
+    Args:
+        hist: int64 [ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        (code lengths, encoded bits without chunk padding, number of symbols, lowest used value
+        symbol, span of used value symbols).
+    """
+    lengths = code_lengths_kernel(hist)
+    bits = 0
+    n = 0
+    for s in range(hist.shape[0]):
+        bits += hist[s] * lengths[s]
+        n += hist[s]
+    lo, count = symbol_range_kernel(lengths)
+    return lengths, bits, n, lo, count
+
+
+@numba.njit(cache=True, nogil=True)
+def expand_codebook_kernel(
+    nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
+) -> np.ndarray:
+    """Code lengths over the whole alphabet from the wire codebook.
+
+    Args:
+        nibbles: uint8 bytes, two 4-bit lengths each, low nibble first.
+        sym_lo: First value symbol of the codebook.
+        sym_count: Number of value symbols.
+        escape_length: Code length of the escape symbol.
+
+    Returns:
+        uint8 [ALPHABET_SIZE] code lengths.
+    """
+    lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
+    unpack_codebook_into(nibbles, sym_count, lengths[sym_lo:])
+    lengths[ESCAPE_SYMBOL] = escape_length
+    return lengths
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_kernel(
+    words: np.ndarray,
+    chunk_ends: np.ndarray,
+    chunk_symbols: int,
+    lengths: np.ndarray,
+    escape_positions: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """Decodes every chunk, validating everything a corrupt stream could get wrong.
+
+    Args:
+        words: uint32 bitstream.
+        chunk_ends: uint32 [n_chunks] end word of each chunk.
+        chunk_symbols: Symbols per chunk (>= 1).
+        lengths: uint8 [ALPHABET_SIZE] code lengths.
+        escape_positions: uint32 positions where the escape symbol must decode, increasing.
+        out: uint16 [n] output symbols.
+
+    Returns:
+        0, or one of the DECODE_* error codes.
+    """
+    return decode_range_kernel(words, chunk_ends, chunk_symbols, lengths, 0, escape_positions, out)
+
+
+def pack_refs_reference(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
+    """Plain-Python twin of :func:`pack_refs_into` (the test oracle).
+
+    Args:
+        ids: Vector id per row.
+        n_unique: Distinct vectors.
+        mode: REFS_FIXED or REFS_FLAGGED.
+
+    Returns:
+        int64 tensor of the uint32 words' values.
+    """
+    width = ref_width(n_unique)
+    bits: list[int] = []
+    seen = 0
+    for v in ids.tolist():
+        if mode == REFS_FLAGGED:
+            bits.append(1 if v == seen else 0)
+            if v == seen:
+                seen += 1
+                continue
+        bits.extend((v >> (width - 1 - k)) & 1 for k in range(width))
+    words = [0] * words_for_bits(len(bits))
+    for i, b in enumerate(bits):
+        words[i // 32] |= b << (31 - i % 32)
+    return torch.tensor(words, dtype=torch.int64)

@@ -328,7 +328,7 @@ def _ids(rows: int, n_unique: int, seed: int) -> np.ndarray:
 def test_pack_refs_kernel_matches_reference_and_round_trips(mode, rows, n_unique):
     ids = _ids(rows, n_unique, seed=rows)
     words = host_kernels.pack_refs(ids, n_unique, mode)
-    ref = vector_lz.pack_refs_reference(torch.from_numpy(ids), n_unique, mode)
+    ref = host_kernels.pack_refs_reference(torch.from_numpy(ids), n_unique, mode)
     assert words.dtype == np.uint32
     assert words.astype(np.int64).tolist() == ref.tolist()
     assert words.shape[0] == words_for_bits(refs_bits(rows, n_unique, mode))
@@ -519,7 +519,7 @@ def test_encode_kernel_matches_reference_and_decodes(n, chunk):
     dim = 1
     rows = np.arange(n, dtype=np.int32)
     ends, words = host_kernels.encode(sym.reshape(n, dim), rows, lengths, codes, chunk)
-    ref_ends, ref_words = huffman.encode_reference(
+    ref_ends, ref_words = host_kernels.encode_reference(
         torch.from_numpy(sym.astype(np.int64)),
         torch.from_numpy(lengths.astype(np.int64)),
         torch.from_numpy(codes.astype(np.int64)),
@@ -530,9 +530,9 @@ def test_encode_kernel_matches_reference_and_decodes(n, chunk):
     assert ends.shape[0] == math.ceil(n / chunk)
     esc = np.flatnonzero(sym == ESCAPE_SYMBOL).astype(np.uint32)
     out = np.empty(n, np.uint16)
-    assert huffman.decode_kernel(words, ends, chunk, lengths, esc, out) == 0
+    assert host_kernels.decode_kernel(words, ends, chunk, lengths, esc, out) == 0
     assert np.array_equal(out, sym)
-    ref = huffman.decode_reference(
+    ref = host_kernels.decode_reference(
         words.tolist(), ends.tolist(), n, chunk, torch.from_numpy(lengths.astype(np.int64))
     )
     assert ref == sym.tolist()
@@ -543,7 +543,7 @@ def test_encode_selected_rows_in_the_given_order():
     rows = np.array([39, 0, 17, 17, 5], np.int32)
     lengths, codes = _code_for(sym.reshape(-1))
     ends, words = host_kernels.encode(sym, rows, lengths, codes, 64)
-    ref_ends, ref_words = huffman.encode_reference(
+    ref_ends, ref_words = host_kernels.encode_reference(
         torch.from_numpy(sym[rows].reshape(-1).astype(np.int64)),
         torch.from_numpy(lengths.astype(np.int64)),
         torch.from_numpy(codes.astype(np.int64)),
@@ -564,7 +564,10 @@ def test_single_symbol_stream(n):
         assert ends.tolist() == list(itertools.accumulate(math.ceil(s / 32) for s in sizes))
         assert not words.any()  # the one code is "0"
         out = np.empty(n, np.uint16)
-        assert huffman.decode_kernel(words, ends, chunk, lengths, np.zeros(0, np.uint32), out) == 0
+        assert (
+            host_kernels.decode_kernel(words, ends, chunk, lengths, np.zeros(0, np.uint32), out)
+            == 0
+        )
         assert np.all(out == 1234)
 
 
@@ -574,7 +577,7 @@ def test_empty_stream():
                                         lengths, codes, 64)  # fmt: skip
     assert ends.shape == (0,) and words.shape == (0,)
     out = np.empty(0, np.uint16)
-    assert huffman.decode_kernel(words, ends, 64, lengths, np.zeros(0, np.uint32), out) == 0
+    assert host_kernels.decode_kernel(words, ends, 64, lengths, np.zeros(0, np.uint32), out) == 0
 
 
 def test_decode_kernel_reports_corruption():
@@ -587,7 +590,7 @@ def test_decode_kernel_reports_corruption():
     out = np.empty(n, np.uint16)
 
     def status(w=words, e=ends, ln=lengths, p=esc):
-        return huffman.decode_kernel(w, e, chunk, ln, p, out)
+        return host_kernels.decode_kernel(w, e, chunk, ln, p, out)
 
     assert status() == 0
     # chunk table decreasing / not ending at the end of the stream
@@ -616,7 +619,7 @@ def test_decode_kernel_reports_corruption():
     two = _hist({10: 1, 20: 1})
     ln = huffman.code_lengths_kernel(two)
     ln[20] = 2  # codes "0" and "10"; "11" is unused
-    assert huffman.decode_kernel(np.array([0xFFFFFFFF], np.uint32), np.array([1], np.uint32),
+    assert host_kernels.decode_kernel(np.array([0xFFFFFFFF], np.uint32), np.array([1], np.uint32),
                                  64, ln, np.zeros(0, np.uint32), np.empty(3, np.uint16)) == (
         wire.DECODE_INVALID_CODE
     )  # fmt: skip
@@ -642,7 +645,7 @@ def test_expand_codebook_follows_the_spec():
         nib[:count] = lengths[lo : lo + count]
         packed = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
         lengths[ESCAPE_SYMBOL] = 9
-        got = huffman.expand_codebook_kernel(packed, lo, count, 9)
+        got = host_kernels.expand_codebook_kernel(packed, lo, count, 9)
         assert np.array_equal(got, lengths)
 
 
@@ -652,5 +655,5 @@ def test_symbol_range_and_plan():
     lengths[[7, 100, ESCAPE_SYMBOL]] = [1, 2, 2]
     assert huffman.symbol_range_kernel(lengths) == (7, 94)
     hist = _hist({7: 10, 100: 3, ESCAPE_SYMBOL: 2})
-    lengths, bits, n, lo, count = huffman.plan_kernel(hist)
+    lengths, bits, n, lo, count = host_kernels.plan_kernel(hist)
     assert n == 15 and bits == int((hist * lengths).sum()) and (lo, count) == (7, 94)

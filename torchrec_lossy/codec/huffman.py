@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-import torch
 
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -246,7 +245,8 @@ def _plan_into(hists: np.ndarray, base: int, codes: Codes, b: int) -> None:
 def plan_blocks_kernel(
     symbols: np.ndarray, blocks: Blocks, dedupe: Dedupe, codes: Codes, distinct: Codes
 ) -> None:
-    """:func:`plan_kernel` of all rows and of the distinct rows of every block, in one call.
+    """The code plan (code lengths, coded bits, symbol range) of all rows and of the distinct
+    rows of every block, in one call.
 
     Histograms and codes are compact (:class:`~torchrec_lossy.codec.host_records.Codes`), so
     a block costs its symbol span, not the alphabet (the code is the same: ties are broken by
@@ -369,31 +369,6 @@ def stream_layout(table: np.ndarray, chunk_ends: np.ndarray, n_words: int) -> in
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_kernel(
-    words: np.ndarray,
-    chunk_ends: np.ndarray,
-    chunk_symbols: int,
-    lengths: np.ndarray,
-    escape_positions: np.ndarray,
-    out: np.ndarray,
-) -> int:
-    """Decodes every chunk, validating everything a corrupt stream could get wrong.
-
-    Args:
-        words: uint32 bitstream.
-        chunk_ends: uint32 [n_chunks] end word of each chunk.
-        chunk_symbols: Symbols per chunk (>= 1).
-        lengths: uint8 [ALPHABET_SIZE] code lengths.
-        escape_positions: uint32 positions where the escape symbol must decode, increasing.
-        out: uint16 [n] output symbols.
-
-    Returns:
-        0, or one of the DECODE_* error codes.
-    """
-    return decode_range_kernel(words, chunk_ends, chunk_symbols, lengths, 0, escape_positions, out)
-
-
-@numba.njit(cache=True, nogil=True)
 def decode_range_kernel(
     words: np.ndarray,
     chunk_ends: np.ndarray,
@@ -403,11 +378,10 @@ def decode_range_kernel(
     escape_positions: np.ndarray,
     out: np.ndarray,
 ) -> int:
-    """:func:`decode_kernel` over a code given for a symbol range: ``lengths[k]`` is the length
-    of symbol ``sym_lo + k`` and the last entry the escape's (the wire codebook's compact form,
-    as the encoder codes it; the same canonical codes as the whole alphabet's lengths, at a
-    fraction of the table-building cost for small blocks). ``sym_lo`` 0 with the whole
-    alphabet's lengths is :func:`decode_kernel`.
+    """Decodes a chunked Huffman stream with a code given for a symbol range: ``lengths[k]`` is
+    the length of symbol ``sym_lo + k`` and the last entry the escape's (the wire codebook's
+    compact form, as the encoder codes it; the same canonical codes as the whole alphabet's
+    lengths, at a fraction of the table-building cost for small blocks).
 
     Returns:
         0, or one of the DECODE_* error codes.
@@ -466,7 +440,7 @@ def pack_codebook_kernel(lengths: np.ndarray, sym_lo: int, sym_count: int) -> np
         sym_count: Number of value symbols.
 
     Returns:
-        uint8 [ceil(sym_count / 2)], low nibble first (the inverse of expand_codebook_kernel).
+        uint8 [ceil(sym_count / 2)], low nibble first (the inverse of ``unpack_codebook_into``).
     """
     nibbles = np.zeros((sym_count + 1) // 2, dtype=np.uint8)
     for k in range(sym_count):
@@ -481,106 +455,3 @@ def unpack_codebook_into(nibbles: np.ndarray, sym_count: int, lengths: np.ndarra
     for k in range(sym_count):
         b = nibbles[k >> 1]
         lengths[k] = (b >> 4) if k & 1 else (b & 0xF)
-
-
-@numba.njit(cache=True, nogil=True)
-def expand_codebook_kernel(
-    nibbles: np.ndarray, sym_lo: int, sym_count: int, escape_length: int
-) -> np.ndarray:
-    """Code lengths over the whole alphabet from the wire codebook.
-
-    Args:
-        nibbles: uint8 bytes, two 4-bit lengths each, low nibble first.
-        sym_lo: First value symbol of the codebook.
-        sym_count: Number of value symbols.
-        escape_length: Code length of the escape symbol.
-
-    Returns:
-        uint8 [ALPHABET_SIZE] code lengths.
-    """
-    lengths = np.zeros(ALPHABET_SIZE, dtype=np.uint8)
-    unpack_codebook_into(nibbles, sym_count, lengths[sym_lo:])
-    lengths[ESCAPE_SYMBOL] = escape_length
-    return lengths
-
-
-@numba.njit(cache=True, nogil=True)
-def plan_kernel(hist: np.ndarray) -> tuple[np.ndarray, int, int, int, int]:
-    """Code lengths of a histogram and the sizes the encoder needs to choose a mode.
-
-    Args:
-        hist: int64 [ALPHABET_SIZE] symbol counts.
-
-    Returns:
-        (code lengths, encoded bits without chunk padding, number of symbols, lowest used value
-        symbol, span of used value symbols).
-    """
-    lengths = code_lengths_kernel(hist)
-    bits = 0
-    n = 0
-    for s in range(hist.shape[0]):
-        bits += hist[s] * lengths[s]
-        n += hist[s]
-    lo, count = symbol_range_kernel(lengths)
-    return lengths, bits, n, lo, count
-
-
-def encode_reference(
-    symbols: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, chunk_symbols: int
-) -> tuple[list[int], list[int]]:
-    """Plain-Python twin of :func:`encode_into` (the test oracle).
-
-    Args:
-        symbols: Symbols.
-        lengths: Code lengths.
-        codes: Canonical codes.
-        chunk_symbols: Symbols per chunk.
-
-    Returns:
-        (chunk end words, uint32 words) as Python ints.
-    """
-    syms = symbols.tolist()
-    chunk_ends: list[int] = []
-    words: list[int] = []
-    for c in range(0, len(syms), chunk_symbols):
-        bits = "".join(
-            format(int(codes[s]), f"0{int(lengths[s])}b") for s in syms[c : c + chunk_symbols]
-        )
-        bits += "0" * (-len(bits) % 32)
-        words += [int(bits[k : k + 32], 2) for k in range(0, len(bits), 32)]
-        chunk_ends.append(len(words))
-    return chunk_ends, words
-
-
-def decode_reference(
-    words: list[int], chunk_ends: list[int], n: int, chunk_symbols: int, lengths: torch.Tensor
-) -> list[int]:
-    """Bit-by-bit canonical Huffman decode (the test oracle).
-
-    Args:
-        words: uint32 words.
-        chunk_ends: End word of each chunk.
-        n: Number of symbols.
-        chunk_symbols: Symbols per chunk.
-        lengths: Code lengths.
-
-    Returns:
-        The symbols.
-    """
-    codes = canonical_codes_kernel.py_func(lengths.numpy().astype(np.uint8))
-    by_code = {(int(lengths[s]), int(codes[s])): s for s in range(len(lengths)) if lengths[s] > 0}
-    out: list[int] = []
-    start = 0
-    for c, end in enumerate(chunk_ends):
-        bits = "".join(format(w, "032b") for w in words[start:end])
-        pos = 0
-        for _ in range(min(chunk_symbols, n - c * chunk_symbols)):
-            length = 1
-            while (length, int(bits[pos : pos + length] or "x", 2)) not in by_code:
-                length += 1
-                if length > MAX_CODE_LENGTH or pos + length > len(bits):
-                    raise ValueError(f"no code at bit {pos} of chunk {c}")
-            out.append(by_code[(length, int(bits[pos : pos + length], 2))])
-            pos += length
-        start = end
-    return out

@@ -25,7 +25,6 @@ from torchrec_lossy.codec.format import (
     REFS_FLAGGED,
     ref_width,
     refs_bits,
-    words_for_bits,
 )
 from torchrec_lossy.codec.host_records import Blocks, Dedupe
 
@@ -170,26 +169,6 @@ def dedupe_blocks_kernel(
     return Dedupe(selected, n_unique, ids, first_rows)
 
 
-@numba.njit(cache=True, nogil=True)
-def expand_rows_kernel(vectors: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The decoder's inverse of dedupe: row ``r`` of the output is ``vectors[ids[r]]``.
-
-    Args:
-        vectors: [n_unique, dim] distinct vectors (any dtype).
-        ids: int32 [rows] validated ids (< n_unique).
-
-    Returns:
-        [rows, dim] array of ``vectors``' dtype.
-    """
-    dim = vectors.shape[1]
-    out = np.empty((ids.shape[0], dim), dtype=vectors.dtype)
-    for r in range(ids.shape[0]):
-        u = ids[r]
-        for j in range(dim):  # explicit loop: a row slice per row costs more than the copy
-            out[r, j] = vectors[u, j]
-    return out
-
-
 def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`dedupe_blocks_kernel` on one block (the test oracle).
 
@@ -324,41 +303,12 @@ def unpack_refs_kernel(
     return 0
 
 
-def pack_refs_reference(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
-    """Plain-Python twin of :func:`pack_refs_into` (the test oracle).
-
-    Args:
-        ids: Vector id per row.
-        n_unique: Distinct vectors.
-        mode: REFS_FIXED or REFS_FLAGGED.
-
-    Returns:
-        int64 tensor of the uint32 words' values.
-    """
-    width = ref_width(n_unique)
-    bits: list[int] = []
-    seen = 0
-    for v in ids.tolist():
-        if mode == REFS_FLAGGED:
-            bits.append(1 if v == seen else 0)
-            if v == seen:
-                seen += 1
-                continue
-        bits.extend((v >> (width - 1 - k)) & 1 for k in range(width))
-    words = [0] * words_for_bits(len(bits))
-    for i, b in enumerate(bits):
-        words[i // 32] |= b << (31 - i % 32)
-    return torch.tensor(words, dtype=torch.int64)
-
-
 __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
     "dedupe_blocks_kernel",
     "dedupe_reference",
     "element_keys",
-    "expand_rows_kernel",
     "pack_refs_into",
-    "pack_refs_reference",
     "unpack_refs_kernel",
 ]
