@@ -92,8 +92,6 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return host_sync.to_host(t, "decompress")
 
 
-
-
 def _bases(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
