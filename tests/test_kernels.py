@@ -1,6 +1,9 @@
-"""The Triton kernels against the CPU (numba) kernels, stage by stage (single-block launchers of
-tests/triton_launchers.py over the batched kernels). Whole payloads through the device path are
-tests/test_device_compress.py's and tests/test_device_decompress.py's.
+"""The production Triton launchers (``kernels/quantize.py``, ``vector_lz.py``, ``huffman.py``,
+``common.py``) on one block, with edge-case inputs: each call is compared with the launcher's
+torch twin (``kernels/*_ref.py``, the same call) and with the compiled host (numba) kernels
+(tests/host_kernels.py). Every launcher call a real device-path run makes, replayed on the twins:
+tests/test_quantize_vector_lz_ref.py, tests/test_huffman_codebook_ref.py; whole payloads through
+the device path: tests/test_device_compress.py, tests/test_device_decompress.py.
 
 Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which this module
 switches on (``TRITON_INTERPRET=1``) before triton or the kernels are imported. The interpreter
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +28,8 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 import host_kernels
 import numba
-import triton_launchers as launchers
 from helpers import DTYPES, bound_for, make_block
+from kernel_calls import assert_same, snapshot
 
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline
@@ -34,13 +39,14 @@ from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
-    REFS_FIXED,
-    REFS_FLAGGED,
 )
 from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import common, launch_tables
+from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
+from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
+from torchrec_lossy.kernels import vector_lz as k_vector_lz
+from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
 
 # The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
 # those lanes away.
@@ -50,6 +56,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [0, 1, 7, 33]
 DIMS = [1, 3, 16]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
+_TILE = 4096  # the quantize and histogram launchers' largest element tile
 
 
 def dev(a: np.ndarray) -> torch.Tensor:
@@ -73,6 +80,27 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(BITS_DTYPES[t.dtype])
 
 
+def with_twin(launcher: Callable, twin: Callable, *args: Any) -> Any:
+    """Calls a launcher and its torch twin on copies of the same arguments; asserts both give
+    the same result and leave the arguments (buffers they write into) the same, bit for bit.
+
+    Returns:
+        The launcher's result.
+    """
+    twin_args = snapshot(args)
+    want = twin(*twin_args)
+    got = launcher(*args)
+    assert_same(got, want, f"{launcher.__name__} result")
+    assert_same(args, twin_args, f"{launcher.__name__} args")
+    return got
+
+
+def one_tile_table(n: int, cap: int) -> tuple[torch.Tensor, int]:
+    """The tile table of one ``n``-element segment on the test device, and its tile size."""
+    block = block_for(n, cap)
+    return torch.from_numpy(tile_table(np.array([n]), block)).to(DEVICE), block
+
+
 def cpu_quantize_block(
     x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
 ) -> tuple[np.ndarray, np.ndarray, int, float]:
@@ -82,12 +110,6 @@ def cpu_quantize_block(
         x, np.float32(params.step), np.float32(params.inv_step), params.center, bound,
         dtype_code, params.sr_key, params.value,
     )  # fmt: skip
-
-
-def cpu_dedupe(symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The numba dedupe of one block: [rows, dim] symbols (None: the raw bits) -> (int32 ids
-    [rows], int32 first rows [n_unique])."""
-    return host_kernels.dedupe(symbols, bits)
 
 
 @numba.njit(cache=False)
@@ -152,6 +174,26 @@ def test_round_to_dtype_matches_cpu(dtype_code: int) -> None:
     np.testing.assert_array_equal(host(out).view(np.uint32), want.view(np.uint32))
 
 
+def quantize_one(
+    x: np.ndarray, params: QuantParams, bound: float, dtype_code: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_tiles`` on one block, checked against its twin."""
+    tiles, block = one_tile_table(x.shape[0], _TILE)
+    return with_twin(
+        k_quantize.quantize_tiles,
+        quantize_ref.quantize_tiles,
+        dev(x),
+        tiles,
+        torch.tensor([params.step], dtype=torch.float32, device=DEVICE),
+        torch.tensor([params.inv_step], dtype=torch.float32, device=DEVICE),
+        torch.tensor([params.center], dtype=torch.int64, device=DEVICE),
+        torch.tensor([bound], dtype=torch.float64, device=DEVICE),
+        torch.tensor([dtype_code], dtype=torch.int32, device=DEVICE),
+        block,
+        torch.tensor([params.sr_key], dtype=torch.int64, device=DEVICE),
+    )
+
+
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("bound_kind", ["tiny", "rel0.01", "rel0.05", "huge"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -167,28 +209,13 @@ def test_quantize_matches_cpu(dtype: torch.dtype, bound_kind: str, kind: str) ->
             want_sym, want_hist, want_esc, want_err = cpu_quantize_block(
                 x, params, bound, DTYPE_CODES[dtype]
             )
-            sym, hist, err = launchers.quantize(
-                dev(x), params.step, params.inv_step, params.center, bound, DTYPE_CODES[dtype]
-            )
+            sym, hist, errors = quantize_one(x, params, bound, DTYPE_CODES[dtype])
             what = f"rows={rows} dim={dim}"
             np.testing.assert_array_equal(host(sym, np.uint16), want_sym, err_msg=what)
-            np.testing.assert_array_equal(host(hist).astype(np.int64), want_hist, err_msg=what)
-            assert int(host(hist)[ESCAPE_SYMBOL]) == want_esc, what
-            assert float(err) == want_err, what
-            got = host(launchers.dequantize(sym, params.step, params.center))
-            np.testing.assert_array_equal(
-                got.view(np.uint32),
-                _cpu_dequantize(want_sym, params).view(np.uint32),
-            )
-
-
-def _cpu_dequantize(symbols: np.ndarray, params: QuantParams) -> np.ndarray:
-    """The compiled host path's dequantize (uint16 symbols -> float32 values)."""
-    out = np.empty(symbols.shape[0], dtype=np.float32)
-    cpu_quantize.dequantize_kernel(
-        symbols, np.float32(params.step), params.center, out, params.value
-    )
-    return out
+            np.testing.assert_array_equal(host(hist[0]).astype(np.int64), want_hist, err_msg=what)
+            assert int(host(hist[0])[ESCAPE_SYMBOL]) == want_esc, what
+            err = float(errors.max()) if errors.numel() else 0.0
+            assert err == want_err, what
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,6 +236,26 @@ def _dedupe_inputs(
     return sym.reshape(rows, dim), bits
 
 
+def dedupe_one(symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``representatives`` on one block, checked against its twin, as the host kernel's
+    (ids numbered by first occurrence, first rows): the ranks ``device_compress`` takes."""
+    rows, dim = bits.shape
+    rep, is_first = with_twin(
+        k_vector_lz.representatives,
+        vector_lz_ref.representatives,
+        None if symbols is None else dev(symbols.reshape(-1)),
+        dev(bits.reshape(-1)),
+        torch.arange(rows, dtype=torch.int64, device=DEVICE) * dim,
+        torch.full((rows,), dim, dtype=torch.int32, device=DEVICE),
+        torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+        dim,
+    )
+    rep, is_first = rep.cpu().long(), is_first.cpu()
+    rank = torch.cumsum(is_first, 0)
+    ids = (rank[rep] - 1).to(torch.int32) if rows else rep.to(torch.int32)
+    return ids.numpy(), torch.nonzero(is_first).flatten().to(torch.int32).numpy()
+
+
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
@@ -218,12 +265,12 @@ def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
             for raw in (True, False):
                 what = f"rows={rows} dim={dim} raw={raw}"
                 if rows:
-                    want_ids, want_first = cpu_dedupe(None if raw else sym, bits)
+                    want_ids, want_first = host_kernels.dedupe(None if raw else sym, bits)
                 else:
                     want_ids = want_first = np.zeros(0, np.int32)
-                ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
-                np.testing.assert_array_equal(host(ids), want_ids, err_msg=what)
-                np.testing.assert_array_equal(host(first), want_first, err_msg=what)
+                ids, first = dedupe_one(None if raw else sym, bits)
+                np.testing.assert_array_equal(ids, want_ids, err_msg=what)
+                np.testing.assert_array_equal(first, want_first, err_msg=what)
 
 
 def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,31 +280,10 @@ def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> 
     for kind in ("adversarial", "repeat"):
         sym, bits = _dedupe_inputs(40, 3, torch.float16, kind)
         for raw in (True, False):
-            want = cpu_dedupe(None if raw else sym, bits)
-            ids, first = launchers.dedupe(None if raw else dev(sym), dev(bits))
-            np.testing.assert_array_equal(host(ids), want[0])
-            np.testing.assert_array_equal(host(first), want[1])
-
-
-@pytest.mark.parametrize("mode", [REFS_FIXED, REFS_FLAGGED])
-@pytest.mark.parametrize("n_unique", [1, 2, 3, 31, 32, 33, 300])
-def test_pack_refs_matches_cpu(n_unique: int, mode: int) -> None:
-    rng = np.random.default_rng(n_unique)
-    for rows in sorted({n_unique, n_unique + 1, n_unique + 37, 3 * n_unique + 5}):
-        # ids numbered by first occurrence: each new id appears after the ones before it
-        order = np.sort(rng.choice(rows, size=n_unique, replace=False))
-        order[0] = 0
-        ids = np.empty(rows, np.int32)
-        nxt = 0
-        for r in range(rows):
-            if nxt < n_unique and r == order[nxt]:
-                ids[r] = nxt
-                nxt += 1
-            else:
-                ids[r] = rng.integers(0, nxt)
-        want = host_kernels.pack_refs(ids, n_unique, mode)
-        got = host(launchers.pack_refs(dev(ids), n_unique, mode), np.uint32)
-        np.testing.assert_array_equal(got, want, err_msg=f"rows={rows}")
+            want = host_kernels.dedupe(None if raw else sym, bits)
+            ids, first = dedupe_one(None if raw else sym, bits)
+            np.testing.assert_array_equal(ids, want[0])
+            np.testing.assert_array_equal(first, want[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,6 +297,75 @@ def _symbols(n_rows: int, dim: int, spread: float, seed: int) -> np.ndarray:
     s = np.clip(np.rint(rng.normal(2047, spread, (n_rows, dim))), 0, ESCAPE_SYMBOL - 1)
     s[rng.random((n_rows, dim)) < 0.02] = ESCAPE_SYMBOL
     return s.astype(np.uint16)
+
+
+def histogram_one(symbols: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``histogram_tiles`` over the selected rows (one segment), checked against its twin."""
+    stream = dev(symbols[rows].reshape(-1))
+    tiles, block = one_tile_table(stream.shape[0], _TILE)
+    keep = torch.ones(stream.shape[0], dtype=torch.int32, device=DEVICE)
+    hist = with_twin(
+        k_huffman.histogram_tiles, huffman_ref.histogram_tiles, stream, keep, tiles, 1, block
+    )
+    return host(hist[0])
+
+
+def encode_one(
+    symbols: np.ndarray, rows: np.ndarray, lengths: np.ndarray, codes: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``encode_chunks`` of the selected rows (one code table), checked against its twin:
+    (uint32 chunk ends, uint32 words)."""
+    stream = dev(symbols[rows].reshape(-1)).to(torch.int32)
+    lo = torch.arange(0, stream.shape[0], chunk, dtype=torch.int64, device=DEVICE)
+    hi = torch.clamp(lo + chunk, max=stream.shape[0])
+    ends, words = with_twin(
+        k_huffman.encode_chunks, huffman_ref.encode_chunks, stream, lo, hi, torch.zeros_like(lo),
+        dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk,
+    )  # fmt: skip
+    return host(ends).astype(np.uint32), host(words, np.uint32)
+
+
+def decode_one(
+    words: np.ndarray,
+    ends: np.ndarray,
+    n: int,
+    chunk: int,
+    lengths: np.ndarray,
+    esc: np.ndarray,
+) -> tuple[np.ndarray, int]:
+    """One block's stream through the device decoder's launchers (``decode_blocks``,
+    ``check_escapes``, ``block_status``), each checked against its twin.
+
+    The block's sections sit in one word buffer like a payload's: chunk table, bitstream,
+    escape positions. The decode table is ``decode_table_kernel``'s widened to 12 bits
+    (``codebook.decode_tables``' layout; the codebook launcher has its own tests).
+
+    Returns:
+        (uint16 symbols [n], the block's status: 0 or the DECODE_* code).
+    """
+    payload = dev(np.concatenate([ends, words, esc]).astype(np.uint32))
+    n_chunks, n_words = ends.shape[0], words.shape[0]
+    table = huffman.decode_table_kernel(lengths)
+    assert table.shape[0], "not a prefix code"  # DECODE_BAD_CODEBOOK: codebook tests' subject
+    tables = dev(np.repeat(table, ALPHABET_SIZE // table.shape[0])[None, :])
+    one = lambda v: torch.tensor([v], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    sym_base = torch.tensor([0, n], dtype=torch.int64, device=DEVICE)
+    table_bad, fail, esc_bad = one(0), one(NO_FAILURE), one(NO_FAILURE)
+    out, is_esc = with_twin(
+        k_huffman.decode_blocks, huffman_ref.decode_blocks, payload,
+        torch.tensor([0, n_chunks], dtype=torch.int64, device=DEVICE), sym_base, one(0),
+        one(n_chunks), one(n_words), one(chunk), one(0), tables, table_bad, fail, n_chunks, n,
+    )  # fmt: skip
+    n_esc = one(esc.shape[0])
+    rank = with_twin(
+        k_huffman.check_escapes, huffman_ref.check_escapes, is_esc, sym_base, payload,
+        one(n_chunks + n_words), n_esc, esc_bad,
+    )  # fmt: skip
+    status = with_twin(
+        k_huffman.block_status, huffman_ref.block_status, sym_base, rank, n_esc, one(1), one(0),
+        one(0), table_bad, fail, esc_bad,
+    )  # fmt: skip
+    return host(out, np.uint16), int(status[0])
 
 
 @pytest.mark.parametrize(
@@ -291,37 +386,19 @@ def test_huffman_encode_decode_match_cpu(n_rows: int, dim: int, spread: float, c
     for rows in (np.arange(n_rows, dtype=np.int32), rng.permutation(n_rows)[: n_rows // 2 + 1]):
         rows = rows.astype(np.int32)
         hist = host_kernels.histogram_rows(sym, rows)
-        got_hist = host(launchers.histogram_rows(dev(sym), dev(rows))).astype(np.int64)
-        np.testing.assert_array_equal(got_hist, hist)
+        np.testing.assert_array_equal(histogram_one(sym, rows).astype(np.int64), hist)
         lengths = huffman.code_lengths_kernel(hist)
         codes = huffman.canonical_codes_kernel(lengths)
         want_ends, want_words = host_kernels.encode(sym, rows, lengths, codes, chunk)
-        ends, words = launchers.encode(
-            dev(sym), dev(rows), dev(lengths.astype(np.int32)), dev(codes.astype(np.int64)), chunk
-        )
-        np.testing.assert_array_equal(host(ends).astype(np.uint32), want_ends)
-        np.testing.assert_array_equal(host(words, np.uint32), want_words)
+        ends, words = encode_one(sym, rows, lengths, codes, chunk)
+        np.testing.assert_array_equal(ends, want_ends)
+        np.testing.assert_array_equal(words, want_words)
 
         sent = sym[rows].reshape(-1)
         esc = np.flatnonzero(sent == ESCAPE_SYMBOL).astype(np.uint32)
-        out, status = _decode(want_words, want_ends, sent.shape[0], chunk, lengths, esc)
+        out, status = decode_one(want_words, want_ends, sent.shape[0], chunk, lengths, esc)
         assert status == 0
         np.testing.assert_array_equal(out, sent)
-
-
-def _decode(
-    words: np.ndarray,
-    ends: np.ndarray,
-    n: int,
-    chunk: int,
-    lengths: np.ndarray,
-    esc: np.ndarray,
-) -> tuple[np.ndarray, int]:
-    table = huffman.decode_table_kernel(lengths)
-    out, status = launchers.decode(
-        dev(words), dev(ends.astype(np.int64)), n, chunk, dev(table), dev(esc.astype(np.int64))
-    )
-    return host(out, np.uint16), int(status)
 
 
 def test_huffman_decode_errors_match_cpu() -> None:
@@ -359,7 +436,7 @@ def test_huffman_decode_errors_match_cpu() -> None:
     for what, w, e, lens, es in cases:
         want_out = np.zeros(n, np.uint16)
         want = host_kernels.decode_kernel(w, e, chunk, lens, es, want_out)
-        out, status = _decode(w, e, n, chunk, lens, es)
+        out, status = decode_one(w, e, n, chunk, lens, es)
         assert status == want, f"{what}: status {status}, CPU {want}"
         if want == 0:
             np.testing.assert_array_equal(out, want_out, err_msg=what)
@@ -414,7 +491,7 @@ def test_aot_table_covers_every_launched_kernel() -> None:
 def test_histogram_alphabet() -> None:
     """Every histogram has the full alphabet (the Huffman planner indexes it by symbol)."""
     sym = np.array([[0, ESCAPE_SYMBOL, 5]], dtype=np.uint16)
-    hist = host(launchers.histogram_rows(dev(sym), dev(np.zeros(1, np.int32))))
+    hist = histogram_one(sym, np.zeros(1, np.int32))
     assert hist.shape == (ALPHABET_SIZE,)
     assert hist[0] == hist[5] == hist[ESCAPE_SYMBOL] == 1
 
