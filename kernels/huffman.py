@@ -38,7 +38,9 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     REFS_OUT_OF_RANGE,
 )
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.common import SCAN_SUM, find_segment, inclusive_scan
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -292,40 +294,28 @@ _BAD_CODEBOOK: tl.constexpr = tl.constexpr(DECODE_BAD_CODEBOOK)
 
 @triton.jit
 def _decode_blocks_kernel(
-    words_ptr,
-    chunk_base_ptr,
-    sym_base_ptr,
-    ct_off_ptr,
-    bs_off_ptr,
-    bs_words_ptr,
-    cs_ptr,
-    table_idx_ptr,
-    tables_ptr,
-    out_ptr,
-    esc_ptr,
-    table_bad_ptr,
-    fail_ptr,
-    n_blocks,
-    n_iter,
-):
+    words_ptr, cols_ptr, tables_ptr, out_ptr, esc_ptr, stride, n_blocks, n_iter
+):  # fmt: skip
     # One program per chunk; the loop is decode_kernel's, scalar for scalar (as _decode_kernel).
+    # Field F of block b is at cols_ptr + F * stride + b (``decode_columns``).
     c = tl.program_id(0).to(tl.int64)
-    b = find_segment(chunk_base_ptr, c, n_blocks, n_iter)
-    first_chunk = tl.load(chunk_base_ptr + b)
-    n_chunks = tl.load(chunk_base_ptr + b + 1) - first_chunk
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, c, n_blocks, n_iter)
+    first_chunk = tl.load(chunk_base + b)
+    n_chunks = tl.load(chunk_base + b + 1) - first_chunk
     cl = c - first_chunk
-    sym0 = tl.load(sym_base_ptr + b)
-    n = tl.load(sym_base_ptr + b + 1) - sym0
-    ct = words_ptr + tl.load(ct_off_ptr + b)
-    bs = words_ptr + tl.load(bs_off_ptr + b)
-    n_words = tl.load(bs_words_ptr + b)
-    chunk_symbols = tl.load(cs_ptr + b)
-    table = tables_ptr + tl.load(table_idx_ptr + b) * _ALPHABET
+    sym0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b)
+    n = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1) - sym0
+    ct = words_ptr + tl.load(cols_ptr + dc.CT_OFF * stride + b)
+    bs = words_ptr + tl.load(cols_ptr + dc.BS_OFF * stride + b)
+    n_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b)
+    chunk_symbols = tl.load(cols_ptr + dc.CHUNK_SYMBOLS * stride + b)
+    table = tables_ptr + tl.load(cols_ptr + dc.TABLE_IDX * stride + b) * _ALPHABET
     # The chunk table is u32 in the payload: widen without sign extension.
     prev_end = tl.load(ct + cl - 1, mask=cl > 0, other=0).to(tl.int64) & 0xFFFFFFFF
     this_end = tl.load(ct + cl).to(tl.int64) & 0xFFFFFFFF
     bad_table = ((cl > 0) & (this_end < prev_end)) | ((cl == n_chunks - 1) & (this_end != n_words))
-    tl.atomic_max(table_bad_ptr + b, 1, mask=bad_table, sem="relaxed")
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, 1, mask=bad_table, sem="relaxed")
     # Clamped to the block's bitstream, so a corrupt table cannot make a program read elsewhere.
     w = tl.minimum(prev_end, n_words)
     end = tl.minimum(this_end, n_words)
@@ -334,69 +324,47 @@ def _decode_blocks_kernel(
     )  # 12-bit tables: peek the top 12 of 64 bits
     # Chunks are disjoint, so the smallest (position, code) key names the block's first failure.
     key = i * 8 - status.to(tl.int64)
-    tl.atomic_min(fail_ptr + b, key, mask=status != 0, sem="relaxed")
+    tl.atomic_min(cols_ptr + dc.FAIL * stride + b, key, mask=status != 0, sem="relaxed")
 
 
 @triton.jit
 def _escape_check_blocks_kernel(
-    esc_ptr,
-    rank_ptr,
-    sym_base_ptr,
-    words_ptr,
-    esc_off_ptr,
-    n_esc_ptr,
-    esc_bad_ptr,
-    total,
-    n_blocks,
-    n_iter,
-    BLOCK: tl.constexpr,
-):
+    esc_ptr, rank_ptr, words_ptr, cols_ptr, stride, total, n_blocks, n_iter, BLOCK: tl.constexpr
+):  # fmt: skip
     # As _escape_check_kernel, per block: the k-th escape decoded in block b must sit at the
     # block's escape_positions[k]; the block's first position breaking that is kept.
     g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = g < total
     is_esc = mask & (tl.load(esc_ptr + g, mask=mask, other=0) == 1)
-    b = find_segment(sym_base_ptr, g, n_blocks, n_iter)
-    sym0 = tl.load(sym_base_ptr + b, mask=is_esc, other=0)
+    sym_base = cols_ptr + dc.SYM_BASE * stride
+    b = find_segment(sym_base, g, n_blocks, n_iter)
+    sym0 = tl.load(sym_base + b, mask=is_esc, other=0)
     before = tl.load(rank_ptr + sym0 - 1, mask=is_esc & (sym0 > 0), other=0)
     k = (tl.load(rank_ptr + g, mask=is_esc, other=1) - 1 - before).to(tl.int64)
-    n_escapes = tl.load(n_esc_ptr + b, mask=is_esc, other=0)
+    n_escapes = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=is_esc, other=0)
     in_list = k < n_escapes
-    pos_ptr = words_ptr + tl.load(esc_off_ptr + b, mask=is_esc, other=0)
+    pos_ptr = words_ptr + tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=is_esc, other=0)
     expected = tl.load(pos_ptr + k, mask=is_esc & in_list, other=0).to(tl.int64) & 0xFFFFFFFF
     i = g - sym0
     bad = is_esc & (~in_list | (expected != i))
-    tl.atomic_min(esc_bad_ptr + b, i, mask=bad, sem="relaxed")
+    tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + b, i, mask=bad, sem="relaxed")
 
 
 @triton.jit
-def _block_status_kernel(
-    sym_base_ptr,
-    rank_ptr,
-    n_esc_ptr,
-    has_stream_ptr,
-    refs_bad_ptr,
-    codebook_bad_ptr,
-    table_bad_ptr,
-    fail_ptr,
-    esc_bad_ptr,
-    code_ptr,
-    n_blocks,
-    BLOCK: tl.constexpr,
-):
+def _block_status_kernel(cols_ptr, rank_ptr, code_ptr, stride, n_blocks, BLOCK: tl.constexpr):
     # decode()'s glue, per block: a bad codebook, else a bad chunk table, else the first error in
     # stream order (invalid code, out of bits, misplaced escape), else a missing escape. Bad
     # references come first: the CPU path unpacks them before it decodes the stream.
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = b < n_blocks
-    s0 = tl.load(sym_base_ptr + b, mask=mask, other=0)
-    s1 = tl.load(sym_base_ptr + b + 1, mask=mask, other=0)
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    s1 = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0)
     n = s1 - s0
     r0 = tl.load(rank_ptr + s0 - 1, mask=mask & (s0 > 0), other=0).to(tl.int64)
     r1 = tl.load(rank_ptr + s1 - 1, mask=mask & (s1 > 0), other=0).to(tl.int64)
-    n_escapes = tl.load(n_esc_ptr + b, mask=mask, other=0)
-    fail = tl.load(fail_ptr + b, mask=mask, other=_NO_FAIL)
-    esc_bad = tl.load(esc_bad_ptr + b, mask=mask, other=_NO_FAIL)
+    n_escapes = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=mask, other=0)
+    fail = tl.load(cols_ptr + dc.FAIL * stride + b, mask=mask, other=_NO_FAIL)
+    esc_bad = tl.load(cols_ptr + dc.ESC_BAD * stride + b, mask=mask, other=_NO_FAIL)
     stream_pos = tl.where(fail != _NO_FAIL, fail >> 3, n)
     esc_pos = tl.where(esc_bad != _NO_FAIL, esc_bad, n)
     code = tl.where(
@@ -408,25 +376,21 @@ def _block_status_kernel(
             tl.where(r1 - r0 != n_escapes, _BAD_ESCAPES, 0),
         ),
     )
-    code = tl.where(tl.load(table_bad_ptr + b, mask=mask, other=0) != 0, _BAD_TABLE, code)
-    code = tl.where(tl.load(codebook_bad_ptr + b, mask=mask, other=0) != 0, _BAD_CODEBOOK, code)
-    code = tl.where(tl.load(has_stream_ptr + b, mask=mask, other=0) != 0, code, 0)
-    code = tl.where(tl.load(refs_bad_ptr + b, mask=mask, other=0) != 0, _REFS_BAD, code)
+    table_bad = tl.load(cols_ptr + dc.TABLE_BAD * stride + b, mask=mask, other=0)
+    codebook_bad = tl.load(cols_ptr + dc.CODEBOOK_BAD * stride + b, mask=mask, other=0)
+    has_stream = tl.load(cols_ptr + dc.HAS_STREAM * stride + b, mask=mask, other=0)
+    refs_bad = tl.load(cols_ptr + dc.REFS_BAD * stride + b, mask=mask, other=0)
+    code = tl.where(table_bad != 0, _BAD_TABLE, code)
+    code = tl.where(codebook_bad != 0, _BAD_CODEBOOK, code)
+    code = tl.where(has_stream != 0, code, 0)
+    code = tl.where(refs_bad != 0, _REFS_BAD, code)
     tl.store(code_ptr + b, code.to(tl.int32), mask=mask)
 
 
 def decode_blocks(
     words: torch.Tensor,
-    chunk_base: torch.Tensor,
-    sym_base: torch.Tensor,
-    ct_off: torch.Tensor,
-    bs_off: torch.Tensor,
-    bs_words: torch.Tensor,
-    chunk_symbols: torch.Tensor,
-    table_idx: torch.Tensor,
+    cols: DecodeColumns,
     tables: torch.Tensor,
-    table_bad: torch.Tensor,
-    fail: torch.Tensor,
     n_chunks: int,
     n_symbols: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,20 +398,16 @@ def decode_blocks(
 
     Args:
         words: int32 payload words; every offset below indexes them.
-        chunk_base: int64 [n_blocks + 1] first global chunk of each block.
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
-        ct_off: int64 [n_blocks] word offset of each block's chunk table.
-        bs_off: int64 [n_blocks] word offset of each block's bitstream.
-        bs_words: int64 [n_blocks] words in each block's bitstream.
-        chunk_symbols: int64 [n_blocks] symbols per chunk (>= 1 where the block has chunks).
-        table_idx: int64 [n_blocks] each block's table in ``tables``.
-        tables: int32 [n_tables, ALPHABET_SIZE] tables from ``codebook.decode_tables``.
-        table_bad: int64 [n_blocks] output, zeroed: 1 where the chunk table decreases or does
-            not end at the bitstream's end.
-        fail: int64 [n_blocks] output, INT64_MAX: ``8 * position - DECODE_*`` of the block's
+        cols: The blocks' decode record; read: ``CHUNK_BASE`` / ``SYM_BASE`` (first global
+            chunk / symbol of each block), ``CT_OFF`` / ``BS_OFF`` (word offsets of the chunk
+            table / bitstream), ``BS_WORDS``, ``CHUNK_SYMBOLS`` (>= 1 where the block has
+            chunks), ``TABLE_IDX`` (each block's table in ``tables``). Written (atomics):
+            ``TABLE_BAD`` raised to 1 where the chunk table decreases or does not end at the
+            bitstream's end; ``FAIL`` lowered to ``8 * position - DECODE_*`` of the block's
             first failing symbol.
-        n_chunks: Total chunks (``chunk_base[-1]``, known to the host).
-        n_symbols: Total symbols (``sym_base[-1]``).
+        tables: int32 [n_tables, ALPHABET_SIZE] tables from ``codebook.decode_tables``.
+        n_chunks: Total chunks (the last ``CHUNK_BASE`` entry, known to the host).
+        n_symbols: Total symbols (the last ``SYM_BASE`` entry).
 
     Returns:
         (int16 [n_symbols] symbols (uint16 bits), int32 [n_symbols] 1 where the escape symbol
@@ -456,85 +416,60 @@ def decode_blocks(
     dev = words.device
     out = torch.zeros(n_symbols, dtype=torch.int16, device=dev)
     is_esc = torch.zeros(n_symbols, dtype=torch.int32, device=dev)
-    n_blocks = ct_off.shape[0]
+    n_blocks = cols.n_blocks
     if n_chunks:
         _decode_blocks_kernel[(n_chunks,)](
-            words, chunk_base, sym_base, ct_off, bs_off, bs_words, chunk_symbols, table_idx,
-            tables, out, is_esc, table_bad, fail, n_blocks, n_blocks.bit_length(),
+            words, cols.cols, tables, out, is_esc, cols.stride, n_blocks, n_blocks.bit_length(),
             num_warps=1,
         )  # fmt: skip
     return out, is_esc
 
 
-def check_escapes(
-    is_esc: torch.Tensor,
-    sym_base: torch.Tensor,
-    words: torch.Tensor,
-    esc_off: torch.Tensor,
-    n_esc: torch.Tensor,
-    esc_bad: torch.Tensor,
-) -> torch.Tensor:
+def check_escapes(is_esc: torch.Tensor, words: torch.Tensor, cols: DecodeColumns) -> torch.Tensor:
     """Ranks the decoded escapes and checks them against each block's escape positions.
 
     Args:
         is_esc: int32 [n_symbols] from :func:`decode_blocks`.
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
         words: int32 payload words.
-        esc_off: int64 [n_blocks] word offset of each block's escape positions.
-        n_esc: int64 [n_blocks] escapes each block lists.
-        esc_bad: int64 [n_blocks] output, INT64_MAX: the block's first misplaced escape.
+        cols: The blocks' decode record; read: ``SYM_BASE``, ``ESC_POS_OFF`` (word offset of
+            each block's escape positions), ``N_ESC``. Written: ``ESC_BAD`` lowered to the
+            block's first misplaced escape.
 
     Returns:
         int32 [n_symbols] inclusive count of escapes over the concatenated streams (escape
-        ``k`` of block ``b`` has rank ``k + 1`` plus the rank before ``sym_base[b]``).
+        ``k`` of block ``b`` has rank ``k + 1`` plus the rank before ``SYM_BASE[b]``).
     """
     n = is_esc.shape[0]
     rank = inclusive_scan(is_esc, SCAN_SUM)
     if n:
-        n_blocks = esc_off.shape[0]
+        n_blocks = cols.n_blocks
         block = block_for(n, 4096)
         _escape_check_blocks_kernel[(triton.cdiv(n, block),)](
-            is_esc, rank, sym_base, words, esc_off, n_esc, esc_bad, n, n_blocks,
-            n_blocks.bit_length(), BLOCK=block,
+            is_esc, rank, words, cols.cols, cols.stride, n, n_blocks, n_blocks.bit_length(),
+            BLOCK=block,
         )  # fmt: skip
     return rank
 
 
-def block_status(
-    sym_base: torch.Tensor,
-    rank: torch.Tensor,
-    n_esc: torch.Tensor,
-    has_stream: torch.Tensor,
-    refs_bad: torch.Tensor,
-    codebook_bad: torch.Tensor,
-    table_bad: torch.Tensor,
-    fail: torch.Tensor,
-    esc_bad: torch.Tensor,
-) -> torch.Tensor:
+def block_status(cols: DecodeColumns, rank: torch.Tensor) -> torch.Tensor:
     """Each block's decode status, as the CPU path would find it; no sync.
 
     Args:
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
+        cols: The blocks' decode record; read: ``SYM_BASE``, ``N_ESC``, ``HAS_STREAM`` and the
+            status rows ``REFS_BAD``, ``CODEBOOK_BAD`` (``codebook.decode_tables``),
+            ``TABLE_BAD``, ``FAIL`` (:func:`decode_blocks`), ``ESC_BAD`` (:func:`check_escapes`).
         rank: int32 escape ranks from :func:`check_escapes` (any 1-element tensor if empty).
-        n_esc: int64 [n_blocks] escapes each block lists.
-        has_stream: int64 [n_blocks] 1 for blocks with a Huffman stream (quantized modes).
-        refs_bad: int64 [n_blocks] 1 where the vector references are invalid.
-        codebook_bad: int64 [n_blocks] from ``codebook.decode_tables``.
-        table_bad: int64 [n_blocks] from :func:`decode_blocks`.
-        fail: int64 [n_blocks] from :func:`decode_blocks`.
-        esc_bad: int64 [n_blocks] from :func:`check_escapes`.
 
     Returns:
         int32 [n_blocks]: 0, :data:`REFS_OUT_OF_RANGE`, or a ``DECODE_*`` code.
     """
-    n_blocks = n_esc.shape[0]
-    codes = torch.empty(n_blocks, dtype=torch.int32, device=n_esc.device)
+    n_blocks = cols.n_blocks
+    codes = torch.empty(n_blocks, dtype=torch.int32, device=cols.cols.device)
     if n_blocks:
         block = block_for(n_blocks, 1024)
         _block_status_kernel[(triton.cdiv(n_blocks, block),)](
-            sym_base, rank, n_esc, has_stream, refs_bad, codebook_bad, table_bad, fail, esc_bad,
-            codes, n_blocks, BLOCK=block,
-        )  # fmt: skip
+            cols.cols, rank, codes, cols.stride, n_blocks, BLOCK=block
+        )
     return codes
 
 

@@ -22,6 +22,8 @@ from torchrec_lossy.codec.format import (
     MAX_CODE_LENGTH,
     REFS_OUT_OF_RANGE,
 )
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
 _U32 = 0xFFFFFFFF
@@ -196,16 +198,8 @@ def _walk(
 
 def decode_blocks(
     words: torch.Tensor,
-    chunk_base: torch.Tensor,
-    sym_base: torch.Tensor,
-    ct_off: torch.Tensor,
-    bs_off: torch.Tensor,
-    bs_words: torch.Tensor,
-    chunk_symbols: torch.Tensor,
-    table_idx: torch.Tensor,
+    cols: DecodeColumns,
     tables: torch.Tensor,
-    table_bad: torch.Tensor,
-    fail: torch.Tensor,
     n_chunks: int,
     n_symbols: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,25 +210,22 @@ def decode_blocks(
 
     Args:
         words: int32 payload words; every offset below indexes them.
-        chunk_base: int64 [n_blocks + 1] first global chunk of each block.
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
-        ct_off: int64 [n_blocks] word offset of each block's chunk table.
-        bs_off: int64 [n_blocks] word offset of each block's bitstream.
-        bs_words: int64 [n_blocks] words in each block's bitstream.
-        chunk_symbols: int64 [n_blocks] symbols per chunk (>= 1 where the block has chunks).
-        table_idx: int64 [n_blocks] each block's table in ``tables``.
+        cols: The blocks' decode record (``decode_columns``); read: each block's first chunk and
+            symbol, chunk table and bitstream offsets, bitstream words, symbols per chunk and
+            table; written: ``TABLE_BAD`` raised to 1 where the chunk table decreases or does not
+            end at the bitstream's end, ``FAIL`` lowered to ``8 * position - DECODE_*`` of the
+            block's first failing symbol.
         tables: int32 [n_tables, ALPHABET_SIZE] tables from ``codebook.decode_tables``.
-        table_bad: int64 [n_blocks] output, raised to 1 where the chunk table decreases or does
-            not end at the bitstream's end.
-        fail: int64 [n_blocks] output, lowered to ``8 * position - DECODE_*`` of the block's
-            first failing symbol.
-        n_chunks: Total chunks (``chunk_base[-1]``).
-        n_symbols: Total symbols (``sym_base[-1]``).
+        n_chunks: Total chunks (the last ``CHUNK_BASE`` entry).
+        n_symbols: Total symbols (the last ``SYM_BASE`` entry).
 
     Returns:
         (int16 [n_symbols] symbols (uint16 bits), int32 [n_symbols] 1 where the escape symbol
         decoded).
     """
+    fields = (dc.CHUNK_BASE, dc.SYM_BASE, dc.CT_OFF, dc.BS_OFF, dc.BS_WORDS, dc.CHUNK_SYMBOLS)
+    chunk_base, sym_base, ct_off, bs_off, bs_words, chunk_symbols = map(cols.column, fields)
+    table_idx, table_bad, fail = map(cols.column, (dc.TABLE_IDX, dc.TABLE_BAD, dc.FAIL))
     dev = words.device
     out = torch.zeros(n_symbols, dtype=torch.int16, device=dev)
     is_esc = torch.zeros(n_symbols, dtype=torch.int32, device=dev)
@@ -259,27 +250,20 @@ def decode_blocks(
     return out, is_esc
 
 
-def check_escapes(
-    is_esc: torch.Tensor,
-    sym_base: torch.Tensor,
-    words: torch.Tensor,
-    esc_off: torch.Tensor,
-    n_esc: torch.Tensor,
-    esc_bad: torch.Tensor,
-) -> torch.Tensor:
+def check_escapes(is_esc: torch.Tensor, words: torch.Tensor, cols: DecodeColumns) -> torch.Tensor:
     """Ranks the decoded escapes and checks them against each block's escape positions.
 
     Args:
         is_esc: int32 [n_symbols] from :func:`decode_blocks`.
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
         words: int32 payload words.
-        esc_off: int64 [n_blocks] word offset of each block's escape positions.
-        n_esc: int64 [n_blocks] escapes each block lists.
-        esc_bad: int64 [n_blocks] output, lowered to the block's first misplaced escape.
+        cols: The blocks' decode record; read: each block's first symbol, escape positions'
+            word and escapes; written: ``ESC_BAD`` lowered to the block's first misplaced escape.
 
     Returns:
         int32 [n_symbols] inclusive count of escapes over the concatenated streams.
     """
+    fields = (dc.SYM_BASE, dc.ESC_POS_OFF, dc.N_ESC, dc.ESC_BAD)
+    sym_base, esc_off, n_esc, esc_bad = map(cols.column, fields)
     rank = torch.cumsum(is_esc, 0, dtype=torch.int32)
     g = torch.nonzero(is_esc == 1).reshape(-1)  # every decoded escape
     if g.shape[0] == 0:
@@ -297,17 +281,7 @@ def check_escapes(
     return rank
 
 
-def block_status(
-    sym_base: torch.Tensor,
-    rank: torch.Tensor,
-    n_esc: torch.Tensor,
-    has_stream: torch.Tensor,
-    refs_bad: torch.Tensor,
-    codebook_bad: torch.Tensor,
-    table_bad: torch.Tensor,
-    fail: torch.Tensor,
-    esc_bad: torch.Tensor,
-) -> torch.Tensor:
+def block_status(cols: DecodeColumns, rank: torch.Tensor) -> torch.Tensor:
     """Each block's decode status, as the CPU path would find it.
 
     Bad references first (the CPU path unpacks them before it decodes the stream), then for
@@ -315,19 +289,17 @@ def block_status(
     order (invalid code, out of bits, misplaced escape), else a missing escape.
 
     Args:
-        sym_base: int64 [n_blocks + 1] first global symbol of each block.
+        cols: The blocks' decode record; read: each block's first symbol, escapes, whether it
+            has a stream and its status rows (``REFS_BAD``, ``CODEBOOK_BAD``, ``TABLE_BAD``,
+            ``FAIL``, ``ESC_BAD``).
         rank: int32 escape ranks from :func:`check_escapes` (any 1-element tensor if empty).
-        n_esc: int64 [n_blocks] escapes each block lists.
-        has_stream: int64 [n_blocks] 1 for blocks with a Huffman stream (quantized modes).
-        refs_bad: int64 [n_blocks] 1 where the vector references are invalid.
-        codebook_bad: int64 [n_blocks] from ``codebook.decode_tables``.
-        table_bad: int64 [n_blocks] from :func:`decode_blocks`.
-        fail: int64 [n_blocks] from :func:`decode_blocks`.
-        esc_bad: int64 [n_blocks] from :func:`check_escapes`.
 
     Returns:
         int32 [n_blocks]: 0, :data:`REFS_OUT_OF_RANGE`, or a ``DECODE_*`` code.
     """
+    sym_base, n_esc, has_stream = map(cols.column, (dc.SYM_BASE, dc.N_ESC, dc.HAS_STREAM))
+    status = (dc.REFS_BAD, dc.CODEBOOK_BAD, dc.TABLE_BAD, dc.FAIL, dc.ESC_BAD)
+    refs_bad, codebook_bad, table_bad, fail, esc_bad = map(cols.column, status)
     s0, s1 = sym_base[:-1], sym_base[1:]
     r0, r1 = (torch.where(s > 0, rank[(s - 1).clamp(min=0)].to(torch.int64), 0) for s in (s0, s1))
     stream_pos = torch.where(fail != NO_FAILURE, fail >> 3, s1 - s0)

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.common import find_segment
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
 _BLOCK = 4096
@@ -266,24 +268,13 @@ def quantize_tiles(
 def _decode_output_kernel(
     words_ptr,
     halves_ptr,
-    out_base_ptr,
-    mode_ptr,
-    dtype_ptr,
-    dim_ptr,
-    n_unique_ptr,
-    src_off_ptr,
-    id_base_ptr,
-    sym_base_ptr,
-    step_ptr,
-    center_ptr,
-    esc_val_off_ptr,
-    n_esc_ptr,
-    out_off_ptr,
+    cols_ptr,
     ids_ptr,
     sym_ptr,
     rank_ptr,
     out32_ptr,
     out16_ptr,
+    stride,
     n_blocks,
     n_iter,
     BLOCK: tl.constexpr,
@@ -292,43 +283,47 @@ def _decode_output_kernel(
     # r, and its value element u * dim + j of the block's distinct vectors: raw bits from the
     # payload (raw, lz), or the dequantized symbol / escaped bits (quant, quant+lz). The output
     # and the raw / escaped values are addressed as 32-bit words or 16-bit halves by dtype.
+    # Field F of block b is at cols_ptr + F * stride + b (``decode_columns``).
     g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = g < tl.load(out_base_ptr + n_blocks)
-    b = find_segment(out_base_ptr, g, n_blocks, n_iter)
-    e = g - tl.load(out_base_ptr + b)
-    mode = tl.load(mode_ptr + b, mask=mask, other=0)
-    dtype_code = tl.load(dtype_ptr + b, mask=mask, other=1)
-    dim = tl.load(dim_ptr + b, mask=mask, other=1)
+    out_base = cols_ptr + dc.OUT_BASE * stride
+    mask = g < tl.load(out_base + n_blocks)
+    b = find_segment(out_base, g, n_blocks, n_iter)
+    e = g - tl.load(out_base + b)
+    mode = tl.load(cols_ptr + dc.MODE * stride + b, mask=mask, other=0)
+    dtype_code = tl.load(cols_ptr + dc.DTYPE * stride + b, mask=mask, other=1)
+    dim = tl.load(cols_ptr + dc.DIM * stride + b, mask=mask, other=1)
     wide = dtype_code == 1
     lz = mask & ((mode & 1) == 1)
     quant = mask & ((mode & 2) == 2)
     r = e // dim
-    u = tl.load(ids_ptr + tl.load(id_base_ptr + b, mask=lz, other=0) + r, mask=lz, other=0)
+    id_base = tl.load(cols_ptr + dc.ID_BASE * stride + b, mask=lz, other=0)
+    u = tl.load(ids_ptr + id_base + r, mask=lz, other=0)
     u = tl.where(lz, u.to(tl.int64), r)
     # Clamped: ids are unchecked until the status is read, and must not steer a read elsewhere.
-    u = tl.minimum(tl.maximum(u, 0), tl.load(n_unique_ptr + b, mask=mask, other=1) - 1)
+    n_unique = tl.load(cols_ptr + dc.N_UNIQUE * stride + b, mask=mask, other=1)
+    u = tl.minimum(tl.maximum(u, 0), n_unique - 1)
     idx = u * dim + (e - r * dim)
     plain = mask & ~quant
-    src = tl.load(src_off_ptr + b, mask=plain, other=0)
+    src = tl.load(cols_ptr + dc.SRC_OFF * stride + b, mask=plain, other=0)
     raw32 = tl.load(words_ptr + src + idx, mask=plain & wide, other=0)
     raw16 = tl.load(halves_ptr + 2 * src + idx, mask=plain & ~wide, other=0)
-    sym0 = tl.load(sym_base_ptr + b, mask=quant, other=0)
+    sym0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=quant, other=0)
     s = tl.load(sym_ptr + sym0 + idx, mask=quant, other=0).to(tl.int32) & 0xFFFF
     esc = quant & (s == _ESCAPE)
     # Escape k of the block (by rank in the stream) is its k-th escaped value.
     before = tl.load(rank_ptr + sym0 - 1, mask=esc & (sym0 > 0), other=0)
     k = (tl.load(rank_ptr + sym0 + idx, mask=esc, other=1) - 1 - before).to(tl.int64)
-    n_esc = tl.load(n_esc_ptr + b, mask=esc, other=0)
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=esc, other=0)
     k = tl.minimum(tl.maximum(k, 0), n_esc - 1)
     has = esc & (n_esc > 0)
-    val_off = tl.load(esc_val_off_ptr + b, mask=has, other=0)
+    val_off = tl.load(cols_ptr + dc.ESC_VAL_OFF * stride + b, mask=has, other=0)
     esc32 = tl.load(words_ptr + val_off + k, mask=has & wide, other=0)
     esc16 = tl.load(halves_ptr + 2 * val_off + k, mask=has & ~wide, other=0)
     # dequantize_kernel: float32(s - 2047 + center) * step (|s - 2047 + center| < 2**24: exact),
     # then the round-to-nearest-even cast of the block's dtype.
-    step_bits = tl.load(step_ptr + b, mask=quant, other=0)
+    step_bits = tl.load(cols_ptr + dc.STEP_BITS * stride + b, mask=quant, other=0)
     step = step_bits.to(tl.int32).to(tl.float32, bitcast=True)
-    center = tl.load(center_ptr + b, mask=quant, other=0)
+    center = tl.load(cols_ptr + dc.CENTER * stride + b, mask=quant, other=0)
     v = (s.to(tl.int64) - _OFFSET + center).to(tl.float32) * step
     # The per-value grid (descriptor mode bit 2): quantize.value_decode_bits.
     vb = value_decode_bits(s.to(tl.int64), value_shift(step_bits), center)
@@ -338,26 +333,14 @@ def _decode_output_kernel(
     q16 = tl.where(dtype_code == 2, half, bf16)
     val32 = tl.where(quant, tl.where(esc, esc32, v.to(tl.int32, bitcast=True)), raw32)
     val16 = tl.where(quant, tl.where(esc, esc16, q16), raw16)
-    out_off = tl.load(out_off_ptr + b, mask=mask, other=0)
+    out_off = tl.load(cols_ptr + dc.OUT_OFF * stride + b, mask=mask, other=0)
     tl.store(out32_ptr + out_off + e, val32, mask=mask & wide)
     tl.store(out16_ptr + 2 * out_off + e, val16, mask=mask & ~wide)
 
 
 def decode_outputs(
     words: torch.Tensor,
-    out_base: torch.Tensor,
-    mode: torch.Tensor,
-    dtype_code: torch.Tensor,
-    dim: torch.Tensor,
-    n_unique: torch.Tensor,
-    src_off: torch.Tensor,
-    id_base: torch.Tensor,
-    sym_base: torch.Tensor,
-    step_bits: torch.Tensor,
-    center: torch.Tensor,
-    esc_val_off: torch.Tensor,
-    n_esc: torch.Tensor,
-    out_off: torch.Tensor,
+    cols: DecodeColumns,
     ids: torch.Tensor,
     symbols: torch.Tensor,
     rank: torch.Tensor,
@@ -369,38 +352,28 @@ def decode_outputs(
 
     Args:
         words: int32 payload words (their int16 view addresses 16-bit values).
-        out_base: int64 [n_blocks + 1] first global element of each block.
-        mode: int64 [n_blocks] block modes.
-        dtype_code: int64 [n_blocks] dtype codes (1: 32-bit elements, 2 / 3: 16-bit).
-        dim: int64 [n_blocks] columns (>= 1 where the block has elements).
-        n_unique: int64 [n_blocks] vectors sent (rows for modes without references).
-        src_off: int64 [n_blocks] word offset of the raw values / distinct vectors (raw, lz).
-        id_base: int64 [n_blocks] first id of each LZ block in ``ids``.
-        sym_base: int64 [n_blocks + 1] first symbol of each quantized block in ``symbols``.
-        step_bits: int64 [n_blocks] float32 bits of the quantization step.
-        center: int64 [n_blocks] code of the block's midpoint.
-        esc_val_off: int64 [n_blocks] word offset of the escaped values.
-        n_esc: int64 [n_blocks] escapes of each block.
-        out_off: int64 [n_blocks] word offset of each block's output (word-aligned).
+        cols: The blocks' decode record; read: ``OUT_BASE``, ``MODE``, ``DTYPE`` (1: 32-bit
+            elements, 2 / 3: 16-bit), ``DIM`` (>= 1 where the block has elements), ``N_UNIQUE``,
+            ``SRC_OFF``, ``ID_BASE``, ``SYM_BASE``, ``STEP_BITS``, ``CENTER``, ``ESC_VAL_OFF``,
+            ``N_ESC``, ``OUT_OFF`` (word offset of each block's output, word-aligned).
         ids: int32 ids from ``vector_lz.unpack_refs_blocks`` (any 1-element tensor if none).
         symbols: int16 symbols from ``huffman.decode_blocks`` (any 1-element tensor if none).
         rank: int32 escape ranks from ``huffman.check_escapes`` (any 1-element tensor if none).
         n_out_words: Words of the output buffer.
-        n_elements: Total elements (``out_base[-1]``).
+        n_elements: Total elements (the last ``OUT_BASE`` entry).
 
     Returns:
-        int32 [n_out_words]: block ``b``'s elements from word ``out_off[b]``, as 32-bit words or
+        int32 [n_out_words]: block ``b``'s elements from word ``OUT_OFF[b]``, as 32-bit words or
         16-bit halves (view it as int16) by dtype.
     """
     dev = words.device
     out = torch.empty(n_out_words, dtype=torch.int32, device=dev)
     if n_elements:
-        n_blocks = mode.shape[0]
+        n_blocks = cols.n_blocks
         block = block_for(n_elements, 1024)
         _decode_output_kernel[(triton.cdiv(n_elements, block),)](
-            words, words.view(torch.int16), out_base, mode, dtype_code, dim, n_unique, src_off,
-            id_base, sym_base, step_bits, center, esc_val_off, n_esc, out_off, ids, symbols,
-            rank, out, out.view(torch.int16), n_blocks, n_blocks.bit_length(), BLOCK=block,
+            words, words.view(torch.int16), cols.cols, ids, symbols, rank, out,
+            out.view(torch.int16), cols.stride, n_blocks, n_blocks.bit_length(), BLOCK=block,
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -18,6 +18,8 @@ from torchrec_lossy.codec.quantize import (
     dequantize_reference,
     quantize_reference,
 )
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 
 
 def _block_ranges(tiles: list[list[int]]) -> dict[int, tuple[int, int]]:
@@ -138,11 +140,8 @@ def _escaped_values(
 
 
 def decode_outputs(
-    words: torch.Tensor, out_base: torch.Tensor, mode: torch.Tensor, dtype_code: torch.Tensor,
-    dim: torch.Tensor, n_unique: torch.Tensor, src_off: torch.Tensor, id_base: torch.Tensor,
-    sym_base: torch.Tensor, step_bits: torch.Tensor, center: torch.Tensor,
-    esc_val_off: torch.Tensor, n_esc: torch.Tensor, out_off: torch.Tensor, ids: torch.Tensor,
-    symbols: torch.Tensor, rank: torch.Tensor, n_out_words: int, n_elements: int,
+    words: torch.Tensor, cols: DecodeColumns, ids: torch.Tensor, symbols: torch.Tensor,
+    rank: torch.Tensor, n_out_words: int, n_elements: int,
 ) -> torch.Tensor:  # fmt: skip
     """Twin of ``kernels.quantize.decode_outputs`` (its docstring has the full contract).
 
@@ -152,19 +151,9 @@ def decode_outputs(
 
     Args:
         words: The payload as int32 words (16-bit values through its int16 view).
-        out_base: Where each block's elements start, plus the total (n_blocks + 1 entries).
-        mode: Per block, its descriptor mode.
-        dtype_code: Per block, its dtype code (1 is 32-bit, 2 and 3 are 16-bit).
-        dim: Per block, its columns.
-        n_unique: Per block, the vectors it sends.
-        src_off: Per block, the word where its raw values or distinct vectors start.
-        id_base: Per LZ block, its first entry of ``ids``.
-        sym_base: Where each block's symbols start in ``symbols`` (n_blocks + 1 entries).
-        step_bits: Per block, its step's float32 bits.
-        center: Per block, its center code.
-        esc_val_off: Per block, the word where its escaped values start.
-        n_esc: Per block, its escapes.
-        out_off: Per block, its first output word.
+        cols: The blocks' decode record (``decode_columns``): per block its mode, dtype code,
+            columns, vectors sent, raw values' word, first id, first symbol, step bits, center,
+            escaped values' word, escapes and first output word; where elements start.
         ids: Vector ids of the LZ blocks' rows.
         symbols: Decoded symbols (int16 bits).
         rank: Inclusive escape count of every symbol.
@@ -178,11 +167,11 @@ def decode_outputs(
     out = torch.zeros(n_out_words, dtype=torch.int32, device=words.device)
     if not n_elements:
         return out
-    steps = step_bits.to(torch.int32).view(torch.float32).tolist()
-    base = out_base.tolist()
-    per_block = (mode, dtype_code, dim, n_unique, src_off, id_base, sym_base, center, esc_val_off)
-    n_blocks = mode.shape[0]  # sym_base has one entry more
-    columns = zip(*(t[:n_blocks].tolist() for t in (*per_block, n_esc, out_off)), strict=True)
+    steps = cols.column(dc.STEP_BITS).to(torch.int32).view(torch.float32).tolist()
+    base = cols.column(dc.OUT_BASE).tolist()
+    per_block = (dc.MODE, dc.DTYPE, dc.DIM, dc.N_UNIQUE, dc.SRC_OFF, dc.ID_BASE, dc.SYM_BASE)
+    fields = (*per_block, dc.CENTER, dc.ESC_VAL_OFF, dc.N_ESC, dc.OUT_OFF)
+    columns = zip(*(cols.column(f)[: cols.n_blocks].tolist() for f in fields), strict=True)
     for b, (m, code, d, nu, src, idb, sb, c, ev, ne, oo) in enumerate(columns):
         e = torch.arange(base[b + 1] - base[b], device=words.device)
         if not e.numel():

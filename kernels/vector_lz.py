@@ -27,8 +27,10 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import launch_tables
 from torchrec_lossy.kernels.common import SCAN_MAX, find_segment, inclusive_scan
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
@@ -250,43 +252,39 @@ def _read_bits(words_ptr, n_words, pos, width, mask):
 
 
 @triton.jit
-def _unpack_fixed(
-    words_ptr, fixed_base_ptr, fixed_blocks_ptr, ref_off_ptr, ref_words_ptr, n_unique_ptr,
-    width_ptr, id_base_ptr, ids_ptr, bad_ptr, n_fixed, n_iter, pid, BLOCK: tl.constexpr,
-):  # fmt: skip
+def _unpack_fixed(words_ptr, cols_ptr, ids_ptr, stride, n_fixed, n_iter, pid, BLOCK: tl.constexpr):
     # REFS_FIXED: row r's id is at bit r * width; one lane per row of every such block.
     g = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = g < tl.load(fixed_base_ptr + n_fixed)
-    f = find_segment(fixed_base_ptr, g, n_fixed, n_iter)
-    b = tl.load(fixed_blocks_ptr + f, mask=mask, other=0)
-    r = g - tl.load(fixed_base_ptr + f, mask=mask, other=0)
-    width = tl.load(width_ptr + b, mask=mask, other=0)
-    n_words = tl.load(ref_words_ptr + b, mask=mask, other=0)
+    fixed_base = cols_ptr + dc.FIXED_BASE * stride
+    mask = g < tl.load(fixed_base + n_fixed)
+    f = find_segment(fixed_base, g, n_fixed, n_iter)
+    b = tl.load(cols_ptr + dc.FIXED_BLOCKS * stride + f, mask=mask, other=0)
+    r = g - tl.load(fixed_base + f, mask=mask, other=0)
+    width = tl.load(cols_ptr + dc.WIDTH * stride + b, mask=mask, other=0)
+    n_words = tl.load(cols_ptr + dc.REF_WORDS * stride + b, mask=mask, other=0)
     pos = r * width
-    refs = words_ptr + tl.load(ref_off_ptr + b, mask=mask, other=0)
+    refs = words_ptr + tl.load(cols_ptr + dc.REF_OFF * stride + b, mask=mask, other=0)
     v = _read_bits(refs, n_words, pos, width, mask)
-    ok = (pos + width <= n_words * 32) & (v < tl.load(n_unique_ptr + b, mask=mask, other=0))
-    id_ptr = ids_ptr + tl.load(id_base_ptr + b, mask=mask, other=0) + r
+    n_unique = tl.load(cols_ptr + dc.N_UNIQUE * stride + b, mask=mask, other=0)
+    ok = (pos + width <= n_words * 32) & (v < n_unique)
+    id_ptr = ids_ptr + tl.load(cols_ptr + dc.ID_BASE * stride + b, mask=mask, other=0) + r
     tl.store(id_ptr, v.to(tl.int32), mask=mask)
-    tl.atomic_max(bad_ptr + b, 1, mask=mask & ~ok, sem="relaxed")
+    tl.atomic_max(cols_ptr + dc.REFS_BAD * stride + b, 1, mask=mask & ~ok, sem="relaxed")
 
 
 @triton.jit
-def _unpack_flagged(
-    words_ptr, flagged_blocks_ptr, ref_off_ptr, ref_words_ptr, rows_ptr, n_unique_ptr, width_ptr,
-    id_base_ptr, ids_ptr, bad_ptr, k,
-):  # fmt: skip
+def _unpack_flagged(words_ptr, cols_ptr, ids_ptr, stride, k):
     # REFS_FLAGGED: a row's bits start where the previous row's end, so one program walks the
     # block (unpack_refs_kernel's loop, same checks in the same order). The bits stream through
     # a 64-bit buffer refilled a word at a time, as in the Huffman decoder, so a row costs
     # register work and a load only every 32 bits.
-    b = tl.load(flagged_blocks_ptr + k)
-    refs = words_ptr + tl.load(ref_off_ptr + b)
-    n_words = tl.load(ref_words_ptr + b)
-    rows = tl.load(rows_ptr + b)
-    n_unique = tl.load(n_unique_ptr + b)
-    width = tl.load(width_ptr + b)
-    ids = ids_ptr + tl.load(id_base_ptr + b)
+    b = tl.load(cols_ptr + dc.FLAGGED_BLOCKS * stride + k)
+    refs = words_ptr + tl.load(cols_ptr + dc.REF_OFF * stride + b)
+    n_words = tl.load(cols_ptr + dc.REF_WORDS * stride + b)
+    rows = tl.load(cols_ptr + dc.ROWS * stride + b)
+    n_unique = tl.load(cols_ptr + dc.N_UNIQUE * stride + b)
+    width = tl.load(cols_ptr + dc.WIDTH * stride + b)
+    ids = ids_ptr + tl.load(cols_ptr + dc.ID_BASE * stride + b)
     id_shift = (64 - tl.maximum(width, 1)).to(tl.uint64)
     buf = tl.zeros([], dtype=tl.uint64)  # pending bits, left-aligned
     n_buf = tl.zeros([], dtype=tl.int64)
@@ -310,56 +308,26 @@ def _unpack_flagged(
         buf = buf << tl.minimum(used, 63).to(tl.uint64)
         n_buf -= used
         r += 1
-    tl.atomic_max(bad_ptr + b, 1, mask=~ok | (seen != n_unique), sem="relaxed")
+    tl.atomic_max(
+        cols_ptr + dc.REFS_BAD * stride + b, 1, mask=~ok | (seen != n_unique), sem="relaxed"
+    )
 
 
 @triton.jit
 def _unpack_refs_blocks_kernel(
-    words_ptr,
-    fixed_base_ptr,
-    fixed_blocks_ptr,
-    flagged_blocks_ptr,
-    ref_off_ptr,
-    ref_words_ptr,
-    rows_ptr,
-    n_unique_ptr,
-    width_ptr,
-    id_base_ptr,
-    ids_ptr,
-    bad_ptr,
-    n_fixed,
-    n_iter,
-    n_fixed_programs,
-    BLOCK: tl.constexpr,
-):
+    words_ptr, cols_ptr, ids_ptr, stride, n_fixed, n_iter, n_fixed_programs, BLOCK: tl.constexpr
+):  # fmt: skip
     # Programs [0, n_fixed_programs) take the fixed-width rows, the rest one flagged block each.
+    # Field F of block b is at cols_ptr + F * stride + b (``decode_columns``).
     pid = tl.program_id(0)
     if pid < n_fixed_programs:
-        _unpack_fixed(
-            words_ptr, fixed_base_ptr, fixed_blocks_ptr, ref_off_ptr, ref_words_ptr,
-            n_unique_ptr, width_ptr, id_base_ptr, ids_ptr, bad_ptr, n_fixed, n_iter, pid, BLOCK,
-        )  # fmt: skip
+        _unpack_fixed(words_ptr, cols_ptr, ids_ptr, stride, n_fixed, n_iter, pid, BLOCK)
     else:
-        _unpack_flagged(
-            words_ptr, flagged_blocks_ptr, ref_off_ptr, ref_words_ptr, rows_ptr, n_unique_ptr,
-            width_ptr, id_base_ptr, ids_ptr, bad_ptr, pid - n_fixed_programs,
-        )  # fmt: skip
+        _unpack_flagged(words_ptr, cols_ptr, ids_ptr, stride, pid - n_fixed_programs)
 
 
 def unpack_refs_blocks(
-    words: torch.Tensor,
-    fixed_base: torch.Tensor,
-    fixed_blocks: torch.Tensor,
-    flagged_blocks: torch.Tensor,
-    ref_off: torch.Tensor,
-    ref_words: torch.Tensor,
-    rows: torch.Tensor,
-    n_unique: torch.Tensor,
-    width: torch.Tensor,
-    id_base: torch.Tensor,
-    bad: torch.Tensor,
-    n_ids: int,
-    n_fixed_rows: int,
+    words: torch.Tensor, cols: DecodeColumns, n_ids: int, n_fixed_rows: int
 ) -> torch.Tensor:
     """Unpacks and validates the references of many blocks in one launch, no sync.
 
@@ -368,34 +336,27 @@ def unpack_refs_blocks(
 
     Args:
         words: int32 payload words; offsets index them.
-        fixed_base: int64 [n_fixed + 1] first global row of each REFS_FIXED block.
-        fixed_blocks: int64 [n_fixed] block index of each REFS_FIXED block.
-        flagged_blocks: int64 [n_flagged] block index of each REFS_FLAGGED block.
-        ref_off: int64 [n_blocks] word offset of each block's references.
-        ref_words: int64 [n_blocks] words of each block's references.
-        rows: int64 [n_blocks] rows of each block.
-        n_unique: int64 [n_blocks] distinct vectors of each block.
-        width: int64 [n_blocks] bits per id (``ref_width(n_unique)``, checked by the caller).
-        id_base: int64 [n_blocks] where each block's ids start in the output.
-        bad: int64 [n_blocks] output, zeroed: 1 where ``unpack_refs_kernel`` would fail (an id
-            out of range, bits running out, or a flagged block introducing a wrong number of
-            vectors).
+        cols: The blocks' decode record; read: ``FIXED_BASE`` (first global row of each
+            REFS_FIXED block), ``FIXED_BLOCKS``, ``FLAGGED_BLOCKS``, ``REF_OFF``, ``REF_WORDS``,
+            ``ROWS``, ``N_UNIQUE``, ``WIDTH`` (``ref_width(n_unique)``, checked by the caller),
+            ``ID_BASE`` (where each block's ids start in the output). Written: ``REFS_BAD``
+            raised to 1 where ``unpack_refs_kernel`` would fail (an id out of range, bits
+            running out, or a flagged block introducing a wrong number of vectors).
         n_ids: Total rows of the LZ blocks (the output's length).
-        n_fixed_rows: Total rows of the REFS_FIXED blocks (``fixed_base[-1]``).
+        n_fixed_rows: Total rows of the REFS_FIXED blocks (the last ``FIXED_BASE`` entry).
 
     Returns:
-        int32 [n_ids] vector id of every row (unspecified where ``bad``).
+        int32 [n_ids] vector id of every row (unspecified where ``REFS_BAD``).
     """
     ids = torch.empty(n_ids, dtype=torch.int32, device=words.device)
-    n_fixed = fixed_blocks.shape[0]
+    n_fixed = cols.n_fixed
     block = 1024
     n_fixed_programs = triton.cdiv(n_fixed_rows, block)
-    grid = n_fixed_programs + flagged_blocks.shape[0]
+    grid = n_fixed_programs + cols.n_flagged
     if grid:
         _unpack_refs_blocks_kernel[(grid,)](
-            words, fixed_base, fixed_blocks, flagged_blocks, ref_off, ref_words, rows, n_unique,
-            width, id_base, ids, bad, n_fixed, max(n_fixed, 1).bit_length(), n_fixed_programs,
-            BLOCK=block,
+            words, cols.cols, ids, cols.stride, n_fixed, max(n_fixed, 1).bit_length(),
+            n_fixed_programs, BLOCK=block,
         )  # fmt: skip
     return ids
 

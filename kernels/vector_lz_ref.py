@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from torchrec_lossy.codec.vector_lz import dedupe_reference, element_keys
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 
 
 def _row_keys(
@@ -111,27 +113,18 @@ def _flagged_ids(
 
 
 def unpack_refs_blocks(
-    words: torch.Tensor, fixed_base: torch.Tensor, fixed_blocks: torch.Tensor,
-    flagged_blocks: torch.Tensor, ref_off: torch.Tensor, ref_words: torch.Tensor,
-    rows: torch.Tensor, n_unique: torch.Tensor, width: torch.Tensor, id_base: torch.Tensor,
-    bad: torch.Tensor, n_ids: int, n_fixed_rows: int,
-) -> torch.Tensor:  # fmt: skip
+    words: torch.Tensor, cols: DecodeColumns, n_ids: int, n_fixed_rows: int
+) -> torch.Tensor:
     """Twin of ``kernels.vector_lz.unpack_refs_blocks`` (its docstring has the full contract).
 
     Args:
         words: The payload as int32 words.
-        fixed_base: Where each REFS_FIXED block's rows start, plus their total.
-        fixed_blocks: The REFS_FIXED blocks.
-        flagged_blocks: The REFS_FLAGGED blocks.
-        ref_off: Per block, the word where its references start.
-        ref_words: Per block, the words of its references.
-        rows: Per block, its rows.
-        n_unique: Per block, its distinct vectors.
-        width: Per block, its id width in bits.
-        id_base: Per block, its first entry of the output.
-        bad: Per block, written: raised to 1 for a block whose references fail the checks
-            (an id not below ``n_unique``, bits running out, a flagged block introducing other
-            than ``n_unique`` vectors).
+        cols: The blocks' decode record (``decode_columns``); read: where each REFS_FIXED
+            block's rows start, the REFS_FIXED and REFS_FLAGGED blocks, and per block its
+            references' word and words, rows, distinct vectors, id width and first output entry;
+            written: ``REFS_BAD`` raised to 1 for a block whose references fail the checks (an
+            id not below ``n_unique``, bits running out, a flagged block introducing other than
+            ``n_unique`` vectors).
         n_ids: Length of the output.
         n_fixed_rows: Rows of all REFS_FIXED blocks (not needed here).
 
@@ -139,6 +132,10 @@ def unpack_refs_blocks(
         int32 [n_ids] vector id of every row; where ``bad``: a fixed block's ids as read, a
         flagged block's up to its first failure, then 0 (the launcher leaves those unspecified).
     """
+    fields = (dc.FIXED_BASE, dc.FIXED_BLOCKS, dc.FLAGGED_BLOCKS, dc.REF_OFF, dc.REF_WORDS)
+    fixed_base, fixed_blocks, flagged_blocks, ref_off, ref_words = map(cols.column, fields)
+    fields = (dc.ROWS, dc.N_UNIQUE, dc.WIDTH, dc.ID_BASE, dc.REFS_BAD)
+    rows, n_unique, width, id_base, bad = map(cols.column, fields)
     del n_fixed_rows
     ids = torch.zeros(n_ids, dtype=torch.int32, device=words.device)
     off, n_words, n_rows, uniq, widths, base = (

@@ -36,6 +36,7 @@ from torchrec_lossy.codec.format import (
     DECODE_OUT_OF_BITS,
 )
 from torchrec_lossy.kernels import codebook, codebook_ref, huffman, huffman_ref
+from torchrec_lossy.kernels import decode_columns as dc
 
 # The interpreter evaluates float casts of lanes it then masks away with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -113,7 +114,7 @@ def test_escapes_and_a_single_symbol_value(monkeypatch: pytest.MonkeyPatch) -> N
     (status,) = [c for c in calls if c.name == "block_status"]
     lengths = next(c for c in calls if c.name == "code_lengths").result
     assert (lengths > 0).sum(dim=1).eq(1).any(), "no histogram with a single symbol"
-    assert int(status.args[2].sum()) >= 4  # escapes listed
+    assert int(status.args[0].column(dc.N_ESC).sum()) >= 4  # escapes listed
 
 
 def test_empty_payload_and_zero_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,10 +155,10 @@ def sections(monkeypatch: pytest.MonkeyPatch, payload: torch.Tensor) -> dict[str
     (dec,) = [c for c in calls if c.name == "decode_blocks"]
     return {
         "codebook": int(tables.args[2][0]),
-        "chunks": int(dec.args[3][0]),
-        "stream": int(dec.args[4][0]),
-        "n_chunks": int(dec.args[1][1]),
-        "stream_words": int(dec.args[5][0]),
+        "chunks": int(dec.args[1].column(dc.CT_OFF)[0]),
+        "stream": int(dec.args[1].column(dc.BS_OFF)[0]),
+        "n_chunks": int(dec.args[1].column(dc.CHUNK_BASE)[1]),
+        "stream_words": int(dec.args[1].column(dc.BS_WORDS)[0]),
     }
 
 

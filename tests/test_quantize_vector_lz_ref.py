@@ -30,6 +30,7 @@ from kernel_calls import Call, assert_same, recorded_calls, replay
 from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, decompress
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, SEGMENT_HEADER
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import quantize, quantize_ref, vector_lz, vector_lz_ref
 
 # The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
@@ -43,8 +44,11 @@ TRITON = CodecConfig(backend="triton", huffman_chunk_symbols=64)
 def _written_halves(call: Call) -> torch.Tensor:
     """decode_outputs: which int16 halves of its output the launcher writes (the rest of its
     ``torch.empty`` buffer, a 16-bit block's padding, is unspecified)."""
-    out_base, dtype_code, out_off = (call.args[i].cpu() for i in (1, 3, 13))
-    mask = torch.zeros(2 * call.args[17], dtype=torch.bool)
+    cols = call.args[1]
+    out_base, dtype_code, out_off = (
+        cols.column(f).cpu() for f in (dc.OUT_BASE, dc.DTYPE, dc.OUT_OFF)
+    )
+    mask = torch.zeros(2 * call.args[5], dtype=torch.bool)
     for b, (code, start) in enumerate(zip(dtype_code.tolist(), out_off.tolist(), strict=True)):
         n = int(out_base[b + 1] - out_base[b]) * (2 if code == 1 else 1)
         mask[2 * start : 2 * start + n] = True
@@ -53,8 +57,9 @@ def _written_halves(call: Call) -> torch.Tensor:
 
 def _specified_ids(call: Call) -> torch.Tensor:
     """unpack_refs_blocks: the ids the launcher specifies (not those of a ``bad`` block)."""
-    bad, id_base, rows = call.args_after[10].cpu(), call.args[9].cpu(), call.args[6].cpu()
-    mask = torch.ones(call.args[11], dtype=torch.bool)
+    bad = call.args_after[1].column(dc.REFS_BAD).cpu()
+    id_base, rows = (call.args[1].column(f).cpu() for f in (dc.ID_BASE, dc.ROWS))
+    mask = torch.ones(call.args[2], dtype=torch.bool)
     for b in torch.nonzero(bad).flatten().tolist():
         mask[int(id_base[b]) : int(id_base[b] + rows[b])] = False
     return mask
@@ -161,9 +166,9 @@ def test_mixed_blocks_compress_and_decode_match(monkeypatch: pytest.MonkeyPatch)
     assert {c.args[0] is None for c in lz_calls} == {True, False}
     assert any((c.result[1] == 0).any() for c in lz_calls)
     out_calls, ref_calls = decompress_recorded(monkeypatch, payload)
-    modes = {int(m) for c in out_calls for m in c.args[2].tolist()}
+    modes = {int(m) for c in out_calls for m in c.args[1].column(dc.MODE).tolist()}
     assert {0, 1, 2, 3} <= modes, modes
-    assert any(c.args[2].numel() and c.args[3].numel() for c in ref_calls)  # fixed and flagged
+    assert any(c.args[1].n_fixed and c.args[1].n_flagged for c in ref_calls)  # fixed and flagged
 
 
 def test_value_bounds_match(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,7 +180,8 @@ def test_value_bounds_match(monkeypatch: pytest.MonkeyPatch) -> None:
     payload, q_calls, _ = compress_recorded(monkeypatch, blocks, [0.1, 0.1, 0.1], kinds=kinds)
     assert all(call.args[9].tolist() == [1, 1, 1] for call in q_calls)
     out_calls, _ = decompress_recorded(monkeypatch, payload)
-    assert any(m & 4 for c in out_calls for m in c.args[2].tolist())  # decoded on the value grid
+    modes = [m for c in out_calls for m in c.args[1].column(dc.MODE).tolist()]
+    assert any(m & 4 for m in modes)  # decoded on the value grid
 
 
 def test_stochastic_rounding_matches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,7 +263,7 @@ def test_corrupt_references_match(monkeypatch: pytest.MonkeyPatch, name: str) ->
     corrupt = bytearray(buf)
     _set_bits(corrupt, at, pos, width, value)
     _, ref_calls = decompress_recorded(monkeypatch, as_tensor(with_checksum(bytes(corrupt))))
-    assert [c.args_after[10].tolist() for c in ref_calls] == [[1]]
+    assert [c.args_after[1].column(dc.REFS_BAD).tolist() for c in ref_calls] == [[1]]
 
 
 def test_bit_flips_in_references_match(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,5 +276,5 @@ def test_bit_flips_in_references_match(monkeypatch: pytest.MonkeyPatch) -> None:
             corrupt = bytearray(buf)
             corrupt[at + int(rng.integers(4))] ^= 1 << int(rng.integers(8))
             _, ref_calls = decompress_recorded(monkeypatch, as_tensor(with_checksum(corrupt)))
-            flagged += sum(int(c.args_after[10].sum()) for c in ref_calls)
+            flagged += sum(int(c.args_after[1].column(dc.REFS_BAD).sum()) for c in ref_calls)
     assert flagged >= 1  # some flip was caught by the checks

@@ -27,7 +27,8 @@ Triton launchers, or their torch twins for ``"reference"``): decode tables from 
 decode over a global chunk table (``huffman.decode_blocks``), escape ranking and checking
 (``huffman.check_escapes``), the status per block (``huffman.block_status``) and the output
 elements (``quantize.decode_outputs``: raw copies, LZ row expansion, dequantization with escapes).
-The section offsets the host computed travel in one non-blocking host-to-device copy.
+The section offsets the host computed travel in one non-blocking host-to-device copy, as one
+record (``decode_columns.DecodeColumns``) that every decode launcher takes.
 
 The returned blocks are views into one output buffer (each block contiguous and word-aligned).
 """
@@ -73,6 +74,8 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
@@ -303,8 +306,16 @@ def _inputs(col: _Layout[np.ndarray], no_failure: int) -> _Inputs[np.ndarray]:
     )
 
 
+def _upload(col: _Inputs[np.ndarray], device: torch.device) -> DecodeColumns:
+    """Everything the kernels need from the host, as one record in one non-blocking upload."""
+    n = col.rows.shape[0]
+    (flat,) = upload([dc.stack_columns(lambda name: getattr(col, name), n)], device)
+    counts = (col.fixed_blocks, col.flagged_blocks, col.quant_blocks)
+    return DecodeColumns(flat.view(dc.N_FIELDS, n + 1), n, *(a.shape[0] for a in counts))
+
+
 def _decode_symbols(
-    words: torch.Tensor, d: _Inputs[torch.Tensor], col: _Inputs[np.ndarray], k: KernelSet
+    words: torch.Tensor, d: DecodeColumns, col: _Inputs[np.ndarray], k: KernelSet
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode tables, vector references, Huffman streams and escape ranks of every block.
 
@@ -313,40 +324,11 @@ def _decode_symbols(
     """
     dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
     n_ids, total_sym = int(col.rows[col.ref_mode >= 0].sum()), int(col.n_sym.sum())
-    tables = k.codebook.decode_tables(
-        words, d.quant_blocks, d.cb_off, d.sym_lo, d.sym_count, d.esc_len, d.codebook_bad
-    )
-    ids = k.vector_lz.unpack_refs_blocks(
-        words,
-        d.fixed_base,
-        d.fixed_blocks,
-        d.flagged_blocks,
-        d.ref_off,
-        d.ref_words,
-        d.rows,
-        d.n_unique,
-        d.width,
-        d.id_base,
-        d.refs_bad,
-        n_ids,
-        int(col.fixed_base[-1]),
-    )
-    symbols, is_esc = k.huffman.decode_blocks(
-        words,
-        d.chunk_base,
-        d.sym_base,
-        d.ct_off,
-        d.bs_off,
-        d.bs_words,
-        d.chunk_symbols,
-        d.table_idx,
-        tables,
-        d.table_bad,
-        d.fail,
-        int(col.n_chunks.sum()),
-        total_sym,
-    )
-    rank = k.huffman.check_escapes(is_esc, d.sym_base, words, d.esc_pos_off, d.n_esc, d.esc_bad)
+    fields = (dc.QUANT_BLOCKS, dc.CB_OFF, dc.SYM_LO, dc.SYM_COUNT, dc.ESC_LEN, dc.CODEBOOK_BAD)
+    tables = k.codebook.decode_tables(words, *(d.column(f) for f in fields))
+    ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, int(col.fixed_base[-1]))
+    symbols, is_esc = k.huffman.decode_blocks(words, d, tables, int(col.n_chunks.sum()), total_sym)
+    rank = k.huffman.check_escapes(is_esc, words, d)
     if not total_sym:
         symbols, rank = dummy.view(torch.int16), dummy
     return ids if n_ids else dummy, symbols, rank
@@ -381,35 +363,14 @@ def _decode_on_device(
     blocks are views of the returned int32 output words.
     """
     col = _inputs(layout, NO_FAILURE)
-    # Everything the kernels need from the host, in one upload (no sync: non-blocking).
-    d: _Inputs[torch.Tensor] = host_sync.upload_record(col, payload.device)
+    d = _upload(col, payload.device)
     words = _words(payload)
     ids, symbols, rank = _decode_symbols(words, d, col, k)
-    out = k.quantize.decode_outputs(
-        words,
-        d.out_base,
-        d.mode,
-        d.dtype,
-        d.dim,
-        d.n_unique,
-        d.src_off,
-        d.id_base,
-        d.sym_base,
-        d.step_bits,
-        d.center,
-        d.esc_val_off,
-        d.n_esc,
-        d.out_off,
-        ids,
-        symbols,
-        rank,
-        int(col.out_words.sum()),
-        int(col.n_out.sum()),
-    )
+    n_out_words, n_elements = int(col.out_words.sum()), int(col.n_out.sum())
+    out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
     codes = None
     if (col.ref_mode >= 0).any() or col.has_stream.any():  # what decoding itself can find wrong
-        bad = (d.refs_bad, d.codebook_bad, d.table_bad, d.fail, d.esc_bad)
-        codes = k.huffman.block_status(d.sym_base, rank, d.n_esc, d.has_stream, *bad)
+        codes = k.huffman.block_status(d, rank)
         if not defer_status:
             raise_status(_host(codes))  # sync 2: every decode error of every block
     return _block_views(out, col), codes, out
