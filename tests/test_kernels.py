@@ -2,8 +2,8 @@
 tests/triton_launchers.py over the batched kernels). Whole payloads through the device path are
 tests/test_device_compress.py's and tests/test_device_decompress.py's.
 
-Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which this module
-switches on (``TRITON_INTERPRET=1``) before triton or the kernels are imported. The interpreter
+Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which
+tests/conftest.py switches on (``TRITON_INTERPRET=1``) before triton is imported. The interpreter
 is slow, so the sizes here are small; larger cases carry ``@pytest.mark.slow``.
 """
 
@@ -17,14 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import host_kernels
 import numba
 import triton_launchers as launchers
-from helpers import DTYPES, bound_for, make_block
+from helpers import DEVICE, DTYPES, INTERPRETER_WARNINGS, bound_for, make_block
 
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import huffman, pipeline
@@ -42,11 +40,8 @@ from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, launch_tables
 from torchrec_lossy.kernels import quantize as k_quantize
 
-# The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
-# those lanes away.
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [0, 1, 7, 33]
 DIMS = [1, 3, 16]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
