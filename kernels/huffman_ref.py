@@ -3,8 +3,8 @@
 Same names, signatures and outputs bit for bit (results and the status rows they lower or
 raise) as the Triton launchers, for every call the device path makes. Histogram, encode,
 escape checks and block status are vectorised over all elements; the decode walks every chunk
-in lockstep, one symbol per step, as the kernel's one program per chunk does (``decode_kernel``'s
-loop, a bit position instead of a bit buffer).
+in lockstep, one symbol per step, as the kernel's one program per chunk does (the CPU decoder's
+loop, ``codec.huffman.decode_range_kernel``, with a bit position instead of a bit buffer).
 """
 
 from __future__ import annotations

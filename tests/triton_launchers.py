@@ -141,7 +141,7 @@ def _assign_kernel(
 
 
 def dedupe(symbols: torch.Tensor | None, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finds repeated rows; the result equals ``dedupe_kernel``'s.
+    """Finds repeated rows; the result equals ``host_kernels.dedupe``'s.
 
     Args:
         symbols: [rows, dim] int16 tensor of the uint16 symbols' bits, or None to compare raw
@@ -245,7 +245,7 @@ def _pack_refs_kernel(
 
 
 def pack_refs(ids: torch.Tensor, n_unique: int, mode: int) -> torch.Tensor:
-    """Packs vector ids into words, bit-identical to ``pack_refs_kernel``.
+    """Packs vector ids into words, bit-identical to ``host_kernels.pack_refs``.
 
     Args:
         ids: int32 [rows] ids numbered by first occurrence (as :func:`dedupe` returns them).
@@ -324,7 +324,7 @@ def encode(
     codes: torch.Tensor,
     chunk_symbols: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encodes the symbols of the selected rows into word-aligned chunks, like ``encode_kernel``.
+    """Encodes the symbols of the selected rows into word-aligned chunks, like host_kernels.encode.
 
     Args:
         symbols: [rows, dim] int16 tensor of the uint16 symbols' bits; every symbol encoded
@@ -360,7 +360,8 @@ def _decode_kernel(
     chunk_symbols,
     peek_shift,
 ):
-    # One program per chunk, one symbol at a time: decode_kernel's loop, scalar for scalar.
+    # One program per chunk, one symbol at a time: host_kernels.decode_kernel's loop, scalar for
+    # scalar.
     c = tl.program_id(0).to(tl.int64)
     # Clamped to the stream so a corrupt chunk table cannot make a program read out of bounds
     # (the launcher reports the bad table itself).
@@ -386,8 +387,8 @@ def _decode_kernel(
 def _escape_check_kernel(
     esc_ptr, rank_ptr, expected_ptr, bad_ptr, n, n_escapes, BLOCK: tl.constexpr
 ):
-    # decode_kernel requires the k-th escape decoded to sit at escape_positions[k]; the first
-    # position breaking that is where it would have stopped.
+    # host_kernels.decode_kernel requires the k-th escape decoded to sit at escape_positions[k];
+    # the first position breaking that is where it would have stopped.
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     is_esc = tl.load(esc_ptr + i, mask=mask, other=0) == 1
@@ -406,7 +407,7 @@ def decode(
     table: torch.Tensor,
     escape_positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decodes and validates every chunk like ``decode_kernel``, without a device sync.
+    """Decodes and validates every chunk like ``host_kernels.decode_kernel``, without a sync.
 
     Args:
         words: int32 tensor of the uint32 bitstream's bits.
@@ -419,8 +420,8 @@ def decode(
 
     Returns:
         (int16 symbols [n] (uint16 bits), int32 0-d status: 0 or the DECODE_* code
-        ``decode_kernel`` returns for the same input). The codebook check (DECODE_BAD_CODEBOOK)
-        is the caller's: it built ``table``.
+        ``host_kernels.decode_kernel`` returns for the same input). The codebook check
+        (DECODE_BAD_CODEBOOK) is the caller's: it built ``table``.
     """
     dev = words.device
     words = words.contiguous()
