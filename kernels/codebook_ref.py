@@ -16,13 +16,13 @@ from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_L
 
 
 def code_lengths(hist: torch.Tensor) -> torch.Tensor:
-    """Length-limited Huffman code lengths of many histograms, like ``code_lengths_kernel``.
+    """Twin of ``kernels.codebook.code_lengths`` (its docstring has the full contract).
 
     Args:
-        hist: int32 / int64 [n, ALPHABET_SIZE] symbol counts.
+        hist: Per histogram, its symbol counts.
 
     Returns:
-        int32 [n, ALPHABET_SIZE] code lengths (0 = unused symbol), on the histograms' device.
+        int32 code lengths of every symbol of every histogram (0: unused), on its device.
     """
     rows = hist.detach().to(torch.int64).cpu().numpy()
     out = torch.zeros(hist.shape[0], ALPHABET_SIZE, dtype=torch.int32)
@@ -95,30 +95,23 @@ def _table(lengths: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def decode_tables(
-    words: torch.Tensor,
-    blocks: torch.Tensor,
-    cb_off: torch.Tensor,
-    sym_lo: torch.Tensor,
-    sym_count: torch.Tensor,
-    escape_length: torch.Tensor,
-    bad: torch.Tensor,
-) -> torch.Tensor:
-    """12-bit one-lookup decode tables of many wire codebooks (``codebook.decode_tables``).
+    words: torch.Tensor, blocks: torch.Tensor, cb_off: torch.Tensor, sym_lo: torch.Tensor,
+    sym_count: torch.Tensor, escape_length: torch.Tensor, bad: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Twin of ``kernels.codebook.decode_tables`` (its docstring has the full contract).
 
     Args:
-        words: int32 words holding the codebooks (the payload).
-        blocks: int64 [n] block index of each table.
-        cb_off: int64 [n_blocks] word offset of each block's codebook in ``words``.
-        sym_lo: int64 [n_blocks] first value symbol of each codebook.
-        sym_count: int64 [n_blocks] value symbols in each codebook (``sym_lo + sym_count <=
-            4095``).
-        escape_length: int64 [n_blocks] code length of the escape symbol (<= 12).
-        bad: int64 [n_blocks] output: 1 where a length exceeds 12 or the Kraft sum exceeds 1
-            (that table is all -1), else 0. Only ``blocks`` are written.
+        words: The payload as int32 words.
+        blocks: Per table, its block.
+        cb_off: Per block, the word where its codebook starts.
+        sym_lo: Per block, its codebook's first value symbol.
+        sym_count: Per block, its codebook's value symbols.
+        escape_length: Per block, the escape symbol's code length.
+        bad: Per block, written for ``blocks`` only: 1 where the code is bad (a length over
+            ``MAX_CODE_LENGTH`` or a Kraft sum over 1; that table is all -1), else 0.
 
     Returns:
-        int32 [n, ALPHABET_SIZE] tables (``symbol | length << 16``, -1 for bit patterns no code
-        starts with) on the words' device.
+        int32 one-lookup tables (``symbol | length << 16``, -1 where no code starts).
     """
     tables = torch.empty(blocks.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=words.device)
     for q, b in enumerate(blocks.tolist()):

@@ -3,7 +3,7 @@
 - :func:`histogram_tiles`: per-block symbol counts of many blocks in one launch.
 - :func:`encode_chunks`: the chunks of many blocks in one pass each (a chunk table of stream
   ranges and code-table offsets; empty ranges are unused worst-case slots), no sync when the
-  caller bounds the word count; each block's words and chunk ends are ``encode_kernel``'s.
+  caller bounds the word count; each block's words and chunk ends are ``huffman.encode_into``'s.
   Three passes,
   without atomics: (1) one program per chunk sums its code lengths; (2) a prefix sum of the
   chunks' word counts gives every chunk its first word; (3) one program per chunk places each
@@ -14,8 +14,9 @@
 - :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: every block of a payload
   at once (device decompress): one program per chunk walks its bits (:func:`decode_chunk`) with
   the one-lookup tables of ``codebook.decode_tables``; a scan ranks the escapes decoded so that
-  each is checked against the escape positions; the same symbols and statuses as
-  ``decode_kernel`` (the first error in stream order), per block by atomics, without a sync.
+  each is checked against the escape positions; the same symbols and statuses as the CPU
+  decoder's ``huffman.decode_range_kernel`` (the first error in stream order), per block by
+  atomics, without a sync.
 
 The device compress builds code lengths and canonical codes on the device
 (``kernels/codebook.py``). The single-block launchers of the stage-level tests are in
@@ -246,9 +247,9 @@ def encode_chunks(
 
 @triton.jit
 def decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, n, chunk_symbols):
-    """decode_kernel's loop over one chunk, scalar for scalar: symbols ``i .. min(i +
-    chunk_symbols, n)`` from words ``w .. end`` (already clamped to the stream). Returns where it
-    stopped and the status (0, _INVALID or _OUT_OF_BITS)."""
+    """The CPU decoder's loop (``huffman.decode_range_kernel``) over one chunk, scalar for
+    scalar: symbols ``i .. min(i + chunk_symbols, n)`` from words ``w .. end`` (already clamped to
+    the stream). Returns where it stopped and the status (0, _INVALID or _OUT_OF_BITS)."""
     shift = tl.zeros([], dtype=tl.uint64) + peek_shift
     hi = tl.minimum(i + chunk_symbols, n)
     buf = tl.zeros([], dtype=tl.uint64)
@@ -296,7 +297,7 @@ _BAD_CODEBOOK: tl.constexpr = tl.constexpr(DECODE_BAD_CODEBOOK)
 def _decode_blocks_kernel(
     words_ptr, cols_ptr, tables_ptr, out_ptr, esc_ptr, stride, n_blocks, n_iter
 ):  # fmt: skip
-    # One program per chunk; the loop is decode_kernel's, scalar for scalar (as _decode_kernel).
+    # One program per chunk; the loop is the CPU decoder's, scalar for scalar.
     # Field F of block b is at cols_ptr + F * stride + b (``decode_columns``).
     c = tl.program_id(0).to(tl.int64)
     chunk_base = cols_ptr + dc.CHUNK_BASE * stride

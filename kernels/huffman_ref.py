@@ -3,23 +3,21 @@
 Same names, signatures and outputs bit for bit (results and the status rows they lower or
 raise) as the Triton launchers, for every call the device path makes. Histogram, encode,
 escape checks and block status are vectorised over all elements; the decode walks every chunk
-in lockstep, one symbol per step, as the kernel's one program per chunk does (``decode_kernel``'s
-loop, a bit position instead of a bit buffer).
+in lockstep, one symbol per step, as the kernel's one program per chunk does (the CPU decoder's
+loop, ``codec.huffman.decode_range_kernel``, with a bit position instead of a bit buffer).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec.format import (
-    ALPHABET_SIZE,
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
     DECODE_INVALID_CODE,
     DECODE_OUT_OF_BITS,
-    ESCAPE_SYMBOL,
-    MAX_CODE_LENGTH,
     REFS_OUT_OF_RANGE,
 )
 from torchrec_lossy.kernels import decode_columns as dc
@@ -50,25 +48,25 @@ def _segment_of(bases: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def histogram_tiles(
     symbols: torch.Tensor, keep: torch.Tensor, tiles: torch.Tensor, n_rows: int, block: int
 ) -> torch.Tensor:
-    """Per-segment symbol counts of the kept symbols of many segments.
+    """Twin of ``kernels.huffman.histogram_tiles`` (its docstring has the full contract).
 
     Args:
-        symbols: 1-D int16 / int32 symbols (the uint16 symbols' bits) of every segment.
-        keep: 1-D int32 / int64, same length: nonzero where a symbol counts.
-        tiles: int64 [n_tiles, 3] (first element, end element, histogram row).
-        n_rows: Number of histograms (segments).
-        block: Elements per tile (a tile counts at most its first ``block`` elements).
+        symbols: Every segment's symbols (their uint16 bits).
+        keep: Per symbol, nonzero where it counts.
+        tiles: The launch's tiles, rows (first element, end element, histogram row).
+        n_rows: Histograms to return.
+        block: Tile size: a tile counts at most its first ``block`` elements, as a program does.
 
     Returns:
-        int32 [n_rows, ALPHABET_SIZE] counts.
+        int32 [n_rows, ALPHABET_SIZE] counts of the kept symbols.
     """
     tiles = tiles.to(torch.int64)
     lo, row = tiles[:, 0], tiles[:, 2]
     idx, tile = _ranges(lo, torch.minimum(tiles[:, 1], lo + block))
     kept = keep[idx] != 0
-    bins = row[tile] * ALPHABET_SIZE + (symbols[idx].to(torch.int64) & 0xFFFF)
-    counts = torch.bincount(bins[kept], minlength=n_rows * ALPHABET_SIZE)
-    return counts.to(torch.int32).reshape(n_rows, ALPHABET_SIZE)
+    bins = row[tile] * wire.ALPHABET_SIZE + (symbols[idx].to(torch.int64) & 0xFFFF)
+    counts = torch.bincount(bins[kept], minlength=n_rows * wire.ALPHABET_SIZE)
+    return counts.to(torch.int32).reshape(n_rows, wire.ALPHABET_SIZE)
 
 
 def _code_bits(
@@ -83,36 +81,27 @@ def _code_bits(
 
 
 def encode_chunks(
-    stream: torch.Tensor,
-    chunk_lo: torch.Tensor,
-    chunk_hi: torch.Tensor,
-    chunk_table: torch.Tensor,
-    lengths: torch.Tensor,
-    codes: torch.Tensor,
-    chunk_symbols: int,
+    stream: torch.Tensor, chunk_lo: torch.Tensor, chunk_hi: torch.Tensor,
+    chunk_table: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, chunk_symbols: int,
     max_words: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encodes many chunks (of one or many blocks) into one word stream.
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Twin of ``kernels.huffman.encode_chunks`` (its docstring has the full contract).
 
-    Chunk ``c`` codes ``stream[chunk_lo[c]:chunk_hi[c]]`` with the code table starting at
-    ``chunk_table[c]`` in the stacked ``lengths`` / ``codes``, and starts on a new word after
-    chunk ``c - 1``'s; an empty range fills no word. Codes have disjoint bits, so each word is
-    the sum of the code bits put into it.
+    Every code's bit position is a prefix sum of the code lengths, moved by its chunk's padding
+    to a word boundary; codes have disjoint bits, so each word is the sum of the bits put in it.
 
     Args:
-        stream: 1-D int16 / int32 symbols (the uint16 symbols' bits).
-        chunk_lo: int64 [n_chunks] first stream position of each chunk.
-        chunk_hi: int64 [n_chunks] end (exclusive) stream position of each chunk.
-        chunk_table: int64 [n_chunks] offset of the chunk's code table in ``lengths``/``codes``.
-        lengths: int32 stacked code-length tables ([k * ALPHABET_SIZE]).
-        codes: int64 stacked canonical codes, same layout.
-        chunk_symbols: Longest chunk (unused: the Triton launcher's program block size).
-        max_words: Size of the returned word buffer (an upper bound of the words written); None
-            sizes it to the words written.
+        stream: The symbols (their uint16 bits).
+        chunk_lo: Per chunk, its first stream position.
+        chunk_hi: Per chunk, its end stream position (an empty range fills no word).
+        chunk_table: Per chunk, where its code table starts in ``lengths`` / ``codes``.
+        lengths: The stacked code-length tables.
+        codes: The stacked canonical codes.
+        chunk_symbols: Longest chunk (not needed here: it picks the launcher's block size).
+        max_words: Words to return; None: the words written.
 
     Returns:
-        (chunk_ends: int64 [n_chunks], the end word (exclusive) of each chunk in the stream;
-        words: int32 [max_words] bits of the uint32 words, zero after the last chunk).
+        (int64 per chunk, its end word; int32 words, zero after the last chunk).
     """
     dev = stream.device
     n_chunks = chunk_lo.shape[0]
@@ -150,8 +139,8 @@ def _peek(
         at = (first + k).clamp(0, words.shape[0] - 1)
         return torch.where(k < end, words[at].to(torch.int64) & _U32, 0)
 
-    window = (word(w) << MAX_CODE_LENGTH) | (word(w + 1) >> (32 - MAX_CODE_LENGTH))
-    return (window >> (32 - (pos & 31))) & (ALPHABET_SIZE - 1)
+    window = (word(w) << wire.MAX_CODE_LENGTH) | (word(w + 1) >> (32 - wire.MAX_CODE_LENGTH))
+    return (window >> (32 - (pos & 31))) & (wire.ALPHABET_SIZE - 1)
 
 
 def _walk(
@@ -175,7 +164,7 @@ def _walk(
     Returns:
         (where each chunk stopped, its status: 0, DECODE_INVALID_CODE or DECODE_OUT_OF_BITS).
     """
-    flat, table = tables.reshape(-1), table_idx * ALPHABET_SIZE
+    flat, table = tables.reshape(-1), table_idx * wire.ALPHABET_SIZE
     status = torch.zeros_like(i)
     while True:  # one symbol of every chunk still decoding per step
         active = (i < stop) & (status == 0)
@@ -191,7 +180,7 @@ def _walk(
         ok = active & ~invalid & ~short
         at = (sym0 + i)[ok]
         out[at] = sym[ok].to(torch.int16)
-        is_esc[at] = (sym[ok] == ESCAPE_SYMBOL).to(torch.int32)
+        is_esc[at] = (sym[ok] == wire.ESCAPE_SYMBOL).to(torch.int32)
         pos = pos + torch.where(ok, length, 0)
         i = i + ok.to(torch.int64)
 

@@ -67,7 +67,8 @@ def column_multipliers(dim: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _column_multipliers(dim: int) -> np.ndarray:
-    """The per-column odd multipliers of ``dedupe_kernel``'s row hash, as int64 bit patterns."""
+    """The per-column odd multipliers of the row hash (the CPU dedupe's,
+    ``vector_lz.dedupe_blocks_kernel``), as int64 bit patterns."""
     mults = np.empty(dim, dtype=np.uint64)
     m = 0x9E3779B97F4A7C15
     for j in range(dim):

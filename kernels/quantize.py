@@ -7,7 +7,8 @@ reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype ex
 the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
 blocks in one launch (a tile table: each program's element range and block, whose step, center,
 bound and dtype it reads from device arrays). The CPU twin is
-:func:`torchrec_lossy.codec.quantize.quantize_kernel`; the torch oracle is ``quantize_reference``.
+:func:`torchrec_lossy.codec.quantize.quantize_blocks_kernel`; the torch twin is
+``kernels/quantize_ref.py`` (over ``quantize_reference``).
 :func:`decode_outputs` is the decoder's last stage for every block of a payload in one launch:
 raw copies, LZ row expansion, ``dequantize_kernel`` plus the dtype cast, escaped values.
 

@@ -1,7 +1,7 @@
 """Triton vector-LZ: find repeated rows of many blocks at once, and unpack the references.
 
 :func:`representatives` gives each row the first identical row of its block, for the rows of
-many blocks in one pass (the device compress ranks them into ``dedupe_kernel``'s ids: numbered
+many blocks in one pass (the device compress ranks them into the CPU dedupe's ids, numbered
 by first occurrence), found in parallel instead of through a sequential hash table:
 
 1. ``_row_hash_kernel``: a hash of every row over the same element keys as the CPU kernel (raw
@@ -240,7 +240,8 @@ def representatives(
 
 @triton.jit
 def _read_bits(words_ptr, n_words, pos, width, mask):
-    """``width`` (0..32) bits MSB-first at bit ``pos`` of ``n_words`` words (read_bits' twin);
+    """``width`` (0..32) bits MSB-first at bit ``pos`` of ``n_words`` words (the reads of the CPU
+    ``vector_lz.unpack_refs_kernel``);
     words past the end read as 0, so nothing outside the section is touched."""
     w = pos >> 5
     hi = tl.load(words_ptr + w, mask=mask & (w < n_words), other=0).to(tl.int64) & 0xFFFFFFFF

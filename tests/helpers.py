@@ -5,6 +5,7 @@
   :func:`interesting_values`, :func:`set_field`, :func:`apply_mutation`.
 - Test blocks: :func:`make_block` (adversarial, mild or repeated data in any dtype),
   :func:`bound_for` (an absolute bound of a named kind), ``DTYPES``, ``SPECIALS``.
+- The kernel tests' device and warnings: ``DEVICE``, ``INTERPRETER_WARNINGS``.
 - CUDA sync checks: :func:`cuda_syncs_only_in_to_host`.
 
 Fixtures live in ``conftest.py``; test modules import from here, never from each other.
@@ -243,6 +244,17 @@ def bound_for(block: torch.Tensor, kind: str) -> float:
         "huge": 1e30,
     }[kind]
 
+
+# ---------------------------------------------------------------------------------------------
+# Kernel tests
+
+# Where the device path runs: the GPU, else CPU tensors in the Triton interpreter (conftest.py
+# switches it on before any test module imports triton).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# The interpreter evaluates float casts of lanes the kernels then mask away (inf - inf, NaN)
+# with numpy, which warns: kernel test modules set ``pytestmark = INTERPRETER_WARNINGS``.
+INTERPRETER_WARNINGS = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 # ---------------------------------------------------------------------------------------------
 # CUDA sync checks

@@ -8,16 +8,10 @@ small blocks).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-from helpers import corpus, cuda_syncs_only_in_to_host, make_block, parse, with_checksum
+from helpers import DEVICE, corpus, cuda_syncs_only_in_to_host, make_block, parse, with_checksum
 
 from torchrec_lossy.codec import (
     CodecConfig,
@@ -35,7 +29,6 @@ from torchrec_lossy.codec.bounds import absolute_bounds
 from torchrec_lossy.codec.container import payload_skeletons, skeleton_index
 from torchrec_lossy.codec.format import BITS_DTYPES, DESCRIPTOR, HEADER
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 CFG = CodecConfig(huffman_chunk_symbols=64)
 

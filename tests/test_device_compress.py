@@ -1,14 +1,13 @@
 """The device-resident, batched compress against the CPU path: same bytes, same stats, one sync.
 
-Without a CUDA device the kernels run on CPU tensors in the Triton interpreter (conftest.py and
-the line below switch it on before triton is imported). Sizes are small; larger cases carry
+Without a CUDA device the kernels run on CPU tensors in the Triton interpreter (conftest.py
+switches it on before triton is imported). Sizes are small; larger cases carry
 ``@pytest.mark.slow``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,19 +16,24 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from helpers import DTYPES, SPECIALS, bound_for, cuda_syncs_only_in_to_host, make_block
+from helpers import (
+    DEVICE,
+    DTYPES,
+    INTERPRETER_WARNINGS,
+    SPECIALS,
+    bound_for,
+    cuda_syncs_only_in_to_host,
+    make_block,
+)
 
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REPO = Path(__file__).resolve().parents[1]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
 

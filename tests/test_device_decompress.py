@@ -7,7 +7,6 @@ switches it on for the session), so the payloads here are small; bigger ones are
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
-from helpers import as_tensor, corpus, parse, with_checksum
+from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, corpus, parse, with_checksum
 
 from torchrec_lossy.codec import CodecConfig, CodecError, host_sync, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
@@ -35,10 +32,8 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.kernels import codebook as k_codebook
 
-# The interpreter evaluates float casts of lanes it then masks away with numpy, which warns.
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -2,9 +2,9 @@
 launchers: every call the device path makes, replayed, gives the same results bit for bit and
 leaves the buffers it is given (status rows, first-failure rows) the same.
 
-The device path runs on CPU tensors in the Triton interpreter (switched on here before triton is
-imported), so the blocks are tiny. Corrupt payloads are valid ones with a codebook, a chunk table
-or a bitstream edited (located through the recorded launcher arguments), checksum fixed.
+The device path runs on CPU tensors in the Triton interpreter (switched on by conftest.py before
+triton is imported), so the blocks are tiny. Corrupt payloads are valid ones with a codebook, a
+chunk table or a bitstream edited (located through the recorded launcher arguments), checksum fixed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -20,11 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton", reason="triton is not installed: the launchers cannot run")
 
-from helpers import as_tensor, corpus, repeated_rows, with_checksum
+from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, corpus, repeated_rows, with_checksum
 from kernel_calls import Call, assert_same, recorded_calls, replay
 
 from torchrec_lossy.codec import CodecConfig, CodecError, compress, decompress
@@ -38,10 +35,8 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.kernels import codebook, codebook_ref, huffman, huffman_ref
 from torchrec_lossy.kernels import decode_columns as dc
 
-# The interpreter evaluates float casts of lanes it then masks away with numpy, which warns.
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = CodecConfig(backend="triton", huffman_chunk_symbols=64)
 ENCODE = {"histogram_tiles", "encode_chunks", "code_lengths", "canonical_codes"}
 DECODE = {"decode_tables", "decode_blocks", "check_escapes", "block_status"}

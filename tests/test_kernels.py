@@ -5,8 +5,8 @@ torch twin (``kernels/*_ref.py``, the same call) and with the compiled host (num
 tests/test_quantize_vector_lz_ref.py, tests/test_huffman_codebook_ref.py; whole payloads through
 the device path: tests/test_device_compress.py, tests/test_device_decompress.py.
 
-Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which this module
-switches on (``TRITON_INTERPRET=1``) before triton or the kernels are imported. The interpreter
+Without a CUDA device the kernels run on CPU tensors in the Triton interpreter, which
+tests/conftest.py switches on (``TRITON_INTERPRET=1``) before triton is imported. The interpreter
 is slow, so the sizes here are small; larger cases carry ``@pytest.mark.slow``.
 """
 
@@ -22,13 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 import host_kernels
 import numba
-from helpers import DTYPES, bound_for, make_block
+from helpers import DEVICE, DTYPES, INTERPRETER_WARNINGS, bound_for, make_block
 from kernel_calls import assert_same, snapshot
 
 from torchrec_lossy.codec import format as wire
@@ -43,16 +41,14 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
 
-# The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
-# those lanes away.
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [0, 1, 7, 33]
 DIMS = [1, 3, 16]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
@@ -348,23 +344,19 @@ def decode_one(
     table = huffman.decode_table_kernel(lengths)
     assert table.shape[0], "not a prefix code"  # DECODE_BAD_CODEBOOK: codebook tests' subject
     tables = dev(np.repeat(table, ALPHABET_SIZE // table.shape[0])[None, :])
-    one = lambda v: torch.tensor([v], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    sym_base = torch.tensor([0, n], dtype=torch.int64, device=DEVICE)
-    table_bad, fail, esc_bad = one(0), one(NO_FAILURE), one(NO_FAILURE)
+    fields = {
+        "sym_base": [0, n], "chunk_base": [0, n_chunks], "quant_blocks": [0],
+        "ct_off": [0], "bs_off": [n_chunks], "bs_words": [n_words], "chunk_symbols": [chunk],
+        "esc_pos_off": [n_chunks + n_words], "n_esc": [esc.shape[0]], "has_stream": [1],
+        "fail": [NO_FAILURE], "esc_bad": [NO_FAILURE],
+    }  # fmt: skip
+    host_cols = dc.stack_columns(lambda name: np.array(fields.get(name, [0]), np.int64), 1)
+    cols = dc.DecodeColumns(torch.from_numpy(host_cols).to(DEVICE), 1, 0, 0, 1)
     out, is_esc = with_twin(
-        k_huffman.decode_blocks, huffman_ref.decode_blocks, payload,
-        torch.tensor([0, n_chunks], dtype=torch.int64, device=DEVICE), sym_base, one(0),
-        one(n_chunks), one(n_words), one(chunk), one(0), tables, table_bad, fail, n_chunks, n,
-    )  # fmt: skip
-    n_esc = one(esc.shape[0])
-    rank = with_twin(
-        k_huffman.check_escapes, huffman_ref.check_escapes, is_esc, sym_base, payload,
-        one(n_chunks + n_words), n_esc, esc_bad,
-    )  # fmt: skip
-    status = with_twin(
-        k_huffman.block_status, huffman_ref.block_status, sym_base, rank, n_esc, one(1), one(0),
-        one(0), table_bad, fail, esc_bad,
-    )  # fmt: skip
+        k_huffman.decode_blocks, huffman_ref.decode_blocks, payload, cols, tables, n_chunks, n
+    )
+    rank = with_twin(k_huffman.check_escapes, huffman_ref.check_escapes, is_esc, payload, cols)
+    status = with_twin(k_huffman.block_status, huffman_ref.block_status, cols, rank)
     return host(out, np.uint16), int(status[0])
 
 

@@ -2,8 +2,8 @@
 Triton launchers they stand for, call for call.
 
 Each test runs the real device path (``backend="triton"``; on CPU tensors the Triton
-interpreter, switched on here before triton is imported), records every call the orchestration
-makes to ``quantize_tiles`` / ``representatives`` (compress) or ``decode_outputs`` /
+interpreter, switched on by conftest.py before triton is imported), records every call the
+orchestration makes to ``quantize_tiles`` / ``representatives`` (compress) or ``decode_outputs`` /
 ``unpack_refs_blocks`` (decompress), replays it on the twin and asserts the result and the
 arguments after the call are the launcher's, bit for bit. What a launcher leaves unspecified
 (``torch.empty`` it does not write) is masked out, and only that.
@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
 pytest.importorskip("triton", reason="triton is not installed: the Triton launchers cannot run")
 
-from helpers import as_tensor, parse, repeated_rows, with_checksum
+from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, parse, repeated_rows, with_checksum
 from kernel_calls import Call, assert_same, recorded_calls, replay
 
 from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, decompress
@@ -33,11 +30,8 @@ from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED,
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import quantize, quantize_ref, vector_lz, vector_lz_ref
 
-# The interpreter evaluates inf - inf and NaN casts with numpy, which warns; the kernels select
-# those lanes away.
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = INTERPRETER_WARNINGS
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = CodecConfig(backend="triton", huffman_chunk_symbols=64)
 
 

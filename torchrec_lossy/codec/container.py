@@ -1,4 +1,4 @@
-"""The payload container: header, block descriptors, checksum and the bounds-checked reader.
+"""The payload container: header, block descriptors, checksums and the payloads' skeletons.
 
 One module for what wraps the blocks' segments (docs/format.md), used by the host path
 (``pipeline``) and the device paths (``device_compress``, ``device_decompress``, ``grouped``)

@@ -67,9 +67,9 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     REFS_OUT_OF_RANGE,
-    SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
     CodecError,
+    segment_header_fields,
     segment_layout,
     words_for_bytes,
 )
@@ -163,11 +163,16 @@ class _Inputs(_Layout[_Array]):
     esc_bad: _Array
 
 
-def _segment_headers(body: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """Every block's segment header, read in place (garbage for raw or short segments, which
-    never use them): ``SEGMENT_HEADER`` records."""
+def _segment_headers(body: np.ndarray, start: np.ndarray) -> tuple:
+    """Every block's segment header fields, read in place by ``format.segment_header_fields``
+    (garbage for raw or short segments, which never use them).
+
+    Returns:
+        ``[n_blocks]`` arrays in ``SEGMENT_HEADER`` order but ``reserved``: ``step`` float32,
+        the rest int64 (as ``segment_layout`` takes them).
+    """
     idx = np.minimum(start[:, None] + np.arange(SEGMENT_HEADER_WORDS), body.shape[0] - 1)
-    return np.ascontiguousarray(body[idx]).view(SEGMENT_HEADER).reshape(start.shape[0])
+    return segment_header_fields(body[idx].astype(np.int64).T)
 
 
 def _layout(
@@ -193,12 +198,11 @@ def _layout(
     rows, dim, dtype, mode, seg = (
         descs[name].astype(np.int64) for name in ("rows", "dim", "dtype", "mode", "seg_words")
     )
-    sh = _segment_headers(body, offsets[:-1])
-    header = [sh[name].astype(np.int64) for name in SEGMENT_HEADER.names[1:11]]
+    step, *header = _segment_headers(body, offsets[:-1])
     center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = header
     itemsize = np.where(dtype == 1, 4, 2)  # float32, else a 16-bit dtype
     ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off = segment_layout(
-        (mode, rows, dim, itemsize, seg), (sh["step"], *header)
+        (mode, rows, dim, itemsize, seg), (step, *header)
     )
     if not ok.all():
         return None
@@ -218,7 +222,7 @@ def _layout(
         ref_mode=np.where(lz, ref_mode, -1),
         width=np.where(lz, width, 0),
         has_stream=quant.astype(np.int64),
-        step_bits=np.ascontiguousarray(sh["step"]).view(np.int32).astype(np.int64),
+        step_bits=step.view(np.int32).astype(np.int64),
         center=np.where(quant, center, 0),
         cb_off=base + head,
         sym_lo=np.where(quant, lo, 0),

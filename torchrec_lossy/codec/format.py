@@ -309,8 +309,8 @@ def segment_layout(desc: tuple, header: tuple) -> tuple:
     """Where each section of a block's segment lies, and whether the segment is well-formed.
 
     The one reading of docs/format.md's segment layout that the batched host decoder (per
-    block, compiled) and the device decoder's planner (over ``[n_blocks]`` arrays) use; the
-    per-block reference decoder makes the same checks one section at a time, to name the error.
+    block, compiled) and the device decoder's planner (over ``[n_blocks]`` arrays) use; for a
+    block it rejects, the host decoder (``host_decompress``) names the check that failed.
     Element-wise over ints, numpy arrays, torch tensors and numba scalars.
 
     Args:

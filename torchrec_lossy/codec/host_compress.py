@@ -5,8 +5,9 @@ The blocks are concatenated (values, raw bits, rows) with per-block offsets, and
 bounds, quantization, vector-LZ, Huffman planning, the mode choice, the payload writer, the
 descriptors, headers and checksums. No Python runs per block, and the fixed cost of a call is a
 few numpy / torch calls around the compiled one, so small all-to-all payloads pay for their
-bytes, not for the stages. The bytes are those of the stage-by-stage path (``staged`` with
-``ReferenceOps``, the test oracle), and the mode choice is ``size_model``'s, the relative bound
+bytes, not for the stages. The bytes are those of the device path (``device_compress``, over
+the Triton kernels or their torch twins ``kernels/*_ref.py``: the ``"reference"`` backend, the
+test oracle), and the mode choice is ``size_model``'s, the relative bound
 ``bounds.finite_span``'s and the checksum ``format``'s, shared with the device path (the first
 two compile into the kernel through ``elementwise``). Its reader is
 :mod:`torchrec_lossy.codec.host_decompress`.
@@ -614,7 +615,7 @@ def compress_blocks(
 def _group_keys(
     groups: tuple[int, ...], stochastic: bool, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """int64 blocks per group and each block's rounding key (``staged.sr_keys``: counted
+    """int64 blocks per group and each block's rounding key (``quantize.block_keys``: counted
     within its own payload), once per layout and seed rather than per call (the kernel only
     reads them)."""
     local = np.array([i for n in groups for i in range(n)], np.int64)
