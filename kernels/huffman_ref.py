@@ -186,12 +186,8 @@ def _walk(
 
 
 def decode_blocks(
-    words: torch.Tensor,
-    cols: DecodeColumns,
-    tables: torch.Tensor,
-    n_chunks: int,
-    n_symbols: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    words: torch.Tensor, cols: DecodeColumns, tables: torch.Tensor, n_chunks: int, n_symbols: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Decodes the Huffman streams of many blocks, every chunk at once.
 
     Each chunk reads its block's bitstream between its chunk-table entries (clamped to the
