@@ -29,7 +29,6 @@ from torchrec_lossy.codec.huffman import (
     canonical_codes_kernel,
     code_lengths_kernel,
     decode_range_kernel,
-    symbol_range_kernel,
     unpack_codebook_into,
 )
 from torchrec_lossy.codec.quantize import NEAREST_KEY, quantize_blocks_kernel
@@ -224,6 +223,19 @@ def encode_reference(
         words += [int(bits[k : k + 32], 2) for k in range(0, len(bits), 32)]
         chunk_ends.append(len(words))
     return chunk_ends, words
+
+
+@numba.njit(cache=True, nogil=True)
+def symbol_range_kernel(lengths: np.ndarray) -> tuple[int, int]:
+    """(lowest used value symbol, span of used value symbols) of a code, escape excluded."""
+    lo = -1
+    hi = -1
+    for s in range(ALPHABET_SIZE - 1):
+        if lengths[s] > 0:
+            if lo < 0:
+                lo = s
+            hi = s
+    return (0, 0) if lo < 0 else (lo, hi - lo + 1)
 
 
 @numba.njit(cache=True, nogil=True)

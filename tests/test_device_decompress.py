@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
+import host_kernels
 from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, corpus, parse, with_checksum
 
 from torchrec_lossy.codec import CodecConfig, CodecError, host_sync, huffman, pipeline
@@ -462,7 +463,7 @@ def test_non_payloads_are_rejected() -> None:
 
 
 def _wire_codebook(lengths: np.ndarray) -> tuple[np.ndarray, int, int, int]:
-    lo, count = huffman.symbol_range_kernel(lengths)
+    lo, count = host_kernels.symbol_range_kernel(lengths)
     nib = huffman.pack_codebook_kernel(lengths, lo, count)
     nib = np.concatenate([nib, np.zeros(-nib.shape[0] % 4, np.uint8)])
     return nib.view(np.int32), lo, count, int(lengths[-1])

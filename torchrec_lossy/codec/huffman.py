@@ -18,7 +18,6 @@ import numba
 import numpy as np
 
 from torchrec_lossy.codec.format import (
-    ALPHABET_SIZE,
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
     DECODE_BAD_ESCAPES,
@@ -291,19 +290,6 @@ def plan_blocks_kernel(
                     row = blk[sel[k] * dim : (sel[k] + 1) * dim]
                     _histogram4(row, base, esc, hists, mult[k] - 1)
         _plan_into(hists, base, codes, b)
-
-
-@numba.njit(cache=True, nogil=True)
-def symbol_range_kernel(lengths: np.ndarray) -> tuple[int, int]:
-    """(lowest used value symbol, span of used value symbols) of a code, escape excluded."""
-    lo = -1
-    hi = -1
-    for s in range(ALPHABET_SIZE - 1):
-        if lengths[s] > 0:
-            if lo < 0:
-                lo = s
-            hi = s
-    return (0, 0) if lo < 0 else (lo, hi - lo + 1)
 
 
 @numba.njit(cache=True, nogil=True)
