@@ -29,6 +29,7 @@ from helpers import (
 )
 
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
+from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook
 
@@ -75,11 +76,11 @@ def _histograms() -> list[np.ndarray]:
         fib.append(fib[-1] + fib[-2])
     out = []
     for kind in range(10):
-        h = np.zeros(huffman.ALPHABET_SIZE, np.int64)
+        h = np.zeros(ALPHABET_SIZE, np.int64)
         if kind == 1:
             h[17] = 5  # one symbol: length 1
         elif kind == 2:
-            h[[3, huffman.ESCAPE_SYMBOL]] = 1
+            h[[3, ESCAPE_SYMBOL]] = 1
         elif kind == 3:
             h[:40] = rng.integers(1, 5, 40)  # many ties
         elif kind == 4:
@@ -88,7 +89,7 @@ def _histograms() -> list[np.ndarray]:
             h[100:142] = fib  # the deepest tree 42 symbols make
         elif kind == 6:
             h[rng.choice(4095, 120, replace=False)] = rng.integers(1, 3, 120)
-            h[huffman.ESCAPE_SYMBOL] = 9
+            h[ESCAPE_SYMBOL] = 9
         elif kind >= 7:
             h[2000 : 2000 + 8 * kind] = np.exp(rng.normal(0, 4, 8 * kind)).astype(np.int64) + 1
         out.append(h)
@@ -109,8 +110,8 @@ def test_code_lengths_and_codes_match_cpu() -> None:
 
 
 def test_code_lengths_of_no_histogram() -> None:
-    empty = torch.zeros(0, huffman.ALPHABET_SIZE, dtype=torch.int64, device=DEVICE)
-    assert codebook.code_lengths(empty).shape == (0, huffman.ALPHABET_SIZE)
+    empty = torch.zeros(0, ALPHABET_SIZE, dtype=torch.int64, device=DEVICE)
+    assert codebook.code_lengths(empty).shape == (0, ALPHABET_SIZE)
 
 
 # ------------------------------------------------------------------------------------------------
