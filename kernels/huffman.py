@@ -29,25 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_lossy.codec.format import (
-    ALPHABET_SIZE,
-    DECODE_BAD_CHUNK_TABLE,
-    DECODE_BAD_CODEBOOK,
-    DECODE_BAD_ESCAPES,
-    DECODE_INVALID_CODE,
-    DECODE_OUT_OF_BITS,
-    ESCAPE_SYMBOL,
-    REFS_OUT_OF_RANGE,
-)
+from torchrec_lossy.codec import format as wire
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.common import SCAN_SUM, find_segment, inclusive_scan
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for
 
-_ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
-_ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
-_INVALID: tl.constexpr = tl.constexpr(DECODE_INVALID_CODE)
-_OUT_OF_BITS: tl.constexpr = tl.constexpr(DECODE_OUT_OF_BITS)
+_ALPHABET: tl.constexpr = tl.constexpr(wire.ALPHABET_SIZE)
+_ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)
+_INVALID: tl.constexpr = tl.constexpr(wire.DECODE_INVALID_CODE)
+_OUT_OF_BITS: tl.constexpr = tl.constexpr(wire.DECODE_OUT_OF_BITS)
 _HIST_BLOCK = 4096
 _ENCODE_BLOCK = 1024
 
@@ -85,7 +76,7 @@ def histogram_tiles(
     Returns:
         int32 [n_rows, ALPHABET_SIZE] counts. Nothing is synced.
     """
-    hist = torch.zeros(n_rows, ALPHABET_SIZE, dtype=torch.int32, device=symbols.device)
+    hist = torch.zeros(n_rows, wire.ALPHABET_SIZE, dtype=torch.int32, device=symbols.device)
     if tiles.shape[0]:
         _histogram_tiles_kernel[(tiles.shape[0],)](
             symbols.contiguous(),
@@ -287,10 +278,10 @@ def decode_chunk(words_ptr, w, end, table_ptr, peek_shift, out_ptr, esc_ptr, i, 
 # lowered by atomics, so the result does not depend on the order programs run in.
 
 _NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
-_REFS_BAD: tl.constexpr = tl.constexpr(REFS_OUT_OF_RANGE)
-_BAD_ESCAPES: tl.constexpr = tl.constexpr(DECODE_BAD_ESCAPES)
-_BAD_TABLE: tl.constexpr = tl.constexpr(DECODE_BAD_CHUNK_TABLE)
-_BAD_CODEBOOK: tl.constexpr = tl.constexpr(DECODE_BAD_CODEBOOK)
+_REFS_BAD: tl.constexpr = tl.constexpr(wire.REFS_OUT_OF_RANGE)
+_BAD_ESCAPES: tl.constexpr = tl.constexpr(wire.DECODE_BAD_ESCAPES)
+_BAD_TABLE: tl.constexpr = tl.constexpr(wire.DECODE_BAD_CHUNK_TABLE)
+_BAD_CODEBOOK: tl.constexpr = tl.constexpr(wire.DECODE_BAD_CODEBOOK)
 
 
 @triton.jit

@@ -354,6 +354,44 @@ def stream_layout(table: np.ndarray, chunk_ends: np.ndarray, n_words: int) -> in
     return peek
 
 
+# What :func:`next_symbol` returns instead of a symbol when the stream is bad.
+INVALID_CODE = -1
+OUT_OF_BITS = -2
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def next_symbol(
+    words: np.ndarray, w: int, end: int, buf: np.uint64, n_bits: int, table: np.ndarray,
+    shift_peek: np.uint64,
+) -> tuple[int, int, np.uint64, int]:  # fmt: skip
+    """Reads one symbol of a chunk: the step of every CPU decoder of a chunked stream.
+
+    Args:
+        words: uint32 stream.
+        w: Next word to load into the bit buffer.
+        end: The chunk's end word.
+        buf: Bit buffer, the next bit in its top bit.
+        n_bits: Valid bits in ``buf``.
+        table: From :func:`decode_table_kernel`.
+        shift_peek: ``64 - peek`` (:func:`stream_layout`).
+
+    Returns:
+        (the symbol's index in the code, or :data:`INVALID_CODE` / :data:`OUT_OF_BITS`;
+        ``w``, ``buf``, ``n_bits`` after it).
+    """
+    while n_bits <= 32 and w < end:
+        buf |= np.uint64(words[w]) << np.uint64(32 - n_bits)
+        n_bits += 32
+        w += 1
+    entry = table[np.int64(buf >> shift_peek)]
+    if entry < 0:
+        return INVALID_CODE, w, buf, n_bits
+    length = entry >> 16
+    if length > n_bits:
+        return OUT_OF_BITS, w, buf, n_bits
+    return entry & 0xFFFF, w, buf << np.uint64(length), n_bits - length
+
+
 @numba.njit(cache=True, nogil=True)
 def decode_range_kernel(
     words: np.ndarray,
@@ -391,17 +429,9 @@ def decode_range_kernel(
         n_bits = 0
         w = start
         for i in range(c * chunk_symbols, min(n, (c + 1) * chunk_symbols)):
-            while n_bits <= 32 and w < end:
-                buf |= np.uint64(words[w]) << np.uint64(32 - n_bits)
-                n_bits += 32
-                w += 1
-            entry = table[np.int64(buf >> shift_peek)]
-            if entry < 0:
-                return DECODE_INVALID_CODE
-            length = entry >> 16
-            if length > n_bits:
-                return DECODE_OUT_OF_BITS
-            sym = entry & 0xFFFF
+            sym, w, buf, n_bits = next_symbol(words, w, end, buf, n_bits, table, shift_peek)
+            if sym < 0:
+                return DECODE_INVALID_CODE if sym == INVALID_CODE else DECODE_OUT_OF_BITS
             if sym == escape:
                 if k >= n_escapes or escape_positions[k] != i:
                     return DECODE_BAD_ESCAPES
@@ -409,8 +439,6 @@ def decode_range_kernel(
                 out[i] = ESCAPE_SYMBOL
             else:
                 out[i] = sym_lo + sym
-            buf <<= np.uint64(length)
-            n_bits -= length
         start = end
     return 0 if k == n_escapes else DECODE_BAD_ESCAPES
 

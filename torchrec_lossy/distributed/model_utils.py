@@ -22,19 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchrec_lossy.distributed import EXPORTS
 from torchrec_lossy.distributed.pooled_decode import read_checked
 from torchrec_lossy.distributed.sequence_sharder import LossyShardedEmbeddingCollection
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
 
-__all__ = [
-    "bounds_state",
-    "check_lossy_decodes",
-    "load_bounds_state",
-    "lossy_modules",
-    "lossy_stats",
-    "step_lossy_bounds",
-]
+__all__ = EXPORTS[__name__]
 
 
 LossyModule = LossyShardedEmbeddingBagCollection | LossyShardedEmbeddingCollection
