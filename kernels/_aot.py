@@ -60,8 +60,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("huffman", "block_status_kernel", "*i64 *i32 *i32 i32 i32", {"BLOCK": 1024}, {}),
     ("codebook", "code_lengths_kernel", "*i64 *i64 *i64 *i64 *i32 *i32", {"BLOCK": 1024},
      {"num_warps": 1}),
-    ("codebook", "decode_table_kernel", "*i32 " + "*i64 " * 5 + "*i32 *i32 *i64", {},
-     {"num_warps": 8}),
+    ("codebook", "decode_table_kernel", "*i32 *i64 i32 *i32 *i32", {}, {"num_warps": 8}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]
