@@ -60,6 +60,7 @@ class _Batch:
         from torchrec_lossy.kernels import codebook
         from torchrec_lossy.kernels import huffman as k_huffman
         from torchrec_lossy.kernels import quantize as k_quantize
+        from torchrec_lossy.kernels.encode_columns import encode_columns
         from torchrec_lossy.kernels.launch_tables import tile_table
 
         quant = [
@@ -73,27 +74,28 @@ class _Batch:
         sizes = np.array([b.numel() for b, _, _ in quant], np.int64)
         self.tiles = torch.from_numpy(tile_table(sizes, self.block)).to(dev)
 
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+        def col(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype)
 
         self.x = torch.cat([b.reshape(-1).float() for b, _, _ in quant]).to(dev)
-        self.params = (
-            col([p.step for _, _, p in quant], torch.float32),
-            col([p.inv_step for _, _, p in quant], torch.float32),
-            col([p.center for _, _, p in quant], torch.int64),
-            col([eb for _, eb, _ in quant], torch.float64),
-            col([DTYPE_CODES[b.dtype] for b, _, _ in quant], torch.int32),
-        )
         bits = [b.contiguous().view(BITS_DTYPES[b.dtype]).to(torch.int32) for b, _, _ in quant]
         self.bits = torch.cat([t.reshape(-1) for t in bits]).to(dev)
-        rows = [b.shape[0] for b, _, _ in quant]
-        dims = np.repeat([b.shape[1] for b, _, _ in quant], rows)
+        rows = np.array([b.shape[0] for b, _, _ in quant], np.int64)
+        dims = np.array([b.shape[1] for b, _, _ in quant], np.int64)
         self.max_dim = int(dims.max()) if dims.size else 1
-        self.row_off = torch.from_numpy(np.cumsum(dims) - dims).to(dev)
-        self.row_dim = torch.from_numpy(dims.astype(np.int32)).to(dev)
-        self.row_blk = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int32), rows))
-        self.row_blk = self.row_blk.to(dev)
-        self.sym = k_quantize.quantize_tiles(self.x, self.tiles, *self.params, self.block)[0]
+        self.cols = encode_columns(
+            len(quant), dev,
+            step=col([p.step for _, _, p in quant], torch.float32),
+            inv_step=col([p.inv_step for _, _, p in quant], torch.float32),
+            center=col([p.center for _, _, p in quant]),
+            bound=col([eb for _, eb, _ in quant], torch.float64),
+            dtype=col([DTYPE_CODES[b.dtype] for b, _, _ in quant]),
+            elem_off=torch.from_numpy(np.cumsum(sizes) - sizes),
+            row_off=torch.from_numpy(np.cumsum(rows) - rows),
+            dim=torch.from_numpy(dims),
+        )  # fmt: skip
+        self.row_blk = torch.from_numpy(np.repeat(np.arange(len(quant)), rows)).to(dev)
+        self.sym = k_quantize.quantize_tiles(self.x, self.tiles, self.cols, self.block)[0]
         self.keep = torch.ones_like(self.sym, dtype=torch.int32)
         self.hist = k_huffman.histogram_tiles(self.sym, self.keep, self.tiles, len(quant), 4096)
         self.lengths = codebook.code_lengths(self.hist)
@@ -116,10 +118,10 @@ def _stage_fns(batch: _Batch) -> dict[str, Callable[[], object]]:
     stream = b.sym.to(torch.int32)
     return {
         "quantize_tiles (+ escapes + histograms)": lambda: k_quantize.quantize_tiles(
-            b.x, b.tiles, *b.params, b.block
+            b.x, b.tiles, b.cols, b.block
         ),
         "representatives (vector-LZ, quantized)": lambda: k_vector_lz.representatives(
-            b.sym, b.bits, b.row_off, b.row_dim, b.row_blk, b.max_dim
+            b.sym, b.bits, b.row_blk, b.cols, b.max_dim
         ),
         "histogram_tiles": lambda: k_huffman.histogram_tiles(
             b.sym, b.keep, b.tiles, b.n_blocks, b.block

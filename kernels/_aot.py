@@ -37,13 +37,12 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("common", "scan_reduce_kernel", "*{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
     ("common", "scan_partials_kernel", "*{t} i32", {"OP": "ops", "BLOCK": 1024}, {"num_warps": 4}),
     ("common", "scan_apply_kernel", "*{t} *{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
-    ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *fp32 *fp32 *i64 *fp64 *i32 "
-     "*i64 *i64 *i64", {"BLOCK": 4096}, NO_FMA),
+    ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *i64", {"BLOCK": 4096}, NO_FMA),
     ("quantize", "decode_output_kernel", "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32",
      {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": False}),
-    ("vector_lz", "row_hash_kernel", "*i16 *i32 *i64 *i64 *i64 *i32 *i32 i32 i32",
+    ("vector_lz", "row_hash_kernel", "*i16 *i32 *i64 *i64 *i64 *i64 i32",
      {"RAW": (True, False), "BLOCK_R": 64, "BLOCK_D": 32}, {}),
-    ("vector_lz", "verify_kernel", "*i16 *i32 *i64 *i32 *i32 *i32 *i64 *i32 i32 i32",
+    ("vector_lz", "verify_kernel", "*i16 *i32 *i64 *i32 *i32 *i64 *i64 i32",
      {"RAW": (True, False), "BLOCK_R": 64, "BLOCK_D": 32}, {}),
     ("vector_lz", "run_flag_kernel", "*i64 *i32 i32", {"BLOCK": 1024}, {}),
     ("vector_lz", "unpack_refs_blocks_kernel", "*i32 *i64 *i32 i32 i32 i32 i32", {"BLOCK": 1024},
@@ -61,8 +60,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("huffman", "block_status_kernel", "*i64 *i32 *i32 i32 i32", {"BLOCK": 1024}, {}),
     ("codebook", "code_lengths_kernel", "*i64 *i64 *i64 *i64 *i32 *i32", {"BLOCK": 1024},
      {"num_warps": 1}),
-    ("codebook", "decode_table_kernel", "*i32 " + "*i64 " * 5 + "*i32 *i32 *i64", {},
-     {"num_warps": 8}),
+    ("codebook", "decode_table_kernel", "*i32 *i64 i32 *i32 *i32", {}, {"num_warps": 8}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]

@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
+from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.codebook_ref import canonical_codes as canonical_codes
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _MAX_LEN: tl.constexpr = tl.constexpr(MAX_CODE_LENGTH)
@@ -159,27 +161,18 @@ def code_lengths(hist: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _decode_table_kernel(
-    words_ptr,
-    blocks_ptr,
-    cb_off_ptr,
-    lo_ptr,
-    count_ptr,
-    esc_len_ptr,
-    sorted_ptr,
-    table_ptr,
-    bad_ptr,
-):
+def _decode_table_kernel(words_ptr, cols_ptr, stride, sorted_ptr, table_ptr):
     # One program per codebook. Canonical codes ordered by (length, symbol) tile the 12-bit
     # index space in that order, so entry t belongs to the k-th code of the length class whose
     # span holds t: the class is found by comparing t with the 12 class bases, the symbol by
-    # its position in (length, symbol) order (scattered to `sorted` first).
+    # its position in (length, symbol) order (scattered to `sorted` first). Field F of block b
+    # is at cols_ptr + F * stride + b (``decode_columns``).
     q = tl.program_id(0).to(tl.int64)
-    b = tl.load(blocks_ptr + q)
-    off = tl.load(cb_off_ptr + b)
-    lo = tl.load(lo_ptr + b).to(tl.int32)
-    count = tl.load(count_ptr + b).to(tl.int32)
-    esc_len = tl.load(esc_len_ptr + b).to(tl.int32)
+    b = tl.load(cols_ptr + dc.QUANT_BLOCKS * stride + q)
+    off = tl.load(cols_ptr + dc.CB_OFF * stride + b)
+    lo = tl.load(cols_ptr + dc.SYM_LO * stride + b).to(tl.int32)
+    count = tl.load(cols_ptr + dc.SYM_COUNT * stride + b).to(tl.int32)
+    esc_len = tl.load(cols_ptr + dc.ESC_LEN * stride + b).to(tl.int32)
     s = tl.arange(0, _ALPHABET)
     # Wire codebook: lengths of symbols lo .. lo + count - 1, 4 bits each, low nibble first,
     # i.e. nibble k is bits 4 * (k % 8) of little-endian word k // 8.
@@ -221,49 +214,36 @@ def _decode_table_kernel(
     p = cls_first + (s - cls_base) // cls_unit  # the k-th code of its class
     sym = tl.load(srt + p, mask=valid, other=0)
     tl.store(table_ptr + q * _ALPHABET + s, tl.where(valid, sym | (cls << 16), -1))
-    tl.store(bad_ptr + b, bad.to(tl.int64))
+    tl.store(cols_ptr + dc.CODEBOOK_BAD * stride + b, bad.to(tl.int64))
 
 
-def decode_tables(
-    words: torch.Tensor,
-    blocks: torch.Tensor,
-    cb_off: torch.Tensor,
-    sym_lo: torch.Tensor,
-    sym_count: torch.Tensor,
-    escape_length: torch.Tensor,
-    bad: torch.Tensor,
-) -> torch.Tensor:
+def decode_tables(words: torch.Tensor, cols: DecodeColumns) -> torch.Tensor:
     """12-bit one-lookup decode tables of many wire codebooks, in one launch.
 
-    Table ``q`` is ``huffman.decode_table_kernel`` of block ``blocks[q]``'s code lengths,
+    Table ``q`` is ``huffman.decode_table_kernel`` of block ``QUANT_BLOCKS[q]``'s code lengths,
     widened to ``2**MAX_CODE_LENGTH`` entries (each entry of a ``peek``-bit table repeated
     ``2**(12 - peek)`` times): ``symbol | length << 16``, -1 for bit patterns no code starts
     with. Nothing is synced.
 
     Args:
         words: int32 words holding the codebooks (the payload).
-        blocks: int64 [n] block index of each table.
-        cb_off: int64 [n_blocks] word offset of each block's codebook in ``words``.
-        sym_lo: int64 [n_blocks] first value symbol of each codebook.
-        sym_count: int64 [n_blocks] value symbols in each codebook (``sym_lo + sym_count <=
-            4095``, checked by the caller).
-        escape_length: int64 [n_blocks] code length of the escape symbol (<= 12, checked by
-            the caller).
-        bad: int64 [n_blocks] output: 1 where a length exceeds 12 or the Kraft sum exceeds 1
-            (``DECODE_BAD_CODEBOOK``; that table is all -1), else 0. Only ``blocks`` are written.
+        cols: The blocks' decode record; read: ``QUANT_BLOCKS`` (the block of each table),
+            ``CB_OFF`` (word offset of each block's codebook in ``words``), ``SYM_LO`` (first
+            value symbol), ``SYM_COUNT`` (value symbols; ``SYM_LO + SYM_COUNT <= 4095``,
+            checked by the caller), ``ESC_LEN`` (code length of the escape symbol, <= 12,
+            checked by the caller). Written: ``CODEBOOK_BAD``, for the ``QUANT_BLOCKS`` only: 1
+            where a length exceeds 12 or the Kraft sum exceeds 1 (``DECODE_BAD_CODEBOOK``; that
+            table is all -1), else 0.
 
     Returns:
-        int32 [n, ALPHABET_SIZE] tables on the words' device.
+        int32 [n_quant, ALPHABET_SIZE] tables on the words' device.
     """
-    n = blocks.shape[0]
+    n = cols.n_quant
     dev = words.device
     tables = torch.empty(n, ALPHABET_SIZE, dtype=torch.int32, device=dev)
     if n:
         scratch = torch.empty(n, ALPHABET_SIZE, dtype=torch.int32, device=dev)
-        _decode_table_kernel[(n,)](
-            words, blocks, cb_off, sym_lo, sym_count, escape_length, scratch, tables, bad,
-            num_warps=8,
-        )  # fmt: skip
+        _decode_table_kernel[(n,)](words, cols.cols, cols.stride, scratch, tables, num_warps=8)
     return tables
 
 

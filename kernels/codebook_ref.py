@@ -13,6 +13,8 @@ import torch
 
 from torchrec_lossy.codec import huffman
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
 
 
 def code_lengths(hist: torch.Tensor) -> torch.Tensor:
@@ -94,30 +96,27 @@ def _table(lengths: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return table, False
 
 
-def decode_tables(
-    words: torch.Tensor, blocks: torch.Tensor, cb_off: torch.Tensor, sym_lo: torch.Tensor,
-    sym_count: torch.Tensor, escape_length: torch.Tensor, bad: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+def decode_tables(words: torch.Tensor, cols: DecodeColumns) -> torch.Tensor:
     """Twin of ``kernels.codebook.decode_tables`` (its docstring has the full contract).
 
     Args:
         words: The payload as int32 words.
-        blocks: Per table, its block.
-        cb_off: Per block, the word where its codebook starts.
-        sym_lo: Per block, its codebook's first value symbol.
-        sym_count: Per block, its codebook's value symbols.
-        escape_length: Per block, the escape symbol's code length.
-        bad: Per block, written for ``blocks`` only: 1 where the code is bad (a length over
-            ``MAX_CODE_LENGTH`` or a Kraft sum over 1; that table is all -1), else 0.
+        cols: The blocks' decode record (``decode_columns``); read: the block of each table and
+            per block the word where its codebook starts, its first value symbol, its value
+            symbols and the escape symbol's code length; written for the tables' blocks only:
+            ``CODEBOOK_BAD``, 1 where the code is bad (a length over ``MAX_CODE_LENGTH`` or a
+            Kraft sum over 1; that table is all -1), else 0.
 
     Returns:
         int32 one-lookup tables (``symbol | length << 16``, -1 where no code starts).
     """
-    tables = torch.empty(blocks.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=words.device)
-    for q, b in enumerate(blocks.tolist()):
-        lengths = _wire_lengths(
-            words, int(cb_off[b]), int(sym_lo[b]), int(sym_count[b]), int(escape_length[b])
-        )
+    fields = (dc.CB_OFF, dc.SYM_LO, dc.SYM_COUNT, dc.ESC_LEN)
+    per_block = [cols.column(f).tolist() for f in fields]
+    bad = cols.column(dc.CODEBOOK_BAD)
+    blocks = cols.column(dc.QUANT_BLOCKS).tolist()
+    tables = torch.empty(len(blocks), ALPHABET_SIZE, dtype=torch.int32, device=words.device)
+    for q, b in enumerate(blocks):
+        lengths = _wire_lengths(words, *(column[b] for column in per_block))
         tables[q], is_bad = _table(lengths)
         bad[b] = int(is_bad)
     return tables

@@ -6,7 +6,7 @@ reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype ex
 ``_round_to_dtype`` does, the float64 check ``|x - x'| <= bound``, the escape decision, the symbol,
 the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
 blocks in one launch (a tile table: each program's element range and block, whose step, center,
-bound and dtype it reads from device arrays). The CPU twin is
+bound and dtype it reads from the blocks' ``encode_columns`` record). The CPU twin is
 :func:`torchrec_lossy.codec.quantize.quantize_blocks_kernel`; the torch twin is
 ``kernels/quantize_ref.py`` (over ``quantize_reference``).
 :func:`decode_outputs` is the decoder's last stage for every block of a payload in one launch:
@@ -31,8 +31,10 @@ import triton.language as tl
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
 from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.common import find_segment
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
 _BLOCK = 4096
@@ -123,40 +125,28 @@ def value_decode_bits(symbols, shift, qmax):
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr,
-    sym_ptr,
-    hist_ptr,
-    err_ptr,
-    tile_ptr,
-    step_ptr,
-    inv_step_ptr,
-    center_ptr,
-    bound_ptr,
-    dtype_ptr,
-    sr_key_ptr,
-    elem_off_ptr,
-    value_ptr,
-    BLOCK: tl.constexpr,
-):
+def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOCK: tl.constexpr):
     # One program per tile; a tile is (first element, end element, block) and never straddles
-    # blocks, so the block's parameters are scalars and its histogram one row.
+    # blocks, so the block's parameters are scalars and its histogram one row. Field F of block
+    # b is at cols_ptr + b * N_FIELDS + F (``encode_columns``).
     pid = tl.program_id(0).to(tl.int64)
     start = tl.load(tile_ptr + 3 * pid)
     end = tl.load(tile_ptr + 3 * pid + 1)
     blk = tl.load(tile_ptr + 3 * pid + 2)
-    step = tl.load(step_ptr + blk)
-    inv_step = tl.load(inv_step_ptr + blk)
-    center = tl.load(center_ptr + blk)
-    bound = tl.load(bound_ptr + blk)  # float64
-    dtype_code = tl.load(dtype_ptr + blk)
+    col = cols_ptr + blk * ec.N_FIELDS
+    step_bits = tl.load(col + ec.STEP_BITS)
+    step = step_bits.to(tl.int32).to(tl.float32, bitcast=True)
+    inv_step = tl.load(col + ec.INV_STEP_BITS).to(tl.int32).to(tl.float32, bitcast=True)
+    center = tl.load(col + ec.CENTER)
+    bound = tl.load(col + ec.BOUND_BITS).to(tl.float64, bitcast=True)
+    dtype_code = tl.load(col + ec.DTYPE)
     offs = start + tl.arange(0, BLOCK)
     in_range = offs < end
     v = tl.load(x_ptr + offs, mask=in_range, other=0.0)
-    sr_key = tl.load(sr_key_ptr + blk)  # -1: round to nearest
+    sr_key = tl.load(col + ec.SR_KEY)  # -1: round to nearest
     t = v * inv_step
     fl = tl.floor(t)
-    u = uniform_draw(offs - tl.load(elem_off_ptr + blk), sr_key)
+    u = uniform_draw(offs - tl.load(col + ec.ELEM_OFF), sr_key)
     qf = tl.where(sr_key < 0, tl.floor(t + 0.5), tl.where(u < t - fl, fl + 1.0, fl))
     rel = qf.to(tl.float64) - center
     r = qf * step
@@ -170,8 +160,7 @@ def _quantize_kernel(
     # The per-value grid (quantize.value_symbol), checked against bound * |x|; its max error
     # is the relative one.
     vbits = v.to(tl.uint32, bitcast=True).to(tl.int64)
-    shift = value_shift(step.to(tl.int32, bitcast=True).to(tl.int64))
-    vsym, rb = value_symbol(vbits, shift, center)
+    vsym, rb = value_symbol(vbits, value_shift(step_bits), center)
     vr = rb.to(tl.uint32).to(tl.float32, bitcast=True)
     vrecon = tl.where(
         dtype_code == 2, round_to_dtype(vr, 2), tl.where(dtype_code == 3, round_to_dtype(vr, 3), vr)
@@ -179,7 +168,7 @@ def _quantize_kernel(
     ax = tl.abs(v.to(tl.float64))
     verr = tl.abs(vrecon.to(tl.float64) - v.to(tl.float64))
     vok = (vsym != _ESCAPE) & (verr <= bound * ax)  # False for NaN and Inf too
-    is_value = tl.load(value_ptr + blk) != 0
+    is_value = tl.load(col + ec.VALUE) != 0
     ok = tl.where(is_value, vok, ok)
     sym = tl.where(is_value, tl.where(vok, vsym, _ESCAPE).to(tl.int32), sym)
     err = tl.where(is_value, tl.where(ax > 0, verr / tl.where(ax > 0, ax, 1.0), 0.0), err)
@@ -192,16 +181,7 @@ def _quantize_kernel(
 
 
 def quantize_tiles(
-    x: torch.Tensor,
-    tiles: torch.Tensor,
-    step: torch.Tensor,
-    inv_step: torch.Tensor,
-    center: torch.Tensor,
-    bound: torch.Tensor,
-    dtype_code: torch.Tensor,
-    block: int,
-    sr_key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
+    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantizes many blocks laid out back to back in one launch; nothing is synced.
 
@@ -209,16 +189,14 @@ def quantize_tiles(
         x: 1-D float32 values of every block (exact copies of their fp32 / fp16 / bf16 values).
         tiles: int64 [n_tiles, 3] from ``launch_tables.tile_table`` (``block``-element tiles), on
             ``x``'s device.
-        step: float32 [n_blocks] quantization steps.
-        inv_step: float32 [n_blocks] float32 reciprocals of the steps.
-        center: int64 [n_blocks] codes of the blocks' midpoints.
-        bound: float64 [n_blocks] absolute bounds.
-        dtype_code: int32 [n_blocks] dtype codes (the reconstruction is rounded to them).
+        cols: The blocks' compress record; read: ``STEP_BITS`` (the float32 step),
+            ``INV_STEP_BITS`` (its float32 reciprocal), ``CENTER`` (code of the midpoint),
+            ``BOUND_BITS`` (the float64 absolute bound), ``DTYPE`` (the reconstruction is rounded
+            to it), ``SR_KEY`` (stochastic-rounding key, -1 for round to nearest; the draw's
+            counter is the element's index within its block), ``ELEM_OFF`` (first element of the
+            block: its first tile's start), ``VALUE`` (1 for blocks on the per-value grid:
+            ``step`` 2**-m, ``center`` qmax, ``bound`` relative; their max error is relative).
         block: Elements per tile (a power of two).
-        sr_key: int64 [n_blocks] stochastic-rounding keys, -1 for round to nearest; None: all
-            round to nearest. The draw's counter is the element's index within its block.
-        value: int64 [n_blocks] 1 for blocks on the per-value grid (``step`` 2**-m,
-            ``center`` qmax, ``bound`` relative; their max error is relative); None: none.
 
     Returns:
         (int16 symbols like ``x`` (the uint16 symbols' bits), int32 [n_blocks, ALPHABET_SIZE]
@@ -227,37 +205,14 @@ def quantize_tiles(
     dev = x.device
     x = x.contiguous()
     symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)  # 0 outside the tiles
-    hist = torch.zeros(step.shape[0], ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    hist = torch.zeros(cols.n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
     n_tiles = tiles.shape[0]
     errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
-    elem_off = torch.zeros(step.shape[0], dtype=torch.int64, device=dev)
-    if value is None:
-        value = torch.zeros_like(elem_off)
-    if sr_key is None:
-        sr_key = torch.full_like(elem_off, -1)
-    elif n_tiles:
-        # First element of every block: its first tile's start (tiles never straddle blocks).
-        tt = tiles.reshape(-1, 3)
-        elem_off.scatter_reduce_(0, tt[:, 2], tt[:, 0], "amin", include_self=False)
     if n_tiles:
         _quantize_kernel[(n_tiles,)](
-            x,
-            symbols,
-            hist,
-            errors,
-            tiles.contiguous(),
-            step,
-            inv_step,
-            center,
-            bound,
-            dtype_code,
-            sr_key.contiguous(),
-            elem_off,
-            value.contiguous(),
-            BLOCK=block,
-            num_warps=8,
-            enable_fp_fusion=False,
-        )
+            x, symbols, hist, errors, tiles.contiguous(), cols.cols, BLOCK=block,
+            num_warps=8, enable_fp_fusion=False,
+        )  # fmt: skip
     return symbols, hist, errors
 
 

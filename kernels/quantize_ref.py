@@ -12,14 +12,11 @@ from __future__ import annotations
 import torch
 
 from torchrec_lossy.codec.format import ALPHABET_SIZE, CODE_DTYPES, ESCAPE_SYMBOL
-from torchrec_lossy.codec.quantize import (
-    NEAREST_KEY,
-    QuantParams,
-    dequantize_reference,
-    quantize_reference,
-)
+from torchrec_lossy.codec.quantize import QuantParams, dequantize_reference, quantize_reference
 from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 
 
 def _block_ranges(tiles: list[list[int]]) -> dict[int, tuple[int, int]]:
@@ -50,39 +47,35 @@ def _errors(x: torch.Tensor, symbols: torch.Tensor, params: QuantParams) -> torc
 
 
 def quantize_tiles(
-    x: torch.Tensor, tiles: torch.Tensor, step: torch.Tensor, inv_step: torch.Tensor,
-    center: torch.Tensor, bound: torch.Tensor, dtype_code: torch.Tensor, block: int,
-    sr_key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernels.quantize.quantize_tiles`` (its docstring has the full contract).
 
     Args:
         x: float32 values of all blocks, back to back (exactly representable in their dtype).
         tiles: The launch's tiles, rows (first element, end element, block).
-        step: Per block, the float32 step.
-        inv_step: Per block, the float32 ``1 / step``.
-        center: Per block, the int64 code of its center (qmax on the per-value grid).
-        bound: Per block, the float64 bound (relative on the per-value grid).
-        dtype_code: Per block, the code of its dtype (``format.DTYPE_CODES``).
+        cols: The blocks' compress record (``encode_columns``); read per block: its float32
+            step and ``1 / step``, the code of its center (qmax on the per-value grid), its
+            float64 bound (relative on the per-value grid), its dtype code, its
+            stochastic-rounding key or -1 (element ``i`` of a block draws with counter ``i``,
+            whichever tile holds it) and whether it is on the per-value grid.
         block: Tile size (not needed here: the tiles say where they are).
-        sr_key: Per block, its stochastic-rounding key or -1; None: all -1. Element ``i`` of a
-            block draws with counter ``i``, whichever tile holds it.
-        value: Per block, 1 on the per-value grid; None: all 0.
 
     Returns:
         (int16 symbol bits of every element, 0 where no tile reaches; int32 symbol counts per
         block and symbol; float64 per tile, the largest error of its elements not escaped).
     """
     del block
-    n_blocks, dev = step.shape[0], x.device
+    dev = x.device
     symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)
-    hist = torch.zeros(n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    hist = torch.zeros(cols.n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
     err = torch.zeros(x.shape[0], dtype=torch.float64, device=dev)
     tile_list = tiles.reshape(-1, 3).tolist()
-    keys = sr_key.tolist() if sr_key is not None else [NEAREST_KEY] * n_blocks
-    values = value.tolist() if value is not None else [0] * n_blocks
-    steps, inv, centers, bounds, codes = (
-        t.tolist() for t in (step, inv_step, center, bound, dtype_code)
+    steps, inv, bounds = (
+        cols.floats(f).tolist() for f in (ec.STEP_BITS, ec.INV_STEP_BITS, ec.BOUND_BITS)
+    )
+    centers, codes, keys, values = (
+        cols.column(f).tolist() for f in (ec.CENTER, ec.DTYPE, ec.SR_KEY, ec.VALUE)
     )
     for b, (lo, hi) in _block_ranges(tile_list).items():
         params = QuantParams(steps[b], inv[b], centers[b], value=values[b] != 0)

@@ -5,8 +5,9 @@ many blocks in one pass (the device compress ranks them into the CPU dedupe's id
 by first occurrence), found in parallel instead of through a sequential hash table:
 
 1. ``_row_hash_kernel``: a hash of every row over the same element keys as the CPU kernel (raw
-   bits, or the symbol with escaped elements keyed by their raw bits). Rows come from row
-   tables (element offset, dim, block); the block id fills the top bits.
+   bits, or the symbol with escaped elements keyed by their raw bits). Each row's block comes
+   from a row table, its first element and dim from the block's ``encode_columns`` fields; the
+   block id fills the top bits.
 2. ``torch.sort`` (stable) of the hashes: equal rows of a block become adjacent, in row order.
 3. ``_run_flag_kernel`` + a max-scan: the sorted position where each row's hash run starts.
 4. ``_verify_kernel``: every row compares itself, key by key, with the rows of its hash run in
@@ -15,8 +16,7 @@ by first occurrence), found in parallel instead of through a sequential hash tab
    the result stays exact whatever the hash does.
 
 :func:`unpack_refs_blocks` is the decoder's side, for every LZ block of a payload in one launch
-(``unpack_refs_kernel``'s ids and checks). The single-block ``dedupe`` and ``pack_refs`` of the
-stage-level tests are in tests/triton_launchers.py.
+(``unpack_refs_kernel``'s ids and checks).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import triton.language as tl
 
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
 from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels import launch_tables
 from torchrec_lossy.kernels.common import SCAN_MAX, find_segment, inclusive_scan
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
@@ -61,26 +63,28 @@ def _keys(sym_ptr, bits_ptr, offs, mask, RAW: tl.constexpr):
 
 
 @triton.jit
+def _row_table(row_blk_ptr, cols_ptr, r, mask):
+    """Row ``r``'s block, first element and elements, from its block's ``encode_columns`` fields
+    (a block's rows are back to back from its ``ELEM_OFF``; 0 where not ``mask``)."""
+    blk = tl.load(row_blk_ptr + r, mask=mask, other=0).to(tl.int64)
+    col = cols_ptr + blk * ec.N_FIELDS
+    dim = tl.load(col + ec.DIM, mask=mask, other=0)
+    row0 = tl.load(col + ec.ROW_OFF, mask=mask, other=0)
+    off = tl.load(col + ec.ELEM_OFF, mask=mask, other=0) + (r - row0) * dim
+    return blk, off, dim
+
+
+@triton.jit
 def _row_hash_kernel(
-    sym_ptr,
-    bits_ptr,
-    mults_ptr,
-    hash_ptr,
-    row_off_ptr,
-    row_dim_ptr,
-    row_blk_ptr,
-    rows,
-    max_dim,
-    RAW: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # Rows of many blocks: row i has row_dim[i] elements from row_off[i] and belongs to block
-    # row_blk[i]; the block goes into the top bits so that sorting groups rows by block first.
+    sym_ptr, bits_ptr, mults_ptr, hash_ptr, row_blk_ptr, cols_ptr, rows, RAW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Rows of many blocks: row i belongs to block row_blk[i]; the block goes into the top bits
+    # so that sorting groups rows by block first.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
-    off = tl.load(row_off_ptr + r, mask=rmask, other=0)
-    dim = tl.load(row_dim_ptr + r, mask=rmask, other=0)
+    blk, off, dim = _row_table(row_blk_ptr, cols_ptr, r, rmask)
+    max_dim = tl.max(dim, axis=0)  # of this program's rows
     h = tl.zeros([BLOCK_R], dtype=tl.uint64)
     for d0 in range(0, max_dim, BLOCK_D):
         c = d0 + tl.arange(0, BLOCK_D)
@@ -93,7 +97,6 @@ def _row_hash_kernel(
     h ^= h >> 31
     h *= 0xBF58476D1CE4E5B9
     h ^= h >> 29
-    blk = tl.load(row_blk_ptr + r, mask=rmask, other=0).to(tl.int64)
     # 40 hash bits below the block id (< 2**23): the result stays exact on collisions.
     out = (blk << 40) | (h >> 24).to(tl.int64, bitcast=True)
     tl.store(hash_ptr + r, out, mask=rmask)
@@ -112,32 +115,23 @@ def _run_flag_kernel(hash_ptr, out_ptr, rows, BLOCK: tl.constexpr):
 
 @triton.jit
 def _verify_kernel(
-    sym_ptr,
-    bits_ptr,
-    order_ptr,
-    run_ptr,
-    rep_ptr,
-    first_ptr,
-    row_off_ptr,
-    row_dim_ptr,
-    rows,
-    max_dim,
-    RAW: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    sym_ptr, bits_ptr, order_ptr, run_ptr, out_ptr, row_blk_ptr, cols_ptr, rows,
+    RAW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # out: [2, rows] int32, each row's representative, then 1 where it is its own.
     p = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     pmask = p < rows
     i = tl.load(order_ptr + p, mask=pmask, other=0)  # the row at sorted position p
     q = tl.load(run_ptr + p, mask=pmask, other=0).to(tl.int64)  # candidate sorted position
-    off_i = tl.load(row_off_ptr + i, mask=pmask, other=0)
-    dim = tl.load(row_dim_ptr + i, mask=pmask, other=0)  # a run holds rows of one block
+    # A run holds rows of one block: row r's first element is off_i + (r - i) * dim.
+    _, off_i, dim = _row_table(row_blk_ptr, cols_ptr, i, pmask)
+    max_dim = tl.max(dim, axis=0)  # of this program's rows
     rep = i
     pending = pmask
     # Each lane stops at the first identical row of its run; q == p (itself) always matches.
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         r = tl.load(order_ptr + q, mask=pending, other=0)
-        off_r = tl.load(row_off_ptr + r, mask=pending, other=0)
+        off_r = off_i + (r - i) * dim
         n_diff = tl.zeros([BLOCK_R], dtype=tl.int32)
         for d0 in range(0, max_dim, BLOCK_D):
             c = d0 + tl.arange(0, BLOCK_D)
@@ -149,16 +143,15 @@ def _verify_kernel(
         rep = tl.where(same, r, rep)
         pending = pending & (n_diff != 0)
         q = tl.where(pending, q + 1, q)
-    tl.store(rep_ptr + i, rep.to(tl.int32), mask=pmask)
-    tl.store(first_ptr + i, (rep == i).to(tl.int32), mask=pmask)
+    tl.store(out_ptr + i, rep.to(tl.int32), mask=pmask)
+    tl.store(out_ptr + rows + i, (rep == i).to(tl.int32), mask=pmask)
 
 
 def representatives(
     symbols: torch.Tensor | None,
     bits: torch.Tensor,
-    row_off: torch.Tensor,
-    row_dim: torch.Tensor,
     row_blk: torch.Tensor,
+    cols: EncodeColumns,
     max_dim: int,
     mults: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,11 +161,13 @@ def representatives(
         symbols: 1-D int16 symbols of every element (the uint16 symbols' bits), or None to
             compare raw bits only (lossless dedupe).
         bits: 1-D int32 raw bits of every element, same layout.
-        row_off: int64 [rows] element offset of each row.
-        row_dim: int32 [rows] elements of each row.
-        row_blk: int32 [rows] block of each row (< 2**23; rows of a block are contiguous and in
-            order).
-        max_dim: The largest ``row_dim`` (host-side).
+        row_blk: int32 / int64 [rows] block of each row (< 2**23; rows of a block are
+            contiguous and in order).
+        cols: The blocks' compress record; read: ``DIM`` (elements per row), ``ROW_OFF`` (the
+            block's first row) and ``ELEM_OFF`` (its first element): row ``r`` of block ``b``
+            starts at element ``ELEM_OFF[b] + (r - ROW_OFF[b]) * DIM[b]``.
+        max_dim: The largest ``DIM`` of a block with rows (host-side: sizes the column tile;
+            each program loops over its own rows' largest).
         mults: int64 [>= max_dim] column multipliers of the row hash on the device (from
             ``launch_tables.column_multipliers``); None copies them there (cached per dim, device).
 
@@ -181,14 +176,14 @@ def representatives(
         is_first: int32 [rows], 1 where a row is its own representative). Nothing is synced.
     """
     dev = bits.device
-    rows = row_off.shape[0]
-    rep = torch.empty(rows, dtype=torch.int32, device=dev)
-    is_first = torch.empty(rows, dtype=torch.int32, device=dev)
+    rows = row_blk.shape[0]
+    out = torch.empty(2, rows, dtype=torch.int32, device=dev)
     if rows == 0:
-        return rep, is_first
+        return out[0], out[1]
     raw = symbols is None
     bits = bits.contiguous()
     sym = bits if raw else symbols.contiguous()  # a placeholder pointer when raw
+    row_blk = row_blk.contiguous()
     block_r = block_for(rows, 64)
     block_d = block_for(max_dim, 64)
     grid = (triton.cdiv(rows, block_r),)
@@ -196,19 +191,9 @@ def representatives(
         mults = _device_multipliers(max(max_dim, 1), dev)
     hashes = torch.empty(rows, dtype=torch.int64, device=dev)
     _row_hash_kernel[grid](
-        sym,
-        bits,
-        mults,
-        hashes,
-        row_off,
-        row_dim,
-        row_blk,
-        rows,
-        max_dim,
-        RAW=raw,
-        BLOCK_R=block_r,
+        sym, bits, mults, hashes, row_blk, cols.cols, rows, RAW=raw, BLOCK_R=block_r,
         BLOCK_D=block_d,
-    )
+    )  # fmt: skip
     # Any total order of the hashes groups equal rows; stable keeps each group in row order.
     sorted_hashes, order = torch.sort(hashes, stable=True)
     block = block_for(rows, 1024)
@@ -217,21 +202,10 @@ def representatives(
     _run_flag_kernel[flat_grid](sorted_hashes, run_flags, rows, BLOCK=block)
     run_start = inclusive_scan(run_flags, SCAN_MAX)
     _verify_kernel[grid](
-        sym,
-        bits,
-        order,
-        run_start,
-        rep,
-        is_first,
-        row_off,
-        row_dim,
-        rows,
-        max_dim,
-        RAW=raw,
-        BLOCK_R=block_r,
+        sym, bits, order, run_start, out, row_blk, cols.cols, rows, RAW=raw, BLOCK_R=block_r,
         BLOCK_D=block_d,
-    )
-    return rep, is_first
+    )  # fmt: skip
+    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ import torch
 
 from torchrec_lossy.codec.vector_lz import dedupe_reference, element_keys
 from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 
 
 def _row_keys(
@@ -30,17 +32,17 @@ def _row_keys(
 
 
 def representatives(
-    symbols: torch.Tensor | None, bits: torch.Tensor, row_off: torch.Tensor,
-    row_dim: torch.Tensor, row_blk: torch.Tensor, max_dim: int, mults: torch.Tensor | None = None,
+    symbols: torch.Tensor | None, bits: torch.Tensor, row_blk: torch.Tensor,
+    cols: EncodeColumns, max_dim: int, mults: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Twin of ``kernels.vector_lz.representatives`` (its docstring has the full contract).
 
     Args:
         symbols: int16 bits of every element's symbol; None for raw (lossless) dedupe.
         bits: int32 raw bits of every element.
-        row_off: Per row, its first element.
-        row_dim: Per row, its elements (the same for all rows of a block).
         row_blk: Per row, its block (a block's rows are consecutive).
+        cols: The blocks' compress record (``encode_columns``); read per block: its elements
+            per row, first row and first element.
         max_dim: Largest row (not needed here).
         mults: The hash's multipliers (not needed here: nothing is hashed).
 
@@ -49,14 +51,15 @@ def representatives(
         by element key; int32 per row, 1 where that is the row itself).
     """
     del max_dim, mults
-    rows, dev = row_off.shape[0], bits.device
+    rows, dev = row_blk.shape[0], bits.device
     rep = torch.zeros(rows, dtype=torch.int32, device=dev)
-    _, counts = torch.unique_consecutive(row_blk, return_counts=True)
-    dims = row_dim.tolist()
+    blocks, counts = torch.unique_consecutive(row_blk, return_counts=True)
+    dims, row_off, elem_off = (cols.column(f).tolist() for f in (ec.DIM, ec.ROW_OFF, ec.ELEM_OFF))
     start = 0
-    for n in counts.tolist():
-        keys = _row_keys(symbols, bits, row_off[start : start + n], dims[start])
-        ids, first_rows = dedupe_reference(keys)
+    for b, n in zip(blocks.tolist(), counts.tolist(), strict=True):
+        first = elem_off[b] + (start - row_off[b]) * dims[b]
+        offsets = first + torch.arange(n, device=dev) * dims[b]
+        ids, first_rows = dedupe_reference(_row_keys(symbols, bits, offsets, dims[b]))
         rep[start : start + n] = (first_rows[ids] + start).to(torch.int32)
         start += n
     is_first = (rep == torch.arange(rows, device=dev)).to(torch.int32)

@@ -32,6 +32,8 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
 )
 from torchrec_lossy.kernels import codebook as k_codebook
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels.decode_columns import stack_columns
 
 pytestmark = INTERPRETER_WARNINGS
 
@@ -491,13 +493,14 @@ def test_decode_tables_match_cpu() -> None:
     books.append((np.array([0xD], np.int32), 100, 1, 0))
     starts = np.cumsum([0] + [w.shape[0] for w, *_ in books])[:-1]
     words = torch.from_numpy(np.concatenate([w for w, *_ in books])).to(DEVICE)
-    meta = np.array([(s, lo, c, e) for s, (_, lo, c, e) in zip(starts, books, strict=True)])
-    cols = torch.from_numpy(meta.T.astype(np.int64).copy()).to(DEVICE)
     n = len(books)
-    bad = torch.zeros(n, dtype=torch.int64, device=DEVICE)
-    tables = k_codebook.decode_tables(
-        words, torch.arange(n, device=DEVICE), cols[0], cols[1], cols[2], cols[3], bad
-    )
+    meta = np.array([(s, lo, c, e) for s, (_, lo, c, e) in zip(starts, books, strict=True)])
+    fields = dict(zip(("cb_off", "sym_lo", "sym_count", "esc_len"), meta.T, strict=True))
+    fields["quant_blocks"] = np.arange(n)
+    host = stack_columns(lambda name: np.asarray(fields.get(name, ()), np.int64), n)
+    cols = dc.DecodeColumns(torch.from_numpy(host).to(DEVICE), n, 0, 0, n)
+    tables = k_codebook.decode_tables(words, cols)
+    bad = cols.column(dc.CODEBOOK_BAD)
     tables, bad = tables.cpu().numpy(), bad.cpu().numpy()
     for i, lengths in enumerate([*cases, None]):
         if lengths is None:

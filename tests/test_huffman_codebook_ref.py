@@ -149,7 +149,7 @@ def sections(monkeypatch: pytest.MonkeyPatch, payload: torch.Tensor) -> dict[str
     (tables,) = [c for c in calls if c.name == "decode_tables"]
     (dec,) = [c for c in calls if c.name == "decode_blocks"]
     return {
-        "codebook": int(tables.args[2][0]),
+        "codebook": int(tables.args[1].column(dc.CB_OFF)[0]),
         "chunks": int(dec.args[1].column(dc.CT_OFF)[0]),
         "stream": int(dec.args[1].column(dc.BS_OFF)[0]),
         "n_chunks": int(dec.args[1].column(dc.CHUNK_BASE)[1]),

@@ -32,7 +32,7 @@ def _launcher_calls() -> dict[str, set[str]]:
 
 def test_orchestration_imports_no_kernel_module() -> None:
     """device_compress / device_decompress take the set as an argument: from ``kernels`` they
-    import only the triton-free launch tables and decode record."""
+    import only the triton-free launch tables and column records."""
     for name in ORCHESTRATION:
         tree = ast.parse((CODEC / name).read_text())
         imported = {
@@ -42,7 +42,10 @@ def test_orchestration_imports_no_kernel_module() -> None:
             for a in node.names
         }
         kernels = {i for i in imported if i.startswith("torchrec_lossy.kernels")}
-        leaves = ("torchrec_lossy.kernels.launch_tables.", "torchrec_lossy.kernels.decode_columns")
+        leaves = tuple(
+            f"torchrec_lossy.kernels.{m}"
+            for m in ("launch_tables", "decode_columns", "encode_columns")
+        )
         assert all(i.startswith(leaves) for i in kernels), (
             name,
             kernels,

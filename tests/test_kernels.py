@@ -45,6 +45,7 @@ from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
+from torchrec_lossy.kernels.encode_columns import encode_columns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
 
 pytestmark = INTERPRETER_WARNINGS
@@ -175,18 +176,18 @@ def quantize_one(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_tiles`` on one block, checked against its twin."""
     tiles, block = one_tile_table(x.shape[0], _TILE)
+    cols = encode_columns(
+        1,
+        DEVICE,
+        step=torch.tensor([params.step], dtype=torch.float32),
+        inv_step=torch.tensor([params.inv_step], dtype=torch.float32),
+        center=torch.tensor([params.center]),
+        bound=torch.tensor([bound], dtype=torch.float64),
+        dtype=torch.tensor([dtype_code]),
+        sr_key=torch.tensor([params.sr_key]),
+    )
     return with_twin(
-        k_quantize.quantize_tiles,
-        quantize_ref.quantize_tiles,
-        dev(x),
-        tiles,
-        torch.tensor([params.step], dtype=torch.float32, device=DEVICE),
-        torch.tensor([params.inv_step], dtype=torch.float32, device=DEVICE),
-        torch.tensor([params.center], dtype=torch.int64, device=DEVICE),
-        torch.tensor([bound], dtype=torch.float64, device=DEVICE),
-        torch.tensor([dtype_code], dtype=torch.int32, device=DEVICE),
-        block,
-        torch.tensor([params.sr_key], dtype=torch.int64, device=DEVICE),
+        k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block
     )
 
 
@@ -241,9 +242,8 @@ def dedupe_one(symbols: np.ndarray | None, bits: np.ndarray) -> tuple[np.ndarray
         vector_lz_ref.representatives,
         None if symbols is None else dev(symbols.reshape(-1)),
         dev(bits.reshape(-1)),
-        torch.arange(rows, dtype=torch.int64, device=DEVICE) * dim,
-        torch.full((rows,), dim, dtype=torch.int32, device=DEVICE),
         torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+        encode_columns(1, DEVICE, dim=torch.tensor([dim])),  # its rows from element 0
         dim,
     )
     rep, is_first = rep.cpu().long(), is_first.cpu()

@@ -28,6 +28,7 @@ from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, d
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, SEGMENT_HEADER
 from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels import quantize, quantize_ref, vector_lz, vector_lz_ref
 
 pytestmark = INTERPRETER_WARNINGS
@@ -156,7 +157,7 @@ def test_mixed_blocks_compress_and_decode_match(monkeypatch: pytest.MonkeyPatch)
     payload, q_calls, lz_calls = compress_recorded(monkeypatch, blocks, bounds)
     # The calls cover what they should: escapes and every dtype; raw and symbol dedupe; repeats.
     assert (_all_symbols(q_calls) == ESCAPE_SYMBOL).any()
-    assert {int(c) for call in q_calls for c in call.args[6].tolist()} == {1, 2, 3}
+    assert {int(c) for call in q_calls for c in call.args[2].column(ec.DTYPE).tolist()} == {1, 2, 3}
     assert {c.args[0] is None for c in lz_calls} == {True, False}
     assert any((c.result[1] == 0).any() for c in lz_calls)
     out_calls, ref_calls = decompress_recorded(monkeypatch, payload)
@@ -172,7 +173,7 @@ def test_value_bounds_match(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = [x, x.half(), repeated_rows(x[:3].bfloat16(), 30, 3)]
     kinds = [BoundKind.VALUE] * 3
     payload, q_calls, _ = compress_recorded(monkeypatch, blocks, [0.1, 0.1, 0.1], kinds=kinds)
-    assert all(call.args[9].tolist() == [1, 1, 1] for call in q_calls)
+    assert all(call.args[2].column(ec.VALUE).tolist() == [1, 1, 1] for call in q_calls)
     out_calls, _ = decompress_recorded(monkeypatch, payload)
     modes = [m for c in out_calls for m in c.args[1].column(dc.MODE).tolist()]
     assert any(m & 4 for m in modes)  # decoded on the value grid
@@ -183,7 +184,7 @@ def test_stochastic_rounding_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = [torch.randn(10, 7, generator=g), torch.randn(6, 5, generator=g).bfloat16()]
     cfg = CodecConfig(backend="triton", rounding="stochastic", seed=123)
     payload, q_calls, _ = compress_recorded(monkeypatch, blocks, [0.05, 0.1], cfg)
-    assert all((call.args[8] >= 0).all() for call in q_calls)  # stochastic keys, not -1
+    assert all((call.args[2].column(ec.SR_KEY) >= 0).all() for call in q_calls)  # not -1
     decompress_recorded(monkeypatch, payload)
 
 

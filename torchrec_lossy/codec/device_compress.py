@@ -82,6 +82,7 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.config import CodecConfig
+from torchrec_lossy.kernels.encode_columns import EncodeColumns, encode_columns
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
@@ -466,8 +467,17 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
     return _Grid(bound, step, inv_step, center, quant_ok)
 
 
+def _encode_record(ht: _HostTables, t: _Columns, grid: _Grid) -> EncodeColumns:
+    """Every block's grid and layout as the compress launchers' record (``encode_columns``)."""
+    return encode_columns(
+        ht.n_blocks, t.rows.device, step=grid.step, inv_step=grid.inv_step, center=grid.center,
+        bound=grid.bound, dtype=t.dtype_code, sr_key=t.sr_key, value=t.value,
+        elem_off=t.elem_off, row_off=t.row_off, dim=t.dim,
+    )  # fmt: skip
+
+
 def _quantize(
-    k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat, grid: _Grid
+    k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat, cols: EncodeColumns
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2: quantize, escapes and histograms (``quantize.quantize_tiles``, one launch).
 
@@ -476,36 +486,24 @@ def _quantize(
         per block).
     """
     tiles = t.tiles.reshape(-1, 3)
-    sym, hist, tile_err = k.quantize.quantize_tiles(
-        flat.x,
-        tiles,
-        grid.step,
-        grid.inv_step,
-        grid.center,
-        grid.bound,
-        t.dtype_code.to(torch.int32),
-        ht.tile_block,
-        t.sr_key,
-        t.value,
-    )
+    sym, hist, tile_err = k.quantize.quantize_tiles(flat.x, tiles, cols, ht.tile_block)
     max_err = torch.zeros(ht.n_blocks, dtype=torch.float64, device=flat.x.device)
     return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
 
 
 def _vector_lz(
-    k: KernelSet, symbols: torch.Tensor | None, ht: _HostTables, t: _Columns, flat: _Flat
+    k: KernelSet,
+    symbols: torch.Tensor | None,
+    ht: _HostTables,
+    t: _Columns,
+    flat: _Flat,
+    cols: EncodeColumns,
 ) -> _Dedupe:
     """Stage 3: repeated rows of every block, over the quantized symbols or (None) the raw bits
     (``vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
     r_blk, dev = flat.r_blk, flat.x.device
     rep, is_first = k.vector_lz.representatives(
-        symbols,
-        flat.bits,
-        flat.r_elem,
-        t.dim[r_blk].to(torch.int32),
-        r_blk.to(torch.int32),
-        ht.max_dim,
-        t.mults,
+        symbols, flat.bits, r_blk, cols, ht.max_dim, t.mults
     )
     firsts = is_first.to(torch.int64)
     rank0 = _bases(firsts)
@@ -846,8 +844,9 @@ def _compress(
     t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
     flat = _flatten(blocks, ht, t)
     grid = _grid(ht, t, flat)
-    sym, hist, max_err = _quantize(k, ht, t, flat, grid)
-    dq, dr = _vector_lz(k, sym, ht, t, flat), _vector_lz(k, None, ht, t, flat)
+    cols = _encode_record(ht, t, grid)
+    sym, hist, max_err = _quantize(k, ht, t, flat, cols)
+    dq, dr = _vector_lz(k, sym, ht, t, flat, cols), _vector_lz(k, None, ht, t, flat, cols)
     # Distinct rows' histograms: the quantized symbols of first occurrences only.
     keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
     hist_u = k.huffman.histogram_tiles(

@@ -328,8 +328,7 @@ def _decode_symbols(
     """
     dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
     n_ids, total_sym = int(col.rows[col.ref_mode >= 0].sum()), int(col.n_sym.sum())
-    fields = (dc.QUANT_BLOCKS, dc.CB_OFF, dc.SYM_LO, dc.SYM_COUNT, dc.ESC_LEN, dc.CODEBOOK_BAD)
-    tables = k.codebook.decode_tables(words, *(d.column(f) for f in fields))
+    tables = k.codebook.decode_tables(words, d)
     ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, int(col.fixed_base[-1]))
     symbols, is_esc = k.huffman.decode_blocks(words, d, tables, int(col.n_chunks.sum()), total_sym)
     rank = k.huffman.check_escapes(is_esc, words, d)
