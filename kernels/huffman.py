@@ -4,13 +4,13 @@
 - :func:`encode_chunks`: the chunks of many blocks in one pass each (a chunk table of stream
   ranges and code-table offsets; empty ranges are unused worst-case slots), no sync when the
   caller bounds the word count; each block's words and chunk ends are ``huffman.encode_into``'s.
-  Three passes,
-  without atomics: (1) one program per chunk sums its code lengths; (2) a prefix sum of the
-  chunks' word counts gives every chunk its first word; (3) one program per chunk places each
-  code at its bit position: a code starts in word ``w`` and may spill into ``w + 1``, so it is
-  written as a 64-bit value aligned on ``w``; a segmented OR-scan merges the codes that start in
-  the same word and the last code of each word stores the merged value; (4) each output word is
-  the high half of its own 64-bit value ORed with the low half of the previous word's.
+  Four passes, without atomics: (1) one program per chunk sums its code lengths; (2) a prefix
+  sum of the chunks' word counts gives every chunk its first word; (3) one program per chunk
+  places each code at its bit position: a code starts in word ``w`` and may spill into ``w +
+  1``, so it is written as a 64-bit value aligned on ``w``; a segmented OR-scan merges the codes
+  that start in the same word and the last code of each word stores the merged value; (4) each
+  output word is the high half of its own 64-bit value ORed with the low half of the previous
+  word's.
 - :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: every block of a payload
   at once (device decompress): one program per chunk walks its bits (:func:`decode_chunk`) with
   the one-lookup tables of ``codebook.decode_tables``; a scan ranks the escapes decoded so that
@@ -19,8 +19,7 @@
   atomics, without a sync.
 
 The device compress builds code lengths and canonical codes on the device
-(``kernels/codebook.py``). The single-block launchers of the stage-level tests are in
-tests/triton_launchers.py.
+(``kernels/codebook.py``). Each launcher's torch twin is ``kernels/huffman_ref.py``.
 """
 
 from __future__ import annotations
