@@ -108,6 +108,23 @@ def isfinite(x: N) -> N:
     return math.isfinite(x)
 
 
+def binary_exponent(x: N) -> N:
+    """``frexp``'s exponent ``e`` of floats, ``x = f * 2**e`` with ``|f|`` in [0.5, 1) (0 for
+    0, infinities and NaN).
+
+    Args:
+        x: Floats.
+
+    Returns:
+        Ints (int64 arrays or tensors, or an int).
+    """
+    if isinstance(x, torch.Tensor):
+        return torch.frexp(x).exponent.to(torch.int64)
+    if isinstance(x, np.ndarray):
+        return np.frexp(x)[1].astype(np.int64)
+    return math.frexp(x)[1]
+
+
 def as_float64(x: N) -> N:
     """The values in float64 (exact from float32).
 
@@ -237,6 +254,7 @@ def _bit_length_scalar(x):  # unannotated: see _scalar_form
 _NUMBERS = (types.Float, types.Integer)
 _scalar_form(bit_length, (types.Integer,), _bit_length_scalar)
 _scalar_form(isfinite, (types.Float,), lambda x: np.isfinite(x))
+_scalar_form(binary_exponent, (types.Float,), lambda x: math.frexp(x)[1])
 _scalar_form(as_float64, _NUMBERS, lambda x: np.float64(x))
 _scalar_form(as_float32, _NUMBERS, lambda x: np.float32(x))
 _scalar_form(floor, (types.Float,), lambda x: np.floor(x))
@@ -249,6 +267,7 @@ _scalar_form(
 __all__ = [
     "as_float32",
     "as_float64",
+    "binary_exponent",
     "bit_length",
     "clamp_min",
     "float32_bits",
