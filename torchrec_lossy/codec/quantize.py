@@ -338,12 +338,10 @@ def grid_center(mid: N, inv_step: N) -> tuple[N, N]:
 
 
 # ---- the per-block grid: one rule for every backend -------------------------------------------
-# Element-wise (``elementwise.jitable``): the host codec's kernel calls it per block inside numba,
-# the device path over [n_blocks] tensors (no sync) and, before the data is read, over numpy
-# arrays (:func:`grid_before_data`). Only the data-sized inputs are each backend's own: a
-# block's finite min / max and, where :func:`uses_median`, the median of its finite values.
-# Adding a quantization mode: its ``BoundKind``, its branch here, its quantize and dequantize
-# loops (docs/codec.md, "Adding a quantization mode").
+# Element-wise: the host kernel calls it per block in numba, the device path over [n_blocks]
+# tensors (no sync), its pre-pass over numpy arrays (grid_before_data). Each backend computes
+# only the data-sized inputs: the finite min / max and, where uses_median, the median. A new
+# mode: docs/codec.md, "Adding a quantization mode".
 
 _ABSOLUTE = int(BoundKind.ABSOLUTE)
 _RELATIVE = int(BoundKind.RELATIVE)
@@ -428,12 +426,12 @@ def midpoint_fits(lo: N, hi: N, grid: N) -> N:
 def uses_median(b: BlockBound, lo: N, hi: N) -> N:
     """Where a block's grid centers on the median of its finite values, not their midpoint:
     where the range does not fit (:func:`midpoint_fits`; an outlier: it is escaped and the rest
-    still quantizes). The median is each backend's to compute, only there.
+    still quantizes). Each backend computes the median, only there.
 
     Args:
         b: :func:`block_bound`'s.
-        lo: Smallest finite value, float32 or float64 (``lo > hi`` or NaN when none is finite).
-        hi: Largest finite value.
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
 
     Returns:
         Bools.
@@ -449,8 +447,8 @@ def grid_mid(b: BlockBound, lo: N, hi: N, median: N) -> N:
 
     Args:
         b: :func:`block_bound`'s.
-        lo: Smallest finite value, float32 or float64 (``lo > hi`` or NaN when none is finite).
-        hi: Largest finite value.
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
         median: float64 median of the finite values where :func:`uses_median` (else anything).
 
     Returns:
@@ -462,16 +460,11 @@ def grid_mid(b: BlockBound, lo: N, hi: N, median: N) -> N:
 
 @jitable
 def absolute_grid(grid: N, mid: N) -> tuple[N, N, N, N]:
-    """The grid of round to nearest and stochastic rounding (:func:`grid_step`,
-    :func:`grid_center`).
-
-    Args:
-        grid: The grid's bound, float64.
-        mid: The value it centers on, float64.
+    """The grid of round to nearest and stochastic rounding: :func:`grid_step`,
+    :func:`grid_center` of the grid's bound and the value it centers on (float64).
 
     Returns:
-        (float32 step, float32 inv_step, float64 center, ok: the step is a normal float32 and
-        the center in range), not zeroed where not ok.
+        (float32 step, float32 inv_step, float64 center, ok), not zeroed where not ok.
     """
     step, inv_step, step_ok = grid_step(grid)
     center, center_ok = grid_center(mid, inv_step)
@@ -480,15 +473,14 @@ def absolute_grid(grid: N, mid: N) -> tuple[N, N, N, N]:
 
 @jitable
 def block_grid(b: BlockBound, lo: N, hi: N, median: N) -> BlockGrid:
-    """Blocks' grids: the absolute grid centered on the midpoint of the finite values, or their
-    median (:func:`uses_median`), 0 when none is finite; the per-value grid from the bound and
-    the largest finite ``|x|`` (:func:`value_params`).
+    """Blocks' grids: the absolute grid (:func:`absolute_grid`) centered on :func:`grid_mid`;
+    the per-value grid from the bound and the largest finite ``|x|`` (:func:`value_params`).
 
     Args:
         b: :func:`block_bound`'s.
-        lo: Smallest finite value, float32 or float64 (``lo > hi`` or NaN when none is finite).
-        hi: Largest finite value.
-        median: float64 median of the finite values where :func:`uses_median` (else anything).
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
+        median: As :func:`grid_mid`'s.
 
     Returns:
         The :class:`BlockGrid`.
@@ -537,31 +529,14 @@ def grid_before_data(
 
 @numba.njit(cache=True, nogil=True)
 def finite_median(x: np.ndarray) -> float:
-    """The median of a block's finite values, float64 (``np.median``'s: the middle one, or the
-    mean of the middle two).
-
-    Args:
-        x: The block's values as 1-D float32 (some finite).
-
-    Returns:
-        The median.
-    """
+    """The float64 median (``np.median``'s) of the finite values of a 1-D float32 block."""
     return np.median(x[np.isfinite(x)].astype(np.float64))
 
 
 @numba.njit(cache=True, nogil=True)
 def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
-    """:func:`grid_mid` of a block of an absolute bound.
-
-    Args:
-        x: The block's values as 1-D float32.
-        lo: Smallest finite value (NaN when none is finite).
-        hi: Largest finite value.
-        grid: The grid's bound.
-
-    Returns:
-        The value its grid centers on (float64).
-    """
+    """:func:`grid_mid` of a block (its values ``x``, float32) on the absolute grid of bound
+    ``grid``, from its finite range ``lo``, ``hi`` (NaN when none is finite)."""
     b = BlockBound(0, grid, grid, True)
     return grid_mid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
 
