@@ -37,6 +37,12 @@ def jitable(fn: F) -> F:
     return register_jitable(fn)
 
 
+def _torch_operand(v: object) -> bool:
+    """Whether ``torch.where`` takes ``v`` as it is with the dtype a 0-d tensor of it would
+    give (a tensor or a Python number; not numpy's, whose float64 subclasses float)."""
+    return isinstance(v, (torch.Tensor, bool, int, float)) and not isinstance(v, np.generic)
+
+
 def where(cond: object, a: object, b: object) -> N:
     """``torch.where`` when any argument is a tensor, else ``np.where``.
 
@@ -49,6 +55,8 @@ def where(cond: object, a: object, b: object) -> N:
         The selection (a tensor, or a numpy array).
     """
     if any(isinstance(v, torch.Tensor) for v in (cond, a, b)):
+        if isinstance(cond, torch.Tensor) and all(_torch_operand(v) for v in (a, b)):
+            return torch.where(cond, a, b)  # Python numbers as they are: no host-to-device copy
         ref = next(v for v in (cond, a, b) if isinstance(v, torch.Tensor))
 
         def t(v: object) -> torch.Tensor:
