@@ -6,13 +6,14 @@ device. ``start_groups_device`` does the same for several payloads at once (grou
 consecutive blocks, each payload byte-identical to its own compress) and stops before the read
 (:class:`PendingCompress`). Blocks are laid out back to back (elements, rows, chunk slots), and
 host-side tables derived from the shapes only (:class:`_HostTables`: offsets, tiles, chunk slots,
-bound-derived steps) go to the device in one non-blocking copy; relative bounds are resolved on
-the device from each block's finite range. The data-sized stages run over the caller's kernel set
-(``kernel_set.KernelSet``: the Triton launchers, or their torch twins for ``"reference"``). Then,
-for all blocks at once, each stage a function passing a record to the next:
+the blocks that may quantize: ``quantize.grid_before_data``) go to the device in one non-blocking
+copy; relative bounds are resolved on the device from each block's finite range. The data-sized
+stages run over the caller's kernel set (``kernel_set.KernelSet``: the Triton launchers, or their
+torch twins for ``"reference"``). Then, for all blocks at once, each stage a function passing a
+record to the next:
 
-1. quantization parameters: per-block finite min / max (``segment_reduce``), the median rule
-   (a segmented sort), the center (float32 multiply, float64 floor) - torch ops;
+1. the grids: per-block finite min / max (``segment_reduce``), medians (a segmented sort), then
+   the host path's rule (``quantize.block_bound``, ``quantize.block_grid``) - torch ops;
 2. quantize + escapes + per-block histograms: ``quantize.quantize_tiles`` (one launch);
 3. vector-LZ, quantized and lossless: ``vector_lz.representatives`` (hash with the block
    in the top bits, one sort, verify), ranks by a cumsum;
@@ -46,7 +47,7 @@ from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import BoundKind, finite_span
+from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
@@ -58,7 +59,6 @@ from torchrec_lossy.codec.container import (
     skeleton_index,
     skeleton_words,
 )
-from torchrec_lossy.codec.elementwise import float32_from_bits
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -81,6 +81,7 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
+from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels.encode_columns import EncodeColumns, encode_columns
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
@@ -116,13 +117,10 @@ class _Columns(Generic[_Array]):
     dtype_code: _Array  # format.DTYPE_CODES
     elem_off: _Array  # first element in the flat layout
     row_off: _Array  # first row in the flat layout
-    step_bits: _Array  # float32 bits of the grid's step (0 where the device resolves it)
-    inv_step_bits: _Array  # float32 bits of 1 / step
-    value_shift: _Array  # 23 - m of the per-value grid (quantize.value_shift), else 0
     bound_bits: _Array  # float64 bits of the bound (relative: the fraction of the range)
-    quant_try: _Array  # 1 where it may quantize
+    quant_try: _Array  # 1 where the data may let it quantize (quantize.grid_before_data)
     sr_key: _Array  # rounding key (quantize.block_keys)
-    relative: _Array  # 1 for a relative bound
+    kind: _Array  # bounds.BoundKind
     value: _Array  # 1 for a per-value bound
     group: _Array  # its payload
     local: _Array  # its index in its payload
@@ -146,40 +144,13 @@ class _HostTables:
     n_elems: int
     n_rows: int
     max_dim: int
-    grid_factor: float  # the grid's bound over the bound (quantize.grid_bound)
-    any_relative: bool
-    any_value: bool
+    stochastic: bool  # stochastic rounding (quantize.grid_bound)
+    quantization: bool  # CodecConfig.enable_quantization
     tile_block: int  # elements per quantize tile
     n_slots: int  # Huffman chunk slots of all blocks
     stream_words: int  # worst-case words of all Huffman streams
     body_max: int  # worst-case words of all payloads
     chunk: int  # symbols per Huffman chunk
-
-
-def _grids(
-    bounds: Sequence[float], kind: np.ndarray, numel: np.ndarray, config: CodecConfig
-) -> tuple[np.ndarray, ...]:
-    """Each block's grid as far as its bound decides it (``quantize.quant_params_kernel`` with
-    any midpoint; the center needs the data, a relative bound the block's range).
-
-    Returns:
-        (float32 step, float32 1 / step, int64 per-value shift, int64 1 where it may quantize).
-    """
-    b = numel.shape[0]
-    step, inv_step = np.zeros(b, np.float32), np.zeros(b, np.float32)
-    shift, quant_try = np.zeros(b, np.int64), np.zeros(b, np.int64)
-    factor = quantize.grid_bound(1.0, config.rounding == "stochastic")
-    for i, eb in enumerate(bounds):
-        if not (config.enable_quantization and eb > 0 and numel[i] > 0):
-            continue
-        quant_try[i] = 1  # a relative block: the worst case (it may quantize); the device decides
-        if kind[i] == BoundKind.VALUE:  # the per-value grid: step 2**-m; its qmax needs the data
-            step[i] = 2.0 ** -quantize.value_mantissa_bits(eb)
-            shift[i] = quantize.value_shift(float(step[i]))
-        elif kind[i] != BoundKind.RELATIVE:
-            s, inv, _, ok = quantize.quant_params_kernel(factor * eb, 0.0)
-            step[i], inv_step[i], quant_try[i] = s, inv, int(ok)
-    return step, inv_step, shift, quant_try
 
 
 def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
@@ -229,9 +200,11 @@ def _host_tables(
     itemsize = np.array([t.element_size() for t in blocks], dtype=np.int64)
     numel = rows * dim
     max_dim = int(dim.max()) if b else 0
-    stochastic = config.rounding == "stochastic"
+    stochastic, quantization = config.rounding == "stochastic", config.enable_quantization
     kind = np.array(kinds, dtype=np.int64).reshape(b)
-    step, inv_step, shift, quant_try = _grids(bounds, kind, numel, config)
+    bound = np.array(bounds, dtype=np.float64).reshape(b)
+    before = quantize.grid_before_data(kind, bound, numel, stochastic, quantization)
+    quant_try = before.ok.astype(np.int64)
     sizes = np.array(group_sizes, dtype=np.int64).reshape(len(group_sizes))
     local = np.arange(b, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     tile_block = block_for(int(numel.max()) if b else 1, _QUANT_BLOCK)
@@ -246,13 +219,10 @@ def _host_tables(
         dtype_code=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
         elem_off=np.cumsum(numel) - numel,
         row_off=np.cumsum(rows) - rows,
-        step_bits=step.view(np.int32).astype(np.int64),
-        inv_step_bits=inv_step.view(np.int32).astype(np.int64),
-        value_shift=shift,
-        bound_bits=np.array(bounds, dtype=np.float64).view(np.int64),
+        bound_bits=bound.view(np.int64),
         quant_try=quant_try,
         sr_key=quantize.block_keys(stochastic, config.seed, local),
-        relative=(kind == BoundKind.RELATIVE).astype(np.int64),
+        kind=kind,
         value=(kind == BoundKind.VALUE).astype(np.int64),
         group=np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes),
         local=local,
@@ -272,9 +242,8 @@ def _host_tables(
         n_elems=int(numel.sum()),
         n_rows=int(rows.sum()),
         max_dim=max_dim,
-        grid_factor=quantize.grid_bound(1.0, stochastic),
-        any_relative=bool(cols.relative.any()),
-        any_value=bool(cols.value.any()),
+        stochastic=stochastic,
+        quantization=quantization,
         tile_block=tile_block,
         n_slots=int(slots.sum()),
         stream_words=stream_words,
@@ -304,16 +273,6 @@ class _Flat(NamedTuple):
             return self.e_loc
         last = max(self.r_elem.shape[0] - 1, 0)
         return torch.where(valid, self.r_elem[row.clamp(max=last)] + self.e_loc % self.e_dim, 0)
-
-
-class _Grid(NamedTuple):
-    """Every block's quantization grid (``quantize.quant_params``' rule), each [n_blocks]."""
-
-    bound: torch.Tensor  # float64 absolute bound (relative ones resolved)
-    step: torch.Tensor  # float32
-    inv_step: torch.Tensor  # float32 1 / step
-    center: torch.Tensor  # int64 code of the center (qmax for the per-value grid)
-    ok: torch.Tensor  # whether the block may quantize
 
 
 class _Dedupe(NamedTuple):
@@ -434,40 +393,21 @@ def _median(flat: _Flat, finite: torch.Tensor, t: _Columns) -> torch.Tensor:
     return (ordered[lower] + ordered[upper]) / 2
 
 
-def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> _Grid:
-    """Stage 1: every block's bound, step and center (``quantize.quant_params``' rule)."""
+def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
+    """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
+    ``block_grid``) from its finite min / max and median; center int64."""
     finite = torch.isfinite(flat.x)
     numel = t.rows * t.dim
     lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
     hi = _per_block(torch.where(finite, flat.x, -math.inf), "max", numel, -math.inf)
     bound = t.bound_bits.view(torch.float64)
-    step = float32_from_bits(t.step_bits)
-    inv_step = float32_from_bits(t.inv_step_bits)
-    quant_try = t.quant_try == 1
-    if ht.any_relative:  # relative bounds: a fraction of the finite range, resolved here
-        rel = t.relative == 1
-        bound = torch.where(rel, bound * finite_span(lo, hi), bound)
-        r_step, r_inv, r_ok = quantize.grid_step(ht.grid_factor * bound)
-        step = torch.where(rel, r_step, step)
-        inv_step = torch.where(rel, r_inv, inv_step)
-        quant_try = torch.where(rel, quant_try & r_ok & (bound > 0), quant_try)
-    lo64, hi64 = lo.double(), hi.double()
-    narrow = quantize.midpoint_fits(lo64, hi64, ht.grid_factor * bound)
-    mid = torch.where(narrow, 0.5 * (lo64 + hi64), _median(flat, finite, t))
-    mid = torch.where(lo <= hi, mid, 0.0)  # no finite value: center 0
-    center_f, center_ok = quantize.grid_center(mid, inv_step)
-    quant_ok = quant_try & center_ok
-    center = torch.where(quant_ok, center_f, 0.0).to(torch.int64)
-    if ht.any_value:  # the per-value grid: center qmax, the code of the largest finite |x|
-        val = t.value == 1
-        amax = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
-        qmax = quantize.value_qmax(amax, t.value_shift)
-        center = torch.where(val & quant_try, qmax, center)
-        quant_ok = torch.where(val, quant_try, quant_ok)
-    return _Grid(bound, step, inv_step, center, quant_ok)
+    b = quantize.block_bound(t.kind, bound, lo, hi, numel, ht.stochastic, ht.quantization)
+    g = quantize.block_grid(b, lo, hi, _median(flat, finite, t))
+    # The quantize launch ran where the rule before the data allowed (a superset of ok).
+    return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
 
 
-def _encode_record(ht: _HostTables, t: _Columns, grid: _Grid) -> EncodeColumns:
+def _encode_record(ht: _HostTables, t: _Columns, grid: BlockGrid) -> EncodeColumns:
     """Every block's grid and layout as the compress launchers' record (``encode_columns``)."""
     return encode_columns(
         ht.n_blocks, t.rows.device, step=grid.step, inv_step=grid.inv_step, center=grid.center,
@@ -701,7 +641,7 @@ class _WordBuffer:
 
 
 def _put_headers(
-    out: _WordBuffer, t: _Columns, grid: _Grid, s: _Sends, sec: _Sections, chunk: int
+    out: _WordBuffer, t: _Columns, grid: BlockGrid, s: _Sends, sec: _Sections, chunk: int
 ) -> None:
     """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
     references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first)."""

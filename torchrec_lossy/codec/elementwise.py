@@ -37,6 +37,12 @@ def jitable(fn: F) -> F:
     return register_jitable(fn)
 
 
+def _torch_operand(v: object) -> bool:
+    """Whether ``torch.where`` takes ``v`` as it is with the dtype a 0-d tensor of it would
+    give (a tensor or a Python number; not numpy's, whose float64 subclasses float)."""
+    return isinstance(v, (torch.Tensor, bool, int, float)) and not isinstance(v, np.generic)
+
+
 def where(cond: object, a: object, b: object) -> N:
     """``torch.where`` when any argument is a tensor, else ``np.where``.
 
@@ -49,6 +55,8 @@ def where(cond: object, a: object, b: object) -> N:
         The selection (a tensor, or a numpy array).
     """
     if any(isinstance(v, torch.Tensor) for v in (cond, a, b)):
+        if isinstance(cond, torch.Tensor) and all(_torch_operand(v) for v in (a, b)):
+            return torch.where(cond, a, b)  # Python numbers as they are: no host-to-device copy
         ref = next(v for v in (cond, a, b) if isinstance(v, torch.Tensor))
 
         def t(v: object) -> torch.Tensor:
@@ -106,6 +114,23 @@ def isfinite(x: N) -> N:
     if isinstance(x, np.ndarray):
         return np.isfinite(x)
     return math.isfinite(x)
+
+
+def binary_exponent(x: N) -> N:
+    """``frexp``'s exponent ``e`` of floats, ``x = f * 2**e`` with ``|f|`` in [0.5, 1) (0 for
+    0, infinities and NaN).
+
+    Args:
+        x: Floats.
+
+    Returns:
+        Ints (int64 arrays or tensors, or an int).
+    """
+    if isinstance(x, torch.Tensor):
+        return torch.frexp(x).exponent.to(torch.int64)
+    if isinstance(x, np.ndarray):
+        return np.frexp(x)[1].astype(np.int64)
+    return math.frexp(x)[1]
 
 
 def as_float64(x: N) -> N:
@@ -237,6 +262,7 @@ def _bit_length_scalar(x):  # unannotated: see _scalar_form
 _NUMBERS = (types.Float, types.Integer)
 _scalar_form(bit_length, (types.Integer,), _bit_length_scalar)
 _scalar_form(isfinite, (types.Float,), lambda x: np.isfinite(x))
+_scalar_form(binary_exponent, (types.Float,), lambda x: math.frexp(x)[1])
 _scalar_form(as_float64, _NUMBERS, lambda x: np.float64(x))
 _scalar_form(as_float32, _NUMBERS, lambda x: np.float32(x))
 _scalar_form(floor, (types.Float,), lambda x: np.floor(x))
@@ -249,6 +275,7 @@ _scalar_form(
 __all__ = [
     "as_float32",
     "as_float64",
+    "binary_exponent",
     "bit_length",
     "clamp_min",
     "float32_bits",

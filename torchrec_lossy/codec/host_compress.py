@@ -7,9 +7,9 @@ descriptors, headers and checksums. No Python runs per block, and the fixed cost
 few numpy / torch calls around the compiled one, so small all-to-all payloads pay for their
 bytes, not for the stages. The bytes are those of the device path (``device_compress``, over
 the Triton kernels or their torch twins ``kernels/*_ref.py``: the ``"reference"`` backend, the
-test oracle), and the mode choice is ``size_model``'s, the relative bound
-``bounds.finite_span``'s and the checksum ``format``'s, shared with the device path (the first
-two compile into the kernel through ``elementwise``). Its reader is
+test oracle), and the mode choice is ``size_model``'s, each block's grid ``quantize``'s rule
+(``block_bound``, ``block_grid``) and the checksum ``format``'s, shared with the device path
+(the first two compile into the kernel through ``elementwise``). Its reader is
 :mod:`torchrec_lossy.codec.host_decompress`.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from torchrec_lossy.codec import huffman, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.bounds import BoundKind, finite_span
+from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
@@ -139,7 +139,7 @@ class _Knobs(NamedTuple):
 
     quantization: bool
     lz: bool
-    grid_scale: float  # quantize.grid_bound of 1: the grid's bound per unit of the bound
+    stochastic: bool  # stochastic rounding (its grid: quantize.grid_bound)
     chunk: int  # Huffman symbols per chunk
 
 
@@ -152,9 +152,7 @@ class _Scratch(NamedTuple):
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
-# BoundKind's values as the compiled kernel compares them.
-BOUND_RELATIVE = int(BoundKind.RELATIVE)
-BOUND_VALUE = int(BoundKind.VALUE)
+BOUND_VALUE = int(BoundKind.VALUE)  # as the compiled kernel compares it
 
 
 def _flatten(
@@ -351,35 +349,24 @@ def _blocks(layout: np.ndarray) -> Blocks:
 def _grids(
     x: np.ndarray, blocks: Blocks, kinds: np.ndarray, bnd: np.ndarray, knobs: _Knobs
 ) -> Grids:
-    """Each block's grid (``quantize.quant_params`` for every block at once; the per-value
-    grid's ``value_params`` from the same ranges); relative bounds in ``bnd`` resolved in
-    place, as ``bounds.absolute_bounds`` does."""
+    """Each block's grid by ``quantize``'s rule (``block_bound``, ``block_grid``) over its
+    finite range and, where the rule centers on it, its median; relative bounds in ``bnd``
+    resolved in place."""
     lo, hi = quantize.finite_ranges_kernel(x, blocks.elem_off)
     nb = blocks.rows.shape[0]
-    wanted = np.zeros(nb, np.bool_)
-    value = np.zeros(nb, np.bool_)
-    grid = np.zeros(nb, np.float64)
-    mid = np.zeros(nb, np.float64)
+    step, inv_step = np.zeros(nb, np.float32), np.zeros(nb, np.float32)
+    center, ok = np.zeros(nb, np.int64), np.zeros(nb, np.bool_)
     for b in range(nb):
-        if kinds[b] == BOUND_RELATIVE:
-            span = finite_span(np.float32(lo[b]), np.float32(hi[b]))
-            bnd[b] = bnd[b] * span if bnd[b] > 0 else 0.0
         e0, e1 = blocks.elem_off[b], blocks.elem_off[b + 1]
-        wanted[b] = bnd[b] > 0 and e1 > e0 and knobs.quantization
-        if kinds[b] == BOUND_VALUE:
-            value[b] = wanted[b]
-            wanted[b] = False  # not on the absolute grid
-        elif wanted[b]:
-            # The grid the codes live on (quantize.grid_bound: half the bound for stochastic).
-            grid[b] = knobs.grid_scale * bnd[b]
-            mid[b] = quantize.block_mid(x[e0:e1], lo[b], hi[b], grid[b])
-    step, inv_step, center, ok = quantize.quant_params_blocks_kernel(grid, mid, wanted)
-    for b in range(nb):
-        if value[b]:
-            amax = max(abs(lo[b]), abs(hi[b])) if not np.isnan(lo[b]) else 0.0
-            step[b], center[b] = quantize.value_params(bnd[b], amax)
-            ok[b] = True
-    return Grids(step, inv_step, center, ok, value)
+        bb = quantize.block_bound(
+            kinds[b], bnd[b], lo[b], hi[b], e1 - e0, knobs.stochastic, knobs.quantization
+        )
+        use = quantize.uses_median(bb, lo[b], hi[b])
+        g = quantize.block_grid(bb, lo[b], hi[b], quantize.finite_median(x[e0:e1]) if use else 0.0)
+        bnd[b], step[b], inv_step[b], center[b], ok[b] = (
+            g.bound, g.step, g.inv_step, np.int64(g.center), g.ok
+        )  # fmt: skip
+    return Grids(step, inv_step, center, ok, kinds == BOUND_VALUE)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -592,7 +579,7 @@ def compress_blocks(
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
     knobs = _Knobs(
         config.enable_quantization, config.enable_lz,
-        quantize.grid_bound(1.0, config.rounding == "stochastic"), config.huffman_chunk_symbols,
+        config.rounding == "stochastic", config.huffman_chunk_symbols,
     )  # fmt: skip
     scratch = _Scratch(
         _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),

@@ -25,10 +25,13 @@ import numba
 import numpy as np
 import torch
 
+from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.elementwise import (
     N,
     as_float32,
     as_float64,
+    binary_exponent,
+    clamp_min,
     float32_bits,
     float32_from_bits,
     floor,
@@ -93,8 +96,10 @@ def value_mantissa_bits(v: float) -> int:
     Returns:
         m.
     """
-    m = -math.frexp(v)[1]  # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e
-    return min(max(m, 0), 23)
+    m = clamp_min(
+        -binary_exponent(v), 0
+    )  # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e
+    return 23 - clamp_min(23 - m, 0)
 
 
 @jitable
@@ -194,10 +199,11 @@ def value_shift(step: float) -> int:
     Returns:
         The shift.
     """
-    return 22 + math.frexp(step)[1]  # step = 0.5 * 2**(1 - m) exactly
+    return 22 + binary_exponent(step)  # step = 0.5 * 2**(1 - m) exactly
 
 
-def grid_bound(bound: float, stochastic: bool) -> float:
+@jitable
+def grid_bound(bound: N, stochastic: bool) -> N:
     """The bound the quantization grid is chosen for: ``bound`` (step ``2 * bound``) for round to
     nearest, ``bound / 2`` (step ``bound``) for stochastic rounding, whose error reaches a step.
 
@@ -206,7 +212,7 @@ def grid_bound(bound: float, stochastic: bool) -> float:
         stochastic: Whether the block is rounded stochastically.
 
     Returns:
-        The bound to pass to :func:`quant_params` / :func:`quant_params_kernel`.
+        The bound to pass to :func:`grid_step` (:func:`block_bound`'s ``grid``).
     """
     return 0.5 * bound if stochastic else bound
 
@@ -292,48 +298,7 @@ def _mix32_nb(h: np.uint64) -> np.uint64:
     return h ^ (h >> np.uint64(16))
 
 
-@jitable
-def midpoint_fits(lo: N, hi: N, grid: N) -> N:
-    """Whether a block centers on the midpoint of its finite values, else on their median.
-
-    The midpoint when the finite range fits the alphabet; otherwise (an outlier) the median, so
-    the outlier is escaped and the rest still quantizes. The one rule of every backend.
-
-    Args:
-        lo: Smallest finite value (float64; ``lo > hi`` when none is finite).
-        hi: Largest finite value.
-        grid: The grid's bound (:func:`grid_bound` of the absolute bound).
-
-    Returns:
-        True where the midpoint is the center.
-    """
-    two = 2.0 * grid
-    return (hi - lo) <= 2 * SYMBOL_OFFSET * where(two > _FLT_MAX, _FLT_MAX, two)  # NaN stays
-
-
-@numba.njit(cache=True, nogil=True)
-def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
-    """The value a block's grid centers on: the midpoint of its finite values when
-    :func:`midpoint_fits`, else their median (0 when none is finite).
-
-    Args:
-        x: The block's values as 1-D float32.
-        lo: Smallest finite value (NaN when none is finite).
-        hi: Largest finite value.
-        grid: The grid's bound.
-
-    Returns:
-        The midpoint (float64).
-    """
-    if np.isnan(lo):
-        return 0.0
-    if midpoint_fits(lo, hi, grid):
-        return 0.5 * (lo + hi)
-    return np.median(x[np.isfinite(x)].astype(np.float64))
-
-
-# The grid of round to nearest and stochastic rounding, element-wise: the numba kernels take it
-# per block, the device path over [n_blocks] tensors.
+# The absolute grid's step and center (round to nearest and stochastic rounding), element-wise.
 
 
 @jitable
@@ -362,7 +327,7 @@ def grid_center(mid: N, inv_step: N) -> tuple[N, N]:
     """The center code of a block's midpoint on its grid.
 
     Args:
-        mid: The block's midpoint (:func:`block_mid`), float64.
+        mid: The value the grid centers on (:func:`grid_mid`), float64.
         inv_step: The grid's float32 ``1 / step`` (:func:`grid_step`).
 
     Returns:
@@ -372,24 +337,208 @@ def grid_center(mid: N, inv_step: N) -> tuple[N, N]:
     return center, abs(center) <= MAX_CENTER
 
 
-@numba.njit(cache=True, nogil=True)
-def quant_params_kernel(bound: float, mid: float) -> tuple[float, float, int, bool]:
-    """Quantization step, its float32 reciprocal and the center code for a bound and midpoint
-    (:func:`grid_step`, :func:`grid_center`).
+# ---- the per-block grid: one rule for every backend -------------------------------------------
+# Element-wise: the host kernel calls it per block in numba, the device path over [n_blocks]
+# tensors (no sync), its pre-pass over numpy arrays (grid_before_data). Each backend computes
+# only the data-sized inputs: the finite min / max and, where uses_median, the median. A new
+# mode: docs/codec.md, "Adding a quantization mode".
+
+_ABSOLUTE = int(BoundKind.ABSOLUTE)
+_RELATIVE = int(BoundKind.RELATIVE)
+_VALUE = int(BoundKind.VALUE)
+
+
+class BlockBound(NamedTuple):
+    """Blocks' bounds as their grids take them (scalars, or [n] arrays / tensors).
+
+    Attributes:
+        kind: ``bounds.BoundKind``.
+        bound: float64 bound: absolute (a relative one resolved), or per-value as given.
+        grid: The bound the absolute grid is chosen for (:func:`grid_bound`).
+        may: Whether the block may quantize (quantization on, a positive bound, elements).
+    """
+
+    kind: N
+    bound: N
+    grid: N
+    may: N
+
+
+class BlockGrid(NamedTuple):
+    """Blocks' quantization grids (scalars, or [n] arrays / tensors; 0 where not ``ok``).
+
+    Attributes:
+        bound: float64 bound the descriptor carries (:attr:`BlockBound.bound`).
+        step: float32 step (the per-value grid: ``2**-m``).
+        inv_step: float32 ``1 / step`` (0 on the per-value grid).
+        center: float64 code of the center (the per-value grid: ``qmax``).
+        ok: Whether the block is quantized.
+    """
+
+    bound: N
+    step: N
+    inv_step: N
+    center: N
+    ok: N
+
+
+@jitable
+def block_bound(
+    kind: N, bound: N, lo: N, hi: N, numel: N, stochastic: bool, quantization: bool
+) -> BlockBound:
+    """Blocks' bounds, relative ones resolved (``bounds.finite_span``), and their grids' bounds.
 
     Args:
-        bound: Absolute error bound (> 0).
-        mid: The block's midpoint (the center is its code).
+        kind: ``bounds.BoundKind`` per block.
+        bound: float64 bound as given (relative: the fraction of the range).
+        lo: Smallest finite value, float32 or float64 (``lo > hi`` or NaN when none is finite).
+        hi: Largest finite value.
+        numel: Elements.
+        stochastic: Stochastic rounding (:func:`grid_bound`).
+        quantization: ``CodecConfig.enable_quantization``.
 
     Returns:
-        (step, inv_step, center, ok); ok is False when the step is below float32's normal
-        range or the center's code is out of range (the block is then not quantized).
+        The :class:`BlockBound`.
     """
-    step, inv_step, step_ok = grid_step(bound)
+    resolved = where(bound > 0, bound * finite_span(as_float32(lo), as_float32(hi)), 0.0)
+    bound = where(kind == _RELATIVE, resolved, bound)
+    may = (bound > 0) & (numel > 0) & quantization
+    return BlockBound(kind, bound, grid_bound(bound, stochastic), may)
+
+
+@jitable
+def midpoint_fits(lo: N, hi: N, grid: N) -> N:
+    """Whether a block's finite range fits the alphabet around its midpoint.
+
+    Args:
+        lo: Smallest finite value (float64).
+        hi: Largest finite value.
+        grid: The grid's bound (:func:`grid_bound` of the absolute bound).
+
+    Returns:
+        True where it fits (False for NaN).
+    """
+    two = 2.0 * grid
+    return (hi - lo) <= 2 * SYMBOL_OFFSET * where(two > _FLT_MAX, _FLT_MAX, two)  # NaN stays
+
+
+@jitable
+def uses_median(b: BlockBound, lo: N, hi: N) -> N:
+    """Where a block's grid centers on the median of its finite values, not their midpoint:
+    where the range does not fit (:func:`midpoint_fits`; an outlier: it is escaped and the rest
+    still quantizes). Each backend computes the median, only there.
+
+    Args:
+        b: :func:`block_bound`'s.
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
+
+    Returns:
+        Bools.
+    """
+    fits = midpoint_fits(as_float64(lo), as_float64(hi), b.grid)
+    return b.may & (b.kind != _VALUE) & (lo <= hi) & (fits ^ True)  # ^ True: not, any kind
+
+
+@jitable
+def grid_mid(b: BlockBound, lo: N, hi: N, median: N) -> N:
+    """The value a block's absolute grid centers on: the midpoint of its finite values, or
+    their median (:func:`uses_median`); 0 when none is finite.
+
+    Args:
+        b: :func:`block_bound`'s.
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
+        median: float64 median of the finite values where :func:`uses_median` (else anything).
+
+    Returns:
+        float64 values.
+    """
+    midpoint = where(lo <= hi, 0.5 * (as_float64(lo) + as_float64(hi)), 0.0)
+    return where(uses_median(b, lo, hi), median, midpoint)
+
+
+@jitable
+def absolute_grid(grid: N, mid: N) -> tuple[N, N, N, N]:
+    """The grid of round to nearest and stochastic rounding: :func:`grid_step`,
+    :func:`grid_center` of the grid's bound and the value it centers on (float64).
+
+    Returns:
+        (float32 step, float32 inv_step, float64 center, ok), not zeroed where not ok.
+    """
+    step, inv_step, step_ok = grid_step(grid)
     center, center_ok = grid_center(mid, inv_step)
-    if not (step_ok and center_ok):
-        return 0.0, 0.0, 0, False
-    return np.float64(step), np.float64(inv_step), np.int64(center), True
+    return step, inv_step, center, step_ok & center_ok
+
+
+@jitable
+def block_grid(b: BlockBound, lo: N, hi: N, median: N) -> BlockGrid:
+    """Blocks' grids: the absolute grid (:func:`absolute_grid`) centered on :func:`grid_mid`;
+    the per-value grid from the bound and the largest finite ``|x|`` (:func:`value_params`).
+
+    Args:
+        b: :func:`block_bound`'s.
+        lo: As :func:`block_bound`'s.
+        hi: As :func:`block_bound`'s.
+        median: As :func:`grid_mid`'s.
+
+    Returns:
+        The :class:`BlockGrid`.
+    """
+    lo64, hi64 = as_float64(lo), as_float64(hi)
+    some = lo <= hi
+    step, inv_step, center, ok = absolute_grid(b.grid, grid_mid(b, lo, hi, median))
+    amax = where(some, where(abs(lo64) > abs(hi64), abs(lo64), abs(hi64)), 0.0)
+    v_step, qmax = value_params(b.bound, amax)
+    value = b.kind == _VALUE
+    ok = where(value, b.may, b.may & ok)
+    return BlockGrid(
+        b.bound,
+        as_float32(where(ok, where(value, v_step, step), 0.0)),
+        as_float32(where(ok & (value ^ True), inv_step, 0.0)),
+        where(ok, where(value, qmax, center), 0.0),
+        ok,
+    )
+
+
+def grid_before_data(
+    kind: np.ndarray, bound: np.ndarray, numel: np.ndarray, stochastic: bool, quantization: bool
+) -> BlockGrid:
+    """The rule before the data is read (the device path sizes its launches with it): each
+    block at the widest finite range a block can have, ``[-FLT_MAX / 2, FLT_MAX / 2]`` (span
+    ``FLT_MAX``, midpoint 0).
+
+    Where the grid does not depend on the data (the absolute and per-value steps) it is the
+    block's; ``ok`` holds wherever the data can make it hold: a relative bound resolves at most
+    to its widest (the step only grows with the bound) and a center at 0 is in range.
+
+    Args:
+        kind: ``bounds.BoundKind`` per block.
+        bound: float64 bounds as given.
+        numel: Elements per block.
+        stochastic: Stochastic rounding.
+        quantization: ``CodecConfig.enable_quantization``.
+
+    Returns:
+        The :class:`BlockGrid` (numpy arrays).
+    """
+    half = _FLT_MAX / 2
+    b = block_bound(kind, bound, -half, half, numel, stochastic, quantization)
+    return block_grid(b, -half, half, 0.0)
+
+
+@numba.njit(cache=True, nogil=True)
+def finite_median(x: np.ndarray) -> float:
+    """The float64 median (``np.median``'s) of the finite values of a 1-D float32 block."""
+    return np.median(x[np.isfinite(x)].astype(np.float64))
+
+
+@numba.njit(cache=True, nogil=True)
+def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
+    """:func:`grid_mid` of a block (its values ``x``, float32) on the absolute grid of bound
+    ``grid``, from its finite range ``lo``, ``hi`` (NaN when none is finite)."""
+    b = BlockBound(0, grid, grid, True)
+    return grid_mid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
 
 
 def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
@@ -408,9 +557,11 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         block's center is too far from 0 in units of the step.
     """
     lo, hi = finite_range(x)
-    mid = block_mid(x, lo, hi, bound)
-    step, inv_step, center, ok = quant_params_kernel(bound, mid)
-    return QuantParams(step=step, inv_step=inv_step, center=center) if ok else None
+    b = block_bound(_ABSOLUTE, bound, lo, hi, x.shape[0], False, True)
+    g = block_grid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
+    if not g.ok:
+        return None
+    return QuantParams(step=float(g.step), inv_step=float(g.inv_step), center=int(g.center))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -613,7 +764,7 @@ def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarra
 def quant_params_blocks_kernel(
     bounds: np.ndarray, mids: np.ndarray, wanted: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`quant_params`' step and center for many blocks.
+    """:func:`absolute_grid` of many blocks.
 
     Args:
         bounds: float64 [n] absolute bounds.
@@ -629,10 +780,9 @@ def quant_params_blocks_kernel(
     center = np.zeros(n, np.int64)
     ok = np.zeros(n, np.bool_)
     for b in range(n):
-        if wanted[b]:
-            s, inv, c, good = quant_params_kernel(bounds[b], mids[b])
-            if good:
-                step[b], inv_step[b], center[b], ok[b] = s, inv, c, True
+        s, inv, c, good = absolute_grid(bounds[b], mids[b])
+        if wanted[b] and good:
+            step[b], inv_step[b], center[b], ok[b] = s, inv, np.int64(c), True
     return step, inv_step, center, ok
 
 
@@ -789,16 +939,25 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
 __all__ = [
     "DTYPE_CODES",
     "NEAREST_KEY",
+    "BlockBound",
+    "BlockGrid",
     "QuantParams",
+    "absolute_grid",
+    "block_bound",
+    "block_grid",
     "block_keys",
     "block_mid",
     "dequantize_kernel",
     "dequantize_reference",
+    "finite_median",
     "finite_range",
     "finite_ranges_kernel",
+    "grid_before_data",
     "grid_bound",
     "grid_center",
+    "grid_mid",
     "grid_step",
+    "midpoint_fits",
     "mix32",
     "quant_params",
     "quant_params_blocks_kernel",
@@ -806,6 +965,7 @@ __all__ = [
     "quantize_reference",
     "stochastic_key",
     "uniform_reference",
+    "uses_median",
     "value_code",
     "value_decode_bits",
     "value_mantissa_bits",
