@@ -24,14 +24,17 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
+    SEGMENT_BAD_STREAM,
     SEGMENT_HEADER,
     SEGMENT_HEADER_WORDS,
+    SEGMENT_REFS_RANGE,
     VERSION,
     checksum_words,
     read_segment_header,
     ref_width,
     refs_bits,
     refs_packing,
+    segment_checks,
     segment_header_fields,
     segment_header_words,
     segment_layout,
@@ -454,6 +457,77 @@ def test_segment_layout_accepts_what_compress_writes_and_rejects_short_segments(
         short = int(bs_off) - 1 if d["mode"] & 2 else seg - 1
         assert bool(ok) and not bool(segment_layout((*desc[:4], short), fields)[0])
         start += seg
+
+
+_EDGES = {"step": [0.0, -1.0, 2.0, 2.0**-24, math.nan, math.inf], "mode": [0, 1, 2, 3, 6, 7]}
+
+
+def _mutated_segments(rng: np.random.Generator) -> list[tuple[tuple, tuple]]:
+    """(descriptor, segment header) fields of a payload's blocks, and copies with one field
+    moved near a check's edge (the mode and step: to values that change the checks)."""
+    torch.manual_seed(1)
+    blocks = [torch.randn(64, 8), torch.randn(4, 8).repeat(8, 1), torch.randn(3, 5)]
+    blocks += [torch.randn(8, 64).repeat(16, 1), torch.randn(30, 9)]
+    payload = compress(blocks, [0.01, 0.0, 0.0, 0.01, 1e-3], CodecConfig()).numpy()
+    body = payload[HEADER.itemsize :].view(np.uint32)
+    start = DESCRIPTOR_WORDS * len(blocks)
+    out = []
+    for d in body[:start].view(DESCRIPTOR):
+        mode, seg = int(d["mode"]), int(d["seg_words"])
+        head = read_segment_header(body, start) if mode else (0.0, *[0] * 10)
+        start += seg
+        fields = [mode, int(d["rows"]), int(d["dim"]), 4, seg, float(head[0])]
+        fields += [int(v) for v in head[1:]]
+        out.append(fields)
+        for k in (0, 1, 2, 4, 5, *range(6, len(fields))):  # not the element size
+            for _ in range(6):
+                f = list(fields)
+                if k in (0, 5):
+                    f[k] = rng.choice(_EDGES["mode" if k == 0 else "step"]).item()
+                else:
+                    f[k] = max(0, f[k] + int(rng.integers(-3, 4) * rng.choice([1, 7, 2**20])))
+                out.append(f)
+    return [(tuple(f[:5]), (np.float32(f[5]), *f[6:])) for f in out]
+
+
+@numba.njit
+def _checks_compiled(desc: tuple, header: tuple) -> tuple:
+    return segment_checks(desc, header)
+
+
+def _at(value: object, i: int) -> int:
+    """Block ``i``'s value of a check's entry: a scalar, or a numpy / torch column."""
+    a = np.asarray(value)
+    return int(a.reshape(-1)[i]) if a.ndim else int(a)
+
+
+def test_segment_checks_agree_on_every_backend():
+    """The one statement of a segment's checks and sections (``segment_checks``) gives the
+    same verdicts and offsets on Python scalars, numba scalars, numpy arrays and torch
+    tensors, and every field check fails for some block (so the agreement covers each)."""
+    cases = _mutated_segments(np.random.default_rng(3))
+    desc_cols = [np.array(c, np.int64) for c in zip(*(d for d, _ in cases), strict=True)]
+    head_cols = list(zip(*(h for _, h in cases), strict=True))
+    head_cols = [
+        np.array(head_cols[0], np.float32),
+        *(np.array(c, np.int64) for c in head_cols[1:]),
+    ]
+    by_array = segment_checks(tuple(desc_cols), tuple(head_cols))
+    as_tensors = [tuple(torch.from_numpy(c) for c in cols) for cols in (desc_cols, head_cols)]
+    by_tensor = segment_checks(*as_tensors)
+    failed = set()
+    for i, (desc, header) in enumerate(cases):
+        checks, sections = segment_checks(desc, header)
+        want = [[int(v) for v in c] for c in checks] + [[int(v) for v in sections]]
+        compiled = _checks_compiled(
+            tuple(np.int64(v) for v in desc), (header[0], *(np.int64(v) for v in header[1:]))
+        )
+        for got, j in ((compiled, 0), (by_array, i), (by_tensor, i)):
+            got_i = [[_at(v, j) for v in c] for c in (*got[0], got[1])]
+            assert got_i == want, (i, desc, header)
+        failed |= {k for k, c in enumerate(checks) if not c[0]}
+    data = {k for k, c in enumerate(checks) if c[1] in (SEGMENT_REFS_RANGE, SEGMENT_BAD_STREAM)}
+    assert failed == set(range(len(checks))) - data
 
 
 def _header_fields(rng: np.random.Generator) -> tuple:

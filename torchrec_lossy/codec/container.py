@@ -27,7 +27,20 @@ from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     HEADER_WORDS,
     MAGIC,
     MODE_NAMES,
+    SECTIONS,
+    SEGMENT_BAD_CHUNKS,
+    SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_ESCAPES,
+    SEGMENT_BAD_GRID,
+    SEGMENT_BAD_PACKING,
+    SEGMENT_BAD_REFS,
+    SEGMENT_BAD_STREAM,
+    SEGMENT_BAD_VALUE_GRID,
+    SEGMENT_BAD_VECTORS,
     SEGMENT_HEADER_WORDS,
+    SEGMENT_REFS_RANGE,
+    SEGMENT_TRAILING,
+    SEGMENT_TRUNCATED,
     VERSION,
     CodecError,
     checksum_words,
@@ -471,15 +484,8 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
-# A segment's verdicts: its checks, in the order its sections are read (wire order), each
-# with four integer details (unused ones 0) that segment_error puts in its message (the first
-# detail is a SECTIONS index for a truncated section, the step's float32 bits for the grids,
-# the Huffman decoder's DECODE_* status for the stream).
-(
-    SEGMENT_OK, SEGMENT_TRUNCATED, SEGMENT_TRAILING, SEGMENT_BAD_REFS, SEGMENT_BAD_PACKING,
-    SEGMENT_REFS_RANGE, SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID, SEGMENT_BAD_CODEBOOK,
-    SEGMENT_BAD_VECTORS, SEGMENT_BAD_ESCAPES, SEGMENT_BAD_CHUNKS, SEGMENT_BAD_STREAM,
-) = range(13)  # fmt: skip
+# The message of each segment verdict (``format.SEGMENT_*``; ``format.segment_checks`` and the
+# host decoder's data checks make them), its details in order.
 _SEGMENT_WHAT = {
     SEGMENT_TRUNCATED: "{0} needs {1} words at word {2} of a {3}-word segment",
     SEGMENT_TRAILING: "{0} trailing words",
@@ -494,15 +500,6 @@ _SEGMENT_WHAT = {
     SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
     SEGMENT_BAD_STREAM: "Huffman stream: {0}",
 }
-# A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
-SECTIONS = (
-    "raw values", "segment header", "codebook", "references", "distinct vectors",
-    "escape positions", "escaped values", "chunk table",
-)  # fmt: skip
-(
-    SECTION_RAW, SECTION_HEADER, SECTION_CODEBOOK, SECTION_REFS, SECTION_VECTORS,
-    SECTION_ESC_POS, SECTION_ESC_VALUES, SECTION_CHUNKS,
-) = range(len(SECTIONS))  # fmt: skip
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

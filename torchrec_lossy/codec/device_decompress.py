@@ -49,8 +49,6 @@ from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
     DESCRIPTOR_WORDS,
     HEADER_WORDS,
-    SEGMENT_BAD_STREAM,
-    SEGMENT_REFS_RANGE,
     check_payload,
     parse_header,
     segment_checksums,
@@ -67,7 +65,9 @@ from torchrec_lossy.codec.format import (
     REFS_FIXED,
     REFS_FLAGGED,
     REFS_OUT_OF_RANGE,
+    SEGMENT_BAD_STREAM,
     SEGMENT_HEADER_WORDS,
+    SEGMENT_REFS_RANGE,
     CodecError,
     segment_header_fields,
     segment_layout,
@@ -201,7 +201,7 @@ def _layout(
     step, *header = _segment_headers(body, offsets[:-1])
     center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = header
     itemsize = np.where(dtype == 1, 4, 2)  # float32, else a 16-bit dtype
-    ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off = segment_layout(
+    ok, nu, ref_off, ref_words, _, esc_pos_off, ct_off, bs_off = segment_layout(
         (mode, rows, dim, itemsize, seg), (step, *header)
     )
     if not ok.all():
@@ -217,7 +217,7 @@ def _layout(
         mode=mode,
         n_unique=nu,
         src_off=base + np.where(mode == MODE_RAW, 0, head + ref_words),
-        ref_off=base + head + np.where(quant, cb_words, 0),
+        ref_off=base + ref_off,
         ref_words=ref_words,
         ref_mode=np.where(lz, ref_mode, -1),
         width=np.where(lz, width, 0),

@@ -84,6 +84,24 @@ DECODE_ERRORS = {
 }
 # Device block status for invalid vector references (the Triton decoder's, beside DECODE_*).
 REFS_OUT_OF_RANGE = 1
+# A segment's verdicts: its checks, in the order its sections are read (wire order), each
+# with four integer details (unused ones 0) that ``container.segment_error`` puts in its message
+# (the first detail is a SECTIONS index for a truncated section, the step's float32 bits for the
+# grids, the Huffman decoder's DECODE_* status for the stream). :func:`segment_checks` makes them.
+(
+    SEGMENT_OK, SEGMENT_TRUNCATED, SEGMENT_TRAILING, SEGMENT_BAD_REFS, SEGMENT_BAD_PACKING,
+    SEGMENT_REFS_RANGE, SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID, SEGMENT_BAD_CODEBOOK,
+    SEGMENT_BAD_VECTORS, SEGMENT_BAD_ESCAPES, SEGMENT_BAD_CHUNKS, SEGMENT_BAD_STREAM,
+) = range(13)  # fmt: skip
+# A segment's sections in wire order (SEGMENT_TRUNCATED's first detail indexes them).
+SECTIONS = (
+    "raw values", "segment header", "codebook", "references", "distinct vectors",
+    "escape positions", "escaped values", "chunk table",
+)  # fmt: skip
+(
+    SECTION_RAW, SECTION_HEADER, SECTION_CODEBOOK, SECTION_REFS, SECTION_VECTORS,
+    SECTION_ESC_POS, SECTION_ESC_VALUES, SECTION_CHUNKS,
+) = range(len(SECTIONS))  # fmt: skip
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
@@ -305,46 +323,103 @@ def refs_packing(rows: N, n_unique: N) -> tuple[N, N, N]:
 
 
 @jitable
-def segment_layout(desc: tuple, header: tuple) -> tuple:
-    """Where each section of a block's segment lies, and whether the segment is well-formed.
+def segment_checks(desc: tuple, header: tuple) -> tuple[tuple, tuple]:
+    """Every check of a block's segment that its fields decide, in wire order, and where its
+    sections lie (docs/format.md).
 
-    The one reading of docs/format.md's segment layout that the batched host decoder (per
-    block, compiled) and the device decoder's planner (over ``[n_blocks]`` arrays) use; for a
-    block it rejects, the host decoder (``host_decompress``) names the check that failed.
-    Element-wise over ints, numpy arrays, torch tensors and numba scalars.
+    The one statement of what a well-formed segment is: a decoder's fast path takes "all
+    pass" (:func:`segment_layout`), the host decoder names a rejected block's error by the
+    first that fails (a section's fields are checked before the section is taken), with the
+    two checks that need the data where they lie in wire order: the entries whose status is
+    ``SEGMENT_REFS_RANGE`` (the references' ids, vector-LZ blocks) and ``SEGMENT_BAD_STREAM``
+    (the Huffman stream's decode, quantized blocks) always pass here. Element-wise over ints,
+    numpy arrays, torch tensors and numba scalars.
 
     Args:
         desc: (mode, rows, dim, bytes per element, segment words) of the block's descriptor.
         header: The segment header's fields in ``SEGMENT_HEADER`` order (int64 but ``step``;
-            any values for a raw block, which has no header).
+            zeros for a raw block, which has no header).
 
     Returns:
-        (well-formed; vectors sent; reference words; codebook words; offset of the escape
-        positions; of the chunk table; of the bitstream), offsets in words from the segment's
-        start. Only ``well-formed`` is meaningful where it is False.
+        (one (passes, ``SEGMENT_*`` status, its four details) per check; the sections: vectors
+        sent, offset of the references, reference words, codebook words, offset of the escape
+        positions, of the chunk table, of the bitstream, offsets in words from the segment's
+        start, only meaningful where every check passes).
     """
     mode, rows, dim, itemsize, seg = desc
-    step, center, n_unique, n_esc, chunk_symbols, n_chunks, lo, count, esc_len = header[:9]
+    step, center, n_unique, n_esc, chunk, n_chunks, lo, count, esc_len = header[:9]
     ref_mode, width = header[9], header[10]
     head = SEGMENT_HEADER_WORDS
-    lz = (mode & 1) == 1
-    nu_ok = (n_unique >= 1) & (n_unique <= rows)
-    nu = where(lz & nu_ok, n_unique, rows)  # clipped, so the sizes below stay small
-    refs_ok = nu_ok & (width == ref_width(nu)) & (ref_mode <= REFS_FLAGGED)
+    # Each check passes for the modes it does not concern.
+    not_raw, lz, quant = mode != MODE_RAW, (mode & 1) == 1, (mode & 2) == 2
+    not_lz, not_quant, not_value = (mode & 1) == 0, (mode & 2) == 0, (mode & MODE_VALUE) == 0
+    not_lz_only = not_lz | quant
+    # The sections: nu clipped to the rows, so that the sizes stay small.
+    nu = where(lz & (n_unique >= 1) & (n_unique <= rows), n_unique, rows)
     ref_words = where(lz, words_for_bits(refs_bits(rows, nu, ref_mode)), 0)
-    n_sym = nu * dim
     cb_words = words_for_bytes((count + 1) // 2)
-    esc_pos_off = head + cb_words + ref_words
-    ct_off = esc_pos_off + n_esc + words_for_bytes(n_esc * itemsize)
-    bs_off = ct_off + n_chunks
-    lz_ok = refs_ok & (seg == head + ref_words + words_for_bytes(n_sym * itemsize))
+    ref_off = head + where(quant, cb_words, 0)
+    esc_at = head + cb_words + ref_words
+    ct_at = esc_at + n_esc + words_for_bytes(n_esc * itemsize)
+    bs_at = ct_at + n_chunks
+    n_raw = words_for_bytes(rows * dim * itemsize)
+    vec_at, n_vec = head + ref_words, words_for_bytes(nu * dim * itemsize)  # an lz block's
+    n_sym, esc_end = nu * dim, esc_at + n_esc
+    bits = float32_bits(step)
     # The per-value grid (MODE_VALUE): step 2**-m for m in 0..23, center qmax >= 0.
     value = (mode & MODE_VALUE) == MODE_VALUE
     value_ok = (step >= 2.0**-23) & (step <= 1.0) & (center >= 0)
-    q_ok = isfinite(step) & (step > 0) & where(value, value_ok, abs(center) <= MAX_CENTER)
-    q_ok = q_ok & (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
-    q_ok = q_ok & where(lz, refs_ok, n_unique == rows) & (n_esc <= n_sym) & (chunk_symbols >= 1)
-    q_ok = q_ok & (n_chunks == -(-n_sym // clamp_min(chunk_symbols, 1))) & (bs_off <= seg)
-    ok = where(mode == MODE_RAW, seg == words_for_bytes(rows * dim * itemsize), seg >= head)
-    ok = ok & where((mode & 2) == 2, q_ok, where(lz, lz_ok, True))
-    return ok, nu, ref_words, cb_words, esc_pos_off, ct_off, bs_off
+    grid_ok = isfinite(step) & (step > 0) & where(value, value_ok, abs(center) <= MAX_CENTER)
+    codebook_ok = (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
+    refs_ok = (n_unique >= 1) & (n_unique <= rows) & (width == ref_width(nu))
+    chunks_ok = (chunk >= 1) & (n_chunks == -(-n_sym // clamp_min(chunk, 1)))
+    truncated = SEGMENT_TRUNCATED
+    checks = (
+        (not_raw | (n_raw <= seg), truncated, SECTION_RAW, n_raw, 0, seg),
+        (not_raw | (n_raw >= seg), SEGMENT_TRAILING, seg - n_raw, 0, 0, 0),
+        ((mode == MODE_RAW) | (seg >= head), truncated, SECTION_HEADER, head, 0, seg),
+        (not_quant | not_value | value_ok, SEGMENT_BAD_VALUE_GRID, bits, center, 0, 0),
+        (not_quant | grid_ok, SEGMENT_BAD_GRID, bits, center, 0, 0),
+        (not_quant | codebook_ok, SEGMENT_BAD_CODEBOOK, lo, count, esc_len, 0),
+        (not_quant | (head + cb_words <= seg), truncated, SECTION_CODEBOOK, cb_words, head, seg),
+        (not_lz | refs_ok, SEGMENT_BAD_REFS, n_unique, width, rows, 0),
+        (not_lz | (ref_mode <= REFS_FLAGGED), SEGMENT_BAD_PACKING, ref_mode, 0, 0, 0),
+        (not_lz | (ref_off + ref_words <= seg), truncated, SECTION_REFS, ref_words, ref_off, seg),
+        (True, SEGMENT_REFS_RANGE, 0, 0, 0, 0),  # the references' ids (data)
+        (not_quant | lz | (n_unique == rows), SEGMENT_BAD_VECTORS, n_unique, rows, 0, 0),
+        (not_lz_only | (vec_at + n_vec <= seg), truncated, SECTION_VECTORS, n_vec, vec_at, seg),
+        (not_lz_only | (vec_at + n_vec >= seg), SEGMENT_TRAILING, seg - vec_at - n_vec, 0, 0, 0),
+        (not_quant | (n_esc <= n_sym), SEGMENT_BAD_ESCAPES, n_esc, n_sym, 0, 0),
+        (not_quant | (esc_end <= seg), truncated, SECTION_ESC_POS, n_esc, esc_at, seg),
+        (not_quant | (ct_at <= seg), truncated, SECTION_ESC_VALUES, ct_at - esc_end, esc_end, seg),
+        (not_quant | chunks_ok, SEGMENT_BAD_CHUNKS, n_chunks, chunk, n_sym, 0),
+        (not_quant | (bs_at <= seg), truncated, SECTION_CHUNKS, n_chunks, ct_at, seg),
+        (True, SEGMENT_BAD_STREAM, 0, 0, 0, 0),  # the Huffman stream's decode (data)
+    )
+    return checks, (nu, ref_off, ref_words, cb_words, esc_at, ct_at, bs_at)
+
+
+@jitable
+def segment_layout(desc: tuple, header: tuple) -> tuple:
+    """Whether a block's segment is well-formed (every :func:`segment_checks` passes), and
+    where its sections lie.
+
+    The fast path of the batched host decoder (per block, compiled) and of the device
+    decoder's planner (over ``[n_blocks]`` arrays); for a block it rejects, the host decoder
+    (``host_decompress``) names the first of the same checks that fails. Element-wise over
+    ints, numpy arrays, torch tensors and numba scalars.
+
+    Args:
+        desc: (mode, rows, dim, bytes per element, segment words) of the block's descriptor.
+        header: The segment header's fields in ``SEGMENT_HEADER`` order (int64 but ``step``;
+            zeros for a raw block, which has no header).
+
+    Returns:
+        (well-formed, then :func:`segment_checks`' sections). Only ``well-formed`` is
+        meaningful where it is False.
+    """
+    checks, sections = segment_checks(desc, header)
+    ok = True
+    for check in checks:
+        ok = ok & check[0]
+    return (ok,) + sections  # noqa: RUF005 (numba builds no starred tuple)

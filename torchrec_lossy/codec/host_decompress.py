@@ -4,10 +4,11 @@ payloads.
 The reader of :mod:`torchrec_lossy.codec.host_compress`'s payloads (and of any other valid one):
 ``_decode_payloads_kernel`` walks every payload's header, descriptors and segments and decodes
 each block (vector-LZ references, the Huffman streams straight to values, escapes) into one
-output buffer. A block it rejects (a corrupt segment) gets a verdict: the first check it fails,
-reading the segment's sections in wire order (``_segment_verdict``), as a
-``container.SEGMENT_*`` status and its details, which :meth:`BatchDecoded.error` turns into
-the exact error (``container.segment_error``).
+output buffer. A block it rejects (a corrupt segment) gets a verdict: the first check it fails
+in wire order (``_segment_verdict``: ``format.segment_checks``, the same checks whose "all
+pass" the decode takes, with the references' and the stream's decode where they lie), as a
+``format.SEGMENT_*`` status and its details, which :meth:`BatchDecoded.error` turns into the
+exact error (``container.segment_error``).
 """
 
 from __future__ import annotations
@@ -25,27 +26,6 @@ from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_OK,
     HEADER_WORDS,
-    SECTION_CHUNKS,
-    SECTION_CODEBOOK,
-    SECTION_ESC_POS,
-    SECTION_ESC_VALUES,
-    SECTION_HEADER,
-    SECTION_RAW,
-    SECTION_REFS,
-    SECTION_VECTORS,
-    SEGMENT_BAD_CHUNKS,
-    SEGMENT_BAD_CODEBOOK,
-    SEGMENT_BAD_ESCAPES,
-    SEGMENT_BAD_GRID,
-    SEGMENT_BAD_PACKING,
-    SEGMENT_BAD_REFS,
-    SEGMENT_BAD_STREAM,
-    SEGMENT_BAD_VALUE_GRID,
-    SEGMENT_BAD_VECTORS,
-    SEGMENT_OK,
-    SEGMENT_REFS_RANGE,
-    SEGMENT_TRAILING,
-    SEGMENT_TRUNCATED,
     check_header,
     descriptor_fields,
     header_error,
@@ -54,23 +34,21 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
-    ESCAPE_SYMBOL,
-    MAX_CENTER,
-    MAX_CODE_LENGTH,
     MODE_LZ,
     MODE_RAW,
     MODE_VALUE,
-    REFS_FLAGGED,
+    SEGMENT_BAD_STREAM,
     SEGMENT_HEADER_WORDS,
+    SEGMENT_OK,
+    SEGMENT_REFS_RANGE,
     CodecError,
     read_segment_header,
-    ref_width,
+    segment_checks,
     segment_layout,
-    words_for_bytes,
 )
 
-# A raw segment has no header: segment_layout takes zeros.
-_RAW_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
+# What segment_layout takes for a segment without a header: raw, or too short to hold one.
+_NO_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
 # What _decode_segment says of a block: decoded, or rejected (a corrupt segment, whose exact
 # error _segment_verdict names).
 _DECODED = 0
@@ -226,6 +204,31 @@ def _expand_rows(
                 dst16[j] = src16_row[j]
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _segment_fields(words: np.ndarray, seg: _Segment) -> tuple[tuple, tuple]:
+    """(descriptor fields, segment header fields) of a block, as ``format.segment_layout``
+    takes them (a header too short to read is zeros: ``segment_checks`` names it)."""
+    n_seg = seg.end - seg.start
+    desc = (seg.mode, seg.rows, seg.dim, seg.itemsize, n_seg)
+    if seg.mode == MODE_RAW or n_seg < SEGMENT_HEADER_WORDS:
+        return desc, _NO_HEADER
+    return desc, read_segment_header(words, seg.start)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _code(
+    words: np.ndarray, seg: _Segment, header: tuple, cb_words: int, compact: np.ndarray
+) -> np.ndarray:
+    """A quantized block's code in its compact form (value symbols ``lo`` .., then the
+    escape), unpacked into ``compact`` as the encoder built it: the decode table then costs
+    the code's size, not the alphabet's."""
+    at = seg.start + SEGMENT_HEADER_WORDS
+    count, esc_len = header[7], header[8]
+    huffman.unpack_codebook_into(words[at : at + cb_words].view(np.uint8), count, compact)
+    compact[count] = esc_len
+    return compact[: count + 1]
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
     words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
@@ -244,12 +247,8 @@ def _decode_segment(
     ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
-    if m != MODE_RAW and end - s < SEGMENT_HEADER_WORDS:
-        return _REJECTED
-    header = _RAW_HEADER if m == MODE_RAW else read_segment_header(words, s)
-    ok, nu, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(
-        (m, n_rows, dim, isz, end - s), header
-    )
+    desc, header = _segment_fields(words, seg)
+    ok, nu, ref_at, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(desc, header)
     if not ok:
         return _REJECTED
     value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
@@ -265,9 +264,9 @@ def _decode_segment(
             for k in range(numel):
                 out16[o + k] = halves[h + k]
         return _DECODED
-    step, center, _, n_esc, chunk, _, lo, count, esc_len, ref_mode, width = header
+    step, center, _, n_esc, chunk, _, lo, count, _, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
-    ref_at = s + SEGMENT_HEADER_WORDS + (0 if m == MODE_LZ else cb_words)
+    ref_at += s
     if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
                                            ref_mode, width, ids) != 0:  # fmt: skip
         return _REJECTED
@@ -275,11 +274,7 @@ def _decode_segment(
         pos = ref_at + ref_words
         _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
         return _DECODED
-    # The code in its compact form (value symbols lo .., then the escape), as the encoder
-    # built it: the decode table then costs the code's size, not the alphabet's.
-    nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words].view(np.uint8)
-    huffman.unpack_codebook_into(nibbles, count, compact)
-    compact[count] = esc_len
+    code = _code(words, seg, header, cb_words, compact)
     n_sym = nu * dim
     esc_at += s
     esc_bits_at = esc_at + n_esc
@@ -287,7 +282,6 @@ def _decode_segment(
     bits_at = s + bs_at
     stream = words[bits_at:end]
     chunk_ends = words[ends_at:bits_at]
-    code = compact[: count + 1]
     # The values of the code's symbols, dequantized as every element would be (same bits).
     for k in range(count):
         symbols[k] = lo + k
@@ -330,118 +324,44 @@ def _decode_segment(
     return _DECODED
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _verdict(status: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> _Verdict:
-    """A segment's verdict, its details as int64."""
-    return _Verdict(status, np.int64(a), np.int64(b), np.int64(c), np.int64(d))
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _short(section: int, at: int, n_words: int, seg_words: int) -> _Verdict:
-    """``SEGMENT_TRUNCATED`` if section ``section``, ``n_words`` words at word ``at``, runs
-    past the segment, else ``SEGMENT_OK``."""
-    if at + n_words > seg_words:
-        return _verdict(SEGMENT_TRUNCATED, section, n_words, at, seg_words)
-    return _verdict(SEGMENT_OK)
-
-
 @numba.njit(cache=True, nogil=True)
-def _refs_verdict(
-    words: np.ndarray, seg: _Segment, at: int, header: tuple, ref_words: int, ids: np.ndarray
-) -> _Verdict:
-    """The checks of a vector-LZ block's references, which start at word ``at`` of the
-    segment (they unpack into ``ids``)."""
-    rows = seg.rows
-    n_unique, ref_mode, width = header[2], header[9], header[10]
-    if not 1 <= n_unique <= rows or width != ref_width(n_unique):
-        return _verdict(SEGMENT_BAD_REFS, n_unique, width, rows)
-    if ref_mode > REFS_FLAGGED:
-        return _verdict(SEGMENT_BAD_PACKING, ref_mode)
-    v = _short(SECTION_REFS, at, ref_words, seg.end - seg.start)
-    refs = words[seg.start + at : seg.start + at + ref_words]
-    if v.status == SEGMENT_OK and vector_lz.unpack_refs_kernel(
-        refs, rows, n_unique, ref_mode, width, ids
-    ):
-        return _verdict(SEGMENT_REFS_RANGE)
-    return v
-
-
-@numba.njit(cache=True, nogil=True)
-def _quant_verdict(
-    words: np.ndarray, seg: _Segment, header: tuple, layout: tuple, scratch: _Scratch
-) -> _Verdict:
-    """The checks of a quantized block's segment after its header, in wire order: grid,
-    codebook, references (vector-LZ) or vector count, escapes, chunk table, then the Huffman
-    stream's decode."""
-    s, n_seg, dim = seg.start, seg.end - seg.start, seg.dim
-    step, center, n_unique, n_esc, chunk, n_chunks, lo, count, esc_len = header[:9]
-    _, _, ref_words, cb_words, esc_at, ct_at, bs_at = layout
-    bits = words[s]  # the step's
-    value = (seg.mode & MODE_VALUE) == MODE_VALUE
-    if value and not (2.0**-23 <= step <= 1.0 and center >= 0):
-        return _verdict(SEGMENT_BAD_VALUE_GRID, bits, center)
-    if not (np.isfinite(step) and step > 0 and (value or abs(center) <= MAX_CENTER)):
-        return _verdict(SEGMENT_BAD_GRID, bits, center)
-    if lo + count > ESCAPE_SYMBOL or esc_len > MAX_CODE_LENGTH:
-        return _verdict(SEGMENT_BAD_CODEBOOK, lo, count, esc_len)
-    v = _short(SECTION_CODEBOOK, SEGMENT_HEADER_WORDS, cb_words, n_seg)
-    if v.status == SEGMENT_OK and (seg.mode & 1) == 1:
-        v = _refs_verdict(words, seg, SEGMENT_HEADER_WORDS + cb_words, header, ref_words,
-                          scratch.ids)  # fmt: skip
-    elif v.status == SEGMENT_OK and n_unique != seg.rows:
-        v = _verdict(SEGMENT_BAD_VECTORS, n_unique, seg.rows)
-    if v.status != SEGMENT_OK:
-        return v
-    n_sym = n_unique * dim
-    if n_esc > n_sym:
-        return _verdict(SEGMENT_BAD_ESCAPES, n_esc, n_sym)
-    v = _short(SECTION_ESC_POS, esc_at, n_esc, n_seg)
-    if v.status == SEGMENT_OK:
-        v = _short(SECTION_ESC_VALUES, esc_at + n_esc, ct_at - esc_at - n_esc, n_seg)
-    if v.status != SEGMENT_OK:
-        return v
-    if chunk < 1 or n_chunks != -(-n_sym // chunk):
-        return _verdict(SEGMENT_BAD_CHUNKS, n_chunks, chunk, n_sym)
-    v = _short(SECTION_CHUNKS, ct_at, n_chunks, n_seg)
-    if v.status != SEGMENT_OK:
-        return v
-    nibbles = words[s + SEGMENT_HEADER_WORDS : s + SEGMENT_HEADER_WORDS + cb_words]
-    huffman.unpack_codebook_into(nibbles.view(np.uint8), count, scratch.compact)
-    scratch.compact[count] = esc_len
-    status = huffman.decode_range_kernel(
-        words[s + bs_at : seg.end], words[s + ct_at : s + bs_at], chunk,
-        scratch.compact[: count + 1], lo, words[s + esc_at : s + esc_at + n_esc],
-        scratch.symbols[:n_sym],
-    )  # fmt: skip
-    return _verdict(SEGMENT_BAD_STREAM if status else SEGMENT_OK, status)
+def _data_check(words: np.ndarray, seg: _Segment, status: int, header: tuple, sections: tuple,
+                scratch: _Scratch) -> int:  # fmt: skip
+    """The check ``format.segment_checks`` leaves to the data, its fields' checks all passed:
+    the references' unpacking (``SEGMENT_REFS_RANGE``, a vector-LZ block), the Huffman
+    stream's decode (``SEGMENT_BAD_STREAM``, a quantized block) -> 0, or nonzero (the
+    decoder's ``DECODE_*`` status for the stream) where it fails."""
+    s, mode = seg.start, seg.mode
+    nu, ref_at, ref_words, cb_words, esc_at, ct_at, bs_at = sections
+    if status == SEGMENT_REFS_RANGE and (mode & 1) == 1:
+        refs = words[s + ref_at : s + ref_at + ref_words]
+        return vector_lz.unpack_refs_kernel(refs, seg.rows, nu, header[9], header[10], scratch.ids)
+    if status == SEGMENT_BAD_STREAM and (mode & 2) == 2:
+        code = _code(words, seg, header, cb_words, scratch.compact)
+        n_esc = header[3]
+        return huffman.decode_range_kernel(
+            words[s + bs_at : seg.end], words[s + ct_at : s + bs_at], header[4], code,
+            header[6], words[s + esc_at : s + esc_at + n_esc], scratch.symbols[: nu * seg.dim],
+        )  # fmt: skip
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)
 def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Verdict:
-    """The first check of a block's segment that fails, reading its sections in wire order
-    (a section's fields are checked before the section is taken; the stream decoded last): the
-    exact error of a block :func:`_decode_segment` rejects, which it runs for only
-    (``SEGMENT_OK`` would be a bug). Sections lie where ``format.segment_layout`` says."""
-    n_seg, mode = seg.end - seg.start, seg.mode
-    if mode == MODE_RAW:
-        n = words_for_bytes(seg.rows * seg.dim * seg.itemsize)
-        v = _short(SECTION_RAW, 0, n, n_seg)
-        return _verdict(SEGMENT_TRAILING, n_seg - n) if v.status == 0 and n < n_seg else v
-    v = _short(SECTION_HEADER, 0, SEGMENT_HEADER_WORDS, n_seg)
-    if v.status != SEGMENT_OK:
-        return v
-    header = read_segment_header(words, seg.start)
-    layout = segment_layout((mode, seg.rows, seg.dim, seg.itemsize, n_seg), header)
-    if mode != MODE_LZ:
-        return _quant_verdict(words, seg, header, layout, scratch)
-    nu, ref_words = layout[1], layout[2]
-    v = _refs_verdict(words, seg, SEGMENT_HEADER_WORDS, header, ref_words, scratch.ids)
-    if v.status != SEGMENT_OK:
-        return v
-    at = SEGMENT_HEADER_WORDS + ref_words
-    n = words_for_bytes(nu * seg.dim * seg.itemsize)
-    v = _short(SECTION_VECTORS, at, n, n_seg)
-    return _verdict(SEGMENT_TRAILING, n_seg - at - n) if v.status == 0 and at + n < n_seg else v
+    """The first check of a block's segment that fails, in wire order: the exact error of a
+    block :func:`_decode_segment` rejects, which it runs for only (``SEGMENT_OK`` would be a
+    bug). The checks are ``format.segment_checks``', the ones on the data where they lie."""
+    desc, header = _segment_fields(words, seg)
+    checks, sections = segment_checks(desc, header)
+    for k in range(len(checks)):
+        passes, status, a, b, c, d = checks[k]
+        if status in (SEGMENT_REFS_RANGE, SEGMENT_BAD_STREAM):
+            a = _data_check(words, seg, status, header, sections, scratch)
+            passes = a == 0
+            a = a if status == SEGMENT_BAD_STREAM else 0
+        if not passes:
+            return _Verdict(status, np.int64(a), np.int64(b), np.int64(c), np.int64(d))
+    return _Verdict(SEGMENT_OK, np.int64(0), np.int64(0), np.int64(0), np.int64(0))
 
 
 @numba.njit(cache=True, nogil=True)
