@@ -101,24 +101,6 @@ class _Scratch(NamedTuple):
     vtable16: np.ndarray
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _next_symbol(
-    stream: np.ndarray, w: int, end: int, buf: np.uint64, n_bits: int, table: np.ndarray,
-    shift_peek: np.uint64,
-) -> tuple[int, int, np.uint64, int]:  # fmt: skip
-    """One symbol of a chunk (``huffman.decode_range_kernel``'s step): -> (its index in the
-    code, or -1 for an invalid entry or a code past the chunk's bits; the stream state)."""
-    while n_bits <= 32 and w < end:
-        buf |= np.uint64(stream[w]) << np.uint64(32 - n_bits)
-        n_bits += 32
-        w += 1
-    entry = table[np.int64(buf >> shift_peek)]
-    length = entry >> 16
-    if entry < 0 or length > n_bits:
-        return -1, w, buf, n_bits
-    return entry & 0xFFFF, w, buf << np.uint64(length), n_bits - length
-
-
 @numba.njit(cache=True, nogil=True)
 def _huffman_values(
     stream: np.ndarray, chunk_ends: np.ndarray, chunk: int, lengths: np.ndarray,
@@ -168,15 +150,15 @@ def _huffman_values(
         bb = np.uint64(0)
         nb = 0
         for i in range(b_n):  # both chunks (the second is never the longer)
-            sa, wa, ba, na = _next_symbol(stream, wa, ea, ba, na, table, sp)
-            sb, wb, bb, nb = _next_symbol(stream, wb, eb, bb, nb, table, sp)
+            sa, wa, ba, na = huffman.next_symbol(stream, wa, ea, ba, na, table, sp)
+            sb, wb, bb, nb = huffman.next_symbol(stream, wb, eb, bb, nb, table, sp)
             if sa < 0 or sb < 0:
                 return False
             escapes += (sa == escape) + (sb == escape)
             out[a0 + i] = vtable[sa]
             out[b0 + i] = vtable[sb]
         for i in range(b_n, a_n):  # the rest of the first
-            sa, wa, ba, na = _next_symbol(stream, wa, ea, ba, na, table, sp)
+            sa, wa, ba, na = huffman.next_symbol(stream, wa, ea, ba, na, table, sp)
             if sa < 0:
                 return False
             escapes += sa == escape
