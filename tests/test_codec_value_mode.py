@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 import pytest
 import torch
@@ -165,6 +166,33 @@ def test_value_bit_on_a_raw_block_is_corrupt() -> None:
     for backend in ("cpu", "reference"):
         with pytest.raises(CodecError, match="mode 4"):
             decompress(bad, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_largest_code_past_infinity_is_corrupt_and_below_it_backends_agree(
+    dtype: torch.dtype,
+) -> None:
+    # A code above 0x7F800000 >> shift reconstructs a float32 NaN, which the backends would cast
+    # to float16 / bfloat16 apart: the segment check refuses it; at the limit (infinity) they agree.
+    block = (1 + torch.rand(64, 16, generator=torch.Generator().manual_seed(3)) / 2).to(dtype)
+    payload = compress_with_stats([block], [V], kinds=[BoundKind.VALUE])[0]
+    buf = bytearray(payload.numpy().tobytes())
+    _, descs, segs = parse(bytes(buf))
+    assert int(descs[0]["mode"]) & (MODE_QUANT | MODE_VALUE) == MODE_QUANT | MODE_VALUE
+    at = segs[0][0]
+    step = struct.unpack_from("<f", buf, at)[0]
+    limit = 0x7F800000 >> (23 - value_mantissa_bits(V))
+    assert step == 2.0 ** -value_mantissa_bits(V)
+    for center in (limit, limit + 1):
+        struct.pack_into("<i", buf, at + 4, center)
+        bad = torch.frombuffer(bytearray(with_checksum(buf)), dtype=torch.uint8)
+        if center > limit:
+            for backend in ("cpu", "reference"):
+                with pytest.raises(CodecError, match=f"largest code {center} out of range"):
+                    decompress(bad, backend=backend)
+            continue
+        cpu, ref = decompress(bad, backend="cpu")[0], decompress(bad, backend="reference")[0]
+        assert torch.equal(cpu.view(BITS[dtype]), ref.view(BITS[dtype]))
 
 
 def test_errors_name_the_value_and_the_fix() -> None:

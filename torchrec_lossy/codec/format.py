@@ -366,9 +366,13 @@ def segment_checks(desc: tuple, header: tuple) -> tuple[tuple, tuple]:
     vec_at, n_vec = head + ref_words, words_for_bytes(nu * dim * itemsize)  # an lz block's
     n_sym, esc_end = nu * dim, esc_at + n_esc
     bits = float32_bits(step)
-    # The per-value grid (MODE_VALUE): step 2**-m for m in 0..23, center qmax >= 0.
+    # The per-value grid (MODE_VALUE): step 2**-m for m in 0..23, center qmax >= 0, and no code
+    # above qmax reconstructs past float32's infinity (the code of the largest finite |x| is at
+    # most 0x7F800000 >> shift), so no stream decodes to a NaN, which backends would cast apart.
     value = (mode & MODE_VALUE) == MODE_VALUE
-    value_ok = (step >= 2.0**-23) & (step <= 1.0) & (center >= 0)
+    value_step = (step >= 2.0**-23) & (step <= 1.0)
+    shift = where(value_step, ((bits >> 23) & 0xFF) - 104, 0)  # 23 - m
+    value_ok = value_step & (center >= 0) & (center <= (0x7F800000 >> shift))
     grid_ok = isfinite(step) & (step > 0) & where(value, value_ok, abs(center) <= MAX_CENTER)
     codebook_ok = (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
     refs_ok = (n_unique >= 1) & (n_unique <= rows) & (width == ref_width(nu))
