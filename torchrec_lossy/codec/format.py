@@ -65,6 +65,21 @@ def mode_valid(mode: N) -> N:
     return (mode <= MODE_QUANT_LZ) | ((mode >= MODE_VALUE | MODE_QUANT) & (mode <= 7))
 
 
+@jitable
+def descriptor_mode(mode: N, value_grid: N) -> N:
+    """The mode byte an encoder writes: ``MODE_VALUE`` added where a quantized block's codes
+    are on the per-value grid (raw / lz blocks never carry it).
+
+    Args:
+        mode: The blocks' ``MODE_*`` as sent (0..3).
+        value_grid: Nonzero where the block's bound is per-value.
+
+    Returns:
+        The descriptor mode bytes.
+    """
+    return where(((mode & MODE_QUANT) != 0) & (value_grid != 0), mode | MODE_VALUE, mode)
+
+
 # How the row -> distinct-vector references of an LZ block are packed.
 REFS_FIXED = 0  # every row: its vector id in ref_width bits
 REFS_FLAGGED = 1  # every row: 1 flag bit (1 = first occurrence); repeats add their id

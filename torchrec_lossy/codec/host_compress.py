@@ -46,7 +46,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
-    MODE_VALUE,
+    descriptor_mode,
     refs_packing,
     words_for_bytes,
     write_segment_header,
@@ -460,11 +460,9 @@ def _put_payload_heads(
     groups = inputs.groups
     desc = np.zeros(nb, DESCRIPTOR)
     for b in range(nb):
-        m = segs.mode[b]
-        quantized = m in (MODE_QUANT, MODE_QUANT_LZ)
         desc[b]["rows"], desc[b]["dim"] = blocks.rows[b], blocks.dims[b]
         desc[b]["dtype"] = inputs.layout[2 * nb + b]
-        desc[b]["mode"] = m | MODE_VALUE if grids.value[b] and quantized else m
+        desc[b]["mode"] = descriptor_mode(segs.mode[b], grids.value[b])
         desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], inputs.bounds[b]
     desc_words = desc.view(np.uint32)
     sizes = np.empty(groups.shape[0], np.int64)
