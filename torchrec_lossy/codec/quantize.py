@@ -96,9 +96,8 @@ def value_mantissa_bits(v: float) -> int:
     Returns:
         m.
     """
-    m = clamp_min(
-        -binary_exponent(v), 0
-    )  # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e
+    # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e; then m is clamped to 0..23.
+    m = clamp_min(-binary_exponent(v), 0)
     return 23 - clamp_min(23 - m, 0)
 
 
