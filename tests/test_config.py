@@ -146,6 +146,10 @@ def test_round_trip(tmp_path: Path) -> None:
             {"comms": {"homogenization": {"warmup_windows": 0}}},
             "homogenization.warmup_windows=0 is invalid: allowed an integer in [1, 1048576]",
         ),
+        (  # the modes are BoundKind's names: a new kind is accepted without another list
+            {"comms": {"default_bound": {"mode": "rel"}}},
+            "bound.mode='rel' is invalid: allowed one of 'absolute', 'relative', 'value'",
+        ),
         (
             {"comms": {"schedule": {"kind": "cosine"}}},
             "schedule.kind='cosine' is invalid: allowed one of 'step', 'linear', 'log', 'constant'",

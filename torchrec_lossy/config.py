@@ -16,6 +16,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -24,7 +25,36 @@ import yaml
 T = TypeVar("T")
 
 Backend = Literal["auto", "cpu", "triton", "reference"]
-BoundMode = Literal["relative", "absolute", "value"]
+
+
+class BoundKind(IntEnum):
+    """What a block's bound value means, carried per block to the codec; ``ErrorBound.mode``
+    names it in lower case, so a new kind is named here only.
+
+    Attributes:
+        ABSOLUTE: ``|x' - x| <= value``.
+        RELATIVE: ``|x' - x| <= value * (max - min)`` of the block's finite elements.
+        VALUE: ``|x' - x| <= value * |x|`` for every element (the per-value grid).
+    """
+
+    ABSOLUTE = 0
+    RELATIVE = 1
+    VALUE = 2
+
+    @classmethod
+    def of(cls, mode: str) -> BoundKind:
+        """The kind of an ``ErrorBound.mode`` name.
+
+        Args:
+            mode: ``"absolute"``, ``"relative"`` or ``"value"``.
+
+        Returns:
+            The kind.
+        """
+        return cls[mode.upper()]
+
+
+BoundMode = Literal[tuple(kind.name.lower() for kind in BoundKind)]  # ErrorBound.mode's names
 EvaluationMode = Literal["exact", "lossy"]
 IntraHost = Literal["auto", "coded", "raw"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]

@@ -1,5 +1,5 @@
-"""The kinds of a block's bound, and relative bounds turned absolute: one rule for the host and
-the device paths.
+"""Relative bounds turned absolute and per-block bound kinds read: one rule for the host and the
+device paths. ``BoundKind`` is the config's (``ErrorBound.mode`` names it), re-exported here.
 
 A relative bound ``r`` of a block is ``r * (max - min)`` over the block's finite elements, the
 range taken in float32 (as the block's values), the product in float64. A block with no finite
@@ -12,37 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from enum import IntEnum
 
 import torch
 
 from torchrec_lossy.codec.elementwise import N, as_float64, isfinite, jitable, where
+from torchrec_lossy.config import BoundKind
 
-
-class BoundKind(IntEnum):
-    """What a block's bound value means (``ErrorBound.mode``), carried per block to the codec.
-
-    Attributes:
-        ABSOLUTE: ``|x' - x| <= value``.
-        RELATIVE: ``|x' - x| <= value * (max - min)`` of the block's finite elements.
-        VALUE: ``|x' - x| <= value * |x|`` for every element (the per-value grid).
-    """
-
-    ABSOLUTE = 0
-    RELATIVE = 1
-    VALUE = 2
-
-    @classmethod
-    def of(cls, mode: str) -> BoundKind:
-        """The kind of an ``ErrorBound.mode`` name.
-
-        Args:
-            mode: ``"absolute"``, ``"relative"`` or ``"value"``.
-
-        Returns:
-            The kind.
-        """
-        return cls[mode.upper()]
+__all__ = ["BoundKind", "absolute_bounds", "block_kinds", "finite_span"]
 
 
 @jitable
