@@ -38,7 +38,6 @@ from torchrec_lossy.codec.format import (
     DTYPE_CODES,
     ESCAPE_SYMBOL,
 )
-from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
 from torchrec_lossy.kernels import decode_columns as dc
@@ -47,6 +46,7 @@ from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.encode_columns import encode_columns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
+from torchrec_lossy.kernels.quantize_ref import QuantParams
 
 pytestmark = INTERPRETER_WARNINGS
 
