@@ -37,8 +37,6 @@ class QuantParams:
         step: Quantization step, float32-representable, at most ``2 * bound``.
         inv_step: float32 reciprocal of ``step`` used by the encoder.
         center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
-        sr_key: ``NEAREST_KEY``: round to nearest; else the block's stochastic-rounding key
-            (encoder only: the decoder reconstructs ``q * step`` either way).
         value: The per-value relative grid (``MODE_VALUE``): ``step`` is ``2**-m``, ``center``
             the block's largest code ``qmax`` and ``inv_step`` unused
             (``codec.quantize.value_params``).
@@ -47,7 +45,6 @@ class QuantParams:
     step: float
     inv_step: float
     center: int
-    sr_key: int = NEAREST_KEY
     value: bool = False
 
 

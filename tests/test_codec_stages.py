@@ -237,13 +237,18 @@ def test_quantize_symbols_are_centered_codes():
     assert symbols[-1] == ESCAPE_SYMBOL  # 1000 is 5000 steps from the center: out of range
 
 
-def test_finite_range():
-    lo, hi = quantize.finite_range(np.array([], np.float32))
+def _finite_range(x: np.ndarray) -> tuple[float, float]:
+    lo, hi = quantize.finite_ranges_kernel(x, np.array([0, x.shape[0]]))
+    return float(lo[0]), float(hi[0])
+
+
+def test_finite_ranges_kernel():
+    lo, hi = _finite_range(np.array([], np.float32))
     assert math.isnan(lo) and math.isnan(hi)
-    assert quantize.finite_range(np.array([3, -2, 5], np.float32)) == (-2.0, 5.0)
+    assert _finite_range(np.array([3, -2, 5], np.float32)) == (-2.0, 5.0)
     x = np.array([np.nan, np.inf, -1, 4, -np.inf], np.float32)
-    assert quantize.finite_range(x) == (-1.0, 4.0)
-    lo, hi = quantize.finite_range(np.array([np.nan, np.inf], np.float32))
+    assert _finite_range(x) == (-1.0, 4.0)
+    lo, hi = _finite_range(np.array([np.nan, np.inf], np.float32))
     assert math.isnan(lo) and math.isnan(hi)
 
 

@@ -17,7 +17,6 @@ previous-row or previous-element predictor raised the code entropy on realistic 
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numba
@@ -419,7 +418,8 @@ def finite_median(x: np.ndarray) -> float:
 
 
 def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
-    """Chooses step and center for a block, or None when quantization cannot help.
+    """Chooses step and center for one block, or None when quantization cannot help (the rule of
+    :func:`block_grid` on one absolute bound: tests and benchmarks quantize one block with it).
 
     The center is the code of the midpoint of the finite values; when they span more than the
     alphabet (an outlier), it is the code of their median instead, so the outlier is escaped and
@@ -433,7 +433,7 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         The parameters, or None if the bound is too small for a normal float32 step or the
         block's center is too far from 0 in units of the step.
     """
-    lo, hi = finite_range(x)
+    lo, hi = (float(v[0]) for v in finite_ranges_kernel(x, np.array([0, x.shape[0]])))
     b = block_bound(_ABSOLUTE, bound, lo, hi, x.shape[0], False, True)
     g = block_grid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
     if not g.ok:
@@ -702,26 +702,6 @@ def dequantize_kernel(
         out[i] = np.float32(np.int64(symbols[i]) + base) * step
 
 
-def finite_range(x: np.ndarray) -> tuple[float, float]:
-    """Smallest and largest finite value of a float32 array (nan, nan when there is none).
-
-    Args:
-        x: 1-D float32 values.
-
-    Returns:
-        (min, max) as Python floats.
-    """
-    if x.shape[0] == 0:
-        return math.nan, math.nan
-    lo, hi = float(x.min()), float(x.max())
-    if math.isfinite(lo) and math.isfinite(hi):
-        return lo, hi
-    finite = x[np.isfinite(x)]
-    if finite.shape[0] == 0:
-        return math.nan, math.nan
-    return float(finite.min()), float(finite.max())
-
-
 __all__ = [
     "DTYPE_CODES",
     "NEAREST_KEY",
@@ -734,7 +714,6 @@ __all__ = [
     "block_keys",
     "dequantize_kernel",
     "finite_median",
-    "finite_range",
     "finite_ranges_kernel",
     "grid_before_data",
     "grid_bound",
