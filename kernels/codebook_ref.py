@@ -1,20 +1,89 @@
 """Torch twins of ``kernels/codebook.py``'s launchers (no triton): the test oracle.
 
 Same names, signatures and outputs bit for bit as the Triton launchers, for every call the
-device path makes. Code lengths come from the CPU kernel's Python body
-(``huffman.code_lengths_kernel.py_func``), one histogram at a time; :func:`canonical_codes` is
-the one copy of the vectorised canonical codes (``kernels/codebook.py`` imports it from here);
+device path makes. Code lengths come from :func:`huffman_code_lengths`, the one copy of the
+construction (``codec.huffman`` compiles it with numba for the CPU path), one histogram at a
+time; :func:`canonical_codes` is the one copy of the vectorised canonical codes
+(``kernels/codebook.py`` imports it from here);
 decode tables are built one wire codebook at a time from the (length, symbol) order.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from torchrec_lossy.codec import huffman
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, MAX_CODE_LENGTH
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
+
+
+def huffman_code_lengths(hist: np.ndarray) -> np.ndarray:
+    """Length-limited Huffman code lengths (``codec.huffman.code_lengths_kernel`` compiles it).
+
+    Args:
+        hist: int64 [ALPHABET_SIZE] symbol counts.
+
+    Returns:
+        uint8 [ALPHABET_SIZE] code lengths (0 = unused symbol), all <= MAX_CODE_LENGTH, forming
+        a complete prefix code when two or more symbols occur.
+    """
+    lengths = np.zeros(hist.shape[0], dtype=np.uint8)
+    used = np.nonzero(hist)[0]
+    m = used.shape[0]
+    if m == 0:
+        return lengths
+    if m == 1:
+        lengths[used[0]] = 1
+        return lengths
+    leaves = used[np.argsort(hist[used], kind="mergesort")]  # by (count, symbol)
+    weight = np.empty(2 * m - 1, dtype=np.int64)
+    parent = np.empty(2 * m - 1, dtype=np.int64)
+    weight[:m] = hist[leaves]
+    next_leaf = 0
+    next_internal = m
+    n_nodes = m
+    for _ in range(m - 1):
+        for t in range(2):  # the two lightest nodes (scalars: no array per merge)
+            take_leaf = next_leaf < m and (
+                next_internal >= n_nodes or weight[next_leaf] <= weight[next_internal]
+            )
+            if take_leaf:
+                node = next_leaf
+                next_leaf += 1
+            else:
+                node = next_internal
+                next_internal += 1
+            parent[node] = n_nodes
+            if t == 0:
+                weight[n_nodes] = weight[node]
+            else:
+                weight[n_nodes] += weight[node]
+        n_nodes += 1
+    depth = np.zeros(2 * m - 1, dtype=np.int64)
+    for node in range(2 * m - 3, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    max_depth = depth[:m].max()
+    bl_count = np.zeros(max(max_depth, MAX_CODE_LENGTH) + 1, dtype=np.int64)
+    for i in range(m):
+        bl_count[depth[i]] += 1
+    # JPEG Annex K.3: move pairs of too-deep leaves up, splitting a shallower leaf each time.
+    for i in range(max_depth, MAX_CODE_LENGTH, -1):
+        while bl_count[i] > 0:
+            j = i - 2
+            while bl_count[j] == 0:
+                j -= 1
+            bl_count[i] -= 2
+            bl_count[i - 1] += 1
+            bl_count[j + 1] += 2
+            bl_count[j] -= 1
+    # Shortest codes to the most frequent symbols (leaves are sorted by ascending count).
+    k = m - 1
+    for length in range(1, MAX_CODE_LENGTH + 1):
+        for _ in range(bl_count[length]):
+            lengths[leaves[k]] = length
+            k -= 1
+    return lengths
 
 
 def code_lengths(hist: torch.Tensor) -> torch.Tensor:
@@ -29,7 +98,7 @@ def code_lengths(hist: torch.Tensor) -> torch.Tensor:
     rows = hist.detach().to(torch.int64).cpu().numpy()
     out = torch.zeros(hist.shape[0], ALPHABET_SIZE, dtype=torch.int32)
     for h in range(rows.shape[0]):
-        out[h] = torch.from_numpy(huffman.code_lengths_kernel.py_func(rows[h]).astype("int32"))
+        out[h] = torch.from_numpy(huffman_code_lengths(rows[h]).astype("int32"))
     return out.to(hist.device)
 
 

@@ -85,7 +85,7 @@ def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
 @triton.jit
 def uniform_draw(i, key):
     """Stochastic rounding's ``u`` in [0, 1) for element indices ``i`` of a block with ``key``:
-    ``mix32(i ^ key) >> 8`` times 2**-24 (twin of ``quantize.uniform_reference``)."""
+    ``mix32(i ^ key) >> 8`` times 2**-24 (twin of ``quantize_ref.uniform_reference``)."""
     h = (i & 0xFFFFFFFF).to(tl.uint32) ^ key.to(tl.uint32)
     h = h ^ (h >> 16)
     h = h * 0x7FEB352D
@@ -97,14 +97,14 @@ def uniform_draw(i, key):
 
 @triton.jit
 def value_shift(step_bits):
-    """``quantize.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
+    """``quantize_rules.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
     (22 + the binary exponent of any normal step), clamped to 0..23 so no lane shifts wildly."""
     return tl.minimum(tl.maximum(((step_bits >> 23) & 0xFF) - 104, 0), 23)
 
 
 @triton.jit
 def value_symbol(bits, shift, qmax):
-    """Twin of ``quantize.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
+    """Twin of ``quantize_rules.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
     of the reconstruction as a non-negative int64)."""
     sign = bits & 0x80000000
     mag = bits & 0x7FFFFFFF
@@ -117,7 +117,7 @@ def value_symbol(bits, shift, qmax):
 
 @triton.jit
 def value_decode_bits(symbols, shift, qmax):
-    """Twin of ``quantize.value_decode_bits`` on int64 lanes."""
+    """Twin of ``quantize_rules.value_decode_bits`` on int64 lanes."""
     s = symbols - _OFFSET
     q = qmax + 1 - tl.abs(s)
     mag = tl.where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)

@@ -1,22 +1,137 @@
 """Torch twins of ``kernels/quantize.py``'s launchers: same names, signatures and bits, no triton.
 
-:func:`quantize_tiles` quantizes each block with ``codec.quantize.quantize_reference`` and
-takes each tile's max error from the reconstruction ``dequantize_reference`` gives (what the
-decoder will produce); :func:`decode_outputs` expands, dequantizes and fills in the escaped
-values block by block. They are the oracle of the Triton kernels and the ``"reference"`` kernel
-set: written for clarity, one Python iteration per block (or tile), never per element.
+:func:`quantize_tiles` quantizes each block with :func:`quantize_reference` (the twin of
+``codec.quantize.quantize_blocks_kernel`` on one block) and takes each tile's max error from the
+reconstruction :func:`dequantize_reference` gives (what the decoder will produce);
+:func:`decode_outputs` expands, dequantizes and fills in the escaped values block by block. They
+are the oracle of the Triton kernels and the ``"reference"`` kernel set: written for clarity, one
+Python iteration per block (or tile), never per element.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, CODE_DTYPES, ESCAPE_SYMBOL
-from torchrec_lossy.codec.quantize import QuantParams, dequantize_reference, quantize_reference
+from torchrec_lossy.codec.elementwise import float32_from_bits
+from torchrec_lossy.codec.format import ALPHABET_SIZE, CODE_DTYPES, ESCAPE_SYMBOL, SYMBOL_OFFSET
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.encode_columns import EncodeColumns
+from torchrec_lossy.kernels.quantize_rules import (
+    NEAREST_KEY,
+    U_SCALE,
+    value_decode_bits,
+    value_shift,
+    value_symbol,
+)
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """Per-block quantization parameters (also written to the segment header).
+
+    Attributes:
+        step: Quantization step, float32-representable, at most ``2 * bound``.
+        inv_step: float32 reciprocal of ``step`` used by the encoder.
+        center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
+        value: The per-value relative grid (``MODE_VALUE``): ``step`` is ``2**-m``, ``center``
+            the block's largest code ``qmax`` and ``inv_step`` unused
+            (``codec.quantize.value_params``).
+    """
+
+    step: float
+    inv_step: float
+    center: int
+    value: bool = False
+
+
+def uniform_reference(n: int, key: int) -> torch.Tensor:
+    """Torch twin of the per-element draw (``codec.quantize.mix32``): float32 ``u`` in [0, 1)
+    for elements ``0 .. n-1``.
+
+    Args:
+        n: Elements of the block.
+        key: The block's key (``codec.quantize.stochastic_key``).
+
+    Returns:
+        float32 [n].
+    """
+    m = 0xFFFFFFFF
+    h = (torch.arange(n, dtype=torch.int64) & m) ^ key
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & m  # int64 wrap-around keeps the low 32 bits right
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & m
+    h = h ^ (h >> 16)
+    return (h >> 8).float() * U_SCALE
+
+
+def quantize_reference(
+    x: torch.Tensor, params: QuantParams, bound: float, sr_key: int = NEAREST_KEY
+) -> tuple[torch.Tensor, float]:
+    """Torch twin of ``codec.quantize.quantize_blocks_kernel`` on one block (the test oracle).
+
+    Args:
+        x: Block of any accepted dtype, any shape.
+        params: Quantization parameters.
+        bound: Absolute bound.
+        sr_key: ``NEAREST_KEY`` or the block's stochastic-rounding key.
+
+    Returns:
+        (int64 symbols, flat, ESCAPE_SYMBOL where escaped; max error over non-escaped elements).
+    """
+    xf = x.reshape(-1).float()
+    if params.value:
+        return _quantize_value_reference(x, xf, params, bound)
+    step = torch.tensor(params.step, dtype=torch.float32)
+    inv = torch.tensor(params.inv_step, dtype=torch.float32)
+    if sr_key == NEAREST_KEY:
+        qf = torch.floor(xf * inv + 0.5)
+    else:
+        t = xf * inv
+        fl = torch.floor(t)
+        qf = torch.where(uniform_reference(xf.shape[0], sr_key) < t - fl, fl + 1.0, fl)
+    rel = qf.double() - params.center
+    recon = (qf * step).to(x.dtype)
+    err = (recon.double() - xf.double()).abs()
+    ok = torch.isfinite(xf) & (rel.abs() <= SYMBOL_OFFSET) & torch.isfinite(recon) & (err <= bound)
+    symbols = torch.where(ok, rel.nan_to_num(0).long() + SYMBOL_OFFSET, ESCAPE_SYMBOL)
+    max_error = float(err[ok].max()) if bool(ok.any()) else 0.0
+    return symbols, max_error
+
+
+def _quantize_value_reference(
+    x: torch.Tensor, xf: torch.Tensor, params: QuantParams, bound: float
+) -> tuple[torch.Tensor, float]:
+    """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
+    bits = xf.view(torch.int32).long() & 0xFFFFFFFF
+    sym, rb = value_symbol(bits, value_shift(params.step), params.center)
+    recon = float32_from_bits(rb).to(x.dtype).double()
+    err = (recon - xf.double()).abs()
+    ax = xf.double().abs()
+    ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
+    rel = torch.where(ok & (ax > 0), err / ax, 0.0)
+    return torch.where(ok, sym, ESCAPE_SYMBOL), float(rel.max()) if rel.numel() else 0.0
+
+
+def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Tensor:
+    """Torch twin of ``codec.quantize.dequantize_kernel``.
+
+    Args:
+        symbols: Integer symbols.
+        params: Quantization parameters.
+
+    Returns:
+        float32 reconstructions (escaped positions hold garbage, to be overwritten).
+    """
+    if params.value:
+        shift = value_shift(params.step)
+        return float32_from_bits(value_decode_bits(symbols.long(), shift, params.center))
+    q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
+    return q * torch.tensor(params.step, dtype=torch.float32)
 
 
 def _block_ranges(tiles: list[list[int]]) -> dict[int, tuple[int, int]]:
@@ -186,4 +301,11 @@ def decode_outputs(
     return out
 
 
-__all__ = ["decode_outputs", "quantize_tiles"]
+__all__ = [
+    "QuantParams",
+    "decode_outputs",
+    "dequantize_reference",
+    "quantize_reference",
+    "quantize_tiles",
+    "uniform_reference",
+]

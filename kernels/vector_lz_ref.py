@@ -1,7 +1,7 @@
 """Torch twins of ``kernels/vector_lz.py``'s launchers: same names, signatures and bits, no triton.
 
-:func:`representatives` dedupes each block's rows with ``codec.vector_lz.dedupe_reference`` over
-``element_keys`` (the first identical row represents a group); :func:`unpack_refs_blocks` reads
+:func:`representatives` dedupes each block's rows with :func:`dedupe_reference` over
+:func:`element_keys` (the first identical row represents a group); :func:`unpack_refs_blocks` reads
 each block's references from its bits, fixed-width rows at once, flagged rows one after the
 other as the stream dictates, with the launcher's checks. They are the oracle of the Triton
 kernels and the ``"reference"`` kernel set: one Python iteration per block (per row only for
@@ -12,11 +12,51 @@ from __future__ import annotations
 
 import torch
 
-from torchrec_lossy.codec.vector_lz import dedupe_reference, element_keys
+from torchrec_lossy.codec.format import ESCAPE_SYMBOL
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.encode_columns import EncodeColumns
+
+
+def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of ``codec.vector_lz.dedupe_blocks_kernel`` on one block (the test oracle).
+
+    Args:
+        keys: [rows, dim] int64 element identities (:func:`element_keys`).
+
+    Returns:
+        (ids [rows] numbered by first occurrence, first_rows [n_unique]).
+    """
+    if keys.shape[0] == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    n = int(inverse.max()) + 1
+    rows = torch.arange(keys.shape[0])
+    first = torch.full((n,), keys.shape[0], dtype=torch.int64).scatter_reduce(
+        0, inverse, rows, reduce="amin"
+    )
+    order = torch.argsort(first)  # renumber the distinct vectors by first occurrence
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n)
+    return rank[inverse], first[order]
+
+
+def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tensor:
+    """Element identities as ``dedupe_blocks_kernel`` compares them (torch, for the oracle).
+
+    Args:
+        symbols: [rows, dim] symbols, or None for raw (lossless) dedupe.
+        bits: [rows, dim] raw bits as int32.
+
+    Returns:
+        [rows, dim] int64 keys.
+    """
+    raw_key = bits.long() & 0xFFFFFFFF
+    if symbols is None:
+        return bits.long()
+    return torch.where(symbols == ESCAPE_SYMBOL, (1 << 32) | raw_key, symbols.long())
 
 
 def _row_keys(
@@ -155,4 +195,4 @@ def unpack_refs_blocks(
     return ids
 
 
-__all__ = ["representatives", "unpack_refs_blocks"]
+__all__ = ["dedupe_reference", "element_keys", "representatives", "unpack_refs_blocks"]

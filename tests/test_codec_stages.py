@@ -28,6 +28,7 @@ from torchrec_lossy.codec.format import (
     refs_packing,
     words_for_bits,
 )
+from torchrec_lossy.kernels import quantize_ref, vector_lz_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -203,14 +204,16 @@ def test_quantize_kernel_matches_reference(dtype):
             symbols, _, _, max_err = host_kernels.quantize_block(
                 xf, np.float32(p.step), np.float32(p.inv_step), p.center, bound, DTYPE_CODES[dtype]
             )
-            ref_symbols, ref_max_err = quantize.quantize_reference(x, p, bound)
+            ref_symbols, ref_max_err = quantize_ref.quantize_reference(x, p, bound)
             assert np.array_equal(symbols.astype(np.int64), ref_symbols.numpy())
             assert max_err == ref_max_err
             # First principles: every non-escaped element is within the bound once dequantized
             # and cast to the dtype; every non-finite element is escaped.
             deq = np.empty(xf.shape[0], np.float32)
             quantize.dequantize_kernel(symbols, np.float32(p.step), p.center, deq)
-            ref_deq = quantize.dequantize_reference(torch.from_numpy(symbols.astype(np.int64)), p)
+            ref_deq = quantize_ref.dequantize_reference(
+                torch.from_numpy(symbols.astype(np.int64)), p
+            )
             assert np.array_equal(deq.view(np.uint32), ref_deq.numpy().view(np.uint32))
             recon = torch.from_numpy(deq).to(dtype).double()
             kept = torch.from_numpy(symbols != ESCAPE_SYMBOL)
@@ -234,13 +237,18 @@ def test_quantize_symbols_are_centered_codes():
     assert symbols[-1] == ESCAPE_SYMBOL  # 1000 is 5000 steps from the center: out of range
 
 
-def test_finite_range():
-    lo, hi = quantize.finite_range(np.array([], np.float32))
+def _finite_range(x: np.ndarray) -> tuple[float, float]:
+    lo, hi = quantize.finite_ranges_kernel(x, np.array([0, x.shape[0]]))
+    return float(lo[0]), float(hi[0])
+
+
+def test_finite_ranges_kernel():
+    lo, hi = _finite_range(np.array([], np.float32))
     assert math.isnan(lo) and math.isnan(hi)
-    assert quantize.finite_range(np.array([3, -2, 5], np.float32)) == (-2.0, 5.0)
+    assert _finite_range(np.array([3, -2, 5], np.float32)) == (-2.0, 5.0)
     x = np.array([np.nan, np.inf, -1, 4, -np.inf], np.float32)
-    assert quantize.finite_range(x) == (-1.0, 4.0)
-    lo, hi = quantize.finite_range(np.array([np.nan, np.inf], np.float32))
+    assert _finite_range(x) == (-1.0, 4.0)
+    lo, hi = _finite_range(np.array([np.nan, np.inf], np.float32))
     assert math.isnan(lo) and math.isnan(hi)
 
 
@@ -269,9 +277,9 @@ def _symbol_matrix(rows: int, dim: int, distinct: int, seed: int) -> tuple[np.nd
 def test_dedupe_kernel_matches_reference(rows, dim, distinct, raw):
     sym, bits = _symbol_matrix(rows, dim, distinct, seed=rows + dim)
     ids, first = host_kernels.dedupe(None if raw else sym, bits)
-    keys = vector_lz.element_keys(None if raw else torch.from_numpy(sym.astype(np.int64)),
-                                  torch.from_numpy(bits))  # fmt: skip
-    ref_ids, ref_first = vector_lz.dedupe_reference(keys)
+    keys = vector_lz_ref.element_keys(None if raw else torch.from_numpy(sym.astype(np.int64)),
+                                      torch.from_numpy(bits))  # fmt: skip
+    ref_ids, ref_first = vector_lz_ref.dedupe_reference(keys)
     assert ids.tolist() == ref_ids.tolist()
     assert first.tolist() == ref_first.tolist()
     # First principles: same id <=> same key row; ids numbered by first occurrence.

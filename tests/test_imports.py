@@ -362,6 +362,67 @@ def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Kernels are leaves.
+
+# What kernels/ may import from the codec: the wire format's constants and helpers, and the
+# element-wise primitives the format itself is written with (``elementwise`` imports nothing of
+# the codec). Codec logic a kernel's torch twin shares with the host path lives in kernels/
+# (``value_grid``, ``codebook_ref.huffman_code_lengths``) and the codec imports it from there.
+KERNEL_LEAVES = {f"{PACKAGE}.codec.format", f"{PACKAGE}.codec.elementwise"}
+
+
+def kernel_codec_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
+    """``(file, module, name)`` of every import of a file from ``torchrec_lossy.codec``.
+
+    Args:
+        rel: The file's path relative to the repository root.
+        source: Its text.
+
+    Returns:
+        The imports (``name`` is ``"*"`` for ``import module``); ``from torchrec_lossy.codec
+        import x`` is named by the module ``torchrec_lossy.codec.x``.
+    """
+    codec = f"{PACKAGE}.codec"
+    found: set[tuple[str, str, str]] = set()
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        if isinstance(node, ast.ImportFrom):
+            module = _resolve(rel, node)
+            if module == codec:
+                found |= {(rel, f"{codec}.{a.name}", "*") for a in node.names}
+            elif module.startswith(codec + "."):
+                found |= {(rel, module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(rel, a.name, "*") for a in node.names if a.name.startswith(codec)}
+    return found
+
+
+def test_kernels_take_only_the_format_from_the_codec() -> None:
+    found: set[tuple[str, str, str]] = set()
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        found |= kernel_codec_imports(str(path.relative_to(ROOT)), path.read_text())
+    assert found, "the scan found no codec import at all: is it still looking at kernels/?"
+    extra = sorted(f for f in found if f[1] not in KERNEL_LEAVES)
+    assert not extra, f"kernels/ imports codec logic (move it into kernels/): {extra}"
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        ("from torchrec_lossy.codec import format as f, huffman", {"format:*", "huffman:*"}),
+        ("from torchrec_lossy.codec.quantize import QuantParams", {"quantize:QuantParams"}),
+        ("from ..codec.vector_lz import element_keys", {"vector_lz:element_keys"}),
+        ("import torchrec_lossy.codec.vector_lz", {"vector_lz:*"}),
+        ("from torchrec_lossy.kernels import common", set()),
+    ],
+)
+def test_kernel_codec_import_scan_sees_every_form(line: str, want: set[str]) -> None:
+    """The scan is not vacuous: each import form of a codec module is found (as module:name)."""
+    found = kernel_codec_imports("kernels/probe.py", line + "\n")
+    codec = f"{PACKAGE}.codec."
+    assert {f"{m.removeprefix(codec)}:{n}" for _, m, n in found} == want
+
+
+# ---------------------------------------------------------------------------------------------
 # The lossless input dist and the lossy codec.
 
 # The lossless KJT input dist takes only format-level helpers from the codec: the checksum and

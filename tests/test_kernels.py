@@ -38,7 +38,6 @@ from torchrec_lossy.codec.format import (
     DTYPE_CODES,
     ESCAPE_SYMBOL,
 )
-from torchrec_lossy.codec.quantize import QuantParams
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
 from torchrec_lossy.kernels import decode_columns as dc
@@ -47,6 +46,8 @@ from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.encode_columns import encode_columns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
+from torchrec_lossy.kernels.quantize_ref import QuantParams
+from torchrec_lossy.kernels.quantize_rules import NEAREST_KEY
 
 pytestmark = INTERPRETER_WARNINGS
 
@@ -105,7 +106,7 @@ def cpu_quantize_block(
     number of escapes, max error)."""
     return host_kernels.quantize_block(
         x, np.float32(params.step), np.float32(params.inv_step), params.center, bound,
-        dtype_code, params.sr_key, params.value,
+        dtype_code, NEAREST_KEY, params.value,
     )  # fmt: skip
 
 
@@ -184,7 +185,7 @@ def quantize_one(
         center=torch.tensor([params.center]),
         bound=torch.tensor([bound], dtype=torch.float64),
         dtype=torch.tensor([dtype_code]),
-        sr_key=torch.tensor([params.sr_key]),
+        sr_key=torch.tensor([NEAREST_KEY]),
     )
     return with_twin(
         k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block

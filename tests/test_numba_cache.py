@@ -51,3 +51,11 @@ def test_an_edit_to_any_module_changes_the_folder(
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
     after = module.numba_cache_dir()
     assert after != before and os.path.dirname(after) == str(tmp_path / "cache")
+
+
+def test_the_key_covers_the_kernels_the_host_kernels_compile() -> None:
+    """kernels/ lives beside the package in a checkout: its rules, which the host kernels compile
+    (the per-value grid, the code lengths), key the cache too."""
+    sources = {p.resolve() for p in torchrec_lossy.numba_cache_sources()}
+    for rel in ("kernels/quantize_rules.py", "kernels/codebook_ref.py", "torchrec_lossy/config.py"):
+        assert (ROOT / rel).resolve() in sources, rel

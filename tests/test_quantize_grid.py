@@ -104,8 +104,9 @@ def _rule_torch(blocks, kinds, bounds, stochastic, quantization) -> quantize.Blo
 
 
 def _rule_numpy(blocks, kinds, bounds, stochastic, quantization) -> quantize.BlockGrid:
-    # Over numpy arrays (the pre-pass's kind), ranges from quantize.finite_range.
-    lo, hi = np.array([quantize.finite_range(x) for x in blocks]).T
+    # Over numpy arrays (the pre-pass's kind), ranges from quantize.finite_ranges_kernel.
+    offsets = np.cumsum([0, *(x.shape[0] for x in blocks)])
+    lo, hi = quantize.finite_ranges_kernel(np.concatenate(blocks).astype(np.float32), offsets)
     numel = np.array([x.shape[0] for x in blocks])
     median = np.array([np.median(x[np.isfinite(x)].astype(np.float64)) if np.isfinite(x).any()
                        else math.nan for x in blocks])  # fmt: skip

@@ -7,9 +7,27 @@ by the content of this package's sources (:func:`numba_cache_dir`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
+
+
+def numba_cache_sources() -> list[Path]:
+    """The source files the numba cache is keyed by: the package's and those of ``kernels/``.
+
+    ``kernels/`` ships as ``torchrec_lossy.kernels`` (package-dir): in a source checkout it lives
+    beside the package, and the host kernels compile rules written there
+    (``kernels/quantize_rules.py``, ``kernels/codebook_ref.py``).
+
+    Returns:
+        Every ``.py`` file, in a fixed order.
+    """
+    root = Path(__file__).resolve().parent
+    spec = importlib.util.find_spec(f"{__name__}.kernels")
+    kernels = [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+    bases = [root, *(k for k in kernels if root not in k.parents)]
+    return [path for base in bases for path in sorted(base.rglob("*.py"))]
 
 
 def numba_cache_dir() -> str:
@@ -18,18 +36,17 @@ def numba_cache_dir() -> str:
     numba keys a cached kernel by the file that defines it, but the compiled passes inline
     functions of other modules (the size model, Huffman, quantize...): after an edit to one of
     those, numba would load a stale kernel, and the host path could disagree with the device
-    path. Keying the whole cache by a hash of every source file of the package makes any edit
-    start a fresh cache: the folder is ``<base>/<hash>``, the base being ``$NUMBA_CACHE_DIR``
-    when it is set (a folder of the user's or a test's own, kept apart as numba would) and
-    ``~/.cache/torchrec_lossy/numba`` otherwise.
+    path. Keying the whole cache by a hash of every source file (:func:`numba_cache_sources`)
+    makes any edit start a fresh cache: the folder is ``<base>/<hash>``, the base being
+    ``$NUMBA_CACHE_DIR`` when it is set (a folder of the user's or a test's own, kept apart as
+    numba would) and ``~/.cache/torchrec_lossy/numba`` otherwise.
 
     Returns:
         The folder (created by numba when it first writes).
     """
-    root = Path(__file__).resolve().parent
     digest = hashlib.sha1()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
+    for path in numba_cache_sources():
+        digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]
     base = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(

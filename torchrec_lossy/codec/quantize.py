@@ -17,13 +17,10 @@ previous-row or previous-element predictor raised the code entropy on realistic 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numba
 import numpy as np
-import torch
 
 from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.elementwise import (
@@ -45,44 +42,22 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
 )
 from torchrec_lossy.codec.host_records import Grids
+from torchrec_lossy.kernels.quantize_ref import QuantParams
+from torchrec_lossy.kernels.quantize_rules import (
+    NEAREST_KEY,
+    U_SCALE,
+    value_code,
+    value_decode_bits,
+    value_shift,
+    value_symbol,
+)
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = 0xFFFFFFFF
-# Stochastic rounding draws u = (hash >> 8) * 2**-24: 24 bits, exact in float32.
-_U_SCALE = 2.0**-24
-NEAREST_KEY = -1  # the ``sr_key`` of round-to-nearest; stochastic keys are in [0, 2**32)
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
-
-@dataclass(frozen=True)
-class QuantParams:
-    """Per-block quantization parameters (also written to the segment header).
-
-    Attributes:
-        step: Quantization step, float32-representable, at most ``2 * bound``.
-        inv_step: float32 reciprocal of ``step`` used by the encoder.
-        center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
-        sr_key: ``NEAREST_KEY``: round to nearest; else the block's stochastic-rounding key
-            (encoder only: the decoder reconstructs ``q * step`` either way).
-        value: The per-value relative grid (``MODE_VALUE``): ``step`` is ``2**-m``, ``center``
-            the block's largest code ``qmax`` and ``inv_step`` unused (:func:`value_params`).
-    """
-
-    step: float
-    inv_step: float
-    center: int
-    sr_key: int = NEAREST_KEY
-    value: bool = False
-
-
-# The per-value relative grid (``ErrorBound(mode="value")``), integer-only so that every backend
-# writes the same bytes: keep m mantissa bits of |x|'s float32, rounded to nearest (the carry into
-# the exponent is the right rounding), so |x' - x| <= 2**-(m + 1) |x| for normal values; what
-# that misses (denormals, overflow, the cast to fp16 / bf16) fails the float64 check and is
-# escaped. Symbol of x: SYMBOL_OFFSET + sign(x) (qmax - q + 1), counted down from the block's
-# largest code qmax, so the large values, which every block has, sit next to the symbol of +0.0
-# (SYMBOL_OFFSET) and the codebook spans the block's octaves, not the whole alphabet; codes
-# SYMBOL_OFFSET or more below qmax are escaped.
+# The per-value relative grid (``ErrorBound(mode="value")``): its symbol mapping is in
+# kernels/quantize_rules.py (shared with the torch twins); here a block's step and qmax.
 
 
 @jitable
@@ -99,63 +74,6 @@ def value_mantissa_bits(v: float) -> int:
     # v = f * 2**e, f in [0.5, 1): 2**-(m + 1) <= v iff m >= -e; then m is clamped to 0..23.
     m = clamp_min(-binary_exponent(v), 0)
     return 23 - clamp_min(23 - m, 0)
-
-
-@jitable
-def value_code(mag_bits: N, shift: N) -> N:
-    """Codes of magnitudes: float32 bits of ``|x|`` rounded to nearest to a multiple of
-    ``2**shift`` and divided by it (``shift = 23 - m``). Integers: ints, arrays, tensors.
-
-    Args:
-        mag_bits: float32 bits of ``|x|`` (non-negative, < 2**31).
-        shift: ``23 - m``.
-
-    Returns:
-        The codes q.
-    """
-    return (mag_bits + ((1 << shift) >> 1)) >> shift
-
-
-@jitable
-def value_symbol(bits: N, shift: N, qmax: N) -> tuple[N, N]:
-    """Symbols of float32 values on the per-value grid, and their reconstructions' bits.
-
-    Args:
-        bits: float32 bits of the values as non-negative ints (< 2**32).
-        shift: ``23 - m``.
-        qmax: The block's largest code (of its largest finite ``|x|``).
-
-    Returns:
-        (symbol, ``ESCAPE_SYMBOL`` where a code does not fit (``-0.0`` included: it would
-        decode as ``+0.0``); float32 bits of the reconstruction ``sign * (q << shift)``, as
-        non-negative ints). The caller still escapes what fails the float64 check.
-    """
-    sign = bits & 0x80000000
-    mag = bits & 0x7FFFFFFF
-    q = value_code(mag, shift)
-    d = qmax - q  # < 0 only for non-finite values
-    fits = where(mag == 0, sign == 0, (d >= 0) & (d < SYMBOL_OFFSET))
-    sym = SYMBOL_OFFSET + where(mag == 0, 0, where(sign == 0, d + 1, -d - 1))
-    return where(fits, sym, ESCAPE_SYMBOL), ((q << shift) & 0x7FFFFFFF) | sign
-
-
-@jitable
-def value_decode_bits(symbols: N, shift: N, qmax: N) -> N:
-    """float32 bits of the values of per-value-grid symbols (the decoder's half of
-    :func:`value_symbol`; any symbol maps to some bits, so a corrupt stream cannot crash it).
-
-    Args:
-        symbols: Symbols (ints, arrays or tensors).
-        shift: ``23 - m``.
-        qmax: The block's largest code.
-
-    Returns:
-        float32 bits as non-negative ints.
-    """
-    s = symbols - SYMBOL_OFFSET
-    q = qmax + 1 - where(s < 0, -s, s)
-    mag = where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
-    return mag | where(s < 0, 0x80000000, 0)
 
 
 @jitable
@@ -188,20 +106,6 @@ def value_params(v: float, amax: float) -> tuple[float, int]:
 
 
 @jitable
-def value_shift(step: float) -> int:
-    """``23 - m`` from a segment header's step ``2**-m`` (its binary exponent; any step a
-    decoder accepts, in [2**-23, 1], gives a shift in 0..23).
-
-    Args:
-        step: The segment header's step.
-
-    Returns:
-        The shift.
-    """
-    return 22 + binary_exponent(step)  # step = 0.5 * 2**(1 - m) exactly
-
-
-@jitable
 def grid_bound(bound: N, stochastic: bool) -> N:
     """The bound the quantization grid is chosen for: ``bound`` (step ``2 * bound``) for round to
     nearest, ``bound / 2`` (step ``bound``) for stochastic rounding, whose error reaches a step.
@@ -219,8 +123,9 @@ def grid_bound(bound: N, stochastic: bool) -> N:
 def mix32(h: int) -> int:
     """A 32-bit integer finalizer (lowbias32): the counter hash of stochastic rounding.
 
-    The same arithmetic runs in numba (:func:`_mix32_nb`), torch (:func:`uniform_reference`) and
-    Triton (``kernels.quantize``), so every backend draws the same ``u`` for an element.
+    The same arithmetic runs in numba (:func:`_mix32_nb`), torch
+    (``kernels.quantize_ref.uniform_reference``) and Triton (``kernels.quantize``), so every
+    backend draws the same ``u`` for an element.
 
     Args:
         h: Integer; only its low 32 bits are used.
@@ -264,26 +169,6 @@ def block_keys(stochastic: bool, seed: int, local: np.ndarray) -> np.ndarray:
     if not stochastic:
         return np.full(local.shape[0], NEAREST_KEY, np.int64)
     return np.array([stochastic_key(seed, int(i)) for i in local], np.int64).reshape(-1)
-
-
-def uniform_reference(n: int, key: int) -> torch.Tensor:
-    """Torch twin of the per-element draw: float32 ``u`` in [0, 1) for elements ``0 .. n-1``.
-
-    Args:
-        n: Elements of the block.
-        key: The block's key from :func:`stochastic_key`.
-
-    Returns:
-        float32 [n].
-    """
-    m = _MASK32
-    h = (torch.arange(n, dtype=torch.int64) & m) ^ key
-    h = h ^ (h >> 16)
-    h = (h * 0x7FEB352D) & m  # int64 wrap-around keeps the low 32 bits right
-    h = h ^ (h >> 15)
-    h = (h * 0x846CA68B) & m
-    h = h ^ (h >> 16)
-    return (h >> 8).float() * _U_SCALE
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -532,16 +417,9 @@ def finite_median(x: np.ndarray) -> float:
     return np.median(x[np.isfinite(x)].astype(np.float64))
 
 
-@numba.njit(cache=True, nogil=True)
-def block_mid(x: np.ndarray, lo: float, hi: float, grid: float) -> float:
-    """:func:`grid_mid` of a block (its values ``x``, float32) on the absolute grid of bound
-    ``grid``, from its finite range ``lo``, ``hi`` (NaN when none is finite)."""
-    b = BlockBound(0, grid, grid, True)
-    return grid_mid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
-
-
 def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
-    """Chooses step and center for a block, or None when quantization cannot help.
+    """Chooses step and center for one block, or None when quantization cannot help (the rule of
+    :func:`block_grid` on one absolute bound: tests and benchmarks quantize one block with it).
 
     The center is the code of the midpoint of the finite values; when they span more than the
     alphabet (an outlier), it is the code of their median instead, so the outlier is escaped and
@@ -555,7 +433,7 @@ def quant_params(bound: float, x: np.ndarray) -> QuantParams | None:
         The parameters, or None if the bound is too small for a normal float32 step or the
         block's center is too far from 0 in units of the step.
     """
-    lo, hi = finite_range(x)
+    lo, hi = (float(v[0]) for v in finite_ranges_kernel(x, np.array([0, x.shape[0]])))
     b = block_bound(_ABSOLUTE, bound, lo, hi, x.shape[0], False, True)
     g = block_grid(b, lo, hi, finite_median(x) if uses_median(b, lo, hi) else 0.0)
     if not g.ok:
@@ -654,7 +532,7 @@ def _quantize_loop(
             t = v * inv_step
             fl = np.floor(t)
             h = _mix32_nb((np.uint64(i) & np.uint64(0xFFFFFFFF)) ^ key)
-            u = np.float32(h >> np.uint64(8)) * np.float32(_U_SCALE)
+            u = np.float32(h >> np.uint64(8)) * np.float32(U_SCALE)
             qf = fl + np.float32(1.0) if u < t - fl else fl
         else:
             qf = np.floor(v * inv_step + half)
@@ -760,32 +638,6 @@ def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarra
 
 
 @numba.njit(cache=True, nogil=True)
-def quant_params_blocks_kernel(
-    bounds: np.ndarray, mids: np.ndarray, wanted: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`absolute_grid` of many blocks.
-
-    Args:
-        bounds: float64 [n] absolute bounds.
-        mids: float64 [n] midpoints (see :func:`quant_params`).
-        wanted: bool [n] blocks that may be quantized (the others get ok = False).
-
-    Returns:
-        (float32 step, float32 inv_step, int64 center, bool ok) per block.
-    """
-    n = bounds.shape[0]
-    step = np.zeros(n, np.float32)
-    inv_step = np.zeros(n, np.float32)
-    center = np.zeros(n, np.int64)
-    ok = np.zeros(n, np.bool_)
-    for b in range(n):
-        s, inv, c, good = absolute_grid(bounds[b], mids[b])
-        if wanted[b] and good:
-            step[b], inv_step[b], center[b], ok[b] = s, inv, np.int64(c), True
-    return step, inv_step, center, ok
-
-
-@numba.njit(cache=True, nogil=True)
 def quantize_blocks_kernel(
     x: np.ndarray,
     elem_off: np.ndarray,
@@ -850,91 +702,6 @@ def dequantize_kernel(
         out[i] = np.float32(np.int64(symbols[i]) + base) * step
 
 
-def finite_range(x: np.ndarray) -> tuple[float, float]:
-    """Smallest and largest finite value of a float32 array (nan, nan when there is none).
-
-    Args:
-        x: 1-D float32 values.
-
-    Returns:
-        (min, max) as Python floats.
-    """
-    if x.shape[0] == 0:
-        return math.nan, math.nan
-    lo, hi = float(x.min()), float(x.max())
-    if math.isfinite(lo) and math.isfinite(hi):
-        return lo, hi
-    finite = x[np.isfinite(x)]
-    if finite.shape[0] == 0:
-        return math.nan, math.nan
-    return float(finite.min()), float(finite.max())
-
-
-def quantize_reference(
-    x: torch.Tensor, params: QuantParams, bound: float, sr_key: int = NEAREST_KEY
-) -> tuple[torch.Tensor, float]:
-    """Torch twin of :func:`quantize_blocks_kernel` on one block (the test oracle).
-
-    Args:
-        x: Block of any accepted dtype, any shape.
-        params: Quantization parameters.
-        bound: Absolute bound.
-        sr_key: ``NEAREST_KEY`` or the block's stochastic-rounding key.
-
-    Returns:
-        (int64 symbols, flat, ESCAPE_SYMBOL where escaped; max error over non-escaped elements).
-    """
-    xf = x.reshape(-1).float()
-    if params.value:
-        return _quantize_value_reference(x, xf, params, bound)
-    step = torch.tensor(params.step, dtype=torch.float32)
-    inv = torch.tensor(params.inv_step, dtype=torch.float32)
-    if sr_key == NEAREST_KEY:
-        qf = torch.floor(xf * inv + 0.5)
-    else:
-        t = xf * inv
-        fl = torch.floor(t)
-        qf = torch.where(uniform_reference(xf.shape[0], sr_key) < t - fl, fl + 1.0, fl)
-    rel = qf.double() - params.center
-    recon = (qf * step).to(x.dtype)
-    err = (recon.double() - xf.double()).abs()
-    ok = torch.isfinite(xf) & (rel.abs() <= SYMBOL_OFFSET) & torch.isfinite(recon) & (err <= bound)
-    symbols = torch.where(ok, rel.nan_to_num(0).long() + SYMBOL_OFFSET, ESCAPE_SYMBOL)
-    max_error = float(err[ok].max()) if bool(ok.any()) else 0.0
-    return symbols, max_error
-
-
-def _quantize_value_reference(
-    x: torch.Tensor, xf: torch.Tensor, params: QuantParams, bound: float
-) -> tuple[torch.Tensor, float]:
-    """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
-    bits = xf.view(torch.int32).long() & 0xFFFFFFFF
-    sym, rb = value_symbol(bits, value_shift(params.step), params.center)
-    recon = float32_from_bits(rb).to(x.dtype).double()
-    err = (recon - xf.double()).abs()
-    ax = xf.double().abs()
-    ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
-    rel = torch.where(ok & (ax > 0), err / ax, 0.0)
-    return torch.where(ok, sym, ESCAPE_SYMBOL), float(rel.max()) if rel.numel() else 0.0
-
-
-def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Tensor:
-    """Torch twin of :func:`dequantize_kernel`.
-
-    Args:
-        symbols: Integer symbols.
-        params: Quantization parameters.
-
-    Returns:
-        float32 reconstructions (escaped positions hold garbage, to be overwritten).
-    """
-    if params.value:
-        shift = value_shift(params.step)
-        return float32_from_bits(value_decode_bits(symbols.long(), shift, params.center))
-    q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
-    return q * torch.tensor(params.step, dtype=torch.float32)
-
-
 __all__ = [
     "DTYPE_CODES",
     "NEAREST_KEY",
@@ -945,11 +712,8 @@ __all__ = [
     "block_bound",
     "block_grid",
     "block_keys",
-    "block_mid",
     "dequantize_kernel",
-    "dequantize_reference",
     "finite_median",
-    "finite_range",
     "finite_ranges_kernel",
     "grid_before_data",
     "grid_bound",
@@ -959,11 +723,8 @@ __all__ = [
     "midpoint_fits",
     "mix32",
     "quant_params",
-    "quant_params_blocks_kernel",
     "quantize_blocks_kernel",
-    "quantize_reference",
     "stochastic_key",
-    "uniform_reference",
     "uses_median",
     "value_code",
     "value_decode_bits",

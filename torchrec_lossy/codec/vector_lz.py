@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-import torch
 
 from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
@@ -169,46 +168,6 @@ def dedupe_blocks_kernel(
     return Dedupe(selected, n_unique, ids, first_rows)
 
 
-def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`dedupe_blocks_kernel` on one block (the test oracle).
-
-    Args:
-        keys: [rows, dim] int64 element identities (see ``_key``).
-
-    Returns:
-        (ids [rows] numbered by first occurrence, first_rows [n_unique]).
-    """
-    if keys.shape[0] == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty
-    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    n = int(inverse.max()) + 1
-    rows = torch.arange(keys.shape[0])
-    first = torch.full((n,), keys.shape[0], dtype=torch.int64).scatter_reduce(
-        0, inverse, rows, reduce="amin"
-    )
-    order = torch.argsort(first)  # renumber the distinct vectors by first occurrence
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(n)
-    return rank[inverse], first[order]
-
-
-def element_keys(symbols: torch.Tensor | None, bits: torch.Tensor) -> torch.Tensor:
-    """Element identities as ``dedupe_blocks_kernel`` compares them (torch, for the oracle).
-
-    Args:
-        symbols: [rows, dim] symbols, or None for raw (lossless) dedupe.
-        bits: [rows, dim] raw bits as int32.
-
-    Returns:
-        [rows, dim] int64 keys.
-    """
-    raw_key = bits.long() & 0xFFFFFFFF
-    if symbols is None:
-        return bits.long()
-    return torch.where(symbols == ESCAPE_SYMBOL, (1 << 32) | raw_key, symbols.long())
-
-
 @numba.njit(cache=True, nogil=True)
 def pack_refs_into(ids: np.ndarray, n_unique: int, mode: int, words: np.ndarray) -> int:
     """Packs vector ids into ``words`` (at least the packing's words).
@@ -307,8 +266,6 @@ __all__ = [
     "REFS_FIXED",
     "REFS_FLAGGED",
     "dedupe_blocks_kernel",
-    "dedupe_reference",
-    "element_keys",
     "pack_refs_into",
     "unpack_refs_kernel",
 ]
