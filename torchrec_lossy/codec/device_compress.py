@@ -135,7 +135,6 @@ class _HostTables:
     stochastic: bool  # stochastic rounding (quantize.grid_bound)
     quantization: bool  # CodecConfig.enable_quantization
     tile_block: int  # elements per quantize tile
-    n_slots: int  # Huffman chunk slots of all blocks
     stream_words: int  # worst-case words of all Huffman streams
     body_max: int  # worst-case words of all payloads
     chunk: int  # symbols per Huffman chunk
@@ -241,7 +240,6 @@ def _host_tables(
         stochastic=stochastic,
         quantization=quantization,
         tile_block=tile_block,
-        n_slots=int(slots.sum()),
         stream_words=stream_words,
         body_max=DESCRIPTOR_WORDS * b + _segment_max(cols, numel) + HEADER_WORDS * len(sizes),
         chunk=config.huffman_chunk_symbols,
@@ -838,7 +836,7 @@ def start_groups_device(
         coded = _encode(k, ht, t, flat, sym, dq, s)
         sec = _sections(t, s, dr, coded.words)
         nb = ht.n_blocks
-        lanes = (ht.n_elems, ht.n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL)
+        lanes = (ht.n_elems, ht.n_rows, ht.stream_words, t.slot_blk.shape[0], nb * ESCAPE_SYMBOL)
         out = _WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
         _put_headers(out, t, cols, s, sec, ht.chunk)
         _put_references(out, t, flat, s, sec, (dq, dr))
