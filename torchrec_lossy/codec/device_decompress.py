@@ -78,9 +78,6 @@ from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
-# The offsets into the payload's words that move with a payload inside a grouped buffer.
-_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
-
 
 def _bases(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
@@ -96,7 +93,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Layout:
     """Every block's fields and section offsets, int64 [n_blocks] each (word offsets into the
-    payload's words); blocks of several payloads concatenate (:func:`merge_layouts`)."""
+    words of the buffer decoded from); blocks of several payloads concatenate."""
 
     rows: np.ndarray
     dim: np.ndarray
@@ -140,7 +137,9 @@ def _segment_headers(body: np.ndarray, start: np.ndarray) -> tuple:
     return segment_header_fields(body[idx].astype(np.int64).T)
 
 
-def _layout(buf: np.ndarray, max_elements: int, verify_checksum: bool = True) -> _Layout | None:
+def _layout(
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True, first_word: int = 0
+) -> _Layout | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
@@ -152,9 +151,10 @@ def _layout(buf: np.ndarray, max_elements: int, verify_checksum: bool = True) ->
         buf: The payload's bytes.
         max_elements: Refuse payloads that decode to more elements than this in total.
         verify_checksum: False for a skeleton's stand-in (the device checks the payload).
+        first_word: The payload's first word in the buffer it is decoded from.
 
     Returns:
-        The layout (word offsets are into the payload), or None.
+        The layout (word offsets are into that buffer), or None.
     """
     body, _, offsets = parse_header(buf, max_elements, verify_checksum)
     descs = body[: offsets[0]].view(DESCRIPTOR)
@@ -169,7 +169,7 @@ def _layout(buf: np.ndarray, max_elements: int, verify_checksum: bool = True) ->
     )
     if not ok.all():
         return None
-    base = HEADER_WORDS + offsets[:-1]  # segment starts, in payload words
+    base = first_word + HEADER_WORDS + offsets[:-1]  # segment starts, in buffer words
     lz, quant = (mode & 1) == 1, (mode & 2) == 2
     head = SEGMENT_HEADER_WORDS
     n_out = rows * dim
@@ -369,28 +369,6 @@ def raise_status(codes: np.ndarray) -> None:
         raise status_error(int(codes[bad[0]]), int(bad[0]))
 
 
-def merge_layouts(layouts: list[_Layout], word_base: list[int]) -> _Layout:
-    """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
-
-    Args:
-        layouts: :func:`_layout` of every payload (none rejected).
-        word_base: Each payload's first word in the buffer.
-
-    Returns:
-        The merged layout, block indexes running over all payloads.
-    """
-    merged = {
-        f.name: np.concatenate(
-            [
-                getattr(lay, f.name) + (w if f.name in _WORD_OFFSETS else 0)
-                for lay, w in zip(layouts, word_base, strict=True)
-            ]
-        )
-        for f in dataclasses.fields(_Layout)
-    }
-    return _Layout(**merged)
-
-
 @dataclass
 class DeviceGroups:
     """What :func:`decompress_groups_device` decoded, with its status left on the device.
@@ -467,9 +445,8 @@ def decompress_groups_device(
         The blocks and the status, on the device (:class:`DeviceGroups`).
     """
     with record_function("## lossy_codec decode ##"):
-        buf = (
-            host_sync.to_host(buffer, "decompress") if skeletons is None else None
-        )  # the one read, without skeletons
+        # The one read, without skeletons.
+        buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
         layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
@@ -478,8 +455,12 @@ def decompress_groups_device(
         if not layouts:
             failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
             return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
-        word_base = _bases(sizes)[list(layouts)] // 4
-        merged = merge_layouts(list(layouts.values()), word_base.tolist())
+        merged = _Layout(
+            **{
+                f.name: np.concatenate([getattr(lay, f.name) for lay in layouts.values()])
+                for f in dataclasses.fields(_Layout)
+            }
+        )
         blocks, codes, words_out = _decode_on_device(buffer, merged, kernels, defer_status=True)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
@@ -513,10 +494,11 @@ def _read_layouts(
     for g, (at, n) in enumerate(zip(_bases(sizes)[:-1].tolist(), sizes, strict=True)):
         try:
             if buf is not None:
-                lay = _layout(buf[at : at + n], max_elements) if n % 4 == 0 else None
+                whole = n % 4 == 0  # a payload is whole words
+                lay = _layout(buf[at : at + n], max_elements, first_word=at // 4) if whole else None
             else:
                 part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
-                lay = _layout(part, max_elements, verify_checksum=False)
+                lay = _layout(part, max_elements, verify_checksum=False, first_word=at // 4)
                 words = part.view(np.uint32)[pos]
                 checks.append(_SkeletonCheck(g, at // 4 + pos, words, at // 4))
         except CodecError:
