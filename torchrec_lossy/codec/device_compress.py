@@ -120,7 +120,7 @@ class _Columns(Generic[_Array]):
     slot_k: _Array  # per chunk slot, its chunk in the block
     tiles: _Array  # the quantize launch's tiles (launch_tables.tile_table rows, flattened)
     mults: _Array  # the row hash's column multipliers
-    record: _Array  # the launchers' record, grid fields 0 (encode_columns.host_record)
+    record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ def _host_tables(
         slot_k=slot_k,
         tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
         mults=column_multipliers(max(max_dim, 1)),
-        record=record,
+        record=record.reshape(-1),
     )
     return _HostTables(
         cols=cols,
