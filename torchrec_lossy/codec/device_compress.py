@@ -436,12 +436,9 @@ def _vector_lz(
     base = rank0[t.row_off]  # first occurrences in the blocks before
     n_rows = r_blk.shape[0]
     ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
-    # Repeats write to a (spread) trash area past the end.
-    row_ids = torch.arange(n_rows, device=dev)
-    first_rows = torch.zeros(n_rows + _TRASH, dtype=torch.int64, device=dev)
-    trash = n_rows + (row_ids & (_TRASH - 1))
-    first_rows.scatter_(0, torch.where(firsts == 1, rank - 1, trash), row_ids)
-    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows)
+    first_rows = _WordBuffer(n_rows, n_rows, dev)  # each first occurrence at its rank
+    first_rows.put(rank - 1, torch.arange(n_rows, device=dev), firsts == 1)
+    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
 
 
 def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
@@ -581,13 +578,14 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
 
 
 class _WordBuffer:
-    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
+    """An int64 buffer and the masked writes into it: the payloads' words (int64 lanes holding
+    uint32 words), or the table of a dedupe's first rows.
 
-    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
-    serialise them on one address.
+    Masked lanes add 0 to a trash area past the end, spread so that a GPU does not serialise
+    them on one address.
 
     Args:
-        n_words: Words of the payloads.
+        n_words: Words (entries) of the buffer before the trash area.
         n_lanes: The most lanes one write takes.
         dev: The device.
     """
