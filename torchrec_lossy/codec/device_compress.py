@@ -90,6 +90,9 @@ from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, 
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
+# Per-block rows of a compress's readback: mode, vectors sent, escapes, segment words, max error
+# and bound (float64 bits).
+_STAT_ROWS = 6
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 
 
@@ -878,7 +881,7 @@ class PendingCompress:
     @property
     def device_skeleton(self) -> torch.Tensor:
         """int64 skeleton words of every payload (``container.skeleton_index``), on the device."""
-        return self.readback[len(self.group_sizes) + 6 * self.tables.n_blocks :]
+        return self.readback[len(self.group_sizes) + _STAT_ROWS * self.tables.n_blocks :]
 
     def finish(
         self, host: Sequence[int]
@@ -894,8 +897,9 @@ class PendingCompress:
         """
         c, ng, nb = self.tables.cols, len(self.group_sizes), self.tables.n_blocks
         sizes = [4 * int(w) for w in host[:ng]]
-        h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
-        skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
+        end = ng + _STAT_ROWS * nb
+        h = np.array(host[ng:end], dtype=np.int64).reshape(_STAT_ROWS, nb)
+        skel = np.array(host[end:], dtype=np.int64).astype(np.uint32)
         skel_ends = np.cumsum([skeleton_words(n) for n in self.group_sizes], dtype=np.int64)
         errs, bounds_used = h[4].view(np.float64), h[5].view(np.float64)
         stats = BlockColumns.assemble(
