@@ -1,20 +1,25 @@
 """The compressor's per-block column record: one int64 tensor the compress launchers share (no
 triton).
 
-``device_compress`` builds every block's grid and layout fields once, on the device, as
-:class:`EncodeColumns`: an int64 ``[max(n_blocks, 1), N_FIELDS]`` tensor whose column ``F`` is
-field ``F`` below, the compress side's ``decode_columns``. Every field has one entry per block,
-so the record is block-major and a kernel needs no stride: the compress launchers (and their
-torch twins) take the record instead of per-field tensors, and a Triton kernel takes one pointer
-and reads field ``F`` of block ``b`` at ``cols_ptr + b * N_FIELDS + F`` (the field indices are
-module constants, which a kernel reads as ``encode_columns.F``). Float fields are stored as
-their bits (float32 sign-extended, float64 as is), so they round-trip exactly.
+Every block's grid and layout fields, as :class:`EncodeColumns`: an int64
+``[max(n_blocks, 1), N_FIELDS]`` tensor whose column ``F`` is field ``F`` below, the compress
+side's ``decode_columns``. Every field has one entry per block, so the record is block-major and
+a kernel needs no stride: the compress launchers (and their torch twins) take the record instead
+of per-field tensors, and a Triton kernel takes one pointer and reads field ``F`` of block ``b``
+at ``cols_ptr + b * N_FIELDS + F`` (the field indices are module constants, which a kernel reads
+as ``encode_columns.F``). Float fields are stored as their bits (float32 sign-extended, float64
+as is), so they round-trip exactly.
+
+``device_compress`` lays the fields known before the data is read out on the host
+(:func:`host_record`, uploaded with its other host tables in one copy) and writes only the grid
+fields (:data:`GRID`) on the device (:meth:`EncodeColumns.set`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # The fields in row order.
@@ -34,10 +39,41 @@ N_FIELDS = len(FIELDS)
 (
     STEP_BITS, INV_STEP_BITS, CENTER, BOUND_BITS, DTYPE, SR_KEY, VALUE, ELEM_OFF, ROW_OFF, DIM,
 ) = range(N_FIELDS)  # fmt: skip
-# What a field not given holds: round to nearest, the uniform grid, everything else 0.
-_DEFAULTS = {SR_KEY: -1}
+# The fields that depend on the data (the grid), written on the device.
+GRID = (STEP_BITS, INV_STEP_BITS, CENTER, BOUND_BITS)
+# The field names a caller passes (``_bits`` dropped: ``step``, ``inv_step``, ``bound``).
+_NAMES = tuple(f.removesuffix("_bits") for f in FIELDS)
 # The float fields' dtypes (their bits are stored; any other field is an integer).
 _FLOATS = {STEP_BITS: torch.float32, INV_STEP_BITS: torch.float32, BOUND_BITS: torch.float64}
+
+
+def _indices(names: set[str], allowed: tuple[int, ...]) -> dict[str, int]:
+    """Field indices by name, refusing names outside ``allowed``."""
+    known = {_NAMES[f]: f for f in allowed}
+    unknown = names - set(known)
+    if unknown:
+        raise ValueError(f"unknown encode fields {sorted(unknown)}: use names from {list(known)}")
+    return {name: known[name] for name in names}
+
+
+def host_record(n_blocks: int, **fields: np.ndarray) -> np.ndarray:
+    """The record's host layout: the given fields set, every other field at its default.
+
+    Args:
+        n_blocks: Blocks.
+        **fields: Per non-grid field (by its name in :data:`FIELDS`) its [n_blocks] integers;
+            a field not given is 0 (``sr_key``: -1, round to nearest). The grid fields are 0
+            until :meth:`EncodeColumns.set` writes them.
+
+    Returns:
+        int64 [max(n_blocks, 1), N_FIELDS] (one row at least: a valid pointer for the kernels).
+    """
+    static = tuple(f for f in range(N_FIELDS) if f not in GRID)
+    out = np.zeros((max(n_blocks, 1), N_FIELDS), np.int64)
+    out[:, SR_KEY] = -1
+    for name, f in _indices(set(fields), static).items():
+        out[:n_blocks, f] = fields[name]
+    return out
 
 
 class EncodeColumns(NamedTuple):
@@ -77,6 +113,25 @@ class EncodeColumns(NamedTuple):
         bits = self.column(field)
         return bits.contiguous().view(torch.float64) if field == BOUND_BITS else float32_of(bits)
 
+    def set(self, **fields: torch.Tensor) -> EncodeColumns:
+        """Writes fields of every block in place, on the device (no sync).
+
+        Args:
+            **fields: Per field (by its name in :data:`FIELDS`, ``_bits`` dropped: ``step``,
+                ``inv_step``, ``bound``) its [n_blocks] values (floats as float32 / float64,
+                the rest integers).
+
+        Returns:
+            The record (``self``).
+        """
+        for name, f in _indices(set(fields), tuple(range(N_FIELDS))).items():
+            want, got = _FLOATS.get(f, fields[name].dtype), fields[name].dtype
+            if got != want:
+                raise ValueError(f"encode field {name} is {got}: pass it as {want}")
+            if self.n_blocks:
+                self.cols[: self.n_blocks, f] = bits_of(fields[name])
+        return self
+
 
 def float32_of(bits: torch.Tensor) -> torch.Tensor:
     """float32 values of sign-extended float32 bits held in int64."""
@@ -93,32 +148,15 @@ def bits_of(v: torch.Tensor) -> torch.Tensor:
 
 
 def encode_columns(n_blocks: int, device: torch.device, **fields: torch.Tensor) -> EncodeColumns:
-    """Stacks per-block tensors into the record, on the device (no sync).
+    """A record with the given fields, every other at its default (:func:`host_record`).
 
     Args:
         n_blocks: Blocks.
         device: Where the record lives.
-        **fields: Per field (by its name in :data:`FIELDS`, ``_bits`` dropped: ``step``,
-            ``inv_step``, ``bound``) its [n_blocks] values (floats as float32 / float64, the
-            rest integers); a field not given is 0 (``sr_key``: -1).
+        **fields: As :meth:`EncodeColumns.set` takes them.
 
     Returns:
         The record.
     """
-    names = [f.removesuffix("_bits") for f in FIELDS]
-    unknown = set(fields) - set(names)
-    if unknown:
-        raise ValueError(f"unknown encode fields {sorted(unknown)}: use names from {names}")
-    for f, want in _FLOATS.items():
-        got = fields[names[f]].dtype if names[f] in fields else want
-        if got != want:
-            raise ValueError(f"encode field {names[f]} is {got}: pass it as {want}")
-    if not n_blocks:  # a valid pointer for the kernels, nothing to read
-        return EncodeColumns(torch.zeros(1, N_FIELDS, dtype=torch.int64, device=device), 0)
-    rows = [
-        bits_of(fields[name]).to(device)
-        if name in fields
-        else torch.full((n_blocks,), _DEFAULTS.get(f, 0), dtype=torch.int64, device=device)
-        for f, name in enumerate(names)
-    ]
-    return EncodeColumns(torch.stack(rows, dim=1), n_blocks)
+    record = torch.from_numpy(host_record(n_blocks)).to(device)
+    return EncodeColumns(record, n_blocks).set(**fields)

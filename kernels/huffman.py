@@ -38,7 +38,6 @@ _ALPHABET: tl.constexpr = tl.constexpr(wire.ALPHABET_SIZE)
 _ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)
 _INVALID: tl.constexpr = tl.constexpr(wire.DECODE_INVALID_CODE)
 _OUT_OF_BITS: tl.constexpr = tl.constexpr(wire.DECODE_OUT_OF_BITS)
-_HIST_BLOCK = 4096
 _ENCODE_BLOCK = 1024
 
 

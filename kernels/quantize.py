@@ -37,7 +37,6 @@ from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
-_BLOCK = 4096
 # Globals a kernel reads must be constexpr.
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)

@@ -21,7 +21,6 @@ by first occurrence), found in parallel instead of through a sequential hash tab
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -36,18 +35,6 @@ from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
-
-
-_MULTS_ON_DEVICE: dict[tuple[int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
-
-
-def _device_multipliers(dim: int, dev: torch.device) -> torch.Tensor:
-    """The column multipliers on ``dev``, copied there once per (dim, device)."""
-    mults = launch_tables.column_multipliers(dim)  # cached: the same array object for a given dim
-    cached = _MULTS_ON_DEVICE.get((dim, dev))
-    if cached is None or cached[0] is not mults:
-        cached = _MULTS_ON_DEVICE[(dim, dev)] = (mults, torch.from_numpy(mults).to(dev))
-    return cached[1]
 
 
 @triton.jit
@@ -169,7 +156,8 @@ def representatives(
         max_dim: The largest ``DIM`` of a block with rows (host-side: sizes the column tile;
             each program loops over its own rows' largest).
         mults: int64 [>= max_dim] column multipliers of the row hash on the device (from
-            ``launch_tables.column_multipliers``); None copies them there (cached per dim, device).
+            ``launch_tables.column_multipliers``, as ``device_compress`` uploads them); None
+            copies them there (a copy per call: for tests and benchmarks).
 
     Returns:
         (rep: int32 [rows], the first row of its block identical to each row (global index);
@@ -188,7 +176,7 @@ def representatives(
     block_d = block_for(max_dim, 64)
     grid = (triton.cdiv(rows, block_r),)
     if mults is None:
-        mults = _device_multipliers(max(max_dim, 1), dev)
+        mults = torch.from_numpy(launch_tables.column_multipliers(max(max_dim, 1))).to(dev)
     hashes = torch.empty(rows, dtype=torch.int64, device=dev)
     _row_hash_kernel[grid](
         sym, bits, mults, hashes, row_blk, cols.cols, rows, RAW=raw, BLOCK_R=block_r,

@@ -310,7 +310,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One compress reads one tensor back: the ``_host`` call (through ``host_sync.to_host``: one
+    """One compress reads one tensor back: the ``host_sync.to_host`` call (one
     ``.cpu()`` copy, then ``.numpy()`` of that host copy), and nothing else of ours reads a
     tensor's value (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``, ...)."""
     blocks, bounds = _blocks("repeat", "rel0.05")

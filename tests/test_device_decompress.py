@@ -18,7 +18,15 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the device decoder cannot run")
 
 import host_kernels
-from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, corpus, parse, with_checksum
+from helpers import (
+    DEVICE,
+    INTERPRETER_WARNINGS,
+    as_tensor,
+    corpus,
+    cuda_syncs_only_in_to_host,
+    parse,
+    with_checksum,
+)
 
 from torchrec_lossy.codec import CodecConfig, CodecError, host_sync, huffman, pipeline
 from torchrec_lossy.codec import device_decompress as dd
@@ -207,7 +215,8 @@ _SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"
 
 def test_no_other_device_to_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """No tensor method that reads device memory on the host is called from the decoder or the
-    kernel launchers, except inside ``_host`` (so the two counted copies are all there is)."""
+    kernel launchers: they read only through ``host_sync.to_host`` (so the two counted copies
+    are all there is)."""
     watched = {
         str(Path(dd.__file__).resolve()),
         *(str(p.resolve()) for p in (REPO / "kernels").glob("*.py")),
@@ -217,7 +226,7 @@ def test_no_other_device_to_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def spy(name: str, original):
         def wrapper(self, *args, **kwargs):
             frame = sys._getframe(1)
-            if frame.f_code.co_filename in watched and frame.f_code.co_name != "_host":
+            if frame.f_code.co_filename in watched:
                 calls.append(f"{name} at {frame.f_code.co_name}:{frame.f_lineno}")
             return original(self, *args, **kwargs)
 
@@ -244,24 +253,12 @@ def test_no_other_device_to_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA sync debug mode needs a GPU")
 def test_no_hidden_cuda_sync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With CUDA's sync debugging set to error, only the two ``_host`` copies may synchronize."""
+    """With CUDA's sync debugging set to error, only the two ``host_sync.to_host`` copies may
+    synchronize."""
     payload = _payload_of(8, "mixed")
-    original = dd._host
-
-    def allowed(t: torch.Tensor) -> np.ndarray:
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return original(t)
-        finally:
-            torch.cuda.set_sync_debug_mode(2)
-
-    monkeypatch.setattr(dd, "_host", allowed)
     dd.decompress_device(payload)  # compile the kernels first
-    torch.cuda.set_sync_debug_mode(2)
-    try:
+    with cuda_syncs_only_in_to_host(monkeypatch):
         dd.decompress_device(payload)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 # ------------------------------------------------------------------------------------------------

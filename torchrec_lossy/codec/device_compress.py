@@ -6,11 +6,12 @@ device. ``start_groups_device`` does the same for several payloads at once (grou
 consecutive blocks, each payload byte-identical to its own compress) and stops before the read
 (:class:`PendingCompress`). Blocks are laid out back to back (elements, rows, chunk slots), and
 host-side tables derived from the shapes only (:class:`_HostTables`: offsets, tiles, chunk slots,
-the blocks that may quantize: ``quantize.grid_before_data``) go to the device in one non-blocking
-copy; relative bounds are resolved on the device from each block's finite range. The data-sized
-stages run over the caller's kernel set (``kernel_set.KernelSet``: the Triton launchers, or their
-torch twins for ``"reference"``). Then, for all blocks at once, each stage a function passing a
-record to the next:
+the blocks that may quantize: ``quantize.grid_before_data``, the launchers' record but its grid
+fields: ``encode_columns.host_record``) go to the device in one non-blocking copy; relative
+bounds are resolved on the device from each block's finite range. The data-sized stages run
+over the caller's kernel set (``kernel_set.KernelSet``: the Triton launchers, or their torch
+twins for ``"reference"``). Then, for all blocks at once, each stage a function passing a record
+to the next:
 
 1. the grids: per-block finite min / max (``segment_reduce``), medians (a segmented sort), then
    the host path's rule (``quantize.block_bound``, ``quantize.block_grid``) - torch ops;
@@ -29,9 +30,9 @@ record to the next:
    ``format`` record dtypes (``container.pack_records``), checksums by
    ``container.segment_checksums``.
 
-The single device-to-host transfer (:func:`_host`, or the caller's own for a pending compress)
-reads the payload sizes and the per-block scalars of the stats; the payloads are then a slice
-of the word buffer.
+The single device-to-host transfer (``host_sync.to_host``, or the caller's own for a pending
+compress) reads the payload sizes and the per-block scalars of the stats; the payloads are then
+a slice of the word buffer.
 """
 
 from __future__ import annotations
@@ -83,24 +84,16 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels.encode_columns import EncodeColumns, encode_columns
+from torchrec_lossy.kernels import encode_columns as ec
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
+# Per-block rows of a compress's readback: mode, vectors sent, escapes, segment words, max error
+# and bound (float64 bits).
+_STAT_ROWS = 6
 _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
-
-
-def _host(t: torch.Tensor) -> list[int]:
-    """The one device-to-host transfer of a compress (counted as ``host_sync``'s "compress").
-
-    Args:
-        t: 1-D int64 tensor on the device.
-
-    Returns:
-        Its values.
-    """
-    return host_sync.to_host(t, "compress").tolist()
 
 
 # ---- what is known before the data is read ---------------------------------------------------
@@ -114,14 +107,11 @@ class _Columns(Generic[_Array]):
     rows: _Array
     dim: _Array
     itemsize: _Array
-    dtype_code: _Array  # format.DTYPE_CODES
     elem_off: _Array  # first element in the flat layout
     row_off: _Array  # first row in the flat layout
     bound_bits: _Array  # float64 bits of the bound (relative: the fraction of the range)
     quant_try: _Array  # 1 where the data may let it quantize (quantize.grid_before_data)
-    sr_key: _Array  # rounding key (quantize.block_keys)
     kind: _Array  # bounds.BoundKind
-    value: _Array  # 1 for a per-value bound
     group: _Array  # its payload
     local: _Array  # its index in its payload
     group_blocks: _Array  # per payload, its blocks
@@ -133,6 +123,7 @@ class _Columns(Generic[_Array]):
     slot_k: _Array  # per chunk slot, its chunk in the block
     tiles: _Array  # the quantize launch's tiles (launch_tables.tile_table rows, flattened)
     mults: _Array  # the row hash's column multipliers
+    record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
 @dataclass(frozen=True)
@@ -147,7 +138,6 @@ class _HostTables:
     stochastic: bool  # stochastic rounding (quantize.grid_bound)
     quantization: bool  # CodecConfig.enable_quantization
     tile_block: int  # elements per quantize tile
-    n_slots: int  # Huffman chunk slots of all blocks
     stream_words: int  # worst-case words of all Huffman streams
     body_max: int  # worst-case words of all payloads
     chunk: int  # symbols per Huffman chunk
@@ -212,18 +202,25 @@ def _host_tables(
     slots, first_slot, slot_blk, slot_k, stream_words = _slots(
         numel, quant_try, config.huffman_chunk_symbols
     )
+    elem_off, row_off = np.cumsum(numel) - numel, np.cumsum(rows) - rows
+    record = ec.host_record(
+        b,
+        dtype=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
+        sr_key=quantize.block_keys(stochastic, config.seed, local),
+        value=kind == BoundKind.VALUE,
+        elem_off=elem_off,
+        row_off=row_off,
+        dim=dim,
+    )
     cols = _Columns(
         rows=rows,
         dim=dim,
         itemsize=itemsize,
-        dtype_code=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
-        elem_off=np.cumsum(numel) - numel,
-        row_off=np.cumsum(rows) - rows,
+        elem_off=elem_off,
+        row_off=row_off,
         bound_bits=bound.view(np.int64),
         quant_try=quant_try,
-        sr_key=quantize.block_keys(stochastic, config.seed, local),
         kind=kind,
-        value=(kind == BoundKind.VALUE).astype(np.int64),
         group=np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes),
         local=local,
         group_blocks=sizes,
@@ -235,6 +232,7 @@ def _host_tables(
         slot_k=slot_k,
         tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
         mults=column_multipliers(max(max_dim, 1)),
+        record=record.reshape(-1),
     )
     return _HostTables(
         cols=cols,
@@ -245,7 +243,6 @@ def _host_tables(
         stochastic=stochastic,
         quantization=quantization,
         tile_block=tile_block,
-        n_slots=int(slots.sum()),
         stream_words=stream_words,
         body_max=DESCRIPTOR_WORDS * b + _segment_max(cols, numel) + HEADER_WORDS * len(sizes),
         chunk=config.huffman_chunk_symbols,
@@ -407,15 +404,6 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
     return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
 
 
-def _encode_record(ht: _HostTables, t: _Columns, grid: BlockGrid) -> EncodeColumns:
-    """Every block's grid and layout as the compress launchers' record (``encode_columns``)."""
-    return encode_columns(
-        ht.n_blocks, t.rows.device, step=grid.step, inv_step=grid.inv_step, center=grid.center,
-        bound=grid.bound, dtype=t.dtype_code, sr_key=t.sr_key, value=t.value,
-        elem_off=t.elem_off, row_off=t.row_off, dim=t.dim,
-    )  # fmt: skip
-
-
 def _quantize(
     k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat, cols: EncodeColumns
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,12 +439,9 @@ def _vector_lz(
     base = rank0[t.row_off]  # first occurrences in the blocks before
     n_rows = r_blk.shape[0]
     ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
-    # Repeats write to a (spread) trash area past the end.
-    row_ids = torch.arange(n_rows, device=dev)
-    first_rows = torch.zeros(n_rows + _TRASH, dtype=torch.int64, device=dev)
-    trash = n_rows + (row_ids & (_TRASH - 1))
-    first_rows.scatter_(0, torch.where(firsts == 1, rank - 1, trash), row_ids)
-    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows)
+    first_rows = _WordBuffer(n_rows, n_rows, dev)  # each first occurrence at its rank
+    first_rows.put(rank - 1, torch.arange(n_rows, device=dev), firsts == 1)
+    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
 
 
 def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
@@ -596,13 +581,14 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
 
 
 class _WordBuffer:
-    """The payloads' words (int64 lanes holding uint32 words) and the masked writes into them.
+    """An int64 buffer and the masked writes into it: the payloads' words (int64 lanes holding
+    uint32 words), or the table of a dedupe's first rows.
 
-    Masked lanes add 0 to a trash area past the payload, spread so that a GPU does not
-    serialise them on one address.
+    Masked lanes add 0 to a trash area past the end, spread so that a GPU does not serialise
+    them on one address.
 
     Args:
-        n_words: Words of the payloads.
+        n_words: Words (entries) of the buffer before the trash area.
         n_lanes: The most lanes one write takes.
         dev: The device.
     """
@@ -641,25 +627,26 @@ class _WordBuffer:
 
 
 def _put_headers(
-    out: _WordBuffer, t: _Columns, grid: BlockGrid, s: _Sends, sec: _Sections, chunk: int
+    out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections, chunk: int
 ) -> None:
     """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
-    references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first)."""
+    references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first);
+    the grid from the launchers' record."""
     is_q, dev = s.is_q, t.rows.device
     desc = {
         "rows": t.rows,
         "dim": t.dim,
-        "dtype": t.dtype_code,
-        "mode": descriptor_mode(s.mode, t.value),
+        "dtype": rec.column(ec.DTYPE),
+        "mode": descriptor_mode(s.mode, rec.column(ec.VALUE)),
         "seg_words": sec.seg_words,
-        "bound": grid.bound.view(torch.int64),
+        "bound": rec.column(ec.BOUND_BITS),
     }
     desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
     out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(is_q))
     head = segment_header_words(
         (
-            torch.where(is_q, grid.step, 0.0),
-            torch.where(is_q, grid.center, 0),
+            torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
+            torch.where(is_q, rec.column(ec.CENTER), 0),
             s.n_sent,
             s.n_escapes,
             torch.where(is_q, chunk, 0),
@@ -770,49 +757,6 @@ def _close(
     return words32, out.buf[index]
 
 
-def _compress(
-    blocks: list[torch.Tensor],
-    bounds: list[float],
-    kinds: list[int],
-    group_sizes: list[int],
-    config: CodecConfig,
-    k: KernelSet,
-) -> PendingCompress:
-    """:func:`start_groups_device`'s stages, in the module docstring's order, over ``k``."""
-    ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
-    dev = blocks[0].device if blocks else torch.device("cpu")
-    t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
-    flat = _flatten(blocks, ht, t)
-    grid = _grid(ht, t, flat)
-    cols = _encode_record(ht, t, grid)
-    sym, hist, max_err = _quantize(k, ht, t, flat, cols)
-    dq, dr = _vector_lz(k, sym, ht, t, flat, cols), _vector_lz(k, None, ht, t, flat, cols)
-    # Distinct rows' histograms: the quantized symbols of first occurrences only.
-    keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
-    hist_u = k.huffman.histogram_tiles(
-        sym, keep, t.tiles.reshape(-1, 3), ht.n_blocks, ht.tile_block
-    )
-    codes = _codes(k, torch.cat([hist, hist_u]), ht.chunk)
-    s = _sends(k, t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
-    coded = _encode(k, ht, t, flat, sym, dq, s)
-    sec = _sections(t, s, dr, coded.words)
-    nb = ht.n_blocks
-    lanes = (ht.n_elems, ht.n_rows, ht.stream_words, ht.n_slots, nb * ESCAPE_SYMBOL)
-    out = _WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
-    _put_headers(out, t, grid, s, sec, ht.chunk)
-    _put_references(out, t, flat, s, sec, (dq, dr))
-    _put_escapes(out, t, flat, coded, sec)
-    _put_streams(out, ht, t, s, coded, sec)
-    _put_rows(out, t, flat, s, dr, sec)
-    words32, skeleton = _close(out, ht, t, sec, group_sizes)
-    per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
-    errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
-    readback = torch.cat(
-        [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
-    )
-    return PendingCompress(words32, readback, ht, group_sizes)
-
-
 def compress_device(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
@@ -832,14 +776,14 @@ def compress_device(
 
     Returns:
         (1-D uint8 payload on the blocks' device, one BlockStats per block). Exactly one
-        device-to-host transfer is made (:func:`_host`).
+        device-to-host transfer is made (``host_sync.to_host``).
     """
     kinds = list(kinds or [BoundKind.ABSOLUTE] * len(blocks))
     if kernels is None:
         kernels = load_kernels(blocks[0].device if blocks else torch.device("cpu"))
     with record_function("## lossy_codec encode ##"):
         pending = start_groups_device(blocks, bounds, kinds, [len(blocks)], config, kernels)
-        buf, _, stats, _ = pending.finish(_host(pending.readback))
+        buf, _, stats, _ = pending.finish(host_sync.to_host(pending.readback, "compress").tolist())
     return buf, stats[0]
 
 
@@ -870,10 +814,43 @@ def start_groups_device(
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
     """
+    k, group_sizes = kernels, list(group_sizes)  # k: as the stage functions name it
     with record_function("## lossy_codec encode ##"):
-        return _compress(
-            list(blocks), list(bounds), list(kinds), list(group_sizes), config, kernels
+        ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
+        dev = blocks[0].device if blocks else torch.device("cpu")
+        t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
+        flat = _flatten(blocks, ht, t)
+        grid = _grid(ht, t, flat)
+        # The launchers' record: the host laid out every field but the grid's.
+        cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
+            step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
+        sym, hist, max_err = _quantize(k, ht, t, flat, cols)
+        dq, dr = _vector_lz(k, sym, ht, t, flat, cols), _vector_lz(k, None, ht, t, flat, cols)
+        # Distinct rows' histograms: the quantized symbols of first occurrences only.
+        keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
+        hist_u = k.huffman.histogram_tiles(
+            sym, keep, t.tiles.reshape(-1, 3), ht.n_blocks, ht.tile_block
+        )
+        codes = _codes(k, torch.cat([hist, hist_u]), ht.chunk)
+        s = _sends(k, t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
+        coded = _encode(k, ht, t, flat, sym, dq, s)
+        sec = _sections(t, s, dr, coded.words)
+        nb = ht.n_blocks
+        lanes = (ht.n_elems, ht.n_rows, ht.stream_words, t.slot_blk.shape[0], nb * ESCAPE_SYMBOL)
+        out = _WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
+        _put_headers(out, t, cols, s, sec, ht.chunk)
+        _put_references(out, t, flat, s, sec, (dq, dr))
+        _put_escapes(out, t, flat, coded, sec)
+        _put_streams(out, ht, t, s, coded, sec)
+        _put_rows(out, t, flat, s, dr, sec)
+        words32, skeleton = _close(out, ht, t, sec, group_sizes)
+        per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
+        errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
+        readback = torch.cat(
+            [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
+        )
+        return PendingCompress(words32, readback, ht, group_sizes)
 
 
 @dataclass(frozen=True)
@@ -904,7 +881,7 @@ class PendingCompress:
     @property
     def device_skeleton(self) -> torch.Tensor:
         """int64 skeleton words of every payload (``container.skeleton_index``), on the device."""
-        return self.readback[len(self.group_sizes) + 6 * self.tables.n_blocks :]
+        return self.readback[len(self.group_sizes) + _STAT_ROWS * self.tables.n_blocks :]
 
     def finish(
         self, host: Sequence[int]
@@ -920,8 +897,9 @@ class PendingCompress:
         """
         c, ng, nb = self.tables.cols, len(self.group_sizes), self.tables.n_blocks
         sizes = [4 * int(w) for w in host[:ng]]
-        h = np.array(host[ng : ng + 6 * nb], dtype=np.int64).reshape(6, nb)
-        skel = np.array(host[ng + 6 * nb :], dtype=np.int64).astype(np.uint32)
+        end = ng + _STAT_ROWS * nb
+        h = np.array(host[ng:end], dtype=np.int64).reshape(_STAT_ROWS, nb)
+        skel = np.array(host[end:], dtype=np.int64).astype(np.uint32)
         skel_ends = np.cumsum([skeleton_words(n) for n in self.group_sizes], dtype=np.int64)
         errs, bounds_used = h[4].view(np.float64), h[5].view(np.float64)
         stats = BlockColumns.assemble(

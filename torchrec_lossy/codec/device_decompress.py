@@ -5,8 +5,8 @@ the Triton interpreter or the torch twins) with one launch per stage for all blo
 same bits and the same ``CodecError`` messages as the host path (``pipeline.decompress`` with
 ``backend="cpu"``).
 
-Host syncs: at most two per payload, whatever the number of blocks, both through :func:`_host`
-(the module's only device-to-host path, which counts itself):
+Host syncs: at most two per payload, whatever the number of blocks, both through
+``host_sync.to_host`` (the module's only device-to-host path, which counts them):
 
 1. The whole payload is copied to the host once. The host checks the header, the checksum and
    every segment's structure (vectorised over the blocks: the CPU path's conditions, as numpy
@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -78,22 +78,6 @@ from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
 
-_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
-# The offsets into the payload's words that move with a payload inside a grouped buffer.
-_WORD_OFFSETS = ("src_off", "ref_off", "cb_off", "esc_pos_off", "esc_val_off", "ct_off", "bs_off")
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """The module's only device-to-host copy (one sync on a CUDA tensor), counted as ours.
-
-    Args:
-        t: A tensor on any device.
-
-    Returns:
-        Its contents as a host numpy array.
-    """
-    return host_sync.to_host(t, "decompress")
-
 
 def _bases(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
@@ -107,60 +91,38 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Layout(Generic[_Array]):
+class _Layout:
     """Every block's fields and section offsets, int64 [n_blocks] each (word offsets into the
-    payload's words); blocks of several payloads concatenate (:func:`merge_layouts`)."""
+    words of the buffer decoded from); blocks of several payloads concatenate."""
 
-    rows: _Array
-    dim: _Array
-    dtype: _Array
-    mode: _Array
-    n_unique: _Array  # vectors sent (rows for raw / quant)
-    src_off: _Array  # raw values / distinct vectors (raw, lz)
-    ref_off: _Array
-    ref_words: _Array
-    ref_mode: _Array  # -1 without references
-    width: _Array
-    has_stream: _Array
-    step_bits: _Array
-    center: _Array
-    cb_off: _Array
-    sym_lo: _Array
-    sym_count: _Array
-    esc_len: _Array
-    esc_pos_off: _Array
-    n_esc: _Array
-    esc_val_off: _Array
-    ct_off: _Array
-    bs_off: _Array
-    bs_words: _Array
-    chunk_symbols: _Array
-    n_chunks: _Array
-    n_sym: _Array
-    n_out: _Array
-    out_words: _Array
-
-
-@dataclass(frozen=True)
-class _Inputs(_Layout[_Array]):
-    """A layout with what the kernels derive from it: numbering over all blocks, and the
-    per-block status rows they update (from an initial value, only raised / lowered)."""
-
-    id_base: _Array  # first vector id of each block with references
-    table_idx: _Array  # decode table of each block with a stream
-    out_off: _Array  # first output word of each block (each block word-aligned)
-    out_base: _Array  # first output element of each block, and the total
-    sym_base: _Array
-    chunk_base: _Array
-    fixed_base: _Array
-    fixed_blocks: _Array
-    flagged_blocks: _Array
-    quant_blocks: _Array
-    refs_bad: _Array
-    codebook_bad: _Array
-    table_bad: _Array
-    fail: _Array
-    esc_bad: _Array
+    rows: np.ndarray
+    dim: np.ndarray
+    dtype: np.ndarray
+    mode: np.ndarray
+    n_unique: np.ndarray  # vectors sent (rows for raw / quant)
+    src_off: np.ndarray  # raw values / distinct vectors (raw, lz)
+    ref_off: np.ndarray
+    ref_words: np.ndarray
+    ref_mode: np.ndarray  # -1 without references
+    width: np.ndarray
+    has_stream: np.ndarray
+    step_bits: np.ndarray
+    center: np.ndarray
+    cb_off: np.ndarray
+    sym_lo: np.ndarray
+    sym_count: np.ndarray
+    esc_len: np.ndarray
+    esc_pos_off: np.ndarray
+    n_esc: np.ndarray
+    esc_val_off: np.ndarray
+    ct_off: np.ndarray
+    bs_off: np.ndarray
+    bs_words: np.ndarray
+    chunk_symbols: np.ndarray
+    n_chunks: np.ndarray
+    n_sym: np.ndarray
+    n_out: np.ndarray
+    out_words: np.ndarray
 
 
 def _segment_headers(body: np.ndarray, start: np.ndarray) -> tuple:
@@ -176,8 +138,8 @@ def _segment_headers(body: np.ndarray, start: np.ndarray) -> tuple:
 
 
 def _layout(
-    buf: np.ndarray, max_elements: int, verify_checksum: bool = True
-) -> _Layout[np.ndarray] | None:
+    buf: np.ndarray, max_elements: int, verify_checksum: bool = True, first_word: int = 0
+) -> _Layout | None:
     """Every block's fields and section offsets, or None if the CPU path would reject a segment.
 
     The header and descriptors go through the CPU path's own ``container.parse_header`` (which
@@ -189,9 +151,10 @@ def _layout(
         buf: The payload's bytes.
         max_elements: Refuse payloads that decode to more elements than this in total.
         verify_checksum: False for a skeleton's stand-in (the device checks the payload).
+        first_word: The payload's first word in the buffer it is decoded from.
 
     Returns:
-        The layout (word offsets are into the payload), or None.
+        The layout (word offsets are into that buffer), or None.
     """
     body, _, offsets = parse_header(buf, max_elements, verify_checksum)
     descs = body[: offsets[0]].view(DESCRIPTOR)
@@ -206,7 +169,7 @@ def _layout(
     )
     if not ok.all():
         return None
-    base = HEADER_WORDS + offsets[:-1]  # segment starts, in payload words
+    base = first_word + HEADER_WORDS + offsets[:-1]  # segment starts, in buffer words
     lz, quant = (mode & 1) == 1, (mode & 2) == 2
     head = SEGMENT_HEADER_WORDS
     n_out = rows * dim
@@ -273,7 +236,7 @@ def decompress_device(
     if kernels is None:
         kernels = load_kernels(payload.device)
     with record_function("## lossy_codec decode ##"):
-        buf = _host(payload)  # sync 1: the whole (compressed) payload
+        buf = host_sync.to_host(payload, "decompress")  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
         if layout is None:
             if on_reject is not None:
@@ -285,41 +248,35 @@ def decompress_device(
         return _decode_on_device(payload, layout, kernels)[0]
 
 
-def _inputs(col: _Layout[np.ndarray], no_failure: int) -> _Inputs[np.ndarray]:
-    """:class:`_Inputs` of a layout (its blocks numbered from 0)."""
-    lz, quant = col.ref_mode >= 0, col.has_stream == 1
-    fixed = np.flatnonzero(col.ref_mode == REFS_FIXED)
-    zero = np.zeros(col.rows.shape[0], dtype=np.int64)
-    return _Inputs(
-        **vars(col),
-        id_base=_bases(np.where(lz, col.rows, 0))[:-1],
-        table_idx=np.where(quant, np.cumsum(quant) - 1, 0),
-        out_off=_bases(col.out_words)[:-1],
-        out_base=_bases(col.n_out),
-        sym_base=_bases(col.n_sym),
-        chunk_base=_bases(col.n_chunks),
-        fixed_base=_bases(col.rows[fixed]),
-        fixed_blocks=fixed,
-        flagged_blocks=np.flatnonzero(col.ref_mode == REFS_FLAGGED),
-        quant_blocks=np.flatnonzero(quant),
-        refs_bad=zero,
-        codebook_bad=zero,
-        table_bad=zero,
-        fail=zero + no_failure,
-        esc_bad=zero + no_failure,
-    )
-
-
-def _upload(col: _Inputs[np.ndarray], device: torch.device) -> DecodeColumns:
-    """Everything the kernels need from the host, as one record in one non-blocking upload."""
-    n = col.rows.shape[0]
-    (flat,) = upload([dc.stack_columns(lambda name: getattr(col, name), n)], device)
-    counts = (col.fixed_blocks, col.flagged_blocks, col.quant_blocks)
+def _upload(lay: _Layout, device: torch.device) -> DecodeColumns:
+    """The kernels' record of a layout, in one non-blocking upload: its fields, the numbering
+    over all blocks and the status rows at their initial values (only raised / lowered)."""
+    n, lz, quant = lay.rows.shape[0], lay.ref_mode >= 0, lay.has_stream == 1
+    fixed = np.flatnonzero(lay.ref_mode == REFS_FIXED)
+    flagged, quant_blocks = np.flatnonzero(lay.ref_mode == REFS_FLAGGED), np.flatnonzero(quant)
+    fields = {
+        **vars(lay),
+        "id_base": _bases(np.where(lz, lay.rows, 0))[:-1],
+        "table_idx": np.where(quant, np.cumsum(quant) - 1, 0),
+        "out_off": _bases(lay.out_words)[:-1],
+        "out_base": _bases(lay.n_out),
+        "sym_base": _bases(lay.n_sym),
+        "chunk_base": _bases(lay.n_chunks),
+        "fixed_base": _bases(lay.rows[fixed]),
+        "fixed_blocks": fixed,
+        "flagged_blocks": flagged,
+        "quant_blocks": quant_blocks,
+        "fail": np.full(n, NO_FAILURE, np.int64),
+        "esc_bad": np.full(n, NO_FAILURE, np.int64),
+    }
+    host = dc.stack_columns(lambda name: fields.get(name, np.zeros(0, np.int64)), n)
+    (flat,) = upload([host], device)
+    counts = (fixed, flagged, quant_blocks)
     return DecodeColumns(flat.view(dc.N_FIELDS, n + 1), n, *(a.shape[0] for a in counts))
 
 
 def _decode_symbols(
-    words: torch.Tensor, d: DecodeColumns, col: _Inputs[np.ndarray], k: KernelSet
+    words: torch.Tensor, d: DecodeColumns, lay: _Layout, k: KernelSet
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode tables, vector references, Huffman streams and escape ranks of every block.
 
@@ -327,17 +284,18 @@ def _decode_symbols(
         (vector ids, int16 symbols, int32 escape ranks; a 1-element dummy where there are none).
     """
     dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
-    n_ids, total_sym = int(col.rows[col.ref_mode >= 0].sum()), int(col.n_sym.sum())
+    n_ids, total_sym = int(lay.rows[lay.ref_mode >= 0].sum()), int(lay.n_sym.sum())
+    n_fixed_rows = int(lay.rows[lay.ref_mode == REFS_FIXED].sum())
     tables = k.codebook.decode_tables(words, d)
-    ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, int(col.fixed_base[-1]))
-    symbols, is_esc = k.huffman.decode_blocks(words, d, tables, int(col.n_chunks.sum()), total_sym)
+    ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, n_fixed_rows)
+    symbols, is_esc = k.huffman.decode_blocks(words, d, tables, int(lay.n_chunks.sum()), total_sym)
     rank = k.huffman.check_escapes(is_esc, words, d)
     if not total_sym:
         symbols, rank = dummy.view(torch.int16), dummy
     return ids if n_ids else dummy, symbols, rank
 
 
-def _block_views(out: torch.Tensor, col: _Inputs[np.ndarray]) -> list[torch.Tensor]:
+def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     """Every block as a view of the output words: one typed view per dtype, then one
     ``as_strided`` per block."""
     halves = out.view(torch.int16)
@@ -346,9 +304,9 @@ def _block_views(out: torch.Tensor, col: _Inputs[np.ndarray]) -> list[torch.Tens
         2: halves.view(torch.float16),
         3: halves.view(torch.bfloat16),
     }
-    blocks = []
+    blocks, out_off = [], _bases(lay.out_words)[:-1]  # each block's first word
     for r, c, d, o, n in zip(
-        *(a.tolist() for a in (col.rows, col.dim, col.dtype, col.out_off, col.n_out)), strict=True
+        *(a.tolist() for a in (lay.rows, lay.dim, lay.dtype, out_off, lay.n_out)), strict=True
     ):
         if n == 0:
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=out.device))
@@ -358,25 +316,28 @@ def _block_views(out: torch.Tensor, col: _Inputs[np.ndarray]) -> list[torch.Tens
 
 
 def _decode_on_device(
-    payload: torch.Tensor, layout: _Layout[np.ndarray], k: KernelSet, defer_status: bool = False
+    payload: torch.Tensor, layout: _Layout, k: KernelSet, defer_status: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
     """Launches every stage for all blocks and returns them with the device status codes.
 
     Unless ``defer_status``, the status is read once here and the first error raised. The
     blocks are views of the returned int32 output words.
     """
-    col = _inputs(layout, NO_FAILURE)
-    d = _upload(col, payload.device)
+    d = _upload(layout, payload.device)
     words = _words(payload)
-    ids, symbols, rank = _decode_symbols(words, d, col, k)
-    n_out_words, n_elements = int(col.out_words.sum()), int(col.n_out.sum())
+    ids, symbols, rank = _decode_symbols(words, d, layout, k)
+    n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
     out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
     codes = None
-    if (col.ref_mode >= 0).any() or col.has_stream.any():  # what decoding itself can find wrong
+    if (
+        layout.ref_mode >= 0
+    ).any() or layout.has_stream.any():  # what decoding itself can find wrong
         codes = k.huffman.block_status(d, rank)
         if not defer_status:
-            raise_status(_host(codes))  # sync 2: every decode error of every block
-    return _block_views(out, col), codes, out
+            raise_status(
+                host_sync.to_host(codes, "decompress")
+            )  # sync 2: every decode error of every block
+    return _block_views(out, layout), codes, out
 
 
 def status_error(code: int, block: int) -> CodecError:
@@ -406,28 +367,6 @@ def raise_status(codes: np.ndarray) -> None:
     bad = np.flatnonzero(codes)
     if bad.shape[0]:
         raise status_error(int(codes[bad[0]]), int(bad[0]))
-
-
-def merge_layouts(layouts: list[_Layout[np.ndarray]], word_base: list[int]) -> _Layout[np.ndarray]:
-    """One layout for several payloads of one buffer (payload ``g`` at word ``word_base[g]``).
-
-    Args:
-        layouts: :func:`_layout` of every payload (none rejected).
-        word_base: Each payload's first word in the buffer.
-
-    Returns:
-        The merged layout, block indexes running over all payloads.
-    """
-    merged = {
-        f.name: np.concatenate(
-            [
-                getattr(lay, f.name) + (w if f.name in _WORD_OFFSETS else 0)
-                for lay, w in zip(layouts, word_base, strict=True)
-            ]
-        )
-        for f in dataclasses.fields(_Layout)
-    }
-    return _Layout(**merged)
 
 
 @dataclass
@@ -506,7 +445,8 @@ def decompress_groups_device(
         The blocks and the status, on the device (:class:`DeviceGroups`).
     """
     with record_function("## lossy_codec decode ##"):
-        buf = _host(buffer) if skeletons is None else None  # the one read, without skeletons
+        # The one read, without skeletons.
+        buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
         layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
@@ -515,8 +455,12 @@ def decompress_groups_device(
         if not layouts:
             failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
             return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
-        word_base = _bases(sizes)[list(layouts)] // 4
-        merged = merge_layouts(list(layouts.values()), word_base.tolist())
+        merged = _Layout(
+            **{
+                f.name: np.concatenate([getattr(lay, f.name) for lay in layouts.values()])
+                for f in dataclasses.fields(_Layout)
+            }
+        )
         blocks, codes, words_out = _decode_on_device(buffer, merged, kernels, defer_status=True)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
@@ -537,23 +481,24 @@ def _read_layouts(
     sizes: list[int],
     max_elements: int,
     skeletons: Sequence[np.ndarray] | None,
-) -> tuple[dict[int, _Layout[np.ndarray]], dict[int, np.ndarray | None], list[_SkeletonCheck]]:
+) -> tuple[dict[int, _Layout], dict[int, np.ndarray | None], list[_SkeletonCheck]]:
     """Every payload's layout, from the buffer's host copy ``buf`` or from its skeleton.
 
     Returns:
         (the layout of every payload with blocks, by payload; the rejected payloads: their
         bytes, None in skeleton mode; what the device checks of each payload in skeleton mode).
     """
-    layouts: dict[int, _Layout[np.ndarray]] = {}
+    layouts: dict[int, _Layout] = {}
     rejected: dict[int, np.ndarray | None] = {}
     checks: list[_SkeletonCheck] = []
     for g, (at, n) in enumerate(zip(_bases(sizes)[:-1].tolist(), sizes, strict=True)):
         try:
             if buf is not None:
-                lay = _layout(buf[at : at + n], max_elements) if n % 4 == 0 else None
+                whole = n % 4 == 0  # a payload is whole words
+                lay = _layout(buf[at : at + n], max_elements, first_word=at // 4) if whole else None
             else:
                 part, pos = _from_skeleton(np.asarray(skeletons[g], np.uint32), n)
-                lay = _layout(part, max_elements, verify_checksum=False)
+                lay = _layout(part, max_elements, verify_checksum=False, first_word=at // 4)
                 words = part.view(np.uint32)[pos]
                 checks.append(_SkeletonCheck(g, at // 4 + pos, words, at // 4))
         except CodecError:
