@@ -10,6 +10,7 @@ alike: the host builds and parses records with numpy, the device builds them wit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -379,43 +380,42 @@ def skeleton_index(
     return out
 
 
-# Word positions of the fields the host skeleton reads.
-_N_BLOCKS_WORD = HEADER.fields["n_blocks"][1] // 4
-_SEG_WORDS_FIELD = DESCRIPTOR.fields["seg_words"][1] // 4
+@numba.njit(cache=True, nogil=True, inline="always")
+def descriptors(payload: np.ndarray) -> np.ndarray:
+    """The block descriptors of a payload whose header is sound (uint32 words, from its
+    header on), as a view of ``DESCRIPTOR`` records."""
+    n_blocks = np.int64(payload[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    return payload[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n_blocks].view(DESCRIPTOR)
 
 
 @numba.njit(cache=True, nogil=True)
 def skeletons_kernel(words: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`payload_skeletons` in one compiled pass."""
     ends = np.zeros(sizes.shape[0] + 1, np.int64)
-    total = 0
-    p0 = 0
+    starts = np.zeros(sizes.shape[0] + 1, np.int64)
     for g in range(sizes.shape[0]):  # sized first: a payload's skeleton words per block
-        total += skeleton_words(np.int64(words[p0 + _N_BLOCKS_WORD]))
-        p0 += sizes[g] // 4
-    out = np.empty(total, np.uint32)
-    at = 0
-    p0 = 0
+        starts[g + 1] = starts[g] + sizes[g] // 4
+        n = descriptors(words[starts[g] : starts[g + 1]]).shape[0]
+        ends[g + 1] = ends[g] + skeleton_words(n)
+    out = np.empty(ends[-1], np.uint32)
     for g in range(sizes.shape[0]):
-        payload = words[p0 : p0 + sizes[g] // 4]
-        n = np.int64(payload[_N_BLOCKS_WORD])
-        head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+        payload = words[starts[g] : starts[g + 1]]
+        descs = descriptors(payload)
+        head = HEADER_WORDS + DESCRIPTOR_WORDS * descs.shape[0]
+        at = ends[g]
         out[at : at + head] = payload[:head]
         at += head
-        last = payload.shape[0] - 1
         start = head
-        for b in range(n):  # 8 words from each segment's start, clamped to the last word
+        for b in range(descs.shape[0]):  # 8 words from each segment's start, clamped
             for k in range(SEGMENT_HEADER_WORDS):
-                out[at + k] = payload[min(start + k, last)]
+                out[at + k] = payload[min(start + k, payload.shape[0] - 1)]
             at += SEGMENT_HEADER_WORDS
-            start += np.int64(payload[HEADER_WORDS + DESCRIPTOR_WORDS * b + _SEG_WORDS_FIELD])
-        ends[g + 1] = at
-        p0 += sizes[g] // 4
+            start += np.int64(descs[b]["seg_words"])
     return out, ends
 
 
-def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The skeletons (:func:`skeleton_index`) of well-formed payloads back to back, on the host.
+def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """The skeletons (:func:`skeleton_index`) of well-formed payloads, on the host.
 
     The words :func:`skeleton_index` names for each payload alone, gathered in one compiled
     pass (its torch ops cost more than the words they gather on small payloads).
@@ -425,10 +425,24 @@ def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarr
         sizes: Bytes of each payload.
 
     Returns:
-        (uint32 skeleton words of every payload, back to back; int64 [n + 1] offsets of each
-        payload's skeleton in them, then the end).
+        Per payload, its uint32 skeleton words.
     """
-    return skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
+    return split_skeletons(*skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1)))
+
+
+def split_skeletons(skeletons: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    """:func:`skeletons_kernel`'s result cut per payload.
+
+    Args:
+        skeletons: uint32 skeleton words of every payload, back to back.
+        ends: int64 [G + 1]: offset of each payload's skeleton in them, then the end.
+
+    Returns:
+        Per payload, its skeleton (the array itself for one payload: nothing to cut).
+    """
+    if ends.shape[0] == 2:
+        return [skeletons]
+    return [skeletons[a:b] for a, b in itertools.pairwise(ends.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,13 +479,6 @@ def check_payload(payload: object) -> None:
         )
 
 
-# Word positions of the header and descriptor fields the header check reads.
-_HEAD_WORD = {name: HEADER.fields[name][1] // 4 for name in HEADER.names}
-_MAGIC_WORD, _VERSION_WORD = _HEAD_WORD["magic"], _HEAD_WORD["version"]
-_BODY_WORD, _CHECKSUM_WORD = _HEAD_WORD["body_words"], _HEAD_WORD["checksum"]
-_ROWS_FIELD = DESCRIPTOR.fields["rows"][1] // 4
-_DIM_FIELD = DESCRIPTOR.fields["dim"][1] // 4
-_CODES_FIELD = DESCRIPTOR.fields["dtype"][1] // 4  # dtype, mode: the low two bytes
 # check_header's verdicts (the order it checks in); parse_header names each.
 HEADER_OK = 0
 HEADER_TRUNCATED = 1
@@ -502,22 +509,6 @@ _SEGMENT_WHAT = {
 }
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def descriptor_fields(words: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
-    """The block descriptor at word ``at`` of ``words`` (uint32): (rows, dim, dtype code,
-    mode, segment words), int64."""
-    codes = np.int64(words[at + _CODES_FIELD])
-    return (
-        np.int64(words[at + _ROWS_FIELD]), np.int64(words[at + _DIM_FIELD]), codes & 0xFF,
-        (codes >> 8) & 0xFF, np.int64(words[at + _SEG_WORDS_FIELD]),
-    )  # fmt: skip
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _u64(words: np.ndarray, at: int) -> np.uint64:
-    return np.uint64(words[at]) | (np.uint64(words[at + 1]) << np.uint64(32))
-
-
 @numba.njit(cache=True, nogil=True)
 def check_header(
     words: np.ndarray, base: int, n_bytes: int, max_elements: int, verify_checksum: bool
@@ -537,33 +528,34 @@ def check_header(
     """
     if n_bytes < HEADER_WORDS * 4:
         return HEADER_TRUNCATED, 0
-    if words[base + _MAGIC_WORD] != MAGIC:
+    header = words[base : base + HEADER_WORDS].view(HEADER)[0]
+    if header["magic"] != MAGIC:
         return HEADER_BAD_MAGIC, 0
-    if (words[base + _VERSION_WORD] & 0xFFFF) != VERSION:
+    if header["version"] != VERSION:
         return HEADER_BAD_VERSION, 0
-    body_words = _u64(words, base + _BODY_WORD)
-    if (n_bytes - HEADER_WORDS * 4) % 4 or body_words != np.uint64(n_bytes // 4 - HEADER_WORDS):
+    if n_bytes % 4 or header["body_words"] != np.uint64(n_bytes // 4 - HEADER_WORDS):
         return HEADER_BAD_LENGTH, 0
     body = words[base + HEADER_WORDS : base + n_bytes // 4]
-    if verify_checksum and checksum_words(body) != _u64(words, base + _CHECKSUM_WORD):
+    if verify_checksum and checksum_words(body) != header["checksum"]:
         return HEADER_BAD_CHECKSUM, 0
-    n_blocks = np.int64(words[base + _N_BLOCKS_WORD])
-    desc_words = n_blocks * DESCRIPTOR_WORDS
-    if desc_words > body.shape[0]:
+    n_blocks = np.int64(header["n_blocks"])
+    if n_blocks * DESCRIPTOR_WORDS > body.shape[0]:
         return HEADER_BAD_DESCRIPTORS, 0
+    descs = body[: n_blocks * DESCRIPTOR_WORDS].view(DESCRIPTOR)
     seg_total = 0
     for b in range(n_blocks):
-        seg_total += np.int64(body[b * DESCRIPTOR_WORDS + _SEG_WORDS_FIELD])
-    if seg_total != body.shape[0] - desc_words:
+        seg_total += np.int64(descs[b]["seg_words"])
+    if seg_total != body.shape[0] - n_blocks * DESCRIPTOR_WORDS:
         return HEADER_BAD_SEGMENTS, 0
     for b in range(n_blocks):
-        _, _, dtype_code, mode, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
-        if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
+        code = descs[b]["dtype"]
+        if not _DTYPE_CODE_RANGE[0] <= code <= _DTYPE_CODE_RANGE[1] or not mode_valid(
+            descs[b]["mode"]
+        ):
             return HEADER_BAD_BLOCK, b
     total = 0
     for b in range(n_blocks):
-        rows, dim, _, _, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
-        dim = max(dim, 1)
+        rows, dim = np.int64(descs[b]["rows"]), max(np.int64(descs[b]["dim"]), 1)
         if rows > (max_elements - total) // dim:  # no int64 wrap-around
             return HEADER_TOO_LARGE, 0
         total += rows * dim

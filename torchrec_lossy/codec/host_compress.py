@@ -35,10 +35,10 @@ from torchrec_lossy.codec.container import (
     BlockColumns,
     header_words,
     skeletons_kernel,
+    split_skeletons,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
-    CODE_DTYPES,
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
@@ -57,47 +57,19 @@ from torchrec_lossy.config import CodecConfig
 
 @dataclass(frozen=True)
 class BatchEncoded:
-    """Payloads and what happened to each of their blocks (arrays, one entry per block).
+    """Payloads and what happened to each of their blocks.
 
     Attributes:
         payload: The payloads' bytes (uint8), one per group, back to back.
         sizes: Bytes of each group's payload.
-        bounds: Absolute bound per block (relative ones resolved).
-        rows: Rows per block.
-        dims: Columns per block.
-        dtype_codes: Dtype code (``format.DTYPE_CODES``) per block.
-        per_block: int64 [4, n]: mode, segment words, vectors sent (rows for raw and quant)
-            and escaped elements per block.
-        max_error: Max error per block (0 for lossless modes).
-        skeletons: Each payload's skeleton (``container.payload_skeletons``), uint32 words.
+        columns: Per group, the stats of its blocks.
+        skeletons: Per group, its payload's skeleton (``container.payload_skeletons``).
     """
 
     payload: np.ndarray
     sizes: list[int]
-    bounds: np.ndarray
-    rows: list[int]
-    dims: list[int]
-    dtype_codes: list[int]
-    per_block: np.ndarray
-    max_error: np.ndarray
+    columns: list[BlockColumns]
     skeletons: list[np.ndarray]
-
-    def columns(self) -> BlockColumns:
-        """Every block's stats as BlockColumns (the kernel's arrays read to lists).
-
-        Returns:
-            The columns, in block order.
-        """
-        itemsize = [CODE_DTYPES[c].itemsize for c in self.dtype_codes]
-        mode, seg_words, n_unique, n_escapes = self.per_block
-        return BlockColumns.assemble(
-            (self.rows, self.dims, itemsize),
-            mode,
-            seg_words,
-            self.bounds,
-            self.max_error,
-            (n_unique, n_escapes),
-        )
 
 
 class _ThreadWorkBuffers(threading.local):
@@ -586,13 +558,16 @@ def compress_blocks(
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
         _Inputs(x, bits, layout, bnd, group_arr, keys), knobs, scratch
     )
-    if len(groups) == 1:  # one destination (2 ranks): nothing to cut
-        skeletons = [skel]
-    else:
-        ends = skel_ends.tolist()
-        skeletons = [skel[a:b] for a, b in itertools.pairwise(ends)]
+    mode, seg_words, n_unique, n_escapes = per_block
+    itemsize = [4 if c == 1 else 2 for c in dcodes]
+    flat = BlockColumns.assemble(
+        (rows, dims, itemsize), mode, seg_words, bnd, max_err, (n_unique, n_escapes)
+    )
+    cuts = itertools.pairwise(itertools.accumulate(groups, initial=0))
+    # One destination (2 ranks): nothing to cut.
+    columns = [flat] if len(groups) == 1 else [flat.slice(a, b) for a, b in cuts]
     return BatchEncoded(
-        words.view(np.uint8), sizes.tolist(), bnd, rows, dims, dcodes, per_block, max_err, skeletons
+        words.view(np.uint8), sizes.tolist(), columns, split_skeletons(skel, skel_ends)
     )
 
 

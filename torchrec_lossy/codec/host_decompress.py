@@ -27,7 +27,7 @@ from torchrec_lossy.codec.container import (
     HEADER_OK,
     HEADER_WORDS,
     check_header,
-    descriptor_fields,
+    descriptors,
     header_error,
     segment_error,
 )
@@ -62,28 +62,16 @@ class _Segment(NamedTuple):
     end: int  # the word after it
     rows: int
     dim: int
-    itemsize: int  # bytes per element
-    dtype_code: int
+    dtype_code: int  # format.DTYPE_CODES: 1 (4 bytes per element) or a 2-byte dtype's
     mode: int  # with the per-value bit
     out_at: int  # first element in its output (out32 or out16)
 
 
-class _Verdict(NamedTuple):
-    """A segment's verdict: a ``container.SEGMENT_*`` status and its four details."""
-
-    status: int
-    a: int
-    b: int
-    c: int
-    d: int
-
-
 class _Outputs(NamedTuple):
-    """The decoded blocks: 4-byte ones' bits (int32, and the same buffer as float32), 2-byte
-    ones' (uint16), each back to back."""
+    """The decoded blocks: 4-byte ones' bits (int32), 2-byte ones' (uint16), each back to
+    back."""
 
     out32: np.ndarray
-    out32f: np.ndarray
     out16: np.ndarray
 
 
@@ -176,7 +164,7 @@ def _expand_rows(
     for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
         u = np.int64(ids[r]) * dim
         at = seg.out_at + r * dim
-        if seg.itemsize == 4:
+        if seg.dtype_code == 1:
             dst, src = out32[at : at + dim], src32[u : u + dim]
             for j in range(dim):
                 dst[j] = src[j]
@@ -191,7 +179,7 @@ def _segment_fields(words: np.ndarray, seg: _Segment) -> tuple[tuple, tuple]:
     """(descriptor fields, segment header fields) of a block, as ``format.segment_layout``
     takes them (a header too short to read is zeros: ``segment_checks`` names it)."""
     n_seg = seg.end - seg.start
-    desc = (seg.mode, seg.rows, seg.dim, seg.itemsize, n_seg)
+    desc = (seg.mode, seg.rows, seg.dim, 4 if seg.dtype_code == 1 else 2, n_seg)
     if seg.mode == MODE_RAW or n_seg < SEGMENT_HEADER_WORDS:
         return desc, _NO_HEADER
     return desc, read_segment_header(words, seg.start)
@@ -224,8 +212,10 @@ def _decode_segment(
     Returns:
         ``_DECODED`` or ``_REJECTED``.
     """
-    s, end, n_rows, dim, isz, dtype_code, m, o = seg
-    out32, out32f, out16 = outs
+    s, end, n_rows, dim, dtype_code, m, o = seg
+    isz = 4 if dtype_code == 1 else 2
+    out32, out16 = outs
+    out32f = out32.view(np.float32)
     ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
@@ -329,10 +319,11 @@ def _data_check(words: np.ndarray, seg: _Segment, status: int, header: tuple, se
 
 
 @numba.njit(cache=True, nogil=True)
-def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Verdict:
+def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> tuple:
     """The first check of a block's segment that fails, in wire order: the exact error of a
     block :func:`_decode_segment` rejects, which it runs for only (``SEGMENT_OK`` would be a
-    bug). The checks are ``format.segment_checks``', the ones on the data where they lie."""
+    bug). The checks are ``format.segment_checks``', the ones on the data where they lie.
+    -> (its ``SEGMENT_*`` status, its four details)."""
     desc, header = _segment_fields(words, seg)
     checks, sections = segment_checks(desc, header)
     for k in range(len(checks)):
@@ -342,8 +333,8 @@ def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Ve
             passes = a == 0
             a = a if status == SEGMENT_BAD_STREAM else 0
         if not passes:
-            return _Verdict(status, np.int64(a), np.int64(b), np.int64(c), np.int64(d))
-    return _Verdict(SEGMENT_OK, np.int64(0), np.int64(0), np.int64(0), np.int64(0))
+            return status, (np.int64(a), np.int64(b), np.int64(c), np.int64(d))
+    return SEGMENT_OK, (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,64 +358,55 @@ def _decode_payloads_kernel(
     group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     heads = np.empty((2, n_groups), np.int64)
+    first = np.zeros(n_groups + 1, np.int64)
     for g in range(n_groups):
         status, n = check_header(words, group_base[g], group_bytes[g], max_elements, True)
         heads[0, g], heads[1, g] = status, n
         n_of[g] = n if status == HEADER_OK else -1
-    first = np.zeros(n_groups + 1, np.int64)
-    for g in range(n_groups):
-        first[g + 1] = first[g] + max(n_of[g], 0)
+        first[g + 1] = first[g] + (n if status == HEADER_OK else 0)
     nb = first[n_groups]
     table = np.empty((5, nb), np.int64)
     details = np.zeros((4, nb), np.int64)
-    seg = np.empty((2, nb), np.int64)
+    seg = np.empty((3, nb), np.int64)  # first word, end word and mode of each segment
     n32 = 0
     n16 = 0
     big = ALPHABET_SIZE
     max_rows = 0
     for g in range(n_groups):
-        body = group_base[g] + HEADER_WORDS
-        at = body + max(n_of[g], 0) * DESCRIPTOR_WORDS
-        for k in range(max(n_of[g], 0)):
-            b = first[g] + k
-            rows, dim, code, _, seg_words = descriptor_fields(words, body + k * DESCRIPTOR_WORDS)
-            table[0, b] = rows
-            table[1, b] = dim
-            table[2, b] = code
-            table[3, b] = n32 if code == 1 else n16
+        if n_of[g] <= 0:
+            continue
+        descs = descriptors(words[group_base[g] :])
+        at = group_base[g] + HEADER_WORDS + descs.shape[0] * DESCRIPTOR_WORDS
+        for k in range(descs.shape[0]):
+            b, d = first[g] + k, descs[k]
+            rows, dim, code = np.int64(d["rows"]), np.int64(d["dim"]), np.int64(d["dtype"])
+            table[:4, b] = (rows, dim, code, n32 if code == 1 else n16)
             if code == 1:
                 n32 += rows * dim
             else:
                 n16 += rows * dim
-            seg[0, b] = at
-            at += seg_words
-            seg[1, b] = at
+            seg[:, b] = (at, at + np.int64(d["seg_words"]), np.int64(d["mode"]))
+            at = seg[1, b]
             big = max(big, rows * dim)
             max_rows = max(max_rows, rows)
-    out32 = np.empty(n32, np.int32)
-    outs = _Outputs(out32, out32.view(np.float32), np.empty(n16, np.uint16))
+    outs = _Outputs(np.empty(n32, np.int32), np.empty(n16, np.uint16))
     scratch = _Scratch(
         np.empty(max_rows, np.int32), np.empty(big, np.uint16), np.empty(big, np.float32),
         np.empty(big, np.uint16), np.zeros(ALPHABET_SIZE, np.uint8),
         np.empty(ALPHABET_SIZE, np.float32), np.empty(ALPHABET_SIZE, np.uint16),
     )  # fmt: skip
     halves = words.view(np.uint16)
-    for g in range(n_groups):
-        for b in range(first[g], first[g + 1]):
-            rows, dim, code, mode, _ = descriptor_fields(
-                words, group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS
-            )
-            seg_b = _Segment(
-                seg[0, b], seg[1, b], rows, dim, 4 if code == 1 else 2, code, mode, table[3, b]
-            )
-            table[4, b] = SEGMENT_OK
-            if _decode_segment(words, halves, seg_b, outs, scratch) != _DECODED:
-                v = _segment_verdict(words, seg_b, scratch)
-                if v.status == SEGMENT_OK:
-                    raise AssertionError("a block was rejected by no check")
-                table[4, b] = v.status
-                details[:, b] = (v.a, v.b, v.c, v.d)
-    return outs.out32f, outs.out16, table, first, n_of, heads, details
+    for b in range(nb):
+        seg_b = _Segment(seg[0, b], seg[1, b], table[0, b], table[1, b], table[2, b], seg[2, b],
+                         table[3, b])  # fmt: skip
+        table[4, b] = SEGMENT_OK
+        if _decode_segment(words, halves, seg_b, outs, scratch) != _DECODED:
+            verdict = _segment_verdict(words, seg_b, scratch)
+            if verdict[0] == SEGMENT_OK:
+                raise AssertionError("a block was rejected by no check")
+            table[4, b] = verdict[0]
+            details[:, b] = verdict[1]
+    return outs.out32.view(np.float32), outs.out16, table, first, n_of, heads, details
 
 
 @dataclass(frozen=True)
@@ -452,11 +434,6 @@ class BatchDecoded:
     n_blocks: np.ndarray
     heads: np.ndarray
     details: np.ndarray
-
-    @functools.cached_property
-    def accepted(self) -> np.ndarray:
-        """bool [G]: whether each payload's header and descriptors were sound."""
-        return self.n_blocks >= 0
 
     @functools.cached_property
     def _lists(self) -> tuple[list[list[int]], list[int], list[int]]:
@@ -489,7 +466,7 @@ class BatchDecoded:
         Returns:
             The CodecError (the caller raises it).
         """
-        if not self.accepted[group]:
+        if self.n_blocks[group] < 0:
             return header_error(*self.heads[:, group].tolist(), buf, max_elements)
         b0 = int(self.first[group])
         bad = b0 + int(np.flatnonzero(self.layout[4, b0 : self.first[group + 1]])[0])

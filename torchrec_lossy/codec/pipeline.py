@@ -47,6 +47,7 @@ __all__ = [
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
+    "host_error",
     "on_device",
     "validate_inputs",
 ]
@@ -205,7 +206,7 @@ def compress_with_stats(
         return compress_device(blocks, bounds, config, kinds, kernels)
     with record_function("## lossy_codec encode ##"):
         enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
-    return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
+    return torch.from_numpy(enc.payload).to(device), enc.columns[0].stats()
 
 
 def compress_host_groups(
@@ -238,16 +239,10 @@ def compress_host_groups(
     device = blocks[0].device if blocks else torch.device("cpu")
     if config.backend != "reference" and group_sizes:
         enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, kinds)
-        flat = enc.columns()
-        if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
-            columns = [flat]
-        else:
-            ends = itertools.accumulate(group_sizes)
-            columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
         payload = torch.from_numpy(enc.payload)
         # A no-op .to() still costs a dispatch: only a device copy pays for one.
         payload = payload if device.type == "cpu" else payload.to(device)
-        return payload, enc.sizes, columns, enc.skeletons
+        return payload, enc.sizes, enc.columns, enc.skeletons
     kinds = list(kinds) if kinds is not None else [BoundKind.ABSOLUTE] * len(blocks)
     payloads, stats = [], []
     at = 0
@@ -260,8 +255,7 @@ def compress_host_groups(
         at += n
     buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
     sizes = [p.numel() for p in payloads]
-    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), sizes)
-    return buffer, sizes, stats, [skel[a:b] for a, b in itertools.pairwise(ends.tolist())]
+    return buffer, sizes, stats, payload_skeletons(buffer.cpu().numpy().view(np.uint32), sizes)
 
 
 def compress(
@@ -320,7 +314,9 @@ def decompress(
         from torchrec_lossy.codec.device_decompress import decompress_device
 
         def on_reject(buf: np.ndarray) -> None:
-            decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
+            error = host_error(buf, max_elements)
+            if error is not None:
+                raise error
 
         kernels = backend_kernels(payload.device, backend)
         return decompress_device(payload, max_elements, on_reject, kernels)
@@ -389,6 +385,22 @@ def _decoded_or_error(
         return decompress(payload, max_elements, backend)
     except CodecError as e:
         return e
+
+
+def host_error(buf: np.ndarray, max_elements: int) -> CodecError | None:
+    """The host path's error for a payload the device path rejected (the first check it
+    fails), or None where it decodes.
+
+    Args:
+        buf: The payload's bytes (1-D uint8, on the host).
+        max_elements: The limit it was decoded under.
+
+    Returns:
+        The CodecError (the caller raises it), or None.
+    """
+    payload = torch.from_numpy(buf.copy())
+    (got,) = decompress_host_groups(payload, [buf.shape[0]], max_elements, "cpu", label=False)
+    return got if isinstance(got, CodecError) else None
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
