@@ -49,7 +49,7 @@ _BACKENDS = frozenset(typing.get_args(Backend))
 # The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
 _NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
 _NO_WORDS = np.zeros(0, np.uint32)
-# The error of a payload the host path decodes but the device rejected against its skeleton.
+# The error of a payload the host path decodes but the device rejected (its skeleton).
 _NOT_ANNOUNCED = "corrupt payload: it does not match the layout its sender announced"
 
 
@@ -347,10 +347,8 @@ def decompress_groups(
         got = decompress_groups_device(buffer, sizes, max_elements, kernels, skeletons)
         status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes,
                              max_elements, got.failed, got.out, got.spans)  # fmt: skip
-        for g, part in got.rejected.items():
-            if part is None:  # the announced skeleton was rejected: read the payload itself
-                part = _payload_bytes(status, g)
-            status.rejected[g] = str(host_error(part, max_elements) or _NOT_ANNOUNCED)
+        for g, part in got.rejected.items():  # None: the announced skeleton was rejected
+            status.rejected[g] = _rejected_error(status, g, part)
         return got.blocks, status
     status = GroupStatus()
     out = []
@@ -378,11 +376,15 @@ def warm_up_host() -> None:
     check_groups(status)
 
 
-def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
-    """One payload's bytes read back (only on an error path)."""
-    assert status.buffer is not None
-    at = sum(status.sizes[:group])
-    return host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+def _rejected_error(status: GroupStatus, group: int, part: np.ndarray | None = None) -> str:
+    """The CPU path's error for a payload the device path rejected, else that it does not
+    match what its sender announced; ``part``: its bytes, read back here where None (only
+    on an error path)."""
+    if part is None:
+        assert status.buffer is not None
+        at = sum(status.sizes[:group])
+        part = host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+    return str(host_error(part, status.max_elements) or _NOT_ANNOUNCED)
 
 
 def contain_failures(status: GroupStatus) -> torch.Tensor | None:
@@ -447,10 +449,9 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
     parts = [t for t in (status.group_bad, status.codes) if t is not None]
     both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
-    for g in np.flatnonzero(both[:n_groups]).tolist():
-        # Not the announced payload: the CPU path's message if it finds one, else this.
-        found = host_error(_payload_bytes(status, g), status.max_elements)
-        failures.setdefault(g, str(found or _NOT_ANNOUNCED))
+    for g in np.flatnonzero(both[:n_groups]).tolist():  # not the announced payload
+        if g not in failures:
+            failures[g] = _rejected_error(status, g)
     codes = both[n_groups:]
     for i in np.flatnonzero(codes).tolist():
         g = int(status.block_group[i])

@@ -221,7 +221,7 @@ def _put_coded(
     lz = segs.mode[b] == MODE_QUANT_LZ
     n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
     r0 = blocks.row_off[b]
-    n_sent = rows.n_unique[b] if lz else n_rows
+    n_sent = segs.sent[b]
     sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
     base, plan = codes.base[b], codes.plan[:, b]
     lo, count, n_esc = plan[2], plan[3], plan[4]
@@ -281,7 +281,7 @@ def _emit_kernel(
             every = blocks.every_row[r0 : r0 + blocks.rows[b]]
             pos += _put_rows(out, pos, blk_bits, every, dim, isz)
         elif m == MODE_LZ:
-            nu = dedupe[1].n_unique[b]
+            nu = segs.sent[b]
             pos = write_segment_header(
                 out, pos, (0.0, 0, nu, 0, 0, 0, 0, 0, 0, segs.ref_mode[b], segs.ref_width[b])
             )
@@ -397,6 +397,7 @@ def _segments(
     nb = blocks.rows.shape[0]
     ref_mode = np.empty(nb, np.int64)
     ref_width = np.empty(nb, np.int64)
+    sent = np.empty(nb, np.int64)
     total = 0
     for b in range(nb):
         rows, dim = blocks.rows[b], blocks.dims[b]
@@ -405,9 +406,10 @@ def _segments(
         numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
         m = sm.choose_lossless(mode[b], best[b], tried[b], lossless_w, numel)
         mode[b] = m
-        sent = max(nu_q, 1) if m == MODE_QUANT_LZ else max(nu_r, 1) if m == MODE_LZ else rows
+        # The lz modes are chosen only for blocks of 2 rows or more: nu_q, nu_r >= 1 there.
+        sent[b] = nu_q if m == MODE_QUANT_LZ else nu_r if m == MODE_LZ else rows
         coded = nu_q if m == MODE_QUANT_LZ else rows if m == MODE_QUANT else 0
-        r_mode, ref_width[b], _ = refs_packing(rows, max(sent, 1))
+        r_mode, ref_width[b], _ = refs_packing(rows, max(sent[b], 1))
         ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
         n_chunks = (coded * dim + chunk - 1) // chunk
         total += (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2
@@ -418,7 +420,7 @@ def _segments(
         skip[at] += lead  # an empty group's lead lands on the next block
         total += lead
         at += groups[g]
-    return Segments(mode, ref_mode, ref_width, skip, chunk), total
+    return Segments(mode, ref_mode, ref_width, sent, skip, chunk), total
 
 
 @numba.njit(cache=True, nogil=True)
@@ -499,11 +501,7 @@ def _compress_kernel(
     per_block = np.zeros((4, nb), np.int64)
     for b in range(nb):
         m = segs.mode[b]
-        per_block[0, b], per_block[1, b] = m, seg_words[b]
-        per_block[2, b] = (
-            quant.n_unique[b] if m == MODE_QUANT_LZ else raw.n_unique[b] if m == MODE_LZ
-            else blocks.rows[b]
-        )  # fmt: skip
+        per_block[:3, b] = (m, seg_words[b], segs.sent[b])
         if m in (MODE_QUANT, MODE_QUANT_LZ):
             per_block[3, b] = codes[1 if m == MODE_QUANT_LZ else 0].plan[4, b]
         else:

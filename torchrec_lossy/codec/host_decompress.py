@@ -49,10 +49,6 @@ from torchrec_lossy.codec.format import (
 
 # What segment_layout takes for a segment without a header: raw, or too short to hold one.
 _NO_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
-# What _decode_segment says of a block: decoded, or rejected (a corrupt segment, whose exact
-# error _segment_verdict names).
-_DECODED = 0
-_REJECTED = 1
 
 
 class _Segment(NamedTuple):
@@ -202,15 +198,15 @@ def _code(
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
     words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
-) -> int:
+) -> bool:
     """Decodes one block's segment into its place in ``outs``.
 
     ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of the
     segment is made (``format.segment_layout``'s, the references', the stream's): a block that
-    fails one is ``_REJECTED``, and :func:`_segment_verdict` names the check.
+    fails one is rejected, and :func:`_segment_verdict` names the check.
 
     Returns:
-        ``_DECODED`` or ``_REJECTED``.
+        True where it decoded, False where it is rejected.
     """
     s, end, n_rows, dim, dtype_code, m, o = seg
     isz = 4 if dtype_code == 1 else 2
@@ -222,7 +218,7 @@ def _decode_segment(
     desc, header = _segment_fields(words, seg)
     ok, nu, ref_at, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(desc, header)
     if not ok:
-        return _REJECTED
+        return False
     value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
     m = m & ~MODE_VALUE
     if m == MODE_RAW:
@@ -235,17 +231,17 @@ def _decode_segment(
             h = 2 * s
             for k in range(numel):
                 out16[o + k] = halves[h + k]
-        return _DECODED
+        return True
     step, center, _, n_esc, chunk, _, lo, count, _, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
     ref_at += s
     if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
                                            ref_mode, width, ids) != 0:  # fmt: skip
-        return _REJECTED
+        return False
     if m == MODE_LZ:
         pos = ref_at + ref_words
         _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
-        return _DECODED
+        return True
     code = _code(words, seg, header, cb_words, compact)
     n_sym = nu * dim
     esc_at += s
@@ -265,17 +261,17 @@ def _decode_segment(
                 vtable16[k] = np.uint16(quantize.half_bits(np.int64(vt_bits[k]), dtype_code))
             h = halves_out[:n_sym] if lz else out16[o : o + n_sym]
             if not _huffman_values(stream, chunk_ends, chunk, code, vtable16[: count + 1], h):
-                return _REJECTED
+                return False
         else:
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
             vt_i = vtable.view(np.int32)[: count + 1]
             if not _huffman_values(stream, chunk_ends, chunk, code, vt_i, vi):
-                return _REJECTED
+                return False
     else:
         sym = symbols[:n_sym]
         if huffman.decode_range_kernel(stream, chunk_ends, chunk, code, lo,
                                        words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
-            return _REJECTED
+            return False
         if isz == 2:  # the round-to-nearest-even cast the encoder checked
             quantize.dequantize_kernel(sym, step, center, values[:n_sym], value)
             h = halves_out[:n_sym]
@@ -293,7 +289,7 @@ def _decode_segment(
                 vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
     if lz:  # the distinct vectors, decoded into scratch, to the rows
         _expand_rows(values_i, halves_out, ids, seg, outs)
-    return _DECODED
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -400,7 +396,7 @@ def _decode_payloads_kernel(
         seg_b = _Segment(seg[0, b], seg[1, b], table[0, b], table[1, b], table[2, b], seg[2, b],
                          table[3, b])  # fmt: skip
         table[4, b] = SEGMENT_OK
-        if _decode_segment(words, halves, seg_b, outs, scratch) != _DECODED:
+        if not _decode_segment(words, halves, seg_b, outs, scratch):
             verdict = _segment_verdict(words, seg_b, scratch)
             if verdict[0] == SEGMENT_OK:
                 raise AssertionError("a block was rejected by no check")
