@@ -491,6 +491,22 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+# The message of each header verdict (check_header's), formatted with the header's fields and
+# the payload's length ``n``, the limit, the failing block and its fields, the elements' total.
+_HEADER_WHAT = {
+    HEADER_TRUNCATED: "truncated payload: {n} bytes, shorter than the 32-byte header",
+    HEADER_BAD_MAGIC: "not a torchrec-lossy payload: magic 0x{magic:08x}, "
+    f"expected 0x{MAGIC:08x}",
+    HEADER_BAD_VERSION: "payload format version {version} is not supported "
+    f"(this build reads version {VERSION})",
+    HEADER_BAD_LENGTH: "truncated or padded payload: {n} bytes, the header says {length}",
+    HEADER_BAD_CHECKSUM: "corrupt payload: checksum mismatch",
+    HEADER_BAD_DESCRIPTORS: "corrupt payload: {n_blocks} block descriptors do not fit",
+    HEADER_BAD_SEGMENTS: "corrupt payload: segment lengths do not add up to the body",
+    HEADER_BAD_BLOCK: "corrupt payload: block {block}: dtype {dtype} / mode {mode}",
+    HEADER_TOO_LARGE: "payload decodes to {total} elements, more than max_elements="
+    "{max_elements}: pass a larger max_elements if it is trusted",
+}
 # The message of each segment verdict (``format.SEGMENT_*``; ``format.segment_checks`` and the
 # host decoder's data checks make them), its details in order.
 _SEGMENT_WHAT = {
@@ -548,10 +564,8 @@ def check_header(
     if seg_total != body.shape[0] - n_blocks * DESCRIPTOR_WORDS:
         return HEADER_BAD_SEGMENTS, 0
     for b in range(n_blocks):
-        code = descs[b]["dtype"]
-        if not _DTYPE_CODE_RANGE[0] <= code <= _DTYPE_CODE_RANGE[1] or not mode_valid(
-            descs[b]["mode"]
-        ):
+        code, mode = descs[b]["dtype"], descs[b]["mode"]
+        if not _DTYPE_CODE_RANGE[0] <= code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
             return HEADER_BAD_BLOCK, b
     total = 0
     for b in range(n_blocks):
@@ -560,11 +574,6 @@ def check_header(
             return HEADER_TOO_LARGE, 0
         total += rows * dim
     return HEADER_OK, n_blocks
-
-
-def _block_error(block: int, what: str) -> CodecError:
-    """The error for something wrong in block ``block`` of a payload."""
-    return CodecError(f"corrupt payload: block {block}: {what}")
 
 
 def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
@@ -579,43 +588,17 @@ def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -
     Returns:
         The CodecError (the caller raises it).
     """
-    n = buf.shape[0]
-    if status == HEADER_TRUNCATED:
-        return CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
-    header = buf[: HEADER.itemsize].view(HEADER)[0]
-    if status == HEADER_BAD_MAGIC:
-        return CodecError(
-            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
-            f"expected 0x{MAGIC:08x}"
-        )
-    if status == HEADER_BAD_VERSION:
-        return CodecError(
-            f"payload format version {int(header['version'])} is not supported "
-            f"(this build reads version {VERSION})"
-        )
-    if status == HEADER_BAD_LENGTH:
-        return CodecError(
-            f"truncated or padded payload: {n} bytes, the header says "
-            f"{HEADER.itemsize + 4 * int(header['body_words'])}"
-        )
-    if status == HEADER_BAD_CHECKSUM:
-        return CodecError("corrupt payload: checksum mismatch")
-    if status == HEADER_BAD_DESCRIPTORS:
-        return CodecError(
-            f"corrupt payload: {int(header['n_blocks'])} block descriptors do not fit"
-        )
-    if status == HEADER_BAD_SEGMENTS:
-        return CodecError("corrupt payload: segment lengths do not add up to the body")
-    descs = buf[HEADER.itemsize :].view(np.uint32)[: int(header["n_blocks"]) * DESCRIPTOR_WORDS]
-    descs = descs.view(DESCRIPTOR)
-    if status == HEADER_BAD_BLOCK:
-        d = descs[detail]
-        return _block_error(detail, f"dtype {int(d['dtype'])} / mode {int(d['mode'])}")
-    total = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
-    return CodecError(
-        f"payload decodes to {total} elements, more than max_elements={max_elements}: "
-        "pass a larger max_elements if it is trusted"
-    )
+    what = {"n": buf.shape[0], "max_elements": max_elements, "block": detail}
+    if status != HEADER_TRUNCATED:
+        header = buf[: HEADER.itemsize].view(HEADER)[0]
+        what.update({name: int(header[name]) for name in HEADER.names})
+        what["length"] = HEADER.itemsize + 4 * what["body_words"]
+    if status in (HEADER_BAD_BLOCK, HEADER_TOO_LARGE):  # the header's checks passed
+        descs = buf[HEADER.itemsize : HEADER.itemsize + DESCRIPTOR.itemsize * what["n_blocks"]]
+        descs = descs.view(DESCRIPTOR)
+        what["dtype"], what["mode"] = int(descs[detail]["dtype"]), int(descs[detail]["mode"])
+        what["total"] = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
+    return CodecError(_HEADER_WHAT[status].format(**what))
 
 
 def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
@@ -636,7 +619,7 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
         d[0] = float(np.array(d[0], np.uint32).view(np.float32))
     elif status == SEGMENT_BAD_STREAM:
         d[0] = DECODE_ERRORS[d[0]]
-    return _block_error(block, _SEGMENT_WHAT[status].format(*d))
+    return CodecError(f"corrupt payload: block {block}: " + _SEGMENT_WHAT[status].format(*d))
 
 
 def parse_header(
