@@ -624,7 +624,7 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
 
 def parse_header(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
-) -> tuple[np.ndarray, list[tuple], np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validates a payload's header and descriptors (everything before the segments).
 
     Shared by the CPU decoder and ``device_decompress``, so both reject alike.
@@ -636,8 +636,8 @@ def parse_header(
             the real payload's checksum instead.
 
     Returns:
-        (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
-        seg_words, bound), word offset of each segment in the body plus the body's end).
+        (body as uint32 words, the descriptors as ``DESCRIPTOR`` records, word offset of each
+        segment in the body plus the body's end).
 
     Raises:
         CodecError: Anything wrong before the segments.
@@ -648,9 +648,6 @@ def parse_header(
     if status != HEADER_OK:
         raise header_error(status, detail, buf, max_elements)
     body = words[HEADER_WORDS:]
-    desc_words = detail * DESCRIPTOR_WORDS
-    descs = body[:desc_words].view(DESCRIPTOR)
-    seg_words = descs["seg_words"].astype(np.int64)
-    desc_fields = [d.item() for d in descs]
-    offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
-    return body, desc_fields, offsets
+    descs = body[: detail * DESCRIPTOR_WORDS].view(DESCRIPTOR)
+    offsets = np.concatenate([[0], np.cumsum(descs["seg_words"], dtype=np.int64)])
+    return body, descs, offsets + detail * DESCRIPTOR_WORDS

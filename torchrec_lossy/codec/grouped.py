@@ -45,6 +45,9 @@ from torchrec_lossy.codec.pipeline import (
 )
 from torchrec_lossy.config import Backend, CodecConfig
 
+if typing.TYPE_CHECKING:
+    from torchrec_lossy.codec.device_decompress import DeviceGroups
+
 _BACKENDS = frozenset(typing.get_args(Backend))
 # The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
 _NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
@@ -100,30 +103,20 @@ class GroupStatus:
     """The decode status :func:`decompress_groups` leaves for :func:`check_groups`.
 
     Attributes:
-        codes: int32 per decoded block on the device (0: fine), or None.
-        block_group: The group of each entry of ``codes``.
-        rejected: Group index to its error, found while reading the layouts.
-        group_bad: int32 per group on the device: 1 where the payload does not match its
-            announced skeleton or checksum (skeleton mode), or None.
+        rejected: Group index to its error, found while reading the layouts (every error of
+            the host path).
+        device: The device path's decode (``device_decompress.DeviceGroups``: its status still
+            on the device, read by :func:`check_groups`), or None.
         buffer: The decoded buffer (to read a failing payload back for its message).
         sizes: Bytes of each payload.
         max_elements: The decode's limit.
-        failed: int32 per group on the device, nonzero where its decode failed there (what
-            :func:`contain_failures` returns), or None.
-        out: The device words the decoded blocks are views of, or None.
-        spans: Per group with decoded blocks, its [first, end) words of ``out``.
     """
 
-    codes: torch.Tensor | None = None
-    block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     rejected: dict[int, str] = field(default_factory=dict)
-    group_bad: torch.Tensor | None = None
+    device: DeviceGroups | None = None
     buffer: torch.Tensor | None = None
     sizes: list[int] = field(default_factory=list)
     max_elements: int = DEFAULT_MAX_ELEMENTS
-    failed: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -345,14 +338,13 @@ def decompress_groups(
 
         kernels = backend_kernels(buffer.device, backend)
         got = decompress_groups_device(buffer, sizes, max_elements, kernels, skeletons)
-        status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes,
-                             max_elements, got.failed, got.out, got.spans)  # fmt: skip
+        status = GroupStatus({}, got, buffer, sizes, max_elements)
         for g, part in got.rejected.items():  # None: the announced skeleton was rejected
             status.rejected[g] = _rejected_error(status, g, part)
         return got.blocks, status
     status = GroupStatus()
     out = []
-    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend, label)):
+    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, label)):
         if isinstance(got, CodecError):
             status.rejected[g] = str(got)
             got = []
@@ -404,12 +396,13 @@ def contain_failures(status: GroupStatus) -> torch.Tensor | None:
         int32 per group on the device, nonzero where it failed; None if nothing can fail on
         the device (the host path, or no block decoded there).
     """
-    if status.failed is None:
+    dev = status.device
+    if dev is None or dev.failed is None:
         return None
-    if status.out is not None:
-        for g, (first, end) in status.spans.items():
-            status.out[first:end].masked_fill_(status.failed[g] != 0, 0)
-    return status.failed
+    if dev.out is not None:
+        for g, (first, end) in dev.spans.items():
+            dev.out[first:end].masked_fill_(dev.failed[g] != 0, 0)
+    return dev.failed
 
 
 def check_groups(status: GroupStatus) -> None:
@@ -441,22 +434,23 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     Returns:
         (group index, what is wrong), or None if every group decoded.
     """
-    if status.codes is None and status.group_bad is None:  # the host path: known already
+    dev = status.device
+    if dev is None or (dev.codes is None and dev.group_bad is None):  # known already
         return min(status.rejected.items()) if status.rejected else None
     from torchrec_lossy.codec.device_decompress import status_error
 
     failures = dict(status.rejected)
-    n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
-    parts = [t for t in (status.group_bad, status.codes) if t is not None]
+    n_groups = 0 if dev.group_bad is None else dev.group_bad.shape[0]
+    parts = [t for t in (dev.group_bad, dev.codes) if t is not None]
     both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
     for g in np.flatnonzero(both[:n_groups]).tolist():  # not the announced payload
         if g not in failures:
             failures[g] = _rejected_error(status, g)
     codes = both[n_groups:]
     for i in np.flatnonzero(codes).tolist():
-        g = int(status.block_group[i])
+        g = int(dev.block_group[i])
         if g not in failures:
-            local = i - int(np.searchsorted(status.block_group, g))
+            local = i - int(np.searchsorted(dev.block_group, g))
             failures[g] = str(status_error(int(codes[i]), local))
     if not failures:
         return None

@@ -104,6 +104,10 @@ class _Inputs(NamedTuple):
     bounds: np.ndarray  # float64 (relative ones resolved in place)
     groups: np.ndarray  # int64 [G] blocks per payload
     keys: np.ndarray  # int64 rounding keys (quantize.block_keys)
+    # Work arrays the kernel overwrites: uint16 as long as x; int32 [4 * total rows] (the two
+    # dedupes' ids and first rows).
+    symbols: np.ndarray
+    rows: np.ndarray
 
 
 class _Knobs(NamedTuple):
@@ -113,14 +117,6 @@ class _Knobs(NamedTuple):
     lz: bool
     stochastic: bool  # stochastic rounding (its grid: quantize.grid_bound)
     chunk: int  # Huffman symbols per chunk
-
-
-class _Scratch(NamedTuple):
-    """Work arrays the kernel overwrites: ``symbols`` as long as ``x``, ``rows`` int32
-    [4 * total rows] (the two dedupes' ids and first rows)."""
-
-    symbols: np.ndarray
-    rows: np.ndarray
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
@@ -458,20 +454,21 @@ def _put_payload_heads(
 
 @numba.njit(cache=True, nogil=True)
 def _compress_kernel(
-    inputs: _Inputs, knobs: _Knobs, scratch: _Scratch
+    inputs: _Inputs, knobs: _Knobs
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``inputs.bounds`` is updated in place (relative bounds resolved); the scratch arrays are
+    ``inputs.bounds`` is updated in place (relative bounds resolved); its work arrays are
     overwritten. Returns (the payloads' words, back to back; bytes of each payload; int64
     [4, n_blocks] mode, segment words, vectors sent, escapes; float64 max error per block;
     the payloads' skeletons and their offsets, as ``container.payload_skeletons`` gives them:
     gathered here, where the words are at hand, rather than in a call of their own).
     """
-    x, bits, symbols, bnd = inputs.x, inputs.bits, scratch.symbols, inputs.bounds
+    x, bits, symbols, bnd = inputs.x, inputs.bits, inputs.symbols, inputs.bounds
+    scratch = inputs.rows
     nb = inputs.layout.shape[0] // 4
     blocks = _blocks(inputs.layout)
-    q = scratch.rows.shape[0] // 4
+    q = scratch.shape[0] // 4
     grids = _grids(x, blocks, inputs.layout[3 * nb :], bnd, knobs)
     max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
         x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols
@@ -483,7 +480,7 @@ def _compress_kernel(
         numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
         lz_allowed[b] = knobs.lz and blocks.rows[b] > 1 and numel > 0 and grids.ok[b]
     quant = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, blocks, lz_allowed, False, scratch.rows[:q], scratch.rows[q : 2 * q]
+        symbols, bits, blocks, lz_allowed, False, scratch[:q], scratch[q : 2 * q]
     )
     codes = (
         _codes(sym_lo, sym_hi, grids.ok),
@@ -492,7 +489,7 @@ def _compress_kernel(
     huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
     lossy = _choose_lossy(blocks, grids, quant, codes, knobs.lz, knobs.chunk)
     raw = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, blocks, lossy[2], True, scratch.rows[2 * q : 3 * q], scratch.rows[3 * q :]
+        symbols, bits, blocks, lossy[2], True, scratch[2 * q : 3 * q], scratch[3 * q :]
     )
     segs, total = _segments(blocks, lossy, (quant, raw), inputs.groups, knobs.chunk)
     out = np.zeros(total, np.uint32)
@@ -543,18 +540,15 @@ def compress_blocks(
     layout = np.array(rows + dims + dcodes + kind, np.int64)
     bnd = np.array(bounds, np.float64)
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
-    n_rows = sum(rows)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
     knobs = _Knobs(
         config.enable_quantization, config.enable_lz,
         config.rounding == "stochastic", config.huffman_chunk_symbols,
     )  # fmt: skip
-    scratch = _Scratch(
-        _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),
-        _WORK_BUFFERS.array("rows", 4 * n_rows, np.int32),
-    )
+    symbols = _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16)
+    scratch = _WORK_BUFFERS.array("rows", 4 * sum(rows), np.int32)
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
-        _Inputs(x, bits, layout, bnd, group_arr, keys), knobs, scratch
+        _Inputs(x, bits, layout, bnd, group_arr, keys, symbols, scratch), knobs
     )
     mode, seg_words, n_unique, n_escapes = per_block
     itemsize = [4 if c == 1 else 2 for c in dcodes]
