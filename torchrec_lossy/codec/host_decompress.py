@@ -211,7 +211,6 @@ def _decode_segment(
     s, end, n_rows, dim, dtype_code, m, o = seg
     isz = 4 if dtype_code == 1 else 2
     out32, out16 = outs
-    out32f = out32.view(np.float32)
     ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
@@ -282,7 +281,7 @@ def _decode_segment(
             if not lz:
                 out16[o : o + n_sym] = h
         else:
-            vf = values[:n_sym] if lz else out32f[o : o + n_sym]
+            vf = values[:n_sym] if lz else out32.view(np.float32)[o : o + n_sym]
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
             quantize.dequantize_kernel(sym, step, center, vf, value)
             for k in range(n_esc):
