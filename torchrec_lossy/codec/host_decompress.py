@@ -375,12 +375,13 @@ def _decode_payloads_kernel(
         for k in range(descs.shape[0]):
             b, d = first[g] + k, descs[k]
             rows, dim, code = np.int64(d["rows"]), np.int64(d["dim"]), np.int64(d["dtype"])
-            table[:4, b] = (rows, dim, code, n32 if code == 1 else n16)
+            table[0, b], table[1, b], table[2, b] = rows, dim, code
+            table[3, b] = n32 if code == 1 else n16
             if code == 1:
                 n32 += rows * dim
             else:
                 n16 += rows * dim
-            seg[:, b] = (at, at + np.int64(d["seg_words"]), np.int64(d["mode"]))
+            seg[0, b], seg[1, b], seg[2, b] = at, at + np.int64(d["seg_words"]), d["mode"]
             at = seg[1, b]
             big = max(big, rows * dim)
             max_rows = max(max_rows, rows)
