@@ -397,7 +397,7 @@ def test_grouped_decode_names_each_payloads_error():
     bad = [cases["first block wins"], cases["raw truncated"], cases["trailing"]]
     bufs = [good[0], bad[0][0], good[1], bad[1][0], bad[2][0], good[2]]
     sizes = [len(b) for b in bufs]
-    got = decompress_host_groups(as_tensor(b"".join(bufs)), sizes, 1 << 22, "cpu")
+    got = decompress_host_groups(as_tensor(b"".join(bufs)), sizes, 1 << 22)
     for k in (0, 2, 5):
         want = decompress(as_tensor(bufs[k]))
         assert all(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))

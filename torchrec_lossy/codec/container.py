@@ -10,6 +10,7 @@ alike: the host builds and parses records with numpy, the device builds them wit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -379,43 +380,42 @@ def skeleton_index(
     return out
 
 
-# Word positions of the fields the host skeleton reads.
-_N_BLOCKS_WORD = HEADER.fields["n_blocks"][1] // 4
-_SEG_WORDS_FIELD = DESCRIPTOR.fields["seg_words"][1] // 4
+@numba.njit(cache=True, nogil=True, inline="always")
+def descriptors(payload: np.ndarray) -> np.ndarray:
+    """The block descriptors of a payload whose header is sound (uint32 words, from its
+    header on), as a view of ``DESCRIPTOR`` records."""
+    n_blocks = np.int64(payload[:HEADER_WORDS].view(HEADER)[0]["n_blocks"])
+    return payload[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n_blocks].view(DESCRIPTOR)
 
 
 @numba.njit(cache=True, nogil=True)
 def skeletons_kernel(words: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`payload_skeletons` in one compiled pass."""
     ends = np.zeros(sizes.shape[0] + 1, np.int64)
-    total = 0
-    p0 = 0
+    starts = np.zeros(sizes.shape[0] + 1, np.int64)
     for g in range(sizes.shape[0]):  # sized first: a payload's skeleton words per block
-        total += skeleton_words(np.int64(words[p0 + _N_BLOCKS_WORD]))
-        p0 += sizes[g] // 4
-    out = np.empty(total, np.uint32)
-    at = 0
-    p0 = 0
+        starts[g + 1] = starts[g] + sizes[g] // 4
+        n = descriptors(words[starts[g] : starts[g + 1]]).shape[0]
+        ends[g + 1] = ends[g] + skeleton_words(n)
+    out = np.empty(ends[-1], np.uint32)
     for g in range(sizes.shape[0]):
-        payload = words[p0 : p0 + sizes[g] // 4]
-        n = np.int64(payload[_N_BLOCKS_WORD])
-        head = HEADER_WORDS + DESCRIPTOR_WORDS * n
+        payload = words[starts[g] : starts[g + 1]]
+        descs = descriptors(payload)
+        head = HEADER_WORDS + DESCRIPTOR_WORDS * descs.shape[0]
+        at = ends[g]
         out[at : at + head] = payload[:head]
         at += head
-        last = payload.shape[0] - 1
         start = head
-        for b in range(n):  # 8 words from each segment's start, clamped to the last word
+        for b in range(descs.shape[0]):  # 8 words from each segment's start, clamped
             for k in range(SEGMENT_HEADER_WORDS):
-                out[at + k] = payload[min(start + k, last)]
+                out[at + k] = payload[min(start + k, payload.shape[0] - 1)]
             at += SEGMENT_HEADER_WORDS
-            start += np.int64(payload[HEADER_WORDS + DESCRIPTOR_WORDS * b + _SEG_WORDS_FIELD])
-        ends[g + 1] = at
-        p0 += sizes[g] // 4
+            start += np.int64(descs[b]["seg_words"])
     return out, ends
 
 
-def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The skeletons (:func:`skeleton_index`) of well-formed payloads back to back, on the host.
+def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """The skeletons (:func:`skeleton_index`) of well-formed payloads, on the host.
 
     The words :func:`skeleton_index` names for each payload alone, gathered in one compiled
     pass (its torch ops cost more than the words they gather on small payloads).
@@ -425,10 +425,24 @@ def payload_skeletons(words: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarr
         sizes: Bytes of each payload.
 
     Returns:
-        (uint32 skeleton words of every payload, back to back; int64 [n + 1] offsets of each
-        payload's skeleton in them, then the end).
+        Per payload, its uint32 skeleton words.
     """
-    return skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1))
+    return split_skeletons(*skeletons_kernel(words, np.asarray(sizes, np.int64).reshape(-1)))
+
+
+def split_skeletons(skeletons: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    """:func:`skeletons_kernel`'s result cut per payload.
+
+    Args:
+        skeletons: uint32 skeleton words of every payload, back to back.
+        ends: int64 [G + 1]: offset of each payload's skeleton in them, then the end.
+
+    Returns:
+        Per payload, its skeleton (the array itself for one payload: nothing to cut).
+    """
+    if ends.shape[0] == 2:
+        return [skeletons]
+    return [skeletons[a:b] for a, b in itertools.pairwise(ends.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,13 +479,6 @@ def check_payload(payload: object) -> None:
         )
 
 
-# Word positions of the header and descriptor fields the header check reads.
-_HEAD_WORD = {name: HEADER.fields[name][1] // 4 for name in HEADER.names}
-_MAGIC_WORD, _VERSION_WORD = _HEAD_WORD["magic"], _HEAD_WORD["version"]
-_BODY_WORD, _CHECKSUM_WORD = _HEAD_WORD["body_words"], _HEAD_WORD["checksum"]
-_ROWS_FIELD = DESCRIPTOR.fields["rows"][1] // 4
-_DIM_FIELD = DESCRIPTOR.fields["dim"][1] // 4
-_CODES_FIELD = DESCRIPTOR.fields["dtype"][1] // 4  # dtype, mode: the low two bytes
 # check_header's verdicts (the order it checks in); parse_header names each.
 HEADER_OK = 0
 HEADER_TRUNCATED = 1
@@ -484,6 +491,22 @@ HEADER_BAD_SEGMENTS = 7
 HEADER_BAD_BLOCK = 8
 HEADER_TOO_LARGE = 9
 _DTYPE_CODE_RANGE = (min(CODE_DTYPES), max(CODE_DTYPES))
+# The message of each header verdict (check_header's), formatted with the header's fields and
+# the payload's length ``n``, the limit, the failing block and its fields, the elements' total.
+_HEADER_WHAT = {
+    HEADER_TRUNCATED: "truncated payload: {n} bytes, shorter than the 32-byte header",
+    HEADER_BAD_MAGIC: "not a torchrec-lossy payload: magic 0x{magic:08x}, "
+    f"expected 0x{MAGIC:08x}",
+    HEADER_BAD_VERSION: "payload format version {version} is not supported "
+    f"(this build reads version {VERSION})",
+    HEADER_BAD_LENGTH: "truncated or padded payload: {n} bytes, the header says {length}",
+    HEADER_BAD_CHECKSUM: "corrupt payload: checksum mismatch",
+    HEADER_BAD_DESCRIPTORS: "corrupt payload: {n_blocks} block descriptors do not fit",
+    HEADER_BAD_SEGMENTS: "corrupt payload: segment lengths do not add up to the body",
+    HEADER_BAD_BLOCK: "corrupt payload: block {block}: dtype {dtype} / mode {mode}",
+    HEADER_TOO_LARGE: "payload decodes to {total} elements, more than max_elements="
+    "{max_elements}: pass a larger max_elements if it is trusted",
+}
 # The message of each segment verdict (``format.SEGMENT_*``; ``format.segment_checks`` and the
 # host decoder's data checks make them), its details in order.
 _SEGMENT_WHAT = {
@@ -500,22 +523,6 @@ _SEGMENT_WHAT = {
     SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
     SEGMENT_BAD_STREAM: "Huffman stream: {0}",
 }
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def descriptor_fields(words: np.ndarray, at: int) -> tuple[int, int, int, int, int]:
-    """The block descriptor at word ``at`` of ``words`` (uint32): (rows, dim, dtype code,
-    mode, segment words), int64."""
-    codes = np.int64(words[at + _CODES_FIELD])
-    return (
-        np.int64(words[at + _ROWS_FIELD]), np.int64(words[at + _DIM_FIELD]), codes & 0xFF,
-        (codes >> 8) & 0xFF, np.int64(words[at + _SEG_WORDS_FIELD]),
-    )  # fmt: skip
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _u64(words: np.ndarray, at: int) -> np.uint64:
-    return np.uint64(words[at]) | (np.uint64(words[at + 1]) << np.uint64(32))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -537,42 +544,36 @@ def check_header(
     """
     if n_bytes < HEADER_WORDS * 4:
         return HEADER_TRUNCATED, 0
-    if words[base + _MAGIC_WORD] != MAGIC:
+    header = words[base : base + HEADER_WORDS].view(HEADER)[0]
+    if header["magic"] != MAGIC:
         return HEADER_BAD_MAGIC, 0
-    if (words[base + _VERSION_WORD] & 0xFFFF) != VERSION:
+    if header["version"] != VERSION:
         return HEADER_BAD_VERSION, 0
-    body_words = _u64(words, base + _BODY_WORD)
-    if (n_bytes - HEADER_WORDS * 4) % 4 or body_words != np.uint64(n_bytes // 4 - HEADER_WORDS):
+    if n_bytes % 4 or header["body_words"] != np.uint64(n_bytes // 4 - HEADER_WORDS):
         return HEADER_BAD_LENGTH, 0
     body = words[base + HEADER_WORDS : base + n_bytes // 4]
-    if verify_checksum and checksum_words(body) != _u64(words, base + _CHECKSUM_WORD):
+    if verify_checksum and checksum_words(body) != header["checksum"]:
         return HEADER_BAD_CHECKSUM, 0
-    n_blocks = np.int64(words[base + _N_BLOCKS_WORD])
-    desc_words = n_blocks * DESCRIPTOR_WORDS
-    if desc_words > body.shape[0]:
+    n_blocks = np.int64(header["n_blocks"])
+    if n_blocks * DESCRIPTOR_WORDS > body.shape[0]:
         return HEADER_BAD_DESCRIPTORS, 0
+    descs = body[: n_blocks * DESCRIPTOR_WORDS].view(DESCRIPTOR)
     seg_total = 0
     for b in range(n_blocks):
-        seg_total += np.int64(body[b * DESCRIPTOR_WORDS + _SEG_WORDS_FIELD])
-    if seg_total != body.shape[0] - desc_words:
+        seg_total += np.int64(descs[b]["seg_words"])
+    if seg_total != body.shape[0] - n_blocks * DESCRIPTOR_WORDS:
         return HEADER_BAD_SEGMENTS, 0
     for b in range(n_blocks):
-        _, _, dtype_code, mode, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
-        if not _DTYPE_CODE_RANGE[0] <= dtype_code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
+        code, mode = descs[b]["dtype"], descs[b]["mode"]
+        if not _DTYPE_CODE_RANGE[0] <= code <= _DTYPE_CODE_RANGE[1] or not mode_valid(mode):
             return HEADER_BAD_BLOCK, b
     total = 0
     for b in range(n_blocks):
-        rows, dim, _, _, _ = descriptor_fields(body, b * DESCRIPTOR_WORDS)
-        dim = max(dim, 1)
+        rows, dim = np.int64(descs[b]["rows"]), max(np.int64(descs[b]["dim"]), 1)
         if rows > (max_elements - total) // dim:  # no int64 wrap-around
             return HEADER_TOO_LARGE, 0
         total += rows * dim
     return HEADER_OK, n_blocks
-
-
-def _block_error(block: int, what: str) -> CodecError:
-    """The error for something wrong in block ``block`` of a payload."""
-    return CodecError(f"corrupt payload: block {block}: {what}")
 
 
 def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -> CodecError:
@@ -587,43 +588,17 @@ def header_error(status: int, detail: int, buf: np.ndarray, max_elements: int) -
     Returns:
         The CodecError (the caller raises it).
     """
-    n = buf.shape[0]
-    if status == HEADER_TRUNCATED:
-        return CodecError(f"truncated payload: {n} bytes, shorter than the 32-byte header")
-    header = buf[: HEADER.itemsize].view(HEADER)[0]
-    if status == HEADER_BAD_MAGIC:
-        return CodecError(
-            f"not a torchrec-lossy payload: magic 0x{int(header['magic']):08x}, "
-            f"expected 0x{MAGIC:08x}"
-        )
-    if status == HEADER_BAD_VERSION:
-        return CodecError(
-            f"payload format version {int(header['version'])} is not supported "
-            f"(this build reads version {VERSION})"
-        )
-    if status == HEADER_BAD_LENGTH:
-        return CodecError(
-            f"truncated or padded payload: {n} bytes, the header says "
-            f"{HEADER.itemsize + 4 * int(header['body_words'])}"
-        )
-    if status == HEADER_BAD_CHECKSUM:
-        return CodecError("corrupt payload: checksum mismatch")
-    if status == HEADER_BAD_DESCRIPTORS:
-        return CodecError(
-            f"corrupt payload: {int(header['n_blocks'])} block descriptors do not fit"
-        )
-    if status == HEADER_BAD_SEGMENTS:
-        return CodecError("corrupt payload: segment lengths do not add up to the body")
-    descs = buf[HEADER.itemsize :].view(np.uint32)[: int(header["n_blocks"]) * DESCRIPTOR_WORDS]
-    descs = descs.view(DESCRIPTOR)
-    if status == HEADER_BAD_BLOCK:
-        d = descs[detail]
-        return _block_error(detail, f"dtype {int(d['dtype'])} / mode {int(d['mode'])}")
-    total = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
-    return CodecError(
-        f"payload decodes to {total} elements, more than max_elements={max_elements}: "
-        "pass a larger max_elements if it is trusted"
-    )
+    what = {"n": buf.shape[0], "max_elements": max_elements, "block": detail}
+    if status != HEADER_TRUNCATED:
+        header = buf[: HEADER.itemsize].view(HEADER)[0]
+        what.update({name: int(header[name]) for name in HEADER.names})
+        what["length"] = HEADER.itemsize + 4 * what["body_words"]
+    if status in (HEADER_BAD_BLOCK, HEADER_TOO_LARGE):  # the header's checks passed
+        descs = buf[HEADER.itemsize : HEADER.itemsize + DESCRIPTOR.itemsize * what["n_blocks"]]
+        descs = descs.view(DESCRIPTOR)
+        what["dtype"], what["mode"] = int(descs[detail]["dtype"]), int(descs[detail]["mode"])
+        what["total"] = sum(int(d["rows"]) * max(int(d["dim"]), 1) for d in descs)
+    return CodecError(_HEADER_WHAT[status].format(**what))
 
 
 def segment_error(status: int, details: Sequence[int], block: int) -> CodecError:
@@ -644,12 +619,12 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
         d[0] = float(np.array(d[0], np.uint32).view(np.float32))
     elif status == SEGMENT_BAD_STREAM:
         d[0] = DECODE_ERRORS[d[0]]
-    return _block_error(block, _SEGMENT_WHAT[status].format(*d))
+    return CodecError(f"corrupt payload: block {block}: " + _SEGMENT_WHAT[status].format(*d))
 
 
 def parse_header(
     buf: np.ndarray, max_elements: int, verify_checksum: bool = True
-) -> tuple[np.ndarray, list[tuple], np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validates a payload's header and descriptors (everything before the segments).
 
     Shared by the CPU decoder and ``device_decompress``, so both reject alike.
@@ -661,8 +636,8 @@ def parse_header(
             the real payload's checksum instead.
 
     Returns:
-        (body as uint32 words, the descriptors as tuples (rows, dim, dtype code, mode, reserved,
-        seg_words, bound), word offset of each segment in the body plus the body's end).
+        (body as uint32 words, the descriptors as ``DESCRIPTOR`` records, word offset of each
+        segment in the body plus the body's end).
 
     Raises:
         CodecError: Anything wrong before the segments.
@@ -673,9 +648,6 @@ def parse_header(
     if status != HEADER_OK:
         raise header_error(status, detail, buf, max_elements)
     body = words[HEADER_WORDS:]
-    desc_words = detail * DESCRIPTOR_WORDS
-    descs = body[:desc_words].view(DESCRIPTOR)
-    seg_words = descs["seg_words"].astype(np.int64)
-    desc_fields = [d.item() for d in descs]
-    offsets = desc_words + np.concatenate([[0], np.cumsum(seg_words)])
-    return body, desc_fields, offsets
+    descs = body[: detail * DESCRIPTOR_WORDS].view(DESCRIPTOR)
+    offsets = np.concatenate([[0], np.cumsum(descs["seg_words"], dtype=np.int64)])
+    return body, descs, offsets + detail * DESCRIPTOR_WORDS

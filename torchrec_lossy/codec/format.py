@@ -301,6 +301,13 @@ def ref_width(n_unique: N) -> N:
 
 
 @jitable
+def _refs_sizes(rows: N, n_unique: N) -> tuple[N, N, N]:
+    """(id width, bits of the references packed REFS_FIXED, packed REFS_FLAGGED)."""
+    width = ref_width(n_unique)
+    return width, rows * width, rows + (rows - n_unique) * width
+
+
+@jitable
 def refs_bits(rows: N, n_unique: N, mode: N) -> N:
     """Bits of a block's references in the given packing.
 
@@ -312,8 +319,8 @@ def refs_bits(rows: N, n_unique: N, mode: N) -> N:
     Returns:
         Bit count.
     """
-    width = ref_width(n_unique)
-    return where(mode == REFS_FIXED, rows * width, rows + (rows - n_unique) * width)
+    _, fixed, flagged = _refs_sizes(rows, n_unique)
+    return where(mode == REFS_FIXED, fixed, flagged)
 
 
 @jitable
@@ -327,14 +334,9 @@ def refs_packing(rows: N, n_unique: N) -> tuple[N, N, N]:
     Returns:
         (packing: REFS_FIXED on a tie, else REFS_FLAGGED; id width; bits of that packing).
     """
-    width = ref_width(n_unique)
-    fixed = rows * width
-    flagged = rows + (rows - n_unique) * width
-    return (
-        where(fixed > flagged, REFS_FLAGGED, REFS_FIXED),
-        width,
-        where(fixed > flagged, flagged, fixed),
-    )
+    width, fixed, flagged = _refs_sizes(rows, n_unique)
+    flag = fixed > flagged
+    return where(flag, REFS_FLAGGED, REFS_FIXED), width, where(flag, flagged, fixed)
 
 
 @jitable

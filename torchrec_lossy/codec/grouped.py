@@ -38,17 +38,22 @@ from torchrec_lossy.codec.kernel_set import backend_kernels
 from torchrec_lossy.codec.pipeline import (
     check_kinds,
     compress_host_groups,
-    decompress,
     decompress_host_groups,
+    host_error,
     on_device,
     validate_inputs,
 )
 from torchrec_lossy.config import Backend, CodecConfig
 
+if typing.TYPE_CHECKING:
+    from torchrec_lossy.codec.device_decompress import DeviceGroups
+
 _BACKENDS = frozenset(typing.get_args(Backend))
 # The host path's readback: nothing to read (shared: an empty tensor holds nothing to change).
 _NOTHING_TO_READ = torch.zeros(0, dtype=torch.int64)
 _NO_WORDS = np.zeros(0, np.uint32)
+# The error of a payload the host path decodes but the device rejected (its skeleton).
+_NOT_ANNOUNCED = "corrupt payload: it does not match the layout its sender announced"
 
 
 @dataclass(frozen=True)
@@ -98,110 +103,61 @@ class GroupStatus:
     """The decode status :func:`decompress_groups` leaves for :func:`check_groups`.
 
     Attributes:
-        codes: int32 per decoded block on the device (0: fine), or None.
-        block_group: The group of each entry of ``codes``.
-        rejected: Group index to its error, found while reading the layouts.
-        group_bad: int32 per group on the device: 1 where the payload does not match its
-            announced skeleton or checksum (skeleton mode), or None.
+        rejected: Group index to its error, found while reading the layouts (every error of
+            the host path).
+        device: The device path's decode (``device_decompress.DeviceGroups``: its status still
+            on the device, read by :func:`check_groups`), or None.
         buffer: The decoded buffer (to read a failing payload back for its message).
         sizes: Bytes of each payload.
         max_elements: The decode's limit.
-        failed: int32 per group on the device, nonzero where its decode failed there (what
-            :func:`contain_failures` returns), or None.
-        out: The device words the decoded blocks are views of, or None.
-        spans: Per group with decoded blocks, its [first, end) words of ``out``.
     """
 
-    codes: torch.Tensor | None = None
-    block_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     rejected: dict[int, str] = field(default_factory=dict)
-    group_bad: torch.Tensor | None = None
+    device: DeviceGroups | None = None
     buffer: torch.Tensor | None = None
     sizes: list[int] = field(default_factory=list)
     max_elements: int = DEFAULT_MAX_ELEMENTS
-    failed: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
-def _group_sizes(groups: Sequence[Sequence[object]]) -> list[int]:
-    if isinstance(groups, torch.Tensor):
-        raise ValueError("groups must be a sequence of sequences of 2-D tensors, got a tensor")
-    return [len(g) for g in groups]
-
-
+@dataclass
 class PendingGroups:
     """A :func:`start_compress_groups` call waiting for its one host read.
 
     On the device path the payloads are built but their sizes and stats are still on the
     device: read :attr:`readback` (alone, or concatenated with tensors of the caller's, in ONE
-    copy) and pass its values to :meth:`finish`. :attr:`device_sizes` are the payload sizes on
+    copy) and pass its values to :attr:`finish`. :attr:`device_sizes` are the payload sizes on
     the device, usable before the read (e.g. in a size all-to-all). On the host path everything
     is known already and :attr:`readback` is empty.
 
-    Args:
-        device_sizes: int64 bytes per payload, on the blocks' device, or a function building
-            them on first use (the host path, whose callers mostly read ``done`` instead).
+    Attributes:
         readback: int64 values the host must read (may be empty).
-        finish: Builds the result from ``readback``'s host values.
-        device_skeletons: int64 skeleton words of every payload back to back, on the device
-            (a receiver decodes without a read given them: :func:`decompress_groups`), or a
-            function building them on first use.
+        finish: Builds the result (the payloads, their sizes and stats) from ``readback``'s
+            host values, in order.
         skeleton_sizes: Words of each payload's skeleton.
-        done: The result, on the host path (known already: :meth:`finish` returns it); None
-            on the device path.
+        make_sizes: Builds :attr:`device_sizes` on first use (the host path's callers mostly
+            read ``done`` instead).
+        make_skeletons: Builds :attr:`device_skeletons` on first use.
+        done: The result, on the host path (known already: ``finish`` returns it); None on
+            the device path.
     """
 
-    def __init__(
-        self,
-        device_sizes: torch.Tensor | Callable[[], torch.Tensor],
-        readback: torch.Tensor,
-        finish: Callable[[Sequence[int]], GroupedPayloads],
-        device_skeletons: torch.Tensor | Callable[[], torch.Tensor],
-        skeleton_sizes: list[int],
-        done: GroupedPayloads | None = None,
-    ) -> None:
-        self._device_sizes = device_sizes
-        self.readback = readback
-        self._finish = finish
-        self._device_skeletons = device_skeletons
-        self.skeleton_sizes = skeleton_sizes
-        self.done = done
+    readback: torch.Tensor
+    finish: Callable[[Sequence[int]], GroupedPayloads]
+    skeleton_sizes: list[int]
+    make_sizes: Callable[[], torch.Tensor]
+    make_skeletons: Callable[[], torch.Tensor]
+    done: GroupedPayloads | None = None
 
-    @property
+    @functools.cached_property
     def device_sizes(self) -> torch.Tensor:
         """int64 bytes per payload, on the blocks' device."""
-        if not isinstance(self._device_sizes, torch.Tensor):
-            self._device_sizes = self._device_sizes()
-        return self._device_sizes
+        return self.make_sizes()
 
-    @property
+    @functools.cached_property
     def device_skeletons(self) -> torch.Tensor:
-        """int64 skeleton words of every payload back to back, on the blocks' device."""
-        if not isinstance(self._device_skeletons, torch.Tensor):
-            self._device_skeletons = self._device_skeletons()
-        return self._device_skeletons
-
-    def finish(self, host: Sequence[int]) -> GroupedPayloads:
-        """The payloads, from the host values of :attr:`readback`.
-
-        Args:
-            host: ``readback``'s values, in order.
-
-        Returns:
-            The payloads, their sizes and stats.
-        """
-        return self._finish(host)
-
-
-def _device_result(
-    buffer: torch.Tensor,
-    sizes: list[int],
-    stats: list[list[BlockStats]],
-    skeletons: list[np.ndarray],
-) -> GroupedPayloads:
-    """The device path's finished call as GroupedPayloads."""
-    return GroupedPayloads(buffer, sizes, [BlockColumns.of(s) for s in stats], skeletons)
+        """int64 skeleton words of every payload back to back, on the blocks' device (a
+        receiver decodes without a read given them: :func:`decompress_groups`)."""
+        return self.make_skeletons()
 
 
 def start_compress_groups(
@@ -225,7 +181,9 @@ def start_compress_groups(
         ValueError: As :func:`compress_groups`.
     """
     config = config or CodecConfig()
-    sizes = _group_sizes(groups)
+    if isinstance(groups, torch.Tensor):
+        raise ValueError("groups must be a sequence of sequences of 2-D tensors, got a tensor")
+    sizes = [len(g) for g in groups]
     if len(error_bounds) != len(sizes):
         raise ValueError(
             f"got {len(sizes)} groups but {len(error_bounds)} bound lists: pass one per group"
@@ -271,30 +229,32 @@ def start_compress_blocks(
 
         kernels = backend_kernels(device, config.backend)
         pending = start_groups_device(blocks, bounds, kinds, sizes, config, kernels)
+
+        def finish(host: Sequence[int]) -> GroupedPayloads:
+            buffer, out_sizes, stats, skeletons = pending.finish(host)
+            columns = [BlockColumns.of(s) for s in stats]
+            return GroupedPayloads(buffer, out_sizes, columns, skeletons)
+
         return PendingGroups(
-            pending.device_sizes,
             pending.readback,
-            lambda host: _device_result(*pending.finish(host)),
-            pending.device_skeleton,
+            finish,
             [skeleton_words(n) for n in sizes],
+            lambda: pending.device_sizes,
+            lambda: pending.device_skeleton,
         )
     # The host path: every group in one batched pass (relative bounds resolved inside it).
-    buffer, out_sizes, columns, skeletons = compress_host_groups(
-        blocks, bounds, sizes, config, kinds
-    )
-    done = GroupedPayloads(buffer, out_sizes, columns, skeletons)
+    done = GroupedPayloads(*compress_host_groups(blocks, bounds, sizes, config, kinds))
     readback = _NOTHING_TO_READ
     if device.type != "cpu":
         readback = torch.zeros(0, dtype=torch.int64, device=device)
     # The device-side copies of what is known here are built only if a caller asks.
+    skeletons = [*done.skeletons, _NO_WORDS]
     return PendingGroups(
-        lambda: torch.tensor(out_sizes, dtype=torch.int64, device=device),
         readback,
         lambda host: done,
-        lambda: torch.from_numpy(np.concatenate([*skeletons, _NO_WORDS]).astype(np.int64)).to(
-            device
-        ),
-        [s.shape[0] for s in skeletons],
+        [s.shape[0] for s in done.skeletons],
+        lambda: torch.tensor(done.sizes, dtype=torch.int64, device=device),
+        lambda: torch.from_numpy(np.concatenate(skeletons).astype(np.int64)).to(device),
         done,
     )
 
@@ -378,17 +338,13 @@ def decompress_groups(
 
         kernels = backend_kernels(buffer.device, backend)
         got = decompress_groups_device(buffer, sizes, max_elements, kernels, skeletons)
-        status = GroupStatus(got.codes, got.block_group, {}, got.group_bad, buffer, sizes)
-        status.max_elements, status.failed = max_elements, got.failed
-        status.out, status.spans = got.out, got.spans
-        for g, part in got.rejected.items():
-            if part is None:  # the announced skeleton was rejected: read the payload itself
-                part = _payload_bytes(status, g)
-            status.rejected[g] = _host_error(part, max_elements)
+        status = GroupStatus({}, got, buffer, sizes, max_elements)
+        for g, part in got.rejected.items():  # None: the announced skeleton was rejected
+            status.rejected[g] = _rejected_error(status, g, part)
         return got.blocks, status
     status = GroupStatus()
     out = []
-    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, backend, label)):
+    for g, got in enumerate(decompress_host_groups(buffer, sizes, max_elements, label)):
         if isinstance(got, CodecError):
             status.rejected[g] = str(got)
             got = []
@@ -412,20 +368,15 @@ def warm_up_host() -> None:
     check_groups(status)
 
 
-def _payload_bytes(status: GroupStatus, group: int) -> np.ndarray:
-    """One payload's bytes read back (only on an error path)."""
-    assert status.buffer is not None
-    at = sum(status.sizes[:group])
-    return host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
-
-
-def _host_error(part: np.ndarray, max_elements: int) -> str:
-    """The CPU path's error for a payload the device path rejected (host bytes)."""
-    try:
-        decompress(torch.from_numpy(part.copy()), max_elements, backend="cpu")
-    except CodecError as e:
-        return str(e)
-    return "corrupt payload: it does not match the layout its sender announced"
+def _rejected_error(status: GroupStatus, group: int, part: np.ndarray | None = None) -> str:
+    """The CPU path's error for a payload the device path rejected, else that it does not
+    match what its sender announced; ``part``: its bytes, read back here where None (only
+    on an error path)."""
+    if part is None:
+        assert status.buffer is not None
+        at = sum(status.sizes[:group])
+        part = host_sync.to_host(status.buffer.narrow(0, at, status.sizes[group]))
+    return str(host_error(part, status.max_elements) or _NOT_ANNOUNCED)
 
 
 def contain_failures(status: GroupStatus) -> torch.Tensor | None:
@@ -445,12 +396,13 @@ def contain_failures(status: GroupStatus) -> torch.Tensor | None:
         int32 per group on the device, nonzero where it failed; None if nothing can fail on
         the device (the host path, or no block decoded there).
     """
-    if status.failed is None:
+    dev = status.device
+    if dev is None or dev.failed is None:
         return None
-    if status.out is not None:
-        for g, (first, end) in status.spans.items():
-            status.out[first:end].masked_fill_(status.failed[g] != 0, 0)
-    return status.failed
+    if dev.out is not None:
+        for g, (first, end) in dev.spans.items():
+            dev.out[first:end].masked_fill_(dev.failed[g] != 0, 0)
+    return dev.failed
 
 
 def check_groups(status: GroupStatus) -> None:
@@ -482,23 +434,23 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     Returns:
         (group index, what is wrong), or None if every group decoded.
     """
-    if status.codes is None and status.group_bad is None:  # the host path: known already
+    dev = status.device
+    if dev is None or (dev.codes is None and dev.group_bad is None):  # known already
         return min(status.rejected.items()) if status.rejected else None
     from torchrec_lossy.codec.device_decompress import status_error
 
     failures = dict(status.rejected)
-    n_groups = 0 if status.group_bad is None else status.group_bad.shape[0]
-    parts = [t for t in (status.group_bad, status.codes) if t is not None]
+    n_groups = 0 if dev.group_bad is None else dev.group_bad.shape[0]
+    parts = [t for t in (dev.group_bad, dev.codes) if t is not None]
     both = host_sync.to_host(torch.cat([t.to(torch.int64) for t in parts]))  # one read
-    for g in np.flatnonzero(both[:n_groups]).tolist():
-        # Not the announced payload: the CPU path's message if it finds one, else this.
-        found = _host_error(_payload_bytes(status, g), status.max_elements)
-        failures.setdefault(g, found)
+    for g in np.flatnonzero(both[:n_groups]).tolist():  # not the announced payload
+        if g not in failures:
+            failures[g] = _rejected_error(status, g)
     codes = both[n_groups:]
     for i in np.flatnonzero(codes).tolist():
-        g = int(status.block_group[i])
+        g = int(dev.block_group[i])
         if g not in failures:
-            local = i - int(np.searchsorted(status.block_group, g))
+            local = i - int(np.searchsorted(dev.block_group, g))
             failures[g] = str(status_error(int(codes[i]), local))
     if not failures:
         return None

@@ -35,10 +35,10 @@ from torchrec_lossy.codec.container import (
     BlockColumns,
     header_words,
     skeletons_kernel,
+    split_skeletons,
 )
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
-    CODE_DTYPES,
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
@@ -57,47 +57,19 @@ from torchrec_lossy.config import CodecConfig
 
 @dataclass(frozen=True)
 class BatchEncoded:
-    """Payloads and what happened to each of their blocks (arrays, one entry per block).
+    """Payloads and what happened to each of their blocks.
 
     Attributes:
         payload: The payloads' bytes (uint8), one per group, back to back.
         sizes: Bytes of each group's payload.
-        bounds: Absolute bound per block (relative ones resolved).
-        rows: Rows per block.
-        dims: Columns per block.
-        dtype_codes: Dtype code (``format.DTYPE_CODES``) per block.
-        per_block: int64 [4, n]: mode, segment words, vectors sent (rows for raw and quant)
-            and escaped elements per block.
-        max_error: Max error per block (0 for lossless modes).
-        skeletons: Each payload's skeleton (``container.payload_skeletons``), uint32 words.
+        columns: Per group, the stats of its blocks.
+        skeletons: Per group, its payload's skeleton (``container.payload_skeletons``).
     """
 
     payload: np.ndarray
     sizes: list[int]
-    bounds: np.ndarray
-    rows: list[int]
-    dims: list[int]
-    dtype_codes: list[int]
-    per_block: np.ndarray
-    max_error: np.ndarray
+    columns: list[BlockColumns]
     skeletons: list[np.ndarray]
-
-    def columns(self) -> BlockColumns:
-        """Every block's stats as BlockColumns (the kernel's arrays read to lists).
-
-        Returns:
-            The columns, in block order.
-        """
-        itemsize = [CODE_DTYPES[c].itemsize for c in self.dtype_codes]
-        mode, seg_words, n_unique, n_escapes = self.per_block
-        return BlockColumns.assemble(
-            (self.rows, self.dims, itemsize),
-            mode,
-            seg_words,
-            self.bounds,
-            self.max_error,
-            (n_unique, n_escapes),
-        )
 
 
 class _ThreadWorkBuffers(threading.local):
@@ -132,6 +104,10 @@ class _Inputs(NamedTuple):
     bounds: np.ndarray  # float64 (relative ones resolved in place)
     groups: np.ndarray  # int64 [G] blocks per payload
     keys: np.ndarray  # int64 rounding keys (quantize.block_keys)
+    # Work arrays the kernel overwrites: uint16 as long as x; int32 [4 * total rows] (the two
+    # dedupes' ids and first rows).
+    symbols: np.ndarray
+    rows: np.ndarray
 
 
 class _Knobs(NamedTuple):
@@ -141,14 +117,6 @@ class _Knobs(NamedTuple):
     lz: bool
     stochastic: bool  # stochastic rounding (its grid: quantize.grid_bound)
     chunk: int  # Huffman symbols per chunk
-
-
-class _Scratch(NamedTuple):
-    """Work arrays the kernel overwrites: ``symbols`` as long as ``x``, ``rows`` int32
-    [4 * total rows] (the two dedupes' ids and first rows)."""
-
-    symbols: np.ndarray
-    rows: np.ndarray
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
@@ -249,7 +217,7 @@ def _put_coded(
     lz = segs.mode[b] == MODE_QUANT_LZ
     n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
     r0 = blocks.row_off[b]
-    n_sent = rows.n_unique[b] if lz else n_rows
+    n_sent = segs.sent[b]
     sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
     base, plan = codes.base[b], codes.plan[:, b]
     lo, count, n_esc = plan[2], plan[3], plan[4]
@@ -309,7 +277,7 @@ def _emit_kernel(
             every = blocks.every_row[r0 : r0 + blocks.rows[b]]
             pos += _put_rows(out, pos, blk_bits, every, dim, isz)
         elif m == MODE_LZ:
-            nu = dedupe[1].n_unique[b]
+            nu = segs.sent[b]
             pos = write_segment_header(
                 out, pos, (0.0, 0, nu, 0, 0, 0, 0, 0, 0, segs.ref_mode[b], segs.ref_width[b])
             )
@@ -425,6 +393,7 @@ def _segments(
     nb = blocks.rows.shape[0]
     ref_mode = np.empty(nb, np.int64)
     ref_width = np.empty(nb, np.int64)
+    sent = np.empty(nb, np.int64)
     total = 0
     for b in range(nb):
         rows, dim = blocks.rows[b], blocks.dims[b]
@@ -433,9 +402,10 @@ def _segments(
         numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
         m = sm.choose_lossless(mode[b], best[b], tried[b], lossless_w, numel)
         mode[b] = m
-        sent = max(nu_q, 1) if m == MODE_QUANT_LZ else max(nu_r, 1) if m == MODE_LZ else rows
+        # The lz modes are chosen only for blocks of 2 rows or more: nu_q, nu_r >= 1 there.
+        sent[b] = nu_q if m == MODE_QUANT_LZ else nu_r if m == MODE_LZ else rows
         coded = nu_q if m == MODE_QUANT_LZ else rows if m == MODE_QUANT else 0
-        r_mode, ref_width[b], _ = refs_packing(rows, max(sent, 1))
+        r_mode, ref_width[b], _ = refs_packing(rows, max(sent[b], 1))
         ref_mode[b] = r_mode if m in (MODE_QUANT_LZ, MODE_LZ) else 0
         n_chunks = (coded * dim + chunk - 1) // chunk
         total += (lossless_w if m == MODE_LZ else best[b]) + n_chunks + 2
@@ -446,7 +416,7 @@ def _segments(
         skip[at] += lead  # an empty group's lead lands on the next block
         total += lead
         at += groups[g]
-    return Segments(mode, ref_mode, ref_width, skip, chunk), total
+    return Segments(mode, ref_mode, ref_width, sent, skip, chunk), total
 
 
 @numba.njit(cache=True, nogil=True)
@@ -484,20 +454,21 @@ def _put_payload_heads(
 
 @numba.njit(cache=True, nogil=True)
 def _compress_kernel(
-    inputs: _Inputs, knobs: _Knobs, scratch: _Scratch
+    inputs: _Inputs, knobs: _Knobs
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every stage of :func:`compress_blocks` after the flattening, in one compiled call.
 
-    ``inputs.bounds`` is updated in place (relative bounds resolved); the scratch arrays are
+    ``inputs.bounds`` is updated in place (relative bounds resolved); its work arrays are
     overwritten. Returns (the payloads' words, back to back; bytes of each payload; int64
     [4, n_blocks] mode, segment words, vectors sent, escapes; float64 max error per block;
     the payloads' skeletons and their offsets, as ``container.payload_skeletons`` gives them:
     gathered here, where the words are at hand, rather than in a call of their own).
     """
-    x, bits, symbols, bnd = inputs.x, inputs.bits, scratch.symbols, inputs.bounds
+    x, bits, symbols, bnd = inputs.x, inputs.bits, inputs.symbols, inputs.bounds
+    scratch = inputs.rows
     nb = inputs.layout.shape[0] // 4
     blocks = _blocks(inputs.layout)
-    q = scratch.rows.shape[0] // 4
+    q = scratch.shape[0] // 4
     grids = _grids(x, blocks, inputs.layout[3 * nb :], bnd, knobs)
     max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
         x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols
@@ -509,7 +480,7 @@ def _compress_kernel(
         numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
         lz_allowed[b] = knobs.lz and blocks.rows[b] > 1 and numel > 0 and grids.ok[b]
     quant = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, blocks, lz_allowed, False, scratch.rows[:q], scratch.rows[q : 2 * q]
+        symbols, bits, blocks, lz_allowed, False, scratch[:q], scratch[q : 2 * q]
     )
     codes = (
         _codes(sym_lo, sym_hi, grids.ok),
@@ -518,7 +489,7 @@ def _compress_kernel(
     huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
     lossy = _choose_lossy(blocks, grids, quant, codes, knobs.lz, knobs.chunk)
     raw = vector_lz.dedupe_blocks_kernel(
-        symbols, bits, blocks, lossy[2], True, scratch.rows[2 * q : 3 * q], scratch.rows[3 * q :]
+        symbols, bits, blocks, lossy[2], True, scratch[2 * q : 3 * q], scratch[3 * q :]
     )
     segs, total = _segments(blocks, lossy, (quant, raw), inputs.groups, knobs.chunk)
     out = np.zeros(total, np.uint32)
@@ -527,11 +498,7 @@ def _compress_kernel(
     per_block = np.zeros((4, nb), np.int64)
     for b in range(nb):
         m = segs.mode[b]
-        per_block[0, b], per_block[1, b] = m, seg_words[b]
-        per_block[2, b] = (
-            quant.n_unique[b] if m == MODE_QUANT_LZ else raw.n_unique[b] if m == MODE_LZ
-            else blocks.rows[b]
-        )  # fmt: skip
+        per_block[:3, b] = (m, seg_words[b], segs.sent[b])
         if m in (MODE_QUANT, MODE_QUANT_LZ):
             per_block[3, b] = codes[1 if m == MODE_QUANT_LZ else 0].plan[4, b]
         else:
@@ -573,26 +540,26 @@ def compress_blocks(
     layout = np.array(rows + dims + dcodes + kind, np.int64)
     bnd = np.array(bounds, np.float64)
     x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
-    n_rows = sum(rows)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
     knobs = _Knobs(
         config.enable_quantization, config.enable_lz,
         config.rounding == "stochastic", config.huffman_chunk_symbols,
     )  # fmt: skip
-    scratch = _Scratch(
-        _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16),
-        _WORK_BUFFERS.array("rows", 4 * n_rows, np.int32),
-    )
+    symbols = _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16)
+    scratch = _WORK_BUFFERS.array("rows", 4 * sum(rows), np.int32)
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
-        _Inputs(x, bits, layout, bnd, group_arr, keys), knobs, scratch
+        _Inputs(x, bits, layout, bnd, group_arr, keys, symbols, scratch), knobs
     )
-    if len(groups) == 1:  # one destination (2 ranks): nothing to cut
-        skeletons = [skel]
-    else:
-        ends = skel_ends.tolist()
-        skeletons = [skel[a:b] for a, b in itertools.pairwise(ends)]
+    mode, seg_words, n_unique, n_escapes = per_block
+    itemsize = [4 if c == 1 else 2 for c in dcodes]
+    flat = BlockColumns.assemble(
+        (rows, dims, itemsize), mode, seg_words, bnd, max_err, (n_unique, n_escapes)
+    )
+    cuts = itertools.pairwise(itertools.accumulate(groups, initial=0))
+    # One destination (2 ranks): nothing to cut.
+    columns = [flat] if len(groups) == 1 else [flat.slice(a, b) for a, b in cuts]
     return BatchEncoded(
-        words.view(np.uint8), sizes.tolist(), bnd, rows, dims, dcodes, per_block, max_err, skeletons
+        words.view(np.uint8), sizes.tolist(), columns, split_skeletons(skel, skel_ends)
     )
 
 

@@ -27,7 +27,7 @@ from torchrec_lossy.codec.container import (
     HEADER_OK,
     HEADER_WORDS,
     check_header,
-    descriptor_fields,
+    descriptors,
     header_error,
     segment_error,
 )
@@ -49,10 +49,6 @@ from torchrec_lossy.codec.format import (
 
 # What segment_layout takes for a segment without a header: raw, or too short to hold one.
 _NO_HEADER = (np.float32(0.0),) + (np.int64(0),) * 10
-# What _decode_segment says of a block: decoded, or rejected (a corrupt segment, whose exact
-# error _segment_verdict names).
-_DECODED = 0
-_REJECTED = 1
 
 
 class _Segment(NamedTuple):
@@ -62,28 +58,16 @@ class _Segment(NamedTuple):
     end: int  # the word after it
     rows: int
     dim: int
-    itemsize: int  # bytes per element
-    dtype_code: int
+    dtype_code: int  # format.DTYPE_CODES: 1 (4 bytes per element) or a 2-byte dtype's
     mode: int  # with the per-value bit
     out_at: int  # first element in its output (out32 or out16)
 
 
-class _Verdict(NamedTuple):
-    """A segment's verdict: a ``container.SEGMENT_*`` status and its four details."""
-
-    status: int
-    a: int
-    b: int
-    c: int
-    d: int
-
-
 class _Outputs(NamedTuple):
-    """The decoded blocks: 4-byte ones' bits (int32, and the same buffer as float32), 2-byte
-    ones' (uint16), each back to back."""
+    """The decoded blocks: 4-byte ones' bits (int32), 2-byte ones' (uint16), each back to
+    back."""
 
     out32: np.ndarray
-    out32f: np.ndarray
     out16: np.ndarray
 
 
@@ -176,7 +160,7 @@ def _expand_rows(
     for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
         u = np.int64(ids[r]) * dim
         at = seg.out_at + r * dim
-        if seg.itemsize == 4:
+        if seg.dtype_code == 1:
             dst, src = out32[at : at + dim], src32[u : u + dim]
             for j in range(dim):
                 dst[j] = src[j]
@@ -191,7 +175,7 @@ def _segment_fields(words: np.ndarray, seg: _Segment) -> tuple[tuple, tuple]:
     """(descriptor fields, segment header fields) of a block, as ``format.segment_layout``
     takes them (a header too short to read is zeros: ``segment_checks`` names it)."""
     n_seg = seg.end - seg.start
-    desc = (seg.mode, seg.rows, seg.dim, seg.itemsize, n_seg)
+    desc = (seg.mode, seg.rows, seg.dim, 4 if seg.dtype_code == 1 else 2, n_seg)
     if seg.mode == MODE_RAW or n_seg < SEGMENT_HEADER_WORDS:
         return desc, _NO_HEADER
     return desc, read_segment_header(words, seg.start)
@@ -214,25 +198,26 @@ def _code(
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
     words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
-) -> int:
+) -> bool:
     """Decodes one block's segment into its place in ``outs``.
 
     ``words`` / ``halves`` are views of one buffer (uint32, uint16). Every check of the
     segment is made (``format.segment_layout``'s, the references', the stream's): a block that
-    fails one is ``_REJECTED``, and :func:`_segment_verdict` names the check.
+    fails one is rejected, and :func:`_segment_verdict` names the check.
 
     Returns:
-        ``_DECODED`` or ``_REJECTED``.
+        True where it decoded, False where it is rejected.
     """
-    s, end, n_rows, dim, isz, dtype_code, m, o = seg
-    out32, out32f, out16 = outs
+    s, end, n_rows, dim, dtype_code, m, o = seg
+    isz = 4 if dtype_code == 1 else 2
+    out32, out16 = outs
     ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
     values_u = values.view(np.uint32)
     desc, header = _segment_fields(words, seg)
     ok, nu, ref_at, ref_words, cb_words, esc_at, ct_at, bs_at = segment_layout(desc, header)
     if not ok:
-        return _REJECTED
+        return False
     value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
     m = m & ~MODE_VALUE
     if m == MODE_RAW:
@@ -245,17 +230,17 @@ def _decode_segment(
             h = 2 * s
             for k in range(numel):
                 out16[o + k] = halves[h + k]
-        return _DECODED
+        return True
     step, center, _, n_esc, chunk, _, lo, count, _, ref_mode, width = header
     lz = (m & 1) == 1  # the vector-LZ bit
     ref_at += s
     if lz and vector_lz.unpack_refs_kernel(words[ref_at : ref_at + ref_words], n_rows, nu,
                                            ref_mode, width, ids) != 0:  # fmt: skip
-        return _REJECTED
+        return False
     if m == MODE_LZ:
         pos = ref_at + ref_words
         _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
-        return _DECODED
+        return True
     code = _code(words, seg, header, cb_words, compact)
     n_sym = nu * dim
     esc_at += s
@@ -275,17 +260,17 @@ def _decode_segment(
                 vtable16[k] = np.uint16(quantize.half_bits(np.int64(vt_bits[k]), dtype_code))
             h = halves_out[:n_sym] if lz else out16[o : o + n_sym]
             if not _huffman_values(stream, chunk_ends, chunk, code, vtable16[: count + 1], h):
-                return _REJECTED
+                return False
         else:
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
             vt_i = vtable.view(np.int32)[: count + 1]
             if not _huffman_values(stream, chunk_ends, chunk, code, vt_i, vi):
-                return _REJECTED
+                return False
     else:
         sym = symbols[:n_sym]
         if huffman.decode_range_kernel(stream, chunk_ends, chunk, code, lo,
                                        words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
-            return _REJECTED
+            return False
         if isz == 2:  # the round-to-nearest-even cast the encoder checked
             quantize.dequantize_kernel(sym, step, center, values[:n_sym], value)
             h = halves_out[:n_sym]
@@ -296,14 +281,14 @@ def _decode_segment(
             if not lz:
                 out16[o : o + n_sym] = h
         else:
-            vf = values[:n_sym] if lz else out32f[o : o + n_sym]
+            vf = values[:n_sym] if lz else out32.view(np.float32)[o : o + n_sym]
             vi = values_i[:n_sym] if lz else out32[o : o + n_sym]
             quantize.dequantize_kernel(sym, step, center, vf, value)
             for k in range(n_esc):
                 vi[np.int64(words[esc_at + k])] = np.int32(words[esc_bits_at + k])
     if lz:  # the distinct vectors, decoded into scratch, to the rows
         _expand_rows(values_i, halves_out, ids, seg, outs)
-    return _DECODED
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -329,10 +314,11 @@ def _data_check(words: np.ndarray, seg: _Segment, status: int, header: tuple, se
 
 
 @numba.njit(cache=True, nogil=True)
-def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Verdict:
+def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> tuple:
     """The first check of a block's segment that fails, in wire order: the exact error of a
     block :func:`_decode_segment` rejects, which it runs for only (``SEGMENT_OK`` would be a
-    bug). The checks are ``format.segment_checks``', the ones on the data where they lie."""
+    bug). The checks are ``format.segment_checks``', the ones on the data where they lie.
+    -> (its ``SEGMENT_*`` status, its four details)."""
     desc, header = _segment_fields(words, seg)
     checks, sections = segment_checks(desc, header)
     for k in range(len(checks)):
@@ -342,8 +328,8 @@ def _segment_verdict(words: np.ndarray, seg: _Segment, scratch: _Scratch) -> _Ve
             passes = a == 0
             a = a if status == SEGMENT_BAD_STREAM else 0
         if not passes:
-            return _Verdict(status, np.int64(a), np.int64(b), np.int64(c), np.int64(d))
-    return _Verdict(SEGMENT_OK, np.int64(0), np.int64(0), np.int64(0), np.int64(0))
+            return status, (np.int64(a), np.int64(b), np.int64(c), np.int64(d))
+    return SEGMENT_OK, (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,64 +353,56 @@ def _decode_payloads_kernel(
     group_base, group_bytes = groups[:n_groups], groups[n_groups:]
     n_of = np.empty(n_groups, np.int64)
     heads = np.empty((2, n_groups), np.int64)
+    first = np.zeros(n_groups + 1, np.int64)
     for g in range(n_groups):
         status, n = check_header(words, group_base[g], group_bytes[g], max_elements, True)
         heads[0, g], heads[1, g] = status, n
         n_of[g] = n if status == HEADER_OK else -1
-    first = np.zeros(n_groups + 1, np.int64)
-    for g in range(n_groups):
-        first[g + 1] = first[g] + max(n_of[g], 0)
+        first[g + 1] = first[g] + (n if status == HEADER_OK else 0)
     nb = first[n_groups]
     table = np.empty((5, nb), np.int64)
     details = np.zeros((4, nb), np.int64)
-    seg = np.empty((2, nb), np.int64)
+    seg = np.empty((3, nb), np.int64)  # first word, end word and mode of each segment
     n32 = 0
     n16 = 0
     big = ALPHABET_SIZE
     max_rows = 0
     for g in range(n_groups):
-        body = group_base[g] + HEADER_WORDS
-        at = body + max(n_of[g], 0) * DESCRIPTOR_WORDS
-        for k in range(max(n_of[g], 0)):
-            b = first[g] + k
-            rows, dim, code, _, seg_words = descriptor_fields(words, body + k * DESCRIPTOR_WORDS)
-            table[0, b] = rows
-            table[1, b] = dim
-            table[2, b] = code
+        if n_of[g] <= 0:
+            continue
+        descs = descriptors(words[group_base[g] :])
+        at = group_base[g] + HEADER_WORDS + descs.shape[0] * DESCRIPTOR_WORDS
+        for k in range(descs.shape[0]):
+            b, d = first[g] + k, descs[k]
+            rows, dim, code = np.int64(d["rows"]), np.int64(d["dim"]), np.int64(d["dtype"])
+            table[0, b], table[1, b], table[2, b] = rows, dim, code
             table[3, b] = n32 if code == 1 else n16
             if code == 1:
                 n32 += rows * dim
             else:
                 n16 += rows * dim
-            seg[0, b] = at
-            at += seg_words
-            seg[1, b] = at
+            seg[0, b], seg[1, b], seg[2, b] = at, at + np.int64(d["seg_words"]), d["mode"]
+            at = seg[1, b]
             big = max(big, rows * dim)
             max_rows = max(max_rows, rows)
-    out32 = np.empty(n32, np.int32)
-    outs = _Outputs(out32, out32.view(np.float32), np.empty(n16, np.uint16))
+    outs = _Outputs(np.empty(n32, np.int32), np.empty(n16, np.uint16))
     scratch = _Scratch(
         np.empty(max_rows, np.int32), np.empty(big, np.uint16), np.empty(big, np.float32),
         np.empty(big, np.uint16), np.zeros(ALPHABET_SIZE, np.uint8),
         np.empty(ALPHABET_SIZE, np.float32), np.empty(ALPHABET_SIZE, np.uint16),
     )  # fmt: skip
     halves = words.view(np.uint16)
-    for g in range(n_groups):
-        for b in range(first[g], first[g + 1]):
-            rows, dim, code, mode, _ = descriptor_fields(
-                words, group_base[g] + HEADER_WORDS + (b - first[g]) * DESCRIPTOR_WORDS
-            )
-            seg_b = _Segment(
-                seg[0, b], seg[1, b], rows, dim, 4 if code == 1 else 2, code, mode, table[3, b]
-            )
-            table[4, b] = SEGMENT_OK
-            if _decode_segment(words, halves, seg_b, outs, scratch) != _DECODED:
-                v = _segment_verdict(words, seg_b, scratch)
-                if v.status == SEGMENT_OK:
-                    raise AssertionError("a block was rejected by no check")
-                table[4, b] = v.status
-                details[:, b] = (v.a, v.b, v.c, v.d)
-    return outs.out32f, outs.out16, table, first, n_of, heads, details
+    for b in range(nb):
+        seg_b = _Segment(seg[0, b], seg[1, b], table[0, b], table[1, b], table[2, b], seg[2, b],
+                         table[3, b])  # fmt: skip
+        table[4, b] = SEGMENT_OK
+        if not _decode_segment(words, halves, seg_b, outs, scratch):
+            verdict = _segment_verdict(words, seg_b, scratch)
+            if verdict[0] == SEGMENT_OK:
+                raise AssertionError("a block was rejected by no check")
+            table[4, b] = verdict[0]
+            details[:, b] = verdict[1]
+    return outs.out32.view(np.float32), outs.out16, table, first, n_of, heads, details
 
 
 @dataclass(frozen=True)
@@ -452,11 +430,6 @@ class BatchDecoded:
     n_blocks: np.ndarray
     heads: np.ndarray
     details: np.ndarray
-
-    @functools.cached_property
-    def accepted(self) -> np.ndarray:
-        """bool [G]: whether each payload's header and descriptors were sound."""
-        return self.n_blocks >= 0
 
     @functools.cached_property
     def _lists(self) -> tuple[list[list[int]], list[int], list[int]]:
@@ -489,7 +462,7 @@ class BatchDecoded:
         Returns:
             The CodecError (the caller raises it).
         """
-        if not self.accepted[group]:
+        if self.n_blocks[group] < 0:
             return header_error(*self.heads[:, group].tolist(), buf, max_elements)
         b0 = int(self.first[group])
         bad = b0 + int(np.flatnonzero(self.layout[4, b0 : self.first[group + 1]])[0])

@@ -62,6 +62,7 @@ class Segments(NamedTuple):
     mode: np.ndarray  # format.MODE_*, without the per-value bit
     ref_mode: np.ndarray  # the segment header's reference packing
     ref_width: np.ndarray  # the segment header's reference id width
+    sent: np.ndarray  # vectors sent: the distinct ones (lz modes), else every row
     skip: np.ndarray  # [n + 1] words left free before each segment (a payload's lead)
     chunk: int  # symbols per Huffman chunk
 

@@ -32,7 +32,6 @@ from torchrec_lossy.codec.container import (
     BlockColumns,
     BlockStats,
     check_payload,
-    payload_skeletons,
 )
 from torchrec_lossy.codec.format import DTYPE_CODES, CodecError
 from torchrec_lossy.codec.kernel_set import backend_kernels, triton_available
@@ -47,6 +46,7 @@ __all__ = [
     "compress_with_stats",
     "decompress",
     "decompress_host_groups",
+    "host_error",
     "on_device",
     "validate_inputs",
 ]
@@ -205,7 +205,7 @@ def compress_with_stats(
         return compress_device(blocks, bounds, config, kinds, kernels)
     with record_function("## lossy_codec encode ##"):
         enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
-    return torch.from_numpy(enc.payload).to(device), enc.columns().stats()
+    return torch.from_numpy(enc.payload).to(device), enc.columns[0].stats()
 
 
 def compress_host_groups(
@@ -217,17 +217,14 @@ def compress_host_groups(
 ) -> tuple[torch.Tensor, list[int], list[BlockColumns], list[np.ndarray]]:
     """The host path of several payloads at once: consecutive groups of validated blocks.
 
-    With the compiled backend every stage runs once over all groups' blocks; each payload is
-    the bytes :func:`compress_with_stats` gives for its group alone (``"reference"`` is not a
-    host backend: each group goes through :func:`compress_with_stats`, the device orchestration
-    over the torch twins).
+    Every stage runs once over all groups' blocks; each payload is the bytes
+    :func:`compress_with_stats` gives for its group alone.
 
     Args:
         blocks: Validated 2-D blocks, group after group (one device).
         bounds: Validated bound per block, of its kind in ``kinds``.
         group_sizes: Blocks per group.
-        config: Codec knobs (a host backend: "auto" off the device path, "cpu"; or
-            "reference").
+        config: Codec knobs (a host backend: "auto" off the device path, or "cpu").
         kinds: Per block, its bound's ``BoundKind``; None: all absolute.
 
     Returns:
@@ -236,32 +233,13 @@ def compress_host_groups(
         (``container.payload_skeletons``, uint32 words)).
     """
     device = blocks[0].device if blocks else torch.device("cpu")
-    if config.backend != "reference" and group_sizes:
-        enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, kinds)
-        flat = enc.columns()
-        if len(group_sizes) == 1:  # one destination (2 ranks): nothing to cut
-            columns = [flat]
-        else:
-            ends = itertools.accumulate(group_sizes)
-            columns = [flat.slice(e - n, e) for e, n in zip(ends, group_sizes, strict=True)]
-        payload = torch.from_numpy(enc.payload)
-        # A no-op .to() still costs a dispatch: only a device copy pays for one.
-        payload = payload if device.type == "cpu" else payload.to(device)
-        return payload, enc.sizes, columns, enc.skeletons
-    kinds = list(kinds) if kinds is not None else [BoundKind.ABSOLUTE] * len(blocks)
-    payloads, stats = [], []
-    at = 0
-    for n in group_sizes:
-        p, s = compress_with_stats(
-            blocks[at : at + n], bounds[at : at + n], config, kinds[at : at + n]
-        )
-        payloads.append(p)
-        stats.append(BlockColumns.of(s))
-        at += n
-    buffer = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8, device=device)
-    sizes = [p.numel() for p in payloads]
-    skel, ends = payload_skeletons(buffer.cpu().numpy().view(np.uint32), sizes)
-    return buffer, sizes, stats, [skel[a:b] for a, b in itertools.pairwise(ends.tolist())]
+    if not group_sizes:
+        return torch.zeros(0, dtype=torch.uint8, device=device), [], [], []
+    enc = host_compress.compress_blocks(blocks, bounds, config, group_sizes, kinds)
+    payload = torch.from_numpy(enc.payload)
+    # A no-op .to() still costs a dispatch: only a device copy pays for one.
+    payload = payload if device.type == "cpu" else payload.to(device)
+    return payload, enc.sizes, enc.columns, enc.skeletons
 
 
 def compress(
@@ -320,11 +298,13 @@ def decompress(
         from torchrec_lossy.codec.device_decompress import decompress_device
 
         def on_reject(buf: np.ndarray) -> None:
-            decompress(torch.from_numpy(buf.copy()), max_elements, backend="cpu")
+            error = host_error(buf, max_elements)
+            if error is not None:
+                raise error
 
         kernels = backend_kernels(payload.device, backend)
         return decompress_device(payload, max_elements, on_reject, kernels)
-    (out,) = decompress_host_groups(payload, [payload.numel()], max_elements, backend)
+    (out,) = decompress_host_groups(payload, [payload.numel()], max_elements)
     if isinstance(out, CodecError):
         raise out
     return out
@@ -334,30 +314,24 @@ def decompress_host_groups(
     buffer: torch.Tensor,
     sizes: Sequence[int],
     max_elements: int,
-    backend: Backend,
     label: bool = True,
 ) -> list[list[torch.Tensor] | CodecError]:
     """The host path of :func:`decompress` over several payloads of one buffer at once.
 
-    With the compiled backend one call parses and decodes every block of every payload, and
-    names the first check each rejected payload fails (``host_decompress.BatchDecoded.error``),
-    so each payload's result or error is what :func:`decompress` gives for it.
-    ``"reference"`` (not a host backend) decodes each payload with :func:`decompress`: the
-    device orchestration over the torch twins.
+    One compiled call parses and decodes every block of every payload, and names the first
+    check each rejected payload fails (``host_decompress.BatchDecoded.error``), so each
+    payload's result or error is what :func:`decompress` gives for it.
 
     Args:
         buffer: 1-D uint8 tensor: the payloads back to back.
         sizes: Bytes of each payload (summing to the buffer's).
         max_elements: Refuse a payload that decodes to more elements than this.
-        backend: A host backend, as ``CodecConfig.backend``.
         label: Whether to open the profiler range ``## lossy_codec decode ##`` (False when
             the caller's own range already covers the call: a range costs microseconds).
 
     Returns:
         Per payload its blocks (on the buffer's device) or the CodecError it raises.
     """
-    if backend == "reference":
-        return [_decoded_or_error(p, max_elements, backend) for p in buffer.split(list(sizes))]
     device = buffer.device
     if device.type == "cpu" and buffer.is_contiguous():
         buf = buffer.numpy()  # uint8 never requires grad: no detach needed
@@ -381,14 +355,20 @@ def decompress_host_groups(
     return results
 
 
-def _decoded_or_error(
-    payload: torch.Tensor, max_elements: int, backend: Backend
-) -> list[torch.Tensor] | CodecError:
-    """:func:`decompress`'s blocks of one payload, or the CodecError it raises."""
-    try:
-        return decompress(payload, max_elements, backend)
-    except CodecError as e:
-        return e
+def host_error(buf: np.ndarray, max_elements: int) -> CodecError | None:
+    """The host path's error for a payload the device path rejected (the first check it
+    fails), or None where it decodes.
+
+    Args:
+        buf: The payload's bytes (1-D uint8, on the host).
+        max_elements: The limit it was decoded under.
+
+    Returns:
+        The CodecError (the caller raises it), or None.
+    """
+    payload = torch.from_numpy(buf.copy())
+    (got,) = decompress_host_groups(payload, [buf.shape[0]], max_elements, label=False)
+    return got if isinstance(got, CodecError) else None
 
 
 def _word_layout(buf: np.ndarray, starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
