@@ -498,7 +498,7 @@ def _compress_kernel(
     per_block = np.zeros((4, nb), np.int64)
     for b in range(nb):
         m = segs.mode[b]
-        per_block[:3, b] = (m, seg_words[b], segs.sent[b])
+        per_block[0, b], per_block[1, b], per_block[2, b] = m, seg_words[b], segs.sent[b]
         if m in (MODE_QUANT, MODE_QUANT_LZ):
             per_block[3, b] = codes[1 if m == MODE_QUANT_LZ else 0].plan[4, b]
         else:
@@ -551,7 +551,7 @@ def compress_blocks(
         _Inputs(x, bits, layout, bnd, group_arr, keys, symbols, scratch), knobs
     )
     mode, seg_words, n_unique, n_escapes = per_block
-    itemsize = [4 if c == 1 else 2 for c in dcodes]
+    itemsize = [b.element_size() for b in blocks]
     flat = BlockColumns.assemble(
         (rows, dims, itemsize), mode, seg_words, bnd, max_err, (n_unique, n_escapes)
     )
