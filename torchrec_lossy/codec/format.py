@@ -120,6 +120,22 @@ SECTIONS = (
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
+FLOAT32_CODE = DTYPE_CODES[torch.float32]
+
+
+@jitable
+def dtype_itemsize(dtype_code: int) -> int:
+    """Bytes per element of a ``DTYPE_CODES`` code (compiled code cannot read the dict).
+
+    Args:
+        dtype_code: A valid dtype code.
+
+    Returns:
+        4 for float32, 2 for the 16-bit dtypes.
+    """
+    return 4 if dtype_code == FLOAT32_CODE else 2
+
+
 # Integer views that carry each float dtype's bits verbatim.
 BITS_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.int32,

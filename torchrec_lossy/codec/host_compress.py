@@ -47,6 +47,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT_LZ,
     MODE_RAW,
     descriptor_mode,
+    dtype_itemsize,
     refs_packing,
     words_for_bytes,
     write_segment_header,
@@ -303,7 +304,7 @@ def _blocks(layout: np.ndarray) -> Blocks:
     elem_off = np.zeros(nb + 1, np.int64)
     row_off = np.zeros(nb + 1, np.int64)
     for b in range(nb):
-        itemsize[b] = 4 if dcodes[b] == 1 else 2
+        itemsize[b] = dtype_itemsize(dcodes[b])
         elem_off[b + 1] = elem_off[b] + rows[b] * dims[b]
         row_off[b + 1] = row_off[b] + rows[b]
     every_row = np.empty(row_off[nb], np.int32)

@@ -42,6 +42,7 @@ from torchrec_lossy.codec.format import (
     SEGMENT_OK,
     SEGMENT_REFS_RANGE,
     CodecError,
+    dtype_itemsize,
     read_segment_header,
     segment_checks,
     segment_layout,
@@ -175,7 +176,7 @@ def _segment_fields(words: np.ndarray, seg: _Segment) -> tuple[tuple, tuple]:
     """(descriptor fields, segment header fields) of a block, as ``format.segment_layout``
     takes them (a header too short to read is zeros: ``segment_checks`` names it)."""
     n_seg = seg.end - seg.start
-    desc = (seg.mode, seg.rows, seg.dim, 4 if seg.dtype_code == 1 else 2, n_seg)
+    desc = (seg.mode, seg.rows, seg.dim, dtype_itemsize(seg.dtype_code), n_seg)
     if seg.mode == MODE_RAW or n_seg < SEGMENT_HEADER_WORDS:
         return desc, _NO_HEADER
     return desc, read_segment_header(words, seg.start)
@@ -209,7 +210,7 @@ def _decode_segment(
         True where it decoded, False where it is rejected.
     """
     s, end, n_rows, dim, dtype_code, m, o = seg
-    isz = 4 if dtype_code == 1 else 2
+    isz = dtype_itemsize(dtype_code)
     out32, out16 = outs
     ids, symbols, values, halves_out, compact, vtable, vtable16 = scratch
     values_i = values.view(np.int32)
