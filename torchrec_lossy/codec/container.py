@@ -28,6 +28,7 @@ from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     HEADER_WORDS,
     MAGIC,
     MODE_NAMES,
+    REFS_OUT_OF_RANGE,
     SECTIONS,
     SEGMENT_BAD_CHUNKS,
     SEGMENT_BAD_CODEBOOK,
@@ -620,6 +621,21 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
     elif status == SEGMENT_BAD_STREAM:
         d[0] = DECODE_ERRORS[d[0]]
     return CodecError(f"corrupt payload: block {block}: " + _SEGMENT_WHAT[status].format(*d))
+
+
+def status_error(code: int, block: int) -> CodecError:
+    """The CPU path's error for a block's device decode status (a kernel's per-block code).
+
+    Args:
+        code: Nonzero status (``REFS_OUT_OF_RANGE`` or a ``DECODE_*`` code).
+        block: The block's index in its payload.
+
+    Returns:
+        The CodecError (the caller raises it).
+    """
+    if code == REFS_OUT_OF_RANGE:
+        return segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), block)
+    return segment_error(SEGMENT_BAD_STREAM, (code, 0, 0, 0), block)
 
 
 def parse_header(

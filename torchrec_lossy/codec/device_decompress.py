@@ -52,9 +52,9 @@ from torchrec_lossy.codec.container import (
     check_payload,
     parse_header,
     segment_checksums,
-    segment_error,
     skeleton_index,
     skeleton_words,
+    status_error,
     upload,
 )
 from torchrec_lossy.codec.format import (
@@ -64,10 +64,7 @@ from torchrec_lossy.codec.format import (
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
-    REFS_OUT_OF_RANGE,
-    SEGMENT_BAD_STREAM,
     SEGMENT_HEADER_WORDS,
-    SEGMENT_REFS_RANGE,
     CodecError,
     segment_header_fields,
     segment_layout,
@@ -156,8 +153,7 @@ def _layout(
     Returns:
         The layout (word offsets are into that buffer), or None.
     """
-    body, _, offsets = parse_header(buf, max_elements, verify_checksum)
-    descs = body[: offsets[0]].view(DESCRIPTOR)
+    body, descs, offsets = parse_header(buf, max_elements, verify_checksum)
     rows, dim, dtype, mode, seg = (
         descs[name].astype(np.int64) for name in ("rows", "dim", "dtype", "mode", "seg_words")
     )
@@ -338,21 +334,6 @@ def _decode_on_device(
                 host_sync.to_host(codes, "decompress")
             )  # sync 2: every decode error of every block
     return _block_views(out, layout), codes, out
-
-
-def status_error(code: int, block: int) -> CodecError:
-    """The CPU path's error for a block's device decode status.
-
-    Args:
-        code: Nonzero status (``REFS_OUT_OF_RANGE`` or a ``DECODE_*`` code).
-        block: The block's index in its payload.
-
-    Returns:
-        The CodecError (the caller raises it).
-    """
-    if code == REFS_OUT_OF_RANGE:
-        return segment_error(SEGMENT_REFS_RANGE, (0, 0, 0, 0), block)
-    return segment_error(SEGMENT_BAD_STREAM, (code, 0, 0, 0), block)
 
 
 def raise_status(codes: np.ndarray) -> None:

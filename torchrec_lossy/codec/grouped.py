@@ -32,6 +32,7 @@ from torchrec_lossy.codec.container import (
     BlockColumns,
     BlockStats,
     skeleton_words,
+    status_error,
 )
 from torchrec_lossy.codec.format import CodecError
 from torchrec_lossy.codec.kernel_set import backend_kernels
@@ -437,8 +438,6 @@ def first_failure(status: GroupStatus) -> tuple[int, str] | None:
     dev = status.device
     if dev is None or (dev.codes is None and dev.group_bad is None):  # known already
         return min(status.rejected.items()) if status.rejected else None
-    from torchrec_lossy.codec.device_decompress import status_error
-
     failures = dict(status.rejected)
     n_groups = 0 if dev.group_bad is None else dev.group_bad.shape[0]
     parts = [t for t in (dev.group_bad, dev.codes) if t is not None]
