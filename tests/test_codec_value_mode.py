@@ -195,6 +195,16 @@ def test_largest_code_past_infinity_is_corrupt_and_below_it_backends_agree(
         assert torch.equal(cpu.view(BITS[dtype]), ref.view(BITS[dtype]))
 
 
+@pytest.mark.parametrize("kind", [k for k in BoundKind if k.max_value < float("inf")])
+def test_a_kinds_limit_holds_in_the_config_and_the_codec_alike(kind: BoundKind) -> None:
+    over = kind.max_value * 1.25
+    with pytest.raises(ConfigError, match=rf"bound.value={over}.*<= {kind.max_value:g}"):
+        ErrorBound(kind.name.lower(), over)
+    assert ErrorBound(kind.name.lower(), kind.max_value).value == kind.max_value
+    with pytest.raises(ValueError, match=rf"{kind.label} bound 0 is {over}"):
+        compress_with_stats([torch.ones(2, 2)], [over], kinds=[kind])
+
+
 def test_errors_name_the_value_and_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"bound.value=0.6.*<= 0.5"):
         ErrorBound("value", 0.6)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.config import (
+    BoundKind,
     ErrorBound,
     ErrorBoundSchedule,
     HomogenizationConfig,
@@ -332,11 +333,7 @@ class AdaptiveBounds(nn.Module):
         if factor == 1.0:
             return base
         value = base.value * factor
-        if base.mode == "relative":
-            value = min(value, 1.0)
-        if base.mode == "value":  # a per-value bound keeps at least one mantissa bit
-            value = min(value, 0.5)
-        return ErrorBound(base.mode, value)
+        return ErrorBound(base.mode, min(value, BoundKind.of(base.mode).max_value))
 
     def observe(self, table: str, block: torch.Tensor, abs_bound: float) -> None:
         """Feeds the block a sender is about to compress into the table's index.

@@ -53,6 +53,22 @@ class BoundKind(IntEnum):
         """
         return cls[mode.upper()]
 
+    @property
+    def max_value(self) -> float:
+        """The largest bound value of this kind: a relative bound spans at most the block's
+        range, a per-value bound keeps at least one mantissa bit."""
+        return {BoundKind.RELATIVE: 1.0, BoundKind.VALUE: 0.5}.get(self, float("inf"))
+
+    @property
+    def nearest_only(self) -> bool:
+        """True for a grid without stochastic rounding (the per-value grid)."""
+        return self == BoundKind.VALUE
+
+    @property
+    def label(self) -> str:
+        """The kind as messages name it."""
+        return "per-value" if self == BoundKind.VALUE else self.name.lower()
+
 
 BoundMode = Literal[tuple(kind.name.lower() for kind in BoundKind)]  # ErrorBound.mode's names
 EvaluationMode = Literal["exact", "lossy"]
@@ -156,10 +172,13 @@ class ErrorBound:
             v,
             "a finite number >= 0",
         )
-        if self.mode == "relative":
-            _require(v <= 1.0, "bound.value", v, "<= 1 for a relative bound")
-        if self.mode == "value":
-            _require(v <= 0.5, "bound.value", v, "<= 0.5 for a per-value bound (0: lossless)")
+        kind = BoundKind.of(self.mode)
+        _require(
+            v <= kind.max_value,
+            "bound.value",
+            v,
+            f"<= {kind.max_value:g} for a {kind.label} bound (0: lossless)",
+        )
 
 
 @dataclass(frozen=True)
@@ -448,14 +467,17 @@ class LossyCommsConfig:
         ]
         for key, eb in forward:
             _require(
-                not (eb.mode == "value" and self.codec.rounding == "stochastic"),
+                not (BoundKind.of(eb.mode).nearest_only and self.codec.rounding == "stochastic"),
                 key,
                 f"{eb.mode}:{eb.value}",
                 "a relative or absolute bound with codec.rounding 'stochastic' (the per-value "
                 "grid rounds to nearest only), or codec.rounding 'nearest'",
             )
         _require(
-            not (self.backward_bound.mode == "value" and self.backward_rounding == "stochastic"),
+            not (
+                BoundKind.of(self.backward_bound.mode).nearest_only
+                and self.backward_rounding == "stochastic"
+            ),
             "backward_bound",
             f"{self.backward_bound.mode}:{self.backward_bound.value}",
             "a relative or absolute bound with backward_rounding 'stochastic' (the per-value "

@@ -158,14 +158,15 @@ def check_kinds(
     if len(out) != len(bounds):
         raise ValueError(f"got {len(out)} bound kinds for {len(bounds)} blocks: pass one per block")
     for i, (k, b) in enumerate(zip(out, bounds, strict=True)):
-        if k == BoundKind.VALUE and b > 0.5:
+        if b > k.max_value:
             raise ValueError(
-                f"per-value bound {i} is {b}: pass a value in (0, 0.5] (0 means lossless)"
+                f"{k.label} bound {i} is {b}: pass a value in (0, {k.max_value:g}] (0 means "
+                "lossless)"
             )
-        if k == BoundKind.VALUE and b > 0 and config.rounding == "stochastic":
+        if k.nearest_only and b > 0 and config.rounding == "stochastic":
             raise ValueError(
-                f"per-value bound {i} ({b}) with rounding='stochastic': the per-value grid "
-                "rounds to nearest only; set rounding='nearest' or use a relative bound"
+                f"{k.label} bound {i} ({b}) with rounding='stochastic': its grid rounds to "
+                "nearest only; set rounding='nearest' or use a relative bound"
             )
     return out
 
