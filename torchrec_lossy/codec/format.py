@@ -121,6 +121,8 @@ SECTIONS = (
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 FLOAT32_CODE = DTYPE_CODES[torch.float32]
+FLOAT16_CODE = DTYPE_CODES[torch.float16]
+BFLOAT16_CODE = DTYPE_CODES[torch.bfloat16]
 
 
 @jitable
