@@ -106,14 +106,14 @@ def uniform_draw(i, key):
 
 @triton.jit
 def value_shift(step_bits):
-    """``quantize_rules.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
+    """``format.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
     (22 + the binary exponent of any normal step), clamped to 0..23 so no lane shifts wildly."""
     return tl.minimum(tl.maximum(((step_bits >> 23) & 0xFF) - 104, 0), 23)
 
 
 @triton.jit
 def value_symbol(bits, shift, qmax):
-    """Twin of ``quantize_rules.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
+    """Twin of ``format.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
     of the reconstruction as a non-negative int64)."""
     sign = bits & 0x80000000
     mag = bits & 0x7FFFFFFF
@@ -126,7 +126,7 @@ def value_symbol(bits, shift, qmax):
 
 @triton.jit
 def value_decode_bits(symbols, shift, qmax):
-    """Twin of ``quantize_rules.value_decode_bits`` on int64 lanes."""
+    """Twin of ``format.value_decode_bits`` on int64 lanes."""
     s = symbols - _OFFSET
     q = qmax + 1 - tl.abs(s)
     mag = tl.where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
@@ -168,7 +168,7 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
     q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
     sym = tl.where(ok, q + _OFFSET, _ESCAPE)
-    # The per-value grid (quantize.value_symbol), checked against bound * |x|; its max error
+    # The per-value grid (format.value_symbol), checked against bound * |x|; its max error
     # is the relative one.
     vbits = v.to(tl.uint32, bitcast=True).to(tl.int64)
     vsym, rb = value_symbol(vbits, value_shift(step_bits), center)
@@ -294,7 +294,7 @@ def _decode_output_kernel(
     step = step_bits.to(tl.int32).to(tl.float32, bitcast=True)
     center = tl.load(cols_ptr + dc.CENTER * stride + b, mask=quant, other=0)
     v = (s.to(tl.int64) - _OFFSET + center).to(tl.float32) * step
-    # The per-value grid (descriptor mode bit 2): quantize.value_decode_bits.
+    # The per-value grid (descriptor mode bit 2): format.value_decode_bits.
     vb = value_decode_bits(s.to(tl.int64), value_shift(step_bits), center)
     v = tl.where((mode & 4) == 4, vb.to(tl.uint32).to(tl.float32, bitcast=True), v)
     half = round_to_dtype(v, _FLOAT16).to(tl.float16).to(tl.int16, bitcast=True)

@@ -14,26 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrec_lossy.codec.elementwise import float32_from_bits
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
     ESCAPE_SYMBOL,
     FLOAT32_CODE,
+    NEAREST_KEY,
     SYMBOL_OFFSET,
+    U_SCALE,
     dtype_itemsize,
+    value_decode_bits,
+    value_shift,
+    value_symbol,
 )
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.encode_columns import EncodeColumns
-from torchrec_lossy.kernels.quantize_rules import (
-    NEAREST_KEY,
-    U_SCALE,
-    value_decode_bits,
-    value_shift,
-    value_symbol,
-)
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ def _quantize_value_reference(
     """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
     bits = xf.view(torch.int32).long() & 0xFFFFFFFF
     sym, rb = value_symbol(bits, value_shift(params.step), params.center)
-    recon = float32_from_bits(rb).to(x.dtype).double()
+    recon = rb.to(torch.uint32).view(torch.float32).to(x.dtype).double()  # rb < 2**32
     err = (recon - xf.double()).abs()
     ax = xf.double().abs()
     ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
@@ -136,7 +133,8 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
     """
     if params.value:
         shift = value_shift(params.step)
-        return float32_from_bits(value_decode_bits(symbols.long(), shift, params.center))
+        bits = value_decode_bits(symbols.long(), shift, params.center)  # in [0, 2**32)
+        return bits.to(torch.uint32).view(torch.float32)
     q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
     return q * torch.tensor(params.step, dtype=torch.float32)
 

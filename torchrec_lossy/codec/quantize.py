@@ -42,25 +42,23 @@ from torchrec_lossy.codec.format import (
     FLOAT16_CODE,
     FLOAT32_CODE,
     MAX_CENTER,
-    SYMBOL_OFFSET,
-)
-from torchrec_lossy.codec.host_records import Grids
-from torchrec_lossy.kernels.quantize_ref import QuantParams
-from torchrec_lossy.kernels.quantize_rules import (
     NEAREST_KEY,
+    SYMBOL_OFFSET,
     U_SCALE,
     value_code,
     value_decode_bits,
     value_shift,
     value_symbol,
 )
+from torchrec_lossy.codec.host_records import Grids
+from torchrec_lossy.kernels.quantize_ref import QuantParams
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = 0xFFFFFFFF
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
 # The per-value relative grid (``ErrorBound(mode="value")``): its symbol mapping is in
-# kernels/quantize_rules.py (shared with the torch twins); here a block's step and qmax.
+# codec/format.py (shared with the torch twins); here a block's step and qmax.
 
 
 @jitable
