@@ -92,6 +92,16 @@ def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
 
 
 @triton.jit
+def round_to_code(v, dtype_code):
+    """:func:`round_to_dtype` for a dtype code known at run time (a block's)."""
+    return tl.where(
+        dtype_code == _FLOAT16,
+        round_to_dtype(v, _FLOAT16),
+        tl.where(dtype_code == _BFLOAT16, round_to_dtype(v, _BFLOAT16), v),
+    )
+
+
+@triton.jit
 def uniform_draw(i, key):
     """Stochastic rounding's ``u`` in [0, 1) for element indices ``i`` of a block with ``key``:
     ``mix32(i ^ key) >> 8`` times 2**-24 (twin of ``quantize_ref.uniform_reference``)."""
@@ -159,11 +169,7 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     qf = tl.where(sr_key < 0, tl.floor(t + 0.5), tl.where(u < t - fl, fl + 1.0, fl))
     rel = qf.to(tl.float64) - center
     r = qf * step
-    recon = tl.where(
-        dtype_code == _FLOAT16,
-        round_to_dtype(r, _FLOAT16),
-        tl.where(dtype_code == _BFLOAT16, round_to_dtype(r, _BFLOAT16), r),
-    )
+    recon = round_to_code(r, dtype_code)
     err = tl.abs(recon.to(tl.float64) - v.to(tl.float64))
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
     q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
@@ -173,11 +179,7 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     vbits = v.to(tl.uint32, bitcast=True).to(tl.int64)
     vsym, rb = value_symbol(vbits, value_shift(step_bits), center)
     vr = rb.to(tl.uint32).to(tl.float32, bitcast=True)
-    vrecon = tl.where(
-        dtype_code == _FLOAT16,
-        round_to_dtype(vr, _FLOAT16),
-        tl.where(dtype_code == _BFLOAT16, round_to_dtype(vr, _BFLOAT16), vr),
-    )
+    vrecon = round_to_code(vr, dtype_code)
     ax = tl.abs(v.to(tl.float64))
     verr = tl.abs(vrecon.to(tl.float64) - v.to(tl.float64))
     vok = (vsym != _ESCAPE) & (verr <= bound * ax)  # False for NaN and Inf too
