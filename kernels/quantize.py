@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL, SYMBOL_OFFSET
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    BFLOAT16_CODE,
+    ESCAPE_SYMBOL,
+    FLOAT16_CODE,
+    FLOAT32_CODE,
+    SYMBOL_OFFSET,
+)
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.common import find_segment
@@ -41,21 +48,24 @@ from torchrec_lossy.kernels.launch_tables import block_for
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
 _OFFSET: tl.constexpr = tl.constexpr(SYMBOL_OFFSET)
+_FLOAT32: tl.constexpr = tl.constexpr(FLOAT32_CODE)
+_FLOAT16: tl.constexpr = tl.constexpr(FLOAT16_CODE)
+_BFLOAT16: tl.constexpr = tl.constexpr(BFLOAT16_CODE)
 _F16_INF_FROM: tl.constexpr = tl.constexpr(0x477FF000)  # bits of 65520.0: fp16 inf from here
 _F16_NORMAL_FROM: tl.constexpr = tl.constexpr(0x38800000)  # bits of 2**-14: smallest normal fp16
 
 
 @triton.jit
 def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
-    """Rounds float32 values to fp16 (code 2) or bf16 (code 3), nearest-even; fp32 (1) as is.
+    """Rounds float32 values to fp16 or bf16 (by dtype code), nearest-even; fp32 as is.
 
     Integer twin of ``_round_to_dtype``: non-finite values pass through unchanged.
     """
-    if DTYPE_CODE == 1:
+    if DTYPE_CODE == _FLOAT32:
         return v
     bits = v.to(tl.uint32, bitcast=True)
     finite = (bits & 0x7F800000) != 0x7F800000
-    if DTYPE_CODE == 3:
+    if DTYPE_CODE == _BFLOAT16:
         # bf16 keeps the top 16 bits: add half an ulp (minus one when the kept lsb is 0).
         r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     else:
@@ -82,6 +92,16 @@ def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
 
 
 @triton.jit
+def round_to_code(v, dtype_code):
+    """:func:`round_to_dtype` for a dtype code known at run time (a block's)."""
+    return tl.where(
+        dtype_code == _FLOAT16,
+        round_to_dtype(v, _FLOAT16),
+        tl.where(dtype_code == _BFLOAT16, round_to_dtype(v, _BFLOAT16), v),
+    )
+
+
+@triton.jit
 def uniform_draw(i, key):
     """Stochastic rounding's ``u`` in [0, 1) for element indices ``i`` of a block with ``key``:
     ``mix32(i ^ key) >> 8`` times 2**-24 (twin of ``quantize_ref.uniform_reference``)."""
@@ -96,14 +116,14 @@ def uniform_draw(i, key):
 
 @triton.jit
 def value_shift(step_bits):
-    """``quantize_rules.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
+    """``format.value_shift`` from the step's float32 bits: ``23 - m`` for step ``2**-m``
     (22 + the binary exponent of any normal step), clamped to 0..23 so no lane shifts wildly."""
     return tl.minimum(tl.maximum(((step_bits >> 23) & 0xFF) - 104, 0), 23)
 
 
 @triton.jit
 def value_symbol(bits, shift, qmax):
-    """Twin of ``quantize_rules.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
+    """Twin of ``format.value_symbol`` on int64 lanes: (symbol or the escape, float32 bits
     of the reconstruction as a non-negative int64)."""
     sign = bits & 0x80000000
     mag = bits & 0x7FFFFFFF
@@ -116,7 +136,7 @@ def value_symbol(bits, shift, qmax):
 
 @triton.jit
 def value_decode_bits(symbols, shift, qmax):
-    """Twin of ``quantize_rules.value_decode_bits`` on int64 lanes."""
+    """Twin of ``format.value_decode_bits`` on int64 lanes."""
     s = symbols - _OFFSET
     q = qmax + 1 - tl.abs(s)
     mag = tl.where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
@@ -149,21 +169,17 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     qf = tl.where(sr_key < 0, tl.floor(t + 0.5), tl.where(u < t - fl, fl + 1.0, fl))
     rel = qf.to(tl.float64) - center
     r = qf * step
-    recon = tl.where(
-        dtype_code == 2, round_to_dtype(r, 2), tl.where(dtype_code == 3, round_to_dtype(r, 3), r)
-    )
+    recon = round_to_code(r, dtype_code)
     err = tl.abs(recon.to(tl.float64) - v.to(tl.float64))
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
     q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
     sym = tl.where(ok, q + _OFFSET, _ESCAPE)
-    # The per-value grid (quantize.value_symbol), checked against bound * |x|; its max error
+    # The per-value grid (format.value_symbol), checked against bound * |x|; its max error
     # is the relative one.
     vbits = v.to(tl.uint32, bitcast=True).to(tl.int64)
     vsym, rb = value_symbol(vbits, value_shift(step_bits), center)
     vr = rb.to(tl.uint32).to(tl.float32, bitcast=True)
-    vrecon = tl.where(
-        dtype_code == 2, round_to_dtype(vr, 2), tl.where(dtype_code == 3, round_to_dtype(vr, 3), vr)
-    )
+    vrecon = round_to_code(vr, dtype_code)
     ax = tl.abs(v.to(tl.float64))
     verr = tl.abs(vrecon.to(tl.float64) - v.to(tl.float64))
     vok = (vsym != _ESCAPE) & (verr <= bound * ax)  # False for NaN and Inf too
@@ -245,9 +261,9 @@ def _decode_output_kernel(
     b = find_segment(out_base, g, n_blocks, n_iter)
     e = g - tl.load(out_base + b)
     mode = tl.load(cols_ptr + dc.MODE * stride + b, mask=mask, other=0)
-    dtype_code = tl.load(cols_ptr + dc.DTYPE * stride + b, mask=mask, other=1)
+    dtype_code = tl.load(cols_ptr + dc.DTYPE * stride + b, mask=mask, other=_FLOAT32)
     dim = tl.load(cols_ptr + dc.DIM * stride + b, mask=mask, other=1)
-    wide = dtype_code == 1
+    wide = dtype_code == _FLOAT32
     lz = mask & ((mode & 1) == 1)
     quant = mask & ((mode & 2) == 2)
     r = e // dim
@@ -280,12 +296,12 @@ def _decode_output_kernel(
     step = step_bits.to(tl.int32).to(tl.float32, bitcast=True)
     center = tl.load(cols_ptr + dc.CENTER * stride + b, mask=quant, other=0)
     v = (s.to(tl.int64) - _OFFSET + center).to(tl.float32) * step
-    # The per-value grid (descriptor mode bit 2): quantize.value_decode_bits.
+    # The per-value grid (descriptor mode bit 2): format.value_decode_bits.
     vb = value_decode_bits(s.to(tl.int64), value_shift(step_bits), center)
     v = tl.where((mode & 4) == 4, vb.to(tl.uint32).to(tl.float32, bitcast=True), v)
-    half = round_to_dtype(v, 2).to(tl.float16).to(tl.int16, bitcast=True)
-    bf16 = (round_to_dtype(v, 3).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
-    q16 = tl.where(dtype_code == 2, half, bf16)
+    half = round_to_dtype(v, _FLOAT16).to(tl.float16).to(tl.int16, bitcast=True)
+    bf16 = (round_to_dtype(v, _BFLOAT16).to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    q16 = tl.where(dtype_code == _FLOAT16, half, bf16)
     val32 = tl.where(quant, tl.where(esc, esc32, v.to(tl.int32, bitcast=True)), raw32)
     val16 = tl.where(quant, tl.where(esc, esc16, q16), raw16)
     out_off = tl.load(cols_ptr + dc.OUT_OFF * stride + b, mask=mask, other=0)

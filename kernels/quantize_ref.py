@@ -14,19 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrec_lossy.codec.elementwise import float32_from_bits
-from torchrec_lossy.codec.format import ALPHABET_SIZE, CODE_DTYPES, ESCAPE_SYMBOL, SYMBOL_OFFSET
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
-from torchrec_lossy.kernels.quantize_rules import (
+from torchrec_lossy.codec.format import (
+    ALPHABET_SIZE,
+    CODE_DTYPES,
+    ESCAPE_SYMBOL,
+    FLOAT32_CODE,
     NEAREST_KEY,
+    SYMBOL_OFFSET,
     U_SCALE,
+    dtype_itemsize,
     value_decode_bits,
     value_shift,
     value_symbol,
 )
+from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import encode_columns as ec
+from torchrec_lossy.kernels.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.encode_columns import EncodeColumns
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def _quantize_value_reference(
     """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
     bits = xf.view(torch.int32).long() & 0xFFFFFFFF
     sym, rb = value_symbol(bits, value_shift(params.step), params.center)
-    recon = float32_from_bits(rb).to(x.dtype).double()
+    recon = rb.to(torch.uint32).view(torch.float32).to(x.dtype).double()  # rb < 2**32
     err = (recon - xf.double()).abs()
     ax = xf.double().abs()
     ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
@@ -129,7 +133,8 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
     """
     if params.value:
         shift = value_shift(params.step)
-        return float32_from_bits(value_decode_bits(symbols.long(), shift, params.center))
+        bits = value_decode_bits(symbols.long(), shift, params.center)  # in [0, 2**32)
+        return bits.to(torch.uint32).view(torch.float32)
     q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
     return q * torch.tensor(params.step, dtype=torch.float32)
 
@@ -219,7 +224,8 @@ def _quantized(
     """Dequantized values as output bits (int32 words or int16 halves by dtype), where
     ``escaped`` the values given (already in output bits)."""
     v = dequantize_reference(sym, params)
-    bits = v.view(torch.int32) if dtype_code == 1 else _half_bits(v, CODE_DTYPES[dtype_code])
+    wide = dtype_code == FLOAT32_CODE
+    bits = v.view(torch.int32) if wide else _half_bits(v, CODE_DTYPES[dtype_code])
     return torch.where(sym == ESCAPE_SYMBOL, escaped, bits)
 
 
@@ -287,8 +293,9 @@ def decode_outputs(
         r = e // d
         u = ids[idb + r].long() if m & 1 else r
         idx = u.clamp(0, nu - 1) * d + (e - r * d)
-        unit = 1 if code == 1 else 2  # output elements per word
-        src_units = words if code == 1 else words.view(torch.int16)
+        wide = code == FLOAT32_CODE
+        unit = 4 // dtype_itemsize(code)  # output elements per word
+        src_units = words if wide else words.view(torch.int16)
         if m & 2:
             sym = symbols[sb + idx].long() & 0xFFFF
             params = QuantParams(steps[b], 0.0, c, value=(m & 4) == 4)
@@ -296,7 +303,7 @@ def decode_outputs(
             vals = _quantized(sym, params, code, escaped)
         else:
             vals = src_units[unit * src + idx]
-        dst = out if code == 1 else out.view(torch.int16)
+        dst = out if wide else out.view(torch.int16)
         dst[unit * oo + e] = vals
     return out
 

@@ -364,11 +364,11 @@ def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
 # ---------------------------------------------------------------------------------------------
 # Kernels are leaves.
 
-# What kernels/ may import from the codec: the wire format's constants and helpers, and the
-# element-wise primitives the format itself is written with (``elementwise`` imports nothing of
-# the codec). Codec logic a kernel's torch twin shares with the host path lives in kernels/
-# (``value_grid``, ``codebook_ref.huffman_code_lengths``) and the codec imports it from there.
-KERNEL_LEAVES = {f"{PACKAGE}.codec.format", f"{PACKAGE}.codec.elementwise"}
+# What kernels/ may import from the codec: the wire format alone (its constants, its helpers
+# and the per-value grid's symbol rules every backend shares). Codec logic a kernel's torch twin
+# shares with the host path lives in kernels/ (``codebook_ref.huffman_code_lengths``) and the
+# codec imports it from there.
+KERNEL_LEAVES = {f"{PACKAGE}.codec.format"}
 
 
 def kernel_codec_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
@@ -380,14 +380,17 @@ def kernel_codec_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
 
     Returns:
         The imports (``name`` is ``"*"`` for ``import module``); ``from torchrec_lossy.codec
-        import x`` is named by the module ``torchrec_lossy.codec.x``.
+        import x`` is named by the module ``torchrec_lossy.codec.x``, ``from torchrec_lossy
+        import codec`` by ``torchrec_lossy.codec`` itself.
     """
     codec = f"{PACKAGE}.codec"
     found: set[tuple[str, str, str]] = set()
     for node in ast.walk(ast.parse(source, filename=rel)):
         if isinstance(node, ast.ImportFrom):
             module = _resolve(rel, node)
-            if module == codec:
+            if module == PACKAGE:
+                found |= {(rel, codec, "*") for a in node.names if a.name == "codec"}
+            elif module == codec:
                 found |= {(rel, f"{codec}.{a.name}", "*") for a in node.names}
             elif module.startswith(codec + "."):
                 found |= {(rel, module, a.name) for a in node.names}
@@ -412,6 +415,9 @@ def test_kernels_take_only_the_format_from_the_codec() -> None:
         ("from torchrec_lossy.codec.quantize import QuantParams", {"quantize:QuantParams"}),
         ("from ..codec.vector_lz import element_keys", {"vector_lz:element_keys"}),
         ("import torchrec_lossy.codec.vector_lz", {"vector_lz:*"}),
+        ("from torchrec_lossy.codec.elementwise import where", {"elementwise:where"}),
+        ("from torchrec_lossy import codec, config", {"torchrec_lossy.codec:*"}),
+        ("from .. import codec", {"torchrec_lossy.codec:*"}),
         ("from torchrec_lossy.kernels import common", set()),
     ],
 )

@@ -37,6 +37,7 @@ from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
+    NEAREST_KEY,
 )
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
@@ -47,7 +48,6 @@ from torchrec_lossy.kernels import vector_lz as k_vector_lz
 from torchrec_lossy.kernels.encode_columns import encode_columns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
 from torchrec_lossy.kernels.quantize_ref import QuantParams
-from torchrec_lossy.kernels.quantize_rules import NEAREST_KEY
 
 pytestmark = INTERPRETER_WARNINGS
 

@@ -55,7 +55,8 @@ def test_an_edit_to_any_module_changes_the_folder(
 
 def test_the_key_covers_the_kernels_the_host_kernels_compile() -> None:
     """kernels/ lives beside the package in a checkout: its rules, which the host kernels compile
-    (the per-value grid, the code lengths), key the cache too."""
+    (the code lengths), key the cache too, as does the format the per-value grid is written in."""
     sources = {p.resolve() for p in torchrec_lossy.numba_cache_sources()}
-    for rel in ("kernels/quantize_rules.py", "kernels/codebook_ref.py", "torchrec_lossy/config.py"):
+    rels = ("kernels/codebook_ref.py", "torchrec_lossy/codec/format.py", "torchrec_lossy/config.py")
+    for rel in rels:
         assert (ROOT / rel).resolve() in sources, rel

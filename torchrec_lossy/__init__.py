@@ -18,7 +18,7 @@ def numba_cache_sources() -> list[Path]:
 
     ``kernels/`` ships as ``torchrec_lossy.kernels`` (package-dir): in a source checkout it lives
     beside the package, and the host kernels compile rules written there
-    (``kernels/quantize_rules.py``, ``kernels/codebook_ref.py``).
+    (``kernels/codebook_ref.py``'s code lengths).
 
     Returns:
         Every ``.py`` file, in a fixed order.

@@ -60,6 +60,7 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
+    FLOAT32_CODE,
     HEADER,
     MODE_RAW,
     REFS_FIXED,
@@ -307,7 +308,7 @@ def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
         if n == 0:
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=out.device))
         else:
-            blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == 1 else 2 * o))
+            blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == FLOAT32_CODE else 2 * o))
     return blocks
 
 

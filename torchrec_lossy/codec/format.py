@@ -19,6 +19,7 @@ import torch
 
 from torchrec_lossy.codec.elementwise import (
     N,
+    binary_exponent,
     bit_length,
     clamp_min,
     float32_bits,
@@ -47,7 +48,7 @@ MODE_QUANT = 2
 MODE_QUANT_LZ = 3
 MODE_NAMES = {MODE_RAW: "raw", MODE_LZ: "lz", MODE_QUANT: "quant", MODE_QUANT_LZ: "quant+lz"}
 # Bit 2 of a quantized block's descriptor mode: the codes are on the per-value relative grid
-# (``quantize.value_code``; the segment header's step is 2**-m, its center the block's largest
+# (:func:`value_code`; the segment header's step is 2**-m, its center the block's largest
 # code qmax). Never set on raw / lz blocks; the stats report the mode without it.
 MODE_VALUE = 4
 
@@ -78,6 +79,96 @@ def descriptor_mode(mode: N, value_grid: N) -> N:
         The descriptor mode bytes.
     """
     return where(((mode & MODE_QUANT) != 0) & (value_grid != 0), mode | MODE_VALUE, mode)
+
+
+# The per-value grid's symbols: the rules every backend must share to write the same bytes.
+# ``codec.quantize`` compiles them into its numba kernels and runs them over numpy arrays,
+# ``kernels/quantize_ref.py`` runs them on torch tensors, and ``kernels/quantize.py`` has their
+# Triton twins. With them, the stochastic-rounding draw's constants.
+NEAREST_KEY = -1  # the ``sr_key`` of round-to-nearest; stochastic keys are in [0, 2**32)
+# Stochastic rounding draws u = (hash >> 8) * 2**-24: 24 bits, exact in float32.
+U_SCALE = 2.0**-24
+
+
+# The per-value relative grid (``ErrorBound(mode="value")``), integer-only so that every backend
+# writes the same bytes: keep m mantissa bits of |x|'s float32, rounded to nearest (the carry into
+# the exponent is the right rounding), so |x' - x| <= 2**-(m + 1) |x| for normal values; what
+# that misses (denormals, overflow, the cast to fp16 / bf16) fails the float64 check and is
+# escaped. Symbol of x: SYMBOL_OFFSET + sign(x) (qmax - q + 1), counted down from the block's
+# largest code qmax, so the large values, which every block has, sit next to the symbol of +0.0
+# (SYMBOL_OFFSET) and the codebook spans the block's octaves, not the whole alphabet; codes
+# SYMBOL_OFFSET or more below qmax are escaped.
+
+
+@jitable
+def value_code(mag_bits: N, shift: N) -> N:
+    """Codes of magnitudes: float32 bits of ``|x|`` rounded to nearest to a multiple of
+    ``2**shift`` and divided by it (``shift = 23 - m``). Integers: ints, arrays, tensors.
+
+    Args:
+        mag_bits: float32 bits of ``|x|`` (non-negative, < 2**31).
+        shift: ``23 - m``.
+
+    Returns:
+        The codes q.
+    """
+    return (mag_bits + ((1 << shift) >> 1)) >> shift
+
+
+@jitable
+def value_symbol(bits: N, shift: N, qmax: N) -> tuple[N, N]:
+    """Symbols of float32 values on the per-value grid, and their reconstructions' bits.
+
+    Args:
+        bits: float32 bits of the values as non-negative ints (< 2**32).
+        shift: ``23 - m``.
+        qmax: The block's largest code (of its largest finite ``|x|``).
+
+    Returns:
+        (symbol, ``ESCAPE_SYMBOL`` where a code does not fit (``-0.0`` included: it would
+        decode as ``+0.0``); float32 bits of the reconstruction ``sign * (q << shift)``, as
+        non-negative ints). The caller still escapes what fails the float64 check.
+    """
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    q = value_code(mag, shift)
+    d = qmax - q  # < 0 only for non-finite values
+    fits = where(mag == 0, sign == 0, (d >= 0) & (d < SYMBOL_OFFSET))
+    sym = SYMBOL_OFFSET + where(mag == 0, 0, where(sign == 0, d + 1, -d - 1))
+    return where(fits, sym, ESCAPE_SYMBOL), ((q << shift) & 0x7FFFFFFF) | sign
+
+
+@jitable
+def value_decode_bits(symbols: N, shift: N, qmax: N) -> N:
+    """float32 bits of the values of per-value-grid symbols (the decoder's half of
+    :func:`value_symbol`; any symbol maps to some bits, so a corrupt stream cannot crash it).
+
+    Args:
+        symbols: Symbols (ints, arrays or tensors).
+        shift: ``23 - m``.
+        qmax: The block's largest code.
+
+    Returns:
+        float32 bits as non-negative ints.
+    """
+    s = symbols - SYMBOL_OFFSET
+    q = qmax + 1 - where(s < 0, -s, s)
+    mag = where((s == 0) | (q < 0), 0, (q << shift) & 0x7FFFFFFF)
+    return mag | where(s < 0, 0x80000000, 0)
+
+
+@jitable
+def value_shift(step: float) -> int:
+    """``23 - m`` from a segment header's step ``2**-m`` (its binary exponent; any step a
+    decoder accepts, in [2**-23, 1], gives a shift in 0..23).
+
+    Args:
+        step: The segment header's step.
+
+    Returns:
+        The shift.
+    """
+    return 22 + binary_exponent(step)  # step = 0.5 * 2**(1 - m) exactly
 
 
 # How the row -> distinct-vector references of an LZ block are packed.
@@ -121,6 +212,8 @@ SECTIONS = (
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 CODE_DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_CODES.items()}
 FLOAT32_CODE = DTYPE_CODES[torch.float32]
+FLOAT16_CODE = DTYPE_CODES[torch.float16]
+BFLOAT16_CODE = DTYPE_CODES[torch.bfloat16]
 
 
 @jitable

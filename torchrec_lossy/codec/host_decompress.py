@@ -34,6 +34,7 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
+    FLOAT32_CODE,
     MODE_LZ,
     MODE_RAW,
     MODE_VALUE,
@@ -161,7 +162,7 @@ def _expand_rows(
     for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
         u = np.int64(ids[r]) * dim
         at = seg.out_at + r * dim
-        if seg.dtype_code == 1:
+        if seg.dtype_code == FLOAT32_CODE:
             dst, src = out32[at : at + dim], src32[u : u + dim]
             for j in range(dim):
                 dst[j] = src[j]
@@ -377,8 +378,8 @@ def _decode_payloads_kernel(
             b, d = first[g] + k, descs[k]
             rows, dim, code = np.int64(d["rows"]), np.int64(d["dim"]), np.int64(d["dtype"])
             table[0, b], table[1, b], table[2, b] = rows, dim, code
-            table[3, b] = n32 if code == 1 else n16
-            if code == 1:
+            table[3, b] = n32 if code == FLOAT32_CODE else n16
+            if code == FLOAT32_CODE:
                 n32 += rows * dim
             else:
                 n16 += rows * dim
@@ -479,7 +480,7 @@ class BatchDecoded:
             A ``[rows, dim]`` view of the outputs in the block's dtype.
         """
         rows, dim, code, at, _ = self.layout[:, index].tolist()
-        base = self.out32 if code == 1 else self.out16
+        base = self.out32 if code == FLOAT32_CODE else self.out16
         return base.narrow(0, at, rows * dim).view(CODE_DTYPES[code]).view(rows, dim)
 
     def blocks(self, group: int) -> list[torch.Tensor]:
@@ -500,7 +501,7 @@ class BatchDecoded:
             and dims.count(dims[0]) == len(dims)
             and (codes.count(codes[0]) == len(codes))
         ):  # one dtype and width (the usual payload): one split of one view
-            base = self.out32 if codes[0] == 1 else self.out16
+            base = self.out32 if codes[0] == FLOAT32_CODE else self.out16
             at, n = layout[3][b0], sum(rows) * dims[0]
             if at or n != base.shape[0]:  # not the whole output (e.g. several payloads)
                 base = base.narrow(0, at, n)

@@ -36,28 +36,29 @@ from torchrec_lossy.codec.elementwise import (
     where,
 )
 from torchrec_lossy.codec.format import (
+    BFLOAT16_CODE,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
+    FLOAT16_CODE,
+    FLOAT32_CODE,
     MAX_CENTER,
-    SYMBOL_OFFSET,
-)
-from torchrec_lossy.codec.host_records import Grids
-from torchrec_lossy.kernels.quantize_ref import QuantParams
-from torchrec_lossy.kernels.quantize_rules import (
     NEAREST_KEY,
+    SYMBOL_OFFSET,
     U_SCALE,
     value_code,
     value_decode_bits,
     value_shift,
     value_symbol,
 )
+from torchrec_lossy.codec.host_records import Grids
+from torchrec_lossy.kernels.quantize_ref import QuantParams
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = 0xFFFFFFFF
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
 # The per-value relative grid (``ErrorBound(mode="value")``): its symbol mapping is in
-# kernels/quantize_rules.py (shared with the torch twins); here a block's step and qmax.
+# codec/format.py (shared with the torch twins); here a block's step and qmax.
 
 
 @jitable
@@ -456,11 +457,11 @@ def bf16_round_bits(bits: int) -> int:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
-    """Rounds a float32 to fp16 (code 2) or bf16 (code 3), nearest-even, as torch's cast does."""
-    if dtype_code == 1 or not np.isfinite(v):
+    """Rounds a float32 to fp16 or bf16 (by dtype code), nearest-even, as torch's cast does."""
+    if dtype_code == FLOAT32_CODE or not np.isfinite(v):
         return v
     bits = np.int64(np.float32(v).view(np.uint32))
-    if dtype_code == 3:
+    if dtype_code == BFLOAT16_CODE:
         return np.uint32(bf16_round_bits(bits)).view(np.float32)
     a = abs(np.float64(v))
     if a >= 65520.0:  # rounds to fp16 infinity
@@ -476,20 +477,22 @@ def _round_to_dtype(v: np.float32, dtype_code: int) -> np.float32:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def half_bits(bits: int, dtype_code: int) -> int:
-    """A finite float32 rounded to float16 (code 2) or bfloat16 (code 3): the 16-bit pattern.
+    """A finite float32 rounded to float16 or bfloat16 (by dtype code): the 16-bit pattern.
 
     The round-to-nearest-even cast the encoder checked the bound against (torch's).
 
     Args:
         bits: The float32's bits, as a non-negative int (not NaN).
-        dtype_code: 2 (float16) or 3 (bfloat16).
+        dtype_code: ``FLOAT16_CODE`` or ``BFLOAT16_CODE``.
 
     Returns:
         The 16-bit value's bits, as a non-negative int.
     """
-    if dtype_code == 3:
+    if dtype_code == BFLOAT16_CODE:
         return bf16_round_bits(bits) >> 16
-    half = _round_to_dtype(np.uint32(bits).view(np.float32), 2)  # exact in float16 (or inf)
+    half = _round_to_dtype(
+        np.uint32(bits).view(np.float32), FLOAT16_CODE
+    )  # exact in float16 (or inf)
     rb = np.int64(np.float32(half).view(np.uint32))  # (a fresh variable for numba's inliner)
     sign = (rb >> 16) & 0x8000
     exponent = ((rb >> 23) & 0xFF) - 127
@@ -592,12 +595,12 @@ def _quantize_any(
 ) -> tuple[float, int, int]:
     """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
     every element escapes). ``value``: the per-value grid (round to nearest)."""
-    if dtype_code == 1:  # one loop per dtype, so that it is resolved at compile time
-        err_bits, lo, hi = _quantize_grid(x, g, 1, value, symbols)
-    elif dtype_code == 2:
-        err_bits, lo, hi = _quantize_grid(x, g, 2, value, symbols)
+    if dtype_code == FLOAT32_CODE:  # one loop per dtype, so that it is resolved at compile time
+        err_bits, lo, hi = _quantize_grid(x, g, FLOAT32_CODE, value, symbols)
+    elif dtype_code == FLOAT16_CODE:
+        err_bits, lo, hi = _quantize_grid(x, g, FLOAT16_CODE, value, symbols)
     else:
-        err_bits, lo, hi = _quantize_grid(x, g, 3, value, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, BFLOAT16_CODE, value, symbols)
     return np.int64(err_bits).view(np.float64), lo, hi
 
 
