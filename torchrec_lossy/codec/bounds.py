@@ -5,7 +5,7 @@ A relative bound ``r`` of a block is ``r * (max - min)`` over the block's finite
 range taken in float32 (as the block's values), the product in float64. A block with no finite
 element, or a range that is not finite or not positive, gets the absolute bound 0 (lossless).
 A per-value bound ``v`` is not resolved: the codec quantizes such a block on its per-value grid
-(``quantize.value_symbol``), ``|x' - x| <= v |x|`` for every element.
+(``format.value_symbol``), ``|x' - x| <= v |x|`` for every element.
 """
 
 from __future__ import annotations

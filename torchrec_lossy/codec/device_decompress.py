@@ -60,13 +60,13 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
-    FLOAT32_CODE,
     HEADER,
     MODE_RAW,
     REFS_FIXED,
     REFS_FLAGGED,
     SEGMENT_HEADER_WORDS,
     CodecError,
+    dtype_itemsize,
     segment_header_fields,
     segment_layout,
     words_for_bytes,
@@ -160,7 +160,7 @@ def _layout(
     )
     step, *header = _segment_headers(body, offsets[:-1])
     center, _, n_esc, chunk_symbols, n_chunks, lo, count, esc_len, ref_mode, width = header
-    itemsize = np.where(dtype == 1, 4, 2)  # float32, else a 16-bit dtype
+    itemsize = dtype_itemsize(dtype)
     ok, nu, ref_off, ref_words, _, esc_pos_off, ct_off, bs_off = segment_layout(
         (mode, rows, dim, itemsize, seg), (step, *header)
     )
@@ -297,9 +297,8 @@ def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     ``as_strided`` per block."""
     halves = out.view(torch.int16)
     typed = {
-        1: out.view(torch.float32),
-        2: halves.view(torch.float16),
-        3: halves.view(torch.bfloat16),
+        code: (out if dtype_itemsize(code) == 4 else halves).view(dtype)
+        for code, dtype in CODE_DTYPES.items()
     }
     blocks, out_off = [], _bases(lay.out_words)[:-1]  # each block's first word
     for r, c, d, o, n in zip(
@@ -308,7 +307,7 @@ def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
         if n == 0:
             blocks.append(torch.empty((r, c), dtype=CODE_DTYPES[d], device=out.device))
         else:
-            blocks.append(typed[d].as_strided((r, c), (c, 1), o if d == FLOAT32_CODE else 2 * o))
+            blocks.append(typed[d].as_strided((r, c), (c, 1), 4 * o // dtype_itemsize(d)))
     return blocks
 
 

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from torchrec_lossy.codec.quantize import value_code, value_mantissa_bits
+from torchrec_lossy.codec.format import value_code
+from torchrec_lossy.codec.quantize import value_mantissa_bits
 
 __all__ = ["entropy_bound_bytes"]
 
@@ -35,7 +36,7 @@ def entropy_bound_bytes(
     (distinct quantized vectors x dim x order-0 entropy of their codes) + (rows x order-0 entropy
     of the row -> distinct-vector references), in bytes. A block with bound 0 is coded losslessly,
     its float bit patterns standing in for the codes. Codebooks and headers are not counted.
-    A per-value block (``value``) is coded on the per-value grid: sign and ``quantize.value_code``
+    A per-value block (``value``) is coded on the per-value grid: sign and ``format.value_code``
     of each magnitude, with nothing escaped.
 
     Args:

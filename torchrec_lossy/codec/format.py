@@ -217,16 +217,16 @@ BFLOAT16_CODE = DTYPE_CODES[torch.bfloat16]
 
 
 @jitable
-def dtype_itemsize(dtype_code: int) -> int:
-    """Bytes per element of a ``DTYPE_CODES`` code (compiled code cannot read the dict).
+def dtype_itemsize(dtype_code: N) -> N:
+    """Bytes per element of ``DTYPE_CODES`` codes (compiled code cannot read the dict).
 
     Args:
-        dtype_code: A valid dtype code.
+        dtype_code: Valid dtype codes: ints, arrays or tensors.
 
     Returns:
         4 for float32, 2 for the 16-bit dtypes.
     """
-    return 4 if dtype_code == FLOAT32_CODE else 2
+    return 2 + 2 * (dtype_code == FLOAT32_CODE)
 
 
 # Integer views that carry each float dtype's bits verbatim.
