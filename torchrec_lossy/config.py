@@ -55,9 +55,8 @@ class BoundKind(IntEnum):
 
     @property
     def max_value(self) -> float:
-        """The largest bound value of this kind: a relative bound spans at most the block's
-        range, a per-value bound keeps at least one mantissa bit."""
-        return {BoundKind.RELATIVE: 1.0, BoundKind.VALUE: 0.5}.get(self, float("inf"))
+        """The largest bound value of this kind (:data:`_MAX_BOUND_VALUES`)."""
+        return _MAX_BOUND_VALUES.get(self, float("inf"))
 
     @property
     def nearest_only(self) -> bool:
@@ -70,6 +69,9 @@ class BoundKind(IntEnum):
         return "per-value" if self == BoundKind.VALUE else self.name.lower()
 
 
+# A relative bound spans at most the block's range, a per-value bound keeps at least one
+# mantissa bit; an absolute bound has no limit.
+_MAX_BOUND_VALUES = {BoundKind.RELATIVE: 1.0, BoundKind.VALUE: 0.5}
 BoundMode = Literal[tuple(kind.name.lower() for kind in BoundKind)]  # ErrorBound.mode's names
 EvaluationMode = Literal["exact", "lossy"]
 IntraHost = Literal["auto", "coded", "raw"]
@@ -462,27 +464,24 @@ class LossyCommsConfig:
     def _check_value_rounding(self) -> None:
         """Refuses per-value bounds with stochastic rounding (the per-value grid rounds to
         nearest only), naming the bound and the fix."""
-        forward = [("default_bound", self.default_bound)] + [
-            (f"tables.{k}.bound", t.bound) for k, t in self.tables.items() if t.bound is not None
+        rounding = ("codec.rounding", self.codec.rounding)
+        checks = [("default_bound", self.default_bound, *rounding)]
+        checks += [
+            (f"tables.{k}.bound", t.bound, *rounding)
+            for k, t in self.tables.items()
+            if t.bound is not None
         ]
-        for key, eb in forward:
+        checks.append(
+            ("backward_bound", self.backward_bound, "backward_rounding", self.backward_rounding)
+        )
+        for key, eb, rounding_key, rounds in checks:
             _require(
-                not (BoundKind.of(eb.mode).nearest_only and self.codec.rounding == "stochastic"),
+                not (BoundKind.of(eb.mode).nearest_only and rounds == "stochastic"),
                 key,
                 f"{eb.mode}:{eb.value}",
-                "a relative or absolute bound with codec.rounding 'stochastic' (the per-value "
-                "grid rounds to nearest only), or codec.rounding 'nearest'",
+                f"a relative or absolute bound with {rounding_key} 'stochastic' (the per-value "
+                f"grid rounds to nearest only), or {rounding_key} 'nearest'",
             )
-        _require(
-            not (
-                BoundKind.of(self.backward_bound.mode).nearest_only
-                and self.backward_rounding == "stochastic"
-            ),
-            "backward_bound",
-            f"{self.backward_bound.mode}:{self.backward_bound.value}",
-            "a relative or absolute bound with backward_rounding 'stochastic' (the per-value "
-            "grid rounds to nearest only), or backward_rounding 'nearest'",
-        )
 
     def table(self, name: str) -> TableCodecConfig:
         """The effective settings of one table (its first matching override, else defaults).

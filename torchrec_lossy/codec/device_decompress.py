@@ -325,14 +325,11 @@ def _decode_on_device(
     n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
     out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
     codes = None
-    if (
-        layout.ref_mode >= 0
-    ).any() or layout.has_stream.any():  # what decoding itself can find wrong
+    # What decoding itself can find wrong: references out of range, bad streams.
+    if (layout.ref_mode >= 0).any() or layout.has_stream.any():
         codes = k.huffman.block_status(d, rank)
-        if not defer_status:
-            raise_status(
-                host_sync.to_host(codes, "decompress")
-            )  # sync 2: every decode error of every block
+        if not defer_status:  # sync 2: every decode error of every block
+            raise_status(host_sync.to_host(codes, "decompress"))
     return _block_views(out, layout), codes, out
 
 
