@@ -490,9 +490,8 @@ def half_bits(bits: int, dtype_code: int) -> int:
     """
     if dtype_code == BFLOAT16_CODE:
         return bf16_round_bits(bits) >> 16
-    half = _round_to_dtype(
-        np.uint32(bits).view(np.float32), FLOAT16_CODE
-    )  # exact in float16 (or inf)
+    # exact in float16 (or inf)
+    half = _round_to_dtype(np.uint32(bits).view(np.float32), FLOAT16_CODE)
     rb = np.int64(np.float32(half).view(np.uint32))  # (a fresh variable for numba's inliner)
     sign = (rb >> 16) & 0x8000
     exponent = ((rb >> 23) & 0xFF) - 127
