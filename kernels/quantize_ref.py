@@ -23,6 +23,7 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
     U_SCALE,
     dtype_itemsize,
+    float32_from_bits,
     value_decode_bits,
     value_shift,
     value_symbol,
@@ -113,7 +114,7 @@ def _quantize_value_reference(
     """:func:`quantize_reference` on the per-value grid (max error: the relative one)."""
     bits = xf.view(torch.int32).long() & 0xFFFFFFFF
     sym, rb = value_symbol(bits, value_shift(params.step), params.center)
-    recon = rb.to(torch.uint32).view(torch.float32).to(x.dtype).double()  # rb < 2**32
+    recon = float32_from_bits(rb).to(x.dtype).double()
     err = (recon - xf.double()).abs()
     ax = xf.double().abs()
     ok = (sym != ESCAPE_SYMBOL) & (err <= bound * ax)  # False for NaN and Inf too
@@ -134,7 +135,7 @@ def dequantize_reference(symbols: torch.Tensor, params: QuantParams) -> torch.Te
     if params.value:
         shift = value_shift(params.step)
         bits = value_decode_bits(symbols.long(), shift, params.center)  # in [0, 2**32)
-        return bits.to(torch.uint32).view(torch.float32)
+        return float32_from_bits(bits)
     q = (symbols.long() - SYMBOL_OFFSET + params.center).float()
     return q * torch.tensor(params.step, dtype=torch.float32)
 
@@ -293,8 +294,8 @@ def decode_outputs(
         r = e // d
         u = ids[idb + r].long() if m & 1 else r
         idx = u.clamp(0, nu - 1) * d + (e - r * d)
-        wide = code == FLOAT32_CODE
         unit = 4 // dtype_itemsize(code)  # output elements per word
+        wide = unit == 1
         src_units = words if wide else words.view(torch.int16)
         if m & 2:
             sym = symbols[sb + idx].long() & 0xFFFF

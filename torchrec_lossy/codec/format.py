@@ -81,23 +81,22 @@ def descriptor_mode(mode: N, value_grid: N) -> N:
     return where(((mode & MODE_QUANT) != 0) & (value_grid != 0), mode | MODE_VALUE, mode)
 
 
-# The per-value grid's symbols: the rules every backend must share to write the same bytes.
-# ``codec.quantize`` compiles them into its numba kernels and runs them over numpy arrays,
-# ``kernels/quantize_ref.py`` runs them on torch tensors, and ``kernels/quantize.py`` has their
-# Triton twins. With them, the stochastic-rounding draw's constants.
-NEAREST_KEY = -1  # the ``sr_key`` of round-to-nearest; stochastic keys are in [0, 2**32)
-# Stochastic rounding draws u = (hash >> 8) * 2**-24: 24 bits, exact in float32.
+# Stochastic rounding's constants, shared by every backend: the draw is u = (hash >> 8) * 2**-24
+# (24 bits, exact in float32); NEAREST_KEY is the ``sr_key`` of round-to-nearest.
+NEAREST_KEY = -1  # stochastic keys are in [0, 2**32)
 U_SCALE = 2.0**-24
 
 
-# The per-value relative grid (``ErrorBound(mode="value")``), integer-only so that every backend
-# writes the same bytes: keep m mantissa bits of |x|'s float32, rounded to nearest (the carry into
-# the exponent is the right rounding), so |x' - x| <= 2**-(m + 1) |x| for normal values; what
-# that misses (denormals, overflow, the cast to fp16 / bf16) fails the float64 check and is
-# escaped. Symbol of x: SYMBOL_OFFSET + sign(x) (qmax - q + 1), counted down from the block's
-# largest code qmax, so the large values, which every block has, sit next to the symbol of +0.0
-# (SYMBOL_OFFSET) and the codebook spans the block's octaves, not the whole alphabet; codes
-# SYMBOL_OFFSET or more below qmax are escaped.
+# The per-value relative grid (``ErrorBound(mode="value")``): its symbol rules below are shared
+# by every backend so that all write the same bytes (``codec.quantize`` compiles them into its
+# numba kernels and runs them over numpy arrays, ``kernels/quantize_ref.py`` runs them on torch
+# tensors, ``kernels/quantize.py`` has their Triton twins). Integer-only: keep m mantissa bits of
+# |x|'s float32, rounded to nearest (the carry into the exponent is the right rounding), so
+# |x' - x| <= 2**-(m + 1) |x| for normal values; what that misses (denormals, overflow, the cast
+# to fp16 / bf16) fails the float64 check and is escaped. Symbol of x: SYMBOL_OFFSET + sign(x)
+# (qmax - q + 1), counted down from the block's largest code qmax, so the large values, which
+# every block has, sit next to the symbol of +0.0 (SYMBOL_OFFSET) and the codebook spans the
+# block's octaves, not the whole alphabet; codes SYMBOL_OFFSET or more below qmax are escaped.
 
 
 @jitable
