@@ -1,26 +1,10 @@
 """Dual-level adaptive error bounds: table-wise classes and iteration-wise decay.
 
-Table level: each table gets a *homogenization index* ``h`` in [0, 1], measured online on the
-pooled-embedding blocks the sender is about to compress (``docs/adaptive.md`` has the derivation
-and the calibration)::
-
-    h     = max(0, min(rho, 2 kappa - 1))
-    rho   = 1 - U_raw / n          repetition share: rows that repeat an earlier row bit for bit
-    kappa = U_q / U_raw            distinctness kept by quantizing at the reference bound
-
-over a window of ``n`` rows, where ``U_raw`` counts distinct raw vectors and ``U_q`` distinct
-vectors after quantizing with the base class bound (``class_bounds[1]`` of the window's value
-range). High ``h``: the traffic is a few popular vectors repeated and quantization keeps them
-apart, so a loose bound costs little. Low ``h``: most rows are distinct, or the quantizer would
-merge many distinct rows, so the table needs a tight bound. A table's index is the running
-average of its windows; tables are sorted into classes tight / base / loose by two thresholds,
-with a warm-up of provisional classes and hysteresis after it.
-
-Iteration level: the bound is multiplied by a factor that falls from ``C`` to 1 over the first
-``E`` training iterations (:func:`decay_factor`).
-
-:class:`AdaptiveBounds` holds both and keeps all its state in buffers, so a checkpoint restores
-it exactly. This module imports torch but not torchrec.
+:class:`AdaptiveBounds` sorts tables into classes tight / base / loose by a homogenization index
+``h = max(0, min(rho, 2 kappa - 1))`` measured online on the blocks the sender is about to
+compress, and multiplies the bound by a factor falling from ``C`` to 1 over the first ``E``
+training iterations (:func:`decay_factor`). All its state is buffers, so a checkpoint restores it
+exactly. Imports torch but not torchrec. ``docs/adaptive.md`` has the derivation and calibration.
 """
 
 from __future__ import annotations

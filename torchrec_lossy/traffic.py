@@ -1,19 +1,10 @@
 """Realistic forward all-to-all traffic of a table-wise sharded DLRM, for codec tests and benches.
 
-For one batch, each table contributes the pooled embeddings of that batch's ids: Criteo features
-are single-hot, so a table's block is ``[batch_rows, dim]`` float32, one looked-up row per sample.
-Three ingredients make the blocks look like real traffic (``docs/traffic.md`` has the details):
-
-* Table sizes: the published Criteo Kaggle and Criteo 1TB cardinalities
-  (:mod:`torchrec_lossy.cardinalities`).
-* Batch composition: ids drawn from a truncated power law (Zipf over popularity ranks) whose
-  exponent falls with the table size (:func:`zipf_alpha`), or taken from real Criteo rows
-  (:func:`criteo_sample_ids`).
-* Values: rows of a model that has trained a while (:class:`ValueModel`). A row is generated from
-  ``(seed, table, id)`` by a counter-based hash, so a 40M-row table is never materialised; only the
-  looked-up rows are ever created, and the same id always gets the same row.
-
-Only torch and numpy are imported: the module runs where torchrec is not installed.
+Per table, one batch's block is ``[batch_rows, dim]`` float32 (Criteo features are single-hot):
+published table sizes, Zipf-skewed ids (:func:`zipf_alpha`) or real Criteo ids
+(:func:`criteo_sample_ids`), and rows of a model that has trained a while (:class:`ValueModel`).
+A row is a hash of ``(seed, table, id)``, so no table is materialised and an id always gets the
+same row. Imports only torch and numpy (runs without torchrec). Details: ``docs/traffic.md``.
 """
 
 from __future__ import annotations
