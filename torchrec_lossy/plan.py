@@ -1,16 +1,10 @@
 """Preview a compression-aware sharding plan without starting any process.
 
-Usage::
-
-    python -m torchrec_lossy.plan --config configs/criteo_1tb.yaml \\
-        --world-size 16 --local-world-size 8 --batch-size 65536
-
-Builds the config's tables on the meta device (a 40M-row table costs no memory), plans them with
-:class:`~torchrec_lossy.planner.LossyShardingPlanner` on a simulated topology, prints our plan
-with the reason for each table, then plans the same model four ways and compares the estimated
-embedding communication per training step: no compression, TorchRec's FP16 qcomm, TorchRec's
-MX4 qcomm (MX4 both ways, as production traces run it) and torchrec-lossy. ``--batch-size`` is
-the global batch (all ranks).
+``python -m torchrec_lossy.plan --config configs/criteo_1tb.yaml --world-size 16
+--local-world-size 8 --batch-size 65536`` (the global batch) builds the tables on the meta device,
+plans them with :class:`~torchrec_lossy.planner.LossyShardingPlanner` on a simulated topology,
+prints each table's choice and reason, and compares the estimated embedding communication per
+step with no compression and TorchRec's FP16 and MX4 (both ways) qcomm. See ``docs/config.md``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """How each table's embedding traffic travels, as the planner prices it.
 
-A :class:`WireFormat` is one encoding of one direction of traffic: a ratio (raw bytes / wire
-bytes) and the encode/decode throughputs that the codec time follows from. A :class:`TableComms`
-gives a table its formats for the all-to-all (TW, CW, TWCW; RW where the row-wise partial sums
-travel by all-to-all, as this project sends them; and the cross-host hop of TWRW/grid), per
-destination class (cross-host peers, same-host peers, the rank's own block), and for TorchRec's
-reduce-scatter (RW; the intra-host hop of TWRW/grid). :class:`Links` prices an all-to-all per
-destination class: blocks for peers on other hosts at the inter-host bandwidth, blocks for
-same-host peers and the rank's own block at the intra-host bandwidth, each class in its format.
-A :class:`CommsModel` maps table names to their :class:`TableComms`: :class:`FixedCommsModel`
-for uncompressed traffic and TorchRec's qcomm codecs, :class:`LossyCommsModel` for this
-project's codec.
-
-Units follow TorchRec's planner: bandwidths in bytes/ms, times in ms; throughputs in the configs
-are GiB/s (2**30 bytes/s), as TorchRec's bandwidth constants are.
+:class:`WireFormat`: one encoding (ratio, encode/decode throughputs). :class:`TableComms`: a
+table's formats per collective and destination class (cross-host, same-host, own block), priced
+by :class:`Links`. A :class:`CommsModel` maps tables to them: :class:`FixedCommsModel` (raw,
+TorchRec's qcomm) or :class:`LossyCommsModel` (this project's codec). Units follow TorchRec's
+planner: bandwidths in bytes/ms, times in ms; config throughputs in GiB/s (2**30 bytes/s).
 """
 
 from __future__ import annotations

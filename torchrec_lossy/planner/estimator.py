@@ -1,21 +1,11 @@
 """A compression-aware shard perf estimator on top of TorchRec's ``EmbeddingPerfEstimator``.
 
-TorchRec prices each shard's forward and backward communication for fp32 traffic (for TW:
-``B / bw``, ``B = batch_outputs * world_size * emb_dim * 4``, every byte at the intra-host
-bandwidth on one host and at the inter-host bandwidth once the world spans hosts). This estimator
-lets TorchRec do that, then re-prices each pooled shard in its table's wire formats:
-
-* an all-to-all (TW, CW, TWCW; RW where its partial sums travel by all-to-all) per destination
-  class: ``B / W`` per rank, the own block and the ``L - 1`` same-host peers' blocks at the
-  intra-host bandwidth, the ``W - L`` cross-host ones at the inter-host bandwidth, each class's
-  bytes over its format's ratio plus its codec time (``b / enc + b / dec`` of its raw bytes);
-* TorchRec's reduce-scatter (RW): ``comms / R + B / enc + B / dec``;
-* TWRW / grid: TorchRec's intra-host reduce-scatter so, and the cross-host all-to-all (one block
-  per host) as an all-to-all above, in place of TorchRec's raw price of that hop.
-
-Data-parallel shards have no embedding all-to-all and are left alone. On one host, a ratio of 2
-without codec time is exactly TorchRec's own pricing of an FP16 qcomm codec; across hosts every
-scenario (raw, qcomm, lossy) is priced per link alike.
+TorchRec prices each shard's communication as fp32 bytes at one bandwidth; this estimator keeps
+that estimate and re-prices each pooled shard by the collective carrying it (:data:`COLLECTIVES`):
+an all-to-all per destination class (own block and same-host peers at the intra-host bandwidth,
+cross-host peers at the inter-host one, each in its wire format plus codec time), TorchRec's
+reduce-scatter over its format's ratio plus codec time, TWRW/grid as both hops. Data-parallel
+shards are left alone. Formulas: ``docs/config.md``, ``planner`` section.
 """
 
 from __future__ import annotations
@@ -217,6 +207,7 @@ class LossyPerfEstimator(EmbeddingPerfEstimator):
             if option.output_dtype
             else option.tensor.element_size()
         )
+        # TorchRec's B: batch_outputs * world_size rows of the shard's columns at the output dtype.
         outputs = 0.0 if comms is None else self.batch_outputs(option) * self._topology.world_size
         costs = []
         for shard in option.shards:

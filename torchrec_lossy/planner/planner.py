@@ -1,13 +1,10 @@
 """``LossyShardingPlanner``: TorchRec's sharding planner with a compression-aware cost model.
 
-It is an ``EmbeddingShardingPlanner`` (same ``plan`` / ``collective_plan``) whose enumerator
-prices every sharding option with :class:`~torchrec_lossy.planner.estimator.LossyPerfEstimator`
-(row-wise tables compressed like table-wise ones: their partial sums travel by the coded
-all-to-all). Data-parallel stays available
-(unless ``planner.data_parallel`` is off), so a tiny table is replicated where its gradient
-all-reduce is cheaper than any all-to-all. After planning, :meth:`LossyShardingPlanner.explain`
-gives the per-table plan with the reason for each choice, and :meth:`LossyShardingPlanner.sharder`
-builds the lossy sharder from the same config.
+An ``EmbeddingShardingPlanner`` (same ``plan`` / ``collective_plan``) whose enumerator prices
+every option with :class:`~torchrec_lossy.planner.estimator.LossyPerfEstimator`; data-parallel
+stays an option unless ``planner.data_parallel`` is off. After planning,
+:meth:`LossyShardingPlanner.explain` gives each table's choice and reason, and
+:meth:`LossyShardingPlanner.sharder` builds the lossy sharder of the same config.
 """
 
 from __future__ import annotations
