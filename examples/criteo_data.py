@@ -1,22 +1,11 @@
 """Criteo data for the DLRM example: a synthetic stream with a planted signal and real-data readers.
 
-Three sources, all yielding TorchRec :class:`~torchrec.datasets.utils.Batch` objects (dense
-features, a ``KeyedJaggedTensor`` of the 26 single-hot categorical features, labels) for one rank:
-
-* :class:`SyntheticCriteo`: an endless, deterministic stream shaped like Criteo (26 tables with
-  the published table sizes capped to fit the machine, Zipf-skewed ids from
-  :func:`torchrec_lossy.traffic.sample_ids`, 13 log-transformed count features) whose labels are
-  drawn from a hidden logistic model (:class:`HiddenModel`), so AUC measures real learning and
-  the hidden model's own AUC is the ceiling.
-* :class:`RawCriteoReader`: the raw tab-separated files of Criteo Kaggle (``train.txt``) and
-  Criteo 1TB (``day_N`` or ``day_N.gz``), streamed line by line; malformed rows are counted,
-  skipped and reported.
-* :class:`NpyCriteoReader`: TorchRec's preprocessed ``*_dense.npy`` / ``*_sparse.npy`` /
-  ``*_labels.npy`` files (``torchrec.datasets.criteo.BinaryCriteoUtils``), memory-mapped.
-
-Sharding over ranks follows one rule everywhere: global row ``i`` belongs to rank
-``i % world_size``. Of each rank's rows, every ``holdout_every``-th one (counted on that rank) is
-held out for evaluation, so both splits are spread evenly over ranks and over the file.
+Three sources yield TorchRec :class:`~torchrec.datasets.utils.Batch` objects for one rank:
+:class:`SyntheticCriteo` (deterministic; labels from a hidden logistic model, :class:`HiddenModel`,
+whose own AUC is the ceiling), :class:`RawCriteoReader` (Criteo Kaggle / 1TB TSV; malformed rows
+counted, skipped, reported) and :class:`NpyCriteoReader` (TorchRec's ``*.npy``, memory-mapped).
+All shard alike: global row ``i`` belongs to rank ``i % world_size``, and every
+``holdout_every``-th row of a rank is held out. Details: ``docs/example.md``, "Data".
 """
 
 from __future__ import annotations
