@@ -1,38 +1,10 @@
 """Device-resident, batched compress: every stage runs once for all blocks, one sync in all.
 
-``compress_device(blocks, bounds, config)`` builds the same payload, byte for byte, and the same
-``BlockStats`` as ``pipeline.compress`` with the CPU backend, without the blocks leaving their
-device. ``start_groups_device`` does the same for several payloads at once (groups of
-consecutive blocks, each payload byte-identical to its own compress) and stops before the read
-(:class:`PendingCompress`). Blocks are laid out back to back (elements, rows, chunk slots), and
-host-side tables derived from the shapes only (:class:`_HostTables`: offsets, tiles, chunk slots,
-the blocks that may quantize: ``quantize.grid_before_data``, the launchers' record but its grid
-fields: ``encode_columns.host_record``) go to the device in one non-blocking copy; relative
-bounds are resolved on the device from each block's finite range. The data-sized stages run
-over the caller's kernel set (``kernel_set.KernelSet``: the Triton launchers, or their torch
-twins for ``"reference"``). Then, for all blocks at once, each stage a function passing a record
-to the next:
-
-1. the grids: per-block finite min / max (``segment_reduce``), medians (a segmented sort), then
-   the host path's rule (``quantize.block_bound``, ``quantize.block_grid``) - torch ops;
-2. quantize + escapes + per-block histograms: ``quantize.quantize_tiles`` (one launch);
-3. vector-LZ, quantized and lossless: ``vector_lz.representatives`` (hash with the block
-   in the top bits, one sort, verify), ranks by a cumsum;
-4. histograms of the distinct rows (``huffman.histogram_tiles``), code lengths of both histograms
-   of every block (``codebook.code_lengths``), the size of every mode and the mode choice by
-   ``size_model`` (the functions the host path calls) - torch ops over ``[n_blocks]`` tensors;
-5. the sent symbol stream, canonical codes (``codebook.canonical_codes``), Huffman encode of
-   every chunk of every block (``huffman.encode_chunks``, chunk slots sized for the worst case);
-6. section offsets (cumsums) and payload assembly: every section (descriptors, segment headers,
-   codebook nibbles, references, escape positions / bits, chunk tables, bitstreams, raw and
-   distinct rows) is added into an int64 word buffer sized for the worst case (each bit has one
-   writer, so the sums are ORs); headers, descriptors and segment headers are packed from the
-   ``format`` record dtypes (``container.pack_records``), checksums by
-   ``container.segment_checksums``.
-
-The single device-to-host transfer (``host_sync.to_host``, or the caller's own for a pending
-compress) reads the payload sizes and the per-block scalars of the stats; the payloads are then
-a slice of the word buffer.
+``compress_device`` builds the CPU backend's payload byte for byte, and its ``BlockStats``,
+without the blocks leaving their device; ``start_groups_device`` builds several payloads at once
+and stops before the one device-to-host read (:class:`PendingCompress`). The data-sized stages
+run over the caller's ``kernel_set.KernelSet``, each stage a function passing a record to the
+next. Stages, host tables and the sync: docs/kernels.md, "Device-resident compress".
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """Device-resident, batched decompress: every block of a payload decoded at once, on its device.
 
-:func:`decompress_device` decodes a payload where it lives (a CUDA tensor, or a CPU tensor under
-the Triton interpreter or the torch twins) with one launch per stage for all blocks, and gives the
-same bits and the same ``CodecError`` messages as the host path (``pipeline.decompress`` with
-``backend="cpu"``).
-
-Host syncs: at most two per payload, whatever the number of blocks, both through
-``host_sync.to_host`` (the module's only device-to-host path, which counts them):
-
-1. The whole payload is copied to the host once. The host checks the header, the checksum and
-   every segment's structure (vectorised over the blocks: the CPU path's conditions, as numpy
-   expressions) and computes where every section lies. A compressed payload is small (about 1/30
-   of the decoded bytes); parsing segment headers on the device instead would still need a
-   read-back of the headers before the decode grid could be sized, so it would not save a sync.
-   A payload the checks reject is handed (as that host copy) to the caller's ``on_reject``:
-   ``pipeline.decompress`` decodes it with the CPU path, which raises the exact error (a data
-   error in an earlier block, which only decoding finds, must win).
-2. One read of the per-block status codes after the last kernel (only when some block has vector
-   references or a Huffman stream, the only things decoding itself can find wrong): invalid
-   references, a bad codebook, a bad chunk table, an invalid code, a chunk out of bits, misplaced
-   or missing escapes. The first failing block's error is raised with the CPU path's message.
-
-Device work (all blocks per launch, over the caller's kernel set ``kernel_set.KernelSet``: the
-Triton launchers, or their torch twins for ``"reference"``): decode tables from the wire codebooks
-(``codebook.decode_tables``), reference unpacking (``vector_lz.unpack_refs_blocks``), Huffman
-decode over a global chunk table (``huffman.decode_blocks``), escape ranking and checking
-(``huffman.check_escapes``), the status per block (``huffman.block_status``) and the output
-elements (``quantize.decode_outputs``: raw copies, LZ row expansion, dequantization with escapes).
-The section offsets the host computed travel in one non-blocking host-to-device copy, as one
-record (``decode_columns.DecodeColumns``) that every decode launcher takes.
-
-The returned blocks are views into one output buffer (each block contiguous and word-aligned).
+:func:`decompress_device` gives the CPU path's bits and ``CodecError`` messages, with one launch
+per stage for all blocks over the caller's ``kernel_set.KernelSet``. Host syncs: at most two per
+payload, whatever the number of blocks, both through ``host_sync.to_host``: the whole payload
+(the host checks its structure and lays out the sections; a rejected one goes to the caller's
+``on_reject``), then the per-block status codes (skipped for raw-only payloads). Stages, syncs
+and checks: docs/kernels.md, "Device-resident decompress".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Error-bounded quantization with an escape path for what cannot be bounded.
 
-Code ``q = floor(x * inv_step + 0.5)`` (float32 arithmetic; round to nearest, step ``2 * bound``)
-or, with stochastic rounding, ``q = floor(t) + (u < t - floor(t))`` for ``t = x * inv_step`` and
-``u`` uniform in [0, 1) from a counter-based hash of (block key, element index) (step ``bound``,
-so ``|x - x'| < step <= bound``; ``E[q] = t``: unbiased), reconstruction
-``x' = dtype(float32(q) * step)``. The encoder computes ``x'`` exactly as the decoder will,
-rounding to the block's dtype included, and escapes every element with ``|x - x'| > bound``
-(checked in float64), every non-finite element and every code outside the alphabet. Escaped
-elements travel verbatim, so the bound holds for every element by construction, whatever the
-data.
-
-No predictor: embedding rows are independent lookups with no order along the row or the
-dimension for a predictor to exploit (measured in docs/codec.md, "Why no predictor": a
-previous-row or previous-element predictor raised the code entropy on realistic traffic).
+The encoder computes each reconstruction exactly as the decoder will, rounding to the block's
+dtype included, and escapes every element it would take past the bound (checked in float64),
+every non-finite element and every code outside the alphabet; escaped elements travel verbatim,
+so the bound holds for every element whatever the data. The rounding rules (nearest, stochastic,
+the per-value grid): docs/format.md, "Quantization and symbols"; why no predictor: docs/codec.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Vector-LZ: every embedding vector that repeats an earlier one in its block becomes a reference.
 
-The symbol is a whole (quantized) vector. Unlike the paper's 32-vector window, the match search
-covers the whole block through a hash table, so a popular id's vector is sent once per block
-however far apart its lookups are. Vector ids are numbered by first occurrence; row ``r`` of the
-block decodes as distinct vector ``ids[r]``.
-
-Two packings of the ids, whichever is smaller for the block:
-
-- ``REFS_FIXED``: every row carries its id in ``width = bit_length(n_unique - 1)`` bits; best when
-  few distinct vectors repeat often (small tables).
-- ``REFS_FLAGGED``: every row carries one flag bit (1 = first occurrence, whose id is implicit);
-  repeats add their id in ``width`` bits; best when most rows are distinct (large tables).
+The symbol is a whole (quantized) vector, and the match search covers the whole block through a
+hash table (not the paper's 32-vector window), so a popular id's vector is sent once per block
+however far apart its lookups are. Vector ids are numbered by first occurrence and packed
+``REFS_FIXED`` or ``REFS_FLAGGED``, whichever is smaller: docs/format.md, "References".
 """
 
 from __future__ import annotations
