@@ -4,11 +4,9 @@ A payload is a sequence of little-endian 32-bit words::
 
     header (32 B) | block descriptors (24 B each) | block segments (4-byte aligned each)
 
-The header carries a magic, the format version, the block count, the body length and a checksum
-of the body (everything after the header). Each descriptor names its block's shape, dtype,
-encoding mode, bound and segment length, so a decoder can find every segment without parsing the
-others. Encoded segments start with a 32-byte :data:`SEGMENT_HEADER`; their sections are listed in
-docs/format.md.
+Each descriptor gives its segment's length, so a decoder finds every segment without parsing the
+others. Fields live in the record dtypes (:data:`HEADER`, :data:`DESCRIPTOR`,
+:data:`SEGMENT_HEADER`): every writer fills them, none hard-codes a word offset.
 """
 
 from __future__ import annotations

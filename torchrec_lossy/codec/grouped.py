@@ -1,16 +1,10 @@
 """One codec call for the blocks of every destination (compress) or every source (decompress).
 
-An all-to-all sends one payload per destination. :func:`compress_groups` builds them all in one
-pass and returns them back to back in one uint8 buffer with the size of each; on the device path
-its only device-to-host read is those sizes (with the per-block stats in the same copy), and
-relative bounds are resolved against each block's finite range on the device.
-:func:`decompress_groups` decodes every source's payload of a received buffer in one pass; on
-the device path it reads the buffer back once for the layouts and leaves the decode status on
-the device (:class:`GroupStatus`); the caller checks it with :func:`check_groups` at a sync
-point of its choosing, before it uses the blocks, or zeroes the failed groups' blocks on the
-device (:func:`contain_failures`) and reads the flags at a later sync. Each group's payload is
-byte-identical to :func:`~torchrec_lossy.codec.compress` of its blocks, and decodes with
-:func:`~torchrec_lossy.codec.decompress`.
+:func:`compress_groups` builds one payload per destination in one pass, back to back in one
+uint8 buffer, each byte-identical to ``compress`` of its blocks; :func:`decompress_groups`
+decodes every source's payload of a received buffer in one pass. On the device path the decode
+status stays on the device (:class:`GroupStatus`) until :func:`check_groups` reads it or
+:func:`contain_failures` zeroes the failed blocks. Syncs and status: docs/codec.md, "Grouped".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The compiled CPU encoder, batched: one compiled call encodes every block of every payload.
 
-The blocks are concatenated (values, raw bits, rows) with per-block offsets, and one numba call
-(``_compress_kernel``) runs every stage over the whole concatenation: finite ranges and relative
-bounds, quantization, vector-LZ, Huffman planning, the mode choice, the payload writer, the
-descriptors, headers and checksums. No Python runs per block, and the fixed cost of a call is a
-few numpy / torch calls around the compiled one, so small all-to-all payloads pay for their
-bytes, not for the stages. The bytes are those of the device path (``device_compress``, over
-the Triton kernels or their torch twins ``kernels/*_ref.py``: the ``"reference"`` backend, the
-test oracle), and the mode choice is ``size_model``'s, each block's grid ``quantize``'s rule
-(``block_bound``, ``block_grid``) and the checksum ``format``'s, shared with the device path
-(the first two compile into the kernel through ``elementwise``). Its reader is
-:mod:`torchrec_lossy.codec.host_decompress`.
+The blocks are concatenated (values, raw bits, rows) with per-block offsets and one numba call
+(``_compress_kernel``) runs every stage over them: no Python runs per block, so small all-to-all
+payloads pay for their bytes, not for the stages. Its bytes are the device path's: the mode
+choice (``size_model``), the grid rule (``quantize.block_bound`` / ``block_grid``) and the
+checksum are shared (docs/codec.md, "Backends"). Its reader is ``host_decompress``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The compiled CPU decoder, batched: one compiled call reads every segment of one or several
 payloads.
 
-The reader of :mod:`torchrec_lossy.codec.host_compress`'s payloads (and of any other valid one):
-``_decode_payloads_kernel`` walks every payload's header, descriptors and segments and decodes
-each block (vector-LZ references, the Huffman streams straight to values, escapes) into one
-output buffer. A block it rejects (a corrupt segment) gets a verdict: the first check it fails
-in wire order (``_segment_verdict``: ``format.segment_checks``, the same checks whose "all
-pass" the decode takes, with the references' and the stream's decode where they lie), as a
-``format.SEGMENT_*`` status and its details, which :meth:`BatchDecoded.error` turns into the
-exact error (``container.segment_error``).
+``_decode_payloads_kernel`` decodes every block of every payload (references, Huffman streams
+straight to values, escapes) into one output buffer. A block it rejects gets the first check it
+fails in wire order (``_segment_verdict``), which :meth:`BatchDecoded.error` turns into the
+exact ``CodecError`` (docs/codec.md, "Backends").
 """
 
 from __future__ import annotations

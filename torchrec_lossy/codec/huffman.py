@@ -1,15 +1,10 @@
 """Chunked, canonical, length-limited Huffman coding of quantization symbols.
 
-- Code lengths: a two-queue Huffman construction on the histogram (ties broken by symbol, so the
-  result is deterministic), limited to ``MAX_CODE_LENGTH`` bits by the JPEG (Annex K.3) bit-count
-  adjustment, which keeps the code complete.
-- Canonical codes: ordered by (length, symbol), so only the lengths travel.
-- Chunks: the stream is cut every ``chunk_symbols`` symbols; each chunk starts on a 32-bit word
-  and its end word is recorded, so chunks decode independently (one GPU lane each) and encode
-  without atomics after a prefix sum of the chunk sizes.
-- Decode: one ``2**MAX_CODE_LENGTH``-entry lookup table maps the next 12 bits to (symbol, length).
-
-Bits are written MSB-first into little-endian uint32 words.
+Code lengths are limited to ``MAX_CODE_LENGTH`` (12) bits and deterministic (ties broken by
+symbol); the codes are canonical, so only the lengths travel. The stream is cut into word-aligned
+chunks with their ends recorded, so chunks decode independently (one GPU lane each) and encode
+without atomics after a prefix sum of their sizes. Bits go MSB-first into little-endian uint32
+words. Construction: docs/kernels.md, "The kernels"; wire: docs/format.md, "Huffman bitstream".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The kernel set the device paths run over, chosen once per call at the codec's boundary.
 
-``device_compress`` and ``device_decompress`` orchestrate the data-sized stages over a
-:class:`KernelSet`: the Triton launchers of ``torchrec_lossy.kernels`` (``"triton"``, and
-``"auto"`` on CUDA) or their torch twins ``kernels/*_ref.py`` (``"reference"``: the same
-functions and outputs bit for bit, plain torch on any device, no triton; the test oracle). The
-caller (``pipeline``, ``grouped``) picks the set with :func:`load_kernels`; nothing below it
-holds one.
-
-Importing this module never imports triton; :func:`load_kernels` does for the Triton set, and
-raises a clear error when triton is missing. On a machine without CUDA the Triton kernels run
-on CPU tensors in the Triton interpreter: the first call sets ``TRITON_INTERPRET=1`` for the
-process before the kernels are imported (slow; meant for tests).
+:class:`KernelSet` holds the Triton launchers of ``torchrec_lossy.kernels`` or their torch twins
+``kernels/*_ref.py`` (``"reference"``: the same outputs bit for bit, no triton; the test oracle).
+The caller (``pipeline``, ``grouped``) picks it with :func:`load_kernels`; nothing below it holds
+one. Importing this module never imports triton; :func:`load_kernels` does (docs/kernels.md, top).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The codec: ``compress(blocks, bounds) -> payload`` and ``decompress(payload) -> blocks``.
 
-Per block: quantize under the bound (escaping what it cannot cover), find repeated vectors, then
-Huffman-code the symbols of the distinct vectors. Each block is sent in the smallest of four
-modes: raw, raw with repeated vectors referenced (lossless), quantized, quantized with repeated
-vectors referenced.
-
-The backend is chosen once, here, from ``CodecConfig.backend`` and the tensors' device: the
-device orchestration (``device_compress`` / ``device_decompress``) over a kernel set
-(``kernel_set``: the Triton launchers for ``"triton"`` and ``"auto"`` on CUDA, their torch twins
-for ``"reference"``, the oracle, on any device), or the compiled host path (``host_compress`` /
-``host_decompress``; ``"cpu"``, and ``"auto"`` off the device path). All produce the same bytes
-and decode every payload alike.
+Per block: quantize under the bound (escaping what it cannot cover), reference repeated vectors,
+Huffman-code the distinct ones, and send the smallest of four modes (docs/codec.md, "Pipeline,
+per block"). This module holds the public calls, their input checks and the one backend choice,
+from ``CodecConfig.backend`` and the tensors' device: the device orchestration over a
+``kernel_set.KernelSet`` or the compiled host path, which write the same bytes and decode every
+payload alike (docs/codec.md, "Backends").
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The size model and the per-block mode choice, written once for the host and device paths.
 
 Every function works element-wise on Python ints, numpy arrays or torch tensors (on any device,
-without a sync), and compiles into numba kernels (``elementwise.jitable``): the per-block host
-path (``pipeline``) calls them with one block's scalars, the batched host kernel
-(``host_compress``) with each block's scalars in compiled code, the device path
-(``device_compress``) with ``[n_blocks]`` tensors, so all choose the same mode from the same
-sizes by construction. Sizes are in 32-bit words of a block's segment (docs/format.md).
-
-The choice: raw, then quant, then quant+lz win in that order unless a later one is strictly
-smaller; the lossless vector-LZ is tried only when even the quantized count of distinct rows
-(a lower bound on the raw one: raw-identical rows are quantized-identical) could beat the best
-so far, so the host path can skip its dedupe.
+without a sync) and compiles into numba kernels (``elementwise.jitable``): the batched host
+kernel (``host_compress``) calls them per block, the device path (``device_compress``) over
+``[n_blocks]`` tensors, so both choose the same mode from the same sizes by construction. Sizes
+are in 32-bit words of a block's segment (docs/format.md).
 """
 
 from __future__ import annotations
@@ -153,7 +147,7 @@ def lossless_may_win(lz_allowed: N, rows: N, dim: N, itemsize: N, n_unique_lower
         dim: Columns.
         itemsize: Bytes per element.
         n_unique_lower: A lower bound on the distinct raw vectors (the quantized count when the
-            block was quantized and deduped, else 1).
+            block was quantized and deduped: raw-identical rows are quantized-identical; else 1).
         best: Words of the best mode so far (:func:`choose_lossy`).
 
     Returns:
