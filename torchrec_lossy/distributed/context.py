@@ -1,23 +1,11 @@
 """Explicit per-batch state of the lossy dists, from the input dist to the output dist.
 
-TorchRec's input dist hands the output dist its per-batch state (the batch size of every rank)
-through the sharding context. The lossy dists need one more thing per batch: the cross-side
-dedupe state (:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`). It travels in two
-explicit types:
-
-- :class:`DistributedKJT`: the KJT the packed input dist decodes, carrying the state it was
-  decoded with (:class:`KJTDistState`). The state must follow the data: a train pipeline that
-  re-attaches (``detach()``/``attach()`` around an evaluation) re-runs the in-flight batch's
-  input dist into a fresh module context but feeds the forward the tensors of the first run.
-- :class:`LossyShardingContext`: the sharding context the lossy output dist reads. The sharded
-  module builds it from the features it is about to look up (:func:`bind_input_state`, in its
-  ``compute`` and ``compute_and_output_dist``), so context and data always belong to one batch.
-
-Example::
-
-    kjt = DistributedKJT.of(decoded, KJTDistState([4, 4], output_dedupe=None))
-    bind_input_state(ctx, KJTList([kjt]))
-    assert ctx.sharding_contexts[0].batch_size_per_rank == [4, 4]
+Beside TorchRec's batch size per rank the output dist needs the cross-side dedupe state
+(:class:`~.dedupe.OutputDedupe`). It rides the decoded KJT (:class:`DistributedKJT`,
+:class:`KJTDistState`), since a pipeline that re-attaches re-runs the input dist into a fresh
+context but feeds the forward the first run's tensors; the sharded module builds the
+:class:`LossyShardingContext` from the features it looks up (:func:`bind_input_state`), so
+context and data belong to one batch. docs/input_dist.md, "Train pipelines".
 """
 
 from __future__ import annotations

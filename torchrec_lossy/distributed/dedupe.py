@@ -1,19 +1,10 @@
 """Deduplication state and helpers of the KJT input dist, shared with the output dist.
 
-Two kinds of deduplication live here, both pure tensor functions (no collectives):
-
-- **Wire dedupe** of ids (``InputDistConfig.dedupe``): per feature, its distinct ids and an
-  inverse index, found by stable segmented sorts (:func:`segment_sort`,
-  :func:`segment_inverse`).
-- **Cross-side output dedupe** (:class:`OutputDedupe`): the input dist marks the distinct bags
-  of features whose bags hold at most one id (:func:`bag_keys`, :func:`bag_inverse` on the
-  sender, :func:`distinct_bags` / :func:`first_bags` on the owner) and the output dist sends the
-  pooled row of each distinct bag once. The state of one call travels from the input dist to
-  the output dist in explicit types (:mod:`torchrec_lossy.distributed.context`): on the decoded
-  KJT, then on the sharding context.
-
-The sender's and the owner's orders of the distinct bags agree by construction: the empty bag
-first (if any), then the distinct ids in ascending order.
+Pure tensor functions, no collectives: the wire dedupe of ids (:func:`segment_sort`,
+:func:`segment_inverse`) and the cross-side output dedupe (:class:`OutputDedupe`; :func:`bag_keys`
+and :func:`bag_inverse` on the sender, :func:`distinct_bags` / :func:`first_bags` on the owner).
+Sender and owner order the distinct bags alike by construction: the empty bag first (if any),
+then the distinct ids ascending. docs/input_dist.md, "Deduplication".
 """
 
 from __future__ import annotations

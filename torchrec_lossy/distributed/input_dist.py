@@ -1,41 +1,12 @@
 """Lossless, bit-packed KJT all-to-all for the TW, CW and TWCW input dist: the dist modules.
 
-TorchRec's ``KJTAllToAll`` sends every rank's ``KeyedJaggedTensor`` (lengths, ids, optional
-weights) to the owners of the features' tables as int64/int32 tensors, after a splits exchange.
-:class:`LossyKJTAllToAll` does the same exchange in the same two steps, on packed words (the
-codec is :mod:`torchrec_lossy.distributed.kjt_codec`, the dedupe state
-:mod:`torchrec_lossy.distributed.dedupe`; this module holds only the collectives, awaitables
-and telemetry, like TorchRec's ``dist_data.py``):
-
-1. Encode (sender, at ``forward``): :func:`~torchrec_lossy.distributed.kjt_codec.encode_kjt`
-   reads its per-feature statistics on the host in one ``tolist()`` (TorchRec's ``dist_splits``
-   reads ``length_per_key`` at the same point).
-2. Splits exchange: per destination, a few int64 words of metadata (payload size, batch size,
-   dtypes, per feature: bit widths, value count, distinct count) in one ``all_to_all_single``,
-   read on the host on the first ``wait()``, as TorchRec's ``SplitsAllToAllAwaitable``.
-3. Payload exchange: one ``all_to_all_single`` of int32 words with uneven splits, async.
-4. Decode (receiver, on the second ``wait()``): unpack, expand deduplicated ids and build the
-   KJT with ``KeyedJaggedTensor.dist_init`` from the same tensors, recat and strides TorchRec's
-   ``KJTAllToAllTensorsAwaitable`` uses, so the result is bit-identical.
-
-On CUDA ``torch.unique``-like steps of the deduplication (masked selects) wait for the device
-once more; set ``InputDistConfig.dedupe=False`` for exactly TorchRec's host syncs.
-
-Each payload ends with a checksum the receiver verifies (``InputDistConfig.checksum``), and
-``LossyComms.payload_hook`` sees every received payload as ``hook("input", source, words)``.
-
-The decoded KJT is a :class:`~torchrec_lossy.distributed.context.DistributedKJT`: it carries
-the batch size of every source and the state of the cross-side output dedupe
-(:class:`~torchrec_lossy.distributed.dedupe.OutputDedupe`) to the lossy sharded module, which
-puts them into the sharding context its output dist reads.
-
-Variable batch per feature (VBE) KJTs travel packed too (their lengths padded to the largest
-batch with zero lengths, the features' batches in the metadata: ``kjt_codec``) and decode into
-TorchRec's VBE KJT, bit-identical; they take no output dedupe. 2-D weights and single-rank
-groups fall back to TorchRec's ``KJTAllToAll``. Under TorchRec's train pipelines, which replace
-the ``forward`` of each ``KJTAllToAll`` by their fused-splits ``KJTAllToAllForward``, the packed
-path stays active: :class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed`,
-not ``forward``.
+:class:`LossyKJTAllToAll` does ``KJTAllToAll``'s exchange in TorchRec's two steps (int64 metadata
+read on the first ``wait()``, then one int32 payload all-to-all) and decodes a bit-identical
+KJT, a :class:`~.context.DistributedKJT` that carries the batch sizes and output-dedupe state.
+Only collectives, awaitables and telemetry live here (codec: :mod:`.kjt_codec`; dedupe:
+:mod:`.dedupe`). Train pipelines override ``KJTAllToAll.forward``; the packed path stays on
+because :class:`LossyTwSparseFeaturesDist` calls :meth:`LossyKJTAllToAll.packed` instead.
+docs/input_dist.md ("Train pipelines", "Protocol"; CUDA host syncs under "Format").
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The KJT codec of the input dist: lossless bit packing of a ``KeyedJaggedTensor``.
 
-No collectives and no telemetry here (:mod:`torchrec_lossy.distributed.input_dist` runs the
-exchange and records the bytes); every function runs where the KJT lives, CPU or CUDA.
-
-- :func:`encode_kjt` (sender): one pass of per-feature reductions (length sum / max / min, id
-  max / min and, with deduplication, the distinct-id count) read on the host once. Each
-  feature's lengths are packed to the bits of its largest length, its ids to the bits of its
-  largest id. With ``dedupe`` a feature sends its distinct ids once plus an inverse index
-  wherever that is fewer bits. Weights follow raw (or cast to fp16/bf16 only if asked). It
-  returns, per destination, a payload of int32 words and a metadata row.
-- Metadata (:func:`meta_words`, :func:`parse_meta`): per destination, a few int64 words
-  (payload size, batch size, dtype codes, per feature its :class:`FeatureMeta`), what the
-  receiver needs to size and unpack the payload.
-- :func:`decode_kjt` (receiver): unpacks every source's payload into TorchRec's
-  (lengths, values, weights) tensors, with the same dtypes, so the KJT built from them is
-  bit-identical to ``KJTAllToAll``'s. Each payload ends with a position-weighted int64 checksum
-  the receiver verifies (``InputDistConfig.checksum``).
-
-Both ends plan each payload alike with the compiled planner of
-:mod:`~torchrec_lossy.distributed.kjt_layout` (``plan_encode`` / ``plan_decode``: per feature its
-format and fields, each a section of fixed-width fields; host ints, where a Python loop over
-features and fields cost more than the packing). The tensor work then runs on one of two backends
-(:data:`KJTBackend`), chosen once per call here: each takes one call record
-(``kjt_layout.EncodeCall`` / ``DecodeCall``) and gives the same words and tensors:
-
-- torch (:mod:`~torchrec_lossy.distributed.kjt_torch`, the device path and the test oracle):
-  vectorized torch ops only; nothing is staged through host memory except the per-feature
-  statistics and the metadata.
-- numba (CPU tensors, :mod:`~torchrec_lossy.distributed.kjt_host`): the statistics and
-  deduplication sort, the plan, the packing and the checksums in one compiled call per encode
-  (and the decode in one), where tens of small torch ops per call would cost more than the work
-  itself.
+No collectives, no telemetry (:mod:`.input_dist` runs the exchange and records the bytes).
+:func:`encode_kjt` / :func:`decode_kjt` run where the KJT lives, CPU or CUDA; the decode gives
+TorchRec's tensors and dtypes, so the KJT is bit-identical to ``KJTAllToAll``'s. Both ends
+plan payloads with :mod:`.kjt_layout`; the backend (:data:`KJTBackend`) is chosen once per call
+here: torch (:mod:`.kjt_torch`, the device path and test oracle) or, for CPU tensors, numba
+(:mod:`.kjt_host`); both give the same words and tensors. docs/input_dist.md, "Format".
 """
 
 from __future__ import annotations

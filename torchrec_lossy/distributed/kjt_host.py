@@ -1,21 +1,11 @@
 """The numba backend of the KJT codec: one compiled call per host encode or decode.
 
-:mod:`torchrec_lossy.distributed.kjt_codec` chooses the backend once per call and hands it one
-call record (``kjt_layout.EncodeCall`` / ``DecodeCall``); for CPU tensors the work runs here,
-where a Python loop over features or tens of small torch ops per call would dominate on the
-input dist's small KJTs. The words and tensors are those of the torch backend
-(:mod:`torchrec_lossy.distributed.kjt_torch`: the device path and the test oracle), and the
-layout is :mod:`torchrec_lossy.distributed.kjt_layout`'s, whose planning kernels compile into the
-ones here:
-
-- :func:`pack` (sender): per-feature statistics and each feature's distinct ids in ascending
-  order with the inverse index (one radix sort of all ids by (feature, id, position), the order
-  of ``dedupe.segment_sort``), the plan (``kjt_layout.plan_encode``), the packing, the weights
-  and the checksums.
-- :func:`unpack` (receiver): the plan (``kjt_layout.plan_decode``, with its feature and segment
-  tables), the checksum check, the unpacking and the ids' expansion, and the first bag of each
-  distinct bag of the exact output dedupe (``dedupe.first_bags`` from an inverse index,
-  ``dedupe.distinct_bags`` by the sort otherwise).
+For CPU tensors, where a Python loop over features or tens of small torch ops per call would
+dominate on the input dist's small KJTs. Same words and tensors as the torch backend
+(:mod:`.kjt_torch`, the test oracle), same layout (:mod:`.kjt_layout`, whose planning kernels
+compile into these). :func:`pack` sorts all ids once by (feature, id, position), the order of
+``dedupe.segment_sort``; :func:`unpack` also finds the output dedupe's first bags.
+docs/input_dist.md, "Format".
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The KJT codec's layout, shared by both backends: each feature's format, the bit layout of
 every payload, the metadata rows, and the records a call hands a backend.
 
-:mod:`torchrec_lossy.distributed.kjt_torch` (the torch backend) and
-:mod:`torchrec_lossy.distributed.kjt_host` (the compiled CPU backend, whose kernels inline the
-ones here) lay out a payload alike from this module only, and take and give the same records
-(:class:`EncodeCall` / :class:`Packed`, :class:`DecodeCall` / :class:`Unpacked`), which
-:mod:`torchrec_lossy.distributed.kjt_codec` builds once per call:
-
-- :func:`plan_encode` (sender): each feature's format from its statistics (wire dedupe where it
-  saves bits, the output dedupe's rows), the bit layout of every payload, the metadata rows.
-- :func:`plan_decode` (receiver): the same layout from the metadata, checked against what
-  arrived (:class:`Refusal` names what does not match).
-
-Sections are rows of an int64 table (:data:`SECTION_COLUMNS`): ``count`` fields of ``width``
-bits (1..32) from bit ``bit`` on, each the ``shift``-ed part of an element of one feature's
-``field`` (:data:`LENGTHS`, :data:`IDS`, :data:`UNIQUE` or :data:`INVERSE`). The planning works
-on host ints; it is compiled so that a host encode or decode stays one numba call.
+:func:`plan_encode` (sender, from the statistics) and :func:`plan_decode` (receiver, from the
+metadata, checked against what arrived: :class:`Refusal`) give :mod:`.kjt_torch` and
+:mod:`.kjt_host` the same layout; :mod:`.kjt_codec` builds the records once per call
+(:class:`EncodeCall` / :class:`Packed`, :class:`DecodeCall` / :class:`Unpacked`). The planning
+works on host ints and is compiled (the host kernels inline it), so that a host encode or
+decode stays one numba call. docs/input_dist.md, "Format".
 """
 
 from __future__ import annotations
@@ -33,6 +24,8 @@ LENGTHS = 0  # bag lengths
 IDS = 1  # ids, in the order the KJT holds them
 UNIQUE = 2  # a deduplicated feature's distinct ids
 INVERSE = 3  # per id, the index of its distinct id
+# A section (one row of an int64 table): ``count`` fields of ``width`` bits (1..32) from bit
+# ``bit`` on, each the ``shift``-ed part of an element of one feature's ``field``.
 SECTION_COLUMNS = ("feature", "field", "count", "width", "shift", "bit")
 # A feature's format (kjt_codec.FeatureMeta's fields, in its order).
 FORMAT_COLUMNS = ("len_bits", "id_bits", "dedupe", "num_ids", "num_unique", "lookup", "out_rows")

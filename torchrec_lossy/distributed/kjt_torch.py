@@ -1,18 +1,11 @@
 """The torch backend of the KJT codec: vectorized tensor ops on the KJT's device (the device
 path and the test oracle).
 
-:mod:`torchrec_lossy.distributed.kjt_codec` chooses the backend once per call and hands it one
-call record (``kjt_layout.EncodeCall`` / ``DecodeCall``); this module and
-:mod:`torchrec_lossy.distributed.kjt_host` (the numba backend) give back the same words and
-tensors. Both lay the payloads out with :mod:`torchrec_lossy.distributed.kjt_layout`'s planner.
-
-- :func:`pack` (sender): per-feature statistics (one host read) and the dedupe sort, the plan,
-  the distinct ids, then every section packed by :func:`pack_bits` (``index_add_`` of shifted
-  32-bit fields into int64 accumulators), the weights' bytes and the checksums.
-- :func:`unpack` (receiver): the plan, the checksums (one host read), every section unpacked by
-  :func:`unpack_bits`, the ids completed, the exact output dedupe's first bags.
-- Checksum words (:func:`payload_checksums`): the codec's checksum
-  (``codec.container.segment_checksums``) over each payload, its last two words left out.
+Same words and tensors as :mod:`.kjt_host`, from :mod:`.kjt_layout`'s plan. :func:`pack` packs
+each section with :func:`pack_bits` (``index_add_`` of shifted 32-bit fields into int64
+accumulators). Host reads: one for the statistics in :func:`pack`, one for the checksums in
+:func:`unpack`; on CUDA the dedupe's boolean select of distinct ids waits for the device too.
+docs/input_dist.md, "Format".
 """
 
 from __future__ import annotations
