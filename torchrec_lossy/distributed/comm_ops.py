@@ -1,33 +1,11 @@
 """Variable-size two-phase all-to-all of pooled embeddings, compressed per (rank, table) block.
 
-The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); what
-the payloads hold and how blocks are cut and encoded is :mod:`.pooled_payload`, how they are
-decoded :mod:`.pooled_decode`.
-
-1. The sender encodes its blocks for every destination in one codec call
-   (:func:`.pooled_payload.start_encode`); the block it sends itself skips the codec and the
-   wire (kept in the request, exact).
-2. The payload byte counts are exchanged (one ``all_to_all_single`` of the int64 sizes the
-   encoder left on the device), then read on the host together with the encoder's pending
-   values in one copy: the exchange's one host sync, which also finishes the encode.
-3. The payloads are exchanged with uneven splits (``all_to_all_single`` on uint8), asynchronously.
-4. On wait, every payload is decoded in one codec call and the blocks are put back where
-   TorchRec's ``PooledEmbeddingsAllToAll`` would have put them. On the host path a corrupt
-   payload raises ``LossyAllToAllError`` naming the source rank before any block is used. On
-   the device path the decode status is not read there: a failed source's blocks are zeroed
-   on the device and its status rides the next size exchange's read (the backward's for a
-   forward decode: the job stops before that step's gradients are applied; the next forward's
-   for a gradient decode: the failed rows got a zero gradient), so each all-to-all costs ONE
-   host sync per direction. A backward without size exchange (cast or exact) reads the
-   forward's status at its start; ``check_lossy_decodes(model)`` reads whatever is pending
-   (e.g. after the last step).
-
-The backward sends the gradient the other way with its own codec (``LossyCommsConfig.backward``).
-As in TorchRec (``All2All_Pooled_Req``/``All2All_Pooled_Wait``), the exchange is an autograd
-Req/Wait pair around a :class:`~torchrec.distributed.comm_ops.Request`, so pipelines can overlap it
-with compute. The pair (:class:`LossyAll2AllReq`, :class:`LossyAll2AllWait`) is shared with the
-sequence all-to-all (:mod:`.sequence_output_dist`): what differs, how blocks are cut, joined and
-sent back, is an :class:`ExchangeSteps` (:class:`PooledSteps` here).
+The collective side of the lossy output dist (cf. ``torchrec/distributed/comm_ops.py``); blocks
+are cut and encoded by :mod:`.pooled_payload`, decoded by :mod:`.pooled_decode`; the self-send
+skips the codec (exact). Device path: ONE host sync per all-to-all and direction, the size
+exchange's read, which also finishes the encode and carries the previous decode's deferred
+status (docs/kernels.md, "Syncs per all-to-all"). Like ``All2All_Pooled_Req``/``_Wait`` it is an
+autograd Req/Wait pair, shared with :mod:`.sequence_output_dist` (:class:`ExchangeSteps`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Helpers over a whole model (e.g. a ``DistributedModelParallel``) with lossy-sharded EBCs.
 
-A training loop needs five things from the lossy modules it cannot reach through TorchRec's own
-API: find them, read their telemetry, tell their bound providers that an iteration finished,
-read the decode status the device path leaves for later (:func:`check_lossy_decodes`), and
-save / restore each rank's bound-provider state (it is per rank: each rank measures the blocks
-it sends, so a checkpoint keeps it beside ``torch.distributed.checkpoint``'s files, which keep
-one copy of a replicated buffer). Example::
-
-    for batch in loader:
-        pipeline.progress(...)
-        step_lossy_bounds(model)  # drives AdaptiveBounds' decay and homogenization
-    check_lossy_decodes(model)  # the last step's decode status (device path)
-    torch.save({"bounds": bounds_state(model)}, f"rank{rank}.pt")
-    ...
-    load_bounds_state(model, torch.load(f"rank{rank}.pt", weights_only=True)["bounds"])
-    print(lossy_stats(model)["model.sparse_arch.embedding_bag_collection"].summary())
+What a training loop needs from the lossy modules and cannot reach through TorchRec's API: find
+them (:func:`lossy_modules`), read their telemetry (:func:`lossy_stats`), step their bound
+providers once per iteration (:func:`step_lossy_bounds`), read the device path's pending decode
+status (:func:`check_lossy_decodes`), save / restore the per-rank bound-provider state
+(:func:`bounds_state`, :func:`load_bounds_state`). docs/sharder.md, "Bounds from a provider".
 """
 
 from __future__ import annotations

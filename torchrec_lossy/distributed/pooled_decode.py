@@ -1,16 +1,10 @@
 """The receiving side of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
 
-:func:`decode_payloads` takes every source's payload (framed by :mod:`.pooled_payload`: raw
-blocks first, each padded to 16 bytes, then the codec payload) and decodes the codec payloads of
-all sources in one codec call, then puts each source's blocks back in spec order, checking their
-count, shape and dtype against the sharding layout.
-
-On the device path the decode status is not read at once: the failed sources' blocks are zeroed
-on the device and a :class:`DeferredDecode` waits in ``LossyComms.deferred`` until
-:func:`read_checked` folds its flags into the next host read the dists make anyway (the size
-exchange), which raises the error naming the step and the source rank.
-
-This module holds no collective and no autograd.
+:func:`decode_payloads` decodes every source's codec payload in one codec call and puts the
+blocks back in spec order, checked against the sharding layout. On the device path the status
+is deferred: failed sources' blocks are zeroed on the device and a :class:`DeferredDecode` waits
+in ``LossyComms.deferred`` until :func:`read_checked` folds it into the next size-exchange read
+(docs/kernels.md, "Syncs per all-to-all"). No collective, no autograd.
 """
 
 from __future__ import annotations

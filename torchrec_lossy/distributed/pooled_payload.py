@@ -1,18 +1,11 @@
 """Payload framing of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
 
-TorchRec's ``alltoall_pooled`` sends rows ``[offset_d, offset_d + B_d)`` of the local
-``[B_global, D_local_sum]`` pooled embeddings to each rank ``d``; the receiver concatenates what
-every source sent along the columns into ``[B_local, D_global_sum]``. Here the sender cuts its
-share for each destination into one block per local table shard (rows = pooled embedding vectors:
-a table with ``F`` features gives ``F * B_d`` rows of its width) and encodes all blocks for one
-destination into one payload, each with its table's bound; the receiver decodes each payload and
-puts the blocks back where TorchRec's ``PooledEmbeddingsAllToAll`` would have put them.
-
-Payload of one (source, destination) pair: the blocks of tables that are not compressed travel
-first, raw, each padded to 16 bytes; the codec payload of the other blocks follows. The receiver
-knows every block's shape from the sharding layout, so no extra framing is needed.
-
-This module holds no collective and no autograd: it maps tensors to payloads and back.
+The sender cuts its rows for each destination into one block per local table shard (a table
+with ``F`` features gives ``F * B_d`` rows of its width) and encodes one payload per destination,
+each block with its table's bound: the raw blocks (``compress=False``) first, each padded to 16
+bytes, then the codec payload. The receiver knows every block's shape from the sharding layout,
+so no extra framing travels. No collective, no autograd. docs/sharder.md, "How the all-to-all
+works".
 """
 
 from __future__ import annotations

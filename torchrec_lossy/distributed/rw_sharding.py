@@ -1,24 +1,11 @@
 """Row-wise sharding whose pooled output travels compressed: an all-to-all plus a local sum.
 
-TorchRec sends a row-wise table's partial pooled sums by reduce-scatter, which adds what the
-ranks send on the wire: a variable-size lossy payload cannot be added there. Here each rank
-codes its partial sums per destination like a table-wise block (the block it keeps is exact),
-and the receiver decodes them and adds them in fp32, in rank order. Bags whose ids live on
-another rank's row shard have a zero partial sum: such rows repeat, so vector-LZ sends them as
-one vector and references.
-
-Bound of the sum: a destination's pooled value is the sum of ``world`` parts; the part it
-computed itself is exact and each other part is within the absolute bound its sender used, so
-the sum is within the sum of the ``world - 1`` senders' bounds (plus fp32 rounding of the sum).
-
-The backward is the adjoint: every source receives the gradient of the rows it sent, coded
-with ``LossyCommsConfig.backward`` (TorchRec's all-gather, compressed per destination).
-
-Variable batch per feature (VBE; TorchRec: ``VariableBatchPooledEmbeddingsReduceScatter``) goes
-the same way in the dense layout of :mod:`~torchrec_lossy.distributed.vbe`: destination ``r``
-gets ``M_r`` rows (its largest batch of any feature; every rank knows every rank's batches
-here, so no extra collective), each feature's bags first in its columns; the receiver sums the
-parts and takes its bags back out into TorchRec's flat VBE output.
+TorchRec's reduce-scatter adds what ranks send on the wire, which a variable-size lossy payload
+cannot be: here each rank codes its partial sums per destination like a table-wise block (the
+part it keeps is exact) and the receiver adds the decoded parts in fp32, in rank order, so a
+pooled value is within the sum of the other ``world - 1`` senders' bounds. The backward is the
+adjoint (TorchRec's all-gather, compressed); VBE uses :mod:`.vbe`'s dense layout.
+docs/sharder.md, "Row-wise" (VBE: "How the all-to-all works").
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Exact row dedupe of the sequence-embedding all-to-all of an ``EmbeddingCollection``.
 
-TorchRec's sequence all-to-all sends the row of every id of a rank's batch back to it, so an
-id repeated in a sequence, in two sequences or in two features of one table sends the same row
-again. Here each (destination, table shard) block carries one row per distinct id (ascending
-id order) and the receiver expands the rows back to its positions with one gather.
-
-No reference travels: both sides know the ids (the owner received them in the input dist, the
-receiver sent them), so each finds the same distinct ids in the same order from its own copy
-(:func:`~torchrec_lossy.distributed.dedupe.segment_sort`, one sort per side for all blocks).
-Row-wise, the owner holds local ids (``id - owner * block``, TorchRec's bucketization): a
-shift per (owner, table) that keeps the ascending order.
-
-The gradient is the adjoint of the gather: the receiver sums the gradients of each distinct
-id's positions (``index_add_``) and sends one row per distinct id; the owner puts it at the
-id's first position and zeros at its other positions, so the lookup's backward applies each
-id's summed gradient once (``LossyCommsConfig.backward_dedupe``; off: the full per-position
-gradient travels, as in TorchRec, and training is bit-identical).
+Each (destination, table shard) block carries one row per distinct id (ascending) and the
+receiver expands them back to its positions with one gather. No index travels: both sides find
+the same distinct ids in their own copy of the ids (:func:`~.dedupe.segment_sort`; row-wise the
+owner's local ids are a per-(owner, table) shift, which keeps the order). The gradient is the
+gather's adjoint (``LossyCommsConfig.backward_dedupe``). docs/sharder.md, "Row dedupe".
 """
 
 from __future__ import annotations

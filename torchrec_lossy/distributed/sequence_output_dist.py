@@ -1,18 +1,11 @@
 """Compressed sequence-embedding all-to-all of a table- or column-wise ``EmbeddingCollection``.
 
-TorchRec's ``SequenceEmbeddingsAllToAll`` sends each id's embedding row (``[num_ids, D]``, no
-pooling) back to the rank whose batch holds the id. The owner's lookup output is feature-major
-(each local feature, then each source rank's ids of it); TorchRec permutes it to rank-major and
-sends rank ``d`` its rows, the owner's features in order. :class:`LossySequenceEmbeddingsAllToAll`
-produces exactly the same tensor, but cuts the rows for each destination into one block per
-local table shard (the rows of its features, consecutive) and sends them through the pooled
-all-to-all's codec path: one payload per destination with each table's bound, the size then
-payload exchange (:func:`.comm_ops.encode_and_exchange`), one decode call of every source's
-payload (:func:`.pooled_decode.decode_payloads`, which raises ``LossyAllToAllError`` naming
-the source rank on a corrupt payload). The gradient goes back the other way with
-``LossyCommsConfig.backward`` (the codec, a cast, or exact). With the exact row dedupe
-(:mod:`.sequence_dedupe`, ``InputDistConfig.dedupe_outputs``) each block carries one row per
-distinct id, and the gradient one summed row per distinct id (``backward_dedupe``).
+:class:`LossySequenceEmbeddingsAllToAll` gives exactly the tensor of TorchRec's
+``SequenceEmbeddingsAllToAll`` (the owner's feature-major rows permuted rank-major), but cuts
+each destination's rows into one block per local table shard and sends them through the pooled
+all-to-all's codec path (:func:`.comm_ops.encode_and_exchange`,
+:func:`.pooled_decode.decode_payloads`); with :mod:`.sequence_dedupe` one row per distinct id.
+docs/sharder.md, "EmbeddingCollection (sequence features)".
 """
 
 from __future__ import annotations

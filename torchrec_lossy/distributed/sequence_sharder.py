@@ -1,13 +1,7 @@
 """The drop-in ``EmbeddingCollectionSharder`` with a compressed sequence-embedding all-to-all.
 
-Example::
-
-    ebc_sharder = LossyEmbeddingBagCollectionSharder(comms_config=comms_config)
-    ec_sharder = LossyEmbeddingCollectionSharder(comms_config=comms_config)
-    sharders = [ebc_sharder, ec_sharder]
-    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders, pg)
-    model = DistributedModelParallel(model, plan=plan, sharders=sharders, device=device)
-    print(lossy_stats(model)["sparse.ec"].summary())
+A model with both module types takes both sharders (this one and the EBC's); usage:
+docs/sharder.md, "EmbeddingCollection (sequence features)".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Table-wise, column-wise and row-wise sequence shardings whose embedding all-to-all is compressed.
 
-Each class is TorchRec's sequence sharding (``EmbeddingCollection``) with the input dist
-replaced by the lossless packed KJT all-to-all (:mod:`.input_dist`, without its bag dedupe;
-row-wise: the bucketized one of :mod:`.rw_sharding`) and the output dist by the compressed one of
-:mod:`.sequence_output_dist`; lookups and everything else are TorchRec's. Data-parallel
-sequence shardings stay TorchRec's (see
-``LossyShardedEmbeddingCollection.create_embedding_sharding``). The row dedupe
-(one row per distinct id) is the output dist's own (:mod:`.sequence_dedupe`).
+TorchRec's sequence shardings with the input dist replaced by the packed KJT all-to-all
+(:mod:`.input_dist` without its bag dedupe; RW: :mod:`.rw_sharding`'s bucketized one) and the
+output dist by :mod:`.sequence_output_dist` (row dedupe: :mod:`.sequence_dedupe`). Data-parallel
+stays TorchRec's (``LossyShardedEmbeddingCollection.create_embedding_sharding``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The drop-in sharder: ``EmbeddingBagCollectionSharder`` with a compressed output all-to-all.
 
-Example::
-
-    sharder = LossyEmbeddingBagCollectionSharder(
-        fused_params=fused_params, comms_config=LossyCommsConfig(default_bound=ErrorBound())
-    )
-    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], pg)
-    model = DistributedModelParallel(model, plan=plan, sharders=[sharder], device=device)
-    ...
-    print(lossy_stats(model)["sparse.ebc"].summary())
+Same arguments as TorchRec's, plus ``comms_config`` and ``bounds_factory``; usage:
+docs/sharder.md, "Before / after".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Table-wise, column-wise and table-column-wise shardings whose output dist is compressed.
 
-Each class is TorchRec's sharding with ``create_output_dist`` overridden, and
-``create_input_dist`` replaced by the lossless packed KJT all-to-all
-(:mod:`torchrec_lossy.distributed.input_dist`, ``LossyCommsConfig.input_dist``); lookups and
-everything else are TorchRec's. Row-wise tables are compressed by
-:mod:`~torchrec_lossy.distributed.rw_sharding` (an all-to-all and a local sum instead of the
-reduce-scatter), table-row-wise and grid tables by
-:mod:`~torchrec_lossy.distributed.twrw_sharding` (their cross-host all-to-all);
-:func:`create_lossy_embedding_bag_sharding` picks the class per sharding type (data-parallel
-tables send nothing and stay TorchRec's).
+Each class is TorchRec's sharding with ``create_output_dist`` overridden and
+``create_input_dist`` the packed KJT all-to-all (:mod:`.input_dist`); lookups are TorchRec's.
+:func:`create_lossy_embedding_bag_sharding` picks the class per sharding type (RW:
+:mod:`.rw_sharding`; TWRW, grid: :mod:`.twrw_sharding`; DP stays TorchRec's).
 """
 
 from __future__ import annotations

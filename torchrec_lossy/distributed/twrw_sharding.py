@@ -1,14 +1,10 @@
 """Table-row-wise and grid shardings whose cross-host all-to-all is compressed.
 
-TorchRec sends a TWRW (or grid) table's pooled embeddings in two hops: a reduce-scatter among
-the ranks of the host that holds the table's row shards, then an all-to-all across hosts. The
-first hop stays TorchRec's (raw or its qcomm codec: it runs on the fast intra-host link and sums
-on the wire); the cross-host hop, on the slow link, is the lossy pooled all-to-all, one block
-per (destination host, table). Every value is within its table's bound: the reduce-scatter is
-exact, and each value crosses hosts once. Variable batch per feature (VBE) on TWRW tables
-takes the same path (TorchRec's VBE reduce-scatter inside the host, the lossy VBE all-to-all
-across hosts); TorchRec's grid sharding has no VBE path, so a VBE batch on grid tables is
-refused with an error naming them. The input dist stays TorchRec's.
+The intra-host reduce-scatter (fast link, sums on the wire) stays TorchRec's; the cross-host
+all-to-all is the lossy pooled one, one block per (destination host, table), so each value
+crosses hosts once and is within its table's bound. VBE on TWRW takes the same path; TorchRec's
+grid has no VBE path, so a VBE batch on grid tables is refused. The input dist stays TorchRec's.
+docs/sharder.md, "Table-row-wise and grid".
 """
 
 from __future__ import annotations

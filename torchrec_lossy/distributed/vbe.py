@@ -1,21 +1,12 @@
 """Variable batch per feature (VBE) layouts: KJT lengths and pooled embeddings made rectangular.
 
-KJT lengths (the packed input dist): the KJT codec packs ``F * B`` lengths, one batch ``B`` per
-payload; :func:`pad_vbe_lengths` pads each feature's lengths with zero lengths (no ids) to the
-largest batch of the KJT, and :func:`vbe_lengths_mask` selects the real ones back on the
-receiver, given every feature's batch (which travels in the metadata).
-
-Pooled embeddings (the output dists):
-
-TorchRec's ``VariableBatchPooledEmbeddingsAllToAll`` exchanges flat 1-D tensors: the sender's
-holds, per destination rank in order, per local feature in order, that destination's bags of
-the feature (``[b, d]`` row-major); the receiver's, per source rank in order, per feature of the
-source, its own bags of the feature. :func:`pad_vbe_input` lays the sender's out as the
-``[sum_r M_r, D_local_sum]`` input of ``comm_ops.alltoall_pooled_lossy`` (destination ``r``
-gets ``M_r`` rows, the largest batch of any feature on ``r``; the rows past a feature's batch
-are zero, one repeated vector to the codec), and :func:`unpad_vbe_output` takes the receiver's
-flat tensor back out of ``[M_me, D_global_sum]``. Both are copies (slices, pads,
-concatenations), so values and gradients are exact and autograd carries the backward.
+KJT lengths: :func:`pad_vbe_lengths` pads each feature with zero lengths to the KJT's largest
+batch, :func:`vbe_lengths_mask` selects the real ones back on the receiver. Pooled embeddings:
+:func:`pad_vbe_input` lays TorchRec's flat VBE lookup output out as the ``[sum_r M_r,
+D_local_sum]`` input of the pooled all-to-all (``M_r``: destination ``r``'s largest batch, zero
+rows below each feature's bags), :func:`unpad_vbe_output` takes the receiver's bags back out.
+All copies, so values and gradients are exact and autograd carries the backward.
+docs/sharder.md ("How the all-to-all works"), docs/input_dist.md ("VBE").
 """
 
 from __future__ import annotations
