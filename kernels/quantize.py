@@ -1,26 +1,12 @@
 """Triton quantize and the decoder's output stage, bit-exact with ``torchrec_lossy.codec.quantize``.
 
-``quantize`` fuses, per element: the code ``q = floor(x * inv_step + 0.5)`` in float32 (or the
-stochastic ``floor(t) + (u < t - floor(t))`` with ``u`` from :func:`uniform_draw`), the
-reconstruction ``x' = dtype(float32(q) * step)`` rounded to the block's dtype exactly as
-``_round_to_dtype`` does, the float64 check ``|x - x'| <= bound``, the escape decision, the symbol,
-the per-program max error and the symbol histogram. :func:`quantize_tiles` does it for many
-blocks in one launch (a tile table: each program's element range and block, whose step, center,
-bound and dtype it reads from the blocks' ``encode_columns`` record). The CPU twin is
-:func:`torchrec_lossy.codec.quantize.quantize_blocks_kernel`; the torch twin is
-``kernels/quantize_ref.py`` (over ``quantize_reference``).
-:func:`decode_outputs` is the decoder's last stage for every block of a payload in one launch:
-raw copies, LZ row expansion, ``dequantize_kernel`` plus the dtype cast, escaped values.
-
-Bit-exactness notes:
-
-- ``x * inv_step + 0.5`` must round twice (mul, then add). The kernel is launched with
-  ``enable_fp_fusion=False`` so the GPU compiler does not contract it into one FMA (the
-  interpreter never fuses).
-- The fp16 / bf16 rounding of the reconstruction is done with integer ops on the float32 bits
-  (libdevice ``rint`` does not run in the interpreter, and bit ops are exact anyway).
-- Non-finite values reach the float->int conversion only after a select, so no lane converts
-  NaN or Inf (undefined on the GPU).
+:func:`quantize_tiles` quantizes every block in one launch (a tile table; step, center, bound and
+dtype from each block's ``encode_columns`` record): per element the code, the reconstruction
+rounded to the dtype, the float64 bound check, escape and symbol; the max error and histograms.
+:func:`decode_outputs` writes every block of a payload in one launch. CPU twins
+``quantize_blocks_kernel`` / ``dequantize_kernel``; torch twin ``kernels/quantize_ref.py``.
+Bit-exactness (no FMA, no libdevice, no NaN / Inf into float->int): docs/kernels.md,
+'Bit-exactness points', and a comment at each spot.
 """
 
 from __future__ import annotations
@@ -59,7 +45,8 @@ _F16_NORMAL_FROM: tl.constexpr = tl.constexpr(0x38800000)  # bits of 2**-14: sma
 def round_to_dtype(v, DTYPE_CODE: tl.constexpr):
     """Rounds float32 values to fp16 or bf16 (by dtype code), nearest-even; fp32 as is.
 
-    Integer twin of ``_round_to_dtype``: non-finite values pass through unchanged.
+    Integer twin of ``_round_to_dtype``: non-finite values pass through unchanged. Bit ops, not
+    libdevice ``rint``: the interpreter cannot run libdevice, and integer ops are exact anyway.
     """
     if DTYPE_CODE == _FLOAT32:
         return v
@@ -163,7 +150,7 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     in_range = offs < end
     v = tl.load(x_ptr + offs, mask=in_range, other=0.0)
     sr_key = tl.load(col + ec.SR_KEY)  # -1: round to nearest
-    t = v * inv_step
+    t = v * inv_step  # rounded before the + 0.5 below: the launch forbids FMA contraction
     fl = tl.floor(t)
     u = uniform_draw(offs - tl.load(col + ec.ELEM_OFF), sr_key)
     qf = tl.where(sr_key < 0, tl.floor(t + 0.5), tl.where(u < t - fl, fl + 1.0, fl))
@@ -172,7 +159,8 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     recon = round_to_code(r, dtype_code)
     err = tl.abs(recon.to(tl.float64) - v.to(tl.float64))
     ok = (tl.abs(rel) <= _OFFSET) & (err <= bound)  # False for NaN and Inf too
-    q = tl.where(ok, rel, 0.0).to(tl.int32)  # only finite, in-range values are converted
+    # Only finite, in-range values reach the conversion: NaN / Inf -> int is undefined on the GPU.
+    q = tl.where(ok, rel, 0.0).to(tl.int32)
     sym = tl.where(ok, q + _OFFSET, _ESCAPE)
     # The per-value grid (format.value_symbol), checked against bound * |x|; its max error
     # is the relative one.
@@ -224,6 +212,8 @@ def quantize_tiles(
     n_tiles = tiles.shape[0]
     errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
     if n_tiles:
+        # enable_fp_fusion=False: x * inv_step + 0.5 must round twice (mul, then add), as on the
+        # CPU; the GPU compiler would contract it into one FMA (the interpreter never fuses).
         _quantize_kernel[(n_tiles,)](
             x, symbols, hist, errors, tiles.contiguous(), cols.cols, BLOCK=block,
             num_warps=8, enable_fp_fusion=False,
