@@ -1,25 +1,12 @@
 """Triton chunked canonical Huffman: histogram, encode and decode, bit-identical to the CPU path.
 
-- :func:`histogram_tiles`: per-block symbol counts of many blocks in one launch.
-- :func:`encode_chunks`: the chunks of many blocks in one pass each (a chunk table of stream
-  ranges and code-table offsets; empty ranges are unused worst-case slots), no sync when the
-  caller bounds the word count; each block's words and chunk ends are ``huffman.encode_into``'s.
-  Four passes, without atomics: (1) one program per chunk sums its code lengths; (2) a prefix
-  sum of the chunks' word counts gives every chunk its first word; (3) one program per chunk
-  places each code at its bit position: a code starts in word ``w`` and may spill into ``w +
-  1``, so it is written as a 64-bit value aligned on ``w``; a segmented OR-scan merges the codes
-  that start in the same word and the last code of each word stores the merged value; (4) each
-  output word is the high half of its own 64-bit value ORed with the low half of the previous
-  word's.
-- :func:`decode_blocks`, :func:`check_escapes`, :func:`block_status`: every block of a payload
-  at once (device decompress): one program per chunk walks its bits (:func:`decode_chunk`) with
-  the one-lookup tables of ``codebook.decode_tables``; a scan ranks the escapes decoded so that
-  each is checked against the escape positions; the same symbols and statuses as the CPU
-  decoder's ``huffman.decode_range_kernel`` (the first error in stream order), per block by
-  atomics, without a sync.
-
-The device compress builds code lengths and canonical codes on the device
-(``kernels/codebook.py``). Each launcher's torch twin is ``kernels/huffman_ref.py``.
+:func:`histogram_tiles` counts many blocks' symbols in one launch. :func:`encode_chunks` codes
+the chunks of many blocks in four passes without atomics (bits per chunk, a prefix sum for each
+chunk's first word, codes placed in 64-bit windows and OR-merged, words joined); no sync when the
+caller bounds the word count. :func:`decode_blocks`, :func:`check_escapes` and
+:func:`block_status` decode and check every chunk of a payload at once, with the CPU decoder's
+symbols and statuses, without a sync. Torch twins: ``kernels/huffman_ref.py``; the passes:
+docs/kernels.md, 'The kernels'.
 """
 
 from __future__ import annotations
