@@ -1,23 +1,11 @@
 """Huffman codebooks on the device: code lengths and canonical codes for many histograms at once.
 
-:func:`code_lengths` returns, for every row of a ``[n, ALPHABET_SIZE]`` histogram, exactly what
-``torchrec_lossy.codec.huffman.code_lengths_kernel`` returns for it (same two-queue construction,
-same tie-breaking, same JPEG Annex K.3 length limiting):
-
-1. ``torch.sort`` of ``count * ALPHABET_SIZE + symbol`` per row (unused symbols last) orders the
-   leaves by (count, symbol), as the CPU kernel's stable argsort does.
-2. ``_code_lengths_kernel``, one program per histogram: the two-queue merge and the depth walk
-   are sequential (scalar loops over the used symbols); the leaf depths are histogrammed into
-   ``bl_count`` and the JPEG limiting loop runs on it. Output: ``bl_count[1..12]``.
-3. torch: the k-th most frequent leaf gets the length whose cumulative count first exceeds k.
-
-:func:`canonical_codes` is vectorised torch (a sort by (length, symbol) and a scan of
-``bl_count``), the twin of ``canonical_codes_kernel``; it lives in the triton-free
-``kernels/codebook_ref.py`` and is re-exported here.
-
-Scalar loops re-read what they stored: the kernel runs on one warp and puts a
-``tl.debug_barrier()`` between a store and a later load of the same address (a scalar store is
-issued by one thread).
+:func:`code_lengths` returns, per row of a ``[n, ALPHABET_SIZE]`` histogram, exactly what
+``codec.huffman.code_lengths_kernel`` does (two-queue merge, tie-breaking, JPEG Annex K.3
+limiting): a torch sort of the leaves by (count, symbol), one sequential program per histogram
+(``_code_lengths_kernel``, on one warp), then torch assigns lengths by rank.
+:func:`canonical_codes` (torch, from ``kernels/codebook_ref.py``) is ``canonical_codes_kernel``'s
+twin; :func:`decode_tables` builds the decoder's one-lookup tables. docs/kernels.md, 'The kernels'.
 """
 
 from __future__ import annotations
@@ -58,6 +46,9 @@ def _code_lengths_kernel(
     par = parent_ptr + h * (2 * _ALPHABET)
     dep = depth_ptr + h * (2 * _ALPHABET)
     blc = blc_ptr + h * _ALPHABET
+    # The scalar loops below re-read what they stored, and a scalar store is issued by one
+    # thread only: a tl.debug_barrier() separates each store from a later load of its address.
+
     # Two queues: leaves (sorted by count, symbol) and internal nodes (created in weight order).
     next_leaf = tl.zeros([], dtype=tl.int64)
     next_internal = m
