@@ -1,22 +1,11 @@
 """Triton vector-LZ: find repeated rows of many blocks at once, and unpack the references.
 
 :func:`representatives` gives each row the first identical row of its block, for the rows of
-many blocks in one pass (the device compress ranks them into the CPU dedupe's ids, numbered
-by first occurrence), found in parallel instead of through a sequential hash table:
-
-1. ``_row_hash_kernel``: a hash of every row over the same element keys as the CPU kernel (raw
-   bits, or the symbol with escaped elements keyed by their raw bits). Each row's block comes
-   from a row table, its first element and dim from the block's ``encode_columns`` fields; the
-   block id fills the top bits.
-2. ``torch.sort`` (stable) of the hashes: equal rows of a block become adjacent, in row order.
-3. ``_run_flag_kernel`` + a max-scan: the sorted position where each row's hash run starts.
-4. ``_verify_kernel``: every row compares itself, key by key, with the rows of its hash run in
-   row order and takes the first identical one as its representative. Without hash collisions
-   the first comparison (with the run's head) succeeds; with collisions the loop walks on, so
-   the result stays exact whatever the hash does.
-
-:func:`unpack_refs_blocks` is the decoder's side, for every LZ block of a payload in one launch
-(``unpack_refs_kernel``'s ids and checks).
+many blocks in one pass, found in parallel instead of through the CPU kernel's sequential hash
+table: a row hash with the block in the top bits, a stable sort, each hash run's start, then a
+key-by-key check along the run, so the result is exact whatever the hash does. The device
+compress ranks them into the CPU dedupe's ids. :func:`unpack_refs_blocks` unpacks and checks the
+references of every LZ block of a payload in one launch. docs/kernels.md, 'The kernels'.
 """
 
 from __future__ import annotations
