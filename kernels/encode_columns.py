@@ -1,18 +1,12 @@
 """The compressor's per-block column record: one int64 tensor the compress launchers share (no
 triton).
 
-Every block's grid and layout fields, as :class:`EncodeColumns`: an int64
-``[max(n_blocks, 1), N_FIELDS]`` tensor whose column ``F`` is field ``F`` below, the compress
-side's ``decode_columns``. Every field has one entry per block, so the record is block-major and
-a kernel needs no stride: the compress launchers (and their torch twins) take the record instead
-of per-field tensors, and a Triton kernel takes one pointer and reads field ``F`` of block ``b``
-at ``cols_ptr + b * N_FIELDS + F`` (the field indices are module constants, which a kernel reads
-as ``encode_columns.F``). Float fields are stored as their bits (float32 sign-extended, float64
-as is), so they round-trip exactly.
-
-``device_compress`` lays the fields known before the data is read out on the host
-(:func:`host_record`, uploaded with its other host tables in one copy) and writes only the grid
-fields (:data:`GRID`) on the device (:meth:`EncodeColumns.set`).
+:class:`EncodeColumns` is an int64 ``[max(n_blocks, 1), N_FIELDS]`` tensor, block-major because
+every field has one entry per block: a kernel takes one pointer, no stride, and reads field ``F``
+of block ``b`` at ``cols_ptr + b * N_FIELDS + F`` (``encode_columns.F``). Float fields are their
+bits (float32 sign-extended), so they round-trip exactly. ``device_compress`` lays out the rest
+on the host (:func:`host_record`, in its one upload) and writes the grid (:data:`GRID`) on the
+device (:meth:`EncodeColumns.set`). docs/kernels.md, 'Device-resident compress'.
 """
 
 from __future__ import annotations
