@@ -1,17 +1,11 @@
 """The decoder's per-block column record: one int64 tensor the decode launchers share (no triton).
 
-``device_decompress`` computes every block's fields and section offsets on the host and uploads
-them once as :class:`DecodeColumns`: an int64 ``[N_FIELDS, stride]`` tensor (``stride >=
-n_blocks + 1``) whose row ``F`` is field ``F`` below. The decode launchers (and their torch
-twins) take the record instead of a dozen per-field tensors; a Triton kernel takes one pointer
-and the stride and reads field ``F`` of block ``b`` at ``cols_ptr + F * stride + b`` (the field
-indices are module constants, which a kernel reads as ``decode_columns.F``).
-
-Row lengths: the bases (``*_BASE`` but ``ID_BASE``) have ``n_blocks + 1`` entries (the total
-last; ``FIXED_BASE``: ``n_fixed + 1``); the block lists ``FIXED_BLOCKS`` / ``FLAGGED_BLOCKS`` /
-``QUANT_BLOCKS`` have ``n_fixed`` / ``n_flagged`` / ``n_quant``; the others ``n_blocks``. The
-status rows (``REFS_BAD`` .. ``ESC_BAD``) are written by the kernels: flags start at 0, the
-first-failure rows at ``launch_tables.NO_FAILURE``, and are only raised / lowered.
+:class:`DecodeColumns` is an int64 ``[N_FIELDS, stride]`` tensor (``stride >= n_blocks + 1``)
+that ``device_decompress`` uploads once; a kernel reads field ``F`` of block ``b`` at
+``cols_ptr + F * stride + b`` (``decode_columns.F``). A row has ``n_blocks`` entries but the bases
+(``*_BASE`` but ``ID_BASE``: ``n_blocks + 1``, the total last; ``FIXED_BASE``: ``n_fixed + 1``)
+and the block lists ``FIXED_BLOCKS`` / ``FLAGGED_BLOCKS`` / ``QUANT_BLOCKS`` (``n_fixed`` /
+``n_flagged`` / ``n_quant``). docs/kernels.md, 'Device-resident decompress'.
 """
 
 from __future__ import annotations
@@ -57,6 +51,8 @@ FIELDS = (
     "n_esc",  # escapes listed
     "has_stream",  # 1 for blocks with a Huffman stream
     "out_off",  # first output word (each block word-aligned)
+    # The status rows, written by the kernels and only raised / lowered: flags start at 0, the
+    # first-failure rows (fail, esc_bad) at launch_tables.NO_FAILURE.
     "refs_bad",  # status: 1 where the vector references are invalid
     "codebook_bad",  # status: 1 where the wire codebook is invalid
     "table_bad",  # status: 1 where the chunk table is invalid
