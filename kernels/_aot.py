@@ -1,18 +1,11 @@
 """Compiles every codec kernel for a CUDA target without a GPU (Triton's bundled ptxas).
 
 The interpreter tests check what the kernels compute; this checks that the compiled path accepts
-them (types, control flow, lowering of histogram / scans / 64-bit ops) and that the quantize
-kernel's PTX has no fused multiply-add. Run it with ``TRITON_INTERPRET`` unset::
+them and that the quantize kernel's PTX has no fused multiply-add. The kernels and their variants
+are one table (:data:`TABLE`); :func:`missing_specs` finds a kernel ``kernels/`` launches that it
+lacks. Run it with ``TRITON_INTERPRET`` unset (docs/kernels.md, 'Testing')::
 
-    python -m torchrec_lossy.kernels._aot            # sm_90 (H100)
-    python -m torchrec_lossy.kernels._aot --arch 80
-    python -m torchrec_lossy.kernels._aot --check    # only: every launched kernel has a spec
-    python -m torchrec_lossy.kernels._aot --check --without join_words_kernel  # fails
-
-The kernels and their variants are one table (:data:`TABLE`): per kernel, the types of its
-runtime arguments in the kernel's own argument order (the names come from the kernel), and the
-constexpr variants the launchers use. :func:`missing_specs` finds the kernels a launcher of
-``kernels/`` launches (``name[grid](...)``) that the table lacks.
+    python -m torchrec_lossy.kernels._aot [--arch 80] [--check] [--without KERNEL]
 """
 
 from __future__ import annotations
