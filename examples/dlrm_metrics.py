@@ -563,6 +563,8 @@ class RunLog:
             for name, t in self.sharded.tables.items()
         }
         enc = dec = 0.0
+        # Where the codec time goes: seconds per all-to-all, summed over ranks.
+        codec_s = {d: {"encode": 0.0, "decode": 0.0} for d in ("input", "fwd", "bwd")}
         comms: dict[str, Any]
         if self.sharded.lossy:
             sums = {"fwd": [0, 0], "bwd": [0, 0], "input": [0, 0]}
@@ -577,8 +579,8 @@ class RunLog:
                             raw = raw * e["rows"] // e["rows_sent"]
                         sums[d][0] += raw
                         sums[d][1] += e["wire_bytes"]
-                        enc += e["encode_s"]
-                        dec += e["decode_s"]
+                        codec_s[d]["encode"] += e["encode_s"]
+                        codec_s[d]["decode"] += e["decode_s"]
                         if d == "bwd" and name in tables:
                             t = tables[name]
                             t["bwd_raw_bytes"] = t.get("bwd_raw_bytes", 0) + raw
@@ -608,6 +610,8 @@ class RunLog:
                 for name, b in r["bounds"].items():
                     if name in tables and "raw_bytes" in tables[name]:
                         tables[name].update(b)
+            enc = sum(c["encode"] for c in codec_s.values())
+            dec = sum(c["decode"] for c in codec_s.values())
             n = max(1, steps_run)
             # Raw: what TorchRec hands its all-to-all uncompressed, every rank's own block
             # included (as for the other modes); ours skips the wire, so wire leaves it out.
@@ -702,6 +706,7 @@ class RunLog:
                 "data_wait_s_per_step": max(r["wait"] for r in per_rank),
                 "codec_encode_s": enc,
                 "codec_decode_s": dec,
+                "codec_s_by_direction": codec_s,
                 "codec_time_share": steady_codec / steady_all if steady_all > 0 else 0.0,
             },
             "comms": comms,

@@ -33,6 +33,15 @@ def _fmt(v: Any, spec: str = ".4f") -> str:
     return format(v, spec)
 
 
+def _codec_split(timing: Mapping[str, Any]) -> str:
+    """``"; encode / decode s: input a / b, fwd c / d, bwd e / f"``, or "" without codec time."""
+    split = timing.get("codec_s_by_direction")
+    if not split or not any(v for d in split.values() for v in d.values()):
+        return ""
+    parts = [f"{d} {c['encode']:.2f} / {c['decode']:.2f}" for d, c in split.items()]
+    return "; encode / decode s: " + ", ".join(parts)
+
+
 def _natural(name: str) -> tuple[str, int]:
     head = name.rstrip("0123456789")
     tail = name[len(head) :]
@@ -88,7 +97,7 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
         f"{_fmt(comms['bwd_ratio'], '.2f')}x)",
         f"codec time share {_fmt(100 * timing['codec_time_share'], '.1f')}% of steady step time "
         f"(all steps, summed over ranks: encode {_fmt(timing['codec_encode_s'], '.2f')} s, "
-        f"decode {_fmt(timing['codec_decode_s'], '.2f')} s)",
+        f"decode {_fmt(timing['codec_decode_s'], '.2f')} s{_codec_split(timing)})",
     ]
     tables = metrics.get("tables", {})
     if tables:

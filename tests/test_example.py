@@ -169,7 +169,15 @@ def test_torchrun_lossy_synthetic(tmp_path: Path) -> None:
     # Raw is what TorchRec hands its all-to-all, every rank's own block included: per
     # all-to-all table (one feature each), its owner sends 2 destinations 32 rows x 16 fp32.
     assert comms["fwd_raw_bytes_per_step"] == 2 * 32 * 16 * 4 * len(compressed)
-    assert 0 <= m["timing"]["codec_time_share"] < 1
+    timing = m["timing"]
+    assert 0 <= timing["codec_time_share"] < 1
+    # The per-direction split adds up to the totals, and every coded all-to-all took time.
+    split = timing["codec_s_by_direction"]
+    for phase in ("encode", "decode"):
+        assert all(split[d][phase] > 0 for d in ("input", "fwd", "bwd"))
+        total = sum(split[d][phase] for d in split)
+        assert total == pytest.approx(timing[f"codec_{phase}_s"], rel=1e-12)
+    assert "encode / decode s: input " in proc.stdout
     assert m["data"]["oracle_auc"] > 0.7
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert any((tmp_path / "tb").iterdir())
