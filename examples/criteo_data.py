@@ -10,6 +10,7 @@ All shard alike: global row ``i`` belongs to rank ``i % world_size``, and every
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import math
@@ -148,6 +149,14 @@ def _seed_of(*parts: int) -> int:
     return int(h[0] >> _U64(1))
 
 
+@functools.lru_cache(maxsize=8)
+def _table_keys(seed: int, n_tables: int) -> np.ndarray:
+    """The hash key of each table's id effects (cached: every batch of a run uses the same)."""
+    keys = np.array([_seed_of(seed, 2, t) for t in range(n_tables)], dtype=_U64)
+    keys.flags.writeable = False
+    return keys
+
+
 @dataclass(frozen=True)
 class HiddenModel:
     """The model the synthetic labels are drawn from: ``y ~ Bernoulli(sigmoid(logit))``.
@@ -185,7 +194,7 @@ class HiddenModel:
         Returns:
             float64 ``[n]``.
         """
-        table_keys = np.array([_seed_of(self.seed, 2, t) for t in range(ids.shape[1])], dtype=_U64)
+        table_keys = _table_keys(self.seed, ids.shape[1])
         z = _hash_normal(_splitmix64(ids.astype(_U64) ^ table_keys[None, :]))
         return z.sum(axis=1) * (self.id_effect_std / math.sqrt(ids.shape[1]))
 
