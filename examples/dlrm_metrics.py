@@ -562,7 +562,6 @@ class RunLog:
             name: {k: v for k, v in t.items() if k != "col_shards"}
             for name, t in self.sharded.tables.items()
         }
-        enc = dec = 0.0
         # Where the codec time goes: seconds per all-to-all, summed over ranks.
         codec_s = {d: {"encode": 0.0, "decode": 0.0} for d in ("input", "fwd", "bwd")}
         comms: dict[str, Any]
@@ -610,8 +609,6 @@ class RunLog:
                 for name, b in r["bounds"].items():
                     if name in tables and "raw_bytes" in tables[name]:
                         tables[name].update(b)
-            enc = sum(c["encode"] for c in codec_s.values())
-            dec = sum(c["decode"] for c in codec_s.values())
             n = max(1, steps_run)
             # Raw: what TorchRec hands its all-to-all uncompressed, every rank's own block
             # included (as for the other modes); ours skips the wire, so wire leaves it out.
@@ -704,8 +701,8 @@ class RunLog:
                 "loss_window": self.recent_losses.maxlen,
                 "train_s": max(r["train_s"] for r in per_rank),
                 "data_wait_s_per_step": max(r["wait"] for r in per_rank),
-                "codec_encode_s": enc,
-                "codec_decode_s": dec,
+                "codec_encode_s": sum(c["encode"] for c in codec_s.values()),
+                "codec_decode_s": sum(c["decode"] for c in codec_s.values()),
                 "codec_s_by_direction": codec_s,
                 "codec_time_share": steady_codec / steady_all if steady_all > 0 else 0.0,
             },

@@ -36,7 +36,7 @@ def _fmt(v: Any, spec: str = ".4f") -> str:
 def _codec_split(timing: Mapping[str, Any]) -> str:
     """``"; encode / decode s: input a / b, fwd c / d, bwd e / f"``, or "" without codec time."""
     split = timing.get("codec_s_by_direction")
-    if not split or not any(v for d in split.values() for v in d.values()):
+    if not split or not any(s for phases in split.values() for s in phases.values()):
         return ""
     parts = [f"{d} {c['encode']:.2f} / {c['decode']:.2f}" for d, c in split.items()]
     return "; encode / decode s: " + ", ".join(parts)
