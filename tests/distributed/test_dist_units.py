@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from torchrec_lossy.codec import compress_groups, decompress_groups
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig, TableCodecConfig
 from torchrec_lossy.distributed import (
     BlockSpec,
@@ -18,6 +19,7 @@ from torchrec_lossy.distributed import (
     LossyCommsStats,
     LossyEmbeddingBagCollectionSharder,
     StaticBounds,
+    error_sample,
 )
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import (
@@ -26,6 +28,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     cut_block,
     join_blocks,
     start_encode,
+    warm_up_host,
 )
 from torchrec_lossy.distributed.sharder import check_bound_provider
 from torchrec_lossy.distributed.stats import CONTAINER, ErrorSample
@@ -108,6 +111,34 @@ def test_payloads_roundtrip_within_bounds(dtype: torch.dtype) -> None:
     assert 0 < rel <= 0.05 * (a_in.max() - a_in.min()).item() / rms
     assert a.snapped_to_zero == int(((a_in != 0) & (a_out == 0)).sum()) > 0
     assert math.isnan(stats.table("b", "fwd").relative_rms_error)  # raw: not sampled
+
+
+def test_error_sample_sums_each_block_over_its_finite_errors() -> None:
+    """The sender's error sample: per block, its sums over the elements whose error is finite
+    (NaN and Inf left out) as the decoded blocks give them, float16 blocks alike; the CPU
+    all-to-all's warm-up loads its compiled pass."""
+    torch.manual_seed(0)
+    a = torch.randn(64, 8)
+    a[0, 0], a[1, 1], a[2, :] = float("nan"), float("inf"), 1e-3  # row 2 snaps to 0
+    b = (torch.randn(32, 4) * 4).half()
+    payloads = compress_groups([[a, b]], [[0.05, 0.01]])
+    payload = payloads.buffer[: payloads.sizes[0]]
+    stats = LossyCommsStats()
+    error_sample.record_error_samples(stats, "fwd", payload, [a, b], ["a", "b"])
+    decoded, _ = decompress_groups(payload, [payload.numel()])
+    for name, x, y in zip("ab", (a, b), decoded[0], strict=True):
+        x, y = x.double().reshape(-1), y.double().reshape(-1)
+        fin = (y - x).isfinite()
+        x, y = x[fin], y[fin]
+        got = stats.table(name, "fwd")
+        assert got.error_count == x.numel() == fin.numel() - 2 * (name == "a")
+        assert got.error_sum == pytest.approx(float((y - x).sum()), rel=1e-12, abs=1e-12)
+        assert got.error_sq_sum == pytest.approx(float((y - x).pow(2).sum()), rel=1e-12)
+        assert got.value_sq_sum == pytest.approx(float(x.pow(2).sum()), rel=1e-12)
+        assert got.snapped_to_zero == int(((x != 0) & (y == 0)).sum())
+    assert stats.table("a", "fwd").snapped_to_zero >= 8
+    warm_up_host()
+    assert error_sample._error_sums_kernel.signatures  # loaded before any training step
 
 
 def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None:

@@ -21,7 +21,6 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
-from torchrec_lossy import codec
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
@@ -29,6 +28,7 @@ from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
+    warm_up_host,
 )
 from torchrec_lossy.distributed.topology import peer_links
 from torchrec_lossy.distributed.vbe import pad_vbe_input, unpad_vbe_output, vbe_rows_per_rank
@@ -94,8 +94,8 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
-        if dist.get_backend(pg) == "gloo":  # CPU tensors: the codec's compiled path, load it now
-            codec.warm_up_host()
+        if dist.get_backend(pg) == "gloo":  # CPU tensors: the compiled host path, load it now
+            warm_up_host()
 
     def forward(
         self,

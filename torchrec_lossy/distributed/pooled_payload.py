@@ -22,19 +22,16 @@ import numpy as np
 import torch
 from torch.autograd.profiler import record_function
 
-from torchrec_lossy.codec import (
-    BlockStats,
-    check_groups,
-    decompress_groups,
-    host_sync,
-)
+from torchrec_lossy.codec import BlockStats, host_sync
+from torchrec_lossy.codec import warm_up_host as warm_up_codec
 from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
 from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
+from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
-from torchrec_lossy.distributed.stats import Direction, ErrorSample
+from torchrec_lossy.distributed.stats import Direction
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -352,47 +349,6 @@ def _codec_config(
     # Tuple hashes of ints are the same in every process (no hash randomization for ints).
     call_seed = hash((seed, call, rank)) & ((1 << 63) - 1)
     return dataclasses.replace(config.codec, rounding=rounding, seed=call_seed)
-
-
-def _record_error_samples(
-    direction: Direction,
-    info: LossyAll2AllPooledInfo,
-    payload: torch.Tensor,
-    coded: Sequence[tuple[torch.Tensor, BlockSpec]],
-) -> None:
-    """Decodes a payload on its sender and records each block's :class:`ErrorSample`
-    (telemetry): the signed and squared error sums, the squared value sum and the values
-    snapped to zero, over the block's finite elements.
-
-    Args:
-        direction: ``"fwd"`` or ``"bwd"``.
-        info: Comms state (telemetry).
-        payload: The codec payload of ``coded``'s blocks.
-        coded: Its (block, spec) pairs, in payload order.
-    """
-    with record_function(f"## lossy_a2a {direction} error sample ##"):
-        # The host decoder, as the sample is taken on host payloads only.
-        decoded, status = decompress_groups(payload, [payload.numel()])
-        check_groups(status)  # our own payload: a failure here is a codec bug
-        xs = [b for b, _ in coded]
-        numels = [x.numel() for x in xs]
-        x = torch.cat([b.reshape(-1) for b in xs]).double()
-        y = torch.cat([d.reshape(-1) for d in decoded[0]]).double()
-        fin = torch.isfinite(y - x)
-        diff, x, y = (t.where(fin, 0.0) for t in (y - x, x, y))
-        per_block = torch.stack(
-            [diff, diff * diff, x * x, ((x != 0) & (y == 0)).double(), fin.double()]
-        )
-        sums = torch.stack([p.sum(dim=1) for p in per_block.split(numels, dim=1)], dim=1)
-        info.comms.stats.record_error_samples(
-            direction,
-            [
-                ErrorSample(s.table, err, int(n), err_sq, val_sq, int(zeroed))
-                for (_, s), err, err_sq, val_sq, zeroed, n in zip(
-                    coded, *sums.tolist(), strict=True
-                )
-            ],
-        )
 
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
@@ -942,10 +898,18 @@ class _EncodeCall:
         rec.errors += cols.max_error
         rec.abs_bounds += cols.bound
         if self.sample:
-            specs = self.specs_per_peer[p]
-            _record_error_samples(direction, info, payload, [(blocks[k], specs[k]) for k in idx])
+            sampled = [blocks[k] for k in idx]
+            error_sample.record_error_samples(info.comms.stats, direction, payload, sampled, tables)
         # The payload header belongs to no block.
         rec.container += grouped.sizes[g] - sum(cols.wire_bytes)
+
+
+def warm_up_host() -> None:
+    """Loads the compiled kernels a CPU all-to-all calls (the codec's and the error sample's)
+    now, once per process: a dist calls this when it is built, so that loading them does not
+    land in the first training step or in its codec time."""
+    warm_up_codec()
+    error_sample.warm_up_host()
 
 
 # A zero-byte payload per device (what a peer that is sent nothing gets); never written to.

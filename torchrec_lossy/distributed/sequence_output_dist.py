@@ -24,7 +24,6 @@ from torchrec.distributed.sharding.sequence_sharding import SequenceShardingCont
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lossy import codec
 from torchrec_lossy.distributed.comm_ops import (
     LossyAll2AllReq,
     LossyRequest,
@@ -38,6 +37,7 @@ from torchrec_lossy.distributed.context import lookup_ids_of
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
+    warm_up_host,
 )
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
 from torchrec_lossy.distributed.topology import peer_links
@@ -294,8 +294,8 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
-        if dist.get_backend(pg) == "gloo":  # CPU tensors: load the codec's compiled path now
-            codec.warm_up_host()
+        if dist.get_backend(pg) == "gloo":  # CPU tensors: load the compiled host path now
+            warm_up_host()
 
     def forward(
         self,
