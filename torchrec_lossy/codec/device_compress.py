@@ -16,7 +16,6 @@ from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
@@ -59,6 +58,7 @@ from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels.encode_columns import EncodeColumns
 from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
+from torchrec_lossy.profile_range import profile_range
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
@@ -753,7 +753,7 @@ def compress_device(
     kinds = list(kinds or [BoundKind.ABSOLUTE] * len(blocks))
     if kernels is None:
         kernels = load_kernels(blocks[0].device if blocks else torch.device("cpu"))
-    with record_function("## lossy_codec encode ##"):
+    with profile_range("## lossy_codec encode ##"):
         pending = start_groups_device(blocks, bounds, kinds, [len(blocks)], config, kernels)
         buf, _, stats, _ = pending.finish(host_sync.to_host(pending.readback, "compress").tolist())
     return buf, stats[0]
@@ -787,7 +787,7 @@ def start_groups_device(
         and pass the values to ``finish``.
     """
     k, group_sizes = kernels, list(group_sizes)  # k: as the stage functions name it
-    with record_function("## lossy_codec encode ##"):
+    with profile_range("## lossy_codec encode ##"):
         ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
         dev = blocks[0].device if blocks else torch.device("cpu")
         t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)

@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
@@ -50,6 +49,7 @@ from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.kernels import decode_columns as dc
 from torchrec_lossy.kernels.decode_columns import DecodeColumns
 from torchrec_lossy.kernels.launch_tables import NO_FAILURE
+from torchrec_lossy.profile_range import profile_range
 
 
 def _bases(counts: np.ndarray) -> np.ndarray:
@@ -207,7 +207,7 @@ def decompress_device(
     check_payload(payload)
     if kernels is None:
         kernels = load_kernels(payload.device)
-    with record_function("## lossy_codec decode ##"):
+    with profile_range("## lossy_codec decode ##"):
         buf = host_sync.to_host(payload, "decompress")  # sync 1: the whole (compressed) payload
         layout = _layout(buf, max_elements)
         if layout is None:
@@ -397,7 +397,7 @@ def decompress_groups_device(
     Returns:
         The blocks and the status, on the device (:class:`DeviceGroups`).
     """
-    with record_function("## lossy_codec decode ##"):
+    with profile_range("## lossy_codec decode ##"):
         # The one read, without skeletons.
         buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
         layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.bounds import BoundKind, block_kinds
@@ -39,6 +38,7 @@ from torchrec_lossy.codec.pipeline import (
     validate_inputs,
 )
 from torchrec_lossy.config import Backend, CodecConfig
+from torchrec_lossy.profile_range import profile_range
 
 if typing.TYPE_CHECKING:
     from torchrec_lossy.codec.device_decompress import DeviceGroups
@@ -187,7 +187,7 @@ def start_compress_groups(
     values = [v for g in error_bounds for v in g]
     values, _ = validate_inputs(flat, values)
     kind = check_kinds(block_kinds(kinds, len(flat)), values, config)
-    with record_function("## lossy_codec encode ##"):
+    with profile_range("## lossy_codec encode ##"):
         return start_compress_blocks(flat, values, sizes, config, kind)
 
 

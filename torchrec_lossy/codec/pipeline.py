@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from torchrec_lossy.codec import host_compress, host_decompress
 from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
@@ -31,6 +30,7 @@ from torchrec_lossy.codec.container import (
 from torchrec_lossy.codec.format import DTYPE_CODES, CodecError
 from torchrec_lossy.codec.kernel_set import backend_kernels, triton_available
 from torchrec_lossy.config import Backend, CodecConfig
+from torchrec_lossy.profile_range import profile_range
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",
@@ -199,7 +199,7 @@ def compress_with_stats(
         from torchrec_lossy.codec.device_compress import compress_device
 
         return compress_device(blocks, bounds, config, kinds, kernels)
-    with record_function("## lossy_codec encode ##"):
+    with profile_range("## lossy_codec encode ##"):
         enc = host_compress.compress_blocks(blocks, bounds, config, None, kinds)
     return torch.from_numpy(enc.payload).to(device), enc.columns[0].stats()
 
@@ -335,7 +335,7 @@ def decompress_host_groups(
         buf = buffer.detach().cpu().contiguous().numpy()
     starts = list(itertools.accumulate(sizes, initial=0))
     results: list[list[torch.Tensor] | CodecError] = []
-    with record_function("## lossy_codec decode ##") if label else contextlib.nullcontext():
+    with profile_range("## lossy_codec decode ##") if label else contextlib.nullcontext():
         if not sizes:
             return results
         batch = host_decompress.decompress_payloads(*_word_layout(buf, starts), max_elements)

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
-from torch.autograd.profiler import record_function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
@@ -41,6 +40,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     start_encode,
 )
 from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.profile_range import profile_range
 
 _CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -110,7 +110,7 @@ def _exchange(
     """
     pg, device = myreq.pg, pending.meta.device
     recv_meta = torch.empty(sum(recv_meta_splits), dtype=torch.int64, device=device)
-    with record_function(f"## lossy_a2a {direction} sizes ##"):
+    with profile_range(f"## lossy_a2a {direction} sizes ##"):
         dist.all_to_all_single(
             recv_meta, pending.meta, recv_meta_splits, pending.meta_splits, group=pg,
             async_op=True,
@@ -129,7 +129,7 @@ def _exchange(
     send_sizes = [int(p.numel()) for p in payloads]
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    with record_function(f"## lossy_a2a {direction} payload ##"):
+    with profile_range(f"## lossy_a2a {direction} payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, recv_sizes, work
 
@@ -233,7 +233,7 @@ def dense_block_send(
     """
     stats = comms.stats
     start = time.perf_counter()
-    with record_function(f"## {tag} bwd encode ##"):
+    with profile_range(f"## {tag} bwd encode ##"):
         flat = [b.reshape(-1) for bs in blocks for b in bs]
         send = torch.cat(flat).to(wire_dtype) if flat else torch.empty(0, dtype=wire_dtype)
         send = send.to(device)
@@ -251,7 +251,7 @@ def dense_block_send(
     stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
     send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
     recv = torch.empty(sum(recv_sizes), dtype=wire_dtype, device=device)
-    with record_function(f"## {tag} bwd payload ##"):
+    with profile_range(f"## {tag} bwd payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, work
 
@@ -316,7 +316,7 @@ def dense_grad_blocks(
         Per peer, per local table shard, a ``[rows, dim]`` block.
     """
     start = time.perf_counter()
-    with record_function(f"## {tag} bwd decode ##"):
+    with profile_range(f"## {tag} bwd decode ##"):
         sizes = [r * s.dim for rs in rows_per_peer for r, s in zip(rs, specs, strict=True)]
         it = iter(recv.to(dtype).split(sizes))
         blocks = [
@@ -495,7 +495,7 @@ class PooledSteps:
                 for piece in join_blocks(bs, specs, b_local)
             ]
         else:
-            with record_function("## lossy_a2a fwd dedupe expand ##"):
+            with profile_range("## lossy_a2a fwd dedupe expand ##"):
                 pieces = [
                     expand_block(b, s, b_local, f)
                     for bs, specs, feats in zip(blocks, info.layout, sender, strict=True)
@@ -545,7 +545,7 @@ class PooledSteps:
         specs = info.layout[my_rank]
         if myreq.recv_sizes is None:
             start = time.perf_counter()
-            with record_function("## lossy_a2a bwd decode ##"):
+            with profile_range("## lossy_a2a bwd decode ##"):
                 grad = recv.view(b_global, info.dim_sum_per_rank[my_rank]).to(info.dtype)
             shares = {s.table: b_global * s.width for s in specs}
             info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
@@ -584,7 +584,7 @@ def _forward_blocks(
         return peer_blocks(
             x, r0s[:-1], info.batch_size_per_rank, [0] * world, [info.layout[my_rank]] * world
         )
-    with record_function("## lossy_a2a fwd dedupe cut ##"):
+    with profile_range("## lossy_a2a fwd dedupe cut ##"):
         return [
             [
                 cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
@@ -606,7 +606,7 @@ def _dense_grad_send(
     send = backward_dense_send(grad, info, wire)
     d_local = info.dim_sum_per_rank[my_rank]
     recv = torch.empty(d_local * sum(info.batch_size_per_rank), dtype=wire, device=grad.device)
-    with record_function("## lossy_a2a bwd payload ##"):
+    with profile_range("## lossy_a2a bwd payload ##"):
         work = dist.all_to_all_single(
             recv,
             send,
@@ -628,7 +628,7 @@ def _reduce_grad_blocks(
     """
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
     b_local = grad.shape[0]
-    with record_function("## lossy_a2a bwd dedupe reduce ##"):
+    with profile_range("## lossy_a2a bwd dedupe reduce ##"):
         blocks = [
             [
                 reduce_grad_block(grad, col_bases[p], s, f)

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 import torch
-from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import check_groups, decompress_groups
 from torchrec_lossy.distributed.stats import Direction, ErrorSample, LossyCommsStats
+from torchrec_lossy.profile_range import profile_range
 
 
 def record_error_samples(
@@ -34,7 +34,7 @@ def record_error_samples(
         blocks: The blocks it was encoded from, in payload order.
         tables: Each block's table.
     """
-    with record_function(f"## lossy_a2a {direction} error sample ##"):
+    with profile_range(f"## lossy_a2a {direction} error sample ##"):
         decoded, status = decompress_groups(payload, [payload.numel()])
         check_groups(status)  # our own payload: a failure here is a codec bug
         ends = np.cumsum([b.numel() for b in blocks], dtype=np.int64)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torchrec.distributed.dist_data import KJTAllToAll, _get_recat
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
@@ -39,6 +38,7 @@ from torchrec_lossy.distributed.kjt_codec import (
 )
 from torchrec_lossy.distributed.stats import LossyCommsStats
 from torchrec_lossy.distributed.vbe import vbe_lengths_mask
+from torchrec_lossy.profile_range import profile_range
 
 # Pseudo-feature that holds the metadata exchange's bytes (raw: TorchRec's splits exchange).
 SPLITS = "<splits>"
@@ -66,7 +66,7 @@ def encode_with_telemetry(
         The payloads and metadata.
     """
     start = time.perf_counter()
-    with record_function("## lossy_input encode ##"):
+    with profile_range("## lossy_input encode ##"):
         enc = encode_kjt(kjt, splits, comms.config.input_dist, output_dedupe)
     record_encode(comms.stats, kjt, enc, splits, comms.config.input_dist.dedupe)
     len_e, val_e = kjt.lengths().element_size(), kjt.values().element_size()
@@ -180,7 +180,7 @@ class PayloadExchange:
             The received words and the words from each source.
         """
         if self.work is not None:
-            with record_function("## lossy_input payload wait ##"):
+            with profile_range("## lossy_input payload wait ##"):
                 self.work.wait()
             self.work = None
         return self.recv, self.recv_words
@@ -248,7 +248,7 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             ]
             recv_words = [int(p.numel()) for p in parts]
             recv = torch.cat(parts) if parts else recv
-        with record_function("## lossy_input decode ##"):
+        with profile_range("## lossy_input decode ##"):
             lengths, values, weights, selects = decode_kjt(
                 recv,
                 recv_words,
@@ -335,7 +335,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         self._recv_meta = torch.empty(
             sum(self._recv_meta_splits), dtype=torch.int64, device=self._enc.meta.device
         )
-        with record_function("## lossy_input splits ##"):
+        with profile_range("## lossy_input splits ##"):
             self._meta_work = dist.all_to_all_single(
                 self._recv_meta,
                 self._enc.meta,
@@ -346,7 +346,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             )
 
     def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
-        with record_function("## lossy_input splits ##"):
+        with profile_range("## lossy_input splits ##"):
             self._meta_work.wait()
             meta = self._recv_meta.tolist()  # the host read of the splits exchange
         n = self._recv_meta_splits[0] if self._recv_meta_splits else 0
@@ -377,7 +377,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             )
         send = self._enc.send
         recv = torch.empty(sum(recv_words), dtype=torch.int32, device=send.device)
-        with record_function("## lossy_input payload ##"):
+        with profile_range("## lossy_input payload ##"):
             work = dist.all_to_all_single(
                 recv, send, recv_words, self._enc.send_words, group=self._pg, async_op=True
             )

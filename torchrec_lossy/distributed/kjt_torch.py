@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec.container import segment_checksums, upload
 from torchrec_lossy.distributed import kjt_layout
@@ -27,6 +26,7 @@ from torchrec_lossy.distributed.dedupe import (
     segment_sort,
 )
 from torchrec_lossy.distributed.kjt_layout import DecodeCall, EncodeCall, Packed, Unpacked
+from torchrec_lossy.profile_range import profile_range
 
 _WORD_BITS = 32
 _MASK32 = (1 << 32) - 1
@@ -343,7 +343,7 @@ def unpack(call: DecodeCall) -> Unpacked:
                 call.refuse(kjt_layout.Refusal(src, kjt_layout.BAD_CHECKSUM, 0, 0))
     lengths, values, inverses = _features(plan, _unpack_fields(recv, plan.sections), recv.device)
     empty = recv.new_empty(0, dtype=torch.int64)
-    with record_function("## lossy_input dedupe select ##"):
+    with profile_range("## lossy_input dedupe select ##"):
         firsts = _first_bags(plan, call.formats, lengths, values, inverses)
     return Unpacked(
         torch.cat(lengths) if lengths else empty,

@@ -17,7 +17,6 @@ from typing import NoReturn
 
 import numpy as np
 import torch
-from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import (
     GroupStatus,
@@ -36,6 +35,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     padded_size,
 )
 from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.profile_range import profile_range
 
 
 def _aligned(payload: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,7 @@ def decode_payloads(
     """
     call = _DecodeCall.of(direction, specs_per_peer, block_rows_per_peer, info, my_rank)
     start = time.perf_counter()
-    with record_function(f"## lossy_a2a {direction} decode ##"):
+    with profile_range(f"## lossy_a2a {direction} decode ##"):
         frames = call.frames(recv, recv_sizes, skip_self=self_blocks is not None)
         by_peer = call.decode_codec(frames, recv, skeletons)
         out = [

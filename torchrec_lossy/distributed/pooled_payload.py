@@ -20,7 +20,6 @@ from typing import Generic, TypeVar
 
 import numpy as np
 import torch
-from torch.autograd.profiler import record_function
 
 from torchrec_lossy.codec import BlockStats, host_sync
 from torchrec_lossy.codec import warm_up_host as warm_up_codec
@@ -32,6 +31,7 @@ from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.profile_range import profile_range
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -572,7 +572,7 @@ def start_encode(
     if my_rank is not None and my_rank < n_peers:
         own = blocks_per_peer[my_rank]
         comms.stats.record_self(direction, sum(b.numel() * b.element_size() for b in own))
-    with record_function(f"## lossy_a2a {direction} encode ##"):
+    with profile_range(f"## lossy_a2a {direction} encode ##"):
         pending = _start_codec(direction, blocks_per_peer, info, plan, call, my_rank)
         raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
         device_sizes, meta = _size_words(pending, plan, raw_parts, device)
@@ -948,7 +948,7 @@ def backward_dense_send(
     b_local = grad_output.shape[0]
     in_elem, wire_elem = grad_output.element_size(), torch.empty(0, dtype=wire_dtype).element_size()
     start = time.perf_counter()
-    with record_function("## lossy_a2a bwd encode ##"):
+    with profile_range("## lossy_a2a bwd encode ##"):
         by_rank = grad_output.split(info.dim_sum_per_rank, dim=1)
         send = torch.cat([g.contiguous().view(-1) for g in by_rank]).to(wire_dtype)
     shares: dict[str, int] = {}

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.profiler import record_function
 
 from torchrec_lossy.distributed.dedupe import segment_inverse, segment_sort
+from torchrec_lossy.profile_range import profile_range
 
 
 @dataclass
@@ -149,7 +149,7 @@ def plan_sequence_dedupe(
     world = len(rows_per_owner)
     n_tables = len(my_spans)
     dev = lookup_ids.device
-    with record_function("## lossy_seq_a2a dedupe ##"):
+    with profile_range("## lossy_seq_a2a dedupe ##"):
         table_of = [t for t, (f0, f1) in enumerate(my_spans) for _ in range(f0, f1)]
         own_seg = _segments(
             [n for per_dest in feature_rows for n in per_dest],

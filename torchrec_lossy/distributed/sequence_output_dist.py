@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torchrec.distributed.dist_data import SequenceEmbeddingsAwaitable
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
@@ -41,6 +40,7 @@ from torchrec_lossy.distributed.pooled_payload import (
 )
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
 from torchrec_lossy.distributed.topology import peer_links
+from torchrec_lossy.profile_range import profile_range
 
 
 @dataclasses.dataclass
@@ -168,7 +168,7 @@ class SequenceSteps:
         """Cuts the owner's rows per (destination, table shard) and sends them encoded."""
         info, pooled = self.info, self.info.pooled
         specs = pooled.layout[my_rank]
-        with record_function("## lossy_seq_a2a fwd cut ##"):
+        with profile_range("## lossy_seq_a2a fwd cut ##"):
             if info.dedupe is None:
                 blocks = cut_sequence_blocks(x.detach(), info, my_rank)
             else:
@@ -196,7 +196,7 @@ class SequenceSteps:
             return recv.new_empty((0, info.dim), dtype=info.pooled.dtype)
         if dd is None:
             return torch.cat(pieces)
-        with record_function("## lossy_seq_a2a fwd dedupe expand ##"):
+        with profile_range("## lossy_seq_a2a fwd dedupe expand ##"):
             return dd.expand(torch.cat(pieces))
 
     def send_grad(
@@ -208,7 +208,7 @@ class SequenceSteps:
         info, pooled = self.info, self.info.pooled
         if info.dedupe_grads:
             assert info.dedupe is not None
-            with record_function("## lossy_seq_a2a bwd dedupe reduce ##"):
+            with profile_range("## lossy_seq_a2a bwd dedupe reduce ##"):
                 blocks = info.dedupe.reduce_grad(grad)
         else:
             sizes = [r for rows in info.recv_rows for r in rows]
@@ -330,7 +330,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         world = self._pg.size()
         if not batch_size_per_rank:
             batch_size_per_rank = [lengths.shape[1] // world] * world
-        with record_function("## lossy_seq_a2a rows ##"):
+        with profile_range("## lossy_seq_a2a rows ##"):
             per_src = [c.sum(dim=1) for c in lengths.split(list(batch_size_per_rank), dim=1)]
             feature_rows = torch.stack(per_src, dim=1).tolist() if per_src else []
             if rows_per_owner is None:
@@ -431,7 +431,7 @@ class LossyRwSequenceEmbeddingDist(
         assert sharding_ctx is not None and not sharding_ctx.variable_batch_per_feature
         features = sharding_ctx.features_before_input_dist
         assert sharding_ctx.lengths_after_input_dist is not None and features is not None
-        with record_function("## lossy_seq_a2a rows ##"):
+        with profile_range("## lossy_seq_a2a rows ##"):
             owners = [
                 torch.bincount(features[key].values() // block, minlength=self._world)
                 for key, block in zip(features.keys(), self._block_sizes, strict=True)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torchrec_lossy.profile_range import profile_range
+
 
 def pad_vbe_lengths(lengths: torch.Tensor, strides: Sequence[int]) -> tuple[torch.Tensor, int]:
     """A VBE KJT's lengths as ``[F * B]``, each feature's padded with zeros to ``B = max(strides)``.
@@ -74,7 +76,7 @@ def vbe_rows_per_rank(
     Returns:
         Per rank of ``pg``, its row count.
     """
-    with torch.profiler.record_function("## lossy_vbe_rows_all_gather ##"):
+    with profile_range("## lossy_vbe_rows_all_gather ##"):
         mine = torch.tensor([max(batch_size_per_feature_pre_a2a, default=0)], device=device)
         gathered = [torch.empty_like(mine) for _ in range(pg.size())]
         dist.all_gather(gathered, mine, group=pg)
