@@ -232,8 +232,7 @@ def bag_inverse(
     st: Sequence[int],
     batch: int,
     lens: torch.Tensor,
-    inverse: torch.Tensor | None,
-    val_off: Sequence[int],
+    ids_inv: torch.Tensor,
 ) -> torch.Tensor:
     """Inverse index of feature ``f``'s bags over its distinct bags (exact output dedupe).
 
@@ -245,17 +244,14 @@ def bag_inverse(
         st: Its statistics row (length sum, max, min, ...).
         batch: Bags of the feature.
         lens: Bag lengths of every feature (int64).
-        inverse: Inverse index of every id over its feature's distinct ids.
-        val_off: Offset of each feature's ids.
+        ids_inv: Inverse index of the feature's ids over its distinct ids.
 
     Returns:
         int64 ``[batch]``.
     """
-    assert inverse is not None
-    ids_inv = inverse[val_off[f] : val_off[f + 1]]
     if st[2] == 1:  # one id per bag: bags are ids, in the same ascending order
         return ids_inv
-    out = inverse.new_zeros(batch)  # every bag empty: one distinct bag
+    out = ids_inv.new_zeros(batch)  # every bag empty: one distinct bag
     if st[1] == 1:  # empty (row 0) and one-id bags
         bag_lens = lens[f * batch : (f + 1) * batch]
         bags = torch.repeat_interleave(

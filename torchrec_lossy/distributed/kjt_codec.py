@@ -337,21 +337,25 @@ def _expand_rows(
     Returns:
         The rows.
     """
-    val_off = plan.starts[kjt_layout.IDS].tolist()
     offsets = call.feat_off.tolist()
     # Per feature: lookup, distinct ids, exact output dedupe rows.
     kinds = plan.formats[:, [5, 4, 6]].tolist()
+    # Each feature's part of the inverse index (empty without output dedupe) in one call, not
+    # a slicing dispatch per feature.
+    ids_inv = ()
+    if inverse is not None and inverse.numel():
+        ids_inv = inverse.split_with_sizes([st[0] for st in stats_rows])
     expand: list[list[tuple[int, torch.Tensor] | None]] = []
     for d in range(len(offsets) - 1):
         row: list[tuple[int, torch.Tensor] | None] = []
         for f in range(offsets[d], offsets[d + 1]):
             lookup, num_unique, out_rows = kinds[f]
             if lookup:
-                assert inverse is not None
-                row.append((num_unique, inverse[val_off[f] : val_off[f + 1]]))
+                row.append((num_unique, ids_inv[f]))
             elif out_rows:
-                bag_inv = bag_inverse(f, stats_rows[f], call.batch, call.lens, inverse, val_off)
-                row.append((out_rows, bag_inv))
+                row.append(
+                    (out_rows, bag_inverse(f, stats_rows[f], call.batch, call.lens, ids_inv[f]))
+                )
             else:
                 row.append(None)
         expand.append(row)
