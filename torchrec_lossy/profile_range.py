@@ -2,8 +2,8 @@
 
 ``record_function`` dispatches an op on entry and on exit whether a profiler records or not:
 tens of microseconds a range inside a training step, whose model work has just evicted the
-caches (docs/benchmarks.md, "Where the codec time goes"). :func:`profile_range` opens the same
-range while a profiler records and nothing otherwise, as torch's compiled code does.
+caches (docs/benchmarks.md, "The example's codec time share"). :func:`profile_range` opens the
+same range while a profiler records and nothing otherwise, as torch's compiled code does.
 """
 
 from __future__ import annotations
