@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if (args.blocks * args.dim) % 32:
+        ap.error(f"--blocks x --dim is {args.blocks * args.dim}: MX4 needs a multiple of 32")
     torch.set_num_threads(1)
     warm_up_host()
     big = torch.randn(args.evict, args.evict)
