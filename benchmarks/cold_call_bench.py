@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
+from codec_bench import QComm
 from table_fmt import cell
 from torch.profiler import record_function
 
@@ -66,20 +67,9 @@ def qcomm_calls(fused: torch.Tensor) -> dict[str, Callable[[], object]]:
     Returns:
         Call name to the call.
     """
-    from torchrec.distributed.fbgemm_qcomm_codec import (
-        CommType,
-        QCommsConfig,
-        get_qcomm_codecs_registry,
-    )
-    from torchrec.distributed.types import CommOp
-
-    op, flat, calls = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, fused.view(-1), {}
+    codecs, flat, calls = QComm().codecs, fused.view(-1), {}
     for name in ("fp16", "mx4"):
-        registry = get_qcomm_codecs_registry(
-            QCommsConfig(forward_precision=CommType(name)), comm_ops=[op], device=fused.device
-        )
-        assert registry is not None
-        codec = registry[op.name].forward
+        codec = codecs[name]
         ctx = codec.create_context()
         encoded = codec.encode(flat, ctx)
         calls[f"TorchRec {name} encode"] = lambda c=codec, x=ctx: c.encode(flat, x)
@@ -154,8 +144,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if (args.blocks * args.dim) % 32:
-        ap.error(f"--blocks x --dim is {args.blocks * args.dim}: MX4 needs a multiple of 32")
+    values = args.rows * args.blocks * args.dim
+    if values % 32:
+        ap.error(f"--rows x --blocks x --dim is {values} values: MX4 needs a multiple of 32")
     torch.set_num_threads(1)
     warm_up_host()
     big = torch.randn(args.evict, args.evict)
