@@ -101,9 +101,12 @@ def all_calls(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
     distinct = torch.randn(300, args.dim * args.blocks) * 0.05
     emb = distinct[torch.randint(0, 300, (2 * args.rows,))].contiguous()
     blocks = [[cut_block(emb, args.rows * p, args.rows, 0, s) for s in specs] for p in range(2)]
-    payload = start_encode("fwd", blocks, [specs, specs], info, emb.device, my_rank=0).read()[1]
-    grouped = compress_groups([blocks[1]], [[0.001] * args.blocks])
-    mine = emb[args.rows :]
+    bounds = [[0.001] * args.blocks]
+
+    def encode() -> list[torch.Tensor]:
+        return start_encode("fwd", blocks, [specs, specs], info, emb.device, my_rank=0).read()
+
+    payload, grouped = encode()[1], compress_groups([blocks[1]], bounds)
 
     def decode() -> object:
         sizes = [0, payload.numel()]
@@ -118,17 +121,13 @@ def all_calls(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
         return call
 
     return {
-        "ours: pooled encode, one peer": lambda: start_encode(
-            "fwd", blocks, [specs, specs], info, emb.device, my_rank=0
-        ).read(),
+        "ours: pooled encode, one peer": encode,
         "ours: pooled decode, one peer": decode,
-        "ours: codec encode (compress_groups)": lambda: compress_groups(
-            [blocks[1]], [[0.001] * args.blocks]
-        ),
+        "ours: codec encode (compress_groups)": lambda: compress_groups([blocks[1]], bounds),
         "ours: codec decode (decompress_groups)": lambda: decompress_groups(
             grouped.buffer, grouped.sizes, label=False
         ),
-        **qcomm_calls(mine),
+        **qcomm_calls(emb[args.rows :]),  # the peer's rows, as TorchRec's all-to-all sends them
         "plain copy of the blocks (torch.cat)": lambda: torch.cat(blocks[1]),
         "record_function range, no profiler": ranged(record_function),
         "profile_range range, no profiler": ranged(profile_range),
