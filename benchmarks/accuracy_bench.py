@@ -6,11 +6,11 @@ data in the same order and the same (table-wise) plan: only the all-to-all codec
 seed it reports the held-out AUC and log loss; per mode the mean paired deltas against ``none``
 with their standard errors, the paired dAUC against MX4 both ways (``--ref``) and the whole-step
 all-to-all bytes. The target (issue 18): mean dAUC >= -0.0005, mean dLogLoss <= +0.0005 and no
-worse than MX4. Datasets: ``movielens`` (the real ratings log in ../shared/data, 4 epochs),
-``synthetic`` (the example's planted-signal stream) and ``real`` (the 1,000-row Criteo 1TB
-sample). Every run's resident memory (RSS of each worker, sampled from /proc) and the
-finiteness of its loss curve are recorded too, so a long run doubles as the memory /
-divergence check.
+worse than MX4. Datasets: the real ratings logs in ../shared/data ``movielens`` (4 epochs),
+``ciao`` and ``ciaodvd`` (1 epoch each: they overfit), ``synthetic`` (the example's
+planted-signal stream) and ``real`` (the 1,000-row Criteo 1TB sample). Every run's resident
+memory (RSS of each worker, sampled from /proc) and the finiteness of its loss curve are
+recorded too, so a long run doubles as the memory / divergence check.
 
 Modes are named variants. Built in: ``none``, ``mx4`` (TorchRec MX4 forward and backward),
 ``fp16`` / ``bf16`` (TorchRec FP16 / BF16 both ways), ``lossy`` (the sharder's defaults, no config),
@@ -62,9 +62,14 @@ def shared_data(name: str) -> Path:
 
 
 REAL_SAMPLE = shared_data("criteo_1tb_day0_head1000.tsv.gz")
-MOVIELENS = shared_data("movielens_small_criteo.tsv.gz")
+# The real ratings logs (Criteo Kaggle TSV), each with its default epochs (../shared/data/README).
+RATINGS_LOGS = {
+    "movielens": (shared_data("movielens_small_criteo.tsv.gz"), 4),
+    "ciao": (shared_data("ciao_criteo.tsv.gz"), 1),
+    "ciaodvd": (shared_data("ciaodvd_criteo.tsv.gz"), 1),
+}
 COMMS = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
-DATASETS = ("synthetic", "real", "movielens")
+DATASETS = ("synthetic", "real", *RATINGS_LOGS)
 # Issue 18: mean paired dAUC vs none >= -0.0005 and mean dLogLoss <= +0.0005, each with its
 # standard error printed beside it, and no worse than TorchRec MX4 both ways in the same run.
 DAUC_FLOOR = -0.0005
@@ -176,7 +181,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra variant NAME=COMM[;key=value...] (repeatable)",
     )
     ap.add_argument(
-        "--datasets", default="movielens,synthetic,real", help="of " + ", ".join(DATASETS)
+        "--datasets",
+        default="movielens,ciao,ciaodvd,synthetic,real",
+        help="of " + ", ".join(DATASETS),
     )
     ap.add_argument(
         "--ref", default="mx4", help="second reference mode: paired dAUC against it too"
@@ -201,9 +208,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--real-holdout-every", type=int, default=2, help="every N-th row of a rank is held out"
     )
-    g = ap.add_argument_group("real ratings log (MovieLens, 100,836 rows, Criteo Kaggle TSV)")
-    g.add_argument("--movielens-path", default=str(MOVIELENS), help="read in place, never copied")
-    g.add_argument("--movielens-epochs", type=int, default=4)
+    g = ap.add_argument_group("real ratings logs (MovieLens, Ciao, CiaoDVD; Criteo Kaggle TSV)")
+    for log, (path, epochs) in RATINGS_LOGS.items():
+        g.add_argument(f"--{log}-path", default=str(path), help="read in place, never copied")
+        g.add_argument(f"--{log}-epochs", type=int, default=epochs)
     ap.add_argument("--embedding-dim", type=int, default=16)
     ap.add_argument("--example-args", default="", help="extra flags for every run (quoted)")
     ap.add_argument("--out-dir", default=None, help="per-run metrics and logs (default: temp)")
@@ -226,7 +234,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = sorted(set(args.datasets) - set(DATASETS))
     if bad:
         ap.error(f"--datasets {bad}: choose from {', '.join(DATASETS)}")
-    for dataset, path in (("real", args.real_path), ("movielens", args.movielens_path)):
+    paths = {"real": args.real_path} | {log: getattr(args, f"{log}_path") for log in RATINGS_LOGS}
+    for dataset, path in paths.items():
         if dataset in args.datasets and not Path(path).is_file():
             ap.error(f"--{dataset}-path {path}: no such file (or drop {dataset!r} from --datasets)")
     return args
@@ -285,11 +294,11 @@ def example_args(
             "--eval-batches", str(args.eval_batches),
             "--eval-interval", str(args.steps),
         ]  # fmt: skip
-    elif dataset == "movielens":  # the example's defaults (batch, hold-out) for a real log
+    elif dataset in RATINGS_LOGS:  # the example's defaults (batch, hold-out) for a real log
         out += [
             "--dataset", "criteo-kaggle",
-            "--data-path", args.movielens_path,
-            "--epochs", str(args.movielens_epochs),
+            "--data-path", getattr(args, f"{dataset}_path"),
+            "--epochs", str(getattr(args, f"{dataset}_epochs")),
             "--eval-batches", "1000000",  # all held-out rows
             "--eval-interval", "1000000",  # one evaluation, at the end
         ]  # fmt: skip
