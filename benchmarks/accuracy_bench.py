@@ -8,10 +8,11 @@ with their standard errors, the paired dAUC against MX4 both ways (``--ref``) an
 all-to-all bytes, and the tail (issue 32): the sd of the paired deltas, the worst seed, and the
 end-of-training train-loss gap (mean and worst). The target (issue 18): mean dAUC >= -0.0005,
 mean dLogLoss <= +0.0005 and no worse than MX4. Datasets: the real ratings logs in
-../shared/data ``movielens`` (4 epochs), ``ciao`` and ``ciaodvd`` (1 epoch each: they overfit), ``synthetic`` (the example's
-planted-signal stream) and ``real`` (the 1,000-row Criteo 1TB sample). Every run's resident
-memory (RSS of each worker, sampled from /proc) and the finiteness of its loss curve are
-recorded too, so a long run doubles as the memory / divergence check.
+../shared/data ``movielens`` (4 epochs), ``ciao`` and ``ciaodvd`` (1 epoch each: they
+overfit), ``synthetic`` (the example's planted-signal stream) and ``real`` (the 1,000-row
+Criteo 1TB sample). Every run's resident memory (RSS of each worker, sampled from /proc) and
+the finiteness of its loss curve are recorded too, so a long run doubles as the memory /
+divergence check.
 
 Modes are named variants. Built in: ``none``, ``mx4`` (TorchRec MX4 forward and backward),
 ``fp16`` / ``bf16`` (TorchRec FP16 / BF16 both ways), ``lossy`` (the sharder's defaults, no config),
