@@ -317,8 +317,8 @@ def train(
     position = (0, 0)
     resumed = checkpointer.resume(model, optimizer) if checkpointer else None
     if resumed:
-        step, position, path = resumed
-        log.resumed(step, path)
+        position = resumed.position
+        log.resumed(resumed.step, resumed.path, resumed.recent_losses)
     total = args.steps  # None: until a finite file stream ends
     eval_every = args.eval_interval or (max(1, total // 4) if total else 1000)
     log_every = args.log_interval or (max(10, total // 25) if total else 50)
@@ -355,7 +355,7 @@ def train(
             if step % eval_every == 0 and (total is None or step < total):
                 log.evaluate(model, data.eval_batches, pipeline)
             if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
-                checkpointer.save_step(step, position, model, optimizer)
+                checkpointer.save_step(step, position, model, optimizer, log.recent_losses)
             if step == args.simulate_failure_at:
                 simulate_failure(env, step)  # testing: the last rank dies on the first attempt
     finally:
@@ -365,7 +365,7 @@ def train(
     log.sample()
     log.evaluate(model, data.eval_batches, pipeline)
     if checkpointer:
-        checkpointer.save_step(log.step, position, model, optimizer)
+        checkpointer.save_step(log.step, position, model, optimizer, log.recent_losses)
 
 
 def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:

@@ -245,6 +245,8 @@ def test_checkpoint_resume_after_a_killed_worker(tmp_path: Path) -> None:
         assert extra["step"] == 6
         # The adaptive bounds' iteration counter carried on across the restart.
         assert [int(s["iteration"]) for s in extra["bounds"].values()] == [6]
+        # The train-loss window too: steps 1-2 from the checkpoint, 3-6 after the restart.
+        assert len(extra["recent_losses"]) == 6
 
 
 @pytest.mark.slow
@@ -272,6 +274,8 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, backward: str)
     _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
     a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
     assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
+    # final.train_loss averages the same steps (the window travels in the checkpoint).
+    assert a["final"]["train_loss"] == pytest.approx(b["final"]["train_loss"], abs=1e-6)
 
 
 def _netns_skip_reason() -> str | None:
