@@ -142,3 +142,17 @@ def test_example_summary_groups_alerts_by_table_and_step() -> None:
     assert "4 sampled blocks" in line and "bwd/t1 x3 (steps 16-48, max 0.9)" in line
     assert "bwd/t2 x1 (steps 32-32, max 0, 3 NaN/Inf)" in line
     assert _alert_lines(error_alerts([[], []])) == []
+
+
+def test_forward_blocks_alert_on_nan_and_inf_only() -> None:
+    x = decade_gradients()
+    y = x.clone()
+    y[0, 0] = math.inf
+    out = compress_groups([[x, y]], [[0.01, 0.01]], CodecConfig(), kinds=True)
+    payload = out.buffer[: out.sizes[0]]
+    stats = LossyCommsStats()
+    error_sample.record_error_samples(stats, "fwd", payload, [x, y], ["t0", "t1"], 3)
+    # Both blocks' row energy is far past the level (reported per table), but only the
+    # non-finite one is an alert in the forward.
+    assert stats.table("t0", "fwd").row_relative_energy > ROW_ENERGY_LEVEL
+    assert [(a.table, a.call, a.nonfinite) for a in stats.alerts()] == [("t1", 3, 1)]

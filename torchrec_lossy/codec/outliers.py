@@ -125,7 +125,9 @@ def inlier_ranges_torch(
     hist.index_add_(0, e_blk * _EXP_BINS + e, normal.to(torch.int64))  # integer: exact
     hist = hist.view(nb, _EXP_BINS)
     half = (hist.sum(1) + 1) // 2
-    median = (torch.cumsum(hist, 1) < half[:, None]).sum(1)  # 256 where no normal element
+    # The least e with cum[e] >= half; 0 without a normal element (every finite one then has
+    # exponent 0, below the limit: no outlier, as in the host kernel).
+    median = (torch.cumsum(hist, 1) < half[:, None]).sum(1)
     inlier = e < (median + OUTLIER_OCTAVES)[e_blk]  # Inf / NaN (255) are never below 255
     inlier = inlier & (e != 255)
     lo = torch.segment_reduce(

@@ -63,8 +63,8 @@ class ErrorSample:
 
 @dataclass(frozen=True)
 class ErrorAlert:
-    """A sampled block whose error against its rows' own scale passed the reported level
-    (``error_sample.ROW_ENERGY_LEVEL``), or that held NaN / Inf.
+    """A sampled gradient block whose error against its rows' own scale passed the reported
+    level (``error_sample.ROW_ENERGY_LEVEL``), or a sampled block that held NaN / Inf.
 
     Attributes:
         direction: ``"fwd"`` or ``"bwd"``.
