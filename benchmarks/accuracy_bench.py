@@ -16,8 +16,9 @@ divergence check.
 
 Modes are named variants. Built in: ``none``, ``mx4`` (TorchRec MX4 forward and backward),
 ``fp16`` / ``bf16`` (TorchRec FP16 / BF16 both ways), ``lossy`` (the sharder's defaults, no config),
-``lossy-bf16`` (``comms.backward: bf16``) and ``lossy-rtn`` (``comms.backward: lossy``:
-round-to-nearest at ``comms.backward_bound``). ``--variant NAME=SPEC`` adds one: SPEC is a
+``lossy-bf16`` (``comms.backward: bf16``), ``lossy-rtn`` (``comms.backward: lossy``:
+round-to-nearest at ``comms.backward_bound``) and ``lossy-bval`` (the per-value backward bound
+1/32, issue 32). ``--variant NAME=SPEC`` adds one: SPEC is a
 ``--comm`` mode followed by ``;key=value`` items; ``qcomm_backward=X`` (qcomm modes),
 ``config=PATH`` (a planner YAML to start from) or any ``comms`` key, dotted for nested ones,
 value in YAML syntax (``backward=lossy;backward_bound.value=0.02``).
@@ -109,6 +110,10 @@ BUILTIN = {
     "lossy": Variant("lossy", "lossy"),
     "lossy-bf16": Variant("lossy-bf16", "lossy", comms={"backward": "bf16"}),
     "lossy-rtn": Variant("lossy-rtn", "lossy", comms={"backward": "lossy"}),
+    # Issue 32's candidate backward: per-value 1/32 (|x' - x| <= |x| / 64 per gradient element).
+    "lossy-bval": Variant(
+        "lossy-bval", "lossy", comms={"backward_bound": {"mode": "value", "value": 0.03125}}
+    ),
 }
 
 

@@ -51,6 +51,8 @@ def test_variant_yaml_is_a_valid_plan_config(tmp_path: Path) -> None:
     assert cfg.comms.backward == "lossy"
     assert cfg.comms.default_bound.value == 0.02
     assert cfg.planner.drop_unprofitable is False  # every table compressed, as without a config
+    bval = load_yaml(LossyPlanConfig, ab._variant_config(ab.BUILTIN["lossy-bval"], tmp_path))
+    assert (bval.comms.backward_bound.mode, bval.comms.backward_bound.value) == ("value", 1 / 32)
     # The defaults need no file: the run is the example's own default.
     assert ab._variant_config(ab.BUILTIN["lossy"], tmp_path) is None
     assert ab._variant_config(ab.BUILTIN["mx4"], tmp_path) is None
