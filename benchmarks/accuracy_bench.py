@@ -638,13 +638,20 @@ def _tail_vs_ref(modes: dict[str, Any], ref_name: str) -> None:
             continue
         sd, worst = s["dauc_tail"]["sd"], s["dauc_tail"]["worst"]
         ratio = sd / ref_sd if sd is not None and ref_sd else None
-        worst_ok = worst is not None and worst["delta"] >= WORST_DAUC_FLOOR
+        met: bool | None
+        if worst is None or worst["delta"] < WORST_DAUC_FLOOR:
+            met = False
+        elif name == ref_name:
+            met = True
+        elif ratio is None:  # no spread of the reference to judge against: said, not guessed
+            met = None
+        else:
+            met = ratio <= SD_VS_REF_CEIL
         s["tail"] = {
             "dauc_sd_vs_ref": ratio,
             "sd_ceil": SD_VS_REF_CEIL,
             "worst_floor": WORST_DAUC_FLOOR,
-            "met": worst_ok
-            and (name == ref_name or (ratio is not None and ratio <= SD_VS_REF_CEIL)),
+            "met": met,
         }
 
 
@@ -691,7 +698,7 @@ def format_tail(d: dict[str, Any], ref: str) -> list[str]:
         if mode == "none":
             continue
         t = s.get("tail") or {}
-        verdict = "-" if not t else ("met" if t["met"] else "MISSED")
+        verdict = {True: "met", False: "MISSED", None: "sd not judged"}[t["met"]] if t else "-"
         ratio = t.get("dauc_sd_vs_ref")
         lines.append(
             f"| {mode} | {len(s['dauc_by_seed'])} | {_f(s['dauc_tail']['sd'], '.4f')} "

@@ -190,7 +190,7 @@ def test_tail_reports_spread_worst_seed_and_train_loss_gap() -> None:
     assert mx4_s["dlogloss_tail"]["worst"] == {"seed": 3, "delta": pytest.approx(0.003)}
     assert mx4_s["dauc_tail"]["sd"] == pytest.approx(0.0, abs=1e-9)
     # One seed past -0.005 misses the tail; the mean target is judged apart from it.
-    assert not lossy_s["tail"]["met"] and mx4_s["tail"]["met"]
+    assert lossy_s["tail"]["met"] is False and mx4_s["tail"]["met"] is True
     table = ab.format_table({"synthetic": ab.summarize(runs, variants, "mx4")["synthetic"]})
     assert "synthetic tail:" in table
     assert "| lossy | 4 |" in table and "-0.0148 (s2)" in table and "+0.0550 (s2)" in table
@@ -208,4 +208,8 @@ def test_tail_sd_is_judged_against_the_reference_in_the_same_run() -> None:
     runs[1] = _run("lossy", 0, 0.764)  # +0.004, -0.001: sd 0.0035 > 1.2 x 0.0028
     modes = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]
     assert modes["lossy"]["tail"]["dauc_sd_vs_ref"] == pytest.approx(1.25)
-    assert not modes["lossy"]["tail"]["met"]
+    assert modes["lossy"]["tail"]["met"] is False
+    # Without the reference's runs the sd cannot be judged: said so, not passed or failed.
+    alone = ab.summarize([r for r in runs if r["mode"] != "mx4"], variants[:2], "mx4")
+    assert alone["synthetic"]["modes"]["lossy"]["tail"]["met"] is None
+    assert "| sd not judged |" in ab.format_table(alone)
