@@ -137,7 +137,8 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
 
 def _alert_lines(alerts: dict[str, Any] | None) -> list[str]:
     """The error sample's alerts (issue 32): sampled blocks past the row-relative error level
-    or holding NaN / Inf, by direction and table, with the steps they span."""
+    or holding NaN / Inf, by direction and table, with the steps they span; where the error
+    passed the level, a line naming the bound that keeps it (the per-value backward)."""
     if not alerts or not alerts["count"]:
         return []
     parts = []
@@ -147,12 +148,19 @@ def _alert_lines(alerts: dict[str, Any] | None) -> list[str]:
             f"{key} x{t['count']} (steps {t['first_step']}-{t['last_step']}, "
             f"max {t['max_row_energy']:.3g}{bad})"
         )
-    return [
+    lines = [
         f"error alerts (row-relative error energy > {alerts['level']:g} or NaN/Inf): "
         f"{alerts['count']} sampled blocks: "
         + "; ".join(parts[:8])
         + (f"; and {len(parts) - 8} more tables" if len(parts) > 8 else "")
     ]
+    if any(t["max_row_energy"] > alerts["level"] for t in alerts["by_table"].values()):
+        lines.append(
+            "  the gradients' error is large against their rows' own scale: a per-value "
+            "backward bound keeps every element within it, e.g. comms.backward_bound: "
+            "{mode: value, value: 0.03125} (docs/accuracy.md, issue 32)"
+        )
+    return lines
 
 
 def _ms(s: float | None) -> float | None:

@@ -138,10 +138,14 @@ def test_example_summary_groups_alerts_by_table_and_step() -> None:
         "count": 3, "first_step": 16, "last_step": 48, "max_row_energy": 0.9, "nonfinite": 0
     }  # fmt: skip
     assert got["by_table"]["bwd/t2"]["nonfinite"] == 3
-    (line,) = _alert_lines(got)
+    line, hint = _alert_lines(got)
     assert "4 sampled blocks" in line and "bwd/t1 x3 (steps 16-48, max 0.9)" in line
     assert "bwd/t2 x1 (steps 32-32, max 0, 3 NaN/Inf)" in line
+    assert "backward_bound: {mode: value, value: 0.03125}" in hint
     assert _alert_lines(error_alerts([[], []])) == []
+    # NaN / Inf alone: reported, without the bound hint.
+    (only,) = _alert_lines(error_alerts([[alert("t2", 32, 0.0, nonfinite=1)]]))
+    assert "1 NaN/Inf" in only
 
 
 def test_forward_blocks_alert_on_nan_and_inf_only() -> None:
