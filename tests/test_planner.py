@@ -599,6 +599,30 @@ def test_preview_main_reports_config_errors(
     assert plan_cli.main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "planner.expected_ratio=0.0 is invalid: allowed [0.5, 10000]" in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: "), err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "embedding_tables is empty: list the tables to plan"),
+        ("comms: [\n", "not valid YAML at line 2, column 1: expected the node content"),
+        ("comms:\n  backward: x\n   bad: 1\n", "not valid YAML at line 3, column 7"),
+    ],
+)
+def test_preview_main_empty_or_malformed_yaml_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert plan_cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    # One line naming the file, where and the fix; no traceback.
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: {message}"), err
+    assert "Traceback" not in err
+    missing = tmp_path / "none.yaml"
+    assert plan_cli.main(["--config", str(missing)]) == 2
+    assert "cannot read it (No such file or directory)" in capsys.readouterr().err
 
 
 def test_collective_plan_matches_plan() -> None:

@@ -629,13 +629,36 @@ def load_yaml(cls: type[T], path: str | Path, section: str | None = None) -> T:
 
     Returns:
         The validated instance.
+
+    Raises:
+        ConfigError: The file cannot be read, is not YAML, or holds a bad value; the message
+            names the file, where and the fix.
     """
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot read it ({e.strerror}): pass an existing YAML file"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {_yaml_problem(e)}: fix the YAML syntax") from None
     if section is not None:
         data = data.get(section, {}) or {}
     _require(isinstance(data, Mapping), str(path), type(data).__name__, "a mapping at top level")
-    return from_dict(cls, data, section or "")
+    try:
+        return from_dict(cls, data, section or "")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: where and what (PyYAML's own text spans several)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+    problem = getattr(error, "problem", None) or type(error).__name__
+    context = getattr(error, "context", None)
+    return f"not valid YAML at {where}: {problem}" + (f" ({context})" if context else "")
 
 
 def save_yaml(config: object, path: str | Path) -> None:

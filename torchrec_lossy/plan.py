@@ -289,8 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
         config = _apply_overrides(load_yaml(LossyPlanConfig, args.config), args)
-    except (ConfigError, OSError) as e:
-        print(f"error: {args.config}: {e}", file=sys.stderr)
+        if not config.embedding_tables:
+            raise ConfigError(
+                f"{args.config}: embedding_tables is empty: list the tables to plan (name, "
+                "num_embeddings, embedding_dim; see configs/criteo_kaggle.yaml)"
+            )
+    except ConfigError as e:  # one line, no traceback: the message names the file and the fix
+        print(f"error: {e}", file=sys.stderr)
         return 2
     # The preview plans a meta-device model without a process group; TorchRec's warnings about
     # dry runs and missing sharding specs (data-parallel tables) are expected here.
