@@ -79,6 +79,22 @@ BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
 WeightsCast = Literal["none", "fp16", "bf16"]
+# The forward's wire format: "auto" lets the planner pick per table and link class
+# (torchrec_lossy/planner/formats.py); "entropy" is the lossy codec.
+CommsFormat = Literal["auto", "raw", "fp16", "bf16", "entropy"]
+# Formats the sharder cannot send the forward in yet (the planner prices them for comparison).
+NOT_YET_SENT: frozenset[str] = frozenset({"fp16", "bf16"})
+
+
+def _check_format(key: str, value: object) -> None:
+    _check_literal(key, value, CommsFormat)
+    _require(
+        value not in NOT_YET_SENT,
+        key,
+        value,
+        "'auto', 'raw' or 'entropy': the forward all-to-all has no fp16/bf16 cast yet "
+        "(comms.backward: fp16 / bf16 casts the gradient)",
+    )
 
 
 class ConfigError(ValueError):
@@ -189,11 +205,17 @@ class TableCodecConfig:
 
     Attributes:
         bound: Error bound of this table's forward traffic; None keeps the default.
-        compress: False sends this table uncompressed.
+        compress: False sends this table uncompressed (as ``format: raw``).
+        format: This table's wire format; None keeps ``LossyCommsConfig.format``.
     """
 
     bound: ErrorBound | None = None
     compress: bool = True
+    format: CommsFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.format is not None:
+            _check_format("tables.format", self.format)
 
 
 @dataclass(frozen=True)
@@ -396,6 +418,11 @@ class LossyCommsConfig:
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
+        format: Wire format of every table without its own: ``"auto"`` (the default: the
+            planner picks per table and link class the format of least estimated time among
+            those within the table's bound, docs/config.md; a sharder built without the planner
+            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec) or ``"entropy"`` (the lossy
+            codec). Applies to the gradient too: a raw table's gradient travels raw.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -415,8 +442,10 @@ class LossyCommsConfig:
     )
     homogenization: HomogenizationConfig = field(default_factory=HomogenizationConfig)
     input_dist: InputDistConfig = field(default_factory=InputDistConfig)
+    format: CommsFormat = "auto"
 
     def __post_init__(self) -> None:
+        _check_format("format", self.format)
         _check_literal("backward", self.backward, BackwardCodec)
         self._check_value_rounding()
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
@@ -490,13 +519,21 @@ class LossyCommsConfig:
             name: Table name.
 
         Returns:
-            The table's config with ``bound`` always set.
+            The table's config with ``bound`` and ``format`` always set; ``compress`` is False
+            where the format is ``"raw"`` and ``format`` is ``"raw"`` where ``compress`` is
+            False (the seam reads ``compress``, the planner ``format``).
         """
         for pattern, override in self.tables.items():
             if fnmatch.fnmatchcase(name, pattern):
                 bound = override.bound if override.bound is not None else self.default_bound
-                return TableCodecConfig(bound=bound, compress=override.compress)
-        return TableCodecConfig(bound=self.default_bound, compress=True)
+                fmt = override.format if override.format is not None else self.format
+                return _resolved_table(bound, override.compress, fmt)
+        return _resolved_table(self.default_bound, True, self.format)
+
+
+def _resolved_table(bound: ErrorBound, compress: bool, fmt: str) -> TableCodecConfig:
+    raw = not compress or fmt == "raw"
+    return TableCodecConfig(bound=bound, compress=not raw, format="raw" if raw else fmt)  # type: ignore[arg-type]
 
 
 def _type_name(tp: object) -> str:
