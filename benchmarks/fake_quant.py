@@ -174,12 +174,9 @@ def _value(v: float) -> Quantizer:
     # The codec's per-value grid, block by block (a block's largest value sets which tiny
     # values the codec escapes), through its torch reference: the codec's decoded bits.
     from torchrec_lossy.codec.format import ESCAPE_SYMBOL
+    from torchrec_lossy.codec.quant_params import QuantParams
     from torchrec_lossy.codec.quantize import value_params
-    from torchrec_lossy.kernels.quantize_ref import (
-        QuantParams,
-        dequantize_reference,
-        quantize_reference,
-    )
+    from torchrec_lossy.kernels.quantize_ref import dequantize_reference, quantize_reference
 
     def fn(x: torch.Tensor, gen: torch.Generator | None) -> Result:
         outs, codes = [], []

@@ -56,12 +56,12 @@ class _Batch:
         self, blocks: list[torch.Tensor], bounds: list[float], chunk: int, dev: torch.device
     ) -> None:
         from torchrec_lossy.codec import quantize as cpu_quantize
+        from torchrec_lossy.codec.encode_columns import encode_columns
         from torchrec_lossy.codec.format import ALPHABET_SIZE, BITS_DTYPES, DTYPE_CODES
+        from torchrec_lossy.codec.launch_tables import tile_table
         from torchrec_lossy.kernels import codebook
         from torchrec_lossy.kernels import huffman as k_huffman
         from torchrec_lossy.kernels import quantize as k_quantize
-        from torchrec_lossy.kernels.encode_columns import encode_columns
-        from torchrec_lossy.kernels.launch_tables import tile_table
 
         quant = [
             (b, eb, params)

@@ -4,7 +4,7 @@
 ``codec.huffman.code_lengths_kernel`` does (two-queue merge, tie-breaking, JPEG Annex K.3
 limiting): a torch sort of the leaves by (count, symbol), one sequential program per histogram
 (``_code_lengths_kernel``, on one warp), then torch assigns lengths by rank.
-:func:`canonical_codes` (torch, from ``kernels/codebook_ref.py``) is ``canonical_codes_kernel``'s
+:func:`canonical_codes` (torch, from ``codec/codebook.py``) is ``canonical_codes_kernel``'s
 twin; :func:`decode_tables` builds the decoder's one-lookup tables. docs/kernels.md, 'The kernels'.
 """
 
@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec.codebook import canonical_codes as canonical_codes
+from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import ALPHABET_SIZE, MAX_CODE_LENGTH
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels.codebook_ref import canonical_codes as canonical_codes
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
 
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
 _MAX_LEN: tl.constexpr = tl.constexpr(MAX_CODE_LENGTH)

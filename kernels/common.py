@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchrec_lossy.kernels.launch_tables import block_for
+from torchrec_lossy.codec.launch_tables import block_for
 
 SCAN_SUM = 0
 SCAN_MAX = 1

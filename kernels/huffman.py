@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
-from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
 from torchrec_lossy.kernels.common import SCAN_SUM, find_segment, inclusive_scan
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for
 
 _ALPHABET: tl.constexpr = tl.constexpr(wire.ALPHABET_SIZE)
 _ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
+from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
@@ -20,9 +22,7 @@ from torchrec_lossy.codec.format import (
     DECODE_OUT_OF_BITS,
     REFS_OUT_OF_RANGE,
 )
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.launch_tables import NO_FAILURE
+from torchrec_lossy.codec.launch_tables import NO_FAILURE
 
 _U32 = 0xFFFFFFFF
 

@@ -15,6 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     BFLOAT16_CODE,
@@ -23,12 +27,8 @@ from torchrec_lossy.codec.format import (
     FLOAT32_CODE,
     SYMBOL_OFFSET,
 )
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
+from torchrec_lossy.codec.launch_tables import block_for
 from torchrec_lossy.kernels.common import find_segment
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
-from torchrec_lossy.kernels.launch_tables import block_for
 
 # Globals a kernel reads must be constexpr.
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)

@@ -10,10 +10,12 @@ Python iteration per block (or tile), never per element.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
@@ -28,29 +30,7 @@ from torchrec_lossy.codec.format import (
     value_shift,
     value_symbol,
 )
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
-
-
-@dataclass(frozen=True)
-class QuantParams:
-    """Per-block quantization parameters (also written to the segment header).
-
-    Attributes:
-        step: Quantization step, float32-representable, at most ``2 * bound``.
-        inv_step: float32 reciprocal of ``step`` used by the encoder.
-        center: Code of the block's midpoint; symbols are ``q - center + SYMBOL_OFFSET``.
-        value: The per-value relative grid (``MODE_VALUE``): ``step`` is ``2**-m``, ``center``
-            the block's largest code ``qmax`` and ``inv_step`` unused
-            (``codec.quantize.value_params``).
-    """
-
-    step: float
-    inv_step: float
-    center: int
-    value: bool = False
+from torchrec_lossy.codec.quant_params import QuantParams
 
 
 def uniform_reference(n: int, key: int) -> torch.Tensor:
@@ -310,7 +290,6 @@ def decode_outputs(
 
 
 __all__ = [
-    "QuantParams",
     "decode_outputs",
     "dequantize_reference",
     "quantize_reference",

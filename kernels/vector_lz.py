@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
+from torchrec_lossy.codec import launch_tables
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
-from torchrec_lossy.kernels import launch_tables
+from torchrec_lossy.codec.launch_tables import block_for
 from torchrec_lossy.kernels.common import SCAN_MAX, find_segment, inclusive_scan
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
-from torchrec_lossy.kernels.launch_tables import block_for
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
 
 
 def dedupe_reference(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The decoder's column record (``kernels/decode_columns.py``): one int64 tensor, field ``F`` in
+"""The decoder's column record (``codec/decode_columns.py``): one int64 tensor, field ``F`` in
 row ``F``, each field's valid entries a view (kernels and twins write status rows in place)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.codec import decode_columns as dc
 
 
 def _record() -> tuple[dc.DecodeColumns, dict[str, np.ndarray]]:

@@ -29,8 +29,10 @@ from helpers import (
 )
 
 from torchrec_lossy.codec import CodecConfig, CodecError, host_sync, huffman, pipeline
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import device_decompress as dd
 from torchrec_lossy.codec import format as wire
+from torchrec_lossy.codec.decode_columns import stack_columns
 from torchrec_lossy.codec.format import (
     BITS_DTYPES,
     DESCRIPTOR,
@@ -40,8 +42,6 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER,
 )
 from torchrec_lossy.kernels import codebook as k_codebook
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels.decode_columns import stack_columns
 
 pytestmark = INTERPRETER_WARNINGS
 

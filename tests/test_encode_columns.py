@@ -1,4 +1,4 @@
-"""The compressor's column record (``kernels/encode_columns.py``): one int64 tensor, block ``b``
+"""The compressor's column record (``codec/encode_columns.py``): one int64 tensor, block ``b``
 in row ``b``, field ``F`` in column ``F``, float fields stored as their exact bits, fields not
 given at their defaults."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from torchrec_lossy.kernels import encode_columns as ec
+from torchrec_lossy.codec import encode_columns as ec
 
 
 def test_fields_are_rows_in_order_with_exact_float_bits() -> None:

@@ -25,6 +25,7 @@ from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, corpus, repeated_ro
 from kernel_calls import Call, assert_same, recorded_calls, replay
 
 from torchrec_lossy.codec import CodecConfig, CodecError, compress, decompress
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
@@ -33,7 +34,6 @@ from torchrec_lossy.codec.format import (
     DECODE_OUT_OF_BITS,
 )
 from torchrec_lossy.kernels import codebook, codebook_ref, huffman, huffman_ref
-from torchrec_lossy.kernels import decode_columns as dc
 
 pytestmark = INTERPRETER_WARNINGS
 

@@ -364,11 +364,21 @@ def test_cycle_check_sees_a_cycle_through_a_type_checking_import() -> None:
 # ---------------------------------------------------------------------------------------------
 # Kernels are leaves.
 
-# What kernels/ may import from the codec: the wire format alone (its constants, its helpers
-# and the per-value grid's symbol rules every backend shares). Codec logic a kernel's torch twin
-# shares with the host path lives in kernels/ (``codebook_ref.huffman_code_lengths``) and the
-# codec imports it from there.
-KERNEL_LEAVES = {f"{PACKAGE}.codec.format"}
+# What kernels/ may import from the codec: the rules every backend shares to write the same
+# bytes and the host-side records the launchers take, none of them a backend. The codec owns its
+# logic (code lengths and canonical codes, quantization parameters, launch tables, the column
+# records); kernels/ holds the Triton launchers and their torch twins, which import these.
+KERNEL_LEAVES = {
+    f"{PACKAGE}.codec.{m}"
+    for m in (
+        "format",  # constants, record dtypes, the per-value grid's symbols
+        "codebook",  # huffman_code_lengths, canonical_codes
+        "quant_params",  # QuantParams
+        "launch_tables",  # block sizes, tile tables, row-hash multipliers, NO_FAILURE
+        "decode_columns",  # DecodeColumns
+        "encode_columns",  # EncodeColumns
+    )
+}
 
 
 def kernel_codec_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
@@ -399,13 +409,35 @@ def kernel_codec_imports(rel: str, source: str) -> set[tuple[str, str, str]]:
     return found
 
 
-def test_kernels_take_only_the_format_from_the_codec() -> None:
+def test_kernels_take_only_the_shared_leaves_from_the_codec() -> None:
     found: set[tuple[str, str, str]] = set()
     for path in sorted((ROOT / "kernels").rglob("*.py")):
         found |= kernel_codec_imports(str(path.relative_to(ROOT)), path.read_text())
     assert found, "the scan found no codec import at all: is it still looking at kernels/?"
     extra = sorted(f for f in found if f[1] not in KERNEL_LEAVES)
-    assert not extra, f"kernels/ imports codec logic (move it into kernels/): {extra}"
+    assert not extra, (
+        "kernels/ imports codec logic beyond the shared leaves (kernels are launchers: move "
+        f"what they share with the codec into a leaf, or name a new leaf here): {extra}"
+    )
+
+
+def test_the_codec_leaves_kernels_take_import_no_other_codec_module() -> None:
+    """The leaves stay leaves: besides each other they import only ``codec.format``'s own
+    helpers, never a backend (numba orchestration, triton) or a kernel."""
+    allowed = KERNEL_LEAVES | {f"{PACKAGE}.codec.elementwise"}  # format's own helpers
+    for leaf in sorted(KERNEL_LEAVES):
+        rel = leaf.removeprefix(f"{PACKAGE}.").replace(".", "/") + ".py"
+        path = ROOT / PACKAGE / rel
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imported = {
+            _resolve(f"{PACKAGE}/{rel}", n) if isinstance(n, ast.ImportFrom) else a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom)
+            for a in n.names
+        }
+        ours = {m for m in imported if m.startswith(PACKAGE)}
+        assert ours <= allowed, (leaf, sorted(ours - allowed))
+        assert "triton" not in imported and not any(m.startswith("triton.") for m in imported), leaf
 
 
 @pytest.mark.parametrize(

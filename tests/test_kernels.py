@@ -29,9 +29,11 @@ import numba
 from helpers import DEVICE, DTYPES, INTERPRETER_WARNINGS, bound_for, make_block
 from kernel_calls import assert_same, snapshot
 
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
-from torchrec_lossy.codec import huffman, pipeline
+from torchrec_lossy.codec import huffman, launch_tables, pipeline
 from torchrec_lossy.codec import quantize as cpu_quantize
+from torchrec_lossy.codec.encode_columns import encode_columns
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     BITS_DTYPES,
@@ -39,15 +41,13 @@ from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     NEAREST_KEY,
 )
+from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for, tile_table
+from torchrec_lossy.codec.quant_params import QuantParams
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import common, huffman_ref, launch_tables, quantize_ref, vector_lz_ref
-from torchrec_lossy.kernels import decode_columns as dc
+from torchrec_lossy.kernels import common, huffman_ref, quantize_ref, vector_lz_ref
 from torchrec_lossy.kernels import huffman as k_huffman
 from torchrec_lossy.kernels import quantize as k_quantize
 from torchrec_lossy.kernels import vector_lz as k_vector_lz
-from torchrec_lossy.kernels.encode_columns import encode_columns
-from torchrec_lossy.kernels.launch_tables import NO_FAILURE, block_for, tile_table
-from torchrec_lossy.kernels.quantize_ref import QuantParams
 
 pytestmark = INTERPRETER_WARNINGS
 

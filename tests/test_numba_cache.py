@@ -54,9 +54,15 @@ def test_an_edit_to_any_module_changes_the_folder(
 
 
 def test_the_key_covers_the_kernels_the_host_kernels_compile() -> None:
-    """kernels/ lives beside the package in a checkout: its rules, which the host kernels compile
-    (the code lengths), key the cache too, as does the format the per-value grid is written in."""
+    """The modules the host kernels compile (the code lengths of ``codec/codebook.py``, the
+    format the per-value grid is written in) key the cache, and so does kernels/, which lives
+    beside the package in a checkout."""
     sources = {p.resolve() for p in torchrec_lossy.numba_cache_sources()}
-    rels = ("kernels/codebook_ref.py", "torchrec_lossy/codec/format.py", "torchrec_lossy/config.py")
+    rels = (
+        "torchrec_lossy/codec/codebook.py",
+        "kernels/codebook_ref.py",
+        "torchrec_lossy/codec/format.py",
+        "torchrec_lossy/config.py",
+    )
     for rel in rels:
         assert (ROOT / rel).resolve() in sources, rel

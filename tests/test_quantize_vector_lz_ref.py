@@ -25,10 +25,10 @@ from helpers import DEVICE, INTERPRETER_WARNINGS, as_tensor, parse, repeated_row
 from kernel_calls import Call, assert_same, recorded_calls, replay
 
 from torchrec_lossy.codec import CodecConfig, CodecError, compress_with_stats, decompress
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL, REFS_FIXED, REFS_FLAGGED, SEGMENT_HEADER
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels import encode_columns as ec
 from torchrec_lossy.kernels import quantize, quantize_ref, vector_lz, vector_lz_ref
 
 pytestmark = INTERPRETER_WARNINGS

@@ -17,8 +17,9 @@ def numba_cache_sources() -> list[Path]:
     """The source files the numba cache is keyed by: the package's and those of ``kernels/``.
 
     ``kernels/`` ships as ``torchrec_lossy.kernels`` (package-dir): in a source checkout it lives
-    beside the package, and the host kernels compile rules written there
-    (``kernels/codebook_ref.py``'s code lengths).
+    beside the package. The host kernels compile only the package's own modules (the code
+    lengths live in ``codec/codebook.py``), but keying by ``kernels/`` too keeps the key one
+    rule: every source file the installed package runs.
 
     Returns:
         Every ``.py`` file, in a fixed order.

@@ -17,6 +17,7 @@ from typing import Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import host_sync, quantize
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import BoundKind
@@ -31,6 +32,7 @@ from torchrec_lossy.codec.container import (
     skeleton_index,
     skeleton_words,
 )
+from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DESCRIPTOR,
@@ -53,11 +55,9 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
+from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
 from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import encode_columns as ec
-from torchrec_lossy.kernels.encode_columns import EncodeColumns
-from torchrec_lossy.kernels.launch_tables import block_for, column_multipliers, tile_table
 from torchrec_lossy.profile_range import profile_range
 
 _QUANT_BLOCK = 4096  # elements per quantize tile

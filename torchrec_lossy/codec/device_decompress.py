@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec.container import (
     DEFAULT_MAX_ELEMENTS,
@@ -31,6 +32,7 @@ from torchrec_lossy.codec.container import (
     status_error,
     upload,
 )
+from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
@@ -46,9 +48,7 @@ from torchrec_lossy.codec.format import (
     words_for_bytes,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
-from torchrec_lossy.kernels import decode_columns as dc
-from torchrec_lossy.kernels.decode_columns import DecodeColumns
-from torchrec_lossy.kernels.launch_tables import NO_FAILURE
+from torchrec_lossy.codec.launch_tables import NO_FAILURE
 from torchrec_lossy.profile_range import profile_range
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from torchrec_lossy.codec.codebook import huffman_code_lengths
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHUNK_TABLE,
     DECODE_BAD_CODEBOOK,
@@ -22,7 +23,6 @@ from torchrec_lossy.codec.format import (
     MAX_CODE_LENGTH,
 )
 from torchrec_lossy.codec.host_records import Blocks, Codes, Dedupe
-from torchrec_lossy.kernels.codebook_ref import huffman_code_lengths
 
 # The length-limited Huffman construction, written once: the torch twin runs it in Python.
 code_lengths_kernel = numba.njit(cache=True, nogil=True)(huffman_code_lengths)

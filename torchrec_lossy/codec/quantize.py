@@ -43,7 +43,7 @@ from torchrec_lossy.codec.format import (
     value_symbol,
 )
 from torchrec_lossy.codec.host_records import Grids
-from torchrec_lossy.kernels.quantize_ref import QuantParams
+from torchrec_lossy.codec.quant_params import QuantParams
 
 _FLT_MAX = float(np.finfo(np.float32).max)
 _MASK32 = 0xFFFFFFFF
