@@ -239,7 +239,9 @@ def shard_model(
         }
     codecs = None
     if args.comm == "lossy":
-        planner = LossyShardingPlanner(plan_config, **planner_args)
+        planner = LossyShardingPlanner(
+            plan_config, speeds=format_speeds(args, env, plan_config), **planner_args
+        )
         sharder = planner.sharder(fused_params=fused_params(args))
         c = plan_config.comms
         desc = (f"torchrec-lossy: forward {c.default_bound.mode} bound {c.default_bound.value:g} "
@@ -274,6 +276,28 @@ def shard_model(
         lossy=args.comm == "lossy",
         qcomm_codecs=codecs,
     )
+
+
+def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> Any:
+    """The wire formats' speeds on this device for this layout, the same on every rank.
+
+    Each rank times the codec and the casts on one destination's blocks (every table,
+    ``--batch-size`` rows); every rank then takes the slowest rank's figures, so the planner's
+    format choice (``comms.format: auto``) is the same everywhere.
+
+    Args:
+        args: Parsed flags.
+        env: This process's placement.
+        plan_config: The fitted ``LossyPlanConfig``.
+
+    Returns:
+        The agreed ``Speeds``.
+    """
+    from torchrec_lossy.planner import agree_speeds, measure_speeds
+
+    tables = plan_config.embedding_tables
+    speeds = measure_speeds(tables, args.batch_size, plan_config.comms, env.device)
+    return agree_speeds(speeds, dist.GroupMember.WORLD, env.device)
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> Any:

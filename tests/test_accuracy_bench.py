@@ -50,9 +50,10 @@ def test_variant_yaml_is_a_valid_plan_config(tmp_path: Path) -> None:
     cfg = load_yaml(LossyPlanConfig, path)
     assert cfg.comms.backward == "lossy"
     assert cfg.comms.default_bound.value == 0.02
-    assert cfg.planner.drop_unprofitable is False  # every table compressed, as without a config
-    # The defaults need no file: the run is the example's own default.
-    assert ab._variant_config(ab.BUILTIN["lossy"], tmp_path) is None
+    assert cfg.comms.format == "entropy"  # every table coded, whatever the link
+    # The default variant too (the example's default, comms.format auto, may send raw).
+    default = ab._variant_config(ab.BUILTIN["lossy"], tmp_path)
+    assert default is not None and load_yaml(LossyPlanConfig, default).comms.format == "entropy"
     assert ab._variant_config(ab.BUILTIN["mx4"], tmp_path) is None
 
 

@@ -26,12 +26,14 @@ from torchrec.distributed.types import ShardingType
 
 from torchrec_lossy import plan as plan_cli
 from torchrec_lossy.config import (
+    ConfigError,
     EmbeddingTableConfig,
     LossyCommsConfig,
     LossyPlanConfig,
     PlannerConfig,
     TableCodecConfig,
     TopologyConfig,
+    from_dict,
 )
 from torchrec_lossy.planner import (
     CommsModel,
@@ -116,7 +118,7 @@ def test_exact_tw_costs_with_compression() -> None:
 def two_hosts(intra_host: str = "auto", device: str = "cuda") -> LossyPlanConfig:
     """2 hosts x 2 ranks, one 32-column table; forward ratio 20, backward 4, codec 200/50."""
     return LossyPlanConfig(
-        comms=LossyCommsConfig(backward="lossy", intra_host=intra_host),  # type: ignore[arg-type]
+        comms=LossyCommsConfig(backward="lossy", intra_host=intra_host, format="entropy"),  # type: ignore[arg-type]
         planner=PlannerConfig(
             expected_ratio=20.0, backward_ratio=4.0, encode_gib_s=200.0, decode_gib_s=50.0
         ),
@@ -155,8 +157,6 @@ def test_exact_per_destination_costs_on_two_hosts() -> None:
         + codec_ms(2 * block),
         rel=1e-12,
     )
-    # The break-even of the planner's drop test: 1/R + bw/enc + bw/dec.
-    assert model.break_even(20.0) == pytest.approx(0.05 + 12.5 / 200 + 12.5 / 50, rel=1e-12)
 
 
 def per_class_costs(intra_host: str, device: str = "cuda") -> tuple[Any, Any]:
@@ -255,7 +255,7 @@ def test_twrw_cross_host_hop_is_credited() -> None:
 
 def test_backward_priced_per_table_like_the_forward() -> None:
     """The default (lossy) backward: a calibrated ratio per table, else planner.backward_ratio,
-    the codec's time, and raw where drop_unprofitable finds that the codec does not pay."""
+    the codec's time; with format auto, raw where the codec does not pay."""
     planner = PlannerConfig(backward_ratio=12.0, encode_gib_s=200.0, decode_gib_s=50.0)
     config = LossyPlanConfig(planner=planner, embedding_tables=tables(5000, dim=32))
     assert config.comms.backward == "lossy"  # the default
@@ -264,7 +264,7 @@ def test_backward_priced_per_table_like_the_forward() -> None:
     assert model.for_table("t1").bwd == WireFormat("lossy", 12.0, 200.0, 50.0)
     assert model.for_table("t1").row_wise_all_to_all  # RW gradients ride the coded all-to-all
     # A codec far slower than the link: the backward goes raw when the planner may drop it.
-    slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3, drop_unprofitable=True)
+    slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3)
     dropped = LossyCommsModel(LossyPlanConfig(planner=slow), CROSS_NODE_BANDWIDTH)
     assert dropped.for_table("t0").bwd.name == "raw"
     none = LossyPlanConfig(comms=LossyCommsConfig(backward="none"))
@@ -334,7 +334,9 @@ def test_qcomm_and_raw_models() -> None:
 
 def small_config(**planner: object) -> LossyPlanConfig:
     return LossyPlanConfig(
-        comms=LossyCommsConfig(tables={"raw_*": TableCodecConfig(compress=False)}),
+        comms=LossyCommsConfig(
+            tables={"raw_*": TableCodecConfig(compress=False)}, format="entropy"
+        ),
         planner=PlannerConfig(global_batch_size=8192, **planner),
         topology=TopologyConfig(world_size=4, local_world_size=2),
         embedding_tables=(
@@ -421,11 +423,15 @@ def test_embedding_collection_tables_are_priced_with_the_codec() -> None:
 
 
 def test_explained_plan_and_step_cost() -> None:
-    planner = plan_small(small_config())
+    config = small_config()
+    planner = plan_small(
+        dataclasses.replace(config, comms=dataclasses.replace(config.comms, format="auto"))
+    )
     text = planner.explain()
     lines = text.splitlines()
-    assert lines[0].startswith("torchrec-lossy: forward lossy")
-    assert lines[1].startswith("the codec pays on the cross-host link for ratios above")
+    assert lines[0].startswith("torchrec-lossy: forward format auto")
+    assert "speeds: entropy 200/60" in lines[0]  # what the choice used (cuda defaults here)
+    assert lines[1].startswith("format auto chose on the cross-host link: entropy for 3 tables")
     assert lines[2].split()[:5] == ["table", "rows", "dim", "sharding", "collective"]
     assert [line.split()[0] for line in lines[3:]] == ["big", "mid", "tiny", "raw_big", "total"]
     cost = planner.step_cost()
@@ -446,9 +452,8 @@ def test_data_parallel_can_be_switched_off() -> None:
     assert DP not in {t.sharding_type for t in planner.planned_tables}
 
 
-def test_unprofitable_codec_is_flagged_or_dropped() -> None:
-    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded:
-    # with intra_host auto on CUDA no block would be coded at all).
+def test_entropy_format_codes_even_where_the_codec_does_not_pay() -> None:
+    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded).
     base = small_config()
     one_host = dataclasses.replace(
         base,
@@ -459,27 +464,52 @@ def test_unprofitable_codec_is_flagged_or_dropped() -> None:
     big = next(t for t in planner.planned_tables if t.name == "big")
     # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
     assert big.sharding_type == "table_row_wise" and big.fwd_format == "raw"
-    assert planner.comms_config is one_host.comms
-    # Said once for the plan, not on every table's line; each table gives its own numbers.
-    text = planner.explain()
-    assert text.count("does not pay") == 1 and "drop_unprofitable is off" in text.splitlines()[1]
-    assert "drop_unprofitable" not in big.reason and "13.10 of raw time" in big.reason
+    assert planner.comms_config is one_host.comms  # format entropy: nothing to resolve
+    assert "format auto" not in planner.explain()
     tw_only = {"big": ParameterConstraints(sharding_types=[TW])}
     big = next(
         t for t in plan_small(one_host, constraints=tw_only).planned_tables if t.name == "big"
     )
     assert big.fwd_format == "lossy" and "13.10 of raw time" in big.reason
 
-    dropping = dataclasses.replace(
-        one_host, planner=dataclasses.replace(one_host.planner, drop_unprofitable=True)
+
+def test_auto_sends_raw_where_the_codec_does_not_pay_and_says_so_once() -> None:
+    base = small_config()
+    one_host = dataclasses.replace(
+        base,
+        comms=dataclasses.replace(base.comms, format="auto"),
+        topology=TopologyConfig(world_size=2),
     )
-    planner = plan_small(dropping)
+    tw_only = {n: ParameterConstraints(sharding_types=[TW]) for n in ("big", "mid", "raw_big")}
+    planner = plan_small(one_host, constraints=tw_only)
     big = next(t for t in planner.planned_tables if t.name == "big")
-    assert big.fwd_format == "raw" and big.reason.startswith("sent raw")
-    assert "those tables are sent raw" in planner.explain().splitlines()[1]
+    assert big.fwd_format == "raw" and "format auto: raw is faster" in big.reason
+    lines = planner.explain().splitlines()
+    # One line says what auto chose and why; none says the codec does not pay while coding.
+    assert sum("format auto chose" in x for x in lines) == 1, lines[:3]
+    assert "raw for 3 tables" in lines[1] and "entropy" in lines[1], lines[1]
+    assert "does not pay" not in planner.explain()
     effective = planner.comms_config
+    assert [effective.table(n).format for n in ("big", "mid", "tiny", "raw_big")] == ["raw"] * 4
     assert [effective.table(n).compress for n in ("big", "mid", "tiny", "raw_big")] == [False] * 4
-    assert effective.table("raw_big") == one_host.comms.table("raw_big")
+    assert effective.format == "entropy" and effective.intra_host == "coded"
+    # On a slow link the codec pays: auto codes every compressible table.
+    slow = dataclasses.replace(
+        one_host, topology=TopologyConfig(world_size=2, intra_host_bandwidth_gib_s=0.116)
+    )
+    effective = plan_small(slow, constraints=tw_only).comms_config
+    assert [effective.table(n).format for n in ("big", "mid", "raw_big")] == [
+        "entropy",
+        "entropy",
+        "raw",
+    ]
+
+
+def test_drop_unprofitable_is_refused_naming_its_replacement() -> None:
+    with pytest.raises(
+        ConfigError, match=r"planner.drop_unprofitable was replaced: .*comms.format"
+    ):
+        from_dict(LossyPlanConfig, {"planner": {"drop_unprofitable": True}})
 
 
 def test_calibration_measures_the_codec_and_feeds_the_plan() -> None:

@@ -601,6 +601,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp!r}")
 
 
+# Keys of older configs, and what replaced them (the message of a config that still has one).
+REPLACED_KEYS: dict[str, str] = {
+    "planner.drop_unprofitable": (
+        "remove it; comms.format decides (auto, the default: per table and link the fastest "
+        "format within the bound, raw where the codec does not pay; entropy: always the codec, "
+        "as drop_unprofitable: false did)"
+    ),
+}
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Builds a config dataclass from a plain mapping, validating keys, types and ranges.
 
@@ -620,6 +630,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        for k in unknown:
+            if f"{where}{k}" in REPLACED_KEYS:
+                raise ConfigError(f"{where}{k} was replaced: {REPLACED_KEYS[where + str(k)]}")
         raise ConfigError(
             f"unknown key(s) {', '.join(where + str(k) for k in unknown)}: "
             f"allowed keys are {', '.join(sorted(names))}"
@@ -797,9 +810,6 @@ class PlannerConfig:
         decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.86).
         data_parallel: Let the planner replicate tables (TorchRec's data-parallel sharding) where
             the gradient all-reduce is cheaper than any all-to-all.
-        drop_unprofitable: Send a table uncompressed when the codec is slower than the bytes it
-            saves (``1/ratio + bw/encode + bw/decode >= 1`` on the topology's all-to-all
-            bandwidth). Off: such tables stay compressed and the printed plan flags them.
     """
 
     global_batch_size: int | None = None
@@ -809,7 +819,6 @@ class PlannerConfig:
     encode_gib_s: float | None = None
     decode_gib_s: float | None = None
     data_parallel: bool = True
-    drop_unprofitable: bool = False
 
     def __post_init__(self) -> None:
         b = self.global_batch_size
