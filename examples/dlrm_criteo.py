@@ -244,7 +244,8 @@ def shard_model(
         )
         sharder = planner.sharder(fused_params=fused_params(args))
         c = plan_config.comms
-        desc = (f"torchrec-lossy: forward {c.default_bound.mode} bound {c.default_bound.value:g} "
+        desc = (f"torchrec-lossy: format {c.format}, forward {c.default_bound.mode} bound "
+                f"{c.default_bound.value:g} "
                 f"(homogenization {'on' if c.homogenization.enabled else 'off'}, schedule "
                 f"{c.schedule.kind}), backward {c.backward}")  # fmt: skip
     else:

@@ -104,6 +104,8 @@ class LossyCommsModel:
         self.one_host = topo.local_world_size in (None, topo.world_size)
         self.same_host_raw, self._same_host_why = self._same_host_choice()
         same_host = "same-host peers raw" if self.same_host_raw else "same-host peers coded"
+        if self.one_host and comms.format == "auto" and comms.intra_host == "auto":
+            same_host = "every peer on this host, format per table"
         self.description = (
             f"torchrec-lossy: forward format {comms.format} ({comms.default_bound.mode} "
             f"{comms.default_bound.value:g} default bound), backward {bwd_kind}; {same_host} "
