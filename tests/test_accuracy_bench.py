@@ -148,10 +148,10 @@ def test_a_mode_worse_than_the_reference_misses_the_target() -> None:
     assert not target["not_worse_than_ref"] and not target["met"]
 
 
-def test_seed_lists_take_ranges() -> None:
+def test_seed_lists_take_ranges(tmp_path: Path) -> None:
     assert ab.parse_args(["--seeds", "0-3,7"]).seeds == [0, 1, 2, 3, 7]
     args = ab.parse_args(["--datasets", "movielens"])
     assert len(args.seeds) == 20 and args.ref == "mx4"
-    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, Path("/tmp/x"))
+    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, tmp_path)
     assert flags[flags.index("--dataset") + 1] == "criteo-kaggle"
     assert flags[flags.index("--data-path") + 1].endswith("movielens_small_criteo.tsv.gz")
