@@ -92,3 +92,38 @@ def test_config_items_cover_shared_keys_and_pattern_order() -> None:
     assert "error_sample_every" not in ia and "codec.backend" not in ia
     message = mismatch_message([ia, ib, ia], "ebc")
     assert "tables: ['t*', 't1'] on ranks 0, 2; ['t1', 't*'] on rank 1" in message, message
+
+
+def _worker_agree(rank: int, world_size: int) -> dict[str, Any]:
+    import dataclasses
+
+    import torch
+
+    from torchrec_lossy.config import EmbeddingTableConfig, LossyPlanConfig, TopologyConfig
+    from torchrec_lossy.planner import LossyShardingPlanner, Speeds, agree_speeds
+
+    # Rank 0's codec is fast enough to pay on the link, rank 1's is not: each alone would
+    # resolve another config; agreed, both take the slowest figures.
+    mine = Speeds({"entropy": (5.0, 5.0) if rank == 0 else (0.05, 0.05)}, "test", round_ms=0.1)
+    agreed = agree_speeds(mine, torch.distributed.group.WORLD, torch.device("cpu"))
+    config = LossyPlanConfig(
+        topology=TopologyConfig(world_size=2, intra_host_bandwidth_gib_s=1.0),
+        embedding_tables=(EmbeddingTableConfig("t", 1000, 16),),
+    )
+    alone = LossyShardingPlanner(config, speeds=mine, stats=[]).comms_config.table("t").format
+    together = LossyShardingPlanner(config, speeds=agreed, stats=[]).comms_config
+    return {
+        "agreed": agreed.formats["entropy"],
+        "alone": alone,
+        "together": dataclasses.asdict(together.table("t")),
+        "round_ms": agreed.round_ms,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_speeds_are_agreed_so_every_rank_resolves_the_same_format() -> None:
+    r0, r1 = run_workers(_worker_agree, 2, timeout_s=240)
+    assert (r0["alone"], r1["alone"]) == ("entropy", "raw")  # what each would pick alone
+    assert r0["agreed"] == r1["agreed"] == pytest.approx((0.05, 0.05))
+    assert r0["together"] == r1["together"] and r0["together"]["format"] == "raw"
+    assert r0["round_ms"] == r1["round_ms"] == pytest.approx(0.1)
