@@ -452,14 +452,19 @@ def test_data_parallel_can_be_switched_off() -> None:
     assert DP not in {t.sharding_type for t in planner.planned_tables}
 
 
-def test_entropy_format_codes_even_where_the_codec_does_not_pay() -> None:
-    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded).
+def small_one_host(**comms: Any) -> LossyPlanConfig:
+    """small_config's tables on one host of 2 ranks, with ``comms`` changes."""
     base = small_config()
-    one_host = dataclasses.replace(
+    return dataclasses.replace(
         base,
-        comms=dataclasses.replace(base.comms, intra_host="coded"),
+        comms=dataclasses.replace(base.comms, **comms),
         topology=TopologyConfig(world_size=2),
     )
+
+
+def test_entropy_format_codes_even_where_the_codec_does_not_pay() -> None:
+    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded).
+    one_host = small_one_host(intra_host="coded")
     planner = plan_small(one_host)
     big = next(t for t in planner.planned_tables if t.name == "big")
     # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
@@ -474,12 +479,7 @@ def test_entropy_format_codes_even_where_the_codec_does_not_pay() -> None:
 
 
 def test_auto_sends_raw_where_the_codec_does_not_pay_and_says_so_once() -> None:
-    base = small_config()
-    one_host = dataclasses.replace(
-        base,
-        comms=dataclasses.replace(base.comms, format="auto"),
-        topology=TopologyConfig(world_size=2),
-    )
+    one_host = small_one_host(format="auto")
     tw_only = {n: ParameterConstraints(sharding_types=[TW]) for n in ("big", "mid", "raw_big")}
     planner = plan_small(one_host, constraints=tw_only)
     big = next(t for t in planner.planned_tables if t.name == "big")
