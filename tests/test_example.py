@@ -150,9 +150,14 @@ def test_torchrun_config_error_is_one_line_per_rank(tmp_path: Path) -> None:
 
 def test_torchrun_lossy_synthetic(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
+    # The codec itself, whatever this machine's speeds (format auto may send raw on localhost).
+    config = tmp_path / "entropy.yaml"
+    config.write_text("comms: {format: entropy}\n")
     proc = _torchrun(
         [
             *TINY,
+            "--config",
+            str(config),
             "--comm",
             "lossy",
             "--metrics-json",

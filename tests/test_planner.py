@@ -685,3 +685,22 @@ def test_configured_bandwidths_reach_the_topology() -> None:
     assert slow.inter_host_bw < default.inter_host_bw
     assert slow.intra_host_bw == default.intra_host_bw
     assert slow.hbm_mem_bw == default.hbm_mem_bw
+
+
+def test_preview_measures_speeds_and_says_what_auto_chose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "topology: {world_size: 2, compute_device: cpu, intra_host_bandwidth_gib_s: 0.116}\n"
+        "planner: {global_batch_size: 256}\n"
+        "embedding_tables:\n"
+        "  - {name: a, num_embeddings: 5000, embedding_dim: 16}\n"
+        "  - {name: b, num_embeddings: 50000, embedding_dim: 16}\n"
+    )
+    assert plan_cli.main(["--config", str(path), "--measure-speeds"]) == 0
+    out = capsys.readouterr().out
+    assert "measured on cpu, 2 blocks x 128 rows" in out, out[:2000]
+    # Once, with the estimate that decided (which way depends on this machine's measured speed).
+    chose = [x for x in out.splitlines() if x.startswith("format auto chose")]
+    assert len(chose) == 1 and "at 0.116 GiB/s, time vs raw: entropy" in chose[0], chose
