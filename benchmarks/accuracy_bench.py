@@ -253,15 +253,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _variant_config(variant: Variant, out_dir: Path) -> Path | None:
-    """Writes the planner YAML of a lossy variant with overrides; None when it has none."""
-    if variant.comm != "lossy" or (not variant.comms and variant.config is None):
+    """Writes the planner YAML of a lossy variant (its overrides on its config, if any); None
+    for the other modes."""
+    if variant.comm != "lossy":
         return None
     doc: dict[str, Any] = {}
     if variant.config:
         doc = yaml.safe_load(Path(variant.config).read_text()) or {}
-    # As without --config: every table compressed, whatever the link (paired plans).
-    doc.setdefault("planner", {}).setdefault("drop_unprofitable", False)
+    # Every table coded, whatever the link (paired runs measure the codec; the default
+    # comms.format auto would send raw where the codec does not pay).
     comms = doc.setdefault("comms", {})
+    comms.setdefault("format", "entropy")
     for key, value in variant.comms.items():
         *parents, leaf = key.split(".")
         node = comms

@@ -50,11 +50,13 @@ def test_variant_yaml_is_a_valid_plan_config(tmp_path: Path) -> None:
     cfg = load_yaml(LossyPlanConfig, path)
     assert cfg.comms.backward == "lossy"
     assert cfg.comms.default_bound.value == 0.02
-    assert cfg.planner.drop_unprofitable is False  # every table compressed, as without a config
+    assert cfg.comms.format == "entropy"  # every table coded, whatever the link
     bval = load_yaml(LossyPlanConfig, ab._variant_config(ab.BUILTIN["lossy-bval"], tmp_path))
     assert (bval.comms.backward_bound.mode, bval.comms.backward_bound.value) == ("value", 1 / 32)
-    # The defaults need no file: the run is the example's own default.
-    assert ab._variant_config(ab.BUILTIN["lossy"], tmp_path) is None
+    assert bval.comms.format == "entropy"
+    # The default variant too (the example's default, comms.format auto, may send raw).
+    default = ab._variant_config(ab.BUILTIN["lossy"], tmp_path)
+    assert default is not None and load_yaml(LossyPlanConfig, default).comms.format == "entropy"
     assert ab._variant_config(ab.BUILTIN["mx4"], tmp_path) is None
 
 
@@ -155,11 +157,11 @@ def test_a_mode_worse_than_the_reference_misses_the_target() -> None:
     assert not target["not_worse_than_ref"] and not target["met"]
 
 
-def test_seed_lists_take_ranges() -> None:
+def test_seed_lists_take_ranges(tmp_path: Path) -> None:
     assert ab.parse_args(["--seeds", "0-3,7"]).seeds == [0, 1, 2, 3, 7]
     args = ab.parse_args(["--datasets", "movielens"])
     assert len(args.seeds) == 20 and args.ref == "mx4"
-    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, Path("/tmp/x"))
+    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, tmp_path)
     assert flags[flags.index("--dataset") + 1] == "criteo-kaggle"
     assert flags[flags.index("--data-path") + 1].endswith("movielens_small_criteo.tsv.gz")
 
