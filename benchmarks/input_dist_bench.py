@@ -17,7 +17,8 @@ step (the self-send included, as TorchRec's all-to-alls do):
 
 - backward (gradient of the pooled embeddings): ``none`` fp32; ``fp16`` 2 bytes; ``mx4``
   TorchRec's MX4 backward qcomm size; ``lossy`` the default backward (gradient dedupe, then the
-  codec at relative 0.01, round to nearest,) on gradients of :func:`_pooled_grads`.
+  codec at ``LossyCommsConfig().backward_bound``, round to nearest) on gradients of
+  :func:`_pooled_grads`.
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
 (feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
@@ -247,7 +248,7 @@ def _backward_bytes(
 ) -> dict[str, dict[str, float]]:
     """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
     the default lossy backward (``LossyCommsConfig()``: the gradient dedupe sums each distinct
-    bag's rows, then the codec at relative 0.01, round to nearest), all ranks."""
+    bag's rows, then the codec at its default bound, round to nearest), all ranks."""
     grads = _pooled_grads(ids.shape[0], dim, generator)
     names, layout = _pooled_setup(world, dim)
     batch = ids.shape[0] // world
