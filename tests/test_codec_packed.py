@@ -8,6 +8,7 @@ routing, and corrupt payloads named by block.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,7 +124,11 @@ def test_torch_twin_writes_the_numba_stream(n: int) -> None:
     n_groups = -(-n // 32)
     out = np.zeros(n_groups + 12 * n_groups + 4, np.uint32)
     blk = sym.numpy().astype(np.uint16)
-    words = host_packed.put_stream(out, 0, blk, np.arange(n, dtype=np.int32), 1)
+    rows = np.arange(n, dtype=np.int32)
+    planned = np.zeros(n_groups + 1, np.uint8)
+    n_esc, code_words = host_packed.stream_words(blk, rows, 1, planned)
+    words = host_packed.put_stream(out, 0, blk, rows, 1, planned)
+    assert n_esc == (n > 3) and words == code_words
     widths, codes = packed_ref.pack_codes(sym)
     w_words = -(-n_groups // 4)
     assert words == w_words + int(widths.sum().item() if n else 0)
@@ -230,3 +235,14 @@ def test_nan_and_inf_travel_exactly() -> None:
     x[3, 3], x[4, 4], x[5, 5] = math.nan, math.inf, -math.inf
     (y,) = decompress(compress([x], [0.01], PACKED))
     _check_bound(x, y, 0.01)
+
+
+def test_a_planner_yaml_selects_the_packed_format(tmp_path: Path) -> None:
+    from torchrec_lossy.config import LossyCommsConfig, load_yaml
+
+    path = tmp_path / "plan.yaml"
+    path.write_text("comms:\n  codec:\n    format: packed\n")
+    assert load_yaml(LossyCommsConfig, path, "comms").codec.format == "packed"
+    path.write_text("comms:\n  codec:\n    format: zstd\n")
+    with pytest.raises(ValueError, match=r"codec\.format"):
+        load_yaml(LossyCommsConfig, path, "comms")

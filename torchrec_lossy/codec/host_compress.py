@@ -121,6 +121,7 @@ class _Knobs(NamedTuple):
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
 BOUND_VALUE = int(BoundKind.VALUE)  # as the compiled kernel compares it
+_NEVER = 1 << 40  # the words of a mode that must not be chosen
 
 
 def _flatten(
@@ -254,11 +255,11 @@ def _put_coded(
 @numba.njit(cache=True, nogil=True, inline="always")
 def _put_packed(
     out: np.ndarray, pos: int, b: int, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks,
-    grids: Grids, segs: Segments, rows: Dedupe, n_esc: int,
+    grids: Grids, segs: Segments, rows: Dedupe, n_esc: int, widths: np.ndarray,
 ) -> int:  # fmt: skip
     """Writes block ``b``'s packed segment at ``pos`` (its rows deduplicated by ``rows`` for
-    quant+lz; ``n_esc`` escapes among the values sent), its checksum in the header last;
-    -> the word after it."""
+    quant+lz; ``n_esc`` escapes among the values sent, ``widths`` its groups' widths), its
+    checksum in the header last; -> the word after it."""
     lz = segs.mode[b] == MODE_QUANT_LZ
     n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
     r0 = blocks.row_off[b]
@@ -274,7 +275,7 @@ def _put_packed(
     if n_esc:
         blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
         pos = _put_escapes(out, pos, blk_sym, blk_bits, sent, dim, isz, n_esc)
-    pos += packed.put_stream(out, pos, blk_sym, sent, dim)
+    pos += packed.put_stream(out, pos, blk_sym, sent, dim, widths)
     check = np.int64(packed.segment_checksum(out[head + SEGMENT_HEADER_WORDS : pos]))
     n_groups = (n_sent * dim + PACKED_GROUP - 1) // PACKED_GROUP
     write_segment_header(
@@ -288,15 +289,16 @@ def _put_packed(
 def _emit_kernel(
     out: np.ndarray, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks, grids: Grids,
     segs: Segments, dedupe: tuple[Dedupe, Dedupe], codes: tuple[Codes, Codes],
-    plan: np.ndarray, is_packed: bool,
+    plan: np.ndarray, widths: tuple[np.ndarray, np.ndarray], is_packed: bool,
 ) -> np.ndarray:  # fmt: skip
     """Writes every block's segment back to back into zeroed ``out``, ``segs.skip[b]`` words
     before block ``b`` left free (a payload's header and descriptors where its group starts).
 
     ``dedupe``: the quantized rows' and the raw rows' vector-LZ; ``codes``: the codes of all
     rows and of the distinct quantized rows (Huffman); ``plan``: the size plan
-    (:func:`_huffman_plan`; ``is_packed``: quantized blocks are packed). Returns the segment
-    words of each block.
+    (:func:`_huffman_plan`; ``is_packed``: quantized blocks are packed, with the group widths
+    and their offsets per block of :func:`_packed_plan`). Returns the segment words of each
+    block.
     """
     nb = blocks.rows.shape[0]
     seg_words = np.zeros(nb, np.int64)
@@ -323,7 +325,10 @@ def _emit_kernel(
         elif is_packed:
             lz = m == MODE_QUANT_LZ
             n_esc = plan[2 if lz else 0, b]
-            pos = _put_packed(out, pos, b, symbols, bits, blocks, grids, segs, dedupe[0], n_esc)
+            blk_widths = widths[0][widths[1][b] : widths[1][b + 1]]
+            pos = _put_packed(
+                out, pos, b, symbols, bits, blocks, grids, segs, dedupe[0], n_esc, blk_widths
+            )
         else:
             lz = m == MODE_QUANT_LZ
             pos = _put_coded(
@@ -404,25 +409,39 @@ def _huffman_plan(codes: tuple[Codes, Codes], chunk: int) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _packed_plan(symbols: np.ndarray, blocks: Blocks, grids: Grids, quant: Dedupe) -> np.ndarray:
+def _packed_plan(
+    symbols: np.ndarray, blocks: Blocks, grids: Grids, quant: Dedupe
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """The size plan (as :func:`_huffman_plan`'s) of the packed codes: exact words
-    (``packed.plan_stream``)."""
+    (``packed.stream_words``). A block whose rows repeat is sent quant+lz (or raw): its
+    all-rows size is not computed (a pass over every element saved; the references cost a
+    few bits per row where a repeat's codes cost ``dim`` codes). -> (the plan, (uint8 group
+    widths of every block's values sent, each block's first width in them)): the emitter
+    writes those widths rather than computing them again."""
     nb = blocks.rows.shape[0]
     plan = np.zeros((5, nb), np.int64)
-    widths = np.empty((int(blocks.elem_off[nb]) + PACKED_GROUP - 1) // PACKED_GROUP + 1, np.uint8)
+    widths = np.empty(int(blocks.elem_off[nb]) // PACKED_GROUP + nb, np.uint8)
+    w_off = np.zeros(nb + 1, np.int64)
     for b in range(nb):
+        w_off[b + 1] = w_off[b]
         if not grids.ok[b]:
             continue
         dim, r0 = blocks.dims[b], blocks.row_off[b]
         blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
-        every = blocks.every_row[r0 : r0 + blocks.rows[b]]
-        plan[0, b], plan[1, b] = packed.stream_words(blk_sym, every, dim, widths)
         nu = quant.n_unique[b]
         if quant.selected[b] and nu < blocks.rows[b]:
             first = quant.first[r0 : r0 + nu]
-            plan[2, b], plan[3, b] = packed.stream_words(blk_sym, first, dim, widths)
-            plan[4, b] = 1
-    return plan
+            mine = widths[w_off[b] :]
+            plan[2, b], plan[3, b] = packed.stream_words(blk_sym, first, dim, mine)
+            plan[1, b], plan[4, b] = _NEVER, 1  # quant never chosen
+            n_sent = nu
+        else:
+            every = blocks.every_row[r0 : r0 + blocks.rows[b]]
+            mine = widths[w_off[b] :]
+            plan[0, b], plan[1, b] = packed.stream_words(blk_sym, every, dim, mine)
+            n_sent = blocks.rows[b]
+        w_off[b + 1] = w_off[b] + (n_sent * dim + PACKED_GROUP - 1) // PACKED_GROUP
+    return plan, (widths, w_off)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -560,7 +579,7 @@ def _compress_kernel(
     no_code = np.zeros(nb, np.bool_)
     if knobs.packed:  # no Huffman codes: the packed codes' exact sizes
         codes = (_codes(sym_lo, sym_hi, no_code), _codes(sym_lo, sym_hi, no_code))
-        plan = _packed_plan(symbols, blocks, grids, quant)
+        plan, widths = _packed_plan(symbols, blocks, grids, quant)
     else:
         codes = (
             _codes(sym_lo, sym_hi, grids.ok),
@@ -568,6 +587,7 @@ def _compress_kernel(
         )
         huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
         plan = _huffman_plan(codes, knobs.chunk)
+        widths = (np.zeros(0, np.uint8), np.zeros(nb + 1, np.int64))
     lossy = _choose_lossy(blocks, grids, quant, plan, knobs.lz)
     raw = vector_lz.dedupe_blocks_kernel(
         symbols, bits, blocks, lossy[2], True, scratch[2 * q : 3 * q], scratch[3 * q :]
@@ -575,7 +595,7 @@ def _compress_kernel(
     segs, total = _segments(blocks, lossy, (quant, raw), inputs.groups, knobs.chunk)
     out = np.zeros(total, np.uint32)
     seg_words = _emit_kernel(
-        out, symbols, bits, blocks, grids, segs, (quant, raw), codes, plan, knobs.packed
+        out, symbols, bits, blocks, grids, segs, (quant, raw), codes, plan, widths, knobs.packed
     )
     sizes = _put_payload_heads(out, blocks, inputs, grids, segs, seg_words, knobs.packed)
     per_block = np.zeros((4, nb), np.int64)

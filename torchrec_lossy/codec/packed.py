@@ -110,7 +110,10 @@ def stream_words(
 
 
 @numba.njit(cache=True, nogil=True)
-def put_stream(out: np.ndarray, pos: int, blk_sym: np.ndarray, sent: np.ndarray, dim: int) -> int:
+def put_stream(
+    out: np.ndarray, pos: int, blk_sym: np.ndarray, sent: np.ndarray, dim: int,
+    widths: np.ndarray,
+) -> int:  # fmt: skip
     """Writes a block's width bytes and packed codes at word ``pos`` of zeroed ``out``.
 
     Args:
@@ -119,14 +122,18 @@ def put_stream(out: np.ndarray, pos: int, blk_sym: np.ndarray, sent: np.ndarray,
         blk_sym: uint16 symbols of the block, row-major.
         sent: int32 rows sent, in order.
         dim: Columns.
+        widths: uint8 [ceil(len(sent) * dim / PACKED_GROUP)]: the groups' widths
+            (:func:`plan_stream`'s).
 
     Returns:
         Words written (width bytes, padded to a word, then the codes).
     """
     n_groups = (sent.shape[0] * dim + PACKED_GROUP - 1) // PACKED_GROUP
     w_words = words_for_bytes(n_groups)
-    widths = out[pos : pos + w_words].view(np.uint8)
-    _, code_words = plan_stream(blk_sym, sent, dim, widths)
+    out[pos : pos + w_words].view(np.uint8)[:n_groups] = widths[:n_groups]
+    code_words = 0
+    for g in range(n_groups):
+        code_words += np.int64(widths[g])
     p = pos + w_words
     end = p + code_words
     acc = np.uint64(0)
