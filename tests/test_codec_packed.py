@@ -246,3 +246,40 @@ def test_a_planner_yaml_selects_the_packed_format(tmp_path: Path) -> None:
     path.write_text("comms:\n  codec:\n    format: zstd\n")
     with pytest.raises(ValueError, match=r"codec\.format"):
         load_yaml(LossyCommsConfig, path, "comms")
+
+
+def _rechecked(buf: bytearray, at: int, n: int) -> bytes:
+    """``buf`` with its block at byte ``at`` (``n`` bytes) given a matching block checksum and
+    the payload a matching checksum: only the data checks can then refuse it."""
+    header = np.frombuffer(bytes(buf[at : at + 32]), np.uint32).copy()
+    header[6] = int(
+        host_packed.segment_checksum(np.frombuffer(bytes(buf[at + 32 : at + n]), np.uint32))
+    )
+    buf[at : at + 32] = header.tobytes()
+    return with_checksum(buf)
+
+
+def test_a_code_outside_the_alphabet_is_named() -> None:
+    x = torch.arange(-2047.0, 2049.0).reshape(64, 64)  # codes up to 4094: 12-bit groups
+    buf = bytearray(compress([x], [0.5], PACKED).numpy().tobytes())
+    _, _, segs = parse(bytes(buf))
+    at, n = segs[0]
+    n_esc = int(np.frombuffer(bytes(buf[at : at + 32]), np.uint32)[3])
+    codes_at = at + 32 + 4 * (2 * n_esc + 64 * 64 // 32 // 4)  # past escapes and widths
+    word = np.frombuffer(bytes(buf[codes_at : codes_at + 4]), np.uint32)[0] | 0xFFF
+    buf[codes_at : codes_at + 4] = np.uint32(word).tobytes()
+    with pytest.raises(CodecError, match="block 0: packed codes: a code that is no value"):
+        decompress(as_tensor(_rechecked(buf, at, n)))
+
+
+def test_escape_positions_out_of_order_are_named() -> None:
+    x = torch.randn(16, 8)
+    x[2, 3], x[9, 1] = math.nan, math.inf
+    buf = bytearray(compress([x], [0.01], PACKED).numpy().tobytes())
+    _, _, segs = parse(bytes(buf))
+    at, n = segs[0]
+    pos = np.frombuffer(bytes(buf[at + 32 : at + 40]), np.uint32)
+    assert pos.tolist() == [2 * 8 + 3, 9 * 8 + 1]
+    buf[at + 32 : at + 40] = pos[::-1].copy().tobytes()
+    with pytest.raises(CodecError, match="block 0: packed codes: escape positions"):
+        decompress(as_tensor(_rechecked(buf, at, n)))
