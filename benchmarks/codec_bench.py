@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -205,22 +206,26 @@ class CodecRun:
         return out
 
 
-def _load_lossy() -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
-    """The codec's compress/decompress, or why they cannot be imported."""
+def _load_lossy(
+    fmt: str = "entropy",
+) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
+    """The codec's compress/decompress in format ``fmt`` (``CodecConfig.format``), or why they
+    cannot be imported."""
     try:
-        from torchrec_lossy.codec import BoundKind, compress_with_stats, decompress
+        from torchrec_lossy.codec import BoundKind, CodecConfig, compress_with_stats, decompress
     except Exception as e:  # the codec is optional for this script: report and go on
         return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
+    config = CodecConfig(format=fmt)
 
     def compress(blocks: list[torch.Tensor], bounds: list[float], value: bool = False) -> Any:
         kind = BoundKind.VALUE if value else BoundKind.ABSOLUTE
-        return compress_with_stats(blocks, bounds, None, [kind] * len(blocks))[0]
+        return compress_with_stats(blocks, bounds, config, [kind] * len(blocks))[0]
 
     return compress, decompress
 
 
 def _load_grouped(
-    destinations: int,
+    destinations: int, fmt: str = "entropy"
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]] | str:
     """compress/decompress through the grouped API (``compress_groups`` / ``decompress_groups``
     + ``check_groups``: one payload per destination, the all-to-all's call), with the flat
@@ -229,12 +234,14 @@ def _load_grouped(
     try:
         from torchrec_lossy.codec import (
             BoundKind,
+            CodecConfig,
             check_groups,
             compress_groups,
             decompress_groups,
         )
     except Exception as e:
         return f"torchrec_lossy.codec not importable ({type(e).__name__}: {e})"
+    config = CodecConfig(format=fmt)
     sizes: dict[tuple[int, int], list[int]] = {}
 
     def split(xs: list[Any]) -> list[list[Any]]:
@@ -243,7 +250,7 @@ def _load_grouped(
 
     def compress(blocks: list[torch.Tensor], bounds: list[float], value: bool = False) -> Any:
         kind = BoundKind.VALUE if value else BoundKind.ABSOLUTE
-        out = compress_groups(split(blocks), split(bounds), kinds=kind)
+        out = compress_groups(split(blocks), split(bounds), config, kinds=kind)
         sizes[(out.buffer.data_ptr(), out.buffer.numel())] = out.sizes
         return out.buffer
 
@@ -455,9 +462,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """
     notes: list[str] = []
     _clock[0] = CLOCKS[args.clock]
-    lossy = _load_grouped(args.destinations) if args.grouped else _load_lossy()
-    if isinstance(lossy, str):
-        notes.append(f"lossy codec skipped: {lossy}")
+    codecs = {
+        fmt: _load_grouped(args.destinations, fmt) if args.grouped else _load_lossy(fmt)
+        for fmt in args.formats
+    }
+    for lossy in codecs.values():
+        if isinstance(lossy, str):
+            notes.append(f"lossy codec skipped: {lossy}")
+            break
     if "numba" in sys.modules:  # already imported (by the codec): pin its pool too
         numba = sys.modules["numba"]
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
@@ -481,10 +493,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         head = {"rows": rows, "batches": len(batches), "tables": len(cards), "dim": args.dim,
                 "destinations": args.destinations}  # fmt: skip
 
-        for setting in args.bounds:
+        for setting, (fmt, lossy) in itertools.product(args.bounds, codecs.items()):
+            name = "lossy" if fmt == "entropy" else f"lossy-{fmt}"
             rel = relative_bounds(setting, args.preset) * args.destinations
             per_value = value_bound(setting) is not None
-            pooled = CodecRun("lossy", setting)
+            pooled = CodecRun(name, setting)
             tables = [
                 {"table": f"C{t + 1}", "cardinality": c, "eb_rel": r, "raw_bytes": 0,
                  "wire_bytes": 0, "entropy_bytes": 0.0, "distinct_vectors": 0,
@@ -496,17 +509,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 bounds = rel if per_value else relative_to_absolute_bounds(blocks, rel)
                 ent = entropy_fn(blocks, bounds, [per_value] * len(blocks))
                 if isinstance(lossy, str):
-                    run, decoded = CodecRun("lossy", setting, error=lossy), None
+                    run, decoded = CodecRun(name, setting, error=lossy), None
                 else:
                     try:
                         run, decoded = run_lossy(*lossy, blocks, bounds, args.reps, per_value)
                     except Exception as e:
                         run, decoded = (
-                            CodecRun("lossy", setting, error=f"{type(e).__name__}: {e}"),
+                            CodecRun(name, setting, error=f"{type(e).__name__}: {e}"),
                             None,
                         )
                 lossy_ok = lossy_ok and decoded is not None
-                run.bounds, run.entropy_bytes = setting, sum(ent)
+                run.codec, run.bounds, run.entropy_bytes = name, setting, sum(ent)
                 pooled.add(run)
                 for t, (b, eb) in enumerate(zip(blocks, bounds, strict=True)):
                     row = tables[t % len(cards)]
@@ -534,7 +547,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 row["eb_abs"] = statistics.mean(row["eb_abs"])
                 if not lossy_ok:
                     row["max_err_over_bound"] = None
-                per_table.append({**head, "bounds": setting, **row})
+                per_table.append({**head, "bounds": setting, "format": fmt, **row})
 
         qcomm_tables: dict[str, list[float]] = {}
         if qcomm is not None:
@@ -566,7 +579,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     violated = [
         f"{r['rows']} rows, bounds {r['bounds']}"
         for r in results
-        if r["codec"] == "lossy" and (r.get("max_err_over_bound") or 0.0) > 1.0
+        if r["codec"].startswith("lossy") and (r.get("max_err_over_bound") or 0.0) > 1.0
     ]
     if violated:
         notes.append(f"ERROR BOUND VIOLATED by the lossy codec: {'; '.join(violated)}")
@@ -580,6 +593,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "batches": args.batches,
             "destinations": args.destinations,
             "grouped": args.grouped,
+            "formats": args.formats,
             "clock": args.clock,
             "seed": args.seed,
             "source": "criteo" if args.real else "zipf",
@@ -722,6 +736,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--grouped", action="store_true",
         help="with --destinations: compress_groups / decompress_groups (one payload per "
         "destination, as the all-to-all calls them) instead of one payload for all",
+    )  # fmt: skip
+    p.add_argument(
+        "--formats", nargs="+", choices=["entropy", "packed"], default=["entropy"],
+        help="the codec's wire formats to run (CodecConfig.format); packed rows are "
+        "'lossy-packed'",
     )  # fmt: skip
     p.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall",

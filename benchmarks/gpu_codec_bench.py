@@ -13,7 +13,14 @@ bounds):
   byte-identical;
 - beside them on the same traffic, fused ``[rows, tables * dim]`` as TorchRec sends it: a
   device-to-device copy, torch's FP16 cast, and fbgemm's FP16 and MX4 quantize / dequantize when
-  ``fbgemm_gpu`` imports.
+  ``fbgemm_gpu`` imports;
+- the production grouped call (``--grouped-shape`` tables x rows x dim blocks per destination,
+  ``--destinations`` of them, default 26 x 2048 x 64 x 8): ``compress_groups`` /
+  ``decompress_groups`` in every ``--formats`` (``CodecConfig.format``), their payloads checked
+  against the compiled host path's bytes, the decode of the entropy format timed under
+  ``torch.cuda.set_sync_debug_mode("error")`` (it reads nothing back given the skeletons; its
+  compress makes its one read, the sizes; the packed format runs through the host path for
+  now), beside a plain copy, a BF16 cast and fbgemm's Triton MX4 kernel when it imports.
 
 Throughput is GB/s of raw fp32 input (the whole batch) per second of the stage. It prints a table
 and writes JSON. It needs only torch and triton, and exits with a message when there is no CUDA
@@ -166,14 +173,23 @@ def _baseline_fns(
     return fns, notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark.
+def _shape(text: str) -> tuple[int, int, int]:
+    """``TABLESxROWSxDIM`` as three positive ints (argparse type)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give TABLESxROWSxDIM, e.g. 26x2048x64")
+    tables, rows, dim = (int(p) for p in parts)
+    return tables, rows, dim
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line.
 
     Args:
         argv: Command-line arguments (None: ``sys.argv``).
 
     Returns:
-        The exit status: 0, or 2 when no CUDA device / triton is available.
+        The parsed arguments.
     """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="criteo_kaggle", choices=["criteo_kaggle", "criteo_1tb"])
@@ -183,7 +199,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per entry")
     p.add_argument("--json", default="out/gpu_codec_bench.json", help="where to write results")
+    p.add_argument(
+        "--formats", nargs="+", choices=["entropy", "packed"], default=["entropy", "packed"],
+        help="the codec's wire formats of the grouped call (CodecConfig.format)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grouped-shape", type=_shape, default=(26, 2048, 64), metavar="TABLESxROWSxDIM",
+        help="blocks per destination of the grouped call",
+    )  # fmt: skip
+    p.add_argument("--destinations", type=int, default=8, help="destinations of the grouped call")
+    p.add_argument("--no-stages", action="store_true", help="skip the per-stage kernel table")
     args = p.parse_args(argv)
+    if args.destinations < 1:
+        p.error(f"--destinations {args.destinations}: give 1 or more")
+    if args.grouped_shape[0] > 26:  # both presets have 26 tables
+        p.error(f"--grouped-shape {args.grouped_shape[0]} tables: the presets have 26")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark.
+
+    Args:
+        argv: Command-line arguments (None: ``sys.argv``).
+
+    Returns:
+        The exit status: 0, or 2 when no CUDA device / triton is available.
+    """
+    args = parse_args(argv)
 
     if not torch.cuda.is_available():
         return _fail(
@@ -207,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
-    return 0 if out["payload_identical_to_cpu"] else 1
+    return 0 if out["payload_identical_to_cpu"] and out["grouped_identical_to_cpu"] else 1
 
 
 def run(
@@ -256,7 +299,7 @@ def run(
     )
 
     batch = _Batch(cpu_blocks, bounds, args.chunk_symbols, dev)
-    for name, fn in _stage_fns(batch).items():
+    for name, fn in {} if args.no_stages else _stage_fns(batch).items():
         record("triton stage", name, fn)
     record(
         "pipeline",
@@ -276,6 +319,7 @@ def run(
     fns, notes = _baseline_fns(cpu_blocks, dev)
     for name, fn in fns.items():
         record("baseline", name, fn)
+    grouped, grouped_identical = _grouped_rows(args, dev, bench)
 
     notes = [
         f"{batch.n_blocks} of {len(cpu_blocks)} blocks quantize; the stages run over those, "
@@ -288,9 +332,13 @@ def run(
     print(f"{'group':<13} {'entry':<46} {'ms':>9} {'GB/s':>9}")
     for r in rows:
         print(f"{r['group']:<13} {r['name']:<46} {r['ms']:>9.4f} {r['gbps']:>9.2f}")
+    for r in grouped:
+        print(f"{'grouped':<13} {r['name']:<46} {r['ms']:>9.4f} {r['gbps']:>9.2f}")
     for n in notes:
         print(f"note: {n}")
     return {
+        "grouped": grouped,
+        "grouped_identical_to_cpu": grouped_identical,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "args": vars(args),
@@ -300,6 +348,81 @@ def run(
         "rows": rows,
         "notes": notes,
     }
+
+
+def _grouped_rows(
+    args: argparse.Namespace, dev: torch.device, bench: Callable[[Callable[[], object]], float]
+) -> tuple[list[dict[str, Any]], bool]:
+    """The production grouped call in every format, beside a copy, a BF16 cast and MX4.
+
+    Returns:
+        (one row per entry: name, ms, GB/s of raw fp32 input; whether every format's payloads
+        are the host path's bytes and decode to its bits).
+    """
+    from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
+    from torchrec_lossy.config import CodecConfig
+
+    tables, rows, dim = args.grouped_shape
+    groups, bounds = [], []
+    for d in range(args.destinations):
+        spec = TrafficSpec(preset=args.preset, dim=dim, batch_rows=rows, seed=args.seed, batch=d)
+        blocks, eb = paper_traffic(spec)
+        groups.append([b.to(dev) for b in blocks[:tables]])
+        bounds.append(eb[:tables])
+    raw = sum(b.numel() * 4 for g in groups for b in g)
+    out: list[dict[str, Any]] = []
+    identical = True
+
+    def record(name: str, fn: Callable[[], object], no_sync: bool = False) -> None:
+        def run() -> object:
+            if not no_sync:
+                return fn()
+            torch.cuda.set_sync_debug_mode("error")  # a host sync here raises
+            try:
+                return fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        ms = bench(run)
+        out.append({"name": name, "ms": ms, "gbps": raw / (ms * 1e-3) / 1e9})
+
+    for fmt in args.formats:
+        config = CodecConfig(format=fmt)
+        sent = compress_groups(groups, bounds, config)
+        host = compress_groups(groups, bounds, CodecConfig(format=fmt, backend="cpu"))
+        got, status = decompress_groups(sent.buffer, sent.sizes, skeletons=sent.skeletons)
+        check_groups(status)
+        expect, _ = decompress_groups(host.buffer, host.sizes, backend="cpu")
+        identical = identical and torch.equal(sent.buffer.cpu(), host.buffer.cpu())
+        identical = identical and all(
+            torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
+            for ga, gb in zip(got, expect, strict=True)
+            for a, b in zip(ga, gb, strict=True)
+        )
+        ratio = raw / sent.buffer.numel()
+        record(f"{fmt}: compress_groups ({ratio:.1f}x)", lambda c=config: compress_groups(
+            groups, bounds, c))  # fmt: skip
+        record(
+            f"{fmt}: decompress_groups",
+            lambda s=sent: decompress_groups(s.buffer, s.sizes, skeletons=s.skeletons),
+            no_sync=fmt == "entropy",
+        )
+    fused = torch.cat([torch.cat(g, dim=1) for g in groups]).contiguous()
+    dst = torch.empty_like(fused)
+    bf16 = fused.bfloat16()
+    record("plain copy", lambda: dst.copy_(fused), no_sync=True)
+    record("bf16 cast (encode)", lambda: fused.bfloat16(), no_sync=True)
+    record("bf16 cast (decode)", lambda: bf16.float(), no_sync=True)
+    try:
+        from fbgemm_gpu.triton import dequantize_mx4, quantize_mx4
+
+        flat = fused.reshape(-1)
+        mx4 = quantize_mx4(flat, group_size=32)
+        record("fbgemm Triton MX4 quantize", lambda: quantize_mx4(flat, group_size=32))
+        record("fbgemm Triton MX4 dequantize", lambda: dequantize_mx4(mx4, group_size=32))
+    except Exception as e:  # fbgemm missing, or a build without the Triton MX4 kernels
+        print(f"note: fbgemm Triton MX4 skipped ({type(e).__name__}: {e})")
+    return out, identical
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ PRODUCERS = corpus.producers()
 
 def test_corpus_covers_every_producer() -> None:
     assert set(PRODUCERS) <= set(STORED)
-    assert len(PRODUCERS) == 75
+    assert len(PRODUCERS) == 82
 
 
 @pytest.mark.parametrize("name", sorted(PRODUCERS))
@@ -35,6 +35,12 @@ def test_writes_the_golden_bytes(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(corpus.CODEC_CONFIGS))
 def test_decodes_the_golden_payloads_unchanged(name: str) -> None:
     assert corpus.decoded_digest(STORED[f"codec/{name}"]) == STORED[f"digest/{name}"].decode()
+
+
+@pytest.mark.parametrize("name", [*(f"codec/{n}" for n in corpus.PACKED_CONFIGS), "value/default"])
+def test_decodes_the_packed_golden_payloads_unchanged(name: str) -> None:
+    stored = STORED[f"packed/{name}"]
+    assert corpus.decoded_digest(stored) == STORED[f"digest/packed/{name}"].decode()
 
 
 @pytest.mark.parametrize("name", ["default", "stochastic"])

@@ -77,6 +77,7 @@ EvaluationMode = Literal["exact", "lossy"]
 IntraHost = Literal["auto", "coded", "raw"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
+CodecFormat = Literal["entropy", "packed"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
 WeightsCast = Literal["none", "fp16", "bf16"]
 # The forward's wire format: "auto" lets the planner pick per table and link class
@@ -136,6 +137,13 @@ class CodecConfig:
         seed: Base seed of stochastic rounding (any integer). The sharder draws each
             all-to-all afresh from (seed, call, sending rank); a direct codec call uses it as
             given (vary it per call, e.g. per step).
+        format: How quantized values are coded (docs/format.md). ``"entropy"``: one
+            canonical Huffman code per block (the smallest payloads; slow links).
+            ``"packed"``: fixed-width zigzag codes per group of 32 values, one width byte per
+            group (every group encodes and decodes on its own: fast on CPU and GPU, ~17%
+            larger). Same quantization, dedupe, escapes and guarantee; every decoder reads
+            both. The device backends write packed payloads through the compiled host path
+            for now (no Triton kernel yet).
     """
 
     huffman_chunk_symbols: int = 2048
@@ -144,6 +152,7 @@ class CodecConfig:
     backend: Backend = "auto"
     rounding: Rounding = "nearest"
     seed: int = 0
+    format: CodecFormat = "entropy"
 
     def __post_init__(self) -> None:
         n = self.huffman_chunk_symbols
@@ -155,6 +164,7 @@ class CodecConfig:
         )
         _check_literal("codec.backend", self.backend, Backend)
         _check_literal("codec.rounding", self.rounding, Rounding)
+        _check_literal("codec.format", self.format, CodecFormat)
         _require(
             isinstance(self.seed, int) and not isinstance(self.seed, bool),
             "codec.seed",

@@ -101,6 +101,27 @@ def value_payload(config: CodecConfig) -> bytes:
     return compress_with_stats(blocks, values, config, kinds)[0].numpy().tobytes()
 
 
+# The packed format (CodecConfig.format "packed", descriptor mode bit 3), appended after the
+# corpus was made: the codec blocks, per-value bounds and the grouped call.
+PACKED_CONFIGS = {
+    "default": CodecConfig(format="packed"),
+    "no_lz": CodecConfig(format="packed", enable_lz=False),
+    "stochastic": CodecConfig(format="packed", rounding="stochastic", seed=11),
+}
+
+
+def _packed_entries() -> dict[str, Callable[[], bytes]]:
+    """Name -> producer of the packed format's entries."""
+    out: dict[str, Callable[[], bytes]] = {}
+    for name, config in PACKED_CONFIGS.items():
+        out[f"packed/codec/{name}"] = lambda c=config: (
+            compress(*codec_blocks(), c).numpy().tobytes()
+        )
+        out[f"packed/grouped/{name}"] = lambda c=config: _grouped(c)
+    out["packed/value/default"] = lambda: value_payload(PACKED_CONFIGS["default"])
+    return out
+
+
 def _value_grouped() -> bytes:
     """Two destinations mixing every bound kind in one call."""
     blocks, _ = codec_blocks()
@@ -163,6 +184,7 @@ def producers() -> dict[str, Callable[[], bytes]]:
     for name, config in VALUE_CONFIGS.items():
         out[f"value/{name}"] = lambda c=config: value_payload(c)
     out["value_grouped/mixed"] = _value_grouped
+    out.update(_packed_entries())
     for case, kjt, splits in _kjt_cases():
         for name in KJT_CONFIGS:
             for backend in ("torch", "numba"):
@@ -199,6 +221,10 @@ def main(append: bool = False) -> int:
     for name in VALUE_CONFIGS:
         entries.setdefault(
             f"digest/value/{name}", decoded_digest(entries[f"value/{name}"]).encode()
+        )
+    for name in [*(f"codec/{n}" for n in PACKED_CONFIGS), "value/default"]:
+        entries.setdefault(
+            f"digest/packed/{name}", decoded_digest(entries[f"packed/{name}"]).encode()
         )
     np.savez_compressed(PATH, **{k: np.frombuffer(v, np.uint8) for k, v in entries.items()})
     print(f"wrote {len(entries)} entries to {PATH} ({PATH.stat().st_size} bytes)")

@@ -28,6 +28,7 @@ from torchrec_lossy.codec.format import (  # *_WORDS: re-exported for importers
     HEADER_WORDS,
     MAGIC,
     MODE_NAMES,
+    PACKED_DECODE_ERRORS,
     REFS_OUT_OF_RANGE,
     SECTIONS,
     SEGMENT_BAD_CHUNKS,
@@ -451,11 +452,13 @@ def split_skeletons(skeletons: np.ndarray, ends: np.ndarray) -> list[np.ndarray]
 
 
 @numba.njit(cache=True, nogil=True)
-def header_words(n_blocks: int, body: np.ndarray) -> np.ndarray:
-    """The payload header for a body (uint32 words, descriptors and segments), as words."""
+def header_words(n_blocks: int, body: np.ndarray, flags: int = 0) -> np.ndarray:
+    """The payload header for a body (uint32 words, descriptors and segments), as words
+    (``flags``: ``format.FLAG_PACKED`` for a packed-format payload)."""
     header = np.zeros(1, HEADER)
     h = header[0]
     h["magic"], h["version"], h["n_blocks"] = MAGIC, VERSION, n_blocks
+    h["flags"] = flags
     h["body_words"], h["checksum"] = body.shape[0], checksum_words(body)
     return header.view(np.uint32)
 
@@ -522,7 +525,7 @@ _SEGMENT_WHAT = {
     SEGMENT_BAD_VECTORS: "{0} vectors for {1} rows",
     SEGMENT_BAD_ESCAPES: "{0} escapes for {1} elements",
     SEGMENT_BAD_CHUNKS: "{0} chunks of {1} symbols for {2} symbols",
-    SEGMENT_BAD_STREAM: "Huffman stream: {0}",
+    SEGMENT_BAD_STREAM: "{0}: {1}",
 }
 
 
@@ -619,7 +622,8 @@ def segment_error(status: int, details: Sequence[int], block: int) -> CodecError
     elif status in (SEGMENT_BAD_VALUE_GRID, SEGMENT_BAD_GRID):
         d[0] = float(np.array(d[0], np.uint32).view(np.float32))
     elif status == SEGMENT_BAD_STREAM:
-        d[0] = DECODE_ERRORS[d[0]]
+        coded = "packed codes" if d[0] in PACKED_DECODE_ERRORS else "Huffman stream"
+        d = [coded, DECODE_ERRORS[d[0]], *d[1:]]
     return CodecError(f"corrupt payload: block {block}: " + _SEGMENT_WHAT[status].format(*d))
 
 

@@ -36,6 +36,7 @@ from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
+    FLAG_PACKED,
     HEADER,
     MODE_RAW,
     REFS_FIXED,
@@ -55,6 +56,43 @@ from torchrec_lossy.profile_range import profile_range
 def _bases(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
+def holds_packed(
+    buf: np.ndarray | None, sizes: Sequence[int], skeletons: Sequence[np.ndarray] | None
+) -> bool:
+    """Whether any payload is in the packed format (its header's ``FLAG_PACKED``), read from
+    the buffer's host copy or, without one, from the announced skeletons (no device read).
+
+    Args:
+        buf: The payloads' bytes on the host, or None.
+        sizes: Bytes of each payload.
+        skeletons: Per payload, its skeleton (uint32 words; its first words are the header),
+            where ``buf`` is None.
+
+    Returns:
+        True if one is packed (its blocks are decoded by the host path: no Triton kernel yet).
+    """
+    if buf is None:
+        heads = [np.asarray(s, np.uint32)[:HEADER_WORDS] for s in skeletons or ()]
+        heads = [h.view(HEADER)[0] for h in heads if h.shape[0] == HEADER_WORDS]
+        return any(int(h["flags"]) & FLAG_PACKED for h in heads)
+    at = _bases(sizes)[:-1]
+    whole = [a for a, n in zip(at.tolist(), sizes, strict=True) if n >= 4 * HEADER_WORDS]
+    return any(int(buf[a + 6]) & FLAG_PACKED for a in whole)  # flags: header bytes 6..7
+
+
+def _decode_on_host(
+    buffer: torch.Tensor, buf: np.ndarray | None, sizes: list[int], max_elements: int
+) -> list[list[torch.Tensor] | CodecError]:
+    """Packed payloads' blocks, decoded by the compiled host path and put on the buffer's
+    device (each payload's blocks, or the CodecError it raises)."""
+    from torchrec_lossy.codec.pipeline import decompress_host_groups
+
+    if buf is None:
+        buf = host_sync.to_host(buffer, "decompress")
+    got = decompress_host_groups(torch.from_numpy(buf), sizes, max_elements, label=False)
+    return [g if isinstance(g, CodecError) else [b.to(buffer.device) for b in g] for g in got]
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +247,11 @@ def decompress_device(
         kernels = load_kernels(payload.device)
     with profile_range("## lossy_codec decode ##"):
         buf = host_sync.to_host(payload, "decompress")  # sync 1: the whole (compressed) payload
+        if holds_packed(buf, [buf.shape[0]], None):
+            (got,) = _decode_on_host(payload, buf, [buf.shape[0]], max_elements)
+            if isinstance(got, CodecError):
+                raise got
+            return got
         layout = _layout(buf, max_elements)
         if layout is None:
             if on_reject is not None:
@@ -400,6 +443,13 @@ def decompress_groups_device(
     with profile_range("## lossy_codec decode ##"):
         # The one read, without skeletons.
         buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
+        if holds_packed(buf, sizes, skeletons):
+            got = _decode_on_host(buffer, buf, sizes, max_elements)
+            at = _bases(sizes).tolist()
+            bad = {g: (buf[at[g] : at[g + 1]] if buf is not None else None)
+                   for g, x in enumerate(got) if isinstance(x, CodecError)}  # fmt: skip
+            blocks = [[] if isinstance(x, CodecError) else x for x in got]
+            return DeviceGroups(blocks, None, np.zeros(0, np.int64), bad, None)
         layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]

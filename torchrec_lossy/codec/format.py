@@ -49,6 +49,18 @@ MODE_NAMES = {MODE_RAW: "raw", MODE_LZ: "lz", MODE_QUANT: "quant", MODE_QUANT_LZ
 # (:func:`value_code`; the segment header's step is 2**-m, its center the block's largest
 # code qmax). Never set on raw / lz blocks; the stats report the mode without it.
 MODE_VALUE = 4
+# Bit 3 of a quantized block's descriptor mode: its codes are packed (``CodecConfig.format``
+# "packed"; docs/format.md, "Packed segments"): fixed-width zigzag codes per group of
+# PACKED_GROUP values instead of a Huffman stream. A decoder that predates it rejects the mode.
+MODE_PACKED = 8
+# Header flags bit 0: the payload was written in the packed format (its quantized blocks are
+# packed). Informative: a decoder reads each block by its mode; routing reads it without
+# parsing the descriptors.
+FLAG_PACKED = 1
+PACKED_GROUP = 32  # values per width byte: a group of width w takes exactly w words
+# The widest code: zigzag of a symbol's offset from SYMBOL_OFFSET (|offset| <= SYMBOL_OFFSET);
+# wider is a corrupt width (an element the alphabet cannot hold is escaped, never packed).
+PACKED_MAX_WIDTH = MAX_CODE_LENGTH
 
 
 @jitable
@@ -59,9 +71,43 @@ def mode_valid(mode: N) -> N:
         mode: Descriptor mode bytes.
 
     Returns:
-        True for 0..3, and 6, 7 (quantized on the per-value grid).
+        True for 0..3, 6, 7 (quantized on the per-value grid) and those quantized modes with
+        ``MODE_PACKED`` (10, 11, 14, 15).
     """
-    return (mode <= MODE_QUANT_LZ) | ((mode >= MODE_VALUE | MODE_QUANT) & (mode <= 7))
+    base = mode & ~MODE_PACKED
+    packed_ok = ((mode & MODE_PACKED) == 0) | ((mode & MODE_QUANT) != 0)
+    valid = (base <= MODE_QUANT_LZ) | ((base >= MODE_VALUE | MODE_QUANT) & (base <= 7))
+    return valid & packed_ok & (mode <= 15)
+
+
+@jitable
+def zigzag(symbols: N) -> N:
+    """Packed codes of symbols: the zigzag of ``symbol - SYMBOL_OFFSET`` (0, -1, 1, -2, ..
+    -> 0, 1, 2, 3, ..), so symbols near the center take few bits. Ints, arrays, tensors.
+
+    Args:
+        symbols: Value symbols (0 .. 2 * SYMBOL_OFFSET).
+
+    Returns:
+        The codes, in 0 .. 2 * SYMBOL_OFFSET (12 bits).
+    """
+    s = symbols - SYMBOL_OFFSET
+    return where(s < 0, -2 * s - 1, 2 * s)
+
+
+@jitable
+def unzigzag(codes: N) -> N:
+    """Symbols of packed codes (the mirror of :func:`zigzag`); a code above
+    ``2 * SYMBOL_OFFSET`` gives a symbol outside the values (the decoder rejects it).
+
+    Args:
+        codes: Non-negative codes.
+
+    Returns:
+        The symbols.
+    """
+    half = codes >> 1
+    return SYMBOL_OFFSET + where((codes & 1) == 1, -half - 1, half)
 
 
 @jitable
@@ -178,12 +224,26 @@ DECODE_OUT_OF_BITS = -2
 DECODE_BAD_CHUNK_TABLE = -3
 DECODE_BAD_ESCAPES = -4
 DECODE_BAD_CODEBOOK = -5
+DECODE_BAD_WIDTH = -6  # a packed group's width over PACKED_MAX_WIDTH, or widths past the stream
+DECODE_BAD_CHECKSUM = -7  # a packed block's checksum
+DECODE_BAD_PACKED_CODE = -8  # a packed code that is no value symbol
+DECODE_BAD_PACKED_ESCAPES = -9  # packed escape positions
+# The packed decoder's statuses (their message says "packed codes", the others' "Huffman").
+PACKED_DECODE_ERRORS = (
+    DECODE_BAD_WIDTH, DECODE_BAD_CHECKSUM, DECODE_BAD_PACKED_CODE, DECODE_BAD_PACKED_ESCAPES,
+)  # fmt: skip
 DECODE_ERRORS = {
     DECODE_INVALID_CODE: "a bit pattern that no code starts with",
     DECODE_OUT_OF_BITS: "a chunk runs out of bits",
     DECODE_BAD_CHUNK_TABLE: "the chunk table decreases or does not end at the bitstream's end",
     DECODE_BAD_ESCAPES: "escape positions disagree with the escape symbols",
     DECODE_BAD_CODEBOOK: "code lengths over the limit or a Kraft sum over 1",
+    DECODE_BAD_WIDTH: "a packed group's width is over 12 bits or the widths do not add up "
+    "to the packed codes' words",
+    DECODE_BAD_CHECKSUM: "the block's checksum does not match its words",
+    DECODE_BAD_PACKED_CODE: "a code that is no value symbol",
+    DECODE_BAD_PACKED_ESCAPES: "escape positions not increasing, past the block's values or "
+    "over a nonzero code",
 }
 # Device block status for invalid vector references (the Triton decoder's, beside DECODE_*).
 REFS_OUT_OF_RANGE = 1
@@ -480,11 +540,14 @@ def segment_checks(desc: tuple, header: tuple) -> tuple[tuple, tuple]:
     # The sections: nu clipped to the rows, so that the sizes stay small.
     nu = where(lz & (n_unique >= 1) & (n_unique <= rows), n_unique, rows)
     ref_words = where(lz, words_for_bits(refs_bits(rows, nu, ref_mode)), 0)
-    cb_words = words_for_bytes((count + 1) // 2)
+    # A packed block (MODE_PACKED) has no codebook (``sym_lo`` / ``sym_count`` hold its
+    # checksum) and one width byte per group where the chunk table is.
+    packed = (mode & MODE_PACKED) != 0
+    cb_words = where(packed, 0, words_for_bytes((count + 1) // 2))
     ref_off = head + where(quant, cb_words, 0)
     esc_at = head + cb_words + ref_words
     ct_at = esc_at + n_esc + words_for_bytes(n_esc * itemsize)
-    bs_at = ct_at + n_chunks
+    bs_at = ct_at + where(packed, words_for_bytes(n_chunks), n_chunks)
     n_raw = words_for_bytes(rows * dim * itemsize)
     vec_at, n_vec = head + ref_words, words_for_bytes(nu * dim * itemsize)  # an lz block's
     n_sym, esc_end = nu * dim, esc_at + n_esc
@@ -497,9 +560,10 @@ def segment_checks(desc: tuple, header: tuple) -> tuple[tuple, tuple]:
     shift = where(value_step, ((bits >> 23) & 0xFF) - 104, 0)  # 23 - m
     value_ok = value_step & (center >= 0) & (center <= (0x7F800000 >> shift))
     grid_ok = isfinite(step) & (step > 0) & where(value, value_ok, abs(center) <= MAX_CENTER)
-    codebook_ok = (lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH)
+    codebook_ok = packed | ((lo + count <= ESCAPE_SYMBOL) & (esc_len <= MAX_CODE_LENGTH))
     refs_ok = (n_unique >= 1) & (n_unique <= rows) & (width == ref_width(nu))
-    chunks_ok = (chunk >= 1) & (n_chunks == -(-n_sym // clamp_min(chunk, 1)))
+    chunk_ok = where(packed, chunk == PACKED_GROUP, chunk >= 1)
+    chunks_ok = chunk_ok & (n_chunks == -(-n_sym // clamp_min(chunk, 1)))
     truncated = SEGMENT_TRUNCATED
     checks = (
         (not_raw | (n_raw <= seg), truncated, SECTION_RAW, n_raw, 0, seg),
@@ -521,7 +585,7 @@ def segment_checks(desc: tuple, header: tuple) -> tuple[tuple, tuple]:
         (not_quant | (ct_at <= seg), truncated, SECTION_ESC_VALUES, ct_at - esc_end, esc_end, seg),
         (not_quant | chunks_ok, SEGMENT_BAD_CHUNKS, n_chunks, chunk, n_sym, 0),
         (not_quant | (bs_at <= seg), truncated, SECTION_CHUNKS, n_chunks, ct_at, seg),
-        (True, SEGMENT_BAD_STREAM, 0, 0, 0, 0),  # the Huffman stream's decode (data)
+        (True, SEGMENT_BAD_STREAM, 0, 0, 0, 0),  # the stream's decode, or the packed codes' (data)
     )
     return checks, (nu, ref_off, ref_words, cb_words, esc_at, ct_at, bs_at)
 

@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import huffman, packed, quantize, vector_lz
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.container import (
@@ -36,10 +36,14 @@ from torchrec_lossy.codec.format import (
     DESCRIPTOR,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
+    FLAG_PACKED,
     MODE_LZ,
+    MODE_PACKED,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    PACKED_GROUP,
+    SEGMENT_HEADER_WORDS,
     descriptor_mode,
     dtype_itemsize,
     refs_packing,
@@ -113,11 +117,13 @@ class _Knobs(NamedTuple):
     lz: bool
     stochastic: bool  # stochastic rounding (its grid: quantize.grid_bound)
     chunk: int  # Huffman symbols per chunk
+    packed: bool  # the packed format (CodecConfig.format "packed")
 
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
 BOUND_VALUE = int(BoundKind.VALUE)  # as the compiled kernel compares it
 BOUND_RELATIVE = int(BoundKind.RELATIVE)
+_NEVER = 1 << 40  # the words of a mode that must not be chosen
 
 
 def _flatten(
@@ -248,16 +254,53 @@ def _put_coded(
     return pos + n_chunks + w
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_packed(
+    out: np.ndarray, pos: int, b: int, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks,
+    grids: Grids, segs: Segments, rows: Dedupe, n_esc: int, widths: np.ndarray,
+) -> int:  # fmt: skip
+    """Writes block ``b``'s packed segment at ``pos`` (its rows deduplicated by ``rows`` for
+    quant+lz; ``n_esc`` escapes among the values sent, ``widths`` its groups' widths), its
+    checksum in the header last; -> the word after it."""
+    lz = segs.mode[b] == MODE_QUANT_LZ
+    n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
+    r0 = blocks.row_off[b]
+    n_sent = segs.sent[b]
+    sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
+    head = pos
+    pos += SEGMENT_HEADER_WORDS
+    if lz:
+        pos += vector_lz.pack_refs_into(
+            rows.ids[r0 : r0 + n_rows], n_sent, segs.ref_mode[b], out[pos:]
+        )
+    blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+    if n_esc:
+        blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+        pos = _put_escapes(out, pos, blk_sym, blk_bits, sent, dim, isz, n_esc)
+    pos += packed.put_stream(out, pos, blk_sym, sent, dim, widths)
+    check = np.int64(packed.segment_checksum(out[head + SEGMENT_HEADER_WORDS : pos]))
+    n_groups = (n_sent * dim + PACKED_GROUP - 1) // PACKED_GROUP
+    write_segment_header(
+        out, head, (grids.step[b], grids.center[b], n_sent, n_esc, PACKED_GROUP, n_groups,
+                    check & 0xFFFF, check >> 16, 0, segs.ref_mode[b], segs.ref_width[b]),
+    )  # fmt: skip
+    return pos
+
+
 @numba.njit(cache=True, nogil=True)
 def _emit_kernel(
     out: np.ndarray, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks, grids: Grids,
     segs: Segments, dedupe: tuple[Dedupe, Dedupe], codes: tuple[Codes, Codes],
+    plan: np.ndarray, widths: tuple[np.ndarray, np.ndarray], is_packed: bool,
 ) -> np.ndarray:  # fmt: skip
     """Writes every block's segment back to back into zeroed ``out``, ``segs.skip[b]`` words
     before block ``b`` left free (a payload's header and descriptors where its group starts).
 
     ``dedupe``: the quantized rows' and the raw rows' vector-LZ; ``codes``: the codes of all
-    rows and of the distinct quantized rows. Returns the segment words of each block.
+    rows and of the distinct quantized rows (Huffman); ``plan``: the size plan
+    (:func:`_huffman_plan`; ``is_packed``: quantized blocks are packed, with the group widths
+    and their offsets per block of :func:`_packed_plan`). Returns the segment words of each
+    block.
     """
     nb = blocks.rows.shape[0]
     seg_words = np.zeros(nb, np.int64)
@@ -281,6 +324,13 @@ def _emit_kernel(
             ids = dedupe[1].ids[r0 : r0 + blocks.rows[b]]
             pos += vector_lz.pack_refs_into(ids, nu, segs.ref_mode[b], out[pos:])
             pos += _put_rows(out, pos, blk_bits, dedupe[1].first[r0 : r0 + nu], dim, isz)
+        elif is_packed:
+            lz = m == MODE_QUANT_LZ
+            n_esc = plan[2 if lz else 0, b]
+            blk_widths = widths[0][widths[1][b] : widths[1][b + 1]]
+            pos = _put_packed(
+                out, pos, b, symbols, bits, blocks, grids, segs, dedupe[0], n_esc, blk_widths
+            )
         else:
             lz = m == MODE_QUANT_LZ
             pos = _put_coded(
@@ -347,27 +397,73 @@ def _codes(sym_lo: np.ndarray, sym_hi: np.ndarray, coded: np.ndarray) -> Codes:
 
 
 @numba.njit(cache=True, nogil=True)
+def _huffman_plan(codes: tuple[Codes, Codes], chunk: int) -> np.ndarray:
+    """The size plan of the Huffman codes, int64 [5, n]: escapes and code words of all rows,
+    the same of the distinct rows, whether quant+lz applies (the words estimated:
+    ``size_model.code_words``)."""
+    nb = codes[0].base.shape[0]
+    plan = np.zeros((5, nb), np.int64)
+    for b in range(nb):
+        for k in range(2):
+            p = codes[k].plan
+            plan[2 * k, b] = p[4, b]
+            plan[2 * k + 1, b] = sm.code_words(p[1, b], p[0, b], p[3, b], chunk)
+        plan[4, b] = codes[1].len_off[b + 1] > codes[1].len_off[b]
+    return plan
+
+
+@numba.njit(cache=True, nogil=True)
+def _packed_plan(
+    symbols: np.ndarray, blocks: Blocks, grids: Grids, quant: Dedupe
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The size plan (as :func:`_huffman_plan`'s) of the packed codes: exact words
+    (``packed.stream_words``). A block whose rows repeat is sent quant+lz (or raw): its
+    all-rows size is not computed (a pass over every element saved; the references cost a
+    few bits per row where a repeat's codes cost ``dim`` codes). -> (the plan, (uint8 group
+    widths of every block's values sent, each block's first width in them)): the emitter
+    writes those widths rather than computing them again."""
+    nb = blocks.rows.shape[0]
+    plan = np.zeros((5, nb), np.int64)
+    widths = np.empty(int(blocks.elem_off[nb]) // PACKED_GROUP + nb, np.uint8)
+    w_off = np.zeros(nb + 1, np.int64)
+    for b in range(nb):
+        w_off[b + 1] = w_off[b]
+        if not grids.ok[b]:
+            continue
+        dim, r0 = blocks.dims[b], blocks.row_off[b]
+        blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
+        nu = quant.n_unique[b]
+        if quant.selected[b] and nu < blocks.rows[b]:
+            first = quant.first[r0 : r0 + nu]
+            mine = widths[w_off[b] :]
+            plan[2, b], plan[3, b] = packed.stream_words(blk_sym, first, dim, mine)
+            plan[1, b], plan[4, b] = _NEVER, 1  # quant never chosen
+            n_sent = nu
+        else:
+            every = blocks.every_row[r0 : r0 + blocks.rows[b]]
+            mine = widths[w_off[b] :]
+            plan[0, b], plan[1, b] = packed.stream_words(blk_sym, every, dim, mine)
+            n_sent = blocks.rows[b]
+        w_off[b + 1] = w_off[b] + (n_sent * dim + PACKED_GROUP - 1) // PACKED_GROUP
+    return plan, (widths, w_off)
+
+
+@numba.njit(cache=True, nogil=True)
 def _choose_lossy(
-    blocks: Blocks, grids: Grids, quant: Dedupe, codes: tuple[Codes, Codes], lz: bool, chunk: int
+    blocks: Blocks, grids: Grids, quant: Dedupe, plan: np.ndarray, lz: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``size_model``'s lossy choice per block: (mode, its words, whether a lossless
-    dedupe may still win)."""
+    dedupe may still win). ``plan``: the size plan (:func:`_huffman_plan`) of the format."""
     nb = blocks.rows.shape[0]
     mode = np.empty(nb, np.int64)
     best = np.empty(nb, np.int64)
     tried = np.empty(nb, np.bool_)
-    plan_q, plan_u = codes[0].plan, codes[1].plan
     for b in range(nb):
         rows, isz, nu = blocks.rows[b], blocks.itemsize[b], quant.n_unique[b]
         numel = blocks.elem_off[b + 1] - blocks.elem_off[b]
-        quant_w = sm.quant_words(
-            plan_q[4, b], isz, sm.code_words(plan_q[1, b], plan_q[0, b], plan_q[3, b], chunk)
-        )
-        quant_lz_w = sm.quant_lz_words(
-            rows, max(nu, 1), plan_u[4, b], isz,
-            sm.code_words(plan_u[1, b], plan_u[0, b], plan_u[3, b], chunk),
-        )  # fmt: skip
-        quant_lz_ok = codes[1].len_off[b + 1] > codes[1].len_off[b]
+        quant_w = sm.quant_words(plan[0, b], isz, plan[1, b])
+        quant_lz_w = sm.quant_lz_words(rows, max(nu, 1), plan[2, b], isz, plan[3, b])
+        quant_lz_ok = plan[4, b] != 0
         mode[b], best[b] = sm.choose_lossy(
             (numel * isz + 3) // 4, grids.ok[b], quant_w, quant_lz_ok, quant_lz_w
         )
@@ -421,9 +517,10 @@ def _segments(
 @numba.njit(cache=True, nogil=True)
 def _put_payload_heads(
     out: np.ndarray, blocks: Blocks, inputs: _Inputs, grids: Grids, segs: Segments,
-    seg_words: np.ndarray,
+    seg_words: np.ndarray, is_packed: bool,
 ) -> np.ndarray:  # fmt: skip
-    """Writes each payload's descriptors, then its header (over the finished body);
+    """Writes each payload's descriptors, then its header (over the finished body; its
+    quantized blocks ``MODE_PACKED`` and its flags ``FLAG_PACKED`` where ``is_packed``);
     -> bytes of each payload."""
     nb = blocks.rows.shape[0]
     groups = inputs.groups
@@ -431,7 +528,9 @@ def _put_payload_heads(
     for b in range(nb):
         desc[b]["rows"], desc[b]["dim"] = blocks.rows[b], blocks.dims[b]
         desc[b]["dtype"] = inputs.layout[2 * nb + b]
-        desc[b]["mode"] = descriptor_mode(segs.mode[b], grids.value[b])
+        mode = descriptor_mode(segs.mode[b], grids.value[b])
+        quantized = (segs.mode[b] & MODE_QUANT) != 0
+        desc[b]["mode"] = mode | MODE_PACKED if is_packed and quantized else mode
         desc[b]["seg_words"], desc[b]["bound"] = seg_words[b], inputs.bounds[b]
     desc_words = desc.view(np.uint32)
     sizes = np.empty(groups.shape[0], np.int64)
@@ -444,7 +543,7 @@ def _put_payload_heads(
         out[d0 : d0 + DESCRIPTOR_WORDS * n] = desc_words[
             DESCRIPTOR_WORDS * b0 : DESCRIPTOR_WORDS * (b0 + n)
         ]
-        out[p0:d0] = header_words(n, out[d0:p1])
+        out[p0:d0] = header_words(n, out[d0:p1], FLAG_PACKED if is_packed else 0)
         sizes[g] = 4 * (p1 - p0)
         p0 = p1
         b0 += n
@@ -481,25 +580,34 @@ def _compress_kernel(
     quant = vector_lz.dedupe_blocks_kernel(
         symbols, bits, blocks, lz_allowed, False, scratch[:q], scratch[q : 2 * q]
     )
-    codes = (
-        _codes(sym_lo, sym_hi, grids.ok),
-        _codes(sym_lo, sym_hi, quant.selected & (quant.n_unique < blocks.rows)),
-    )
-    huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
-    lossy = _choose_lossy(blocks, grids, quant, codes, knobs.lz, knobs.chunk)
+    no_code = np.zeros(nb, np.bool_)
+    if knobs.packed:  # no Huffman codes: the packed codes' exact sizes
+        codes = (_codes(sym_lo, sym_hi, no_code), _codes(sym_lo, sym_hi, no_code))
+        plan, widths = _packed_plan(symbols, blocks, grids, quant)
+    else:
+        codes = (
+            _codes(sym_lo, sym_hi, grids.ok),
+            _codes(sym_lo, sym_hi, quant.selected & (quant.n_unique < blocks.rows)),
+        )
+        huffman.plan_blocks_kernel(symbols, blocks, quant, codes[0], codes[1])
+        plan = _huffman_plan(codes, knobs.chunk)
+        widths = (np.zeros(0, np.uint8), np.zeros(nb + 1, np.int64))
+    lossy = _choose_lossy(blocks, grids, quant, plan, knobs.lz)
     raw = vector_lz.dedupe_blocks_kernel(
         symbols, bits, blocks, lossy[2], True, scratch[2 * q : 3 * q], scratch[3 * q :]
     )
     segs, total = _segments(blocks, lossy, (quant, raw), inputs.groups, knobs.chunk)
     out = np.zeros(total, np.uint32)
-    seg_words = _emit_kernel(out, symbols, bits, blocks, grids, segs, (quant, raw), codes)
-    sizes = _put_payload_heads(out, blocks, inputs, grids, segs, seg_words)
+    seg_words = _emit_kernel(
+        out, symbols, bits, blocks, grids, segs, (quant, raw), codes, plan, widths, knobs.packed
+    )
+    sizes = _put_payload_heads(out, blocks, inputs, grids, segs, seg_words, knobs.packed)
     per_block = np.zeros((4, nb), np.int64)
     for b in range(nb):
         m = segs.mode[b]
         per_block[0, b], per_block[1, b], per_block[2, b] = m, seg_words[b], segs.sent[b]
         if m in (MODE_QUANT, MODE_QUANT_LZ):
-            per_block[3, b] = codes[1 if m == MODE_QUANT_LZ else 0].plan[4, b]
+            per_block[3, b] = plan[2 if m == MODE_QUANT_LZ else 0, b]
         else:
             max_err[b] = 0.0
     end = sizes.sum() // 4
@@ -543,6 +651,7 @@ def compress_blocks(
     knobs = _Knobs(
         config.enable_quantization, config.enable_lz,
         config.rounding == "stochastic", config.huffman_chunk_symbols,
+        config.format == "packed",
     )  # fmt: skip
     symbols = _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16)
     scratch = _WORK_BUFFERS.array("rows", 4 * sum(rows), np.int32)

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import huffman, packed, quantize, vector_lz
 from torchrec_lossy.codec.container import (
     DESCRIPTOR_WORDS,
     HEADER_OK,
@@ -32,6 +32,7 @@ from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     FLOAT32_CODE,
     MODE_LZ,
+    MODE_PACKED,
     MODE_RAW,
     MODE_VALUE,
     SEGMENT_BAD_STREAM,
@@ -193,6 +194,22 @@ def _code(
     return compact[: count + 1]
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _packed_status(
+    words: np.ndarray, seg: _Segment, header: tuple, at: tuple, esc_at: int, sym: np.ndarray
+) -> int:
+    """Checks and decodes a packed block's symbols into ``sym`` (``packed.decode_stream``);
+    ``at``: its width bytes' and codes' offsets in the segment, ``esc_at`` its escape
+    positions' word in ``words``. -> 0, or the ``DECODE_*`` status."""
+    head = seg.start + SEGMENT_HEADER_WORDS
+    stored = header[6] | (header[7] << 16)  # sym_lo / sym_count hold the checksum
+    esc_pos = words[esc_at : esc_at + header[3]]
+    return packed.decode_stream(
+        words[head : seg.end], stored, esc_pos, at[0] - SEGMENT_HEADER_WORDS,
+        at[1] - SEGMENT_HEADER_WORDS, sym,
+    )  # fmt: skip
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode_segment(
     words: np.ndarray, halves: np.ndarray, seg: _Segment, outs: _Outputs, scratch: _Scratch
@@ -217,7 +234,8 @@ def _decode_segment(
     if not ok:
         return False
     value = (m & MODE_VALUE) == MODE_VALUE  # the per-value grid; the mode without it below
-    m = m & ~MODE_VALUE
+    is_packed = (m & MODE_PACKED) != 0  # fixed-width codes instead of a Huffman stream
+    m = m & ~(MODE_VALUE | MODE_PACKED)
     if m == MODE_RAW:
         numel = n_rows * dim
         if isz == 4:
@@ -239,7 +257,6 @@ def _decode_segment(
         pos = ref_at + ref_words
         _expand_rows(words[pos:].view(np.int32), halves[2 * pos :], ids, seg, outs)
         return True
-    code = _code(words, seg, header, cb_words, compact)
     n_sym = nu * dim
     esc_at += s
     esc_bits_at = esc_at + n_esc
@@ -247,11 +264,12 @@ def _decode_segment(
     bits_at = s + bs_at
     stream = words[bits_at:end]
     chunk_ends = words[ends_at:bits_at]
-    # The values of the code's symbols, dequantized as every element would be (same bits).
-    for k in range(count):
-        symbols[k] = lo + k
-    quantize.dequantize_kernel(symbols[:count], step, center, vtable[:count], value)
-    if n_esc == 0:  # the common case: symbols decode straight to values
+    if n_esc == 0 and not is_packed:  # the common case: symbols decode straight to values
+        code = _code(words, seg, header, cb_words, compact)
+        # The values of the code's symbols, dequantized as every element would be (same bits).
+        for k in range(count):
+            symbols[k] = lo + k
+        quantize.dequantize_kernel(symbols[:count], step, center, vtable[:count], value)
         if isz == 2:
             vt_bits = vtable.view(np.uint32)
             for k in range(count):
@@ -266,8 +284,12 @@ def _decode_segment(
                 return False
     else:
         sym = symbols[:n_sym]
-        if huffman.decode_range_kernel(stream, chunk_ends, chunk, code, lo,
-                                       words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
+        if is_packed:
+            if _packed_status(words, seg, header, (ct_at, bs_at), esc_at, sym) != 0:
+                return False
+        elif huffman.decode_range_kernel(stream, chunk_ends, chunk,
+                                         _code(words, seg, header, cb_words, compact), lo,
+                                         words[esc_at : esc_at + n_esc], sym) != 0:  # fmt: skip
             return False
         if isz == 2:  # the round-to-nearest-even cast the encoder checked
             quantize.dequantize_kernel(sym, step, center, values[:n_sym], value)
@@ -301,6 +323,9 @@ def _data_check(words: np.ndarray, seg: _Segment, status: int, header: tuple, se
     if status == SEGMENT_REFS_RANGE and (mode & 1) == 1:
         refs = words[s + ref_at : s + ref_at + ref_words]
         return vector_lz.unpack_refs_kernel(refs, seg.rows, nu, header[9], header[10], scratch.ids)
+    if status == SEGMENT_BAD_STREAM and (mode & MODE_PACKED) != 0:
+        sym = scratch.symbols[: nu * seg.dim]
+        return _packed_status(words, seg, header, (ct_at, bs_at), s + esc_at, sym)
     if status == SEGMENT_BAD_STREAM and (mode & 2) == 2:
         code = _code(words, seg, header, cb_words, scratch.compact)
         n_esc = header[3]
