@@ -98,6 +98,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     net.add_argument("--netns", dest="netns", action="store_true", default=True)
     net.add_argument("--no-netns", dest="netns", action="store_false", help="localhost instead")
     ap.add_argument("--rate", default="1gbit", help="netns link rate (tc syntax)")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="several links in one invocation, comma-separated tc rates and/or 'localhost' "
+        "(e.g. 1gbit,10gbit,localhost): every mode at each, then one table of each mode's step "
+        "time relative to the fastest TorchRec option (none / fp16 / mx4) at that rate",
+    )
     ap.add_argument("--port", type=int, default=29581, help="netns rendezvous port")
     ap.add_argument(
         "--nproc-per-node",
@@ -130,6 +137,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.nproc_per_node < 1:
         ap.error(f"--nproc-per-node {args.nproc_per_node}: use at least 1")
     args.link_gbit = _rate_gbit(args.rate)
+    args.rates = [r.strip() for r in (args.rates or "").split(",") if r.strip()]
+    for r in args.rates:
+        if r != LOCALHOST:  # a bad rate is refused before anything runs
+            try:
+                _rate_gbit(r)
+            except argparse.ArgumentTypeError as e:
+                ap.error(f"--rates: {e} (or localhost)")
     return args
 
 
@@ -379,6 +393,69 @@ def summarize(runs: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str,
     return {"modes": out, "targets": targets}
 
 
+LOCALHOST = "localhost"
+TORCHREC_OPTIONS = ("none", "fp16", "mx4")
+# Issue 34's targets: the default within 5% of the fastest TorchRec option at every rate, and
+# at least 2.5x faster than none at 1 Gbit/s.
+BEST_OPTION_SLACK = 1.05
+SPEEDUP_AT_1GBIT = 2.5
+
+
+def rates_summary(per_rate: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each mode's median step time per rate, relative to the fastest TorchRec option there.
+
+    Args:
+        per_rate: Rate (tc syntax or ``"localhost"``) to :func:`summarize`'s output.
+
+    Returns:
+        ``{rate: {"best_torchrec": mode, "step_ms": {mode: ms}, "vs_best": {mode: x},
+        "targets": {...}}}``; ``vs_best`` > 1 is slower than the best TorchRec option.
+    """
+    out: dict[str, Any] = {}
+    for rate, summary in per_rate.items():
+        step = {m: s["step_ms"] for m, s in summary["modes"].items() if s.get("runs")}
+        options = {m: step[m] for m in TORCHREC_OPTIONS if m in step}
+        entry: dict[str, Any] = {"step_ms": step, "targets": {}}
+        if options:
+            best = min(options, key=options.__getitem__)
+            entry["best_torchrec"] = best
+            entry["vs_best"] = {m: t / options[best] for m, t in step.items()}
+            if "lossy" in step:
+                entry["targets"]["within_5pct_of_best"] = (
+                    entry["vs_best"]["lossy"] <= BEST_OPTION_SLACK
+                )
+        if rate != LOCALHOST and _rate_gbit(rate) == 1.0 and "lossy" in step and "none" in step:
+            entry["targets"]["2.5x_faster_than_none"] = (
+                step["none"] / step["lossy"] >= SPEEDUP_AT_1GBIT
+            )
+        out[rate] = entry
+    return out
+
+
+def format_rates_table(rates: dict[str, Any], modes: Sequence[str]) -> str:
+    """The per-rate table: median step ms and, in brackets, the ratio to the best TorchRec
+    option at that rate (``lossy`` is the default sharder).
+
+    Args:
+        rates: :func:`rates_summary`'s output.
+        modes: Modes in column order.
+
+    Returns:
+        The table.
+    """
+    head = f"{'link':<10}" + "".join(f"{m:>18}" for m in modes) + "  best TorchRec  targets"
+    lines = [head]
+    for rate, e in rates.items():
+        cells = []
+        for m in modes:
+            t = e["step_ms"].get(m)
+            x = e.get("vs_best", {}).get(m)
+            cells.append(f"{'-' if t is None else f'{t:.0f} ms ({x:.2f}x)':>18}")
+        met = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in e["targets"].items())
+        lines.append(f"{rate:<10}" + "".join(cells) + f"  {e.get('best_torchrec', '-'):<13} {met}")
+    return "\n".join(lines)
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The bench result as a Markdown table plus the target lines.
 
@@ -485,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seeds = args.none_seeds if mode == "none" else args.seeds
             if seed in seeds:
                 plan.append((mode, seed))
+    if args.rates:
+        return run_rates(args, plan, out_dir)
     runs = [
         run_one(args, mode, seed, rep, out_dir)
         for rep in range(args.repeats)
@@ -507,6 +586,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1, default=str))
     print(f"summary: {path}", flush=True)
     return 0 if all(r["metrics"] for r in runs) else 1
+
+
+def run_rates(args: argparse.Namespace, plan: list[tuple[str, int]], out_dir: Path) -> int:
+    """Runs every (mode, seed) at each of ``--rates`` and prints the per-rate table.
+
+    Args:
+        args: Parsed flags (``rate`` / ``netns`` / ``link_gbit`` are set per rate here).
+        plan: The (mode, seed) runs of one rate.
+        out_dir: Where each rate's runs go (one folder per rate).
+
+    Returns:
+        Exit status (1 if a run failed).
+    """
+    per_rate: dict[str, dict[str, Any]] = {}
+    all_runs: dict[str, list[dict[str, Any]]] = {}
+    for rate in args.rates:
+        local = rate == LOCALHOST
+        args.netns, args.rate = not local, "1gbit" if local else rate
+        args.link_gbit = None if local else _rate_gbit(rate)
+        rate_dir = out_dir / rate
+        rate_dir.mkdir(exist_ok=True)
+        print(f"-- {rate}", flush=True)
+        runs = [
+            run_one(args, mode, seed, rep, rate_dir)
+            for rep in range(args.repeats)
+            for mode, seed in plan
+        ]
+        all_runs[rate] = [{k: v for k, v in r.items() if k != "metrics"} for r in runs]
+        per_rate[rate] = summarize(runs, args.modes)
+    rates = rates_summary(per_rate)
+    print(format_rates_table(rates, args.modes), flush=True)
+    path = Path(args.json) if args.json else out_dir / "bench.json"
+    config = {k: v for k, v in vars(args).items() if k not in ("modes", "rate", "link_gbit")}
+    result = {"config": config | {"modes": args.modes}, "rates": rates, "per_rate": per_rate}
+    path.write_text(json.dumps(result | {"runs": all_runs}, indent=1, default=str))
+    print(f"summary: {path}", flush=True)
+    ok = all(r["returncode"] == 0 for runs in all_runs.values() for r in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,25 @@ from torch import nn
 
 from torchrec_lossy.distributed import bounds_state, check_lossy_decodes, load_bounds_state
 
-__all__ = ["Checkpointer", "simulate_failure"]
+__all__ = ["Checkpointer", "Resumed", "simulate_failure"]
+
+
+class Resumed(NamedTuple):
+    """Where a resumed run continues.
+
+    Attributes:
+        step: Training steps done.
+        position: This rank's data position after them.
+        path: The checkpoint folder.
+        recent_losses: This rank's training losses of the last steps before the checkpoint
+            (the window the final ``train_loss`` averages), so that the figure of a resumed run
+            is the uninterrupted run's.
+    """
+
+    step: int
+    position: Position
+    path: Path
+    recent_losses: list[float]
 
 
 class Checkpointer:
@@ -118,7 +137,14 @@ class Checkpointer:
         load_bounds_state(model, extra.get("bounds", {}))
         return extra
 
-    def save_step(self, step: int, position: Position, model: nn.Module, optimizer: Any) -> Path:
+    def save_step(
+        self,
+        step: int,
+        position: Position,
+        model: nn.Module,
+        optimizer: Any,
+        recent_losses: Sequence[float] = (),
+    ) -> Path:
         """Writes the checkpoint of a training step (collective: every rank calls it).
 
         Args:
@@ -126,15 +152,21 @@ class Checkpointer:
             position: This rank's data position after them.
             model: The DMP model.
             optimizer: The combined optimizer.
+            recent_losses: This rank's losses of the last steps (the final train-loss window).
 
         Returns:
             The checkpoint folder.
         """
         check_lossy_decodes(model)  # never checkpoint past an unreported corrupt payload
-        extra = {"step": step, "position": list(position), "bounds": bounds_state(model)}
+        extra = {
+            "step": step,
+            "position": list(position),
+            "bounds": bounds_state(model),
+            "recent_losses": [float(v) for v in recent_losses],
+        }
         return self.save(step, model, optimizer, extra)
 
-    def resume(self, model: nn.Module, optimizer: Any) -> tuple[int, Position, Path] | None:
+    def resume(self, model: nn.Module, optimizer: Any) -> Resumed | None:
         """Loads the newest complete checkpoint, if there is one.
 
         Args:
@@ -142,7 +174,7 @@ class Checkpointer:
             optimizer: The combined optimizer.
 
         Returns:
-            ``(steps done, this rank's data position, checkpoint folder)``, or None.
+            Where the run continues, or None.
         """
         path = self.latest()
         if path is None:
@@ -151,7 +183,9 @@ class Checkpointer:
         step = int(extra["step"])
         if self.env.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
-        return step, (int(extra["position"][0]), int(extra["position"][1])), path
+        position = (int(extra["position"][0]), int(extra["position"][1]))
+        # A checkpoint of an older run has no losses: the window then restarts empty.
+        return Resumed(step, position, path, list(extra.get("recent_losses", [])))
 
 
 def simulate_failure(env: DistEnv, step: int) -> None:

@@ -21,6 +21,7 @@ group and planner config (``dlrm_env``) and the report (``dlrm_report``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
@@ -42,6 +43,8 @@ from dlrm_checkpoint import Checkpointer, simulate_failure
 from dlrm_data import DataSource, TrainFeed, build_data
 from dlrm_env import DistEnv, init_distributed, load_plan_config, quiet_torchrec
 from dlrm_metrics import RunLog, ShardedModel, plan_tables
+
+from torchrec_lossy.config import ConfigError, LossyPlanConfig, load_yaml
 
 COMM_MODES = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
 # fp8 is not offered: fbgemm-gpu-cpu 1.8.0's row-wise FP8 raises "fp8 is not supported by CPU"
@@ -236,10 +239,13 @@ def shard_model(
         }
     codecs = None
     if args.comm == "lossy":
-        planner = LossyShardingPlanner(plan_config, **planner_args)
+        planner = LossyShardingPlanner(
+            plan_config, speeds=format_speeds(args, env, plan_config), **planner_args
+        )
         sharder = planner.sharder(fused_params=fused_params(args))
         c = plan_config.comms
-        desc = (f"torchrec-lossy: forward {c.default_bound.mode} bound {c.default_bound.value:g} "
+        desc = (f"torchrec-lossy: format {c.format}, forward {c.default_bound.mode} bound "
+                f"{c.default_bound.value:g} "
                 f"(homogenization {'on' if c.homogenization.enabled else 'off'}, schedule "
                 f"{c.schedule.kind}), backward {c.backward}")  # fmt: skip
     else:
@@ -271,6 +277,28 @@ def shard_model(
         lossy=args.comm == "lossy",
         qcomm_codecs=codecs,
     )
+
+
+def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> Any:
+    """The wire formats' speeds on this device for this layout, the same on every rank.
+
+    Each rank times the codec and the casts on one destination's blocks (every table,
+    ``--batch-size`` rows); every rank then takes the slowest rank's figures, so the planner's
+    format choice (``comms.format: auto``) is the same everywhere.
+
+    Args:
+        args: Parsed flags.
+        env: This process's placement.
+        plan_config: The fitted ``LossyPlanConfig``.
+
+    Returns:
+        The agreed ``Speeds``.
+    """
+    from torchrec_lossy.planner import agree_speeds, measure_speeds
+
+    tables = plan_config.embedding_tables
+    speeds = measure_speeds(tables, args.batch_size, plan_config.comms, env.device)
+    return agree_speeds(speeds, dist.GroupMember.WORLD, env.device)
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> Any:
@@ -317,8 +345,8 @@ def train(
     position = (0, 0)
     resumed = checkpointer.resume(model, optimizer) if checkpointer else None
     if resumed:
-        step, position, path = resumed
-        log.resumed(step, path)
+        position = resumed.position
+        log.resumed(resumed.step, resumed.path, resumed.recent_losses)
     total = args.steps  # None: until a finite file stream ends
     eval_every = args.eval_interval or (max(1, total // 4) if total else 1000)
     log_every = args.log_interval or (max(10, total // 25) if total else 50)
@@ -355,7 +383,7 @@ def train(
             if step % eval_every == 0 and (total is None or step < total):
                 log.evaluate(model, data.eval_batches, pipeline)
             if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
-                checkpointer.save_step(step, position, model, optimizer)
+                checkpointer.save_step(step, position, model, optimizer, log.recent_losses)
             if step == args.simulate_failure_at:
                 simulate_failure(env, step)  # testing: the last rank dies on the first attempt
     finally:
@@ -365,7 +393,7 @@ def train(
     log.sample()
     log.evaluate(model, data.eval_batches, pipeline)
     if checkpointer:
-        checkpointer.save_step(log.step, position, model, optimizer)
+        checkpointer.save_step(log.step, position, model, optimizer, log.recent_losses)
 
 
 def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
@@ -379,11 +407,15 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         The metrics (complete on rank 0).
     """
     t_start = time.perf_counter()
+    if args.config:  # a bad file fails every rank here, before the data is built
+        load_yaml(LossyPlanConfig, args.config)
     data = build_data(args, env)
     model = build_model(args, data.sizes, env.device)
     plan_config, plan_source = load_plan_config(args, env, model)
     try:
         sharded = shard_model(args, model, env, plan_config)
+    except ConfigError:
+        raise  # already one line naming the keys (e.g. ranks given different configs)
     except Exception as e:
         raise RuntimeError(f"sharding with --comm {args.comm} failed: {e}") from e
     optimizer = build_optimizer(sharded.model, args)
@@ -432,9 +464,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Leave together: a rank that tears down while its peer still talks to it (or to the
         # store) can abort at exit.
         dist.barrier()
+    except ConfigError as e:  # every rank reads the same file (and checks the config together)
+        return config_failure(e, env)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def config_failure(error: ConfigError, env: DistEnv) -> int:
+    """Reports a config error as one line of this process, without a traceback, and waits for
+    the other ranks (which fail alike) so that each prints its line before torchrun stops them.
+
+    Args:
+        error: The error; its message names the file or key, the value and the fix.
+        env: This process's placement.
+
+    Returns:
+        The exit status (2, as argparse's usage errors).
+    """
+    # One write of the whole line: the ranks share torchrun's stderr.
+    os.write(2, f"rank {env.rank}: config error: {error}\n".encode())
+    try:  # bounded: a rank that did not fail must not keep this one waiting
+        if env.backend == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        else:
+            dist.barrier()
+    except Exception:  # the error is reported; leaving is all that is left
+        pass
+    return 2
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from torch import nn
 from torchrec_lossy.config import (
     EmbeddingTableConfig,
     LossyPlanConfig,
-    PlannerConfig,
     load_yaml,
 )
 
@@ -145,8 +144,8 @@ def load_plan_config(
     The ``comms`` and ``planner`` sections are used as written; ``embedding_tables`` become the
     model's tables, the topology gets this run's world size, ranks per host and device, and
     ``--link-gbit`` sets its inter-host bandwidth (on one host: both). Without ``--config``
-    every table stays compressed (``drop_unprofitable: false``): the example shows the codec at
-    work on any link.
+    the defaults (``comms.format: auto``: the planner picks per table and link the format of
+    least estimated time, from speeds measured at start-up; the plan says what it chose).
 
     Args:
         args: Parsed flags.
@@ -159,8 +158,7 @@ def load_plan_config(
     if args.config:
         config, source = load_yaml(LossyPlanConfig, args.config), args.config
     else:
-        config = LossyPlanConfig(planner=PlannerConfig(drop_unprofitable=False))
-        source = "defaults (LossyCommsConfig(), drop_unprofitable=false)"
+        config, source = LossyPlanConfig(), "defaults (LossyCommsConfig(): format auto)"
     tables = tuple(
         EmbeddingTableConfig(
             name=c.name,

@@ -160,6 +160,49 @@ def _add_error_sample(t: dict[str, Any], e: Mapping[str, Any]) -> None:
     val_sq, n = t["fwd_value_sq_sum"], t["fwd_error_count"]
     t["fwd_rel_rms_error"] = math.sqrt(t["fwd_error_sq_sum"] / val_sq) if val_sq else None
     t["fwd_snapped_share"] = t["fwd_snapped_to_zero"] / n if n else None
+    _add_row_energy(t, e, "fwd")
+
+
+def _add_row_energy(t: dict[str, Any], e: Mapping[str, Any], direction: str) -> None:
+    """Folds one rank's sampled row-relative error energy (the error against each row's own
+    scale, ``TableCommStats.row_relative_energy``) and NaN / Inf count into a summary row."""
+    for key in ("row_rel_sq_sum", "error_rows", "nonfinite"):
+        t[f"{direction}_{key}"] = t.get(f"{direction}_{key}", 0) + e[key]
+    rows = t[f"{direction}_error_rows"]
+    energy = t[f"{direction}_row_rel_sq_sum"] / rows if rows else None
+    t[f"{direction}_row_relative_energy"] = energy
+
+
+def error_alerts(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The error sample's alerts of every rank, by direction and table (issue 32): blocks
+    whose row-relative error energy passed ``error_sample.ROW_ENERGY_LEVEL`` or that held NaN /
+    Inf, with the steps (calls) where they were seen.
+
+    Args:
+        per_rank: Each rank's alerts (``ErrorAlert`` as dicts).
+
+    Returns:
+        ``{"level", "count", "by_table": {"dir/table": {"count", "first_step", "last_step",
+        "max_row_energy", "nonfinite"}}}``.
+    """
+    from torchrec_lossy.distributed.error_sample import ROW_ENERGY_LEVEL
+
+    by_table: dict[str, dict[str, Any]] = {}
+    for alerts in per_rank:
+        for a in alerts:
+            key = f"{a['direction']}/{a['table']}"
+            t = by_table.setdefault(
+                key,
+                {"count": 0, "first_step": a["call"], "last_step": a["call"],
+                 "max_row_energy": 0.0, "nonfinite": 0},
+            )  # fmt: skip
+            t["count"] += 1
+            t["first_step"] = min(t["first_step"], a["call"])
+            t["last_step"] = max(t["last_step"], a["call"])
+            t["max_row_energy"] = max(t["max_row_energy"], a["row_energy"])
+            t["nonfinite"] += a["nonfinite"]
+    count = sum(t["count"] for t in by_table.values())
+    return {"level": ROW_ENERGY_LEVEL, "count": count, "by_table": dict(sorted(by_table.items()))}
 
 
 class CommsMeter:
@@ -185,6 +228,8 @@ class CommsMeter:
         # Training wire bytes per (direction, link): "same_host" / "cross_host" peers.
         self.link_totals: dict[str, int] = {f"{d}_{k}": 0 for d in ("fwd", "bwd") for k in LINKS}
         self._interval_links: dict[str, int] = {}
+        self._interval_alerts: list[dict[str, Any]] = []
+        self.alerts: list[dict[str, Any]] = []  # the training steps' error-sample alerts
         self.eval_bytes = 0
         self._steady_mark = 0.0
 
@@ -206,8 +251,10 @@ class CommsMeter:
     def _read(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {"fwd": {}, "bwd": {}, "input": {}}
         links = dict.fromkeys(self.link_totals, 0)
+        alerts: list[dict[str, Any]] = []
         for m in lossy_modules(self.sharded.model).values():
             stats = m.lossy_stats
+            alerts += [dataclasses.asdict(a) for a in stats.alerts()]
             for direction in ("fwd", "bwd", "input"):
                 for table, entry in stats.tables(direction).items():
                     acc = out[direction].setdefault(table, TableCommStats())
@@ -217,6 +264,7 @@ class CommsMeter:
                 links[key] += stats.link_bytes(direction, link)  # type: ignore[arg-type]
             stats.reset()
         self._interval_links = links
+        self._interval_alerts = alerts
         return out
 
     def sample(self, phase: str = "train") -> dict[str, dict[str, Any]]:
@@ -239,6 +287,7 @@ class CommsMeter:
                 self.totals[direction].setdefault(table, TableCommStats()).merge(entry)
         for key, n in self._interval_links.items():
             self.link_totals[key] += n
+        self.alerts += self._interval_alerts
         return interval
 
     def bounds(self) -> dict[str, dict[str, Any]]:
@@ -387,15 +436,19 @@ class RunLog:
         self._pending_steps: list[int] = []
         self._bar: Any = None
 
-    def resumed(self, step: int, path: Path) -> None:
+    def resumed(self, step: int, path: Path, recent_losses: Sequence[float] = ()) -> None:
         """Notes that training continues from a checkpoint.
 
         Args:
             step: Steps already done.
             path: The checkpoint.
+            recent_losses: This rank's losses of the last steps before it (from the
+                checkpoint), so the final train loss averages the same window as an
+                uninterrupted run's.
         """
         self.step = self.start_step = step
         self.resumed_from = str(path)
+        self.recent_losses.extend(recent_losses)
 
     def start(self, limit: int | None, total: int | None, label: str, progress_bar: bool) -> None:
         """Starts the training phase: its warm-up length and rank 0's progress bar.
@@ -552,6 +605,7 @@ class RunLog:
                 "links": dict(self.meter.link_totals),
                 "parse": data.parse_stats(),
                 "losses": list(self.recent_losses),
+                "alerts": self.meter.alerts,
             },
             env,
         )
@@ -594,6 +648,7 @@ class RunLog:
                             t["bwd_mean_signed_error"] = (
                                 t["bwd_error_sum"] / n_err if n_err else None
                             )
+                            _add_row_energy(t, e, "bwd")
                         if d != "fwd" or name not in tables:
                             continue
                         t = tables[name]
@@ -721,6 +776,7 @@ class RunLog:
                 "malformed_examples": examples[:5],
             },
             "history": dataclasses.asdict(self.history),
+            "error_alerts": error_alerts([r["alerts"] for r in per_rank]),
             "notes": notes,
         }
 

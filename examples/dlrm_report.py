@@ -104,7 +104,8 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
         lines.append(
             f"{'table':<10} {'rows':>8} {'shard':<5} {'rank':>4} {'fwd ratio':>9} "
             f"{'err/bound':>9} {'bound':>8} {'class':<10} {'enc ms':>8} {'dec ms':>8} "
-            f"{'rel rms':>7} {'snap %':>6} {'bwd ratio':>9} {'bwd e/b':>8} {'bwd mean err':>12}"
+            f"{'rel rms':>7} {'snap %':>6} {'bwd ratio':>9} {'bwd e/b':>8} {'bwd mean err':>12} "
+            f"{'bwd row err':>11}"
         )
         for name in sorted(tables, key=_natural):
             t = tables[name]
@@ -119,8 +120,10 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
                 f"{_fmt(_pct(t.get('fwd_snapped_share')), '.1f'):>6} "
                 f"{_fmt(t.get('bwd_ratio'), '.2f'):>9} "
                 f"{_fmt(t.get('bwd_max_error_over_bound'), '.3f'):>8} "
-                f"{_fmt(t.get('bwd_mean_signed_error'), '.2e'):>12}"
+                f"{_fmt(t.get('bwd_mean_signed_error'), '.2e'):>12} "
+                f"{_fmt(t.get('bwd_row_relative_energy'), '.2e'):>11}"
             )
+    lines += _alert_lines(metrics.get("error_alerts"))
     data = metrics["data"]
     if data.get("malformed_rows"):
         lines.append(
@@ -130,6 +133,34 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
     if metrics.get("notes"):
         lines.extend(f"note: {n}" for n in metrics["notes"])
     return "\n".join(lines)
+
+
+def _alert_lines(alerts: dict[str, Any] | None) -> list[str]:
+    """The error sample's alerts (issue 32): sampled blocks past the row-relative error level
+    or holding NaN / Inf, by direction and table, with the steps they span; where the error
+    passed the level, a line naming the bound that keeps it (the per-value backward)."""
+    if not alerts or not alerts["count"]:
+        return []
+    parts = []
+    for key, t in alerts["by_table"].items():
+        bad = f", {t['nonfinite']} NaN/Inf" if t["nonfinite"] else ""
+        parts.append(
+            f"{key} x{t['count']} (steps {t['first_step']}-{t['last_step']}, "
+            f"max {t['max_row_energy']:.3g}{bad})"
+        )
+    lines = [
+        f"error alerts (row-relative error energy > {alerts['level']:g} or NaN/Inf): "
+        f"{alerts['count']} sampled blocks: "
+        + "; ".join(parts[:8])
+        + (f"; and {len(parts) - 8} more tables" if len(parts) > 8 else "")
+    ]
+    if any(t["max_row_energy"] > alerts["level"] for t in alerts["by_table"].values()):
+        lines.append(
+            "  the gradients' error is large against their rows' own scale: a per-value "
+            "backward bound keeps every element within it, e.g. comms.backward_bound: "
+            "{mode: value, value: 0.03125} (docs/accuracy.md, issue 32)"
+        )
+    return lines
 
 
 def _ms(s: float | None) -> float | None:

@@ -50,9 +50,13 @@ def test_variant_yaml_is_a_valid_plan_config(tmp_path: Path) -> None:
     cfg = load_yaml(LossyPlanConfig, path)
     assert cfg.comms.backward == "lossy"
     assert cfg.comms.default_bound.value == 0.02
-    assert cfg.planner.drop_unprofitable is False  # every table compressed, as without a config
-    # The defaults need no file: the run is the example's own default.
-    assert ab._variant_config(ab.BUILTIN["lossy"], tmp_path) is None
+    assert cfg.comms.format == "entropy"  # every table coded, whatever the link
+    bval = load_yaml(LossyPlanConfig, ab._variant_config(ab.BUILTIN["lossy-bval"], tmp_path))
+    assert (bval.comms.backward_bound.mode, bval.comms.backward_bound.value) == ("value", 1 / 32)
+    assert bval.comms.format == "entropy"
+    # The default variant too (the example's default, comms.format auto, may send raw).
+    default = ab._variant_config(ab.BUILTIN["lossy"], tmp_path)
+    assert default is not None and load_yaml(LossyPlanConfig, default).comms.format == "entropy"
     assert ab._variant_config(ab.BUILTIN["mx4"], tmp_path) is None
 
 
@@ -74,15 +78,21 @@ def test_example_args_pair_the_runs() -> None:
 
 
 def _run(
-    mode: str, seed: int, auc: float, logloss: float = 0.5, wire: float = 100.0
+    mode: str,
+    seed: int,
+    auc: float,
+    logloss: float = 0.5,
+    wire: float = 100.0,
+    train_loss: float | None = None,
 ) -> dict[str, Any]:
+    final_train = logloss if train_loss is None else train_loss
     return {
         "dataset": "synthetic",
         "mode": mode,
         "seed": seed,
         "rss": {"workers": [{"peak_mib": 600.0, "growth_2nd_half_mib": 1.0}]},
         "metrics": {
-            "final": {"auc": auc, "logloss": logloss, "train_loss": logloss, "eval_rows": 10},
+            "final": {"auc": auc, "logloss": logloss, "train_loss": final_train, "eval_rows": 10},
             "history": {"train_loss": [0.7, logloss]},
             "run": {"steps_run": 2, "global_batch_size": 4, "comm_description": mode},
             "plan": {"summary": "TW 26"},
@@ -147,10 +157,61 @@ def test_a_mode_worse_than_the_reference_misses_the_target() -> None:
     assert not target["not_worse_than_ref"] and not target["met"]
 
 
-def test_seed_lists_take_ranges() -> None:
+def test_seed_lists_take_ranges(tmp_path: Path) -> None:
     assert ab.parse_args(["--seeds", "0-3,7"]).seeds == [0, 1, 2, 3, 7]
     args = ab.parse_args(["--datasets", "movielens"])
     assert len(args.seeds) == 20 and args.ref == "mx4"
-    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, Path("/tmp/x"))
+    flags = ab.example_args(args, "movielens", ab.BUILTIN["lossy"], 0, tmp_path)
     assert flags[flags.index("--dataset") + 1] == "criteo-kaggle"
     assert flags[flags.index("--data-path") + 1].endswith("movielens_small_criteo.tsv.gz")
+
+
+def test_tail_reports_spread_worst_seed_and_train_loss_gap() -> None:
+    # Issue 32's pattern: a mean at parity hiding one bad seed whose training loss ended high.
+    none = [0.760, 0.770, 0.765, 0.772]
+    lossy = [0.7605, 0.7695, 0.7502, 0.7723]  # +0.0005, -0.0005, -0.0148 (seed 2), +0.0003
+    mx4 = [0.7590, 0.7690, 0.7640, 0.7710]  # -0.001 each: sd 0
+    runs = []
+    for seed in range(4):
+        runs += [
+            _run("none", seed, none[seed], train_loss=0.296),
+            _run("lossy", seed, lossy[seed], train_loss=0.351 if seed == 2 else 0.297),
+            _run("mx4", seed, mx4[seed], logloss=0.5 + 0.001 * seed, train_loss=0.300),
+        ]
+    variants = [ab.BUILTIN[n] for n in ("none", "lossy", "mx4")]
+    s = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]
+    lossy_s = s["lossy"]
+    deltas = [a - b for a, b in zip(lossy, none, strict=True)]
+    assert lossy_s["dauc_tail"]["sd"] == pytest.approx(ab.statistics.stdev(deltas))
+    assert lossy_s["dauc_tail"]["worst"] == {"seed": 2, "delta": pytest.approx(-0.0148)}
+    assert lossy_s["dfinal_train_loss_by_seed"][2] == pytest.approx(0.055)
+    assert lossy_s["dfinal_train_loss_mean"] == pytest.approx((0.055 + 3 * 0.001) / 4)
+    assert lossy_s["dfinal_train_loss_tail"]["worst"] == {"seed": 2, "delta": pytest.approx(0.055)}
+    assert lossy_s["dlogloss_tail"]["sd"] == pytest.approx(0.0, abs=1e-12)
+    mx4_s = s["mx4"]
+    assert mx4_s["dlogloss_tail"]["worst"] == {"seed": 3, "delta": pytest.approx(0.003)}
+    assert mx4_s["dauc_tail"]["sd"] == pytest.approx(0.0, abs=1e-9)
+    # One seed past -0.005 misses the tail; the mean target is judged apart from it.
+    assert lossy_s["tail"]["met"] is False and mx4_s["tail"]["met"] is True
+    table = ab.format_table({"synthetic": ab.summarize(runs, variants, "mx4")["synthetic"]})
+    assert "synthetic tail:" in table
+    assert "| lossy | 4 |" in table and "-0.0148 (s2)" in table and "+0.0550 (s2)" in table
+
+
+def test_tail_sd_is_judged_against_the_reference_in_the_same_run() -> None:
+    runs = []
+    for seed, (n, a, m) in enumerate([(0.76, 0.761, 0.758), (0.77, 0.769, 0.772)]):
+        runs += [_run("none", seed, n), _run("lossy", seed, a), _run("mx4", seed, m)]
+    variants = [ab.BUILTIN[n] for n in ("none", "lossy", "mx4")]
+    modes = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]
+    # lossy: +0.001, -0.001 (sd 0.0014); mx4: -0.002, +0.002 (sd 0.0028): half MX4's spread.
+    assert modes["lossy"]["tail"]["dauc_sd_vs_ref"] == pytest.approx(0.5)
+    assert modes["lossy"]["tail"]["met"]
+    runs[1] = _run("lossy", 0, 0.764)  # +0.004, -0.001: sd 0.0035 > 1.2 x 0.0028
+    modes = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]
+    assert modes["lossy"]["tail"]["dauc_sd_vs_ref"] == pytest.approx(1.25)
+    assert modes["lossy"]["tail"]["met"] is False
+    # Without the reference's runs the sd cannot be judged: said so, not passed or failed.
+    alone = ab.summarize([r for r in runs if r["mode"] != "mx4"], variants[:2], "mx4")
+    assert alone["synthetic"]["modes"]["lossy"]["tail"]["met"] is None
+    assert "| sd not judged |" in ab.format_table(alone)

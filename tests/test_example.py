@@ -132,11 +132,32 @@ def test_parse_args_defaults_and_errors() -> None:
             ex.parse_args(bad)
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_config_error_is_one_line_per_rank(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("comms:\n  default_bound: {mode: relative, value: 3}\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = _run([*cmd, str(EXAMPLE), *TINY, "--config", str(bad)], timeout=240)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if ": config error: " in x]
+    # Each rank says it once: the file, the key, the value and what is allowed; no rank's
+    # traceback (torchrun's own failure report stays, it is not ours to silence).
+    expected = f"config error: {bad}: comms.default_bound: bound.value=3.0 is invalid: allowed <= 1"
+    assert sorted(x.split(":")[0] for x in lines) == ["rank 0", "rank 1"], proc.stderr[-3000:]
+    assert all(expected in x for x in lines), lines
+    assert 'dlrm_criteo.py", line' not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_torchrun_lossy_synthetic(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
+    # The codec itself, whatever this machine's speeds (format auto may send raw on localhost).
+    config = tmp_path / "entropy.yaml"
+    config.write_text("comms: {format: entropy}\n")
     proc = _torchrun(
         [
             *TINY,
+            "--config",
+            str(config),
             "--comm",
             "lossy",
             "--metrics-json",
@@ -245,6 +266,8 @@ def test_checkpoint_resume_after_a_killed_worker(tmp_path: Path) -> None:
         assert extra["step"] == 6
         # The adaptive bounds' iteration counter carried on across the restart.
         assert [int(s["iteration"]) for s in extra["bounds"].values()] == [6]
+        # The train-loss window too: steps 1-2 from the checkpoint, 3-6 after the restart.
+        assert len(extra["recent_losses"]) == 6
 
 
 @pytest.mark.slow
@@ -272,6 +295,8 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, backward: str)
     _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
     a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
     assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
+    # final.train_loss averages the same steps (the window travels in the checkpoint).
+    assert a["final"]["train_loss"] == pytest.approx(b["final"]["train_loss"], abs=1e-6)
 
 
 def _netns_skip_reason() -> str | None:

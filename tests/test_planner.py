@@ -26,12 +26,14 @@ from torchrec.distributed.types import ShardingType
 
 from torchrec_lossy import plan as plan_cli
 from torchrec_lossy.config import (
+    ConfigError,
     EmbeddingTableConfig,
     LossyCommsConfig,
     LossyPlanConfig,
     PlannerConfig,
     TableCodecConfig,
     TopologyConfig,
+    from_dict,
 )
 from torchrec_lossy.planner import (
     CommsModel,
@@ -116,7 +118,7 @@ def test_exact_tw_costs_with_compression() -> None:
 def two_hosts(intra_host: str = "auto", device: str = "cuda") -> LossyPlanConfig:
     """2 hosts x 2 ranks, one 32-column table; forward ratio 20, backward 4, codec 200/50."""
     return LossyPlanConfig(
-        comms=LossyCommsConfig(backward="lossy", intra_host=intra_host),  # type: ignore[arg-type]
+        comms=LossyCommsConfig(backward="lossy", intra_host=intra_host, format="entropy"),  # type: ignore[arg-type]
         planner=PlannerConfig(
             expected_ratio=20.0, backward_ratio=4.0, encode_gib_s=200.0, decode_gib_s=50.0
         ),
@@ -155,8 +157,6 @@ def test_exact_per_destination_costs_on_two_hosts() -> None:
         + codec_ms(2 * block),
         rel=1e-12,
     )
-    # The break-even of the planner's drop test: 1/R + bw/enc + bw/dec.
-    assert model.break_even(20.0) == pytest.approx(0.05 + 12.5 / 200 + 12.5 / 50, rel=1e-12)
 
 
 def per_class_costs(intra_host: str, device: str = "cuda") -> tuple[Any, Any]:
@@ -255,7 +255,7 @@ def test_twrw_cross_host_hop_is_credited() -> None:
 
 def test_backward_priced_per_table_like_the_forward() -> None:
     """The default (lossy) backward: a calibrated ratio per table, else planner.backward_ratio,
-    the codec's time, and raw where drop_unprofitable finds that the codec does not pay."""
+    the codec's time; with format auto, raw where the codec does not pay."""
     planner = PlannerConfig(backward_ratio=12.0, encode_gib_s=200.0, decode_gib_s=50.0)
     config = LossyPlanConfig(planner=planner, embedding_tables=tables(5000, dim=32))
     assert config.comms.backward == "lossy"  # the default
@@ -264,7 +264,7 @@ def test_backward_priced_per_table_like_the_forward() -> None:
     assert model.for_table("t1").bwd == WireFormat("lossy", 12.0, 200.0, 50.0)
     assert model.for_table("t1").row_wise_all_to_all  # RW gradients ride the coded all-to-all
     # A codec far slower than the link: the backward goes raw when the planner may drop it.
-    slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3, drop_unprofitable=True)
+    slow = PlannerConfig(encode_gib_s=1e-3, decode_gib_s=1e-3)
     dropped = LossyCommsModel(LossyPlanConfig(planner=slow), CROSS_NODE_BANDWIDTH)
     assert dropped.for_table("t0").bwd.name == "raw"
     none = LossyPlanConfig(comms=LossyCommsConfig(backward="none"))
@@ -334,7 +334,9 @@ def test_qcomm_and_raw_models() -> None:
 
 def small_config(**planner: object) -> LossyPlanConfig:
     return LossyPlanConfig(
-        comms=LossyCommsConfig(tables={"raw_*": TableCodecConfig(compress=False)}),
+        comms=LossyCommsConfig(
+            tables={"raw_*": TableCodecConfig(compress=False)}, format="entropy"
+        ),
         planner=PlannerConfig(global_batch_size=8192, **planner),
         topology=TopologyConfig(world_size=4, local_world_size=2),
         embedding_tables=(
@@ -421,11 +423,15 @@ def test_embedding_collection_tables_are_priced_with_the_codec() -> None:
 
 
 def test_explained_plan_and_step_cost() -> None:
-    planner = plan_small(small_config())
+    config = small_config()
+    planner = plan_small(
+        dataclasses.replace(config, comms=dataclasses.replace(config.comms, format="auto"))
+    )
     text = planner.explain()
     lines = text.splitlines()
-    assert lines[0].startswith("torchrec-lossy: forward lossy")
-    assert lines[1].startswith("the codec pays on the cross-host link for ratios above")
+    assert lines[0].startswith("torchrec-lossy: forward format auto")
+    assert "speeds: entropy 200/60" in lines[0]  # what the choice used (cuda defaults here)
+    assert lines[1].startswith("format auto chose on the cross-host link: entropy for 3 tables")
     assert lines[2].split()[:5] == ["table", "rows", "dim", "sharding", "collective"]
     assert [line.split()[0] for line in lines[3:]] == ["big", "mid", "tiny", "raw_big", "total"]
     cost = planner.step_cost()
@@ -446,40 +452,64 @@ def test_data_parallel_can_be_switched_off() -> None:
     assert DP not in {t.sharding_type for t in planner.planned_tables}
 
 
-def test_unprofitable_codec_is_flagged_or_dropped() -> None:
-    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded:
-    # with intra_host auto on CUDA no block would be coded at all).
+def small_one_host(**comms: Any) -> LossyPlanConfig:
+    """small_config's tables on one host of 2 ranks, with ``comms`` changes."""
     base = small_config()
-    one_host = dataclasses.replace(
+    return dataclasses.replace(
         base,
-        comms=dataclasses.replace(base.comms, intra_host="coded"),
+        comms=dataclasses.replace(base.comms, **comms),
         topology=TopologyConfig(world_size=2),
     )
+
+
+def test_entropy_format_codes_even_where_the_codec_does_not_pay() -> None:
+    # One host: 600 GiB/s links, a 200/60 GiB/s codec cannot pay for itself (every peer coded).
+    one_host = small_one_host(intra_host="coded")
     planner = plan_small(one_host)
     big = next(t for t in planner.planned_tables if t.name == "big")
     # The cheapest path on one host is TWRW's intra-host reduce-scatter, raw.
     assert big.sharding_type == "table_row_wise" and big.fwd_format == "raw"
-    assert planner.comms_config is one_host.comms
-    # Said once for the plan, not on every table's line; each table gives its own numbers.
-    text = planner.explain()
-    assert text.count("does not pay") == 1 and "drop_unprofitable is off" in text.splitlines()[1]
-    assert "drop_unprofitable" not in big.reason and "13.10 of raw time" in big.reason
+    assert planner.comms_config is one_host.comms  # format entropy: nothing to resolve
+    assert "format auto" not in planner.explain()
     tw_only = {"big": ParameterConstraints(sharding_types=[TW])}
     big = next(
         t for t in plan_small(one_host, constraints=tw_only).planned_tables if t.name == "big"
     )
     assert big.fwd_format == "lossy" and "13.10 of raw time" in big.reason
 
-    dropping = dataclasses.replace(
-        one_host, planner=dataclasses.replace(one_host.planner, drop_unprofitable=True)
-    )
-    planner = plan_small(dropping)
+
+def test_auto_sends_raw_where_the_codec_does_not_pay_and_says_so_once() -> None:
+    one_host = small_one_host(format="auto")
+    tw_only = {n: ParameterConstraints(sharding_types=[TW]) for n in ("big", "mid", "raw_big")}
+    planner = plan_small(one_host, constraints=tw_only)
     big = next(t for t in planner.planned_tables if t.name == "big")
-    assert big.fwd_format == "raw" and big.reason.startswith("sent raw")
-    assert "those tables are sent raw" in planner.explain().splitlines()[1]
+    assert big.fwd_format == "raw" and "format auto: raw is faster" in big.reason
+    lines = planner.explain().splitlines()
+    # One line says what auto chose and why; none says the codec does not pay while coding.
+    assert sum("format auto chose" in x for x in lines) == 1, lines[:3]
+    assert "raw for 3 tables" in lines[1] and "entropy" in lines[1], lines[1]
+    assert "does not pay" not in planner.explain()
     effective = planner.comms_config
+    assert [effective.table(n).format for n in ("big", "mid", "tiny", "raw_big")] == ["raw"] * 4
     assert [effective.table(n).compress for n in ("big", "mid", "tiny", "raw_big")] == [False] * 4
-    assert effective.table("raw_big") == one_host.comms.table("raw_big")
+    assert effective.format == "entropy" and effective.intra_host == "coded"
+    # On a slow link the codec pays: auto codes every compressible table.
+    slow = dataclasses.replace(
+        one_host, topology=TopologyConfig(world_size=2, intra_host_bandwidth_gib_s=0.116)
+    )
+    effective = plan_small(slow, constraints=tw_only).comms_config
+    assert [effective.table(n).format for n in ("big", "mid", "raw_big")] == [
+        "entropy",
+        "entropy",
+        "raw",
+    ]
+
+
+def test_drop_unprofitable_is_refused_naming_its_replacement() -> None:
+    with pytest.raises(
+        ConfigError, match=r"planner.drop_unprofitable was replaced: .*comms.format"
+    ):
+        from_dict(LossyPlanConfig, {"planner": {"drop_unprofitable": True}})
 
 
 def test_calibration_measures_the_codec_and_feeds_the_plan() -> None:
@@ -599,6 +629,30 @@ def test_preview_main_reports_config_errors(
     assert plan_cli.main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "planner.expected_ratio=0.0 is invalid: allowed [0.5, 10000]" in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: "), err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "embedding_tables is empty: list the tables to plan"),
+        ("comms: [\n", "not valid YAML at line 2, column 1: expected the node content"),
+        ("comms:\n  backward: x\n   bad: 1\n", "not valid YAML at line 3, column 7"),
+    ],
+)
+def test_preview_main_empty_or_malformed_yaml_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert plan_cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    # One line naming the file, where and the fix; no traceback.
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: {message}"), err
+    assert "Traceback" not in err
+    missing = tmp_path / "none.yaml"
+    assert plan_cli.main(["--config", str(missing)]) == 2
+    assert "cannot read it (No such file or directory)" in capsys.readouterr().err
 
 
 def test_collective_plan_matches_plan() -> None:
@@ -631,3 +685,22 @@ def test_configured_bandwidths_reach_the_topology() -> None:
     assert slow.inter_host_bw < default.inter_host_bw
     assert slow.intra_host_bw == default.intra_host_bw
     assert slow.hbm_mem_bw == default.hbm_mem_bw
+
+
+def test_preview_measures_speeds_and_says_what_auto_chose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "topology: {world_size: 2, compute_device: cpu, intra_host_bandwidth_gib_s: 0.116}\n"
+        "planner: {global_batch_size: 256}\n"
+        "embedding_tables:\n"
+        "  - {name: a, num_embeddings: 5000, embedding_dim: 16}\n"
+        "  - {name: b, num_embeddings: 50000, embedding_dim: 16}\n"
+    )
+    assert plan_cli.main(["--config", str(path), "--measure-speeds"]) == 0
+    out = capsys.readouterr().out
+    assert "measured on cpu, 2 blocks x 128 rows" in out, out[:2000]
+    # Once, with the estimate that decided (which way depends on this machine's measured speed).
+    chose = [x for x in out.splitlines() if x.startswith("format auto chose")]
+    assert len(chose) == 1 and "at 0.116 GiB/s, time vs raw: entropy" in chose[0], chose

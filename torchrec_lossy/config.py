@@ -79,6 +79,22 @@ BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
 WeightsCast = Literal["none", "fp16", "bf16"]
+# The forward's wire format: "auto" lets the planner pick per table and link class
+# (torchrec_lossy/planner/formats.py); "entropy" is the lossy codec.
+CommsFormat = Literal["auto", "raw", "fp16", "bf16", "entropy"]
+# Formats the sharder cannot send the forward in yet (the planner prices them for comparison).
+NOT_YET_SENT: frozenset[str] = frozenset({"fp16", "bf16"})
+
+
+def _check_format(key: str, value: object) -> None:
+    _check_literal(key, value, CommsFormat)
+    _require(
+        value not in NOT_YET_SENT,
+        key,
+        value,
+        "'auto', 'raw' or 'entropy': the forward all-to-all has no fp16/bf16 cast yet "
+        "(comms.backward: fp16 / bf16 casts the gradient)",
+    )
 
 
 class ConfigError(ValueError):
@@ -189,11 +205,23 @@ class TableCodecConfig:
 
     Attributes:
         bound: Error bound of this table's forward traffic; None keeps the default.
-        compress: False sends this table uncompressed.
+        compress: False sends this table uncompressed (as ``format: raw``).
+        format: This table's wire format; None keeps ``LossyCommsConfig.format``.
     """
 
     bound: ErrorBound | None = None
     compress: bool = True
+    format: CommsFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.format is not None:
+            _check_format("tables.format", self.format)
+
+
+# The gradient all-to-all's default error model, the one line to change to switch it (issue
+# 32: the paired accuracy runs decide it). Today 0.01 of each (source, table) block's range;
+# the per-value candidate is ErrorBound("value", 0.03125) (|x' - x| <= |x| / 32 per element).
+DEFAULT_BACKWARD_BOUND = ErrorBound("relative", 0.01)
 
 
 @dataclass(frozen=True)
@@ -396,13 +424,18 @@ class LossyCommsConfig:
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
+        format: Wire format of every table without its own: ``"auto"`` (the default: the
+            planner picks per table and link class the format of least estimated time among
+            those within the table's bound, docs/config.md; a sharder built without the planner
+            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec) or ``"entropy"`` (the lossy
+            codec). Applies to the gradient too: a raw table's gradient travels raw.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     default_bound: ErrorBound = field(default_factory=ErrorBound)
     tables: dict[str, TableCodecConfig] = field(default_factory=dict)
     backward: BackwardCodec = "lossy"
-    backward_bound: ErrorBound = field(default_factory=lambda: ErrorBound("relative", 0.01))
+    backward_bound: ErrorBound = field(default_factory=lambda: DEFAULT_BACKWARD_BOUND)
     backward_rounding: Rounding = "nearest"
     backward_seed: int = 0
     backward_dedupe: bool = True
@@ -415,8 +448,10 @@ class LossyCommsConfig:
     )
     homogenization: HomogenizationConfig = field(default_factory=HomogenizationConfig)
     input_dist: InputDistConfig = field(default_factory=InputDistConfig)
+    format: CommsFormat = "auto"
 
     def __post_init__(self) -> None:
+        _check_format("format", self.format)
         _check_literal("backward", self.backward, BackwardCodec)
         self._check_value_rounding()
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
@@ -490,13 +525,21 @@ class LossyCommsConfig:
             name: Table name.
 
         Returns:
-            The table's config with ``bound`` always set.
+            The table's config with ``bound`` and ``format`` always set; ``compress`` is False
+            where the format is ``"raw"`` and ``format`` is ``"raw"`` where ``compress`` is
+            False (the seam reads ``compress``, the planner ``format``).
         """
         for pattern, override in self.tables.items():
             if fnmatch.fnmatchcase(name, pattern):
                 bound = override.bound if override.bound is not None else self.default_bound
-                return TableCodecConfig(bound=bound, compress=override.compress)
-        return TableCodecConfig(bound=self.default_bound, compress=True)
+                fmt = override.format if override.format is not None else self.format
+                return _resolved_table(bound, override.compress, fmt)
+        return _resolved_table(self.default_bound, True, self.format)
+
+
+def _resolved_table(bound: ErrorBound, compress: bool, fmt: str) -> TableCodecConfig:
+    raw = not compress or fmt == "raw"
+    return TableCodecConfig(bound=bound, compress=not raw, format="raw" if raw else fmt)  # type: ignore[arg-type]
 
 
 def _type_name(tp: object) -> str:
@@ -564,6 +607,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp!r}")
 
 
+# Keys of older configs, and what replaced them (the message of a config that still has one).
+REPLACED_KEYS: dict[str, str] = {
+    "planner.drop_unprofitable": (
+        "remove it; comms.format decides (auto, the default: per table and link the fastest "
+        "format within the bound, raw where the codec does not pay; entropy: always the codec, "
+        "as drop_unprofitable: false did)"
+    ),
+}
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Builds a config dataclass from a plain mapping, validating keys, types and ranges.
 
@@ -583,6 +636,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        for k in unknown:
+            if f"{where}{k}" in REPLACED_KEYS:
+                raise ConfigError(f"{where}{k} was replaced: {REPLACED_KEYS[where + str(k)]}")
         raise ConfigError(
             f"unknown key(s) {', '.join(where + str(k) for k in unknown)}: "
             f"allowed keys are {', '.join(sorted(names))}"
@@ -629,13 +685,36 @@ def load_yaml(cls: type[T], path: str | Path, section: str | None = None) -> T:
 
     Returns:
         The validated instance.
+
+    Raises:
+        ConfigError: The file cannot be read, is not YAML, or holds a bad value; the message
+            names the file, where and the fix.
     """
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot read it ({e.strerror}): pass an existing YAML file"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {_yaml_problem(e)}: fix the YAML syntax") from None
     if section is not None:
         data = data.get(section, {}) or {}
     _require(isinstance(data, Mapping), str(path), type(data).__name__, "a mapping at top level")
-    return from_dict(cls, data, section or "")
+    try:
+        return from_dict(cls, data, section or "")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: where and what (PyYAML's own text spans several)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+    problem = getattr(error, "problem", None) or type(error).__name__
+    context = getattr(error, "context", None)
+    return f"not valid YAML at {where}: {problem}" + (f" ({context})" if context else "")
 
 
 def save_yaml(config: object, path: str | Path) -> None:
@@ -737,9 +816,6 @@ class PlannerConfig:
         decode_gib_s: Codec decode throughput; null: the device default (cuda 60; cpu 1.86).
         data_parallel: Let the planner replicate tables (TorchRec's data-parallel sharding) where
             the gradient all-reduce is cheaper than any all-to-all.
-        drop_unprofitable: Send a table uncompressed when the codec is slower than the bytes it
-            saves (``1/ratio + bw/encode + bw/decode >= 1`` on the topology's all-to-all
-            bandwidth). Off: such tables stay compressed and the printed plan flags them.
     """
 
     global_batch_size: int | None = None
@@ -749,7 +825,6 @@ class PlannerConfig:
     encode_gib_s: float | None = None
     decode_gib_s: float | None = None
     data_parallel: bool = True
-    drop_unprofitable: bool = False
 
     def __post_init__(self) -> None:
         b = self.global_batch_size

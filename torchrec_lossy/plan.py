@@ -64,7 +64,7 @@ def _apply_overrides(config: LossyPlanConfig, args: argparse.Namespace) -> Lossy
 
 
 def preview(
-    config: LossyPlanConfig, calibrate_rows: int = 0, out: Any = None
+    config: LossyPlanConfig, calibrate_rows: int = 0, out: Any = None, speeds: Any = None
 ) -> list[ScenarioResult]:
     """Plans the config's model in four scenarios and prints the comparison.
 
@@ -73,6 +73,8 @@ def preview(
         calibrate_rows: If > 0, measure each table's ratio with the real codec on this many
             rows of Criteo-like synthetic traffic before planning ours.
         out: Text stream to print to; default stdout.
+        speeds: The formats' speeds ours is planned with (``planner.speeds.Speeds``, e.g.
+            from :func:`measured_speeds`); None: the device defaults.
 
     Returns:
         The scenarios, ours last.
@@ -92,7 +94,7 @@ def preview(
     # TorchRec's uncompressed estimates are the same in every scenario: compute them once.
     base_cache: dict[Any, Any] = {}
     results = [
-        _plan_scenario(label, model, config, module, base_cache, calibrate_rows, out)
+        _plan_scenario(label, model, config, module, base_cache, calibrate_rows, out, speeds)
         for label, model in scenarios
     ]
     print(f"\nplan ({results[-1].description}):", file=out)
@@ -126,6 +128,7 @@ def _plan_scenario(
     base_cache: dict[Any, Any],
     calibrate_rows: int,
     out: Any,
+    speeds: Any = None,
 ) -> ScenarioResult:
     """Plans the model with one comms model (None: ours, with the lossy sharder).
 
@@ -138,6 +141,7 @@ def _plan_scenario(
         base_cache: TorchRec's uncompressed estimates, shared among the scenarios.
         calibrate_rows: Rows of synthetic traffic to calibrate ours on; 0: none.
         out: Text stream to print the calibration to.
+        speeds: Format speeds for ours; None: the device defaults.
 
     Returns:
         The scenario's shardings, costs and explained plan.
@@ -157,6 +161,7 @@ def _plan_scenario(
         debug=False,
         storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
         base_cache=base_cache,
+        speeds=speeds if model is None else None,
     )
     sharders = [EmbeddingBagCollectionSharder()]
     if model is None:
@@ -274,7 +279,35 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="ROWS",
         help="measure ratios with the real codec on ROWS rows of Criteo-like traffic per table",
     )
+    parser.add_argument(
+        "--measure-speeds",
+        action="store_true",
+        help="time the formats on this machine's device for the config's blocks (as the example "
+        "does at start-up) instead of the device defaults",
+    )
     return parser.parse_args(argv)
+
+
+def measured_speeds(config: LossyPlanConfig) -> Any:
+    """The formats' speeds on this machine for the config's blocks (one destination's rows).
+
+    Args:
+        config: The plan config.
+
+    Returns:
+        ``planner.speeds.Speeds``: measured on the compute device if this machine has one,
+        else the device defaults (saying so).
+    """
+    import torch
+
+    from torchrec_lossy.planner import measure_speeds, per_rank_batch_size
+    from torchrec_lossy.planner.speeds import default_speeds
+
+    device = config.topology.compute_device
+    if device == "cuda" and not torch.cuda.is_available():
+        return default_speeds(device, "no CUDA device on this machine to measure")
+    rows = per_rank_batch_size(config)
+    return measure_speeds(config.embedding_tables, rows, config.comms, torch.device(device))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -289,8 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
         config = _apply_overrides(load_yaml(LossyPlanConfig, args.config), args)
-    except (ConfigError, OSError) as e:
-        print(f"error: {args.config}: {e}", file=sys.stderr)
+        if not config.embedding_tables:
+            raise ConfigError(
+                f"{args.config}: embedding_tables is empty: list the tables to plan (name, "
+                "num_embeddings, embedding_dim; see configs/criteo_kaggle.yaml)"
+            )
+    except ConfigError as e:  # one line, no traceback: the message names the file and the fix
+        print(f"error: {e}", file=sys.stderr)
         return 2
     # The preview plans a meta-device model without a process group; TorchRec's warnings about
     # dry runs and missing sharding specs (data-parallel tables) are expected here.
@@ -299,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         print(f"torchrec-lossy plan preview: {args.config}")
-        preview(config, calibrate_rows=args.calibrate)
+        speeds = measured_speeds(config) if args.measure_speeds else None
+        preview(config, calibrate_rows=args.calibrate, speeds=speeds)
     return 0
 
 

@@ -1,8 +1,9 @@
 """Relative bounds turned absolute and per-block bound kinds read: one rule for the host and the
 device paths. ``BoundKind`` is the config's (``ErrorBound.mode`` names it), re-exported here.
 
-A relative bound ``r`` of a block is ``r * (max - min)`` over the block's finite elements, the
-range taken in float32 (as the block's values), the product in float64. A block with no finite
+A relative bound ``r`` of a block is ``r * (max - min)`` over the block's finite elements that
+are not outliers (``codec/outliers.py``), the range taken in float32 (as the block's values),
+the product in float64. A block with no finite
 element, or a range that is not finite or not positive, gets the absolute bound 0 (lossless).
 A per-value bound ``v`` is not resolved: the codec quantizes such a block on its per-value grid
 (``format.value_symbol``), ``|x' - x| <= v |x|`` for every element.
@@ -10,12 +11,12 @@ A per-value bound ``v`` is not resolved: the codec quantizes such a block on its
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from torchrec_lossy.codec.elementwise import N, as_float64, isfinite, jitable, where
+from torchrec_lossy.codec.outliers import inlier_ranges_torch
 from torchrec_lossy.config import BoundKind
 
 __all__ = ["BoundKind", "absolute_bounds", "block_kinds", "finite_span"]
@@ -60,10 +61,12 @@ def absolute_bounds(
         return out
     lo, hi = [], []
     for i in idx:
-        f = blocks[i].float()
-        finite = torch.isfinite(f)
-        lo.append(torch.where(finite, f, math.inf).amin())
-        hi.append(torch.where(finite, f, -math.inf).amax())
+        f = blocks[i].float().reshape(-1)
+        ends = torch.tensor([f.shape[0]], device=f.device)
+        # The range without finite outliers, as the compress paths take it.
+        b_lo, b_hi = inlier_ranges_torch(f, torch.zeros_like(f, dtype=torch.int64), ends)
+        lo.append(b_lo[0])
+        hi.append(b_hi[0])
     spans = finite_span(torch.stack(lo), torch.stack(hi)).tolist()
     for i, s in zip(idx, spans, strict=True):
         out[i] = float(values[i]) * s

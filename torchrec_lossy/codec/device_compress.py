@@ -56,6 +56,7 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
+from torchrec_lossy.codec.outliers import inlier_ranges_torch
 from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
@@ -370,7 +371,11 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
     lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
     hi = _per_block(torch.where(finite, flat.x, -math.inf), "max", numel, -math.inf)
     bound = t.bound_bits.view(torch.float64)
-    b = quantize.block_bound(t.kind, bound, lo, hi, numel, ht.stochastic, ht.quantization)
+    # A relative bound is taken over the range without finite outliers (codec/outliers.py).
+    ilo, ihi = inlier_ranges_torch(flat.x, flat.e_blk, numel)
+    rel = t.kind == int(BoundKind.RELATIVE)
+    ilo, ihi = torch.where(rel, ilo, lo), torch.where(rel, ihi, hi)
+    b = quantize.block_bound(t.kind, bound, ilo, ihi, numel, ht.stochastic, ht.quantization)
     g = quantize.block_grid(b, lo, hi, _median(flat, finite, t))
     # The quantize launch ran where the rule before the data allowed (a superset of ok).
     return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))

@@ -47,6 +47,7 @@ from torchrec_lossy.codec.format import (
     write_segment_header,
 )
 from torchrec_lossy.codec.host_records import Blocks, Codes, Dedupe, Grids, Segments
+from torchrec_lossy.codec.outliers import inlier_ranges_kernel
 from torchrec_lossy.config import CodecConfig
 
 
@@ -116,6 +117,7 @@ class _Knobs(NamedTuple):
 
 _WORK_BUFFERS = _ThreadWorkBuffers()  # memory reused per thread, not state
 BOUND_VALUE = int(BoundKind.VALUE)  # as the compiled kernel compares it
+BOUND_RELATIVE = int(BoundKind.RELATIVE)
 
 
 def _flatten(
@@ -314,15 +316,17 @@ def _grids(
 ) -> Grids:
     """Each block's grid by ``quantize``'s rule (``block_bound``, ``block_grid``) over its
     finite range and, where the rule centers on it, its median; relative bounds in ``bnd``
-    resolved in place."""
+    resolved in place (over the range without outliers)."""
     lo, hi = quantize.finite_ranges_kernel(x, blocks.elem_off)
+    # A relative bound is taken over the range without finite outliers (codec/outliers.py).
+    ilo, ihi = inlier_ranges_kernel(x, blocks.elem_off, lo, hi, kinds == BOUND_RELATIVE)
     nb = blocks.rows.shape[0]
     step, inv_step = np.zeros(nb, np.float32), np.zeros(nb, np.float32)
     center, ok = np.zeros(nb, np.int64), np.zeros(nb, np.bool_)
     for b in range(nb):
         e0, e1 = blocks.elem_off[b], blocks.elem_off[b + 1]
         bb = quantize.block_bound(
-            kinds[b], bnd[b], lo[b], hi[b], e1 - e0, knobs.stochastic, knobs.quantization
+            kinds[b], bnd[b], ilo[b], ihi[b], e1 - e0, knobs.stochastic, knobs.quantization
         )
         use = quantize.uses_median(bb, lo[b], hi[b])
         g = quantize.block_grid(bb, lo[b], hi[b], quantize.finite_median(x[e0:e1]) if use else 0.0)

@@ -20,6 +20,10 @@ EXPORTS: dict[str, list[str]] = {
         "LossyComms",
         "StaticBounds",
     ],
+    "torchrec_lossy.distributed.config_check": [
+        "ConfigMismatchError",
+        "check_same_config",
+    ],
     "torchrec_lossy.distributed.errors": [
         "LossyAllToAllError",
     ],

@@ -601,6 +601,7 @@ def start_encode(
         raw_parts=raw_parts,
         sample=_samples_errors(info, direction, call, device),
         setup_s=time.perf_counter() - start,
+        call=call,
     )
     return PendingPayloads(
         device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits)
@@ -811,6 +812,7 @@ class _EncodeCall:
         raw_parts: Per destination, its padded raw blocks.
         sample: Whether the sender decodes its payloads for error samples.
         setup_s: Seconds spent before the host read.
+        call: The call's number in its direction (the error sample's alerts name it).
     """
 
     direction: Direction
@@ -823,6 +825,7 @@ class _EncodeCall:
     raw_parts: list[list[torch.Tensor]]
     sample: bool
     setup_s: float
+    call: int = -1
 
     def finish(self, host: Sequence[int]) -> list[torch.Tensor]:
         """Builds the payloads from the host read's values and records the call's telemetry.
@@ -913,7 +916,9 @@ class _EncodeCall:
         rec.abs_bounds += cols.bound
         if self.sample:
             sampled = [blocks[k] for k in idx]
-            error_sample.record_error_samples(info.comms.stats, direction, payload, sampled, tables)
+            error_sample.record_error_samples(
+                info.comms.stats, direction, payload, sampled, tables, self.call
+            )
         # The payload header belongs to no block.
         rec.container += grouped.sizes[g] - sum(cols.wire_bytes)
 

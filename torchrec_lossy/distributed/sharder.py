@@ -36,6 +36,7 @@ from torchrec_lossy.distributed.comms import (
     LossyComms,
     StaticBounds,
 )
+from torchrec_lossy.distributed.config_check import check_same_config
 from torchrec_lossy.distributed.context import bind_input_state
 from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
@@ -371,7 +372,18 @@ class LossySharderMixin:
 
         Returns:
             The sharded module (``sharded_module_type``), registered for :meth:`stats`.
+
+        Raises:
+            ConfigMismatchError: On every rank, when the ranks' comms configs differ.
         """
+        # Before anything is built: a rank with another config would fail later, and not
+        # necessarily everywhere (docs/sharder.md, "Errors").
+        check_same_config(
+            self._comms_config,
+            env.process_group,
+            module_fqn or type(module).__name__,
+            {"bounds_factory": getattr(self._bounds_factory, "__qualname__", "?")},
+        )
         sharded = self.sharded_module_type(  # type: ignore[attr-defined]
             module=module,
             table_name_to_parameter_sharding=params,

@@ -44,6 +44,10 @@ class ErrorSample:
         error_sq_sum: Sum of the squared errors.
         value_sq_sum: Sum of the squared values.
         snapped: How many were not 0 and decoded to 0.
+        row_rel_sq_sum: Sum over rows with ``sum x**2 > 0`` of their relative error energy
+            ``sum (x' - x)**2 / sum x**2`` (the error against each row's own scale).
+        rows: Those rows.
+        nonfinite: Elements that are NaN or Inf (they travel exactly).
     """
 
     table: str
@@ -52,6 +56,30 @@ class ErrorSample:
     error_sq_sum: float = 0.0
     value_sq_sum: float = 0.0
     snapped: int = 0
+    row_rel_sq_sum: float = 0.0
+    rows: int = 0
+    nonfinite: int = 0
+
+
+@dataclass(frozen=True)
+class ErrorAlert:
+    """A sampled gradient block whose error against its rows' own scale passed the reported
+    level (``error_sample.ROW_ENERGY_LEVEL``), or a sampled block that held NaN / Inf.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        table: Table name.
+        call: The call's number in its direction (the training step for a module called once
+            a step; -1 where unknown).
+        row_energy: The block's mean row-relative error energy.
+        nonfinite: Its NaN / Inf elements.
+    """
+
+    direction: Direction
+    table: str
+    call: int
+    row_energy: float
+    nonfinite: int
 
 
 @dataclass
@@ -78,6 +106,9 @@ class TableCommStats:
         error_sq_sum: Sum of ``(x' - x)^2`` over the sampled elements.
         value_sq_sum: Sum of ``x^2`` over them (``relative_rms_error``'s denominator).
         snapped_to_zero: Sampled elements that were not 0 and decoded to exactly 0.
+        row_rel_sq_sum: Sum of the sampled rows' relative error energies (``ErrorSample``).
+        error_rows: Sampled rows with a nonzero value (``row_relative_energy``'s count).
+        nonfinite: Sampled elements that were NaN or Inf.
     """
 
     blocks: int = 0
@@ -96,6 +127,16 @@ class TableCommStats:
     error_sq_sum: float = 0.0
     value_sq_sum: float = 0.0
     snapped_to_zero: int = 0
+    row_rel_sq_sum: float = 0.0
+    error_rows: int = 0
+    nonfinite: int = 0
+
+    @property
+    def row_relative_energy(self) -> float:
+        """Mean over the sampled rows of ``sum (x' - x)**2 / sum x**2`` (NaN if none): the error
+        against each row's own scale, which a bound relative to a block's range leaves large for
+        the block's small rows (issue 32)."""
+        return self.row_rel_sq_sum / self.error_rows if self.error_rows else math.nan
 
     @property
     def mean_signed_error(self) -> float:
@@ -174,6 +215,7 @@ class LossyCommsStats:
         # Bytes by link: each rank's self blocks (raw, never on the wire, kept out of the
         # tables) and the wire bytes sent to same-host and cross-host peers.
         self._link_bytes: dict[tuple[Direction, Link], int] = {}
+        self._alerts: list[ErrorAlert] = []
 
     def __getstate__(self) -> dict[str, object]:
         # Locks do not pickle or deepcopy; a copy gets its own.
@@ -181,12 +223,14 @@ class LossyCommsStats:
         return {
             "_tables": {k: dataclasses.replace(e) for k, e in self._tables.items()},
             "_link_bytes": dict(self._link_bytes),
+            "_alerts": list(self._alerts),
         }
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()
         self._tables.update(state["_tables"])  # type: ignore[arg-type]
         self._link_bytes.update(state.get("_link_bytes", {}))  # type: ignore[arg-type]
+        self._alerts.extend(state.get("_alerts", []))  # type: ignore[arg-type]
 
     def _entry(self, direction: Direction, table: str) -> TableCommStats:
         key = (direction, table)
@@ -364,12 +408,18 @@ class LossyCommsStats:
         """
         self.record_error_samples(direction, [ErrorSample(table, error_sum, count)])
 
-    def record_error_samples(self, direction: Direction, samples: Sequence[ErrorSample]) -> None:
+    def record_error_samples(
+        self,
+        direction: Direction,
+        samples: Sequence[ErrorSample],
+        alerts: Sequence[ErrorAlert] = (),
+    ) -> None:
         """Adds the error sample of several blocks at once, under one lock.
 
         Args:
             direction: ``"fwd"`` or ``"bwd"``.
             samples: One per sampled block.
+            alerts: The sampled blocks past the reported level or holding NaN / Inf.
         """
         with self._lock:
             for b in samples:
@@ -379,6 +429,19 @@ class LossyCommsStats:
                 e.error_sq_sum += b.error_sq_sum
                 e.value_sq_sum += b.value_sq_sum
                 e.snapped_to_zero += b.snapped
+                e.row_rel_sq_sum += b.row_rel_sq_sum
+                e.error_rows += b.rows
+                e.nonfinite += b.nonfinite
+            self._alerts.extend(alerts)
+
+    def alerts(self) -> list[ErrorAlert]:
+        """The error sample's alerts since the last :meth:`reset`, in the order recorded.
+
+        Returns:
+            A copy of the list.
+        """
+        with self._lock:
+            return list(self._alerts)
 
     def record_max_error_lazy(self, direction: Direction, table: str, err: torch.Tensor) -> None:
         """Folds a 0-d device tensor into a table's max error without a host sync.
@@ -540,6 +603,7 @@ class LossyCommsStats:
             self._tables.clear()
             self._pending_max.clear()
             self._link_bytes.clear()
+            self._alerts.clear()
 
     def __iter__(self) -> Iterator[tuple[Direction, str, TableCommStats]]:
         for direction in DIRECTIONS:

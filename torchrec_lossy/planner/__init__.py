@@ -12,13 +12,13 @@ from torchrec_lossy.planner.calibrate import (
 from torchrec_lossy.planner.cost import (
     CommsModel,
     FixedCommsModel,
-    LossyCommsModel,
     TableComms,
     WireFormat,
     qcomm_model,
     raw_model,
 )
 from torchrec_lossy.planner.estimator import LossyPerfEstimator, ShardCost
+from torchrec_lossy.planner.lossy_model import LossyCommsModel
 from torchrec_lossy.planner.planner import (
     LossyEnumerator,
     LossyShardingPlanner,
@@ -29,6 +29,7 @@ from torchrec_lossy.planner.planner import (
     format_plan,
     per_rank_batch_size,
 )
+from torchrec_lossy.planner.speeds import Speeds, agree_speeds, measure_speeds
 
 __all__ = [
     "Calibration",
@@ -40,13 +41,16 @@ __all__ = [
     "LossyShardingPlanner",
     "PlannedTable",
     "ShardCost",
+    "Speeds",
     "StepCost",
     "TableComms",
     "WireFormat",
+    "agree_speeds",
     "build_module",
     "build_topology",
     "calibrate",
     "format_plan",
+    "measure_speeds",
     "per_rank_batch_size",
     "pooled_blocks",
     "qcomm_model",

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
-
-from torchrec_lossy.config import LossyPlanConfig
 
 __all__ = [
     "CODEC_THROUGHPUT_GIB_S",
@@ -25,7 +22,6 @@ __all__ = [
     "FixedCommsModel",
     "LinkCost",
     "Links",
-    "LossyCommsModel",
     "TableComms",
     "WireFormat",
     "gib_s_to_bytes_per_ms",
@@ -334,169 +330,3 @@ def qcomm_model(forward: str, backward: str, device: str) -> FixedCommsModel:
     return FixedCommsModel(
         f"qcomm-{forward}", desc, TableComms(fwd=fwd, bwd=bwd, fwd_rs=fwd_rs, bwd_rs=bwd_rs)
     )
-
-
-class LossyCommsModel:
-    """This project's codec: per-table ratio and codec throughput.
-
-    A compressed table's forward travels in the lossy format at its expected ratio (calibrated,
-    else ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial
-    sums by the coded all-to-all), and on the cross-host hop of TWRW and grid (their intra-host
-    reduce-scatter stays raw). Per destination, as the sharder sends it: peers on other hosts
-    coded; same-host peers raw (no codec time) when ``comms.intra_host`` resolves to raw
-    (``raw``, or ``auto`` on a CUDA compute device, i.e. NCCL), coded otherwise; the rank's own
-    block never coded. With ``planner.drop_unprofitable`` a table whose codec costs more than it
-    saves on the topology's all-to-all bandwidth ``bw`` (``1/R + bw/enc + bw/dec >= 1``) travels
-    raw instead.
-
-    The backward is priced the same way when ``comms.backward`` is ``"lossy"``: each table's
-    gradient at its expected backward ratio (calibrated, else ``planner.backward_ratio``, against
-    TorchRec's dense fp32 gradient) with the codec's throughput, and, with
-    ``planner.drop_unprofitable``, raw where the codec would not pay.
-
-    Args:
-        config: The plan config.
-        a2a_bandwidth: All-to-all bandwidth of the topology in bytes/ms (the break-even test).
-        ratios: Calibrated forward ratios by table name (take precedence over the config).
-        backward_ratios: Calibrated backward ratios by table name (likewise).
-    """
-
-    name = "lossy"
-
-    def __init__(
-        self,
-        config: LossyPlanConfig,
-        a2a_bandwidth: float,
-        ratios: Mapping[str, float] | None = None,
-        backward_ratios: Mapping[str, float] | None = None,
-    ) -> None:
-        self.config = config
-        self.a2a_bandwidth = a2a_bandwidth
-        self.ratios: dict[str, float] = dict(ratios or {})
-        self.backward_ratios: dict[str, float] = dict(backward_ratios or {})
-        device = config.topology.compute_device
-        enc, dec = CODEC_THROUGHPUT_GIB_S[device]
-        p = config.planner
-        self.encode_gib_s = p.encode_gib_s if p.encode_gib_s is not None else enc
-        self.decode_gib_s = p.decode_gib_s if p.decode_gib_s is not None else dec
-        comms = config.comms
-        bwd_kind = comms.backward
-        if bwd_kind == "lossy":
-            self._bwd: WireFormat = WireFormat(
-                "lossy", p.backward_ratio, self.encode_gib_s, self.decode_gib_s
-            )
-        elif bwd_kind in ("fp16", "bf16"):
-            enc_q, dec_q = QCOMM_THROUGHPUT_GIB_S[(device, bwd_kind)]
-            self._bwd = WireFormat(bwd_kind, 2.0, enc_q, dec_q)
-        else:
-            self._bwd = RAW
-        self.same_host_raw = comms.same_host_raw(BACKENDS[device])
-        same_host = "same-host peers raw" if self.same_host_raw else "every peer coded"
-        self.description = (
-            f"torchrec-lossy: forward lossy ({comms.default_bound.mode} "
-            f"{comms.default_bound.value:g} default), backward {bwd_kind}; {same_host} "
-            f"(comms.intra_host={comms.intra_host}); codec "
-            f"{self.encode_gib_s:.3g}/{self.decode_gib_s:.3g} GiB/s encode/decode"
-        )
-        self.pays_note = self._pays_note()
-
-    def _pays_note(self) -> str:
-        """Where the codec pays on this topology, said once for the whole plan."""
-        topo = self.config.topology
-        one_host = topo.local_world_size in (None, topo.world_size)
-        if one_host and self.same_host_raw:
-            return (
-                "every peer shares the rank's host and travels raw (comms.intra_host resolves "
-                "to raw): no block is coded, no codec time"
-            )
-        codec_share = self.break_even(math.inf)  # bw/enc + bw/dec
-        drop = self.config.planner.drop_unprofitable
-        fate = "those tables are sent raw" if drop else "planner.drop_unprofitable is off"
-        link = "this all-to-all" if one_host else "the cross-host link"
-        if codec_share >= 1.0:
-            return (
-                f"the codec does not pay on {link}: its time alone is {codec_share:.2f} "
-                f"of the raw transfer's at any ratio; {fate}"
-            )
-        return (
-            f"the codec pays on {link} for ratios above {1 / (1 - codec_share):.2f}x "
-            f"(1/R + bw/enc + bw/dec < 1)" + ("" if drop else f"; {fate} for the others")
-        )
-
-    def ratio(self, table: str) -> float:
-        """The table's expected forward ratio.
-
-        Args:
-            table: Table name.
-
-        Returns:
-            Calibrated ratio if any, else the config's.
-        """
-        return self.ratios.get(table, self.config.planner.ratio(table))
-
-    def backward_format(self, table: str) -> WireFormat:
-        """The table's gradient wire format: the codec at its expected backward ratio (raw
-        where ``planner.drop_unprofitable`` finds it does not pay), or the configured cast.
-
-        Args:
-            table: Table name.
-
-        Returns:
-            Its backward :class:`WireFormat`.
-        """
-        if self._bwd.name != "lossy" or not self.config.comms.table(table).compress:
-            return self._bwd if self._bwd.name != "lossy" else RAW
-        r = self.backward_ratios.get(table, self.config.planner.backward_ratio)
-        if self.config.planner.drop_unprofitable and self.break_even(r) >= 1.0:
-            return RAW
-        return WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
-
-    def break_even(self, ratio: float) -> float:
-        """``1/R + bw/enc + bw/dec``: the codec pays on the all-to-all iff this is below 1.
-
-        Args:
-            ratio: Compression ratio ``R``.
-
-        Returns:
-            The compressed transfer time as a fraction of the raw one.
-        """
-        bw = self.a2a_bandwidth
-        return (
-            1.0 / ratio
-            + bw / gib_s_to_bytes_per_ms(self.encode_gib_s)
-            + bw / gib_s_to_bytes_per_ms(self.decode_gib_s)
-        )
-
-    def for_table(self, table: str) -> TableComms:
-        """The table's formats under the config (see the class docstring).
-
-        Args:
-            table: Table name.
-
-        Returns:
-            Its :class:`TableComms`.
-        """
-        bwd = self.backward_format(table)
-        if not self.config.comms.table(table).compress:
-            return self._per_destination(TableComms(RAW, bwd, note="compress: false in the config"))
-        r = self.ratio(table)
-        cost = self.break_even(r)
-        source = "calibrated" if table in self.ratios else "configured"
-        # Whether the codec pays is said once (pays_note); each table gives its own numbers.
-        if cost >= 1.0 and self.config.planner.drop_unprofitable:
-            note = f"sent raw: ratio {r:.1f}x ({source}) would take {cost:.2f} of raw time"
-            return self._per_destination(TableComms(RAW, bwd, note=note, row_wise_all_to_all=True))
-        note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
-        fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
-        return self._per_destination(TableComms(fwd, bwd, note=note, row_wise_all_to_all=True))
-
-    def _per_destination(self, comms: TableComms) -> TableComms:
-        """Same-host peers raw where ``comms.intra_host`` resolves to raw (the codec's formats
-        only: the fp16/bf16 gradient casts stay casts, as in the sharder); the own block is
-        never coded."""
-        if not self.same_host_raw:
-            return dataclasses.replace(comms, own_block_coded=False)
-        bwd_same = RAW if comms.bwd.name == "lossy" else None
-        return dataclasses.replace(
-            comms, fwd_same_host=RAW, bwd_same_host=bwd_same, own_block_coded=False
-        )

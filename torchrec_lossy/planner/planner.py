@@ -9,7 +9,6 @@ stays an option unless ``planner.data_parallel`` is off. After planning,
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -48,17 +47,18 @@ from torchrec_lossy.config import (
     EmbeddingTableConfig,
     LossyCommsConfig,
     LossyPlanConfig,
-    TableCodecConfig,
     TopologyConfig,
 )
-from torchrec_lossy.planner.cost import CommsModel, LossyCommsModel, gib_s_to_bytes_per_ms
+from torchrec_lossy.planner.cost import CommsModel, Links, gib_s_to_bytes_per_ms
 from torchrec_lossy.planner.estimator import (
     LossyPerfEstimator,
     option_key,
 )
+from torchrec_lossy.planner.lossy_model import LossyCommsModel
 
 if TYPE_CHECKING:
     from torchrec_lossy.planner.calibrate import Calibration
+    from torchrec_lossy.planner.speeds import Speeds
 
 __all__ = [
     "LossyEnumerator",
@@ -374,6 +374,9 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
         base_cache: Shared cache of TorchRec's uncompressed estimates (see
             :class:`~torchrec_lossy.planner.estimator.LossyPerfEstimator`), for planning one
             model under several comms models.
+        speeds: Measured format speeds (:func:`~torchrec_lossy.planner.speeds.measure_speeds`,
+            agreed over ranks by :func:`~torchrec_lossy.planner.speeds.agree_speeds`); None:
+            the device defaults. ``planner.encode_gib_s`` / ``decode_gib_s`` pin the codec's.
     """
 
     def __init__(
@@ -393,6 +396,7 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
         callbacks: list[Callable[[list[ShardingOption]], list[ShardingOption]]] | None = None,
         timeout_seconds: int | None = None,
         base_cache: dict[Any, Any] | None = None,
+        speeds: Speeds | None = None,
     ) -> None:
         self.config = config or LossyPlanConfig()
         topology = topology or build_topology(self.config.topology)
@@ -404,7 +408,13 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
             world_size=topology.world_size,
             collective_type=CollectiveType.ALL_TO_ALL,
         )
-        self.comms_model: CommsModel = comms_model or LossyCommsModel(self.config, a2a_bw)
+        bws = topology.comms_bandwidths
+        self.comms_model: CommsModel = comms_model or LossyCommsModel(
+            self.config,
+            a2a_bw,
+            links=Links(intra_bw=bws.intra_host_bw, inter_bw=bws.inter_host_bw),
+            speeds=speeds,
+        )
         self.estimator = LossyPerfEstimator(
             topology, self.comms_model, constraints, base_cache=base_cache
         )
@@ -494,30 +504,22 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
     def comms_config(self) -> LossyCommsConfig:
         """The comms config the sharder should run with.
 
-        The user's ``comms`` section, plus ``compress: false`` for tables the planner decided to
-        send raw (``planner.drop_unprofitable``); those decisions cover the config's tables,
-        calibrated tables and every table planned so far.
+        The user's ``comms`` section with ``format: auto`` resolved per table and link class
+        (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.resolved_comms`) for the
+        config's tables, calibrated tables and every table planned so far; as written under
+        another comms model.
 
         Returns:
             The config.
         """
-        base = self.config.comms
         model = self.comms_model
-        if not (isinstance(model, LossyCommsModel) and self.config.planner.drop_unprofitable):
-            return base
-        names = dict.fromkeys(
+        if not isinstance(model, LossyCommsModel):
+            return self.config.comms
+        return model.resolved_comms(
             [t.name for t in self.config.embedding_tables]
             + list(model.ratios)
             + [p.name for p in self._planned]
         )
-        overrides = {
-            n: TableCodecConfig(bound=base.table(n).bound, compress=False)
-            for n in names
-            if base.table(n).compress and model.for_table(n).fwd.name == "raw"
-        }
-        if not overrides:
-            return base
-        return dataclasses.replace(base, tables={**overrides, **base.tables})
 
     def sharder(
         self,

@@ -1,0 +1,271 @@
+"""This project's sharder as a comms model: the format of each table and link class.
+
+:class:`LossyCommsModel` prices what the lossy sharder sends and resolves ``comms.format:
+auto`` into the config the sharder runs (:meth:`LossyCommsModel.resolved_comms`), with the
+estimate of :mod:`~torchrec_lossy.planner.formats` and the speeds of
+:mod:`~torchrec_lossy.planner.speeds`: the plan, the preview and the run use one decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from torchrec_lossy.config import LossyCommsConfig, LossyPlanConfig, TableCodecConfig
+from torchrec_lossy.planner.cost import (
+    BACKENDS,
+    CODEC_THROUGHPUT_GIB_S,
+    QCOMM_THROUGHPUT_GIB_S,
+    RAW,
+    Links,
+    TableComms,
+    WireFormat,
+)
+from torchrec_lossy.planner.formats import FormatChoice, bandwidth_gib_s, choose_format, ms_per_byte
+from torchrec_lossy.planner.speeds import Speeds, default_speeds
+
+__all__ = ["LossyCommsModel"]
+
+
+class LossyCommsModel:
+    """This project's sharder: per table and link class the format ``comms.format`` gives.
+
+    A table's format is its own ``format`` (or ``compress: false``: raw), else
+    ``comms.format``. ``entropy``: the codec at the table's expected ratio (calibrated, else
+    ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial sums by
+    the coded all-to-all), and on the cross-host hop of TWRW and grid (their intra-host
+    reduce-scatter stays raw). ``raw``: fp32, as TorchRec. ``auto`` (the default): the
+    admissible format of least estimated forward + gradient time per raw byte on the link
+    (:func:`~torchrec_lossy.planner.formats.choose_format`): per table on the cross-host link
+    (on one host, the intra-host one), and once for all tables on the same-host link of a
+    multi-host cluster (it resolves ``comms.intra_host`` when that is ``auto``). The codec's
+    speeds: ``planner.encode_gib_s`` / ``decode_gib_s`` where set (pinned), else ``speeds``
+    (measured, :mod:`~torchrec_lossy.planner.speeds`), else the device defaults. The rank's own
+    block is never coded. :meth:`resolved_comms` is the config the sharder runs, so the plan,
+    the preview and the run agree.
+
+    The backward is priced with the table's format: the codec at the table's expected backward
+    ratio (calibrated, else ``planner.backward_ratio``, against TorchRec's dense fp32 gradient)
+    when ``comms.backward`` is ``"lossy"``, the configured cast or exact otherwise; a raw table's
+    gradient travels raw.
+
+    Args:
+        config: The plan config.
+        a2a_bandwidth: All-to-all bandwidth of the topology in bytes/ms.
+        ratios: Calibrated forward ratios by table name (take precedence over the config).
+        backward_ratios: Calibrated backward ratios by table name (likewise).
+        links: The topology's intra- and inter-host bandwidths; None: both ``a2a_bandwidth``.
+        speeds: Measured format speeds; None: the device defaults (``planner`` keys pin them).
+    """
+
+    name = "lossy"
+
+    def __init__(
+        self,
+        config: LossyPlanConfig,
+        a2a_bandwidth: float,
+        ratios: Mapping[str, float] | None = None,
+        backward_ratios: Mapping[str, float] | None = None,
+        links: Links | None = None,
+        speeds: Speeds | None = None,
+    ) -> None:
+        self.config = config
+        self.a2a_bandwidth = a2a_bandwidth
+        self.links = links or Links(a2a_bandwidth, a2a_bandwidth)
+        self.ratios: dict[str, float] = dict(ratios or {})
+        self.backward_ratios: dict[str, float] = dict(backward_ratios or {})
+        device = config.topology.compute_device
+        p = config.planner
+        pinned = p.encode_gib_s is not None or p.decode_gib_s is not None
+        self.speeds = speeds or default_speeds(device, "no measurement")
+        enc, dec = self.speeds.formats.get("entropy", CODEC_THROUGHPUT_GIB_S[device])
+        self.encode_gib_s = p.encode_gib_s if p.encode_gib_s is not None else enc
+        self.decode_gib_s = p.decode_gib_s if p.decode_gib_s is not None else dec
+        if pinned:
+            self.speeds = dataclasses.replace(
+                self.speeds,
+                formats={**self.speeds.formats, "entropy": (self.encode_gib_s, self.decode_gib_s)},
+                source=self.speeds.source + "; codec pinned by planner.encode/decode_gib_s",
+            )
+        comms = config.comms
+        bwd_kind = comms.backward
+        if bwd_kind == "lossy":
+            self._bwd: WireFormat = WireFormat(
+                "lossy", p.backward_ratio, self.encode_gib_s, self.decode_gib_s
+            )
+        elif bwd_kind in ("fp16", "bf16"):
+            enc_q, dec_q = self.speeds.formats.get(
+                bwd_kind, QCOMM_THROUGHPUT_GIB_S[(device, bwd_kind)]
+            )
+            self._bwd = WireFormat(bwd_kind, 2.0, enc_q, dec_q)
+        else:
+            self._bwd = RAW
+        topo = config.topology
+        self.one_host = topo.local_world_size in (None, topo.world_size)
+        self.same_host_raw, self._same_host_why = self._same_host_choice()
+        same_host = "same-host peers raw" if self.same_host_raw else "same-host peers coded"
+        if self.one_host and comms.format == "auto" and comms.intra_host == "auto":
+            same_host = "every peer on this host, format per table"
+        self.description = (
+            f"torchrec-lossy: forward format {comms.format} ({comms.default_bound.mode} "
+            f"{comms.default_bound.value:g} default bound), backward {bwd_kind}; {same_host} "
+            f"(comms.intra_host={comms.intra_host}); speeds: {self.speeds.describe()}"
+        )
+        self.pays_note = self._choice_note()
+
+    def _same_host_choice(self) -> tuple[bool, str]:
+        """Whether same-host blocks travel raw, and why (one decision for all tables)."""
+        comms = self.config.comms
+        if comms.intra_host != "auto":
+            return comms.intra_host == "raw", f"comms.intra_host={comms.intra_host}"
+        if comms.format != "auto":
+            backend = BACKENDS[self.config.topology.compute_device]
+            return comms.same_host_raw(backend), f"comms.intra_host=auto on {backend}"
+        if self.one_host:  # every peer is same-host: the per-table choice decides
+            return False, "one host: per table"
+        choice = self._choice(self.config.planner.expected_ratio, None, self.links.intra_bw)
+        return choice.name == "raw", choice.reason(bandwidth_gib_s(self.links.intra_bw))
+
+    def _choice(self, ratio: float, table: str | None, bandwidth: float) -> FormatChoice:
+        """The auto pick for a table (None: any table at ``ratio``) on a link."""
+        bound = self.config.comms.table(table).bound if table else self.config.comms.default_bound
+        assert bound is not None  # LossyCommsConfig.table() always sets it
+        entropy = WireFormat("lossy", ratio, self.encode_gib_s, self.decode_gib_s)
+        bwd = self.backward_format(table) if table else self._bwd
+        return choose_format({"raw": (RAW, RAW), "entropy": (entropy, bwd)}, bound, bandwidth)
+
+    def _choice_note(self) -> str:
+        """What ``auto`` chose for the plan and why, said once (empty when nothing is auto)."""
+        comms = self.config.comms
+        auto = [
+            t.name for t in self.config.embedding_tables if comms.table(t.name).format == "auto"
+        ]
+        if comms.format != "auto" and not auto:
+            if self.one_host and self.same_host_raw:
+                return (
+                    "every peer shares the rank's host and travels raw (comms.intra_host "
+                    "resolves to raw): no block is coded, no codec time"
+                )
+            return ""
+        link = "intra-host" if self.one_host else "cross-host"
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        r = self.config.planner.expected_ratio
+        why = self._choice(r, None, bw).reason(bandwidth_gib_s(bw)) + f" at ratio {r:g}"
+        if auto:
+            picks: dict[str, int] = {}
+            for n in auto:
+                picks[self.table_format(n)] = picks.get(self.table_format(n), 0) + 1
+            chosen = ", ".join(f"{f} for {k} table{'s' if k > 1 else ''}" for f, k in picks.items())
+        else:  # no tables listed (modules planned later): what every table gets
+            chosen = f"{self._choice(r, None, bw).name} for every table"
+        same = ""
+        if not self.one_host:
+            kind = "raw" if self.same_host_raw else "coded"
+            same = f"; same-host peers {kind} ({self._same_host_why})"
+        return f"format auto chose on the {link} link: {chosen} ({why}){same}"
+
+    def ratio(self, table: str) -> float:
+        """The table's expected forward ratio.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Calibrated ratio if any, else the config's.
+        """
+        return self.ratios.get(table, self.config.planner.ratio(table))
+
+    def backward_format(self, table: str) -> WireFormat:
+        """The table's gradient wire format if the table is coded: the codec at its expected
+        backward ratio, or the configured cast, or raw.
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its backward :class:`WireFormat`.
+        """
+        if self._bwd.name != "lossy":
+            return self._bwd
+        r = self.backward_ratios.get(table, self.config.planner.backward_ratio)
+        return WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+
+    def table_format(self, table: str) -> str:
+        """The format the sharder sends ``table`` in: ``"raw"`` or ``"entropy"`` (``auto``
+        resolved on the table's link).
+
+        Args:
+            table: Table name.
+
+        Returns:
+            The resolved format.
+        """
+        fmt = self.config.comms.table(table).format
+        if fmt != "auto":
+            return fmt or "entropy"
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        return self._choice(self.ratio(table), table, bw).name
+
+    def for_table(self, table: str) -> TableComms:
+        """The table's formats under the config (see the class docstring).
+
+        Args:
+            table: Table name.
+
+        Returns:
+            Its :class:`TableComms`.
+        """
+        tc = self.config.comms.table(table)
+        fmt = self.table_format(table)
+        r = self.ratio(table)
+        source = "calibrated" if table in self.ratios else "configured"
+        if fmt == "raw":
+            if tc.format == "auto":
+                note = f"sent raw (format auto: raw is faster at ratio {r:.1f}x, {source})"
+            else:
+                note = "format raw / compress: false in the config"
+            return self._per_destination(TableComms(RAW, RAW, note=note, row_wise_all_to_all=True))
+        fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        cost = ms_per_byte(fwd, bw) / ms_per_byte(RAW, bw)
+        note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
+        bwd = self.backward_format(table)
+        return self._per_destination(TableComms(fwd, bwd, note=note, row_wise_all_to_all=True))
+
+    def resolved_comms(self, tables: Sequence[str]) -> LossyCommsConfig:
+        """The comms config the sharder runs: ``auto`` resolved per table and link class.
+
+        Args:
+            tables: The tables to resolve (the config's, calibrated and planned ones).
+
+        Returns:
+            The config with ``format`` ``"raw"`` / ``"entropy"`` overrides for the tables whose
+            format was ``auto`` (explicit entries first: the first matching pattern wins) and
+            ``intra_host`` resolved where it was ``auto``; unchanged when nothing is ``auto``.
+        """
+        base = self.config.comms
+        overrides = {
+            n: TableCodecConfig(bound=base.table(n).bound, format=self.table_format(n))  # type: ignore[arg-type]
+            for n in dict.fromkeys(tables)
+            if base.table(n).format == "auto"
+        }
+        changes: dict[str, object] = {}
+        if overrides:
+            changes["tables"] = {**overrides, **base.tables}
+        if base.format == "auto":
+            # A table no one listed (resolved nowhere) keeps the codec, as a plain sharder does.
+            changes["format"] = "entropy"
+            if base.intra_host == "auto":
+                changes["intra_host"] = "raw" if self.same_host_raw else "coded"
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def _per_destination(self, comms: TableComms) -> TableComms:
+        """Same-host peers raw where the same-host choice is raw (the codec's formats only:
+        the fp16/bf16 gradient casts stay casts, as in the sharder); the own block is never
+        coded."""
+        if not self.same_host_raw:
+            return dataclasses.replace(comms, own_block_coded=False)
+        bwd_same = RAW if comms.bwd.name == "lossy" else None
+        return dataclasses.replace(
+            comms, fwd_same_host=RAW, bwd_same_host=bwd_same, own_block_coded=False
+        )

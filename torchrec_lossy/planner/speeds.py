@@ -1,0 +1,204 @@
+"""Measured speeds of the wire formats on this device, for the planner's format choice.
+
+:func:`measure_speeds` times, for one layout's block shapes (one block per table, the rows a
+destination gets), the lossy codec's encode and decode (one call for all blocks, as the sharder
+makes it) and the fp16/bf16 casts, on Criteo-like synthetic traffic; the best of a few runs.
+:func:`agree_speeds` makes every rank use the slowest rank's figures (one all-reduce), so the
+choice, made from them, is the same everywhere; :func:`round_ms` times the collective's fixed
+cost per round. ``planner.encode_gib_s`` / ``decode_gib_s`` pin the codec's speeds instead. A
+measurement that fails or is nonsense falls back to the conservative defaults with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lossy.config import EmbeddingTableConfig, LossyCommsConfig
+from torchrec_lossy.planner.cost import CODEC_THROUGHPUT_GIB_S, QCOMM_THROUGHPUT_GIB_S
+from torchrec_lossy.profile_range import profile_range
+
+__all__ = ["SpeedKey", "Speeds", "agree_speeds", "default_speeds", "measure_speeds", "round_ms"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+_GIB = float(1 << 30)
+# Outside this range a throughput is a broken clock or an empty measurement, not a speed.
+_SANE_GIB_S = (1e-4, 1e5)
+CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (device type, blocks, rows, dims): what a measurement is cached under.
+SpeedKey = tuple[str, int, int, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """Encode / decode throughputs (GiB/s of raw fp32) per format, and where they came from.
+
+    Attributes:
+        formats: Format name (``"entropy"``, ``"fp16"``, ``"bf16"``) to (encode, decode).
+        source: ``"measured on ..."``, ``"pinned ..."`` or ``"defaults ..."`` (and why).
+        round_ms: The collective's fixed cost per round (a tiny all-to-all), if measured.
+    """
+
+    formats: dict[str, tuple[float, float]] = field(default_factory=dict)
+    source: str = ""
+    round_ms: float | None = None
+
+    def describe(self) -> str:
+        """One line for the printed plan.
+
+        Returns:
+            E.g. ``"entropy 1.4/1.9, fp16 0.5/1.7 GiB/s encode/decode (measured ...)"``.
+        """
+        parts = ", ".join(f"{n} {e:.3g}/{d:.3g}" for n, (e, d) in self.formats.items())
+        rnd = f"; {self.round_ms:.3g} ms per collective round" if self.round_ms else ""
+        return f"{parts} GiB/s encode/decode ({self.source}){rnd}"
+
+
+def default_speeds(device: str, why: str) -> Speeds:
+    """The conservative defaults of ``planner/cost.py`` for ``device``.
+
+    Args:
+        device: ``"cuda"`` or ``"cpu"``.
+        why: Why no measurement is used.
+
+    Returns:
+        The speeds.
+    """
+    formats = {"entropy": CODEC_THROUGHPUT_GIB_S[device]}
+    formats.update({c: QCOMM_THROUGHPUT_GIB_S[(device, c)] for c in CASTS})
+    return Speeds(formats, f"defaults: {why}")
+
+
+def _best_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    best = math.inf
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _time_formats(blocks: Sequence[torch.Tensor], comms: LossyCommsConfig, reps: int) -> dict:
+    from torchrec_lossy.codec import compress, decompress
+
+    device = blocks[0].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    raw_gib = sum(b.numel() * 4 for b in blocks) / _GIB
+    # The relative bound made absolute per block, as the sharder does.
+    bounds = [comms.default_bound.value * float(b.max() - b.min()) for b in blocks]
+    out: dict[str, tuple[float, float]] = {}
+    with profile_range("## lossy_codec calibrate encode ##"):
+        compress(blocks, bounds, comms.codec)  # loads the compiled kernels: not timed
+        enc = _best_s(lambda: compress(blocks, bounds, comms.codec), reps, sync)
+    payload = compress(blocks, bounds, comms.codec)
+    with profile_range("## lossy_codec calibrate decode ##"):
+        decompress(payload, backend=comms.codec.backend)  # loads the decoder: not timed
+        dec = _best_s(lambda: decompress(payload, backend=comms.codec.backend), reps, sync)
+    out["entropy"] = (raw_gib / enc, raw_gib / dec)
+    for name, dtype in CASTS.items():
+        wire = [b.to(dtype) for b in blocks]
+        enc = _best_s(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
+        dec = _best_s(lambda w=wire: [b.float() for b in w], reps, sync)
+        out[name] = (raw_gib / enc, raw_gib / dec)
+    return out
+
+
+def measure_speeds(
+    tables: Sequence[EmbeddingTableConfig],
+    rows: int,
+    comms: LossyCommsConfig,
+    device: torch.device,
+    cache: MutableMapping[SpeedKey, Speeds] | None = None,
+    reps: int = 3,
+) -> Speeds:
+    """Times each format on one destination's blocks of ``tables`` (``rows`` rows each).
+
+    Args:
+        tables: The tables (their dims; their sizes shape the synthetic ids).
+        rows: Rows per block (the batch one destination gets).
+        comms: The comms config (default bound and codec knobs).
+        device: Where the blocks live.
+        cache: Measurements by device and shape; a hit is returned as it is.
+        reps: Timed runs per format (the best counts).
+
+    Returns:
+        The measured speeds, or the defaults with one warning if the measurement failed or is
+        nonsense.
+    """
+    key: SpeedKey = (device.type, len(tables), rows, tuple(t.embedding_dim for t in tables))
+    if cache is not None and key in cache:
+        return cache[key]
+    where = f"measured on {device.type}, {len(tables)} blocks x {rows} rows"
+    try:
+        from torchrec_lossy.planner.calibrate import synthetic_blocks
+
+        blocks = [b.to(device) for b in synthetic_blocks(tables, rows).values()]
+        formats = _time_formats(blocks, comms, reps)
+        bad = {
+            n: v
+            for n, v in formats.items()
+            if not all(math.isfinite(x) and _SANE_GIB_S[0] <= x <= _SANE_GIB_S[1] for x in v)
+        }
+        if bad:
+            raise ValueError(f"nonsense throughputs {bad} GiB/s")
+        speeds = Speeds(formats, where)
+    except Exception as e:  # any failure: plan with the conservative figures, say so once
+        logger.warning("torchrec-lossy: speed calibration failed (%s); using the defaults", e)
+        speeds = default_speeds(device.type, f"calibration failed: {e}")
+    if cache is not None:
+        cache[key] = speeds
+    return speeds
+
+
+def round_ms(group: dist.ProcessGroup, device: torch.device, reps: int = 5) -> float:
+    """The fixed cost of one collective round: the best time of a tiny all-to-all.
+
+    Args:
+        group: The process group.
+        device: Where its tensors live.
+        reps: Timed rounds.
+
+    Returns:
+        Milliseconds.
+    """
+    n = dist.get_world_size(group)
+    send = torch.zeros(n, dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    with profile_range("## lossy_a2a calibrate round ##"):
+        dist.all_to_all_single(recv, send, group=group)  # warm
+        return 1000.0 * _best_s(lambda: dist.all_to_all_single(recv, send, group=group), reps, sync)
+
+
+def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.device) -> Speeds:
+    """Every rank's figures replaced by the slowest rank's, so every rank chooses alike.
+
+    Args:
+        speeds: This rank's speeds.
+        group: The process group; None or one rank: returned as they are.
+        device: Where the group's tensors live.
+
+    Returns:
+        The slowest throughputs (and the largest round cost) over ranks.
+    """
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return speeds
+    names = sorted(speeds.formats)
+    # Seconds per GiB, so MAX is the slowest; the round cost likewise.
+    secs = [1.0 / v for n in names for v in speeds.formats[n]]
+    secs.append(speeds.round_ms if speeds.round_ms is not None else round_ms(group, device))
+    t = torch.tensor(secs, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    v = t.tolist()
+    formats = {n: (1.0 / v[2 * i], 1.0 / v[2 * i + 1]) for i, n in enumerate(names)}
+    return replace(speeds, formats=formats, source=speeds.source + ", slowest rank", round_ms=v[-1])
