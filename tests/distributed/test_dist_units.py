@@ -27,6 +27,7 @@ from torchrec_lossy.distributed.pooled_payload import (
     abs_bounds,
     cut_block,
     join_blocks,
+    layout_plans,
     start_encode,
     warm_up_host,
 )
@@ -252,6 +253,34 @@ def test_self_block_skips_codec_and_wire() -> None:
     )  # fmt: skip
     assert all(a is b for a, b in zip(got[1], sent[1], strict=True))  # exact, untouched
     assert [tuple(b.shape) for b in got[0]] == [tuple(b.shape) for b in sent[0]]
+
+
+def test_the_dist_plans_its_layout_once_and_each_call_encodes_with_that_plan() -> None:
+    """A dist builds its layout's two encode plans when it is built (the forward sends its own
+    shards to every peer, the gradient every peer's shards back); a call with those specs
+    uses them and writes the same bytes as a call that plans itself; other specs get no plan."""
+    config = LossyCommsConfig(
+        default_bound=ErrorBound("relative", 0.05), tables={"b": TableCodecConfig(compress=False)}
+    )
+    other = (BlockSpec("a", 0, 1, 4),)
+    layout = [SPECS, other]
+    info = _info(config, layout)
+    plans = layout_plans(layout, info.compress, 0)
+    assert plans.plan_for([SPECS, SPECS], 0) is plans.send_own
+    assert plans.plan_for([SPECS, other], 0) is plans.send_back
+    assert plans.plan_for([other, other], 0) is None  # another layout
+    assert plans.plan_for([SPECS, SPECS], 1) is None  # another rank
+    assert plans.send_own.peers == (1,) and plans.send_own.tables == ("a", "c")
+    assert [s.table for _, _, s in plans.send_own.raw] == ["b"]
+    assert plans.send_back.tables == ("a",)  # peer 1's one shard
+    x = torch.randn(8, 20)
+    sent = [[cut_block(x, r0, 4, 0, s) for s in SPECS] for r0 in (0, 4)]
+    planned = copy.copy(info)
+    planned.plans = plans
+    want = start_encode("fwd", sent, [SPECS, SPECS], info, x.device, my_rank=0).read()
+    got = start_encode("fwd", sent, [SPECS, SPECS], planned, x.device, my_rank=0).read()
+    assert [torch.equal(a, b) for a, b in zip(got, want, strict=True)] == [True, True]
+    assert want[1].numel() > 0
 
 
 def test_one_decode_call_names_the_corrupt_source_rank() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import types
 from typing import Any
 
 import pytest
@@ -195,3 +196,40 @@ def test_row_wise_four_ranks_equal_to_torchrec_up_to_summation_order() -> None:
         assert r["exact_w_vs_ref"] <= 1e-6 and r["torchrec_vs_ref"] <= 1e-6, rank
         assert r["lossy_err0"] <= (world - 1) * r["bound"] + 1e-5, (rank, r["lossy_err0"])
         assert r["own_bags_err"] == 0.0, (rank, r["own_bags"], r["own_bags_err"])
+
+
+def test_the_source_mask_travels_with_the_batchs_features() -> None:
+    """The RW source mask is computed from the bucketized KJT and handed on in the decoded
+    features' state, which ``bind_input_state`` turns into the batch's sharding context: no
+    dist or module keeps it between calls."""
+    from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lossy.distributed.context import (
+        DistributedKJT,
+        KJTDistState,
+        LossyShardingContext,
+        bind_input_state,
+    )
+    from torchrec_lossy.distributed.rw_sharding import source_mask
+
+    # 2 ranks x 2 features, batch 3: bucket r's features first; lengths per (rank, feature, bag).
+    lengths = torch.tensor([1, 0, 2, 0, 0, 1, 0, 3, 0, 1, 1, 0])
+    bucketized = KeyedJaggedTensor(
+        keys=["f", "g", "f", "g"], values=torch.arange(int(lengths.sum())), lengths=lengths
+    )
+    features = KeyedJaggedTensor(keys=["f", "g"], values=torch.arange(4), lengths=lengths[:6])
+    mask = source_mask(bucketized, features, world=2, num_features=2)
+    assert mask.tolist() == [
+        [[True, False, True], [False, False, True]],
+        [[False, True, False], [True, True, False]],
+    ]
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(2), lengths=torch.tensor([1, 1]))
+    decoded = DistributedKJT.of(kjt, KJTDistState([1, 1], None, mask))
+
+    ctx = types.SimpleNamespace(
+        sharding_contexts=[EmbeddingShardingContext(batch_size_per_rank=[1, 1])]
+    )
+    bind_input_state(ctx, [decoded])  # type: ignore[arg-type]
+    bound = ctx.sharding_contexts[0]
+    assert isinstance(bound, LossyShardingContext) and bound.source_mask is mask

@@ -146,9 +146,10 @@ def test_two_hosts_of_two_ranks() -> None:
 
 
 def test_cross_host_adapter_matches_torchrec() -> None:
-    """``LossyCrossHostDistMixin`` replaces the cross-host collectives TorchRec's two-hop dists
-    create in ``_create_output_dist_modules`` and call in ``forward`` (TWRW's VBE hop too):
-    this fails, without starting a process, when TorchRec changes where it creates them."""
+    """``torchrec_adapter.install_cross_host_dists`` replaces the cross-host collectives
+    TorchRec's two-hop dists create in ``_create_output_dist_modules`` and call in ``forward``
+    (TWRW's VBE hop too): this fails, without starting a process, when TorchRec changes where it
+    creates them."""
     from torchrec.distributed.sharding.grid_sharding import GridPooledEmbeddingDist
     from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 

@@ -212,7 +212,8 @@ def start_compress_blocks(
             :func:`compress_groups`).
         group_sizes: Blocks per group (they add up to ``len(blocks)``).
         config: Codec knobs.
-        kinds: Per block, its bound's ``BoundKind`` (checked: ``pipeline.check_kinds``).
+        kinds: Per block, its bound's ``BoundKind``, already checked by the caller
+            (``pipeline.check_kinds``, as :func:`start_compress_groups` does).
 
     Returns:
         The pending call: read ``readback`` and pass its values to ``finish``.

@@ -131,7 +131,7 @@ def _flatten(
 ) -> tuple[np.ndarray, np.ndarray]:
     """All blocks' values as one float32 array and their raw bits as one int32 array.
 
-    16-bit bits are sign-extended, as ``pipeline``'s ``astype(np.int32)``; an all-float32
+    16-bit blocks' bits are their int16 view widened to int32 (sign-extended); an all-float32
     payload on the host (``all_float32``, blocks on one device) costs one copy into a reused
     buffer (the bits are a view of the values). ``rows`` / ``dims``: each block's shape.
     """

@@ -30,10 +30,15 @@ class KJTDistState:
     Attributes:
         batch_size_per_rank: Batch size of every source rank (TorchRec's ``stride_per_rank``).
         output_dedupe: The batch's cross-side dedupe state; None when nothing is deduplicated.
+        source_mask: Row-wise pooled shardings: which of this rank's bags have ids in each
+            rank's row shard (:attr:`LossyShardingContext.source_mask`), from the bucketized
+            KJT this rank sent; it travels with the batch's decoded features, as TorchRec's own
+            per-batch data does with its awaitables. None: every source counts.
     """
 
     batch_size_per_rank: list[int]
     output_dedupe: OutputDedupe | None = None
+    source_mask: torch.Tensor | None = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Marks the state's tensors as used on ``stream`` (as ``Multistreamable``).
@@ -43,6 +48,8 @@ class KJTDistState:
         """
         if self.output_dedupe is not None:
             self.output_dedupe.record_stream(stream)
+        if self.source_mask is not None and self.source_mask.device.type != "cpu":
+            self.source_mask.record_stream(stream)  # type: ignore[arg-type]
 
 
 class DistributedKJT(KeyedJaggedTensor):
@@ -126,7 +133,7 @@ class LossyShardingContext(EmbeddingShardingContext):
             batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
             variable_batch_per_feature=base.variable_batch_per_feature,
             output_dedupe=state.output_dedupe,
-            source_mask=base.source_mask if isinstance(base, LossyShardingContext) else None,
+            source_mask=state.source_mask,
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -139,27 +146,6 @@ class LossyShardingContext(EmbeddingShardingContext):
             self.output_dedupe.record_stream(stream)
         if self.source_mask is not None:
             self.source_mask.record_stream(stream)
-
-
-def with_source_mask(
-    base: EmbeddingShardingContext, source_mask: torch.Tensor
-) -> LossyShardingContext:
-    """``base`` (TorchRec's context of a row-wise sharding) with its batch's source mask.
-
-    Args:
-        base: The context TorchRec's input dist filled.
-        source_mask: See :attr:`LossyShardingContext.source_mask`.
-
-    Returns:
-        A new context; ``base`` is left as it is.
-    """
-    return LossyShardingContext(
-        batch_size_per_rank=base.batch_size_per_rank,
-        batch_size_per_rank_per_feature=base.batch_size_per_rank_per_feature,
-        batch_size_per_feature_pre_a2a=base.batch_size_per_feature_pre_a2a,
-        variable_batch_per_feature=base.variable_batch_per_feature,
-        source_mask=source_mask,
-    )
 
 
 def bind_input_state(ctx: EmbeddingBagCollectionContext, features: KJTList) -> None:

@@ -210,6 +210,8 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             then the batch each source padded its lengths to); the result is TorchRec's VBE
             KJT, a plain ``KeyedJaggedTensor`` (no state to carry: no output dedupe, and
             TorchRec's context takes the batches from its ``stride_per_key_per_rank``).
+        source_mask: The batch's row-wise source mask, handed on in the decoded KJT's
+            :class:`KJTDistState` (None: not a row-wise pooled input dist).
     """
 
     def __init__(
@@ -224,6 +226,7 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         comms: LossyComms,
         output_dedupe: OutputDedupe | None = None,
         vbe_strides: list[list[int]] | None = None,
+        source_mask: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -237,6 +240,7 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         self._codes = codes
         self._comms = comms
         self._output_dedupe = output_dedupe
+        self._source_mask = source_mask
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         recv, recv_words = self._exchange.wait()
@@ -274,7 +278,8 @@ class LossyKJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             stride_per_rank=self._stride_per_rank,
             stagger=1,
         )
-        return DistributedKJT.of(features, KJTDistState(self._stride_per_rank, dedupe))
+        state = KJTDistState(self._stride_per_rank, dedupe, self._source_mask)
+        return DistributedKJT.of(features, state)
 
     def _vbe_kjt(
         self, lengths: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None
@@ -308,6 +313,8 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         comms: Shared config and telemetry.
         output_dedupe: Cross-side deduplication mode (see :class:`OutputDedupe`; the output
             dist must be the lossy one, which reads it from the sharding context).
+        source_mask: The batch's row-wise source mask (see
+            :class:`LossyKJTAllToAllTensorsAwaitable`), or None.
     """
 
     def __init__(
@@ -318,6 +325,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         keys: list[str],
         comms: LossyComms,
         output_dedupe: OutputDedupeMode = None,
+        source_mask: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -326,6 +334,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         self._keys = keys
         self._comms = comms
         self._output_dedupe = output_dedupe
+        self._source_mask = source_mask
         self._vbe = input.variable_stride_per_key()  # every rank's, as TorchRec assumes
         self._enc = encode_with_telemetry(
             input, splits, comms, None if self._vbe else output_dedupe
@@ -392,6 +401,7 @@ class LossyKJTAllToAllSplitsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             comms=self._comms,
             output_dedupe=dedupe,
             vbe_strides=vbe_strides if self._vbe else None,
+            source_mask=self._source_mask,
         )
 
 
@@ -446,13 +456,18 @@ class LossyKJTAllToAll(KJTAllToAll):
         """
         return self.packed(input)
 
-    def packed(self, input: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+    def packed(
+        self, input: KeyedJaggedTensor, source_mask: torch.Tensor | None = None
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """Sends each rank its features, packed; TorchRec's path for the inputs it cannot pack.
 
         Not ``forward``, so that a train pipeline's override of ``forward`` does not bypass it.
 
         Args:
             input: KJT whose keys are ordered by destination rank.
+            source_mask: Row-wise pooled input dists: the batch's source mask, carried to the
+                output dist in the decoded KJT's state (TorchRec's fallback path drops it:
+                every source then counts, which changes no lossless result).
 
         Returns:
             Awaitable of an awaitable of the local KJT (as ``KJTAllToAll``).
@@ -469,7 +484,7 @@ class LossyKJTAllToAll(KJTAllToAll):
             rank = self._pg.rank()
             keys = input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]]
             return LossyKJTAllToAllSplitsAwaitable(
-                self._pg, input, self._splits, keys, self._comms, self._output_dedupe
+                self._pg, input, self._splits, keys, self._comms, self._output_dedupe, source_mask
             )
 
 

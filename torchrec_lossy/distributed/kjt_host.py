@@ -561,8 +561,9 @@ def _decode_kernel(
 def pack(call: EncodeCall) -> Packed:
     """The numba backend's encode in one compiled call: per-feature statistics and distinct ids
     (one radix sort of all ids by (feature, id, position), ``dedupe.segment_sort``'s order), the
-    plan (``kjt_layout.plan_encode``), and the packing (``kjt_torch.pack_bits`` of every section,
-    the weights' bytes, the checksums).
+    plan (``kjt_layout.plan_encode``), and the packing (``_pack_kernel``: every section in the
+    bit layout of ``kjt_torch.pack_bits``, which it does not call; the weights' bytes, the
+    checksums).
 
     Args:
         call: The encode's input (CPU tensors).
@@ -607,7 +608,8 @@ def pack(call: EncodeCall) -> Packed:
 
 def unpack(call: DecodeCall) -> Unpacked:
     """The numba backend's decode in one compiled call: the plan (``kjt_layout.plan_decode``),
-    the checksum check, every section unpacked (``kjt_torch.unpack_bits``), each feature's ids
+    the checksum check, every section unpacked (``_unpack_kernel``, the bit layout of
+    ``kjt_torch.unpack_bits``), each feature's ids
     completed, and the first bag of each distinct bag of the exact output dedupe.
 
     The first bags of features whose ids arrived deduplicated follow ``dedupe.first_bags`` (rows

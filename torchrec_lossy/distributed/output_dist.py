@@ -28,6 +28,7 @@ from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
+    layout_plans,
     warm_up_host,
 )
 from torchrec_lossy.distributed.topology import peer_links
@@ -93,6 +94,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
+        self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the compiled host path, load it now
             warm_up_host()
@@ -188,6 +190,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             exact_forward=self._comms.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
+            plans=self._plans,
         )
 
     @property

@@ -30,7 +30,6 @@ from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.pooled_payload import (
     ALIGN,
     BlockSpec,
-    LayoutCache,
     LossyAll2AllPooledInfo,
     padded_size,
 )
@@ -273,7 +272,7 @@ class _DecodeCall:
             coded_per_peer=[
                 (False,) * len(specs)
                 if peer in info.raw_peers
-                else _coded_flags(specs, info.compress)
+                else tuple(info.compress[s.table] for s in specs)
                 for peer, specs in enumerate(specs_per_peer)
             ],
             info=info,
@@ -495,24 +494,6 @@ class _DecodeCall:
             f"table {spec.table}: block {tuple(block.shape)} {block.dtype}, "
             f"expected {shape} {self.info.dtype}",
         )
-
-
-# Compress flags per table shard, by layout.
-_CODED: LayoutCache[tuple[bool, ...]] = LayoutCache()
-
-
-def _coded_flags(specs: Sequence[BlockSpec], compress: dict[str, bool]) -> tuple[bool, ...]:
-    """Whether each spec's blocks go through the codec, cached per layout (a dist passes the
-    same specs and flags objects on every call; re-read if the flags dict's content changed).
-
-    Args:
-        specs: One peer's specs (not mutated between calls).
-        compress: Table name to its flag.
-
-    Returns:
-        One flag per spec.
-    """
-    return _CODED.get((specs, compress), compress, lambda: tuple(compress[s.table] for s in specs))
 
 
 __all__ = ["DeferredDecode", "decode_payloads", "read_checked"]

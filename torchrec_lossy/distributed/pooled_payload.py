@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -79,6 +79,8 @@ class LossyAll2AllPooledInfo:
             link: ``LossyCommsStats.link_bytes``).
         raw_peers: Peers whose blocks skip the codec in both directions (same-host peers
             under ``LossyCommsConfig.intra_host``); symmetric, so sender and receiver agree.
+        plans: The encode plans of the dist's layout, built once when the dist was built
+            (:func:`layout_plans`); None: each encode plans its call itself (tests, benchmarks).
     """
 
     batch_size_per_rank: list[int]
@@ -90,6 +92,7 @@ class LossyAll2AllPooledInfo:
     exact_forward: bool = False
     same_host: frozenset[int] = frozenset()
     raw_peers: frozenset[int] = frozenset()
+    plans: LayoutPlans | None = None
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -408,7 +411,7 @@ def _warn_exact(
 @dataclass(frozen=True)
 class _EncodePlan:
     """What :func:`start_encode` derives from the layout alone (specs, compress flags, sending
-    rank): built once per layout, not per call (:func:`_encode_plan`).
+    rank): built once per dist, not per call (:class:`LayoutPlans`).
 
     Attributes:
         peers: The destinations that get a payload built (every one but the sending rank).
@@ -431,72 +434,71 @@ class _EncodePlan:
     meta_splits: tuple[int, ...]
 
 
-class LayoutCache(Generic[T]):
-    """Values derived from a layout alone (specs and compress flags), built once per layout.
+@dataclass(frozen=True)
+class LayoutPlans:
+    """The encode plans a dist's layout fixes, built once when the dist is built
+    (:func:`layout_plans`) and handed to each call in its info: no plan is built per call and
+    none is cached in module state.
 
-    A dist passes the same layout objects on every call, so they are keyed by identity: an
-    entry keeps its objects alive (their ids are not reused) and the flags' content as they were
-    when it was built, and is rebuilt if that content changed since.
+    Attributes:
+        layout: Per rank, its table shards (the dist's layout).
+        my_rank: The sending rank.
+        send_own: Sending this rank's shards to every peer (the forward).
+        send_back: Sending every peer the blocks of its own shards (the gradient).
     """
 
-    def __init__(self, max_layouts: int = 64) -> None:
-        self._entries: dict[tuple[int, ...], tuple[tuple[object, ...], dict[str, bool], T]] = {}
-        self._max = max_layouts
+    layout: tuple[tuple[BlockSpec, ...], ...]
+    my_rank: int
+    send_own: _EncodePlan
+    send_back: _EncodePlan
 
-    def get(
-        self,
-        objects: tuple[object, ...],
-        flags: dict[str, bool],
-        build: Callable[[], T],
-        tag: int = 0,
-    ) -> T:
-        """The value of the layout made of ``objects`` (``flags`` among them) and ``tag``.
+    def plan_for(
+        self, specs_per_peer: Sequence[Sequence[BlockSpec]], my_rank: int | None
+    ) -> _EncodePlan | None:
+        """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``, if it is one of
+        the two this layout fixes.
 
         Args:
-            objects: The layout's objects (not mutated between calls, except ``flags``).
-            flags: The compress flags the value depends on.
-            build: Makes the value (called on a miss).
-            tag: An int that is part of the key (e.g. the sending rank).
+            specs_per_peer: Per destination, the specs of its blocks.
+            my_rank: The sending rank.
 
         Returns:
-            The cached or newly built value.
+            The plan, or None for another layout.
         """
-        key = (tag, *map(id, objects))
-        hit = self._entries.get(key)
-        if hit is not None and hit[1] == flags:
-            return hit[2]
-        value = build()
-        if len(self._entries) >= self._max:  # layouts come and go (tests): start afresh
-            self._entries.clear()
-        self._entries[key] = (objects, dict(flags), value)
-        return value
+        if my_rank != self.my_rank or len(specs_per_peer) != len(self.layout):
+            return None
+        own = self.layout[my_rank]
+        if all(specs == own for specs in specs_per_peer):
+            return self.send_own
+        if all(a == b for a, b in zip(specs_per_peer, self.layout, strict=True)):
+            return self.send_back
+        return None
 
 
-_PLANS: LayoutCache[_EncodePlan] = LayoutCache()
-
-
-def _encode_plan(
-    specs_per_peer: Sequence[Sequence[BlockSpec]],
+def layout_plans(
+    layout: Sequence[Sequence[BlockSpec]],
     compress: dict[str, bool],
-    my_rank: int | None,
+    my_rank: int,
     raw_peers: frozenset[int] = frozenset(),
-) -> _EncodePlan:
-    """The layout's :class:`_EncodePlan`, cached (rebuilt if the flags dict's content changed).
+) -> LayoutPlans:
+    """A dist's :class:`LayoutPlans` (call it once, when the dist is built).
 
     Args:
-        specs_per_peer: Per destination, the specs of its blocks (not mutated between calls).
-        compress: Table name to whether its blocks go through the codec.
-        my_rank: The sending rank (its blocks skip the codec), or None.
+        layout: Per rank, its table shards.
+        compress: Table name to whether its blocks go through the codec (not changed later).
+        my_rank: The sending rank.
         raw_peers: Destinations whose blocks all travel raw.
 
     Returns:
-        The plan.
+        The plans.
     """
-    return _PLANS.get(
-        (compress, raw_peers, *specs_per_peer),
-        compress,
-        lambda: _build_encode_plan(specs_per_peer, compress, my_rank, raw_peers),
-        -1 if my_rank is None else my_rank,
+    specs = tuple(tuple(s) for s in layout)
+    own = [specs[my_rank]] * len(specs)
+    return LayoutPlans(
+        layout=specs,
+        my_rank=my_rank,
+        send_own=_build_encode_plan(own, compress, my_rank, raw_peers),
+        send_back=_build_encode_plan(specs, compress, my_rank, raw_peers),
     )
 
 
@@ -506,7 +508,17 @@ def _build_encode_plan(
     my_rank: int | None,
     raw_peers: frozenset[int],
 ) -> _EncodePlan:
-    """Builds :func:`_encode_plan`'s plan (same arguments)."""
+    """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``.
+
+    Args:
+        specs_per_peer: Per destination, the specs of its blocks.
+        compress: Table name to whether its blocks go through the codec.
+        my_rank: The sending rank (its blocks skip the codec), or None.
+        raw_peers: Destinations whose blocks all travel raw.
+
+    Returns:
+        The plan.
+    """
     peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
 
     def codes(p: int, s: BlockSpec) -> bool:
@@ -566,7 +578,9 @@ def start_encode(
     start = time.perf_counter()
     comms = info.comms
     call = comms.next_call(direction)
-    plan = _encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
+    plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
+    if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
+        plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
     _check_blocks(plan, blocks_per_peer, specs_per_peer)
     n_peers = len(blocks_per_peer)
     if my_rank is not None and my_rank < n_peers:

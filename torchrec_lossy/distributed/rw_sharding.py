@@ -37,6 +37,7 @@ from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
 from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
+from torchrec_lossy.distributed.torchrec_adapter import kjt_all_to_all, replace_kjt_all_to_all
 from torchrec_lossy.distributed.vbe import pad_vbe_input, pad_vbe_lengths, unpad_vbe_output
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -162,11 +163,12 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
 class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
     """``RwSparseFeaturesDist`` whose bucketized KJT all-to-all is packed losslessly.
 
-    TorchRec bucketizes the ids by row shard and sends bucket ``r`` to rank ``r`` through its
-    ``_dist`` (a ``KJTAllToAll``, which train pipelines look for there); this adapter puts
-    :class:`LossyKJTAllToAll` in its place and calls its ``packed`` (so a pipeline's override
-    of ``_dist.forward`` does not bypass it). ``tests/distributed/test_rw_sharding.py`` fails
-    when TorchRec's dist changes what this relies on.
+    TorchRec bucketizes the ids by row shard and sends bucket ``r`` to rank ``r`` through the
+    ``KJTAllToAll`` its constructor builds (which train pipelines look for there); with no
+    public hook to build another, :mod:`.torchrec_adapter` puts :class:`LossyKJTAllToAll` in
+    its place, and :meth:`forward` calls its ``packed`` (so a pipeline's override of the
+    all-to-all's ``forward`` does not bypass it). ``tests/distributed/test_torchrec_adapter.py``
+    fails when TorchRec's dist changes what this relies on.
 
     Args:
         comms: Shared state of the sharded module.
@@ -177,8 +179,9 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         pg = kwargs["pg"]
         assert isinstance(pg, dist.ProcessGroup)
-        self._dist = LossyKJTAllToAll(pg, [self._num_features] * self._world_size, comms)
-        self._source_mask: torch.Tensor | None = None
+        replace_kjt_all_to_all(
+            self, LossyKJTAllToAll(pg, [self._num_features] * self._world_size, comms)
+        )
 
     def forward(
         self, sparse_features: KeyedJaggedTensor
@@ -209,29 +212,38 @@ class LossyRwSparseFeaturesDist(RwSparseFeaturesDist):
             keep_original_indices=self._keep_original_indices,
             block_bucketize_row_pos=self.zch_bucketize_row_pos,
         )
-        # Which of this rank's bags have ids in each rank's row shard, for the output dist
-        # (VBE: each feature's bags padded to the largest batch, as the output dist lays them).
-        lengths = bucketized.lengths()
-        if sparse_features.variable_stride_per_key():
-            strides = sparse_features.stride_per_key() * self._world_size
-            lengths = pad_vbe_lengths(lengths, strides)[0]
-        self._source_mask = lengths.view(self._world_size, self._num_features, -1) > 0
-        assert isinstance(self._dist, LossyKJTAllToAll)
-        return self._dist.packed(bucketized)
+        a2a = kjt_all_to_all(self)
+        assert isinstance(a2a, LossyKJTAllToAll)
+        mask = (
+            None
+            if self._is_sequence
+            else source_mask(bucketized, sparse_features, self._world_size, self._num_features)
+        )
+        # The mask travels with this batch's decoded features (their KJTDistState), to the
+        # sharding context the output dist reads (context.bind_input_state).
+        return a2a.packed(bucketized, mask)
 
-    def take_source_mask(self) -> torch.Tensor | None:
-        """The source mask of the batch :meth:`forward` last bucketized (then forgotten).
 
-        The sharded module moves it into that batch's sharding context right after the input
-        dist runs (``context.with_source_mask``), as TorchRec does with its sequence
-        shardings' ``unbucketize_permute_tensor``.
+def source_mask(
+    bucketized: KeyedJaggedTensor, features: KeyedJaggedTensor, world: int, num_features: int
+) -> torch.Tensor:
+    """Which of this rank's bags have ids in each rank's row shard, for the output dist.
 
-        Returns:
-            Bool ``[world, features, batch]`` (VBE: the largest batch, padded with False), or
-            None if no batch was bucketized since.
-        """
-        mask, self._source_mask = self._source_mask, None
-        return mask
+    Args:
+        bucketized: The KJT bucketized by row shard (bucket ``r``'s features first for rank
+            ``r``).
+        features: This rank's features before bucketizing.
+        world: Ranks (buckets).
+        num_features: Features per bucket.
+
+    Returns:
+        Bool ``[world, features, batch]`` (VBE: each feature's bags padded to the largest
+        batch with False, as the output dist lays them).
+    """
+    lengths = bucketized.lengths()
+    if features.variable_stride_per_key():
+        lengths = pad_vbe_lengths(lengths, features.stride_per_key() * world)[0]
+    return lengths.view(world, num_features, -1) > 0
 
 
 def packed_rw_input_dist(

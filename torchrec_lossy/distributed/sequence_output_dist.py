@@ -36,6 +36,7 @@ from torchrec_lossy.distributed.context import lookup_ids_of
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
+    layout_plans,
     warm_up_host,
 )
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
@@ -294,6 +295,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
+        self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
         if dist.get_backend(pg) == "gloo":  # CPU tensors: load the compiled host path now
             warm_up_host()
 
@@ -347,6 +349,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             exact_forward=self._comms.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
+            plans=self._plans,
             dtype=local_embs.dtype,
         )
         dedupe = None

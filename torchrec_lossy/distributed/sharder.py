@@ -20,7 +20,6 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import (
-    Awaitable,
     CommOp,
     LazyAwaitable,
     ParameterSharding,
@@ -28,7 +27,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.comms import (
@@ -38,8 +37,7 @@ from torchrec_lossy.distributed.comms import (
     StaticBounds,
 )
 from torchrec_lossy.distributed.config_check import check_same_config
-from torchrec_lossy.distributed.context import bind_input_state, with_source_mask
-from torchrec_lossy.distributed.rw_sharding import LossyRwSparseFeaturesDist
+from torchrec_lossy.distributed.context import bind_input_state
 from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
     PooledSharding,
@@ -241,25 +239,6 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
-
-    def input_dist(
-        self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KJTList]]:
-        """TorchRec's input dist; row-wise shardings' source masks then go into their contexts.
-
-        Args:
-            ctx: The module's context of this batch.
-            features: This rank's features.
-
-        Returns:
-            As ``ShardedEmbeddingBagCollection.input_dist``.
-        """
-        awaitable = super().input_dist(ctx, features)
-        for i, dist in enumerate(self._input_dists):
-            mask = dist.take_source_mask() if isinstance(dist, LossyRwSparseFeaturesDist) else None
-            if mask is not None:
-                ctx.sharding_contexts[i] = with_source_mask(ctx.sharding_contexts[i], mask)
-        return awaitable
 
     def compute(
         self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList

@@ -10,7 +10,7 @@ docs/sharder.md, "Table-row-wise and grid".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torchrec.distributed.embedding_sharding import BaseEmbeddingDist, EmbeddingShardingContext
@@ -32,26 +32,29 @@ from torchrec_lossy.distributed.output_dist import (
 )
 from torchrec_lossy.distributed.pooled_payload import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
+from torchrec_lossy.distributed.torchrec_adapter import (
+    TwoHopDist,
+    cross_host_callbacks,
+    cross_host_group,
+    install_cross_host_dists,
+)
 
 
 class LossyCrossHostDistMixin:
-    """Puts the lossy pooled all-to-all where TorchRec's two-hop dist creates its cross-host one.
+    """Puts the lossy pooled all-to-all where TorchRec's two-hop dist keeps its cross-host one.
 
     TorchRec's ``TwRwPooledEmbeddingDist`` and ``GridPooledEmbeddingDist`` create their
-    collectives lazily in ``_create_output_dist_modules`` and call ``_cross_dist`` as a
-    ``PooledEmbeddingsAllToAll`` (``tests/distributed/test_twrw_sharding.py`` fails when
-    that changes).
+    collectives lazily in their first ``forward`` and call the cross-host one as a
+    ``PooledEmbeddingsAllToAll``; no public hook replaces it, so :meth:`forward` has
+    :mod:`.torchrec_adapter` (the one module that touches TorchRec's private attributes) create
+    them and swap the cross-host one before TorchRec's ``forward`` runs
+    (``tests/distributed/test_torchrec_adapter.py`` fails when TorchRec changes that).
 
     Args:
         layout: Per host (rank of the cross-host group), its table shards in column order.
         comms: Shared state of the sharded module.
         **kwargs: The TorchRec dist's arguments.
     """
-
-    _cross_dist: Any
-    _cross_pg: Any
-    _device: torch.device | None
-    _dim_sum_per_node: list[int]
 
     def __init__(
         self, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms, **kwargs: Any
@@ -60,24 +63,41 @@ class LossyCrossHostDistMixin:
         self._lossy_layout = [tuple(specs) for specs in layout]
         self._lossy_comms = comms
         got = [sum(s.width for s in specs) for specs in self._lossy_layout]
-        if got != list(self._dim_sum_per_node):
+        if got != list(kwargs["dim_sum_per_node"]):
             raise ValueError(
-                f"layout widths {got} differ from dim_sum_per_node {self._dim_sum_per_node}"
+                f"layout widths {got} differ from dim_sum_per_node {kwargs['dim_sum_per_node']}"
             )
 
-    def _create_output_dist_modules(
-        self, sharding_ctx: EmbeddingShardingContext | None = None
-    ) -> None:
-        super()._create_output_dist_modules(sharding_ctx)  # type: ignore[misc]
-        self._cross_dist = LossyPooledEmbeddingsAllToAll(
-            self._cross_pg,
+    def _lossy_cross_dist(self) -> LossyPooledEmbeddingsAllToAll:
+        """The compressed cross-host all-to-all, built from the dist's own group and device."""
+        two_hop = cast(TwoHopDist, self)
+        cross_pg, device = cross_host_group(two_hop)
+        return LossyPooledEmbeddingsAllToAll(
+            cross_pg,
             self._lossy_layout,
             self._lossy_comms,
-            self._device,
-            callbacks=getattr(self, "_callbacks", None),
+            device,
+            callbacks=cross_host_callbacks(two_hop),
         )
-        if getattr(self, "_variable_cross_dist", None) is not None:  # TWRW's VBE hop
-            self._variable_cross_dist = LossyVariableBatchAllToAll(self._cross_dist)
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: EmbeddingShardingContext | None = None,
+    ) -> Awaitable[torch.Tensor]:
+        """TorchRec's two hops, the cross-host one compressed.
+
+        Args:
+            local_embs: Pooled embeddings of the local shards.
+            sharding_ctx: Context of the input dist.
+
+        Returns:
+            Awaitable of the pooled embeddings.
+        """
+        install_cross_host_dists(
+            cast(TwoHopDist, self), sharding_ctx, self._lossy_cross_dist, LossyVariableBatchAllToAll
+        )
+        return super().forward(local_embs, sharding_ctx)  # type: ignore[misc]
 
 
 class LossyTwRwPooledEmbeddingDist(LossyCrossHostDistMixin, TwRwPooledEmbeddingDist):
@@ -135,7 +155,7 @@ class LossyGridPooledEmbeddingSharding(LossyShardingMixin, GridPooledEmbeddingSh
         base = super().create_output_dist(device)  # for the column permute it attaches
         assert isinstance(base, GridPooledEmbeddingDist)
         kwargs = _cross_host_kwargs(self, device)
-        return LossyGridPooledEmbeddingDist(callbacks=base._callbacks, **kwargs)
+        return LossyGridPooledEmbeddingDist(callbacks=cross_host_callbacks(base), **kwargs)
 
 
 def _cross_host_kwargs(

@@ -561,6 +561,7 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
         Returns:
             Per-table calibration results.
         """
+        from torchrec_lossy.distributed.torchrec_adapter import forget_search_space
         from torchrec_lossy.planner.calibrate import calibrate
 
         if not isinstance(self.comms_model, LossyCommsModel):
@@ -568,7 +569,7 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
         results = calibrate(blocks, self.config.comms)
         self.comms_model.ratios.update({n: c.ratio for n, c in results.items()})
         # TorchRec caches the estimated search space per module: re-estimate with the new ratios.
-        self._lossy_enumerator._last_stored_module = None
+        forget_search_space(self._lossy_enumerator)
         return results
 
     # ------------------------------------------------------------------------------------------
