@@ -26,8 +26,8 @@ value in YAML syntax (``backward=lossy;backward_bound.value=0.02``).
     python benchmarks/accuracy_bench.py                                   # full protocol
     python benchmarks/accuracy_bench.py --datasets movielens --seeds 0-19 --modes none,mx4,lossy
     python benchmarks/accuracy_bench.py --datasets synthetic --steps 100 --seeds 0
-    python benchmarks/accuracy_bench.py --modes none,lossy \\
-        --variant 'lossy-sr=lossy;backward=lossy;backward_rounding=stochastic'
+    python benchmarks/accuracy_bench.py --modes none,lossy --variant \\
+        'lossy-sr=lossy;backward_bound={mode: relative, value: 0.01};backward_rounding=stochastic'
 
 The JSON (``--json``) is rewritten after every run, so an interrupted bench loses nothing;
 ``--resume`` reuses the finished runs found in ``--out-dir``.

@@ -174,8 +174,11 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
     differ and a rerun does not), NaN / Inf exactly, a block whose bound cannot be met exactly
     and logged once per table; the sampled signed error is recorded."""
     assert LossyCommsConfig().backward == "lossy"  # the default backward is the codec
+    # Stochastic rounding needs a relative or absolute bound (the per-value default refuses it).
     config = LossyCommsConfig(
-        tables={"c": TableCodecConfig(compress=False)}, backward_rounding="stochastic"
+        tables={"c": TableCodecConfig(compress=False)},
+        backward_bound=ErrorBound("relative", 0.01),
+        backward_rounding="stochastic",
     )
     specs = (BlockSpec("a", 0, 1, 16), BlockSpec("b", 16, 1, 16), BlockSpec("c", 32, 1, 4))
     g = torch.randn(256, 36) * 1e-3
