@@ -375,7 +375,7 @@ def _grouped_rows(
 
     def record(name: str, fn: Callable[[], object], no_sync: bool = False) -> None:
         def run() -> object:
-            if not no_sync:
+            if not no_sync or dev.type != "cuda":  # sync debug mode exists on CUDA only
                 return fn()
             torch.cuda.set_sync_debug_mode("error")  # a host sync here raises
             try:

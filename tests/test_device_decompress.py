@@ -622,7 +622,6 @@ def test_gpu_benchmark_runs_and_checks_identity(capsys: pytest.CaptureFixture[st
     """benchmarks/gpu_codec_bench.py's measuring function end to end on CPU in the interpreter
     (tiny traffic, every entry called once): it must build its table and find the device-resident
     and host-orchestrated payloads byte-identical, as it will on a GPU."""
-    import argparse
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -631,9 +630,8 @@ def test_gpu_benchmark_runs_and_checks_identity(capsys: pytest.CaptureFixture[st
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = argparse.Namespace(
-        preset="criteo_kaggle", dim=4, batch_rows=8, chunk_symbols=64, seed=0, rep_ms=1
-    )
+    tiny = ["--dim", "4", "--batch-rows", "8", "--chunk-symbols", "64", "--rep-ms", "1"]
+    args = bench.parse_args([*tiny, "--grouped-shape", "2x8x4", "--destinations", "2"])
     calls: list[str] = []
 
     def once(fn: Callable[[], object]) -> float:
@@ -643,7 +641,8 @@ def test_gpu_benchmark_runs_and_checks_identity(capsys: pytest.CaptureFixture[st
 
     out = bench.run(args, torch.device("cpu"), once)
     assert out["payload_identical_to_cpu"] is True
+    assert out["grouped_identical_to_cpu"] is True  # both formats of the grouped call
     names = {r["name"] for r in out["rows"]}
     assert {"compress, device-resident", "decompress, device-resident"} <= names
-    assert len(calls) == len(out["rows"])
+    assert len(calls) == len(out["rows"]) + len(out["grouped"])  # every entry timed once
     assert "device-to-device copy" in capsys.readouterr().out
