@@ -167,6 +167,41 @@ def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None
     assert torch.equal(run(info, "bwd"), run(info, "bwd"))
 
 
+def test_a_call_encodes_from_its_own_record() -> None:
+    """Each call draws an immutable record from the module's ledger (its number per direction,
+    the step); the encode reads the seed and the exactness from the record alone: the same
+    record encodes the same bytes, an exact record travels lossless."""
+    from torchrec_lossy.distributed.call_ledger import CallLedger, CallRecord
+
+    ledger = CallLedger()
+    assert ledger.start("fwd") == CallRecord("fwd", 0, None)
+    ledger.end_step()
+    assert (ledger.start("fwd").call, ledger.start("bwd").call, ledger.start("fwd").step) == (
+        1,
+        0,
+        1,
+    )
+    with pytest.raises(AttributeError):
+        CallRecord("fwd", 0, None).call = 1  # type: ignore[misc]
+    config = LossyCommsConfig(
+        default_bound=ErrorBound("relative", 0.05), codec=CodecConfig(rounding="stochastic")
+    )
+    x = torch.randn(64, 20)
+    blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
+    info = _info(config, [SPECS])
+
+    def encode(record: CallRecord) -> torch.Tensor:
+        return start_encode("fwd", blocks, [SPECS], info, x.device, record=record).read()[0]
+
+    record = CallRecord("fwd", 3, None)
+    assert torch.equal(encode(record), encode(record))
+    assert not torch.equal(encode(record), encode(CallRecord("fwd", 4, None)))
+    exact = encode(CallRecord("fwd", 3, None, exact=True))
+    got = decode_payloads("fwd", exact, [exact.numel()], [SPECS], [64], info, 0)
+    assert all(torch.equal(g, b) for g, b in zip(got[0], blocks[0], strict=True))
+    assert info.comms.ledger.start("fwd").call == 0  # records passed in draw nothing
+
+
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

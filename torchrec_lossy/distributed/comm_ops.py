@@ -23,8 +23,9 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import Request, get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
+from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.pooled_decode import decode_payloads, read_checked
+from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call, read_checked
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -68,6 +69,10 @@ class LossyRequest(Request[torch.Tensor]):
         self.self_blocks: list[torch.Tensor] | None = None
         # Each peer's codec payload skeleton, received in the size exchange.
         self.recv_skeletons: dict[int, np.ndarray] | None = None
+        # The record of the exchange in flight (drawn when it encodes).
+        self.record: CallRecord | None = None
+        # The latest device decode's status, unread (the module's ledger lists it too).
+        self.decode_status: DeferredDecode | None = None
 
     def take_received(self) -> torch.Tensor:
         """Waits for the exchange in flight and releases what it received.
@@ -93,7 +98,7 @@ def _exchange(
 
     Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
     encoder left; the received entries, the encoder's pending values and the status of the
-    device decodes still unchecked (``comms.deferred``) are then read in ONE device-to-host copy
+    device decodes still unread (``comms.ledger``) are then read in ONE device-to-host copy
     (the exchange's only host sync, ``read_checked``), after which the payloads exist and are
     sent. The received skeletons go to ``myreq.recv_skeletons`` (the decode then reads nothing
     back).
@@ -103,7 +108,7 @@ def _exchange(
         pending: From ``start_encode``.
         recv_meta_splits: Words expected from each peer (``meta_words``).
         myreq: The request (its group and device; receives the skeletons).
-        comms: The module's dists' state (its deferred decode checks are read here).
+        comms: The module's dists' state (its ledger's unread decode statuses are read here).
 
     Returns:
         (received bytes, bytes from each peer, the payload exchange's work).
@@ -117,7 +122,7 @@ def _exchange(
         ).wait()  # fmt: skip
         k = pending.readback.numel()
         # The deferred decode status of earlier all-to-alls rides this read too.
-        host = read_checked(comms, torch.cat([pending.readback, recv_meta]))
+        host = read_checked(comms.ledger, torch.cat([pending.readback, recv_meta]))
     payloads = pending.finish(host[:k].tolist())
     at = list(itertools.accumulate(recv_meta_splits, initial=0))
     recv_sizes = [int(host[k + a]) for a in at[:-1]]
@@ -164,7 +169,9 @@ def encode_and_exchange(
     Returns:
         (received bytes, the payload exchange's work).
     """
-    pending = start_encode(direction, blocks, send_specs, info, device, my_rank)
+    exact = direction == "fwd" and info.exact_forward
+    myreq.record = info.comms.ledger.start(direction, exact)
+    pending = start_encode(direction, blocks, send_specs, info, device, my_rank, myreq.record)
     myreq.self_blocks = blocks[my_rank]
     recv_meta_splits = [meta_words(specs, info, p, my_rank) for p, specs in enumerate(recv_specs)]
     recv, recv_sizes, work = _exchange(direction, pending, recv_meta_splits, myreq, info.comms)
@@ -200,10 +207,14 @@ def decode_exchanged(
     self_blocks, myreq.self_blocks = myreq.self_blocks, None
     assert self_blocks is not None, "the lossy exchange lost its self blocks"
     skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
-    return decode_payloads(
+    blocks, status = decode_call(
         direction, recv, myreq.recv_sizes, specs_per_peer, rows_per_peer, info, my_rank,
-        self_blocks, skeletons,
+        self_blocks, skeletons, myreq.record,
     )  # fmt: skip
+    if status is not None:  # owned by this call; the next host read of the module checks it
+        myreq.decode_status = status
+        info.comms.ledger.owe_status(status)
+    return blocks
 
 
 def dense_block_send(
@@ -339,7 +350,7 @@ class ExchangeSteps(Protocol):
     self blocks and skeletons from a send step to the matching receive step.
 
     Attributes:
-        comms: The module's dists' state (config, telemetry, deferred checks).
+        comms: The module's dists' state (config, telemetry, the call ledger).
     """
 
     comms: LossyComms
@@ -436,7 +447,7 @@ class LossyAll2AllWait(Function):
         if steps.comms.config.backward != "lossy":
             # No size exchange to ride: the forward's deferred decode status is read here,
             # before any gradient of this step leaves (no read if nothing is pending).
-            read_checked(steps.comms)
+            read_checked(steps.comms.ledger)
         grad = grad_output.contiguous()
         myreq.tensor, myreq.req = steps.send_grad(grad, myreq, my_rank, world)
         return (None, None, myreq.dummy_tensor)

@@ -1,4 +1,4 @@
-"""Per-module state shared by the compressed dists: config, bound provider, telemetry, hooks.
+"""What one sharded module's compressed dists share: config, bound provider, telemetry, hooks.
 
 The error bound of every table comes from one small *bound provider* object. The default,
 :class:`StaticBounds`, returns the configured bound; an adaptive provider (``AdaptiveBounds`` in
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 
 
@@ -103,24 +104,6 @@ class StaticBounds(nn.Module):
 PayloadHook = Callable[[Direction, int, torch.Tensor], torch.Tensor]
 
 
-class DeferredCheck(Protocol):
-    """A device decode whose status is read at the next host read of the module's dists.
-
-    Attributes:
-        flags: int32 per decoded source on the device, nonzero where its payload failed.
-    """
-
-    flags: torch.Tensor
-
-    def raise_if_failed(self, flags: Sequence[int]) -> None:
-        """Raises the decode's error if any of its flags (read back) is nonzero.
-
-        Args:
-            flags: ``flags`` on the host.
-        """
-        ...
-
-
 @dataclass
 class LossyComms:
     """State one sharded module's compressed dists share (a plain object, not a module).
@@ -132,53 +115,18 @@ class LossyComms:
         payload_hook: Called on every received payload before it is decoded, as
             ``hook(direction, source_rank, payload) -> payload``; for fault injection in tests
             and for debugging. None in normal use.
-        calls: Encode calls so far per direction (seeds the backward's stochastic rounding).
         warned_exact: (direction, table) pairs already logged for travelling exactly.
-        steps: Training iterations finished, as counted by ``step_lossy_bounds`` (names the
-            step in a deferred decode error); None until it is first called.
-        deferred: Device decodes whose status has not been read yet (the next host read of
-            these dists reads it, or :func:`~torchrec_lossy.distributed.check_lossy_decodes`).
-        evaluating: Whether the owning sharded module was in ``eval()`` mode at its latest
-            forward (set by it there: TorchRec's dist modules do not follow ``model.eval()``).
+        ledger: The module's call counters (each call's :class:`~.call_ledger.CallRecord` is
+            drawn from it) and its calls whose device decode status is unread: per-call state
+            lives in those records and awaitables, not here.
     """
 
     config: LossyCommsConfig
     bounds: BoundProvider
     stats: LossyCommsStats = field(default_factory=LossyCommsStats)
     payload_hook: PayloadHook | None = None
-    calls: dict[str, int] = field(default_factory=dict)
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
-    steps: int | None = None
-    deferred: list[DeferredCheck] = field(default_factory=list)
-    evaluating: bool = False
-
-    @property
-    def exact_forward(self) -> bool:
-        """Whether the next forward all-to-all is lossless: in evaluation, unless the config's
-        ``evaluation`` is ``"lossy"``."""
-        return self.evaluating and self.config.evaluation == "exact"
-
-    def take_deferred(self) -> list[DeferredCheck]:
-        """The pending deferred checks, handed over (the list is emptied).
-
-        Returns:
-            The checks, oldest first.
-        """
-        taken, self.deferred = self.deferred, []
-        return taken
-
-    def next_call(self, direction: Direction) -> int:
-        """Counts one encode call of ``direction``.
-
-        Args:
-            direction: ``"fwd"``, ``"bwd"`` or ``"input"``.
-
-        Returns:
-            The number of earlier calls of that direction.
-        """
-        n = self.calls.get(direction, 0)
-        self.calls[direction] = n + 1
-        return n
+    ledger: CallLedger = field(default_factory=CallLedger)
 
     def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
         """Whether each table's blocks go through the codec (else raw), in both directions.

@@ -65,7 +65,7 @@ def step_lossy_bounds(model: nn.Module) -> None:
     for m in lossy_modules(model).values():
         comms = m.lossy_comms
         comms.bounds.step()
-        comms.steps = (comms.steps or 0) + 1
+        comms.ledger.end_step()
 
 
 def check_lossy_decodes(model: nn.Module) -> None:
@@ -85,7 +85,7 @@ def check_lossy_decodes(model: nn.Module) -> None:
             training step and the source rank.
     """
     for m in lossy_modules(model).values():
-        read_checked(m.lossy_comms)
+        read_checked(m.lossy_comms.ledger)
 
 
 def bounds_state(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

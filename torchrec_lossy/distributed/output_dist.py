@@ -187,7 +187,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             compress=self._compress,
             dtype=dtype,
             output_dedupe=output_dedupe,
-            exact_forward=self._comms.exact_forward,
+            exact_forward=self._comms.ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._plans,

@@ -1,10 +1,11 @@
 """The receiving side of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
 
-:func:`decode_payloads` decodes every source's codec payload in one codec call and puts the
-blocks back in spec order, checked against the sharding layout. On the device path the status
-is deferred: failed sources' blocks are zeroed on the device and a :class:`DeferredDecode` waits
-in ``LossyComms.deferred`` until :func:`read_checked` folds it into the next size-exchange read
-(docs/kernels.md, "Syncs per all-to-all"). No collective, no autograd.
+:func:`decode_call` decodes every source's codec payload in one codec call and puts the blocks
+back in spec order, checked against the sharding layout. On the device path the status is
+deferred: failed sources' blocks are zeroed on the device and the call's :class:`DeferredDecode`
+goes to the call's awaitable, which the module's ledger lists until :func:`read_checked` folds
+it into the next size-exchange read (docs/kernels.md, "Syncs per all-to-all"). No collective,
+no autograd.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torchrec_lossy.codec import (
     first_failure,
     host_sync,
 )
-from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.call_ledger import CallLedger, CallRecord
 from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.pooled_payload import (
     ALIGN,
@@ -74,8 +75,8 @@ class DeferredDecode:
     Attributes:
         direction: ``"fwd"`` or ``"bwd"``.
         my_rank: The receiving rank.
-        call: The direction's all-to-all call on this module (0-based).
-        step: The training step (``LossyComms.steps``), or None if it is not counted.
+        record: The record of the call that received the payloads (its number and step), or
+            None for a decode outside an exchange (then checked at once).
         peers: The source rank of each decoded group.
         specs_per_peer: Per source rank, the specs of its blocks.
         status: The decode's status (for the error message).
@@ -84,8 +85,7 @@ class DeferredDecode:
 
     direction: Direction
     my_rank: int
-    call: int
-    step: int | None
+    record: CallRecord | None
     peers: list[int]
     specs_per_peer: Sequence[Sequence[BlockSpec]]
     status: GroupStatus
@@ -102,11 +102,12 @@ class DeferredDecode:
             return
         found = first_failure(self.status)  # a second read, on the error path only
         g, why = found if found is not None else (bad[0], "the device decode failed")
-        peer = self.peers[g]
-        step = (
-            f"training step {self.step} (0-based)"
-            if self.step is not None
-            else "training step unknown (call step_lossy_bounds(model) once per iteration)"
+        peer, rec = self.peers[g], self.record
+        where = (
+            f" in its {self.direction} all-to-all call {rec.call}, {rec.step_text()}, found at "
+            "the next host read"
+            if rec is not None
+            else ""
         )
         _fail(
             self.direction,
@@ -114,20 +115,20 @@ class DeferredDecode:
             peer,
             self.specs_per_peer[peer],
             f"CodecError: {why}; {_CONTAINED[self.direction]}",
-            f" in its {self.direction} all-to-all call {self.call}, {step}, found at the next "
-            "host read",
+            where,
         )
 
 
-def read_checked(comms: LossyComms, t: torch.Tensor | None = None) -> np.ndarray:
-    """Reads ``t`` to the host in one copy with the flags of every deferred decode of ``comms``.
+def read_checked(ledger: CallLedger, t: torch.Tensor | None = None) -> np.ndarray:
+    """Reads ``t`` to the host in one copy with the decode status of every unread call.
 
     The one place the status of a device decode is read: folded into the next host read the
     dists make anyway (the size exchange), or a read of its own when called with no ``t``
     (none is made if nothing is pending).
 
     Args:
-        comms: The module's dists' state (its ``deferred`` checks are taken).
+        ledger: The module's ledger (its calls with unread status are taken; each raises
+            its own error).
         t: An int64 tensor to read back as well, or None.
 
     Returns:
@@ -136,7 +137,7 @@ def read_checked(comms: LossyComms, t: torch.Tensor | None = None) -> np.ndarray
     Raises:
         LossyAllToAllError: A deferred decode failed (the oldest failure is named).
     """
-    checks = comms.take_deferred()
+    checks = ledger.take_unread()
     parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
     if not parts:
         return np.zeros(0, np.int64)
@@ -158,8 +159,47 @@ def decode_payloads(
     info: LossyAll2AllPooledInfo,
     my_rank: int,
     self_blocks: Sequence[torch.Tensor] | None = None,
-    skeletons: dict[int, np.ndarray] | None = None,
 ) -> list[list[torch.Tensor]]:
+    """Decodes payloads outside an exchange (benchmarks, tests): :func:`decode_call`, with a
+    device decode's status read at once.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received bytes, payloads in rank order.
+        recv_sizes: Bytes from each peer.
+        specs_per_peer: Per peer, the specs of its blocks.
+        block_rows_per_peer: Per peer, the rows of each block, or one batch size.
+        info: Layout, compress flags and comms state.
+        my_rank: This rank.
+        self_blocks: The blocks this rank sent itself, or None.
+
+    Returns:
+        Per peer, its blocks.
+
+    Raises:
+        LossyAllToAllError: A payload does not decode into the expected blocks.
+    """
+    blocks, check = decode_call(
+        direction, recv, recv_sizes, specs_per_peer, block_rows_per_peer, info, my_rank,
+        self_blocks,
+    )  # fmt: skip
+    if check is not None:
+        check.raise_if_failed(host_sync.to_host(check.flags).tolist())
+    return blocks
+
+
+def decode_call(
+    direction: Direction,
+    recv: torch.Tensor,
+    recv_sizes: Sequence[int],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    block_rows_per_peer: Sequence[int | Sequence[int]],
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    self_blocks: Sequence[torch.Tensor] | None = None,
+    skeletons: dict[int, np.ndarray] | None = None,
+    record: CallRecord | None = None,
+) -> tuple[list[list[torch.Tensor]], DeferredDecode | None]:
     """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
 
     Every peer's codec payload goes through ONE ``decompress_groups`` call. On the host path its
@@ -167,9 +207,10 @@ def decode_payloads(
     source rank and never reaches the caller. On the device path the status is NOT read here
     (that would be a host sync of its own): the blocks of every payload that failed on the device
     are zeroed there (``contain_failures``), so garbage never reaches the caller, and the status
-    is read with the next host read of these dists (:func:`read_checked`, in the next size
-    exchange: the backward's for a forward decode, the next step's forward for a backward one),
-    which raises the error naming the step and the source rank.
+    is returned to the caller's awaitable, read with the next host read of these dists
+    (:func:`read_checked`, in the next size exchange: the backward's for a forward decode, the
+    next step's forward for a backward one), which raises the error naming the call, the step,
+    the tables and the source rank.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -184,18 +225,19 @@ def decode_payloads(
             None when its payload is in ``recv`` like every other.
         skeletons: Per peer with codec blocks, its codec payload's skeleton from the size
             exchange (the device path then reads nothing back to decode), or None.
+        record: The receiving call's record (named by a deferred error), or None.
 
     Returns:
-        Per peer, its blocks.
+        Per peer, its blocks; the device decode's unread status, or None.
 
     Raises:
         LossyAllToAllError: A payload does not decode into the expected blocks.
     """
-    call = _DecodeCall.of(direction, specs_per_peer, block_rows_per_peer, info, my_rank)
+    call = _DecodeCall.of(direction, specs_per_peer, block_rows_per_peer, info, my_rank, record)
     start = time.perf_counter()
     with profile_range(f"## lossy_a2a {direction} decode ##"):
         frames = call.frames(recv, recv_sizes, skip_self=self_blocks is not None)
-        by_peer = call.decode_codec(frames, recv, skeletons)
+        by_peer, check = call.decode_codec(frames, recv, skeletons)
         out = [
             list(self_blocks)
             if self_blocks is not None and peer == my_rank
@@ -203,7 +245,7 @@ def decode_payloads(
             for peer in range(len(recv_sizes))
         ]
     info.comms.stats.record_time(direction, "decode", call.shares(), time.perf_counter() - start)
-    return out
+    return out, check
 
 
 @dataclass(frozen=True)
@@ -232,6 +274,7 @@ class _DecodeCall:
         coded_per_peer: Per source, whether each block went through the codec.
         info: Layout, dtype and comms state.
         my_rank: This rank.
+        record: The receiving call's record, or None.
     """
 
     direction: Direction
@@ -240,6 +283,7 @@ class _DecodeCall:
     coded_per_peer: list[tuple[bool, ...]]
     info: LossyAll2AllPooledInfo
     my_rank: int
+    record: CallRecord | None
 
     @classmethod
     def of(
@@ -249,6 +293,7 @@ class _DecodeCall:
         block_rows_per_peer: Sequence[int | Sequence[int]],
         info: LossyAll2AllPooledInfo,
         my_rank: int,
+        record: CallRecord | None,
     ) -> _DecodeCall:
         """The call's layout from :func:`decode_payloads`' arguments.
 
@@ -258,6 +303,7 @@ class _DecodeCall:
             block_rows_per_peer: Per source, the rows of each block, or one batch size.
             info: Layout, compress flags and comms state.
             my_rank: This rank.
+            record: The receiving call's record, or None.
 
         Returns:
             The call, with every block's rows and whether it went through the codec.
@@ -277,6 +323,7 @@ class _DecodeCall:
             ],
             info=info,
             my_rank=my_rank,
+            record=record,
         )
 
     def frames(
@@ -362,7 +409,7 @@ class _DecodeCall:
         frames: dict[int, _Frame],
         recv: torch.Tensor,
         skeletons: dict[int, np.ndarray] | None,
-    ) -> dict[int, list[torch.Tensor]]:
+    ) -> tuple[dict[int, list[torch.Tensor]], DeferredDecode | None]:
         """Decodes every source's codec payload in ONE codec call.
 
         A host-known failure raises at once; a device decode's status is kept for a later host
@@ -376,7 +423,8 @@ class _DecodeCall:
                 None.
 
         Returns:
-            Per source with codec blocks, its decoded blocks in spec order.
+            Per source with codec blocks, its decoded blocks in spec order; the device
+            decode's unread status, or None.
 
         Raises:
             LossyAllToAllError: A payload is not whole words, or failed to decode (host path).
@@ -400,13 +448,14 @@ class _DecodeCall:
             label=False,  # inside this call's own range
         )
         flags = contain_failures(status)  # device path: failed groups zeroed, status kept
+        check = None
         if flags is None or status.rejected:
             failure = first_failure(status)  # host-known errors: no read on the host path
             if failure is not None:
                 self.fail(peers[failure[0]], f"CodecError: {failure[1]}")
         else:
-            self._defer(frames, peers, status, flags)
-        return dict(zip(peers, decoded, strict=True))
+            check = self._defer(frames, peers, status, flags)
+        return dict(zip(peers, decoded, strict=True)), check
 
     def _defer(
         self,
@@ -414,25 +463,15 @@ class _DecodeCall:
         peers: list[int],
         status: GroupStatus,
         flags: torch.Tensor,
-    ) -> None:
+    ) -> DeferredDecode:
         """Device path: zeroes the raw blocks of failed sources (their codec blocks already
-        are) and keeps the status for the next host read (:class:`DeferredDecode`)."""
+        are) and returns the status, for a later host read."""
         for g, peer in enumerate(peers):
             raw_len = frames[peer].raw_len
             if raw_len:
                 frames[peer].payload[:raw_len].masked_fill_(flags[g] != 0, 0)
-        comms = self.info.comms
-        comms.deferred.append(
-            DeferredDecode(
-                self.direction,
-                self.my_rank,
-                comms.calls.get(self.direction, 1) - 1,
-                comms.steps,
-                peers,
-                self.specs_per_peer,
-                status,
-                flags,
-            )
+        return DeferredDecode(
+            self.direction, self.my_rank, self.record, peers, self.specs_per_peer, status, flags
         )
 
     def split(
@@ -496,4 +535,4 @@ class _DecodeCall:
         )
 
 
-__all__ = ["DeferredDecode", "decode_payloads", "read_checked"]
+__all__ = ["DeferredDecode", "decode_call", "decode_payloads", "read_checked"]

@@ -28,6 +28,7 @@ from torchrec_lossy.codec.container import skeleton_words, upload
 from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
+from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.stats import Direction
@@ -290,6 +291,7 @@ class PendingPayloads:
             payload size, then its codec payload's skeleton (:func:`meta_words` long), on the
             device; the receiver decodes with them and reads nothing back.
         meta_splits: Words of ``meta`` per destination.
+        record: The call's record (its number, step, exactness).
     """
 
     device_sizes: torch.Tensor
@@ -297,6 +299,7 @@ class PendingPayloads:
     finish: Callable[[Sequence[int]], list[torch.Tensor]]
     meta: torch.Tensor
     meta_splits: list[int]
+    record: CallRecord
 
     def read(self) -> list[torch.Tensor]:
         """The payloads at once, without an exchange: reads ``readback`` (one host read, if
@@ -333,15 +336,13 @@ def _entry_words(n_coded: int) -> int:
     return 1 + (skeleton_words(n_coded) if n_coded else 0)
 
 
-def _codec_config(
-    config: LossyCommsConfig, direction: Direction, call: int, rank: int
-) -> CodecConfig:
+def _codec_config(config: LossyCommsConfig, record: CallRecord, rank: int) -> CodecConfig:
     """The codec knobs of one all-to-all: the forward's rounding as configured
     (``codec.rounding``), the backward's ``backward_rounding``. Stochastic rounding is seeded
     per (seed, call, sending rank), so every call draws afresh (a seed fixed across calls would
     round each position the same way every step) and a rerun draws the same. Within the call,
     blocks draw by their index in their payload."""
-    if direction == "fwd":
+    if record.direction == "fwd":
         rounding, seed = config.codec.rounding, config.codec.seed
     else:
         rounding, seed = config.backward_rounding, config.backward_seed
@@ -350,7 +351,7 @@ def _codec_config(
     if rounding == "nearest":  # a stochastic forward's codec knobs, for a nearest backward
         return dataclasses.replace(config.codec, rounding="nearest")
     # Tuple hashes of ints are the same in every process (no hash randomization for ints).
-    call_seed = hash((seed, call, rank)) & ((1 << 63) - 1)
+    call_seed = hash((seed, record.call, rank)) & ((1 << 63) - 1)
     return dataclasses.replace(config.codec, rounding=rounding, seed=call_seed)
 
 
@@ -554,6 +555,7 @@ def start_encode(
     info: LossyAll2AllPooledInfo,
     device: torch.device,
     my_rank: int | None = None,
+    record: CallRecord | None = None,
 ) -> PendingPayloads:
     """Encodes every peer's blocks, up to the host read (none made here).
 
@@ -570,6 +572,7 @@ def start_encode(
         info: Layout, compress flags and comms state.
         device: Where the payloads and sizes live.
         my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
+        record: The call's record; None: drawn from the module's ledger here.
 
     Returns:
         The pending payloads: read ``readback`` (with the exchange's received sizes) and call
@@ -577,7 +580,8 @@ def start_encode(
     """
     start = time.perf_counter()
     comms = info.comms
-    call = comms.next_call(direction)
+    if record is None:
+        record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
         plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
@@ -587,7 +591,7 @@ def start_encode(
         own = blocks_per_peer[my_rank]
         comms.stats.record_self(direction, sum(b.numel() * b.element_size() for b in own))
     with profile_range(f"## lossy_a2a {direction} encode ##"):
-        pending = _start_codec(direction, blocks_per_peer, info, plan, call, my_rank)
+        pending = _start_codec(blocks_per_peer, info, plan, record, my_rank)
         raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
         device_sizes, meta = _size_words(pending, plan, raw_parts, device)
     encode = _EncodeCall(
@@ -599,21 +603,20 @@ def start_encode(
         plan=plan,
         pending=pending,
         raw_parts=raw_parts,
-        sample=_samples_errors(info, direction, call, device),
+        sample=_samples_errors(info, record, device),
         setup_s=time.perf_counter() - start,
-        call=call,
+        record=record,
     )
     return PendingPayloads(
-        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits)
+        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits), record
     )
 
 
 def _start_codec(
-    direction: Direction,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     info: LossyAll2AllPooledInfo,
     plan: _EncodePlan,
-    call: int,
+    record: CallRecord,
     my_rank: int | None,
 ) -> PendingGroups:
     """Starts ONE codec call over every peer's codec blocks (a group per peer).
@@ -624,12 +627,12 @@ def _start_codec(
     flat_blocks = [
         blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
     ]
-    values, kinds = _codec_bounds(direction, info, plan, len(flat_blocks))
+    values, kinds = _codec_bounds(record, info, plan, len(flat_blocks))
     return start_compress_blocks(
         flat_blocks,
         values,
         [len(idx) for idx in plan.coded],
-        _codec_config(info.comms.config, direction, call, my_rank or 0),
+        _codec_config(info.comms.config, record, my_rank or 0),
         kinds,
     )
 
@@ -655,37 +658,34 @@ def _check_blocks(
             )
 
 
-def _samples_errors(
-    info: LossyAll2AllPooledInfo, direction: Direction, call: int, device: torch.device
-) -> bool:
+def _samples_errors(info: LossyAll2AllPooledInfo, record: CallRecord, device: torch.device) -> bool:
     """Whether this call's sender decodes its payloads for their error samples (telemetry):
     every ``error_sample_every``-th call, host payloads only (the device path keeps its one
     host sync per all-to-all), never an exact forward.
 
     Args:
-        info: Config and exact-forward flag.
-        direction: ``"fwd"`` or ``"bwd"``.
-        call: The call's number in its direction.
+        info: Config.
+        record: The call's record (its number, exactness).
         device: Where the payloads live.
 
     Returns:
         Whether to sample.
     """
     every = info.comms.config.error_sample_every
-    if every <= 0 or device.type != "cpu" or call % every:
+    if every <= 0 or device.type != "cpu" or record.call % every:
         return False
-    return not (direction == "fwd" and info.exact_forward)
+    return not record.exact
 
 
 def _codec_bounds(
-    direction: Direction, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
+    record: CallRecord, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
 ) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
     forward (an adaptive provider moves them; asked once per table), the backward's for the
     backward.
 
     Args:
-        direction: ``"fwd"`` or ``"bwd"``.
+        record: The call's record (direction, exactness).
         info: Comms state (bound provider, config).
         plan: The layout's plan (the codec blocks' tables).
         n_blocks: Codec blocks of the call.
@@ -693,9 +693,9 @@ def _codec_bounds(
     Returns:
         Bound values and their kinds, one per codec block.
     """
-    if direction == "fwd" and info.exact_forward:
+    if record.exact:
         return [0.0] * n_blocks, [BoundKind.ABSOLUTE] * n_blocks
-    if direction == "fwd":
+    if record.direction == "fwd":
         bounds = [info.comms.bounds.bound(t) for t in plan.distinct]
         at = plan.table_at
         return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
@@ -812,7 +812,7 @@ class _EncodeCall:
         raw_parts: Per destination, its padded raw blocks.
         sample: Whether the sender decodes its payloads for error samples.
         setup_s: Seconds spent before the host read.
-        call: The call's number in its direction (the error sample's alerts name it).
+        record: The call's record (the error sample's alerts name its number).
     """
 
     direction: Direction
@@ -825,7 +825,7 @@ class _EncodeCall:
     raw_parts: list[list[torch.Tensor]]
     sample: bool
     setup_s: float
-    call: int = -1
+    record: CallRecord
 
     def finish(self, host: Sequence[int]) -> list[torch.Tensor]:
         """Builds the payloads from the host read's values and records the call's telemetry.
@@ -900,7 +900,7 @@ class _EncodeCall:
         cols = grouped.columns[g]
         blocks = self.blocks_per_peer[p]
         info, direction = self.info, self.direction
-        if direction == "fwd" and not info.exact_forward:
+        if direction == "fwd" and not self.record.exact:
             for k, t, bound in zip(idx, tables, cols.bound, strict=True):
                 info.comms.bounds.observe(t, blocks[k], bound)
         if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
@@ -917,7 +917,7 @@ class _EncodeCall:
         if self.sample:
             sampled = [blocks[k] for k in idx]
             error_sample.record_error_samples(
-                info.comms.stats, direction, payload, sampled, tables, self.call
+                info.comms.stats, direction, payload, sampled, tables, self.record.call
             )
         # The payload header belongs to no block.
         rec.container += grouped.sizes[g] - sum(cols.wire_bytes)

@@ -346,7 +346,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             layout=self._layout,
             comms=self._comms,
             compress=self._compress,
-            exact_forward=self._comms.exact_forward,
+            exact_forward=self._comms.ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._plans,

@@ -108,7 +108,9 @@ class LossyCommsModule:
         TorchRec's dist modules do not follow ``model.eval()``, the sharded module does (in
         evaluation the forward travels lossless unless ``LossyCommsConfig.evaluation`` is
         ``"lossy"``)."""
-        self._lossy_comms.evaluating = not self.training  # type: ignore[attr-defined]
+        comms = self._lossy_comms
+        evaluating = not self.training  # type: ignore[attr-defined]
+        comms.ledger.exact_forward = evaluating and comms.config.evaluation == "exact"
 
     def set_bound_provider(self, provider: nn.Module) -> None:
         """Replaces the bound provider (e.g. by an adaptive one) for all following batches.
