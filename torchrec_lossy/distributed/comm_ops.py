@@ -30,7 +30,6 @@ from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
     PendingPayloads,
-    backward_dense_send,
     cut_block,
     expand_block,
     join_blocks,
@@ -243,6 +242,7 @@ def dense_block_send(
         (the receive buffer, the exchange's work).
     """
     stats = comms.stats
+    cast = comms.config.backward != "none"  # its error is recorded, 0 where nothing changes
     start = time.perf_counter()
     with profile_range(f"## {tag} bwd encode ##"):
         flat = [b.reshape(-1) for bs in blocks for b in bs]
@@ -256,7 +256,7 @@ def dense_block_send(
             raw = b.numel() * b.element_size()
             shares[s.table] = shares.get(s.table, 0) + raw
             stats.record_block("bwd", s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
-            if wire_dtype != b.dtype and b.numel():
+            if cast and b.numel():
                 err = (b - b.to(wire_dtype).to(b.dtype)).abs().amax()
                 stats.record_max_error_lazy("bwd", s.table, err)
     stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
@@ -303,6 +303,35 @@ def send_grad_blocks(
     return dense_block_send(
         myreq.pg, blocks, info.layout, recv_sizes, wire, device, info.comms, tag
     )
+
+
+def receive_grad_blocks(
+    recv: torch.Tensor,
+    rows_per_peer: Sequence[Sequence[int]],
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    my_rank: int,
+    tag: str,
+) -> list[list[torch.Tensor]]:
+    """The owner's side of :func:`send_grad_blocks`: the received gradient blocks, decoded
+    (``backward`` "lossy") or cast back.
+
+    Args:
+        recv: The received buffer.
+        rows_per_peer: Per source rank, per local table shard, the rows it sent.
+        info: Layout, compress flags and comms state.
+        myreq: The request (``recv_sizes`` None: a dense send).
+        my_rank: This rank.
+        tag: The profiler label's prefix of the dense path.
+
+    Returns:
+        Per source rank, per local table shard, a ``[rows, dim]`` block.
+    """
+    specs = info.layout[my_rank]
+    if myreq.recv_sizes is None:
+        return dense_grad_blocks(recv, rows_per_peer, specs, info.dtype, info.comms, tag)
+    n = len(rows_per_peer)
+    return decode_exchanged("bwd", recv, [specs] * n, rows_per_peer, info, myreq, my_rank)
 
 
 def dense_grad_blocks(
@@ -519,56 +548,36 @@ class PooledSteps:
     def send_grad(
         self, grad: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> tuple[torch.Tensor, dist.Work]:
-        """Sends each source rank the gradient of its columns: encoded, cast or exact; summed
-        per distinct bag under ``dedupe_grads``.
-        """
+        """Sends each source rank the gradient of its columns (:func:`_grad_blocks`) through
+        :func:`send_grad_blocks`: encoded, cast or exact."""
         info = self.info
-        b_local, d_global = grad.shape
-        assert d_global == sum(info.dim_sum_per_rank)
-        codec = info.comms.config.backward
-        if info.dedupe_grads:
-            blocks = _reduce_grad_blocks(grad, info, my_rank, world)
-        else:
-            for p, specs in enumerate(info.layout):
-                if p == my_rank:  # rows over the wire-crossing peers, as the forward counts
-                    continue
-                for s in specs:
-                    rows = s.num_features * b_local
-                    info.comms.stats.record_rows("bwd", s.table, rows, rows)
-            if codec != "lossy":
-                myreq.recv_sizes = None
-                wire = wire_dtype_of(codec, grad.dtype)
-                return _dense_grad_send(myreq.pg, grad, info, wire, my_rank)
-            # Every source rank gets all local rows of its own columns.
-            col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
-            blocks = peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
-        recv_rows = [[sum(fr) for fr in info.owner_rows(my_rank, p)] for p in range(world)]
-        return send_grad_blocks(blocks, recv_rows, info, myreq, grad.device, my_rank, "lossy_a2a")
+        assert grad.shape[1] == sum(info.dim_sum_per_rank)
+        blocks = _grad_blocks(grad, info, my_rank, world)
+        rows = _grad_rows(info, my_rank, world)
+        return send_grad_blocks(blocks, rows, info, myreq, grad.device, my_rank, "lossy_a2a")
 
     def receive_grad(
         self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
-        """The owner's ``[B_global, D_local]`` gradient from what the sources sent back."""
+        """The owner's ``[B_global, D_local]`` gradient from what the sources sent back
+        (:func:`receive_grad_blocks`), each block put back where :func:`_grad_blocks` cut it."""
         info = self.info
-        if info.dedupe_grads:
-            return _owner_grad_dedupe(recv, myreq, info, my_rank, world)
-        b_global = sum(info.batch_size_per_rank)
+        rows = _grad_rows(info, my_rank, world)
+        blocks = receive_grad_blocks(recv, rows, info, myreq, my_rank, "lossy_a2a")
         specs = info.layout[my_rank]
-        if myreq.recv_sizes is None:
-            start = time.perf_counter()
-            with profile_range("## lossy_a2a bwd decode ##"):
-                grad = recv.view(b_global, info.dim_sum_per_rank[my_rank]).to(info.dtype)
-            shares = {s.table: b_global * s.width for s in specs}
-            info.comms.stats.record_time("bwd", "decode", shares, time.perf_counter() - start)
-            return grad
-        rows = [[s.num_features * b for s in specs] for b in info.batch_size_per_rank]
-        blocks = decode_exchanged("bwd", recv, [specs] * world, rows, info, myreq, my_rank)
-        pieces = [
-            torch.cat(join_blocks(bs, specs, n), dim=1)
-            if bs
-            else recv.new_empty((n, 0), dtype=info.dtype)
-            for bs, n in zip(blocks, info.batch_size_per_rank, strict=True)
-        ]
+        pieces = []
+        for p, bs in enumerate(blocks):
+            n = info.batch_size_per_rank[p]
+            if info.dedupe_grads:
+                feats = info.owner_feats(my_rank, p)
+                parts = [
+                    place_grad_block(b, s, n, f) for b, s, f in zip(bs, specs, feats, strict=True)
+                ]
+            else:
+                parts = join_blocks(bs, specs, n)
+            pieces.append(
+                torch.cat(parts, dim=1) if parts else recv.new_empty((n, 0), dtype=info.dtype)
+            )
         return torch.cat(pieces, dim=0)
 
 
@@ -605,48 +614,28 @@ def _forward_blocks(
         ]
 
 
-def _dense_grad_send(
-    pg: dist.ProcessGroup,
-    grad: torch.Tensor,
-    info: LossyAll2AllPooledInfo,
-    wire: torch.dtype,
-    my_rank: int,
-) -> tuple[torch.Tensor, dist.Work]:
-    """Every row's gradient without codec, as TorchRec's all-to-all sends it (a fixed split)."""
-    b_local = grad.shape[0]
-    send = backward_dense_send(grad, info, wire)
-    d_local = info.dim_sum_per_rank[my_rank]
-    recv = torch.empty(d_local * sum(info.batch_size_per_rank), dtype=wire, device=grad.device)
-    with profile_range("## lossy_a2a bwd payload ##"):
-        work = dist.all_to_all_single(
-            recv,
-            send,
-            [d_local * b for b in info.batch_size_per_rank],
-            [b_local * d for d in info.dim_sum_per_rank],
-            group=pg,
-            async_op=True,
-        )
-    return recv, work
-
-
-def _reduce_grad_blocks(
+def _grad_blocks(
     grad: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int, world: int
 ) -> list[list[torch.Tensor]]:
-    """Gradient blocks under output dedupe: rows summed per distinct bag.
+    """Per source rank, per its table shard: the gradient of the rows it sent this rank.
 
-    The owner's lookup backward then sees, per distinct bag, the same total gradient it would
-    have accumulated over the repeated bags (up to float summation order).
+    Every row of its columns (the forward's blocks, adjoint); under ``dedupe_grads`` the rows
+    summed per distinct bag, so that the owner's lookup backward sees, per distinct bag, the
+    total gradient it would have accumulated over the repeated bags (up to summation order).
     """
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
     b_local = grad.shape[0]
-    with profile_range("## lossy_a2a bwd dedupe reduce ##"):
-        blocks = [
-            [
-                reduce_grad_block(grad, col_bases[p], s, f)
-                for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
+    if info.dedupe_grads:
+        with profile_range("## lossy_a2a bwd dedupe reduce ##"):
+            blocks = [
+                [
+                    reduce_grad_block(grad, col_bases[p], s, f)
+                    for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
+                ]
+                for p in range(world)
             ]
-            for p in range(world)
-        ]
+    else:
+        blocks = peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
     for p, (bs, specs) in enumerate(zip(blocks, info.layout, strict=True)):
         if p == my_rank:  # rows over the wire-crossing peers, as the forward counts them
             continue
@@ -655,33 +644,13 @@ def _reduce_grad_blocks(
     return blocks
 
 
-def _owner_grad_dedupe(
-    recv: torch.Tensor,
-    myreq: LossyRequest,
-    info: LossyAll2AllPooledInfo,
-    my_rank: int,
-    world: int,
-) -> torch.Tensor:
-    """Gradient receive under output dedupe: each distinct bag's summed gradient at its row
-    (:func:`place_grad_block`), as the owner's ``[B_global, D_local]`` gradient."""
+def _grad_rows(info: LossyAll2AllPooledInfo, my_rank: int, world: int) -> list[list[int]]:
+    """Per source rank, per local table shard: the gradient rows it sends this rank (the
+    owner): its batch per feature, or its distinct bags under ``dedupe_grads``."""
+    if info.dedupe_grads:
+        return [[sum(fr) for fr in info.owner_rows(my_rank, p)] for p in range(world)]
     specs = info.layout[my_rank]
-    owner = [info.owner_feats(my_rank, p) for p in range(world)]
-    block_rows = [[sum(r for r, _ in fr) for fr in feats] for feats in owner]
-    if myreq.recv_sizes is not None:
-        blocks = decode_exchanged("bwd", recv, [specs] * world, block_rows, info, myreq, my_rank)
-    else:
-        blocks = dense_grad_blocks(recv, block_rows, specs, info.dtype, info.comms, "lossy_a2a")
-    pieces = []
-    for p in range(world):
-        rows = info.batch_size_per_rank[p]
-        parts = [
-            place_grad_block(b, s, rows, fr)
-            for b, s, fr in zip(blocks[p], specs, owner[p], strict=True)
-        ]
-        pieces.append(
-            torch.cat(parts, dim=1) if parts else recv.new_empty((rows, 0), dtype=info.dtype)
-        )
-    return torch.cat(pieces, dim=0)
+    return [[s.num_features * b for s in specs] for b in info.batch_size_per_rank]
 
 
 def alltoall_pooled_lossy(

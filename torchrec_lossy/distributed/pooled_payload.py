@@ -956,31 +956,3 @@ def peer_blocks(
         [cut_block(x, r0, n, c0, s) for s in specs]
         for r0, n, c0, specs in zip(row_starts, rows, col_bases, specs_per_peer, strict=True)
     ]
-
-
-def backward_dense_send(
-    grad_output: torch.Tensor, info: LossyAll2AllPooledInfo, wire_dtype: torch.dtype
-) -> torch.Tensor:
-    """Columns of each source rank, flattened in rank order (TorchRec's recat), as wire_dtype."""
-    stats = info.comms.stats
-    codec = info.comms.config.backward
-    b_local = grad_output.shape[0]
-    in_elem, wire_elem = grad_output.element_size(), torch.empty(0, dtype=wire_dtype).element_size()
-    start = time.perf_counter()
-    with profile_range("## lossy_a2a bwd encode ##"):
-        by_rank = grad_output.split(info.dim_sum_per_rank, dim=1)
-        send = torch.cat([g.contiguous().view(-1) for g in by_rank]).to(wire_dtype)
-    shares: dict[str, int] = {}
-    col = 0
-    for specs in info.layout:
-        for s in specs:
-            n = b_local * s.width
-            shares[s.table] = shares.get(s.table, 0) + n * in_elem
-            stats.record_block("bwd", s.table, n * in_elem, n * wire_elem, 0.0, 0.0)
-            if codec != "none" and n > 0:
-                g = grad_output[:, col + s.col_offset : col + s.col_offset + s.width]
-                err = (g - g.to(wire_dtype).to(g.dtype)).abs().amax()
-                stats.record_max_error_lazy("bwd", s.table, err)
-        col += sum(s.width for s in specs)
-    stats.record_time("bwd", "encode", shares, time.perf_counter() - start)
-    return send

@@ -27,8 +27,8 @@ from torchrec_lossy.distributed.comm_ops import (
     LossyAll2AllReq,
     LossyRequest,
     decode_exchanged,
-    dense_grad_blocks,
     encode_and_exchange,
+    receive_grad_blocks,
     send_grad_blocks,
 )
 from torchrec_lossy.distributed.comms import LossyComms
@@ -228,16 +228,8 @@ class SequenceSteps:
     ) -> torch.Tensor:
         """The owner's ``[num_ids, D]`` gradient, feature-major, from what the sources sent."""
         info = self.info
-        specs = info.pooled.layout[my_rank]
         rows = info.grad_rows(my_rank)
-        if myreq.recv_sizes is None:  # cast or exact: one dense run of every block
-            blocks = dense_grad_blocks(
-                recv, rows, specs, info.pooled.dtype, info.pooled.comms, "lossy_seq_a2a"
-            )
-        else:
-            blocks = decode_exchanged(
-                "bwd", recv, [specs] * world, rows, info.pooled, myreq, my_rank
-            )
+        blocks = receive_grad_blocks(recv, rows, info.pooled, myreq, my_rank, "lossy_seq_a2a")
         if info.dedupe_grads:
             assert info.dedupe is not None
             num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)
