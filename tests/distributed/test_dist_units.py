@@ -202,6 +202,31 @@ def test_a_call_encodes_from_its_own_record() -> None:
     assert info.comms.ledger.start("fwd").call == 0  # records passed in draw nothing
 
 
+def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> None:
+    """The forward always travels through the codec, the backward through
+    ``LossyCommsConfig.backward``'s wire; a cast wire's receive splits the elements of every
+    source into its blocks and casts them back to the call's dtype."""
+    from torchrec_lossy.distributed.exchange import LOSSY_WIRE, CastWire, Geometry, wire_for
+
+    for backward in ("lossy", "fp16", "bf16", "none"):
+        config = LossyCommsConfig(backward=backward)
+        assert wire_for("fwd", config, torch.float32, "t") is LOSSY_WIRE
+    pick = {b: wire_for("bwd", LossyCommsConfig(backward=b), torch.float32, "t") for b in
+            ("lossy", "fp16", "bf16", "none")}  # fmt: skip
+    assert pick["lossy"] is LOSSY_WIRE
+    assert pick["fp16"] == CastWire(torch.float16, True, "t")
+    assert pick["bf16"] == CastWire(torch.bfloat16, True, "t")
+    assert pick["none"] == CastWire(torch.float32, False, "t")
+    info = _info(LossyCommsConfig(backward="fp16"), [SPECS, SPECS])
+    rows = [[3, 2, 1], [0, 4, 2]]
+    want = [[torch.randn(r, s.dim) for r, s in zip(rs, SPECS, strict=True)] for rs in rows]
+    recv = torch.cat([b.reshape(-1) for bs in want for b in bs]).half()
+    got = pick["fp16"].receive("bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows), info, None, 0)  # type: ignore[arg-type]
+    for gs, ws in zip(got, want, strict=True):
+        for g, w in zip(gs, ws, strict=True):
+            assert g.dtype == torch.float32 and torch.equal(g, w.half().float())
+
+
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -70,7 +70,7 @@ _CONTAINED: dict[str, str] = {
 
 @dataclass
 class DeferredDecode:
-    """A device decode of :func:`decode_payloads` whose status is read at a later host read.
+    """A device decode of :func:`decode_call` whose status is read at a later host read.
 
     Attributes:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -265,7 +265,7 @@ class _Frame:
 
 @dataclass(frozen=True)
 class _DecodeCall:
-    """The layout of one :func:`decode_payloads` call, and its steps per source.
+    """The layout of one :func:`decode_call` call, and its steps per source.
 
     Attributes:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -295,7 +295,7 @@ class _DecodeCall:
         my_rank: int,
         record: CallRecord | None,
     ) -> _DecodeCall:
-        """The call's layout from :func:`decode_payloads`' arguments.
+        """The call's layout from :func:`decode_call`'s arguments.
 
         Args:
             direction: ``"fwd"`` or ``"bwd"``.

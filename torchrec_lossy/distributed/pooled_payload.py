@@ -562,7 +562,7 @@ def start_encode(
     Every peer's codec blocks go through ONE ``start_compress_blocks`` call (relative bounds are
     resolved there, on the device path on the device). The block a rank sends to itself
     (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
-    receiver takes the blocks as they are (``self_blocks`` of ``pooled_decode.decode_payloads``),
+    receiver takes the blocks as they are (``self_blocks`` of ``pooled_decode.decode_call``),
     and its bytes are counted apart (``LossyCommsStats.self_bytes``).
 
     Args:

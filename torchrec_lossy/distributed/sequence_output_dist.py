@@ -2,9 +2,9 @@
 
 :class:`LossySequenceEmbeddingsAllToAll` gives exactly the tensor of TorchRec's
 ``SequenceEmbeddingsAllToAll`` (the owner's feature-major rows permuted rank-major), but cuts
-each destination's rows into one block per local table shard and sends them through the pooled
-all-to-all's codec path (:func:`.comm_ops.encode_and_exchange`,
-:func:`.pooled_decode.decode_payloads`); with :mod:`.sequence_dedupe` one row per distinct id.
+each destination's rows into one block per local table shard and sends them through the one
+exchange path (:func:`.exchange.exchange`, :func:`.exchange.receive`); with
+:mod:`.sequence_dedupe` one row per distinct id.
 docs/sharder.md, "EmbeddingCollection (sequence features)".
 """
 
@@ -23,16 +23,17 @@ from torchrec.distributed.sharding.sequence_sharding import SequenceShardingCont
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lossy.distributed.comm_ops import (
-    LossyAll2AllReq,
-    LossyRequest,
-    decode_exchanged,
-    encode_and_exchange,
-    receive_grad_blocks,
-    send_grad_blocks,
-)
+from torchrec_lossy.distributed.comm_ops import LossyAll2AllReq
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import lookup_ids_of
+from torchrec_lossy.distributed.exchange import (
+    LOSSY_WIRE,
+    Geometry,
+    LossyRequest,
+    exchange,
+    receive,
+    wire_for,
+)
 from torchrec_lossy.distributed.pooled_payload import (
     BlockSpec,
     LossyAll2AllPooledInfo,
@@ -179,19 +180,16 @@ class SequenceSteps:
             if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
                 for b, s, n in zip(blocks_d, specs, full[d], strict=True):
                     pooled.comms.stats.record_rows("fwd", s.table, n, b.shape[0])
-        return encode_and_exchange(
-            "fwd", blocks, [specs] * world, pooled.layout, pooled, myreq, x.device, my_rank
-        )
+        rows = info.recv_rows if info.dedupe is None else info.dedupe.recv_rows
+        geometry = Geometry([specs] * world, pooled.layout, rows)
+        return exchange("fwd", blocks, geometry, LOSSY_WIRE, pooled, myreq, x.device, my_rank)
 
     def receive_forward(
         self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
         """Decodes every owner's rows into this rank's ``[num_ids_local, D]``."""
         info, dd = self.info, self.info.dedupe
-        rows = info.recv_rows if dd is None else dd.recv_rows
-        blocks = decode_exchanged(
-            "fwd", recv, info.pooled.layout, rows, info.pooled, myreq, my_rank
-        )
+        blocks = receive("fwd", recv, info.pooled, myreq, my_rank)
         pieces = [b for bs in blocks for b in bs]
         if not pieces:
             return recv.new_empty((0, info.dim), dtype=info.pooled.dtype)
@@ -219,17 +217,17 @@ class SequenceSteps:
             if p != my_rank:
                 for b, s, n in zip(bs, specs, info.recv_rows[p], strict=True):
                     pooled.comms.stats.record_rows("bwd", s.table, n, b.shape[0])
-        return send_grad_blocks(
-            blocks, info.grad_rows(my_rank), pooled, myreq, grad.device, my_rank, "lossy_seq_a2a"
-        )
+        specs = pooled.layout[my_rank]
+        geometry = Geometry(pooled.layout, [specs] * world, info.grad_rows(my_rank))
+        wire = wire_for("bwd", pooled.comms.config, pooled.dtype, "lossy_seq_a2a")
+        return exchange("bwd", blocks, geometry, wire, pooled, myreq, grad.device, my_rank)
 
     def receive_grad(
         self, recv: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> torch.Tensor:
         """The owner's ``[num_ids, D]`` gradient, feature-major, from what the sources sent."""
         info = self.info
-        rows = info.grad_rows(my_rank)
-        blocks = receive_grad_blocks(recv, rows, info.pooled, myreq, my_rank, "lossy_seq_a2a")
+        blocks = receive("bwd", recv, info.pooled, myreq, my_rank)
         if info.dedupe_grads:
             assert info.dedupe is not None
             num_ids = sum(sum(per_dest) for per_dest in info.feature_rows)

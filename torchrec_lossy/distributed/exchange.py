@@ -1,0 +1,410 @@
+"""The one exchange path of the compressed all-to-alls, and the wire codecs blocks travel in.
+
+Every pooled, sequence, row-wise and gradient all-to-all sends its blocks with :func:`exchange`
+and gets them back with :func:`receive`; the request carries the call's :class:`Geometry`
+(which blocks go where, with how many rows) and wire codec from the one to the other. Wire
+codecs: :class:`LossyWire` (the error-bounded codec: the sizes and skeletons are exchanged, then
+the payloads; :mod:`.pooled_payload` encodes, :mod:`.pooled_decode` decodes) and
+:class:`CastWire` (fp16 / bf16 casts, or exact: the blocks' elements back to back). A new wire
+codec is a class here with ``send`` and ``receive``, picked in :func:`wire_for`. Device path:
+ONE host sync per lossy all-to-all and direction, the size exchange's read, which also finishes
+the encode and carries the earlier decodes' unread status (docs/kernels.md, "Syncs per
+all-to-all").
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.comm_ops import Request
+
+from torchrec_lossy.config import LossyCommsConfig
+from torchrec_lossy.distributed.call_ledger import CallRecord
+from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call, read_checked
+from torchrec_lossy.distributed.pooled_payload import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    PendingPayloads,
+    meta_words,
+    start_encode,
+)
+from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.profile_range import profile_range
+
+_CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wire_dtype_of(backward: str, dtype: torch.dtype) -> torch.dtype:
+    """The gradient's wire dtype without codec: ``backward`` "fp16"/"bf16" casts, "none" keeps.
+
+    Args:
+        backward: ``LossyCommsConfig.backward`` (not "lossy").
+        dtype: The gradient's dtype.
+
+    Returns:
+        The dtype the gradient travels in.
+    """
+    return _CAST_DTYPES.get(backward, dtype)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Which blocks one exchange moves (built by the caller's pure block-geometry functions).
+
+    Attributes:
+        send_specs: Per destination, the specs of the blocks this rank sends it.
+        recv_specs: Per source, the specs of the blocks it sends this rank.
+        recv_rows: Per source, the rows of each of those blocks.
+    """
+
+    send_specs: Sequence[Sequence[BlockSpec]]
+    recv_specs: Sequence[Sequence[BlockSpec]]
+    recv_rows: Sequence[Sequence[int]]
+
+
+class LossyRequest(Request[torch.Tensor]):
+    """TorchRec's Request plus the state of the exchange in flight (the call's awaitable)."""
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(pg, device)
+        self.wire: WireCodec | None = None  # the exchange in flight's wire codec
+        self.geometry: Geometry | None = None  # and its blocks
+        self.recv_sizes: list[int] | None = None  # bytes from each peer (lossy wire)
+        # The blocks this rank sends itself: exact, never encoded, never on the wire.
+        self.self_blocks: list[torch.Tensor] | None = None
+        # Each peer's codec payload skeleton, received in the size exchange.
+        self.recv_skeletons: dict[int, np.ndarray] | None = None
+        # The record of the exchange in flight (drawn when it encodes).
+        self.record: CallRecord | None = None
+        # The latest device decode's status, unread (the module's ledger lists it too).
+        self.decode_status: DeferredDecode | None = None
+
+    def take_received(self) -> torch.Tensor:
+        """Waits for the exchange in flight and releases what it received.
+
+        Returns:
+            The received tensor (payload bytes, or the cast blocks).
+        """
+        assert self.req is not None, "the lossy all-to-all was waited on before it was launched"
+        self.req.wait()
+        recv, self.req, self.tensor = self.tensor, None, None
+        assert recv is not None
+        return recv
+
+
+class WireCodec(Protocol):
+    """How blocks cross the wire: one sends every peer its blocks, the other gets them back."""
+
+    def send(
+        self,
+        direction: Direction,
+        blocks: list[list[torch.Tensor]],
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        device: torch.device,
+        my_rank: int,
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Sends ``blocks`` (per destination, per its spec), asynchronously.
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            blocks: Per destination, the blocks this rank sends it.
+            geometry: The exchange's blocks.
+            info: Layout, compress flags and comms state.
+            myreq: The request (keeps what the receive needs).
+            device: Device of the blocks (and of the receive buffer).
+            my_rank: This rank.
+
+        Returns:
+            (the receive buffer, the exchange's work).
+        """
+        ...
+
+    def receive(
+        self,
+        direction: Direction,
+        recv: torch.Tensor,
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        my_rank: int,
+    ) -> list[list[torch.Tensor]]:
+        """The blocks :meth:`send` delivered (arguments as its, with the received buffer).
+
+        Returns:
+            Per source, per its spec, a ``[rows, dim]`` block.
+        """
+        ...
+
+
+def exchange(
+    direction: Direction,
+    blocks: list[list[torch.Tensor]],
+    geometry: Geometry,
+    wire: WireCodec,
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    device: torch.device,
+    my_rank: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Sends every peer its blocks through ``wire``: the one send of every all-to-all.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks: Per destination, the blocks this rank sends it (one per spec).
+        geometry: The exchange's blocks (kept on the request for :func:`receive`).
+        wire: The wire codec (kept on the request).
+        info: Layout, compress flags and comms state.
+        myreq: The request of the call.
+        device: Device of the blocks.
+        my_rank: This rank.
+
+    Returns:
+        (the receive buffer, the exchange's work).
+    """
+    myreq.wire, myreq.geometry = wire, geometry
+    return wire.send(direction, blocks, geometry, info, myreq, device, my_rank)
+
+
+def receive(
+    direction: Direction,
+    recv: torch.Tensor,
+    info: LossyAll2AllPooledInfo,
+    myreq: LossyRequest,
+    my_rank: int,
+) -> list[list[torch.Tensor]]:
+    """The blocks of the exchange :func:`exchange` started on ``myreq``.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received buffer.
+        info: Layout, compress flags and comms state.
+        myreq: The request (its wire codec and geometry are taken).
+        my_rank: This rank.
+
+    Returns:
+        Per source, per its spec, a ``[rows, dim]`` block.
+    """
+    wire, geometry = myreq.wire, myreq.geometry
+    assert wire is not None and geometry is not None, "receive of an exchange never started"
+    myreq.wire = myreq.geometry = None
+    return wire.receive(direction, recv, geometry, info, myreq, my_rank)
+
+
+def wire_for(
+    direction: Direction, config: LossyCommsConfig, dtype: torch.dtype, tag: str
+) -> WireCodec:
+    """The wire codec of a direction: the codec forward; ``config.backward``'s backward.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        config: The comms config.
+        dtype: The blocks' dtype.
+        tag: The profiler label's prefix of a cast wire (``lossy_a2a`` or ``lossy_seq_a2a``).
+
+    Returns:
+        The wire codec.
+    """
+    if direction == "fwd" or config.backward == "lossy":
+        return LOSSY_WIRE
+    return CastWire(wire_dtype_of(config.backward, dtype), config.backward != "none", tag)
+
+
+@dataclass(frozen=True)
+class LossyWire:
+    """The error-bounded codec: a size exchange (sizes and skeletons), then the payloads."""
+
+    def send(
+        self,
+        direction: Direction,
+        blocks: list[list[torch.Tensor]],
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        device: torch.device,
+        my_rank: int,
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Encodes every peer's blocks (the self blocks stay in the request: exact, off the
+        wire), exchanges the sizes and skeletons, then the payloads (see
+        :meth:`WireCodec.send`)."""
+        exact = direction == "fwd" and info.exact_forward
+        myreq.record = info.comms.ledger.start(direction, exact)
+        pending = start_encode(
+            direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record
+        )
+        myreq.self_blocks = blocks[my_rank]
+        meta_splits = [
+            meta_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
+        ]
+        return _size_then_payloads(direction, pending, meta_splits, myreq, info)
+
+    def receive(
+        self,
+        direction: Direction,
+        recv: torch.Tensor,
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        my_rank: int,
+    ) -> list[list[torch.Tensor]]:
+        """Decodes every peer's payload, the self blocks taken from the request, the
+        skeletons from its size exchange; a device decode's unread status goes to the request
+        and the module's ledger (see :meth:`WireCodec.receive`)."""
+        assert myreq.recv_sizes is not None, "decode of a lossy exchange that sent no payloads"
+        self_blocks, myreq.self_blocks = myreq.self_blocks, None
+        assert self_blocks is not None, "the lossy exchange lost its self blocks"
+        skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+        blocks, status = decode_call(
+            direction, recv, myreq.recv_sizes, geometry.recv_specs, geometry.recv_rows, info,
+            my_rank, self_blocks, skeletons, myreq.record,
+        )  # fmt: skip
+        if status is not None:  # owned by this call; the next host read of the module reads it
+            myreq.decode_status = status
+            info.comms.ledger.owe_status(status)
+        return blocks
+
+
+LOSSY_WIRE = LossyWire()
+
+
+def _size_then_payloads(
+    direction: Direction,
+    pending: PendingPayloads,
+    recv_meta_splits: list[int],
+    myreq: LossyRequest,
+    info: LossyAll2AllPooledInfo,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Phase 1 (sizes, blocking) and phase 2 (payloads, async) of the variable all-to-all.
+
+    Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
+    encoder left; the received entries, the encoder's pending values and the status of the
+    device decodes still unread (``comms.ledger``) are then read in ONE device-to-host copy
+    (the exchange's only host sync, ``read_checked``), after which the payloads exist and are
+    sent. The received sizes and skeletons go to ``myreq`` (the decode then reads nothing back).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        pending: From ``start_encode``.
+        recv_meta_splits: Words expected from each peer (``meta_words``).
+        myreq: The request (its group; receives the sizes and skeletons).
+        info: Comms state (its ledger's unread decode statuses are read here).
+
+    Returns:
+        (received bytes, the payload exchange's work).
+    """
+    pg, device = myreq.pg, pending.meta.device
+    recv_meta = torch.empty(sum(recv_meta_splits), dtype=torch.int64, device=device)
+    with profile_range(f"## lossy_a2a {direction} sizes ##"):
+        dist.all_to_all_single(
+            recv_meta, pending.meta, recv_meta_splits, pending.meta_splits, group=pg,
+            async_op=True,
+        ).wait()  # fmt: skip
+        k = pending.readback.numel()
+        # The unread decode status of earlier all-to-alls rides this read too.
+        host = read_checked(info.comms.ledger, torch.cat([pending.readback, recv_meta]))
+    payloads = pending.finish(host[:k].tolist())
+    at = list(itertools.accumulate(recv_meta_splits, initial=0))
+    myreq.recv_sizes = recv_sizes = [int(host[k + a]) for a in at[:-1]]
+    myreq.recv_skeletons = {
+        p: host[k + at[p] + 1 : k + at[p + 1]].astype(np.uint32)
+        for p in range(len(recv_meta_splits))
+        if recv_meta_splits[p] > 1
+    }
+    send_sizes = [int(p.numel()) for p in payloads]
+    send = torch.cat([p.to(device) for p in payloads])
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    with profile_range(f"## lossy_a2a {direction} payload ##"):
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
+    return recv, work
+
+
+@dataclass(frozen=True)
+class CastWire:
+    """The blocks' elements back to back in one dtype: a cast (fp16 / bf16) or exact.
+
+    Attributes:
+        dtype: The wire dtype.
+        cast: Whether the config asks for a cast (its error is recorded, 0 where the blocks
+            have the wire dtype already).
+        tag: The profiler label's prefix (``lossy_a2a`` or ``lossy_seq_a2a``).
+    """
+
+    dtype: torch.dtype
+    cast: bool
+    tag: str
+
+    def send(
+        self,
+        direction: Direction,
+        blocks: list[list[torch.Tensor]],
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        device: torch.device,
+        my_rank: int,
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Casts and sends every peer its blocks in one all-to-all (see
+        :meth:`WireCodec.send`)."""
+        stats = info.comms.stats
+        start = time.perf_counter()
+        with profile_range(f"## {self.tag} {direction} encode ##"):
+            flat = [b.reshape(-1) for bs in blocks for b in bs]
+            send = torch.cat(flat).to(self.dtype) if flat else torch.empty(0, dtype=self.dtype)
+            send = send.to(device)
+        wire_elem = send.element_size()
+        shares: dict[str, int] = {}
+        for bs, specs in zip(blocks, geometry.send_specs, strict=True):
+            for b, s in zip(bs, specs, strict=True):
+                # Raw: the rows sent (under dedupe rows / rows_sent scale it to TorchRec's).
+                raw = b.numel() * b.element_size()
+                shares[s.table] = shares.get(s.table, 0) + raw
+                stats.record_block(direction, s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+                if self.cast and b.numel():
+                    err = (b - b.to(self.dtype).to(b.dtype)).abs().amax()
+                    stats.record_max_error_lazy(direction, s.table, err)
+        stats.record_time(direction, "encode", shares, time.perf_counter() - start)
+        send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
+        recv_sizes = [
+            sum(r * s.dim for r, s in zip(rows, specs, strict=True))
+            for rows, specs in zip(geometry.recv_rows, geometry.recv_specs, strict=True)
+        ]
+        recv = torch.empty(sum(recv_sizes), dtype=self.dtype, device=device)
+        with profile_range(f"## {self.tag} {direction} payload ##"):
+            work = dist.all_to_all_single(
+                recv, send, recv_sizes, send_sizes, group=myreq.pg, async_op=True
+            )
+        return recv, work
+
+    def receive(
+        self,
+        direction: Direction,
+        recv: torch.Tensor,
+        geometry: Geometry,
+        info: LossyAll2AllPooledInfo,
+        myreq: LossyRequest,
+        my_rank: int,
+    ) -> list[list[torch.Tensor]]:
+        """Splits the received elements into blocks, cast back (see
+        :meth:`WireCodec.receive`)."""
+        start = time.perf_counter()
+        pairs = [
+            list(zip(rows, specs, strict=True))
+            for rows, specs in zip(geometry.recv_rows, geometry.recv_specs, strict=True)
+        ]
+        with profile_range(f"## {self.tag} {direction} decode ##"):
+            it = iter(recv.to(info.dtype).split([r * s.dim for ps in pairs for r, s in ps]))
+            blocks = [[next(it).view(r, s.dim) for r, s in ps] for ps in pairs]
+        shares: dict[str, int] = {}
+        for ps in pairs:
+            for r, s in ps:
+                shares[s.table] = shares.get(s.table, 0) + r * s.dim * recv.element_size()
+        info.comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+        return blocks
