@@ -221,7 +221,9 @@ def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> No
     rows = [[3, 2, 1], [0, 4, 2]]
     want = [[torch.randn(r, s.dim) for r, s in zip(rs, SPECS, strict=True)] for rs in rows]
     recv = torch.cat([b.reshape(-1) for bs in want for b in bs]).half()
-    got = pick["fp16"].receive("bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows), info, None, 0)  # type: ignore[arg-type]
+    got = pick["fp16"].receive(
+        "bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows, rows), info, None, 0
+    )  # type: ignore[arg-type]
     for gs, ws in zip(got, want, strict=True):
         for g, w in zip(gs, ws, strict=True):
             assert g.dtype == torch.float32 and torch.equal(g, w.half().float())

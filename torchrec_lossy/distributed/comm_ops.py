@@ -175,14 +175,12 @@ class PooledSteps:
         info = self.info
         _check_pooled_input(x, info, my_rank)
         blocks = _forward_blocks(x.detach(), info, my_rank, world)
-        for d, blocks_d in enumerate(blocks):
-            if d == my_rank:  # the self block is counted apart (LossyCommsStats.self_bytes)
-                continue
-            for b, s in zip(blocks_d, info.layout[my_rank], strict=True):
-                rows = s.num_features * info.batch_size_per_rank[d]
-                info.comms.stats.record_rows("fwd", s.table, rows, b.shape[0])
+        specs = info.layout[my_rank]
         geometry = Geometry(
-            [info.layout[my_rank]] * world, info.layout, _forward_rows(info, my_rank, world)
+            [specs] * world,
+            info.layout,
+            _forward_rows(info, my_rank, world),
+            [[s.num_features * b for s in specs] for b in info.batch_size_per_rank],
         )
         return exchange("fwd", blocks, geometry, LOSSY_WIRE, info, myreq, x.device, my_rank)
 
@@ -219,8 +217,12 @@ class PooledSteps:
         info = self.info
         assert grad.shape[1] == sum(info.dim_sum_per_rank)
         blocks = _grad_blocks(grad, info, my_rank, world)
+        b_local = grad.shape[0]
         geometry = Geometry(
-            info.layout, [info.layout[my_rank]] * world, _grad_rows(info, my_rank, world)
+            info.layout,
+            [info.layout[my_rank]] * world,
+            _grad_rows(info, my_rank, world),
+            [[s.num_features * b_local for s in specs] for specs in info.layout],
         )
         wire = wire_for("bwd", info.comms.config, info.dtype, "lossy_a2a")
         return exchange("bwd", blocks, geometry, wire, info, myreq, grad.device, my_rank)
@@ -293,23 +295,16 @@ def _grad_blocks(
     """
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
     b_local = grad.shape[0]
-    if info.dedupe_grads:
-        with profile_range("## lossy_a2a bwd dedupe reduce ##"):
-            blocks = [
-                [
-                    reduce_grad_block(grad, col_bases[p], s, f)
-                    for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
-                ]
-                for p in range(world)
+    if not info.dedupe_grads:
+        return peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
+    with profile_range("## lossy_a2a bwd dedupe reduce ##"):
+        return [
+            [
+                reduce_grad_block(grad, col_bases[p], s, f)
+                for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
             ]
-    else:
-        blocks = peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
-    for p, (bs, specs) in enumerate(zip(blocks, info.layout, strict=True)):
-        if p == my_rank:  # rows over the wire-crossing peers, as the forward counts them
-            continue
-        for b, s in zip(bs, specs, strict=True):
-            info.comms.stats.record_rows("bwd", s.table, s.num_features * b_local, b.shape[0])
-    return blocks
+            for p in range(world)
+        ]
 
 
 def _forward_rows(info: LossyAll2AllPooledInfo, my_rank: int, world: int) -> list[list[int]]:

@@ -62,11 +62,14 @@ class Geometry:
         send_specs: Per destination, the specs of the blocks this rank sends it.
         recv_specs: Per source, the specs of the blocks it sends this rank.
         recv_rows: Per source, the rows of each of those blocks.
+        full_rows: Per destination, per block sent, the rows TorchRec's all-to-all would send
+            (telemetry: against the rows sent, which dedupe makes fewer).
     """
 
     send_specs: Sequence[Sequence[BlockSpec]]
     recv_specs: Sequence[Sequence[BlockSpec]]
     recv_rows: Sequence[Sequence[int]]
+    full_rows: Sequence[Sequence[int]]
 
 
 class LossyRequest(Request[torch.Tensor]):
@@ -157,6 +160,9 @@ def exchange(
 ) -> tuple[torch.Tensor, dist.Work]:
     """Sends every peer its blocks through ``wire``: the one send of every all-to-all.
 
+    The rows of every block to a peer are counted here (``LossyCommsStats.record_rows``; the
+    self block is counted apart, as bytes, by the wire).
+
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         blocks: Per destination, the blocks this rank sends it (one per spec).
@@ -171,6 +177,13 @@ def exchange(
         (the receive buffer, the exchange's work).
     """
     myreq.wire, myreq.geometry = wire, geometry
+    stats = info.comms.stats
+    for p, (bs, specs, full) in enumerate(
+        zip(blocks, geometry.send_specs, geometry.full_rows, strict=True)
+    ):
+        if p != my_rank:
+            for b, s, n in zip(bs, specs, full, strict=True):
+                stats.record_rows(direction, s.table, n, b.shape[0])
     return wire.send(direction, blocks, geometry, info, myreq, device, my_rank)
 
 

@@ -175,13 +175,8 @@ class SequenceSteps:
                 blocks = cut_sequence_blocks(x.detach(), info, my_rank)
             else:
                 blocks = info.dedupe.owner_blocks(x.detach())
-        full = info.send_rows(my_rank)
-        for d, blocks_d in enumerate(blocks):
-            if d != my_rank:  # the self block is counted apart, as in the pooled all-to-all
-                for b, s, n in zip(blocks_d, specs, full[d], strict=True):
-                    pooled.comms.stats.record_rows("fwd", s.table, n, b.shape[0])
         rows = info.recv_rows if info.dedupe is None else info.dedupe.recv_rows
-        geometry = Geometry([specs] * world, pooled.layout, rows)
+        geometry = Geometry([specs] * world, pooled.layout, rows, info.send_rows(my_rank))
         return exchange("fwd", blocks, geometry, LOSSY_WIRE, pooled, myreq, x.device, my_rank)
 
     def receive_forward(
@@ -213,12 +208,8 @@ class SequenceSteps:
             sizes = [r for rows in info.recv_rows for r in rows]
             it = iter(grad.split(sizes))
             blocks = [[next(it) for _ in rows] for rows in info.recv_rows]
-        for p, (bs, specs) in enumerate(zip(blocks, pooled.layout, strict=True)):
-            if p != my_rank:
-                for b, s, n in zip(bs, specs, info.recv_rows[p], strict=True):
-                    pooled.comms.stats.record_rows("bwd", s.table, n, b.shape[0])
         specs = pooled.layout[my_rank]
-        geometry = Geometry(pooled.layout, [specs] * world, info.grad_rows(my_rank))
+        geometry = Geometry(pooled.layout, [specs] * world, info.grad_rows(my_rank), info.recv_rows)
         wire = wire_for("bwd", pooled.comms.config, pooled.dtype, "lossy_seq_a2a")
         return exchange("bwd", blocks, geometry, wire, pooled, myreq, grad.device, my_rank)
 
