@@ -1,4 +1,5 @@
-"""Torch twin of the packed format's coded values (docs/format.md, "Packed segments").
+"""Torch twin of the packed format's coded values (docs/format.md, "Packed segments"), and of
+``kernels/packed.py``'s decode launchers (same names, signatures and outputs bit for bit).
 
 The oracle of ``codec/packed.py``'s numba stream (``put_stream`` / ``decode_stream``, the host
 path) and the statement a device kernel follows: every step is element-wise or per group of
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
     PACKED_GROUP,
+    PACKED_MAX_WIDTH,
+    SYMBOL_OFFSET,
     unzigzag,
     zigzag,
 )
@@ -93,4 +98,153 @@ def segment_checksum(words: torch.Tensor) -> int:
     return int(((words * (2 * j + 1)) & _M32).sum() & _M32)
 
 
-__all__ = ["pack_codes", "segment_checksum", "unpack_codes"]
+# ---- twins of kernels/packed.py's decode launchers ---------------------------------------------
+
+
+def packed_checksums(words: torch.Tensor, tiles: torch.Tensor, tile: int) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_checksums``.
+
+    Args:
+        words: int32 payload words.
+        tiles: int64 [n_tiles, 3] (first word, its index in its segment, words <= ``tile``).
+        tile: Words per tile.
+
+    Returns:
+        int64 [n_tiles] partial sums (wrapping).
+    """
+    lane = torch.arange(tile, device=words.device)
+    mask = lane[None, :] < tiles[:, 2:3]
+    at = torch.where(mask, tiles[:, :1] + lane, 0)
+    w = words[at].to(torch.int64) & _M32
+    return torch.where(mask, w * (2 * (tiles[:, 1:2] + lane) + 1), 0).sum(dim=1)
+
+
+def _group_blocks(cols: DecodeColumns, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per global group, its block and its index in the block."""
+    chunk_base = cols.column(dc.CHUNK_BASE)
+    g = torch.arange(n_groups, device=chunk_base.device)
+    b = (torch.searchsorted(chunk_base, g, right=True) - 1).clamp(0, cols.n_blocks - 1)
+    return b, g - chunk_base[b]
+
+
+def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_widths`` (its docstring has the contract).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (``TABLE_BAD`` and ``ESC_BAD`` written).
+        n_groups: Groups of all blocks.
+
+    Returns:
+        int64 [n_groups] widths.
+    """
+    if not n_groups:
+        return torch.zeros(0, dtype=torch.int64, device=words.device)
+    b, cl = _group_blocks(cols, n_groups)
+    ct = cols.column(dc.CT_OFF)[b]
+    word = words[ct + cl // 4].to(torch.int64) & _M32
+    w = (word >> ((cl % 4) * 8)) & 0xFF
+    table_bad, esc_bad = cols.column(dc.TABLE_BAD), cols.column(dc.ESC_BAD)
+    over = w > PACKED_MAX_WIDTH
+    table_bad.scatter_reduce_(0, b[over], torch.ones_like(b[over]), "amax")
+    sym_base = cols.column(dc.SYM_BASE)
+    n_sym = (sym_base[1:] - sym_base[:-1])[b]
+    n_esc, pos_at = cols.column(dc.N_ESC)[b], cols.column(dc.ESC_POS_OFF)[b]
+    k = cl[:, None] * PACKED_GROUP + torch.arange(PACKED_GROUP, device=words.device)
+    listed = k < n_esc[:, None]
+    pos = torch.where(listed, words[torch.where(listed, pos_at[:, None] + k, 0)], 0)
+    before = listed & (k > 0)
+    prev = words[torch.where(before, pos_at[:, None] + k - 1, 0)].to(torch.int64) & _M32
+    prev = torch.where(before, prev, -1)
+    pos = pos.to(torch.int64) & _M32
+    bad = listed & ((pos >= n_sym[:, None]) | (pos <= prev))
+    blk = b[:, None].expand_as(k)
+    esc_bad.scatter_reduce_(0, blk[bad], k[bad], "amin")
+    return w
+
+
+def unpack_groups(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
+    esc_ends: torch.Tensor, n_symbols: int, esc_iter: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Twin of ``kernels.packed.unpack_groups`` (its docstring has the contract).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (``TABLE_BAD``, ``FAIL``, ``ESC_BAD`` written).
+        widths: int64 [n_groups] widths.
+        ends: Their inclusive prefix sum.
+        esc_ends: int64 [n_blocks] inclusive prefix sum of ``N_ESC``.
+        n_symbols: Symbols of all blocks.
+        esc_iter: Binary-search steps (unused: the twin counts directly).
+
+    Returns:
+        (int16 [n_symbols] symbols, int32 [n_symbols] inclusive escape ranks).
+    """
+    dev = words.device
+    sym_out = torch.zeros(n_symbols, dtype=torch.int16, device=dev)
+    rank_out = torch.zeros(n_symbols, dtype=torch.int32, device=dev)
+    n_groups = widths.shape[0]
+    if not n_groups:
+        return sym_out, rank_out
+    b, cl = _group_blocks(cols, n_groups)
+    chunk_base = cols.column(dc.CHUNK_BASE)
+    g0, g1 = chunk_base[b], chunk_base[b + 1]
+    first = ends[g0] - widths[g0]
+    off = ends - widths - first
+    bs, bs_words = cols.column(dc.BS_OFF)[b], cols.column(dc.BS_WORDS)[b]
+    g = torch.arange(n_groups, device=dev)
+    short = (g == g1 - 1) & (off + widths != bs_words)
+    cols.column(dc.TABLE_BAD).scatter_reduce_(0, b[short], torch.ones_like(b[short]), "amax")
+    sym_base = cols.column(dc.SYM_BASE)
+    s0 = sym_base[b]
+    n_sym = sym_base[b + 1] - s0
+    j = torch.arange(PACKED_GROUP, device=dev)
+    i = cl[:, None] * PACKED_GROUP + j
+    valid = i < n_sym[:, None]
+    wc = widths.clamp(max=32)[:, None]
+    bit = off[:, None] * 32 + j * wc
+    at = bit >> 5
+    lo_ok = valid & (wc > 0) & (at < bs_words[:, None])
+    hi_ok = valid & (wc > 0) & (at + 1 < bs_words[:, None])
+    lo = torch.where(lo_ok, words[torch.where(lo_ok, bs[:, None] + at, 0)], 0).to(torch.int64)
+    hi = torch.where(hi_ok, words[torch.where(hi_ok, bs[:, None] + at + 1, 0)], 0).to(torch.int64)
+    code = (((lo & _M32) | ((hi & _M32) << 32)) >> (bit & 31)) & ((1 << wc) - 1)
+    blk = b[:, None].expand_as(i)
+    bad = valid & (code > 2 * SYMBOL_OFFSET)
+    cols.column(dc.FAIL).scatter_reduce_(0, blk[bad], i[bad], "amin")
+    sym = unzigzag(code)
+    # Escapes: listed positions <= i, counted over the block's list (the kernel searches it).
+    n_esc = cols.column(dc.N_ESC)
+    pos_at = cols.column(dc.ESC_POS_OFF)
+    cnt = torch.zeros_like(i)
+    found = torch.zeros_like(valid)
+    for blk_id in torch.unique(b).tolist():
+        ne = int(n_esc[blk_id])
+        if ne == 0:
+            continue
+        at0 = int(pos_at[blk_id])
+        pos = words[at0 : at0 + ne].to(torch.int64) & _M32
+        rows = b == blk_id
+        c = torch.searchsorted(pos, i[rows], right=True)
+        cnt[rows] = c
+        found[rows] = (c > 0) & (pos[(c - 1).clamp(min=0)] == i[rows])
+    found &= valid
+    esc_bad = found & (code != 0)
+    cols.column(dc.ESC_BAD).scatter_reduce_(0, blk[esc_bad], i[esc_bad], "amin")
+    sym = torch.where(found, ESCAPE_SYMBOL, sym)
+    esc_before = (esc_ends - n_esc)[b][:, None]
+    dest = (s0[:, None] + i)[valid]
+    sym_out[dest] = sym[valid].to(torch.int16)
+    rank_out[dest] = (esc_before + cnt)[valid].to(torch.int32)
+    return sym_out, rank_out
+
+
+__all__ = [
+    "pack_codes",
+    "packed_checksums",
+    "packed_widths",
+    "segment_checksum",
+    "unpack_codes",
+    "unpack_groups",
+]

@@ -33,10 +33,10 @@ from torchrec_lossy.codec.container import (
     upload,
 )
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.device_packed_decode import decode_symbols, is_packed
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
-    FLAG_PACKED,
     HEADER,
     MODE_RAW,
     REFS_FIXED,
@@ -58,35 +58,26 @@ def _bases(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
 
-def holds_packed(
-    buf: np.ndarray | None, sizes: Sequence[int], skeletons: Sequence[np.ndarray] | None
-) -> bool:
-    """Whether any payload is in the packed format (its header's ``FLAG_PACKED``), read from
-    the buffer's host copy or, without one, from the announced skeletons (no device read).
+def mixed_formats(mode: np.ndarray) -> bool:
+    """Whether quantized blocks of both formats are decoded together (packed and Huffman-coded:
+    the device stages take one or the other, so such a call goes to the host path).
 
     Args:
-        buf: The payloads' bytes on the host, or None.
-        sizes: Bytes of each payload.
-        skeletons: Per payload, its skeleton (uint32 words; its first words are the header),
-            where ``buf`` is None.
+        mode: Descriptor modes of every block decoded in the call.
 
     Returns:
-        True if one is packed (its blocks are decoded by the host path: no Triton kernel yet).
+        True if both a packed and a Huffman-coded quantized block are among them.
     """
-    if buf is None:
-        heads = [np.asarray(s, np.uint32)[:HEADER_WORDS] for s in skeletons or ()]
-        heads = [h.view(HEADER)[0] for h in heads if h.shape[0] == HEADER_WORDS]
-        return any(int(h["flags"]) & FLAG_PACKED for h in heads)
-    at = _bases(sizes)[:-1]
-    whole = [a for a, n in zip(at.tolist(), sizes, strict=True) if n >= 4 * HEADER_WORDS]
-    return any(int(buf[a + 6]) & FLAG_PACKED for a in whole)  # flags: header bytes 6..7
+    quant = (mode & 2) == 2
+    packed = is_packed(mode)
+    return bool((quant & packed).any() and (quant & ~packed).any())
 
 
 def _decode_on_host(
     buffer: torch.Tensor, buf: np.ndarray | None, sizes: list[int], max_elements: int
 ) -> list[list[torch.Tensor] | CodecError]:
-    """Packed payloads' blocks, decoded by the compiled host path and put on the buffer's
-    device (each payload's blocks, or the CodecError it raises)."""
+    """Payloads' blocks decoded by the compiled host path and put on the buffer's device (each
+    payload's blocks, or the CodecError it raises): for :func:`mixed_formats` calls."""
     from torchrec_lossy.codec.pipeline import decompress_host_groups
 
     if buf is None:
@@ -247,17 +238,17 @@ def decompress_device(
         kernels = load_kernels(payload.device)
     with profile_range("## lossy_codec decode ##"):
         buf = host_sync.to_host(payload, "decompress")  # sync 1: the whole (compressed) payload
-        if holds_packed(buf, [buf.shape[0]], None):
-            (got,) = _decode_on_host(payload, buf, [buf.shape[0]], max_elements)
-            if isinstance(got, CodecError):
-                raise got
-            return got
         layout = _layout(buf, max_elements)
         if layout is None:
             if on_reject is not None:
                 on_reject(buf)
             # Unreachable with the host decoder while _layout and it agree (tested).
             raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
+        if mixed_formats(layout.mode):
+            (got,) = _decode_on_host(payload, buf, [buf.shape[0]], max_elements)
+            if isinstance(got, CodecError):
+                raise got
+            return got
         if layout.rows.shape[0] == 0:
             return []
         return _decode_on_device(payload, layout, kernels)[0]
@@ -310,6 +301,29 @@ def _decode_symbols(
     return ids if n_ids else dummy, symbols, rank
 
 
+def _decode_packed(
+    words: torch.Tensor, d: DecodeColumns, lay: _Layout, k: KernelSet
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Vector references, then the packed blocks' symbols, escape ranks and status
+    (``device_packed_decode``).
+
+    Returns:
+        (vector ids, int16 symbols, int32 escape ranks, int32 status per block; a 1-element
+        dummy where there are no ids or symbols).
+    """
+    dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
+    n_ids, total_sym = int(lay.rows[lay.ref_mode >= 0].sum()), int(lay.n_sym.sum())
+    n_fixed_rows = int(lay.rows[lay.ref_mode == REFS_FIXED].sum())
+    ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, n_fixed_rows)
+    packed = is_packed(lay.mode).astype(np.int64)
+    ranges = (lay.cb_off, lay.bs_off + lay.bs_words, packed)
+    totals = (int(lay.n_chunks.sum()), total_sym, int(lay.n_esc.max(initial=0)))
+    symbols, rank, codes = decode_symbols(words, d, k, ranges, totals)
+    if not total_sym:
+        symbols, rank = dummy.view(torch.int16), dummy
+    return ids if n_ids else dummy, symbols, rank, codes
+
+
 def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     """Every block as a view of the output words: one typed view per dtype, then one
     ``as_strided`` per block."""
@@ -339,15 +353,19 @@ def _decode_on_device(
     """
     d = _upload(layout, payload.device)
     words = _words(payload)
-    ids, symbols, rank = _decode_symbols(words, d, layout, k)
+    packed_codes = None
+    if is_packed(layout.mode).any():
+        ids, symbols, rank, packed_codes = _decode_packed(words, d, layout, k)
+    else:
+        ids, symbols, rank = _decode_symbols(words, d, layout, k)
     n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
     out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
-    codes = None
     # What decoding itself can find wrong: references out of range, bad streams.
-    if (layout.ref_mode >= 0).any() or layout.has_stream.any():
+    codes = packed_codes
+    if codes is None and ((layout.ref_mode >= 0).any() or layout.has_stream.any()):
         codes = k.huffman.block_status(d, rank)
-        if not defer_status:  # sync 2: every decode error of every block
-            raise_status(host_sync.to_host(codes, "decompress"))
+    if codes is not None and not defer_status:  # sync 2: every decode error of every block
+        raise_status(host_sync.to_host(codes, "decompress"))
     return _block_views(out, layout), codes, out
 
 
@@ -443,14 +461,15 @@ def decompress_groups_device(
     with profile_range("## lossy_codec decode ##"):
         # The one read, without skeletons.
         buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
-        if holds_packed(buf, sizes, skeletons):
+        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
+        modes = [lay.mode for lay in layouts.values()]
+        if mixed_formats(np.concatenate([*modes, np.zeros(0, np.int64)])):
             got = _decode_on_host(buffer, buf, sizes, max_elements)
             at = _bases(sizes).tolist()
             bad = {g: (buf[at[g] : at[g + 1]] if buf is not None else None)
                    for g, x in enumerate(got) if isinstance(x, CodecError)}  # fmt: skip
             blocks = [[] if isinstance(x, CodecError) else x for x in got]
             return DeviceGroups(blocks, None, np.zeros(0, np.int64), bad, None)
-        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
         group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
         groups = [np.full(lay.rows.shape[0], g, np.int64) for g, lay in layouts.items()]

@@ -1,0 +1,218 @@
+"""Triton decode of the packed format (docs/format.md, "Packed segments"): every block of a
+payload in three launches, no sort, no host read.
+
+:func:`packed_checksums` sums each packed segment's words in tiles (per-tile partials, no
+atomics); :func:`packed_widths` reads every group's width byte and checks the escape lists;
+:func:`unpack_groups` decodes every group of 32 values at its code offset (a prefix sum of the
+widths) and marks the escapes by a binary search of their block's positions, writing each
+symbol and its escape rank once. Torch twins: ``kernels/packed_ref.py``; the stages:
+docs/kernels.md, "The packed format on the device".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import format as wire
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.kernels.common import find_segment
+
+_GROUP: tl.constexpr = tl.constexpr(wire.PACKED_GROUP)
+_MAX_WIDTH: tl.constexpr = tl.constexpr(wire.PACKED_MAX_WIDTH)
+_MAX_CODE: tl.constexpr = tl.constexpr(2 * wire.SYMBOL_OFFSET)
+_OFFSET: tl.constexpr = tl.constexpr(wire.SYMBOL_OFFSET)
+_ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)
+_GROUPS_PER_PROGRAM = 32  # groups of one program (32 x 32 lanes)
+
+
+@triton.jit
+def _checksum_kernel(words_ptr, tile_ptr, part_ptr, TILE: tl.constexpr):
+    # One program per tile (first word, its index in the segment, words): the tile's share of
+    # sum_j w_j (2 j + 1), wrapping in int64 (only its low 32 bits are compared).
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * t)
+    j0 = tl.load(tile_ptr + 3 * t + 1)
+    n = tl.load(tile_ptr + 3 * t + 2)
+    lane = tl.arange(0, TILE)
+    mask = lane < n
+    w = tl.load(words_ptr + start + lane, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    tl.store(part_ptr + t, tl.sum(tl.where(mask, w * (2 * (j0 + lane) + 1), 0), axis=0))
+
+
+def packed_checksums(words: torch.Tensor, tiles: torch.Tensor, tile: int) -> torch.Tensor:
+    """Per tile, its words' share of their segment's checksum, in one launch.
+
+    Args:
+        words: int32 payload words.
+        tiles: int64 [n_tiles, 3] (first word in ``words``, that word's index in its segment
+            after the header, words: at most ``tile``), on ``words``' device.
+        tile: Words per tile (a power of two).
+
+    Returns:
+        int64 [n_tiles] partial sums (wrapping).
+    """
+    n = tiles.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=words.device)
+    if n:
+        _checksum_kernel[(n,)](words, tiles, out, TILE=tile)
+    return out
+
+
+@triton.jit
+def _widths_kernel(
+    words_ptr, cols_ptr, widths_ptr, stride, n_groups, n_blocks, n_iter, GB: tl.constexpr,
+    GROUP: tl.constexpr,
+):  # fmt: skip
+    # GB groups per program: each group's width byte (TABLE_BAD raised past the cap), and the
+    # escape-list entries k = 32 * group .. + 31 of its block (ESC_BAD lowered where one is not
+    # above the one before or not inside the block's values).
+    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    mask = g < n_groups
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, g, n_blocks, n_iter)
+    cl = g - tl.load(chunk_base + b, mask=mask, other=0)
+    ct = tl.load(cols_ptr + dc.CT_OFF * stride + b, mask=mask, other=0)
+    word = tl.load(words_ptr + ct + cl // 4, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    w = (word >> ((cl % 4) * 8)) & 0xFF
+    tl.store(widths_ptr + g, w, mask=mask)
+    one = w * 0 + 1
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, one, mask=mask & (w > _MAX_WIDTH))
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=mask, other=0)
+    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=mask, other=0)
+    k = cl[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    listed = mask[:, None] & (k < n_esc[:, None])
+    pos = tl.load(words_ptr + pos_at[:, None] + k, mask=listed, other=0).to(tl.int64) & 0xFFFFFFFF
+    before = listed & (k > 0)
+    prev = tl.load(words_ptr + pos_at[:, None] + k - 1, mask=before, other=0).to(tl.int64)
+    prev = tl.where(before, prev & 0xFFFFFFFF, -1)
+    bad = listed & ((pos >= n_sym[:, None]) | (pos <= prev))
+    blk = b[:, None] + k * 0
+    tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + blk, k, mask=bad)
+
+
+def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> torch.Tensor:
+    """Every packed group's width, and the checks of the widths and escape lists, in one launch.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record; read: ``CHUNK_BASE`` (first global group of each
+            block), ``CT_OFF`` (its width bytes' word), ``SYM_BASE``, ``N_ESC``,
+            ``ESC_POS_OFF``. Written (atomics): ``TABLE_BAD`` raised to 1 where a width is
+            over ``PACKED_MAX_WIDTH``; ``ESC_BAD`` lowered to the first entry of an escape
+            list not above the entry before it or past the block's values.
+        n_groups: Groups of all blocks (the last ``CHUNK_BASE`` entry).
+
+    Returns:
+        int64 [n_groups] widths (0..255 as stored).
+    """
+    out = torch.empty(n_groups, dtype=torch.int64, device=words.device)
+    if n_groups:
+        gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
+        _widths_kernel[(triton.cdiv(n_groups, gb),)](
+            words, cols.cols, out, cols.stride, n_groups, nb, nb.bit_length(), GB=gb, GROUP=_GROUP,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _unpack_kernel(
+    words_ptr, cols_ptr, widths_ptr, ends_ptr, esc_ends_ptr, sym_ptr, rank_ptr, stride,
+    n_groups, n_blocks, n_iter, esc_iter, GB: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    # GB groups x 32 values per program. A group's codes start at the widths' prefix sum
+    # before it in its block; its last group checks that the sum is the codes' words.
+    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    mask = g < n_groups
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, g, n_blocks, n_iter)
+    g0 = tl.load(chunk_base + b, mask=mask, other=0)
+    g1 = tl.load(chunk_base + b + 1, mask=mask, other=0)
+    w = tl.load(widths_ptr + g, mask=mask, other=0)
+    w0 = tl.load(widths_ptr + g0, mask=mask, other=0)
+    first = tl.load(ends_ptr + g0, mask=mask, other=0) - w0
+    off = tl.load(ends_ptr + g, mask=mask, other=0) - w - first
+    bs = tl.load(cols_ptr + dc.BS_OFF * stride + b, mask=mask, other=0)
+    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=mask, other=0)
+    one = w * 0 + 1
+    short = mask & (g == g1 - 1) & (off + w != bs_words)
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, one, mask=short)
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
+    i = (g - g0)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # the value in its block
+    valid = mask[:, None] & (i < n_sym[:, None])
+    wc = tl.minimum(w, 32)[:, None]  # a bad width (flagged above) still reads in bounds
+    bit = off[:, None] * 32 + tl.arange(0, GROUP)[None, :] * wc
+    at = bit >> 5
+    lo_ok = valid & (wc > 0) & (at < bs_words[:, None])
+    hi_ok = valid & (wc > 0) & (at + 1 < bs_words[:, None])
+    lo = tl.load(words_ptr + bs[:, None] + at, mask=lo_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + bs[:, None] + at + 1, mask=hi_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    code = ((lo | (hi << 32)) >> (bit & 31)) & ((one[:, None] << wc) - 1)
+    blk = b[:, None] + i * 0
+    tl.atomic_min(cols_ptr + dc.FAIL * stride + blk, i, mask=valid & (code > _MAX_CODE))
+    half = code >> 1
+    sym = _OFFSET + tl.where((code & 1) == 1, -half - 1, half)
+    # Escapes: how many listed positions are <= i (a binary search of the block's list).
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=mask, other=0)[:, None]
+    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=mask, other=0)[:, None]
+    lo_k = i * 0
+    hi_k = lo_k + n_esc
+    for _ in range(esc_iter):
+        active = valid & (lo_k < hi_k)
+        mid = (lo_k + hi_k) // 2
+        v = tl.load(words_ptr + pos_at + mid, mask=active, other=0).to(tl.int64) & 0xFFFFFFFF
+        le = v <= i
+        lo_k = tl.where(active & le, mid + 1, lo_k)
+        hi_k = tl.where(active & ~le, mid, hi_k)
+    has = valid & (lo_k > 0)
+    last = tl.load(words_ptr + pos_at + lo_k - 1, mask=has, other=0).to(tl.int64) & 0xFFFFFFFF
+    found = has & (last == i)
+    tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + blk, i, mask=found & (code != 0))
+    sym = tl.where(found, _ESCAPE, sym)
+    esc_before = tl.load(esc_ends_ptr + b, mask=mask, other=0)[:, None] - n_esc
+    tl.store(sym_ptr + s0[:, None] + i, sym.to(tl.int16), mask=valid)
+    tl.store(rank_ptr + s0[:, None] + i, (esc_before + lo_k).to(tl.int32), mask=valid)
+
+
+def unpack_groups(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
+    esc_ends: torch.Tensor, n_symbols: int, esc_iter: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Decodes every packed group of every block in one launch; no sync.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record; read: ``CHUNK_BASE``, ``SYM_BASE``, ``BS_OFF`` /
+            ``BS_WORDS`` (the codes), ``N_ESC``, ``ESC_POS_OFF``. Written (atomics):
+            ``TABLE_BAD`` raised to 1 where the widths do not add up to the codes' words,
+            ``FAIL`` lowered to the first code above ``2 * SYMBOL_OFFSET``, ``ESC_BAD`` lowered
+            to the first listed escape whose code is not 0.
+        widths: int64 [n_groups] from :func:`packed_widths`.
+        ends: int64 [n_groups] inclusive prefix sum of ``widths`` (over all blocks).
+        esc_ends: int64 [n_blocks] inclusive prefix sum of ``N_ESC``.
+        n_symbols: Symbols of all blocks (the last ``SYM_BASE`` entry).
+        esc_iter: Binary-search steps: at least ``bit_length`` of the largest ``N_ESC``.
+
+    Returns:
+        (int16 [n_symbols] symbols, ``ESCAPE_SYMBOL`` where listed; int32 [n_symbols] inclusive
+        escape count over the concatenated blocks, as ``huffman.check_escapes`` returns).
+    """
+    dev = words.device
+    sym = torch.empty(n_symbols, dtype=torch.int16, device=dev)
+    rank = torch.empty(n_symbols, dtype=torch.int32, device=dev)
+    n_groups = widths.shape[0]
+    if n_groups:
+        gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
+        _unpack_kernel[(triton.cdiv(n_groups, gb),)](
+            words, cols.cols, widths, ends, esc_ends, sym, rank, cols.stride, n_groups, nb,
+            nb.bit_length(), esc_iter, GB=gb, GROUP=_GROUP,
+        )  # fmt: skip
+    return sym, rank
+
+
+__all__ = ["packed_checksums", "packed_widths", "unpack_groups"]
