@@ -1,12 +1,13 @@
-"""Triton decode of the packed format (docs/format.md, "Packed segments"): every block of a
-payload in three launches, no sort, no host read.
+"""Triton decode of the packed format (docs/format.md, "Packed segments"): the checks of every
+block in three launches, no sort, no host read, no per-value buffer.
 
 :func:`packed_checksums` sums each packed segment's words in tiles (per-tile partials, no
 atomics); :func:`packed_widths` reads every group's width byte and checks the escape lists;
-:func:`unpack_groups` decodes every group of 32 values at its code offset (a prefix sum of the
-widths) and marks the escapes by a binary search of their block's positions, writing each
-symbol and its escape rank once. Torch twins: ``kernels/packed_ref.py``; the stages:
-docs/kernels.md, "The packed format on the device".
+:func:`check_groups` checks every sent value's code and escape. :func:`packed_code` (a value's
+code at its group's offset, a prefix sum of the widths, and its escape by a binary search of
+the block's positions) is what ``quantize.decode_packed_outputs`` decodes each output element
+with. Torch twins: ``kernels/packed_ref.py``; the stages: docs/kernels.md, "The packed format
+on the device".
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _widths_kernel(
     ct = tl.load(cols_ptr + dc.CT_OFF * stride + b, mask=mask, other=0)
     word = tl.load(words_ptr + ct + cl // 4, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
     w = (word >> ((cl % 4) * 8)) & 0xFF
-    tl.store(widths_ptr + g, w, mask=mask)
+    tl.store(widths_ptr + g, w.to(tl.int16), mask=mask)
     one = w * 0 + 1
     tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, one, mask=mask & (w > _MAX_WIDTH))
     s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
@@ -108,9 +109,9 @@ def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> to
         n_groups: Groups of all blocks (the last ``CHUNK_BASE`` entry).
 
     Returns:
-        int64 [n_groups] widths (0..255 as stored).
+        int16 [n_groups] widths (0..255 as stored).
     """
-    out = torch.empty(n_groups, dtype=torch.int64, device=words.device)
+    out = torch.empty(n_groups, dtype=torch.int16, device=words.device)
     if n_groups:
         gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
         _widths_kernel[(triton.cdiv(n_groups, gb),)](
@@ -120,46 +121,30 @@ def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> to
 
 
 @triton.jit
-def _unpack_kernel(
-    words_ptr, cols_ptr, widths_ptr, ends_ptr, esc_ends_ptr, sym_ptr, rank_ptr, stride,
-    n_groups, n_blocks, n_iter, esc_iter, GB: tl.constexpr, GROUP: tl.constexpr,
+def packed_code(
+    words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, b, i, valid, esc_iter,
 ):  # fmt: skip
-    # GB groups x 32 values per program. A group's codes start at the widths' prefix sum
-    # before it in its block; its last group checks that the sum is the codes' words.
-    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-    mask = g < n_groups
-    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
-    b = find_segment(chunk_base, g, n_blocks, n_iter)
-    g0 = tl.load(chunk_base + b, mask=mask, other=0)
-    g1 = tl.load(chunk_base + b + 1, mask=mask, other=0)
-    w = tl.load(widths_ptr + g, mask=mask, other=0)
-    w0 = tl.load(widths_ptr + g0, mask=mask, other=0)
-    first = tl.load(ends_ptr + g0, mask=mask, other=0) - w0
-    off = tl.load(ends_ptr + g, mask=mask, other=0) - w - first
-    bs = tl.load(cols_ptr + dc.BS_OFF * stride + b, mask=mask, other=0)
-    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=mask, other=0)
-    one = w * 0 + 1
-    short = mask & (g == g1 - 1) & (off + w != bs_words)
-    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, one, mask=short)
-    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
-    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
-    i = (g - g0)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # the value in its block
-    valid = mask[:, None] & (i < n_sym[:, None])
-    wc = tl.minimum(w, 32)[:, None]  # a bad width (flagged above) still reads in bounds
-    bit = off[:, None] * 32 + tl.arange(0, GROUP)[None, :] * wc
+    """Value ``i`` (lanes) of packed block ``b``: its code, the listed escapes at or before it
+    (a binary search of the block's positions) and whether ``i`` is listed. The code starts at
+    bit ``32 * (widths' prefix sum before its group in the block) + (i % 32) * width``."""
+    g0 = tl.load(cols_ptr + dc.CHUNK_BASE * stride + b, mask=valid, other=0)
+    g = g0 + i // _GROUP
+    w = tl.load(widths_ptr + g, mask=valid, other=0).to(tl.int64)
+    w0 = tl.load(widths_ptr + g0, mask=valid, other=0)
+    first = tl.load(ends_ptr + g0, mask=valid, other=0) - w0
+    off = tl.load(ends_ptr + g, mask=valid, other=0).to(tl.int64) - w - first
+    bs = tl.load(cols_ptr + dc.BS_OFF * stride + b, mask=valid, other=0)
+    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=valid, other=0)
+    wc = tl.minimum(w, 32)  # a bad width (flagged by packed_widths) still reads in bounds
+    bit = off * 32 + (i % _GROUP) * wc
     at = bit >> 5
-    lo_ok = valid & (wc > 0) & (at < bs_words[:, None])
-    hi_ok = valid & (wc > 0) & (at + 1 < bs_words[:, None])
-    lo = tl.load(words_ptr + bs[:, None] + at, mask=lo_ok, other=0).to(tl.int64) & 0xFFFFFFFF
-    hi = tl.load(words_ptr + bs[:, None] + at + 1, mask=hi_ok, other=0).to(tl.int64) & 0xFFFFFFFF
-    code = ((lo | (hi << 32)) >> (bit & 31)) & ((one[:, None] << wc) - 1)
-    blk = b[:, None] + i * 0
-    tl.atomic_min(cols_ptr + dc.FAIL * stride + blk, i, mask=valid & (code > _MAX_CODE))
-    half = code >> 1
-    sym = _OFFSET + tl.where((code & 1) == 1, -half - 1, half)
-    # Escapes: how many listed positions are <= i (a binary search of the block's list).
-    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=mask, other=0)[:, None]
-    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=mask, other=0)[:, None]
+    lo_ok = valid & (wc > 0) & (at < bs_words)
+    hi_ok = valid & (wc > 0) & (at + 1 < bs_words)
+    lo = tl.load(words_ptr + bs + at, mask=lo_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + bs + at + 1, mask=hi_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    code = ((lo | (hi << 32)) >> (bit & 31)) & (((wc * 0 + 1) << wc) - 1)
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=valid, other=0)
+    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=valid, other=0)
     lo_k = i * 0
     hi_k = lo_k + n_esc
     for _ in range(esc_iter):
@@ -171,19 +156,54 @@ def _unpack_kernel(
         hi_k = tl.where(active & ~le, mid, hi_k)
     has = valid & (lo_k > 0)
     last = tl.load(words_ptr + pos_at + lo_k - 1, mask=has, other=0).to(tl.int64) & 0xFFFFFFFF
-    found = has & (last == i)
+    return code, lo_k, has & (last == i)
+
+
+@triton.jit
+def packed_symbol(code, found):
+    """The symbol of a packed code (``format.unzigzag``), ``ESCAPE_SYMBOL`` where listed."""
+    half = code >> 1
+    return tl.where(found, _ESCAPE, _OFFSET + tl.where((code & 1) == 1, -half - 1, half))
+
+
+@triton.jit
+def _check_groups_kernel(
+    words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, n_groups, n_blocks, n_iter, esc_iter,
+    GB: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    # GB groups x 32 values per program: the checks the decoder makes of every sent value
+    # (the output kernel decodes only the values rows refer to); a block's last group checks
+    # that the widths add up to the codes' words.
+    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    mask = g < n_groups
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, g, n_blocks, n_iter)
+    g0 = tl.load(chunk_base + b, mask=mask, other=0)
+    g1 = tl.load(chunk_base + b + 1, mask=mask, other=0)
+    w = tl.load(widths_ptr + g, mask=mask, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + g, mask=mask, other=0).to(tl.int64)
+    w0 = tl.load(widths_ptr + g0, mask=mask, other=0)
+    first = tl.load(ends_ptr + g0, mask=mask, other=0) - w0
+    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=mask, other=0)
+    short = mask & (g == g1 - 1) & (end - first != bs_words)
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, w * 0 + 1, mask=short)
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
+    i = (g - g0)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # the value in its block
+    valid = mask[:, None] & (i < n_sym[:, None])
+    blk = b[:, None] + i * 0
+    code, _, found = packed_code(
+        words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, blk, i, valid, esc_iter
+    )
+    tl.atomic_min(cols_ptr + dc.FAIL * stride + blk, i, mask=valid & (code > _MAX_CODE))
     tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + blk, i, mask=found & (code != 0))
-    sym = tl.where(found, _ESCAPE, sym)
-    esc_before = tl.load(esc_ends_ptr + b, mask=mask, other=0)[:, None] - n_esc
-    tl.store(sym_ptr + s0[:, None] + i, sym.to(tl.int16), mask=valid)
-    tl.store(rank_ptr + s0[:, None] + i, (esc_before + lo_k).to(tl.int32), mask=valid)
 
 
-def unpack_groups(
+def check_groups(
     words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
-    esc_ends: torch.Tensor, n_symbols: int, esc_iter: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Decodes every packed group of every block in one launch; no sync.
+    esc_iter: int,
+) -> None:  # fmt: skip
+    """Checks every packed value of every block in one launch (status rows only); no sync.
 
     Args:
         words: int32 payload words.
@@ -192,27 +212,24 @@ def unpack_groups(
             ``TABLE_BAD`` raised to 1 where the widths do not add up to the codes' words,
             ``FAIL`` lowered to the first code above ``2 * SYMBOL_OFFSET``, ``ESC_BAD`` lowered
             to the first listed escape whose code is not 0.
-        widths: int64 [n_groups] from :func:`packed_widths`.
-        ends: int64 [n_groups] inclusive prefix sum of ``widths`` (over all blocks).
-        esc_ends: int64 [n_blocks] inclusive prefix sum of ``N_ESC``.
-        n_symbols: Symbols of all blocks (the last ``SYM_BASE`` entry).
+        widths: int16 [n_groups] from :func:`packed_widths`.
+        ends: int32 [n_groups] inclusive prefix sum of ``widths`` (over all blocks).
         esc_iter: Binary-search steps: at least ``bit_length`` of the largest ``N_ESC``.
-
-    Returns:
-        (int16 [n_symbols] symbols, ``ESCAPE_SYMBOL`` where listed; int32 [n_symbols] inclusive
-        escape count over the concatenated blocks, as ``huffman.check_escapes`` returns).
     """
-    dev = words.device
-    sym = torch.empty(n_symbols, dtype=torch.int16, device=dev)
-    rank = torch.empty(n_symbols, dtype=torch.int32, device=dev)
     n_groups = widths.shape[0]
     if n_groups:
         gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
-        _unpack_kernel[(triton.cdiv(n_groups, gb),)](
-            words, cols.cols, widths, ends, esc_ends, sym, rank, cols.stride, n_groups, nb,
-            nb.bit_length(), esc_iter, GB=gb, GROUP=_GROUP,
+        _check_groups_kernel[(triton.cdiv(n_groups, gb),)](
+            words, cols.cols, widths, ends, cols.stride, n_groups, nb, nb.bit_length(), esc_iter,
+            GB=gb, GROUP=_GROUP,
         )  # fmt: skip
-    return sym, rank
 
 
-__all__ = ["packed_checksums", "packed_widths", "unpack_groups"]
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).
+JIT_KERNELS = {
+    "checksum_kernel": _checksum_kernel,
+    "widths_kernel": _widths_kernel,
+    "check_groups_kernel": _check_groups_kernel,
+}
+
+__all__ = ["check_groups", "packed_checksums", "packed_code", "packed_symbol", "packed_widths"]

@@ -9,6 +9,8 @@ each group's words go to their offset with no sort, no atomics and no worst-case
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from torchrec_lossy.codec import decode_columns as dc
@@ -136,10 +138,10 @@ def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> to
         n_groups: Groups of all blocks.
 
     Returns:
-        int64 [n_groups] widths.
+        int16 [n_groups] widths.
     """
     if not n_groups:
-        return torch.zeros(0, dtype=torch.int64, device=words.device)
+        return torch.zeros(0, dtype=torch.int16, device=words.device)
     b, cl = _group_blocks(cols, n_groups)
     ct = cols.column(dc.CT_OFF)[b]
     word = words[ct + cl // 4].to(torch.int64) & _M32
@@ -160,49 +162,52 @@ def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> to
     bad = listed & ((pos >= n_sym[:, None]) | (pos <= prev))
     blk = b[:, None].expand_as(k)
     esc_bad.scatter_reduce_(0, blk[bad], k[bad], "amin")
-    return w
+    return w.to(torch.int16)
 
 
-def unpack_groups(
-    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
-    esc_ends: torch.Tensor, n_symbols: int, esc_iter: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Twin of ``kernels.packed.unpack_groups`` (its docstring has the contract).
+class PackedValues(NamedTuple):
+    """Every sent value of every packed block, as ``kernels.packed.packed_code`` reads them
+    ([n_groups, PACKED_GROUP] lanes)."""
+
+    block: torch.Tensor  # each lane's block
+    index: torch.Tensor  # its value in the block
+    valid: torch.Tensor  # whether it is one of the block's values
+    code: torch.Tensor  # its code
+    before: torch.Tensor  # listed escapes at or before it
+    found: torch.Tensor  # whether it is listed
+    short: torch.Tensor  # per group: the block's last, and its widths' sum is not the codes'
+
+
+def packed_values(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor
+) -> PackedValues:
+    """Every packed value's code and escape (``packed_code`` over all groups at once).
 
     Args:
         words: int32 payload words.
-        cols: The blocks' decode record (``TABLE_BAD``, ``FAIL``, ``ESC_BAD`` written).
-        widths: int64 [n_groups] widths.
-        ends: Their inclusive prefix sum.
-        esc_ends: int64 [n_blocks] inclusive prefix sum of ``N_ESC``.
-        n_symbols: Symbols of all blocks.
-        esc_iter: Binary-search steps (unused: the twin counts directly).
+        cols: The blocks' decode record.
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
 
     Returns:
-        (int16 [n_symbols] symbols, int32 [n_symbols] inclusive escape ranks).
+        The lanes (:class:`PackedValues`).
     """
     dev = words.device
-    sym_out = torch.zeros(n_symbols, dtype=torch.int16, device=dev)
-    rank_out = torch.zeros(n_symbols, dtype=torch.int32, device=dev)
     n_groups = widths.shape[0]
-    if not n_groups:
-        return sym_out, rank_out
+    w, ends = widths.to(torch.int64), ends.to(torch.int64)
     b, cl = _group_blocks(cols, n_groups)
     chunk_base = cols.column(dc.CHUNK_BASE)
     g0, g1 = chunk_base[b], chunk_base[b + 1]
-    first = ends[g0] - widths[g0]
-    off = ends - widths - first
+    first = ends[g0] - w[g0]
+    off = ends - w - first
     bs, bs_words = cols.column(dc.BS_OFF)[b], cols.column(dc.BS_WORDS)[b]
-    g = torch.arange(n_groups, device=dev)
-    short = (g == g1 - 1) & (off + widths != bs_words)
-    cols.column(dc.TABLE_BAD).scatter_reduce_(0, b[short], torch.ones_like(b[short]), "amax")
+    short = (torch.arange(n_groups, device=dev) == g1 - 1) & (off + w != bs_words)
     sym_base = cols.column(dc.SYM_BASE)
-    s0 = sym_base[b]
-    n_sym = sym_base[b + 1] - s0
+    n_sym = sym_base[b + 1] - sym_base[b]
     j = torch.arange(PACKED_GROUP, device=dev)
     i = cl[:, None] * PACKED_GROUP + j
     valid = i < n_sym[:, None]
-    wc = widths.clamp(max=32)[:, None]
+    wc = w.clamp(max=32)[:, None]
     bit = off[:, None] * 32 + j * wc
     at = bit >> 5
     lo_ok = valid & (wc > 0) & (at < bs_words[:, None])
@@ -210,41 +215,87 @@ def unpack_groups(
     lo = torch.where(lo_ok, words[torch.where(lo_ok, bs[:, None] + at, 0)], 0).to(torch.int64)
     hi = torch.where(hi_ok, words[torch.where(hi_ok, bs[:, None] + at + 1, 0)], 0).to(torch.int64)
     code = (((lo & _M32) | ((hi & _M32) << 32)) >> (bit & 31)) & ((1 << wc) - 1)
-    blk = b[:, None].expand_as(i)
-    bad = valid & (code > 2 * SYMBOL_OFFSET)
-    cols.column(dc.FAIL).scatter_reduce_(0, blk[bad], i[bad], "amin")
-    sym = unzigzag(code)
     # Escapes: listed positions <= i, counted over the block's list (the kernel searches it).
-    n_esc = cols.column(dc.N_ESC)
-    pos_at = cols.column(dc.ESC_POS_OFF)
-    cnt = torch.zeros_like(i)
+    n_esc, pos_at = cols.column(dc.N_ESC), cols.column(dc.ESC_POS_OFF)
+    before = torch.zeros_like(i)
     found = torch.zeros_like(valid)
-    for blk_id in torch.unique(b).tolist():
-        ne = int(n_esc[blk_id])
+    for blk in torch.unique(b).tolist():
+        ne, at0 = int(n_esc[blk]), int(pos_at[blk])
         if ne == 0:
             continue
-        at0 = int(pos_at[blk_id])
         pos = words[at0 : at0 + ne].to(torch.int64) & _M32
-        rows = b == blk_id
+        rows = b == blk
         c = torch.searchsorted(pos, i[rows], right=True)
-        cnt[rows] = c
+        before[rows] = c
         found[rows] = (c > 0) & (pos[(c - 1).clamp(min=0)] == i[rows])
-    found &= valid
-    esc_bad = found & (code != 0)
-    cols.column(dc.ESC_BAD).scatter_reduce_(0, blk[esc_bad], i[esc_bad], "amin")
-    sym = torch.where(found, ESCAPE_SYMBOL, sym)
-    esc_before = (esc_ends - n_esc)[b][:, None]
-    dest = (s0[:, None] + i)[valid]
-    sym_out[dest] = sym[valid].to(torch.int16)
-    rank_out[dest] = (esc_before + cnt)[valid].to(torch.int32)
+    block = b[:, None].expand_as(i)
+    return PackedValues(block, i, valid, code, before, found & valid, short)
+
+
+def check_groups(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
+    esc_iter: int,
+) -> None:  # fmt: skip
+    """Twin of ``kernels.packed.check_groups`` (its docstring has the contract).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (``TABLE_BAD``, ``FAIL``, ``ESC_BAD`` written).
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
+        esc_iter: Binary-search steps (unused: the twin counts directly).
+    """
+    if not widths.shape[0]:
+        return
+    v = packed_values(words, cols, widths, ends)
+    short_blk = v.block[:, 0][v.short]
+    cols.column(dc.TABLE_BAD).scatter_reduce_(0, short_blk, torch.ones_like(short_blk), "amax")
+    bad = v.valid & (v.code > 2 * SYMBOL_OFFSET)
+    cols.column(dc.FAIL).scatter_reduce_(0, v.block[bad], v.index[bad], "amin")
+    esc_bad = v.found & (v.code != 0)
+    cols.column(dc.ESC_BAD).scatter_reduce_(0, v.block[esc_bad], v.index[esc_bad], "amin")
+
+
+def symbols_and_ranks(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed blocks' sent symbols and escape ranks, as a Huffman decode gives them
+    (``quantize_ref.decode_packed_outputs`` feeds them to ``decode_outputs``).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record.
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
+
+    Returns:
+        (int16 symbols, ``ESCAPE_SYMBOL`` where listed; int32 inclusive escape ranks), over
+        ``SYM_BASE``'s total.
+    """
+    sym_base = cols.column(dc.SYM_BASE)
+    n = int(sym_base[-1])
+    sym_out = torch.zeros(max(n, 1), dtype=torch.int16, device=words.device)
+    rank_out = torch.zeros(max(n, 1), dtype=torch.int32, device=words.device)
+    if not widths.shape[0]:
+        return sym_out, rank_out
+    v = packed_values(words, cols, widths, ends)
+    sym = torch.where(v.found, ESCAPE_SYMBOL, unzigzag(v.code))
+    n_esc = cols.column(dc.N_ESC)
+    esc_before = (torch.cumsum(n_esc, 0) - n_esc)[v.block]
+    dest = (sym_base[v.block] + v.index)[v.valid]
+    sym_out[dest] = sym[v.valid].to(torch.int16)
+    rank_out[dest] = (esc_before + v.before)[v.valid].to(torch.int32)
     return sym_out, rank_out
 
 
 __all__ = [
+    "PackedValues",
+    "check_groups",
     "pack_codes",
     "packed_checksums",
+    "packed_values",
     "packed_widths",
     "segment_checksum",
+    "symbols_and_ranks",
     "unpack_codes",
-    "unpack_groups",
 ]

@@ -33,7 +33,7 @@ from torchrec_lossy.codec.container import (
     upload,
 )
 from torchrec_lossy.codec.decode_columns import DecodeColumns
-from torchrec_lossy.codec.device_packed_decode import decode_symbols, is_packed
+from torchrec_lossy.codec.device_packed_decode import decode_packed, is_packed
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
@@ -303,25 +303,26 @@ def _decode_symbols(
 
 def _decode_packed(
     words: torch.Tensor, d: DecodeColumns, lay: _Layout, k: KernelSet
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Vector references, then the packed blocks' symbols, escape ranks and status
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vector references, then every block decoded and every packed block checked
     (``device_packed_decode``).
 
     Returns:
-        (vector ids, int16 symbols, int32 escape ranks, int32 status per block; a 1-element
-        dummy where there are no ids or symbols).
+        (int32 output words, int32 status per block).
     """
-    dummy = torch.zeros(1, dtype=torch.int32, device=words.device)
-    n_ids, total_sym = int(lay.rows[lay.ref_mode >= 0].sum()), int(lay.n_sym.sum())
+    n_ids = int(lay.rows[lay.ref_mode >= 0].sum())
     n_fixed_rows = int(lay.rows[lay.ref_mode == REFS_FIXED].sum())
     ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, n_fixed_rows)
+    if not n_ids:
+        ids = torch.zeros(1, dtype=torch.int32, device=words.device)
+    totals = (
+        int(lay.n_chunks.sum()),
+        int(lay.n_esc.max(initial=0)),
+        int(lay.out_words.sum()),
+        int(lay.n_out.sum()),
+    )
     packed = is_packed(lay.mode).astype(np.int64)
-    ranges = (lay.cb_off, lay.bs_off + lay.bs_words, packed)
-    totals = (int(lay.n_chunks.sum()), total_sym, int(lay.n_esc.max(initial=0)))
-    symbols, rank, codes = decode_symbols(words, d, k, ranges, totals)
-    if not total_sym:
-        symbols, rank = dummy.view(torch.int16), dummy
-    return ids if n_ids else dummy, symbols, rank, codes
+    return decode_packed(words, d, k, ids, (lay.cb_off, lay.bs_off + lay.bs_words, packed, totals))
 
 
 def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
@@ -353,17 +354,16 @@ def _decode_on_device(
     """
     d = _upload(layout, payload.device)
     words = _words(payload)
-    packed_codes = None
     if is_packed(layout.mode).any():
-        ids, symbols, rank, packed_codes = _decode_packed(words, d, layout, k)
+        out, codes = _decode_packed(words, d, layout, k)
     else:
         ids, symbols, rank = _decode_symbols(words, d, layout, k)
-    n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
-    out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
-    # What decoding itself can find wrong: references out of range, bad streams.
-    codes = packed_codes
-    if codes is None and ((layout.ref_mode >= 0).any() or layout.has_stream.any()):
-        codes = k.huffman.block_status(d, rank)
+        n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
+        out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
+        codes = None
+        # What decoding itself can find wrong: references out of range, bad streams.
+        if (layout.ref_mode >= 0).any() or layout.has_stream.any():
+            codes = k.huffman.block_status(d, rank)
     if codes is not None and not defer_status:  # sync 2: every decode error of every block
         raise_status(host_sync.to_host(codes, "decompress"))
     return _block_views(out, layout), codes, out

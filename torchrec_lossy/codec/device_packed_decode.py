@@ -3,9 +3,9 @@
 ``device_decompress`` lays out a payload's blocks as for the entropy format (``format.
 segment_layout`` knows packed segments: the width bytes where the chunk table is, the codes
 where the bitstream is); for packed blocks these stages replace the Huffman ones: three launches
-(segment checksums, widths, groups) and a few ops over per-block and per-group tensors give
-every sent symbol and its escape rank, ready for ``quantize.decode_outputs``, and each block's
-status in the CPU decoder's order.
+check every block (segment checksums, widths and escape lists, every code) and the output
+kernel decodes each element from its code in the payload (``quantize.decode_packed_outputs``:
+no symbol stream in between); each block's status comes in the CPU decoder's order.
 """
 
 from __future__ import annotations
@@ -66,42 +66,42 @@ def checksum_tiles(
     return np.stack([start[owner] + j0, j0, n], axis=1), owner
 
 
-def decode_symbols(
+def decode_packed(
     words: torch.Tensor,
     d: DecodeColumns,
     k: KernelSet,
-    ranges: tuple[np.ndarray, np.ndarray, np.ndarray],
-    totals: tuple[int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checks and decodes every packed block's sent symbols.
+    ids: torch.Tensor,
+    layout: tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks every packed block and decodes every block's elements (four launches).
 
     Args:
         words: int32 payload words.
         d: The blocks' decode record (its status rows written).
         k: The kernel set.
-        ranges: Per block (host int64): the first word after its segment header, its
-            segment's end, and 1 where it is packed.
-        totals: (groups, symbols of all blocks, the most escapes of a block).
+        ids: Vector ids of the LZ blocks' rows (a 1-element dummy if none).
+        layout: Per block (host int64): the first word after its segment header, its
+            segment's end, 1 where it is packed; then (groups of all blocks, the most escapes
+            of a block, words of the output, elements of the output).
 
     Returns:
-        (int16 symbols, int32 inclusive escape ranks, int32 [n_blocks] status codes).
+        (int32 output words as ``quantize.decode_outputs`` gives them, int32 [n_blocks]
+        status codes).
     """
-    start, end, packed = ranges
-    n_groups, n_symbols, max_esc = totals
+    start, end, packed, (n_groups, max_esc, n_out_words, n_elements) = layout
     tiles, owner = checksum_tiles(start[packed == 1], end[packed == 1])
     blocks = np.flatnonzero(packed)[owner]
     tile_t, blk_t = upload([tiles.reshape(-1), blocks], words.device)
     parts = k.packed.packed_checksums(words, tile_t.view(-1, 3), CHECKSUM_TILE)
-    sums = torch.zeros(d.n_blocks, dtype=torch.int64, device=words.device).index_add_(
-        0, blk_t, parts
-    )
+    sums = torch.zeros(d.n_blocks, dtype=torch.int64, device=words.device)
+    sums.index_add_(0, blk_t, parts)
     widths = k.packed.packed_widths(words, d, n_groups)
-    ends = torch.cumsum(widths, 0)
-    esc_ends = torch.cumsum(d.column(dc.N_ESC), 0)
-    symbols, rank = k.packed.unpack_groups(
-        words, d, widths, ends, esc_ends, n_symbols, max(int(max_esc).bit_length(), 1)
-    )
-    return symbols, rank, packed_status(d, sums)
+    ends = torch.cumsum(widths, 0, dtype=torch.int32)  # < 2**31: 12 bits per value at most
+    esc_iter = max(int(max_esc).bit_length(), 1)
+    k.packed.check_groups(words, d, widths, ends, esc_iter)
+    sizes = (n_out_words, n_elements)
+    out = k.quantize.decode_packed_outputs(words, d, ids, widths, ends, sizes, esc_iter)
+    return out, packed_status(d, sums)
 
 
 def packed_status(d: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
@@ -127,4 +127,4 @@ def packed_status(d: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
     return torch.where(d.column(dc.REFS_BAD) != 0, REFS_OUT_OF_RANGE, code).to(torch.int32)
 
 
-__all__ = ["CHECKSUM_TILE", "checksum_tiles", "decode_symbols", "is_packed", "packed_status"]
+__all__ = ["CHECKSUM_TILE", "checksum_tiles", "decode_packed", "is_packed", "packed_status"]
