@@ -118,6 +118,7 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.in_kernel = 0
         self.counts: collections.Counter[str] = collections.Counter()
+        self.names: collections.Counter[str] = collections.Counter()  # ops by name
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -126,6 +127,7 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.in_kernel and func.overloadpacket.__name__ not in _VIEWS:
             self.counts["ops"] += 1
+            self.names[func.overloadpacket.__name__] += 1
             leaves = tree_leaves((args, kwargs or {})) + tree_leaves(out)
             self.counts["bytes"] += sum(_nbytes(x) for x in leaves)
         return out

@@ -59,6 +59,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("packed", "widths_kernel", "*i32 *i64 *i16 i32 i32 i32 i32", {"GB": 32, "GROUP": 32}, {}),
     ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
+    ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]

@@ -3,7 +3,8 @@ block in three launches, no sort, no host read, no per-value buffer.
 
 :func:`packed_checksums` sums each packed segment's words in tiles (per-tile partials, no
 atomics); :func:`packed_widths` reads every group's width byte and checks the escape lists;
-:func:`check_groups` checks every sent value's code and escape. :func:`packed_code` (a value's
+:func:`check_groups` checks every sent value's code and escape; :func:`packed_status` gives
+each block's status. :func:`packed_code` (a value's
 code at its group's offset, a prefix sum of the widths, and its escape by a binary search of
 the block's positions) is what ``quantize.decode_packed_outputs`` decodes each output element
 with. Torch twins: ``kernels/packed_ref.py``; the stages: docs/kernels.md, "The packed format
@@ -19,6 +20,7 @@ import triton.language as tl
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
 from torchrec_lossy.kernels.common import find_segment
 
 _GROUP: tl.constexpr = tl.constexpr(wire.PACKED_GROUP)
@@ -26,6 +28,12 @@ _MAX_WIDTH: tl.constexpr = tl.constexpr(wire.PACKED_MAX_WIDTH)
 _MAX_CODE: tl.constexpr = tl.constexpr(2 * wire.SYMBOL_OFFSET)
 _OFFSET: tl.constexpr = tl.constexpr(wire.SYMBOL_OFFSET)
 _ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)
+_NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
+_BAD_REFS: tl.constexpr = tl.constexpr(wire.REFS_OUT_OF_RANGE)
+_BAD_CHECKSUM: tl.constexpr = tl.constexpr(wire.DECODE_BAD_CHECKSUM)
+_BAD_WIDTH: tl.constexpr = tl.constexpr(wire.DECODE_BAD_WIDTH)
+_BAD_CODE: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_CODE)
+_BAD_ESCAPES: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_ESCAPES)
 _GROUPS_PER_PROGRAM = 32  # groups of one program (32 x 32 lanes)
 
 
@@ -225,11 +233,62 @@ def check_groups(
         )  # fmt: skip
 
 
+@triton.jit
+def _status_kernel(cols_ptr, sums_ptr, code_ptr, stride, n_blocks, BLOCK: tl.constexpr):
+    # Per block, the CPU decoder's order: references, checksum, widths, a code, the escapes.
+    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = b < n_blocks
+    lo = tl.load(cols_ptr + dc.SYM_LO * stride + b, mask=mask, other=0)
+    count = tl.load(cols_ptr + dc.SYM_COUNT * stride + b, mask=mask, other=0)
+    sums = tl.load(sums_ptr + b, mask=mask, other=0) & 0xFFFFFFFF
+    esc_bad = tl.load(cols_ptr + dc.ESC_BAD * stride + b, mask=mask, other=_NO_FAIL)
+    fail = tl.load(cols_ptr + dc.FAIL * stride + b, mask=mask, other=_NO_FAIL)
+    table_bad = tl.load(cols_ptr + dc.TABLE_BAD * stride + b, mask=mask, other=0)
+    has_stream = tl.load(cols_ptr + dc.HAS_STREAM * stride + b, mask=mask, other=0)
+    refs_bad = tl.load(cols_ptr + dc.REFS_BAD * stride + b, mask=mask, other=0)
+    code = tl.where(esc_bad != _NO_FAIL, _BAD_ESCAPES, 0)
+    code = tl.where(fail != _NO_FAIL, _BAD_CODE, code)
+    code = tl.where(table_bad != 0, _BAD_WIDTH, code)
+    code = tl.where(sums != (lo | (count << 16)), _BAD_CHECKSUM, code)
+    code = tl.where(has_stream != 0, code, 0)
+    code = tl.where(refs_bad != 0, _BAD_REFS, code)
+    tl.store(code_ptr + b, code.to(tl.int32), mask=mask)
+
+
+def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
+    """Each packed block's status in the CPU decoder's order (``packed.decode_stream``): its
+    references, then its checksum, its widths, a code, its escapes; one launch, no sync.
+
+    Args:
+        cols: The decode record after the packed stages; read: ``SYM_LO`` / ``SYM_COUNT``
+            (the stored checksum), the status rows ``REFS_BAD``, ``TABLE_BAD``, ``FAIL``,
+            ``ESC_BAD``, and ``HAS_STREAM``.
+        sums: int64 [n_blocks] checksums of the segments' words (low 32 bits compared).
+
+    Returns:
+        int32 [n_blocks]: 0, ``REFS_OUT_OF_RANGE`` or a packed ``DECODE_*`` code.
+    """
+    n = cols.n_blocks
+    out = torch.empty(n, dtype=torch.int32, device=sums.device)
+    if n:
+        block = block_for(n, 1024)
+        _status_kernel[(triton.cdiv(n, block),)](cols.cols, sums, out, cols.stride, n, BLOCK=block)
+    return out
+
+
 # The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).
 JIT_KERNELS = {
     "checksum_kernel": _checksum_kernel,
     "widths_kernel": _widths_kernel,
     "check_groups_kernel": _check_groups_kernel,
+    "status_kernel": _status_kernel,
 }
 
-__all__ = ["check_groups", "packed_checksums", "packed_code", "packed_symbol", "packed_widths"]
+__all__ = [
+    "check_groups",
+    "packed_checksums",
+    "packed_code",
+    "packed_status",
+    "packed_symbol",
+    "packed_widths",
+]

@@ -16,13 +16,19 @@ import torch
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
+    DECODE_BAD_CHECKSUM,
+    DECODE_BAD_PACKED_CODE,
+    DECODE_BAD_PACKED_ESCAPES,
+    DECODE_BAD_WIDTH,
     ESCAPE_SYMBOL,
     PACKED_GROUP,
     PACKED_MAX_WIDTH,
+    REFS_OUT_OF_RANGE,
     SYMBOL_OFFSET,
     unzigzag,
     zigzag,
 )
+from torchrec_lossy.codec.launch_tables import NO_FAILURE
 
 _M32 = 0xFFFFFFFF
 
@@ -288,11 +294,35 @@ def symbols_and_ranks(
     return sym_out, rank_out
 
 
+def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_status``: each packed block's status in the CPU
+    decoder's order: its references, then its checksum, its widths, a code, its escapes.
+
+    Args:
+        cols: The decode record after the packed stages (status rows ``REFS_BAD``, ``TABLE_BAD``,
+            ``FAIL``, ``ESC_BAD``).
+        sums: int64 [n_blocks] checksums of the segments' words (low 32 bits compared with the
+            header's ``sym_lo | sym_count << 16``).
+
+    Returns:
+        int32 [n_blocks]: 0, ``REFS_OUT_OF_RANGE`` or a packed ``DECODE_*`` code (0 for blocks
+        without codes).
+    """
+    stored = cols.column(dc.SYM_LO) | (cols.column(dc.SYM_COUNT) << 16)
+    code = torch.where(cols.column(dc.ESC_BAD) != NO_FAILURE, DECODE_BAD_PACKED_ESCAPES, 0)
+    code = torch.where(cols.column(dc.FAIL) != NO_FAILURE, DECODE_BAD_PACKED_CODE, code)
+    code = torch.where(cols.column(dc.TABLE_BAD) != 0, DECODE_BAD_WIDTH, code)
+    code = torch.where((sums & _M32) != stored, DECODE_BAD_CHECKSUM, code)
+    code = torch.where(cols.column(dc.HAS_STREAM) != 0, code, 0)
+    return torch.where(cols.column(dc.REFS_BAD) != 0, REFS_OUT_OF_RANGE, code).to(torch.int32)
+
+
 __all__ = [
     "PackedValues",
     "check_groups",
     "pack_codes",
     "packed_checksums",
+    "packed_status",
     "packed_values",
     "packed_widths",
     "segment_checksum",

@@ -13,22 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec.container import upload
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
-    DECODE_BAD_CHECKSUM,
-    DECODE_BAD_PACKED_CODE,
-    DECODE_BAD_PACKED_ESCAPES,
-    DECODE_BAD_WIDTH,
     MODE_PACKED,
-    REFS_OUT_OF_RANGE,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet
-from torchrec_lossy.codec.launch_tables import NO_FAILURE
 
 CHECKSUM_TILE = 1024  # words per checksum program
-_MASK32 = 0xFFFFFFFF
 
 
 def is_packed(mode: np.ndarray) -> np.ndarray:
@@ -66,14 +58,37 @@ def checksum_tiles(
     return np.stack([start[owner] + j0, j0, n], axis=1), owner
 
 
+def range_checksums(
+    words: torch.Tensor, k: KernelSet, start: np.ndarray, end: np.ndarray
+) -> torch.Tensor:
+    """``sum_j w_j (2 j + 1)`` over word ranges, wrapping in int64 (a payload's checksum, or a
+    packed segment's in its low 32 bits): one launch of tiled partial sums.
+
+    Args:
+        words: int32 payload words.
+        k: The kernel set.
+        start: int64 [n] first word of each range (host).
+        end: int64 [n] its end.
+
+    Returns:
+        int64 [n] sums on ``words``' device.
+    """
+    tiles, owner = checksum_tiles(start, end)
+    tile_t, owner_t = upload([tiles.reshape(-1), owner], words.device)
+    parts = k.packed.packed_checksums(words, tile_t.view(-1, 3), CHECKSUM_TILE)
+    sums = torch.zeros(start.shape[0], dtype=torch.int64, device=words.device)
+    return sums.index_add_(0, owner_t, parts)
+
+
 def decode_packed(
     words: torch.Tensor,
     d: DecodeColumns,
     k: KernelSet,
     ids: torch.Tensor,
     layout: tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks every packed block and decodes every block's elements (four launches).
+    extra: tuple[np.ndarray, np.ndarray],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks every packed block and decodes every block's elements (five launches).
 
     Args:
         words: int32 payload words.
@@ -83,48 +98,29 @@ def decode_packed(
         layout: Per block (host int64): the first word after its segment header, its
             segment's end, 1 where it is packed; then (groups of all blocks, the most escapes
             of a block, words of the output, elements of the output).
+        extra: (starts, ends) of more word ranges to sum in the same launch (the payloads'
+            bodies, whose checksums a skeleton-mode decode checks; empty arrays for none).
 
     Returns:
         (int32 output words as ``quantize.decode_outputs`` gives them, int32 [n_blocks]
-        status codes).
+        status codes, int64 sums of the ``extra`` ranges).
     """
     start, end, packed, (n_groups, max_esc, n_out_words, n_elements) = layout
-    tiles, owner = checksum_tiles(start[packed == 1], end[packed == 1])
-    blocks = np.flatnonzero(packed)[owner]
-    tile_t, blk_t = upload([tiles.reshape(-1), blocks], words.device)
-    parts = k.packed.packed_checksums(words, tile_t.view(-1, 3), CHECKSUM_TILE)
-    sums = torch.zeros(d.n_blocks, dtype=torch.int64, device=words.device)
-    sums.index_add_(0, blk_t, parts)
+    blocks = np.flatnonzero(packed)
+    n_extra = extra[0].shape[0]
+    sums = range_checksums(
+        words, k, np.concatenate([extra[0], start[blocks]]), np.concatenate([extra[1], end[blocks]])
+    )
+    block_sums = torch.zeros(d.n_blocks, dtype=torch.int64, device=words.device)
+    (blocks_t,) = upload([blocks], words.device)
+    block_sums[blocks_t] = sums[n_extra:]
     widths = k.packed.packed_widths(words, d, n_groups)
     ends = torch.cumsum(widths, 0, dtype=torch.int32)  # < 2**31: 12 bits per value at most
     esc_iter = max(int(max_esc).bit_length(), 1)
     k.packed.check_groups(words, d, widths, ends, esc_iter)
     sizes = (n_out_words, n_elements)
     out = k.quantize.decode_packed_outputs(words, d, ids, widths, ends, sizes, esc_iter)
-    return out, packed_status(d, sums)
+    return out, k.packed.packed_status(d, block_sums), sums[:n_extra]
 
 
-def packed_status(d: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
-    """Each packed block's status in the CPU decoder's order: its references, then its
-    checksum, its widths, a code, its escapes (``packed.decode_stream``).
-
-    Args:
-        d: The decode record after the packed stages (status rows ``REFS_BAD``, ``TABLE_BAD``,
-            ``FAIL``, ``ESC_BAD``).
-        sums: int64 [n_blocks] checksums of the segments' words (low 32 bits compared with the
-            header's ``sym_lo | sym_count << 16``).
-
-    Returns:
-        int32 [n_blocks]: 0, ``REFS_OUT_OF_RANGE`` or a packed ``DECODE_*`` code (0 for blocks
-        without codes).
-    """
-    stored = d.column(dc.SYM_LO) | (d.column(dc.SYM_COUNT) << 16)
-    code = torch.where(d.column(dc.ESC_BAD) != NO_FAILURE, DECODE_BAD_PACKED_ESCAPES, 0)
-    code = torch.where(d.column(dc.FAIL) != NO_FAILURE, DECODE_BAD_PACKED_CODE, code)
-    code = torch.where(d.column(dc.TABLE_BAD) != 0, DECODE_BAD_WIDTH, code)
-    code = torch.where((sums & _MASK32) != stored, DECODE_BAD_CHECKSUM, code)
-    code = torch.where(d.column(dc.HAS_STREAM) != 0, code, 0)
-    return torch.where(d.column(dc.REFS_BAD) != 0, REFS_OUT_OF_RANGE, code).to(torch.int32)
-
-
-__all__ = ["CHECKSUM_TILE", "checksum_tiles", "decode_packed", "is_packed", "packed_status"]
+__all__ = ["CHECKSUM_TILE", "checksum_tiles", "decode_packed", "is_packed", "range_checksums"]
