@@ -34,7 +34,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
@@ -108,7 +107,14 @@ class Cost:
 
 
 def _nbytes(t: object) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    """Bytes of a tensor's elements, of every tensor in a tuple, list or dict; else 0."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (tuple, list)):
+        return sum(_nbytes(x) for x in t)
+    if isinstance(t, dict):
+        return sum(_nbytes(x) for x in t.values())
+    return 0
 
 
 class _Counter(TorchDispatchMode):
@@ -128,8 +134,7 @@ class _Counter(TorchDispatchMode):
         if not self.in_kernel and func.overloadpacket.__name__ not in _VIEWS:
             self.counts["ops"] += 1
             self.names[func.overloadpacket.__name__] += 1
-            leaves = tree_leaves((args, kwargs or {})) + tree_leaves(out)
-            self.counts["bytes"] += sum(_nbytes(x) for x in leaves)
+            self.counts["bytes"] += _nbytes((args, kwargs or {}, out))
         return out
 
 
@@ -147,7 +152,7 @@ def counting() -> Iterator[_Counter]:
 
     def run(self, *args: Any, grid: Any, warmup: Any, **kw: Any) -> Any:
         counter.counts["launches"] += 1
-        counter.counts["bytes"] += sum(_nbytes(a) for a in (*args, *kw.values()))
+        counter.counts["bytes"] += _nbytes((args, kw))
         counter.in_kernel += 1
         try:
             return orig(self, *args, grid=grid, warmup=warmup, **kw)
