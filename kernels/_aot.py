@@ -20,7 +20,7 @@ import sys
 import traceback
 from typing import Any
 
-MODULES = ("common", "quantize", "vector_lz", "huffman", "codebook")
+MODULES = ("common", "quantize", "vector_lz", "huffman", "codebook", "packed")
 NO_FMA = {"num_warps": 8, "enable_fp_fusion": False}
 
 # (module, kernel, runtime argument types in argument order, constexpr variants, options).
@@ -31,8 +31,9 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("common", "scan_partials_kernel", "*{t} i32", {"OP": "ops", "BLOCK": 1024}, {"num_warps": 4}),
     ("common", "scan_apply_kernel", "*{t} *{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
     ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *i64", {"BLOCK": 4096}, NO_FMA),
-    ("quantize", "decode_output_kernel", "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32",
-     {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": False}),
+    ("quantize", "decode_output_kernel",
+     "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32 i32",
+     {"BLOCK": 1024, "PACKED": (True, False)}, {"num_warps": 4, "enable_fp_fusion": False}),
     ("vector_lz", "row_hash_kernel", "*i16 *i32 *i64 *i64 *i64 *i64 i32",
      {"RAW": (True, False), "BLOCK_R": 64, "BLOCK_D": 32}, {}),
     ("vector_lz", "verify_kernel", "*i16 *i32 *i64 *i32 *i32 *i64 *i64 i32",
@@ -54,6 +55,11 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("codebook", "code_lengths_kernel", "*i64 *i64 *i64 *i64 *i32 *i32", {"BLOCK": 1024},
      {"num_warps": 1}),
     ("codebook", "decode_table_kernel", "*i32 *i64 i32 *i32 *i32", {}, {"num_warps": 8}),
+    ("packed", "checksum_kernel", "*i32 *i64 *i64", {"TILE": 1024}, {}),
+    ("packed", "widths_kernel", "*i32 *i64 *i16 i32 i32 i32 i32", {"GB": 32, "GROUP": 32}, {}),
+    ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
+     {"GB": 32, "GROUP": 32}, {}),
+    ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]

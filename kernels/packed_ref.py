@@ -1,4 +1,5 @@
-"""Torch twin of the packed format's coded values (docs/format.md, "Packed segments").
+"""Torch twin of the packed format's coded values (docs/format.md, "Packed segments"), and of
+``kernels/packed.py``'s decode launchers (same names, signatures and outputs bit for bit).
 
 The oracle of ``codec/packed.py``'s numba stream (``put_stream`` / ``decode_stream``, the host
 path) and the statement a device kernel follows: every step is element-wise or per group of
@@ -8,14 +9,26 @@ each group's words go to their offset with no sort, no atomics and no worst-case
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
+    DECODE_BAD_CHECKSUM,
+    DECODE_BAD_PACKED_CODE,
+    DECODE_BAD_PACKED_ESCAPES,
+    DECODE_BAD_WIDTH,
     ESCAPE_SYMBOL,
     PACKED_GROUP,
+    PACKED_MAX_WIDTH,
+    REFS_OUT_OF_RANGE,
+    SYMBOL_OFFSET,
     unzigzag,
     zigzag,
 )
+from torchrec_lossy.codec.launch_tables import NO_FAILURE
 
 _M32 = 0xFFFFFFFF
 
@@ -93,4 +106,226 @@ def segment_checksum(words: torch.Tensor) -> int:
     return int(((words * (2 * j + 1)) & _M32).sum() & _M32)
 
 
-__all__ = ["pack_codes", "segment_checksum", "unpack_codes"]
+# ---- twins of kernels/packed.py's decode launchers ---------------------------------------------
+
+
+def packed_checksums(words: torch.Tensor, tiles: torch.Tensor, tile: int) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_checksums``.
+
+    Args:
+        words: int32 payload words.
+        tiles: int64 [n_tiles, 3] (first word, its index in its segment, words <= ``tile``).
+        tile: Words per tile.
+
+    Returns:
+        int64 [n_tiles] partial sums (wrapping).
+    """
+    lane = torch.arange(tile, device=words.device)
+    mask = lane[None, :] < tiles[:, 2:3]
+    at = torch.where(mask, tiles[:, :1] + lane, 0)
+    w = words[at].to(torch.int64) & _M32
+    return torch.where(mask, w * (2 * (tiles[:, 1:2] + lane) + 1), 0).sum(dim=1)
+
+
+def _group_blocks(cols: DecodeColumns, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per global group, its block and its index in the block."""
+    chunk_base = cols.column(dc.CHUNK_BASE)
+    g = torch.arange(n_groups, device=chunk_base.device)
+    b = (torch.searchsorted(chunk_base, g, right=True) - 1).clamp(0, cols.n_blocks - 1)
+    return b, g - chunk_base[b]
+
+
+def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_widths`` (its docstring has the contract).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (``TABLE_BAD`` and ``ESC_BAD`` written).
+        n_groups: Groups of all blocks.
+
+    Returns:
+        int16 [n_groups] widths.
+    """
+    if not n_groups:
+        return torch.zeros(0, dtype=torch.int16, device=words.device)
+    b, cl = _group_blocks(cols, n_groups)
+    ct = cols.column(dc.CT_OFF)[b]
+    word = words[ct + cl // 4].to(torch.int64) & _M32
+    w = (word >> ((cl % 4) * 8)) & 0xFF
+    table_bad, esc_bad = cols.column(dc.TABLE_BAD), cols.column(dc.ESC_BAD)
+    over = w > PACKED_MAX_WIDTH
+    table_bad.scatter_reduce_(0, b[over], torch.ones_like(b[over]), "amax")
+    sym_base = cols.column(dc.SYM_BASE)
+    n_sym = (sym_base[1:] - sym_base[:-1])[b]
+    n_esc, pos_at = cols.column(dc.N_ESC)[b], cols.column(dc.ESC_POS_OFF)[b]
+    k = cl[:, None] * PACKED_GROUP + torch.arange(PACKED_GROUP, device=words.device)
+    listed = k < n_esc[:, None]
+    pos = torch.where(listed, words[torch.where(listed, pos_at[:, None] + k, 0)], 0)
+    before = listed & (k > 0)
+    prev = words[torch.where(before, pos_at[:, None] + k - 1, 0)].to(torch.int64) & _M32
+    prev = torch.where(before, prev, -1)
+    pos = pos.to(torch.int64) & _M32
+    bad = listed & ((pos >= n_sym[:, None]) | (pos <= prev))
+    blk = b[:, None].expand_as(k)
+    esc_bad.scatter_reduce_(0, blk[bad], k[bad], "amin")
+    return w.to(torch.int16)
+
+
+class PackedValues(NamedTuple):
+    """Every sent value of every packed block, as ``kernels.packed.packed_code`` reads them
+    ([n_groups, PACKED_GROUP] lanes)."""
+
+    block: torch.Tensor  # each lane's block
+    index: torch.Tensor  # its value in the block
+    valid: torch.Tensor  # whether it is one of the block's values
+    code: torch.Tensor  # its code
+    before: torch.Tensor  # listed escapes at or before it
+    found: torch.Tensor  # whether it is listed
+    short: torch.Tensor  # per group: the block's last, and its widths' sum is not the codes'
+
+
+def packed_values(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor
+) -> PackedValues:
+    """Every packed value's code and escape (``packed_code`` over all groups at once).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record.
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
+
+    Returns:
+        The lanes (:class:`PackedValues`).
+    """
+    dev = words.device
+    n_groups = widths.shape[0]
+    w, ends = widths.to(torch.int64), ends.to(torch.int64)
+    b, cl = _group_blocks(cols, n_groups)
+    chunk_base = cols.column(dc.CHUNK_BASE)
+    g0, g1 = chunk_base[b], chunk_base[b + 1]
+    first = ends[g0] - w[g0]
+    off = ends - w - first
+    bs, bs_words = cols.column(dc.BS_OFF)[b], cols.column(dc.BS_WORDS)[b]
+    short = (torch.arange(n_groups, device=dev) == g1 - 1) & (off + w != bs_words)
+    sym_base = cols.column(dc.SYM_BASE)
+    n_sym = sym_base[b + 1] - sym_base[b]
+    j = torch.arange(PACKED_GROUP, device=dev)
+    i = cl[:, None] * PACKED_GROUP + j
+    valid = i < n_sym[:, None]
+    wc = w.clamp(max=32)[:, None]
+    bit = off[:, None] * 32 + j * wc
+    at = bit >> 5
+    lo_ok = valid & (wc > 0) & (at < bs_words[:, None])
+    hi_ok = valid & (wc > 0) & (at + 1 < bs_words[:, None])
+    lo = torch.where(lo_ok, words[torch.where(lo_ok, bs[:, None] + at, 0)], 0).to(torch.int64)
+    hi = torch.where(hi_ok, words[torch.where(hi_ok, bs[:, None] + at + 1, 0)], 0).to(torch.int64)
+    code = (((lo & _M32) | ((hi & _M32) << 32)) >> (bit & 31)) & ((1 << wc) - 1)
+    # Escapes: listed positions <= i, counted over the block's list (the kernel searches it).
+    n_esc, pos_at = cols.column(dc.N_ESC), cols.column(dc.ESC_POS_OFF)
+    before = torch.zeros_like(i)
+    found = torch.zeros_like(valid)
+    for blk in torch.unique(b).tolist():
+        ne, at0 = int(n_esc[blk]), int(pos_at[blk])
+        if ne == 0:
+            continue
+        pos = words[at0 : at0 + ne].to(torch.int64) & _M32
+        rows = b == blk
+        c = torch.searchsorted(pos, i[rows], right=True)
+        before[rows] = c
+        found[rows] = (c > 0) & (pos[(c - 1).clamp(min=0)] == i[rows])
+    block = b[:, None].expand_as(i)
+    return PackedValues(block, i, valid, code, before, found & valid, short)
+
+
+def check_groups(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
+    esc_iter: int,
+) -> None:  # fmt: skip
+    """Twin of ``kernels.packed.check_groups`` (its docstring has the contract).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (``TABLE_BAD``, ``FAIL``, ``ESC_BAD`` written).
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
+        esc_iter: Binary-search steps (unused: the twin counts directly).
+    """
+    if not widths.shape[0]:
+        return
+    v = packed_values(words, cols, widths, ends)
+    short_blk = v.block[:, 0][v.short]
+    cols.column(dc.TABLE_BAD).scatter_reduce_(0, short_blk, torch.ones_like(short_blk), "amax")
+    bad = v.valid & (v.code > 2 * SYMBOL_OFFSET)
+    cols.column(dc.FAIL).scatter_reduce_(0, v.block[bad], v.index[bad], "amin")
+    esc_bad = v.found & (v.code != 0)
+    cols.column(dc.ESC_BAD).scatter_reduce_(0, v.block[esc_bad], v.index[esc_bad], "amin")
+
+
+def symbols_and_ranks(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed blocks' sent symbols and escape ranks, as a Huffman decode gives them
+    (``quantize_ref.decode_packed_outputs`` feeds them to ``decode_outputs``).
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record.
+        widths: int16 [n_groups] widths.
+        ends: int32 [n_groups] their inclusive prefix sum.
+
+    Returns:
+        (int16 symbols, ``ESCAPE_SYMBOL`` where listed; int32 inclusive escape ranks), over
+        ``SYM_BASE``'s total.
+    """
+    sym_base = cols.column(dc.SYM_BASE)
+    n = int(sym_base[-1])
+    sym_out = torch.zeros(max(n, 1), dtype=torch.int16, device=words.device)
+    rank_out = torch.zeros(max(n, 1), dtype=torch.int32, device=words.device)
+    if not widths.shape[0]:
+        return sym_out, rank_out
+    v = packed_values(words, cols, widths, ends)
+    sym = torch.where(v.found, ESCAPE_SYMBOL, unzigzag(v.code))
+    n_esc = cols.column(dc.N_ESC)
+    esc_before = (torch.cumsum(n_esc, 0) - n_esc)[v.block]
+    dest = (sym_base[v.block] + v.index)[v.valid]
+    sym_out[dest] = sym[v.valid].to(torch.int16)
+    rank_out[dest] = (esc_before + v.before)[v.valid].to(torch.int32)
+    return sym_out, rank_out
+
+
+def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.packed.packed_status``: each packed block's status in the CPU
+    decoder's order: its references, then its checksum, its widths, a code, its escapes.
+
+    Args:
+        cols: The decode record after the packed stages (status rows ``REFS_BAD``, ``TABLE_BAD``,
+            ``FAIL``, ``ESC_BAD``).
+        sums: int64 [n_blocks] checksums of the segments' words (low 32 bits compared with the
+            header's ``sym_lo | sym_count << 16``).
+
+    Returns:
+        int32 [n_blocks]: 0, ``REFS_OUT_OF_RANGE`` or a packed ``DECODE_*`` code (0 for blocks
+        without codes).
+    """
+    stored = cols.column(dc.SYM_LO) | (cols.column(dc.SYM_COUNT) << 16)
+    code = torch.where(cols.column(dc.ESC_BAD) != NO_FAILURE, DECODE_BAD_PACKED_ESCAPES, 0)
+    code = torch.where(cols.column(dc.FAIL) != NO_FAILURE, DECODE_BAD_PACKED_CODE, code)
+    code = torch.where(cols.column(dc.TABLE_BAD) != 0, DECODE_BAD_WIDTH, code)
+    code = torch.where((sums & _M32) != stored, DECODE_BAD_CHECKSUM, code)
+    code = torch.where(cols.column(dc.HAS_STREAM) != 0, code, 0)
+    return torch.where(cols.column(dc.REFS_BAD) != 0, REFS_OUT_OF_RANGE, code).to(torch.int32)
+
+
+__all__ = [
+    "PackedValues",
+    "check_groups",
+    "pack_codes",
+    "packed_checksums",
+    "packed_status",
+    "packed_values",
+    "packed_widths",
+    "segment_checksum",
+    "symbols_and_ranks",
+    "unpack_codes",
+]

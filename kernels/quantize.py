@@ -29,6 +29,7 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.launch_tables import block_for
 from torchrec_lossy.kernels.common import find_segment
+from torchrec_lossy.kernels.packed import packed_code, packed_symbol
 
 # Globals a kernel reads must be constexpr.
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -238,8 +239,12 @@ def _decode_output_kernel(
     stride,
     n_blocks,
     n_iter,
+    esc_iter,
     BLOCK: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
+    # PACKED: sym_ptr / rank_ptr are the packed groups' widths and their prefix sums, and each
+    # quantized value is decoded from the payload's codes (kernels/packed.py's packed_code).
     # Element e of block b is row r = e // dim, column j; its vector is u = ids[r] (LZ modes) or
     # r, and its value element u * dim + j of the block's distinct vectors: raw bits from the
     # payload (raw, lz), or the dequantized symbol / escaped bits (quant, quant+lz). The output
@@ -268,12 +273,19 @@ def _decode_output_kernel(
     src = tl.load(cols_ptr + dc.SRC_OFF * stride + b, mask=plain, other=0)
     raw32 = tl.load(words_ptr + src + idx, mask=plain & wide, other=0)
     raw16 = tl.load(halves_ptr + 2 * src + idx, mask=plain & ~wide, other=0)
-    sym0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=quant, other=0)
-    s = tl.load(sym_ptr + sym0 + idx, mask=quant, other=0).to(tl.int32) & 0xFFFF
-    esc = quant & (s == _ESCAPE)
-    # Escape k of the block (by rank in the stream) is its k-th escaped value.
-    before = tl.load(rank_ptr + sym0 - 1, mask=esc & (sym0 > 0), other=0)
-    k = (tl.load(rank_ptr + sym0 + idx, mask=esc, other=1) - 1 - before).to(tl.int64)
+    if PACKED:
+        code, n_before, esc = packed_code(
+            words_ptr, cols_ptr, sym_ptr, rank_ptr, stride, b, idx, quant, esc_iter
+        )
+        s = packed_symbol(code, esc).to(tl.int32) & 0xFFFF
+        k = (n_before - 1).to(tl.int64)
+    else:
+        sym0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=quant, other=0)
+        s = tl.load(sym_ptr + sym0 + idx, mask=quant, other=0).to(tl.int32) & 0xFFFF
+        esc = quant & (s == _ESCAPE)
+        # Escape k of the block (by rank in the stream) is its k-th escaped value.
+        before = tl.load(rank_ptr + sym0 - 1, mask=esc & (sym0 > 0), other=0)
+        k = (tl.load(rank_ptr + sym0 + idx, mask=esc, other=1) - 1 - before).to(tl.int64)
     n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=esc, other=0)
     k = tl.minimum(tl.maximum(k, 0), n_esc - 1)
     has = esc & (n_esc > 0)
@@ -327,14 +339,55 @@ def decode_outputs(
         int32 [n_out_words]: block ``b``'s elements from word ``OUT_OFF[b]``, as 32-bit words or
         16-bit halves (view it as int16) by dtype.
     """
-    dev = words.device
-    out = torch.empty(n_out_words, dtype=torch.int32, device=dev)
+    return _decode(words, cols, ids, (symbols, rank), (n_out_words, n_elements), 0, False)
+
+
+def decode_packed_outputs(
+    words: torch.Tensor,
+    cols: DecodeColumns,
+    ids: torch.Tensor,
+    widths: torch.Tensor,
+    ends: torch.Tensor,
+    sizes: tuple[int, int],
+    esc_iter: int,
+) -> torch.Tensor:
+    """:func:`decode_outputs` of packed payloads: each quantized value decoded from its code in
+    the payload (no symbol stream); one launch, no sync.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record (the fields :func:`decode_outputs` reads, and
+            ``CHUNK_BASE``, ``BS_OFF`` / ``BS_WORDS``, ``ESC_POS_OFF``).
+        ids: int32 ids from ``vector_lz.unpack_refs_blocks`` (any 1-element tensor if none).
+        widths: int16 group widths from ``packed.packed_widths``.
+        ends: int32 inclusive prefix sum of ``widths``.
+        sizes: (words of the output buffer, total elements).
+        esc_iter: Binary-search steps: at least ``bit_length`` of the largest ``N_ESC``.
+
+    Returns:
+        As :func:`decode_outputs`.
+    """
+    return _decode(words, cols, ids, (widths, ends), sizes, esc_iter, True)
+
+
+def _decode(
+    words: torch.Tensor,
+    cols: DecodeColumns,
+    ids: torch.Tensor,
+    values: tuple[torch.Tensor, torch.Tensor],
+    sizes: tuple[int, int],
+    esc_iter: int,
+    packed: bool,
+) -> torch.Tensor:
+    """The output kernel's launch (``values``: symbols and ranks, or widths and their sums)."""
+    n_out_words, n_elements = sizes
+    out = torch.empty(n_out_words, dtype=torch.int32, device=words.device)
     if n_elements:
         n_blocks = cols.n_blocks
         block = block_for(n_elements, 1024)
         _decode_output_kernel[(triton.cdiv(n_elements, block),)](
-            words, words.view(torch.int16), cols.cols, ids, symbols, rank, out,
-            out.view(torch.int16), cols.stride, n_blocks, n_blocks.bit_length(), BLOCK=block,
+            words, words.view(torch.int16), cols.cols, ids, *values, out, out.view(torch.int16),
+            cols.stride, n_blocks, n_blocks.bit_length(), esc_iter, BLOCK=block, PACKED=packed,
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -31,6 +31,7 @@ from torchrec_lossy.codec.format import (
     value_symbol,
 )
 from torchrec_lossy.codec.quant_params import QuantParams
+from torchrec_lossy.kernels.packed_ref import symbols_and_ranks
 
 
 def uniform_reference(n: int, key: int) -> torch.Tensor:
@@ -289,8 +290,37 @@ def decode_outputs(
     return out
 
 
+def decode_packed_outputs(
+    words: torch.Tensor,
+    cols: DecodeColumns,
+    ids: torch.Tensor,
+    widths: torch.Tensor,
+    ends: torch.Tensor,
+    sizes: tuple[int, int],
+    esc_iter: int,
+) -> torch.Tensor:
+    """Twin of ``kernels.quantize.decode_packed_outputs``: the packed values' symbols and ranks
+    (``packed_ref.symbols_and_ranks``), then :func:`decode_outputs`.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record.
+        ids: Vector ids of the LZ blocks' rows.
+        widths: int16 group widths.
+        ends: int32 inclusive prefix sum of ``widths``.
+        sizes: (words of the output buffer, total elements).
+        esc_iter: Binary-search steps (unused).
+
+    Returns:
+        As :func:`decode_outputs`.
+    """
+    symbols, rank = symbols_and_ranks(words, cols, widths, ends)
+    return decode_outputs(words, cols, ids, symbols, rank, *sizes)
+
+
 __all__ = [
     "decode_outputs",
+    "decode_packed_outputs",
     "dequantize_reference",
     "quantize_reference",
     "quantize_tiles",

@@ -32,9 +32,18 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER_WORDS,
     mode_valid,
 )
+from torchrec_lossy.codec.grouped import check_groups
 from torchrec_lossy.kernels import packed_ref
 
 PACKED = CodecConfig(format="packed")
+# The decoders of a packed payload: the host path and the device path over both kernel sets.
+DECODERS = ["cpu", "reference", "triton"]
+
+
+def _need(backend: str) -> None:
+    """Skips a triton case where triton is not installed."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
 
 
 def _check_bound(x: torch.Tensor, y: torch.Tensor, bound: float) -> None:
@@ -184,16 +193,20 @@ def _packed_payload() -> bytes:
     return compress([torch.ones(2, 2), x], [0.0, 0.01], PACKED).numpy().tobytes()
 
 
-def test_a_corrupt_code_word_is_named_by_block_and_checksum() -> None:
+@pytest.mark.parametrize("backend", DECODERS)
+def test_a_corrupt_code_word_is_named_by_block_and_checksum(backend: str) -> None:
+    _need(backend)
     buf = bytearray(_packed_payload())
     _, _, segs = parse(bytes(buf))
     at, n = segs[1]
     buf[at + n - 4] ^= 0x10  # a code word of block 1; the payload checksum made to match
     with pytest.raises(CodecError, match="block 1: packed codes: the block's checksum"):
-        decompress(as_tensor(with_checksum(buf)))
+        decompress(as_tensor(with_checksum(buf)), backend=backend)
 
 
-def test_a_bad_width_is_named() -> None:
+@pytest.mark.parametrize("backend", DECODERS)
+def test_a_bad_width_is_named(backend: str) -> None:
+    _need(backend)
     buf = bytearray(_packed_payload())
     _, _, segs = parse(bytes(buf))
     at, n = segs[1]
@@ -206,7 +219,7 @@ def test_a_bad_width_is_named() -> None:
     header[6] = check  # sym_lo | sym_count << 16: the block's checksum
     buf[at : at + 32] = header.tobytes()
     with pytest.raises(CodecError, match="block 1: packed codes: a packed group's width"):
-        decompress(as_tensor(with_checksum(buf)))
+        decompress(as_tensor(with_checksum(buf)), backend=backend)
 
 
 def test_a_truncated_payload_is_refused() -> None:
@@ -259,7 +272,9 @@ def _rechecked(buf: bytearray, at: int, n: int) -> bytes:
     return with_checksum(buf)
 
 
-def test_a_code_outside_the_alphabet_is_named() -> None:
+@pytest.mark.parametrize("backend", DECODERS)
+def test_a_code_outside_the_alphabet_is_named(backend: str) -> None:
+    _need(backend)
     x = torch.arange(-2047.0, 2049.0).reshape(64, 64)  # codes up to 4094: 12-bit groups
     buf = bytearray(compress([x], [0.5], PACKED).numpy().tobytes())
     _, _, segs = parse(bytes(buf))
@@ -269,10 +284,12 @@ def test_a_code_outside_the_alphabet_is_named() -> None:
     word = np.frombuffer(bytes(buf[codes_at : codes_at + 4]), np.uint32)[0] | 0xFFF
     buf[codes_at : codes_at + 4] = np.uint32(word).tobytes()
     with pytest.raises(CodecError, match="block 0: packed codes: a code that is no value"):
-        decompress(as_tensor(_rechecked(buf, at, n)))
+        decompress(as_tensor(_rechecked(buf, at, n)), backend=backend)
 
 
-def test_escape_positions_out_of_order_are_named() -> None:
+@pytest.mark.parametrize("backend", DECODERS)
+def test_escape_positions_out_of_order_are_named(backend: str) -> None:
+    _need(backend)
     x = torch.randn(16, 8)
     x[2, 3], x[9, 1] = math.nan, math.inf
     buf = bytearray(compress([x], [0.01], PACKED).numpy().tobytes())
@@ -282,4 +299,38 @@ def test_escape_positions_out_of_order_are_named() -> None:
     assert pos.tolist() == [2 * 8 + 3, 9 * 8 + 1]
     buf[at + 32 : at + 40] = pos[::-1].copy().tobytes()
     with pytest.raises(CodecError, match="block 0: packed codes: escape positions"):
-        decompress(as_tensor(_rechecked(buf, at, n)))
+        decompress(as_tensor(_rechecked(buf, at, n)), backend=backend)
+
+
+def _adversarial_blocks() -> tuple[list[torch.Tensor], list[float]]:
+    """NaN / Inf, a denormal, an outlier row at 3e38, repeated rows, an all-zero block, one row,
+    dim not a multiple of 32, a float16 block and an exact (raw) one."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 37, generator=g)
+    x[3], x[7] = x[1], x[1]
+    x[5, 3], x[6, 0], x[6, 1] = math.nan, math.inf, -math.inf
+    x[9], x[10, 2] = 3e38, 1e-40
+    one = torch.randn(1, 64, generator=g)
+    half = torch.randn(33, 5, generator=g).half()
+    blocks = [x, torch.zeros(5, 8), one, half, x[:20].clone(), torch.randn(4, 3, generator=g)]
+    return blocks, [0.01, 0.1, 0.05, 0.01, 0.05, 0.0]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_the_device_decoder_gives_the_host_bits(backend: str) -> None:
+    """The device path (triton in the interpreter, or the torch twins) decodes a packed payload
+    to the host decoder's bits, alone and grouped from the announced skeletons (no read)."""
+    _need(backend)
+    blocks, bounds = _adversarial_blocks()
+    payload = compress(blocks, bounds, PACKED)
+    want = decompress(payload, backend="cpu")
+    for y, w, x, eb in zip(decompress(payload, backend=backend), want, blocks, bounds, strict=True):
+        assert torch.equal(y.view(torch.uint8), w.view(torch.uint8))
+        _check_bound(x, y, eb)
+    grouped = compress_groups([blocks[:2], blocks[2:]], [bounds[:2], bounds[2:]], PACKED)
+    got, status = decompress_groups(
+        grouped.buffer, grouped.sizes, backend=backend, skeletons=grouped.skeletons
+    )
+    check_groups(status)
+    for y, w in zip(got[0] + got[1], want, strict=True):
+        assert torch.equal(y.view(torch.uint8), w.view(torch.uint8))

@@ -26,17 +26,15 @@ from torchrec_lossy.codec.container import (
     HEADER_WORDS,
     check_payload,
     parse_header,
-    segment_checksums,
-    skeleton_index,
     skeleton_words,
     status_error,
     upload,
 )
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.device_packed_decode import decode_packed, is_packed, range_checksums
 from torchrec_lossy.codec.format import (
     CODE_DTYPES,
     DESCRIPTOR,
-    FLAG_PACKED,
     HEADER,
     MODE_RAW,
     REFS_FIXED,
@@ -52,41 +50,34 @@ from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import NO_FAILURE
 from torchrec_lossy.profile_range import profile_range
 
+_NONE = np.zeros(0, np.int64)
+
 
 def _bases(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums with the total appended (``n + 1`` int64 entries)."""
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
 
-def holds_packed(
-    buf: np.ndarray | None, sizes: Sequence[int], skeletons: Sequence[np.ndarray] | None
-) -> bool:
-    """Whether any payload is in the packed format (its header's ``FLAG_PACKED``), read from
-    the buffer's host copy or, without one, from the announced skeletons (no device read).
+def mixed_formats(mode: np.ndarray) -> bool:
+    """Whether quantized blocks of both formats are decoded together (packed and Huffman-coded:
+    the device stages take one or the other, so such a call goes to the host path).
 
     Args:
-        buf: The payloads' bytes on the host, or None.
-        sizes: Bytes of each payload.
-        skeletons: Per payload, its skeleton (uint32 words; its first words are the header),
-            where ``buf`` is None.
+        mode: Descriptor modes of every block decoded in the call.
 
     Returns:
-        True if one is packed (its blocks are decoded by the host path: no Triton kernel yet).
+        True if both a packed and a Huffman-coded quantized block are among them.
     """
-    if buf is None:
-        heads = [np.asarray(s, np.uint32)[:HEADER_WORDS] for s in skeletons or ()]
-        heads = [h.view(HEADER)[0] for h in heads if h.shape[0] == HEADER_WORDS]
-        return any(int(h["flags"]) & FLAG_PACKED for h in heads)
-    at = _bases(sizes)[:-1]
-    whole = [a for a, n in zip(at.tolist(), sizes, strict=True) if n >= 4 * HEADER_WORDS]
-    return any(int(buf[a + 6]) & FLAG_PACKED for a in whole)  # flags: header bytes 6..7
+    quant = (mode & 2) == 2
+    packed = is_packed(mode)
+    return bool((quant & packed).any() and (quant & ~packed).any())
 
 
 def _decode_on_host(
     buffer: torch.Tensor, buf: np.ndarray | None, sizes: list[int], max_elements: int
 ) -> list[list[torch.Tensor] | CodecError]:
-    """Packed payloads' blocks, decoded by the compiled host path and put on the buffer's
-    device (each payload's blocks, or the CodecError it raises)."""
+    """Payloads' blocks decoded by the compiled host path and put on the buffer's device (each
+    payload's blocks, or the CodecError it raises): for :func:`mixed_formats` calls."""
     from torchrec_lossy.codec.pipeline import decompress_host_groups
 
     if buf is None:
@@ -247,17 +238,17 @@ def decompress_device(
         kernels = load_kernels(payload.device)
     with profile_range("## lossy_codec decode ##"):
         buf = host_sync.to_host(payload, "decompress")  # sync 1: the whole (compressed) payload
-        if holds_packed(buf, [buf.shape[0]], None):
-            (got,) = _decode_on_host(payload, buf, [buf.shape[0]], max_elements)
-            if isinstance(got, CodecError):
-                raise got
-            return got
         layout = _layout(buf, max_elements)
         if layout is None:
             if on_reject is not None:
                 on_reject(buf)
             # Unreachable with the host decoder while _layout and it agree (tested).
             raise CodecError("corrupt payload: rejected by the device decoder's layout checks")
+        if mixed_formats(layout.mode):
+            (got,) = _decode_on_host(payload, buf, [buf.shape[0]], max_elements)
+            if isinstance(got, CodecError):
+                raise got
+            return got
         if layout.rows.shape[0] == 0:
             return []
         return _decode_on_device(payload, layout, kernels)[0]
@@ -310,6 +301,35 @@ def _decode_symbols(
     return ids if n_ids else dummy, symbols, rank
 
 
+def _decode_packed(
+    words: torch.Tensor,
+    d: DecodeColumns,
+    lay: _Layout,
+    k: KernelSet,
+    extra: tuple[np.ndarray, np.ndarray],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Vector references, then every block decoded and every packed block checked
+    (``device_packed_decode``; ``extra``: word ranges summed in its checksum launch).
+
+    Returns:
+        (int32 output words, int32 status per block, int64 sums of the ``extra`` ranges).
+    """
+    n_ids = int(lay.rows[lay.ref_mode >= 0].sum())
+    n_fixed_rows = int(lay.rows[lay.ref_mode == REFS_FIXED].sum())
+    ids = k.vector_lz.unpack_refs_blocks(words, d, n_ids, n_fixed_rows)
+    if not n_ids:
+        ids = torch.zeros(1, dtype=torch.int32, device=words.device)
+    totals = (
+        int(lay.n_chunks.sum()),
+        int(lay.n_esc.max(initial=0)),
+        int(lay.out_words.sum()),
+        int(lay.n_out.sum()),
+    )
+    packed = is_packed(lay.mode).astype(np.int64)
+    ranges = (lay.cb_off, lay.bs_off + lay.bs_words, packed, totals)
+    return decode_packed(words, d, k, ids, ranges, extra)
+
+
 def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
     """Every block as a view of the output words: one typed view per dtype, then one
     ``as_strided`` per block."""
@@ -330,25 +350,35 @@ def _block_views(out: torch.Tensor, lay: _Layout) -> list[torch.Tensor]:
 
 
 def _decode_on_device(
-    payload: torch.Tensor, layout: _Layout, k: KernelSet, defer_status: bool = False
-) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    payload: torch.Tensor,
+    layout: _Layout,
+    k: KernelSet,
+    defer_status: bool = False,
+    extra: tuple[np.ndarray, np.ndarray] = (_NONE, _NONE),
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Launches every stage for all blocks and returns them with the device status codes.
 
     Unless ``defer_status``, the status is read once here and the first error raised. The
-    blocks are views of the returned int32 output words.
+    blocks are views of the returned int32 output words. ``extra``: (starts, ends) of word
+    ranges whose checksums the packed decode sums in its own launch (returned last; None when
+    no block is packed).
     """
     d = _upload(layout, payload.device)
     words = _words(payload)
-    ids, symbols, rank = _decode_symbols(words, d, layout, k)
-    n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
-    out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
-    codes = None
-    # What decoding itself can find wrong: references out of range, bad streams.
-    if (layout.ref_mode >= 0).any() or layout.has_stream.any():
-        codes = k.huffman.block_status(d, rank)
-        if not defer_status:  # sync 2: every decode error of every block
-            raise_status(host_sync.to_host(codes, "decompress"))
-    return _block_views(out, layout), codes, out
+    sums = None
+    if is_packed(layout.mode).any():
+        out, codes, sums = _decode_packed(words, d, layout, k, extra)
+    else:
+        ids, symbols, rank = _decode_symbols(words, d, layout, k)
+        n_out_words, n_elements = int(layout.out_words.sum()), int(layout.n_out.sum())
+        out = k.quantize.decode_outputs(words, d, ids, symbols, rank, n_out_words, n_elements)
+        codes = None
+        # What decoding itself can find wrong: references out of range, bad streams.
+        if (layout.ref_mode >= 0).any() or layout.has_stream.any():
+            codes = k.huffman.block_status(d, rank)
+    if codes is not None and not defer_status:  # sync 2: every decode error of every block
+        raise_status(host_sync.to_host(codes, "decompress"))
+    return _block_views(out, layout), codes, out, sums
 
 
 def raise_status(codes: np.ndarray) -> None:
@@ -443,19 +473,20 @@ def decompress_groups_device(
     with profile_range("## lossy_codec decode ##"):
         # The one read, without skeletons.
         buf = host_sync.to_host(buffer, "decompress") if skeletons is None else None
-        if holds_packed(buf, sizes, skeletons):
+        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
+        modes = [lay.mode for lay in layouts.values()]
+        if mixed_formats(np.concatenate([*modes, np.zeros(0, np.int64)])):
             got = _decode_on_host(buffer, buf, sizes, max_elements)
             at = _bases(sizes).tolist()
             bad = {g: (buf[at[g] : at[g + 1]] if buf is not None else None)
                    for g, x in enumerate(got) if isinstance(x, CodecError)}  # fmt: skip
             blocks = [[] if isinstance(x, CodecError) else x for x in got]
             return DeviceGroups(blocks, None, np.zeros(0, np.int64), bad, None)
-        layouts, rejected, checks = _read_layouts(buf, sizes, max_elements, skeletons)
-        group_bad = _check_skeletons(buffer, sizes, checks) if skeletons is not None else None
         out: list[list[torch.Tensor]] = [[] for _ in sizes]
         groups = [np.full(lay.rows.shape[0], g, np.int64) for g, lay in layouts.items()]
         block_group = np.concatenate([*groups, np.zeros(0, np.int64)])
         if not layouts:
+            group_bad = _check_skeletons(buffer, sizes, checks, kernels, skeletons is not None)
             failed = _failed_groups(len(sizes), None, block_group, group_bad, buffer.device)
             return DeviceGroups(out, None, block_group, rejected, group_bad, failed)
         merged = _Layout(
@@ -464,7 +495,12 @@ def decompress_groups_device(
                 for f in dataclasses.fields(_Layout)
             }
         )
-        blocks, codes, words_out = _decode_on_device(buffer, merged, kernels, defer_status=True)
+        # A packed decode sums the payloads' checksums in its own checksum launch.
+        bodies = _bodies(sizes, checks)
+        blocks, codes, words_out, sums = _decode_on_device(
+            buffer, merged, kernels, defer_status=True, extra=bodies
+        )
+        group_bad = _check_skeletons(buffer, sizes, checks, kernels, skeletons is not None, sums)
         for g, b in zip(block_group.tolist(), blocks, strict=True):
             out[g].append(b)
         # Each payload's blocks are consecutive in the merged layout, so in the output words.
@@ -537,12 +573,10 @@ def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.n
     descs = skeleton[HEADER_WORDS : HEADER_WORDS + DESCRIPTOR_WORDS * n].view(DESCRIPTOR)
     seg = descs["seg_words"].astype(np.int64)
     seg_start = HEADER_WORDS + DESCRIPTOR_WORDS * n + np.cumsum(seg) - seg
-    pos = skeleton_index(
-        torch.zeros(1, dtype=torch.int64),
-        torch.tensor([words], dtype=torch.int64),
-        [n],
-        torch.from_numpy(seg_start),
-    ).numpy()
+    # container.skeleton_index of one payload at word 0, on the host (no torch op): its header
+    # and descriptors, then 8 words from each segment's start, clamped to its last word.
+    seg_at = np.minimum(seg_start[:, None] + np.arange(SEGMENT_HEADER_WORDS), words - 1)
+    pos = np.concatenate([np.arange(HEADER_WORDS + DESCRIPTOR_WORDS * n), seg_at.reshape(-1)])
     if pos.shape[0] and (pos.min() < 0 or pos.max() >= words):
         raise CodecError("corrupt payload: the skeleton points outside the payload")
     stand_in = np.zeros(words, np.uint32)
@@ -550,30 +584,57 @@ def _from_skeleton(skeleton: np.ndarray, n_bytes: int) -> tuple[np.ndarray, np.n
     return stand_in.view(np.uint8), pos
 
 
+def _bodies(sizes: list[int], checks: list[_SkeletonCheck]) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) in buffer words of the bodies of the payloads checked against their
+    skeletons (what each header's checksum covers)."""
+    starts = np.array([c.first_word + HEADER_WORDS for c in checks], np.int64)
+    ends = np.array([c.first_word + sizes[c.group] // 4 for c in checks], np.int64)
+    return starts, ends
+
+
 def _check_skeletons(
-    buffer: torch.Tensor, sizes: list[int], checks: list[_SkeletonCheck]
-) -> torch.Tensor:
-    """Per payload on the device: 1 where it differs from its skeleton or fails its checksum."""
+    buffer: torch.Tensor,
+    sizes: list[int],
+    checks: list[_SkeletonCheck],
+    k: KernelSet,
+    announced: bool,
+    sums: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Per payload on the device: 1 where it differs from its skeleton or fails its checksum
+    (None without ``announced`` skeletons).
+
+    Args:
+        buffer: The payloads.
+        sizes: Bytes of each payload.
+        checks: What to check of each payload.
+        k: The kernel set (the checksums' tiled sum, where ``sums`` is None).
+        announced: Whether the payloads came with skeletons.
+        sums: The bodies' checksums (:func:`_bodies`' ranges), if a launch summed them.
+
+    Returns:
+        int32 per payload, or None.
+    """
+    if not announced:
+        return None
     bad = torch.zeros(len(sizes), dtype=torch.int32, device=buffer.device)
     if not checks:
         return bad
     words = _words(buffer)
     # The announced checksum: header bytes 24..31 (the skeleton's header is the payload's).
-    announced = [c.words[:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks]
-    pos, expected, group, starts, lengths, checksum, ids = upload(
+    announced_sums = [c.words[:HEADER_WORDS].view(HEADER)[0]["checksum"] for c in checks]
+    pos, expected, group, checksum, ids = upload(
         [
             np.concatenate([c.pos for c in checks]),
             np.concatenate([c.words for c in checks]),
             np.concatenate([np.full(c.pos.shape[0], c.group, np.int64) for c in checks]),
-            [c.first_word + HEADER_WORDS for c in checks],
-            [sizes[c.group] // 4 - HEADER_WORDS for c in checks],
-            np.array(announced, np.uint64).view(np.int64),
+            np.array(announced_sums, np.uint64).view(np.int64),
             [c.group for c in checks],
         ],
         buffer.device,
     )
     differs = ((words[pos].to(torch.int64) & 0xFFFFFFFF) != expected).to(torch.int32)
     bad.scatter_reduce_(0, group, differs, "amax")
-    sums = segment_checksums(words, starts, lengths)
+    if sums is None:  # wrapping int64 sums: the u64 checksum exactly
+        sums = range_checksums(words, k, *_bodies(sizes, checks))
     bad.scatter_reduce_(0, ids, (sums != checksum).to(torch.int32), "amax")
     return bad

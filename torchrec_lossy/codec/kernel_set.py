@@ -26,12 +26,15 @@ class KernelSet(NamedTuple):
         huffman: ``histogram_tiles``, ``encode_chunks``, ``decode_blocks``, ``check_escapes``,
             ``block_status``.
         codebook: ``code_lengths``, ``canonical_codes``, ``decode_tables``.
+        packed: ``packed_checksums``, ``packed_widths``, ``unpack_groups`` (the packed
+            format's decode).
     """
 
     quantize: ModuleType
     vector_lz: ModuleType
     huffman: ModuleType
     codebook: ModuleType
+    packed: ModuleType
 
 
 def triton_available() -> bool:
@@ -59,9 +62,15 @@ def load_kernels(device: torch.device, reference: bool = False) -> KernelSet:
             compiled without a CUDA device.
     """
     if reference:
-        from torchrec_lossy.kernels import codebook_ref, huffman_ref, quantize_ref, vector_lz_ref
+        from torchrec_lossy.kernels import (
+            codebook_ref,
+            huffman_ref,
+            packed_ref,
+            quantize_ref,
+            vector_lz_ref,
+        )
 
-        return KernelSet(quantize_ref, vector_lz_ref, huffman_ref, codebook_ref)
+        return KernelSet(quantize_ref, vector_lz_ref, huffman_ref, codebook_ref, packed_ref)
     if not triton_available():
         raise RuntimeError(
             "the triton backend needs the triton package: pip install triton (with a CUDA GPU), "
@@ -76,9 +85,9 @@ def load_kernels(device: torch.device, reference: bool = False) -> KernelSet:
                 "available: set TRITON_INTERPRET=1 before anything imports triton"
             )
         os.environ["TRITON_INTERPRET"] = "1"
-    from torchrec_lossy.kernels import codebook, huffman, quantize, vector_lz
+    from torchrec_lossy.kernels import codebook, huffman, packed, quantize, vector_lz
 
-    return KernelSet(quantize, vector_lz, huffman, codebook)
+    return KernelSet(quantize, vector_lz, huffman, codebook, packed)
 
 
 def backend_kernels(device: torch.device, backend: str) -> KernelSet:

@@ -1,0 +1,313 @@
+"""Device cost of the codec's production call, counted on CPU in the Triton interpreter: issue 31's
+budget, both formats, both directions.
+
+For ``compress_groups`` / ``decompress_groups`` (the grouped all-to-all call: every destination
+in one call; the decode given the announced skeletons, as the all-to-all does) it counts what a
+GPU would run: Triton launches, torch ops outside kernels (views excluded) and bytes touched per
+input element (every tensor argument of every launch, once per launch, plus the inputs and
+outputs of those torch ops), and prints them beside the budget (at most 6 launches, 30 torch ops
+and 16 B per element each way). The count is ``../shared/tools/device_cost.py``'s, over the
+grouped call. Work the host path does (numba) is invisible to it: the JSON says where a format
+still routes a direction there (``host_path``), and such a direction fails the budget.
+
+Examples::
+
+    TRITON_INTERPRET=1 python benchmarks/device_cost_bench.py              # 26 x 2048 x 64 x 8
+    TRITON_INTERPRET=1 python benchmarks/device_cost_bench.py --grouped-shape 4x64x64 \\
+        --destinations 2 --json out/device_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchrec_lossy.traffic import TrafficSpec, paper_traffic
+
+# Issue 31's budget, per direction of the grouped call.
+BUDGET = {"launches": 6, "torch_ops": 30, "bytes_per_element": 16.0}
+# Ops that only make views or read metadata: not counted (device_cost.py's list).
+_VIEWS = frozenset(
+    [
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "alias",
+        "slice",
+        "select",
+        "narrow",
+        "expand",
+        "as_strided",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "permute",
+        "transpose",
+        "view_as",
+        "lift_fresh",
+        "_reshape_alias",
+        "unflatten",
+        "flatten",
+        "chunk",
+        "set_",
+        "result_type",
+        "is_nonzero",
+        "_local_scalar_dense",
+        "sym_size",
+        "scalar_tensor",
+    ]
+)
+
+
+@dataclass
+class Cost:
+    """One direction's count.
+
+    Attributes:
+        launches: Triton launches.
+        torch_ops: Torch ops outside kernels.
+        bytes_per_element: Bytes touched per input element.
+        host_path: Whether the direction ran the compiled host path (invisible to the count).
+    """
+
+    launches: int = 0
+    torch_ops: int = 0
+    bytes_per_element: float = 0.0
+    host_path: bool = False
+
+    def within_budget(self) -> bool:
+        """Whether the count meets the budget (a host-path direction never does).
+
+        Returns:
+            True within every limit of :data:`BUDGET`, on the device path.
+        """
+        return (
+            not self.host_path
+            and self.launches <= BUDGET["launches"]
+            and self.torch_ops <= BUDGET["torch_ops"]
+            and self.bytes_per_element <= BUDGET["bytes_per_element"]
+        )
+
+
+def _nbytes(t: object) -> int:
+    """Bytes of a tensor's elements, of every tensor in a tuple, list or dict; else 0."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (tuple, list)):
+        return sum(_nbytes(x) for x in t)
+    if isinstance(t, dict):
+        return sum(_nbytes(x) for x in t.values())
+    return 0
+
+
+class _Counter(TorchDispatchMode):
+    """Torch ops outside kernels and their bytes; launches through the interpreter's hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_kernel = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.names: collections.Counter[str] = collections.Counter()  # ops by name
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        """Runs ``func`` and counts it (outside kernels, views excluded)."""
+        out = func(*args, **(kwargs or {}))
+        if not self.in_kernel and func.overloadpacket.__name__ not in _VIEWS:
+            self.counts["ops"] += 1
+            self.names[func.overloadpacket.__name__] += 1
+            self.counts["bytes"] += _nbytes((args, kwargs or {}, out))
+        return out
+
+
+@contextmanager
+def counting() -> Iterator[_Counter]:
+    """Counts torch ops and Triton launches (the interpreter's ``run`` hooked) inside.
+
+    Yields:
+        The counter: ``counts["ops"]``, ``["bytes"]``, ``["launches"]``.
+    """
+    import triton.runtime.interpreter as interp
+
+    counter = _Counter()
+    orig = interp.InterpretedFunction.run
+
+    def run(self, *args: Any, grid: Any, warmup: Any, **kw: Any) -> Any:
+        counter.counts["launches"] += 1
+        counter.counts["bytes"] += _nbytes((args, kw))
+        counter.in_kernel += 1
+        try:
+            return orig(self, *args, grid=grid, warmup=warmup, **kw)
+        finally:
+            counter.in_kernel -= 1
+
+    interp.InterpretedFunction.run = run
+    try:
+        with counter:
+            yield counter
+    finally:
+        interp.InterpretedFunction.run = orig
+
+
+def grouped_traffic(
+    shape: tuple[int, int, int], destinations: int, preset: str = "criteo_kaggle", seed: int = 0,
+    device: torch.device | None = None,
+) -> tuple[list[list[torch.Tensor]], list[list[float]]]:  # fmt: skip
+    """The production grouped call's blocks: per destination, one batch of paper traffic.
+
+    Args:
+        shape: (tables, rows, dim) of every destination's blocks.
+        destinations: Destinations (groups).
+        preset: ``TrafficSpec`` preset.
+        seed: Traffic seed.
+        device: Where the blocks go (None: CPU).
+
+    Returns:
+        (blocks per destination, bounds per destination).
+    """
+    tables, rows, dim = shape
+    groups, bounds = [], []
+    for d in range(destinations):
+        spec = TrafficSpec(preset=preset, dim=dim, batch_rows=rows, seed=seed, batch=d)
+        blocks, eb = paper_traffic(spec)
+        groups.append([b.to(device or torch.device("cpu")) for b in blocks[:tables]])
+        bounds.append(eb[:tables])
+    return groups, bounds
+
+
+def _host_path(fmt: str, direction: str) -> bool:
+    """Whether a format's direction still runs the compiled host path on the device backends."""
+    return fmt == "packed" and direction == "compress"
+
+
+def measure(
+    groups: list[list[torch.Tensor]], bounds: list[list[float]], fmt: str,
+) -> dict[str, Cost]:  # fmt: skip
+    """Counts one grouped compress and decompress (Triton backend, in the interpreter).
+
+    Args:
+        groups: Blocks per destination (CPU).
+        bounds: Bounds per destination.
+        fmt: ``CodecConfig.format``.
+
+    Returns:
+        ``{"compress": Cost, "decompress": Cost}``; the payloads are checked against the host
+        path's bytes and bits first (AssertionError otherwise).
+    """
+    from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
+    from torchrec_lossy.config import CodecConfig
+
+    config = CodecConfig(backend="triton", format=fmt)
+    n = sum(b.numel() for g in groups for b in g)
+    compress_groups(groups[:1], bounds[:1], config)  # warm-up: imports, first-call set-up
+    calls: dict[str, Callable[[], Any]] = {}
+    sent = compress_groups(groups, bounds, config)
+    calls["compress"] = lambda: compress_groups(groups, bounds, config)
+    calls["decompress"] = lambda: decompress_groups(
+        sent.buffer, sent.sizes, backend="triton", skeletons=sent.skeletons
+    )
+    host = compress_groups(groups, bounds, CodecConfig(backend="cpu", format=fmt))
+    assert torch.equal(sent.buffer, host.buffer), f"{fmt}: device bytes differ from the host's"
+    out: dict[str, Cost] = {}
+    for direction, call in calls.items():
+        with counting() as c:
+            got = call()
+        if direction == "decompress":
+            check_groups(got[1])
+        k = c.counts
+        out[direction] = Cost(
+            k["launches"], k["ops"], k["bytes"] / max(n, 1), _host_path(fmt, direction)
+        )
+    return out
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """``TABLESxROWSxDIM`` as three positive ints (argparse type)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give TABLESxROWSxDIM, e.g. 26x2048x64")
+    tables, rows, dim = (int(p) for p in parts)
+    return tables, rows, dim
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line.
+
+    Args:
+        argv: Command-line arguments (None: ``sys.argv``).
+
+    Returns:
+        The parsed arguments.
+    """
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grouped-shape", type=_shape, default=(26, 2048, 64),
+                   metavar="TABLESxROWSxDIM", help="blocks per destination")  # fmt: skip
+    p.add_argument("--destinations", type=int, default=8)
+    p.add_argument("--formats", nargs="+", choices=["entropy", "packed"],
+                   default=["entropy", "packed"])  # fmt: skip
+    p.add_argument("--preset", default="criteo_kaggle", choices=["criteo_kaggle", "criteo_1tb"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="out/device_cost_bench.json", help="where to write results")
+    args = p.parse_args(argv)
+    if args.destinations < 1:
+        p.error(f"--destinations {args.destinations}: give 1 or more")
+    if args.grouped_shape[0] > 26:
+        p.error(f"--grouped-shape {args.grouped_shape[0]} tables: the presets have 26")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the count and prints it beside the budget.
+
+    Args:
+        argv: Command-line arguments (None: ``sys.argv``).
+
+    Returns:
+        0 (the budget's verdict is printed and written, not the exit status).
+    """
+    args = parse_args(argv)
+    groups, bounds = grouped_traffic(args.grouped_shape, args.destinations, args.preset, args.seed)
+    tables, rows, dim = args.grouped_shape
+    print(f"grouped call: {args.destinations} destinations x {tables} tables x {rows} rows x "
+          f"dim {dim}, Triton interpreter")  # fmt: skip
+    budget = f"<= {BUDGET['launches']} / {BUDGET['torch_ops']} / {BUDGET['bytes_per_element']:g}"
+    print(f"{'format':8s} {'direction':10s} {'launches':>8s} {'ops':>5s} {'B/elem':>8s}  budget "
+          f"{budget}")  # fmt: skip
+    rows_out = []
+    for fmt in args.formats:
+        for direction, c in measure(groups, bounds, fmt).items():
+            verdict = "within" if c.within_budget() else "OVER"
+            note = " (host path: not counted)" if c.host_path else ""
+            print(f"{fmt:8s} {direction:10s} {c.launches:8d} {c.torch_ops:5d} "
+                  f"{c.bytes_per_element:8.1f}  {verdict}{note}")  # fmt: skip
+            rows_out.append({"format": fmt, "direction": direction, **asdict(c),
+                             "within_budget": c.within_budget()})  # fmt: skip
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"shape": list(args.grouped_shape), "destinations": args.destinations,
+              "budget": BUDGET, "rows": rows_out}  # fmt: skip
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

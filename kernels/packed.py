@@ -1,0 +1,294 @@
+"""Triton decode of the packed format (docs/format.md, "Packed segments"): the checks of every
+block in three launches, no sort, no host read, no per-value buffer.
+
+:func:`packed_checksums` sums each packed segment's words in tiles (per-tile partials, no
+atomics); :func:`packed_widths` reads every group's width byte and checks the escape lists;
+:func:`check_groups` checks every sent value's code and escape; :func:`packed_status` gives
+each block's status. :func:`packed_code` (a value's
+code at its group's offset, a prefix sum of the widths, and its escape by a binary search of
+the block's positions) is what ``quantize.decode_packed_outputs`` decodes each output element
+with. Torch twins: ``kernels/packed_ref.py``; the stages: docs/kernels.md, "The packed format
+on the device".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import format as wire
+from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
+from torchrec_lossy.kernels.common import find_segment
+
+_GROUP: tl.constexpr = tl.constexpr(wire.PACKED_GROUP)
+_MAX_WIDTH: tl.constexpr = tl.constexpr(wire.PACKED_MAX_WIDTH)
+_MAX_CODE: tl.constexpr = tl.constexpr(2 * wire.SYMBOL_OFFSET)
+_OFFSET: tl.constexpr = tl.constexpr(wire.SYMBOL_OFFSET)
+_ESCAPE: tl.constexpr = tl.constexpr(wire.ESCAPE_SYMBOL)
+_NO_FAIL: tl.constexpr = tl.constexpr(NO_FAILURE)
+_BAD_REFS: tl.constexpr = tl.constexpr(wire.REFS_OUT_OF_RANGE)
+_BAD_CHECKSUM: tl.constexpr = tl.constexpr(wire.DECODE_BAD_CHECKSUM)
+_BAD_WIDTH: tl.constexpr = tl.constexpr(wire.DECODE_BAD_WIDTH)
+_BAD_CODE: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_CODE)
+_BAD_ESCAPES: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_ESCAPES)
+_GROUPS_PER_PROGRAM = 32  # groups of one program (32 x 32 lanes)
+
+
+@triton.jit
+def _checksum_kernel(words_ptr, tile_ptr, part_ptr, TILE: tl.constexpr):
+    # One program per tile (first word, its index in the segment, words): the tile's share of
+    # sum_j w_j (2 j + 1), wrapping in int64 (only its low 32 bits are compared).
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * t)
+    j0 = tl.load(tile_ptr + 3 * t + 1)
+    n = tl.load(tile_ptr + 3 * t + 2)
+    lane = tl.arange(0, TILE)
+    mask = lane < n
+    w = tl.load(words_ptr + start + lane, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    tl.store(part_ptr + t, tl.sum(tl.where(mask, w * (2 * (j0 + lane) + 1), 0), axis=0))
+
+
+def packed_checksums(words: torch.Tensor, tiles: torch.Tensor, tile: int) -> torch.Tensor:
+    """Per tile, its words' share of their segment's checksum, in one launch.
+
+    Args:
+        words: int32 payload words.
+        tiles: int64 [n_tiles, 3] (first word in ``words``, that word's index in its segment
+            after the header, words: at most ``tile``), on ``words``' device.
+        tile: Words per tile (a power of two).
+
+    Returns:
+        int64 [n_tiles] partial sums (wrapping).
+    """
+    n = tiles.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=words.device)
+    if n:
+        _checksum_kernel[(n,)](words, tiles, out, TILE=tile)
+    return out
+
+
+@triton.jit
+def _widths_kernel(
+    words_ptr, cols_ptr, widths_ptr, stride, n_groups, n_blocks, n_iter, GB: tl.constexpr,
+    GROUP: tl.constexpr,
+):  # fmt: skip
+    # GB groups per program: each group's width byte (TABLE_BAD raised past the cap), and the
+    # escape-list entries k = 32 * group .. + 31 of its block (ESC_BAD lowered where one is not
+    # above the one before or not inside the block's values).
+    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    mask = g < n_groups
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, g, n_blocks, n_iter)
+    cl = g - tl.load(chunk_base + b, mask=mask, other=0)
+    ct = tl.load(cols_ptr + dc.CT_OFF * stride + b, mask=mask, other=0)
+    word = tl.load(words_ptr + ct + cl // 4, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    w = (word >> ((cl % 4) * 8)) & 0xFF
+    tl.store(widths_ptr + g, w.to(tl.int16), mask=mask)
+    one = w * 0 + 1
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, one, mask=mask & (w > _MAX_WIDTH))
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=mask, other=0)
+    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=mask, other=0)
+    k = cl[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    listed = mask[:, None] & (k < n_esc[:, None])
+    pos = tl.load(words_ptr + pos_at[:, None] + k, mask=listed, other=0).to(tl.int64) & 0xFFFFFFFF
+    before = listed & (k > 0)
+    prev = tl.load(words_ptr + pos_at[:, None] + k - 1, mask=before, other=0).to(tl.int64)
+    prev = tl.where(before, prev & 0xFFFFFFFF, -1)
+    bad = listed & ((pos >= n_sym[:, None]) | (pos <= prev))
+    blk = b[:, None] + k * 0
+    tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + blk, k, mask=bad)
+
+
+def packed_widths(words: torch.Tensor, cols: DecodeColumns, n_groups: int) -> torch.Tensor:
+    """Every packed group's width, and the checks of the widths and escape lists, in one launch.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record; read: ``CHUNK_BASE`` (first global group of each
+            block), ``CT_OFF`` (its width bytes' word), ``SYM_BASE``, ``N_ESC``,
+            ``ESC_POS_OFF``. Written (atomics): ``TABLE_BAD`` raised to 1 where a width is
+            over ``PACKED_MAX_WIDTH``; ``ESC_BAD`` lowered to the first entry of an escape
+            list not above the entry before it or past the block's values.
+        n_groups: Groups of all blocks (the last ``CHUNK_BASE`` entry).
+
+    Returns:
+        int16 [n_groups] widths (0..255 as stored).
+    """
+    out = torch.empty(n_groups, dtype=torch.int16, device=words.device)
+    if n_groups:
+        gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
+        _widths_kernel[(triton.cdiv(n_groups, gb),)](
+            words, cols.cols, out, cols.stride, n_groups, nb, nb.bit_length(), GB=gb, GROUP=_GROUP,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def packed_code(
+    words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, b, i, valid, esc_iter,
+):  # fmt: skip
+    """Value ``i`` (lanes) of packed block ``b``: its code, the listed escapes at or before it
+    (a binary search of the block's positions) and whether ``i`` is listed. The code starts at
+    bit ``32 * (widths' prefix sum before its group in the block) + (i % 32) * width``."""
+    g0 = tl.load(cols_ptr + dc.CHUNK_BASE * stride + b, mask=valid, other=0)
+    g = g0 + i // _GROUP
+    w = tl.load(widths_ptr + g, mask=valid, other=0).to(tl.int64)
+    w0 = tl.load(widths_ptr + g0, mask=valid, other=0)
+    first = tl.load(ends_ptr + g0, mask=valid, other=0) - w0
+    off = tl.load(ends_ptr + g, mask=valid, other=0).to(tl.int64) - w - first
+    bs = tl.load(cols_ptr + dc.BS_OFF * stride + b, mask=valid, other=0)
+    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=valid, other=0)
+    wc = tl.minimum(w, 32)  # a bad width (flagged by packed_widths) still reads in bounds
+    bit = off * 32 + (i % _GROUP) * wc
+    at = bit >> 5
+    lo_ok = valid & (wc > 0) & (at < bs_words)
+    hi_ok = valid & (wc > 0) & (at + 1 < bs_words)
+    lo = tl.load(words_ptr + bs + at, mask=lo_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + bs + at + 1, mask=hi_ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    code = ((lo | (hi << 32)) >> (bit & 31)) & (((wc * 0 + 1) << wc) - 1)
+    n_esc = tl.load(cols_ptr + dc.N_ESC * stride + b, mask=valid, other=0)
+    pos_at = tl.load(cols_ptr + dc.ESC_POS_OFF * stride + b, mask=valid, other=0)
+    lo_k = i * 0
+    hi_k = lo_k + n_esc
+    for _ in range(esc_iter):
+        active = valid & (lo_k < hi_k)
+        mid = (lo_k + hi_k) // 2
+        v = tl.load(words_ptr + pos_at + mid, mask=active, other=0).to(tl.int64) & 0xFFFFFFFF
+        le = v <= i
+        lo_k = tl.where(active & le, mid + 1, lo_k)
+        hi_k = tl.where(active & ~le, mid, hi_k)
+    has = valid & (lo_k > 0)
+    last = tl.load(words_ptr + pos_at + lo_k - 1, mask=has, other=0).to(tl.int64) & 0xFFFFFFFF
+    return code, lo_k, has & (last == i)
+
+
+@triton.jit
+def packed_symbol(code, found):
+    """The symbol of a packed code (``format.unzigzag``), ``ESCAPE_SYMBOL`` where listed."""
+    half = code >> 1
+    return tl.where(found, _ESCAPE, _OFFSET + tl.where((code & 1) == 1, -half - 1, half))
+
+
+@triton.jit
+def _check_groups_kernel(
+    words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, n_groups, n_blocks, n_iter, esc_iter,
+    GB: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    # GB groups x 32 values per program: the checks the decoder makes of every sent value
+    # (the output kernel decodes only the values rows refer to); a block's last group checks
+    # that the widths add up to the codes' words.
+    g = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    mask = g < n_groups
+    chunk_base = cols_ptr + dc.CHUNK_BASE * stride
+    b = find_segment(chunk_base, g, n_blocks, n_iter)
+    g0 = tl.load(chunk_base + b, mask=mask, other=0)
+    g1 = tl.load(chunk_base + b + 1, mask=mask, other=0)
+    w = tl.load(widths_ptr + g, mask=mask, other=0).to(tl.int64)
+    end = tl.load(ends_ptr + g, mask=mask, other=0).to(tl.int64)
+    w0 = tl.load(widths_ptr + g0, mask=mask, other=0)
+    first = tl.load(ends_ptr + g0, mask=mask, other=0) - w0
+    bs_words = tl.load(cols_ptr + dc.BS_WORDS * stride + b, mask=mask, other=0)
+    short = mask & (g == g1 - 1) & (end - first != bs_words)
+    tl.atomic_max(cols_ptr + dc.TABLE_BAD * stride + b, w * 0 + 1, mask=short)
+    s0 = tl.load(cols_ptr + dc.SYM_BASE * stride + b, mask=mask, other=0)
+    n_sym = tl.load(cols_ptr + dc.SYM_BASE * stride + b + 1, mask=mask, other=0) - s0
+    i = (g - g0)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # the value in its block
+    valid = mask[:, None] & (i < n_sym[:, None])
+    blk = b[:, None] + i * 0
+    code, _, found = packed_code(
+        words_ptr, cols_ptr, widths_ptr, ends_ptr, stride, blk, i, valid, esc_iter
+    )
+    tl.atomic_min(cols_ptr + dc.FAIL * stride + blk, i, mask=valid & (code > _MAX_CODE))
+    tl.atomic_min(cols_ptr + dc.ESC_BAD * stride + blk, i, mask=found & (code != 0))
+
+
+def check_groups(
+    words: torch.Tensor, cols: DecodeColumns, widths: torch.Tensor, ends: torch.Tensor,
+    esc_iter: int,
+) -> None:  # fmt: skip
+    """Checks every packed value of every block in one launch (status rows only); no sync.
+
+    Args:
+        words: int32 payload words.
+        cols: The blocks' decode record; read: ``CHUNK_BASE``, ``SYM_BASE``, ``BS_OFF`` /
+            ``BS_WORDS`` (the codes), ``N_ESC``, ``ESC_POS_OFF``. Written (atomics):
+            ``TABLE_BAD`` raised to 1 where the widths do not add up to the codes' words,
+            ``FAIL`` lowered to the first code above ``2 * SYMBOL_OFFSET``, ``ESC_BAD`` lowered
+            to the first listed escape whose code is not 0.
+        widths: int16 [n_groups] from :func:`packed_widths`.
+        ends: int32 [n_groups] inclusive prefix sum of ``widths`` (over all blocks).
+        esc_iter: Binary-search steps: at least ``bit_length`` of the largest ``N_ESC``.
+    """
+    n_groups = widths.shape[0]
+    if n_groups:
+        gb, nb = _GROUPS_PER_PROGRAM, cols.n_blocks
+        _check_groups_kernel[(triton.cdiv(n_groups, gb),)](
+            words, cols.cols, widths, ends, cols.stride, n_groups, nb, nb.bit_length(), esc_iter,
+            GB=gb, GROUP=_GROUP,
+        )  # fmt: skip
+
+
+@triton.jit
+def _status_kernel(cols_ptr, sums_ptr, code_ptr, stride, n_blocks, BLOCK: tl.constexpr):
+    # Per block, the CPU decoder's order: references, checksum, widths, a code, the escapes.
+    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = b < n_blocks
+    lo = tl.load(cols_ptr + dc.SYM_LO * stride + b, mask=mask, other=0)
+    count = tl.load(cols_ptr + dc.SYM_COUNT * stride + b, mask=mask, other=0)
+    sums = tl.load(sums_ptr + b, mask=mask, other=0) & 0xFFFFFFFF
+    esc_bad = tl.load(cols_ptr + dc.ESC_BAD * stride + b, mask=mask, other=_NO_FAIL)
+    fail = tl.load(cols_ptr + dc.FAIL * stride + b, mask=mask, other=_NO_FAIL)
+    table_bad = tl.load(cols_ptr + dc.TABLE_BAD * stride + b, mask=mask, other=0)
+    has_stream = tl.load(cols_ptr + dc.HAS_STREAM * stride + b, mask=mask, other=0)
+    refs_bad = tl.load(cols_ptr + dc.REFS_BAD * stride + b, mask=mask, other=0)
+    code = tl.where(esc_bad != _NO_FAIL, _BAD_ESCAPES, 0)
+    code = tl.where(fail != _NO_FAIL, _BAD_CODE, code)
+    code = tl.where(table_bad != 0, _BAD_WIDTH, code)
+    code = tl.where(sums != (lo | (count << 16)), _BAD_CHECKSUM, code)
+    code = tl.where(has_stream != 0, code, 0)
+    code = tl.where(refs_bad != 0, _BAD_REFS, code)
+    tl.store(code_ptr + b, code.to(tl.int32), mask=mask)
+
+
+def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
+    """Each packed block's status in the CPU decoder's order (``packed.decode_stream``): its
+    references, then its checksum, its widths, a code, its escapes; one launch, no sync.
+
+    Args:
+        cols: The decode record after the packed stages; read: ``SYM_LO`` / ``SYM_COUNT``
+            (the stored checksum), the status rows ``REFS_BAD``, ``TABLE_BAD``, ``FAIL``,
+            ``ESC_BAD``, and ``HAS_STREAM``.
+        sums: int64 [n_blocks] checksums of the segments' words (low 32 bits compared).
+
+    Returns:
+        int32 [n_blocks]: 0, ``REFS_OUT_OF_RANGE`` or a packed ``DECODE_*`` code.
+    """
+    n = cols.n_blocks
+    out = torch.empty(n, dtype=torch.int32, device=sums.device)
+    if n:
+        block = block_for(n, 1024)
+        _status_kernel[(triton.cdiv(n, block),)](cols.cols, sums, out, cols.stride, n, BLOCK=block)
+    return out
+
+
+# The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).
+JIT_KERNELS = {
+    "checksum_kernel": _checksum_kernel,
+    "widths_kernel": _widths_kernel,
+    "check_groups_kernel": _check_groups_kernel,
+    "status_kernel": _status_kernel,
+}
+
+__all__ = [
+    "check_groups",
+    "packed_checksums",
+    "packed_code",
+    "packed_status",
+    "packed_symbol",
+    "packed_widths",
+]
