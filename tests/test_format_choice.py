@@ -101,12 +101,18 @@ TABLES = [EmbeddingTableConfig(f"t{i}", 1000 * (i + 1), 16) for i in range(3)]
 
 def test_measured_speeds_are_sane_and_cached_per_shape() -> None:
     cache: dict = {}
-    speeds = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache, reps=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the example runs (OMP_NUM_THREADS=1); threads on a busy
+    try:  # machine make a tiny index_add_ take 0.1 s
+        speeds = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache, reps=1)
+    finally:
+        torch.set_num_threads(threads)
     assert speeds.source.startswith("measured on cpu, 3 blocks x 64 rows")
-    assert set(speeds.formats) == {"entropy", "packed", "fp16", "bf16"}
+    assert set(speeds.formats) == {"entropy", "packed", "fp16", "bf16", "dedupe"}
     assert all(0 < v < 1e5 for pair in speeds.formats.values() for v in pair)
     # Both codec formats' ratios on the same blocks: the packed one is the larger payload.
-    assert set(speeds.ratios) == {"entropy", "packed"}
+    assert set(speeds.ratios) == {"entropy", "packed", "dedupe"}
+    assert speeds.ratios["dedupe"] >= 1.0  # rows / distinct rows
     assert 1.0 < speeds.ratios["packed"] <= speeds.ratios["entropy"]
     assert speeds.ratio_factor("packed") == speeds.ratios["packed"] / speeds.ratios["entropy"]
     again = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache)
@@ -190,3 +196,36 @@ def test_auto_picks_the_codec_format_from_measured_speeds_and_raw_on_a_fast_link
     named = dataclasses.replace(slow, comms=LossyCommsConfig(format="entropy"))
     model = LossyCommsModel(named, bw, speeds=_speeds((0.3, 1.0), (1.2, 4.0)))
     assert model.codec_format == "entropy"
+
+
+def test_auto_takes_torchrecs_own_path_only_where_nothing_is_coded_and_dedupe_does_not_pay() -> (
+    None
+):
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+    from torchrec_lossy.planner.speeds import Speeds
+
+    def speeds(dedupe: tuple[float, float] | None) -> Speeds:
+        base = _speeds((0.3, 1.0), (0.3, 1.0))
+        if dedupe is None:
+            return base
+        return dataclasses.replace(
+            base,
+            formats={**base.formats, "dedupe": dedupe},
+            ratios={**base.ratios, "dedupe": 4.0},
+        )
+
+    fast = _one_host_plan(50.0)
+    bw = gib_s_to_bytes_per_ms(50.0)
+    model = LossyCommsModel(fast, bw, speeds=speeds((1.0, 0.3)))
+    assert model.torchrec_path and "TorchRec's own all-to-all" in model.pays_note
+    # Dedupe cheap enough to pay for its 4x fewer bytes: the seam stays, raw.
+    model = LossyCommsModel(fast, bw, speeds=speeds((1e4, 1e4)))
+    assert not model.torchrec_path and "the seam raw" in model.pays_note
+    # Not measured, a table coded, or a format forced: never.
+    assert not LossyCommsModel(fast, bw, speeds=speeds(None)).torchrec_path
+    slow = _one_host_plan(0.116)
+    assert not LossyCommsModel(
+        slow, gib_s_to_bytes_per_ms(0.116), speeds=speeds((1.0, 0.3))
+    ).torchrec_path
+    forced = dataclasses.replace(fast, comms=LossyCommsConfig(format="raw"))
+    assert not LossyCommsModel(forced, bw, speeds=speeds((1.0, 0.3))).torchrec_path

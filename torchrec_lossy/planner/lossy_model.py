@@ -124,7 +124,8 @@ class LossyCommsModel:
             f"{comms.default_bound.value:g} default bound), backward {bwd_kind}; {same_host} "
             f"(comms.intra_host={comms.intra_host}); speeds: {self.speeds.describe()}"
         )
-        self.pays_note = self._choice_note()
+        self.torchrec_path, torchrec_why = self._torchrec_path()
+        self.pays_note = self._choice_note() + torchrec_why
 
     @property
     def encode_gib_s(self) -> float:
@@ -170,6 +171,34 @@ class LossyCommsModel:
                     self._choice(self.ratio(t.name), t.name, bw, f).estimates.values()
                 )
         return min(candidates, key=lambda f: (total[f], f != "entropy"))
+
+    def _torchrec_path(self) -> tuple[bool, str]:
+        """Whether the run should take TorchRec's own all-to-all instead of this seam, and why.
+
+        Where ``auto`` codes no table on any link, the seam still dedupes rows exactly (fewer
+        bytes, but a reduce and an expand per step); TorchRec's path sends every row without
+        that work. Decided only from measured dedupe speeds and ratio (``"dedupe"`` in the
+        speeds): the cheaper of the two per raw byte, forward and gradient, on the link.
+        """
+        comms, tables = self.config.comms, self.config.embedding_tables
+        sp = self.speeds
+        if comms.format != "auto" or not tables or "dedupe" not in sp.ratios:
+            return False, ""
+        if not (self.one_host or self.same_host_raw):
+            return False, ""
+        if any(self.table_format(t.name) != "raw" for t in tables):
+            return False, ""
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        enc, dec = sp.formats["dedupe"]
+        torchrec = 2 * ms_per_byte(RAW, bw)
+        dedupe = WireFormat("dedupe", sp.ratios["dedupe"], enc, dec)
+        seam = 2 / (dedupe.ratio * bw) + dedupe.codec_ms(1.0)  # a reduce and an expand a step
+        pick = torchrec <= seam
+        verdict = "TorchRec's own all-to-all" if pick else "the seam raw"
+        return pick, (
+            f"; no table coded, so {verdict} (exact dedupe at {dedupe.ratio:.2g}x costs "
+            f"{seam / torchrec:.2f}x TorchRec's time)"
+        )
 
     def _same_host_choice(self) -> tuple[bool, str]:
         """Whether same-host blocks travel raw, and why (one decision for all tables)."""

@@ -36,6 +36,8 @@ CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Packed ratio / entropy ratio where none was measured: the packed format's 23.2x against the
 # entropy format's 31.2x on Kaggle-like blocks (docs/benchmarks.md, packed format).
 PACKED_RATIO_FACTOR = 0.75
+# Measured ratios: the codec formats' and the exact row dedupe's ("dedupe").
+RATIO_KEYS: frozenset[str] = CODEC_FORMATS | {"dedupe"}
 
 # (device type, blocks, rows, dims): what a measurement is cached under.
 SpeedKey = tuple[str, int, int, tuple[int, ...]]
@@ -46,11 +48,12 @@ class Speeds:
     """Encode / decode throughputs (GiB/s of raw fp32) per format, and where they came from.
 
     Attributes:
-        formats: Format name (``"entropy"``, ``"packed"``, ``"fp16"``, ``"bf16"``) to
-            (encode, decode).
+        formats: Format name (``"entropy"``, ``"packed"``, ``"fp16"``, ``"bf16"``; and
+            ``"dedupe"``: the seam's exact row dedupe, reduce / expand) to (encode, decode).
         source: ``"measured on ..."``, ``"pinned ..."`` or ``"defaults ..."`` (and why).
         round_ms: The collective's fixed cost per round (a tiny all-to-all), if measured.
-        ratios: Codec format name to its ratio on the measured blocks (empty: not measured).
+        ratios: Codec format name (or ``"dedupe"``) to its ratio on the measured blocks
+            (empty: not measured).
     """
 
     formats: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -135,12 +138,38 @@ def _time_formats(
             dec = _best_s(lambda p=payload, c=codec: decompress(p, backend=c.backend), reps, sync)
         out[name] = (raw_gib / enc, raw_gib / dec)
         ratios[name] = raw_gib * _GIB / max(1, payload.numel() * payload.element_size())
+    out["dedupe"], ratios["dedupe"] = _time_dedupe(blocks, reps, sync)
     for name, dtype in CASTS.items():
         wire = [b.to(dtype) for b in blocks]
         enc = _best_s(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
         dec = _best_s(lambda w=wire: [b.float() for b in w], reps, sync)
         out[name] = (raw_gib / enc, raw_gib / dec)
     return out, ratios
+
+
+def _time_dedupe(
+    blocks: Sequence[torch.Tensor], reps: int, sync: Callable[[], None]
+) -> tuple[tuple[float, float], float]:
+    """The exact row dedupe the seam runs on every table, raw ones too: (reduce, expand)
+    GiB/s of raw rows (the gradient's sum into distinct rows, the forward's expansion back)
+    and its ratio (rows / distinct rows). A lower bound of the seam's work around the codec."""
+    raw_gib = sum(b.numel() * 4 for b in blocks) / _GIB
+    inverse = [torch.unique(b, dim=0, return_inverse=True)[1] for b in blocks]
+    uniq = [int(i.max()) + 1 if i.numel() else 0 for i in inverse]
+    distinct = [b.new_zeros(u, b.shape[1]) for b, u in zip(blocks, uniq, strict=True)]
+
+    def reduce() -> None:
+        for d, b, i in zip(distinct, blocks, inverse, strict=True):
+            d.zero_().index_add_(0, i, b)
+
+    def expand() -> None:
+        torch.cat([d.index_select(0, i) for d, i in zip(distinct, inverse, strict=True)], 1)
+
+    with profile_range("## lossy_a2a calibrate dedupe ##"):
+        reduce(), expand()  # first calls load kernels: not timed
+        speeds = (raw_gib / _best_s(reduce, reps, sync), raw_gib / _best_s(expand, reps, sync))
+    rows = sum(b.shape[0] for b in blocks)
+    return speeds, rows / max(1, sum(uniq))
 
 
 def measure_speeds(
@@ -179,7 +208,11 @@ def measure_speeds(
             for n, v in formats.items()
             if not all(math.isfinite(x) and _SANE_GIB_S[0] <= x <= _SANE_GIB_S[1] for x in v)
         }
-        if bad:
+        if set(bad) == {"dedupe"}:  # optional: only the TorchRec-path choice needs it
+            logger.warning("torchrec-lossy: dedupe timing %s GiB/s is nonsense; unused", bad)
+            formats.pop("dedupe")
+            ratios.pop("dedupe")
+        elif bad:
             raise ValueError(f"nonsense throughputs {bad} GiB/s")
         speeds = Speeds(formats, where, ratios=ratios)
     except Exception as e:  # any failure: plan with the conservative figures, say so once
@@ -223,7 +256,7 @@ def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.
     """
     if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return speeds
-    names, codecs = sorted(speeds.formats), sorted(CODEC_FORMATS)
+    names, codecs = sorted(speeds.formats), sorted(RATIO_KEYS)
     # Seconds per GiB, so MAX is the slowest; wire bytes per raw byte (the least ratio; 0 where
     # a rank did not measure it, so every rank sends as many values) and the round cost likewise.
     secs = [1.0 / v for n in names for v in speeds.formats[n]]
