@@ -229,3 +229,18 @@ def test_auto_takes_torchrecs_own_path_only_where_nothing_is_coded_and_dedupe_do
     ).torchrec_path
     forced = dataclasses.replace(fast, comms=LossyCommsConfig(format="raw"))
     assert not LossyCommsModel(forced, bw, speeds=speeds((1.0, 0.3))).torchrec_path
+
+
+def test_the_seams_dedupe_shrinks_raw_bytes_and_codec_time_alike() -> None:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+
+    slow = _one_host_plan(0.116)
+    bw = gib_s_to_bytes_per_ms(0.116)
+    plain = _speeds((0.3, 1.0), (0.3, 1.0))
+    deduped = dataclasses.replace(plain, ratios={**plain.ratios, "dedupe": 4.0})
+    a = LossyCommsModel(slow, bw, speeds=plain)._choice(30.0, "t0", bw).estimates
+    b = LossyCommsModel(slow, bw, speeds=deduped)._choice(30.0, "t0", bw).estimates
+    assert b["raw"] == pytest.approx(a["raw"] / 4)  # a quarter of the rows travel
+    # The coded wire time is the codec ratios', unchanged (the gradient's: backward_ratio).
+    wire = 1 / (30.0 * bw) + 1 / (slow.planner.backward_ratio * bw)
+    assert b["entropy"] - wire == pytest.approx((a["entropy"] - wire) / 4)  # codec time too

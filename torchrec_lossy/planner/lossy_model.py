@@ -85,6 +85,10 @@ class LossyCommsModel:
         pinned = p.encode_gib_s is not None or p.decode_gib_s is not None
         self.speeds = speeds or default_speeds(device, "no measurement")
         comms = config.comms
+        # The seam sends one row per distinct bag before any format (input_dist's exact
+        # dedupe): raw and coded tables alike carry and code only the measured distinct rows.
+        exact = comms.input_dist.dedupe_outputs or comms.input_dist.dedupe_lookups
+        self.dedupe_ratio = self.speeds.ratios.get("dedupe", 1.0) if exact else 1.0
         self.codec_format = self._codec_candidates()[0]  # the run's, until _pick_codec_format
         if pinned:  # the pins are the codec's, in whichever format it runs
             pins = {}
@@ -153,7 +157,8 @@ class LossyCommsModel:
         """The codec in ``codec_format`` for a table whose entropy-format ratio is ``ratio``."""
         device = self.config.topology.compute_device
         enc, dec = self.speeds.formats.get(codec_format, CODEC_THROUGHPUT_GIB_S[device])
-        return WireFormat("lossy", ratio * self.speeds.ratio_factor(codec_format), enc, dec)
+        d = self.dedupe_ratio  # the codec sees the distinct rows only: per raw byte, d x faster
+        return WireFormat("lossy", ratio * self.speeds.ratio_factor(codec_format), enc * d, dec * d)
 
     def _pick_codec_format(self) -> str:
         """The run's one codec format (a codec call carries every coded table of a
@@ -223,7 +228,8 @@ class LossyCommsModel:
         f = codec_format or self.codec_format
         coded = self._codec_wire(f, ratio)
         bwd = self._bwd if self._bwd.name != "lossy" else self.backward_format(table, f)
-        return choose_format({"raw": (RAW, RAW), f: (coded, bwd)}, bound, bandwidth)
+        raw = WireFormat("raw", self.dedupe_ratio)  # the seam's raw: distinct rows only
+        return choose_format({"raw": (raw, raw), f: (coded, bwd)}, bound, bandwidth)
 
     def _choice_note(self) -> str:
         """What ``auto`` chose for the plan and why, said once (empty when nothing is auto)."""
