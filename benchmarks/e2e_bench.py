@@ -39,7 +39,10 @@ from table_fmt import cell as _f
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "dlrm_criteo.py"
 NETNS = ROOT / "scripts" / "netns_cluster.sh"
-MODES = ("none", "fp16", "bf16", "int8", "mx4", "lossy")
+# "lossy" is the sharder with the config's comms.format (auto by default); the modes below run
+# the same sharder with comms.format forced (a config copy), e.g. issue 34's "entropy" target.
+FORCED_FORMAT_MODES: dict[str, str] = {"entropy": "entropy", "packed": "packed", "raw": "raw"}
+MODES = ("none", "fp16", "bf16", "int8", "mx4", "lossy", *FORCED_FORMAT_MODES)
 QCOMM_BACKWARD = ("auto", "fp32", "fp16", "bf16", "mx4")
 SPEEDUP_TARGET = 1.38
 AUC_FLOOR = 0.0002
@@ -165,7 +168,7 @@ def qcomm_backward(args: argparse.Namespace, mode: str) -> str:
 
 def _example_args(args: argparse.Namespace, mode: str, seed: int, metrics: Path) -> list[str]:
     out = [
-        "--comm", mode,
+        "--comm", "lossy" if mode in FORCED_FORMAT_MODES else mode,
         "--seed", str(seed),
         "--steps", str(args.steps),
         "--batch-size", str(args.batch_size),
@@ -182,6 +185,8 @@ def _example_args(args: argparse.Namespace, mode: str, seed: int, metrics: Path)
         out += ["--dataset", args.dataset, "--data-path", args.data_path]
     if mode == "lossy":
         out += ["--config", str(args.config)]
+    elif mode in FORCED_FORMAT_MODES:
+        out += ["--config", str(args.forced_configs[mode])]
     elif mode != "none":
         out += ["--qcomm-backward", qcomm_backward(args, mode)]
     if args.netns:
@@ -189,12 +194,13 @@ def _example_args(args: argparse.Namespace, mode: str, seed: int, metrics: Path)
     return out + shlex.split(args.example_args)
 
 
-def with_intra_host(config: str, mode: str, out_dir: Path) -> Path:
-    """A copy of the planner config with ``comms.intra_host`` set.
+def with_comms(config: str, key: str, value: str, out_dir: Path) -> Path:
+    """A copy of the planner config with one ``comms`` key set.
 
     Args:
         config: The planner config YAML.
-        mode: ``auto``, ``raw`` or ``coded``.
+        key: The ``comms`` key (``intra_host``, ``format``).
+        value: Its value.
         out_dir: Where the copy goes.
 
     Returns:
@@ -203,8 +209,8 @@ def with_intra_host(config: str, mode: str, out_dir: Path) -> Path:
     import yaml
 
     data = yaml.safe_load(Path(config).read_text()) or {}
-    data.setdefault("comms", {})["intra_host"] = mode
-    path = out_dir / f"{Path(config).stem}_intra_host_{mode}.yaml"
+    data.setdefault("comms", {})[key] = value
+    path = out_dir / f"{Path(config).stem}_{key}_{value}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -399,6 +405,8 @@ TORCHREC_OPTIONS = ("none", "fp16", "mx4")
 # at least 2.5x faster than none at 1 Gbit/s.
 BEST_OPTION_SLACK = 1.05
 SPEEDUP_AT_1GBIT = 2.5
+# ... and with the format forced to the codec (mode "entropy"), localhost within 10% of none.
+ENTROPY_LOCALHOST_SLACK = 1.10
 
 
 def rates_summary(per_rate: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -428,13 +436,18 @@ def rates_summary(per_rate: dict[str, dict[str, Any]]) -> dict[str, Any]:
             entry["targets"]["2.5x_faster_than_none"] = (
                 step["none"] / step["lossy"] >= SPEEDUP_AT_1GBIT
             )
+        if rate == LOCALHOST and "entropy" in step and "none" in step:
+            entry["targets"]["entropy_within_10pct_of_none"] = (
+                step["entropy"] / step["none"] <= ENTROPY_LOCALHOST_SLACK
+            )
         out[rate] = entry
     return out
 
 
 def format_rates_table(rates: dict[str, Any], modes: Sequence[str]) -> str:
     """The per-rate table: median step ms and, in brackets, the ratio to the best TorchRec
-    option at that rate (``lossy`` is the default sharder).
+    option at that rate (``lossy`` is the default sharder), and the mean 1-minute load average
+    before the rate's runs.
 
     Args:
         rates: :func:`rates_summary`'s output.
@@ -443,7 +456,7 @@ def format_rates_table(rates: dict[str, Any], modes: Sequence[str]) -> str:
     Returns:
         The table.
     """
-    head = f"{'link':<10}" + "".join(f"{m:>18}" for m in modes) + "  best TorchRec  targets"
+    head = f"{'link':<10}" + "".join(f"{m:>18}" for m in modes) + "  load  best TorchRec  targets"
     lines = [head]
     for rate, e in rates.items():
         cells = []
@@ -452,7 +465,10 @@ def format_rates_table(rates: dict[str, Any], modes: Sequence[str]) -> str:
             x = e.get("vs_best", {}).get(m)
             cells.append(f"{'-' if t is None else f'{t:.0f} ms ({x:.2f}x)':>18}")
         met = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in e["targets"].items())
-        lines.append(f"{rate:<10}" + "".join(cells) + f"  {e.get('best_torchrec', '-'):<13} {met}")
+        load = f"{e['load_avg']:4.1f}" if "load_avg" in e else "   -"
+        lines.append(
+            f"{rate:<10}" + "".join(cells) + f"  {load}  {e.get('best_torchrec', '-'):<13} {met}"
+        )
     return "\n".join(lines)
 
 
@@ -548,7 +564,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="e2e_bench."))
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.intra_host:
-        args.config = str(with_intra_host(args.config, args.intra_host, out_dir))
+        args.config = str(with_comms(args.config, "intra_host", args.intra_host, out_dir))
+    args.forced_configs = {
+        m: str(with_comms(args.config, "format", FORCED_FORMAT_MODES[m], out_dir))
+        for m in args.modes
+        if m in FORCED_FORMAT_MODES
+    }
     link = f"netns {args.rate} link" if args.netns else "localhost"
     print(
         f"e2e bench: {', '.join(args.modes)} on {link}; {args.steps} steps, batch "
@@ -616,6 +637,8 @@ def run_rates(args: argparse.Namespace, plan: list[tuple[str, int]], out_dir: Pa
         all_runs[rate] = [{k: v for k, v in r.items() if k != "metrics"} for r in runs]
         per_rate[rate] = summarize(runs, args.modes)
     rates = rates_summary(per_rate)
+    for rate, runs in all_runs.items():  # the machine's load beside each rate's figures
+        rates[rate]["load_avg"] = _mean([r["load_avg_before"] for r in runs])
     print(format_rates_table(rates, args.modes), flush=True)
     path = Path(args.json) if args.json else out_dir / "bench.json"
     config = {k: v for k, v in vars(args).items() if k not in ("modes", "rate", "link_gbit")}

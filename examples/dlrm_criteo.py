@@ -248,6 +248,8 @@ def shard_model(
                 f"{c.default_bound.value:g} "
                 f"(homogenization {'on' if c.homogenization.enabled else 'off'}, schedule "
                 f"{c.schedule.kind}), backward {c.backward}")  # fmt: skip
+        if planner.torchrec_path:
+            desc += "; auto: no table coded, TorchRec's own all-to-all (see the plan)"
     else:
         registry, bwd = None, args.qcomm_backward
         model_cost, desc = raw_model(), "uncompressed fp32 (TorchRec)"
@@ -274,7 +276,7 @@ def shard_model(
         planner_name=f"LossyShardingPlanner ({planner.comms_model.description})",
         plan_text=planner.explain(),
         tables=plan_tables(plan.plan.get(EBC_PATH, {}), plan_config, env.world_size),
-        lossy=args.comm == "lossy",
+        lossy=args.comm == "lossy" and not planner.torchrec_path,
         qcomm_codecs=codecs,
     )
 

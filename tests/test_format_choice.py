@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -19,17 +20,49 @@ from torchrec_lossy.planner.formats import CANDIDATES, admits, choose_format
 from torchrec_lossy.planner.speeds import default_speeds, measure_speeds
 
 
-def test_casts_are_admitted_only_under_per_value_bounds_they_meet() -> None:
-    fp16, bf16 = CANDIDATES["fp16"], CANDIDATES["bf16"]
-    assert admits(bf16, ErrorBound("value", 2.0**-8)) and not admits(
-        bf16, ErrorBound("value", 0.003)
-    )
-    assert admits(fp16, ErrorBound("value", 0.001)) and not admits(fp16, ErrorBound("value", 1e-4))
-    # A range-relative or absolute bound can be smaller than a large value's cast error.
-    for bound in (ErrorBound("relative", 0.5), ErrorBound("absolute", 1.0)):
-        assert not admits(fp16, bound) and not admits(bf16, bound)
-    for name in ("raw", "entropy"):  # exact, or error-bounded by construction
+def test_casts_are_refused_because_their_error_is_relative_only_in_their_normal_range() -> None:
+    # Inside the normal range each cast meets its per-value error...
+    x = torch.tensor([3.0, -0.7, 1e-3, 1e3], dtype=torch.float32)
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        err = ((x.to(dtype).float() - x).abs() / x.abs()).max().item()
+        assert err <= CANDIDATES[name].value_error
+    # ...outside it not (fp16 below 6.1e-5 or past 65504, bf16 on float32 subnormals), so no
+    # bound admits a cast, not even the loosest per-value one.
+    tiny = torch.tensor([1e-6, 1e-40], dtype=torch.float32)
+    assert ((tiny.to(torch.float16).float() - tiny).abs() / tiny).max() > 0.01
+    assert ((tiny.to(torch.bfloat16).float() - tiny).abs() / tiny).max() > 2.0**-8
+    for name in ("fp16", "bf16"):
+        for bound in (
+            ErrorBound("value", 0.5),
+            ErrorBound("relative", 0.5),
+            ErrorBound("absolute", 1.0),
+        ):
+            assert not admits(CANDIDATES[name], bound)
+    for name in ("raw", "entropy", "packed"):  # exact, or error-bounded by construction
         assert admits(CANDIDATES[name], ErrorBound("relative", 0.0))
+
+
+@pytest.mark.parametrize("codec_format", ["entropy", "packed"])
+@pytest.mark.parametrize("bound", [ErrorBound("relative", 0.03), ErrorBound("absolute", 0.004)])
+def test_admitted_codec_formats_meet_the_bound_on_adversarial_blocks(
+    codec_format: str, bound: ErrorBound
+) -> None:
+    from torchrec_lossy.codec import compress, decompress
+    from torchrec_lossy.config import CodecConfig
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = [
+        torch.randn(64, 16, generator=gen),
+        torch.randn(64, 8, generator=gen) * 1e4 + 5e4,  # far from zero, wide
+        torch.full((32, 4), 1e-7) * torch.arange(128).view(32, 4),  # tiny values
+        torch.randn(16, 16, generator=gen).repeat(4, 1),  # repeated rows (the dedupe)
+    ]
+    assert admits(CANDIDATES[codec_format], bound)
+    eb = [bound.value * float(b.max() - b.min()) if bound.mode == "relative" else bound.value
+          for b in blocks]  # fmt: skip
+    out = decompress(compress(blocks, eb, CodecConfig(format=codec_format)))  # type: ignore[arg-type]
+    for b, o, e in zip(blocks, out, eb, strict=True):
+        assert (o - b).abs().max().item() <= e
 
 
 def test_choice_is_the_least_estimated_time_and_never_an_inadmissible_format() -> None:
@@ -68,10 +101,20 @@ TABLES = [EmbeddingTableConfig(f"t{i}", 1000 * (i + 1), 16) for i in range(3)]
 
 def test_measured_speeds_are_sane_and_cached_per_shape() -> None:
     cache: dict = {}
-    speeds = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache, reps=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the example runs (OMP_NUM_THREADS=1); threads on a busy
+    try:  # machine make a tiny index_add_ take 0.1 s
+        speeds = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache, reps=1)
+    finally:
+        torch.set_num_threads(threads)
     assert speeds.source.startswith("measured on cpu, 3 blocks x 64 rows")
-    assert set(speeds.formats) == {"entropy", "fp16", "bf16"}
+    assert set(speeds.formats) == {"entropy", "packed", "fp16", "bf16", "dedupe"}
     assert all(0 < v < 1e5 for pair in speeds.formats.values() for v in pair)
+    # Both codec formats' ratios on the same blocks: the packed one is the larger payload.
+    assert set(speeds.ratios) == {"entropy", "packed", "dedupe"}
+    assert speeds.ratios["dedupe"] >= 1.0  # rows / distinct rows
+    assert 1.0 < speeds.ratios["packed"] <= speeds.ratios["entropy"]
+    assert speeds.ratio_factor("packed") == speeds.ratios["packed"] / speeds.ratios["entropy"]
     again = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache)
     assert again is speeds and len(cache) == 1
 
@@ -90,3 +133,114 @@ def test_failed_calibration_falls_back_with_one_warning(
     assert got.formats == default_speeds("cpu", "x").formats
     assert got.source.startswith("defaults: calibration failed")
     assert len([r for r in caplog.records if "calibration failed" in r.message]) == 1
+
+
+def test_packed_format_key_sets_the_codec_format_and_one_codec_format_per_run() -> None:
+    from torchrec_lossy.config import CodecConfig
+
+    packed = LossyCommsConfig(format="packed", tables={"a": TableCodecConfig(format="raw")})
+    assert packed.codec.format == "packed" and packed.table("b").compress
+    assert packed.table("b").format == "packed" and not packed.table("a").compress
+    per_table = LossyCommsConfig(tables={"a": TableCodecConfig(format="packed")})
+    assert per_table.codec.format == "packed"
+    with pytest.raises(ConfigError, match=r"format='entropy/packed' is invalid: allowed one"):
+        LossyCommsConfig(format="entropy", tables={"a": TableCodecConfig(format="packed")})
+    with pytest.raises(ConfigError, match=r"format='entropy' is invalid: allowed 'packed'"):
+        LossyCommsConfig(format="entropy", codec=CodecConfig(format="packed"))
+
+
+def _one_host_plan(link_gib_s: float) -> object:
+    from torchrec_lossy.config import LossyPlanConfig, PlannerConfig, TopologyConfig
+
+    return LossyPlanConfig(
+        embedding_tables=tuple(
+            EmbeddingTableConfig(f"t{i}", 10_000, 32, (f"f{i}",)) for i in range(3)
+        ),
+        topology=TopologyConfig(
+            world_size=2, compute_device="cpu", intra_host_bandwidth_gib_s=link_gib_s
+        ),
+        planner=PlannerConfig(global_batch_size=512),
+    )
+
+
+def _speeds(entropy: tuple[float, float], packed: tuple[float, float]) -> object:
+    from torchrec_lossy.planner.speeds import Speeds
+
+    casts = {"fp16": (3.0, 3.0), "bf16": (3.0, 3.0)}
+    return Speeds({"entropy": entropy, "packed": packed, **casts}, "test",
+                  ratios={"entropy": 30.0, "packed": 24.0})  # fmt: skip
+
+
+def test_auto_picks_the_codec_format_from_measured_speeds_and_raw_on_a_fast_link() -> None:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+
+    slow = _one_host_plan(0.116)
+    bw = gib_s_to_bytes_per_ms(0.116)
+    # Packed codes 4x faster at 0.8x the ratio: it wins on a 1 Gbit/s link...
+    model = LossyCommsModel(slow, bw, speeds=_speeds((0.3, 1.0), (1.2, 4.0)))
+    assert model.codec_format == "packed"
+    comms = model.resolved_comms(["t0", "t1", "t2"])
+    assert comms.codec.format == "packed" and comms.format == "packed"
+    assert {comms.table(n).format for n in ("t0", "t1", "t2")} == {"packed"}
+    assert "packed" in model.pays_note and "entropy" in model.pays_note  # both estimates
+    # ...as fast as the entropy format it loses (a smaller ratio for nothing).
+    model = LossyCommsModel(slow, bw, speeds=_speeds((1.0, 2.0), (1.0, 2.0)))
+    assert model.codec_format == "entropy"
+    assert model.resolved_comms(["t0"]).codec.format == "entropy"
+    # On a link faster than either codec every table goes raw.
+    fast = _one_host_plan(50.0)
+    model = LossyCommsModel(fast, gib_s_to_bytes_per_ms(50.0), speeds=_speeds((1, 2), (2, 4)))
+    comms = model.resolved_comms(["t0", "t1", "t2"])
+    assert [comms.table(n).compress for n in ("t0", "t1", "t2")] == [False] * 3
+    # A codec format the config names is the only one considered.
+    named = dataclasses.replace(slow, comms=LossyCommsConfig(format="entropy"))
+    model = LossyCommsModel(named, bw, speeds=_speeds((0.3, 1.0), (1.2, 4.0)))
+    assert model.codec_format == "entropy"
+
+
+def test_auto_takes_torchrecs_own_path_only_where_nothing_is_coded_and_dedupe_does_not_pay() -> (
+    None
+):
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+    from torchrec_lossy.planner.speeds import Speeds
+
+    def speeds(dedupe: tuple[float, float] | None) -> Speeds:
+        base = _speeds((0.3, 1.0), (0.3, 1.0))
+        if dedupe is None:
+            return base
+        return dataclasses.replace(
+            base,
+            formats={**base.formats, "dedupe": dedupe},
+            ratios={**base.ratios, "dedupe": 4.0},
+        )
+
+    fast = _one_host_plan(50.0)
+    bw = gib_s_to_bytes_per_ms(50.0)
+    model = LossyCommsModel(fast, bw, speeds=speeds((1.0, 0.3)))
+    assert model.torchrec_path and "TorchRec's own all-to-all" in model.pays_note
+    # Dedupe cheap enough to pay for its 4x fewer bytes: the seam stays, raw.
+    model = LossyCommsModel(fast, bw, speeds=speeds((1e4, 1e4)))
+    assert not model.torchrec_path and "the seam raw" in model.pays_note
+    # Not measured, a table coded, or a format forced: never.
+    assert not LossyCommsModel(fast, bw, speeds=speeds(None)).torchrec_path
+    slow = _one_host_plan(0.116)
+    assert not LossyCommsModel(
+        slow, gib_s_to_bytes_per_ms(0.116), speeds=speeds((1.0, 0.3))
+    ).torchrec_path
+    forced = dataclasses.replace(fast, comms=LossyCommsConfig(format="raw"))
+    assert not LossyCommsModel(forced, bw, speeds=speeds((1.0, 0.3))).torchrec_path
+
+
+def test_the_seams_dedupe_shrinks_raw_bytes_and_codec_time_alike() -> None:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+
+    slow = _one_host_plan(0.116)
+    bw = gib_s_to_bytes_per_ms(0.116)
+    plain = _speeds((0.3, 1.0), (0.3, 1.0))
+    deduped = dataclasses.replace(plain, ratios={**plain.ratios, "dedupe": 4.0})
+    a = LossyCommsModel(slow, bw, speeds=plain)._choice(30.0, "t0", bw).estimates
+    b = LossyCommsModel(slow, bw, speeds=deduped)._choice(30.0, "t0", bw).estimates
+    assert b["raw"] == pytest.approx(a["raw"] / 4)  # a quarter of the rows travel
+    # The coded wire time is the codec ratios', unchanged (the gradient's: backward_ratio).
+    wire = 1 / (30.0 * bw) + 1 / (slow.planner.backward_ratio * bw)
+    assert b["entropy"] - wire == pytest.approx((a["entropy"] - wire) / 4)  # codec time too

@@ -81,10 +81,13 @@ CodecFormat = Literal["entropy", "packed"]
 ScheduleKind = Literal["step", "linear", "log", "constant"]
 WeightsCast = Literal["none", "fp16", "bf16"]
 # The forward's wire format: "auto" lets the planner pick per table and link class
-# (torchrec_lossy/planner/formats.py); "entropy" is the lossy codec.
-CommsFormat = Literal["auto", "raw", "fp16", "bf16", "entropy"]
+# (torchrec_lossy/planner/formats.py); "entropy" / "packed" are the lossy codec in that
+# CodecConfig.format.
+CommsFormat = Literal["auto", "raw", "fp16", "bf16", "entropy", "packed"]
 # Formats the sharder cannot send the forward in yet (the planner prices them for comparison).
 NOT_YET_SENT: frozenset[str] = frozenset({"fp16", "bf16"})
+# The comms formats that are the codec, by its CodecConfig.format.
+CODEC_FORMATS: frozenset[str] = frozenset(get_args(CodecFormat))
 
 
 def _check_format(key: str, value: object) -> None:
@@ -93,8 +96,8 @@ def _check_format(key: str, value: object) -> None:
         value not in NOT_YET_SENT,
         key,
         value,
-        "'auto', 'raw' or 'entropy': the forward all-to-all has no fp16/bf16 cast yet "
-        "(comms.backward: fp16 / bf16 casts the gradient)",
+        "'auto', 'raw', 'entropy' or 'packed': the forward all-to-all has no fp16/bf16 cast "
+        "yet (comms.backward: fp16 / bf16 casts the gradient)",
     )
 
 
@@ -438,8 +441,10 @@ class LossyCommsConfig:
         format: Wire format of every table without its own: ``"auto"`` (the default: the
             planner picks per table and link class the format of least estimated time among
             those within the table's bound, docs/config.md; a sharder built without the planner
-            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec) or ``"entropy"`` (the lossy
-            codec). Applies to the gradient too: a raw table's gradient travels raw.
+            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec), ``"entropy"`` (the lossy
+            codec) or ``"packed"`` (the codec in its packed format: ``codec.format`` follows;
+            one codec format per run). Applies to the gradient too: a raw table's gradient
+            travels raw.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -463,6 +468,7 @@ class LossyCommsConfig:
 
     def __post_init__(self) -> None:
         _check_format("format", self.format)
+        self._resolve_codec_format()
         _check_literal("backward", self.backward, BackwardCodec)
         self._check_value_rounding()
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
@@ -506,6 +512,33 @@ class LossyCommsConfig:
         """
         mode = self.intra_host
         return mode == "raw" or (mode == "auto" and backend == "nccl")
+
+    def _resolve_codec_format(self) -> None:
+        """The codec format named by ``format`` (or a table's) and ``codec.format`` agree.
+
+        ``format: packed`` runs the codec in its packed format, so ``codec.format`` (default
+        ``entropy``) follows it; naming ``entropy`` and ``packed`` together, or ``format:
+        entropy`` with ``codec.format: packed``, is refused: the codec's format is per call, and
+        one call carries every coded table of a destination.
+        """
+        named = {self.format} | {t.format for t in self.tables.values() if t.format is not None}
+        coded = sorted(named & CODEC_FORMATS)
+        _require(
+            len(coded) <= 1,
+            "format",
+            "/".join(coded),
+            "one codec format per run: 'entropy' or 'packed' for every coded table (the "
+            "codec's format is per call, which carries every table of a destination)",
+        )
+        if not coded or coded[0] == self.codec.format:
+            return
+        _require(
+            coded[0] == "packed",
+            "format",
+            coded[0],
+            "'packed' or 'auto' with codec.format 'packed' (or drop codec.format)",
+        )
+        object.__setattr__(self, "codec", dataclasses.replace(self.codec, format="packed"))
 
     def _check_value_rounding(self) -> None:
         """Refuses per-value bounds with stochastic rounding (the per-value grid rounds to

@@ -1,9 +1,8 @@
 """The wire formats ``comms.format: auto`` picks from, and the pick itself.
 
-Candidates are data (:data:`CANDIDATES`): adding a lossy format (e.g. a fixed-width packed one)
-is one entry. For one table and one destination class the pick is the admissible candidate of
-least estimated time per raw byte, forward and gradient together (both travel in the table's
-format):
+Candidates are data (:data:`CANDIDATES`): adding a lossy format is one entry. For one table and
+one destination class the pick is the admissible candidate of least estimated time per raw
+byte, forward and gradient together (both travel in the table's format):
 
     ms per raw byte = 1 / (ratio * bandwidth) + 1 / encode + 1 / decode
 
@@ -35,12 +34,16 @@ class Candidate:
         value_error: Relative error per value of a cast (``|x' - x| <= value_error * |x|`` in
             the cast's normal range); 0: exact; None: the configured bound (an error-bounded
             codec meets any bound).
+        full_range: Whether ``value_error`` holds for every finite float32: fp16 flushes
+            values below 6.1e-5 to subnormals or zero (up to 100% error) and overflows above
+            65504; bf16 loses float32's subnormals (below 1.2e-38). Neither holds it.
         sendable: Whether the sharder can send the forward in it (``NOT_YET_SENT``).
     """
 
     name: str
     ratio: float | None
     value_error: float | None
+    full_range: bool = True
 
     @property
     def sendable(self) -> bool:
@@ -53,9 +56,10 @@ CANDIDATES: dict[str, Candidate] = {
     for c in (
         Candidate("raw", 1.0, 0.0),
         # Round to nearest keeps 10 (fp16) / 7 (bf16) mantissa bits: 2**-11 / 2**-8 relative.
-        Candidate("fp16", 2.0, 2.0**-11),
-        Candidate("bf16", 2.0, 2.0**-8),
+        Candidate("fp16", 2.0, 2.0**-11, full_range=False),
+        Candidate("bf16", 2.0, 2.0**-8, full_range=False),
         Candidate("entropy", None, None),
+        Candidate("packed", None, None),
     )
 }
 
@@ -65,7 +69,9 @@ def admits(candidate: Candidate, bound: ErrorBound) -> bool:
 
     A cast's error is relative to each value, so only a per-value bound at least that large
     admits it (a range-relative or absolute bound can be smaller than a large value's cast
-    error); exact and error-bounded formats meet every bound.
+    error), and only if that holds over all of float32's range, which neither fp16 nor bf16
+    does (so today no bound admits them: they are priced for comparison only); exact and
+    error-bounded formats meet every bound.
 
     Args:
         candidate: The format.
@@ -76,7 +82,7 @@ def admits(candidate: Candidate, bound: ErrorBound) -> bool:
     """
     if candidate.value_error is None or candidate.value_error == 0.0:
         return True
-    return bound.mode == "value" and bound.value >= candidate.value_error
+    return candidate.full_range and bound.mode == "value" and bound.value >= candidate.value_error
 
 
 def ms_per_byte(fmt: WireFormat, bandwidth: float) -> float:

@@ -9,9 +9,15 @@ estimate of :mod:`~torchrec_lossy.planner.formats` and the speeds of
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
-from torchrec_lossy.config import LossyCommsConfig, LossyPlanConfig, TableCodecConfig
+from torchrec_lossy.config import (
+    CODEC_FORMATS,
+    LossyCommsConfig,
+    LossyPlanConfig,
+    TableCodecConfig,
+)
 from torchrec_lossy.planner.cost import (
     BACKENDS,
     CODEC_THROUGHPUT_GIB_S,
@@ -78,21 +84,28 @@ class LossyCommsModel:
         p = config.planner
         pinned = p.encode_gib_s is not None or p.decode_gib_s is not None
         self.speeds = speeds or default_speeds(device, "no measurement")
-        enc, dec = self.speeds.formats.get("entropy", CODEC_THROUGHPUT_GIB_S[device])
-        self.encode_gib_s = p.encode_gib_s if p.encode_gib_s is not None else enc
-        self.decode_gib_s = p.decode_gib_s if p.decode_gib_s is not None else dec
-        if pinned:
+        comms = config.comms
+        # The seam sends one row per distinct bag before any format (input_dist's exact
+        # dedupe): raw and coded tables alike carry and code only the measured distinct rows.
+        exact = comms.input_dist.dedupe_outputs or comms.input_dist.dedupe_lookups
+        self.dedupe_ratio = self.speeds.ratios.get("dedupe", 1.0) if exact else 1.0
+        self.codec_format = self._codec_candidates()[0]  # the run's, until _pick_codec_format
+        if pinned:  # the pins are the codec's, in whichever format it runs
+            pins = {}
+            for f in self._codec_candidates():
+                enc, dec = self.speeds.formats.get(f, CODEC_THROUGHPUT_GIB_S[device])
+                pins[f] = (
+                    p.encode_gib_s if p.encode_gib_s is not None else enc,
+                    p.decode_gib_s if p.decode_gib_s is not None else dec,
+                )
             self.speeds = dataclasses.replace(
                 self.speeds,
-                formats={**self.speeds.formats, "entropy": (self.encode_gib_s, self.decode_gib_s)},
+                formats={**self.speeds.formats, **pins},
                 source=self.speeds.source + "; codec pinned by planner.encode/decode_gib_s",
             )
-        comms = config.comms
         bwd_kind = comms.backward
         if bwd_kind == "lossy":
-            self._bwd: WireFormat = WireFormat(
-                "lossy", p.backward_ratio, self.encode_gib_s, self.decode_gib_s
-            )
+            self._bwd: WireFormat = self._codec_wire(self.codec_format, p.backward_ratio)
         elif bwd_kind in ("fp16", "bf16"):
             enc_q, dec_q = self.speeds.formats.get(
                 bwd_kind, QCOMM_THROUGHPUT_GIB_S[(device, bwd_kind)]
@@ -102,16 +115,95 @@ class LossyCommsModel:
             self._bwd = RAW
         topo = config.topology
         self.one_host = topo.local_world_size in (None, topo.world_size)
+        self.codec_format = self._pick_codec_format()
+        if bwd_kind == "lossy":
+            self._bwd = self._codec_wire(self.codec_format, p.backward_ratio)
         self.same_host_raw, self._same_host_why = self._same_host_choice()
         same_host = "same-host peers raw" if self.same_host_raw else "same-host peers coded"
         if self.one_host and comms.format == "auto" and comms.intra_host == "auto":
             same_host = "every peer on this host, format per table"
         self.description = (
-            f"torchrec-lossy: forward format {comms.format} ({comms.default_bound.mode} "
+            f"torchrec-lossy: forward format {comms.format} (codec format "
+            f"{self.codec_format}; {comms.default_bound.mode} "
             f"{comms.default_bound.value:g} default bound), backward {bwd_kind}; {same_host} "
             f"(comms.intra_host={comms.intra_host}); speeds: {self.speeds.describe()}"
         )
-        self.pays_note = self._choice_note()
+        self.torchrec_path, torchrec_why = self._torchrec_path()
+        self.pays_note = self._choice_note() + torchrec_why
+
+    @property
+    def encode_gib_s(self) -> float:
+        """The codec's encode throughput in the run's codec format, GiB/s."""
+        return self._codec_wire(self.codec_format, 1.0).encode_gib_s or math.inf
+
+    @property
+    def decode_gib_s(self) -> float:
+        """The codec's decode throughput in the run's codec format, GiB/s."""
+        return self._codec_wire(self.codec_format, 1.0).decode_gib_s or math.inf
+
+    def _codec_candidates(self) -> list[str]:
+        """The codec formats ``auto`` may run: the one the config names (``format`` or a
+        table's, or ``codec.format: packed``), else those with speeds (both by default)."""
+        comms = self.config.comms
+        named = {comms.format} | {t.format for t in comms.tables.values() if t.format}
+        named &= CODEC_FORMATS
+        if named:
+            return sorted(named)
+        if comms.codec.format == "packed":
+            return ["packed"]
+        return [f for f in sorted(CODEC_FORMATS) if f in self.speeds.formats] or ["entropy"]
+
+    def _codec_wire(self, codec_format: str, ratio: float) -> WireFormat:
+        """The codec in ``codec_format`` for a table whose entropy-format ratio is ``ratio``."""
+        device = self.config.topology.compute_device
+        enc, dec = self.speeds.formats.get(codec_format, CODEC_THROUGHPUT_GIB_S[device])
+        d = self.dedupe_ratio  # the codec sees the distinct rows only: per raw byte, d x faster
+        return WireFormat("lossy", ratio * self.speeds.ratio_factor(codec_format), enc * d, dec * d)
+
+    def _pick_codec_format(self) -> str:
+        """The run's one codec format (a codec call carries every coded table of a
+        destination): of the candidates, the one whose auto tables, each raw or coded
+        whichever is faster, take the least estimated time, weighted by the tables' dims."""
+        candidates = self._codec_candidates()
+        tables = self.config.embedding_tables
+        if len(candidates) == 1 or not tables:
+            return candidates[0]
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        total = dict.fromkeys(candidates, 0.0)
+        for t in tables:
+            for f in candidates:
+                total[f] += t.embedding_dim * min(
+                    self._choice(self.ratio(t.name), t.name, bw, f).estimates.values()
+                )
+        return min(candidates, key=lambda f: (total[f], f != "entropy"))
+
+    def _torchrec_path(self) -> tuple[bool, str]:
+        """Whether the run should take TorchRec's own all-to-all instead of this seam, and why.
+
+        Where ``auto`` codes no table on any link, the seam still dedupes rows exactly (fewer
+        bytes, but a reduce and an expand per step); TorchRec's path sends every row without
+        that work. Decided only from measured dedupe speeds and ratio (``"dedupe"`` in the
+        speeds): the cheaper of the two per raw byte, forward and gradient, on the link.
+        """
+        comms, tables = self.config.comms, self.config.embedding_tables
+        sp = self.speeds
+        if comms.format != "auto" or not tables or "dedupe" not in sp.ratios:
+            return False, ""
+        if not (self.one_host or self.same_host_raw):
+            return False, ""
+        if any(self.table_format(t.name) != "raw" for t in tables):
+            return False, ""
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        enc, dec = sp.formats["dedupe"]
+        torchrec = 2 * ms_per_byte(RAW, bw)
+        dedupe = WireFormat("dedupe", sp.ratios["dedupe"], enc, dec)
+        seam = 2 / (dedupe.ratio * bw) + dedupe.codec_ms(1.0)  # a reduce and an expand a step
+        pick = torchrec <= seam
+        verdict = "TorchRec's own all-to-all" if pick else "the seam raw"
+        return pick, (
+            f"; no table coded, so {verdict} (exact dedupe at {dedupe.ratio:.2g}x costs "
+            f"{seam / torchrec:.2f}x TorchRec's time)"
+        )
 
     def _same_host_choice(self) -> tuple[bool, str]:
         """Whether same-host blocks travel raw, and why (one decision for all tables)."""
@@ -126,13 +218,18 @@ class LossyCommsModel:
         choice = self._choice(self.config.planner.expected_ratio, None, self.links.intra_bw)
         return choice.name == "raw", choice.reason(bandwidth_gib_s(self.links.intra_bw))
 
-    def _choice(self, ratio: float, table: str | None, bandwidth: float) -> FormatChoice:
-        """The auto pick for a table (None: any table at ``ratio``) on a link."""
+    def _choice(
+        self, ratio: float, table: str | None, bandwidth: float, codec_format: str | None = None
+    ) -> FormatChoice:
+        """The auto pick for a table (None: any table at ``ratio``) on a link: raw or the codec
+        in ``codec_format`` (None: the run's)."""
         bound = self.config.comms.table(table).bound if table else self.config.comms.default_bound
         assert bound is not None  # LossyCommsConfig.table() always sets it
-        entropy = WireFormat("lossy", ratio, self.encode_gib_s, self.decode_gib_s)
-        bwd = self.backward_format(table) if table else self._bwd
-        return choose_format({"raw": (RAW, RAW), "entropy": (entropy, bwd)}, bound, bandwidth)
+        f = codec_format or self.codec_format
+        coded = self._codec_wire(f, ratio)
+        bwd = self._bwd if self._bwd.name != "lossy" else self.backward_format(table, f)
+        raw = WireFormat("raw", self.dedupe_ratio)  # the seam's raw: distinct rows only
+        return choose_format({"raw": (raw, raw), f: (coded, bwd)}, bound, bandwidth)
 
     def _choice_note(self) -> str:
         """What ``auto`` chose for the plan and why, said once (empty when nothing is auto)."""
@@ -150,14 +247,19 @@ class LossyCommsModel:
         link = "intra-host" if self.one_host else "cross-host"
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
         r = self.config.planner.expected_ratio
-        why = self._choice(r, None, bw).reason(bandwidth_gib_s(bw)) + f" at ratio {r:g}"
+        # Every candidate codec format's estimate, so the line says why this one.
+        estimates: dict[str, float] = {}
+        for f in self._codec_candidates():
+            estimates.update(self._choice(r, None, bw, f).estimates)
+        pick = self._choice(r, None, bw).name
+        why = FormatChoice(pick, estimates).reason(bandwidth_gib_s(bw)) + f" at ratio {r:g}"
         if auto:
             picks: dict[str, int] = {}
             for n in auto:
                 picks[self.table_format(n)] = picks.get(self.table_format(n), 0) + 1
             chosen = ", ".join(f"{f} for {k} table{'s' if k > 1 else ''}" for f, k in picks.items())
         else:  # no tables listed (modules planned later): what every table gets
-            chosen = f"{self._choice(r, None, bw).name} for every table"
+            chosen = f"{pick} for every table"
         same = ""
         if not self.one_host:
             kind = "raw" if self.same_host_raw else "coded"
@@ -175,24 +277,27 @@ class LossyCommsModel:
         """
         return self.ratios.get(table, self.config.planner.ratio(table))
 
-    def backward_format(self, table: str) -> WireFormat:
+    def backward_format(self, table: str | None, codec_format: str | None = None) -> WireFormat:
         """The table's gradient wire format if the table is coded: the codec at its expected
         backward ratio, or the configured cast, or raw.
 
         Args:
-            table: Table name.
+            table: Table name (None: any table, at ``planner.backward_ratio``).
+            codec_format: The codec's format; None: the run's.
 
         Returns:
             Its backward :class:`WireFormat`.
         """
         if self._bwd.name != "lossy":
             return self._bwd
-        r = self.backward_ratios.get(table, self.config.planner.backward_ratio)
-        return WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+        r = self.config.planner.backward_ratio
+        if table is not None:
+            r = self.backward_ratios.get(table, r)
+        return self._codec_wire(codec_format or self.codec_format, r)
 
     def table_format(self, table: str) -> str:
-        """The format the sharder sends ``table`` in: ``"raw"`` or ``"entropy"`` (``auto``
-        resolved on the table's link).
+        """The format the sharder sends ``table`` in: ``"raw"`` or the run's codec format
+        (``auto`` resolved on the table's link).
 
         Args:
             table: Table name.
@@ -202,7 +307,7 @@ class LossyCommsModel:
         """
         fmt = self.config.comms.table(table).format
         if fmt != "auto":
-            return fmt or "entropy"
+            return fmt or self.codec_format
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
         return self._choice(self.ratio(table), table, bw).name
 
@@ -225,10 +330,13 @@ class LossyCommsModel:
             else:
                 note = "format raw / compress: false in the config"
             return self._per_destination(TableComms(RAW, RAW, note=note, row_wise_all_to_all=True))
-        fwd = WireFormat("lossy", r, self.encode_gib_s, self.decode_gib_s)
+        fwd = self._codec_wire(self.codec_format, r)
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
         cost = ms_per_byte(fwd, bw) / ms_per_byte(RAW, bw)
-        note = f"ratio {r:.1f}x ({source}), all-to-all at {cost:.2f} of raw time"
+        note = (
+            f"{self.codec_format} at ratio {fwd.ratio:.1f}x ({source}), all-to-all at "
+            f"{cost:.2f} of raw time"
+        )
         bwd = self.backward_format(table)
         return self._per_destination(TableComms(fwd, bwd, note=note, row_wise_all_to_all=True))
 
@@ -239,7 +347,7 @@ class LossyCommsModel:
             tables: The tables to resolve (the config's, calibrated and planned ones).
 
         Returns:
-            The config with ``format`` ``"raw"`` / ``"entropy"`` overrides for the tables whose
+            The config with ``format`` ``"raw"`` / codec-format overrides for the tables whose
             format was ``auto`` (explicit entries first: the first matching pattern wins) and
             ``intra_host`` resolved where it was ``auto``; unchanged when nothing is ``auto``.
         """
@@ -254,7 +362,7 @@ class LossyCommsModel:
             changes["tables"] = {**overrides, **base.tables}
         if base.format == "auto":
             # A table no one listed (resolved nowhere) keeps the codec, as a plain sharder does.
-            changes["format"] = "entropy"
+            changes["format"] = self.codec_format
             if base.intra_host == "auto":
                 changes["intra_host"] = "raw" if self.same_host_raw else "coded"
         return dataclasses.replace(base, **changes) if changes else base

@@ -521,6 +521,13 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
             + [p.name for p in self._planned]
         )
 
+    @property
+    def torchrec_path(self) -> bool:
+        """Whether ``format: auto`` resolved to TorchRec's own all-to-all (no table coded, and
+        the seam's exact dedupe estimated to cost more than it saves on the link)."""
+        model = self.comms_model
+        return isinstance(model, LossyCommsModel) and model.torchrec_path
+
     def sharder(
         self,
         fused_params: dict[str, Any] | None = None,
@@ -539,11 +546,19 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
                 carry.
 
         Returns:
-            ``LossyEmbeddingBagCollectionSharder``.
+            ``LossyEmbeddingBagCollectionSharder``; TorchRec's ``EmbeddingBagCollectionSharder``
+            where ``format: auto`` codes no table and TorchRec's path is estimated faster than
+            the seam's raw one (:attr:`torchrec_path`).
         """
         from torchrec_lossy.adaptive import AdaptiveBounds
         from torchrec_lossy.distributed.sharder import LossyEmbeddingBagCollectionSharder
 
+        if self.torchrec_path:
+            from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+            return EmbeddingBagCollectionSharder(
+                fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+            )
         return LossyEmbeddingBagCollectionSharder(
             comms_config=self.comms_config,
             fused_params=fused_params,

@@ -1,8 +1,9 @@
 """Measured speeds of the wire formats on this device, for the planner's format choice.
 
 :func:`measure_speeds` times, for one layout's block shapes (one block per table, the rows a
-destination gets), the lossy codec's encode and decode (one call for all blocks, as the sharder
-makes it) and the fp16/bf16 casts, on Criteo-like synthetic traffic; the best of a few runs.
+destination gets), the lossy codec's encode and decode in each of its formats (entropy, packed;
+one call for all blocks, as the sharder makes it) and the fp16/bf16 casts, on Criteo-like
+synthetic traffic, the best of a few runs; and each codec format's ratio on those blocks.
 :func:`agree_speeds` makes every rank use the slowest rank's figures (one all-reduce), so the
 choice, made from them, is the same everywhere; :func:`round_ms` times the collective's fixed
 cost per round. ``planner.encode_gib_s`` / ``decode_gib_s`` pin the codec's speeds instead. A
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from torchrec_lossy.config import EmbeddingTableConfig, LossyCommsConfig
+from torchrec_lossy.config import CODEC_FORMATS, EmbeddingTableConfig, LossyCommsConfig
 from torchrec_lossy.planner.cost import CODEC_THROUGHPUT_GIB_S, QCOMM_THROUGHPUT_GIB_S
 from torchrec_lossy.profile_range import profile_range
 
@@ -32,6 +33,11 @@ _GIB = float(1 << 30)
 # Outside this range a throughput is a broken clock or an empty measurement, not a speed.
 _SANE_GIB_S = (1e-4, 1e5)
 CASTS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Packed ratio / entropy ratio where none was measured: the packed format's 23.2x against the
+# entropy format's 31.2x on Kaggle-like blocks (docs/benchmarks.md, packed format).
+PACKED_RATIO_FACTOR = 0.75
+# Measured ratios: the codec formats' and the exact row dedupe's ("dedupe").
+RATIO_KEYS: frozenset[str] = CODEC_FORMATS | {"dedupe"}
 
 # (device type, blocks, rows, dims): what a measurement is cached under.
 SpeedKey = tuple[str, int, int, tuple[int, ...]]
@@ -42,14 +48,33 @@ class Speeds:
     """Encode / decode throughputs (GiB/s of raw fp32) per format, and where they came from.
 
     Attributes:
-        formats: Format name (``"entropy"``, ``"fp16"``, ``"bf16"``) to (encode, decode).
+        formats: Format name (``"entropy"``, ``"packed"``, ``"fp16"``, ``"bf16"``; and
+            ``"dedupe"``: the seam's exact row dedupe, reduce / expand) to (encode, decode).
         source: ``"measured on ..."``, ``"pinned ..."`` or ``"defaults ..."`` (and why).
         round_ms: The collective's fixed cost per round (a tiny all-to-all), if measured.
+        ratios: Codec format name (or ``"dedupe"``) to its ratio on the measured blocks
+            (empty: not measured).
     """
 
     formats: dict[str, tuple[float, float]] = field(default_factory=dict)
     source: str = ""
     round_ms: float | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def ratio_factor(self, codec_format: str) -> float:
+        """A codec format's ratio relative to the entropy format's (which tables' expected
+        ratios are).
+
+        Args:
+            codec_format: ``"entropy"`` or ``"packed"``.
+
+        Returns:
+            Measured ratio / measured entropy ratio, else 1 for entropy and
+            :data:`PACKED_RATIO_FACTOR` for packed.
+        """
+        if codec_format in self.ratios and self.ratios.get("entropy"):
+            return self.ratios[codec_format] / self.ratios["entropy"]
+        return 1.0 if codec_format == "entropy" else PACKED_RATIO_FACTOR
 
     def describe(self) -> str:
         """One line for the printed plan.
@@ -59,7 +84,9 @@ class Speeds:
         """
         parts = ", ".join(f"{n} {e:.3g}/{d:.3g}" for n, (e, d) in self.formats.items())
         rnd = f"; {self.round_ms:.3g} ms per collective round" if self.round_ms else ""
-        return f"{parts} GiB/s encode/decode ({self.source}){rnd}"
+        ratios = ", ".join(f"{n} {r:.3g}x" for n, r in self.ratios.items())
+        ratios = f"; ratios on them {ratios}" if ratios else ""
+        return f"{parts} GiB/s encode/decode ({self.source}){ratios}{rnd}"
 
 
 def default_speeds(device: str, why: str) -> Speeds:
@@ -72,7 +99,8 @@ def default_speeds(device: str, why: str) -> Speeds:
     Returns:
         The speeds.
     """
-    formats = {"entropy": CODEC_THROUGHPUT_GIB_S[device]}
+    # The packed format decodes faster than the entropy one; the entropy's figures bound it.
+    formats = {f: CODEC_THROUGHPUT_GIB_S[device] for f in sorted(CODEC_FORMATS)}
     formats.update({c: QCOMM_THROUGHPUT_GIB_S[(device, c)] for c in CASTS})
     return Speeds(formats, f"defaults: {why}")
 
@@ -88,7 +116,9 @@ def _best_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> fl
     return best
 
 
-def _time_formats(blocks: Sequence[torch.Tensor], comms: LossyCommsConfig, reps: int) -> dict:
+def _time_formats(
+    blocks: Sequence[torch.Tensor], comms: LossyCommsConfig, reps: int
+) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     from torchrec_lossy.codec import compress, decompress
 
     device = blocks[0].device
@@ -97,20 +127,49 @@ def _time_formats(blocks: Sequence[torch.Tensor], comms: LossyCommsConfig, reps:
     # The relative bound made absolute per block, as the sharder does.
     bounds = [comms.default_bound.value * float(b.max() - b.min()) for b in blocks]
     out: dict[str, tuple[float, float]] = {}
-    with profile_range("## lossy_codec calibrate encode ##"):
-        compress(blocks, bounds, comms.codec)  # loads the compiled kernels: not timed
-        enc = _best_s(lambda: compress(blocks, bounds, comms.codec), reps, sync)
-    payload = compress(blocks, bounds, comms.codec)
-    with profile_range("## lossy_codec calibrate decode ##"):
-        decompress(payload, backend=comms.codec.backend)  # loads the decoder: not timed
-        dec = _best_s(lambda: decompress(payload, backend=comms.codec.backend), reps, sync)
-    out["entropy"] = (raw_gib / enc, raw_gib / dec)
+    ratios: dict[str, float] = {}
+    for name in sorted(CODEC_FORMATS):
+        codec = replace(comms.codec, format=name)
+        with profile_range(f"## lossy_codec calibrate encode {name} ##"):
+            payload = compress(blocks, bounds, codec)  # loads the compiled kernels: not timed
+            enc = _best_s(lambda c=codec: compress(blocks, bounds, c), reps, sync)
+        with profile_range(f"## lossy_codec calibrate decode {name} ##"):
+            decompress(payload, backend=codec.backend)  # loads the decoder: not timed
+            dec = _best_s(lambda p=payload, c=codec: decompress(p, backend=c.backend), reps, sync)
+        out[name] = (raw_gib / enc, raw_gib / dec)
+        ratios[name] = raw_gib * _GIB / max(1, payload.numel() * payload.element_size())
+    out["dedupe"], ratios["dedupe"] = _time_dedupe(blocks, reps, sync)
     for name, dtype in CASTS.items():
         wire = [b.to(dtype) for b in blocks]
         enc = _best_s(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
         dec = _best_s(lambda w=wire: [b.float() for b in w], reps, sync)
         out[name] = (raw_gib / enc, raw_gib / dec)
-    return out
+    return out, ratios
+
+
+def _time_dedupe(
+    blocks: Sequence[torch.Tensor], reps: int, sync: Callable[[], None]
+) -> tuple[tuple[float, float], float]:
+    """The exact row dedupe the seam runs on every table, raw ones too: (reduce, expand)
+    GiB/s of raw rows (the gradient's sum into distinct rows, the forward's expansion back)
+    and its ratio (rows / distinct rows). A lower bound of the seam's work around the codec."""
+    raw_gib = sum(b.numel() * 4 for b in blocks) / _GIB
+    inverse = [torch.unique(b, dim=0, return_inverse=True)[1] for b in blocks]
+    uniq = [int(i.max()) + 1 if i.numel() else 0 for i in inverse]
+    distinct = [b.new_zeros(u, b.shape[1]) for b, u in zip(blocks, uniq, strict=True)]
+
+    def reduce() -> None:
+        for d, b, i in zip(distinct, blocks, inverse, strict=True):
+            d.zero_().index_add_(0, i, b)
+
+    def expand() -> None:
+        torch.cat([d.index_select(0, i) for d, i in zip(distinct, inverse, strict=True)], 1)
+
+    with profile_range("## lossy_a2a calibrate dedupe ##"):
+        reduce(), expand()  # first calls load kernels: not timed
+        speeds = (raw_gib / _best_s(reduce, reps, sync), raw_gib / _best_s(expand, reps, sync))
+    rows = sum(b.shape[0] for b in blocks)
+    return speeds, rows / max(1, sum(uniq))
 
 
 def measure_speeds(
@@ -143,15 +202,19 @@ def measure_speeds(
         from torchrec_lossy.planner.calibrate import synthetic_blocks
 
         blocks = [b.to(device) for b in synthetic_blocks(tables, rows).values()]
-        formats = _time_formats(blocks, comms, reps)
+        formats, ratios = _time_formats(blocks, comms, reps)
         bad = {
             n: v
             for n, v in formats.items()
             if not all(math.isfinite(x) and _SANE_GIB_S[0] <= x <= _SANE_GIB_S[1] for x in v)
         }
-        if bad:
+        if set(bad) == {"dedupe"}:  # optional: only the TorchRec-path choice needs it
+            logger.warning("torchrec-lossy: dedupe timing %s GiB/s is nonsense; unused", bad)
+            formats.pop("dedupe")
+            ratios.pop("dedupe")
+        elif bad:
             raise ValueError(f"nonsense throughputs {bad} GiB/s")
-        speeds = Speeds(formats, where)
+        speeds = Speeds(formats, where, ratios=ratios)
     except Exception as e:  # any failure: plan with the conservative figures, say so once
         logger.warning("torchrec-lossy: speed calibration failed (%s); using the defaults", e)
         speeds = default_speeds(device.type, f"calibration failed: {e}")
@@ -193,12 +256,22 @@ def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.
     """
     if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return speeds
-    names = sorted(speeds.formats)
-    # Seconds per GiB, so MAX is the slowest; the round cost likewise.
+    names, codecs = sorted(speeds.formats), sorted(RATIO_KEYS)
+    # Seconds per GiB, so MAX is the slowest; wire bytes per raw byte (the least ratio; 0 where
+    # a rank did not measure it, so every rank sends as many values) and the round cost likewise.
     secs = [1.0 / v for n in names for v in speeds.formats[n]]
+    secs += [1.0 / speeds.ratios[n] if n in speeds.ratios else 0.0 for n in codecs]
     secs.append(speeds.round_ms if speeds.round_ms is not None else round_ms(group, device))
     t = torch.tensor(secs, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     v = t.tolist()
     formats = {n: (1.0 / v[2 * i], 1.0 / v[2 * i + 1]) for i, n in enumerate(names)}
-    return replace(speeds, formats=formats, source=speeds.source + ", slowest rank", round_ms=v[-1])
+    per_raw = v[2 * len(names) : 2 * len(names) + len(codecs)]
+    ratios = {n: 1.0 / w for n, w in zip(codecs, per_raw, strict=True) if w > 0}
+    return replace(
+        speeds,
+        formats=formats,
+        ratios=ratios,
+        source=speeds.source + ", slowest rank",
+        round_ms=v[-1],
+    )

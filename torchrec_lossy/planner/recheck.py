@@ -1,0 +1,152 @@
+"""The periodic re-check of the run's format choice from measured step times, with hysteresis.
+
+:class:`FormatRecheck` holds the run's choice (a format name: ``"raw"``, ``"entropy"``,
+``"packed"``, ``"torchrec"``) and, every ``every_steps`` steps, compares the measured ms a step of
+that choice with the planner's estimate for each alternative. It switches only when one
+alternative is estimated faster by more than ``hysteresis`` on ``patience`` consecutive checks
+(no flapping on noise). The inputs are agreed over ranks first (the MAX of each figure), so
+every rank takes the same decision; :meth:`FormatRecheck.state_dict` records the choice, the
+streak and the switches, so a resume from a checkpoint continues from the same state.
+Applying a switch to a built sharder belongs to the exchange path (issue 33's refactor); until
+then the decision is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lossy.config import ConfigError
+
+__all__ = ["FormatRecheck", "RecheckConfig"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecheckConfig:
+    """How often and how reluctantly the choice is re-checked.
+
+    Attributes:
+        every_steps: Steps between checks (> 0).
+        hysteresis: An alternative must be estimated faster than the measured step by this
+            fraction (in [0, 1)).
+        patience: Consecutive checks that must agree on the same alternative (>= 1).
+    """
+
+    every_steps: int = 500
+    hysteresis: float = 0.15
+    patience: int = 2
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.every_steps, int) and self.every_steps > 0):
+            raise ConfigError(f"recheck.every_steps={self.every_steps!r} is invalid: allowed > 0")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ConfigError(f"recheck.hysteresis={self.hysteresis!r} is invalid: allowed [0, 1)")
+        if not (isinstance(self.patience, int) and self.patience >= 1):
+            raise ConfigError(f"recheck.patience={self.patience!r} is invalid: allowed >= 1")
+
+
+class FormatRecheck:
+    """The run's format choice, re-checked from measured times (see the module docstring).
+
+    Args:
+        current: The format chosen at start-up.
+        config: Period, hysteresis and patience.
+    """
+
+    def __init__(self, current: str, config: RecheckConfig | None = None) -> None:
+        self.config = config or RecheckConfig()
+        self.current = current
+        self._candidate: str | None = None
+        self._streak = 0
+        self.switches: list[tuple[int, str, str]] = []  # (step, from, to)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a check step.
+
+        Args:
+            step: Steps done.
+
+        Returns:
+            True every ``every_steps`` steps.
+        """
+        return step > 0 and step % self.config.every_steps == 0
+
+    def check(
+        self,
+        step: int,
+        measured_ms: float,
+        estimates_ms: Mapping[str, float],
+        group: dist.ProcessGroup | None = None,
+    ) -> str | None:
+        """One check: agree the figures over ranks, then switch if an alternative has been
+        clearly faster on ``patience`` checks in a row.
+
+        Args:
+            step: Steps done (for the record).
+            measured_ms: This rank's measured median step time under the current choice.
+            estimates_ms: Estimated step time per alternative (the same names on every rank).
+            group: The process group (None or one rank: no agreement needed).
+
+        Returns:
+            The new format if the choice switched, else None.
+        """
+        names = sorted(n for n in estimates_ms if n != self.current)
+        values = [measured_ms] + [estimates_ms[n] for n in names]
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            t = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's view
+            values = t.tolist()
+        measured, alternatives = values[0], dict(zip(names, values[1:], strict=True))
+        best = min(alternatives, key=lambda n: (alternatives[n], n), default=None)
+        limit = (1.0 - self.config.hysteresis) * measured
+        if best is None or not math.isfinite(measured) or not alternatives[best] < limit:
+            self._candidate, self._streak = None, 0
+            return None
+        self._streak = self._streak + 1 if best == self._candidate else 1
+        self._candidate = best
+        if self._streak < self.config.patience:
+            return None
+        logger.warning(
+            "torchrec-lossy: format re-check at step %d: %s -> %s (measured %.1f ms a step, "
+            "estimated %.1f)",
+            step,
+            self.current,
+            best,
+            measured,
+            alternatives[best],
+        )
+        self.switches.append((step, self.current, best))
+        self.current, self._candidate, self._streak = best, None, 0
+        return best
+
+    def state_dict(self) -> dict[str, Any]:
+        """The choice, the pending streak and the switches so far.
+
+        Returns:
+            A plain dict (checkpointable).
+        """
+        return {
+            "current": self.current,
+            "candidate": self._candidate,
+            "streak": self._streak,
+            "switches": [list(s) for s in self.switches],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output.
+
+        Args:
+            state: The saved state.
+        """
+        self.current = str(state["current"])
+        self._candidate = state["candidate"]
+        self._streak = int(state["streak"])
+        self.switches = [(int(s[0]), str(s[1]), str(s[2])) for s in state["switches"]]
