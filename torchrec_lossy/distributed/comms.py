@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+from torchrec_lossy.distributed.guard import BoundGuard
 from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 
 
@@ -140,6 +141,7 @@ class LossyComms:
             these dists reads it, or :func:`~torchrec_lossy.distributed.check_lossy_decodes`).
         evaluating: Whether the owning sharded module was in ``eval()`` mode at its latest
             forward (set by it there: TorchRec's dist modules do not follow ``model.eval()``).
+        guard: Tightens bounds on the error sample's alerts (``comms.guard``); None when off.
     """
 
     config: LossyCommsConfig
@@ -151,6 +153,7 @@ class LossyComms:
     steps: int | None = None
     deferred: list[DeferredCheck] = field(default_factory=list)
     evaluating: bool = False
+    guard: BoundGuard | None = None
 
     @property
     def exact_forward(self) -> bool:

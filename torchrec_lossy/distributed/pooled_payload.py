@@ -30,6 +30,7 @@ from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
+from torchrec_lossy.distributed.guard import guarded_bound
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -682,7 +683,7 @@ def _codec_bounds(
 ) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
     forward (an adaptive provider moves them; asked once per table), the backward's for the
-    backward.
+    backward, each through :func:`guarded_bound` (the guard's hook) when ``comms.guard`` is on.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -695,12 +696,24 @@ def _codec_bounds(
     """
     if direction == "fwd" and info.exact_forward:
         return [0.0] * n_blocks, [BoundKind.ABSOLUTE] * n_blocks
-    if direction == "fwd":
-        bounds = [info.comms.bounds.bound(t) for t in plan.distinct]
-        at = plan.table_at
-        return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
-    eb = info.comms.config.backward_bound
-    return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
+    comms = info.comms
+    # The guard's hook, where it tightened a table of this direction (else today's path).
+    guard = comms.guard if comms.guard is not None and comms.guard.tightens(direction) else None
+    if direction == "bwd" and guard is None:  # one bound for every gradient block
+        eb = comms.config.backward_bound
+        return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
+    # Each table's bound, asked once per table and call (the call holds its own bounds).
+    bounds = [
+        guarded_bound(
+            guard,
+            direction,
+            t,
+            comms.bounds.bound(t) if direction == "fwd" else comms.config.backward_bound,
+        )
+        for t in plan.distinct
+    ]
+    at = plan.table_at
+    return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
 
 
 def _raw_parts(
