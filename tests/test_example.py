@@ -337,11 +337,12 @@ def test_guard_tightenings_resume_from_the_checkpoint(tmp_path: Path) -> None:
     assert a["run"]["start_step"] == 2
     events = b["guard"]["events"]
     assert events and {e["direction"] for e in events} == {"bwd"}
-    assert {e["step"] for e in events} <= set(range(1, 7)) and events[0]["step"] == 1
+    assert {e["step"] for e in events} <= set(range(2, 7)) and events[0]["step"] == 2
     assert max(e["level"] for e in events) == 2 and 0.0 in {e["factor"] for e in events}
     assert "guard: " in proc.stdout and "tightenings" in proc.stdout
-    # Reproducible from the checkpoint: the resumed run holds the tightenings of steps 1-2
-    # (decided before the failure) and decides the rest as the uninterrupted run did.
+    # Reproducible from the checkpoint: the resumed run holds the tightening of step 2 and
+    # the check in flight then (decided before the failure), and decides the rest as the
+    # uninterrupted run did.
     assert a["guard"]["events"] == events
     assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
     saved = [

@@ -403,9 +403,10 @@ class GuardConfig:
     sample finds that table's error past the level (``error_sample.ROW_ENERGY_LEVEL``), the
     same on every rank (docs/accuracy.md, "The guard").
 
-    Rule: every ``check_every`` training steps (``step_lossy_bounds``) the ranks all-reduce
-    which (direction, table) pairs any of them saw past the level since the last check; each
-    such pair takes one tightening: its ``k``-th multiplies the bound's value by
+    Rule: every ``check_every`` training steps (``step_lossy_bounds``) the ranks start an
+    all-reduce of which (direction, table) pairs any of them saw past the level since the last
+    check; at the end of the next step each such pair takes one tightening on every rank: its
+    ``k``-th multiplies the bound's value by
     ``factor ** k`` (same mode, so never looser than the bound set), and its
     ``max_tightenings``-th makes it exact (value 0). Only the backward is alerted on energy
     (the forward's block bounds pass the level harmlessly), and NaN / Inf alerts are

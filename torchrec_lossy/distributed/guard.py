@@ -2,9 +2,11 @@
 when the error sample finds that table's error past the level, decided by all ranks together.
 
 Every ``check_every`` training steps (:meth:`BoundGuard.step`, from ``step_lossy_bounds``) the
-ranks all-reduce which (direction, table) pairs any of them saw past the level since the last
-check (``LossyCommsStats.take_past_level``); each such pair takes one tightening, the same on
-every rank, so ranks never encode with different bounds. Its ``k``-th tightening multiplies the
+ranks start an all-reduce of which (direction, table) pairs any of them saw past the level
+since the last check (``LossyCommsStats.take_past_level``); it completes behind the next step,
+and at the end of that step every rank applies its counts: each counted pair takes one
+tightening, the same on every rank at the same step boundary, so ranks never encode with
+different bounds. Its ``k``-th tightening multiplies the
 bound's value by ``factor ** k`` (same mode: never looser than the bound the user or the bound
 provider set); the ``max_tightenings``-th makes it exact. The state (steps, tightenings, the
 events) is plain data, saved and restored with a checkpoint (``guard_state``).
@@ -68,7 +70,10 @@ class BoundGuard:
         self.steps = 0
         self.levels: dict[tuple[Direction, str], int] = {}
         self.events: list[Tightening] = []
-        self.seconds = 0.0  # host time in step() (its all-reduce included): the overhead
+        self.seconds = 0.0  # host time in step() (its all-reduces): the overhead
+        # The check's all-reduce in flight (its work, None once waited, and its tensor),
+        # applied at the next step.
+        self._pending: tuple[dist.Work | None, torch.Tensor] | None = None
 
     def tightens(self, direction: Direction) -> bool:
         """Whether any table of ``direction`` is tightened (the encoders' fast path: no).
@@ -110,8 +115,9 @@ class BoundGuard:
         return ErrorBound(base.mode, base.value * self.factor(direction, table))
 
     def step(self, stats: LossyCommsStats, group: dist.ProcessGroup | None) -> list[Tightening]:
-        """Counts one training step; every ``check_every``-th, decides with the other ranks
-        (collective: every rank of ``group`` calls it at the same step).
+        """Counts one training step: applies the previous step's check, if any, and every
+        ``check_every``-th step starts a check (collective: every rank of ``group`` calls it
+        at the same step).
 
         Args:
             stats: The module's telemetry (its past-level alerts are taken at a check).
@@ -119,21 +125,37 @@ class BoundGuard:
                 (a single process decides alone).
 
         Returns:
-            The tightenings decided now (empty between checks).
+            The tightenings applied now (at the step after a check; else empty).
         """
         self.steps += 1
-        if self.steps % self.config.check_every:
-            return []
+        decided: list[Tightening] = []
+        if self._pending is None and self.steps % self.config.check_every:
+            return decided
         start = time.perf_counter()
-        decided = self._decide(stats, group)
+        if self._pending is not None:
+            decided = self._apply(self._counts())
+            # Their alerts of this step came from encodes at the old bound: not evidence
+            # against the new one.
+            stats.drop_past_level({(e.direction, e.table) for e in decided})
+        if self.steps % self.config.check_every == 0:
+            seen = stats.take_past_level()
+            flags = [int((d, t) in seen) for d in GUARDED for t in self.tables]
+            self._pending = _start_all_reduce(flags, group)
         self.seconds += time.perf_counter() - start
         return decided
 
-    def _decide(self, stats: LossyCommsStats, group: dist.ProcessGroup | None) -> list[Tightening]:
-        """A check: all-reduces the pairs seen past the level and tightens each once."""
-        seen = stats.take_past_level()
-        flags = [int((d, t) in seen) for d in GUARDED for t in self.tables]
-        counts = _all_reduce_counts(flags, group)
+    def _counts(self) -> list[int]:
+        """The pending check's counts (waits for its all-reduce; the check is then done)."""
+        assert self._pending is not None
+        work, t = self._pending
+        if work is not None:
+            with profile_range("## lossy guard all_reduce wait ##"):
+                work.wait()
+        self._pending = None
+        return t.tolist()
+
+    def _apply(self, counts: Sequence[int]) -> list[Tightening]:
+        """Tightens once each pair that a rank saw past the level (the same on every rank)."""
         decided = []
         for i, n in enumerate(counts):
             direction, table = GUARDED[i // len(self.tables)], self.tables[i % len(self.tables)]
@@ -162,12 +184,18 @@ class BoundGuard:
         """The guard's state as plain data (``torch.load(weights_only=True)`` reads it back).
 
         Returns:
-            Steps, each tightened pair's count and the events.
+            Steps, each tightened pair's count, the events and the counts of a check not yet
+            applied (the next step applies them; None if none).
         """
+        pending = None
+        if self._pending is not None:  # a check in flight: saved to be applied on resume
+            pending = self._counts()
+            self._pending = (None, torch.tensor(pending, dtype=torch.int32))
         return {
             "steps": self.steps,
             "levels": [[d, t, k] for (d, t), k in sorted(self.levels.items())],
             "events": [asdict(e) for e in self.events],
+            "pending": pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -179,6 +207,8 @@ class BoundGuard:
         self.steps = int(state["steps"])
         self.levels = {(d, t): int(k) for d, t, k in state["levels"]}
         self.events = [Tightening(**e) for e in state["events"]]
+        pending = state.get("pending")
+        self._pending = None if pending is None else (None, torch.tensor(pending))
 
 
 def guarded_bound(
@@ -199,14 +229,21 @@ def guarded_bound(
     return base if guard is None else guard.bound(direction, table, base)
 
 
-def _all_reduce_counts(flags: list[int], group: dist.ProcessGroup | None) -> list[int]:
-    """Sums the ranks' flags (one small all-reduce; alone without a process group)."""
+def _start_all_reduce(
+    flags: list[int], group: dist.ProcessGroup | None
+) -> tuple[dist.Work | None, torch.Tensor]:
+    """Starts summing the ranks' flags (one small asynchronous all-reduce, waited for at the
+    next step so that no rank waits for the slower one here); alone without a process group.
+
+    Returns:
+        The collective's work (None alone) and the tensor that will hold the sums.
+    """
     if not (dist.is_available() and dist.is_initialized()):
-        return flags
+        return None, torch.tensor(flags, dtype=torch.int32)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(flags, dtype=torch.int32, device=device)
     with profile_range("## lossy guard all_reduce ##"):
-        dist.all_reduce(t, group=group)
-    return t.tolist()
+        work = dist.all_reduce(t, group=group, async_op=True)
+    return work, t

@@ -452,6 +452,16 @@ class LossyCommsStats:
             taken, self._past_level = self._past_level, set()
             return taken
 
+    def drop_past_level(self, pairs: set[tuple[Direction, str]]) -> None:
+        """Forgets the past-level alerts of ``pairs`` not taken yet (``comms.guard`` just
+        tightened them: those alerts came from the old bound).
+
+        Args:
+            pairs: (direction, table) pairs.
+        """
+        with self._lock:
+            self._past_level -= pairs
+
     def alerts(self) -> list[ErrorAlert]:
         """The error sample's alerts since the last :meth:`reset`, in the order recorded.
 
