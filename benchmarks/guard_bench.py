@@ -6,7 +6,7 @@ Two measurements:
    ``comms.guard`` off and N times on, alternating in pairs (order swapped every pair against
    drift); per run the median steady step time and the guard's own seconds (its decisions,
    all-reduces included: ``guard.seconds`` of the metrics), per pair the step-time change.
-2. Always: the encoders' bound lookup (``pooled_payload._codec_bounds``) per call over 26
+2. Always: the encoders' bound lookup (``pooled_payload.codec_bounds``) per call over 26
    tables, guard off / on and untripped / on with a tightened table, best of 5 x 2,000 calls.
 
     .venv/bin/python benchmarks/guard_bench.py --pairs 3 --out-dir runs/guard
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def lookup_us(tables: int = 26, calls: int = 2000, repeats: int = 5) -> dict[str, float]:
-    """Microseconds per ``_codec_bounds`` call of each direction, by guard state.
+    """Microseconds per ``codec_bounds`` call of each direction, by guard state.
 
     Args:
         tables: Tables of the call (one block each).
@@ -42,7 +42,7 @@ def lookup_us(tables: int = 26, calls: int = 2000, repeats: int = 5) -> dict[str
     from torchrec_lossy.config import GuardConfig, LossyCommsConfig
     from torchrec_lossy.distributed.comms import StaticBounds
     from torchrec_lossy.distributed.guard import BoundGuard
-    from torchrec_lossy.distributed.pooled_payload import _codec_bounds
+    from torchrec_lossy.distributed.pooled_payload import codec_bounds
 
     names = [f"t_cat_{i}" for i in range(tables)]
     config = LossyCommsConfig()
@@ -63,7 +63,7 @@ def lookup_us(tables: int = 26, calls: int = 2000, repeats: int = 5) -> dict[str
             for _ in range(repeats):
                 start = time.perf_counter()
                 for _ in range(calls):
-                    _codec_bounds(direction, info, plan, tables)  # type: ignore[arg-type]
+                    codec_bounds(direction, info, plan, tables)  # type: ignore[arg-type]
                 best = min(best, time.perf_counter() - start)
             out[f"{state} {direction}"] = 1e6 * best / calls
     return out
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default="runs/guard")
     args = ap.parse_args(argv)
     for key, us in lookup_us().items():
-        print(f"_codec_bounds guard {key}: {us:.2f} us/call", flush=True)
+        print(f"codec_bounds guard {key}: {us:.2f} us/call", flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     changes = []

@@ -625,7 +625,7 @@ def _start_codec(
     flat_blocks = [
         blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
     ]
-    values, kinds = _codec_bounds(direction, info, plan, len(flat_blocks))
+    values, kinds = codec_bounds(direction, info, plan, len(flat_blocks))
     return start_compress_blocks(
         flat_blocks,
         values,
@@ -678,7 +678,7 @@ def _samples_errors(
     return not (direction == "fwd" and info.exact_forward)
 
 
-def _codec_bounds(
+def codec_bounds(
     direction: Direction, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
 ) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
