@@ -3,7 +3,7 @@
 A run with ``--checkpoint-dir`` resumes from the newest complete checkpoint there, so a job
 restarted by ``torchrun --max-restarts N`` continues where it stopped and ends bit-identical to
 an uninterrupted run (the synthetic stream is indexed by step, files are skipped to the saved
-position, and the bound providers' state is restored per rank).
+position, and the bound providers' and the guard's state is restored per rank).
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from dlrm_data import Position
 from dlrm_env import DistEnv
 from torch import nn
 
-from torchrec_lossy.distributed import bounds_state, check_lossy_decodes, load_bounds_state
+from torchrec_lossy.distributed import (
+    bounds_state,
+    check_lossy_decodes,
+    guard_state,
+    load_bounds_state,
+    load_guard_state,
+)
 
 __all__ = ["Checkpointer", "Resumed", "simulate_failure"]
 
@@ -135,6 +141,7 @@ class Checkpointer:
         optimizer.load_state_dict(state["optim"])
         extra = torch.load(path / f"rank{self.env.rank}.pt", weights_only=True)
         load_bounds_state(model, extra.get("bounds", {}))
+        load_guard_state(model, extra.get("guard", {}))  # the tightened bounds resume
         return extra
 
     def save_step(
@@ -162,6 +169,7 @@ class Checkpointer:
             "step": step,
             "position": list(position),
             "bounds": bounds_state(model),
+            "guard": guard_state(model),
             "recent_losses": [float(v) for v in recent_losses],
         }
         return self.save(step, model, optimizer, extra)

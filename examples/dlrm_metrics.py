@@ -25,7 +25,12 @@ from dlrm_env import DistEnv, gather_objects
 from torch import nn
 
 from torchrec_lossy.config import LossyPlanConfig
-from torchrec_lossy.distributed import TableCommStats, check_lossy_decodes, lossy_modules
+from torchrec_lossy.distributed import (
+    TableCommStats,
+    check_lossy_decodes,
+    guard_state,
+    lossy_modules,
+)
 from torchrec_lossy.planner.planner import SHORT_NAMES
 
 if TYPE_CHECKING:
@@ -203,6 +208,41 @@ def error_alerts(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, A
             t["nonfinite"] += a["nonfinite"]
     count = sum(t["count"] for t in by_table.values())
     return {"level": ROW_ENERGY_LEVEL, "count": count, "by_table": dict(sorted(by_table.items()))}
+
+
+def guard_seconds(model: nn.Module) -> float:
+    """This rank's host seconds in ``comms.guard``'s decisions (its all-reduces included).
+
+    Args:
+        model: The DMP model.
+
+    Returns:
+        Seconds (0 where no module has the guard on).
+    """
+    guards = [m.lossy_comms.guard for m in lossy_modules(model).values()]
+    return sum(g.seconds for g in guards if g is not None)
+
+
+def guard_report(model: nn.Module, seconds: float, train_s: float) -> dict[str, Any] | None:
+    """What ``comms.guard`` did: every tightening (decided by all ranks together, so this
+    rank's record is every rank's; a resumed run's include those before the checkpoint) and
+    its cost; None where no module has the guard on.
+
+    Args:
+        model: The DMP model.
+        seconds: The slowest rank's :func:`guard_seconds`.
+        train_s: The slowest rank's training seconds.
+
+    Returns:
+        ``{"events": [Tightening as a dict with its module path, ...], "seconds",
+        "share_of_train"}``.
+    """
+    state = guard_state(model)
+    if not state:
+        return None
+    events = [{"module": n, **e} for n, s in state.items() for e in s["events"]]
+    share = seconds / train_s if train_s > 0 else None
+    return {"events": events, "seconds": seconds, "share_of_train": share}
 
 
 class CommsMeter:
@@ -606,6 +646,7 @@ class RunLog:
                 "parse": data.parse_stats(),
                 "losses": list(self.recent_losses),
                 "alerts": self.meter.alerts,
+                "guard_s": guard_seconds(self.sharded.model),
             },
             env,
         )
@@ -777,6 +818,11 @@ class RunLog:
             },
             "history": dataclasses.asdict(self.history),
             "error_alerts": error_alerts([r["alerts"] for r in per_rank]),
+            "guard": guard_report(
+                self.sharded.model,
+                max(r["guard_s"] for r in per_rank),
+                max(r["train_s"] for r in per_rank),
+            ),
             "notes": notes,
         }
 

@@ -124,6 +124,7 @@ def format_summary(metrics: Mapping[str, Any]) -> str:
                 f"{_fmt(t.get('bwd_row_relative_energy'), '.2e'):>11}"
             )
     lines += _alert_lines(metrics.get("error_alerts"))
+    lines += _guard_lines(metrics.get("guard"))
     data = metrics["data"]
     if data.get("malformed_rows"):
         lines.append(
@@ -161,6 +162,29 @@ def _alert_lines(alerts: dict[str, Any] | None) -> list[str]:
             "{mode: value, value: 0.03125} (docs/accuracy.md, issue 32)"
         )
     return lines
+
+
+def _guard_lines(guard: dict[str, Any] | None) -> list[str]:
+    """What ``comms.guard`` did (issue 32): each tightening by step, direction and table, or
+    that it was on and tightened nothing, and its share of the training time; nothing where
+    it was off."""
+    if guard is None:
+        return []
+    events = guard["events"]
+    share = guard.get("share_of_train")
+    cost = f" ({guard['seconds'] * 1e3:.1f} ms, {_fmt(_pct(share), '.3f')}% of training)"
+    if not events:
+        return ["guard: on, no bound tightened" + cost]
+    parts = [
+        f"step {e['step']} {e['direction']}/{e['table']} "
+        + ("exact" if e["factor"] == 0 else f"x{e['factor']:g}")
+        for e in events
+    ]
+    return [
+        f"guard: {len(events)} tightenings{cost}: "
+        + "; ".join(parts[:8])
+        + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
+    ]
 
 
 def _ms(s: float | None) -> float | None:

@@ -299,6 +299,59 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, backward: str)
     assert a["final"]["train_loss"] == pytest.approx(b["final"]["train_loss"], abs=1e-6)
 
 
+# comms.guard on, tripped: the old block-relative backward alerts on every sampled gradient
+# table of the example (docs/accuracy.md); checks and samples every step, every table coded.
+GUARD_YAML = """\
+comms:
+  format: entropy
+  backward_bound: {mode: relative, value: 0.01}
+  error_sample_every: 1
+  guard: {enabled: true, check_every: 1, max_tightenings: 2}
+"""
+
+
+def test_guard_tightenings_resume_from_the_checkpoint(tmp_path: Path) -> None:
+    """The guard's tightenings are in the metrics, the same in both ranks' checkpoint files, and
+    a run killed after step 3 and resumed from step 2 ends with the uninterrupted run's."""
+    import torch
+
+    (tmp_path / "guard.yaml").write_text(GUARD_YAML)
+    common = [*TINY, "--comm", "lossy", "--config", str(tmp_path / "guard.yaml")]
+    _torchrun(
+        [
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--checkpoint-every",
+            "2",
+            "--simulate-failure-at",
+            "3",
+            "--metrics-json",
+            str(tmp_path / "a.json"),
+        ],
+        torchrun_args=("--max-restarts", "1"),
+        timeout=360,
+    )
+    proc = _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
+    a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
+    assert a["run"]["start_step"] == 2
+    events = b["guard"]["events"]
+    assert events and {e["direction"] for e in events} == {"bwd"}
+    assert {e["step"] for e in events} <= set(range(2, 7)) and events[0]["step"] == 2
+    assert max(e["level"] for e in events) == 2 and 0.0 in {e["factor"] for e in events}
+    assert "guard: " in proc.stdout and "tightenings" in proc.stdout
+    # Reproducible from the checkpoint: the resumed run holds the tightening of step 2 and
+    # the check in flight then (decided before the failure), and decides the rest as the
+    # uninterrupted run did.
+    assert a["guard"]["events"] == events
+    assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
+    saved = [
+        torch.load(tmp_path / "ck" / "step_00000006" / f"rank{r}.pt", weights_only=True)["guard"]
+        for r in (0, 1)
+    ]
+    assert saved[0] == saved[1] and next(iter(saved[0].values()))["steps"] == 6
+
+
 def _netns_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root"

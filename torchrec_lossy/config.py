@@ -401,6 +401,54 @@ class InputDistConfig:
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """The guard (issue 32): it tightens a table's bound in one direction when the error
+    sample finds that table's error past the level (``error_sample.ROW_ENERGY_LEVEL``), the
+    same on every rank (docs/accuracy.md, "The guard").
+
+    Rule: every ``check_every`` training steps (``step_lossy_bounds``) the ranks start an
+    all-reduce of which (direction, table) pairs any of them saw past the level since the last
+    check; at the end of the next step each such pair takes one tightening on every rank: its
+    ``k``-th multiplies the bound's value by
+    ``factor ** k`` (same mode, so never looser than the bound set), and its
+    ``max_tightenings``-th makes it exact (value 0). Only the backward is alerted on energy
+    (the forward's block bounds pass the level harmlessly), and NaN / Inf alerts are
+    reported, not acted on (they travel exactly).
+
+    Attributes:
+        enabled: Tighten on alerts (off, the default: alerts are only reported).
+        factor: What each tightening multiplies the bound's value by, in (0, 1).
+        max_tightenings: The tightening that makes the pair exact (>= 1; 1: exact at once).
+        check_every: Training steps between the collective decisions (>= 1).
+    """
+
+    enabled: bool = False
+    factor: float = 0.5
+    max_tightenings: int = 4
+    check_every: int = 16
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "guard.enabled", self.enabled, "true or false")
+        f = self.factor
+        _require(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f < 1.0,
+            "guard.factor",
+            f,
+            "a number in (0, 1) (0.5 halves the bound at each tightening)",
+        )
+        for key, n in (
+            ("guard.max_tightenings", self.max_tightenings),
+            ("guard.check_every", self.check_every),
+        ):
+            _require(
+                isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1 << 20,
+                key,
+                n,
+                "an integer in [1, 1048576]",
+            )
+
+
+@dataclass(frozen=True)
 class LossyCommsConfig:
     """Everything the lossy sharder needs: codec knobs, bounds, backward codec, adaptivity.
 
@@ -465,6 +513,7 @@ class LossyCommsConfig:
     homogenization: HomogenizationConfig = field(default_factory=HomogenizationConfig)
     input_dist: InputDistConfig = field(default_factory=InputDistConfig)
     format: CommsFormat = "auto"
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         _check_format("format", self.format)
@@ -499,6 +548,13 @@ class LossyCommsConfig:
             "error_sample_every",
             n,
             "an integer >= 0 (0: never)",
+        )
+        _require(
+            not (self.guard.enabled and n == 0),
+            "error_sample_every",
+            n,
+            "an integer >= 1 with guard.enabled (the guard acts on the error sample), or "
+            "guard.enabled: false",
         )
 
     def same_host_raw(self, backend: str) -> bool:

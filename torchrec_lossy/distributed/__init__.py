@@ -27,6 +27,10 @@ EXPORTS: dict[str, list[str]] = {
     "torchrec_lossy.distributed.errors": [
         "LossyAllToAllError",
     ],
+    "torchrec_lossy.distributed.guard": [
+        "BoundGuard",
+        "Tightening",
+    ],
     "torchrec_lossy.distributed.input_dist": [
         "LossyKJTAllToAll",
         "LossyTwSparseFeaturesDist",
@@ -34,7 +38,9 @@ EXPORTS: dict[str, list[str]] = {
     "torchrec_lossy.distributed.model_utils": [
         "bounds_state",
         "check_lossy_decodes",
+        "guard_state",
         "load_bounds_state",
+        "load_guard_state",
         "lossy_modules",
         "lossy_stats",
         "step_lossy_bounds",

@@ -18,6 +18,7 @@ from torch import nn
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallLedger
+from torchrec_lossy.distributed.guard import BoundGuard
 from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 
 
@@ -119,6 +120,7 @@ class LossyComms:
         ledger: The module's call counters (each call's :class:`~.call_ledger.CallRecord` is
             drawn from it) and its calls whose device decode status is unread: per-call state
             lives in those records and awaitables, not here.
+        guard: Tightens bounds on the error sample's alerts (``comms.guard``); None when off.
     """
 
     config: LossyCommsConfig
@@ -127,6 +129,7 @@ class LossyComms:
     payload_hook: PayloadHook | None = None
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
     ledger: CallLedger = field(default_factory=CallLedger)
+    guard: BoundGuard | None = None
 
     def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
         """Whether each table's blocks go through the codec (else raw), in both directions.

@@ -67,8 +67,9 @@ def record_error_samples(
             )
             samples.append(sample)
             energy = row_rel / rows if rows else 0.0
-            if (direction == "bwd" and energy > ROW_ENERGY_LEVEL) or nonfinite:
-                alerts.append(ErrorAlert(direction, table, call, energy, int(nonfinite)))
+            past = direction == "bwd" and energy > ROW_ENERGY_LEVEL
+            if past or nonfinite:
+                alerts.append(ErrorAlert(direction, table, call, energy, int(nonfinite), past))
         stats.record_error_samples(direction, samples, alerts)
 
 

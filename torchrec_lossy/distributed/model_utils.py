@@ -4,10 +4,13 @@ What a training loop needs from the lossy modules and cannot reach through Torch
 them (:func:`lossy_modules`), read their telemetry (:func:`lossy_stats`), step their bound
 providers once per iteration (:func:`step_lossy_bounds`), read the device path's pending decode
 status (:func:`check_lossy_decodes`), save / restore the per-rank bound-provider state
-(:func:`bounds_state`, :func:`load_bounds_state`). docs/sharder.md, "Bounds from a provider".
+(:func:`bounds_state`, :func:`load_bounds_state`) and the guard's (:func:`guard_state`,
+:func:`load_guard_state`). docs/sharder.md, "Bounds from a provider".
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,10 +57,13 @@ def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
 
 
 def step_lossy_bounds(model: nn.Module) -> None:
-    """Tells every lossy-sharded module's bound provider that a training iteration finished.
+    """Tells every lossy-sharded module's bound provider and guard that a training iteration
+    finished.
 
     Call it once per iteration (after the optimizer step) when the provider adapts over
-    training (e.g. ``AdaptiveBounds``); with the default static bounds it does nothing.
+    training (e.g. ``AdaptiveBounds``) or ``comms.guard`` is on; with the default static bounds
+    and no guard it does nothing. With the guard on it is collective: every rank calls it at
+    every step (every ``guard.check_every``-th the ranks decide the tightenings together).
 
     Args:
         model: Any module, e.g. a DistributedModelParallel.
@@ -66,6 +72,8 @@ def step_lossy_bounds(model: nn.Module) -> None:
         comms = m.lossy_comms
         comms.bounds.step()
         comms.ledger.end_step()
+        if comms.guard is not None:
+            comms.guard.step(comms.stats, m._env.process_group)
 
 
 def check_lossy_decodes(model: nn.Module) -> None:
@@ -123,3 +131,44 @@ def load_bounds_state(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]
         )
     for name, state in saved.items():
         modules[name].lossy_comms.bounds.load_state_dict(state)
+
+
+def guard_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The guard's state of every lossy module with ``comms.guard`` on (plain data, the same on
+    every rank), for a checkpoint.
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel.
+
+    Returns:
+        Module path to its guard's ``state_dict``.
+    """
+    return {
+        name: m.lossy_comms.guard.state_dict()
+        for name, m in lossy_modules(model).items()
+        if m.lossy_comms.guard is not None
+    }
+
+
+def load_guard_state(model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:
+    """Restores what :func:`guard_state` saved: the resumed run encodes with the tightened
+    bounds and keeps the guard's step count (so its checks fall on the same steps).
+
+    Args:
+        model: Any module, e.g. a DistributedModelParallel, sharded as when saved.
+        saved: Module path to guard state.
+
+    Raises:
+        KeyError: ``saved`` names a module without a guard (another model, or ``comms.guard``
+            turned off since); the message names both sets.
+    """
+    guarded = {n: m for n, m in lossy_modules(model).items() if m.lossy_comms.guard is not None}
+    unknown = sorted(set(saved) - set(guarded))
+    if unknown:
+        raise KeyError(
+            f"guard state for {unknown} but the modules with comms.guard on are "
+            f"{sorted(guarded)}: resume with the config the checkpoint was written with "
+            "(comms.guard.enabled: true)"
+        )
+    for name, state in saved.items():
+        guarded[name].lossy_comms.guard.load_state_dict(state)  # type: ignore[union-attr]

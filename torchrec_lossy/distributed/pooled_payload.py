@@ -31,6 +31,7 @@ from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
+from torchrec_lossy.distributed.guard import guarded_bound
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -627,7 +628,7 @@ def _start_codec(
     flat_blocks = [
         blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
     ]
-    values, kinds = _codec_bounds(record, info, plan, len(flat_blocks))
+    values, kinds = codec_bounds(record, info, plan, len(flat_blocks))
     return start_compress_blocks(
         flat_blocks,
         values,
@@ -677,12 +678,12 @@ def _samples_errors(info: LossyAll2AllPooledInfo, record: CallRecord, device: to
     return not record.exact
 
 
-def _codec_bounds(
+def codec_bounds(
     record: CallRecord, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
 ) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
     forward (an adaptive provider moves them; asked once per table), the backward's for the
-    backward.
+    backward, each through :func:`guarded_bound` (the guard's hook) when ``comms.guard`` is on.
 
     Args:
         record: The call's record (direction, exactness).
@@ -695,12 +696,26 @@ def _codec_bounds(
     """
     if record.exact:
         return [0.0] * n_blocks, [BoundKind.ABSOLUTE] * n_blocks
-    if record.direction == "fwd":
-        bounds = [info.comms.bounds.bound(t) for t in plan.distinct]
-        at = plan.table_at
-        return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
-    eb = info.comms.config.backward_bound
-    return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
+    comms = info.comms
+    # The guard's hook, where it tightened a table of this direction (else today's path).
+    guard = (
+        comms.guard if comms.guard is not None and comms.guard.tightens(record.direction) else None
+    )
+    if record.direction == "bwd" and guard is None:  # one bound for every gradient block
+        eb = comms.config.backward_bound
+        return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
+    # Each table's bound, asked once per table and call (the call holds its own bounds).
+    bounds = [
+        guarded_bound(
+            guard,
+            record.direction,
+            t,
+            comms.bounds.bound(t) if record.direction == "fwd" else comms.config.backward_bound,
+        )
+        for t in plan.distinct
+    ]
+    at = plan.table_at
+    return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
 
 
 def _raw_parts(

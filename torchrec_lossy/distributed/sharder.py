@@ -38,6 +38,7 @@ from torchrec_lossy.distributed.comms import (
 )
 from torchrec_lossy.distributed.config_check import check_same_config
 from torchrec_lossy.distributed.context import bind_input_state
+from torchrec_lossy.distributed.guard import BoundGuard
 from torchrec_lossy.distributed.sharding import (
     LOSSY_SHARDING_TYPES,
     PooledSharding,
@@ -141,7 +142,8 @@ def lossy_comms_of(
     config = comms_config if comms_config is not None else LossyCommsConfig()
     bounds = bounds_factory(table_names, config)
     check_bound_provider(bounds)
-    return LossyComms(config=config, bounds=bounds)
+    guard = BoundGuard(table_names, config.guard) if config.guard.enabled else None
+    return LossyComms(config=config, bounds=bounds, guard=guard)
 
 
 class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCollection):

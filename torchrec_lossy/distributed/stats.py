@@ -73,6 +73,8 @@ class ErrorAlert:
             a step; -1 where unknown).
         row_energy: The block's mean row-relative error energy.
         nonfinite: Its NaN / Inf elements.
+        past_level: Whether it was raised for its energy (what ``comms.guard`` acts on), not
+            for NaN / Inf alone.
     """
 
     direction: Direction
@@ -80,6 +82,7 @@ class ErrorAlert:
     call: int
     row_energy: float
     nonfinite: int
+    past_level: bool = False
 
 
 @dataclass
@@ -216,6 +219,9 @@ class LossyCommsStats:
         # tables) and the wire bytes sent to same-host and cross-host peers.
         self._link_bytes: dict[tuple[Direction, Link], int] = {}
         self._alerts: list[ErrorAlert] = []
+        # (direction, table) pairs alerted past the level since the guard last took them;
+        # kept through reset() (a meter resets per interval, the guard checks on its own).
+        self._past_level: set[tuple[Direction, str]] = set()
 
     def __getstate__(self) -> dict[str, object]:
         # Locks do not pickle or deepcopy; a copy gets its own.
@@ -433,6 +439,28 @@ class LossyCommsStats:
                 e.error_rows += b.rows
                 e.nonfinite += b.nonfinite
             self._alerts.extend(alerts)
+            self._past_level.update((a.direction, a.table) for a in alerts if a.past_level)
+
+    def take_past_level(self) -> set[tuple[Direction, str]]:
+        """The (direction, table) pairs alerted past the level since the last take (what
+        ``comms.guard`` decides on; :meth:`reset` leaves them).
+
+        Returns:
+            The pairs; the set is emptied.
+        """
+        with self._lock:
+            taken, self._past_level = self._past_level, set()
+            return taken
+
+    def drop_past_level(self, pairs: set[tuple[Direction, str]]) -> None:
+        """Forgets the past-level alerts of ``pairs`` not taken yet (``comms.guard`` just
+        tightened them: those alerts came from the old bound).
+
+        Args:
+            pairs: (direction, table) pairs.
+        """
+        with self._lock:
+            self._past_level -= pairs
 
     def alerts(self) -> list[ErrorAlert]:
         """The error sample's alerts since the last :meth:`reset`, in the order recorded.
