@@ -33,6 +33,7 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import torch
+from bench_args import grouped_shape
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchrec_lossy.traffic import TrafficSpec, paper_traffic
@@ -239,15 +240,6 @@ def measure(
     return out
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    """``TABLESxROWSxDIM`` as three positive ints (argparse type)."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: give TABLESxROWSxDIM, e.g. 26x2048x64")
-    tables, rows, dim = (int(p) for p in parts)
-    return tables, rows, dim
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line.
 
@@ -258,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         The parsed arguments.
     """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--grouped-shape", type=_shape, default=(26, 2048, 64),
+    p.add_argument("--grouped-shape", type=grouped_shape, default=(26, 2048, 64),
                    metavar="TABLESxROWSxDIM", help="blocks per destination")  # fmt: skip
     p.add_argument("--destinations", type=int, default=8)
     p.add_argument("--formats", nargs="+", choices=["entropy", "packed"],

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_args import grouped_shape
 
 from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
@@ -174,15 +175,6 @@ def _baseline_fns(
     return fns, notes
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    """``TABLESxROWSxDIM`` as three positive ints (argparse type)."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: give TABLESxROWSxDIM, e.g. 26x2048x64")
-    tables, rows, dim = (int(p) for p in parts)
-    return tables, rows, dim
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line.
 
@@ -205,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the codec's wire formats of the grouped call (CodecConfig.format)",
     )  # fmt: skip
     p.add_argument(
-        "--grouped-shape", type=_shape, default=(26, 2048, 64), metavar="TABLESxROWSxDIM",
+        "--grouped-shape", type=grouped_shape, default=(26, 2048, 64), metavar="TABLESxROWSxDIM",
         help="blocks per destination of the grouped call",
     )  # fmt: skip
     p.add_argument("--destinations", type=int, default=8, help="destinations of the grouped call")

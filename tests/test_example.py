@@ -232,7 +232,6 @@ def test_torchrun_none_on_the_criteo_sample(tmp_path: Path) -> None:
 def test_checkpoint_resume_after_a_killed_worker(tmp_path: Path) -> None:
     """torchrun --max-restarts 1: the last rank dies after step 3, the job resumes from step 2."""
     import torch
-
     import yaml
 
     out = tmp_path / "m.json"
