@@ -406,8 +406,11 @@ def test_netns_two_hosts_of_two_ranks(tmp_path: Path) -> None:
     """--nproc-per-node 2: 4 ranks, 2 per namespace; on gloo (intra_host auto: coded) both
     links carry coded bytes, counted apart."""
     out = tmp_path / "m.json"
+    # The codec forced: `auto` may send this tiny run raw, or on TorchRec's own all-to-all.
+    config = tmp_path / "config.yaml"
+    config.write_text("comms: {format: entropy}\n")
     cmd = ["bash", str(NETNS), "--port", "29597", "--nproc-per-node", "2", "--"]
-    proc = _run([*cmd, *TINY, "--metrics-json", str(out)], 600)
+    proc = _run([*cmd, *TINY, "--config", str(config), "--metrics-json", str(out)], 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = _load(out)
     assert m["run"]["world_size"] == 4 and m["run"]["steps_done"] == 6
