@@ -33,10 +33,8 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import torch
-from bench_args import grouped_shape
+from grouped_call import add_grouped_call_args, check_grouped_call_args, grouped_traffic
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
 # Issue 31's budget, per direction of the grouped call.
 BUDGET = {"launches": 6, "torch_ops": 30, "bytes_per_element": 16.0}
@@ -168,32 +166,6 @@ def counting() -> Iterator[_Counter]:
         interp.InterpretedFunction.run = orig
 
 
-def grouped_traffic(
-    shape: tuple[int, int, int], destinations: int, preset: str = "criteo_kaggle", seed: int = 0,
-    device: torch.device | None = None,
-) -> tuple[list[list[torch.Tensor]], list[list[float]]]:  # fmt: skip
-    """The production grouped call's blocks: per destination, one batch of paper traffic.
-
-    Args:
-        shape: (tables, rows, dim) of every destination's blocks.
-        destinations: Destinations (groups).
-        preset: ``TrafficSpec`` preset.
-        seed: Traffic seed.
-        device: Where the blocks go (None: CPU).
-
-    Returns:
-        (blocks per destination, bounds per destination).
-    """
-    tables, rows, dim = shape
-    groups, bounds = [], []
-    for d in range(destinations):
-        spec = TrafficSpec(preset=preset, dim=dim, batch_rows=rows, seed=seed, batch=d)
-        blocks, eb = paper_traffic(spec)
-        groups.append([b.to(device or torch.device("cpu")) for b in blocks[:tables]])
-        bounds.append(eb[:tables])
-    return groups, bounds
-
-
 def _host_path(fmt: str, direction: str) -> bool:
     """Whether a format's direction still runs the compiled host path on the device backends."""
     return fmt == "packed" and direction == "compress"
@@ -250,19 +222,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         The parsed arguments.
     """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--grouped-shape", type=grouped_shape, default=(26, 2048, 64),
-                   metavar="TABLESxROWSxDIM", help="blocks per destination")  # fmt: skip
-    p.add_argument("--destinations", type=int, default=8)
-    p.add_argument("--formats", nargs="+", choices=["entropy", "packed"],
-                   default=["entropy", "packed"])  # fmt: skip
+    add_grouped_call_args(p)
     p.add_argument("--preset", default="criteo_kaggle", choices=["criteo_kaggle", "criteo_1tb"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="out/device_cost_bench.json", help="where to write results")
     args = p.parse_args(argv)
-    if args.destinations < 1:
-        p.error(f"--destinations {args.destinations}: give 1 or more")
-    if args.grouped_shape[0] > 26:
-        p.error(f"--grouped-shape {args.grouped_shape[0]} tables: the presets have 26")
+    check_grouped_call_args(p, args)
     return args
 
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_args import grouped_shape
+from grouped_call import add_grouped_call_args, check_grouped_call_args, grouped_traffic
 
 from torchrec_lossy.traffic import TrafficSpec, paper_traffic
 
@@ -192,21 +192,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per entry")
     p.add_argument("--json", default="out/gpu_codec_bench.json", help="where to write results")
-    p.add_argument(
-        "--formats", nargs="+", choices=["entropy", "packed"], default=["entropy", "packed"],
-        help="the codec's wire formats of the grouped call (CodecConfig.format)",
-    )  # fmt: skip
-    p.add_argument(
-        "--grouped-shape", type=grouped_shape, default=(26, 2048, 64), metavar="TABLESxROWSxDIM",
-        help="blocks per destination of the grouped call",
-    )  # fmt: skip
-    p.add_argument("--destinations", type=int, default=8, help="destinations of the grouped call")
+    add_grouped_call_args(p)
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage kernel table")
     args = p.parse_args(argv)
-    if args.destinations < 1:
-        p.error(f"--destinations {args.destinations}: give 1 or more")
-    if args.grouped_shape[0] > 26:  # both presets have 26 tables
-        p.error(f"--grouped-shape {args.grouped_shape[0]} tables: the presets have 26")
+    check_grouped_call_args(p, args)
     return args
 
 
@@ -355,13 +344,9 @@ def _grouped_rows(
     from torchrec_lossy.codec import check_groups, compress_groups, decompress_groups
     from torchrec_lossy.config import CodecConfig
 
-    tables, rows, dim = args.grouped_shape
-    groups, bounds = [], []
-    for d in range(args.destinations):
-        spec = TrafficSpec(preset=args.preset, dim=dim, batch_rows=rows, seed=args.seed, batch=d)
-        blocks, eb = paper_traffic(spec)
-        groups.append([b.to(dev) for b in blocks[:tables]])
-        bounds.append(eb[:tables])
+    groups, bounds = grouped_traffic(
+        args.grouped_shape, args.destinations, args.preset, args.seed, dev
+    )
     raw = sum(b.numel() * 4 for g in groups for b in g)
     out: list[dict[str, Any]] = []
     identical = True

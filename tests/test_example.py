@@ -66,6 +66,28 @@ def _torchrun(
     return proc
 
 
+def _killed_after_step_3(
+    args: list[str], ckpt: Path, metrics: Path
+) -> subprocess.CompletedProcess[str]:
+    """torchrun --max-restarts 1 with checkpoints every 2 steps: the last rank dies after step
+    3 and the job resumes from step 2."""
+    return _torchrun(
+        [
+            *args,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "2",
+            "--simulate-failure-at",
+            "3",
+            "--metrics-json",
+            str(metrics),
+        ],
+        torchrun_args=("--max-restarts", "1"),
+        timeout=360,
+    )
+
+
 def _load(path: Path) -> dict[str, Any]:
     assert path.is_file(), f"{path} was not written"
     return json.loads(path.read_text())
@@ -240,24 +262,8 @@ def test_checkpoint_resume_after_a_killed_worker(tmp_path: Path) -> None:
     config = yaml.safe_load((ROOT / "configs" / "criteo_kaggle.yaml").read_text())
     config["comms"]["format"] = "entropy"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = _torchrun(
-        [
-            *TINY,
-            "--comm",
-            "lossy",
-            "--config",
-            str(tmp_path / "config.yaml"),
-            "--checkpoint-dir",
-            str(ckpt),
-            "--checkpoint-every",
-            "2",
-            "--simulate-failure-at",
-            "3",
-            "--metrics-json",
-            str(out),
-        ],
-        torchrun_args=("--max-restarts", "1"),
-        timeout=360,
+    proc = _killed_after_step_3(
+        [*TINY, "--comm", "lossy", "--config", str(tmp_path / "config.yaml")], ckpt, out
     )
     assert "simulated failure after step 3" in proc.stdout + proc.stderr
     m = _load(out)
@@ -282,21 +288,7 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, backward: str)
     line = next(x for x in config.splitlines(keepends=True) if x.startswith("  backward:"))
     (tmp_path / "config.yaml").write_text(config.replace(line, f"  backward: {backward}\n"))
     common = [*TINY, "--comm", "lossy", "--config", str(tmp_path / "config.yaml")]
-    _torchrun(
-        [
-            *common,
-            "--checkpoint-dir",
-            str(tmp_path / "ck"),
-            "--checkpoint-every",
-            "2",
-            "--simulate-failure-at",
-            "3",
-            "--metrics-json",
-            str(tmp_path / "a.json"),
-        ],
-        torchrun_args=("--max-restarts", "1"),
-        timeout=360,
-    )
+    _killed_after_step_3(common, tmp_path / "ck", tmp_path / "a.json")
     _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
     a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
     assert a["final"]["logloss"] == pytest.approx(b["final"]["logloss"], abs=1e-6)
@@ -322,21 +314,7 @@ def test_guard_tightenings_resume_from_the_checkpoint(tmp_path: Path) -> None:
 
     (tmp_path / "guard.yaml").write_text(GUARD_YAML)
     common = [*TINY, "--comm", "lossy", "--config", str(tmp_path / "guard.yaml")]
-    _torchrun(
-        [
-            *common,
-            "--checkpoint-dir",
-            str(tmp_path / "ck"),
-            "--checkpoint-every",
-            "2",
-            "--simulate-failure-at",
-            "3",
-            "--metrics-json",
-            str(tmp_path / "a.json"),
-        ],
-        torchrun_args=("--max-restarts", "1"),
-        timeout=360,
-    )
+    _killed_after_step_3(common, tmp_path / "ck", tmp_path / "a.json")
     proc = _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
     a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")
     assert a["run"]["start_step"] == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_codec_bench.py"
-sys.path.insert(0, str(BENCH.parent))  # its sibling modules (bench_args)
+sys.path.insert(0, str(BENCH.parent))  # its sibling modules (grouped_call)
 _spec = importlib.util.spec_from_file_location("gpu_codec_bench", BENCH)
 assert _spec is not None and _spec.loader is not None
 gpu_codec_bench = importlib.util.module_from_spec(_spec)
