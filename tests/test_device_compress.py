@@ -39,6 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
 
 
+# Both wire formats: the packed one has its own coding stages (device_packed_compress).
+FORMATS = ["entropy", "packed"]
+
+
 def _blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
     """Odd shapes (0, 1, 7 and 33 rows; dims 1, 3 and 16) in every dtype, one payload."""
     blocks = [
@@ -128,9 +132,10 @@ def test_code_lengths_of_no_histogram() -> None:
         ("repeat", "huge"),
     ],
 )
-def test_payload_byte_identical(kind: str, bound_kind: str) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_payload_byte_identical(kind: str, bound_kind: str, fmt: str) -> None:
     blocks, bounds = _blocks(kind, bound_kind)
-    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64, format=fmt))
 
 
 @pytest.mark.parametrize(
@@ -179,7 +184,8 @@ def test_payload_byte_identical_all_bounds(kind: str, bound_kind: str) -> None:
     _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
 
 
-def test_every_mode_and_config() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_mode_and_config(fmt: str) -> None:
     """One payload mixing every mode; the same blocks without LZ, without quantization, and with
     a chunk size that is not a power of two."""
     blocks = [
@@ -191,16 +197,18 @@ def test_every_mode_and_config() -> None:
         torch.zeros(3, 0),  # zero-width
     ]
     bounds = [bound_for(blocks[0], "rel0.05"), bound_for(blocks[1], "rel0.01"), 0.0, 0.0, 0.1, 0.1]
-    stats = _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    stats = _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64, format=fmt))
     assert [s.mode for s in stats[:4]] == ["quant+lz", "quant", "lz", "raw"]
     for config in (
-        CodecConfig(huffman_chunk_symbols=96, enable_lz=False),
-        CodecConfig(huffman_chunk_symbols=64, enable_quantization=False),
+        CodecConfig(huffman_chunk_symbols=96, enable_lz=False, format=fmt),
+        CodecConfig(huffman_chunk_symbols=64, enable_quantization=False, format=fmt),
+        CodecConfig(huffman_chunk_symbols=64, rounding="stochastic", seed=5, format=fmt),
     ):
         _check(blocks, bounds, config)
 
 
-def test_quantization_parameters_edge_cases() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantization_parameters_edge_cases(fmt: str) -> None:
     """The median rule (an outlier stretches the range), blocks without a finite value, a step
     too small for float32 and a center too far from 0."""
     gen = torch.Generator().manual_seed(0)
@@ -213,10 +221,11 @@ def test_quantization_parameters_edge_cases() -> None:
     far = torch.full((4, 4), 3e4) + torch.randn(4, 4, generator=gen)
     blocks = [outlier, even, nonfinite, far, torch.randn(4, 4, generator=gen)]
     bounds = [1e-3, 1e-3, 0.5, 1e-4, 1e-45]
-    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    config = CodecConfig(huffman_chunk_symbols=64, format=fmt)
+    _check(blocks, bounds, config)
     specials = torch.tensor(SPECIALS * 3).reshape(-1, 3)
     for dtype in DTYPES:
-        _check([specials.to(dtype)], [1e-2], CodecConfig(huffman_chunk_symbols=64))
+        _check([specials.to(dtype)], [1e-2], config)
 
 
 def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecConfig]:
@@ -244,8 +253,10 @@ def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecCo
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_payloads(seed: int) -> None:
-    _check(*_random_payload(seed))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_payloads(seed: int, fmt: str) -> None:
+    blocks, bounds, config = _random_payload(seed)
+    _check(blocks, bounds, dataclasses.replace(config, format=fmt))
 
 
 @pytest.mark.slow
@@ -254,8 +265,9 @@ def test_random_payloads_more(seed: int) -> None:
     _check(*_random_payload(seed))
 
 
-def test_no_blocks() -> None:
-    _check([], [], CodecConfig())
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_blocks(fmt: str) -> None:
+    _check([], [], CodecConfig(format=fmt))
 
 
 def test_pipeline_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,13 +321,14 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """One compress reads one tensor back: the ``host_sync.to_host`` call (one
     ``.cpu()`` copy, then ``.numpy()`` of that host copy), and nothing else of ours reads a
     tensor's value (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``, ...)."""
     blocks, bounds = _blocks("repeat", "rel0.05")
     blocks = [b.to(DEVICE) for b in blocks]
-    config = CodecConfig(huffman_chunk_symbols=64)
+    config = CodecConfig(huffman_chunk_symbols=64, format=fmt)
     device_compress.compress_device(blocks, bounds, config)  # compile / warm up
     before = host_sync.host_reads("compress")
     seen = _count_reads(monkeypatch)

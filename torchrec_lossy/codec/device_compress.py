@@ -603,23 +603,32 @@ class _WordBuffer:
         self.put(at + torch.where(wide, k, k // 2), value, valid)
 
 
+def _put_descriptors(
+    out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections,
+    packed_bit: int = 0,
+) -> None:  # fmt: skip
+    """Every block's descriptor (``packed_bit``: added to the quantized blocks' mode byte)."""
+    mode = descriptor_mode(s.mode, rec.column(ec.VALUE))
+    desc = {
+        "rows": t.rows,
+        "dim": t.dim,
+        "dtype": rec.column(ec.DTYPE),
+        "mode": torch.where(s.is_q, mode | packed_bit, mode),
+        "seg_words": sec.seg_words,
+        "bound": rec.column(ec.BOUND_BITS),
+    }
+    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
+    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(s.is_q))
+
+
 def _put_headers(
     out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections, chunk: int
 ) -> None:
     """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
     references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first);
     the grid from the launchers' record."""
+    _put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
-    desc = {
-        "rows": t.rows,
-        "dim": t.dim,
-        "dtype": rec.column(ec.DTYPE),
-        "mode": descriptor_mode(s.mode, rec.column(ec.VALUE)),
-        "seg_words": sec.seg_words,
-        "bound": rec.column(ec.BOUND_BITS),
-    }
-    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
-    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(is_q))
     head = segment_header_words(
         (
             torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
@@ -713,14 +722,16 @@ def _put_rows(
 
 
 def _close(
-    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int],
+    flags: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
     layout depends on, for the receiver)."""
     dev = out.buf.device
     header = {
         "magic": MAGIC,
         "version": VERSION,
+        "flags": flags,
         "n_blocks": t.group_blocks,
         "body_words": sec.body_words,
         "checksum": segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words),
@@ -791,6 +802,10 @@ def start_groups_device(
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
     """
+    if config.format == "packed":  # its own coding stages (codec/device_packed_compress.py)
+        from torchrec_lossy.codec.device_packed_compress import start_packed_groups
+
+        return start_packed_groups(blocks, bounds, kinds, group_sizes, config, kernels)
     k, group_sizes = kernels, list(group_sizes)  # k: as the stage functions name it
     with profile_range("## lossy_codec encode ##"):
         ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
