@@ -50,9 +50,6 @@ from torchrec_lossy.codec.kernel_set import KernelSet
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
 
-# A group's width: how many of 2**0 .. 2**11 its largest code reaches (codes < 2**12).
-_POW2 = [1 << k for k in range(PACKED_MAX_WIDTH)]
-
 
 class _Stream(NamedTuple):
     """The sent values of every block's quantized stream, in the element layout (block ``b``'s
@@ -110,10 +107,12 @@ def _stream(
     slot = first[e_blk] + e_loc // PACKED_GROUP
     top = torch.zeros(s_blk.shape[0], dtype=torch.int64, device=dev)
     top.scatter_reduce_(0, slot, code, "amax")  # codes are >= 0: amax of 0 is the OR's width
-    pow2 = torch.tensor(_POW2, dtype=torch.int64, device=dev)
     n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
     used = s_k < n_groups[s_blk]
-    widths = torch.where(used, (top[:, None] >= pow2).sum(dim=1), 0)
+    # Its width: how many of 2**0 .. 2**11 its largest code reaches (built on the device:
+    # no host-to-device copy).
+    shifts = torch.arange(PACKED_MAX_WIDTH, device=dev)
+    widths = torch.where(used, ((top[:, None] >> shifts) > 0).sum(dim=1), 0)
     w_before = dcx._bases(widths)
     code_off = w_before[:-1] - w_before[first[s_blk]]
     n_esc = torch.zeros_like(t.rows).index_add_(0, e_blk, is_esc.to(torch.int64))
