@@ -31,7 +31,8 @@ from helpers import (
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import codebook
+from torchrec_lossy.kernels import codebook, quantize_ref
+from torchrec_lossy.kernels import quantize as quantize_kernels
 
 pytestmark = INTERPRETER_WARNINGS
 
@@ -226,6 +227,37 @@ def test_quantization_parameters_edge_cases(fmt: str) -> None:
     specials = torch.tensor(SPECIALS * 3).reshape(-1, 3)
     for dtype in DTYPES:
         _check([specials.to(dtype)], [1e-2], config)
+
+
+def test_block_medians_select_without_sorting() -> None:
+    """The radix-select median (``quantize.block_medians``) equals ``np.median`` of each block's
+    finite values and its sorting twin: odd and even counts, negative values, ties, zeros of
+    both signs, NaN / Inf, subnormals, one finite value, none, and blocks not asked for."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = [
+        torch.randn(37, generator=gen),
+        torch.randn(64, generator=gen) * 1e6,
+        torch.tensor([3.0, -1.0, 3.0, 3.0, -1.0, 2.0]),
+        torch.tensor([-0.0, 0.0, -0.0, 0.0, 5.0, -5.0]),
+        torch.tensor([float("nan"), 1.0, float("inf"), -2.0, float("-inf")]),
+        torch.tensor([1e-40, -1e-42, 3e38, -3e38, 1e-45]),
+        torch.tensor([float("nan"), 7.5]),
+        torch.tensor([float("nan"), float("inf")]),
+        torch.randn(2500, generator=gen),  # more than one tile
+        torch.randn(9, generator=gen),  # not asked for: 0.0
+    ]
+    x = torch.cat(blocks)
+    numel = torch.tensor([b.numel() for b in blocks])
+    elem_off = torch.cumsum(numel, 0) - numel
+    n_fin = torch.tensor([int(torch.isfinite(b).sum()) for b in blocks])
+    need = torch.ones(len(blocks), dtype=torch.bool)
+    need[-1] = False
+    got = quantize_kernels.block_medians(x, elem_off, numel, n_fin, need)
+    twin = quantize_ref.block_medians(x, elem_off, numel, n_fin, need)
+    for i, b in enumerate(blocks):
+        fin = b[torch.isfinite(b)].double().numpy()
+        want = float(np.median(fin)) if fin.size and need[i] else 0.0
+        assert float(got[i]) == want and float(twin[i]) == want, (i, float(got[i]), want)
 
 
 def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecConfig]:

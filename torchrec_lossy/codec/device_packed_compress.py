@@ -247,7 +247,7 @@ def start_packed_groups(
         dev = blocks[0].device if blocks else torch.device("cpu")
         t: dcx._Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
         flat = dcx._flatten(blocks, ht, t)
-        grid = dcx._grid(ht, t, flat)
+        grid = dcx._grid(k, ht, t, flat)
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
