@@ -21,12 +21,10 @@ from torchrec_lossy.distributed import (
     StaticBounds,
     error_sample,
 )
+from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, cut_block, join_blocks
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import (
-    LossyAll2AllPooledInfo,
     abs_bounds,
-    cut_block,
-    join_blocks,
     layout_plans,
     start_encode,
     warm_up_host,
@@ -207,6 +205,7 @@ def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> No
     ``LossyCommsConfig.backward``'s wire; a cast wire's receive splits the elements of every
     source into its blocks and casts them back to the call's dtype."""
     from torchrec_lossy.distributed.exchange import LOSSY_WIRE, CastWire, Geometry, wire_for
+    from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 
     for backward in ("lossy", "fp16", "bf16", "none"):
         config = LossyCommsConfig(backward=backward)
@@ -221,12 +220,19 @@ def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> No
     rows = [[3, 2, 1], [0, 4, 2]]
     want = [[torch.randn(r, s.dim) for r, s in zip(rs, SPECS, strict=True)] for rs in rows]
     recv = torch.cat([b.reshape(-1) for bs in want for b in bs]).half()
+    telemetry = ExchangeRecord("bwd")
     got = pick["fp16"].receive(
-        "bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows, rows), info, None, 0
+        "bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows, rows), info, None, 0, telemetry
     )  # type: ignore[arg-type]
     for gs, ws in zip(got, want, strict=True):
         for g, w in zip(gs, ws, strict=True):
             assert g.dtype == torch.float32 and torch.equal(g, w.half().float())
+    # The wire fills the call's record (wire bytes per table) and writes no telemetry itself.
+    assert telemetry.decode_shares == {"a": (3 + 0) * 4 * 2, "b": (2 + 4) * 6 * 2, "c": 3 * 2 * 2}
+    assert info.comms.stats.total("bwd").decode_s == 0.0
+    telemetry.write(info.comms.stats)
+    assert telemetry.decode_s > 0.0
+    assert info.comms.stats.total("bwd").decode_s == pytest.approx(telemetry.decode_s)
 
 
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(

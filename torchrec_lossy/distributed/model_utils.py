@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchrec_lossy.distributed import EXPORTS
-from torchrec_lossy.distributed.pooled_decode import read_checked
+from torchrec_lossy.distributed.call_ledger import read_checked
 from torchrec_lossy.distributed.sequence_sharder import LossyShardedEmbeddingCollection
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
