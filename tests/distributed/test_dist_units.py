@@ -151,7 +151,8 @@ def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None
     blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
 
     def run(info: LossyAll2AllPooledInfo, direction: str = "fwd") -> torch.Tensor:
-        payloads = start_encode(direction, blocks, [SPECS], info, x.device).read()
+        record = info.comms.ledger.start(direction)  # as the exchange draws it
+        payloads = start_encode(direction, blocks, [SPECS], info, x.device, record=record).read()
         got = decode_payloads(direction, payloads[0], [payloads[0].numel()], [SPECS], [64], info, 0)
         return got[0][0]
 
@@ -255,7 +256,8 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
 
     def run(info: LossyAll2AllPooledInfo) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         blocks = [[cut_block(g, 0, 256, 0, s) for s in specs]]
-        payloads = start_encode("bwd", blocks, [specs], info, g.device).read()
+        record = info.comms.ledger.start("bwd")  # as the exchange draws it
+        payloads = start_encode("bwd", blocks, [specs], info, g.device, record=record).read()
         got = decode_payloads("bwd", payloads[0], [payloads[0].numel()], [specs], [256], info, 0)
         return blocks[0], got[0]
 

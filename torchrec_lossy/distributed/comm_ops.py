@@ -2,7 +2,7 @@
 
 cf. ``torchrec/distributed/comm_ops.py``'s ``All2All_Pooled_Req``/``_Wait``; shared with
 :mod:`.sequence_output_dist` (:class:`ExchangeSteps`). Each step cuts or joins its blocks
-(pure geometry: :mod:`.pooled_payload`) and moves them through the one exchange path
+(pure geometry: :mod:`.pooled_blocks`) and moves them through the one exchange path
 (:func:`.exchange.exchange` / :func:`.exchange.receive`) with the direction's wire codec.
 """
 

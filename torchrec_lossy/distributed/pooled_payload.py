@@ -1,11 +1,12 @@
-"""Payload framing of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
+"""The encoder of the compressed all-to-alls (the lossy wire's, driven by :mod:`.exchange`).
 
-The sender cuts its rows for each destination into one block per local table shard (a table
-with ``F`` features gives ``F * B_d`` rows of its width) and encodes one payload per destination,
-each block with its table's bound: the raw blocks (``compress=False``) first, each padded to 16
-bytes, then the codec payload. The receiver knows every block's shape from the sharding layout,
-so no extra framing travels. No collective, no autograd. docs/sharder.md, "How the all-to-all
-works".
+The sender's blocks (one per destination and local table shard, cut by :mod:`.pooled_blocks`:
+a table with ``F`` features gives ``F * B_d`` rows of its width) become one payload per
+destination, each block with its table's bound: the raw blocks (``compress=False``) first,
+each padded to 16 bytes, then the codec payload. The receiver knows every block's shape from
+the sharding layout, so no extra framing travels. No collective, no autograd, no telemetry
+written (it goes to the call's :class:`.exchange_record.ExchangeRecord`). docs/sharder.md,
+"How the all-to-all works".
 """
 
 from __future__ import annotations
@@ -375,7 +376,8 @@ def start_encode(
         info: Layout, compress flags and comms state.
         device: Where the payloads and sizes live.
         my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
-        record: The call's record; None: drawn from the module's ledger here.
+        record: The call's record (the exchange draws it from the module's ledger); None: call
+            number 0 of no step (an encode outside an exchange: tests, benchmarks).
         telemetry: The exchange's record to fill; None: a new one, which
             :meth:`PendingPayloads.read` writes (an encode outside an exchange).
 
@@ -385,8 +387,8 @@ def start_encode(
     """
     start = time.perf_counter()
     comms = info.comms
-    if record is None:
-        record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
+    if record is None:  # a call outside an exchange: number 0 (the exchange draws its own)
+        record = CallRecord(direction, 0, None, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
         plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
