@@ -376,8 +376,9 @@ def start_encode(
         info: Layout, compress flags and comms state.
         device: Where the payloads and sizes live.
         my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
-        record: The call's record (the exchange draws it from the module's ledger); None: call
-            number 0 of no step (an encode outside an exchange: tests, benchmarks).
+        record: The call's record (the exchange draws it from the module's ledger); None:
+            drawn here, as the exchange would (an encode outside an exchange: tests,
+            benchmarks).
         telemetry: The exchange's record to fill; None: a new one, which
             :meth:`PendingPayloads.read` writes (an encode outside an exchange).
 
@@ -387,8 +388,8 @@ def start_encode(
     """
     start = time.perf_counter()
     comms = info.comms
-    if record is None:  # a call outside an exchange: number 0 (the exchange draws its own)
-        record = CallRecord(direction, 0, None, direction == "fwd" and info.exact_forward)
+    if record is None:  # a call outside an exchange (tests, benchmarks) draws as one would
+        record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
         plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
