@@ -200,17 +200,17 @@ def traffic_stats(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The study's flags.
+    """Models, traffic and output of the backward study.
 
     Args:
-        argv: Arguments (default ``sys.argv[1:]``).
+        argv: Command line (``sys.argv[1:]`` when None).
 
     Returns:
-        The parsed flags.
+        The flags, ``models`` split into specs.
     """
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data-path", default=str(DATA))
     ap.add_argument("--models", default=";".join(MODELS), help="';'-separated specs")
+    ap.add_argument("--data-path", default=str(DATA), help="the log of the gradient traffic")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=1, help="exact training before the capture")
     ap.add_argument("--steps", type=int, default=8, help="training batches captured")
@@ -221,16 +221,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs both measures and prints their tables.
+    """Measures every model on the adversarial blocks and on the captured gradients, writes the
+    JSON and prints both tables.
 
     Args:
-        argv: Arguments.
+        argv: Command line (``sys.argv[1:]`` when None).
 
     Returns:
-        Exit status.
+        0.
     """
-    args = parse_args(argv)
     torch.set_num_threads(1)
+    args = parse_args(argv)
     models = {s: parse_model(s) for s in args.models}
     adv = adversarial_gradients()
     out: dict[str, Any] = {"args": vars(args), "adversarial": {}, "traffic": {}}
