@@ -10,8 +10,10 @@ Per seed (:mod:`fq_harness`, one process, the example's model, data and order):
 
 Deltas are paired against the exact model of the same seed. A model spec is a
 :func:`fake_quant.parse_model` spec, optionally ``@i,j,...`` to perturb only those tables
-(0: user, 1: movie on the MovieLens log). Bits per value: order-0 code entropy plus side
-information on the exact model's training traffic (:func:`fake_quant.code_entropy_bits`).
+(0: user, 1: movie on the MovieLens log); a ``--train`` spec ``bwd=MODEL`` applies the model
+to the gradient all-to-all instead (every table; the forward exact). Bits per value: order-0
+code entropy plus side information on the exact model's training traffic
+(:func:`fake_quant.code_entropy_bits`).
 
     python benchmarks/error_model_study.py --seeds 0-19 --json /tmp/study.json
     python benchmarks/error_model_study.py --seeds 0 --epochs 1 --train block-nearest:0.03
@@ -57,6 +59,7 @@ FIXED = (
     "block-nearest:0.03@0,1", "block-nearest:0.03@" + ",".join(map(str, range(2, 26))),
 )  # fmt: skip
 ID_TABLES = 2  # tables 0 and 1: the user and movie ids of the MovieLens log
+BWD = "bwd="  # a --train spec with this prefix perturbs the gradient all-to-all instead
 TRAIN = ("block-nearest:0.03", "block-stochastic:0.03", "log:0.03", "block-stochastic:0.01")
 
 
@@ -94,13 +97,16 @@ def configure(run: fq_harness.Run, spec: str | None, seed: int) -> None:
 
     Args:
         run: The run.
-        spec: ``MODEL[@tables]``.
+        spec: ``MODEL[@tables]`` (the forward's error) or ``bwd=MODEL`` (the gradient's).
         seed: Seed of stochastic rounding and dither.
     """
     fq = run.fq
     fq.gen.manual_seed(10_000 + seed)
+    fq.model, fq.bwd_model, fq.tables = None, None, None
     if spec is None:
-        fq.model, fq.tables = None, None
+        return
+    if spec.startswith(BWD):  # the gradient's error model, every table
+        fq.bwd_model = parse_model(spec.removeprefix(BWD))
         return
     model, _, tables = spec.partition("@")
     fq.model = parse_model(model)

@@ -9,7 +9,10 @@ float32 (so up to half a float32 ulp of the decoded value beyond it).
 Grids are anchored at zero, like the codec's (``q = floor(x / step + 0.5)``). ``nearest`` uses
 step ``2 v s`` (error <= ``v s``), ``stochastic`` step ``v s`` (error < ``v s``, unbiased), as
 ``codec.rounding`` does; ``s`` is the model's scale: the block's value range (``block``), the
-row's max magnitude (``row``) or a group of 32 consecutive values' max magnitude (``group``).
+row's max magnitude (``row``) or a group of 32 consecutive values' max magnitude (``group``);
+``rowexp`` and ``groupexp`` round that magnitude up to a power of two, a shared 8-bit exponent
+as MX formats send it (``s = 2**ceil(log2 max|x|)``, so ``max|x| <= s < 2 max|x|``): the
+backward candidates of issue 32 (benchmarks/backward_error_study.py).
 ``midrise`` shifts the nearest grid by half a step (no value is snapped to exactly 0), ``dither``
 is subtractive dither (error uniform in ``[-v s, v s]`` and independent of the value). ``log``
 bounds each value's relative error by ``v``. ``value`` is the codec's own per-value grid
@@ -34,11 +37,15 @@ import torch
 __all__ = ["ErrorModel", "code_entropy_bits", "parse_model", "stated_bound"]
 
 GROUP = 32  # values per scale of the ``group`` models (MX4's group size)
-SCALES = ("block", "row", "group")
+SCALES = ("block", "row", "group", "rowexp", "groupexp")
 ROUNDINGS = ("nearest", "stochastic", "midrise", "dither")
 CASTS = ("exact", "fp16", "bf16", "mx4")
-# Side information per value, bits: one fp16 scale per row of 16, one 8-bit exponent per group.
-SIDE_BITS = {"block": 0.0, "row": 1.0, "group": 8.0 / GROUP, "log": 0.0, "value": 0.0}
+# Side information per value, bits: one fp16 scale per row of 16, one 8-bit exponent per group
+# (``rowexp``: one 8-bit exponent per row of 16).
+SIDE_BITS = {
+    "block": 0.0, "row": 1.0, "group": 8.0 / GROUP, "rowexp": 0.5, "groupexp": 8.0 / GROUP,
+    "log": 0.0, "value": 0.0,
+}  # fmt: skip
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
 Quantizer = Callable[[torch.Tensor, torch.Generator | None], Result]
@@ -88,6 +95,20 @@ def _block_range(x: torch.Tensor) -> torch.Tensor:
     lo = torch.where(finite, x, torch.full_like(x, math.inf)).amin(dim=(-2, -1), keepdim=True)
     any_finite = finite.any(dim=-1, keepdim=True).any(dim=-2, keepdim=True)
     return torch.where(any_finite, hi - lo, torch.zeros_like(hi))
+
+
+def _pow2_ceil(m: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2 m)`` (float64) where ``m > 0``, else 0: a shared exponent's scale."""
+    md = m.double()
+    pos = md > 0
+    e = torch.ceil(torch.log2(torch.where(pos, md, torch.ones_like(md))))
+    return torch.where(pos, torch.exp2(e), torch.zeros_like(md))
+
+
+def _scale_of(x: torch.Tensor, scale: str) -> torch.Tensor:
+    """The model's scale ``s`` per row (``row*``) or per group (``group*``: ``x`` grouped)."""
+    m = _finite_max_abs(x.double(), dim=-1)
+    return _pow2_ceil(m) if scale.endswith("exp") else m
 
 
 def _groups(x: torch.Tensor) -> torch.Tensor:
@@ -143,10 +164,10 @@ def _scaled(scale: str, rounding: str, v: float) -> Quantizer:
     def fn(x: torch.Tensor, gen: torch.Generator | None) -> Result:
         if scale == "block":
             return _grid(x, k * _block_range(x), rounding, gen)
-        if scale == "row":
-            return _grid(x, k * _finite_max_abs(x.double(), dim=-1), rounding, gen)
+        if scale.startswith("row"):
+            return _grid(x, k * _scale_of(x, scale), rounding, gen)
         g = _groups(x)
-        y, q = _grid(g, k * _finite_max_abs(g.double(), dim=-1), rounding, gen)
+        y, q = _grid(g, k * _scale_of(g, scale), rounding, gen)
         return _ungroup(y, x), _ungroup(q, x)
 
     return fn
@@ -262,11 +283,11 @@ def stated_bound(model: ErrorModel, block: torch.Tensor) -> torch.Tensor:
     v = model.value
     if model.scale == "block":
         return (v * _block_range(x)).expand_as(x).clone()
-    if model.scale == "row":
-        return (v * _finite_max_abs(x, dim=-1)).expand_as(x).clone()
-    if model.scale == "group":
+    if model.scale.startswith("row"):
+        return (v * _scale_of(x, model.scale)).expand_as(x).clone()
+    if model.scale.startswith("group"):
         g = _groups(x)
-        return _ungroup((v * _finite_max_abs(g, dim=-1)).expand_as(g), x)
+        return _ungroup((v * _scale_of(g, model.scale)).expand_as(g), x)
     if model.scale in ("log", "value"):
         return v * x.abs()
     return torch.full_like(x, math.inf)

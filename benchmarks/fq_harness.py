@@ -12,7 +12,9 @@ the mean over that global batch (DDP averages the ranks' means) and the table gr
 
 Table-wise, each table's pooled output travels as one block per destination rank: ``[batch,
 dim]``. The error model is applied to exactly those blocks, in training and/or evaluation, with a
-straight-through gradient (the backward all-to-all is exact). Stochastic models draw from their
+straight-through gradient (the backward all-to-all is exact unless ``bwd_model`` is set: then
+that model perturbs each (source rank, table) block of the gradient, per sample; the codec sums
+the rows of one distinct bag first, the harness does not). Stochastic models draw from their
 own generator seeded per run, so the model's init and data order are the same for every error
 model of a seed: runs are paired.
 """
@@ -20,7 +22,7 @@ model of a seed: runs are paired.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,16 +111,24 @@ def load_data(
 
 
 class _StraightThrough(torch.autograd.Function):
-    """Forward: the perturbed value; backward: the gradient, times ``scale``."""
+    """Forward: the perturbed value; backward: the gradient, times ``scale``, through
+    ``grad_error`` when one is given (the backward all-to-all's error)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        scale: float,
+        grad_error: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        ctx.scale, ctx.grad_error = scale, grad_error
         return y
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return g * ctx.scale, None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        g = g * ctx.scale
+        return (g if ctx.grad_error is None else ctx.grad_error(g)), None, None, None
 
 
 class FakeQuantEBC(nn.Module):
@@ -131,7 +141,9 @@ class FakeQuantEBC(nn.Module):
 
     Attributes:
         model: The error model (None: exact).
-        tables: Indices of the tables it applies to (None: all).
+        bwd_model: The error model of the gradient all-to-all, applied in training to each
+            (source rank, table) block of the pooled gradient, per sample (None: exact).
+        tables: Indices of the tables ``model`` applies to (None: all).
         in_train: Apply it in training mode.
         in_eval: Apply it in evaluation mode.
         gen: Random source of stochastic models.
@@ -143,6 +155,7 @@ class FakeQuantEBC(nn.Module):
         self.world = world
         self.grad_scale = grad_scale
         self.model: ErrorModel | None = None
+        self.bwd_model: ErrorModel | None = None
         self.tables: Sequence[int] | None = None
         self.in_train = True
         self.in_eval = False
@@ -161,16 +174,33 @@ class FakeQuantEBC(nn.Module):
         Returns:
             The values as the destination ranks would decode them.
         """
+        assert self.model is not None
+        return self._blockwise(values, self.model, self.tables)
+
+    def perturb_grad(self, grads: torch.Tensor) -> torch.Tensor:
+        """Applies ``bwd_model`` to the ``[batch, tables * dim]`` gradient of the pooled values.
+
+        Args:
+            grads: The exact gradient (already times ``grad_scale``).
+
+        Returns:
+            The gradient as the table owners would decode it.
+        """
+        assert self.bwd_model is not None
+        return self._blockwise(grads, self.bwd_model, None)
+
+    def _blockwise(
+        self, values: torch.Tensor, model: ErrorModel, tables: Sequence[int] | None
+    ) -> torch.Tensor:
         b, width = values.shape
         n_tables = len(self.ebc.embedding_bag_configs())
         dim = width // n_tables
         # [world, rows, table, dim] -> blocks [world, table, rows, dim]
         blocks = values.detach().view(self.world, b // self.world, n_tables, dim).transpose(1, 2)
-        assert self.model is not None
-        out = self.model(blocks, self.gen)
-        if self.tables is not None:
+        out = model(blocks, self.gen)
+        if tables is not None:
             keep = torch.ones(n_tables, dtype=torch.bool)
-            keep[list(self.tables)] = False
+            keep[list(tables)] = False
             out = torch.where(keep.view(1, -1, 1, 1), blocks, out)
         return out.transpose(1, 2).reshape(b, width)
 
@@ -188,7 +218,8 @@ class FakeQuantEBC(nn.Module):
         kt = self.ebc(features)
         active = self.model is not None and (self.in_train if self.training else self.in_eval)
         y = self.perturb(kt.values()) if active else kt.values()
-        values = _StraightThrough.apply(kt.values(), y, self.grad_scale)
+        bwd = self.perturb_grad if self.bwd_model is not None and self.training else None
+        values = _StraightThrough.apply(kt.values(), y, self.grad_scale, bwd)
         return KeyedTensor(keys=kt.keys(), length_per_key=kt.length_per_key(), values=values)
 
 

@@ -191,7 +191,9 @@ def test_tail_reports_spread_worst_seed_and_train_loss_gap() -> None:
     mx4_s = s["mx4"]
     assert mx4_s["dlogloss_tail"]["worst"] == {"seed": 3, "delta": pytest.approx(0.003)}
     assert mx4_s["dauc_tail"]["sd"] == pytest.approx(0.0, abs=1e-9)
-    # One seed past -0.005 misses the tail; the mean target is judged apart from it.
+    # One seed past the reference's worst (-0.001) misses the tail; the mean target is judged
+    # apart from it.
+    assert lossy_s["tail"]["worst_floor"] == pytest.approx(-0.001)
     assert lossy_s["tail"]["met"] is False and mx4_s["tail"]["met"] is True
     table = ab.format_table({"synthetic": ab.summarize(runs, variants, "mx4")["synthetic"]})
     assert "synthetic tail:" in table
@@ -215,3 +217,28 @@ def test_tail_sd_is_judged_against_the_reference_in_the_same_run() -> None:
     alone = ab.summarize([r for r in runs if r["mode"] != "mx4"], variants[:2], "mx4")
     assert alone["synthetic"]["modes"]["lossy"]["tail"]["met"] is None
     assert "| sd not judged |" in ab.format_table(alone)
+
+
+def test_tail_floor_is_the_worse_of_mx4s_and_fp16s_worst_seed() -> None:
+    # Seed chaos: FP16 both ways (near-lossless) has a seed at -0.0092; a mode whose worst seed
+    # is milder and whose spread is within 1.2x MX4's meets the tail, -0.005 or not.
+    none = [0.760, 0.770, 0.765, 0.772]
+    deltas = {
+        "mx4": [-0.0088, 0.0030, -0.0010, 0.0020],
+        "fp16": [0.0010, -0.0092, 0.0020, 0.0030],
+        "lossy": [-0.0065, 0.0020, 0.0000, 0.0010],  # worst -0.0065: past -0.005, above -0.0092
+        "lossy-bval": [-0.0100, 0.0030, 0.0000, 0.0010],  # past both worsts
+    }
+    runs = [_run("none", k, a) for k, a in enumerate(none)]
+    runs += [_run(m, k, none[k] + d) for m, ds in deltas.items() for k, d in enumerate(ds)]
+    variants = [ab.BUILTIN[n] for n in ("none", *deltas)]
+    modes = ab.summarize(runs, variants, "mx4")["synthetic"]["modes"]
+    assert modes["lossy"]["tail"]["worst_floor"] == pytest.approx(-0.0092)
+    assert modes["lossy"]["tail"]["dauc_sd_vs_ref"] <= ab.SD_VS_REF_CEIL
+    assert modes["lossy"]["tail"]["met"] is True
+    assert modes["lossy-bval"]["tail"]["met"] is False
+    # Without MX4 or FP16 in the run, the fixed floor judges the worst seed.
+    alone = [r for r in runs if r["mode"] in ("none", "lossy")]
+    solo = ab.summarize(alone, [ab.BUILTIN["none"], ab.BUILTIN["lossy"]], "mx4")["synthetic"]
+    assert solo["modes"]["lossy"]["tail"]["worst_floor"] == ab.WORST_DAUC_FLOOR
+    assert solo["modes"]["lossy"]["tail"]["met"] is False

@@ -135,3 +135,32 @@ def test_error_stats_measure_energy_dead_zone_and_row_scale() -> None:
     assert near["zeroed"] > 0.05 and 0.3 < sto["rel_mse"] / near["rel_mse"] < 0.7  # var halves
     assert fq.error_stats(fq.parse_model("log:0.03"), blocks)["max_rel_row"] <= 0.03 + 1e-6
     assert 0 < near["row_to_range"] < 1
+
+
+def test_backward_candidates_on_adversarial_gradients() -> None:
+    # Issue 32's candidates (benchmarks/backward_error_study.py): each meets its stated bound
+    # on every adversarial gradient block and carries NaN / Inf bit-exact; only the
+    # row-relative ones keep every row of a block whose rows span ten decades.
+    import backward_error_study as bs
+
+    adv = bs.adversarial_gradients()
+    specs = ("value:0.03125", "rowexp-nearest:0.0078125", "groupexp-nearest:0.0078125",
+             "block-nearest:0.01")  # fmt: skip
+    got = {
+        s: {n: bs.adversarial_check(fq.parse_model(s), x) for n, x in adv.items()} for s in specs
+    }
+    for spec, checks in got.items():
+        for name, c in checks.items():
+            assert c["over_bound"] <= 1.0 and c["nonfinite_exact"], (spec, name, c)
+    decades = {s: got[s]["ten decades"] for s in specs}
+    assert decades["value:0.03125"]["row_energy"] <= 2.0**-12
+    # rowexp: |e| <= v 2**ceil(log2 max|row|) < 2 v max|row|, so a row's energy <= 64 v**2.
+    assert decades["rowexp-nearest:0.0078125"]["row_energy"] <= 64 * 0.0078125**2
+    for spec in ("value:0.03125", "rowexp-nearest:0.0078125"):
+        assert decades[spec]["rows_zeroed"] == 0.0, spec
+    # A group of 32 spans two rows of 16: the larger row's exponent wipes out the smaller.
+    assert decades["groupexp-nearest:0.0078125"]["rows_zeroed"] > 0.2
+    assert decades["block-nearest:0.01"]["rows_zeroed"] > 0.5
+    # One huge finite row: within the block bound, every other row is lost.
+    assert got["block-nearest:0.01"]["one huge row"]["rows_zeroed"] > 0.99
+    assert got["rowexp-nearest:0.0078125"]["one huge row"]["rows_zeroed"] == 0.0

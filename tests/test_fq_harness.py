@@ -91,6 +91,35 @@ def test_gradient_is_straight_through_times_the_world_size(data: h.Data) -> None
     assert torch.allclose(w.grad.to_dense(), expect, atol=1e-6)
 
 
+def test_backward_model_perturbs_each_gradient_block_within_its_bound(data: h.Data) -> None:
+    run = h.build(data, 0)
+    run.fq.bwd_model = fq.parse_model("rowexp-nearest:0.1")
+    kjt = data.train_batch(0).sparse_features
+    run.fq.train()
+    out = run.fq(kjt).values()
+    assert torch.equal(out, run.fq.ebc(kjt).values())  # the forward stays exact
+    g = torch.randn_like(out) * torch.logspace(-6, 0, out.shape[0]).view(-1, 1)
+    out.backward(g)
+    w = run.fq.ebc.embedding_bags["t_cat_0"].weight
+    ids = kjt["cat_0"].values()
+    exact = 2.0 * g[:, :16]
+    # Table 0's rows of each source rank are one block; the model saw exactly those.
+    blocks = exact.view(2, data.batch_size, 16)
+    sent = run.fq.bwd_model(blocks)
+    assert not torch.equal(sent, blocks)
+    expect = torch.zeros_like(w).index_add_(0, ids, sent.reshape(-1, 16))
+    assert torch.allclose(w.grad.to_dense(), expect, rtol=0, atol=1e-12)
+    err = (sent.double() - blocks.double()).abs()
+    assert bool((err <= fq.stated_bound(run.fq.bwd_model, blocks) * (1 + 1e-6)).all())
+    # An exact backward model trains bit for bit like none.
+    plain, exact_bwd = h.build(data, 3), h.build(data, 3)
+    exact_bwd.fq.bwd_model = fq.parse_model("exact")
+    assert h.train(plain, data, 1) == h.train(exact_bwd, data, 1)
+    coarse = h.build(data, 3)
+    coarse.fq.bwd_model = fq.parse_model("block-nearest:0.3")
+    assert h.train(coarse, data, 1) != h.train(h.build(data, 3), data, 1)
+
+
 def test_rowwise_adagrad_matches_fbgemm_exact_rowwise_adagrad() -> None:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
