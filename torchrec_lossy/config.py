@@ -192,7 +192,7 @@ class ErrorBound:
     """
 
     mode: BoundMode = "relative"
-    value: float = 0.03
+    value: float = 0.01
 
     def __post_init__(self) -> None:
         _check_literal("bound.mode", self.mode, BoundMode)
