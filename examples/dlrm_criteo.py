@@ -285,8 +285,9 @@ def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> A
     """The wire formats' speeds on this device for this layout, the same on every rank.
 
     Each rank times the codec and the casts on one destination's blocks (every table,
-    ``--batch-size`` rows); every rank then takes the slowest rank's figures, so the planner's
-    format choice (``comms.format: auto``) is the same everywhere.
+    ``--batch-size`` rows) and the seam's fixed cost per step; every rank then takes the
+    slowest rank's figures, so the planner's format choice (``comms.format: auto``) is the same
+    everywhere.
 
     Args:
         args: Parsed flags.
@@ -299,7 +300,9 @@ def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> A
     from torchrec_lossy.planner import agree_speeds, measure_speeds
 
     tables = plan_config.embedding_tables
-    speeds = measure_speeds(tables, args.batch_size, plan_config.comms, env.device)
+    speeds = measure_speeds(
+        tables, args.batch_size, plan_config.comms, env.device, world_size=env.world_size
+    )
     return agree_speeds(speeds, dist.GroupMember.WORLD, env.device)
 
 
