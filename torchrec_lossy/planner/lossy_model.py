@@ -242,6 +242,36 @@ class LossyCommsModel:
             f"{torchrec_ms:.3g} ms of TorchRec's fp32 all-to-all"
         )
 
+    def step_ms(self) -> dict[str, tuple[float, float]]:
+        """Estimated wire and codec ms a step on a rank with every table raw or coded, the
+        run's re-check's alternatives (:class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`).
+
+        Returns:
+            ``{"raw": (wire, 0), codec format: (wire, codec)}`` on the priced link for the
+            measured batch (``speeds.rows``); empty where the batch was not measured.
+        """
+        sp, topo, tables = self.speeds, self.config.topology, self.config.embedding_tables
+        if not sp.rows or not tables:
+            return {}
+        world = topo.world_size
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        peers = (world - 1) if self.one_host else (world - (topo.local_world_size or world))
+        out = {}
+        for name in ("raw", self.codec_format):
+            wire = codec = 0.0
+            for t in tables:
+                step_bytes = sp.rows * t.embedding_dim * max(1, len(t.feature_names)) * 4
+                step_bytes *= peers / world
+                if name == "raw":
+                    fwd = bwd = WireFormat("raw", self.dedupe_ratio)
+                else:
+                    fwd = self._codec_wire(name, self.ratio(t.name))
+                    bwd = self.backward_format(t.name)
+                wire += step_bytes * (1 / (fwd.ratio * bw) + 1 / (bwd.ratio * bw))
+                codec += step_bytes * (fwd.codec_ms(1.0) + bwd.codec_ms(1.0))
+            out[name] = (wire, codec)
+        return out
+
     def _same_host_choice(self) -> tuple[bool, str]:
         """Whether same-host blocks travel raw, and why (one decision for all tables)."""
         comms = self.config.comms
