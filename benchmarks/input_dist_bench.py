@@ -244,11 +244,15 @@ def _pooled_grads(n: int, dim: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _backward_bytes(
-    ids: torch.Tensor, world: int, dim: int, generator: torch.Generator
+    ids: torch.Tensor,
+    world: int,
+    dim: int,
+    generator: torch.Generator,
+    config: LossyCommsConfig | None = None,
 ) -> dict[str, dict[str, float]]:
     """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
-    the default lossy backward (``LossyCommsConfig()``: the gradient dedupe sums each distinct
-    bag's rows, then the codec at its default bound, round to nearest), all ranks."""
+    the lossy backward (``config``, default ``LossyCommsConfig()``: the gradient dedupe sums
+    each distinct bag's rows, then the codec at ``backward_bound``), all ranks."""
     grads = _pooled_grads(ids.shape[0], dim, generator)
     names, layout = _pooled_setup(world, dim)
     batch = ids.shape[0] // world
@@ -261,7 +265,7 @@ def _backward_bytes(
     }
     total = 0
     for d in range(world):
-        info = _default_info(names, layout, batch)
+        info = _default_info(names, layout, batch, config)
         comms = info.comms
         rows_d = slice(d * batch, (d + 1) * batch)
         blocks = []
@@ -612,6 +616,12 @@ def _timing(batch: int, world: int, reps: int) -> dict[str, float]:
     return {"encode_ms": 1e3 * enc_t[reps // 2], "decode_ms": 1e3 * dec_t[reps // 2]}
 
 
+def _parse_bound(text: str) -> ErrorBound:
+    """``MODE:VALUE`` (e.g. ``value:0.03125``) as an ``ErrorBound``."""
+    mode, _, value = text.partition(":")
+    return ErrorBound(mode=mode, value=float(value))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prints the table and the JSON; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -630,6 +640,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MODE:VALUE",
         help="table-wise EBC: the lossy forward's default_bound instead of the default, e.g. "
         "value:0.03125 (per-value) or relative:0.01",
+    )
+    p.add_argument(
+        "--backward-bound",
+        metavar="MODE:VALUE",
+        help="table-wise EBC: the lossy backward's backward_bound instead of the default, e.g. "
+        "value:0.0625 or relative:0.01",
+    )
+    p.add_argument(
+        "--format",
+        choices=("entropy", "packed"),
+        default="entropy",
+        help="table-wise EBC: the codec format of the lossy forward and backward",
     )
     p.add_argument("--seq-len", type=int, default=50, help="ec: ids per sample and feature")
     p.add_argument("--timing", action="store_true", help="time the input codec instead")
@@ -651,10 +673,17 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps(timings, indent=1) + "\n")
         return 0
 
-    forward = None
-    if args.forward_bound:
-        mode, _, value = args.forward_bound.partition(":")
-        forward = LossyCommsConfig(default_bound=ErrorBound(mode=mode, value=float(value)))
+    config = LossyCommsConfig(
+        format=args.format,
+        **{
+            key: _parse_bound(text)
+            for key, text in (
+                ("default_bound", args.forward_bound),
+                ("backward_bound", args.backward_bound),
+            )
+            if text
+        },
+    )
     g = torch.Generator().manual_seed(0)
     if args.module == "ec":
         ec = [r for w in args.worlds for r in _ec_results(w, args.batch, args.seq_len, 32, g)]
@@ -694,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 continue
             inp = _input_bytes(ids, world)
-            outp = _output_bytes(ids, ranks, world, preset, dim, forward)
-            bwd = _backward_bytes(ids, world, dim, g)
+            outp = _output_bytes(ids, ranks, world, preset, dim, config)
+            bwd = _backward_bytes(ids, world, dim, g, config)
             # Modes as a user runs them: TorchRec's input dist with none / qcomm output codecs;
             # ours: the packed, deduplicated input dist with the lossy output dist.
             # (input, forward, backward): TorchRec's qcomm modes with the same precision both
