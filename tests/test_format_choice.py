@@ -149,17 +149,20 @@ def test_packed_format_key_sets_the_codec_format_and_one_codec_format_per_run() 
         LossyCommsConfig(format="entropy", codec=CodecConfig(format="packed"))
 
 
-def _one_host_plan(link_gib_s: float) -> object:
+def _one_host_plan(
+    link_gib_s: float, tables: int = 3, dim: int = 32, rows: int = 10_000, batch: int = 512
+) -> object:
+    """Two ranks on one host's link of ``link_gib_s``, ``tables`` single-feature tables."""
     from torchrec_lossy.config import LossyPlanConfig, PlannerConfig, TopologyConfig
 
     return LossyPlanConfig(
         embedding_tables=tuple(
-            EmbeddingTableConfig(f"t{i}", 10_000, 32, (f"f{i}",)) for i in range(3)
+            EmbeddingTableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(tables)
         ),
         topology=TopologyConfig(
             world_size=2, compute_device="cpu", intra_host_bandwidth_gib_s=link_gib_s
         ),
-        planner=PlannerConfig(global_batch_size=512),
+        planner=PlannerConfig(global_batch_size=batch),
     )
 
 
@@ -248,17 +251,7 @@ def test_the_seams_dedupe_shrinks_raw_bytes_and_codec_time_alike() -> None:
 
 def _bench_plan(link_gib_s: float) -> object:
     """The e2e bench's layout: 26 single-feature tables of dim 128, two ranks on one link."""
-    from torchrec_lossy.config import LossyPlanConfig, PlannerConfig, TopologyConfig
-
-    return LossyPlanConfig(
-        embedding_tables=tuple(
-            EmbeddingTableConfig(f"t{i}", 100_000, 128, (f"f{i}",)) for i in range(26)
-        ),
-        topology=TopologyConfig(
-            world_size=2, compute_device="cpu", intra_host_bandwidth_gib_s=link_gib_s
-        ),
-        planner=PlannerConfig(global_batch_size=4096),
-    )
+    return _one_host_plan(link_gib_s, tables=26, dim=128, rows=100_000, batch=4096)
 
 
 def _run3_speeds(seam_ms: float | None) -> object:
