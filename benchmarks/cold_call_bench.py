@@ -27,13 +27,9 @@ from torch.profiler import record_function
 from torchrec_lossy.codec import compress_groups, decompress_groups
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
+from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, cut_block
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
-from torchrec_lossy.distributed.pooled_payload import (
-    LossyAll2AllPooledInfo,
-    cut_block,
-    start_encode,
-    warm_up_host,
-)
+from torchrec_lossy.distributed.pooled_payload import start_encode, warm_up_host
 from torchrec_lossy.profile_range import profile_range
 
 

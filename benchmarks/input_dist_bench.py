@@ -67,11 +67,8 @@ from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
 from torchrec_lossy.distributed.dedupe import distinct_bags
 from torchrec_lossy.distributed.input_dist import encode_with_telemetry
 from torchrec_lossy.distributed.kjt_codec import decode_kjt, meta_words, parse_meta
-from torchrec_lossy.distributed.pooled_payload import (
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    start_encode,
-)
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.pooled_payload import start_encode
 from torchrec_lossy.traffic import (
     criteo_sample_ids,
     default_value_model,

@@ -32,7 +32,7 @@ def _device_path_info(world_size: int) -> Any:
     from torchrec_lossy.codec import CodecConfig
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
-    from torchrec_lossy.distributed.pooled_payload import LossyAll2AllPooledInfo
+    from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo
 
     config = LossyCommsConfig(
         codec=CodecConfig(backend="triton", huffman_chunk_symbols=64),
@@ -51,8 +51,8 @@ def _device_path_info(world_size: int) -> Any:
 
 def _worker(rank: int, world_size: int) -> dict[str, int]:
     from torchrec_lossy.codec import host_sync
+    from torchrec_lossy.distributed.call_ledger import read_checked
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_decode import read_checked
 
     info = _device_path_info(world_size)
     comms = info.comms
@@ -100,8 +100,8 @@ def test_one_host_read_per_alltoall_and_direction() -> None:
 
 def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
     from torchrec_lossy.distributed import LossyAllToAllError
+    from torchrec_lossy.distributed.call_ledger import read_checked
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-    from torchrec_lossy.distributed.pooled_decode import read_checked
 
     info = _device_path_info(world_size)
     comms = info.comms

@@ -21,12 +21,10 @@ from torchrec_lossy.distributed import (
     StaticBounds,
     error_sample,
 )
+from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, cut_block, join_blocks
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import (
-    LossyAll2AllPooledInfo,
     abs_bounds,
-    cut_block,
-    join_blocks,
     layout_plans,
     start_encode,
     warm_up_host,
@@ -153,7 +151,8 @@ def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None
     blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
 
     def run(info: LossyAll2AllPooledInfo, direction: str = "fwd") -> torch.Tensor:
-        payloads = start_encode(direction, blocks, [SPECS], info, x.device).read()
+        record = info.comms.ledger.start(direction)  # as the exchange draws it
+        payloads = start_encode(direction, blocks, [SPECS], info, x.device, record=record).read()
         got = decode_payloads(direction, payloads[0], [payloads[0].numel()], [SPECS], [64], info, 0)
         return got[0][0]
 
@@ -207,6 +206,7 @@ def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> No
     ``LossyCommsConfig.backward``'s wire; a cast wire's receive splits the elements of every
     source into its blocks and casts them back to the call's dtype."""
     from torchrec_lossy.distributed.exchange import LOSSY_WIRE, CastWire, Geometry, wire_for
+    from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 
     for backward in ("lossy", "fp16", "bf16", "none"):
         config = LossyCommsConfig(backward=backward)
@@ -221,12 +221,19 @@ def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> No
     rows = [[3, 2, 1], [0, 4, 2]]
     want = [[torch.randn(r, s.dim) for r, s in zip(rs, SPECS, strict=True)] for rs in rows]
     recv = torch.cat([b.reshape(-1) for bs in want for b in bs]).half()
+    telemetry = ExchangeRecord("bwd")
     got = pick["fp16"].receive(
-        "bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows, rows), info, None, 0
+        "bwd", recv, Geometry([SPECS] * 2, [SPECS] * 2, rows, rows), info, None, 0, telemetry
     )  # type: ignore[arg-type]
     for gs, ws in zip(got, want, strict=True):
         for g, w in zip(gs, ws, strict=True):
             assert g.dtype == torch.float32 and torch.equal(g, w.half().float())
+    # The wire fills the call's record (wire bytes per table) and writes no telemetry itself.
+    assert telemetry.decode_shares == {"a": (3 + 0) * 4 * 2, "b": (2 + 4) * 6 * 2, "c": 3 * 2 * 2}
+    assert info.comms.stats.total("bwd").decode_s == 0.0
+    telemetry.write(info.comms.stats)
+    assert telemetry.decode_s > 0.0
+    assert info.comms.stats.total("bwd").decode_s == pytest.approx(telemetry.decode_s)
 
 
 def test_backward_payloads_stochastic_bad_input_and_exact_warning(
@@ -249,7 +256,8 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
 
     def run(info: LossyAll2AllPooledInfo) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         blocks = [[cut_block(g, 0, 256, 0, s) for s in specs]]
-        payloads = start_encode("bwd", blocks, [specs], info, g.device).read()
+        record = info.comms.ledger.start("bwd")  # as the exchange draws it
+        payloads = start_encode("bwd", blocks, [specs], info, g.device, record=record).read()
         got = decode_payloads("bwd", payloads[0], [payloads[0].numel()], [specs], [256], info, 0)
         return blocks[0], got[0]
 

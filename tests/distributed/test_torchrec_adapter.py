@@ -118,6 +118,29 @@ def test_the_enumerator_caches_the_search_space_where_the_adapter_forgets_it() -
     assert "self._last_stored_module == module" in inspect.getsource(EmbeddingEnumerator.enumerate)
 
 
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_sharded_modules_keep_their_env_and_fqn_where_the_adapter_reads_them(pg, kind) -> None:
+    """``step_lossy_bounds`` (the guard's all-reduce) and ``lossy_stats`` read a sharded
+    module's process group and FQN through the adapter; TorchRec sets both in ``__init__``."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.types import ShardingEnv
+
+    cls = ShardedEmbeddingBagCollection if kind == "ebc" else ShardedEmbeddingCollection
+    source = inspect.getsource(cls.__init__)
+    assert "self._env = env" in source and "self._module_fqn = module_fqn" in source
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m._env, m._module_fqn = ShardingEnv(world_size=1, rank=0, pg=pg), "model.ebc"
+    assert adapter.module_process_group(m) is pg and adapter.module_fqn(m) == "model.ebc"
+    del m._env
+    with pytest.raises(adapter.TorchRecLayoutError, match=rf"{cls.__name__} has no .*'_env'"):
+        adapter.module_process_group(m)
+    m._module_fqn = 3
+    with pytest.raises(adapter.TorchRecLayoutError, match=r"_module_fqn is a int, expected str"):
+        adapter.module_fqn(m)
+
+
 def test_a_moved_kjt_all_to_all_fails_naming_the_attribute(pg) -> None:
     sparse = RwSparseFeaturesDist(pg=pg, num_features=2, feature_hash_sizes=[10, 10])
     del sparse._dist

@@ -211,6 +211,27 @@ def _put_escapes(
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _put_refs_and_escapes(
+    out: np.ndarray, pos: int, b: int, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks,
+    segs: Segments, rows: Dedupe, sent: np.ndarray, n_esc: int,
+) -> int:  # fmt: skip
+    """Writes block ``b``'s references (quant+lz: its rows' ids among ``rows``) and then its
+    ``n_esc`` escapes among the rows ``sent`` at ``pos``, as both segment kinds carry them
+    before their coded values; -> the word after them."""
+    if segs.mode[b] == MODE_QUANT_LZ:
+        r0 = blocks.row_off[b]
+        pos += vector_lz.pack_refs_into(
+            rows.ids[r0 : r0 + blocks.rows[b]], segs.sent[b], segs.ref_mode[b], out[pos:]
+        )
+    if n_esc:
+        at = slice(blocks.elem_off[b], blocks.elem_off[b + 1])
+        pos = _put_escapes(
+            out, pos, symbols[at], bits[at], sent, blocks.dims[b], blocks.itemsize[b], n_esc
+        )
+    return pos
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _put_coded(
     out: np.ndarray, pos: int, b: int, symbols: np.ndarray, bits: np.ndarray, blocks: Blocks,
     grids: Grids, segs: Segments, rows: Dedupe, codes: Codes, entry: np.ndarray,
@@ -218,7 +239,7 @@ def _put_coded(
     """Writes block ``b``'s quantized segment at ``pos`` (its rows deduplicated by ``rows``
     for quant+lz); -> the word after it. ``entry``: the encoder's table, overwritten."""
     lz = segs.mode[b] == MODE_QUANT_LZ
-    n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
+    n_rows, dim = blocks.rows[b], blocks.dims[b]
     r0 = blocks.row_off[b]
     n_sent = segs.sent[b]
     sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
@@ -239,14 +260,8 @@ def _put_coded(
     nibbles = huffman.pack_codebook_kernel(lengths, lo - base, count)
     out[pos:].view(np.uint8)[: nibbles.shape[0]] = nibbles
     pos += words_for_bytes(nibbles.shape[0])
-    if lz:
-        pos += vector_lz.pack_refs_into(
-            rows.ids[r0 : r0 + n_rows], n_sent, segs.ref_mode[b], out[pos:]
-        )
+    pos = _put_refs_and_escapes(out, pos, b, symbols, bits, blocks, segs, rows, sent, n_esc)
     blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
-    if n_esc:
-        blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
-        pos = _put_escapes(out, pos, blk_sym, blk_bits, sent, dim, isz, n_esc)
     stream = out[pos + n_chunks :]
     w = huffman.encode_into(
         blk_sym.reshape(n_rows, dim), sent, entry, chunk, out[pos : pos + n_chunks], stream
@@ -263,20 +278,14 @@ def _put_packed(
     quant+lz; ``n_esc`` escapes among the values sent, ``widths`` its groups' widths), its
     checksum in the header last; -> the word after it."""
     lz = segs.mode[b] == MODE_QUANT_LZ
-    n_rows, dim, isz = blocks.rows[b], blocks.dims[b], blocks.itemsize[b]
+    n_rows, dim = blocks.rows[b], blocks.dims[b]
     r0 = blocks.row_off[b]
     n_sent = segs.sent[b]
     sent = rows.first[r0 : r0 + n_sent] if lz else blocks.every_row[r0 : r0 + n_rows]
     head = pos
     pos += SEGMENT_HEADER_WORDS
-    if lz:
-        pos += vector_lz.pack_refs_into(
-            rows.ids[r0 : r0 + n_rows], n_sent, segs.ref_mode[b], out[pos:]
-        )
+    pos = _put_refs_and_escapes(out, pos, b, symbols, bits, blocks, segs, rows, sent, n_esc)
     blk_sym = symbols[blocks.elem_off[b] : blocks.elem_off[b + 1]]
-    if n_esc:
-        blk_bits = bits[blocks.elem_off[b] : blocks.elem_off[b + 1]]
-        pos = _put_escapes(out, pos, blk_sym, blk_bits, sent, dim, isz, n_esc)
     pos += packed.put_stream(out, pos, blk_sym, sent, dim, widths)
     check = np.int64(packed.segment_checksum(out[head + SEGMENT_HEADER_WORDS : pos]))
     n_groups = (n_sent * dim + PACKED_GROUP - 1) // PACKED_GROUP

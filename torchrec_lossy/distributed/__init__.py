@@ -50,7 +50,7 @@ EXPORTS: dict[str, list[str]] = {
         "LossyTwPooledEmbeddingDist",
         "pooled_layout",
     ],
-    "torchrec_lossy.distributed.pooled_payload": [
+    "torchrec_lossy.distributed.pooled_blocks": [
         "BlockSpec",
         "LossyAll2AllPooledInfo",
     ],

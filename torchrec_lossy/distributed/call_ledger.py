@@ -4,7 +4,8 @@ An exchange fixes what it needs of the module's running state once, when it star
 immutable :class:`CallRecord` (its number, the training step, whether it is exact) that travels
 with the call: the encode seeds its stochastic rounding and schedules its error samples from
 it, the decode names it in an error. The :class:`CallLedger` is the module's explicit counter
-those records are drawn from, and the list of calls whose device decode status is still unread.
+those records are drawn from, and the list of calls whose device decode status is still
+unread, which :func:`read_checked` reads with the next host read.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from torchrec_lossy.codec import host_sync
 from torchrec_lossy.distributed.stats import Direction
 
 
@@ -116,3 +119,34 @@ class CallLedger:
         """
         taken, self._unread = self._unread, []
         return taken
+
+
+def read_checked(ledger: CallLedger, t: torch.Tensor | None = None) -> np.ndarray:
+    """Reads ``t`` to the host in one copy with the decode status of every unread call.
+
+    The one place the status of a device decode is read: folded into the next host read the
+    dists make anyway (the size exchange), or a read of its own when called with no ``t``
+    (none is made if nothing is pending).
+
+    Args:
+        ledger: The module's ledger (its calls with unread status are taken; each raises
+            its own error).
+        t: An int64 tensor to read back as well, or None.
+
+    Returns:
+        ``t`` on the host (empty if None).
+
+    Raises:
+        LossyAllToAllError: A deferred decode failed (the oldest failure is named).
+    """
+    checks = ledger.take_unread()
+    parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
+    if not parts:
+        return np.zeros(0, np.int64)
+    host = host_sync.to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
+    at = 0 if t is None else t.numel()
+    for c in checks:
+        n = c.flags.numel()
+        c.raise_if_failed(host[at : at + n].tolist())
+        at += n
+    return host[: 0 if t is None else t.numel()]

@@ -2,7 +2,7 @@
 
 cf. ``torchrec/distributed/comm_ops.py``'s ``All2All_Pooled_Req``/``_Wait``; shared with
 :mod:`.sequence_output_dist` (:class:`ExchangeSteps`). Each step cuts or joins its blocks
-(pure geometry: :mod:`.pooled_payload`) and moves them through the one exchange path
+(pure geometry: :mod:`.pooled_blocks`) and moves them through the one exchange path
 (:func:`.exchange.exchange` / :func:`.exchange.receive`) with the direction's wire codec.
 """
 
@@ -18,6 +18,7 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
+from torchrec_lossy.distributed.call_ledger import read_checked
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.exchange import (
     LOSSY_WIRE,
@@ -27,8 +28,7 @@ from torchrec_lossy.distributed.exchange import (
     receive,
     wire_for,
 )
-from torchrec_lossy.distributed.pooled_decode import read_checked
-from torchrec_lossy.distributed.pooled_payload import (
+from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
     cut_block,
     expand_block,

@@ -26,15 +26,11 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import Request
 
 from torchrec_lossy.config import LossyCommsConfig
-from torchrec_lossy.distributed.call_ledger import CallRecord
-from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call, read_checked
-from torchrec_lossy.distributed.pooled_payload import (
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    PendingPayloads,
-    meta_words,
-    start_encode,
-)
+from torchrec_lossy.distributed.call_ledger import CallRecord, read_checked
+from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call
+from torchrec_lossy.distributed.pooled_payload import PendingPayloads, meta_words, start_encode
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -88,6 +84,8 @@ class LossyRequest(Request[torch.Tensor]):
         self.record: CallRecord | None = None
         # The latest device decode's status, unread (the module's ledger lists it too).
         self.decode_status: DeferredDecode | None = None
+        # The telemetry of the exchange in flight, written once by receive().
+        self.telemetry: ExchangeRecord | None = None
 
     def take_received(self) -> torch.Tensor:
         """Waits for the exchange in flight and releases what it received.
@@ -114,6 +112,7 @@ class WireCodec(Protocol):
         myreq: LossyRequest,
         device: torch.device,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> tuple[torch.Tensor, dist.Work]:
         """Sends ``blocks`` (per destination, per its spec), asynchronously.
 
@@ -125,6 +124,8 @@ class WireCodec(Protocol):
             myreq: The request (keeps what the receive needs).
             device: Device of the blocks (and of the receive buffer).
             my_rank: This rank.
+            telemetry: The call's record: the wire adds its bytes, errors and seconds (it
+                writes no telemetry itself).
 
         Returns:
             (the receive buffer, the exchange's work).
@@ -139,8 +140,10 @@ class WireCodec(Protocol):
         info: LossyAll2AllPooledInfo,
         myreq: LossyRequest,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> list[list[torch.Tensor]]:
-        """The blocks :meth:`send` delivered (arguments as its, with the received buffer).
+        """The blocks :meth:`send` delivered (arguments as its, with the received buffer; the
+        decode's seconds go to ``telemetry``).
 
         Returns:
             Per source, per its spec, a ``[rows, dim]`` block.
@@ -160,8 +163,9 @@ def exchange(
 ) -> tuple[torch.Tensor, dist.Work]:
     """Sends every peer its blocks through ``wire``: the one send of every all-to-all.
 
-    The rows of every block to a peer are counted here (``LossyCommsStats.record_rows``; the
-    self block is counted apart, as bytes, by the wire).
+    Starts the call's telemetry (:class:`.exchange_record.ExchangeRecord`, kept on ``myreq``):
+    the rows of every block to a peer here, the bytes, errors and seconds by the wire; it is
+    written once, by :func:`receive`.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -177,14 +181,15 @@ def exchange(
         (the receive buffer, the exchange's work).
     """
     myreq.wire, myreq.geometry = wire, geometry
-    stats = info.comms.stats
+    myreq.telemetry = telemetry = ExchangeRecord(direction)
     for p, (bs, specs, full) in enumerate(
         zip(blocks, geometry.send_specs, geometry.full_rows, strict=True)
     ):
         if p != my_rank:
-            for b, s, n in zip(bs, specs, full, strict=True):
-                stats.record_rows(direction, s.table, n, b.shape[0])
-    return wire.send(direction, blocks, geometry, info, myreq, device, my_rank)
+            telemetry.rows += [
+                (s.table, n, b.shape[0]) for b, s, n in zip(bs, specs, full, strict=True)
+            ]
+    return wire.send(direction, blocks, geometry, info, myreq, device, my_rank, telemetry)
 
 
 def receive(
@@ -194,7 +199,8 @@ def receive(
     myreq: LossyRequest,
     my_rank: int,
 ) -> list[list[torch.Tensor]]:
-    """The blocks of the exchange :func:`exchange` started on ``myreq``.
+    """The blocks of the exchange :func:`exchange` started on ``myreq``; writes the call's
+    telemetry to the module's stats, once.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -206,10 +212,14 @@ def receive(
     Returns:
         Per source, per its spec, a ``[rows, dim]`` block.
     """
-    wire, geometry = myreq.wire, myreq.geometry
-    assert wire is not None and geometry is not None, "receive of an exchange never started"
-    myreq.wire = myreq.geometry = None
-    return wire.receive(direction, recv, geometry, info, myreq, my_rank)
+    wire, geometry, telemetry = myreq.wire, myreq.geometry, myreq.telemetry
+    assert wire is not None and geometry is not None and telemetry is not None, (
+        "receive of an exchange never started"
+    )
+    myreq.wire = myreq.geometry = myreq.telemetry = None
+    blocks = wire.receive(direction, recv, geometry, info, myreq, my_rank, telemetry)
+    telemetry.write(info.comms.stats)
+    return blocks
 
 
 def wire_for(
@@ -244,6 +254,7 @@ class LossyWire:
         myreq: LossyRequest,
         device: torch.device,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> tuple[torch.Tensor, dist.Work]:
         """Encodes every peer's blocks (the self blocks stay in the request: exact, off the
         wire), exchanges the sizes and skeletons, then the payloads (see
@@ -251,7 +262,7 @@ class LossyWire:
         exact = direction == "fwd" and info.exact_forward
         myreq.record = info.comms.ledger.start(direction, exact)
         pending = start_encode(
-            direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record
+            direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record, telemetry
         )
         myreq.self_blocks = blocks[my_rank]
         meta_splits = [
@@ -267,6 +278,7 @@ class LossyWire:
         info: LossyAll2AllPooledInfo,
         myreq: LossyRequest,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> list[list[torch.Tensor]]:
         """Decodes every peer's payload, the self blocks taken from the request, the
         skeletons from its size exchange; a device decode's unread status goes to the request
@@ -277,7 +289,7 @@ class LossyWire:
         skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
         blocks, status = decode_call(
             direction, recv, myreq.recv_sizes, geometry.recv_specs, geometry.recv_rows, info,
-            my_rank, self_blocks, skeletons, myreq.record,
+            my_rank, self_blocks, skeletons, myreq.record, telemetry=telemetry,
         )  # fmt: skip
         if status is not None:  # owned by this call; the next host read of the module reads it
             myreq.decode_status = status
@@ -363,27 +375,29 @@ class CastWire:
         myreq: LossyRequest,
         device: torch.device,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> tuple[torch.Tensor, dist.Work]:
         """Casts and sends every peer its blocks in one all-to-all (see
         :meth:`WireCodec.send`)."""
-        stats = info.comms.stats
         start = time.perf_counter()
         with profile_range(f"## {self.tag} {direction} encode ##"):
             flat = [b.reshape(-1) for bs in blocks for b in bs]
             send = torch.cat(flat).to(self.dtype) if flat else torch.empty(0, dtype=self.dtype)
             send = send.to(device)
         wire_elem = send.element_size()
-        shares: dict[str, int] = {}
+        rec = BlockRecords()
         for bs, specs in zip(blocks, geometry.send_specs, strict=True):
             for b, s in zip(bs, specs, strict=True):
                 # Raw: the rows sent (under dedupe rows / rows_sent scale it to TorchRec's).
-                raw = b.numel() * b.element_size()
-                shares[s.table] = shares.get(s.table, 0) + raw
-                stats.record_block(direction, s.table, raw, b.numel() * wire_elem, 0.0, 0.0)
+                rec.tables.append(s.table)
+                rec.raw_bytes.append(b.numel() * b.element_size())
+                rec.wire_bytes.append(b.numel() * wire_elem)
+                rec.errors.append(0.0)  # a cast's error is read later, without a sync
+                rec.abs_bounds.append(0.0)
                 if self.cast and b.numel():
                     err = (b - b.to(self.dtype).to(b.dtype)).abs().amax()
-                    stats.record_max_error_lazy(direction, s.table, err)
-        stats.record_time(direction, "encode", shares, time.perf_counter() - start)
+                    telemetry.lazy_errors.append((s.table, err))
+        telemetry.blocks, telemetry.encode_s = rec, time.perf_counter() - start
         send_sizes = [sum(b.numel() for b in bs) for bs in blocks]
         recv_sizes = [
             sum(r * s.dim for r, s in zip(rows, specs, strict=True))
@@ -404,6 +418,7 @@ class CastWire:
         info: LossyAll2AllPooledInfo,
         myreq: LossyRequest,
         my_rank: int,
+        telemetry: ExchangeRecord,
     ) -> list[list[torch.Tensor]]:
         """Splits the received elements into blocks, cast back (see
         :meth:`WireCodec.receive`)."""
@@ -419,5 +434,5 @@ class CastWire:
         for ps in pairs:
             for r, s in ps:
                 shares[s.table] = shares.get(s.table, 0) + r * s.dim * recv.element_size()
-        info.comms.stats.record_time(direction, "decode", shares, time.perf_counter() - start)
+        telemetry.decode_shares, telemetry.decode_s = shares, time.perf_counter() - start
         return blocks

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from torchrec_lossy.distributed import EXPORTS
-from torchrec_lossy.distributed.pooled_decode import read_checked
+from torchrec_lossy.distributed.call_ledger import read_checked
 from torchrec_lossy.distributed.sequence_sharder import LossyShardedEmbeddingCollection
 from torchrec_lossy.distributed.sharder import LossyShardedEmbeddingBagCollection
 from torchrec_lossy.distributed.stats import LossyCommsStats
+from torchrec_lossy.distributed.torchrec_adapter import module_fqn, module_process_group
 
 __all__ = EXPORTS[__name__]
 
@@ -53,7 +54,7 @@ def lossy_stats(model: nn.Module) -> dict[str, LossyCommsStats]:
         Module FQN (as the sharder saw it; else the path in ``model.named_modules()``) to its
         stats.
     """
-    return {m._module_fqn or name: m.lossy_stats for name, m in lossy_modules(model).items()}
+    return {module_fqn(m) or name: m.lossy_stats for name, m in lossy_modules(model).items()}
 
 
 def step_lossy_bounds(model: nn.Module) -> None:
@@ -73,7 +74,7 @@ def step_lossy_bounds(model: nn.Module) -> None:
         comms.bounds.step()
         comms.ledger.end_step()
         if comms.guard is not None:
-            comms.guard.step(comms.stats, m._env.process_group)
+            comms.guard.step(comms.stats, module_process_group(m))
 
 
 def check_lossy_decodes(model: nn.Module) -> None:

@@ -3,9 +3,9 @@
 :func:`decode_call` decodes every source's codec payload in one codec call and puts the blocks
 back in spec order, checked against the sharding layout. On the device path the status is
 deferred: failed sources' blocks are zeroed on the device and the call's :class:`DeferredDecode`
-goes to the call's awaitable, which the module's ledger lists until :func:`read_checked` folds
-it into the next size-exchange read (docs/kernels.md, "Syncs per all-to-all"). No collective,
-no autograd.
+goes to the call's awaitable, which the module's ledger lists until
+:func:`.call_ledger.read_checked` folds it into the next size-exchange read (docs/kernels.md,
+"Syncs per all-to-all"). No collective, no autograd.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ from torchrec_lossy.codec import (
     first_failure,
     host_sync,
 )
-from torchrec_lossy.distributed.call_ledger import CallLedger, CallRecord
+from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.errors import LossyAllToAllError
-from torchrec_lossy.distributed.pooled_payload import (
-    ALIGN,
-    BlockSpec,
-    LossyAll2AllPooledInfo,
-    padded_size,
-)
+from torchrec_lossy.distributed.exchange_record import ExchangeRecord
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.pooled_payload import ALIGN, padded_size
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -119,37 +116,6 @@ class DeferredDecode:
         )
 
 
-def read_checked(ledger: CallLedger, t: torch.Tensor | None = None) -> np.ndarray:
-    """Reads ``t`` to the host in one copy with the decode status of every unread call.
-
-    The one place the status of a device decode is read: folded into the next host read the
-    dists make anyway (the size exchange), or a read of its own when called with no ``t``
-    (none is made if nothing is pending).
-
-    Args:
-        ledger: The module's ledger (its calls with unread status are taken; each raises
-            its own error).
-        t: An int64 tensor to read back as well, or None.
-
-    Returns:
-        ``t`` on the host (empty if None).
-
-    Raises:
-        LossyAllToAllError: A deferred decode failed (the oldest failure is named).
-    """
-    checks = ledger.take_unread()
-    parts = ([] if t is None else [t]) + [c.flags.to(torch.int64) for c in checks]
-    if not parts:
-        return np.zeros(0, np.int64)
-    host = host_sync.to_host(parts[0] if len(parts) == 1 else torch.cat(parts))
-    at = 0 if t is None else t.numel()
-    for c in checks:
-        n = c.flags.numel()
-        c.raise_if_failed(host[at : at + n].tolist())
-        at += n
-    return host[: 0 if t is None else t.numel()]
-
-
 def decode_payloads(
     direction: Direction,
     recv: torch.Tensor,
@@ -161,7 +127,7 @@ def decode_payloads(
     self_blocks: Sequence[torch.Tensor] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Decodes payloads outside an exchange (benchmarks, tests): :func:`decode_call`, with a
-    device decode's status read at once.
+    device decode's status read at once and its telemetry written (as an exchange would).
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -179,12 +145,14 @@ def decode_payloads(
     Raises:
         LossyAllToAllError: A payload does not decode into the expected blocks.
     """
+    telemetry = ExchangeRecord(direction)
     blocks, check = decode_call(
         direction, recv, recv_sizes, specs_per_peer, block_rows_per_peer, info, my_rank,
-        self_blocks,
+        self_blocks, telemetry=telemetry,
     )  # fmt: skip
     if check is not None:
         check.raise_if_failed(host_sync.to_host(check.flags).tolist())
+    telemetry.write(info.comms.stats)
     return blocks
 
 
@@ -199,6 +167,8 @@ def decode_call(
     self_blocks: Sequence[torch.Tensor] | None = None,
     skeletons: dict[int, np.ndarray] | None = None,
     record: CallRecord | None = None,
+    *,
+    telemetry: ExchangeRecord,
 ) -> tuple[list[list[torch.Tensor]], DeferredDecode | None]:
     """Decodes every peer's payload (``recv`` holds them in rank order) into its blocks.
 
@@ -208,9 +178,9 @@ def decode_call(
     (that would be a host sync of its own): the blocks of every payload that failed on the device
     are zeroed there (``contain_failures``), so garbage never reaches the caller, and the status
     is returned to the caller's awaitable, read with the next host read of these dists
-    (:func:`read_checked`, in the next size exchange: the backward's for a forward decode, the
-    next step's forward for a backward one), which raises the error naming the call, the step,
-    the tables and the source rank.
+    (:func:`.call_ledger.read_checked`, in the next size exchange: the backward's for a forward
+    decode, the next step's forward for a backward one), which raises the error naming the
+    call, the step, the tables and the source rank.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -226,6 +196,7 @@ def decode_call(
         skeletons: Per peer with codec blocks, its codec payload's skeleton from the size
             exchange (the device path then reads nothing back to decode), or None.
         record: The receiving call's record (named by a deferred error), or None.
+        telemetry: The exchange's record; the decode's seconds and bytes per table go there.
 
     Returns:
         Per peer, its blocks; the device decode's unread status, or None.
@@ -244,7 +215,7 @@ def decode_call(
             else call.split(peer, frames[peer].payload, by_peer.get(peer, []))
             for peer in range(len(recv_sizes))
         ]
-    info.comms.stats.record_time(direction, "decode", call.shares(), time.perf_counter() - start)
+    telemetry.decode_shares, telemetry.decode_s = call.shares(), time.perf_counter() - start
     return out, check
 
 
@@ -535,4 +506,4 @@ class _DecodeCall:
         )
 
 
-__all__ = ["DeferredDecode", "decode_call", "decode_payloads", "read_checked"]
+__all__ = ["DeferredDecode", "decode_call", "decode_payloads"]

@@ -1,11 +1,12 @@
-"""Payload framing of the compressed pooled-embedding all-to-all (see :mod:`.comm_ops`).
+"""The encoder of the compressed all-to-alls (the lossy wire's, driven by :mod:`.exchange`).
 
-The sender cuts its rows for each destination into one block per local table shard (a table
-with ``F`` features gives ``F * B_d`` rows of its width) and encodes one payload per destination,
-each block with its table's bound: the raw blocks (``compress=False``) first, each padded to 16
-bytes, then the codec payload. The receiver knows every block's shape from the sharding layout,
-so no extra framing travels. No collective, no autograd. docs/sharder.md, "How the all-to-all
-works".
+The sender's blocks (one per destination and local table shard, cut by :mod:`.pooled_blocks`:
+a table with ``F`` features gives ``F * B_d`` rows of its width) become one payload per
+destination, each block with its table's bound: the raw blocks (``compress=False``) first,
+each padded to 16 bytes, then the codec payload. The receiver knows every block's shape from
+the sharding layout, so no extra framing travels. No collective, no autograd, no telemetry
+written (it goes to the call's :class:`.exchange_record.ExchangeRecord`). docs/sharder.md,
+"How the all-to-all works".
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -29,220 +30,14 @@ from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_c
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
-from torchrec_lossy.distributed.comms import LossyComms
-from torchrec_lossy.distributed.dedupe import OutputDedupe
+from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
 from torchrec_lossy.distributed.guard import guarded_bound
-from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 from torchrec_lossy.profile_range import profile_range
 
-T = TypeVar("T")
 _log = logging.getLogger(__name__)
 ALIGN = 16  # byte alignment of raw blocks and of payloads handed to the decoder
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """One table shard's columns in a rank's local pooled-embedding output.
-
-    Attributes:
-        table: Table name (bounds, compress flag and telemetry are per table).
-        col_offset: First column of the shard in the rank's ``[B, D_local_sum]`` output.
-        num_features: Features pooled from this table shard (consecutive column groups).
-        dim: Columns per feature (the shard's ``local_cols``).
-    """
-
-    table: str
-    col_offset: int
-    num_features: int
-    dim: int
-
-    @property
-    def width(self) -> int:
-        """Columns the shard occupies: ``num_features * dim``."""
-        return self.num_features * self.dim
-
-
-@dataclass
-class LossyAll2AllPooledInfo:
-    """Per-call parameters of :func:`alltoall_pooled_lossy` (cf. TorchRec's All2AllPooledInfo).
-
-    Attributes:
-        batch_size_per_rank: Batch size of every rank of the group.
-        layout: Per rank of the group, its table shards in output column order.
-        comms: Shared config, bound provider, telemetry and hooks.
-        compress: Table name to whether its blocks go through the codec (else raw).
-        dtype: Dtype of the pooled embeddings (:func:`alltoall_pooled_lossy` takes its input's:
-            the info itself is never modified).
-        output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
-            deduplicated features travel once per distinct bag), or None.
-        exact_forward: The forward travels lossless (bound 0 for every table; the bound
-            provider neither asked nor shown the blocks): an exact evaluation.
-        same_host: Group indices of the peers on this rank's host (wire bytes are counted by
-            link: ``LossyCommsStats.link_bytes``).
-        raw_peers: Peers whose blocks skip the codec in both directions (same-host peers
-            under ``LossyCommsConfig.intra_host``); symmetric, so sender and receiver agree.
-        plans: The encode plans of the dist's layout, built once when the dist was built
-            (:func:`layout_plans`); None: each encode plans its call itself (tests, benchmarks).
-    """
-
-    batch_size_per_rank: list[int]
-    layout: Sequence[Sequence[BlockSpec]]
-    comms: LossyComms
-    compress: dict[str, bool]
-    dtype: torch.dtype = torch.float32
-    output_dedupe: OutputDedupe | None = None
-    exact_forward: bool = False
-    same_host: frozenset[int] = frozenset()
-    raw_peers: frozenset[int] = frozenset()
-    plans: LayoutPlans | None = None
-    dim_sum_per_rank: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
-
-    @property
-    def sum_grads(self) -> bool:
-        """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
-        return self.output_dedupe is not None and self.output_dedupe.sum_grads
-
-    @property
-    def dedupe_grads(self) -> bool:
-        """Whether gradients travel one row per distinct bag: always under the lookup dedupe
-        (its owner looked up one bag per distinct id), and under the exact output dedupe with
-        ``LossyCommsConfig.backward_dedupe`` (the adjoint of sending one row per distinct bag:
-        summed on the receiver of the forward, placed at the selected bag by the owner)."""
-        dd = self.output_dedupe
-        return dd is not None and (dd.sum_grads or self.comms.config.backward_dedupe)
-
-    def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
-        """Per local table shard, per feature: rows this rank (the owner) exchanges with
-        ``peer`` (its batch size, or the distinct bags of a deduplicated feature)."""
-        return [[r for r, _ in f] for f in self.owner_feats(my_rank, peer)]
-
-    def owner_feats(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
-        """Per local table shard, per feature: (rows sent to ``peer``, the bags they come from:
-        None for the first rows (all of them, or a lookup-deduplicated feature's distinct ids))."""
-        rows = self.batch_size_per_rank[peer]
-        dd = self.output_dedupe
-        flat = dd.recv_rows[peer] if dd is not None else None
-        if dd is not None and not dd.sum_grads and dd.select is None:
-            raise RuntimeError(
-                "lossy output dist: the exact output dedupe has no bag selection; the input "
-                "dist's KJT must be decoded (its tensors awaitable waited on) before the lookup"
-            )
-        sel = dd.select[peer] if dd is not None and dd.select is not None else None
-
-        def one(i: int) -> tuple[int, torch.Tensor | None]:
-            x = flat[i] if flat is not None else None
-            if x is None:
-                return rows, None
-            return x, sel[i] if sel is not None else None
-
-        return _per_feature(self.layout[my_rank], one, (rows, None))
-
-    def sender_rows(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
-        """Per table shard of ``peer``, per feature: (rows exchanged, inverse index or None),
-        from the side of this rank, which sent ``peer`` the ids."""
-        rows = self.batch_size_per_rank[my_rank]
-        dd = self.output_dedupe
-        flat = dd.send[peer] if dd is not None else None
-
-        def one(i: int) -> tuple[int, torch.Tensor | None]:
-            x = flat[i] if flat is not None else None
-            return (rows, None) if x is None else x
-
-        return _per_feature(self.layout[peer], one, (rows, None))
-
-
-def _per_feature(specs: Sequence[BlockSpec], of: Callable[[int], T], default: T) -> list[list[T]]:
-    """``of(i)`` for the i-th feature of ``specs`` in order, grouped per spec."""
-    out, i = [], 0
-    for s in specs:
-        out.append([of(i + f) for f in range(s.num_features)])
-        i += s.num_features
-    return out
-
-
-def cut_block(
-    x: torch.Tensor,
-    row0: int,
-    rows: int,
-    col0: int,
-    spec: BlockSpec,
-    feats: Sequence[tuple[int, torch.Tensor | None]] | None = None,
-) -> torch.Tensor:
-    """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors.
-
-    With ``feats``, feature ``f`` contributes only ``feats[f] = (r, select)`` rows: its first
-    ``r`` rows (select None: a lookup-deduplicated feature's distinct ids), or rows ``select``
-    (the first bag of each distinct bag of an exactly deduplicated feature).
-    """
-    c = col0 + spec.col_offset
-    if feats is not None and any(r != rows or sel is not None for r, sel in feats):
-        d = spec.dim
-        part = x[row0 : row0 + rows]
-        return torch.cat(
-            [
-                part[:r, c + f * d : c + (f + 1) * d]
-                if sel is None
-                else part[sel, c + f * d : c + (f + 1) * d]
-                for f, (r, sel) in enumerate(feats)
-            ]
-        )
-    part = x[row0 : row0 + rows, c : c + spec.width]
-    return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
-
-
-def join_blocks(
-    blocks: Sequence[torch.Tensor], specs: Sequence[BlockSpec], rows: int
-) -> list[torch.Tensor]:
-    """Inverse of :func:`cut_block` for one peer: ``[rows, width]`` pieces in column order."""
-    return [
-        b.view(s.num_features, rows, s.dim).transpose(0, 1).reshape(rows, s.width)
-        for b, s in zip(blocks, specs, strict=True)
-    ]
-
-
-def expand_block(
-    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
-) -> torch.Tensor:
-    """Receiver side of a lookup-deduplicated block: ``[rows, width]``, each deduplicated
-    feature's distinct rows gathered back by its inverse index (exact: a gather)."""
-    pieces = b.split([r for r, _ in feats])
-    out = [p if inv is None else p[inv] for p, (_, inv) in zip(pieces, feats, strict=True)]
-    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
-
-
-def reduce_grad_block(
-    g: torch.Tensor, col0: int, spec: BlockSpec, feats: Sequence[tuple[int, torch.Tensor | None]]
-) -> torch.Tensor:
-    """Backward of :func:`expand_block`: the gradient rows summed per distinct bag."""
-    pieces = []
-    for f, (r, inv) in enumerate(feats):
-        c = col0 + spec.col_offset + f * spec.dim
-        gf = g[:, c : c + spec.dim]
-        if inv is not None:  # from a contiguous copy: index_add_ of a column slice is ~3x slower
-            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf.contiguous())
-        pieces.append(gf)
-    return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
-
-
-def place_grad_block(
-    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
-) -> torch.Tensor:
-    """Owner side of a deduplicated gradient block (backward of :func:`cut_block` with
-    ``feats``): ``[rows, width]``. A feature's summed rows go to its first rows (select None:
-    the lookup dedupe's distinct ids, the empty bags past them zero) or to its selected bags
-    (the exact dedupe: every other copy of a distinct bag gets zero, so the lookup's backward
-    applies each distinct bag's summed gradient once, as TorchRec applies the sum of its
-    copies' gradients)."""
-    out = []
-    for p, (r, sel) in zip(b.split([r for r, _ in feats]), feats, strict=True):
-        if sel is not None:
-            out.append(p.new_zeros((rows, spec.dim)).index_copy_(0, sel, p))
-        else:
-            out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
-    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
 
 
 def padded_size(nbytes: int) -> int:
@@ -293,6 +88,8 @@ class PendingPayloads:
             device; the receiver decodes with them and reads nothing back.
         meta_splits: Words of ``meta`` per destination.
         record: The call's record (its number, step, exactness).
+        telemetry: The call's telemetry, filled by ``finish``.
+        stats: Where :meth:`read` writes it (outside an exchange).
     """
 
     device_sizes: torch.Tensor
@@ -301,16 +98,20 @@ class PendingPayloads:
     meta: torch.Tensor
     meta_splits: list[int]
     record: CallRecord
+    telemetry: ExchangeRecord
+    stats: LossyCommsStats
 
     def read(self) -> list[torch.Tensor]:
         """The payloads at once, without an exchange: reads ``readback`` (one host read, if
-        any) and calls ``finish``.
+        any), calls ``finish`` and writes the call's telemetry (as an exchange would).
 
         Returns:
             One payload per destination.
         """
         host = host_sync.to_host(self.readback).tolist() if self.readback.numel() else []
-        return self.finish(host)
+        payloads = self.finish(host)
+        self.telemetry.write(self.stats)
+        return payloads
 
 
 def meta_words(
@@ -557,6 +358,7 @@ def start_encode(
     device: torch.device,
     my_rank: int | None = None,
     record: CallRecord | None = None,
+    telemetry: ExchangeRecord | None = None,
 ) -> PendingPayloads:
     """Encodes every peer's blocks, up to the host read (none made here).
 
@@ -564,7 +366,8 @@ def start_encode(
     resolved there, on the device path on the device). The block a rank sends to itself
     (``my_rank``) does not go through the codec: its payload is empty (zero wire bytes), the
     receiver takes the blocks as they are (``self_blocks`` of ``pooled_decode.decode_call``),
-    and its bytes are counted apart (``LossyCommsStats.self_bytes``).
+    and its bytes are counted apart (``LossyCommsStats.self_bytes``). The call's telemetry goes
+    to ``telemetry`` (the exchange writes it); nothing is written to the stats here.
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -573,7 +376,11 @@ def start_encode(
         info: Layout, compress flags and comms state.
         device: Where the payloads and sizes live.
         my_rank: This rank (its own blocks skip the codec), or None to encode every peer.
-        record: The call's record; None: drawn from the module's ledger here.
+        record: The call's record (the exchange draws it from the module's ledger); None:
+            drawn here, as the exchange would (an encode outside an exchange: tests,
+            benchmarks).
+        telemetry: The exchange's record to fill; None: a new one, which
+            :meth:`PendingPayloads.read` writes (an encode outside an exchange).
 
     Returns:
         The pending payloads: read ``readback`` (with the exchange's received sizes) and call
@@ -581,16 +388,18 @@ def start_encode(
     """
     start = time.perf_counter()
     comms = info.comms
-    if record is None:
+    if record is None:  # a call outside an exchange (tests, benchmarks) draws as one would
         record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
         plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
     _check_blocks(plan, blocks_per_peer, specs_per_peer)
     n_peers = len(blocks_per_peer)
+    if telemetry is None:
+        telemetry = ExchangeRecord(direction)
     if my_rank is not None and my_rank < n_peers:
         own = blocks_per_peer[my_rank]
-        comms.stats.record_self(direction, sum(b.numel() * b.element_size() for b in own))
+        telemetry.self_bytes = sum(b.numel() * b.element_size() for b in own)
     with profile_range(f"## lossy_a2a {direction} encode ##"):
         pending = _start_codec(blocks_per_peer, info, plan, record, my_rank)
         raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
@@ -607,10 +416,12 @@ def start_encode(
         sample=_samples_errors(info, record, device),
         setup_s=time.perf_counter() - start,
         record=record,
+        telemetry=telemetry,
     )
     return PendingPayloads(
-        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits), record
-    )
+        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits), record,
+        telemetry, comms.stats,
+    )  # fmt: skip
 
 
 def _start_codec(
@@ -791,27 +602,6 @@ def _size_words(
 
 
 @dataclass
-class _BlockRecords:
-    """The telemetry of every block of one encode call, in order (``record_encode``'s lists).
-
-    Attributes:
-        tables: Table of each block.
-        raw_bytes: Uncompressed bytes of each block.
-        wire_bytes: Bytes sent for each block.
-        errors: Largest error of each block.
-        abs_bounds: Absolute bound of each block.
-        container: Codec payload bytes that belong to no block (headers).
-    """
-
-    tables: list[str] = field(default_factory=list)
-    raw_bytes: list[int] = field(default_factory=list)
-    wire_bytes: list[int] = field(default_factory=list)
-    errors: list[float] = field(default_factory=list)
-    abs_bounds: list[float | None] = field(default_factory=list)
-    container: int = 0
-
-
-@dataclass
 class _EncodeCall:
     """One :func:`start_encode` call's state, up to its ``finish`` (its arguments, plan,
     pending codec payloads and raw parts).
@@ -828,6 +618,7 @@ class _EncodeCall:
         sample: Whether the sender decodes its payloads for error samples.
         setup_s: Seconds spent before the host read.
         record: The call's record (the error sample's alerts name its number).
+        telemetry: The call's telemetry, filled by :meth:`finish`.
     """
 
     direction: Direction
@@ -841,9 +632,10 @@ class _EncodeCall:
     sample: bool
     setup_s: float
     record: CallRecord
+    telemetry: ExchangeRecord
 
     def finish(self, host: Sequence[int]) -> list[torch.Tensor]:
-        """Builds the payloads from the host read's values and records the call's telemetry.
+        """Builds the payloads from the host read's values and fills the call's telemetry.
 
         Args:
             host: The values of :class:`PendingPayloads` ``readback``.
@@ -852,11 +644,11 @@ class _EncodeCall:
             One uint8 payload per destination (raw blocks first, then the codec's).
         """
         start = time.perf_counter()
-        plan, stats = self.plan, self.info.comms.stats
+        plan = self.plan
         grouped = self.pending.finish(host)
         raw_blocks = [self.blocks_per_peer[p][i] for p, i, _ in plan.raw]
         raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
-        rec = _BlockRecords(  # every block of the call, raw blocks first
+        rec = BlockRecords(  # every block of the call, raw blocks first
             tables=[s.table for _, _, s in plan.raw],
             raw_bytes=raw_bytes,
             wire_bytes=[padded_size(n) for n in raw_bytes],
@@ -878,24 +670,17 @@ class _EncodeCall:
         n_peers = len(self.blocks_per_peer)
         out = [sent[p] if p in sent else _empty_payload(self.device) for p in range(n_peers)]
         same_host = sum(out[p].numel() for p in self.info.same_host if p < n_peers)
-        stats.record_links(self.direction, same_host, sum(t.numel() for t in out) - same_host)
-        # Telemetry of every block sent to a peer, in one record (its own time included); the
-        # codec works on all peers at once, so its time is shared out by raw bytes.
-        stats.record_encode(
-            self.direction,
-            rec.tables,
-            rec.raw_bytes,
-            rec.wire_bytes,
-            rec.errors,
-            rec.abs_bounds,
-            rec.container if plan.group_of else None,
-            self.setup_s + time.perf_counter() - start,
-        )
+        tele = self.telemetry
+        tele.links = (same_host, sum(t.numel() for t in out) - same_host)
+        # Every block sent to a peer, in one record; the codec works on all peers at once, so
+        # its time is shared out by raw bytes when the record is written.
+        tele.blocks = rec  # its container: None where the call made no codec payload
+        tele.encode_s = self.setup_s + time.perf_counter() - start
         return out
 
     def _record_group(
         self,
-        rec: _BlockRecords,
+        rec: BlockRecords,
         grouped: GroupedPayloads,
         g: int,
         tables: Sequence[str],
@@ -935,7 +720,7 @@ class _EncodeCall:
                 info.comms.stats, direction, payload, sampled, tables, self.record.call
             )
         # The payload header belongs to no block.
-        rec.container += grouped.sizes[g] - sum(cols.wire_bytes)
+        rec.container = (rec.container or 0) + grouped.sizes[g] - sum(cols.wire_bytes)
 
 
 def warm_up_host() -> None:
@@ -956,18 +741,3 @@ def _empty_payload(device: torch.device) -> torch.Tensor:
     if empty is None:
         empty = _EMPTY[device] = torch.empty(0, dtype=torch.uint8, device=device)
     return empty
-
-
-def peer_blocks(
-    x: torch.Tensor,
-    row_starts: Sequence[int],
-    rows: Sequence[int],
-    col_bases: Sequence[int],
-    specs_per_peer: Sequence[Sequence[BlockSpec]],
-) -> list[list[torch.Tensor]]:
-    """Cuts ``x`` into the blocks for each peer ``p``: its ``rows[p]`` rows from ``row_starts[p]``,
-    its table shards ``specs_per_peer[p]`` at column ``col_bases[p]``."""
-    return [
-        [cut_block(x, r0, n, c0, s) for s in specs]
-        for r0, n, c0, specs in zip(row_starts, rows, col_bases, specs_per_peer, strict=True)
-    ]

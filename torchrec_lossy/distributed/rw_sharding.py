@@ -35,7 +35,7 @@ from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
 from torchrec_lossy.distributed.output_dist import LossyPooledEmbeddingsAllToAll, pooled_layout
-from torchrec_lossy.distributed.pooled_payload import BlockSpec
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 from torchrec_lossy.distributed.torchrec_adapter import kjt_all_to_all, replace_kjt_all_to_all
 from torchrec_lossy.distributed.vbe import pad_vbe_input, pad_vbe_lengths, unpad_vbe_output

@@ -8,7 +8,9 @@ train pipelines look for it there), and the two-hop dists (``TwRwPooledEmbedding
 VBE hop: ``_variable_cross_dist``) in their first ``forward``. This module reads and replaces
 exactly those, checking before each write that TorchRec still holds what it replaces there, so a
 TorchRec upgrade fails here with a message naming the attribute instead of running TorchRec's
-own collective silently. ``tests/distributed/test_torchrec_adapter.py`` runs every check on the
+own collective silently. A sharded module's process group and FQN have no public accessor
+either: they are read here too (:func:`module_process_group`, :func:`module_fqn`), checked the
+same way. ``tests/distributed/test_torchrec_adapter.py`` runs every check on the
 installed TorchRec and scans the package for private writes outside this module.
 """
 
@@ -30,6 +32,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.sharding.grid_sharding import GridPooledEmbeddingDist
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
+from torchrec.distributed.types import ShardingEnv
 
 TwoHopDist = TwRwPooledEmbeddingDist | GridPooledEmbeddingDist
 
@@ -180,6 +183,38 @@ def cross_host_group(two_hop: TwoHopDist) -> tuple[Any, torch.device | None]:
     )
 
 
+def module_process_group(sharded: nn.Module) -> Any:
+    """The process group a sharded module (``ShardedEmbeddingBagCollection`` or
+    ``ShardedEmbeddingCollection``) was built with: its ``ShardingEnv``'s, which TorchRec keeps
+    as ``_env`` and offers no public accessor for.
+
+    Args:
+        sharded: The sharded module.
+
+    Returns:
+        Its process group (None where the env has none).
+
+    Raises:
+        TorchRecLayoutError: If TorchRec no longer keeps a ``ShardingEnv`` in ``_env``.
+    """
+    return expect_attribute(sharded, "_env", ShardingEnv).process_group
+
+
+def module_fqn(sharded: nn.Module) -> str | None:
+    """The fully qualified name the sharder gave a sharded module (TorchRec's ``_module_fqn``).
+
+    Args:
+        sharded: The sharded module.
+
+    Returns:
+        Its FQN, or None where the sharder was given none.
+
+    Raises:
+        TorchRecLayoutError: If TorchRec no longer keeps it in ``_module_fqn``.
+    """
+    return expect_attribute(sharded, "_module_fqn", (str, type(None)))
+
+
 __all__ = [
     "TorchRecLayoutError",
     "TwoHopDist",
@@ -189,5 +224,7 @@ __all__ = [
     "forget_search_space",
     "install_cross_host_dists",
     "kjt_all_to_all",
+    "module_fqn",
+    "module_process_group",
     "replace_kjt_all_to_all",
 ]

@@ -30,7 +30,7 @@ from torchrec_lossy.distributed.output_dist import (
     LossyVariableBatchAllToAll,
     pooled_layout,
 )
-from torchrec_lossy.distributed.pooled_payload import BlockSpec
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec
 from torchrec_lossy.distributed.sharding_base import LossyShardingMixin
 from torchrec_lossy.distributed.torchrec_adapter import (
     TwoHopDist,

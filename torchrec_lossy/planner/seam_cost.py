@@ -7,7 +7,7 @@ owner's gradient back in place, and joins the pieces; TorchRec's path only permu
 received tensor once per direction. That work runs over the whole batch (the own block too),
 whatever the format and the link, so ``comms.format: auto`` prices it as a fixed ms per step
 (:attr:`~torchrec_lossy.planner.speeds.Speeds.seam_ms`), not per wire byte: at start-up
-:func:`time_seam_step` times the seam's own functions (``pooled_payload``'s cut, expand,
+:func:`time_seam_step` times the seam's own functions (``pooled_blocks``' cut, expand,
 reduce and place) on one rank's Criteo-like step against TorchRec's permute copies.
 """
 
@@ -42,7 +42,7 @@ def _dedupe_state(table: EmbeddingTableConfig, rows: int, seed: int) -> tuple[_F
 
 def _specs(tables: Sequence[EmbeddingTableConfig]) -> list[Any]:
     """One single-feature block per table, side by side in the columns."""
-    from torchrec_lossy.distributed.pooled_payload import BlockSpec
+    from torchrec_lossy.distributed.pooled_blocks import BlockSpec
 
     cols = itertools.accumulate((t.embedding_dim for t in tables), initial=0)
     return [BlockSpec(t.name, c, 1, t.embedding_dim) for t, c in zip(tables, cols, strict=False)]
@@ -76,7 +76,7 @@ def time_seam_step(
     Returns:
         (seam ms, TorchRec ms) per step on this rank.
     """
-    from torchrec_lossy.distributed.pooled_payload import (
+    from torchrec_lossy.distributed.pooled_blocks import (
         cut_block,
         expand_block,
         join_blocks,

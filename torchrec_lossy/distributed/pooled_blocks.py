@@ -1,0 +1,244 @@
+"""The pooled all-to-all's blocks: their specs, the call's info, and the pure geometry that
+cuts a ``[B, D]`` tensor into one block per (peer, table shard) and joins them back.
+
+What :mod:`.comm_ops` does to the tensor before it enters :func:`.exchange.exchange` and after
+it leaves :func:`.exchange.receive`: no codec, no collective, no telemetry (the encoder and the
+decoder, :mod:`.pooled_payload` and :mod:`.pooled_decode`, take only the specs and the info).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.dedupe import OutputDedupe
+
+if typing.TYPE_CHECKING:
+    from torchrec_lossy.distributed.pooled_payload import LayoutPlans
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One table shard's columns in a rank's local pooled-embedding output.
+
+    Attributes:
+        table: Table name (bounds, compress flag and telemetry are per table).
+        col_offset: First column of the shard in the rank's ``[B, D_local_sum]`` output.
+        num_features: Features pooled from this table shard (consecutive column groups).
+        dim: Columns per feature (the shard's ``local_cols``).
+    """
+
+    table: str
+    col_offset: int
+    num_features: int
+    dim: int
+
+    @property
+    def width(self) -> int:
+        """Columns the shard occupies: ``num_features * dim``."""
+        return self.num_features * self.dim
+
+
+@dataclass
+class LossyAll2AllPooledInfo:
+    """Per-call parameters of :func:`alltoall_pooled_lossy` (cf. TorchRec's All2AllPooledInfo).
+
+    Attributes:
+        batch_size_per_rank: Batch size of every rank of the group.
+        layout: Per rank of the group, its table shards in output column order.
+        comms: Shared config, bound provider, telemetry and hooks.
+        compress: Table name to whether its blocks go through the codec (else raw).
+        dtype: Dtype of the pooled embeddings (:func:`alltoall_pooled_lossy` takes its input's:
+            the info itself is never modified).
+        output_dedupe: Cross-side dedupe state of the input dist that fed this call (rows of
+            deduplicated features travel once per distinct bag), or None.
+        exact_forward: The forward travels lossless (bound 0 for every table; the bound
+            provider neither asked nor shown the blocks): an exact evaluation.
+        same_host: Group indices of the peers on this rank's host (wire bytes are counted by
+            link: ``LossyCommsStats.link_bytes``).
+        raw_peers: Peers whose blocks skip the codec in both directions (same-host peers
+            under ``LossyCommsConfig.intra_host``); symmetric, so sender and receiver agree.
+        plans: The encode plans of the dist's layout, built once when the dist was built
+            (:func:`layout_plans`); None: each encode plans its call itself (tests, benchmarks).
+    """
+
+    batch_size_per_rank: list[int]
+    layout: Sequence[Sequence[BlockSpec]]
+    comms: LossyComms
+    compress: dict[str, bool]
+    dtype: torch.dtype = torch.float32
+    output_dedupe: OutputDedupe | None = None
+    exact_forward: bool = False
+    same_host: frozenset[int] = frozenset()
+    raw_peers: frozenset[int] = frozenset()
+    plans: LayoutPlans | None = None
+    dim_sum_per_rank: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
+
+    @property
+    def sum_grads(self) -> bool:
+        """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
+        return self.output_dedupe is not None and self.output_dedupe.sum_grads
+
+    @property
+    def dedupe_grads(self) -> bool:
+        """Whether gradients travel one row per distinct bag: always under the lookup dedupe
+        (its owner looked up one bag per distinct id), and under the exact output dedupe with
+        ``LossyCommsConfig.backward_dedupe`` (the adjoint of sending one row per distinct bag:
+        summed on the receiver of the forward, placed at the selected bag by the owner)."""
+        dd = self.output_dedupe
+        return dd is not None and (dd.sum_grads or self.comms.config.backward_dedupe)
+
+    def owner_rows(self, my_rank: int, peer: int) -> list[list[int]]:
+        """Per local table shard, per feature: rows this rank (the owner) exchanges with
+        ``peer`` (its batch size, or the distinct bags of a deduplicated feature)."""
+        return [[r for r, _ in f] for f in self.owner_feats(my_rank, peer)]
+
+    def owner_feats(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per local table shard, per feature: (rows sent to ``peer``, the bags they come from:
+        None for the first rows (all of them, or a lookup-deduplicated feature's distinct ids))."""
+        rows = self.batch_size_per_rank[peer]
+        dd = self.output_dedupe
+        flat = dd.recv_rows[peer] if dd is not None else None
+        if dd is not None and not dd.sum_grads and dd.select is None:
+            raise RuntimeError(
+                "lossy output dist: the exact output dedupe has no bag selection; the input "
+                "dist's KJT must be decoded (its tensors awaitable waited on) before the lookup"
+            )
+        sel = dd.select[peer] if dd is not None and dd.select is not None else None
+
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
+            x = flat[i] if flat is not None else None
+            if x is None:
+                return rows, None
+            return x, sel[i] if sel is not None else None
+
+        return _per_feature(self.layout[my_rank], one, (rows, None))
+
+    def sender_rows(self, my_rank: int, peer: int) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """Per table shard of ``peer``, per feature: (rows exchanged, inverse index or None),
+        from the side of this rank, which sent ``peer`` the ids."""
+        rows = self.batch_size_per_rank[my_rank]
+        dd = self.output_dedupe
+        flat = dd.send[peer] if dd is not None else None
+
+        def one(i: int) -> tuple[int, torch.Tensor | None]:
+            x = flat[i] if flat is not None else None
+            return (rows, None) if x is None else x
+
+        return _per_feature(self.layout[peer], one, (rows, None))
+
+
+def _per_feature(specs: Sequence[BlockSpec], of: Callable[[int], T], default: T) -> list[list[T]]:
+    """``of(i)`` for the i-th feature of ``specs`` in order, grouped per spec."""
+    out, i = [], 0
+    for s in specs:
+        out.append([of(i + f) for f in range(s.num_features)])
+        i += s.num_features
+    return out
+
+
+def cut_block(
+    x: torch.Tensor,
+    row0: int,
+    rows: int,
+    col0: int,
+    spec: BlockSpec,
+    feats: Sequence[tuple[int, torch.Tensor | None]] | None = None,
+) -> torch.Tensor:
+    """The block of one table shard: its ``F`` column groups stacked as ``F * rows`` vectors.
+
+    With ``feats``, feature ``f`` contributes only ``feats[f] = (r, select)`` rows: its first
+    ``r`` rows (select None: a lookup-deduplicated feature's distinct ids), or rows ``select``
+    (the first bag of each distinct bag of an exactly deduplicated feature).
+    """
+    c = col0 + spec.col_offset
+    if feats is not None and any(r != rows or sel is not None for r, sel in feats):
+        d = spec.dim
+        part = x[row0 : row0 + rows]
+        return torch.cat(
+            [
+                part[:r, c + f * d : c + (f + 1) * d]
+                if sel is None
+                else part[sel, c + f * d : c + (f + 1) * d]
+                for f, (r, sel) in enumerate(feats)
+            ]
+        )
+    part = x[row0 : row0 + rows, c : c + spec.width]
+    return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
+
+
+def join_blocks(
+    blocks: Sequence[torch.Tensor], specs: Sequence[BlockSpec], rows: int
+) -> list[torch.Tensor]:
+    """Inverse of :func:`cut_block` for one peer: ``[rows, width]`` pieces in column order."""
+    return [
+        b.view(s.num_features, rows, s.dim).transpose(0, 1).reshape(rows, s.width)
+        for b, s in zip(blocks, specs, strict=True)
+    ]
+
+
+def expand_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Receiver side of a lookup-deduplicated block: ``[rows, width]``, each deduplicated
+    feature's distinct rows gathered back by its inverse index (exact: a gather)."""
+    pieces = b.split([r for r, _ in feats])
+    out = [p if inv is None else p[inv] for p, (_, inv) in zip(pieces, feats, strict=True)]
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+def reduce_grad_block(
+    g: torch.Tensor, col0: int, spec: BlockSpec, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Backward of :func:`expand_block`: the gradient rows summed per distinct bag."""
+    pieces = []
+    for f, (r, inv) in enumerate(feats):
+        c = col0 + spec.col_offset + f * spec.dim
+        gf = g[:, c : c + spec.dim]
+        if inv is not None:  # from a contiguous copy: index_add_ of a column slice is ~3x slower
+            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf.contiguous())
+        pieces.append(gf)
+    return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
+
+
+def place_grad_block(
+    b: torch.Tensor, spec: BlockSpec, rows: int, feats: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Owner side of a deduplicated gradient block (backward of :func:`cut_block` with
+    ``feats``): ``[rows, width]``. A feature's summed rows go to its first rows (select None:
+    the lookup dedupe's distinct ids, the empty bags past them zero) or to its selected bags
+    (the exact dedupe: every other copy of a distinct bag gets zero, so the lookup's backward
+    applies each distinct bag's summed gradient once, as TorchRec applies the sum of its
+    copies' gradients)."""
+    out = []
+    for p, (r, sel) in zip(b.split([r for r, _ in feats]), feats, strict=True):
+        if sel is not None:
+            out.append(p.new_zeros((rows, spec.dim)).index_copy_(0, sel, p))
+        else:
+            out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
+    return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+def peer_blocks(
+    x: torch.Tensor,
+    row_starts: Sequence[int],
+    rows: Sequence[int],
+    col_bases: Sequence[int],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+) -> list[list[torch.Tensor]]:
+    """Cuts ``x`` into the blocks for each peer ``p``: its ``rows[p]`` rows from ``row_starts[p]``,
+    its table shards ``specs_per_peer[p]`` at column ``col_bases[p]``."""
+    return [
+        [cut_block(x, r0, n, c0, s) for s in specs]
+        for r0, n, c0, specs in zip(row_starts, rows, col_bases, specs_per_peer, strict=True)
+    ]
