@@ -19,8 +19,8 @@ bounds):
   ``decompress_groups`` in every ``--formats`` (``CodecConfig.format``), their payloads checked
   against the compiled host path's bytes, the decode of both formats timed under
   ``torch.cuda.set_sync_debug_mode("error")`` (it reads nothing back given the skeletons; the
-  packed format's decode is its own kernels, docs/kernels.md; the entropy compress makes its
-  one read, the sizes; the packed compress still runs through the host path), beside a plain
+  packed format's decode is its own kernels, docs/kernels.md; each format's compress makes its
+  one read, the sizes: the packed one on the device since issue 31's first step), beside a plain
   copy, a BF16 cast and fbgemm's Triton MX4 kernel when it imports.
 
 Throughput is GB/s of raw fp32 input (the whole batch) per second of the stage. It prints a table

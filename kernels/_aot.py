@@ -31,6 +31,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("common", "scan_partials_kernel", "*{t} i32", {"OP": "ops", "BLOCK": 1024}, {"num_warps": 4}),
     ("common", "scan_apply_kernel", "*{t} *{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
     ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *i64", {"BLOCK": 4096}, NO_FMA),
+    ("quantize", "median_kernel", "*fp32 *fp64 *i64 *i64 *i64 *i32", {"BLOCK": 1024}, {}),
     ("quantize", "decode_output_kernel",
      "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32 i32",
      {"BLOCK": 1024, "PACKED": (True, False)}, {"num_warps": 4, "enable_fp_fusion": False}),

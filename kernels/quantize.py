@@ -222,6 +222,92 @@ def quantize_tiles(
     return symbols, hist, errors
 
 
+@triton.jit
+def _order_key(v):
+    """float32 -> uint32 keys in the values' order (negative values' bits inverted, positive
+    ones' sign bit set; -0.0 sorts just before +0.0, which compare equal as floats)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _select_key(x_ptr, start, end, rank, BLOCK: tl.constexpr):
+    """The key (``_order_key``) of the ``rank``-th smallest finite value of ``x[start:end]``:
+    a radix select, four passes of an 8-bit digit histogram over the values whose key agrees
+    with the digits chosen so far (no sort)."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.uint32)
+    known = tl.zeros((), tl.uint32)  # mask of the digits chosen
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p  # a constant per unrolled pass
+        hist = tl.zeros((256,), tl.int32)
+        for t0 in range(start, end, BLOCK):
+            offs = t0 + tl.arange(0, BLOCK)
+            inside = offs < end
+            v = tl.load(x_ptr + offs, mask=inside, other=0.0)
+            key = _order_key(v)
+            # A finite value's exponent field is not all ones.
+            finite = (v.to(tl.uint32, bitcast=True) & 0x7F800000) != 0x7F800000
+            match = inside & finite & ((key & known) == prefix)
+            digit = ((key >> shift) & 0xFF).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=match)
+        below = tl.cumsum(hist, 0)
+        d = tl.sum((below <= rank).to(tl.int32), axis=0)  # the bin holding rank
+        rank -= tl.sum(tl.where(bins < d, hist, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+        known = known | (tl.full((), 0xFF, tl.uint32) << shift)
+    return prefix
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 value (as float64) of an ``_order_key`` key."""
+    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def _median_kernel(x_ptr, out_ptr, start_ptr, end_ptr, n_ptr, need_ptr, BLOCK: tl.constexpr):
+    # One program per block; only a block that centers on its median (need != 0, some finite
+    # value) reads its values: eight passes of a radix select, the lower and upper middles.
+    b = tl.program_id(0).to(tl.int64)
+    med = tl.zeros((), tl.float64)
+    n = tl.load(n_ptr + b)
+    if (tl.load(need_ptr + b) != 0) & (n > 0):
+        start = tl.load(start_ptr + b)
+        end = tl.load(end_ptr + b)
+        lower = _key_value(_select_key(x_ptr, start, end, ((n - 1) // 2).to(tl.int32), BLOCK))
+        upper = _key_value(_select_key(x_ptr, start, end, (n // 2).to(tl.int32), BLOCK))
+        med = (lower + upper) / 2
+    tl.store(out_ptr + b, med)
+
+
+def block_medians(
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, n_finite: torch.Tensor,
+    need: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Each block's median of its finite values, float64 (``np.median``: the middle one, or the
+    mean of the middle two), where ``need``; 0.0 elsewhere. One launch, no sort.
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks] first element of each block.
+        numel: int64 [n_blocks] elements of each block.
+        n_finite: int64 [n_blocks] finite elements of each block.
+        need: bool [n_blocks] the blocks whose median is used (``quantize.uses_median``).
+
+    Returns:
+        float64 [n_blocks] medians (a -0.0 / +0.0 tie may give either zero: equal values).
+    """
+    nb = elem_off.shape[0]
+    out = torch.empty(nb, dtype=torch.float64, device=x.device)
+    if nb:
+        _median_kernel[(nb,)](
+            x, out, elem_off, elem_off + numel, n_finite, need.to(torch.int32), BLOCK=1024
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Decode side, batched (device decompress): every block's output elements in one launch.
 
@@ -397,5 +483,6 @@ def _decode(
 # callers launch them through the functions above.
 JIT_KERNELS = {
     "decode_output_kernel": _decode_output_kernel,
+    "median_kernel": _median_kernel,
     "quantize_kernel": _quantize_kernel,
 }

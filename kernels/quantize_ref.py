@@ -10,6 +10,8 @@ Python iteration per block (or tile), never per element.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchrec_lossy.codec import decode_columns as dc
@@ -189,6 +191,24 @@ def quantize_tiles(
     tile_err = [err[lo:hi].max() if hi > lo else err.new_zeros(()) for lo, hi, _ in tile_list]
     errors = torch.stack(tile_err) if tile_err else err.new_zeros(0)
     return symbols, hist, errors
+
+
+def block_medians(
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, n_finite: torch.Tensor,
+    need: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Twin of ``quantize.block_medians`` (two stable sorts of every element: the oracle)."""
+    nb, n_el = elem_off.shape[0], x.shape[0]
+    if not n_el:
+        return torch.zeros(nb, dtype=torch.float64, device=x.device)
+    blk = torch.repeat_interleave(torch.arange(nb, device=x.device), numel, output_size=n_el)
+    keyed = torch.where(torch.isfinite(x), x, math.inf)
+    order = torch.argsort(keyed, stable=True)
+    order = order[torch.argsort(blk[order], stable=True)]
+    ordered = keyed[order].double()
+    upper = (elem_off + n_finite // 2).clamp(max=n_el - 1)
+    lower = (elem_off + (n_finite - 1) // 2).clamp(min=0, max=n_el - 1)
+    return torch.where(need & (n_finite > 0), (ordered[lower] + ordered[upper]) / 2, 0.0)
 
 
 def _half_bits(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -31,12 +31,17 @@ from helpers import (
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
 from torchrec_lossy.config import CodecConfig
-from torchrec_lossy.kernels import codebook
+from torchrec_lossy.kernels import codebook, quantize_ref
+from torchrec_lossy.kernels import quantize as quantize_kernels
 
 pytestmark = INTERPRETER_WARNINGS
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_KINDS = ["zero", "tiny", "rel0.01", "rel0.05", "huge"]
+
+
+# Both wire formats: the packed one has its own coding stages (device_packed_compress).
+FORMATS = ["entropy", "packed"]
 
 
 def _blocks(kind: str, bound_kind: str) -> tuple[list[torch.Tensor], list[float]]:
@@ -128,9 +133,10 @@ def test_code_lengths_of_no_histogram() -> None:
         ("repeat", "huge"),
     ],
 )
-def test_payload_byte_identical(kind: str, bound_kind: str) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_payload_byte_identical(kind: str, bound_kind: str, fmt: str) -> None:
     blocks, bounds = _blocks(kind, bound_kind)
-    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64, format=fmt))
 
 
 @pytest.mark.parametrize(
@@ -179,7 +185,8 @@ def test_payload_byte_identical_all_bounds(kind: str, bound_kind: str) -> None:
     _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
 
 
-def test_every_mode_and_config() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_mode_and_config(fmt: str) -> None:
     """One payload mixing every mode; the same blocks without LZ, without quantization, and with
     a chunk size that is not a power of two."""
     blocks = [
@@ -191,16 +198,18 @@ def test_every_mode_and_config() -> None:
         torch.zeros(3, 0),  # zero-width
     ]
     bounds = [bound_for(blocks[0], "rel0.05"), bound_for(blocks[1], "rel0.01"), 0.0, 0.0, 0.1, 0.1]
-    stats = _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    stats = _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64, format=fmt))
     assert [s.mode for s in stats[:4]] == ["quant+lz", "quant", "lz", "raw"]
     for config in (
-        CodecConfig(huffman_chunk_symbols=96, enable_lz=False),
-        CodecConfig(huffman_chunk_symbols=64, enable_quantization=False),
+        CodecConfig(huffman_chunk_symbols=96, enable_lz=False, format=fmt),
+        CodecConfig(huffman_chunk_symbols=64, enable_quantization=False, format=fmt),
+        CodecConfig(huffman_chunk_symbols=64, rounding="stochastic", seed=5, format=fmt),
     ):
         _check(blocks, bounds, config)
 
 
-def test_quantization_parameters_edge_cases() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantization_parameters_edge_cases(fmt: str) -> None:
     """The median rule (an outlier stretches the range), blocks without a finite value, a step
     too small for float32 and a center too far from 0."""
     gen = torch.Generator().manual_seed(0)
@@ -213,10 +222,42 @@ def test_quantization_parameters_edge_cases() -> None:
     far = torch.full((4, 4), 3e4) + torch.randn(4, 4, generator=gen)
     blocks = [outlier, even, nonfinite, far, torch.randn(4, 4, generator=gen)]
     bounds = [1e-3, 1e-3, 0.5, 1e-4, 1e-45]
-    _check(blocks, bounds, CodecConfig(huffman_chunk_symbols=64))
+    config = CodecConfig(huffman_chunk_symbols=64, format=fmt)
+    _check(blocks, bounds, config)
     specials = torch.tensor(SPECIALS * 3).reshape(-1, 3)
     for dtype in DTYPES:
-        _check([specials.to(dtype)], [1e-2], CodecConfig(huffman_chunk_symbols=64))
+        _check([specials.to(dtype)], [1e-2], config)
+
+
+def test_block_medians_select_without_sorting() -> None:
+    """The radix-select median (``quantize.block_medians``) equals ``np.median`` of each block's
+    finite values and its sorting twin: odd and even counts, negative values, ties, zeros of
+    both signs, NaN / Inf, subnormals, one finite value, none, and blocks not asked for."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = [
+        torch.randn(37, generator=gen),
+        torch.randn(64, generator=gen) * 1e6,
+        torch.tensor([3.0, -1.0, 3.0, 3.0, -1.0, 2.0]),
+        torch.tensor([-0.0, 0.0, -0.0, 0.0, 5.0, -5.0]),
+        torch.tensor([float("nan"), 1.0, float("inf"), -2.0, float("-inf")]),
+        torch.tensor([1e-40, -1e-42, 3e38, -3e38, 1e-45]),
+        torch.tensor([float("nan"), 7.5]),
+        torch.tensor([float("nan"), float("inf")]),
+        torch.randn(2500, generator=gen),  # more than one tile
+        torch.randn(9, generator=gen),  # not asked for: 0.0
+    ]
+    x = torch.cat(blocks)
+    numel = torch.tensor([b.numel() for b in blocks])
+    elem_off = torch.cumsum(numel, 0) - numel
+    n_fin = torch.tensor([int(torch.isfinite(b).sum()) for b in blocks])
+    need = torch.ones(len(blocks), dtype=torch.bool)
+    need[-1] = False
+    got = quantize_kernels.block_medians(x, elem_off, numel, n_fin, need)
+    twin = quantize_ref.block_medians(x, elem_off, numel, n_fin, need)
+    for i, b in enumerate(blocks):
+        fin = b[torch.isfinite(b)].double().numpy()
+        want = float(np.median(fin)) if fin.size and need[i] else 0.0
+        assert float(got[i]) == want and float(twin[i]) == want, (i, float(got[i]), want)
 
 
 def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecConfig]:
@@ -244,8 +285,10 @@ def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecCo
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_payloads(seed: int) -> None:
-    _check(*_random_payload(seed))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_payloads(seed: int, fmt: str) -> None:
+    blocks, bounds, config = _random_payload(seed)
+    _check(blocks, bounds, dataclasses.replace(config, format=fmt))
 
 
 @pytest.mark.slow
@@ -254,8 +297,9 @@ def test_random_payloads_more(seed: int) -> None:
     _check(*_random_payload(seed))
 
 
-def test_no_blocks() -> None:
-    _check([], [], CodecConfig())
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_blocks(fmt: str) -> None:
+    _check([], [], CodecConfig(format=fmt))
 
 
 def test_pipeline_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,13 +353,14 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exactly_one_host_transfer(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """One compress reads one tensor back: the ``host_sync.to_host`` call (one
     ``.cpu()`` copy, then ``.numpy()`` of that host copy), and nothing else of ours reads a
     tensor's value (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``, ...)."""
     blocks, bounds = _blocks("repeat", "rel0.05")
     blocks = [b.to(DEVICE) for b in blocks]
-    config = CodecConfig(huffman_chunk_symbols=64)
+    config = CodecConfig(huffman_chunk_symbols=64, format=fmt)
     device_compress.compress_device(blocks, bounds, config)  # compile / warm up
     before = host_sync.host_reads("compress")
     seen = _count_reads(monkeypatch)

@@ -17,7 +17,12 @@ import torch
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 
 CODEC = Path(__file__).resolve().parents[1] / "torchrec_lossy" / "codec"
-ORCHESTRATION = ("device_compress.py", "device_decompress.py", "device_packed_decode.py")
+ORCHESTRATION = (
+    "device_compress.py",
+    "device_decompress.py",
+    "device_packed_compress.py",
+    "device_packed_decode.py",
+)
 
 
 def _launcher_calls() -> dict[str, set[str]]:

@@ -21,14 +21,14 @@ from torchrec_lossy.distributed import (
     StaticBounds,
     error_sample,
 )
-from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, cut_block, join_blocks
-from torchrec_lossy.distributed.pooled_decode import decode_payloads
-from torchrec_lossy.distributed.pooled_payload import (
-    abs_bounds,
+from torchrec_lossy.distributed.pooled_blocks import (
+    LossyAll2AllPooledInfo,
+    cut_block,
+    join_blocks,
     layout_plans,
-    start_encode,
-    warm_up_host,
 )
+from torchrec_lossy.distributed.pooled_decode import decode_payloads
+from torchrec_lossy.distributed.pooled_payload import abs_bounds, start_encode, warm_up_host
 from torchrec_lossy.distributed.sharder import check_bound_provider
 from torchrec_lossy.distributed.stats import CONTAINER, ErrorSample
 

@@ -347,25 +347,10 @@ def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -
     return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
 
 
-def _median(flat: _Flat, finite: torch.Tensor, t: _Columns) -> torch.Tensor:
-    """Every block's median of its finite values, float64 (np.median: the middle one, or the
-    mean of the middle two; garbage for a block without any)."""
-    n_el = flat.x.shape[0]
-    if not n_el:
-        return torch.zeros(t.rows.shape[0], dtype=torch.float64, device=flat.x.device)
-    keyed = torch.where(finite, flat.x, math.inf)
-    order = torch.argsort(keyed, stable=True)
-    order = order[torch.argsort(flat.e_blk[order], stable=True)]
-    ordered = keyed[order].double()
-    n_fin = _per_block(finite.double(), "sum", t.rows * t.dim, 0.0).to(torch.int64)  # < 2**53
-    upper = (t.elem_off + n_fin // 2).clamp(max=n_el - 1)
-    lower = (t.elem_off + (n_fin - 1) // 2).clamp(min=0, max=n_el - 1)
-    return (ordered[lower] + ordered[upper]) / 2
-
-
-def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
+def _grid(k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
     """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
-    ``block_grid``) from its finite min / max and median; center int64."""
+    ``block_grid``) from its finite min / max and, where the rule centers on it, its median
+    (``quantize.block_medians``: a radix select, no sort); center int64."""
     finite = torch.isfinite(flat.x)
     numel = t.rows * t.dim
     lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
@@ -376,7 +361,11 @@ def _grid(ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
     rel = t.kind == int(BoundKind.RELATIVE)
     ilo, ihi = torch.where(rel, ilo, lo), torch.where(rel, ihi, hi)
     b = quantize.block_bound(t.kind, bound, ilo, ihi, numel, ht.stochastic, ht.quantization)
-    g = quantize.block_grid(b, lo, hi, _median(flat, finite, t))
+    n_fin = _per_block(finite.double(), "sum", numel, 0.0).to(torch.int64)  # < 2**53
+    need = quantize.uses_median(b, lo, hi)
+    g = quantize.block_grid(
+        b, lo, hi, k.quantize.block_medians(flat.x, t.elem_off, numel, n_fin, need)
+    )
     # The quantize launch ran where the rule before the data allowed (a superset of ok).
     return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
 
@@ -603,23 +592,32 @@ class _WordBuffer:
         self.put(at + torch.where(wide, k, k // 2), value, valid)
 
 
+def _put_descriptors(
+    out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections,
+    packed_bit: int = 0,
+) -> None:  # fmt: skip
+    """Every block's descriptor (``packed_bit``: added to the quantized blocks' mode byte)."""
+    mode = descriptor_mode(s.mode, rec.column(ec.VALUE))
+    desc = {
+        "rows": t.rows,
+        "dim": t.dim,
+        "dtype": rec.column(ec.DTYPE),
+        "mode": torch.where(s.is_q, mode | packed_bit, mode),
+        "seg_words": sec.seg_words,
+        "bound": rec.column(ec.BOUND_BITS),
+    }
+    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
+    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(s.is_q))
+
+
 def _put_headers(
     out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections, chunk: int
 ) -> None:
     """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
     references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first);
     the grid from the launchers' record."""
+    _put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
-    desc = {
-        "rows": t.rows,
-        "dim": t.dim,
-        "dtype": rec.column(ec.DTYPE),
-        "mode": descriptor_mode(s.mode, rec.column(ec.VALUE)),
-        "seg_words": sec.seg_words,
-        "bound": rec.column(ec.BOUND_BITS),
-    }
-    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
-    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(is_q))
     head = segment_header_words(
         (
             torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
@@ -713,14 +711,16 @@ def _put_rows(
 
 
 def _close(
-    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int],
+    flags: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
     layout depends on, for the receiver)."""
     dev = out.buf.device
     header = {
         "magic": MAGIC,
         "version": VERSION,
+        "flags": flags,
         "n_blocks": t.group_blocks,
         "body_words": sec.body_words,
         "checksum": segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words),
@@ -791,13 +791,17 @@ def start_groups_device(
         The pending compress: read its ``readback`` (alone or with other tensors, in one copy)
         and pass the values to ``finish``.
     """
+    if config.format == "packed":  # its own coding stages (codec/device_packed_compress.py)
+        from torchrec_lossy.codec.device_packed_compress import start_packed_groups
+
+        return start_packed_groups(blocks, bounds, kinds, group_sizes, config, kernels)
     k, group_sizes = kernels, list(group_sizes)  # k: as the stage functions name it
     with profile_range("## lossy_codec encode ##"):
         ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
         dev = blocks[0].device if blocks else torch.device("cpu")
         t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
         flat = _flatten(blocks, ht, t)
-        grid = _grid(ht, t, flat)
+        grid = _grid(k, ht, t, flat)
         # The launchers' record: the host laid out every field but the grid's.
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound

@@ -220,8 +220,7 @@ def start_compress_blocks(
     """
     device = blocks[0].device if blocks else torch.device("cpu")
     sizes = list(group_sizes)
-    # The packed format has no device kernels yet: it runs the host path (staged).
-    if on_device(device, config.backend) and config.format != "packed":
+    if on_device(device, config.backend):
         from torchrec_lossy.codec.device_compress import start_groups_device
 
         kernels = backend_kernels(device, config.backend)

@@ -193,7 +193,7 @@ def compress_with_stats(
     if BoundKind.RELATIVE in kinds:
         bounds = absolute_bounds(blocks, bounds, kinds)
         kinds = [BoundKind.ABSOLUTE if k == BoundKind.RELATIVE else k for k in kinds]
-    if on_device(device, config.backend) and config.format != "packed":
+    if on_device(device, config.backend):
         # Raises if triton is missing; picks the interpreter on CPU (not for the torch twins).
         kernels = backend_kernels(device, config.backend)
         from torchrec_lossy.codec.device_compress import compress_device

@@ -28,9 +28,13 @@ from torchrec.distributed.comm_ops import Request
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallRecord, read_checked
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
-from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.pooled_blocks import (
+    BlockSpec,
+    LossyAll2AllPooledInfo,
+    size_entry_words,
+)
 from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call
-from torchrec_lossy.distributed.pooled_payload import PendingPayloads, meta_words, start_encode
+from torchrec_lossy.distributed.pooled_payload import PendingPayloads, start_encode
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -266,7 +270,7 @@ class LossyWire:
         )
         myreq.self_blocks = blocks[my_rank]
         meta_splits = [
-            meta_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
+            size_entry_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
         ]
         return _size_then_payloads(direction, pending, meta_splits, myreq, info)
 
@@ -318,7 +322,7 @@ def _size_then_payloads(
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         pending: From ``start_encode``.
-        recv_meta_splits: Words expected from each peer (``meta_words``).
+        recv_meta_splits: Words expected from each peer (``size_entry_words``).
         myreq: The request (its group; receives the sizes and skeletons).
         info: Comms state (its ledger's unread decode statuses are read here).
 

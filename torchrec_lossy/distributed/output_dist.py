@@ -25,8 +25,8 @@ from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.dedupe import OutputDedupe
-from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
-from torchrec_lossy.distributed.pooled_payload import layout_plans, warm_up_host
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo, layout_plans
+from torchrec_lossy.distributed.pooled_payload import warm_up_host
 from torchrec_lossy.distributed.topology import peer_links
 from torchrec_lossy.distributed.vbe import pad_vbe_input, unpad_vbe_output, vbe_rows_per_rank
 

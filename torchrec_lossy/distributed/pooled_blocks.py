@@ -1,5 +1,6 @@
-"""The pooled all-to-all's blocks: their specs, the call's info, and the pure geometry that
-cuts a ``[B, D]`` tensor into one block per (peer, table shard) and joins them back.
+"""The pooled all-to-all's blocks: their specs, the call's info, the pure geometry that cuts a
+``[B, D]`` tensor into one block per (peer, table shard) and joins them back, and what a dist's
+layout fixes for the encoder, built once with the dist (:class:`LayoutPlans`).
 
 What :mod:`.comm_ops` does to the tensor before it enters :func:`.exchange.exchange` and after
 it leaves :func:`.exchange.receive`: no codec, no collective, no telemetry (the encoder and the
@@ -8,18 +9,15 @@ decoder, :mod:`.pooled_payload` and :mod:`.pooled_decode`, take only the specs a
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
+from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
-
-if typing.TYPE_CHECKING:
-    from torchrec_lossy.distributed.pooled_payload import LayoutPlans
 
 T = TypeVar("T")
 
@@ -242,3 +240,173 @@ def peer_blocks(
         [cut_block(x, r0, n, c0, s) for s in specs]
         for r0, n, c0, specs in zip(row_starts, rows, col_bases, specs_per_peer, strict=True)
     ]
+
+
+def size_entry_words(
+    specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, peer: int, my_rank: int
+) -> int:
+    """Words of one peer's entry in the size exchange: its size, then its codec skeleton.
+
+    Args:
+        specs: The specs of the blocks the payload carries.
+        info: Compress flags and raw peers.
+        peer: The peer the entry is exchanged with.
+        my_rank: This rank (its own blocks skip the codec: size only).
+
+    Returns:
+        Word count.
+    """
+    if peer == my_rank or peer in info.raw_peers:
+        return entry_words(0)
+    return entry_words(sum(1 for s in specs if info.compress[s.table]))
+
+
+def entry_words(n_coded: int) -> int:
+    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks.
+
+    Args:
+        n_coded: Codec blocks of the payload.
+
+    Returns:
+        Word count: its size, then its codec skeleton.
+    """
+    return 1 + (skeleton_words(n_coded) if n_coded else 0)
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """What :func:`start_encode` derives from the layout alone (specs, compress flags, sending
+    rank): built once per dist, not per call (:class:`LayoutPlans`).
+
+    Attributes:
+        peers: The destinations that get a payload built (every one but the sending rank).
+        coded: Per destination of ``peers``, the indices of its codec blocks (its codec group).
+        raw: (destination, block index, spec) of every raw block, in order.
+        tables: The codec blocks' tables, group after group (the codec's flat input order).
+        distinct: Those tables once each (the forward asks the bound provider once per table).
+        table_at: Index in ``distinct`` of each codec block's table.
+        group_of: Destination to its codec group, for destinations with codec blocks.
+        meta_splits: Words of the size exchange per destination (:func:`size_entry_words`).
+    """
+
+    peers: tuple[int, ...]
+    coded: tuple[tuple[int, ...], ...]
+    raw: tuple[tuple[int, int, BlockSpec], ...]
+    tables: tuple[str, ...]
+    distinct: tuple[str, ...]
+    table_at: tuple[int, ...]
+    group_of: dict[int, int]
+    meta_splits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayoutPlans:
+    """The encode plans a dist's layout fixes, built once when the dist is built
+    (:func:`layout_plans`) and handed to each call in its info: no plan is built per call and
+    none is cached in module state.
+
+    Attributes:
+        layout: Per rank, its table shards (the dist's layout).
+        my_rank: The sending rank.
+        send_own: Sending this rank's shards to every peer (the forward).
+        send_back: Sending every peer the blocks of its own shards (the gradient).
+    """
+
+    layout: tuple[tuple[BlockSpec, ...], ...]
+    my_rank: int
+    send_own: EncodePlan
+    send_back: EncodePlan
+
+    def plan_for(
+        self, specs_per_peer: Sequence[Sequence[BlockSpec]], my_rank: int | None
+    ) -> EncodePlan | None:
+        """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``, if it is one of
+        the two this layout fixes.
+
+        Args:
+            specs_per_peer: Per destination, the specs of its blocks.
+            my_rank: The sending rank.
+
+        Returns:
+            The plan, or None for another layout.
+        """
+        if my_rank != self.my_rank or len(specs_per_peer) != len(self.layout):
+            return None
+        own = self.layout[my_rank]
+        if all(specs == own for specs in specs_per_peer):
+            return self.send_own
+        if all(a == b for a, b in zip(specs_per_peer, self.layout, strict=True)):
+            return self.send_back
+        return None
+
+
+def layout_plans(
+    layout: Sequence[Sequence[BlockSpec]],
+    compress: dict[str, bool],
+    my_rank: int,
+    raw_peers: frozenset[int] = frozenset(),
+) -> LayoutPlans:
+    """A dist's :class:`LayoutPlans` (call it once, when the dist is built).
+
+    Args:
+        layout: Per rank, its table shards.
+        compress: Table name to whether its blocks go through the codec (not changed later).
+        my_rank: The sending rank.
+        raw_peers: Destinations whose blocks all travel raw.
+
+    Returns:
+        The plans.
+    """
+    specs = tuple(tuple(s) for s in layout)
+    own = [specs[my_rank]] * len(specs)
+    return LayoutPlans(
+        layout=specs,
+        my_rank=my_rank,
+        send_own=build_encode_plan(own, compress, my_rank, raw_peers),
+        send_back=build_encode_plan(specs, compress, my_rank, raw_peers),
+    )
+
+
+def build_encode_plan(
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    compress: dict[str, bool],
+    my_rank: int | None,
+    raw_peers: frozenset[int],
+) -> EncodePlan:
+    """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``.
+
+    Args:
+        specs_per_peer: Per destination, the specs of its blocks.
+        compress: Table name to whether its blocks go through the codec.
+        my_rank: The sending rank (its blocks skip the codec), or None.
+        raw_peers: Destinations whose blocks all travel raw.
+
+    Returns:
+        The plan.
+    """
+    peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
+
+    def codes(p: int, s: BlockSpec) -> bool:
+        return compress[s.table] and p not in raw_peers
+
+    coded = tuple(tuple(i for i, s in enumerate(specs_per_peer[p]) if codes(p, s)) for p in peers)
+    raw = tuple(
+        (p, i, s) for p in peers for i, s in enumerate(specs_per_peer[p]) if not codes(p, s)
+    )
+    tables = tuple(
+        specs_per_peer[p][i].table for p, idx in zip(peers, coded, strict=True) for i in idx
+    )
+    distinct = tuple(dict.fromkeys(tables))
+    meta_splits = [1] * len(specs_per_peer)
+    for p, idx in zip(peers, coded, strict=True):
+        meta_splits[p] = entry_words(len(idx))
+    return EncodePlan(
+        peers=peers,
+        coded=coded,
+        raw=raw,
+        tables=tables,
+        distinct=distinct,
+        table_at=tuple(distinct.index(t) for t in tables),
+        group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
+        meta_splits=tuple(meta_splits),
+    )

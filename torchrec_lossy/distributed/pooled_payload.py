@@ -25,14 +25,19 @@ import torch
 from torchrec_lossy.codec import BlockStats, host_sync
 from torchrec_lossy.codec import warm_up_host as warm_up_codec
 from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
-from torchrec_lossy.codec.container import skeleton_words, upload
+from torchrec_lossy.codec.container import upload
 from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
 from torchrec_lossy.distributed.guard import guarded_bound
-from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
+from torchrec_lossy.distributed.pooled_blocks import (
+    BlockSpec,
+    EncodePlan,
+    LossyAll2AllPooledInfo,
+    build_encode_plan,
+)
 from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 from torchrec_lossy.profile_range import profile_range
 
@@ -84,7 +89,7 @@ class PendingPayloads:
             the exchange reads them together with the received sizes, in one copy.
         finish: Builds the payloads (and records the telemetry) from ``readback``'s values.
         meta: int64 words to send each destination in the size exchange, back to back: its
-            payload size, then its codec payload's skeleton (:func:`meta_words` long), on the
+            payload size, then its codec payload's skeleton (:func:`size_entry_words` long), on the
             device; the receiver decodes with them and reads nothing back.
         meta_splits: Words of ``meta`` per destination.
         record: The call's record (its number, step, exactness).
@@ -114,30 +119,6 @@ class PendingPayloads:
         return payloads
 
 
-def meta_words(
-    specs: Sequence[BlockSpec], info: LossyAll2AllPooledInfo, peer: int, my_rank: int
-) -> int:
-    """Words of one peer's entry in the size exchange: its size, then its codec skeleton.
-
-    Args:
-        specs: The specs of the blocks the payload carries.
-        info: Compress flags and raw peers.
-        peer: The peer the entry is exchanged with.
-        my_rank: This rank (its own blocks skip the codec: size only).
-
-    Returns:
-        Word count.
-    """
-    if peer == my_rank or peer in info.raw_peers:
-        return _entry_words(0)
-    return _entry_words(sum(1 for s in specs if info.compress[s.table]))
-
-
-def _entry_words(n_coded: int) -> int:
-    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks."""
-    return 1 + (skeleton_words(n_coded) if n_coded else 0)
-
-
 def _codec_config(config: LossyCommsConfig, record: CallRecord, rank: int) -> CodecConfig:
     """The codec knobs of one all-to-all: the forward's rounding as configured
     (``codec.rounding``), the backward's ``backward_rounding``. Stochastic rounding is seeded
@@ -160,7 +141,7 @@ def _codec_config(config: LossyCommsConfig, record: CallRecord, rank: int) -> Co
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
-def _meta_words(
+def _size_exchange_words(
     sizes: ArrayT,
     skeletons: Sequence[ArrayT],
     group_of: dict[int, int],
@@ -211,145 +192,6 @@ def _warn_exact(
     )
 
 
-@dataclass(frozen=True)
-class _EncodePlan:
-    """What :func:`start_encode` derives from the layout alone (specs, compress flags, sending
-    rank): built once per dist, not per call (:class:`LayoutPlans`).
-
-    Attributes:
-        peers: The destinations that get a payload built (every one but the sending rank).
-        coded: Per destination of ``peers``, the indices of its codec blocks (its codec group).
-        raw: (destination, block index, spec) of every raw block, in order.
-        tables: The codec blocks' tables, group after group (the codec's flat input order).
-        distinct: Those tables once each (the forward asks the bound provider once per table).
-        table_at: Index in ``distinct`` of each codec block's table.
-        group_of: Destination to its codec group, for destinations with codec blocks.
-        meta_splits: Words of the size exchange per destination (:func:`meta_words`).
-    """
-
-    peers: tuple[int, ...]
-    coded: tuple[tuple[int, ...], ...]
-    raw: tuple[tuple[int, int, BlockSpec], ...]
-    tables: tuple[str, ...]
-    distinct: tuple[str, ...]
-    table_at: tuple[int, ...]
-    group_of: dict[int, int]
-    meta_splits: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class LayoutPlans:
-    """The encode plans a dist's layout fixes, built once when the dist is built
-    (:func:`layout_plans`) and handed to each call in its info: no plan is built per call and
-    none is cached in module state.
-
-    Attributes:
-        layout: Per rank, its table shards (the dist's layout).
-        my_rank: The sending rank.
-        send_own: Sending this rank's shards to every peer (the forward).
-        send_back: Sending every peer the blocks of its own shards (the gradient).
-    """
-
-    layout: tuple[tuple[BlockSpec, ...], ...]
-    my_rank: int
-    send_own: _EncodePlan
-    send_back: _EncodePlan
-
-    def plan_for(
-        self, specs_per_peer: Sequence[Sequence[BlockSpec]], my_rank: int | None
-    ) -> _EncodePlan | None:
-        """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``, if it is one of
-        the two this layout fixes.
-
-        Args:
-            specs_per_peer: Per destination, the specs of its blocks.
-            my_rank: The sending rank.
-
-        Returns:
-            The plan, or None for another layout.
-        """
-        if my_rank != self.my_rank or len(specs_per_peer) != len(self.layout):
-            return None
-        own = self.layout[my_rank]
-        if all(specs == own for specs in specs_per_peer):
-            return self.send_own
-        if all(a == b for a, b in zip(specs_per_peer, self.layout, strict=True)):
-            return self.send_back
-        return None
-
-
-def layout_plans(
-    layout: Sequence[Sequence[BlockSpec]],
-    compress: dict[str, bool],
-    my_rank: int,
-    raw_peers: frozenset[int] = frozenset(),
-) -> LayoutPlans:
-    """A dist's :class:`LayoutPlans` (call it once, when the dist is built).
-
-    Args:
-        layout: Per rank, its table shards.
-        compress: Table name to whether its blocks go through the codec (not changed later).
-        my_rank: The sending rank.
-        raw_peers: Destinations whose blocks all travel raw.
-
-    Returns:
-        The plans.
-    """
-    specs = tuple(tuple(s) for s in layout)
-    own = [specs[my_rank]] * len(specs)
-    return LayoutPlans(
-        layout=specs,
-        my_rank=my_rank,
-        send_own=_build_encode_plan(own, compress, my_rank, raw_peers),
-        send_back=_build_encode_plan(specs, compress, my_rank, raw_peers),
-    )
-
-
-def _build_encode_plan(
-    specs_per_peer: Sequence[Sequence[BlockSpec]],
-    compress: dict[str, bool],
-    my_rank: int | None,
-    raw_peers: frozenset[int],
-) -> _EncodePlan:
-    """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``.
-
-    Args:
-        specs_per_peer: Per destination, the specs of its blocks.
-        compress: Table name to whether its blocks go through the codec.
-        my_rank: The sending rank (its blocks skip the codec), or None.
-        raw_peers: Destinations whose blocks all travel raw.
-
-    Returns:
-        The plan.
-    """
-    peers = tuple(p for p in range(len(specs_per_peer)) if p != my_rank)
-
-    def codes(p: int, s: BlockSpec) -> bool:
-        return compress[s.table] and p not in raw_peers
-
-    coded = tuple(tuple(i for i, s in enumerate(specs_per_peer[p]) if codes(p, s)) for p in peers)
-    raw = tuple(
-        (p, i, s) for p in peers for i, s in enumerate(specs_per_peer[p]) if not codes(p, s)
-    )
-    tables = tuple(
-        specs_per_peer[p][i].table for p, idx in zip(peers, coded, strict=True) for i in idx
-    )
-    distinct = tuple(dict.fromkeys(tables))
-    meta_splits = [1] * len(specs_per_peer)
-    for p, idx in zip(peers, coded, strict=True):
-        meta_splits[p] = _entry_words(len(idx))
-    return _EncodePlan(
-        peers=peers,
-        coded=coded,
-        raw=raw,
-        tables=tables,
-        distinct=distinct,
-        table_at=tuple(distinct.index(t) for t in tables),
-        group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
-        meta_splits=tuple(meta_splits),
-    )
-
-
 def start_encode(
     direction: Direction,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
@@ -392,7 +234,7 @@ def start_encode(
         record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
-        plan = _build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
+        plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
     _check_blocks(plan, blocks_per_peer, specs_per_peer)
     n_peers = len(blocks_per_peer)
     if telemetry is None:
@@ -427,7 +269,7 @@ def start_encode(
 def _start_codec(
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     info: LossyAll2AllPooledInfo,
-    plan: _EncodePlan,
+    plan: EncodePlan,
     record: CallRecord,
     my_rank: int | None,
 ) -> PendingGroups:
@@ -450,7 +292,7 @@ def _start_codec(
 
 
 def _check_blocks(
-    plan: _EncodePlan,
+    plan: EncodePlan,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     specs_per_peer: Sequence[Sequence[BlockSpec]],
 ) -> None:
@@ -490,7 +332,7 @@ def _samples_errors(info: LossyAll2AllPooledInfo, record: CallRecord, device: to
 
 
 def codec_bounds(
-    record: CallRecord, info: LossyAll2AllPooledInfo, plan: _EncodePlan, n_blocks: int
+    record: CallRecord, info: LossyAll2AllPooledInfo, plan: EncodePlan, n_blocks: int
 ) -> tuple[list[float], list[BoundKind]]:
     """Each codec block's bound: 0 for an exact forward, each table's bound now for the
     forward (an adaptive provider moves them; asked once per table), the backward's for the
@@ -530,7 +372,7 @@ def codec_bounds(
 
 
 def _raw_parts(
-    plan: _EncodePlan,
+    plan: EncodePlan,
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     n_peers: int,
     device: torch.device,
@@ -558,7 +400,7 @@ def _raw_parts(
 
 def _size_words(
     pending: PendingGroups,
-    plan: _EncodePlan,
+    plan: EncodePlan,
     raw_parts: Sequence[Sequence[torch.Tensor]],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -582,7 +424,7 @@ def _size_words(
         for p, g in group_of.items():
             raw_len[p] += done.sizes[g]
         sizes_np = np.array(raw_len, np.int64)
-        meta_np = _meta_words(sizes_np, done.skeletons, group_of, np.concatenate)
+        meta_np = _size_exchange_words(sizes_np, done.skeletons, group_of, np.concatenate)
         device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
         if device.type != "cpu":  # a no-op .to() still costs a dispatch
             device_sizes, meta = device_sizes.to(device), meta.to(device)
@@ -598,7 +440,7 @@ def _size_words(
     skeletons = [
         pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(plan.peers))
     ]
-    return device_sizes, _meta_words(device_sizes, skeletons, group_of, torch.cat)
+    return device_sizes, _size_exchange_words(device_sizes, skeletons, group_of, torch.cat)
 
 
 @dataclass
@@ -626,7 +468,7 @@ class _EncodeCall:
     specs_per_peer: Sequence[Sequence[BlockSpec]]
     info: LossyAll2AllPooledInfo
     device: torch.device
-    plan: _EncodePlan
+    plan: EncodePlan
     pending: PendingGroups
     raw_parts: list[list[torch.Tensor]]
     sample: bool

@@ -34,8 +34,8 @@ from torchrec_lossy.distributed.exchange import (
     receive,
     wire_for,
 )
-from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
-from torchrec_lossy.distributed.pooled_payload import layout_plans, warm_up_host
+from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo, layout_plans
+from torchrec_lossy.distributed.pooled_payload import warm_up_host
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
 from torchrec_lossy.distributed.topology import peer_links
 from torchrec_lossy.profile_range import profile_range

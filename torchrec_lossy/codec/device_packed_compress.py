@@ -1,0 +1,280 @@
+"""Device-resident compress of the packed format (docs/format.md, "Packed segments").
+
+:func:`start_packed_groups` builds the host path's packed payloads byte for byte without the
+blocks leaving their device, and stops before the one device-to-host read, as
+``device_compress.start_groups_device`` does for the entropy format (which calls it for
+``CodecConfig(format="packed")``). It shares that path's stages up to the symbols and the two
+dedupes (grid, quantize, vector-LZ over the symbols and over the raw bits) and its section
+writers (references, escapes, raw rows, headers and checksums); what differs is the coding:
+per group of ``PACKED_GROUP`` sent values its width (the bit length of its largest zigzag
+code), each code at its group's word offset (a prefix sum of the widths), the exact segment
+sizes in the mode choice (the host's ``_packed_plan``) and each segment's checksum.
+
+This is the first device version: correct (byte-identical to the host encoder) but not within
+issue 31's cost budget; the stages it shares are the entropy path's torch orchestration
+(docs/kernels.md, "Packed compress").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from torchrec_lossy.codec import device_compress as dcx
+from torchrec_lossy.codec import encode_columns as ec
+from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.container import MASK32, segment_checksums
+from torchrec_lossy.codec.encode_columns import EncodeColumns
+from torchrec_lossy.codec.format import (
+    ESCAPE_SYMBOL,
+    FLAG_PACKED,
+    MODE_LZ,
+    MODE_PACKED,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
+    PACKED_GROUP,
+    PACKED_MAX_WIDTH,
+    SEGMENT_HEADER_WORDS,
+    ref_width,
+    refs_packing,
+    segment_header_words,
+    words_for_bits,
+    words_for_bytes,
+    zigzag,
+)
+from torchrec_lossy.codec.kernel_set import KernelSet
+from torchrec_lossy.config import CodecConfig
+from torchrec_lossy.profile_range import profile_range
+
+
+class _Stream(NamedTuple):
+    """The sent values of every block's quantized stream, in the element layout (block ``b``'s
+    at ``elem_off[b]``, ``n_sym[b]`` long), and their groups."""
+
+    plan_lz: torch.Tensor  # per block, whether its stream is its distinct rows (else every row)
+    valid: torch.Tensor  # per element lane, whether it carries a sent value
+    sym: torch.Tensor  # int64 sent symbols (0 where not valid)
+    bits: torch.Tensor  # int32 raw bits of the sent elements
+    code: torch.Tensor  # int64 zigzag code (0 for an escape or an invalid lane)
+    slot: torch.Tensor  # per element lane, its group's slot
+    widths: torch.Tensor  # int64 per group slot, its width (0 for an unused slot)
+    code_off: torch.Tensor  # per group slot, its first word in its block's codes
+    n_groups: torch.Tensor  # per block
+    n_esc: torch.Tensor  # per block, escapes among its sent values
+    stream_words: torch.Tensor  # per block, words of its widths and codes
+
+
+def _group_slots(t: dcx._Columns, ht: dcx._HostTables, dev: torch.device) -> tuple:
+    """Static group slots (every element sent): per block its first slot; per slot its block
+    and its group within the block (shapes only, no data)."""
+    per_block = (t.rows * t.dim + PACKED_GROUP - 1) // PACKED_GROUP
+    c = ht.cols
+    n_slots = int(((c.rows * c.dim + PACKED_GROUP - 1) // PACKED_GROUP).sum())  # host: no sync
+    first = dcx._bases(per_block)
+    blk = torch.arange(t.rows.shape[0], device=dev)
+    s_blk = torch.repeat_interleave(blk, per_block, output_size=n_slots)
+    return first, s_blk, torch.arange(n_slots, device=dev) - first[s_blk]
+
+
+def _stream(
+    t: dcx._Columns,
+    ht: dcx._HostTables,
+    flat: dcx._Flat,
+    sym: torch.Tensor,
+    dq: dcx._Dedupe,
+    ok: torch.Tensor,
+) -> _Stream:
+    """Every quantizable block's packed stream: its distinct rows where some repeat and
+    vector-LZ may run (the host's ``_packed_plan``: quant is then never chosen), else every
+    row; the groups' widths and offsets, escapes and exact words."""
+    e_blk, e_loc, dev = flat.e_blk, flat.e_loc, flat.x.device
+    plan_lz = ok & (t.lz_allowed == 1) & (dq.n_unique < t.rows)
+    n_sent = torch.where(plan_lz, dq.n_unique, t.rows)
+    n_sym = torch.where(ok, n_sent * t.dim, 0)
+    valid = e_loc < n_sym[e_blk]
+    vec = e_loc // flat.e_dim
+    row = torch.where(plan_lz[e_blk], dq.row(flat, vec), t.row_off[e_blk] + vec)
+    src = flat.source(valid, row)
+    sym64 = sym.to(torch.int64) & 0xFFFF
+    sent = torch.where(valid, sym64[src], 0) if ht.n_elems else sym64
+    is_esc = valid & (sent == ESCAPE_SYMBOL)
+    code = torch.where(valid & ~is_esc, zigzag(sent), 0)
+    first, s_blk, s_k = _group_slots(t, ht, dev)
+    slot = first[e_blk] + e_loc // PACKED_GROUP
+    top = torch.zeros(s_blk.shape[0], dtype=torch.int64, device=dev)
+    top.scatter_reduce_(0, slot, code, "amax")  # codes are >= 0: amax of 0 is the OR's width
+    n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
+    used = s_k < n_groups[s_blk]
+    # Its width: how many of 2**0 .. 2**11 its largest code reaches (built on the device:
+    # no host-to-device copy).
+    shifts = torch.arange(PACKED_MAX_WIDTH, device=dev)
+    widths = torch.where(used, ((top[:, None] >> shifts) > 0).sum(dim=1), 0)
+    w_before = dcx._bases(widths)
+    code_off = w_before[:-1] - w_before[first[s_blk]]
+    n_esc = torch.zeros_like(t.rows).index_add_(0, e_blk, is_esc.to(torch.int64))
+    code_words = w_before[first[1:]] - w_before[first[:-1]]
+    bits = flat.bits[src] if ht.n_elems else flat.bits
+    stream_words = words_for_bytes(n_groups) + code_words
+    return _Stream(
+        plan_lz, valid, sent, bits, code, slot, widths, code_off, n_groups, n_esc, stream_words
+    )
+
+
+def _choose_mode(
+    t: dcx._Columns, ok: torch.Tensor, st: _Stream, dq: dcx._Dedupe, dr: dcx._Dedupe
+) -> torch.Tensor:
+    """The mode of every block by ``size_model`` over the packed segments' exact words (the
+    host's ``_choose_lossy`` and ``_segments``)."""
+    quant_w = sm.quant_words(st.n_esc, t.itemsize, st.stream_words)
+    qlz_w = sm.quant_lz_words(t.rows, dq.n_unique.clamp(min=1), st.n_esc, t.itemsize,
+                              st.stream_words)  # fmt: skip
+    mode, best = sm.choose_lossy(t.raw_words, ok & ~st.plan_lz, quant_w, st.plan_lz, qlz_w)
+    lz_allowed = t.lz_allowed == 1
+    nu_lower = torch.where(ok & lz_allowed, dq.n_unique.clamp(min=1), 1)
+    tried = sm.lossless_may_win(lz_allowed, t.rows, t.dim, t.itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(t.rows, dr.n_unique.clamp(min=1), t.dim, t.itemsize)
+    return sm.choose_lossless(mode, best, tried, lossless_w, t.rows * t.dim)
+
+
+def _sends(t: dcx._Columns, mode: torch.Tensor, st: _Stream, dq: dcx._Dedupe,
+           dr: dcx._Dedupe) -> dcx._Sends:  # fmt: skip
+    """What every block sends (the entropy path's record; no codebook, no chunk table: the
+    widths and codes are the segment's 'stream')."""
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    is_qlz, is_lz = mode == MODE_QUANT_LZ, mode == MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = torch.where(is_qlz, dq.n_unique, torch.where(is_lz, dr.n_unique, t.rows))
+    ref_mode, _, ref_bits = refs_packing(t.rows, torch.where(has_refs, n_sent, 1))
+    zero = torch.zeros_like(mode)
+    return dcx._Sends(
+        mode=mode,
+        is_q=is_q,
+        is_qlz=is_qlz,
+        is_lz=is_lz,
+        has_refs=has_refs,
+        n_sent=n_sent,
+        n_sym=torch.where(is_q, n_sent * t.dim, 0),
+        lengths=zero,
+        codes=zero,
+        n_escapes=torch.where(is_q, st.n_esc, 0),
+        sym_lo=zero,
+        sym_count=zero,
+        n_chunks=zero,
+        ref_mode=torch.where(has_refs, ref_mode, 0),
+        ref_width=ref_width(n_sent),
+        refs_words=torch.where(has_refs, words_for_bits(ref_bits), 0),
+    )
+
+
+def _put_codes(
+    out: dcx._WordBuffer, t: dcx._Columns, ht: dcx._HostTables, flat: dcx._Flat, st: _Stream,
+    s: dcx._Sends, sec: dcx._Sections,
+) -> None:  # fmt: skip
+    """Width bytes (at the section ``table_at``), then every sent value's code LSB-first at
+    bit ``k * w`` of its group's words (a code may straddle two words)."""
+    e_blk, e_loc = flat.e_blk, flat.e_loc
+    _, s_blk, s_k = _group_slots(t, ht, flat.x.device)
+    used = (s_k < st.n_groups[s_blk]) & s.is_q[s_blk]
+    out.put(sec.table_at[s_blk] + s_k // 4, st.widths << (8 * (s_k % 4)), used)
+    codes_at = sec.table_at + words_for_bytes(st.n_groups)
+    w = st.widths[st.slot]
+    bit = 32 * st.code_off[st.slot] + (e_loc % PACKED_GROUP) * w
+    at = codes_at[e_blk] + bit // 32
+    shift = bit % 32
+    live = st.valid & s.is_q[e_blk] & (st.code != 0)
+    out.put(at, (st.code << shift) & MASK32, live)
+    out.put(at + 1, st.code >> (32 - shift).clamp(max=63), live & (shift + w > 32))
+
+
+def _put_segment_heads(
+    out: dcx._WordBuffer, t: dcx._Columns, rec: EncodeColumns, s: dcx._Sends, st: _Stream,
+    sec: dcx._Sections,
+) -> None:  # fmt: skip
+    """Every packed and lz segment's header (lz: n_unique and the references only); a packed
+    one's checksum over its words after the header (written last)."""
+    is_q = s.is_q
+    head = segment_header_words(
+        (
+            torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
+            torch.where(is_q, rec.column(ec.CENTER), 0),
+            s.n_sent,
+            s.n_escapes,
+            torch.where(is_q, PACKED_GROUP, 0),
+            torch.where(is_q, st.n_groups, 0),
+            s.sym_lo,  # the checksum's halves, added below
+            s.sym_count,
+            s.sym_count,  # no escape code length
+            s.ref_mode,
+            s.ref_width,
+        )
+    )
+    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
+    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
+    body = sec.seg_start + SEGMENT_HEADER_WORDS
+    check = segment_checksums(out.buf, body, (sec.seg_words - SEGMENT_HEADER_WORDS).clamp(min=0))
+    out.put(sec.seg_start + 6, check & MASK32, is_q)
+
+
+def start_packed_groups(
+    blocks: Sequence[torch.Tensor],
+    bounds: Sequence[float],
+    kinds: Sequence[int],
+    group_sizes: Sequence[int],
+    config: CodecConfig,
+    kernels: KernelSet,
+) -> dcx.PendingCompress:
+    """``device_compress.start_groups_device`` for ``CodecConfig(format="packed")``.
+
+    Args:
+        blocks: Validated blocks, all on one device.
+        bounds: Per block: the absolute bound, or for a relative block the fraction of its
+            finite range.
+        kinds: Per block, its ``BoundKind``.
+        group_sizes: Blocks per payload.
+        config: Codec knobs (``format`` "packed"; its ``backend`` is not read).
+        kernels: The kernel set (``kernel_set.load_kernels``).
+
+    Returns:
+        The pending compress (its payloads are the host encoder's bytes).
+    """
+    k, group_sizes = kernels, list(group_sizes)
+    with profile_range("## lossy_codec encode packed ##"):
+        ht = dcx._host_tables(blocks, bounds, kinds, group_sizes, config)
+        dev = blocks[0].device if blocks else torch.device("cpu")
+        t: dcx._Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
+        flat = dcx._flatten(blocks, ht, t)
+        grid = dcx._grid(k, ht, t, flat)
+        cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
+            step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
+        )
+        sym, _, max_err = dcx._quantize(k, ht, t, flat, cols)
+        dq = dcx._vector_lz(k, sym, ht, t, flat, cols)
+        dr = dcx._vector_lz(k, None, ht, t, flat, cols)
+        st = _stream(t, ht, flat, sym, dq, grid.ok)
+        s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
+        sec = dcx._sections(t, s, dr, st.stream_words)
+        nb = ht.n_blocks
+        lanes = (ht.n_elems, ht.n_rows, st.widths.shape[0])
+        out = dcx._WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb, 1), dev)
+        dcx._put_descriptors(out, t, cols, s, sec, MODE_PACKED)
+        sent = st.valid & s.is_q[flat.e_blk]  # the stream of a block sent quantized
+        coded = dcx._Coded(sent, st.sym, st.bits, st.n_esc, st.sym, st.n_esc, st.n_esc)
+        dcx._put_references(out, t, flat, s, sec, (dq, dr))
+        dcx._put_escapes(out, t, flat, coded, sec)
+        _put_codes(out, t, ht, flat, st, s, sec)
+        dcx._put_rows(out, t, flat, s, dr, sec)
+        _put_segment_heads(out, t, cols, s, st, sec)
+        words32, skeleton = dcx._close(out, ht, t, sec, group_sizes, FLAG_PACKED)
+        per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
+        errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
+        readback = torch.cat(
+            [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
+        )
+        return dcx.PendingCompress(words32, readback, ht, group_sizes)
+
+
+__all__ = ["start_packed_groups"]
