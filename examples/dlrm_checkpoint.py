@@ -70,6 +70,8 @@ class Checkpointer:
         self.root = Path(root)
         self.env = env
         self.comm = comm
+        # The run's format re-check (``RuntimeRecheck``), saved and restored with the step.
+        self.recheck: Any = None
 
     def _complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -172,6 +174,8 @@ class Checkpointer:
             "guard": guard_state(model),
             "recent_losses": [float(v) for v in recent_losses],
         }
+        if self.recheck is not None:  # the run's format choice and its pending streak
+            extra["recheck"] = self.recheck.state_dict()
         return self.save(step, model, optimizer, extra)
 
     def resume(self, model: nn.Module, optimizer: Any) -> Resumed | None:
@@ -192,6 +196,8 @@ class Checkpointer:
         if self.env.rank == 0:
             print(f"resumed from {path} at step {step}", flush=True)
         position = (int(extra["position"][0]), int(extra["position"][1]))
+        if self.recheck is not None and "recheck" in extra:  # re-applies the saved choice
+            self.recheck.load_state_dict(extra["recheck"])
         # A checkpoint of an older run has no losses: the window then restarts empty.
         return Resumed(step, position, path, list(extra.get("recent_losses", [])))
 

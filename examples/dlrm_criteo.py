@@ -126,6 +126,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: only at the end")
+    g.add_argument("--recheck-every", type=int, default=500,
+                   help="steps between format re-checks where auto codes a table; 0: off")
     g.add_argument("--simulate-failure-at", type=int,
                    help="testing: the last rank dies after this step on the first attempt")
     # fmt: on
@@ -278,15 +280,40 @@ def shard_model(
         tables=plan_tables(plan.plan.get(EBC_PATH, {}), plan_config, env.world_size),
         lossy=args.comm == "lossy" and not planner.torchrec_path,
         qcomm_codecs=codecs,
+        recheck_ms=recheck_ms(planner) if args.comm == "lossy" else {},
     )
+
+
+def recheck_ms(planner: Any) -> dict[str, tuple[float, float]]:
+    """The re-check's alternatives where ``comms.format: auto`` runs the seam with a coded
+    table: the planner's wire and codec ms a step, raw and coded; else empty (no re-check).
+
+    Args:
+        planner: The ``LossyShardingPlanner``.
+
+    Returns:
+        ``LossyCommsModel.step_ms()`` or ``{}``.
+    """
+    from torchrec_lossy.planner import LossyCommsModel
+
+    model = planner.comms_model
+    if planner.torchrec_path or not isinstance(model, LossyCommsModel):
+        return {}
+    comms = planner.comms_config
+    if planner.config.comms.format != "auto" or not any(
+        comms.table(t.name).compress for t in planner.config.embedding_tables
+    ):
+        return {}
+    return model.step_ms()
 
 
 def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> Any:
     """The wire formats' speeds on this device for this layout, the same on every rank.
 
     Each rank times the codec and the casts on one destination's blocks (every table,
-    ``--batch-size`` rows); every rank then takes the slowest rank's figures, so the planner's
-    format choice (``comms.format: auto``) is the same everywhere.
+    ``--batch-size`` rows) and the seam's fixed cost per step; every rank then takes the
+    slowest rank's figures, so the planner's format choice (``comms.format: auto``) is the same
+    everywhere.
 
     Args:
         args: Parsed flags.
@@ -299,8 +326,24 @@ def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> A
     from torchrec_lossy.planner import agree_speeds, measure_speeds
 
     tables = plan_config.embedding_tables
-    speeds = measure_speeds(tables, args.batch_size, plan_config.comms, env.device)
+    speeds = measure_speeds(
+        tables, args.batch_size, plan_config.comms, env.device, world_size=env.world_size
+    )
     return agree_speeds(speeds, dist.GroupMember.WORLD, env.device)
+
+
+def live_codec_s(model: nn.Module) -> float:
+    """This rank's codec seconds so far in the live (not yet sampled) telemetry.
+
+    Args:
+        model: The DMP model.
+
+    Returns:
+        Encode + decode seconds over every lossy module, direction and table.
+    """
+    from torchrec_lossy.distributed import lossy_stats
+
+    return sum(e.encode_s + e.decode_s for st in lossy_stats(model).values() for _, _, e in st)
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> Any:
@@ -328,6 +371,7 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> Any:
 def train(
     args: argparse.Namespace, env: DistEnv, data: DataSource, model: nn.Module, optimizer: Any,
     log: RunLog, checkpointer: Checkpointer | None,
+    recheck_alternatives: dict[str, tuple[float, float]] | None = None,
 ) -> None:  # fmt: skip
     """Trains to the end: TorchRec's pipeline, evaluations, telemetry samples, checkpoints.
 
@@ -339,12 +383,26 @@ def train(
         optimizer: The combined optimizer.
         log: Where steps, samples and evaluations are recorded.
         checkpointer: Saves (and has resumed) the run, if ``--checkpoint-dir`` is given.
+        recheck_alternatives: The re-check's alternatives (``ShardedModel.recheck_ms``); empty
+            or None: no re-check. Every ``--recheck-every`` steps the ranks agree whether the
+            coded tables go raw (or back), from the measured step and codec times; a switch is
+            logged in the run's notes and saved with checkpoints.
     """
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_lossy.distributed import step_lossy_bounds
 
     position = (0, 0)
+    recheck = None
+    if recheck_alternatives and args.recheck_every > 0:
+        from torchrec_lossy.planner.recheck import RecheckConfig, RuntimeRecheck
+
+        recheck = RuntimeRecheck(
+            model, recheck_alternatives, RecheckConfig(every_steps=args.recheck_every),
+            dist.GroupMember.WORLD,
+        )  # fmt: skip
+        if checkpointer:
+            checkpointer.recheck = recheck
     resumed = checkpointer.resume(model, optimizer) if checkpointer else None
     if resumed:
         position = resumed.position
@@ -364,6 +422,7 @@ def train(
     try:
         while True:
             t0 = time.perf_counter()
+            codec0 = live_codec_s(model) if recheck else 0.0
             try:
                 if pipeline is not None:
                     loss = float(pipeline.progress(feed)[0])
@@ -376,10 +435,15 @@ def train(
                     loss = float(out.detach())
             except StopIteration:
                 break
-            log.record_step(loss, time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            log.record_step(loss, step_s)
             position = feed.positions.popleft()
             step_lossy_bounds(model)  # drives the adaptive bounds' schedule (no-op otherwise)
             step = log.step
+            if recheck is not None:  # collective on check steps: every rank reaches it
+                switched = recheck.step(step, step_s, live_codec_s(model) - codec0)
+                if switched is not None:
+                    log.notes.append(f"format re-check at step {step}: now {switched}")
             if step % log_every == 0:
                 log.sample()
             if step % eval_every == 0 and (total is None or step < total):
@@ -427,7 +491,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     log = RunLog(sharded, env, args.batch_size)
     ckpt = Checkpointer(args.checkpoint_dir, env, args.comm) if args.checkpoint_dir else None
     try:
-        train(args, env, data, sharded.model, optimizer, log, ckpt)
+        train(args, env, data, sharded.model, optimizer, log, ckpt, sharded.recheck_ms)
     except Exception as e:
         if args.comm == "int8":
             raise RuntimeError(

@@ -63,6 +63,9 @@ class ShardedModel:
             (``(rank, columns)`` of each all-to-all shard; empty for DP).
         lossy: Whether the lossy sharder is in use.
         qcomm_codecs: TorchRec's pooled all-to-all codecs of a qcomm mode (else None).
+        recheck_ms: The planner's wire and codec ms a step of the run's re-check alternatives
+            (``LossyCommsModel.step_ms``: raw and the codec format) where ``auto`` codes a
+            table; empty: no re-check.
     """
 
     model: nn.Module
@@ -72,6 +75,7 @@ class ShardedModel:
     tables: dict[str, dict[str, Any]]
     lossy: bool
     qcomm_codecs: Any = None
+    recheck_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def plan_tables(

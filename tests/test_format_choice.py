@@ -127,7 +127,7 @@ def test_failed_calibration_falls_back_with_one_warning(
     def zero_time(*args: object, **kwargs: object) -> float:
         return 0.0  # a broken clock: infinite throughput
 
-    monkeypatch.setattr(speeds_mod, "_best_s", zero_time)
+    monkeypatch.setattr(speeds_mod, "best_seconds", zero_time)
     with caplog.at_level(logging.WARNING):
         got = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), reps=1)
     assert got.formats == default_speeds("cpu", "x").formats
@@ -149,17 +149,20 @@ def test_packed_format_key_sets_the_codec_format_and_one_codec_format_per_run() 
         LossyCommsConfig(format="entropy", codec=CodecConfig(format="packed"))
 
 
-def _one_host_plan(link_gib_s: float) -> object:
+def _one_host_plan(
+    link_gib_s: float, tables: int = 3, dim: int = 32, rows: int = 10_000, batch: int = 512
+) -> object:
+    """Two ranks on one host's link of ``link_gib_s``, ``tables`` single-feature tables."""
     from torchrec_lossy.config import LossyPlanConfig, PlannerConfig, TopologyConfig
 
     return LossyPlanConfig(
         embedding_tables=tuple(
-            EmbeddingTableConfig(f"t{i}", 10_000, 32, (f"f{i}",)) for i in range(3)
+            EmbeddingTableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(tables)
         ),
         topology=TopologyConfig(
             world_size=2, compute_device="cpu", intra_host_bandwidth_gib_s=link_gib_s
         ),
-        planner=PlannerConfig(global_batch_size=512),
+        planner=PlannerConfig(global_batch_size=batch),
     )
 
 
@@ -244,3 +247,63 @@ def test_the_seams_dedupe_shrinks_raw_bytes_and_codec_time_alike() -> None:
     # The coded wire time is the codec ratios', unchanged (the gradient's: backward_ratio).
     wire = 1 / (30.0 * bw) + 1 / (slow.planner.backward_ratio * bw)
     assert b["entropy"] - wire == pytest.approx((a["entropy"] - wire) / 4)  # codec time too
+
+
+def _bench_plan(link_gib_s: float) -> object:
+    """The e2e bench's layout: 26 single-feature tables of dim 128, two ranks on one link."""
+    return _one_host_plan(link_gib_s, tables=26, dim=128, rows=100_000, batch=4096)
+
+
+def _run3_speeds(seam_ms: float | None) -> object:
+    """Speeds as the quiet run 3 measured them at 2,048 rows (docs/benchmarks.md)."""
+    from torchrec_lossy.planner.speeds import Speeds
+
+    return Speeds(
+        {"entropy": (0.93, 2.9), "packed": (0.918, 2.99), "dedupe": (5.8, 1.15),
+         "fp16": (13.5, 10.7), "bf16": (13.6, 11.5)},
+        "test", round_ms=0.104, ratios={"entropy": 66.4, "packed": 40.8, "dedupe": 3.74},
+        seam_ms=seam_ms, rows=2048,
+    )  # fmt: skip
+
+
+def test_the_seams_measured_fixed_cost_sends_a_fast_link_to_torchrecs_path() -> None:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+
+    ten = _bench_plan(1.16)  # 10 Gbit/s
+    bw = gib_s_to_bytes_per_ms(1.16)
+    # Run 3's miss: without the fixed cost the seam (raw, 3.7x fewer rows) priced cheaper.
+    assert not LossyCommsModel(ten, bw, speeds=_run3_speeds(None)).torchrec_path
+    # Its fixed 36.6 ms a step (timed as run 3's layout takes here) is more than the ~22 ms of
+    # fp32 wire the seam could save: TorchRec's own all-to-all, every table raw, said once.
+    model = LossyCommsModel(ten, bw, speeds=_run3_speeds(36.6))
+    assert model.torchrec_path
+    assert model.pays_note.count("TorchRec's own all-to-all") == 1 and "36.8 of it" in (
+        model.pays_note
+    )
+    assert {model.table_format(f"t{i}") for i in range(26)} == {"raw"}
+    assert {model.for_table(f"t{i}").fwd.ratio for i in range(26)} == {1.0}
+    # Free of that cost the seam's dedupe pays: the seam, raw.
+    assert not LossyCommsModel(ten, bw, speeds=_run3_speeds(0.0)).torchrec_path
+    # On 1 Gbit/s the codec pays for the fixed cost many times over: the seam, coded.
+    one = _bench_plan(0.116)
+    model = LossyCommsModel(one, gib_s_to_bytes_per_ms(0.116), speeds=_run3_speeds(36.6))
+    assert not model.torchrec_path and model.table_format("t0") in ("entropy", "packed")
+    # A format forced, or a table configured coded: never TorchRec's path.
+    forced = dataclasses.replace(ten, comms=LossyCommsConfig(format="entropy"))
+    assert not LossyCommsModel(forced, bw, speeds=_run3_speeds(36.6)).torchrec_path
+    one_coded = dataclasses.replace(
+        ten, comms=LossyCommsConfig(tables={"t3": TableCodecConfig(format="entropy")})
+    )
+    model = LossyCommsModel(one_coded, bw, speeds=_run3_speeds(36.6))
+    assert not model.torchrec_path and model.table_format("t3") == "entropy"
+
+
+def test_measure_speeds_times_the_seams_fixed_cost_and_agrees_on_it() -> None:
+    tables = [EmbeddingTableConfig(f"t{i}", 1000, 16, (f"f{i}",)) for i in range(4)]
+    speeds = measure_speeds(tables, 256, LossyCommsConfig(), torch.device("cpu"), reps=1,
+                            world_size=2)  # fmt: skip
+    assert speeds.rows == 256 and speeds.seam_ms is not None and speeds.seam_ms >= 0.0
+    assert "seam's fixed cost" in speeds.describe()
+    assert (
+        measure_speeds(tables, 256, LossyCommsConfig(), torch.device("cpu"), reps=1).seam_ms is None
+    )

@@ -64,3 +64,63 @@ def _worker(rank: int, world_size: int) -> Any:
 def test_decided_collectively_so_every_rank_agrees() -> None:
     (d0, s0), (d1, s1) = run_workers(_worker, 2, timeout_s=240)
     assert d0 == d1 == "raw" and s0 == s1  # the slowest rank's step decides for both
+
+
+def _worker_runtime(rank: int, world_size: int) -> dict[str, Any]:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tests.distributed.harness import (
+        BOUNDED_TABLES,
+        TrainRun,
+        bounded_config,
+        bounded_plan,
+        make_batch,
+        make_tables,
+    )
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.planner.recheck import RuntimeRecheck
+
+    config = dataclasses.replace(bounded_config(), error_sample_every=0)
+    tables = make_tables(BOUNDED_TABLES)
+    run = TrainRun(
+        tables, LossyEmbeddingBagCollectionSharder(comms_config=config), bounded_plan(), world_size
+    )
+    stats = run.model.module.lossy_stats
+    # Pinned estimates: raw sends 30 ms more wire a step than entropy, which codes for 10 ms.
+    rt = RuntimeRecheck(
+        run.model,
+        {"raw": (40.0, 0.0), "entropy": (10.0, 10.0)},
+        RecheckConfig(every_steps=1, hysteresis=0.15, patience=2),
+        dist.group.WORLD,
+    )
+    decisions, ratios = [], []
+    for step in range(1, 13):
+        stats.reset()
+        run.step(make_batch(tables, 32, seed=100 * step + rank), step)
+        ratios.append(stats.total("fwd").ratio)  # raw bytes / wire bytes of the forward
+        # Pinned step times (compute 90 ms + wire + codec, +-8% noise), the cost change: from
+        # step 5 rank 1's codec takes 60 ms a step (the slowest rank's figures decide for both).
+        codec = (60.0 if step >= 5 and rank == 1 else 10.0) if rt.current != "raw" else 0.0
+        wire = 40.0 if rt.current == "raw" else 10.0
+        noise = 1.0 + 0.08 * (-1) ** step
+        decisions.append(rt.step(step, noise * (90.0 + wire + codec) / 1000, codec / 1000))
+    return {"decisions": decisions, "ratios": ratios, "state": rt.state_dict()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_runtime_recheck_switches_the_sharded_model_once_and_never_flaps() -> None:
+    r0, r1 = run_workers(_worker_runtime, 2, timeout_s=500)
+    assert r0["decisions"] == r1["decisions"]  # decided collectively: the same step everywhere
+    switched = [(i + 1, d) for i, d in enumerate(r0["decisions"]) if d is not None]
+    # Before step 5 raw's estimate (the step + 20 ms) never wins. From step 5 entropy's step is
+    # ~160 ms and raw's estimate ~130: past the 15% hysteresis on the checks of steps 5 and 6
+    # (patience 2): one switch at step 6. Then raw runs at ~130 ms and entropy's estimate keeps
+    # the codec's measured 60 ms (~160): never back, whatever the noise.
+    assert switched == [(6, "raw")], switched
+    assert r0["state"]["switches"] == [[6, "entropy", "raw"]] and r0["state"] == r1["state"]
+    for r in (r0, r1):
+        assert all(x > 1.0 for x in r["ratios"][:6]), r["ratios"]  # coded until the switch...
+        assert all(x <= 1.0 for x in r["ratios"][6:]), r["ratios"]  # ...then every block raw

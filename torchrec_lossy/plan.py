@@ -307,7 +307,10 @@ def measured_speeds(config: LossyPlanConfig) -> Any:
     if device == "cuda" and not torch.cuda.is_available():
         return default_speeds(device, "no CUDA device on this machine to measure")
     rows = per_rank_batch_size(config)
-    return measure_speeds(config.embedding_tables, rows, config.comms, torch.device(device))
+    world = config.topology.world_size
+    return measure_speeds(
+        config.embedding_tables, rows, config.comms, torch.device(device), world_size=world
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

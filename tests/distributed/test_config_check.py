@@ -30,23 +30,43 @@ CASES: dict[str, list[dict[str, Any]]] = {
         {"error_sample_every": 4, "codec": {"backend": "cpu"}},
         {"error_sample_every": 0},
     ],
+    "dedupe_outputs": [
+        {"input_dist": {"dedupe_outputs": True}},
+        {"input_dist": {"dedupe_outputs": False}},
+    ],
+    "same": [{}, {}],
+}
+
+# Per rank: the path its planner's auto resolved ("seam": this project's sharder, "torchrec":
+# TorchRec's own all-to-all, checked).
+PATHS: dict[str, tuple[str, str]] = {
+    "seam": ("seam", "seam"),
+    "torchrec": ("torchrec", "torchrec"),
+    "mixed": ("torchrec", "seam"),
 }
 
 
-def _worker(rank: int, world_size: int, case: str) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, case: str, paths: str = "seam") -> dict[str, Any]:
     import dataclasses
 
     import torch
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from torchrec_lossy.config import CodecConfig
+    from torchrec_lossy.config import CodecConfig, InputDistConfig
     from torchrec_lossy.distributed import ConfigMismatchError, LossyEmbeddingBagCollectionSharder
+    from torchrec_lossy.distributed.torchrec_path import CheckedEmbeddingBagCollectionSharder
 
     kwargs = dict(CASES[case][rank])
     if "codec" in kwargs:
         kwargs["codec"] = CodecConfig(**kwargs["codec"])
+    if "input_dist" in kwargs:
+        kwargs["input_dist"] = InputDistConfig(**kwargs["input_dist"])
     config = dataclasses.replace(LossyCommsConfig(), **kwargs)
-    sharder = LossyEmbeddingBagCollectionSharder(comms_config=config)
+    sharder: Any = (
+        LossyEmbeddingBagCollectionSharder(comms_config=config)
+        if PATHS[paths][rank] == "seam"
+        else CheckedEmbeddingBagCollectionSharder(config)
+    )
     tables = make_tables(SHARDER_TABLES)
     ebc = make_ebc(tables)
     plan = manual_plan(ebc, sharder, sharder_plan(), world_size)
@@ -73,6 +93,32 @@ def test_different_configs_fail_on_every_rank_naming_the_key(
     assert f"{key}: {values[0]}; {values[1]}" in errors[0], errors[0]
     # Only the differing key is named.
     assert errors[0].count(" on rank 0") == 1, errors[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("case", "paths", "key", "values"),
+    [
+        ("forward bound", "torchrec", "default_bound.value", ("0.01 on rank 0", "0.03 on rank 1")),
+        ("dedupe_outputs", "torchrec", "input_dist.dedupe_outputs", ("True", "False")),
+        ("same", "mixed", "path", ('"TorchRec\'s own all-to-all" on rank 0', "<unset> on rank 1")),
+    ],
+)
+def test_torchrecs_path_checks_the_configs_too(
+    case: str, paths: str, key: str, values: tuple[str, str]
+) -> None:
+    # auto's TorchRec path (TorchRec's sharder) fails like the seam on a differing key, and a
+    # rank on TorchRec's path against one on the seam fails too, naming the path.
+    errors = [r["error"] for r in run_workers(_worker, 2, case, paths, timeout_s=240)]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert f"{key}: {values[0]}; {values[1]}" in errors[0] or (
+        f"{key}: {values[0]} on rank 0; {values[1]} on rank 1" in errors[0]
+    ), errors[0]
+
+
+@pytest.mark.timeout(300)
+def test_torchrecs_path_with_the_same_config_shards() -> None:
+    assert [r["error"] for r in run_workers(_worker, 2, "same", "torchrec")] == [None, None]
 
 
 @pytest.mark.timeout(300)

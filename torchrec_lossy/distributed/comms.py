@@ -121,6 +121,8 @@ class LossyComms:
             drawn from it) and its calls whose device decode status is unread: per-call state
             lives in those records and awaitables, not here.
         guard: Tightens bounds on the error sample's alerts (``comms.guard``); None when off.
+        send_raw: Every pooled block travels raw (set between steps, on every rank alike, by
+            the run's format re-check, :class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`).
     """
 
     config: LossyCommsConfig
@@ -130,6 +132,7 @@ class LossyComms:
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
     ledger: CallLedger = field(default_factory=CallLedger)
     guard: BoundGuard | None = None
+    send_raw: bool = False
 
     def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
         """Whether each table's blocks go through the codec (else raw), in both directions.

@@ -91,6 +91,9 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
         self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
+        # The re-check's raw alternative (LossyComms.send_raw), planned once here too.
+        self._raw = dict.fromkeys(self._compress, False)
+        self._raw_plans = layout_plans(self._layout, self._raw, pg.rank(), self._raw_peers)
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the compiled host path, load it now
             warm_up_host()
@@ -176,17 +179,18 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         output_dedupe: OutputDedupe | None,
     ) -> LossyAll2AllPooledInfo:
         """Per-call parameters of :func:`alltoall_pooled_lossy` for this all-to-all."""
+        raw = self._comms.send_raw
         return LossyAll2AllPooledInfo(
             batch_size_per_rank=list(batch_size_per_rank),
             layout=self._layout,
             comms=self._comms,
-            compress=self._compress,
+            compress=self._raw if raw else self._compress,
             dtype=dtype,
             output_dedupe=output_dedupe,
             exact_forward=self._comms.ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
-            plans=self._plans,
+            plans=self._raw_plans if raw else self._plans,
         )
 
     @property

@@ -203,8 +203,8 @@ def reduce_grad_block(
     for f, (r, inv) in enumerate(feats):
         c = col0 + spec.col_offset + f * spec.dim
         gf = g[:, c : c + spec.dim]
-        if inv is not None:
-            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf)
+        if inv is not None:  # from a contiguous copy: index_add_ of a column slice is ~3x slower
+            gf = gf.new_zeros((r, spec.dim)).index_add_(0, inv, gf.contiguous())
         pieces.append(gf)
     return torch.cat(pieces) if pieces else g.new_empty((0, spec.dim))
 

@@ -128,6 +128,7 @@ class LossyCommsModel:
             f"{comms.default_bound.value:g} default bound), backward {bwd_kind}; {same_host} "
             f"(comms.intra_host={comms.intra_host}); speeds: {self.speeds.describe()}"
         )
+        self.torchrec_path = False  # table_format's auto picks, until decided
         self.torchrec_path, torchrec_why = self._torchrec_path()
         self.pays_note = self._choice_note() + torchrec_why
 
@@ -180,22 +181,27 @@ class LossyCommsModel:
     def _torchrec_path(self) -> tuple[bool, str]:
         """Whether the run should take TorchRec's own all-to-all instead of this seam, and why.
 
-        Where ``auto`` codes no table on any link, the seam still dedupes rows exactly (fewer
-        bytes, but a reduce and an expand per step); TorchRec's path sends every row without
-        that work. Decided only from measured dedupe speeds and ratio (``"dedupe"`` in the
-        speeds): the cheaper of the two per raw byte, forward and gradient, on the link.
+        The seam saves wire time (its exact dedupe and the codec send fewer bytes) at a cost
+        TorchRec's path does not have. Measured (``speeds.seam_ms``: the seam's fixed work per
+        step, :mod:`~torchrec_lossy.planner.seam_cost`): the seam's estimated step, each table
+        in its format on the link (wire and codec per raw byte, weighted by the table's share
+        of the rows' bytes) plus that fixed cost and its two extra size rounds, against
+        TorchRec's fp32 wire time; the smaller wins, whatever the tables' formats. Not measured:
+        only where no table is coded, the dedupe's measured throughput against its saved bytes.
         """
         comms, tables = self.config.comms, self.config.embedding_tables
-        sp = self.speeds
-        if comms.format != "auto" or not tables or "dedupe" not in sp.ratios:
+        if comms.format != "auto" or not tables:
             return False, ""
         if not (self.one_host or self.same_host_raw):
             return False, ""
-        if any(self.table_format(t.name) != "raw" for t in tables):
-            return False, ""
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        torchrec = 2 * ms_per_byte(RAW, bw)  # per raw byte: forward and gradient
+        sp = self.speeds
+        if sp.seam_ms is not None and sp.rows:
+            return self._torchrec_path_measured(bw, torchrec)
+        if "dedupe" not in sp.ratios or any(self.table_format(t.name) != "raw" for t in tables):
+            return False, ""
         enc, dec = sp.formats["dedupe"]
-        torchrec = 2 * ms_per_byte(RAW, bw)
         dedupe = WireFormat("dedupe", sp.ratios["dedupe"], enc, dec)
         seam = 2 / (dedupe.ratio * bw) + dedupe.codec_ms(1.0)  # a reduce and an expand a step
         pick = torchrec <= seam
@@ -204,6 +210,67 @@ class LossyCommsModel:
             f"; no table coded, so {verdict} (exact dedupe at {dedupe.ratio:.2g}x costs "
             f"{seam / torchrec:.2f}x TorchRec's time)"
         )
+
+    def _torchrec_path_measured(self, bw: float, torchrec_per_byte: float) -> tuple[bool, str]:
+        """:meth:`_torchrec_path` from the measured fixed cost: step times on the link."""
+        sp, topo, tables = self.speeds, self.config.topology, self.config.embedding_tables
+        assert sp.seam_ms is not None and sp.rows
+        forced = [t.name for t in tables if self.config.comms.table(t.name).format in CODEC_FORMATS]
+        if forced:  # a table the config sends coded is not ours to send as TorchRec does
+            return False, f"; the seam (tables {forced} are configured coded)"
+        world = topo.world_size
+        local = world if self.one_host else topo.local_world_size or world
+        # What a rank sends over the priced link a direction and step: its rows of every
+        # table to the peers there (same-host peers of a multi-host run travel raw either way).
+        # A table without feature names pools one feature (TorchRec names it after the table).
+        width = {t.name: t.embedding_dim * max(1, len(t.feature_names)) for t in tables}
+        dims = sum(width.values())
+        peers = (world - 1) if self.one_host else (world - local)
+        step_bytes = sp.rows * dims * 4 * peers / world
+        per_byte = 0.0
+        for t in tables:
+            est = self._choice(self.ratio(t.name), t.name, bw).estimates
+            per_byte += width[t.name] / dims * est.get(self.table_format(t.name), est["raw"])
+        fixed = sp.seam_ms + 2 * (sp.round_ms or 0.0)  # its size rounds, forward and gradient
+        seam_ms = step_bytes * per_byte + fixed
+        torchrec_ms = step_bytes * torchrec_per_byte
+        pick = torchrec_ms <= seam_ms
+        verdict = "TorchRec's own all-to-all" if pick else "the seam"
+        return pick, (
+            f"; so {verdict}: estimated {seam_ms:.3g} ms a step through the seam ({fixed:.3g} "
+            f"of it fixed: its work around the wire and size rounds, measured) against "
+            f"{torchrec_ms:.3g} ms of TorchRec's fp32 all-to-all"
+        )
+
+    def step_ms(self) -> dict[str, tuple[float, float]]:
+        """Estimated wire and codec ms a step on a rank with every table raw or coded, the
+        run's re-check's alternatives (:class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`).
+
+        Returns:
+            ``{"raw": (wire, 0), codec format: (wire, codec)}`` on the priced link for the
+            measured batch (``speeds.rows``); empty where the batch was not measured.
+        """
+        sp, topo, tables = self.speeds, self.config.topology, self.config.embedding_tables
+        if not sp.rows or not tables:
+            return {}
+        world = topo.world_size
+        bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        peers = (world - 1) if self.one_host else (world - (topo.local_world_size or world))
+        out = {}
+        for name in ("raw", self.codec_format):
+            wire = codec = 0.0
+            for t in tables:
+                step_bytes = sp.rows * t.embedding_dim * max(1, len(t.feature_names)) * 4
+                step_bytes *= peers / world
+                if name == "raw":
+                    fwd = bwd = WireFormat("raw", self.dedupe_ratio)
+                else:
+                    fwd = self._codec_wire(name, self.ratio(t.name))
+                    bwd = self.backward_format(t.name)
+                wire += step_bytes * (1 / (fwd.ratio * bw) + 1 / (bwd.ratio * bw))
+                codec += step_bytes * (fwd.codec_ms(1.0) + bwd.codec_ms(1.0))
+            out[name] = (wire, codec)
+        return out
 
     def _same_host_choice(self) -> tuple[bool, str]:
         """Whether same-host blocks travel raw, and why (one decision for all tables)."""
@@ -308,6 +375,8 @@ class LossyCommsModel:
         fmt = self.config.comms.table(table).format
         if fmt != "auto":
             return fmt or self.codec_format
+        if self.torchrec_path:  # TorchRec's own all-to-all: fp32, every table
+            return "raw"
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
         return self._choice(self.ratio(table), table, bw).name
 

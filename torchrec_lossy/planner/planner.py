@@ -523,8 +523,8 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
 
     @property
     def torchrec_path(self) -> bool:
-        """Whether ``format: auto`` resolved to TorchRec's own all-to-all (no table coded, and
-        the seam's exact dedupe estimated to cost more than it saves on the link)."""
+        """Whether ``format: auto`` resolved to TorchRec's own all-to-all (the seam's estimated
+        step, its measured fixed cost included, slower than TorchRec's on the link)."""
         model = self.comms_model
         return isinstance(model, LossyCommsModel) and model.torchrec_path
 
@@ -547,17 +547,22 @@ class LossyShardingPlanner(EmbeddingShardingPlanner):
 
         Returns:
             ``LossyEmbeddingBagCollectionSharder``; TorchRec's ``EmbeddingBagCollectionSharder``
-            where ``format: auto`` codes no table and TorchRec's path is estimated faster than
-            the seam's raw one (:attr:`torchrec_path`).
+            (``CheckedEmbeddingBagCollectionSharder``: the ranks' configs checked at sharding)
+            where ``format: auto`` estimates TorchRec's path faster than the seam's
+            (:attr:`torchrec_path`).
         """
         from torchrec_lossy.adaptive import AdaptiveBounds
         from torchrec_lossy.distributed.sharder import LossyEmbeddingBagCollectionSharder
 
-        if self.torchrec_path:
-            from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        if self.torchrec_path:  # TorchRec's own, its ranks' configs checked all the same
+            from torchrec_lossy.distributed.torchrec_path import (
+                CheckedEmbeddingBagCollectionSharder,
+            )
 
-            return EmbeddingBagCollectionSharder(
-                fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry
+            return CheckedEmbeddingBagCollectionSharder(
+                self.comms_config,
+                fused_params=fused_params,
+                qcomm_codecs_registry=qcomm_codecs_registry,
             )
         return LossyEmbeddingBagCollectionSharder(
             comms_config=self.comms_config,

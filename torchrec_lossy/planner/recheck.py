@@ -7,14 +7,18 @@ alternative is estimated faster by more than ``hysteresis`` on ``patience`` cons
 (no flapping on noise). The inputs are agreed over ranks first (the MAX of each figure), so
 every rank takes the same decision; :meth:`FormatRecheck.state_dict` records the choice, the
 streak and the switches, so a resume from a checkpoint continues from the same state.
-Applying a switch to a built sharder belongs to the exchange path (issue 33's refactor); until
-then the decision is logged.
+:class:`RuntimeRecheck` runs it in a training loop: it keeps the steps' measured times (and the
+codec's share of them), at each check estimates the alternative from them and the planner's wire
+and codec estimates (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.step_ms`), and
+applies a switch to every lossy-sharded module of the model between steps (``LossyComms.send_raw``:
+every pooled block raw, or back to the run's codec format), on every rank at the same step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from torchrec_lossy.config import ConfigError
 
-__all__ = ["FormatRecheck", "RecheckConfig"]
+__all__ = ["FormatRecheck", "RecheckConfig", "RuntimeRecheck"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -150,3 +154,103 @@ class FormatRecheck:
         self._candidate = state["candidate"]
         self._streak = int(state["streak"])
         self.switches = [(int(s[0]), str(s[1]), str(s[2])) for s in state["switches"]]
+
+
+class RuntimeRecheck:
+    """The format re-check of a running model: measured step times in, switches applied.
+
+    The alternatives are the run's codec format and raw (every pooled block raw), so the run
+    must start coded (some table resolved to the codec). At each check the measured median step
+    of the current choice gives the other's estimate: the measured step minus the current
+    choice's wire estimate and measured codec time, plus the other's wire and codec estimates
+    (the codec's: never below what it measured when it last ran, so a codec that got slow is
+    not taken back on its stale start-up figure: no flapping).
+
+    Args:
+        model: The model whose lossy-sharded modules switch (e.g. the DMP).
+        step_ms: The planner's ``{format: (wire ms, codec ms)}`` a step for ``"raw"`` and the
+            codec format (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.step_ms`).
+        config: Period, hysteresis and patience.
+        group: The process group the decision is agreed over (None: this rank alone).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        step_ms: Mapping[str, tuple[float, float]],
+        config: RecheckConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        from torchrec_lossy.distributed.model_utils import lossy_modules
+
+        coded = [n for n in step_ms if n != "raw"]
+        if "raw" not in step_ms or len(coded) != 1:
+            raise ValueError(
+                f"RuntimeRecheck: step_ms {dict(step_ms)!r} must hold 'raw' and one codec format"
+            )
+        self._comms = [m.lossy_comms for m in lossy_modules(model).values()]
+        if not self._comms:
+            raise ValueError("RuntimeRecheck: the model has no lossy-sharded module to switch")
+        self.coded = coded[0]
+        self.step_ms = dict(step_ms)
+        self.group = group
+        self.recheck = FormatRecheck(self.coded, config)
+        self._steps: list[tuple[float, float]] = []  # (step ms, codec ms) since the last check
+        # The codec's measured ms a step when it last ran: a coded alternative's estimate
+        # never drops below it (the start-up estimate may be stale: the reason to switch).
+        self._codec_ms: dict[str, float] = {}
+
+    @property
+    def current(self) -> str:
+        """The choice the modules run now."""
+        return self.recheck.current
+
+    def step(self, step: int, step_s: float, codec_s: float = 0.0) -> str | None:
+        """Records one step; on a check step, re-checks and applies a switch.
+
+        Args:
+            step: Steps done (after this one).
+            step_s: This step's measured seconds.
+            codec_s: The codec's measured seconds in it (encode + decode, every direction).
+
+        Returns:
+            The new choice if it switched, else None.
+        """
+        self._steps.append((1000.0 * step_s, 1000.0 * codec_s))
+        if not self.recheck.due(step):
+            return None
+        measured = statistics.median(s for s, _ in self._steps)
+        codec = statistics.median(c for _, c in self._steps)
+        self._steps.clear()
+        cur = self.recheck.current
+        if cur != "raw":
+            self._codec_ms[cur] = codec
+        other = "raw" if cur != "raw" else self.coded
+        base = measured - self.step_ms[cur][0] - codec  # the step without the exchanges' share
+        wire, codec_est = self.step_ms[other]
+        estimate = base + wire + max(codec_est, self._codec_ms.get(other, 0.0))
+        new = self.recheck.check(step, measured, {other: estimate}, self.group)
+        if new is not None:
+            self._apply()
+        return new
+
+    def _apply(self) -> None:
+        for comms in self._comms:
+            comms.send_raw = self.recheck.current == "raw"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The re-check's state (:meth:`FormatRecheck.state_dict`).
+
+        Returns:
+            A plain dict (checkpointable).
+        """
+        return self.recheck.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the state and applies its choice to the modules.
+
+        Args:
+            state: :meth:`state_dict`'s output.
+        """
+        self.recheck.load_state_dict(state)
+        self._apply()

@@ -25,7 +25,15 @@ from torchrec_lossy.config import CODEC_FORMATS, EmbeddingTableConfig, LossyComm
 from torchrec_lossy.planner.cost import CODEC_THROUGHPUT_GIB_S, QCOMM_THROUGHPUT_GIB_S
 from torchrec_lossy.profile_range import profile_range
 
-__all__ = ["SpeedKey", "Speeds", "agree_speeds", "default_speeds", "measure_speeds", "round_ms"]
+__all__ = [
+    "SpeedKey",
+    "Speeds",
+    "agree_speeds",
+    "best_seconds",
+    "default_speeds",
+    "measure_speeds",
+    "round_ms",
+]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -39,8 +47,8 @@ PACKED_RATIO_FACTOR = 0.75
 # Measured ratios: the codec formats' and the exact row dedupe's ("dedupe").
 RATIO_KEYS: frozenset[str] = CODEC_FORMATS | {"dedupe"}
 
-# (device type, blocks, rows, dims): what a measurement is cached under.
-SpeedKey = tuple[str, int, int, tuple[int, ...]]
+# (device type, blocks, rows, dims, world size or 0): what a measurement is cached under.
+SpeedKey = tuple[str, int, int, tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -54,12 +62,17 @@ class Speeds:
         round_ms: The collective's fixed cost per round (a tiny all-to-all), if measured.
         ratios: Codec format name (or ``"dedupe"``) to its ratio on the measured blocks
             (empty: not measured).
+        seam_ms: The seam's fixed cost per step on a rank beyond TorchRec's path (its cut,
+            expand, gradient sum and place around the wire, :mod:`.seam_cost`), if measured.
+        rows: Rows per rank (the batch) the measurement was made for.
     """
 
     formats: dict[str, tuple[float, float]] = field(default_factory=dict)
     source: str = ""
     round_ms: float | None = None
     ratios: dict[str, float] = field(default_factory=dict)
+    seam_ms: float | None = None
+    rows: int | None = None
 
     def ratio_factor(self, codec_format: str) -> float:
         """A codec format's ratio relative to the entropy format's (which tables' expected
@@ -84,6 +97,8 @@ class Speeds:
         """
         parts = ", ".join(f"{n} {e:.3g}/{d:.3g}" for n, (e, d) in self.formats.items())
         rnd = f"; {self.round_ms:.3g} ms per collective round" if self.round_ms else ""
+        if self.seam_ms is not None:
+            rnd += f"; seam's fixed cost {self.seam_ms:.3g} ms a step at {self.rows} rows"
         ratios = ", ".join(f"{n} {r:.3g}x" for n, r in self.ratios.items())
         ratios = f"; ratios on them {ratios}" if ratios else ""
         return f"{parts} GiB/s encode/decode ({self.source}){ratios}{rnd}"
@@ -105,7 +120,17 @@ def default_speeds(device: str, why: str) -> Speeds:
     return Speeds(formats, f"defaults: {why}")
 
 
-def _best_s(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+def best_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    """The best wall time of ``reps`` calls of ``fn``, each between two ``sync`` calls.
+
+    Args:
+        fn: What to time.
+        reps: Timed calls.
+        sync: Waits for the device (a no-op on CPU).
+
+    Returns:
+        Seconds.
+    """
     best = math.inf
     for _ in range(reps):
         sync()
@@ -132,17 +157,19 @@ def _time_formats(
         codec = replace(comms.codec, format=name)
         with profile_range(f"## lossy_codec calibrate encode {name} ##"):
             payload = compress(blocks, bounds, codec)  # loads the compiled kernels: not timed
-            enc = _best_s(lambda c=codec: compress(blocks, bounds, c), reps, sync)
+            enc = best_seconds(lambda c=codec: compress(blocks, bounds, c), reps, sync)
         with profile_range(f"## lossy_codec calibrate decode {name} ##"):
             decompress(payload, backend=codec.backend)  # loads the decoder: not timed
-            dec = _best_s(lambda p=payload, c=codec: decompress(p, backend=c.backend), reps, sync)
+            dec = best_seconds(
+                lambda p=payload, c=codec: decompress(p, backend=c.backend), reps, sync
+            )
         out[name] = (raw_gib / enc, raw_gib / dec)
         ratios[name] = raw_gib * _GIB / max(1, payload.numel() * payload.element_size())
     out["dedupe"], ratios["dedupe"] = _time_dedupe(blocks, reps, sync)
     for name, dtype in CASTS.items():
         wire = [b.to(dtype) for b in blocks]
-        enc = _best_s(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
-        dec = _best_s(lambda w=wire: [b.float() for b in w], reps, sync)
+        enc = best_seconds(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
+        dec = best_seconds(lambda w=wire: [b.float() for b in w], reps, sync)
         out[name] = (raw_gib / enc, raw_gib / dec)
     return out, ratios
 
@@ -167,7 +194,10 @@ def _time_dedupe(
 
     with profile_range("## lossy_a2a calibrate dedupe ##"):
         reduce(), expand()  # first calls load kernels: not timed
-        speeds = (raw_gib / _best_s(reduce, reps, sync), raw_gib / _best_s(expand, reps, sync))
+        speeds = (
+            raw_gib / best_seconds(reduce, reps, sync),
+            raw_gib / best_seconds(expand, reps, sync),
+        )
     rows = sum(b.shape[0] for b in blocks)
     return speeds, rows / max(1, sum(uniq))
 
@@ -179,6 +209,7 @@ def measure_speeds(
     device: torch.device,
     cache: MutableMapping[SpeedKey, Speeds] | None = None,
     reps: int = 3,
+    world_size: int | None = None,
 ) -> Speeds:
     """Times each format on one destination's blocks of ``tables`` (``rows`` rows each).
 
@@ -189,12 +220,16 @@ def measure_speeds(
         device: Where the blocks live.
         cache: Measurements by device and shape; a hit is returned as it is.
         reps: Timed runs per format (the best counts).
+        world_size: Ranks of the all-to-all: also time the seam's fixed cost per step
+            (:func:`~torchrec_lossy.planner.seam_cost.time_seam_step`, ``rows`` rows per rank);
+            None: not timed.
 
     Returns:
         The measured speeds, or the defaults with one warning if the measurement failed or is
         nonsense.
     """
-    key: SpeedKey = (device.type, len(tables), rows, tuple(t.embedding_dim for t in tables))
+    dims = tuple(t.embedding_dim for t in tables)
+    key: SpeedKey = (device.type, len(tables), rows, dims, world_size or 0)
     if cache is not None and key in cache:
         return cache[key]
     where = f"measured on {device.type}, {len(tables)} blocks x {rows} rows"
@@ -218,9 +253,33 @@ def measure_speeds(
     except Exception as e:  # any failure: plan with the conservative figures, say so once
         logger.warning("torchrec-lossy: speed calibration failed (%s); using the defaults", e)
         speeds = default_speeds(device.type, f"calibration failed: {e}")
+    if world_size is not None:
+        try:
+            seam = _seam_ms(tables, rows, world_size, comms, device, reps)
+            speeds = replace(speeds, seam_ms=seam, rows=rows)
+        except Exception as e:  # the model then prices the seam by its dedupe throughput only
+            logger.warning("torchrec-lossy: timing the seam's fixed cost failed (%s); unused", e)
     if cache is not None:
         cache[key] = speeds
     return speeds
+
+
+def _seam_ms(
+    tables: Sequence[EmbeddingTableConfig],
+    rows: int,
+    world_size: int,
+    comms: LossyCommsConfig,
+    device: torch.device,
+    reps: int,
+) -> float:
+    """The seam's layout work per step minus TorchRec's (>= 0), in ms."""
+    from torchrec_lossy.planner.seam_cost import time_seam_step
+
+    exact = comms.input_dist.dedupe_outputs or comms.input_dist.dedupe_lookups
+    seam, torchrec = time_seam_step(tables, rows, world_size, device, exact, reps)
+    if not (math.isfinite(seam) and math.isfinite(torchrec) and seam > 0):
+        raise ValueError(f"nonsense seam step time {seam} ms (TorchRec's {torchrec} ms)")
+    return max(0.0, seam - torchrec)
 
 
 def round_ms(group: dist.ProcessGroup, device: torch.device, reps: int = 5) -> float:
@@ -240,7 +299,9 @@ def round_ms(group: dist.ProcessGroup, device: torch.device, reps: int = 5) -> f
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with profile_range("## lossy_a2a calibrate round ##"):
         dist.all_to_all_single(recv, send, group=group)  # warm
-        return 1000.0 * _best_s(lambda: dist.all_to_all_single(recv, send, group=group), reps, sync)
+        return 1000.0 * best_seconds(
+            lambda: dist.all_to_all_single(recv, send, group=group), reps, sync
+        )
 
 
 def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.device) -> Speeds:
@@ -252,7 +313,7 @@ def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.
         device: Where the group's tensors live.
 
     Returns:
-        The slowest throughputs (and the largest round cost) over ranks.
+        The slowest throughputs (and the largest round cost and seam cost) over ranks.
     """
     if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return speeds
@@ -262,16 +323,19 @@ def agree_speeds(speeds: Speeds, group: dist.ProcessGroup | None, device: torch.
     secs = [1.0 / v for n in names for v in speeds.formats[n]]
     secs += [1.0 / speeds.ratios[n] if n in speeds.ratios else 0.0 for n in codecs]
     secs.append(speeds.round_ms if speeds.round_ms is not None else round_ms(group, device))
+    secs.append(speeds.seam_ms if speeds.seam_ms is not None else -1.0)  # -1: not measured
     t = torch.tensor(secs, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     v = t.tolist()
     formats = {n: (1.0 / v[2 * i], 1.0 / v[2 * i + 1]) for i, n in enumerate(names)}
     per_raw = v[2 * len(names) : 2 * len(names) + len(codecs)]
+    seam = v[-1] if v[-1] >= 0 else None
     ratios = {n: 1.0 / w for n, w in zip(codecs, per_raw, strict=True) if w > 0}
     return replace(
         speeds,
         formats=formats,
         ratios=ratios,
         source=speeds.source + ", slowest rank",
-        round_ms=v[-1],
+        round_ms=v[-2],
+        seam_ms=seam,
     )

@@ -1,0 +1,148 @@
+"""The seam's fixed cost per step: its work around the wire that TorchRec's path does not do.
+
+Every step through this project's pooled all-to-all cuts each destination's rows out of the
+local output (under the exact output dedupe: the first bag of each distinct bag), expands the
+received distinct rows back to the batch, sums the gradient per distinct bag and puts the
+owner's gradient back in place, and joins the pieces; TorchRec's path only permutes the
+received tensor once per direction. That work runs over the whole batch (the own block too),
+whatever the format and the link, so ``comms.format: auto`` prices it as a fixed ms per step
+(:attr:`~torchrec_lossy.planner.speeds.Speeds.seam_ms`), not per wire byte: at start-up
+:func:`time_seam_step` times the seam's own functions (``pooled_blocks``' cut, expand,
+reduce and place) on one rank's Criteo-like step against TorchRec's permute copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torchrec_lossy.config import EmbeddingTableConfig
+from torchrec_lossy.profile_range import profile_range
+
+__all__ = ["time_seam_step"]
+
+# One feature's dedupe state: (distinct rows, inverse or first-bag index), as the seam's
+# ``feats`` (None: every row travels).
+_Feats = list[tuple[int, torch.Tensor | None]]
+
+
+def _dedupe_state(table: EmbeddingTableConfig, rows: int, seed: int) -> tuple[_Feats, _Feats]:
+    """A destination's single-hot batch of ``table``: (inverse feats, first-bag feats)."""
+    from torchrec_lossy import traffic
+
+    ids = traffic.sample_ids(table.num_embeddings, rows, torch.Generator().manual_seed(seed))
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((uniq.numel(),), rows, dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(rows), reduce="amin")
+    return [(uniq.numel(), inverse)], [(uniq.numel(), first)]
+
+
+def _specs(tables: Sequence[EmbeddingTableConfig]) -> list[Any]:
+    """One single-feature block per table, side by side in the columns."""
+    from torchrec_lossy.distributed.pooled_blocks import BlockSpec
+
+    cols = itertools.accumulate((t.embedding_dim for t in tables), initial=0)
+    return [BlockSpec(t.name, c, 1, t.embedding_dim) for t, c in zip(tables, cols, strict=False)]
+
+
+def time_seam_step(
+    tables: Sequence[EmbeddingTableConfig],
+    rows: int,
+    world_size: int,
+    device: torch.device,
+    dedupe: bool = True,
+    reps: int = 3,
+) -> tuple[float, float]:
+    """Times one rank's step of the seam's layout work and TorchRec's, wire and codec excluded.
+
+    The tables are spread table-wise over ``world_size`` ranks (this rank owns every
+    ``world_size``-th one); every rank has ``rows`` rows (its batch). Per step the seam's forward
+    cuts its tables' rows for every destination and expands the received rows of every table;
+    its backward sums the gradient per distinct bag and places the owner's gradient; TorchRec
+    permutes the received output once per direction.
+
+    Args:
+        tables: The tables (single-hot features, their sizes shape the Zipf ids).
+        rows: Rows per rank (its batch).
+        world_size: Ranks of the all-to-all (>= 1).
+        device: Where the tensors live.
+        dedupe: Whether the seam runs the exact output dedupe (``input_dist.dedupe_outputs`` /
+            ``dedupe_lookups``); else it cuts and joins every row.
+        reps: Timed runs (the best counts).
+
+    Returns:
+        (seam ms, TorchRec ms) per step on this rank.
+    """
+    from torchrec_lossy.distributed.pooled_blocks import (
+        cut_block,
+        expand_block,
+        join_blocks,
+        place_grad_block,
+        reduce_grad_block,
+    )
+
+    if world_size < 1 or rows < 1 or not tables:
+        raise ValueError(
+            f"time_seam_step: world_size={world_size}, rows={rows}, {len(tables)} tables: need "
+            "at least one of each"
+        )
+    w = world_size
+    local = list(tables[::w])
+    specs = _specs(local)
+    specs_all = _specs(tables)
+    # Dedupe state per (destination, local table) and per (table, this rank's batch).
+    own = [[_dedupe_state(t, rows, 97 * p + i) for i, t in enumerate(local)] for p in range(w)]
+    mine = [_dedupe_state(t, rows, 131 + i) for i, t in enumerate(tables)]
+    g = torch.Generator().manual_seed(0)
+    d_local, d_all = sum(s.dim for s in specs), sum(s.dim for s in specs_all)
+    x = torch.randn(w * rows, d_local, generator=g).to(device)  # this rank's output, all batches
+    grad = torch.randn(rows, d_all, generator=g).to(device)  # the gradient of its own batch
+    arrived = [  # the distinct rows of each table's features, as they arrive
+        torch.randn(f[0][0][0], s.dim, generator=g).to(device)
+        for s, f in zip(specs_all, mine, strict=True)
+    ]
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def seam() -> None:
+        if not dedupe:  # cut every row, join the received blocks
+            sent = [[cut_block(x, p * rows, rows, 0, s) for s in specs] for p in range(w)]
+            torch.cat([torch.cat(join_blocks(bs, specs, rows), dim=1) for bs in sent])
+            return
+        # Forward: the owner cuts each destination's distinct bags, the receiver expands.
+        sent = [
+            [cut_block(x, p * rows, rows, 0, s, f[1]) for s, f in zip(specs, own[p], strict=True)]
+            for p in range(w)
+        ]
+        pieces = [
+            expand_block(b, s, rows, f[0]) for b, s, f in zip(arrived, specs_all, mine, strict=True)
+        ]
+        torch.cat(pieces, dim=1)
+        # Backward: the receiver sums per distinct bag, the owner places (the cut blocks stand
+        # in for the gradient blocks it receives: the same shapes).
+        [reduce_grad_block(grad, 0, s, f[0]) for s, f in zip(specs_all, mine, strict=True)]
+        placed = [
+            torch.cat(
+                [
+                    place_grad_block(b, s, rows, f[1])
+                    for b, s, f in zip(bs, specs, own[p], strict=True)
+                ],
+                1,
+            )
+            for p, bs in enumerate(sent)
+        ]
+        torch.cat(placed)
+
+    received = torch.randn(w, rows, -(-d_all // w), generator=g).to(device)
+
+    def torchrec() -> None:  # its received output and its gradient: one permute copy each
+        received.transpose(0, 1).reshape(rows, -1)
+        grad.t().contiguous()
+
+    from torchrec_lossy.planner.speeds import best_seconds
+
+    with profile_range("## lossy_a2a calibrate seam step ##"):
+        seam(), torchrec()  # first calls load kernels: not timed
+        return 1e3 * best_seconds(seam, reps, sync), 1e3 * best_seconds(torchrec, reps, sync)
