@@ -24,8 +24,14 @@ from torchrec_lossy.distributed import (
 from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
     cut_block,
+    expand_block,
+    expand_blocks,
     join_blocks,
     layout_plans,
+    place_grad_block,
+    place_grad_blocks,
+    reduce_grad_block,
+    reduce_grad_blocks,
 )
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import abs_bounds, start_encode, warm_up_host
@@ -52,6 +58,95 @@ def test_cut_and_join_blocks_roundtrip() -> None:
     # Rows of a block are whole embedding vectors: feature 1 of table a is columns 4..8.
     assert torch.equal(blocks[0][4:8], x[2:6, 4:8])
     assert torch.equal(torch.cat(join_blocks(blocks, SPECS, 4), dim=1), x[2:6])
+
+
+def _dedupe_feats(rows: int, n: int, gen: torch.Generator) -> list[tuple[int, torch.Tensor]]:
+    """``n`` features' (distinct bags, inverse) and (distinct bags, first bag), alternating
+    with a feature that is not deduplicated."""
+    out = []
+    for f in range(n):
+        if f % 3 == 1:
+            out.append(((rows, None), (rows, None)))
+            continue
+        uniq, inv = torch.unique(torch.randint(0, 5, (rows,), generator=gen), return_inverse=True)
+        first = torch.full((uniq.numel(),), rows).scatter_reduce_(
+            0, inv, torch.arange(rows), reduce="amin"
+        )
+        out.append(((uniq.numel(), inv), (uniq.numel(), first)))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_batched_geometry_is_bit_identical_to_per_block(mixed: bool) -> None:
+    """The batched expand / reduce / place (one gather, one index_add_, one index_copy_ where
+    every feature has one dim) and the cut's one gather equal the per-block functions bit for
+    bit, -0.0 included; mixed dims take the per-block path."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [6, 9]
+    dims = (2, 2, 3) if mixed else (4, 4, 4)
+    specs = [BlockSpec("a", 0, 2, dims[0]), BlockSpec("b", 2 * dims[0], 3, dims[1])]
+    specs = [*specs, BlockSpec("c", specs[1].col_offset + specs[1].width, 1, dims[2])]
+    width = sum(s.width for s in specs)
+    feats = [[_dedupe_feats(n, s.num_features, gen) for s in specs] for n in rows]
+
+    def signed(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen)
+        return torch.where(t.abs() < 0.3, torch.tensor(-0.0), t)
+
+    # Owner side: cut each peer's distinct bags, place the gradient blocks back.
+    x = signed(sum(rows), width)
+    cut = [
+        [cut_block(x, r0, n, 0, s, [f[1] for f in ff]) for s, ff in zip(specs, fs, strict=True)]
+        for r0, n, fs in zip((0, rows[0]), rows, feats, strict=True)
+    ]
+    for bs, r0, n, fs in zip(cut, (0, rows[0]), rows, feats, strict=True):
+        for b, s, ff in zip(bs, specs, fs, strict=True):
+            d, c = s.dim, s.col_offset
+            cols = [x[r0 : r0 + n, c + f * d : c + (f + 1) * d] for f in range(s.num_features)]
+            want = [
+                col[:r] if sel is None else col[sel]
+                for col, (_, (r, sel)) in zip(cols, ff, strict=True)
+            ]
+            assert torch.equal(_bits(b), _bits(torch.cat(want)))
+    placed = place_grad_blocks(
+        cut, specs, [[[f[1] for f in ff] for ff in fs] for fs in feats], rows
+    )
+    per_block = torch.cat(
+        [
+            torch.cat(
+                [
+                    place_grad_block(b, s, n, [f[1] for f in ff])
+                    for b, s, ff in zip(bs, specs, fs, strict=True)
+                ],
+                1,
+            )
+            for bs, n, fs in zip(cut, rows, feats, strict=True)
+        ]
+    )
+    assert torch.equal(_bits(placed), _bits(per_block))
+    # Receiver side (rank 0, batch 6): expand what both owners sent, reduce the gradient.
+    layout = [specs, specs]
+    inv = [[[f[0] for f in _dedupe_feats(rows[0], s.num_features, gen)] for s in specs]] * 2
+    got = [
+        [signed(sum(r for r, _ in ff), s.dim) for s, ff in zip(specs, fs, strict=True)]
+        for fs in inv
+    ]
+    per_block = [
+        expand_block(b, s, rows[0], ff)
+        for bs, fs in zip(got, inv, strict=True)
+        for b, s, ff in zip(bs, specs, fs, strict=True)
+    ]
+    expanded = expand_blocks(got, layout, inv, rows[0])
+    assert torch.equal(_bits(expanded), _bits(torch.cat(per_block, 1)))
+    grad = signed(2 * width, rows[0]).t()  # not contiguous, as autograd may hand it
+    reduced = reduce_grad_blocks(grad, layout, inv)
+    for p, (bs, fs) in enumerate(zip(reduced, inv, strict=True)):
+        for b, s, ff in zip(bs, specs, fs, strict=True):
+            assert torch.equal(_bits(b), _bits(reduce_grad_block(grad, p * width, s, ff)))
 
 
 def test_abs_bounds_relative_to_finite_range() -> None:

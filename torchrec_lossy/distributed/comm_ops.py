@@ -31,11 +31,11 @@ from torchrec_lossy.distributed.exchange import (
 from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
     cut_block,
-    expand_block,
+    expand_blocks,
     join_blocks,
     peer_blocks,
-    place_grad_block,
-    reduce_grad_block,
+    place_grad_blocks,
+    reduce_grad_blocks,
 )
 from torchrec_lossy.profile_range import profile_range
 
@@ -199,12 +199,10 @@ class PooledSteps:
             ]
         else:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
-            with profile_range("## lossy_a2a fwd dedupe expand ##"):
-                pieces = [
-                    expand_block(b, s, b_local, f)
-                    for bs, specs, feats in zip(blocks, info.layout, sender, strict=True)
-                    for b, s, f in zip(bs, specs, feats, strict=True)
-                ]
+            if any(bs for bs in blocks):
+                with profile_range("## lossy_a2a fwd dedupe expand ##"):
+                    return expand_blocks(blocks, info.layout, sender, b_local)
+            pieces = []
         if not pieces:
             return recv.new_empty((b_local, 0), dtype=info.dtype)
         return torch.cat(pieces, dim=1)
@@ -235,16 +233,13 @@ class PooledSteps:
         info = self.info
         blocks = receive("bwd", recv, info, myreq, my_rank)
         specs = info.layout[my_rank]
+        if info.dedupe_grads and specs:
+            feats = [info.owner_feats(my_rank, p) for p in range(len(blocks))]
+            return place_grad_blocks(blocks, specs, feats, info.batch_size_per_rank)
         pieces = []
         for p, bs in enumerate(blocks):
             n = info.batch_size_per_rank[p]
-            if info.dedupe_grads:
-                feats = info.owner_feats(my_rank, p)
-                parts = [
-                    place_grad_block(b, s, n, f) for b, s, f in zip(bs, specs, feats, strict=True)
-                ]
-            else:
-                parts = join_blocks(bs, specs, n)
+            parts = join_blocks(bs, specs, n)
             pieces.append(
                 torch.cat(parts, dim=1) if parts else recv.new_empty((n, 0), dtype=info.dtype)
             )
@@ -298,13 +293,8 @@ def _grad_blocks(
     if not info.dedupe_grads:
         return peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
     with profile_range("## lossy_a2a bwd dedupe reduce ##"):
-        return [
-            [
-                reduce_grad_block(grad, col_bases[p], s, f)
-                for s, f in zip(info.layout[p], info.sender_rows(my_rank, p), strict=True)
-            ]
-            for p in range(world)
-        ]
+        feats = [info.sender_rows(my_rank, p) for p in range(world)]
+        return reduce_grad_blocks(grad, info.layout, feats)
 
 
 def _forward_rows(info: LossyAll2AllPooledInfo, my_rank: int, world: int) -> list[list[int]]:

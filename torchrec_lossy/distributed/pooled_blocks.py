@@ -9,6 +9,7 @@ decoder, :mod:`.pooled_payload` and :mod:`.pooled_decode`, take only the specs a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -162,6 +163,17 @@ def cut_block(
     c = col0 + spec.col_offset
     if feats is not None and any(r != rows or sel is not None for r, sel in feats):
         d = spec.dim
+        if x.is_contiguous() and x.shape[1] % d == 0 and c % d == 0:
+            # One gather of whole d-wide vectors (x as [B * D / d, d]) straight into the
+            # block: no per-feature copy joined by a cat.
+            per_row, f0 = x.shape[1] // d, c // d
+            idx = torch.cat(
+                [
+                    (row0 + (_arange(r, x.device) if sel is None else sel)) * per_row + f0 + f
+                    for f, (r, sel) in enumerate(feats)
+                ]
+            )
+            return x.view(-1, d).index_select(0, idx)
         part = x[row0 : row0 + rows]
         return torch.cat(
             [
@@ -225,6 +237,155 @@ def place_grad_block(
         else:
             out.append(p if r == rows else torch.cat([p, p.new_zeros((rows - r, spec.dim))]))
     return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
+
+
+_Feats = Sequence[tuple[int, torch.Tensor | None]]
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=device)
+
+
+def _one_dim(specs_per_peer: Sequence[Sequence[BlockSpec]]) -> int | None:
+    """The column count every feature of ``specs_per_peer`` shares, or None (mixed dims)."""
+    dims = {s.dim for specs in specs_per_peer for s in specs}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def expand_blocks(
+    blocks: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    feats_per_peer: Sequence[Sequence[_Feats]],
+    rows: int,
+) -> torch.Tensor:
+    """:func:`expand_block` of every received block, joined in column order: ``[rows, D]``.
+
+    Where every feature has one dim, one gather writes the output (the distinct rows joined,
+    each output vector picked by its feature's inverse index) instead of a gather per feature
+    joined by a cat; the values are the same (exact copies).
+
+    Args:
+        blocks: Per source, per its table shard: the received (distinct) rows.
+        specs_per_peer: Per source, its table shards.
+        feats_per_peer: Per source, per shard, per feature: (rows, inverse index or None).
+        rows: This rank's batch.
+
+    Returns:
+        The received output.
+    """
+    d = _one_dim(specs_per_peer)
+    flat = [b for bs in blocks for b in bs]
+    if d is None or not flat:
+        pieces = [
+            expand_block(b, s, rows, f)
+            for bs, specs, feats in zip(blocks, specs_per_peer, feats_per_peer, strict=True)
+            for b, s, f in zip(bs, specs, feats, strict=True)
+        ]
+        return torch.cat(pieces, dim=1) if pieces else torch.empty((rows, 0))
+    feats = [f for fs in feats_per_peer for ff in fs for f in ff]
+    src = torch.cat(flat)
+    starts = itertools.accumulate((r for r, _ in feats), initial=0)
+    idx = torch.cat(
+        [
+            o + (_arange(rows, src.device) if inv is None else inv)
+            for o, (_, inv) in zip(starts, feats, strict=False)
+        ]
+    )
+    return src.index_select(0, idx.view(len(feats), rows).t().reshape(-1)).view(rows, -1)
+
+
+def reduce_grad_blocks(
+    g: torch.Tensor,
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    feats_per_peer: Sequence[Sequence[_Feats]],
+) -> list[list[torch.Tensor]]:
+    """:func:`reduce_grad_block` of every source's table shards (``g``'s columns in order).
+
+    Where every feature has one dim, one ``index_add_`` over ``g`` (as ``[B * F, d]``) sums
+    every feature's rows into one buffer, which the blocks view: each sum adds the same rows in
+    the same order as a per-feature ``index_add_`` (bit-identical), with no column copies.
+
+    Args:
+        g: The ``[B, D]`` gradient of the received output.
+        specs_per_peer: Per source, its table shards (their columns follow each other in ``g``).
+        feats_per_peer: Per source, per shard, per feature: (rows, inverse index or None).
+
+    Returns:
+        Per source, per shard: its gradient block.
+    """
+    d = _one_dim(specs_per_peer)
+    feats = [f for fs in feats_per_peer for ff in fs for f in ff]
+    if d is None or not feats or g.shape[1] != len(feats) * d:
+        col_bases = itertools.accumulate(
+            (sum(s.width for s in ss) for ss in specs_per_peer), initial=0
+        )
+        return [
+            [reduce_grad_block(g, c0, s, f) for s, f in zip(specs, fs, strict=True)]
+            for c0, specs, fs in zip(col_bases, specs_per_peer, feats_per_peer, strict=False)
+        ]
+    n, rows = len(feats), g.shape[0]
+    starts = list(itertools.accumulate((r for r, _ in feats), initial=0))
+    idx = torch.cat(
+        [
+            o + (_arange(rows, g.device) if inv is None else inv)
+            for o, (_, inv) in zip(starts, feats, strict=False)
+        ]
+    )
+    out = g.new_zeros((starts[-1], d))
+    flat_g = g.contiguous().view(-1, d)
+    out.index_add_(0, idx.view(n, rows).t().reshape(-1), flat_g)
+    for j, (o, (_, inv)) in enumerate(zip(starts, feats, strict=False)):
+        if inv is None:  # copied as it is (the sum with zero would turn -0.0 into 0.0)
+            out[o : o + rows] = g[:, j * d : (j + 1) * d]
+    sizes = [sum(r for r, _ in ff) for fs in feats_per_peer for ff in fs]
+    it = iter(out.split(sizes))
+    return [[next(it) for _ in specs] for specs in specs_per_peer]
+
+
+def place_grad_blocks(
+    blocks: Sequence[Sequence[torch.Tensor]],
+    specs: Sequence[BlockSpec],
+    feats_per_peer: Sequence[Sequence[_Feats]],
+    rows_per_peer: Sequence[int],
+) -> torch.Tensor:
+    """:func:`place_grad_block` of every peer's blocks, joined: the owner's ``[B, D]`` gradient.
+
+    Where every feature has one dim, the output (as ``[B * F, d]``) is zeroed once and each
+    block's rows are copied to their bags in one ``index_copy_`` (the same values: copies and
+    zeros) instead of a zeroed piece per feature joined by two cats.
+
+    Args:
+        blocks: Per peer, per local table shard: the received gradient rows.
+        specs: This rank's table shards.
+        feats_per_peer: Per peer, per shard, per feature: (rows, selected bags or None).
+        rows_per_peer: Each peer's batch.
+
+    Returns:
+        The gradient of this rank's output.
+    """
+    d = _one_dim([specs])
+    n = sum(s.num_features for s in specs)
+    flat = [b for bs in blocks for b in bs]
+    b_all = sum(rows_per_peer)
+    if d is None or not flat:
+        pieces = []
+        for bs, fs, rows in zip(blocks, feats_per_peer, rows_per_peer, strict=True):
+            parts = [place_grad_block(b, s, rows, f) for b, s, f in zip(bs, specs, fs, strict=True)]
+            pieces.append(torch.cat(parts, dim=1) if parts else torch.empty((rows, 0)))
+        return torch.cat(pieces)
+    out = flat[0].new_zeros((b_all * n, d))
+    row0 = 0
+    for bs, fs, rows in zip(blocks, feats_per_peer, rows_per_peer, strict=True):
+        j = 0
+        for b, ff in zip(bs, fs, strict=True):
+            idx = [
+                (row0 + (_arange(r, b.device) if sel is None else sel)) * n + j + f
+                for f, (r, sel) in enumerate(ff)
+            ]
+            out.index_copy_(0, torch.cat(idx), b)
+            j += len(ff)
+        row0 += rows
+    return out.view(b_all, n * d)
 
 
 def peer_blocks(

@@ -78,10 +78,10 @@ def time_seam_step(
     """
     from torchrec_lossy.distributed.pooled_blocks import (
         cut_block,
-        expand_block,
+        expand_blocks,
         join_blocks,
-        place_grad_block,
-        reduce_grad_block,
+        place_grad_blocks,
+        reduce_grad_blocks,
     )
 
     if world_size < 1 or rows < 1 or not tables:
@@ -116,24 +116,11 @@ def time_seam_step(
             [cut_block(x, p * rows, rows, 0, s, f[1]) for s, f in zip(specs, own[p], strict=True)]
             for p in range(w)
         ]
-        pieces = [
-            expand_block(b, s, rows, f[0]) for b, s, f in zip(arrived, specs_all, mine, strict=True)
-        ]
-        torch.cat(pieces, dim=1)
+        expand_blocks([arrived], [specs_all], [[f[0] for f in mine]], rows)
         # Backward: the receiver sums per distinct bag, the owner places (the cut blocks stand
         # in for the gradient blocks it receives: the same shapes).
-        [reduce_grad_block(grad, 0, s, f[0]) for s, f in zip(specs_all, mine, strict=True)]
-        placed = [
-            torch.cat(
-                [
-                    place_grad_block(b, s, rows, f[1])
-                    for b, s, f in zip(bs, specs, own[p], strict=True)
-                ],
-                1,
-            )
-            for p, bs in enumerate(sent)
-        ]
-        torch.cat(placed)
+        reduce_grad_blocks(grad, [specs_all], [[f[0] for f in mine]])
+        place_grad_blocks(sent, specs, [[f[1] for f in own[p]] for p in range(w)], [rows] * w)
 
     received = torch.randn(w, rows, -(-d_all // w), generator=g).to(device)
 
