@@ -243,6 +243,7 @@ _Feats = Sequence[tuple[int, torch.Tensor | None]]
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """Row indices ``0..n-1`` (a feature that is not deduplicated: every row, in order)."""
     return torch.arange(n, dtype=torch.int64, device=device)
 
 
