@@ -73,7 +73,7 @@ _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 
 
 @dataclass(frozen=True)
-class _Columns(Generic[_Array]):
+class Columns(Generic[_Array]):
     """The int64 columns a compress derives from shapes, bounds and config: numpy arrays on the
     host, tensors on the device (``host_sync.upload_record``). Per block unless said."""
 
@@ -100,10 +100,10 @@ class _Columns(Generic[_Array]):
 
 
 @dataclass(frozen=True)
-class _HostTables:
+class HostTables:
     """Everything a compress derives from shapes, bounds and config, on the host (no data)."""
 
-    cols: _Columns[np.ndarray]  # uploaded in one copy
+    cols: Columns[np.ndarray]  # uploaded in one copy
     n_blocks: int  # of all payloads
     n_elems: int
     n_rows: int
@@ -132,7 +132,7 @@ def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
     return slots, first_slot, slot_blk, slot_k, stream_words
 
 
-def _segment_max(c: _Columns[np.ndarray], numel: np.ndarray) -> int:
+def _segment_max(c: Columns[np.ndarray], numel: np.ndarray) -> int:
     """Worst-case words of all segments: per block, the largest of its modes' worst cases."""
     refs_max = words_for_bits(c.rows * 33)
     quant_max = (
@@ -147,14 +147,14 @@ def _segment_max(c: _Columns[np.ndarray], numel: np.ndarray) -> int:
     return int(np.where(c.quant_try == 1, np.maximum(seg_max, quant_max), seg_max).sum())
 
 
-def _host_tables(
+def host_tables(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
     kinds: Sequence[int],
     group_sizes: Sequence[int],
     config: CodecConfig,
-) -> _HostTables:
-    """:class:`_HostTables` of a compress (arguments as :func:`start_groups_device`)."""
+) -> HostTables:
+    """:class:`HostTables` of a compress (arguments as :func:`start_groups_device`)."""
     b = len(blocks)
     if b >= 1 << 23:  # the row hash keeps the block id in 23 bits
         raise ValueError(f"{b} blocks in one payload: pass fewer than 2**23")
@@ -185,7 +185,7 @@ def _host_tables(
         row_off=row_off,
         dim=dim,
     )
-    cols = _Columns(
+    cols = Columns(
         rows=rows,
         dim=dim,
         itemsize=itemsize,
@@ -207,7 +207,7 @@ def _host_tables(
         mults=column_multipliers(max(max_dim, 1)),
         record=record.reshape(-1),
     )
-    return _HostTables(
+    return HostTables(
         cols=cols,
         n_blocks=b,
         n_elems=int(numel.sum()),
@@ -225,7 +225,7 @@ def _host_tables(
 # ---- the device stages' records ----------------------------------------------------------------
 
 
-class _Flat(NamedTuple):
+class Flat(NamedTuple):
     """Every element and every row of the blocks, back to back in block order."""
 
     x: torch.Tensor  # float32 value of every element
@@ -245,7 +245,7 @@ class _Flat(NamedTuple):
         return torch.where(valid, self.r_elem[row.clamp(max=last)] + self.e_loc % self.e_dim, 0)
 
 
-class _Dedupe(NamedTuple):
+class Dedupe(NamedTuple):
     """Repeated rows of every block (``vector_lz.representatives``)."""
 
     first: torch.Tensor  # per row, 1 for a first occurrence
@@ -254,7 +254,7 @@ class _Dedupe(NamedTuple):
     n_unique: torch.Tensor  # per block, its distinct vectors
     first_rows: torch.Tensor  # block b's first occurrences' rows at [base[b], + n_unique[b])
 
-    def row(self, flat: _Flat, vec: torch.Tensor) -> torch.Tensor:
+    def row(self, flat: Flat, vec: torch.Tensor) -> torch.Tensor:
         """Per element lane, the flat row of distinct vector ``vec`` of the lane's block."""
         return self.first_rows[(self.base[flat.e_blk] + vec).clamp(max=flat.r_blk.shape[0])]
 
@@ -269,7 +269,7 @@ class _Codes(NamedTuple):
     n_esc: torch.Tensor  # escapes
 
 
-class _Sends(NamedTuple):
+class Sends(NamedTuple):
     """What every block sends, each [n_blocks]."""
 
     mode: torch.Tensor  # MODE_* (without MODE_VALUE)
@@ -290,7 +290,7 @@ class _Sends(NamedTuple):
     refs_words: torch.Tensor
 
 
-class _Coded(NamedTuple):
+class Coded(NamedTuple):
     """The sent symbol stream (element layout: block b's at elem_off[b], n_sym[b] long), coded."""
 
     valid: torch.Tensor  # per element lane, whether it carries a sent symbol
@@ -302,7 +302,7 @@ class _Coded(NamedTuple):
     words: torch.Tensor  # per block, its stream words
 
 
-class _Sections(NamedTuple):
+class Sections(NamedTuple):
     """Where everything goes, in words of the buffer (payloads back to back)."""
 
     seg_words: torch.Tensor  # per block
@@ -320,8 +320,8 @@ class _Sections(NamedTuple):
 # ---- the device stages ---------------------------------------------------------------------
 
 
-def _flatten(blocks: Sequence[torch.Tensor], ht: _HostTables, t: _Columns) -> _Flat:
-    """:class:`_Flat` of the blocks."""
+def flatten(blocks: Sequence[torch.Tensor], ht: HostTables, t: Columns) -> Flat:
+    """:class:`Flat` of the blocks."""
     dev = t.rows.device
     flat = [b.detach().contiguous().reshape(-1) for b in blocks]
     x = torch.cat([torch.zeros(0, device=dev), *(f.float() for f in flat)])
@@ -333,10 +333,10 @@ def _flatten(blocks: Sequence[torch.Tensor], ht: _HostTables, t: _Columns) -> _F
     e_loc = torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk]
     r_loc = torch.arange(ht.n_rows, device=dev) - t.row_off[r_blk]
     r_elem = t.elem_off[r_blk] + r_loc * t.dim[r_blk]
-    return _Flat(x, bits, e_blk, e_loc, t.dim[e_blk].clamp(min=1), r_blk, r_elem)
+    return Flat(x, bits, e_blk, e_loc, t.dim[e_blk].clamp(min=1), r_blk, r_elem)
 
 
-def _bases(counts: torch.Tensor) -> torch.Tensor:
+def bases(counts: torch.Tensor) -> torch.Tensor:
     """Exclusive prefix sums of int64 counts with the total appended (``n + 1`` entries)."""
     return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
@@ -347,7 +347,7 @@ def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -
     return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
 
 
-def _grid(k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
+def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGrid:
     """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
     ``block_grid``) from its finite min / max and, where the rule centers on it, its median
     (``quantize.block_medians``: a radix select, no sort); center int64."""
@@ -370,8 +370,8 @@ def _grid(k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat) -> BlockGrid:
     return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
 
 
-def _quantize(
-    k: KernelSet, ht: _HostTables, t: _Columns, flat: _Flat, cols: EncodeColumns
+def quantize_stage(
+    k: KernelSet, ht: HostTables, t: Columns, flat: Flat, cols: EncodeColumns
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 2: quantize, escapes and histograms (``quantize.quantize_tiles``, one launch).
 
@@ -385,14 +385,14 @@ def _quantize(
     return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
 
 
-def _vector_lz(
+def vector_lz_stage(
     k: KernelSet,
     symbols: torch.Tensor | None,
-    ht: _HostTables,
-    t: _Columns,
-    flat: _Flat,
+    ht: HostTables,
+    t: Columns,
+    flat: Flat,
     cols: EncodeColumns,
-) -> _Dedupe:
+) -> Dedupe:
     """Stage 3: repeated rows of every block, over the quantized symbols or (None) the raw bits
     (``vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
     r_blk, dev = flat.r_blk, flat.x.device
@@ -400,14 +400,14 @@ def _vector_lz(
         symbols, flat.bits, r_blk, cols, ht.max_dim, t.mults
     )
     firsts = is_first.to(torch.int64)
-    rank0 = _bases(firsts)
+    rank0 = bases(firsts)
     rank = rank0[1:]  # inclusive count of first occurrences
     base = rank0[t.row_off]  # first occurrences in the blocks before
     n_rows = r_blk.shape[0]
     ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
-    first_rows = _WordBuffer(n_rows, n_rows, dev)  # each first occurrence at its rank
+    first_rows = WordBuffer(n_rows, n_rows, dev)  # each first occurrence at its rank
     first_rows.put(rank - 1, torch.arange(n_rows, device=dev), firsts == 1)
-    return _Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
+    return Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
 
 
 def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
@@ -425,7 +425,7 @@ def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
 
 
 def _choose_mode(
-    t: _Columns, quant_ok: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe
+    t: Columns, quant_ok: torch.Tensor, c: _Codes, dq: Dedupe, dr: Dedupe
 ) -> torch.Tensor:
     """Stage 4b: the mode of every block, by ``size_model`` (as on the host path)."""
     nb = t.rows.shape[0]
@@ -441,8 +441,8 @@ def _choose_mode(
 
 
 def _sends(
-    k: KernelSet, t: _Columns, mode: torch.Tensor, c: _Codes, dq: _Dedupe, dr: _Dedupe, chunk: int
-) -> _Sends:
+    k: KernelSet, t: Columns, mode: torch.Tensor, c: _Codes, dq: Dedupe, dr: Dedupe, chunk: int
+) -> Sends:
     """Stage 5a: what every block sends, from its mode."""
     nb = mode.shape[0]
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
@@ -454,7 +454,7 @@ def _sends(
     sel = torch.where(is_qlz, nb + blk_ids, blk_ids)  # which histogram / code each block uses
     lengths = c.lengths[sel]
     ref_mode, _, ref_bits = refs_packing(t.rows, torch.where(has_refs, n_sent, 1))
-    return _Sends(
+    return Sends(
         mode=mode,
         is_q=is_q,
         is_qlz=is_qlz,
@@ -476,13 +476,13 @@ def _sends(
 
 def _encode(
     k: KernelSet,
-    ht: _HostTables,
-    t: _Columns,
-    flat: _Flat,
+    ht: HostTables,
+    t: Columns,
+    flat: Flat,
     sym: torch.Tensor,
-    dq: _Dedupe,
-    s: _Sends,
-) -> _Coded:
+    dq: Dedupe,
+    s: Sends,
+) -> Coded:
     """Stage 5b: the sent symbol stream and the Huffman encode of every chunk of every block
     (``huffman.encode_chunks``, chunk slots sized for the worst case)."""
     e_blk, e_loc, dev = flat.e_blk, flat.e_loc, flat.x.device
@@ -509,10 +509,10 @@ def _encode(
     base = ends0[t.first_slot]
     words = ends0[t.first_slot + t.n_slots] - base
     bits = flat.bits[src] if ht.n_elems else flat.bits
-    return _Coded(valid, sent, bits, chunk_ends, stream, base, words)
+    return Coded(valid, sent, bits, chunk_ends, stream, base, words)
 
 
-def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -> _Sections:
+def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Sections:
     """Stage 6: every section's offset (cumsums); payload g's header, descriptors and segments
     from ``payload_base[g]`` on."""
     uniq_words = torch.where(s.is_lz, words_for_bytes(dr.n_unique * t.dim * t.itemsize), 0)
@@ -525,14 +525,14 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
     group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
     body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
     payload_words = HEADER_WORDS + body_words
-    payload_base = _bases(payload_words)[:-1]
-    segs_before = _bases(seg_words)[:-1] - _bases(group_segs)[group]  # in the group
+    payload_base = bases(payload_words)[:-1]
+    segs_before = bases(seg_words)[:-1] - bases(group_segs)[group]  # in the group
     head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
     seg_start = (payload_base + head)[group] + segs_before
     refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
     escp_at = refs_at + s.refs_words
     table_at = escp_at + esc_words
-    return _Sections(
+    return Sections(
         seg_words=seg_words,
         payload_base=payload_base,
         payload_words=payload_words,
@@ -546,7 +546,7 @@ def _sections(t: _Columns, s: _Sends, dr: _Dedupe, stream_words: torch.Tensor) -
     )
 
 
-class _WordBuffer:
+class WordBuffer:
     """An int64 buffer and the masked writes into it: the payloads' words (int64 lanes holding
     uint32 words), or the table of a dedupe's first rows.
 
@@ -592,8 +592,8 @@ class _WordBuffer:
         self.put(at + torch.where(wide, k, k // 2), value, valid)
 
 
-def _put_descriptors(
-    out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections,
+def put_descriptors(
+    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections,
     packed_bit: int = 0,
 ) -> None:  # fmt: skip
     """Every block's descriptor (``packed_bit``: added to the quantized blocks' mode byte)."""
@@ -611,12 +611,12 @@ def _put_descriptors(
 
 
 def _put_headers(
-    out: _WordBuffer, t: _Columns, rec: EncodeColumns, s: _Sends, sec: _Sections, chunk: int
+    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections, chunk: int
 ) -> None:
     """Descriptors, segment headers (every mode but raw; mode lz fills n_unique and the
     references only) and codebook nibbles (lengths of symbols sym_lo .., low nibble first);
     the grid from the launchers' record."""
-    _put_descriptors(out, t, rec, s, sec)
+    put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
     head = segment_header_words(
         (
@@ -644,13 +644,13 @@ def _put_headers(
     )
 
 
-def _put_references(
-    out: _WordBuffer,
-    t: _Columns,
-    flat: _Flat,
-    s: _Sends,
-    sec: _Sections,
-    dedupes: tuple[_Dedupe, _Dedupe],
+def put_references(
+    out: WordBuffer,
+    t: Columns,
+    flat: Flat,
+    s: Sends,
+    sec: Sections,
+    dedupes: tuple[Dedupe, Dedupe],
 ) -> None:
     """Every block's vector references, MSB-first: fixed width, or a flag bit (1: first
     occurrence) and the repeats' ids (``dedupes``: over the symbols, over the raw bits)."""
@@ -662,7 +662,7 @@ def _put_references(
     r_len = torch.where(flagged & first, 1, s.ref_width[r_blk] + flagged.to(torch.int64))
     r_len = torch.where(s.has_refs[r_blk], r_len, 0)
     r_val = torch.where(flagged & first, 1, torch.where(qlz, dq.ids, dr.ids))
-    r_start = _bases(r_len)
+    r_start = bases(r_len)
     pos = r_start[:-1] - r_start[t.row_off[r_blk]]
     end = pos % 32 + r_len
     head = torch.where(
@@ -673,18 +673,18 @@ def _put_references(
     out.put(at + 1, (r_val << (64 - end).clamp(0, 63)) & MASK32, end > 32)
 
 
-def _put_escapes(out: _WordBuffer, t: _Columns, flat: _Flat, c: _Coded, sec: _Sections) -> None:
+def put_escapes(out: WordBuffer, t: Columns, flat: Flat, c: Coded, sec: Sections) -> None:
     """Escapes: positions in the sent stream, then the escaped elements' raw bits."""
     e_blk = flat.e_blk
     is_esc = c.valid & (c.sym == ESCAPE_SYMBOL)
-    rank0 = _bases(is_esc.to(torch.int64))
+    rank0 = bases(is_esc.to(torch.int64))
     k = rank0[:-1] - rank0[t.elem_off[e_blk]]
     out.put(sec.escp_at[e_blk] + k, flat.e_loc, is_esc)
     out.put_elements(sec.escb_at[e_blk], k, t.itemsize[e_blk], c.bits, is_esc)
 
 
 def _put_streams(
-    out: _WordBuffer, ht: _HostTables, t: _Columns, s: _Sends, c: _Coded, sec: _Sections
+    out: WordBuffer, ht: HostTables, t: Columns, s: Sends, c: Coded, sec: Sections
 ) -> None:
     """Chunk tables (chunk ends relative to the block's bitstream), then the bitstreams."""
     slot_blk, slot_k = t.slot_blk, t.slot_k
@@ -698,9 +698,7 @@ def _put_streams(
     out.put(dest, c.stream.to(torch.int64) & MASK32, w_used & s.is_q[w_blk])
 
 
-def _put_rows(
-    out: _WordBuffer, t: _Columns, flat: _Flat, s: _Sends, dr: _Dedupe, sec: _Sections
-) -> None:
+def put_rows(out: WordBuffer, t: Columns, flat: Flat, s: Sends, dr: Dedupe, sec: Sections) -> None:
     """Raw blocks, and the distinct rows of lossless vector-LZ blocks."""
     e_blk, e_loc = flat.e_blk, flat.e_loc
     size = t.itemsize[e_blk]
@@ -710,8 +708,8 @@ def _put_rows(
     out.put_elements(sec.escp_at[e_blk], e_loc, size, flat.bits[src], valid)
 
 
-def _close(
-    out: _WordBuffer, ht: _HostTables, t: _Columns, sec: _Sections, group_sizes: list[int],
+def close(
+    out: WordBuffer, ht: HostTables, t: Columns, sec: Sections, group_sizes: list[int],
     flags: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
@@ -797,17 +795,20 @@ def start_groups_device(
         return start_packed_groups(blocks, bounds, kinds, group_sizes, config, kernels)
     k, group_sizes = kernels, list(group_sizes)  # k: as the stage functions name it
     with profile_range("## lossy_codec encode ##"):
-        ht = _host_tables(blocks, bounds, kinds, group_sizes, config)
+        ht = host_tables(blocks, bounds, kinds, group_sizes, config)
         dev = blocks[0].device if blocks else torch.device("cpu")
-        t: _Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
-        flat = _flatten(blocks, ht, t)
-        grid = _grid(k, ht, t, flat)
+        t: Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
+        flat = flatten(blocks, ht, t)
+        grid = grid_stage(k, ht, t, flat)
         # The launchers' record: the host laid out every field but the grid's.
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
-        sym, hist, max_err = _quantize(k, ht, t, flat, cols)
-        dq, dr = _vector_lz(k, sym, ht, t, flat, cols), _vector_lz(k, None, ht, t, flat, cols)
+        sym, hist, max_err = quantize_stage(k, ht, t, flat, cols)
+        dq, dr = (
+            vector_lz_stage(k, sym, ht, t, flat, cols),
+            vector_lz_stage(k, None, ht, t, flat, cols),
+        )
         # Distinct rows' histograms: the quantized symbols of first occurrences only.
         keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
         hist_u = k.huffman.histogram_tiles(
@@ -816,16 +817,16 @@ def start_groups_device(
         codes = _codes(k, torch.cat([hist, hist_u]), ht.chunk)
         s = _sends(k, t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
         coded = _encode(k, ht, t, flat, sym, dq, s)
-        sec = _sections(t, s, dr, coded.words)
+        sec = sections(t, s, dr, coded.words)
         nb = ht.n_blocks
         lanes = (ht.n_elems, ht.n_rows, ht.stream_words, t.slot_blk.shape[0], nb * ESCAPE_SYMBOL)
-        out = _WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
+        out = WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
         _put_headers(out, t, cols, s, sec, ht.chunk)
-        _put_references(out, t, flat, s, sec, (dq, dr))
-        _put_escapes(out, t, flat, coded, sec)
+        put_references(out, t, flat, s, sec, (dq, dr))
+        put_escapes(out, t, flat, coded, sec)
         _put_streams(out, ht, t, s, coded, sec)
-        _put_rows(out, t, flat, s, dr, sec)
-        words32, skeleton = _close(out, ht, t, sec, group_sizes)
+        put_rows(out, t, flat, s, dr, sec)
+        words32, skeleton = close(out, ht, t, sec, group_sizes)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
         readback = torch.cat(
@@ -851,7 +852,7 @@ class PendingCompress:
 
     words: torch.Tensor
     readback: torch.Tensor
-    tables: _HostTables
+    tables: HostTables
     group_sizes: list[int]
 
     @property

@@ -68,24 +68,24 @@ class _Stream(NamedTuple):
     stream_words: torch.Tensor  # per block, words of its widths and codes
 
 
-def _group_slots(t: dcx._Columns, ht: dcx._HostTables, dev: torch.device) -> tuple:
+def _group_slots(t: dcx.Columns, ht: dcx.HostTables, dev: torch.device) -> tuple:
     """Static group slots (every element sent): per block its first slot; per slot its block
     and its group within the block (shapes only, no data)."""
     per_block = (t.rows * t.dim + PACKED_GROUP - 1) // PACKED_GROUP
     c = ht.cols
     n_slots = int(((c.rows * c.dim + PACKED_GROUP - 1) // PACKED_GROUP).sum())  # host: no sync
-    first = dcx._bases(per_block)
+    first = dcx.bases(per_block)
     blk = torch.arange(t.rows.shape[0], device=dev)
     s_blk = torch.repeat_interleave(blk, per_block, output_size=n_slots)
     return first, s_blk, torch.arange(n_slots, device=dev) - first[s_blk]
 
 
 def _stream(
-    t: dcx._Columns,
-    ht: dcx._HostTables,
-    flat: dcx._Flat,
+    t: dcx.Columns,
+    ht: dcx.HostTables,
+    flat: dcx.Flat,
     sym: torch.Tensor,
-    dq: dcx._Dedupe,
+    dq: dcx.Dedupe,
     ok: torch.Tensor,
 ) -> _Stream:
     """Every quantizable block's packed stream: its distinct rows where some repeat and
@@ -113,7 +113,7 @@ def _stream(
     # no host-to-device copy).
     shifts = torch.arange(PACKED_MAX_WIDTH, device=dev)
     widths = torch.where(used, ((top[:, None] >> shifts) > 0).sum(dim=1), 0)
-    w_before = dcx._bases(widths)
+    w_before = dcx.bases(widths)
     code_off = w_before[:-1] - w_before[first[s_blk]]
     n_esc = torch.zeros_like(t.rows).index_add_(0, e_blk, is_esc.to(torch.int64))
     code_words = w_before[first[1:]] - w_before[first[:-1]]
@@ -125,7 +125,7 @@ def _stream(
 
 
 def _choose_mode(
-    t: dcx._Columns, ok: torch.Tensor, st: _Stream, dq: dcx._Dedupe, dr: dcx._Dedupe
+    t: dcx.Columns, ok: torch.Tensor, st: _Stream, dq: dcx.Dedupe, dr: dcx.Dedupe
 ) -> torch.Tensor:
     """The mode of every block by ``size_model`` over the packed segments' exact words (the
     host's ``_choose_lossy`` and ``_segments``)."""
@@ -140,8 +140,8 @@ def _choose_mode(
     return sm.choose_lossless(mode, best, tried, lossless_w, t.rows * t.dim)
 
 
-def _sends(t: dcx._Columns, mode: torch.Tensor, st: _Stream, dq: dcx._Dedupe,
-           dr: dcx._Dedupe) -> dcx._Sends:  # fmt: skip
+def _sends(t: dcx.Columns, mode: torch.Tensor, st: _Stream, dq: dcx.Dedupe,
+           dr: dcx.Dedupe) -> dcx.Sends:  # fmt: skip
     """What every block sends (the entropy path's record; no codebook, no chunk table: the
     widths and codes are the segment's 'stream')."""
     is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
@@ -150,7 +150,7 @@ def _sends(t: dcx._Columns, mode: torch.Tensor, st: _Stream, dq: dcx._Dedupe,
     n_sent = torch.where(is_qlz, dq.n_unique, torch.where(is_lz, dr.n_unique, t.rows))
     ref_mode, _, ref_bits = refs_packing(t.rows, torch.where(has_refs, n_sent, 1))
     zero = torch.zeros_like(mode)
-    return dcx._Sends(
+    return dcx.Sends(
         mode=mode,
         is_q=is_q,
         is_qlz=is_qlz,
@@ -171,8 +171,8 @@ def _sends(t: dcx._Columns, mode: torch.Tensor, st: _Stream, dq: dcx._Dedupe,
 
 
 def _put_codes(
-    out: dcx._WordBuffer, t: dcx._Columns, ht: dcx._HostTables, flat: dcx._Flat, st: _Stream,
-    s: dcx._Sends, sec: dcx._Sections,
+    out: dcx.WordBuffer, t: dcx.Columns, ht: dcx.HostTables, flat: dcx.Flat, st: _Stream,
+    s: dcx.Sends, sec: dcx.Sections,
 ) -> None:  # fmt: skip
     """Width bytes (at the section ``table_at``), then every sent value's code LSB-first at
     bit ``k * w`` of its group's words (a code may straddle two words)."""
@@ -191,8 +191,8 @@ def _put_codes(
 
 
 def _put_segment_heads(
-    out: dcx._WordBuffer, t: dcx._Columns, rec: EncodeColumns, s: dcx._Sends, st: _Stream,
-    sec: dcx._Sections,
+    out: dcx.WordBuffer, t: dcx.Columns, rec: EncodeColumns, s: dcx.Sends, st: _Stream,
+    sec: dcx.Sections,
 ) -> None:  # fmt: skip
     """Every packed and lz segment's header (lz: n_unique and the references only); a packed
     one's checksum over its words after the header (written last)."""
@@ -243,32 +243,32 @@ def start_packed_groups(
     """
     k, group_sizes = kernels, list(group_sizes)
     with profile_range("## lossy_codec encode packed ##"):
-        ht = dcx._host_tables(blocks, bounds, kinds, group_sizes, config)
+        ht = dcx.host_tables(blocks, bounds, kinds, group_sizes, config)
         dev = blocks[0].device if blocks else torch.device("cpu")
-        t: dcx._Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
-        flat = dcx._flatten(blocks, ht, t)
-        grid = dcx._grid(k, ht, t, flat)
+        t: dcx.Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
+        flat = dcx.flatten(blocks, ht, t)
+        grid = dcx.grid_stage(k, ht, t, flat)
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
-        sym, _, max_err = dcx._quantize(k, ht, t, flat, cols)
-        dq = dcx._vector_lz(k, sym, ht, t, flat, cols)
-        dr = dcx._vector_lz(k, None, ht, t, flat, cols)
+        sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols)
+        dq = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
+        dr = dcx.vector_lz_stage(k, None, ht, t, flat, cols)
         st = _stream(t, ht, flat, sym, dq, grid.ok)
         s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
-        sec = dcx._sections(t, s, dr, st.stream_words)
+        sec = dcx.sections(t, s, dr, st.stream_words)
         nb = ht.n_blocks
         lanes = (ht.n_elems, ht.n_rows, st.widths.shape[0])
-        out = dcx._WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb, 1), dev)
-        dcx._put_descriptors(out, t, cols, s, sec, MODE_PACKED)
+        out = dcx.WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb, 1), dev)
+        dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
         sent = st.valid & s.is_q[flat.e_blk]  # the stream of a block sent quantized
-        coded = dcx._Coded(sent, st.sym, st.bits, st.n_esc, st.sym, st.n_esc, st.n_esc)
-        dcx._put_references(out, t, flat, s, sec, (dq, dr))
-        dcx._put_escapes(out, t, flat, coded, sec)
+        coded = dcx.Coded(sent, st.sym, st.bits, st.n_esc, st.sym, st.n_esc, st.n_esc)
+        dcx.put_references(out, t, flat, s, sec, (dq, dr))
+        dcx.put_escapes(out, t, flat, coded, sec)
         _put_codes(out, t, ht, flat, st, s, sec)
-        dcx._put_rows(out, t, flat, s, dr, sec)
+        dcx.put_rows(out, t, flat, s, dr, sec)
         _put_segment_heads(out, t, cols, s, st, sec)
-        words32, skeleton = dcx._close(out, ht, t, sec, group_sizes, FLAG_PACKED)
+        words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
         readback = torch.cat(
