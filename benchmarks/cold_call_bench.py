@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from torchrec_lossy.codec import compress_groups, decompress_groups
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, cut_block
 from torchrec_lossy.distributed.pooled_decode import decode_payloads
 from torchrec_lossy.distributed.pooled_payload import start_encode, warm_up_host
@@ -91,6 +92,7 @@ def all_calls(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
         batch_size_per_rank=[args.rows, args.rows],
         layout=[specs, specs],
         comms=comms,
+        ledger=CallLedger(),
         compress=comms.compress_flags(names),
     )
     # Embedding-like rows: a few hundred distinct vectors, repeated (ids repeat in a batch).

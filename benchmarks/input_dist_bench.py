@@ -63,6 +63,7 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 from torchrec.distributed.types import CommOp
 
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
 from torchrec_lossy.distributed.dedupe import distinct_bags
 from torchrec_lossy.distributed.input_dist import encode_with_telemetry
@@ -164,6 +165,7 @@ def _default_info(
         batch_size_per_rank=[batch] * len(layout),
         layout=layout,
         comms=comms,
+        ledger=CallLedger(),
         compress=comms.compress_flags(names),
     )
 

@@ -32,6 +32,7 @@ def _device_path_info(world_size: int) -> Any:
     from torchrec_lossy.codec import CodecConfig
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
+    from torchrec_lossy.distributed.call_ledger import CallLedger
     from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo
 
     config = LossyCommsConfig(
@@ -45,6 +46,7 @@ def _device_path_info(world_size: int) -> Any:
         batch_size_per_rank=[B] * world_size,
         layout=layout,
         comms=comms,
+        ledger=CallLedger(),
         compress=comms.compress_flags(["a", "b"]),
     )
 
@@ -67,10 +69,10 @@ def _worker(rank: int, world_size: int) -> dict[str, int]:
     out.sum().backward()
     counts["bwd"] = host_sync.host_reads() - before
     before = host_sync.host_reads()
-    read_checked(comms.ledger)  # the backward's decode status, still pending: one read
+    read_checked(info.ledger)  # the backward's decode status, still pending: one read
     counts["flush"] = host_sync.host_reads() - before
     before = host_sync.host_reads()
-    read_checked(comms.ledger)  # nothing pending: no read
+    read_checked(info.ledger)  # nothing pending: no read
     counts["flush_again"] = host_sync.host_reads() - before
     counts["self_fwd"] = comms.stats.self_bytes("fwd")
     assert out.shape == (B, 8 * world_size)
@@ -133,7 +135,7 @@ def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
     out["grad_untouched"] = x.grad is None
 
     comms.payload_hook = flip("bwd")
-    comms.ledger.steps = 7
+    info.ledger.steps = 7
     x.grad = None
     y = alltoall_pooled_lossy(x, info).wait()
     y.sum().backward()  # completes: the corrupt gradient blocks are zeros
@@ -143,7 +145,7 @@ def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
     own = x.grad[B * rank : B * (rank + 1)]  # the self block: exact (1 / world: TorchRec's
     out["bwd_own_grad_exact"] = bool(torch.all(own == 1 / world_size))  # gradient division)
     try:
-        read_checked(comms.ledger)  # what check_lossy_decodes does per module
+        read_checked(info.ledger)  # what check_lossy_decodes does per module
         out["bwd_error"] = "no error"
     except LossyAllToAllError as e:
         out["bwd_error"] = str(e)

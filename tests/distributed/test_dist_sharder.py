@@ -637,6 +637,8 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     saved = bounds_state(dmp)
     step_lossy_bounds(dmp)
     stepped = int(sharded.lossy_comms.bounds.steps)
+    ledger = sharded.lossy_ledger
+    ledger_steps, fwd_calls = ledger.steps, ledger.start("fwd").call
     load_bounds_state(dmp, saved)
     try:
         load_bounds_state(dmp, {"no.such.module": {}})
@@ -656,6 +658,9 @@ def _worker_pipeline(rank: int, world_size: int) -> dict[str, Any]:
         "saved_steps": {name: int(v["steps"]) for name, v in saved.items()},
         "stepped": stepped,
         "restored_steps": int(sharded.lossy_comms.bounds.steps),
+        "ledger_steps": ledger_steps,
+        "fwd_calls": fwd_calls,
+        "ledger_on_comms": hasattr(sharded.lossy_comms, "ledger"),
         "bad_key": bad_key,
     }
 
@@ -684,4 +689,8 @@ def test_planner_pipeline_profiler_and_bound_provider_state() -> None:
         assert r["lossy_modules"] == ["_dmp_wrapped_module.module.ebc"]
         assert r["saved_steps"] == {"_dmp_wrapped_module.module.ebc": 6}
         assert (r["stepped"], r["restored_steps"]) == (7, 6)
+        # One ledger per module, stepped by step_lossy_bounds, drawn from by all its dists:
+        # 6 forwards x 4 lossy output dists (TW, CW, TWCW, RW) numbered 0..23 together.
+        assert (r["ledger_steps"], r["fwd_calls"]) == (7, 24)
+        assert not r["ledger_on_comms"]  # LossyComms: configuration and statistics only
         assert "no.such.module" in r["bad_key"] and "module.ebc" in r["bad_key"]

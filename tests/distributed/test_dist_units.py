@@ -21,6 +21,7 @@ from torchrec_lossy.distributed import (
     StaticBounds,
     error_sample,
 )
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
     cut_block,
@@ -47,6 +48,7 @@ def _info(config: LossyCommsConfig, layout: list[tuple[BlockSpec, ...]]) -> Loss
         batch_size_per_rank=[0] * len(layout),
         layout=layout,
         comms=comms,
+        ledger=CallLedger(),
         compress=comms.compress_flags(["a", "b", "c"]),
     )
 
@@ -246,7 +248,7 @@ def test_stochastic_forward_draws_afresh_per_call_and_reruns_reproduce() -> None
     blocks = [[cut_block(x, 0, 64, 0, s) for s in SPECS]]
 
     def run(info: LossyAll2AllPooledInfo, direction: str = "fwd") -> torch.Tensor:
-        record = info.comms.ledger.start(direction)  # as the exchange draws it
+        record = info.ledger.start(direction)  # as the exchange draws it
         payloads = start_encode(direction, blocks, [SPECS], info, x.device, record=record).read()
         got = decode_payloads(direction, payloads[0], [payloads[0].numel()], [SPECS], [64], info, 0)
         return got[0][0]
@@ -265,7 +267,7 @@ def test_a_call_encodes_from_its_own_record() -> None:
     """Each call draws an immutable record from the module's ledger (its number per direction,
     the step); the encode reads the seed and the exactness from the record alone: the same
     record encodes the same bytes, an exact record travels lossless."""
-    from torchrec_lossy.distributed.call_ledger import CallLedger, CallRecord
+    from torchrec_lossy.distributed.call_ledger import CallRecord
 
     ledger = CallLedger()
     assert ledger.start("fwd") == CallRecord("fwd", 0, None)
@@ -293,7 +295,7 @@ def test_a_call_encodes_from_its_own_record() -> None:
     exact = encode(CallRecord("fwd", 3, None, exact=True))
     got = decode_payloads("fwd", exact, [exact.numel()], [SPECS], [64], info, 0)
     assert all(torch.equal(g, b) for g, b in zip(got[0], blocks[0], strict=True))
-    assert info.comms.ledger.start("fwd").call == 0  # records passed in draw nothing
+    assert info.ledger.start("fwd").call == 0  # records passed in draw nothing
 
 
 def test_each_direction_picks_its_wire_and_a_cast_wire_gives_blocks_back() -> None:
@@ -351,7 +353,7 @@ def test_backward_payloads_stochastic_bad_input_and_exact_warning(
 
     def run(info: LossyAll2AllPooledInfo) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         blocks = [[cut_block(g, 0, 256, 0, s) for s in specs]]
-        record = info.comms.ledger.start("bwd")  # as the exchange draws it
+        record = info.ledger.start("bwd")  # as the exchange draws it
         payloads = start_encode("bwd", blocks, [specs], info, g.device, record=record).read()
         got = decode_payloads("bwd", payloads[0], [payloads[0].numel()], [specs], [256], info, 0)
         return blocks[0], got[0]

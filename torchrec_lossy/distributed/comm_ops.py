@@ -18,7 +18,7 @@ from torch.autograd import Function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import Awaitable, NoWait
 
-from torchrec_lossy.distributed.call_ledger import read_checked
+from torchrec_lossy.distributed.call_ledger import CallLedger, read_checked
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.exchange import (
     LOSSY_WIRE,
@@ -49,10 +49,12 @@ class ExchangeSteps(Protocol):
     counts, self blocks, skeletons) to the matching receive step's :func:`.exchange.receive`.
 
     Attributes:
-        comms: The module's dists' state (config, telemetry, the call ledger).
+        comms: The module's dists' configuration and telemetry.
+        ledger: The module's call ledger (its unread decode statuses).
     """
 
     comms: LossyComms
+    ledger: CallLedger
 
     def send_forward(
         self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
@@ -146,7 +148,7 @@ class LossyAll2AllWait(Function):
         if steps.comms.config.backward != "lossy":
             # No size exchange to ride: the forward's deferred decode status is read here,
             # before any gradient of this step leaves (no read if nothing is pending).
-            read_checked(steps.comms.ledger)
+            read_checked(steps.ledger)
         grad = grad_output.contiguous()
         myreq.tensor, myreq.req = steps.send_grad(grad, myreq, my_rank, world)
         return (None, None, myreq.dummy_tensor)
@@ -167,6 +169,11 @@ class PooledSteps:
     def comms(self) -> LossyComms:
         """The module's dists' state."""
         return self.info.comms
+
+    @property
+    def ledger(self) -> CallLedger:
+        """The module's call ledger."""
+        return self.info.ledger
 
     def send_forward(
         self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int

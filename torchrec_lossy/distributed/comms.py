@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from torchrec_lossy.config import ErrorBound, LossyCommsConfig
-from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.guard import BoundGuard
 from torchrec_lossy.distributed.stats import Direction, LossyCommsStats
 
@@ -107,7 +106,7 @@ PayloadHook = Callable[[Direction, int, torch.Tensor], torch.Tensor]
 
 @dataclass
 class LossyComms:
-    """State one sharded module's compressed dists share (a plain object, not a module).
+    """Configuration and statistics one sharded module's compressed dists share (a plain object).
 
     Attributes:
         config: The comms config.
@@ -117,12 +116,16 @@ class LossyComms:
             ``hook(direction, source_rank, payload) -> payload``; for fault injection in tests
             and for debugging. None in normal use.
         warned_exact: (direction, table) pairs already logged for travelling exactly.
-        ledger: The module's call counters (each call's :class:`~.call_ledger.CallRecord` is
-            drawn from it) and its calls whose device decode status is unread: per-call state
-            lives in those records and awaitables, not here.
         guard: Tightens bounds on the error sample's alerts (``comms.guard``); None when off.
+            Like ``bounds``, the run's bound policy: it changes only between steps, on every
+            rank alike, never within a call.
         send_raw: Every pooled block travels raw (set between steps, on every rank alike, by
-            the run's format re-check, :class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`).
+            the run's format re-check, :class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`):
+            the run's format, configuration that the re-check may change between steps.
+
+    Per-call state is not here: each call's record and decode status travel with the call, drawn
+    from and listed in the module's own :class:`~.call_ledger.CallLedger` (the sharded module's
+    ``lossy_ledger``, handed to its dists' constructors).
     """
 
     config: LossyCommsConfig
@@ -130,7 +133,6 @@ class LossyComms:
     stats: LossyCommsStats = field(default_factory=LossyCommsStats)
     payload_hook: PayloadHook | None = None
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
-    ledger: CallLedger = field(default_factory=CallLedger)
     guard: BoundGuard | None = None
     send_raw: bool = False
 

@@ -264,7 +264,7 @@ class LossyWire:
         wire), exchanges the sizes and skeletons, then the payloads (see
         :meth:`WireCodec.send`)."""
         exact = direction == "fwd" and info.exact_forward
-        myreq.record = info.comms.ledger.start(direction, exact)
+        myreq.record = info.ledger.start(direction, exact)
         pending = start_encode(
             direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record, telemetry
         )
@@ -297,7 +297,7 @@ class LossyWire:
         )  # fmt: skip
         if status is not None:  # owned by this call; the next host read of the module reads it
             myreq.decode_status = status
-            info.comms.ledger.owe_status(status)
+            info.ledger.owe_status(status)
         return blocks
 
 
@@ -315,7 +315,7 @@ def _size_then_payloads(
 
     Each peer gets its payload size and its codec payload's skeleton, from the device tensor the
     encoder left; the received entries, the encoder's pending values and the status of the
-    device decodes still unread (``comms.ledger``) are then read in ONE device-to-host copy
+    device decodes still unread (``info.ledger``) are then read in ONE device-to-host copy
     (the exchange's only host sync, ``read_checked``), after which the payloads exist and are
     sent. The received sizes and skeletons go to ``myreq`` (the decode then reads nothing back).
 
@@ -324,7 +324,7 @@ def _size_then_payloads(
         pending: From ``start_encode``.
         recv_meta_splits: Words expected from each peer (``size_entry_words``).
         myreq: The request (its group; receives the sizes and skeletons).
-        info: Comms state (its ledger's unread decode statuses are read here).
+        info: The call's parameters (its ledger's unread decode statuses are read here).
 
     Returns:
         (received bytes, the payload exchange's work).
@@ -338,7 +338,7 @@ def _size_then_payloads(
         ).wait()  # fmt: skip
         k = pending.readback.numel()
         # The unread decode status of earlier all-to-alls rides this read too.
-        host = read_checked(info.comms.ledger, torch.cat([pending.readback, recv_meta]))
+        host = read_checked(info.ledger, torch.cat([pending.readback, recv_meta]))
     payloads = pending.finish(host[:k].tolist())
     at = list(itertools.accumulate(recv_meta_splits, initial=0))
     myreq.recv_sizes = recv_sizes = [int(host[k + a]) for a in at[:-1]]

@@ -72,7 +72,7 @@ def step_lossy_bounds(model: nn.Module) -> None:
     for m in lossy_modules(model).values():
         comms = m.lossy_comms
         comms.bounds.step()
-        comms.ledger.end_step()
+        m.lossy_ledger.end_step()  # the module's step count (named by decode errors)
         if comms.guard is not None:
             comms.guard.step(comms.stats, module_process_group(m))
 
@@ -94,7 +94,7 @@ def check_lossy_decodes(model: nn.Module) -> None:
             training step and the source rank.
     """
     for m in lossy_modules(model).values():
-        read_checked(m.lossy_comms.ledger)
+        read_checked(m.lossy_ledger)
 
 
 def bounds_state(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
@@ -64,12 +65,14 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         pg: Process group of the all-to-all.
         layout: Per rank of ``pg``, its table shards (see :func:`pooled_layout`).
         comms: Shared config, bound provider, telemetry and hooks of the sharded module.
+        ledger: The sharded module's call ledger (each call's record is drawn from it, and the
+            exact forward of an evaluation read from it).
         device: Device of the embeddings (unused: buffers follow the input).
         callbacks: Functions applied to the result on wait (e.g. column-wise permutes).
 
     Example::
 
-        a2a = LossyPooledEmbeddingsAllToAll(pg, layout, comms)
+        a2a = LossyPooledEmbeddingsAllToAll(pg, layout, comms, CallLedger())
         out = a2a(local_embs, batch_size_per_rank=[4, 4]).wait()  # [4, D_global_sum]
     """
 
@@ -78,6 +81,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         pg: dist.ProcessGroup,
         layout: Sequence[Sequence[BlockSpec]],
         comms: LossyComms,
+        ledger: CallLedger,
         device: torch.device | None = None,
         callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ) -> None:
@@ -87,6 +91,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._pg = pg
         self._layout = [tuple(specs) for specs in layout]
         self._comms = comms
+        self._ledger = ledger
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
@@ -184,10 +189,11 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             batch_size_per_rank=list(batch_size_per_rank),
             layout=self._layout,
             comms=self._comms,
+            ledger=self._ledger,
             compress=self._raw if raw else self._compress,
             dtype=dtype,
             output_dedupe=output_dedupe,
-            exact_forward=self._comms.ledger.exact_forward,
+            exact_forward=self._ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._raw_plans if raw else self._plans,
@@ -244,6 +250,7 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
         emb_dim_per_rank_per_feature: Embedding dim per rank per feature.
         layout: Per rank, its table shards (see :func:`pooled_layout`).
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
         device: Device of the embeddings.
         callbacks: Functions applied to the result on wait.
         qcomm_codecs_registry: Kept for TorchRec's bookkeeping; the lossy dist replaces its
@@ -257,6 +264,7 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
         emb_dim_per_rank_per_feature: list[list[int]],
         layout: Sequence[Sequence[BlockSpec]],
         comms: LossyComms,
+        ledger: CallLedger,
         device: torch.device | None = None,
         callbacks: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
@@ -274,6 +282,7 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             raise ValueError(f"layout widths {got} differ from dim_sum_per_rank {dim_sum_per_rank}")
         self._layout = [tuple(specs) for specs in layout]
         self._comms = comms
+        self._ledger = ledger
         # Ours, not TorchRec's ``_dist`` (which stays None: this forward replaces the one that
         # reads it); created on first use, as TorchRec's, so callbacks added until then apply.
         self._lossy_a2a: LossyPooledEmbeddingsAllToAll | None = None
@@ -298,6 +307,7 @@ class LossyTwPooledEmbeddingDist(TwPooledEmbeddingDist):
                 pg=self._pg,
                 layout=self._layout,
                 comms=self._comms,
+                ledger=self._ledger,
                 device=self._device,
                 callbacks=self._callbacks,
             )

@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from torchrec_lossy.codec.container import skeleton_words
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
 
@@ -53,6 +54,8 @@ class LossyAll2AllPooledInfo:
         batch_size_per_rank: Batch size of every rank of the group.
         layout: Per rank of the group, its table shards in output column order.
         comms: Shared config, bound provider, telemetry and hooks.
+        ledger: The sharded module's call ledger: the call's record is drawn from it, an
+            unread device decode status listed in it.
         compress: Table name to whether its blocks go through the codec (else raw).
         dtype: Dtype of the pooled embeddings (:func:`alltoall_pooled_lossy` takes its input's:
             the info itself is never modified).
@@ -71,6 +74,7 @@ class LossyAll2AllPooledInfo:
     batch_size_per_rank: list[int]
     layout: Sequence[Sequence[BlockSpec]]
     comms: LossyComms
+    ledger: CallLedger
     compress: dict[str, bool]
     dtype: torch.dtype = torch.float32
     output_dedupe: OutputDedupe | None = None

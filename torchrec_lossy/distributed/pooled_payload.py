@@ -231,7 +231,7 @@ def start_encode(
     start = time.perf_counter()
     comms = info.comms
     if record is None:  # a call outside an exchange (tests, benchmarks) draws as one would
-        record = comms.ledger.start(direction, direction == "fwd" and info.exact_forward)
+        record = info.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
         plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)

@@ -31,6 +31,7 @@ from torchrec.distributed.sharding.rw_sharding import (
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.input_dist import LossyKJTAllToAll
@@ -99,6 +100,7 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         specs: The local lookup's table shards in column order (the same on every rank: each
             holds a row shard of every table).
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
         device: Device of the embeddings.
         qcomm_codecs_registry: TorchRec qcomm codecs (kept for TorchRec's bookkeeping; the
             lossy all-to-all replaces its reduce-scatter codec).
@@ -110,6 +112,7 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         embedding_dims: list[int],
         specs: tuple[BlockSpec, ...],
         comms: LossyComms,
+        ledger: CallLedger,
         device: torch.device | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
     ) -> None:
@@ -122,7 +125,7 @@ class LossyRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         self._parts = pg.size()  # one part of every bag's sum per rank
         self._a2a_rank = pg.rank()
         self._feature_dims = list(embedding_dims)
-        self._a2a = LossyPooledEmbeddingsAllToAll(pg, [specs] * self._parts, comms, device)
+        self._a2a = LossyPooledEmbeddingsAllToAll(pg, [specs] * self._parts, comms, ledger, device)
 
     def forward(
         self,
@@ -301,6 +304,7 @@ class LossyRwPooledEmbeddingSharding(LossyShardingMixin, RwPooledEmbeddingShardi
             embedding_dims=self.embedding_dims(),
             specs=specs,
             comms=self._lossy_comms,
+            ledger=self._lossy_ledger,
             device=device if device is not None else self._device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
         )

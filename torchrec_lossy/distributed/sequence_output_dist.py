@@ -23,6 +23,7 @@ from torchrec.distributed.sharding.sequence_sharding import SequenceShardingCont
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comm_ops import LossyAll2AllReq
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import lookup_ids_of
@@ -160,6 +161,11 @@ class SequenceSteps:
         """The module's dists' state."""
         return self.info.pooled.comms
 
+    @property
+    def ledger(self) -> CallLedger:
+        """The module's call ledger."""
+        return self.info.pooled.ledger
+
     def send_forward(
         self, x: torch.Tensor, myreq: LossyRequest, my_rank: int, world: int
     ) -> tuple[torch.Tensor, dist.Work]:
@@ -254,10 +260,15 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         pg: Process group of the all-to-all.
         layout: Per rank of ``pg``, its table shards in feature order (``pooled_layout``).
         comms: Shared config, bound provider, telemetry and hooks of the sharded module.
+        ledger: The sharded module's call ledger.
     """
 
     def __init__(
-        self, pg: dist.ProcessGroup, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms
+        self,
+        pg: dist.ProcessGroup,
+        layout: Sequence[Sequence[BlockSpec]],
+        comms: LossyComms,
+        ledger: CallLedger,
     ) -> None:
         super().__init__()
         dims = {s.dim for specs in layout for s in specs}
@@ -269,6 +280,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         self._layout = [tuple(specs) for specs in layout]
         self._dim = dims.pop() if dims else 0
         self._comms = comms
+        self._ledger = ledger
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
@@ -322,8 +334,9 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             batch_size_per_rank=list(batch_size_per_rank),
             layout=self._layout,
             comms=self._comms,
+            ledger=self._ledger,
             compress=self._compress,
-            exact_forward=self._comms.ledger.exact_forward,
+            exact_forward=self._ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._plans,
@@ -382,6 +395,7 @@ class LossyRwSequenceEmbeddingDist(
         specs: The table shards in feature order (the same on every rank).
         block_sizes: Rows of each feature's table per rank (TorchRec's bucket size).
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
     """
 
     def __init__(
@@ -390,11 +404,14 @@ class LossyRwSequenceEmbeddingDist(
         specs: Sequence[BlockSpec],
         block_sizes: Sequence[int],
         comms: LossyComms,
+        ledger: CallLedger,
     ) -> None:
         super().__init__()
         self._world = pg.size()
         self._block_sizes = list(block_sizes)
-        self._dist = LossySequenceEmbeddingsAllToAll(pg, [tuple(specs)] * self._world, comms)
+        self._dist = LossySequenceEmbeddingsAllToAll(
+            pg, [tuple(specs)] * self._world, comms, ledger
+        )
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: SequenceShardingContext | None = None
@@ -437,13 +454,18 @@ class LossyTwSequenceEmbeddingDist(
         pg: Process group.
         layout: Per rank, its table shards in feature order.
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
     """
 
     def __init__(
-        self, pg: dist.ProcessGroup, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms
+        self,
+        pg: dist.ProcessGroup,
+        layout: Sequence[Sequence[BlockSpec]],
+        comms: LossyComms,
+        ledger: CallLedger,
     ) -> None:
         super().__init__()
-        self._dist = LossySequenceEmbeddingsAllToAll(pg, layout, comms)
+        self._dist = LossySequenceEmbeddingsAllToAll(pg, layout, comms, ledger)
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: SequenceShardingContext | None = None

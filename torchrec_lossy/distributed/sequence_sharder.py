@@ -129,7 +129,7 @@ class LossyShardedEmbeddingCollection(LossyCommsModule, ShardedEmbeddingCollecti
         cls = LOSSY_SEQUENCE_SHARDING_TYPES.get(sharding_type)
         if cls is not None:
             return cls(
-                sharding_infos, env, self._lossy_comms, device,
+                sharding_infos, env, self._lossy_comms, self._lossy_ledger, device,
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )  # fmt: skip
         if sharding_type != ShardingType.DATA_PARALLEL.value:  # DP sends no embeddings at all

@@ -69,7 +69,10 @@ class LossyTwSequenceEmbeddingSharding(LossyShardingMixin, TwSequenceEmbeddingSh
         """
         assert self._pg is not None
         return LossyTwSequenceEmbeddingDist(
-            self._pg, pooled_layout(self._grouped_embedding_configs_per_rank), self._lossy_comms
+            self._pg,
+            pooled_layout(self._grouped_embedding_configs_per_rank),
+            self._lossy_comms,
+            self._lossy_ledger,
         )
 
 
@@ -112,7 +115,9 @@ class LossyRwSequenceEmbeddingSharding(LossyShardingMixin, RwSequenceEmbeddingSh
         world = self._pg.size()
         blocks = [(h + world - 1) // world for h in self._get_feature_hash_sizes()]
         (specs,) = pooled_layout([self._grouped_embedding_configs])
-        return LossyRwSequenceEmbeddingDist(self._pg, specs, blocks, self._lossy_comms)
+        return LossyRwSequenceEmbeddingDist(
+            self._pg, specs, blocks, self._lossy_comms, self._lossy_ledger
+        )
 
 
 # Sequence sharding types whose embeddings travel by all-to-all: compressed here.

@@ -30,6 +30,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from torchrec_lossy.config import LossyCommsConfig
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import (
     BoundProvider,
     BoundProviderFactory,
@@ -52,9 +53,11 @@ logger: logging.Logger = logging.getLogger(__name__)
 class LossyCommsModule:
     """What every lossy-sharded module adds to TorchRec's: its dists' shared state and telemetry.
 
-    Mixed in before the TorchRec sharded module class: its constructor sets the shared state
-    (:func:`lossy_comms_of`) as ``_lossy_comms`` before TorchRec's ``__init__`` (that creates
-    the shardings, which need it) and registers the bound provider as ``lossy_bounds`` after.
+    Mixed in before the TorchRec sharded module class: its constructor sets the shared
+    configuration and telemetry (:func:`lossy_comms_of`) as ``_lossy_comms`` and the module's
+    call ledger (its running per-call state, :class:`~.call_ledger.CallLedger`) as
+    ``_lossy_ledger`` before TorchRec's ``__init__`` (that creates the shardings, which hand both
+    to their dists) and registers the bound provider as ``lossy_bounds`` after.
 
     Args:
         module: The unsharded module.
@@ -65,6 +68,7 @@ class LossyCommsModule:
     """
 
     _lossy_comms: LossyComms
+    _lossy_ledger: CallLedger
     lossy_bounds: nn.Module
 
     def __init__(
@@ -79,6 +83,7 @@ class LossyCommsModule:
         self._lossy_comms = lossy_comms_of(
             self.lossy_table_names(module), comms_config, bounds_factory
         )
+        self._lossy_ledger = CallLedger()  # one per module, shared by its dists
         super().__init__(module, *args, **kwargs)  # type: ignore[call-arg]
         self.lossy_bounds = self._lossy_comms.bounds  # a submodule: in state_dict
 
@@ -104,14 +109,19 @@ class LossyCommsModule:
         """Config, bound provider, telemetry and hooks shared by this module's dists."""
         return self._lossy_comms
 
+    @property
+    def lossy_ledger(self) -> CallLedger:
+        """The call counters, step count and unread decode statuses of this module's dists."""
+        return self._lossy_ledger
+
     def hand_mode_to_dists(self) -> None:
         """Tells the dists whether this module is in ``eval()`` mode, before each output dist:
         TorchRec's dist modules do not follow ``model.eval()``, the sharded module does (in
         evaluation the forward travels lossless unless ``LossyCommsConfig.evaluation`` is
         ``"lossy"``)."""
-        comms = self._lossy_comms
         evaluating = not self.training  # type: ignore[attr-defined]
-        comms.ledger.exact_forward = evaluating and comms.config.evaluation == "exact"
+        exact = evaluating and self._lossy_comms.config.evaluation == "exact"
+        self._lossy_ledger.exact_forward = exact
 
     def set_bound_provider(self, provider: nn.Module) -> None:
         """Replaces the bound provider (e.g. by an adaptive one) for all following batches.
@@ -239,6 +249,7 @@ class LossyShardedEmbeddingBagCollection(LossyCommsModule, ShardedEmbeddingBagCo
             sharding_infos,
             env,
             self._lossy_comms,
+            self._lossy_ledger,
             device,
             permute_embeddings=permute_embeddings,
             qcomm_codecs_registry=qcomm_codecs_registry,

@@ -34,6 +34,7 @@ from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingShard
 from torchrec.distributed.types import QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupeMode
 from torchrec_lossy.distributed.input_dist import LossyTwSparseFeaturesDist
@@ -118,6 +119,7 @@ class _LossyOutputDistMixin(
             emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature(),
             layout=pooled_layout(self._grouped_embedding_configs_per_rank),
             comms=self._lossy_comms,
+            ledger=self._lossy_ledger,
             device=device if device is not None else self._device,
             callbacks=base._callbacks,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
@@ -157,6 +159,7 @@ def create_lossy_embedding_bag_sharding(
     sharding_infos: list[EmbeddingShardingInfo],
     env: ShardingEnv,
     comms: LossyComms,
+    ledger: CallLedger,
     device: torch.device | None = None,
     permute_embeddings: bool = False,
     qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
@@ -168,6 +171,7 @@ def create_lossy_embedding_bag_sharding(
         sharding_infos: Tables of one sharding type.
         env: Sharding environment.
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
         device: Device of the lookups.
         permute_embeddings: Column-wise: reorder column shards after the all-to-all.
         qcomm_codecs_registry: TorchRec qcomm codecs.
@@ -190,4 +194,4 @@ def create_lossy_embedding_bag_sharding(
     kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
     if issubclass(cls, LossyCwPooledEmbeddingSharding):
         kwargs["permute_embeddings"] = permute_embeddings
-    return cls(sharding_infos, env, comms, device, **kwargs)
+    return cls(sharding_infos, env, comms, ledger, device, **kwargs)

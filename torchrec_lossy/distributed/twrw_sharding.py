@@ -24,6 +24,7 @@ from torchrec.distributed.sharding.twrw_sharding import (
 )
 from torchrec.distributed.types import Awaitable
 
+from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.output_dist import (
     LossyPooledEmbeddingsAllToAll,
@@ -53,15 +54,21 @@ class LossyCrossHostDistMixin:
     Args:
         layout: Per host (rank of the cross-host group), its table shards in column order.
         comms: Shared state of the sharded module.
+        ledger: The sharded module's call ledger.
         **kwargs: The TorchRec dist's arguments.
     """
 
     def __init__(
-        self, layout: Sequence[Sequence[BlockSpec]], comms: LossyComms, **kwargs: Any
+        self,
+        layout: Sequence[Sequence[BlockSpec]],
+        comms: LossyComms,
+        ledger: CallLedger,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[call-arg]
         self._lossy_layout = [tuple(specs) for specs in layout]
         self._lossy_comms = comms
+        self._lossy_ledger = ledger
         got = [sum(s.width for s in specs) for specs in self._lossy_layout]
         if got != list(kwargs["dim_sum_per_node"]):
             raise ValueError(
@@ -76,6 +83,7 @@ class LossyCrossHostDistMixin:
             cross_pg,
             self._lossy_layout,
             self._lossy_comms,
+            self._lossy_ledger,
             device,
             callbacks=cross_host_callbacks(two_hop),
         )
@@ -166,6 +174,7 @@ def _cross_host_kwargs(
     return {
         "layout": pooled_layout(sharding._grouped_embedding_configs_per_node),
         "comms": sharding._lossy_comms,
+        "ledger": sharding._lossy_ledger,
         "rank": sharding._rank,
         "cross_pg": sharding._cross_pg,
         "intra_pg": sharding._intra_pg,
