@@ -610,6 +610,43 @@ def put_descriptors(
     out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(s.is_q))
 
 
+def put_segment_headers(
+    out: WordBuffer, rec: EncodeColumns, s: Sends, sec: Sections, group_symbols: int,
+    n_groups: torch.Tensor, escape_length: torch.Tensor,
+) -> None:  # fmt: skip
+    """Every segment's header (every mode but raw; mode lz fills n_unique and the references
+    only), the grid from the launchers' record; the two formats differ only in the fields
+    passed here.
+
+    Args:
+        out: The payload words.
+        rec: The blocks' encode record.
+        s: What each block sends.
+        sec: Where each section starts.
+        group_symbols: Symbols per chunk (entropy) or per group (packed) of a quantized block.
+        n_groups: Per block, its chunks or groups.
+        escape_length: Per block, the escape symbol's code length field.
+    """
+    is_q = s.is_q
+    head = segment_header_words(
+        (
+            torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
+            torch.where(is_q, rec.column(ec.CENTER), 0),
+            s.n_sent,
+            s.n_escapes,
+            torch.where(is_q, group_symbols, 0),
+            n_groups,
+            s.sym_lo,
+            s.sym_count,
+            escape_length,
+            s.ref_mode,
+            s.ref_width,
+        )
+    )
+    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
+    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
+
+
 def _put_headers(
     out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections, chunk: int
 ) -> None:
@@ -618,23 +655,8 @@ def _put_headers(
     the grid from the launchers' record."""
     put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
-    head = segment_header_words(
-        (
-            torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
-            torch.where(is_q, rec.column(ec.CENTER), 0),
-            s.n_sent,
-            s.n_escapes,
-            torch.where(is_q, chunk, 0),
-            s.n_chunks,
-            s.sym_lo,
-            s.sym_count,
-            torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0),
-            s.ref_mode,
-            s.ref_width,
-        )
-    )
-    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
-    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
+    escape_length = torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0)
+    put_segment_headers(out, rec, s, sec, chunk, s.n_chunks, escape_length)
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = s.lengths.gather(1, (s.sym_lo[:, None] + k).clamp(max=ALPHABET_SIZE - 1))
     out.put(

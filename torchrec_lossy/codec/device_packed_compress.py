@@ -35,13 +35,11 @@ from torchrec_lossy.codec.format import (
     MODE_PACKED,
     MODE_QUANT,
     MODE_QUANT_LZ,
-    MODE_RAW,
     PACKED_GROUP,
     PACKED_MAX_WIDTH,
     SEGMENT_HEADER_WORDS,
     ref_width,
     refs_packing,
-    segment_header_words,
     words_for_bits,
     words_for_bytes,
     zigzag,
@@ -197,23 +195,11 @@ def _put_segment_heads(
     """Every packed and lz segment's header (lz: n_unique and the references only); a packed
     one's checksum over its words after the header (written last)."""
     is_q = s.is_q
-    head = segment_header_words(
-        (
-            torch.where(is_q, rec.floats(ec.STEP_BITS), 0.0),
-            torch.where(is_q, rec.column(ec.CENTER), 0),
-            s.n_sent,
-            s.n_escapes,
-            torch.where(is_q, PACKED_GROUP, 0),
-            torch.where(is_q, st.n_groups, 0),
-            s.sym_lo,  # the checksum's halves, added below
-            s.sym_count,
-            s.sym_count,  # no escape code length
-            s.ref_mode,
-            s.ref_width,
-        )
+    # sym_lo holds the checksum's halves, added below; a packed segment has no escape code
+    # length (its field repeats sym_count).
+    dcx.put_segment_headers(
+        out, rec, s, sec, PACKED_GROUP, torch.where(is_q, st.n_groups, 0), s.sym_count
     )
-    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
-    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
     body = sec.seg_start + SEGMENT_HEADER_WORDS
     check = segment_checksums(out.buf, body, (sec.seg_words - SEGMENT_HEADER_WORDS).clamp(min=0))
     out.put(sec.seg_start + 6, check & MASK32, is_q)
