@@ -189,9 +189,8 @@ def _put_codes(
 
 
 def _put_segment_heads(
-    out: dcx.WordBuffer, t: dcx.Columns, rec: EncodeColumns, s: dcx.Sends, st: _Stream,
-    sec: dcx.Sections,
-) -> None:  # fmt: skip
+    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, st: _Stream, sec: dcx.Sections
+) -> None:
     """Every packed and lz segment's header (lz: n_unique and the references only); a packed
     one's checksum over its words after the header (written last)."""
     is_q = s.is_q
@@ -253,7 +252,7 @@ def start_packed_groups(
         dcx.put_escapes(out, t, flat, coded, sec)
         _put_codes(out, t, ht, flat, st, s, sec)
         dcx.put_rows(out, t, flat, s, dr, sec)
-        _put_segment_heads(out, t, cols, s, st, sec)
+        _put_segment_heads(out, cols, s, st, sec)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
