@@ -57,6 +57,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
      {"num_warps": 1}),
     ("codebook", "decode_table_kernel", "*i32 *i64 i32 *i32 *i32", {}, {"num_warps": 8}),
     ("packed", "checksum_kernel", "*i32 *i64 *i64", {"TILE": 1024}, {}),
+    ("packed", "checksum_kernel", "*i64 *i64 *i64", {"TILE": 1024}, {}),  # compress: int64 words
     ("packed", "widths_kernel", "*i32 *i64 *i16 i32 i32 i32 i32", {"GB": 32, "GROUP": 32}, {}),
     ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),

@@ -32,6 +32,7 @@ from torchrec_lossy.codec.container import (
     skeleton_index,
     skeleton_words,
 )
+from torchrec_lossy.codec.device_packed_decode import checksum_tiles
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
@@ -96,6 +97,8 @@ class Columns(Generic[_Array]):
     slot_k: _Array  # per chunk slot, its chunk in the block
     tiles: _Array  # the quantize launch's tiles (launch_tables.tile_table rows, flattened)
     mults: _Array  # the row hash's column multipliers
+    ck_owner: _Array  # packed format: per checksum tile, its range (segment bodies, then payloads')
+    ck_first: _Array  # its first word's index in its range
     record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
@@ -112,7 +115,7 @@ class HostTables:
     quantization: bool  # CodecConfig.enable_quantization
     tile_block: int  # elements per quantize tile
     stream_words: int  # worst-case words of all Huffman streams
-    body_max: int  # worst-case words of all payloads
+    body_max: int  # words of all payloads at most (every segment is at most its raw one's)
     chunk: int  # symbols per Huffman chunk
 
 
@@ -132,19 +135,25 @@ def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
     return slots, first_slot, slot_blk, slot_k, stream_words
 
 
-def _segment_max(c: Columns[np.ndarray], numel: np.ndarray) -> int:
-    """Worst-case words of all segments: per block, the largest of its modes' worst cases."""
-    refs_max = words_for_bits(c.rows * 33)
-    quant_max = (
-        SEGMENT_HEADER_WORDS
-        + 512  # codebook nibbles of the whole alphabet
-        + refs_max
-        + sm.escape_words(numel, c.itemsize)
-        + 2 * c.n_slots
-        + words_for_bits(numel * MAX_CODE_LENGTH)
+def _checksum_tiles(
+    raw_words: np.ndarray, group: np.ndarray, sizes: np.ndarray, packed: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The packed checksum launch's tiles, from the most words each range can have: every
+    segment's body (at most its raw segment's words less the header), then every payload's
+    body (its descriptors and at most its raw segments); a tile past a range's end is empty.
+
+    Returns:
+        (per tile: its range, its first word's index in the range); empty unless ``packed``.
+    """
+    if not packed:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    per_group = np.zeros(sizes.shape[0], dtype=np.int64)
+    np.add.at(per_group, group, raw_words)
+    longest = np.concatenate(
+        [np.maximum(raw_words - SEGMENT_HEADER_WORDS, 0), DESCRIPTOR_WORDS * sizes + per_group]
     )
-    seg_max = np.maximum(c.raw_words, SEGMENT_HEADER_WORDS + refs_max + c.raw_words)
-    return int(np.where(c.quant_try == 1, np.maximum(seg_max, quant_max), seg_max).sum())
+    tiles, owner = checksum_tiles(np.zeros_like(longest), longest)
+    return owner, tiles[:, 1]
 
 
 def host_tables(
@@ -176,6 +185,9 @@ def host_tables(
         numel, quant_try, config.huffman_chunk_symbols
     )
     elem_off, row_off = np.cumsum(numel) - numel, np.cumsum(rows) - rows
+    group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
+    raw_words = words_for_bytes(numel * itemsize)
+    ck_owner, ck_first = _checksum_tiles(raw_words, group, sizes, config.format == "packed")
     record = ec.host_record(
         b,
         dtype=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
@@ -194,17 +206,19 @@ def host_tables(
         bound_bits=bound.view(np.int64),
         quant_try=quant_try,
         kind=kind,
-        group=np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes),
+        group=group,
         local=local,
         group_blocks=sizes,
         lz_allowed=((rows > 1) & config.enable_lz).astype(np.int64),
-        raw_words=words_for_bytes(numel * itemsize),
+        raw_words=raw_words,
         first_slot=first_slot,
         n_slots=slots,
         slot_blk=slot_blk,
         slot_k=slot_k,
         tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
         mults=column_multipliers(max(max_dim, 1)),
+        ck_owner=ck_owner,
+        ck_first=ck_first,
         record=record.reshape(-1),
     )
     return HostTables(
@@ -217,7 +231,10 @@ def host_tables(
         quantization=quantization,
         tile_block=tile_block,
         stream_words=stream_words,
-        body_max=DESCRIPTOR_WORDS * b + _segment_max(cols, numel) + HEADER_WORDS * len(sizes),
+        # The mode choice (size_model.choose_lossy / choose_lossless) only ever picks a mode
+        # smaller than raw, so the raw segments bound the payloads: ~1.0x the input, exact
+        # for incompressible data.
+        body_max=DESCRIPTOR_WORDS * b + int(cols.raw_words.sum()) + HEADER_WORDS * len(sizes),
         chunk=config.huffman_chunk_symbols,
     )
 
@@ -732,18 +749,21 @@ def put_rows(out: WordBuffer, t: Columns, flat: Flat, s: Sends, dr: Dedupe, sec:
 
 def close(
     out: WordBuffer, ht: HostTables, t: Columns, sec: Sections, group_sizes: list[int],
-    flags: int = 0,
+    flags: int = 0, checksums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
-    layout depends on, for the receiver)."""
+    layout depends on, for the receiver). ``checksums``: the payloads' (None: computed here
+    over the buffer)."""
     dev = out.buf.device
+    if checksums is None:
+        checksums = segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words)
     header = {
         "magic": MAGIC,
         "version": VERSION,
         "flags": flags,
         "n_blocks": t.group_blocks,
         "body_words": sec.body_words,
-        "checksum": segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words),
+        "checksum": checksums,
     }
     # Tensor-indexed writes (no host tensor is built, no sync).
     at = (sec.payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)

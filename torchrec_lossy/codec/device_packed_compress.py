@@ -26,7 +26,8 @@ from torchrec_lossy.codec import device_compress as dcx
 from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.container import MASK32, segment_checksums
+from torchrec_lossy.codec.container import HEADER_WORDS, MASK32
+from torchrec_lossy.codec.device_packed_decode import CHECKSUM_TILE
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     ESCAPE_SYMBOL,
@@ -189,19 +190,55 @@ def _put_codes(
 
 
 def _put_segment_heads(
-    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, st: _Stream, sec: dcx.Sections
-) -> None:
-    """Every packed and lz segment's header (lz: n_unique and the references only); a packed
-    one's checksum over its words after the header (written last)."""
+    k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, rec: EncodeColumns, s: dcx.Sends,
+    st: _Stream, sec: dcx.Sections,
+) -> torch.Tensor:  # fmt: skip
+    """Every packed and lz segment's header (lz: n_unique and the references only) and a
+    packed one's checksum over its words after the header (written last).
+
+    Returns:
+        The payloads' checksums (their bodies' words, these checksum words included).
+    """
     is_q = s.is_q
     # sym_lo holds the checksum's halves, added below; a packed segment has no escape code
     # length (its field repeats sym_count).
     dcx.put_segment_headers(
         out, rec, s, sec, PACKED_GROUP, torch.where(is_q, st.n_groups, 0), s.sym_count
     )
-    body = sec.seg_start + SEGMENT_HEADER_WORDS
-    check = segment_checksums(out.buf, body, (sec.seg_words - SEGMENT_HEADER_WORDS).clamp(min=0))
-    out.put(sec.seg_start + 6, check & MASK32, is_q)
+    # One launch sums the segments' and the payloads' bodies, the checksum words still 0:
+    # the sums are linear, so each segment checksum's share of its payload's is added after.
+    nb, body_at = is_q.shape[0], sec.payload_base + HEADER_WORDS
+    starts = torch.cat([sec.seg_start + SEGMENT_HEADER_WORDS, body_at])
+    seg_len = torch.where(is_q, sec.seg_words - SEGMENT_HEADER_WORDS, 0)
+    sums = _range_sums(k, out.buf, t, starts, torch.cat([seg_len, sec.body_words]))
+    check = torch.where(is_q, sums[:nb] & MASK32, 0)
+    out.put(sec.seg_start + 6, check, is_q)
+    at = 2 * (sec.seg_start + 6 - body_at[t.group]) + 1
+    return sums[nb:].index_add(0, t.group, check * at)
+
+
+def _range_sums(
+    k: KernelSet, words: torch.Tensor, t: dcx.Columns, starts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``sum_j w_j (2 j + 1)`` (wrapping int64) over word ranges, in one launch of tiles laid
+    out on the host for each range's longest (``device_compress.host_tables``).
+
+    Args:
+        k: The kernel set.
+        words: The payload words (int64 lanes holding uint32 words).
+        t: The compress's columns (``ck_owner``, ``ck_first``: the tiles).
+        starts: int64 [n] first word of each range.
+        lengths: int64 [n] its words (at most the host's longest).
+
+    Returns:
+        int64 [n] sums.
+    """
+    owner, first = t.ck_owner, t.ck_first
+    n = (lengths[owner] - first).clamp(0, CHECKSUM_TILE)
+    tiles = torch.stack([starts[owner] + first, first, n], dim=1)
+    parts = k.packed.packed_checksums(words, tiles, CHECKSUM_TILE)
+    return torch.zeros_like(starts).index_add_(0, owner, parts)
 
 
 def start_packed_groups(
@@ -252,8 +289,8 @@ def start_packed_groups(
         dcx.put_escapes(out, t, flat, coded, sec)
         _put_codes(out, t, ht, flat, st, s, sec)
         dcx.put_rows(out, t, flat, s, dr, sec)
-        _put_segment_heads(out, cols, s, st, sec)
-        words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED)
+        checksums = _put_segment_heads(k, out, t, cols, s, st, sec)
+        words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
         readback = torch.cat(
