@@ -19,6 +19,7 @@ import triton.language as tl
 
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
+from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
 from torchrec_lossy.kernels.common import find_segment
@@ -276,12 +277,189 @@ def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---- encode: the stream's widths and escapes, its words, the raw rows ---------------------------
+
+
+@triton.jit
+def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constexpr):
+    # The flat element that value ``e`` of a block's sent rows reads: column e % dim of its
+    # row e // dim, or of that distinct vector's first row where the block's LZ field is set.
+    dim = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.DIM, mask=valid, other=1)
+    vec = e // dim
+    lz = tl.load(rec_ptr + blk * pc.N_FIELDS + LZ, mask=valid, other=0) == 1
+    base = tl.load(rec_ptr + blk * pc.N_FIELDS + BASE, mask=valid & lz, other=0)
+    row_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ROW_OFF, mask=valid, other=0)
+    first = tl.load(rows_ptr + base + vec, mask=valid & lz, other=0)
+    local = tl.where(lz, first - row_off, vec)
+    elem_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ELEM_OFF, mask=valid, other=0)
+    return tl.where(valid, elem_off + local * dim + (e - vec * dim), 0)
+
+
+@triton.jit
+def _stream_kernel(
+    sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
+    n_slots, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
+):  # fmt: skip
+    # GB group slots per program (slot: block, group in the block), 32 lanes each: every sent
+    # value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes. WRITE:
+    # its width byte, its codes at bit k * w of its words, its escapes (ranks from its slot's
+    # first), added into the zeroed words (integer adds of disjoint bits: the OR).
+    s = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    smask = s < n_slots
+    blk = tl.load(slot_ptr + 2 * s, mask=smask, other=0)
+    k = tl.load(slot_ptr + 2 * s + 1, mask=smask, other=0)
+    n_sym = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.N_SYM, mask=smask, other=0)
+    lane = tl.arange(0, GROUP)
+    v = k[:, None] * GROUP + lane[None, :]
+    valid = smask[:, None] & (v < n_sym[:, None])
+    blk2 = blk[:, None] + v * 0
+    elem = _source(rows_ptr, rec_ptr, blk2, v, valid, pc.Q_LZ, pc.Q_BASE)
+    sym = tl.load(sym_ptr + elem, mask=valid, other=0).to(tl.int64) & 0xFFFF
+    esc = valid & (sym == _ESCAPE)
+    d = sym - _OFFSET
+    code = tl.where(valid & ~esc, tl.where(d < 0, -2 * d - 1, 2 * d), 0)
+    if not WRITE:
+        top = tl.max(code, axis=1)
+        width = top * 0
+        for i in tl.static_range(_MAX_WIDTH):
+            width += ((top >> i) > 0).to(tl.int64)
+        tl.store(width_ptr + s, width, mask=smask)
+        tl.store(esc_ptr + s, tl.sum(esc.to(tl.int64), axis=1), mask=smask)
+    else:
+        w = tl.load(width_ptr + s, mask=smask, other=0)
+        used = smask & (k * GROUP < n_sym)
+        table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
+        tl.atomic_add(buf_ptr + table_at + k // 4, w << (8 * (k % 4)), mask=used)
+        codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
+        off = tl.load(off_ptr + s, mask=used, other=0)
+        bit = 32 * off[:, None] + lane[None, :] * w[:, None]
+        at = codes_at[:, None] + bit // 32
+        sh = bit % 32
+        live = code != 0
+        tl.atomic_add(buf_ptr + at, (code << sh) & 0xFFFFFFFF, mask=live)
+        spill = live & (sh + w[:, None] > 32)
+        tl.atomic_add(buf_ptr + at + 1, code >> tl.where(spill, 32 - sh, 0), mask=spill)
+        e = esc.to(tl.int64)
+        rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
+        escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
+        tl.atomic_add(buf_ptr + escp_at + rank, v, mask=esc)
+        raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
+        wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
+        escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
+        value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
+        tl.atomic_add(buf_ptr + escb_at + tl.where(wide, rank, rank // 2), value, mask=esc)
+
+
+def stream_widths(
+    sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group slot's width and escapes, in one launch.
+
+    Args:
+        sym: int16 symbols of every element (flat layout).
+        rows: int64 per row: the quantized dedupe's first occurrences' rows
+            (``device_compress.Dedupe.first_rows``).
+        rec: int64 [n_blocks, N_FIELDS] packed record (``codec/packed_columns.py``; read:
+            ``ELEM_OFF``, ``ROW_OFF``, ``DIM``, ``N_SYM``, ``Q_LZ``, ``Q_BASE``).
+        slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
+
+    Returns:
+        (int64 [n_slots] widths: bit length of the largest code, 0 for an unused slot; int64
+        [n_slots] escapes).
+    """
+    n = slots.shape[0]
+    width = torch.empty(n, dtype=torch.int64, device=sym.device)
+    esc = torch.empty(n, dtype=torch.int64, device=sym.device)
+    if n:
+        gb = _GROUPS_PER_PROGRAM
+        _stream_kernel[(triton.cdiv(n, gb),)](
+            sym, sym, rows, rec, slots, width, esc, width, width, n, GB=gb, GROUP=_GROUP,
+            WRITE=False,
+        )  # fmt: skip
+    return width, esc
+
+
+def put_stream(
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
+    rec: torch.Tensor, slots: torch.Tensor, widths: torch.Tensor, code_off: torch.Tensor,
+    esc_base: torch.Tensor,
+) -> None:  # fmt: skip
+    """Adds every packed block's width bytes, codes and escapes into the zeroed payload words,
+    in one launch.
+
+    Args:
+        buf: int64 payload words (uint32 values; the stream's words still 0).
+        sym: int16 symbols of every element.
+        bits: int32 raw bits of every element (16-bit dtypes sign-extended).
+        rows: As :func:`stream_widths`.
+        rec: int64 [n_blocks, N_FIELDS]; read as :func:`stream_widths` (``N_SYM`` 0 where a
+            block is not sent packed) and ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``,
+            ``ITEMSIZE``.
+        slots: As :func:`stream_widths`.
+        widths: int64 [n_slots] (:func:`stream_widths`).
+        code_off: int64 [n_slots] first word of each slot's codes in its block's codes.
+        esc_base: int64 [n_slots] escapes of its block before it.
+    """
+    n = slots.shape[0]
+    if n:
+        gb = _GROUPS_PER_PROGRAM
+        _stream_kernel[(triton.cdiv(n, gb),)](
+            sym, bits, rows, rec, slots, widths, esc_base, code_off, buf, n, GB=gb,
+            GROUP=_GROUP, WRITE=True,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rows_kernel(bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.constexpr):
+    # One program per tile (block, first word) of words: the block's raw rows (raw blocks), or
+    # its distinct rows (lossless lz), fp32 one per word, 16-bit two per word (low half first).
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.load(tile_ptr + 2 * t)
+    w = tl.load(tile_ptr + 2 * t + 1) + tl.arange(0, TILE)
+    n = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_N)
+    wide = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ITEMSIZE) == 4
+    valid = w < tl.where(wide, n, (n + 1) // 2)
+    blks = blk + w * 0
+    e0 = tl.where(wide, w, 2 * w)
+    src0 = _source(rows_ptr, rec_ptr, blks, e0, valid, pc.R_LZ, pc.R_BASE)
+    b0 = tl.load(bits_ptr + src0, mask=valid, other=0).to(tl.int64)
+    v1 = valid & ~wide & (2 * w + 1 < n)
+    src1 = _source(rows_ptr, rec_ptr, blks, 2 * w + 1, v1, pc.R_LZ, pc.R_BASE)
+    b1 = tl.load(bits_ptr + src1, mask=v1, other=0).to(tl.int64)
+    value = tl.where(wide, b0 & 0xFFFFFFFF, (b0 & 0xFFFF) | ((b1 & 0xFFFF) << 16))
+    at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_AT)
+    tl.store(buf_ptr + at + w, value, mask=valid)
+
+
+def put_rows(
+    buf: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor,
+    tiles: torch.Tensor, tile: int,
+) -> None:  # fmt: skip
+    """Writes the raw blocks' rows and the lossless lz blocks' distinct rows into the payload
+    words, in one launch (each word has one writer: plain stores).
+
+    Args:
+        buf: int64 payload words.
+        bits: int32 raw bits of every element (16-bit dtypes sign-extended).
+        rows: int64 per row: the raw-bits dedupe's first occurrences' rows.
+        rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,
+            ``ITEMSIZE``, ``R_N``, ``R_LZ``, ``R_BASE``, ``R_AT``.
+        tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
+        tile: Words per tile (a power of two).
+    """
+    n = tiles.shape[0]
+    if n:
+        _rows_kernel[(n,)](bits, rows, rec, tiles, buf, TILE=tile)
+
+
 # The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).
 JIT_KERNELS = {
     "checksum_kernel": _checksum_kernel,
     "widths_kernel": _widths_kernel,
     "check_groups_kernel": _check_groups_kernel,
     "status_kernel": _status_kernel,
+    "stream_kernel": _stream_kernel,
+    "rows_kernel": _rows_kernel,
 }
 
 __all__ = [
@@ -291,4 +469,7 @@ __all__ = [
     "packed_status",
     "packed_symbol",
     "packed_widths",
+    "put_rows",
+    "put_stream",
+    "stream_widths",
 ]

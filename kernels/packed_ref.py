@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
@@ -317,6 +318,109 @@ def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
     return torch.where(cols.column(dc.REFS_BAD) != 0, REFS_OUT_OF_RANGE, code).to(torch.int32)
 
 
+# ---- twins of kernels/packed.py's encode launchers ---------------------------------------------
+
+
+def _source(
+    rows: torch.Tensor, f: torch.Tensor, e: torch.Tensor, valid: torch.Tensor, lz: int, base: int
+) -> torch.Tensor:
+    """Per lane, the flat element value ``e`` of its block's sent rows reads (``f``: the lanes'
+    block records, [n, N_FIELDS]); 0 where not ``valid``."""
+    dim = f[:, pc.DIM, None]
+    vec = e // dim
+    is_lz = f[:, lz, None] == 1
+    first = rows[torch.where(valid & is_lz, f[:, base, None] + vec, 0)]
+    local = torch.where(is_lz, first - f[:, pc.ROW_OFF, None], vec)
+    return torch.where(valid, f[:, pc.ELEM_OFF, None] + local * dim + (e - vec * dim), 0)
+
+
+def _stream_lanes(
+    sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Per slot x 32 lanes: (block records, value index, element read, escape, zigzag code)."""
+    f = rec[slots[:, 0]]
+    v = slots[:, 1:2] * PACKED_GROUP + torch.arange(PACKED_GROUP, device=sym.device)
+    valid = v < f[:, pc.N_SYM, None]
+    elem = _source(rows, f, v, valid, pc.Q_LZ, pc.Q_BASE)
+    symbol = torch.where(valid, sym[elem].to(torch.int64) & 0xFFFF, 0)
+    esc = valid & (symbol == ESCAPE_SYMBOL)
+    return f, v, elem, esc, torch.where(valid & ~esc, zigzag(symbol), 0)
+
+
+def stream_widths(
+    sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.packed.stream_widths``.
+
+    Args:
+        sym: int16 symbols of every element.
+        rows: int64 first occurrences' rows of the quantized dedupe.
+        rec: int64 [n_blocks, N_FIELDS] packed record.
+        slots: int64 [n_slots, 2] (block, group in the block).
+
+    Returns:
+        (int64 [n_slots] widths, int64 [n_slots] escapes).
+    """
+    if not slots.shape[0]:
+        empty = torch.zeros(0, dtype=torch.int64, device=sym.device)
+        return empty, empty
+    _, _, _, esc, code = _stream_lanes(sym, rows, rec, slots)
+    top = code.amax(dim=1)
+    shifts = torch.arange(PACKED_MAX_WIDTH, device=sym.device)
+    return ((top[:, None] >> shifts) > 0).sum(dim=1), esc.sum(dim=1)
+
+
+def _add(buf: torch.Tensor, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
+    """Adds ``value`` at word ``at`` where ``mask`` (0 at word 0 elsewhere: no change)."""
+    buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), torch.where(mask, value, 0).reshape(-1))
+
+
+def put_stream(
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
+    rec: torch.Tensor, slots: torch.Tensor, widths: torch.Tensor, code_off: torch.Tensor,
+    esc_base: torch.Tensor,
+) -> None:  # fmt: skip
+    """Twin of ``kernels.packed.put_stream`` (arguments as there)."""
+    if not slots.shape[0]:
+        return
+    f, v, elem, esc, code = _stream_lanes(sym, rows, rec, slots)
+    k, w = slots[:, 1], widths
+    used = k * PACKED_GROUP < f[:, pc.N_SYM]
+    _add(buf, f[:, pc.TABLE_AT] + k // 4, w << (8 * (k % 4)), used)
+    bit = 32 * code_off[:, None] + (v - k[:, None] * PACKED_GROUP) * w[:, None]
+    at, sh = f[:, pc.CODES_AT, None] + bit // 32, bit % 32
+    live = code != 0
+    _add(buf, at, (code << sh) & _M32, live)
+    spill = live & (sh + w[:, None] > 32)
+    _add(buf, at + 1, code >> torch.where(spill, 32 - sh, 0), spill)
+    e = esc.to(torch.int64)
+    rank = esc_base[:, None] + torch.cumsum(e, dim=1) - e
+    _add(buf, f[:, pc.ESCP_AT, None] + rank, v, esc)
+    raw = bits[elem].to(torch.int64)
+    wide = f[:, pc.ITEMSIZE, None] == 4
+    value = torch.where(wide, raw & _M32, (raw & 0xFFFF) << (16 * (rank % 2)))
+    _add(buf, f[:, pc.ESCB_AT, None] + torch.where(wide, rank, rank // 2), value, esc)
+
+
+def put_rows(
+    buf: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor,
+    tiles: torch.Tensor, tile: int,
+) -> None:  # fmt: skip
+    """Twin of ``kernels.packed.put_rows`` (arguments as there; the rows' words still 0)."""
+    if not tiles.shape[0]:
+        return
+    f = rec[tiles[:, 0]]
+    w = tiles[:, 1:2] + torch.arange(tile, device=bits.device)
+    n, wide = f[:, pc.R_N, None], f[:, pc.ITEMSIZE, None] == 4
+    valid = w < torch.where(wide, n, (n + 1) // 2)
+    b0 = bits[_source(rows, f, torch.where(wide, w, 2 * w), valid, pc.R_LZ, pc.R_BASE)]
+    v1 = valid & ~wide & (2 * w + 1 < n)
+    b1 = bits[_source(rows, f, 2 * w + 1, v1, pc.R_LZ, pc.R_BASE)].to(torch.int64)
+    b0 = b0.to(torch.int64)
+    value = torch.where(wide, b0 & _M32, (b0 & 0xFFFF) | torch.where(v1, (b1 & 0xFFFF) << 16, 0))
+    _add(buf, f[:, pc.R_AT, None] + w, value, valid)
+
+
 __all__ = [
     "PackedValues",
     "check_groups",
@@ -325,7 +429,10 @@ __all__ = [
     "packed_status",
     "packed_values",
     "packed_widths",
+    "put_rows",
+    "put_stream",
     "segment_checksum",
+    "stream_widths",
     "symbols_and_ranks",
     "unpack_codes",
 ]

@@ -46,6 +46,7 @@ from torchrec_lossy.codec.format import (
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
+    PACKED_GROUP,
     SEGMENT_HEADER_WORDS,
     VERSION,
     descriptor_mode,
@@ -63,6 +64,7 @@ from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
 
 _QUANT_BLOCK = 4096  # elements per quantize tile
+ROWS_TILE = 1024  # words per program of the packed encode's raw-rows launch
 _TRASH = 4096  # words of the assembly buffer's trash area (a power of two)
 # Per-block rows of a compress's readback: mode, vectors sent, escapes, segment words, max error
 # and bound (float64 bits).
@@ -99,6 +101,9 @@ class Columns(Generic[_Array]):
     mults: _Array  # the row hash's column multipliers
     ck_owner: _Array  # packed format: per checksum tile, its range (segment bodies, then payloads')
     ck_first: _Array  # its first word's index in its range
+    ps_slots: _Array  # packed: per group slot (block, group in it), flattened; may-quantize blocks
+    ps_first: _Array  # packed: per block its first slot, then the slot count (n_blocks + 1)
+    rw_tiles: _Array  # packed: per raw-rows tile (block, first word), flattened
     record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
@@ -156,6 +161,27 @@ def _checksum_tiles(
     return owner, tiles[:, 1]
 
 
+def _packed_tables(
+    numel: np.ndarray, quant_try: np.ndarray, raw_words: np.ndarray, packed: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed encode launches' static tables: group slots (every value sent) of the blocks
+    that may quantize, and tiles of every block's raw words (``ROWS_TILE`` each).
+
+    Returns:
+        (flattened [n_slots, 2] slots, [n_blocks + 1] first slots, flattened [n_tiles, 2]
+        tiles); empty unless ``packed``.
+    """
+    if not packed:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, np.zeros(numel.shape[0] + 1, dtype=np.int64), empty
+    per = np.where(quant_try == 1, (numel + PACKED_GROUP - 1) // PACKED_GROUP, 0)
+    first = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
+    blk = np.repeat(np.arange(numel.shape[0], dtype=np.int64), per)
+    slots = np.stack([blk, np.arange(blk.shape[0], dtype=np.int64) - first[blk]], axis=1)
+    tiles, owner = checksum_tiles(np.zeros_like(raw_words), raw_words, ROWS_TILE)
+    return slots.reshape(-1), first, np.stack([owner, tiles[:, 1]], axis=1).reshape(-1)
+
+
 def host_tables(
     blocks: Sequence[torch.Tensor],
     bounds: Sequence[float],
@@ -187,7 +213,9 @@ def host_tables(
     elem_off, row_off = np.cumsum(numel) - numel, np.cumsum(rows) - rows
     group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
     raw_words = words_for_bytes(numel * itemsize)
-    ck_owner, ck_first = _checksum_tiles(raw_words, group, sizes, config.format == "packed")
+    packed = config.format == "packed"
+    ck_owner, ck_first = _checksum_tiles(raw_words, group, sizes, packed)
+    ps_slots, ps_first, rw_tiles = _packed_tables(numel, quant_try, raw_words, packed)
     record = ec.host_record(
         b,
         dtype=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
@@ -219,6 +247,9 @@ def host_tables(
         mults=column_multipliers(max(max_dim, 1)),
         ck_owner=ck_owner,
         ck_first=ck_first,
+        ps_slots=ps_slots,
+        ps_first=ps_first,
+        rw_tiles=rw_tiles,
         record=record.reshape(-1),
     )
     return HostTables(
@@ -422,7 +453,7 @@ def vector_lz_stage(
     base = rank0[t.row_off]  # first occurrences in the blocks before
     n_rows = r_blk.shape[0]
     ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
-    first_rows = WordBuffer(n_rows, n_rows, dev)  # each first occurrence at its rank
+    first_rows = WordBuffer(n_rows, dev)  # each first occurrence at its rank
     first_rows.put(rank - 1, torch.arange(n_rows, device=dev), firsts == 1)
     return Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
 
@@ -567,24 +598,38 @@ class WordBuffer:
     """An int64 buffer and the masked writes into it: the payloads' words (int64 lanes holding
     uint32 words), or the table of a dedupe's first rows.
 
-    Masked lanes add 0 to a trash area past the end, spread so that a GPU does not serialise
-    them on one address.
+    Writes are collected and added in one ``index_add_`` when the buffer is next read
+    (:attr:`buf`), so the buffer is touched once per read, not once per section. Masked lanes
+    add 0 to a trash area past the end, spread so that a GPU does not serialise them on one
+    address.
 
     Args:
         n_words: Words (entries) of the buffer before the trash area.
-        n_lanes: The most lanes one write takes.
         dev: The device.
     """
 
-    def __init__(self, n_words: int, n_lanes: int, dev: torch.device) -> None:
-        self.buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
-        self.trash = n_words + (torch.arange(n_lanes, device=dev) & (_TRASH - 1))
+    def __init__(self, n_words: int, dev: torch.device) -> None:
+        self._buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
+        self._n_words = n_words
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def buf(self) -> torch.Tensor:
+        """The words, every write so far added (the trash area past ``n_words``)."""
+        if self._pending:
+            dest, value, valid = (
+                torch.cat(p) if len(p) > 1 else p[0] for p in zip(*self._pending, strict=True)
+            )
+            self._pending = []
+            trash = self._n_words + (torch.arange(dest.shape[0], device=dest.device) & (_TRASH - 1))
+            dest = torch.where(valid, dest, trash)
+            self._buf.index_add_(0, dest, torch.where(valid, value.to(torch.int64), 0))
+        return self._buf
 
     def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
         """Per lane, adds word ``value`` at word ``dest`` where ``valid`` (words from 0)."""
-        lanes = dest.shape[0]
-        dest = torch.where(valid, dest, self.trash[:lanes])
-        self.buf.index_add_(0, dest, torch.where(valid, value, 0))
+        n = dest.shape[0]
+        self._pending.append((dest, value.expand(n), valid.expand(n)))
 
     def put_records(self, at: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> None:
         """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word
@@ -768,8 +813,9 @@ def close(
     # Tensor-indexed writes (no host tensor is built, no sync).
     at = (sec.payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)
     out.buf[at] = pack_records(HEADER, header).reshape(-1)
-    words = out.buf[: ht.body_max]
-    words32 = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    # Each int64 lane holds a uint32 word: its low half (little-endian: CPU and CUDA) is the
+    # int32 word, a strided view, so nothing is converted (finish copies the payload's words).
+    words32 = out.buf[: ht.body_max].view(torch.int32)[::2]
     index = skeleton_index(sec.payload_base, sec.payload_words, group_sizes, sec.seg_start)
     return words32, out.buf[index]
 
@@ -860,9 +906,7 @@ def start_groups_device(
         s = _sends(k, t, _choose_mode(t, grid.ok, codes, dq, dr), codes, dq, dr, ht.chunk)
         coded = _encode(k, ht, t, flat, sym, dq, s)
         sec = sections(t, s, dr, coded.words)
-        nb = ht.n_blocks
-        lanes = (ht.n_elems, ht.n_rows, ht.stream_words, t.slot_blk.shape[0], nb * ESCAPE_SYMBOL)
-        out = WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb), dev)
+        out = WordBuffer(ht.body_max, dev)
         _put_headers(out, t, cols, s, sec, ht.chunk)
         put_references(out, t, flat, s, sec, (dq, dr))
         put_escapes(out, t, flat, coded, sec)
@@ -886,7 +930,7 @@ class PendingCompress:
     its own in one copy, then call :meth:`finish` with its values.
 
     Attributes:
-        words: int32 buffer holding the payloads back to back (and worst-case slack).
+        words: int32 words of the payloads back to back (and slack; may be a strided view).
         readback: The values the host needs.
         tables: The host tables of the call (shapes).
         group_sizes: Blocks per payload.
@@ -929,7 +973,8 @@ class PendingCompress:
         stats = BlockColumns.assemble(
             (c.rows, c.dim, c.itemsize), h[0], h[3], bounds_used, errs, (h[1], h[2])
         ).stats()
-        payload = self.words[: sum(sizes) // 4].clone().view(torch.uint8)
+        words = self.words[: sum(sizes) // 4]
+        payload = words.clone(memory_format=torch.contiguous_format).view(torch.uint8)
         first = np.cumsum(self.group_sizes, dtype=np.int64) - self.group_sizes
         per_group = [stats[a : a + n] for a, n in zip(first, self.group_sizes, strict=True)]
         return payload, sizes, per_group, np.split(skel, skel_ends[:-1]) if ng else []

@@ -25,25 +25,25 @@ import torch
 from torchrec_lossy.codec import device_compress as dcx
 from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import host_sync
+from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.container import HEADER_WORDS, MASK32
+from torchrec_lossy.codec.device_compress import ROWS_TILE
 from torchrec_lossy.codec.device_packed_decode import CHECKSUM_TILE
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
-    ESCAPE_SYMBOL,
     FLAG_PACKED,
     MODE_LZ,
     MODE_PACKED,
     MODE_QUANT,
     MODE_QUANT_LZ,
+    MODE_RAW,
     PACKED_GROUP,
-    PACKED_MAX_WIDTH,
     SEGMENT_HEADER_WORDS,
     ref_width,
     refs_packing,
     words_for_bits,
     words_for_bytes,
-    zigzag,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet
 from torchrec_lossy.config import CodecConfig
@@ -51,75 +51,56 @@ from torchrec_lossy.profile_range import profile_range
 
 
 class _Stream(NamedTuple):
-    """The sent values of every block's quantized stream, in the element layout (block ``b``'s
-    at ``elem_off[b]``, ``n_sym[b]`` long), and their groups."""
+    """Every quantizable block's packed stream (its distinct rows or every row) and its group
+    slots (``HostTables``' ``ps_slots``: every value sent, static)."""
 
     plan_lz: torch.Tensor  # per block, whether its stream is its distinct rows (else every row)
-    valid: torch.Tensor  # per element lane, whether it carries a sent value
-    sym: torch.Tensor  # int64 sent symbols (0 where not valid)
-    bits: torch.Tensor  # int32 raw bits of the sent elements
-    code: torch.Tensor  # int64 zigzag code (0 for an escape or an invalid lane)
-    slot: torch.Tensor  # per element lane, its group's slot
-    widths: torch.Tensor  # int64 per group slot, its width (0 for an unused slot)
-    code_off: torch.Tensor  # per group slot, its first word in its block's codes
+    n_sym: torch.Tensor  # per block, its stream's values (0 where it cannot quantize)
+    widths: torch.Tensor  # int64 per slot, its width (0 for an unused slot)
+    code_off: torch.Tensor  # per slot, its first word in its block's codes
+    esc_base: torch.Tensor  # per slot, its block's escapes before it
     n_groups: torch.Tensor  # per block
     n_esc: torch.Tensor  # per block, escapes among its sent values
     stream_words: torch.Tensor  # per block, words of its widths and codes
 
 
-def _group_slots(t: dcx.Columns, ht: dcx.HostTables, dev: torch.device) -> tuple:
-    """Static group slots (every element sent): per block its first slot; per slot its block
-    and its group within the block (shapes only, no data)."""
-    per_block = (t.rows * t.dim + PACKED_GROUP - 1) // PACKED_GROUP
-    c = ht.cols
-    n_slots = int(((c.rows * c.dim + PACKED_GROUP - 1) // PACKED_GROUP).sum())  # host: no sync
-    first = dcx.bases(per_block)
-    blk = torch.arange(t.rows.shape[0], device=dev)
-    s_blk = torch.repeat_interleave(blk, per_block, output_size=n_slots)
-    return first, s_blk, torch.arange(n_slots, device=dev) - first[s_blk]
+def _record(t: dcx.Columns, fields: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The packed launches' int64 ``[n_blocks, N_FIELDS]`` record (``codec/packed_columns.py``):
+    the shape fields, then ``fields`` (by field index); 0 elsewhere."""
+    zero = torch.zeros_like(t.rows)
+    cols = [zero] * pc.N_FIELDS
+    cols[pc.ELEM_OFF], cols[pc.ROW_OFF], cols[pc.ITEMSIZE] = t.elem_off, t.row_off, t.itemsize
+    cols[pc.DIM] = t.dim.clamp(min=1)
+    for f, v in fields.items():
+        cols[f] = v.to(torch.int64)
+    return torch.stack(cols, dim=1)
 
 
 def _stream(
-    t: dcx.Columns,
-    ht: dcx.HostTables,
-    flat: dcx.Flat,
-    sym: torch.Tensor,
-    dq: dcx.Dedupe,
-    ok: torch.Tensor,
+    k: KernelSet, t: dcx.Columns, sym: torch.Tensor, dq: dcx.Dedupe, ok: torch.Tensor
 ) -> _Stream:
     """Every quantizable block's packed stream: its distinct rows where some repeat and
     vector-LZ may run (the host's ``_packed_plan``: quant is then never chosen), else every
-    row; the groups' widths and offsets, escapes and exact words."""
-    e_blk, e_loc, dev = flat.e_blk, flat.e_loc, flat.x.device
+    row; its groups' widths and escapes (one ``packed.stream_widths`` launch), their offsets
+    (prefix sums over the slots) and the stream's exact words."""
     plan_lz = ok & (t.lz_allowed == 1) & (dq.n_unique < t.rows)
-    n_sent = torch.where(plan_lz, dq.n_unique, t.rows)
-    n_sym = torch.where(ok, n_sent * t.dim, 0)
-    valid = e_loc < n_sym[e_blk]
-    vec = e_loc // flat.e_dim
-    row = torch.where(plan_lz[e_blk], dq.row(flat, vec), t.row_off[e_blk] + vec)
-    src = flat.source(valid, row)
-    sym64 = sym.to(torch.int64) & 0xFFFF
-    sent = torch.where(valid, sym64[src], 0) if ht.n_elems else sym64
-    is_esc = valid & (sent == ESCAPE_SYMBOL)
-    code = torch.where(valid & ~is_esc, zigzag(sent), 0)
-    first, s_blk, s_k = _group_slots(t, ht, dev)
-    slot = first[e_blk] + e_loc // PACKED_GROUP
-    top = torch.zeros(s_blk.shape[0], dtype=torch.int64, device=dev)
-    top.scatter_reduce_(0, slot, code, "amax")  # codes are >= 0: amax of 0 is the OR's width
+    n_sym = torch.where(ok, torch.where(plan_lz, dq.n_unique, t.rows) * t.dim, 0)
+    rec = _record(t, {pc.N_SYM: n_sym, pc.Q_LZ: plan_lz, pc.Q_BASE: dq.base})
+    slots, first = t.ps_slots.view(-1, 2), t.ps_first
+    widths, esc = k.packed.stream_widths(sym, dq.first_rows, rec, slots)
+    w_before, e_before = dcx.bases(widths), dcx.bases(esc)
+    s_first = first[slots[:, 0]]
     n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
-    used = s_k < n_groups[s_blk]
-    # Its width: how many of 2**0 .. 2**11 its largest code reaches (built on the device:
-    # no host-to-device copy).
-    shifts = torch.arange(PACKED_MAX_WIDTH, device=dev)
-    widths = torch.where(used, ((top[:, None] >> shifts) > 0).sum(dim=1), 0)
-    w_before = dcx.bases(widths)
-    code_off = w_before[:-1] - w_before[first[s_blk]]
-    n_esc = torch.zeros_like(t.rows).index_add_(0, e_blk, is_esc.to(torch.int64))
     code_words = w_before[first[1:]] - w_before[first[:-1]]
-    bits = flat.bits[src] if ht.n_elems else flat.bits
-    stream_words = words_for_bytes(n_groups) + code_words
     return _Stream(
-        plan_lz, valid, sent, bits, code, slot, widths, code_off, n_groups, n_esc, stream_words
+        plan_lz=plan_lz,
+        n_sym=n_sym,
+        widths=widths,
+        code_off=w_before[:-1] - w_before[s_first],
+        esc_base=e_before[:-1] - e_before[s_first],
+        n_groups=n_groups,
+        n_esc=e_before[first[1:]] - e_before[first[:-1]],
+        stream_words=words_for_bytes(n_groups) + code_words,
     )
 
 
@@ -169,24 +150,36 @@ def _sends(t: dcx.Columns, mode: torch.Tensor, st: _Stream, dq: dcx.Dedupe,
     )
 
 
-def _put_codes(
-    out: dcx.WordBuffer, t: dcx.Columns, ht: dcx.HostTables, flat: dcx.Flat, st: _Stream,
-    s: dcx.Sends, sec: dcx.Sections,
+def _put_data(
+    k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, flat: dcx.Flat, sym: torch.Tensor,
+    st: _Stream, s: dcx.Sends, sec: dcx.Sections, dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
 ) -> None:  # fmt: skip
-    """Width bytes (at the section ``table_at``), then every sent value's code LSB-first at
-    bit ``k * w`` of its group's words (a code may straddle two words)."""
-    e_blk, e_loc = flat.e_blk, flat.e_loc
-    _, s_blk, s_k = _group_slots(t, ht, flat.x.device)
-    used = (s_k < st.n_groups[s_blk]) & s.is_q[s_blk]
-    out.put(sec.table_at[s_blk] + s_k // 4, st.widths << (8 * (s_k % 4)), used)
-    codes_at = sec.table_at + words_for_bytes(st.n_groups)
-    w = st.widths[st.slot]
-    bit = 32 * st.code_off[st.slot] + (e_loc % PACKED_GROUP) * w
-    at = codes_at[e_blk] + bit // 32
-    shift = bit % 32
-    live = st.valid & s.is_q[e_blk] & (st.code != 0)
-    out.put(at, (st.code << shift) & MASK32, live)
-    out.put(at + 1, st.code >> (32 - shift).clamp(max=63), live & (shift + w > 32))
+    """The data-sized sections, in two launches: every packed block's width bytes, codes and
+    escapes (``packed.put_stream``), then the raw blocks' rows and the lossless lz blocks'
+    distinct rows (``packed.put_rows``)."""
+    dq, dr = dedupes
+    raw = s.mode == MODE_RAW
+    n_rows = torch.where(raw, t.rows, torch.where(s.is_lz, dr.n_unique, 0))
+    rec = _record(
+        t,
+        {
+            pc.N_SYM: torch.where(s.is_q, st.n_sym, 0),
+            pc.Q_LZ: st.plan_lz,
+            pc.Q_BASE: dq.base,
+            pc.TABLE_AT: sec.table_at,
+            pc.CODES_AT: sec.table_at + words_for_bytes(st.n_groups),
+            pc.ESCP_AT: sec.escp_at,
+            pc.ESCB_AT: sec.escb_at,
+            pc.R_N: n_rows * t.dim,
+            pc.R_LZ: s.is_lz,
+            pc.R_BASE: dr.base,
+            pc.R_AT: torch.where(raw, sec.seg_start, sec.escp_at),
+        },
+    )
+    slots = t.ps_slots.view(-1, 2)
+    k.packed.put_stream(out.buf, sym, flat.bits, dq.first_rows, rec, slots, st.widths,
+                        st.code_off, st.esc_base)  # fmt: skip
+    k.packed.put_rows(out.buf, flat.bits, dr.first_rows, rec, t.rw_tiles.view(-1, 2), ROWS_TILE)
 
 
 def _put_segment_heads(
@@ -276,19 +269,13 @@ def start_packed_groups(
         sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols)
         dq = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
         dr = dcx.vector_lz_stage(k, None, ht, t, flat, cols)
-        st = _stream(t, ht, flat, sym, dq, grid.ok)
+        st = _stream(k, t, sym, dq, grid.ok)
         s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
         sec = dcx.sections(t, s, dr, st.stream_words)
-        nb = ht.n_blocks
-        lanes = (ht.n_elems, ht.n_rows, st.widths.shape[0])
-        out = dcx.WordBuffer(ht.body_max, max(*lanes, SEGMENT_HEADER_WORDS * nb, 1), dev)
+        out = dcx.WordBuffer(ht.body_max, dev)
         dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
-        sent = st.valid & s.is_q[flat.e_blk]  # the stream of a block sent quantized
-        coded = dcx.Coded(sent, st.sym, st.bits, st.n_esc, st.sym, st.n_esc, st.n_esc)
         dcx.put_references(out, t, flat, s, sec, (dq, dr))
-        dcx.put_escapes(out, t, flat, coded, sec)
-        _put_codes(out, t, ht, flat, st, s, sec)
-        dcx.put_rows(out, t, flat, s, dr, sec)
+        _put_data(k, out, t, flat, sym, st, s, sec, (dq, dr))
         checksums = _put_segment_heads(k, out, t, cols, s, st, sec)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
