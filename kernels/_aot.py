@@ -32,6 +32,7 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("common", "scan_apply_kernel", "*{t} *{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
     ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *i64", {"BLOCK": 4096}, NO_FMA),
     ("quantize", "median_kernel", "*fp32 *fp64 *i64 *i64 *i64 *i32", {"BLOCK": 1024}, {}),
+    ("quantize", "ranges_kernel", "*fp32 *i64 *i32 *i64", {"OCTAVES": 16, "BLOCK": 1024}, {}),
     ("quantize", "decode_output_kernel",
      "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32 i32",
      {"BLOCK": 1024, "PACKED": (True, False)}, {"num_warps": 4, "enable_fp_fusion": False}),
@@ -57,11 +58,13 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
      {"num_warps": 1}),
     ("codebook", "decode_table_kernel", "*i32 *i64 i32 *i32 *i32", {}, {"num_warps": 8}),
     ("packed", "checksum_kernel", "*i32 *i64 *i64", {"TILE": 1024}, {}),
-    ("packed", "checksum_kernel", "*i64 *i64 *i64", {"TILE": 1024}, {}),  # compress: int64 words
     ("packed", "widths_kernel", "*i32 *i64 *i16 i32 i32 i32 i32", {"GB": 32, "GROUP": 32}, {}),
     ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
+    ("packed", "stream_kernel", "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i32 i32",
+     {"GB": 32, "GROUP": 32, "WRITE": (True, False)}, {}),
+    ("packed", "rows_kernel", "*i32 *i64 *i64 *i64 *i32", {"TILE": 1024}, {}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]

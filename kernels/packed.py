@@ -329,25 +329,27 @@ def _stream_kernel(
         w = tl.load(width_ptr + s, mask=smask, other=0)
         used = smask & (k * GROUP < n_sym)
         table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
-        tl.atomic_add(buf_ptr + table_at + k // 4, w << (8 * (k % 4)), mask=used)
+        word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
+        tl.atomic_add(buf_ptr + table_at + k // 4, (w << (8 * (k % 4))).to(word), mask=used)
         codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
         off = tl.load(off_ptr + s, mask=used, other=0)
         bit = 32 * off[:, None] + lane[None, :] * w[:, None]
         at = codes_at[:, None] + bit // 32
         sh = bit % 32
         live = code != 0
-        tl.atomic_add(buf_ptr + at, (code << sh) & 0xFFFFFFFF, mask=live)
+        tl.atomic_add(buf_ptr + at, ((code << sh) & 0xFFFFFFFF).to(word), mask=live)
         spill = live & (sh + w[:, None] > 32)
-        tl.atomic_add(buf_ptr + at + 1, code >> tl.where(spill, 32 - sh, 0), mask=spill)
+        tl.atomic_add(buf_ptr + at + 1, (code >> tl.where(spill, 32 - sh, 0)).to(word), mask=spill)
         e = esc.to(tl.int64)
         rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
         escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
-        tl.atomic_add(buf_ptr + escp_at + rank, v, mask=esc)
+        tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
         raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
         wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
         escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
         value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
-        tl.atomic_add(buf_ptr + escb_at + tl.where(wide, rank, rank // 2), value, mask=esc)
+        at = escb_at + tl.where(wide, rank, rank // 2)
+        tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
 
 
 def stream_widths(
@@ -388,7 +390,7 @@ def put_stream(
     in one launch.
 
     Args:
-        buf: int64 payload words (uint32 values; the stream's words still 0).
+        buf: int32 payload words (or int64 lanes holding uint32 words; the stream's still 0).
         sym: int16 symbols of every element.
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
         rows: As :func:`stream_widths`.
@@ -428,7 +430,7 @@ def _rows_kernel(bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.conste
     b1 = tl.load(bits_ptr + src1, mask=v1, other=0).to(tl.int64)
     value = tl.where(wide, b0 & 0xFFFFFFFF, (b0 & 0xFFFF) | ((b1 & 0xFFFF) << 16))
     at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_AT)
-    tl.store(buf_ptr + at + w, value, mask=valid)
+    tl.store(buf_ptr + at + w, value.to(buf_ptr.dtype.element_ty), mask=valid)
 
 
 def put_rows(
@@ -439,7 +441,7 @@ def put_rows(
     words, in one launch (each word has one writer: plain stores).
 
     Args:
-        buf: int64 payload words.
+        buf: int32 payload words (or int64 lanes holding uint32 words).
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
         rows: int64 per row: the raw-bits dedupe's first occurrences' rows.
         rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,

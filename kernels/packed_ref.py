@@ -372,7 +372,8 @@ def stream_widths(
 
 def _add(buf: torch.Tensor, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
     """Adds ``value`` at word ``at`` where ``mask`` (0 at word 0 elsewhere: no change)."""
-    buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), torch.where(mask, value, 0).reshape(-1))
+    value = torch.where(mask, value, 0).reshape(-1).to(buf.dtype)  # int32: modulo 2**32
+    buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), value)
 
 
 def put_stream(

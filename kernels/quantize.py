@@ -28,8 +28,10 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
 )
 from torchrec_lossy.codec.launch_tables import block_for
+from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
 from torchrec_lossy.kernels.common import find_segment
 from torchrec_lossy.kernels.packed import packed_code, packed_symbol
+from torchrec_lossy.kernels.quantize_ref import key_values
 
 # Globals a kernel reads must be constexpr.
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -308,6 +310,79 @@ def block_medians(
     return out
 
 
+@triton.jit
+def _range_keys(x_ptr, start, end, keep_below, BLOCK: tl.constexpr):
+    """Smallest and largest int32 order key (``v ^ ((v >> 31) & 0x7FFFFFFF)``, the host's
+    ``finite_ranges_kernel`` keys) of ``x[start:end]`` over the values whose exponent field
+    is below ``keep_below`` (256: every finite one; the sentinels 0x7FFFFFFF / -0x7FFFFFFF
+    when none: NaN bits, never a finite key)."""
+    mn = tl.full((), 0x7FFFFFFF, tl.int32)
+    mx = tl.full((), -0x7FFFFFFF, tl.int32)
+    for t0 in range(start, end, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        inside = offs < end
+        v = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True)
+        e = (v >> 23) & 0xFF
+        keep = inside & (e != 255) & (e < keep_below)
+        key = v ^ ((v >> 31) & 0x7FFFFFFF)
+        mn = tl.minimum(mn, tl.min(tl.where(keep, key, 0x7FFFFFFF), axis=0))
+        mx = tl.maximum(mx, tl.max(tl.where(keep, key, -0x7FFFFFFF), axis=0))
+    return mn, mx
+
+
+@triton.jit
+def _ranges_kernel(x_ptr, off_ptr, out_ptr, n_ptr, OCTAVES: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per block: its finite range, finite count and exponent-field histogram in
+    # one pass; the lower median exponent M of its normal values; then the range of its finite
+    # values with exponent below M + OCTAVES (codec/outliers.py; the same as the finite range
+    # where the block has no outlier).
+    b = tl.program_id(0).to(tl.int64)
+    start = tl.load(off_ptr + b)
+    end = tl.load(off_ptr + b + 1)
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), tl.int32)
+    n_fin = tl.zeros((), tl.int64)
+    for t0 in range(start, end, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        inside = offs < end
+        v = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.int32, bitcast=True)
+        e = (v >> 23) & 0xFF
+        n_fin += tl.sum((inside & (e != 255)).to(tl.int64), axis=0)
+        hist += tl.histogram(e, 256, mask=inside & (e >= 1) & (e <= 254))
+    half = (tl.sum(hist, axis=0) + 1) // 2
+    median = tl.sum((tl.cumsum(hist, 0) < half).to(tl.int32), axis=0)
+    lo, hi = _range_keys(x_ptr, start, end, 256, BLOCK)
+    ilo, ihi = _range_keys(x_ptr, start, end, median + OCTAVES, BLOCK)
+    tl.store(out_ptr + 4 * b + bins, tl.where(bins == 0, lo, tl.where(bins == 1, hi, tl.where(
+        bins == 2, ilo, ihi))), mask=bins < 4)  # fmt: skip
+    tl.store(n_ptr + b, n_fin)
+
+
+def block_ranges(
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every block's finite range, inlier range (``codec/outliers.py``) and finite count, in
+    one launch (one program per block, no sort, no atomics).
+
+    Args:
+        x: 1-D float32 values of every block, back to back.
+        elem_off: int64 [n_blocks] first element of each block.
+        numel: int64 [n_blocks] elements of each block.
+
+    Returns:
+        float32 [n_blocks] (finite min, finite max, inlier min, inlier max): +inf / -inf where
+        none; int64 [n_blocks] finite count.
+    """
+    nb = elem_off.shape[0]
+    keys = torch.empty((nb, 4), dtype=torch.int32, device=x.device)
+    n_fin = torch.empty(nb, dtype=torch.int64, device=x.device)
+    if nb:
+        ends = torch.cat([elem_off, (elem_off[-1:] + numel[-1:])])
+        _ranges_kernel[(nb,)](x, ends, keys, n_fin, OCTAVES=OUTLIER_OCTAVES, BLOCK=1024)
+    lo, hi, ilo, ihi = key_values(keys).unbind(1)
+    return lo, hi, ilo, ihi, n_fin
+
+
 # ------------------------------------------------------------------------------------------------
 # Decode side, batched (device decompress): every block's output elements in one launch.
 
@@ -484,5 +559,6 @@ def _decode(
 JIT_KERNELS = {
     "decode_output_kernel": _decode_output_kernel,
     "median_kernel": _median_kernel,
+    "ranges_kernel": _ranges_kernel,
     "quantize_kernel": _quantize_kernel,
 }

@@ -32,6 +32,7 @@ from torchrec_lossy.codec.format import (
     value_shift,
     value_symbol,
 )
+from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
 from torchrec_lossy.codec.quant_params import QuantParams
 from torchrec_lossy.kernels.packed_ref import symbols_and_ranks
 
@@ -209,6 +210,54 @@ def block_medians(
     upper = (elem_off + n_finite // 2).clamp(max=n_el - 1)
     lower = (elem_off + (n_finite - 1) // 2).clamp(min=0, max=n_el - 1)
     return torch.where(need & (n_finite > 0), (ordered[lower] + ordered[upper]) / 2, 0.0)
+
+
+_BIG = 0x7FFFFFFF  # the order keys' sentinel: NaN bits, never a finite value's key
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """float32 values of int32 order keys (``v ^ ((v >> 31) & 0x7FFFFFFF)``, the host's
+    ``finite_ranges_kernel`` keys); the sentinels (no value) to +inf / -inf.
+
+    Args:
+        keys: int32 keys: the smallest (sentinel ``0x7FFFFFFF``) or largest (``-0x7FFFFFFF``).
+
+    Returns:
+        float32 values, the shape of ``keys``.
+    """
+    bits = keys ^ ((keys >> 31) & _BIG)
+    none = (keys == _BIG) | (keys == -_BIG)
+    inf = torch.where(keys > 0, math.inf, -math.inf)
+    return torch.where(none, inf, bits.view(torch.float32))
+
+
+def block_ranges(
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of ``quantize.block_ranges`` (the outlier rule's histogram by ``index_add_``)."""
+    nb, dev = elem_off.shape[0], x.device
+    blk = torch.repeat_interleave(torch.arange(nb, device=dev), numel, output_size=x.shape[0])
+    v = x.contiguous().view(torch.int32)
+    e = (v >> 23) & 0xFF
+    key = v ^ ((v >> 31) & _BIG)
+    hist = torch.zeros(nb * 256, dtype=torch.int64, device=dev)
+    hist.index_add_(0, blk * 256 + e, ((e >= 1) & (e <= 254)).to(torch.int64))
+    hist = hist.view(nb, 256)
+    half = (hist.sum(1) + 1) // 2
+    median = (torch.cumsum(hist, 1) < half[:, None]).sum(1)
+    fin = e != 255
+    inlier = fin & (e < (median + OUTLIER_OCTAVES)[blk])
+
+    def keys(keep: torch.Tensor) -> torch.Tensor:
+        lo = torch.full((nb,), _BIG, dtype=torch.int32, device=dev)
+        hi = torch.full((nb,), -_BIG, dtype=torch.int32, device=dev)
+        lo = lo.scatter_reduce(0, blk, torch.where(keep, key, _BIG), "amin")
+        return torch.stack([lo, hi.scatter_reduce(0, blk, torch.where(keep, key, -_BIG), "amax")])
+
+    lo, hi = key_values(keys(fin)).unbind(0)
+    ilo, ihi = key_values(keys(inlier)).unbind(0)
+    n_fin = torch.zeros(nb, dtype=torch.int64, device=dev).index_add_(0, blk, fin.to(torch.int64))
+    return lo, hi, ilo, ihi, n_fin
 
 
 def _half_bits(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,7 +29,9 @@ from helpers import (
 )
 
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
+from torchrec_lossy.codec import quantize as cpu_quantize
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
+from torchrec_lossy.codec.outliers import inlier_ranges_kernel
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook, quantize_ref
 from torchrec_lossy.kernels import quantize as quantize_kernels
@@ -227,6 +229,45 @@ def test_quantization_parameters_edge_cases(fmt: str) -> None:
     specials = torch.tensor(SPECIALS * 3).reshape(-1, 3)
     for dtype in DTYPES:
         _check([specials.to(dtype)], [1e-2], config)
+
+
+def test_block_ranges_equal_the_host_rule() -> None:
+    """``quantize.block_ranges`` (one program per block) and its twin give the host's finite
+    range (``finite_ranges_kernel``: order keys, so -0.0 below +0.0), inlier range
+    (``inlier_ranges_kernel``: a 3e38 outlier among small values is left out) and finite count:
+    NaN / Inf, subnormals, signed zeros, a block with no finite value, an empty block, more than
+    one tile."""
+    gen = torch.Generator().manual_seed(11)
+    outlier = torch.randn(300, generator=gen)
+    outlier[17] = 3e38
+    blocks = [
+        torch.randn(37, generator=gen),
+        outlier,
+        torch.tensor([-0.0, 0.0, 0.0, -0.0]),
+        torch.tensor([float("nan"), 1.0, float("inf"), -2.0, float("-inf")]),
+        torch.tensor([1e-40, -1e-42, 1e-45]),
+        torch.tensor([float("nan"), float("inf")]),
+        torch.zeros(0),
+        torch.randn(2500, generator=gen) * 1e3,
+    ]
+    x = torch.cat(blocks)
+    numel = torch.tensor([b.numel() for b in blocks])
+    elem_off = torch.cumsum(numel, 0) - numel
+    ends = np.append(elem_off.numpy(), x.numel())
+    h_lo, h_hi = cpu_quantize.finite_ranges_kernel(x.numpy(), ends)
+    i_lo, i_hi = inlier_ranges_kernel(x.numpy(), ends, h_lo, h_hi, np.ones(len(blocks), bool))
+    none = np.isnan(h_lo)
+    want = [np.where(none, np.inf, h_lo), np.where(none, -np.inf, h_hi)]
+    want += [np.where(none, np.inf, i_lo), np.where(none, -np.inf, i_hi)]
+    n_fin = [int(torch.isfinite(b).sum()) for b in blocks]
+    assert i_hi[1] < 1e30 and h_hi[1] == np.float32(3e38)  # the outlier is left out
+    for impl in (quantize_kernels.block_ranges, quantize_ref.block_ranges):
+        *got, count = impl(x, elem_off, numel)
+        assert count.tolist() == n_fin
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32
+            # Bit equality (signed zeros included).
+            assert g.numpy().view(np.int32).tolist() == w.astype(np.float32).view(np.int32).tolist()
 
 
 def test_block_medians_select_without_sorting() -> None:

@@ -9,7 +9,6 @@ next. Stages, host tables and the sync: docs/kernels.md, "Device-resident compre
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
@@ -58,7 +57,6 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
-from torchrec_lossy.codec.outliers import inlier_ranges_torch
 from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
@@ -368,19 +366,29 @@ class Sections(NamedTuple):
 # ---- the device stages ---------------------------------------------------------------------
 
 
-def flatten(blocks: Sequence[torch.Tensor], ht: HostTables, t: Columns) -> Flat:
-    """:class:`Flat` of the blocks."""
+def flatten(
+    blocks: Sequence[torch.Tensor], ht: HostTables, t: Columns, elements: bool = True
+) -> Flat:
+    """:class:`Flat` of the blocks; without ``elements`` (the packed path, whose launches find
+    each element's block themselves) the per-element columns are left empty, and the raw bits
+    of float32-only blocks are a view of the values (one copy of the input, not two)."""
     dev = t.rows.device
     flat = [b.detach().contiguous().reshape(-1) for b in blocks]
     x = torch.cat([torch.zeros(0, device=dev), *(f.float() for f in flat)])
-    wide = [f.view(torch.int32 if f.element_size() == 4 else torch.int16) for f in flat]
-    bits = torch.cat([torch.zeros(0, dtype=torch.int32, device=dev), *(w.int() for w in wide)])
+    if not elements and all(f.element_size() == 4 for f in flat):
+        bits = x.view(torch.int32)
+    else:
+        wide = [f.view(torch.int32 if f.element_size() == 4 else torch.int16) for f in flat]
+        bits = torch.cat([torch.zeros(0, dtype=torch.int32, device=dev), *(w.int() for w in wide)])
     blk_ids = torch.arange(ht.n_blocks, device=dev)
-    e_blk = torch.repeat_interleave(blk_ids, t.rows * t.dim, output_size=ht.n_elems)
     r_blk = torch.repeat_interleave(blk_ids, t.rows, output_size=ht.n_rows)
-    e_loc = torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk]
+    if not elements:
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return Flat(x, bits, none, none, none, r_blk, none)
     r_loc = torch.arange(ht.n_rows, device=dev) - t.row_off[r_blk]
     r_elem = t.elem_off[r_blk] + r_loc * t.dim[r_blk]
+    e_blk = torch.repeat_interleave(blk_ids, t.rows * t.dim, output_size=ht.n_elems)
+    e_loc = torch.arange(ht.n_elems, device=dev) - t.elem_off[e_blk]
     return Flat(x, bits, e_blk, e_loc, t.dim[e_blk].clamp(min=1), r_blk, r_elem)
 
 
@@ -389,27 +397,18 @@ def bases(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
 
-def _per_block(v: torch.Tensor, how: str, numel: torch.Tensor, initial: float) -> torch.Tensor:
-    """Segmented reduction over every block's elements (no atomics; unsafe: skips the length
-    checks, which would sync)."""
-    return torch.segment_reduce(v, how, lengths=numel, unsafe=True, initial=initial)
-
-
 def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGrid:
     """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
     ``block_grid``) from its finite min / max and, where the rule centers on it, its median
     (``quantize.block_medians``: a radix select, no sort); center int64."""
-    finite = torch.isfinite(flat.x)
     numel = t.rows * t.dim
-    lo = _per_block(torch.where(finite, flat.x, math.inf), "min", numel, math.inf)
-    hi = _per_block(torch.where(finite, flat.x, -math.inf), "max", numel, -math.inf)
+    # Finite and inlier ranges and finite counts in one launch (``quantize.block_ranges``).
+    lo, hi, ilo, ihi, n_fin = k.quantize.block_ranges(flat.x, t.elem_off, numel)
     bound = t.bound_bits.view(torch.float64)
     # A relative bound is taken over the range without finite outliers (codec/outliers.py).
-    ilo, ihi = inlier_ranges_torch(flat.x, flat.e_blk, numel)
     rel = t.kind == int(BoundKind.RELATIVE)
     ilo, ihi = torch.where(rel, ilo, lo), torch.where(rel, ihi, hi)
     b = quantize.block_bound(t.kind, bound, ilo, ihi, numel, ht.stochastic, ht.quantization)
-    n_fin = _per_block(finite.double(), "sum", numel, 0.0).to(torch.int64)  # < 2**53
     need = quantize.uses_median(b, lo, hi)
     g = quantize.block_grid(
         b, lo, hi, k.quantize.block_medians(flat.x, t.elem_off, numel, n_fin, need)
@@ -595,8 +594,9 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
 
 
 class WordBuffer:
-    """An int64 buffer and the masked writes into it: the payloads' words (int64 lanes holding
-    uint32 words), or the table of a dedupe's first rows.
+    """An integer buffer and the masked writes into it: the payloads' words (int64 lanes
+    holding uint32 words, or int32 words: adds of disjoint bits never overflow), or the table
+    of a dedupe's first rows.
 
     Writes are collected and added in one ``index_add_`` when the buffer is next read
     (:attr:`buf`), so the buffer is touched once per read, not once per section. Masked lanes
@@ -606,10 +606,11 @@ class WordBuffer:
     Args:
         n_words: Words (entries) of the buffer before the trash area.
         dev: The device.
+        dtype: int64, or int32 (values are then taken modulo 2**32).
     """
 
-    def __init__(self, n_words: int, dev: torch.device) -> None:
-        self._buf = torch.zeros(n_words + _TRASH, dtype=torch.int64, device=dev)
+    def __init__(self, n_words: int, dev: torch.device, dtype: torch.dtype = torch.int64) -> None:
+        self._buf = torch.zeros(n_words + _TRASH, dtype=dtype, device=dev)
         self._n_words = n_words
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -623,7 +624,7 @@ class WordBuffer:
             self._pending = []
             trash = self._n_words + (torch.arange(dest.shape[0], device=dest.device) & (_TRASH - 1))
             dest = torch.where(valid, dest, trash)
-            self._buf.index_add_(0, dest, torch.where(valid, value.to(torch.int64), 0))
+            self._buf.index_add_(0, dest, torch.where(valid, value, 0).to(self._buf.dtype))
         return self._buf
 
     def put(self, dest: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
@@ -799,7 +800,7 @@ def close(
     """Checksums and headers; the int32 payload words and the skeletons (what a decoder's
     layout depends on, for the receiver). ``checksums``: the payloads' (None: computed here
     over the buffer)."""
-    dev = out.buf.device
+    dev = sec.payload_base.device
     if checksums is None:
         checksums = segment_checksums(out.buf, sec.payload_base + HEADER_WORDS, sec.body_words)
     header = {
@@ -810,14 +811,16 @@ def close(
         "body_words": sec.body_words,
         "checksum": checksums,
     }
-    # Tensor-indexed writes (no host tensor is built, no sync).
+    # Tensor-indexed writes (no host tensor is built, no sync), with the buffer's last writes.
     at = (sec.payload_base[:, None] + torch.arange(HEADER_WORDS, device=dev)).reshape(-1)
-    out.buf[at] = pack_records(HEADER, header).reshape(-1)
+    out.put(at, pack_records(HEADER, header).reshape(-1), torch.ones_like(at, dtype=torch.bool))
+    buf = out.buf
+    index = skeleton_index(sec.payload_base, sec.payload_words, group_sizes, sec.seg_start)
+    if buf.dtype == torch.int32:
+        return buf[: ht.body_max], buf[index].to(torch.int64) & MASK32
     # Each int64 lane holds a uint32 word: its low half (little-endian: CPU and CUDA) is the
     # int32 word, a strided view, so nothing is converted (finish copies the payload's words).
-    words32 = out.buf[: ht.body_max].view(torch.int32)[::2]
-    index = skeleton_index(sec.payload_base, sec.payload_words, group_sizes, sec.seg_start)
-    return words32, out.buf[index]
+    return buf[: ht.body_max].view(torch.int32)[::2], buf[index]
 
 
 def compress_device(

@@ -261,7 +261,7 @@ def start_packed_groups(
         ht = dcx.host_tables(blocks, bounds, kinds, group_sizes, config)
         dev = blocks[0].device if blocks else torch.device("cpu")
         t: dcx.Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
-        flat = dcx.flatten(blocks, ht, t)
+        flat = dcx.flatten(blocks, ht, t, elements=False)
         grid = dcx.grid_stage(k, ht, t, flat)
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
@@ -272,7 +272,7 @@ def start_packed_groups(
         st = _stream(k, t, sym, dq, grid.ok)
         s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
         sec = dcx.sections(t, s, dr, st.stream_words)
-        out = dcx.WordBuffer(ht.body_max, dev)
+        out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
         dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
         dcx.put_references(out, t, flat, s, sec, (dq, dr))
         _put_data(k, out, t, flat, sym, st, s, sec, (dq, dr))
