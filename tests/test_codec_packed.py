@@ -365,3 +365,56 @@ def test_the_device_encoder_writes_the_host_bytes(backend: str, kind: BoundKind)
                 assert bool((err <= eb * x.double().abs()[fin]).all())
             else:
                 _check_bound(x, y, s.bound)
+
+
+def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Triton launch of the packed device compress (``quantize.block_ranges``,
+    ``packed.stream_widths``, ``put_stream``, ``put_rows``) gives its torch twin's outputs and
+    words, call by call on the production inputs (adversarial blocks, every bound kind, raw,
+    lossless lz and repeated rows), so the twins are each kernel's oracle, not just the
+    payload's."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from torchrec_lossy.kernels import packed as k_packed
+    from torchrec_lossy.kernels import quantize as k_quantize
+    from torchrec_lossy.kernels import quantize_ref
+
+    calls: dict[str, int] = {}
+
+    def spy(mod: object, name: str, twin: object, writes: bool) -> None:
+        kernel = getattr(mod, name)
+
+        def call(*args: object) -> object:
+            calls[name] = calls.get(name, 0) + 1
+            if writes:  # the first argument is the payload words, written in place
+                mine = args[0].clone()
+                twin(mine, *args[1:])
+                kernel(*args)
+                assert torch.equal(args[0], mine), name
+                return None
+            got, want = kernel(*args), twin(*args)
+            for g, w in zip(got, want, strict=True):  # floats bit for bit (signed zeros)
+                bits = torch.int32 if g.is_floating_point() else g.dtype
+                assert torch.equal(g.view(bits), w.view(bits)), name
+            return got
+
+        monkeypatch.setattr(mod, name, call)
+
+    spy(k_quantize, "block_ranges", quantize_ref.block_ranges, False)
+    spy(k_packed, "stream_widths", packed_ref.stream_widths, False)
+    spy(k_packed, "put_stream", packed_ref.put_stream, True)
+    spy(k_packed, "put_rows", packed_ref.put_rows, True)
+    blocks, _ = _adversarial_blocks()
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randn(40, 8, generator=gen)  # incompressible at bound 0: raw
+    reps = torch.randn(3, 8, generator=gen)[torch.arange(60) % 3].half()  # lossless lz
+    blocks = [*blocks, blocks[0].bfloat16(), noise, reps]
+    for kind in (BoundKind.ABSOLUTE, BoundKind.RELATIVE, BoundKind.VALUE):
+        bounds = [0.0 if b is noise or b is reps else 0.02 for b in blocks]
+        kinds = [int(BoundKind.ABSOLUTE) if e == 0.0 else int(kind) for e in bounds]
+        config = CodecConfig(format="packed", backend="triton")
+        got = compress_groups([blocks], [bounds], config, [kinds])
+        want = compress_groups([blocks], [bounds], CodecConfig(format="packed"), [kinds])
+        assert torch.equal(got.buffer, want.buffer)
+        modes = {s.mode for s in got.stats[0]}
+        assert {"raw", "lz"} <= modes, modes  # raw and lossless lz blocks were written too
+    assert calls == {"block_ranges": 3, "stream_widths": 3, "put_stream": 3, "put_rows": 3}
