@@ -62,9 +62,10 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
-    ("packed", "stream_kernel", "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i32 i32",
-     {"GB": 32, "GROUP": 32, "WRITE": (True, False)}, {}),
-    ("packed", "rows_kernel", "*i32 *i64 *i64 *i64 *i32", {"TILE": 1024}, {}),
+    ("packed", "stream_widths_kernel", "*i16 *i64 *i64 *i64 *i64 *i64 i32",
+     {"GB": 32, "GROUP": 32}, {}),
+    ("packed", "put_data_kernel", "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 i32 i32",
+     {"GB": 32, "GROUP": 32, "TILE": 1024}, {}),
 ]  # fmt: skip
 
 Spec = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]

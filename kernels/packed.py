@@ -296,15 +296,15 @@ def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constex
 
 
 @triton.jit
-def _stream_kernel(
-    sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
+def _stream_group(
+    pid, sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
     n_slots, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
 ):  # fmt: skip
-    # GB group slots per program (slot: block, group in the block), 32 lanes each: every sent
-    # value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes. WRITE:
-    # its width byte, its codes at bit k * w of its words, its escapes (ranks from its slot's
-    # first), added into the zeroed words (integer adds of disjoint bits: the OR).
-    s = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    # Program ``pid``'s GB group slots (slot: block, group in the block), 32 lanes each: every
+    # sent value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes.
+    # WRITE: its width byte, its codes at bit k * w of its words, its escapes (ranks from its
+    # slot's first), added into the zeroed words (integer adds of disjoint bits: the OR).
+    s = pid * GB + tl.arange(0, GB)
     smask = s < n_slots
     blk = tl.load(slot_ptr + 2 * s, mask=smask, other=0)
     k = tl.load(slot_ptr + 2 * s + 1, mask=smask, other=0)
@@ -352,6 +352,17 @@ def _stream_kernel(
         tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
 
 
+@triton.jit
+def _stream_widths_kernel(
+    sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, n_slots, GB: tl.constexpr,
+    GROUP: tl.constexpr,
+):  # fmt: skip
+    _stream_group(
+        tl.program_id(0).to(tl.int64), sym_ptr, sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr,
+        esc_ptr, width_ptr, width_ptr, n_slots, GB, GROUP, False,
+    )  # fmt: skip
+
+
 def stream_widths(
     sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,48 +385,16 @@ def stream_widths(
     esc = torch.empty(n, dtype=torch.int64, device=sym.device)
     if n:
         gb = _GROUPS_PER_PROGRAM
-        _stream_kernel[(triton.cdiv(n, gb),)](
-            sym, sym, rows, rec, slots, width, esc, width, width, n, GB=gb, GROUP=_GROUP,
-            WRITE=False,
-        )  # fmt: skip
+        _stream_widths_kernel[(triton.cdiv(n, gb),)](
+            sym, rows, rec, slots, width, esc, n, GB=gb, GROUP=_GROUP
+        )
     return width, esc
 
 
-def put_stream(
-    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
-    rec: torch.Tensor, slots: torch.Tensor, widths: torch.Tensor, code_off: torch.Tensor,
-    esc_base: torch.Tensor,
-) -> None:  # fmt: skip
-    """Adds every packed block's width bytes, codes and escapes into the zeroed payload words,
-    in one launch.
-
-    Args:
-        buf: int32 payload words (or int64 lanes holding uint32 words; the stream's still 0).
-        sym: int16 symbols of every element.
-        bits: int32 raw bits of every element (16-bit dtypes sign-extended).
-        rows: As :func:`stream_widths`.
-        rec: int64 [n_blocks, N_FIELDS]; read as :func:`stream_widths` (``N_SYM`` 0 where a
-            block is not sent packed) and ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``,
-            ``ITEMSIZE``.
-        slots: As :func:`stream_widths`.
-        widths: int64 [n_slots] (:func:`stream_widths`).
-        code_off: int64 [n_slots] first word of each slot's codes in its block's codes.
-        esc_base: int64 [n_slots] escapes of its block before it.
-    """
-    n = slots.shape[0]
-    if n:
-        gb = _GROUPS_PER_PROGRAM
-        _stream_kernel[(triton.cdiv(n, gb),)](
-            sym, bits, rows, rec, slots, widths, esc_base, code_off, buf, n, GB=gb,
-            GROUP=_GROUP, WRITE=True,
-        )  # fmt: skip
-
-
 @triton.jit
-def _rows_kernel(bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.constexpr):
-    # One program per tile (block, first word) of words: the block's raw rows (raw blocks), or
-    # its distinct rows (lossless lz), fp32 one per word, 16-bit two per word (low half first).
-    t = tl.program_id(0).to(tl.int64)
+def _rows_tile(t, bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.constexpr):
+    # Tile ``t`` (block, first word) of words: the block's raw rows (raw blocks), or its
+    # distinct rows (lossless lz), fp32 one per word, 16-bit two per word (low half first).
     blk = tl.load(tile_ptr + 2 * t)
     w = tl.load(tile_ptr + 2 * t + 1) + tl.arange(0, TILE)
     n = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_N)
@@ -433,25 +412,57 @@ def _rows_kernel(bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.conste
     tl.store(buf_ptr + at + w, value.to(buf_ptr.dtype.element_ty), mask=valid)
 
 
-def put_rows(
-    buf: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor,
-    tiles: torch.Tensor, tile: int,
+@triton.jit
+def _put_data_kernel(
+    sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
+    tile_ptr, buf_ptr, n_slots, n_stream, GB: tl.constexpr, GROUP: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    # The first n_stream programs write the packed streams (GB slots each), the others one
+    # tile of raw rows each: every data-sized section in one launch.
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < n_stream:
+        _stream_group(
+            pid, sym_ptr, bits_ptr, q_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
+            buf_ptr, n_slots, GB, GROUP, True,
+        )  # fmt: skip
+    else:
+        _rows_tile(pid - n_stream, bits_ptr, r_rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE)
+
+
+def put_data(
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
+    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
+    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
 ) -> None:  # fmt: skip
-    """Writes the raw blocks' rows and the lossless lz blocks' distinct rows into the payload
-    words, in one launch (each word has one writer: plain stores).
+    """Writes every data-sized section into the zeroed payload words, in one launch: each
+    packed block's width bytes, codes and escapes (added: integer adds of disjoint bits), the
+    raw blocks' rows and the lossless lz blocks' distinct rows (stored: one writer per word).
 
     Args:
         buf: int32 payload words (or int64 lanes holding uint32 words).
+        sym: int16 symbols of every element.
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
-        rows: int64 per row: the raw-bits dedupe's first occurrences' rows.
-        rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,
+        dedupe_rows: int64 per row, the first occurrences' rows of the quantized dedupe (the
+            streams') and of the raw-bits dedupe (the lz blocks' rows).
+        rec: int64 [n_blocks, N_FIELDS]; read: as :func:`stream_widths` (``N_SYM`` 0 where a
+            block is not sent packed), ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``,
             ``ITEMSIZE``, ``R_N``, ``R_LZ``, ``R_BASE``, ``R_AT``.
+        slots: As :func:`stream_widths`.
+        stream: int64 [n_slots] each: widths (:func:`stream_widths`), the first word of each
+            slot's codes in its block's codes, the escapes of its block before it.
         tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
         tile: Words per tile (a power of two).
     """
-    n = tiles.shape[0]
-    if n:
-        _rows_kernel[(n,)](bits, rows, rec, tiles, buf, TILE=tile)
+    n, gb = slots.shape[0], _GROUPS_PER_PROGRAM
+    n_stream = triton.cdiv(n, gb)
+    grid = n_stream + tiles.shape[0]
+    if grid:
+        widths, code_off, esc_base = stream
+        _put_data_kernel[(grid,)](
+            sym, bits, dedupe_rows[0], dedupe_rows[1], rec, slots, widths, esc_base, code_off,
+            tiles, buf, n, n_stream, GB=gb, GROUP=_GROUP, TILE=tile,
+        )  # fmt: skip
 
 
 # The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).
@@ -460,8 +471,8 @@ JIT_KERNELS = {
     "widths_kernel": _widths_kernel,
     "check_groups_kernel": _check_groups_kernel,
     "status_kernel": _status_kernel,
-    "stream_kernel": _stream_kernel,
-    "rows_kernel": _rows_kernel,
+    "stream_widths_kernel": _stream_widths_kernel,
+    "put_data_kernel": _put_data_kernel,
 }
 
 __all__ = [
@@ -471,7 +482,6 @@ __all__ = [
     "packed_status",
     "packed_symbol",
     "packed_widths",
-    "put_rows",
-    "put_stream",
+    "put_data",
     "stream_widths",
 ]

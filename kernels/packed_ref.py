@@ -376,12 +376,12 @@ def _add(buf: torch.Tensor, at: torch.Tensor, value: torch.Tensor, mask: torch.T
     buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), value)
 
 
-def put_stream(
+def _put_stream(
     buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
     rec: torch.Tensor, slots: torch.Tensor, widths: torch.Tensor, code_off: torch.Tensor,
     esc_base: torch.Tensor,
 ) -> None:  # fmt: skip
-    """Twin of ``kernels.packed.put_stream`` (arguments as there)."""
+    """The packed streams' part of :func:`put_data`."""
     if not slots.shape[0]:
         return
     f, v, elem, esc, code = _stream_lanes(sym, rows, rec, slots)
@@ -403,11 +403,11 @@ def put_stream(
     _add(buf, f[:, pc.ESCB_AT, None] + torch.where(wide, rank, rank // 2), value, esc)
 
 
-def put_rows(
+def _put_rows(
     buf: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor,
     tiles: torch.Tensor, tile: int,
 ) -> None:  # fmt: skip
-    """Twin of ``kernels.packed.put_rows`` (arguments as there; the rows' words still 0)."""
+    """The raw rows' part of :func:`put_data` (their words still 0)."""
     if not tiles.shape[0]:
         return
     f = rec[tiles[:, 0]]
@@ -422,6 +422,17 @@ def put_rows(
     _add(buf, f[:, pc.R_AT, None] + w, value, valid)
 
 
+def put_data(
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
+    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
+    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
+) -> None:  # fmt: skip
+    """Twin of ``kernels.packed.put_data`` (arguments as there)."""
+    widths, code_off, esc_base = stream
+    _put_stream(buf, sym, bits, dedupe_rows[0], rec, slots, widths, code_off, esc_base)
+    _put_rows(buf, bits, dedupe_rows[1], rec, tiles, tile)
+
+
 __all__ = [
     "PackedValues",
     "check_groups",
@@ -430,8 +441,7 @@ __all__ = [
     "packed_status",
     "packed_values",
     "packed_widths",
-    "put_rows",
-    "put_stream",
+    "put_data",
     "segment_checksum",
     "stream_widths",
     "symbols_and_ranks",

@@ -369,7 +369,7 @@ def test_the_device_encoder_writes_the_host_bytes(backend: str, kind: BoundKind)
 
 def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each Triton launch of the packed device compress (``quantize.block_ranges``,
-    ``packed.stream_widths``, ``put_stream``, ``put_rows``) gives its torch twin's outputs and
+    ``packed.stream_widths``, ``put_data``) gives its torch twin's outputs and
     words, call by call on the production inputs (adversarial blocks, every bound kind, raw,
     lossless lz and repeated rows), so the twins are each kernel's oracle, not just the
     payload's."""
@@ -401,8 +401,7 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
 
     spy(k_quantize, "block_ranges", quantize_ref.block_ranges, False)
     spy(k_packed, "stream_widths", packed_ref.stream_widths, False)
-    spy(k_packed, "put_stream", packed_ref.put_stream, True)
-    spy(k_packed, "put_rows", packed_ref.put_rows, True)
+    spy(k_packed, "put_data", packed_ref.put_data, True)
     blocks, _ = _adversarial_blocks()
     gen = torch.Generator().manual_seed(3)
     noise = torch.randn(40, 8, generator=gen)  # incompressible at bound 0: raw
@@ -417,4 +416,4 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(got.buffer, want.buffer)
         modes = {s.mode for s in got.stats[0]}
         assert {"raw", "lz"} <= modes, modes  # raw and lossless lz blocks were written too
-    assert calls == {"block_ranges": 3, "stream_widths": 3, "put_stream": 3, "put_rows": 3}
+    assert calls == {"block_ranges": 3, "stream_widths": 3, "put_data": 3}

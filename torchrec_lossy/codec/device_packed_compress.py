@@ -154,9 +154,8 @@ def _put_data(
     k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, flat: dcx.Flat, sym: torch.Tensor,
     st: _Stream, s: dcx.Sends, sec: dcx.Sections, dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
 ) -> None:  # fmt: skip
-    """The data-sized sections, in two launches: every packed block's width bytes, codes and
-    escapes (``packed.put_stream``), then the raw blocks' rows and the lossless lz blocks'
-    distinct rows (``packed.put_rows``)."""
+    """The data-sized sections in one launch (``packed.put_data``): every packed block's width
+    bytes, codes and escapes, the raw blocks' rows and the lossless lz blocks' distinct rows."""
     dq, dr = dedupes
     raw = s.mode == MODE_RAW
     n_rows = torch.where(raw, t.rows, torch.where(s.is_lz, dr.n_unique, 0))
@@ -176,10 +175,10 @@ def _put_data(
             pc.R_AT: torch.where(raw, sec.seg_start, sec.escp_at),
         },
     )
-    slots = t.ps_slots.view(-1, 2)
-    k.packed.put_stream(out.buf, sym, flat.bits, dq.first_rows, rec, slots, st.widths,
-                        st.code_off, st.esc_base)  # fmt: skip
-    k.packed.put_rows(out.buf, flat.bits, dr.first_rows, rec, t.rw_tiles.view(-1, 2), ROWS_TILE)
+    k.packed.put_data(
+        out.buf, sym, flat.bits, (dq.first_rows, dr.first_rows), rec, t.ps_slots.view(-1, 2),
+        (st.widths, st.code_off, st.esc_base), t.rw_tiles.view(-1, 2), ROWS_TILE,
+    )  # fmt: skip
 
 
 def _put_segment_heads(

@@ -1,5 +1,5 @@
 """The packed encode launches' per-block record (``kernels/packed.py``: ``stream_widths``,
-``put_stream``, ``put_rows``; their twins in ``kernels/packed_ref.py``).
+``put_data``; their twins in ``kernels/packed_ref.py``).
 
 One int64 ``[n_blocks, N_FIELDS]`` tensor, field ``F`` of block ``b`` at ``b * N_FIELDS + F``,
 stacked once per launch by ``codec/device_packed_compress.py``: the kernels take one pointer
