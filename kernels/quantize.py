@@ -28,7 +28,6 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
 )
 from torchrec_lossy.codec.launch_tables import block_for
-from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
 from torchrec_lossy.kernels.common import find_segment
 from torchrec_lossy.kernels.packed import packed_code, packed_symbol
 from torchrec_lossy.kernels.quantize_ref import key_values
@@ -359,7 +358,7 @@ def _ranges_kernel(x_ptr, off_ptr, out_ptr, n_ptr, OCTAVES: tl.constexpr, BLOCK:
 
 
 def block_ranges(
-    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, octaves: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every block's finite range, inlier range (``codec/outliers.py``) and finite count, in
     one launch (one program per block, no sort, no atomics).
@@ -368,6 +367,8 @@ def block_ranges(
         x: 1-D float32 values of every block, back to back.
         elem_off: int64 [n_blocks] first element of each block.
         numel: int64 [n_blocks] elements of each block.
+        octaves: ``outliers.OUTLIER_OCTAVES`` (an outlier's exponent is at least the median's
+            plus this).
 
     Returns:
         float32 [n_blocks] (finite min, finite max, inlier min, inlier max): +inf / -inf where
@@ -378,7 +379,7 @@ def block_ranges(
     n_fin = torch.empty(nb, dtype=torch.int64, device=x.device)
     if nb:
         ends = torch.cat([elem_off, (elem_off[-1:] + numel[-1:])])
-        _ranges_kernel[(nb,)](x, ends, keys, n_fin, OCTAVES=OUTLIER_OCTAVES, BLOCK=1024)
+        _ranges_kernel[(nb,)](x, ends, keys, n_fin, OCTAVES=octaves, BLOCK=1024)
     lo, hi, ilo, ihi = key_values(keys).unbind(1)
     return lo, hi, ilo, ihi, n_fin
 

@@ -32,7 +32,6 @@ from torchrec_lossy.codec.format import (
     value_shift,
     value_symbol,
 )
-from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
 from torchrec_lossy.codec.quant_params import QuantParams
 from torchrec_lossy.kernels.packed_ref import symbols_and_ranks
 
@@ -232,7 +231,7 @@ def key_values(keys: torch.Tensor) -> torch.Tensor:
 
 
 def block_ranges(
-    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor
+    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, octaves: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``quantize.block_ranges`` (the outlier rule's histogram by ``index_add_``)."""
     nb, dev = elem_off.shape[0], x.device
@@ -246,7 +245,7 @@ def block_ranges(
     half = (hist.sum(1) + 1) // 2
     median = (torch.cumsum(hist, 1) < half[:, None]).sum(1)
     fin = e != 255
-    inlier = fin & (e < (median + OUTLIER_OCTAVES)[blk])
+    inlier = fin & (e < (median + octaves)[blk])
 
     def keys(keep: torch.Tensor) -> torch.Tensor:
         lo = torch.full((nb,), _BIG, dtype=torch.int32, device=dev)

@@ -31,7 +31,7 @@ from helpers import (
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
 from torchrec_lossy.codec import quantize as cpu_quantize
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
-from torchrec_lossy.codec.outliers import inlier_ranges_kernel
+from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES, inlier_ranges_kernel
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.kernels import codebook, quantize_ref
 from torchrec_lossy.kernels import quantize as quantize_kernels
@@ -262,7 +262,7 @@ def test_block_ranges_equal_the_host_rule() -> None:
     n_fin = [int(torch.isfinite(b).sum()) for b in blocks]
     assert i_hi[1] < 1e30 and h_hi[1] == np.float32(3e38)  # the outlier is left out
     for impl in (quantize_kernels.block_ranges, quantize_ref.block_ranges):
-        *got, count = impl(x, elem_off, numel)
+        *got, count = impl(x, elem_off, numel, OUTLIER_OCTAVES)
         assert count.tolist() == n_fin
         for g, w in zip(got, want, strict=True):
             assert g.dtype == torch.float32

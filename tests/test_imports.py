@@ -380,6 +380,7 @@ KERNEL_LEAVES = {
         "launch_tables",  # block sizes, tile tables, row-hash multipliers, NO_FAILURE
         "decode_columns",  # DecodeColumns
         "encode_columns",  # EncodeColumns
+        "packed_columns",  # the packed encode launches' record fields
     )
 }
 

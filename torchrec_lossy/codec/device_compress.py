@@ -57,6 +57,7 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
+from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
 from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
@@ -403,7 +404,7 @@ def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGri
     (``quantize.block_medians``: a radix select, no sort); center int64."""
     numel = t.rows * t.dim
     # Finite and inlier ranges and finite counts in one launch (``quantize.block_ranges``).
-    lo, hi, ilo, ihi, n_fin = k.quantize.block_ranges(flat.x, t.elem_off, numel)
+    lo, hi, ilo, ihi, n_fin = k.quantize.block_ranges(flat.x, t.elem_off, numel, OUTLIER_OCTAVES)
     bound = t.bound_bits.view(torch.float64)
     # A relative bound is taken over the range without finite outliers (codec/outliers.py).
     rel = t.kind == int(BoundKind.RELATIVE)
