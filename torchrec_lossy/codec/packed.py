@@ -68,7 +68,7 @@ def plan_stream(
     for i in range(sent.shape[0]):
         r0 = np.int64(sent[i]) * dim
         for j in range(dim):
-            s = np.int64(blk_sym[r0 + j])
+            s = np.int64(blk_sym[np.uint64(r0 + j)])  # unsigned: no negative-index wrap
             if s == ESCAPE_SYMBOL:
                 n_esc += 1
             else:
@@ -144,12 +144,12 @@ def put_stream(
     for i in range(sent.shape[0]):
         r0 = np.int64(sent[i]) * dim
         for j in range(dim):
-            s = np.int64(blk_sym[r0 + j])
+            s = np.int64(blk_sym[np.uint64(r0 + j)])
             c = 0 if s == ESCAPE_SYMBOL else zigzag(s)
             acc |= np.uint64(c) << np.uint64(nb)
             nb += w
             if nb >= 32:
-                out[p] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                out[np.uint64(p)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
                 p += 1
                 acc >>= np.uint64(32)
                 nb -= 32
@@ -227,7 +227,7 @@ def decode_stream(
         q = p
         for k in range(cnt):
             if nb < w:
-                acc |= np.uint64(codes[q]) << np.uint64(nb)
+                acc |= np.uint64(codes[np.uint64(q)]) << np.uint64(nb)
                 q += 1
                 nb += 32
             c = np.int64(acc & mask)
@@ -235,7 +235,7 @@ def decode_stream(
             nb -= w
             if c > _MAX_CODE:
                 return DECODE_BAD_PACKED_CODE
-            sym[e + k] = unzigzag(c)
+            sym[np.uint64(e + k)] = unzigzag(c)
         p += w
         e += cnt
     last = -1

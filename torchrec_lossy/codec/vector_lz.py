@@ -123,6 +123,84 @@ def _dedupe_into(
 
 
 @numba.njit(cache=True, nogil=True)
+def _dedupe_words(
+    symbols: np.ndarray, bits: np.ndarray, rows: int, dim: int, ids: np.ndarray,
+    first_rows: np.ndarray,
+) -> int:  # fmt: skip
+    """:func:`_dedupe_into` of a quantized block whose rows are whole 64-bit words of symbols
+    (``dim % 4 == 0``): the same ids and first rows (they come from exact comparisons, in
+    row order; the hash only orders the probes), about twice as fast.
+
+    Each row is hashed and compared as ``dim / 4`` words, indexed by unsigned flat offsets
+    (per-row views cost an atomic reference count each in this loop, and signed indices a
+    negative-index wrap that stops the loops vectorising); two rows with equal symbols are
+    then equal unless an escaped element's raw bits differ.
+
+    Args:
+        symbols: uint16 [rows * dim] symbols of the block, flat.
+        bits: int32 [rows * dim] raw bits, same layout.
+        rows: Rows.
+        dim: Columns, a multiple of 4.
+        ids: int32 [rows] output: each row's distinct-vector id.
+        first_rows: int32 [>= n_unique] output: each distinct vector's first row.
+
+    Returns:
+        The number of distinct vectors.
+    """
+    nw = dim // 4
+    words = symbols.view(np.uint64)
+    size = 1
+    while size < 2 * rows:
+        size *= 2
+    mask = size - 1
+    table = np.full(size, -1, dtype=np.int32)
+    hashes = np.empty(rows, dtype=np.uint64)
+    mults = np.empty(max(nw, 1), dtype=np.uint64)
+    m = np.uint64(0x9E3779B97F4A7C15)
+    for j in range(nw):  # per-word odd multipliers: independent products, then one mix
+        mults[j] = m | np.uint64(1)
+        m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
+    n_unique = 0
+    for i in range(rows):
+        a0 = np.uint64(i * nw)
+        h = np.uint64(0)
+        for j in range(nw):
+            h += (words[a0 + np.uint64(j)] + np.uint64(1)) * mults[j]
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(29)
+        hashes[i] = h
+        slot = np.int64(h & np.uint64(mask))
+        while True:
+            u = table[slot]
+            if u < 0:
+                table[slot] = n_unique
+                first_rows[n_unique] = i
+                ids[i] = n_unique
+                n_unique += 1
+                break
+            r = first_rows[u]
+            if hashes[r] == h:
+                b0 = np.uint64(r * nw)
+                diff = np.uint64(0)
+                for j in range(nw):
+                    diff |= words[a0 + np.uint64(j)] ^ words[b0 + np.uint64(j)]
+                if diff == 0:  # equal symbols: an escaped element must match its raw bits
+                    e0, e1 = np.uint64(i * dim), np.uint64(r * dim)
+                    esc = np.int64(0)
+                    for j in range(dim):
+                        jj = np.uint64(j)
+                        esc |= np.int64(symbols[e0 + jj] == ESCAPE_SYMBOL) & np.int64(
+                            bits[e0 + jj] != bits[e1 + jj]
+                        )
+                    if esc == 0:
+                        ids[i] = u
+                        break
+            slot = (slot + 1) & mask
+    return n_unique
+
+
+@numba.njit(cache=True, nogil=True)
 def dedupe_blocks_kernel(
     symbols: np.ndarray,
     bits: np.ndarray,
@@ -154,6 +232,12 @@ def dedupe_blocks_kernel(
             s, e = blocks.elem_off[b], blocks.elem_off[b + 1]
             r0, r1 = blocks.row_off[b], blocks.row_off[b + 1]
             shape = (r1 - r0, blocks.dims[b])
+            if not raw and blocks.dims[b] % 4 == 0:  # rows of whole 64-bit words
+                n_unique[b] = _dedupe_words(
+                    symbols[s:e], bits[s:e], r1 - r0, blocks.dims[b], ids[r0:r1],
+                    first_rows[r0:r1],
+                )  # fmt: skip
+                continue
             blk_sym = symbols[s:e].reshape(shape)  # read only when not raw
             n_unique[b] = _dedupe_into(
                 blk_sym, bits[s:e].reshape(shape), raw, ids[r0:r1], first_rows[r0:r1]
