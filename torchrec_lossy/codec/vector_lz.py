@@ -188,11 +188,15 @@ def _dedupe_words(
                 if diff == 0:  # equal symbols: an escaped element must match its raw bits
                     e0, e1 = np.uint64(i * dim), np.uint64(r * dim)
                     esc = np.int64(0)
-                    for j in range(dim):
-                        jj = np.uint64(j)
-                        esc |= np.int64(symbols[e0 + jj] == ESCAPE_SYMBOL) & np.int64(
-                            bits[e0 + jj] != bits[e1 + jj]
-                        )
+                    for j in range(dim):  # the row's symbols, in cache; its raw bits are not
+                        esc |= np.int64(symbols[e0 + np.uint64(j)] == ESCAPE_SYMBOL)
+                    if esc:
+                        esc = 0
+                        for j in range(dim):
+                            jj = np.uint64(j)
+                            esc |= np.int64(symbols[e0 + jj] == ESCAPE_SYMBOL) & np.int64(
+                                bits[e0 + jj] != bits[e1 + jj]
+                            )
                     if esc == 0:
                         ids[i] = u
                         break
@@ -318,9 +322,10 @@ def unpack_refs_kernel(
         # id fit), read without a branch on the flag: on most blocks a coin flip to the branch
         # predictor, which costs more than the read.
         w = pos >> 5
-        window = np.uint64(words[w]) << np.uint64(32) if w < n_words else np.uint64(0)
+        # (unsigned indices: in range, and no negative-index wrap to test)
+        window = np.uint64(words[np.uint64(w)]) << np.uint64(32) if w < n_words else np.uint64(0)
         if w + 1 < n_words:
-            window |= np.uint64(words[w + 1])
+            window |= np.uint64(words[np.uint64(w + 1)])
         window <<= np.uint64(pos & 31)
         if flagged:
             flag = np.int64(window >> np.uint64(63))
@@ -333,7 +338,7 @@ def unpack_refs_kernel(
             pos += width
         if pos > n_bits or v >= n_unique:
             return -1
-        ids[r] = v
+        ids[np.uint64(r)] = v
     if mode == REFS_FLAGGED and seen != n_unique:
         return -1
     return 0
