@@ -153,3 +153,36 @@ def test_guard_tightens_on_the_device_path_as_on_the_host_path_one_read_later() 
                 assert err > 0.5 * limit  # lossy at the bound in force (not exact already)
     for info in runs.values():  # t_good never passed the level
         assert info.comms.guard is not None and info.comms.guard.level("bwd", "t_good") == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: sync debug mode")
+def test_cuda_device_sample_syncs_only_in_the_exchange_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA the sampled call syncs only in the one counted read (``host_sync.to_host``),
+    and the sample recorded at the next read is the host path's."""
+    from helpers import cuda_syncs_only_in_to_host
+
+    bound = ErrorBound("relative", 0.01)
+    host, device = _info("cpu", bound), _info("auto", bound)
+    blocks = _gradients(0, nonfinite=True)
+    cuda = [[b.cuda() for b in per_peer] for per_peer in blocks]
+    _call(host, blocks)
+    _call(_info("auto", bound), cuda)  # compile first
+
+    def call() -> None:
+        record = device.ledger.start("bwd")
+        pending = start_encode(
+            "bwd", cuda, [SPECS, SPECS], device, cuda[0][0].device, record=record
+        )
+        pending.finish(read_checked(device.ledger, pending.readback).tolist())
+
+    with cuda_syncs_only_in_to_host(monkeypatch):
+        before = host_sync.host_reads()
+        call()
+        assert host_sync.host_reads() - before == 1
+    read_checked(device.ledger)
+    for t in TABLES:
+        h, d = host.comms.stats.table(t, "bwd"), device.comms.stats.table(t, "bwd")
+        assert d.error_count == h.error_count > 0
+        assert d.row_rel_sq_sum == pytest.approx(h.row_rel_sq_sum, rel=1e-9)
