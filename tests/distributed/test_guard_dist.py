@@ -183,12 +183,27 @@ def _worker_device(rank: int, world_size: int) -> dict[str, Any]:
     resumed = new_run()
     load_guard_state(resumed.model, saved)
     _step(resumed, batches[STEPS], 7, adversarial=True)
+    # Saved after step 4 and resumed in a new model: the same decisions as the run above (the
+    # gradients are fixed draws, whatever the weights).
+    first = new_run()
+    for s in range(4):
+        _step(first, batches[s], 1000 * s + rank, adversarial=True)
+    check_lossy_decodes(first.model)
+    mid = new_run()
+    load_guard_state(mid.model, guard_state(first.model))
+    mid_bad = []
+    for s in range(4, STEPS):
+        mid.model.module.lossy_stats.reset()
+        _step(mid, batches[s], 1000 * s + rank, adversarial=True)
+        mid_bad.append(mid.model.module.lossy_stats.table("t_bad", "bwd").max_error)
     return {
         "bad": bad,
         "events": _events(run),
         "seen": saved[next(iter(saved))]["seen"],
         "resumed_events": _events(resumed),
         "resumed_bad": resumed.model.module.lossy_stats.table("t_bad", "bwd").max_error,
+        "mid_events": _events(mid),
+        "mid_bad": mid_bad,
     }
 
 
@@ -208,4 +223,6 @@ def test_guard_on_the_device_path_tightens_alike_a_step_later() -> None:
     assert r0["seen"] == [["bwd", "t_bad"]] and r1["seen"] == []
     for r in (r0, r1):
         assert r["resumed_events"] == expected
+        assert r["mid_events"] == expected  # resumed after step 4: the run's decisions
     assert BOUND / 8 < r0["resumed_bad"] <= BOUND / 4
+    assert r0["mid_bad"] == r0["bad"][4:]
