@@ -186,3 +186,42 @@ def test_cuda_device_sample_syncs_only_in_the_exchange_read(
         h, d = host.comms.stats.table(t, "bwd"), device.comms.stats.table(t, "bwd")
         assert d.error_count == h.error_count > 0
         assert d.row_rel_sq_sum == pytest.approx(h.row_rel_sq_sum, rel=1e-9)
+
+
+def test_device_sums_are_the_host_pass_on_edge_blocks() -> None:
+    """``start_device_sample`` against the host pass on one payload's odd blocks: no rows, no
+    columns, float16, all-zero rows, NaN / Inf, a row at 3e38 among small ones."""
+    from torchrec_lossy.codec import compress_groups
+    from torchrec_lossy.codec.bounds import BoundKind
+    from torchrec_lossy.distributed import error_sample
+
+    g = torch.Generator().manual_seed(3)
+    odd = torch.randn(40, 6, generator=g)
+    odd[::5] = 0.0
+    odd[3, 2], odd[7, 0], odd[11, :] = math.nan, math.inf, 3e38
+    blocks = [
+        torch.zeros(0, 8), torch.zeros(4, 0), (torch.randn(30, 4, generator=g) * 5).half(), odd,
+        torch.randn(50, 8, generator=g) * 10 ** (-8 * torch.rand(50, 1, generator=g)),
+    ]  # fmt: skip
+    tables = [f"t{i}" for i in range(len(blocks))]
+    for kind, bound in ((BoundKind.RELATIVE, 0.01), (BoundKind.VALUE, 1 / 32)):
+        kinds = [[kind] * len(blocks)]
+        host = compress_groups([blocks], [[bound] * len(blocks)], CodecConfig(), kinds)
+        dev = compress_groups(
+            [blocks], [[bound] * len(blocks)], CodecConfig(backend="reference"), kinds
+        )
+        hs, ds = LossyCommsStats(), LossyCommsStats()
+        error_sample.record_error_samples(hs, "bwd", host.payload(0), blocks, tables, 2)
+        sample = error_sample.start_device_sample(
+            ds, "bwd", dev.buffer, dev.sizes, dev.skeletons, [blocks], tables, 2, [0] * 5,
+            "reference",
+        )  # fmt: skip
+        sample.raise_if_failed(host_sync.to_host(sample.flags).tolist())
+        for t in tables:
+            h, d = hs.table(t, "bwd"), ds.table(t, "bwd")
+            for name in ("error_count", "snapped_to_zero", "error_rows", "nonfinite"):
+                assert getattr(d, name) == getattr(h, name), (kind, t, name)
+            for name in ("error_sum", "error_sq_sum", "value_sq_sum", "row_rel_sq_sum"):
+                assert getattr(d, name) == pytest.approx(getattr(h, name), rel=1e-9, abs=1e-300)
+        assert hs.table("t3", "bwd").nonfinite == 2
+        assert _alerts(ds) == _alerts(hs)

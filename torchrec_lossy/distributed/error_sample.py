@@ -246,7 +246,7 @@ def _device_error_sums(
     out = torch.zeros(len(x), _SUMS, dtype=torch.float64, device=device)
     by_dim: dict[int, list[int]] = {}
     for i, b in enumerate(x):
-        by_dim.setdefault(_dim(b), []).append(i)
+        by_dim.setdefault(max(_dim(b), 1), []).append(i)  # as the host pass's rows
     for dim, idx in by_dim.items():
         xs = torch.cat([x[i].detach().reshape(-1, dim) for i in idx]).double()
         ys = torch.cat([y[i].reshape(-1, dim) for i in idx]).double()
