@@ -122,7 +122,7 @@ def sample_ms(backend: str, reps: int = 5) -> dict[str, float]:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from input_dist_bench import _default_info, _pooled_grads, _pooled_setup
+    from input_dist_bench import default_info, pooled_grads, pooled_setup
 
     from torchrec_lossy.config import CodecConfig, LossyCommsConfig
     from torchrec_lossy.distributed.call_ledger import read_checked
@@ -135,8 +135,8 @@ def sample_ms(backend: str, reps: int = 5) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     cards = table_cardinalities("criteo_kaggle")
     ids = torch.stack([sample_ids(c, world * batch, generator=g) for c in cards], dim=1)
-    grads = _pooled_grads(world * batch, dim, g)
-    names, layout = _pooled_setup(world, dim)
+    grads = pooled_grads(world * batch, dim, g)
+    names, layout = pooled_setup(world, dim)
     blocks = []
     for o in range(world):  # sender 0's gradient blocks, the gradient dedupe applied
         per_table = []
@@ -150,7 +150,7 @@ def sample_ms(backend: str, reps: int = 5) -> dict[str, float]:
     out = {}
     for name, every in (("encode", 0), ("sampled", 1)):
         config = LossyCommsConfig(codec=CodecConfig(backend=backend), error_sample_every=every)
-        info = _default_info(names, layout, batch, config)
+        info = default_info(names, layout, batch, config)
         best = math.inf
         for _ in range(reps + 1):  # the first warms up
             if device.type == "cuda":

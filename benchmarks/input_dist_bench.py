@@ -18,7 +18,7 @@ step (the self-send included, as TorchRec's all-to-alls do):
 - backward (gradient of the pooled embeddings): ``none`` fp32; ``fp16`` 2 bytes; ``mx4``
   TorchRec's MX4 backward qcomm size; ``lossy`` the default backward (gradient dedupe, then the
   codec at ``LossyCommsConfig().backward_bound``, round to nearest) on gradients of
-  :func:`_pooled_grads`.
+  :func:`pooled_grads`.
 
 Traffic: the 26 Criteo categorical features, one table each, placed table-wise round-robin
 (feature ``f`` on rank ``f % world``), single-hot as in the DLRM Criteo pipelines, pooled rows
@@ -150,7 +150,7 @@ def _qcomm_bytes(
     )
 
 
-def _pooled_setup(world: int, dim: int) -> tuple[list[str], list[tuple[BlockSpec, ...]]]:
+def pooled_setup(world: int, dim: int) -> tuple[list[str], list[tuple[BlockSpec, ...]]]:
     """Table names and each rank's table shards (one feature per table, dealt round-robin)."""
     names = [f"t{f}" for f in range(NUM_FEATURES)]
     layout = [
@@ -160,7 +160,7 @@ def _pooled_setup(world: int, dim: int) -> tuple[list[str], list[tuple[BlockSpec
     return names, layout
 
 
-def _default_info(
+def default_info(
     names: list[str],
     layout: list[tuple[BlockSpec, ...]],
     batch: int,
@@ -199,7 +199,7 @@ def _output_bytes(
     """
     cards = table_cardinalities(preset)
     model = default_value_model(preset)
-    names, layout = _pooled_setup(world, dim)
+    names, layout = pooled_setup(world, dim)
     batch = ids.shape[0] // world
     chunks = [len(layout[o]) * dim * batch for o in range(world) for _ in range(world)]
     out: dict[str, dict[str, float]] = {
@@ -207,7 +207,7 @@ def _output_bytes(
         **{m: {"bytes": _qcomm_bytes(m, chunks)} for m in QCOMM},
     }
     for variant, dedupe in (("lossy", False), ("lossy+out_dedupe", True)):
-        info = _default_info(names, layout, batch, config)
+        info = default_info(names, layout, batch, config)
         comms = info.comms
         sent_rows = 0
         for o in range(world):
@@ -235,7 +235,7 @@ def _output_bytes(
     return out
 
 
-def _pooled_grads(n: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+def pooled_grads(n: int, dim: int, generator: torch.Generator) -> torch.Tensor:
     """A model of DLRM's gradient w.r.t. the pooled embeddings, ``[n, 26, dim]``.
 
     BCE through the top MLP: sample ``b``'s gradient is ``(p_b - y_b) / n`` (calibrated
@@ -267,13 +267,13 @@ def _backward_payloads(
         columns for ``d``'s rows), and per sender its rank, its payloads (one per
         destination, its own empty) and its blocks per destination.
     """
-    grads = _pooled_grads(ids.shape[0], dim, generator)
-    names, layout = _pooled_setup(world, dim)
+    grads = pooled_grads(ids.shape[0], dim, generator)
+    names, layout = pooled_setup(world, dim)
     batch = ids.shape[0] // world
     chunks = [len(layout[o]) * dim * batch for _ in range(world) for o in range(world)]
     sent = []
     for d in range(world):
-        info = _default_info(names, layout, batch, config)
+        info = default_info(names, layout, batch, config)
         rows_d = slice(d * batch, (d + 1) * batch)
         blocks = []
         for o in range(world):
@@ -522,7 +522,7 @@ def _rw_output_bytes(
     specs = tuple(BlockSpec(n, f * dim, 1, dim) for f, n in enumerate(names))
     batch = ids.shape[0] // world
     raw = world * ids.shape[0] * NUM_FEATURES * dim
-    info = _default_info(names, [specs] * world, batch)
+    info = default_info(names, [specs] * world, batch)
     lossy = 0
     for o in range(world):
         blocks = []
@@ -548,7 +548,7 @@ def _rw_backward_bytes(
     receives every rank's gradient rows) and ours (each destination's gradient rows coded once
     per source rank with the default backward codec, zero where the source holds no id of the
     bag; no dedupe)."""
-    grads = _pooled_grads(ids.shape[0], dim, generator)
+    grads = pooled_grads(ids.shape[0], dim, generator)
     cards = table_cardinalities(preset)
     names = [f"t{f}" for f in range(NUM_FEATURES)]
     specs = tuple(BlockSpec(n, f * dim, 1, dim) for f, n in enumerate(names))
@@ -556,7 +556,7 @@ def _rw_backward_bytes(
     raw = world * ids.shape[0] * NUM_FEATURES * dim
     total = 0
     for d in range(world):
-        info = _default_info(names, [specs] * world, batch)
+        info = default_info(names, [specs] * world, batch)
         rows_d = slice(d * batch, (d + 1) * batch)
         # Source o gets zero rows (the source mask) for the bags whose id it does not hold.
         blocks = [
@@ -625,7 +625,7 @@ def _ec_kjts(
 
 def _ec_seq_grads(n: int, seq_len: int, dim: int, g: torch.Generator) -> torch.Tensor:
     """A model of the gradient of each position's embedding, ``[n, seq_len, dim]``: the sample's
-    BCE factor (as :func:`_pooled_grads`) times a per-position Jacobian row ``N(0, s^2)``."""
+    BCE factor (as :func:`pooled_grads`) times a per-position Jacobian row ``N(0, s^2)``."""
     logits = torch.randn(n, generator=g) - 1.5
     p = torch.sigmoid(logits)
     y = (torch.rand(n, generator=g) < p).float()
@@ -700,7 +700,7 @@ def _ec_results(world: int, batch: int, seq_len: int, dim: int, g: torch.Generat
     for mode, dedupe in (("lossy, no row dedupe", False), ("lossy", True)):
         fwd = bwd = 0
         for o in range(world):  # the owner codes every destination's rows
-            info = _default_info(names, [layout[o]] * world, batch)
+            info = default_info(names, [layout[o]] * world, batch)
             blocks = [
                 [per[d, t][3] if dedupe else per[d, t][3][per[d, t][2]] for t in owned[o]]
                 for d in range(world)
@@ -713,7 +713,7 @@ def _ec_results(world: int, batch: int, seq_len: int, dim: int, g: torch.Generat
             )
             assert info.comms.stats.total("fwd").max_error_over_bound <= 1.0
         for d in range(world):  # each rank codes its gradient for every owner
-            info = _default_info(names, layout, batch)
+            info = default_info(names, layout, batch)
             blocks = []
             for o in range(world):
                 per_t = []
