@@ -1,0 +1,257 @@
+"""Fixed-capacity slots: the lossy wire's one-round exchange, and the history it sizes them by.
+
+A lossy all-to-all with the size exchange costs two collective rounds (the sizes, then the
+payloads). On the host path the sizes need not travel first: each (source, destination) pair
+sends a slot whose capacity both sides derive from what they already know (the pair's previous
+payload on this dist and direction, with headroom), the payload's true size in the slot's
+header. A payload longer than its slot sends the rest point-to-point, between that pair only.
+
+What both sides must agree on is decided from the dist's :class:`SlotHistory`, which every rank
+updates at the same points of the same program order (SPMD): a call takes the slot path only
+when the dist's previous call of that kind was received before it launched (no call of it in
+flight), so the sender's "what I sent you last" and the receiver's "what you sent me last" are
+the same numbers. The first call of a kind, and any call launched while another is in flight,
+take the two-round path, which records its sizes too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchrec_lossy.distributed.stats import Direction
+
+HEADER = 16  # slot header bytes: int64 payload size, int64 overflow tag (keeps payloads aligned)
+MIN_SLACK = 32  # headroom floor per slot, bytes
+START_SHIFT = 3  # first headroom: size / 2**3 (12.5 %)
+# Each overflow of a pair halves its shift (doubles the headroom), down to 0 (100 %).
+MAX_TAG = (1 << 31) - 1  # gloo's point-to-point tags are 32-bit; kept non-negative
+
+# The point-to-point tags of overflows: an id allocator, not call state. A tag must differ
+# among this process's overflow sends still in flight (two dists' calls may be waited on in
+# another order than launched); it travels in the slot's header, so no rank derives another's.
+_TAGS = itertools.count(1)
+
+
+def overflow_tag() -> int:
+    """A fresh point-to-point tag for one call's overflow sends."""
+    return next(_TAGS) & MAX_TAG
+
+
+@dataclass(frozen=True)
+class SlotKey:
+    """The kind of call a history is kept for: sizes differ by direction, exactness and format.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        exact: The call travels lossless (an exact evaluation's forward).
+        coded: The tables that go through the codec (the re-check's raw switch changes it).
+    """
+
+    direction: Direction
+    exact: bool
+    coded: frozenset[str]
+
+
+@dataclass
+class _PairSizes:
+    """One kind's history: per peer, the last payload size each way and the headroom shift."""
+
+    sent: list[int]
+    received: list[int]
+    send_shift: list[int]
+    recv_shift: list[int]
+    done: int = 0  # calls received
+    in_flight: int = 0  # calls launched, not yet received
+
+
+def capacity(size: int, shift: int) -> int:
+    """Slot bytes for a pair whose previous payload had ``size`` bytes.
+
+    Args:
+        size: The pair's previous payload bytes.
+        shift: Its headroom shift (headroom ``size >> shift``, at least :data:`MIN_SLACK`).
+
+    Returns:
+        Bytes, header included, a multiple of 16.
+    """
+    body = size + max(size >> shift, MIN_SLACK)
+    return HEADER + -(-body // 16) * 16
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """One call's slots.
+
+    Attributes:
+        key: The call's kind.
+        send_caps: Slot bytes to each destination (0: nothing on the wire, the rank itself or
+            a peer with no blocks).
+        recv_caps: Slot bytes from each source.
+    """
+
+    key: SlotKey
+    send_caps: list[int]
+    recv_caps: list[int]
+
+
+@dataclass
+class SlotHistory:
+    """What a dist's ranks know of each pair's last payload, per kind of call (built with the
+    dist, one per dist: the slots of one dist's calls depend only on that dist's history).
+
+    Args:
+        world: Ranks of the dist's group.
+    """
+
+    world: int
+    _kinds: dict[SlotKey, _PairSizes] = field(default_factory=dict)
+
+    def _of(self, key: SlotKey) -> _PairSizes:
+        k = self._kinds.get(key)
+        if k is None:
+            n = self.world
+            k = self._kinds[key] = _PairSizes(
+                [0] * n, [0] * n, [START_SHIFT] * n, [START_SHIFT] * n
+            )
+        return k
+
+    def launch(
+        self, key: SlotKey, send_peers: Sequence[bool], recv_peers: Sequence[bool]
+    ) -> SlotPlan | None:
+        """Counts a call launched; its slots, or None for the two-round path.
+
+        Args:
+            key: The call's kind.
+            send_peers: Per destination, whether it gets a payload on the wire.
+            recv_peers: Per source, whether it sends this rank one.
+
+        Returns:
+            The slots when the kind has a received call and none in flight, else None.
+        """
+        k = self._of(key)
+        ready = k.done > 0 and k.in_flight == 0
+        k.in_flight += 1
+        if not ready:
+            return None
+        send = [
+            capacity(k.sent[p], k.send_shift[p]) if on else 0 for p, on in enumerate(send_peers)
+        ]
+        recv = [
+            capacity(k.received[p], k.recv_shift[p]) if on else 0 for p, on in enumerate(recv_peers)
+        ]
+        return SlotPlan(key, send, recv)
+
+    def sent(self, key: SlotKey, sizes: Sequence[int], caps: Sequence[int] | None) -> None:
+        """Records the payload sizes a call sent (at its launch).
+
+        Args:
+            key: The call's kind.
+            sizes: Payload bytes to each destination.
+            caps: Its slots (a payload past its slot widens the pair's headroom), or None.
+        """
+        k = self._of(key)
+        _record(k.sent, k.send_shift, sizes, caps)
+
+    def received(self, key: SlotKey, sizes: Sequence[int], caps: Sequence[int] | None) -> None:
+        """Records the payload sizes a call received, and that it was received.
+
+        Args:
+            key: The call's kind.
+            sizes: Payload bytes from each source.
+            caps: Its slots, or None.
+        """
+        k = self._of(key)
+        _record(k.received, k.recv_shift, sizes, caps)
+        k.in_flight -= 1
+        k.done += 1
+
+
+def _record(
+    last: list[int], shift: list[int], sizes: Sequence[int], caps: Sequence[int] | None
+) -> None:
+    """Stores each pair's size; a pair whose payload overflowed its slot gets more headroom."""
+    for p, n in enumerate(sizes):
+        if caps is not None and caps[p] and n > caps[p] - HEADER:
+            shift[p] = max(shift[p] - 1, 0)
+        last[p] = int(n)
+
+
+@dataclass(frozen=True)
+class Slotted:
+    """A call's send buffer in slots.
+
+    Attributes:
+        send: uint8, the slots back to back.
+        overflow: (destination, the payload's bytes past its slot) of each overflowing pair.
+    """
+
+    send: torch.Tensor
+    overflow: list[tuple[int, torch.Tensor]]
+
+
+def fill_slots(payloads: Sequence[torch.Tensor], caps: Sequence[int], tag: int) -> Slotted:
+    """Writes each payload into its slot: header (size, ``tag``), bytes, zeroed slack.
+
+    Args:
+        payloads: uint8 payload per destination (host tensors).
+        caps: Slot bytes per destination (0: the payload must be empty).
+        tag: The point-to-point tag an overflow travels with (the receiver reads it here).
+
+    Returns:
+        The slots, and the overflowing payloads' remainders.
+    """
+    send = torch.empty(sum(caps), dtype=torch.uint8)
+    overflow: list[tuple[int, torch.Tensor]] = []
+    at = 0
+    for p, (payload, cap) in enumerate(zip(payloads, caps, strict=True)):
+        n = payload.numel()
+        if not cap:
+            assert not n, f"a {n}-byte payload to rank {p}, which has no slot"
+            continue
+        room = cap - HEADER
+        send[at : at + HEADER].view(torch.int64).copy_(torch.tensor([n, tag]))
+        head = min(n, room)
+        send[at + HEADER : at + HEADER + head] = payload[:head]
+        send[at + HEADER + head : at + cap] = 0  # slack only: the bytes are deterministic
+        if n > room:
+            overflow.append((p, payload[room:]))
+        at += cap
+    return Slotted(send, overflow)
+
+
+def read_headers(recv: torch.Tensor, caps: Sequence[int]) -> np.ndarray:
+    """Each slot's header: ``[source, 2]`` int64 (size, tag), zeros where no slot came.
+
+    Args:
+        recv: The received slots (host, uint8).
+        caps: Slot bytes from each source.
+
+    Returns:
+        The headers.
+    """
+    heads = np.zeros((len(caps), 2), np.int64)
+    raw = recv.numpy()
+    at = 0
+    for p, cap in enumerate(caps):
+        if cap:
+            heads[p] = raw[at : at + HEADER].view(np.int64)
+        at += cap
+    return heads
+
+
+__all__ = [
+    "HEADER",
+    "SlotHistory",
+    "SlotKey",
+    "SlotPlan",
+    "Slotted",
+    "capacity",
+    "fill_slots",
+    "overflow_tag",
+    "read_headers",
+]
