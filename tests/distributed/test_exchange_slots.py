@@ -27,34 +27,38 @@ from torchrec_lossy.distributed.exchange_slots import (
 KEY = SlotKey("fwd", False, frozenset({"a"}))
 
 
-def test_capacity_has_headroom_header_and_alignment() -> None:
-    assert capacity(0, 3) == HEADER + MIN_SLACK
-    assert capacity(8000, 3) == HEADER + 9008  # 1/8 headroom, rounded up to 16
-    assert capacity(8000, 0) == HEADER + 16000  # after three overflows: 100 %
-    assert all(capacity(n, 3) % 16 == 0 and capacity(n, 3) >= n + HEADER for n in range(300))
+def test_capacity_has_headroom_and_alignment() -> None:
+    assert capacity(0, 3) == MIN_SLACK
+    assert capacity(8000, 3) == 9008  # 1/8 headroom, rounded up to 16
+    assert capacity(8000, 0) == 16000  # after three overflows: 100 %
+    assert all(capacity(n, 3) % 16 == 0 and capacity(n, 3) >= n for n in range(300))
 
 
 def test_history_takes_slots_only_after_a_received_call_with_none_in_flight() -> None:
     h = SlotHistory(3)
-    on = [False, True, True]
-    assert h.launch(KEY, on, on) is None  # first call: the size exchange
-    h.sent(KEY, [0, 100, 5000], None)
-    assert h.launch(KEY, on, on) is None  # the first is still in flight
-    h.sent(KEY, [0, 100, 5000], None)
-    h.received(KEY, [0, 200, 40], None)
-    h.received(KEY, [0, 200, 40], None)
-    plan = h.launch(KEY, on, on)
-    assert plan is not None
-    assert plan.send_caps == [0, capacity(100, 3), capacity(5000, 3)]
-    assert plan.recv_caps == [0, capacity(200, 3), capacity(40, 3)]
-    # An overflow (rank 2's payload past its slot) widens that pair's headroom.
-    h.sent(KEY, [0, 100, 9000], plan.send_caps)
-    h.received(KEY, [0, 200, 40], plan.recv_caps)
-    plan = h.launch(KEY, on, on)
-    assert plan is not None and plan.send_caps[2] == capacity(9000, 2)
-    assert plan.send_caps[1] == capacity(100, 3)
+    # Rank 0: nothing to itself; rank 1 gets 32 raw bytes and a codec part, rank 2 raw only.
+    send = [None, (32, True), (48, False)]
+    recv = [None, (0, True), (16, True)]
+    first = h.launch(KEY, send, recv)
+    assert first.send_caps is None and first.recv_caps is None  # first call: the size exchange
+    h.sent(first, [0, 132, 48])
+    second = h.launch(KEY, send, recv)
+    assert second.send_caps is None  # the first is still in flight
+    h.sent(second, [0, 132, 48])
+    h.received(first, [0, 200, 56])
+    h.received(second, [0, 200, 56])
+    call = h.launch(KEY, send, recv)
+    # Raw bytes exactly, the codec part from the last call (100, 200, 40 bytes) with headroom.
+    assert call.send_caps == [0, HEADER + 32 + capacity(100, 3), HEADER + 48]
+    assert call.recv_caps == [0, HEADER + capacity(200, 3), HEADER + 16 + capacity(40, 3)]
+    # An overflow (rank 1's payload past its slot) widens that pair's headroom.
+    h.sent(call, [0, 32 + 900, 48])
+    h.received(call, [0, 200, 56])
+    call = h.launch(KEY, send, recv)
+    assert call.send_caps is not None and call.send_caps[1] == HEADER + 32 + capacity(900, 2)
+    assert call.recv_caps is not None and call.recv_caps[1] == HEADER + capacity(200, 3)
     # Another kind of call (the exact forward) keeps a history of its own.
-    assert h.launch(SlotKey("fwd", True, frozenset({"a"})), on, on) is None
+    assert h.launch(SlotKey("fwd", True, frozenset({"a"})), send, recv).send_caps is None
 
 
 def test_slots_carry_size_tag_and_bytes_and_cut_an_overflow() -> None:
@@ -92,7 +96,7 @@ def _inputs(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+    from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
     from torchrec_lossy.distributed.call_ledger import CallLedger
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
@@ -115,15 +119,20 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
     dist.isend = counting_isend  # type: ignore[assignment]
     exact = ErrorBound("absolute", 0.0)
-    config = LossyCommsConfig(default_bound=exact, backward="lossy", backward_bound=exact)
-    comms = LossyComms(config=config, bounds=StaticBounds(["a", "b"], config))
-    layout = [(BlockSpec("a", 0, 1, 4), BlockSpec("b", 4, 1, 4))] * world
+    config = LossyCommsConfig(
+        default_bound=exact,
+        backward="lossy",
+        backward_bound=exact,
+        tables={"c": TableCodecConfig(compress=False)},  # raw blocks: slotted exactly
+    )
+    comms = LossyComms(config=config, bounds=StaticBounds(["a", "b", "c"], config))
+    layout = [(BlockSpec("a", 0, 1, 2), BlockSpec("c", 2, 1, 2), BlockSpec("b", 4, 1, 4))] * world
     info = LossyAll2AllPooledInfo(
         batch_size_per_rank=[B] * world,
         layout=layout,
         comms=comms,
         ledger=CallLedger(),
-        compress=comms.compress_flags(["a", "b"]),
+        compress=comms.compress_flags(["a", "b", "c"]),
         slots=SlotHistory(world),
     )
     out: dict[str, Any] = {"steps": []}

@@ -32,8 +32,9 @@ from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRec
 from torchrec_lossy.distributed.exchange_slots import (
     HEADER,
     MAX_TAG,
+    PairShape,
+    SlotCall,
     SlotKey,
-    SlotPlan,
     fill_slots,
     overflow_tag,
     read_headers,
@@ -44,7 +45,7 @@ from torchrec_lossy.distributed.pooled_blocks import (
     size_entry_words,
 )
 from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call
-from torchrec_lossy.distributed.pooled_payload import PendingPayloads, start_encode
+from torchrec_lossy.distributed.pooled_payload import PendingPayloads, padded_size, start_encode
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -100,10 +101,9 @@ class LossyRequest(Request[torch.Tensor]):
         self.decode_status: DeferredDecode | None = None
         # The telemetry of the exchange in flight, written once by receive().
         self.telemetry: ExchangeRecord | None = None
-        # The kind of the exchange in flight in its dist's slot history (None: not kept).
-        self.slot_key: SlotKey | None = None
-        # Its slots, when it took the one-round slot path (exchange_slots).
-        self.slot_plan: SlotPlan | None = None
+        # The exchange in flight in its dist's slot history, with its slots when it took the
+        # one-round path (exchange_slots); None: no history kept.
+        self.slot_call: SlotCall | None = None
         # Its overflow sends in flight: (work, the bytes it sends).
         self.overflow_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -285,9 +285,10 @@ class LossyWire:
             direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record, telemetry
         )
         myreq.self_blocks = blocks[my_rank]
-        plan = _launch_slots(direction, exact, geometry, info, myreq, device, my_rank)
-        if plan is not None:
-            return _slot_payloads(direction, pending, plan, myreq, info, telemetry)
+        call = _launch_slots(direction, exact, blocks, geometry, info, device, my_rank)
+        myreq.slot_call = call
+        if call is not None and call.send_caps is not None:
+            return _slot_payloads(direction, pending, call, myreq, info, telemetry)
         meta_splits = [
             size_entry_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
         ]
@@ -310,13 +311,13 @@ class LossyWire:
         self_blocks, myreq.self_blocks = myreq.self_blocks, None
         assert self_blocks is not None, "the lossy exchange lost its self blocks"
         skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
-        key, plan, myreq.slot_key, myreq.slot_plan = myreq.slot_key, myreq.slot_plan, None, None
+        call, myreq.slot_call = myreq.slot_call, None
         recv_sizes = myreq.recv_sizes
-        if plan is not None:
-            recv, recv_sizes = _unslot(direction, recv, plan, myreq, geometry, my_rank)
-        if key is not None:
+        if call is not None and call.recv_caps is not None:
+            recv, recv_sizes = _unslot(direction, recv, call.recv_caps, myreq, geometry, my_rank)
+        if call is not None:
             assert info.slots is not None
-            info.slots.received(key, recv_sizes, None if plan is None else plan.recv_caps)
+            info.slots.received(call, recv_sizes)
         blocks, status = decode_call(
             direction, recv, recv_sizes, geometry.recv_specs, geometry.recv_rows, info,
             my_rank, self_blocks, skeletons, myreq.record, telemetry=telemetry,
@@ -374,9 +375,9 @@ def _size_then_payloads(
         if recv_meta_splits[p] > 1
     }
     send_sizes = [int(p.numel()) for p in payloads]
-    if myreq.slot_key is not None:
+    if myreq.slot_call is not None:
         assert info.slots is not None
-        info.slots.sent(myreq.slot_key, send_sizes, None)
+        info.slots.sent(myreq.slot_call, send_sizes)
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with profile_range(f"## lossy_a2a {direction} payload ##"):
@@ -387,13 +388,14 @@ def _size_then_payloads(
 def _launch_slots(
     direction: Direction,
     exact: bool,
+    blocks: list[list[torch.Tensor]],
     geometry: Geometry,
     info: LossyAll2AllPooledInfo,
-    myreq: LossyRequest,
     device: torch.device,
     my_rank: int,
-) -> SlotPlan | None:
-    """Counts the call in its dist's slot history; its slots when it takes the one-round path.
+) -> SlotCall | None:
+    """Counts the call in its dist's slot history, its slots sized if it may take the one-round
+    path.
 
     Host tensors only: a device exchange keeps the size exchange, whose one host read also
     finishes the encode (a slot's header would cost the receiver a second read).
@@ -401,32 +403,43 @@ def _launch_slots(
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         exact: The call travels lossless.
-        geometry: The exchange's blocks (which pairs carry any).
-        info: The call's parameters (its dist's ``slots``).
-        myreq: The request (the call's kind and slots are kept on it).
+        blocks: Per destination, the blocks this rank sends it (their raw bytes are known).
+        geometry: The exchange's blocks and the rows each source sends.
+        info: The call's parameters (its dist's ``slots``, compress flags, raw peers).
         device: Device of the blocks.
         my_rank: This rank (its own blocks are not on the wire).
 
     Returns:
-        The call's slots, or None for the two-round path.
+        The call (its slots None for the two-round path), or None where no history is kept.
     """
     slots = info.slots
     if slots is None or device.type != "cpu":
         return None
-    key = SlotKey(direction, exact, frozenset(t for t, c in info.compress.items() if c))
-    myreq.slot_key = key
-    on = [
-        [p != my_rank and len(specs) > 0 for p, specs in enumerate(side)]
-        for side in (geometry.send_specs, geometry.recv_specs)
+    itemsize = info.dtype.itemsize
+
+    def shape(p: int, specs: Sequence[BlockSpec], nbytes: Sequence[int]) -> PairShape:
+        if p == my_rank or not specs:
+            return None
+        coded = [p not in info.raw_peers and info.compress[s.table] for s in specs]
+        raw = sum(padded_size(n) for n, c in zip(nbytes, coded, strict=True) if not c)
+        return raw, any(coded)
+
+    send = [
+        shape(p, specs, [b.numel() * b.element_size() for b in bs])
+        for p, (specs, bs) in enumerate(zip(geometry.send_specs, blocks, strict=True))
     ]
-    myreq.slot_plan = plan = slots.launch(key, on[0], on[1])
-    return plan
+    recv = [
+        shape(p, specs, [r * s.dim * itemsize for r, s in zip(rows, specs, strict=True)])
+        for p, (specs, rows) in enumerate(zip(geometry.recv_specs, geometry.recv_rows, strict=True))
+    ]
+    key = SlotKey(direction, exact, frozenset(t for t, c in info.compress.items() if c))
+    return slots.launch(key, send, recv)
 
 
 def _slot_payloads(
     direction: Direction,
     pending: PendingPayloads,
-    plan: SlotPlan,
+    call: SlotCall,
     myreq: LossyRequest,
     info: LossyAll2AllPooledInfo,
     telemetry: ExchangeRecord,
@@ -441,7 +454,7 @@ def _slot_payloads(
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         pending: From ``start_encode`` (host path: nothing to read back).
-        plan: The call's slots.
+        call: The call, with its slots.
         myreq: The request (its group; keeps the overflow sends).
         info: The call's parameters (its ledger, its dist's slot history).
         telemetry: The call's record (links and container bytes).
@@ -454,33 +467,33 @@ def _slot_payloads(
     payloads = pending.finish(host.tolist())
     sizes = [int(p.numel()) for p in payloads]
     assert info.slots is not None
-    info.slots.sent(plan.key, sizes, plan.send_caps)
+    info.slots.sent(call, sizes)
+    send_caps, recv_caps = call.send_caps, call.recv_caps
+    assert send_caps is not None and recv_caps is not None
     tag = overflow_tag()
-    slotted = fill_slots(payloads, plan.send_caps, tag)
-    recv = torch.empty(sum(plan.recv_caps), dtype=torch.uint8)
+    slotted = fill_slots(payloads, send_caps, tag)
+    recv = torch.empty(sum(recv_caps), dtype=torch.uint8)
     with profile_range(f"## lossy_a2a {direction} slots ##"):
         work = dist.all_to_all_single(
-            recv, slotted.send, plan.recv_caps, plan.send_caps, group=pg, async_op=True
+            recv, slotted.send, recv_caps, send_caps, group=pg, async_op=True
         )
         myreq.overflow_sends = [
             (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest) for p, rest in slotted.overflow
         ]
     # A slot, or its header and the whole payload when it overflowed.
-    wire = [
-        max(cap, n + HEADER) if cap else 0 for n, cap in zip(sizes, plan.send_caps, strict=True)
-    ]
+    wire = [max(cap, n + HEADER) if cap else 0 for n, cap in zip(sizes, send_caps, strict=True)]
     same = sum(wire[p] for p in info.same_host if p < len(wire))
     telemetry.links = (same, sum(wire) - same)
     assert telemetry.blocks is not None
     telemetry.blocks.container = (telemetry.blocks.container or 0) + sum(wire) - sum(sizes)
-    myreq.recv_sizes = plan.recv_caps
+    myreq.recv_sizes = recv_caps
     return recv, work
 
 
 def _unslot(
     direction: Direction,
     recv: torch.Tensor,
-    plan: SlotPlan,
+    caps: Sequence[int],
     myreq: LossyRequest,
     geometry: Geometry,
     my_rank: int,
@@ -491,7 +504,7 @@ def _unslot(
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
         recv: The received slots.
-        plan: The call's slots.
+        caps: Slot bytes from each source.
         myreq: The request (its group and overflow sends).
         geometry: The exchange's blocks (named in an error).
         my_rank: This rank.
@@ -502,7 +515,6 @@ def _unslot(
     Raises:
         LossyAllToAllError: A slot's header is not a payload's (corrupted in transit).
     """
-    caps = plan.recv_caps
     heads = read_headers(recv, caps)
     at = [0]
     for cap in caps:

@@ -2,9 +2,10 @@
 
 A lossy all-to-all with the size exchange costs two collective rounds (the sizes, then the
 payloads). On the host path the sizes need not travel first: each (source, destination) pair
-sends a slot whose capacity both sides derive from what they already know (the pair's previous
-payload on this dist and direction, with headroom), the payload's true size in the slot's
-header. A payload longer than its slot sends the rest point-to-point, between that pair only.
+sends a slot whose capacity both sides derive from what they already know: the payload's raw
+blocks exactly (their rows are the call's), its codec part from the pair's previous call on
+this dist and kind, with headroom; the payload's true size is in the slot's header. A payload
+longer than its slot sends the rest point-to-point, between that pair only.
 
 What both sides must agree on is decided from the dist's :class:`SlotHistory`, which every rank
 updates at the same points of the same program order (SPMD): a call takes the slot path only
@@ -59,7 +60,7 @@ class SlotKey:
 
 @dataclass
 class _PairSizes:
-    """One kind's history: per peer, the last payload size each way and the headroom shift."""
+    """One kind's history: per peer, the last coded bytes each way and the headroom shift."""
 
     sent: list[int]
     received: list[int]
@@ -70,33 +71,44 @@ class _PairSizes:
 
 
 def capacity(size: int, shift: int) -> int:
-    """Slot bytes for a pair whose previous payload had ``size`` bytes.
+    """Slot bytes for the coded part of a pair's payload whose previous one had ``size`` bytes.
 
     Args:
-        size: The pair's previous payload bytes.
+        size: The pair's previous coded bytes.
         shift: Its headroom shift (headroom ``size >> shift``, at least :data:`MIN_SLACK`).
 
     Returns:
-        Bytes, header included, a multiple of 16.
+        Bytes, a multiple of 16 (the slot adds its header and the payload's raw blocks, whose
+        bytes both sides know exactly).
     """
     body = size + max(size >> shift, MIN_SLACK)
-    return HEADER + -(-body // 16) * 16
+    return -(-body // 16) * 16
 
 
 @dataclass(frozen=True)
-class SlotPlan:
-    """One call's slots.
+class SlotCall:
+    """One call's place in its dist's history, and its slots if it takes the one-round path.
 
     Attributes:
         key: The call's kind.
-        send_caps: Slot bytes to each destination (0: nothing on the wire, the rank itself or
-            a peer with no blocks).
-        recv_caps: Slot bytes from each source.
+        send_fixed: Bytes of the raw blocks to each destination (both sides know them from the
+            call's rows: no history, no slack).
+        recv_fixed: Bytes of the raw blocks from each source.
+        send_caps: Slot bytes to each destination, header included (0: nothing on the wire,
+            the rank itself or a peer with no blocks); None: the two-round path.
+        recv_caps: Slot bytes from each source; None: the two-round path.
     """
 
     key: SlotKey
-    send_caps: list[int]
-    recv_caps: list[int]
+    send_fixed: list[int]
+    recv_fixed: list[int]
+    send_caps: list[int] | None = None
+    recv_caps: list[int] | None = None
+
+
+# One side of a pair in a call: None (no slot: the rank itself, or a peer without blocks), else
+# (the raw blocks' bytes, whether a codec part follows them).
+PairShape = tuple[int, bool] | None
 
 
 @dataclass
@@ -121,64 +133,70 @@ class SlotHistory:
         return k
 
     def launch(
-        self, key: SlotKey, send_peers: Sequence[bool], recv_peers: Sequence[bool]
-    ) -> SlotPlan | None:
-        """Counts a call launched; its slots, or None for the two-round path.
+        self, key: SlotKey, send: Sequence[PairShape], recv: Sequence[PairShape]
+    ) -> SlotCall:
+        """Counts a call launched and sizes its slots, if it may take the one-round path.
 
         Args:
             key: The call's kind.
-            send_peers: Per destination, whether it gets a payload on the wire.
-            recv_peers: Per source, whether it sends this rank one.
+            send: Per destination, its pair's shape (:data:`PairShape`).
+            recv: Per source, its pair's shape.
 
         Returns:
-            The slots when the kind has a received call and none in flight, else None.
+            The call: with slots when the kind has a received call and none in flight.
         """
         k = self._of(key)
         ready = k.done > 0 and k.in_flight == 0
         k.in_flight += 1
+        fixed = [[0 if sh is None else sh[0] for sh in side] for side in (send, recv)]
         if not ready:
-            return None
-        send = [
-            capacity(k.sent[p], k.send_shift[p]) if on else 0 for p, on in enumerate(send_peers)
+            return SlotCall(key, fixed[0], fixed[1])
+        sides = ((send, k.sent, k.send_shift), (recv, k.received, k.recv_shift))
+        caps = [
+            [
+                0 if sh is None else HEADER + sh[0] + (capacity(last[p], shift[p]) if sh[1] else 0)
+                for p, sh in enumerate(side)
+            ]
+            for side, last, shift in sides
         ]
-        recv = [
-            capacity(k.received[p], k.recv_shift[p]) if on else 0 for p, on in enumerate(recv_peers)
-        ]
-        return SlotPlan(key, send, recv)
+        return SlotCall(key, fixed[0], fixed[1], caps[0], caps[1])
 
-    def sent(self, key: SlotKey, sizes: Sequence[int], caps: Sequence[int] | None) -> None:
+    def sent(self, call: SlotCall, sizes: Sequence[int]) -> None:
         """Records the payload sizes a call sent (at its launch).
 
         Args:
-            key: The call's kind.
+            call: The call.
             sizes: Payload bytes to each destination.
-            caps: Its slots (a payload past its slot widens the pair's headroom), or None.
         """
-        k = self._of(key)
-        _record(k.sent, k.send_shift, sizes, caps)
+        k = self._of(call.key)
+        _record(k.sent, k.send_shift, sizes, call.send_fixed, call.send_caps)
 
-    def received(self, key: SlotKey, sizes: Sequence[int], caps: Sequence[int] | None) -> None:
+    def received(self, call: SlotCall, sizes: Sequence[int]) -> None:
         """Records the payload sizes a call received, and that it was received.
 
         Args:
-            key: The call's kind.
+            call: The call.
             sizes: Payload bytes from each source.
-            caps: Its slots, or None.
         """
-        k = self._of(key)
-        _record(k.received, k.recv_shift, sizes, caps)
+        k = self._of(call.key)
+        _record(k.received, k.recv_shift, sizes, call.recv_fixed, call.recv_caps)
         k.in_flight -= 1
         k.done += 1
 
 
 def _record(
-    last: list[int], shift: list[int], sizes: Sequence[int], caps: Sequence[int] | None
+    last: list[int],
+    shift: list[int],
+    sizes: Sequence[int],
+    fixed: Sequence[int],
+    caps: Sequence[int] | None,
 ) -> None:
-    """Stores each pair's size; a pair whose payload overflowed its slot gets more headroom."""
+    """Stores each pair's coded bytes; a pair whose payload overflowed its slot gets more
+    headroom."""
     for p, n in enumerate(sizes):
         if caps is not None and caps[p] and n > caps[p] - HEADER:
             shift[p] = max(shift[p] - 1, 0)
-        last[p] = int(n)
+        last[p] = max(int(n) - fixed[p], 0)
 
 
 @dataclass(frozen=True)
@@ -246,9 +264,10 @@ def read_headers(recv: torch.Tensor, caps: Sequence[int]) -> np.ndarray:
 
 __all__ = [
     "HEADER",
+    "PairShape",
+    "SlotCall",
     "SlotHistory",
     "SlotKey",
-    "SlotPlan",
     "Slotted",
     "capacity",
     "fill_slots",
