@@ -15,6 +15,7 @@ import torch
 from harness import run_workers
 
 from torchrec_lossy.distributed.exchange_slots import (
+    CALM_CALLS,
     HEADER,
     MIN_SLACK,
     SlotHistory,
@@ -57,6 +58,12 @@ def test_history_takes_slots_only_after_a_received_call_with_none_in_flight() ->
     call = h.launch(KEY, send, recv)
     assert call.send_caps is not None and call.send_caps[1] == HEADER + 32 + capacity(900, 2)
     assert call.recv_caps is not None and call.recv_caps[1] == HEADER + capacity(200, 3)
+    # CALM_CALLS calls within their slots give the headroom back, one step at a time.
+    for _ in range(CALM_CALLS):
+        h.sent(call, [0, 32 + 900, 48])
+        h.received(call, [0, 200, 56])
+        call = h.launch(KEY, send, recv)
+    assert call.send_caps is not None and call.send_caps[1] == HEADER + 32 + capacity(900, 3)
     # Another kind of call (the exact forward) keeps a history of its own.
     assert h.launch(SlotKey("fwd", True, frozenset({"a"})), send, recv).send_caps is None
 

@@ -29,7 +29,9 @@ from torchrec_lossy.distributed.stats import Direction
 HEADER = 16  # slot header bytes: int64 payload size, int64 overflow tag (keeps payloads aligned)
 MIN_SLACK = 32  # headroom floor per slot, bytes
 START_SHIFT = 3  # first headroom: size / 2**3 (12.5 %)
-# Each overflow of a pair halves its shift (doubles the headroom), down to 0 (100 %).
+# Each overflow of a pair halves its shift (doubles the headroom), down to 0 (100 %); after
+# CALM_CALLS slotted calls of the pair in a row without one, the shift goes back up by one.
+CALM_CALLS = 8
 MAX_TAG = (1 << 31) - 1  # gloo's point-to-point tags are 32-bit; kept non-negative
 
 # The point-to-point tags of overflows: an id allocator, not call state. A tag must differ
@@ -66,6 +68,8 @@ class _PairSizes:
     received: list[int]
     send_shift: list[int]
     recv_shift: list[int]
+    send_calm: list[int]  # slotted calls of the pair since its last overflow (or recovery)
+    recv_calm: list[int]
     done: int = 0  # calls received
     in_flight: int = 0  # calls launched, not yet received
 
@@ -128,7 +132,7 @@ class SlotHistory:
         if k is None:
             n = self.world
             k = self._kinds[key] = _PairSizes(
-                [0] * n, [0] * n, [START_SHIFT] * n, [START_SHIFT] * n
+                [0] * n, [0] * n, [START_SHIFT] * n, [START_SHIFT] * n, [0] * n, [0] * n
             )
         return k
 
@@ -169,7 +173,7 @@ class SlotHistory:
             sizes: Payload bytes to each destination.
         """
         k = self._of(call.key)
-        _record(k.sent, k.send_shift, sizes, call.send_fixed, call.send_caps)
+        _record(k.sent, k.send_shift, k.send_calm, sizes, call.send_fixed, call.send_caps)
 
     def received(self, call: SlotCall, sizes: Sequence[int]) -> None:
         """Records the payload sizes a call received, and that it was received.
@@ -179,7 +183,7 @@ class SlotHistory:
             sizes: Payload bytes from each source.
         """
         k = self._of(call.key)
-        _record(k.received, k.recv_shift, sizes, call.recv_fixed, call.recv_caps)
+        _record(k.received, k.recv_shift, k.recv_calm, sizes, call.recv_fixed, call.recv_caps)
         k.in_flight -= 1
         k.done += 1
 
@@ -187,15 +191,22 @@ class SlotHistory:
 def _record(
     last: list[int],
     shift: list[int],
+    calm: list[int],
     sizes: Sequence[int],
     fixed: Sequence[int],
     caps: Sequence[int] | None,
 ) -> None:
     """Stores each pair's coded bytes; a pair whose payload overflowed its slot gets more
-    headroom."""
+    headroom, one that stayed in its slots :data:`CALM_CALLS` calls in a row gets less back
+    (the same on both sides: both know the sizes and the slots)."""
     for p, n in enumerate(sizes):
-        if caps is not None and caps[p] and n > caps[p] - HEADER:
-            shift[p] = max(shift[p] - 1, 0)
+        if caps is not None and caps[p]:
+            if n > caps[p] - HEADER:
+                shift[p], calm[p] = max(shift[p] - 1, 0), 0
+            elif shift[p] < START_SHIFT:
+                calm[p] += 1
+                if calm[p] >= CALM_CALLS:
+                    shift[p], calm[p] = shift[p] + 1, 0
         last[p] = max(int(n) - fixed[p], 0)
 
 
