@@ -185,7 +185,7 @@ class LossyCommsModel:
         TorchRec's path does not have. Measured (``speeds.seam_ms``: the seam's fixed work per
         step, :mod:`~torchrec_lossy.planner.seam_cost`): the seam's estimated step, each table
         in its format on the link (wire and codec per raw byte, weighted by the table's share
-        of the rows' bytes) plus that fixed cost and, on CUDA, its two extra size rounds, against
+        of the rows' bytes) plus that fixed cost and its two extra size rounds, against
         TorchRec's fp32 wire time; the smaller wins, whatever the tables' formats. Not measured:
         only where no table is coded, the dedupe's measured throughput against its saved bytes.
         """
@@ -231,18 +231,18 @@ class LossyCommsModel:
         for t in tables:
             est = self._choice(self.ratio(t.name), t.name, bw).estimates
             per_byte += width[t.name] / dims * est.get(self.table_format(t.name), est["raw"])
-        # Its size rounds, forward and gradient: on CUDA; the host path's exchanges take one
-        # round, as TorchRec's (distributed/exchange_slots.py: slots sized by the last call).
-        rounds = 2 if self.config.topology.compute_device == "cuda" else 0
-        fixed = sp.seam_ms + rounds * (sp.round_ms or 0.0)
+        # Its size rounds, forward and gradient. The host path skips them after a dist's first
+        # call (distributed/exchange_slots.py), but the seam's per-exchange work that seam_ms
+        # does not time (the codec's calls, the Req/Wait steps) is still unpriced: the two
+        # rounds stay in its stead until it is measured (benchmarks/exchange_rounds_bench.py).
+        fixed = sp.seam_ms + 2 * (sp.round_ms or 0.0)
         seam_ms = step_bytes * per_byte + fixed
         torchrec_ms = step_bytes * torchrec_per_byte
         pick = torchrec_ms <= seam_ms
         verdict = "TorchRec's own all-to-all" if pick else "the seam"
         return pick, (
             f"; so {verdict}: estimated {seam_ms:.3g} ms a step through the seam ({fixed:.3g} "
-            f"of it fixed: its work around the wire{' and size rounds' if rounds else ''}, "
-            f"measured) against "
+            f"of it fixed: its work around the wire and size rounds, measured) against "
             f"{torchrec_ms:.3g} ms of TorchRec's fp32 all-to-all"
         )
 
