@@ -39,6 +39,12 @@ sequence all-to-all + gradient all-to-all) for TorchRec's EC sharder (without an
 ``use_index_dedup``, fp32 and with its FP16 / MX4 qcomm on the sequence all-to-all) and ours
 (default config, and without the row dedupe).
 
+``--breakdown`` instead parses the lossy backward's payloads of the table-wise EBC into their
+parts (:data:`PARTS`: headers, descriptors, codebooks, references, escapes, chunk tables, the
+code stream; the size exchange's words apart) at each world, with the bytes per value sent and
+the order-0 entropy of the blocks' symbols on the per-value grid (docs/benchmarks.md, "Whole
+step": why 8 ranks looked worse, what a lossless change could save).
+
 ``--timing`` instead times the input codec on this machine (CPU ms per step and rank, no
 process group): every rank's KJT is encoded (``encode_with_telemetry``, default config: wire
 dedupe, exact output dedupe, checksums) and rank 0 decodes what it would receive
@@ -53,6 +59,7 @@ import argparse
 import json
 import sys
 
+import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.fbgemm_qcomm_codec import (
@@ -62,6 +69,8 @@ from torchrec.distributed.fbgemm_qcomm_codec import (
 )
 from torchrec.distributed.types import CommOp
 
+from torchrec_lossy.codec import format as fmt
+from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.config import ErrorBound, InputDistConfig, LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
@@ -242,30 +251,29 @@ def _pooled_grads(n: int, dim: int, generator: torch.Generator) -> torch.Tensor:
     return ((p - y) / n)[:, None, None] * jac
 
 
-def _backward_bytes(
+def _backward_payloads(
     ids: torch.Tensor,
     world: int,
     dim: int,
     generator: torch.Generator,
     config: LossyCommsConfig | None = None,
-) -> dict[str, dict[str, float]]:
-    """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
-    the lossy backward (``config``, default ``LossyCommsConfig()``: the gradient dedupe sums
-    each distinct bag's rows, then the codec at ``backward_bound``), all ranks."""
+) -> tuple[list[int], list[tuple[int, list[torch.Tensor], list[list[torch.Tensor]]]]]:
+    """The lossy backward's payloads of one step (``config``, default ``LossyCommsConfig()``:
+    the gradient dedupe sums each distinct bag's rows, then the codec at ``backward_bound``),
+    every sender, each block checked against its bound.
+
+    Returns:
+        TorchRec's chunk elements (sender ``d`` sends owner ``o`` the gradient of ``o``'s
+        columns for ``d``'s rows), and per sender its rank, its payloads (one per
+        destination, its own empty) and its blocks per destination.
+    """
     grads = _pooled_grads(ids.shape[0], dim, generator)
     names, layout = _pooled_setup(world, dim)
     batch = ids.shape[0] // world
-    # Sender d sends owner o the gradient of o's columns for d's rows.
     chunks = [len(layout[o]) * dim * batch for _ in range(world) for o in range(world)]
-    out: dict[str, dict[str, float]] = {
-        "none": {"bytes": 4 * sum(chunks)},
-        "bf16": {"bytes": 2 * sum(chunks)},
-        "mx4": {"bytes": _qcomm_bytes("mx4", chunks, backward=True)},
-    }
-    total = 0
+    sent = []
     for d in range(world):
         info = _default_info(names, layout, batch, config)
-        comms = info.comms
         rows_d = slice(d * batch, (d + 1) * batch)
         blocks = []
         for o in range(world):
@@ -280,11 +288,194 @@ def _backward_bytes(
                 per_table.append(g)
             blocks.append(per_table)
         payloads = start_encode("bwd", blocks, layout, info, ids.device, d).read()
-        total += sum(p.numel() for p in payloads)
-        err = comms.stats.total("bwd").max_error_over_bound
+        err = info.comms.stats.total("bwd").max_error_over_bound
         assert err <= 1.0, err
-    out["lossy"] = {"bytes": total}
+        sent.append((d, payloads, blocks))
+    return chunks, sent
+
+
+def _backward_bytes(
+    ids: torch.Tensor,
+    world: int,
+    dim: int,
+    generator: torch.Generator,
+    config: LossyCommsConfig | None = None,
+) -> dict[str, dict[str, float]]:
+    """Gradient all-to-all bytes per step: TorchRec's fp32 / bf16 / MX4 (dense, every row) and
+    the lossy backward (:func:`_backward_payloads`), all ranks."""
+    chunks, sent = _backward_payloads(ids, world, dim, generator, config)
+    total = sum(p.numel() for _, payloads, _ in sent for p in payloads)
+    return {
+        "none": {"bytes": 4 * sum(chunks)},
+        "bf16": {"bytes": 2 * sum(chunks)},
+        "mx4": {"bytes": _qcomm_bytes("mx4", chunks, backward=True)},
+        "lossy": {"bytes": total},
+    }
+
+
+# The parts of a payload ``--breakdown`` counts, in wire order (docs/format.md).
+PARTS = (
+    "payload header", "descriptors", "raw blocks", "segment headers", "codebooks",
+    "references", "escape positions", "escaped values", "chunk tables", "code stream",
+)  # fmt: skip
+
+
+def _payload_parts(payload: torch.Tensor) -> tuple[dict[str, int], list[dict[str, float]]]:
+    """Bytes of each part of a codec payload (:data:`PARTS`, adding up to its size), and per
+    quantized block its rows, distinct vectors, step and center (the per-value grid's).
+
+    Args:
+        payload: One codec payload (uint8, on the host).
+
+    Returns:
+        (bytes per part, one dict per quantized block).
+    """
+    words = payload.numpy().view(np.uint32)
+    head = np.frombuffer(payload.numpy()[: fmt.HEADER.itemsize].tobytes(), fmt.HEADER)[0]
+    n = int(head["n_blocks"])
+    at = fmt.HEADER_WORDS + n * fmt.DESCRIPTOR_WORDS
+    raw_desc = payload.numpy()[4 * fmt.HEADER_WORDS : 4 * at].tobytes()
+    descs = np.frombuffer(raw_desc, fmt.DESCRIPTOR)
+    parts = dict.fromkeys(PARTS, 0)
+    parts["payload header"] = 4 * fmt.HEADER_WORDS
+    parts["descriptors"] = 4 * n * fmt.DESCRIPTOR_WORDS
+    blocks = []
+    for desc in descs:
+        mode, seg = int(desc["mode"]), int(desc["seg_words"])
+        if mode == fmt.MODE_RAW:
+            parts["raw blocks"] += 4 * seg
+            at += seg
+            continue
+        header = fmt.segment_header_fields(tuple(int(w) for w in words[at : at + 8]))
+        itemsize = int(fmt.dtype_itemsize(int(desc["dtype"])))
+        layout = fmt.segment_layout(
+            (mode, int(desc["rows"]), int(desc["dim"]), itemsize, seg), header
+        )
+        ok, nu, _, ref_words, cb_words, esc_at, ct_at, bs_at = (int(v) for v in layout)
+        assert ok and mode & 2, f"a well-formed quantized segment, got mode {mode}"
+        n_esc = int(header[3])
+        parts["segment headers"] += 4 * fmt.SEGMENT_HEADER_WORDS
+        parts["codebooks"] += 4 * cb_words
+        parts["references"] += 4 * ref_words
+        parts["escape positions"] += 4 * n_esc
+        parts["escaped values"] += 4 * (ct_at - esc_at - n_esc)
+        parts["chunk tables"] += 4 * (bs_at - ct_at)
+        parts["code stream"] += 4 * (seg - bs_at)
+        blocks.append(
+            {"rows": int(desc["rows"]), "dim": int(desc["dim"]), "n_unique": nu,
+             "sym_count": int(header[7]), "escapes": n_esc, "stream_bytes": 4 * (seg - bs_at)}
+        )  # fmt: skip
+        at += seg
+    assert sum(parts.values()) == payload.numel(), (parts, payload.numel())
+    return parts, blocks
+
+
+def _value_entropy_bits(block: torch.Tensor, bound: float) -> tuple[float, float, float]:
+    """Order-0 entropies of a block's symbols on the per-value grid of ``bound`` (what an
+    ideal per-block code would pay), in bits per value: the codec's symbol (sign and distance
+    from the block's largest code), its sign, and the distance alone; every row counted.
+
+    Args:
+        block: A gradient block.
+        bound: The per-value bound.
+
+    Returns:
+        (symbol, sign, distance) entropies.
+    """
+    m = next(m for m in range(24) if 2.0 ** -(m + 1) <= bound)
+    shift = 23 - m
+    bits = block.float().contiguous().view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF
+    mag = bits & 0x7FFFFFFF
+    q = (mag + ((1 << shift) >> 1)) >> shift
+    d = q.max() - q
+    sign = (bits >> 31) & 1
+    sym = np.where(mag == 0, 0, np.where(sign == 0, d + 1, -d - 1))
+
+    def h(x: np.ndarray) -> float:
+        _, counts = np.unique(x, return_counts=True)
+        p = counts / counts.sum()
+        return float(-(p * np.log2(p)).sum())
+
+    return h(sym), h(sign[mag != 0]), h(d[mag != 0])
+
+
+def _backward_breakdown(
+    ids: torch.Tensor, world: int, dim: int, g: torch.Generator, config: LossyCommsConfig
+) -> dict[str, object]:
+    """The lossy backward's bytes of one step by payload part, with what a lossless change
+    could save (``--breakdown``)."""
+    chunks, sent = _backward_payloads(ids, world, dim, g, config)
+    bound = config.backward_bound
+    parts = dict.fromkeys(PARTS, 0)
+    blocks: list[dict[str, float]] = []
+    size_words = 0
+    entropy = np.zeros(3)
+    values = 0
+    for d, payloads, per_dest in sent:
+        for o, payload in enumerate(payloads):
+            if o == d or payload.numel() == 0:
+                continue
+            got, meta = _payload_parts(payload)
+            for k, v in got.items():
+                parts[k] += v
+            blocks += meta
+            size_words += 1 + skeleton_words(len(per_dest[o]))
+            if bound.mode == "value":
+                for b in per_dest[o]:
+                    entropy += b.numel() * np.array(_value_entropy_bits(b, bound.value))
+                    values += b.numel()
+    total = sum(parts.values())
+    sent_values = sum(b["n_unique"] * b["dim"] for b in blocks)
+    rows = sum(b["rows"] for b in blocks)
+    out: dict[str, object] = {
+        "world": world,
+        "fp32_bytes": 4 * sum(chunks),
+        "fp32_self_bytes": 4 * sum(chunks[d * world + d] for d in range(world)),
+        "payload_bytes": total,
+        "parts": parts,
+        "size_exchange_bytes": 8 * size_words,
+        "blocks": len(blocks),
+        "rows_sent": rows,
+        "values_sent": sent_values,
+        "dense_rows": sum(chunks) // dim,
+        "stream_bits_per_value": 8 * parts["code stream"] / max(sent_values, 1),
+        "bytes_per_sent_value": total / max(sent_values, 1),
+        "mean_codebook_symbols": float(np.mean([b["sym_count"] for b in blocks]))
+        if blocks
+        else 0.0,
+    }
+    if values:
+        sym_h, sign_h, dist_h = entropy / values
+        out.update(
+            entropy_symbol_bits=sym_h, entropy_sign_bits=sign_h, entropy_distance_bits=dist_h
+        )
     return out
+
+
+def _print_breakdown(rows: list[dict[str, object]]) -> None:
+    """Prints ``--breakdown``'s table: bytes per part and per sent value, per world."""
+    for r in rows:
+        total = r["payload_bytes"]
+        print(
+            f"{r['dataset']} world {r['world']}: {total:,} B of payloads in {r['blocks']} blocks "
+            f"({r['rows_sent']:,} rows of {r['dense_rows']:,} dense, {r['values_sent']:,} "
+            f"values); fp32 {r['fp32_bytes']:,} B ({r['fp32_self_bytes']:,} of it self-sends, "
+            f"which ours skips); vs fp32 {r['fp32_bytes'] / total:.1f}x, without the self-sends "
+            f"{(r['fp32_bytes'] - r['fp32_self_bytes']) / total:.1f}x; size exchange "
+            f"{r['size_exchange_bytes']:,} B (not in the table's bytes)"
+        )
+        for k, v in r["parts"].items():  # type: ignore[union-attr]
+            print(f"  {k:<18} {v:>11,} B {v / total:>6.1%}")
+        line = (
+            f"  {r['bytes_per_sent_value']:.3f} B per sent value; code stream "
+            f"{r['stream_bits_per_value']:.3f} bits per value"
+        )
+        if "entropy_symbol_bits" in r:
+            line += (
+                f" (order-0 entropy of the symbols {r['entropy_symbol_bits']:.3f}: sign "
+                f"{r['entropy_sign_bits']:.3f} + distance {r['entropy_distance_bits']:.3f})"
+            )
+        print(line + f"; codebook symbols per block {r['mean_codebook_symbols']:.0f}")
 
 
 def _rw_kjts(
@@ -652,6 +843,11 @@ def main(argv: list[str] | None = None) -> int:
         default="entropy",
         help="table-wise EBC: the codec format of the lossy forward and backward",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="table-wise EBC: the lossy backward's bytes by payload part instead",
+    )
     p.add_argument("--seq-len", type=int, default=50, help="ec: ids per sample and feature")
     p.add_argument("--timing", action="store_true", help="time the input codec instead")
     p.add_argument("--timing-batches", type=int, nargs="+", default=[512, 2048])
@@ -707,6 +903,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, ids, ranks, preset, dim in datasets:
             keep = ids.shape[0] // world * world
             ids, ranks = ids[:keep], ranks[:keep]
+            if args.breakdown:
+                row = _backward_breakdown(ids, world, dim, g, config)
+                results.append({"dataset": name, **row})
+                _print_breakdown(results[-1:])
+                continue
             if args.sharding == "row_wise":
                 for row in _row_wise_results(ids, ranks, world, preset, dim, g):
                     results.append(
@@ -751,6 +952,11 @@ def main(argv: list[str] | None = None) -> int:
                         "repeated_share": inp["packed+dedupe"]["repeated_share"],
                     }
                 )
+    if args.breakdown:
+        if args.json:
+            with open(args.json, "w") as fh:
+                fh.write(json.dumps(results, indent=1) + "\n")
+        return 0
     print(
         f"{'dataset':<18} {'world':>5} {'B/rank':>6} {'mode':<22} {'input B':>10} "
         f"{'output B':>11} {'bwd B':>11} {'step B':>11} {'in x':>6} {'out x':>6} {'bwd x':>6} "

@@ -292,10 +292,12 @@ def test_dedupe_kernel_matches_reference(rows, dim, distinct, raw):
         assert ids[0] == 0 and np.all(np.diff(first) > 0)
 
 
-def test_dedupe_escaped_elements_compare_raw_bits():
-    sym = np.full((3, 2), 2047, np.uint16)
+@pytest.mark.parametrize("dim", [2, 4], ids=["packed-hash", "word-rows"])
+def test_dedupe_escaped_elements_compare_raw_bits(dim: int) -> None:
+    sym = np.full((3, dim), 2047, np.uint16)
     sym[:, 1] = ESCAPE_SYMBOL
-    bits = np.array([[5, 7], [6, 7], [5, 8]], np.int32)
+    bits = np.zeros((3, dim), np.int32)
+    bits[:, :2] = [[5, 7], [6, 7], [5, 8]]
     ids, first = host_kernels.dedupe(sym, bits)
     assert first.tolist() == [0, 2]
     assert ids.tolist() == [0, 0, 1]  # col 0 quantized alike; escaped col 1 compares raw bits

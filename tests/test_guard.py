@@ -24,8 +24,12 @@ from torchrec_lossy.distributed.stats import ErrorAlert, LossyCommsStats
 TABLES = ["t_bad", "t_good", "t_nan"]
 
 
-def _alert(stats: LossyCommsStats, table: str, past: bool = True, nonfinite: int = 0) -> None:
-    alert = ErrorAlert("bwd", table, 0, 1.0 if past else 0.0, nonfinite, past)
+def _alert(
+    stats: LossyCommsStats, table: str, past: bool = True, nonfinite: int = 0, level: int = 0
+) -> None:
+    """An alert as the error sample records it (``level``: the guard's tightenings of the
+    pair when the block was encoded)."""
+    alert = ErrorAlert("bwd", table, 0, 1.0 if past else 0.0, nonfinite, past, level)
     stats.record_error_samples("bwd", [], [alert])
 
 
@@ -37,7 +41,7 @@ def test_rule_tightens_per_check_up_to_exact_and_never_loosens() -> None:
     base = ErrorBound("absolute", 1e-3)
     seen = []
     for _ in range(10):
-        _alert(stats, "t_bad")  # past the level at every step
+        _alert(stats, "t_bad", level=guard.level("bwd", "t_bad"))  # past the level every step
         _alert(stats, "t_nan", past=False, nonfinite=3)  # NaN only: reported, not acted on
         guard.step(stats, None)
         seen.append(guarded_bound(guard, "bwd", "t_bad", base).value)
@@ -58,6 +62,25 @@ def test_rule_tightens_per_check_up_to_exact_and_never_loosens() -> None:
     assert guarded_bound(None, "bwd", "t_bad", base) is base
 
 
+def test_alerts_from_an_encode_before_a_tightening_are_no_evidence() -> None:
+    """A device-path sample is read a call late: an alert that arrives after its pair was
+    tightened, from an encode at the old bound, does not tighten it again."""
+    guard = BoundGuard(TABLES, GuardConfig(enabled=True, factor=0.5, check_every=1))
+    stats = LossyCommsStats()
+    _alert(stats, "t_bad", level=0)
+    guard.step(stats, None)  # the check
+    guard.step(stats, None)  # applied: level 1
+    assert guard.level("bwd", "t_bad") == 1
+    _alert(stats, "t_bad", level=0)  # late: encoded before the tightening
+    for _ in range(3):
+        guard.step(stats, None)
+    assert [e.level for e in guard.events] == [1]
+    _alert(stats, "t_bad", level=1)  # at the current bound: acted on
+    guard.step(stats, None)
+    guard.step(stats, None)
+    assert [(e.step, e.level) for e in guard.events] == [(2, 1), (7, 2)]
+
+
 def test_alerts_survive_a_stats_reset_until_the_guard_takes_them() -> None:
     guard = BoundGuard(TABLES, GuardConfig(enabled=True, check_every=4))
     stats = LossyCommsStats()
@@ -67,6 +90,23 @@ def test_alerts_survive_a_stats_reset_until_the_guard_takes_them() -> None:
         guard.step(stats, None)
     assert [e.table for e in guard.events] == ["t_good"]
     assert stats.take_past_level() == set()
+
+
+def test_alerts_seen_between_checks_are_saved_with_the_state() -> None:
+    """An alert taken before a checkpoint but not checked yet is part of the state, so a
+    resumed run checks what the run would have checked (``guard_state`` takes them first)."""
+    config = GuardConfig(enabled=True, check_every=4)
+    guard, stats = BoundGuard(TABLES, config), LossyCommsStats()
+    guard.step(stats, None)
+    _alert(stats, "t_good")
+    guard.take_alerts(stats)  # what guard_state does before saving
+    restored = BoundGuard(TABLES, config)
+    restored.load_state_dict(guard.state_dict())
+    for g in (guard, restored):
+        for _ in range(4):  # the check at step 4, applied at step 5
+            g.step(LossyCommsStats(), None)
+    assert [(e.step, e.table) for e in restored.events] == [(5, "t_good")]
+    assert restored.events == guard.events
 
 
 def test_state_round_trips_through_a_weights_only_checkpoint() -> None:

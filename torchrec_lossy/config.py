@@ -473,7 +473,8 @@ class LossyCommsConfig:
         error_sample_every: Every this many calls of each direction (forward, backward), the
             sender decodes its own lossy payloads to record error statistics
             (``TableCommStats.mean_signed_error``, ``relative_rms_error``, ``snapped_share``;
-            CPU payloads only: the device path keeps its one host sync); 0: never.
+            on the device path decoded and summed on the device, recorded at the module's
+            next host read: no read of its own); 0: never.
         evaluation: The forward all-to-all while the sharded module is in ``eval()`` mode:
             ``"exact"`` (the default: lossless, so an evaluation measures the model, not the
             codec; the exact output dedupe and the lossless input codec still apply) or

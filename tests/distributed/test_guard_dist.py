@@ -2,7 +2,9 @@
 under a user-set absolute backward bound) trips it; the ranks tighten that table's backward
 bound alike, one halving per check up to exact, while the other table keeps its bound; the
 gradients then meet the tightened bound; the state restores into a new model; and a guard
-that never trips sends today's bytes exactly."""
+that never trips sends today's bytes exactly. On the device path (the codec's ``"reference"``
+backend) the same tightenings come a step later, the sample being read with the next
+all-to-all."""
 
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ def _plan() -> dict[str, Any]:
     return {"t_bad": table_wise(rank=1), "t_good": table_wise(rank=0)}
 
 
-def _config(guard: bool) -> Any:
+def _config(guard: bool, backend: str = "auto") -> Any:
     from torchrec_lossy.config import CodecConfig, ErrorBound, GuardConfig, LossyCommsConfig
 
     return LossyCommsConfig(
         # Packed codes: a small coded block stays smaller than raw at every tightening (the
         # codec sends a block raw, exact, where that is smaller).
-        codec=CodecConfig(format="packed"),
+        codec=CodecConfig(format="packed", backend=backend),
         backward_bound=ErrorBound("absolute", BOUND),
         error_sample_every=1,
         guard=GuardConfig(enabled=guard, factor=0.5, max_tightenings=3, check_every=2),
@@ -150,3 +152,77 @@ def test_guard_tightens_the_adversarial_table_alike_on_both_ranks() -> None:
         assert r["quiet_events"] == []
         assert r["wire"][True] == r["wire"][False], r["wire"]
         assert r["wire"][True]["bwd/t_bad"] > 0 or r["wire"][True]["bwd/t_good"] > 0
+
+
+def _worker_device(rank: int, world_size: int) -> dict[str, Any]:
+    """The adversarial run on the device path (the codec's ``"reference"`` backend: the device
+    orchestration over torch twins), then its state into a new model."""
+    from torchrec_lossy.distributed import (
+        LossyEmbeddingBagCollectionSharder,
+        check_lossy_decodes,
+        guard_state,
+        load_guard_state,
+    )
+
+    tables = make_tables(TABLES)
+    batches = [make_batch(tables, 64, seed=100 * s + rank) for s in range(STEPS + 1)]
+
+    def new_run() -> TrainRun:
+        sharder = LossyEmbeddingBagCollectionSharder(comms_config=_config(True, "reference"))
+        return TrainRun(tables, sharder, _plan(), world_size)
+
+    run = new_run()
+    stats = run.model.module.lossy_stats
+    bad = []
+    for s in range(STEPS):
+        stats.reset()
+        _step(run, batches[s], 1000 * s + rank, adversarial=True)
+        bad.append(stats.table("t_bad", "bwd").max_error)
+    check_lossy_decodes(run.model)  # as the example does before a checkpoint
+    saved = guard_state(run.model)
+    resumed = new_run()
+    load_guard_state(resumed.model, saved)
+    _step(resumed, batches[STEPS], 7, adversarial=True)
+    # Saved after step 4 and resumed in a new model: the same decisions as the run above (the
+    # gradients are fixed draws, whatever the weights).
+    first = new_run()
+    for s in range(4):
+        _step(first, batches[s], 1000 * s + rank, adversarial=True)
+    check_lossy_decodes(first.model)
+    mid = new_run()
+    load_guard_state(mid.model, guard_state(first.model))
+    mid_bad = []
+    for s in range(4, STEPS):
+        mid.model.module.lossy_stats.reset()
+        _step(mid, batches[s], 1000 * s + rank, adversarial=True)
+        mid_bad.append(mid.model.module.lossy_stats.table("t_bad", "bwd").max_error)
+    return {
+        "bad": bad,
+        "events": _events(run),
+        "seen": saved[next(iter(saved))]["seen"],
+        "resumed_events": _events(resumed),
+        "resumed_bad": resumed.model.module.lossy_stats.table("t_bad", "bwd").max_error,
+        "mid_events": _events(mid),
+        "mid_bad": mid_bad,
+    }
+
+
+@pytest.mark.timeout(900)
+def test_guard_on_the_device_path_tightens_alike_a_step_later() -> None:
+    """The device path's sample is read with the next all-to-all's size exchange: a step's
+    backward alert is checked at the end of the next step, and the first sample at a new bound
+    comes a step after the tightening (tests/distributed/test_device_error_sample.py)."""
+    r0, r1 = run_workers(_worker_device, 2, timeout_s=600)
+    expected = [(3, "bwd", "t_bad", 1, 0.5, 1), (7, "bwd", "t_bad", 2, 0.25, 1)]
+    assert r0["events"] == r1["events"] == expected
+    limits = [BOUND] * 3 + [BOUND / 2] * 4 + [BOUND / 4]
+    for s, (err, limit) in enumerate(zip(r0["bad"], limits, strict=True)):
+        assert limit / 2 < err <= limit, (s, err, limit)
+    # Step 8's alert (at the bound in force) was read before the save and is in rank 0's
+    # state; rank 1 never sampled t_bad.
+    assert r0["seen"] == [["bwd", "t_bad"]] and r1["seen"] == []
+    for r in (r0, r1):
+        assert r["resumed_events"] == expected
+        assert r["mid_events"] == expected  # resumed after step 4: the run's decisions
+    assert BOUND / 8 < r0["resumed_bad"] <= BOUND / 4
+    assert r0["mid_bad"] == r0["bad"][4:]

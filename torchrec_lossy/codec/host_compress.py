@@ -577,9 +577,11 @@ def _compress_kernel(
     blocks = _blocks(inputs.layout)
     q = scratch.shape[0] // 4
     grids = _grids(x, blocks, inputs.layout[3 * nb :], bnd, knobs)
+    # (the packed format does not read the symbols' ranges: the Huffman codes' alphabet)
     max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
-        x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols
-    )
+        x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols,
+        not knobs.packed,
+    )  # fmt: skip
     # Vector-LZ over the symbols, the Huffman codes of all rows (their histogram from the
     # distinct rows, weighted) and of the distinct rows, the lossy mode choice.
     lz_allowed = np.empty(nb, np.bool_)

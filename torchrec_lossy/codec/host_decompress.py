@@ -155,18 +155,19 @@ def _expand_rows(
 ) -> None:
     """Row ``r`` of the block is distinct vector ``ids[r]`` of ``src32`` (int32, a 4-byte
     block) or ``src16`` (uint16)."""
-    dim, out32, out16 = seg.dim, outs.out32, outs.out16
-    for r in range(seg.rows):  # element loops: cheaper than slice copies of a few words
-        u = np.int64(ids[r]) * dim
-        at = seg.out_at + r * dim
+    # Element loops over unsigned flat indices: cheaper than slice copies of a few words, and
+    # no per-row views (each one an atomic reference count in this loop) or negative-index
+    # wraps (which stop the copy vectorising).
+    dim, out32, out16 = np.uint64(seg.dim), outs.out32, outs.out16
+    for r in range(seg.rows):
+        u = np.uint64(ids[r]) * dim
+        at = np.uint64(seg.out_at) + np.uint64(r) * dim
         if seg.dtype_code == FLOAT32_CODE:
-            dst, src = out32[at : at + dim], src32[u : u + dim]
-            for j in range(dim):
-                dst[j] = src[j]
+            for j in range(seg.dim):
+                out32[at + np.uint64(j)] = src32[u + np.uint64(j)]
         else:
-            dst16, src16_row = out16[at : at + dim], src16[u : u + dim]
-            for j in range(dim):
-                dst16[j] = src16_row[j]
+            for j in range(seg.dim):
+                out16[at + np.uint64(j)] = src16[u + np.uint64(j)]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -44,6 +44,12 @@ def _width(bits_or: int) -> int:
     return w
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _code(s: int) -> int:
+    """A symbol's packed code: its zigzag, 0 for an escape (a select: the loops vectorise)."""
+    return 0 if s == ESCAPE_SYMBOL else zigzag(s)
+
+
 @numba.njit(cache=True, nogil=True)
 def plan_stream(
     blk_sym: np.ndarray, sent: np.ndarray, dim: int, widths: np.ndarray
@@ -67,13 +73,16 @@ def plan_stream(
     words = 0
     for i in range(sent.shape[0]):
         r0 = np.int64(sent[i]) * dim
-        for j in range(dim):
-            s = np.int64(blk_sym[r0 + j])
-            if s == ESCAPE_SYMBOL:
-                n_esc += 1
-            else:
-                acc |= zigzag(s)
-            k += 1
+        j = 0
+        while j < dim:  # the row's run of values in the current group
+            take = min(dim - j, PACKED_GROUP - k)
+            at = np.uint64(r0 + j)  # unsigned: no negative-index wrap to stop vectorising
+            for t in range(take):  # reductions only: it vectorises
+                s = np.int64(blk_sym[at + np.uint64(t)])
+                n_esc += np.int64(s == ESCAPE_SYMBOL)
+                acc |= _code(s)
+            j += take
+            k += take
             if k == PACKED_GROUP:
                 w = _width(acc)
                 widths[g] = w
@@ -143,17 +152,20 @@ def put_stream(
     w = np.int64(widths[0]) if n_groups else 0
     for i in range(sent.shape[0]):
         r0 = np.int64(sent[i]) * dim
-        for j in range(dim):
-            s = np.int64(blk_sym[r0 + j])
-            c = 0 if s == ESCAPE_SYMBOL else zigzag(s)
-            acc |= np.uint64(c) << np.uint64(nb)
-            nb += w
-            if nb >= 32:
-                out[p] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                p += 1
-                acc >>= np.uint64(32)
-                nb -= 32
-            k += 1
+        j = 0
+        while j < dim:  # the row's run of values in the current group (one width)
+            take = min(dim - j, PACKED_GROUP - k)
+            at = np.uint64(r0 + j)
+            for t in range(take):
+                acc |= np.uint64(_code(np.int64(blk_sym[at + np.uint64(t)]))) << np.uint64(nb)
+                nb += w
+                if nb >= 32:
+                    out[np.uint64(p)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                    p += 1
+                    acc >>= np.uint64(32)
+                    nb -= 32
+            j += take
+            k += take
             if k == PACKED_GROUP:
                 k = 0
                 g += 1
@@ -227,7 +239,7 @@ def decode_stream(
         q = p
         for k in range(cnt):
             if nb < w:
-                acc |= np.uint64(codes[q]) << np.uint64(nb)
+                acc |= np.uint64(codes[np.uint64(q)]) << np.uint64(nb)
                 q += 1
                 nb += 32
             c = np.int64(acc & mask)
@@ -235,7 +247,7 @@ def decode_stream(
             nb -= w
             if c > _MAX_CODE:
                 return DECODE_BAD_PACKED_CODE
-            sym[e + k] = unzigzag(c)
+            sym[np.uint64(e + k)] = unzigzag(c)
         p += w
         e += cnt
     last = -1

@@ -507,7 +507,7 @@ class _Grid(NamedTuple):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_loop(
-    x: np.ndarray, g: _Grid, dtype_code: int, stochastic: bool, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, stochastic: bool, symbols: np.ndarray, ranges: bool
 ) -> tuple[int, int, int]:
     # Branch-free body (selects, reductions, no early exits) so that the compiler vectorises it.
     # float32 arithmetic is exact here: q and the center are integers below 2**24 in magnitude
@@ -537,14 +537,15 @@ def _quantize_loop(
         sym = np.int32(d if ok else offset_f) + np.int32(SYMBOL_OFFSET)
         symbols[i] = np.uint16(sym if ok else np.int32(ESCAPE_SYMBOL))
         max_err_bits = max(max_err_bits, np.float64(err if ok else 0.0).view(np.int64))
-        lo = min(lo, sym if ok else np.int32(ESCAPE_SYMBOL))
-        hi = max(hi, sym if ok else np.int32(-1))
+        if ranges:  # loop-invariant: the compiler makes a loop without these reductions
+            lo = min(lo, sym if ok else np.int32(ESCAPE_SYMBOL))
+            hi = max(hi, sym if ok else np.int32(-1))
     return max_err_bits, lo, hi
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_value_loop(
-    x: np.ndarray, g: _Grid, dtype_code: int, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, symbols: np.ndarray, ranges: bool
 ) -> tuple[int, int, int]:
     # The per-value grid (value_symbol): the error is checked against bound * |x| in float64,
     # and the max error reported is the relative one, |x' - x| / |x|.
@@ -563,35 +564,37 @@ def _quantize_value_loop(
         symbols[i] = np.uint16(sym if ok else ESCAPE_SYMBOL)
         rel = err / av if ok and av > 0 else 0.0
         max_err_bits = max(max_err_bits, np.float64(rel).view(np.int64))
-        lo = min(lo, sym if ok else np.int64(ESCAPE_SYMBOL))
-        hi = max(hi, sym if ok else np.int64(-1))
+        if ranges:
+            lo = min(lo, sym if ok else np.int64(ESCAPE_SYMBOL))
+            hi = max(hi, sym if ok else np.int64(-1))
     return max_err_bits, lo, hi
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _quantize_grid(
-    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray, ranges: bool
 ) -> tuple[int, int, int]:
     # The grid and the rounding, like the dtype (a constant here), resolved at compile time.
     if value:
-        return _quantize_value_loop(x, g, dtype_code, symbols)
+        return _quantize_value_loop(x, g, dtype_code, symbols, ranges)
     if g.key >= 0:
-        return _quantize_loop(x, g, dtype_code, True, symbols)
-    return _quantize_loop(x, g, dtype_code, False, symbols)
+        return _quantize_loop(x, g, dtype_code, True, symbols, ranges)
+    return _quantize_loop(x, g, dtype_code, False, symbols, ranges)
 
 
 @numba.njit(cache=True, nogil=True)
 def _quantize_any(
-    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray
+    x: np.ndarray, g: _Grid, dtype_code: int, value: bool, symbols: np.ndarray, ranges: bool
 ) -> tuple[float, int, int]:
     """One block: symbols, (max error, lowest and highest value symbol; ESCAPE_SYMBOL, -1 when
-    every element escapes). ``value``: the per-value grid (round to nearest)."""
+    every element escapes, or ``ranges`` is False). ``value``: the per-value grid (round to
+    nearest)."""
     if dtype_code == FLOAT32_CODE:  # one loop per dtype, so that it is resolved at compile time
-        err_bits, lo, hi = _quantize_grid(x, g, FLOAT32_CODE, value, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, FLOAT32_CODE, value, symbols, ranges)
     elif dtype_code == FLOAT16_CODE:
-        err_bits, lo, hi = _quantize_grid(x, g, FLOAT16_CODE, value, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, FLOAT16_CODE, value, symbols, ranges)
     else:
-        err_bits, lo, hi = _quantize_grid(x, g, BFLOAT16_CODE, value, symbols)
+        err_bits, lo, hi = _quantize_grid(x, g, BFLOAT16_CODE, value, symbols, ranges)
     return np.int64(err_bits).view(np.float64), lo, hi
 
 
@@ -640,6 +643,7 @@ def quantize_blocks_kernel(
     dtype_codes: np.ndarray,
     sr_keys: np.ndarray,
     symbols: np.ndarray,
+    ranges: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantizes every quantized block of a concatenation into symbols, in one call; escapes
     what the bound cannot cover.
@@ -653,10 +657,13 @@ def quantize_blocks_kernel(
         dtype_codes: [n_blocks] dtype codes.
         sr_keys: int64 [n_blocks] ``NEAREST_KEY`` or each block's stochastic-rounding key.
         symbols: uint16 output, same length as ``x``.
+        ranges: Find each block's lowest and highest value symbol (the Huffman codes' range;
+            the packed format does not read it, and the two reductions cost about a quarter
+            of the loop).
 
     Returns:
         Per block: max error (float64), lowest and highest value symbol (int64; ESCAPE_SYMBOL
-        and -1 when there is none).
+        and -1 when there is none or ``ranges`` is False).
     """
     nb = elem_off.shape[0] - 1
     max_err = np.zeros(nb)
@@ -667,7 +674,7 @@ def quantize_blocks_kernel(
             s, e = elem_off[b], elem_off[b + 1]
             g = _Grid(grids.step[b], grids.inv_step[b], grids.center[b], bounds[b], sr_keys[b])
             max_err[b], lo[b], hi[b] = _quantize_any(
-                x[s:e], g, dtype_codes[b], grids.value[b], symbols[s:e]
+                x[s:e], g, dtype_codes[b], grids.value[b], symbols[s:e], ranges
             )
     return max_err, lo, hi
 

@@ -20,87 +20,92 @@ from torchrec_lossy.codec.format import (
 )
 from torchrec_lossy.codec.host_records import Blocks, Dedupe
 
-_ESCAPED_KEY = np.int64(1) << np.int64(32)
+# How _dedupe_into reads a row (a constant at each call: each compiles its own loops): its
+# symbols as 64-bit words (quantized, dim % 4 == 0), its raw bits (the lossless dedupe), or
+# its symbols packed 4 to a word (quantized, other dims).
+_WORDS = 0
+_RAW = 1
+_PACK = 2
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _key(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, j: int) -> np.int64:
-    """Identity of element (i, j): its raw bits, or its symbol (raw bits when escaped)."""
-    if raw:
-        return np.int64(bits[i, j])
-    s = symbols[i, j]
-    escaped = _ESCAPED_KEY | (np.int64(bits[i, j]) & 0xFFFFFFFF)
-    return escaped if s == ESCAPE_SYMBOL else np.int64(s)  # a select: the row hash vectorises
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _rows_equal(symbols: np.ndarray, bits: np.ndarray, raw: bool, i: int, r: int) -> bool:
-    """Whether rows i and r have equal keys (see ``_key``); branch-free, so it vectorises."""
-    diff = np.int64(0)
-    if raw:
-        a, b = bits[i], bits[r]
-        for j in range(a.shape[0]):
-            diff |= np.int64(a[j] ^ b[j])
-        return diff == 0
-    sa, sb, a, b = symbols[i], symbols[r], bits[i], bits[r]
-    for j in range(sa.shape[0]):
-        escaped_differs = (sa[j] == ESCAPE_SYMBOL) & (a[j] != b[j])
-        diff |= np.int64(sa[j] ^ sb[j]) | np.int64(escaped_differs)
-    return diff == 0
-
-
-@numba.njit(cache=True, nogil=True)
 def _dedupe_into(
-    symbols: np.ndarray, bits: np.ndarray, raw: bool, ids: np.ndarray, first_rows: np.ndarray
-) -> int:
-    """Finds one block's repeated rows with a hash table over whole rows (``raw``: raw bits
-    only, else the symbols, escaped elements by their raw bits): each row's distinct-vector id
+    symbols: np.ndarray, bits: np.ndarray, rows: int, dim: int, how: int, ids: np.ndarray,
+    first_rows: np.ndarray,
+) -> int:  # fmt: skip
+    """Finds one block's repeated rows with a hash table over whole rows (``how`` :data:`_RAW`:
+    raw bits only, else the symbols, escaped elements by their raw bits): each row's
+    distinct-vector id
     into ``ids`` [rows], numbered by first occurrence, and the row where each distinct vector
     first occurs into ``first_rows`` [>= n_unique].
+
+    The rows are read at unsigned flat offsets: a view per row costs an atomic reference count
+    in this loop, and a signed index a negative-index wrap that stops the loops vectorising
+    (docs/codec.md). Quantized rows of ``dim % 4 == 0`` symbols are hashed and compared as
+    64-bit words (about twice as fast).
+
+    Args:
+        symbols: uint16 [rows * dim] symbols of the block, flat (not read when ``raw``).
+        bits: int32 [rows * dim] raw bits, same layout.
+        rows: Rows.
+        dim: Columns.
+        how: :data:`_RAW`, :data:`_WORDS` (quantized, ``dim % 4 == 0``) or :data:`_PACK`;
+            a constant at each call site, so that each is compiled with its own loops (as a
+            value read at run time it made the loops 5x slower).
+        ids: int32 [rows] output.
+        first_rows: int32 [>= n_unique] output.
 
     Returns:
         The number of distinct vectors.
     """
-    rows, dim = bits.shape
+    n_words = symbols.shape[0] // 4 if how == _WORDS else 0
+    words = symbols[: 4 * n_words].view(np.uint64)
     size = 1
     while size < 2 * rows:
         size *= 2
     mask = size - 1
     table = np.full(size, -1, dtype=np.int32)
     hashes = np.empty(rows, dtype=np.uint64)
-    n_unique = 0
-    # Per-column odd multipliers: the row hash is a sum of independent products, which the
-    # compiler vectorises, then one finalising mix.
-    mults = np.empty(dim, dtype=np.uint64)
+    mults = np.empty(max(dim, 1), dtype=np.uint64)  # per-word odd multipliers
     m = np.uint64(0x9E3779B97F4A7C15)
     for j in range(dim):
         mults[j] = m | np.uint64(1)
         m = m * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x94D049BB133111EB)
+    n_unique = 0
+    nw = dim // 4
+    # The loop calls no function with array arguments: each such call, inlined or not, costs
+    # atomic reference counts per row here.
     for i in range(rows):
-        # The hash only orders the probes (ids come from exact comparisons), so it may skip
-        # the escaped elements' raw bits: it packs 4 symbols (2 raw values) per product.
+        # The hash only orders the probes (ids come from exact comparisons), so it may skip the
+        # escaped elements' raw bits: a sum of independent products of 64-bit words and
+        # per-word odd multipliers, which the compiler vectorises, then one finalising mix.
         h = np.uint64(0)
-        if raw:
-            row_bits = bits[i]
+        a0 = np.uint64(i * dim)
+        if how == _WORDS:  # the symbols' row as nw words
+            w0 = np.uint64(i * nw)
+            for j in range(nw):
+                h += (words[w0 + np.uint64(j)] + np.uint64(1)) * mults[j]
+        elif how == _RAW:  # 2 raw values per word
             for j in range(dim // 2):
-                word = (np.uint64(np.uint32(row_bits[2 * j])) << np.uint64(32)) | np.uint64(
-                    np.uint32(row_bits[2 * j + 1])
+                at = a0 + np.uint64(2 * j)
+                word = (np.uint64(np.uint32(bits[at])) << np.uint64(32)) | np.uint64(
+                    np.uint32(bits[at + np.uint64(1)])
                 )
                 h += (word + np.uint64(1)) * mults[j]
             if dim % 2:
-                h += np.uint64(np.uint32(row_bits[dim - 1]) + 1) * mults[dim - 1]
-        else:
-            row_sym = symbols[i]
-            for j in range(dim // 4):
+                h += np.uint64(np.uint32(bits[a0 + np.uint64(dim - 1)]) + 1) * mults[dim - 1]
+        else:  # 4 symbols packed per word
+            for j in range(nw):
+                at = a0 + np.uint64(4 * j)
                 word = (
-                    (np.uint64(row_sym[4 * j]) << np.uint64(48))
-                    | (np.uint64(row_sym[4 * j + 1]) << np.uint64(32))
-                    | (np.uint64(row_sym[4 * j + 2]) << np.uint64(16))
-                    | np.uint64(row_sym[4 * j + 3])
+                    (np.uint64(symbols[at]) << np.uint64(48))
+                    | (np.uint64(symbols[at + np.uint64(1)]) << np.uint64(32))
+                    | (np.uint64(symbols[at + np.uint64(2)]) << np.uint64(16))
+                    | np.uint64(symbols[at + np.uint64(3)])
                 )
                 h += (word + np.uint64(1)) * mults[j]
             for j in range(dim - dim % 4, dim):
-                h += np.uint64(row_sym[j] + 1) * mults[j]
+                h += np.uint64(symbols[a0 + np.uint64(j)] + 1) * mults[j]
         h ^= h >> np.uint64(31)
         h *= np.uint64(0xBF58476D1CE4E5B9)
         h ^= h >> np.uint64(29)
@@ -115,9 +120,37 @@ def _dedupe_into(
                 n_unique += 1
                 break
             r = first_rows[u]
-            if hashes[r] == h and _rows_equal(symbols, bits, raw, i, r):
-                ids[i] = u
-                break
+            if hashes[r] == h:
+                # Same vector: equal raw bits (_RAW), else equal symbols with equal raw bits
+                # where escaped (_WORDS: the words first, then the raw bits only for a row
+                # with an escape: they are not in cache). Branch-free loops: they vectorise.
+                b0 = np.uint64(r * dim)
+                diff = np.int64(0)
+                check = True  # compare element by element
+                if how == _WORDS:
+                    w0, w1 = np.uint64(i * nw), np.uint64(r * nw)
+                    wdiff = np.uint64(0)
+                    for j in range(nw):
+                        wdiff |= words[w0 + np.uint64(j)] ^ words[w1 + np.uint64(j)]
+                    esc = np.int64(0)
+                    for j in range(dim):  # the row's symbols, in cache
+                        esc |= np.int64(symbols[a0 + np.uint64(j)] == ESCAPE_SYMBOL)
+                    diff = np.int64(wdiff != 0)
+                    check = diff == 0 and esc != 0
+                if check:
+                    for j in range(dim):
+                        jj = np.uint64(j)
+                        if how == _RAW:
+                            diff |= np.int64(bits[a0 + jj] ^ bits[b0 + jj])
+                        else:
+                            sa = symbols[a0 + jj]
+                            escaped_differs = (sa == ESCAPE_SYMBOL) & (
+                                bits[a0 + jj] != bits[b0 + jj]
+                            )
+                            diff |= np.int64(sa ^ symbols[b0 + jj]) | np.int64(escaped_differs)
+                if diff == 0:
+                    ids[i] = u
+                    break
             slot = (slot + 1) & mask
     return n_unique
 
@@ -153,11 +186,14 @@ def dedupe_blocks_kernel(
         if selected[b]:
             s, e = blocks.elem_off[b], blocks.elem_off[b + 1]
             r0, r1 = blocks.row_off[b], blocks.row_off[b + 1]
-            shape = (r1 - r0, blocks.dims[b])
-            blk_sym = symbols[s:e].reshape(shape)  # read only when not raw
-            n_unique[b] = _dedupe_into(
-                blk_sym, bits[s:e].reshape(shape), raw, ids[r0:r1], first_rows[r0:r1]
-            )
+            rows, dim = r1 - r0, blocks.dims[b]
+            sym, raw_bits, ids_b, first_b = symbols[s:e], bits[s:e], ids[r0:r1], first_rows[r0:r1]
+            if raw:
+                n_unique[b] = _dedupe_into(sym, raw_bits, rows, dim, _RAW, ids_b, first_b)
+            elif dim % 4 == 0:
+                n_unique[b] = _dedupe_into(sym, raw_bits, rows, dim, _WORDS, ids_b, first_b)
+            else:
+                n_unique[b] = _dedupe_into(sym, raw_bits, rows, dim, _PACK, ids_b, first_b)
     return Dedupe(selected, n_unique, ids, first_rows)
 
 
@@ -234,9 +270,10 @@ def unpack_refs_kernel(
         # id fit), read without a branch on the flag: on most blocks a coin flip to the branch
         # predictor, which costs more than the read.
         w = pos >> 5
-        window = np.uint64(words[w]) << np.uint64(32) if w < n_words else np.uint64(0)
+        # (unsigned indices: in range, and no negative-index wrap to test)
+        window = np.uint64(words[np.uint64(w)]) << np.uint64(32) if w < n_words else np.uint64(0)
         if w + 1 < n_words:
-            window |= np.uint64(words[w + 1])
+            window |= np.uint64(words[np.uint64(w + 1)])
         window <<= np.uint64(pos & 31)
         if flagged:
             flag = np.int64(window >> np.uint64(63))
@@ -249,7 +286,7 @@ def unpack_refs_kernel(
             pos += width
         if pos > n_bits or v >= n_unique:
             return -1
-        ids[r] = v
+        ids[np.uint64(r)] = v
     if mode == REFS_FLAGGED and seen != n_unique:
         return -1
     return 0

@@ -51,10 +51,13 @@ class CallRecord:
 
 
 class UnreadStatus(Protocol):
-    """A call whose device decode status has not been read yet (the awaitable of the call).
+    """A call whose device decode status has not been read yet (the awaitable of the call),
+    or another device value owed to the next host read (a device-path error sample,
+    ``error_sample.DeviceSample``: its sums as int64 bits, recorded by ``raise_if_failed``).
 
     Attributes:
-        flags: int32 per decoded source on the device, nonzero where its payload failed.
+        flags: int32 per decoded source on the device, nonzero where its payload failed (or
+            the int64 words of an error sample).
     """
 
     flags: torch.Tensor

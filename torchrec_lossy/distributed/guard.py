@@ -1,15 +1,19 @@
 """The guard (issue 32, opt-in ``comms.guard``): it tightens a table's bound in one direction
 when the error sample finds that table's error past the level, decided by all ranks together.
 
-Every ``check_every`` training steps (:meth:`BoundGuard.step`, from ``step_lossy_bounds``) the
-ranks start an all-reduce of which (direction, table) pairs any of them saw past the level
-since the last check (``LossyCommsStats.take_past_level``); it completes behind the next step,
-and at the end of that step every rank applies its counts: each counted pair takes one
-tightening, the same on every rank at the same step boundary, so ranks never encode with
+At every training step (:meth:`BoundGuard.step`, from ``step_lossy_bounds``) the guard takes
+the (direction, table) pairs the error sample alerted past the level
+(``LossyCommsStats.take_past_level``), keeping those encoded at the pair's current bound (an
+alert's ``level``: a device-path sample is read a call late, and one from an encode before a
+tightening is no evidence against the new bound). Every ``check_every`` steps the ranks start
+an all-reduce of which pairs any of them saw since the last check; it completes behind the
+next step, and at the end of that step every rank applies its counts: each counted pair takes
+one tightening, the same on every rank at the same step boundary, so ranks never encode with
 different bounds. Its ``k``-th tightening multiplies the
 bound's value by ``factor ** k`` (same mode: never looser than the bound the user or the bound
 provider set); the ``max_tightenings``-th makes it exact. The state (steps, tightenings, the
-events) is plain data, saved and restored with a checkpoint (``guard_state``).
+events, the pairs seen since the last check) is plain data, saved and restored with a
+checkpoint (``guard_state``).
 
 :func:`guarded_bound` is the one place the encoders ask for a bound through the guard.
 """
@@ -70,6 +74,8 @@ class BoundGuard:
         self.steps = 0
         self.levels: dict[tuple[Direction, str], int] = {}
         self.events: list[Tightening] = []
+        # The pairs this rank saw past the level at their current bound since the last check.
+        self.seen: set[tuple[Direction, str]] = set()
         self.seconds = 0.0  # host time in step() (its all-reduces): the overhead
         # The check's all-reduce in flight (its work, None once waited, and its tensor),
         # applied at the next step.
@@ -96,7 +102,7 @@ class BoundGuard:
         Returns:
             The factor.
         """
-        k = self.levels.get((direction, table), 0)
+        k = self.level(direction, table)
         return 0.0 if k >= self.config.max_tightenings else self.config.factor**k
 
     def bound(self, direction: Direction, table: str, base: ErrorBound) -> ErrorBound:
@@ -115,34 +121,57 @@ class BoundGuard:
         return ErrorBound(base.mode, base.value * self.factor(direction, table))
 
     def step(self, stats: LossyCommsStats, group: dist.ProcessGroup | None) -> list[Tightening]:
-        """Counts one training step: applies the previous step's check, if any, and every
-        ``check_every``-th step starts a check (collective: every rank of ``group`` calls it
-        at the same step).
+        """Counts one training step: takes the step's alerts, applies the previous step's
+        check, if any, and every ``check_every``-th step starts a check (collective: every
+        rank of ``group`` calls it at the same step).
 
         Args:
-            stats: The module's telemetry (its past-level alerts are taken at a check).
+            stats: The module's telemetry (its past-level alerts are taken).
             group: The module's process group; None: the default group, or none initialised
                 (a single process decides alone).
 
         Returns:
             The tightenings applied now (at the step after a check; else empty).
         """
-        self.steps += 1
-        decided: list[Tightening] = []
-        if self._pending is None and self.steps % self.config.check_every:
-            return decided
         start = time.perf_counter()
+        self.steps += 1
+        self.take_alerts(stats)
+        decided: list[Tightening] = []
         if self._pending is not None:
             decided = self._apply(self._counts())
-            # Their alerts of this step came from encodes at the old bound: not evidence
-            # against the new one.
-            stats.drop_past_level({(e.direction, e.table) for e in decided})
+            # Their alerts so far came from encodes at the old bound: not evidence against
+            # the new one.
+            self.seen -= {(e.direction, e.table) for e in decided}
         if self.steps % self.config.check_every == 0:
-            seen = stats.take_past_level()
-            flags = [int((d, t) in seen) for d in GUARDED for t in self.tables]
+            flags = [int((d, t) in self.seen) for d in GUARDED for t in self.tables]
+            self.seen = set()
             self._pending = _start_all_reduce(flags, group)
         self.seconds += time.perf_counter() - start
         return decided
+
+    def take_alerts(self, stats: LossyCommsStats) -> None:
+        """Takes the past-level alerts recorded so far into :attr:`seen`, those encoded at
+        their pair's current bound (:meth:`step` does at every step; ``guard_state`` before a
+        checkpoint, so that they are saved).
+
+        Args:
+            stats: The module's telemetry.
+        """
+        self.seen.update(
+            (d, t) for d, t, level in stats.take_past_level() if level >= self.level(d, t)
+        )
+
+    def level(self, direction: Direction, table: str) -> int:
+        """A pair's tightenings so far (an alert's ``level`` to act on).
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            table: Table name.
+
+        Returns:
+            0 untightened.
+        """
+        return self.levels.get((direction, table), 0)
 
     def _counts(self) -> list[int]:
         """The pending check's counts (waits for its all-reduce; the check is then done)."""
@@ -159,7 +188,7 @@ class BoundGuard:
         decided = []
         for i, n in enumerate(counts):
             direction, table = GUARDED[i // len(self.tables)], self.tables[i % len(self.tables)]
-            k = self.levels.get((direction, table), 0)
+            k = self.level(direction, table)
             if n == 0 or k >= self.config.max_tightenings:
                 continue
             self.levels[(direction, table)] = k + 1
@@ -184,8 +213,9 @@ class BoundGuard:
         """The guard's state as plain data (``torch.load(weights_only=True)`` reads it back).
 
         Returns:
-            Steps, each tightened pair's count, the events and the counts of a check not yet
-            applied (the next step applies them; None if none).
+            Steps, each tightened pair's count, the events, the counts of a check not yet
+            applied (the next step applies them; None if none) and the pairs this rank saw
+            since the last check (the one part that differs between ranks).
         """
         pending = None
         if self._pending is not None:  # a check in flight: saved to be applied on resume
@@ -196,6 +226,7 @@ class BoundGuard:
             "levels": [[d, t, k] for (d, t), k in sorted(self.levels.items())],
             "events": [asdict(e) for e in self.events],
             "pending": pending,
+            "seen": [[d, t] for d, t in sorted(self.seen)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -209,6 +240,7 @@ class BoundGuard:
         self.events = [Tightening(**e) for e in state["events"]]
         pending = state.get("pending")
         self._pending = None if pending is None else (None, torch.tensor(pending))
+        self.seen = {(d, t) for d, t in state.get("seen", [])}
 
 
 def guarded_bound(

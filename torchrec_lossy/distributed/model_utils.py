@@ -135,8 +135,10 @@ def load_bounds_state(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]
 
 
 def guard_state(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """The guard's state of every lossy module with ``comms.guard`` on (plain data, the same on
-    every rank), for a checkpoint.
+    """The guard's state of every lossy module with ``comms.guard`` on (plain data; the same on
+    every rank but for the pairs this rank saw since the last check), for a per-rank checkpoint
+    file. Call :func:`check_lossy_decodes` first: it records the device path's pending error
+    samples.
 
     Args:
         model: Any module, e.g. a DistributedModelParallel.
@@ -144,11 +146,13 @@ def guard_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     Returns:
         Module path to its guard's ``state_dict``.
     """
-    return {
-        name: m.lossy_comms.guard.state_dict()
-        for name, m in lossy_modules(model).items()
-        if m.lossy_comms.guard is not None
-    }
+    out = {}
+    for name, m in lossy_modules(model).items():
+        guard = m.lossy_comms.guard
+        if guard is not None:
+            guard.take_alerts(m.lossy_comms.stats)  # alerts not taken yet are saved too
+            out[name] = guard.state_dict()
+    return out
 
 
 def load_guard_state(model: nn.Module, saved: dict[str, dict[str, Any]]) -> None:

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from torchrec_lossy.codec import warm_up_host as warm_up_codec
 from torchrec_lossy.codec.bounds import BoundKind, absolute_bounds
 from torchrec_lossy.codec.container import upload
 from torchrec_lossy.codec.grouped import GroupedPayloads, PendingGroups, start_compress_blocks
+from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
@@ -312,10 +313,18 @@ def _check_blocks(
             )
 
 
-def _samples_errors(info: LossyAll2AllPooledInfo, record: CallRecord, device: torch.device) -> bool:
-    """Whether this call's sender decodes its payloads for their error samples (telemetry):
-    every ``error_sample_every``-th call, host payloads only (the device path keeps its one
-    host sync per all-to-all), never an exact forward.
+SampleWhere = Literal["host", "device"] | None
+
+
+def _samples_errors(
+    info: LossyAll2AllPooledInfo, record: CallRecord, device: torch.device
+) -> SampleWhere:
+    """Whether and where this call's sender decodes its payloads for their error samples
+    (telemetry and ``comms.guard``): every ``error_sample_every``-th call, never an exact
+    forward. ``"host"``: CPU payloads of the host codec, sampled at once; ``"device"``: the
+    device codec's payloads, decoded and summed on the device, their sums read with the
+    module's next host read (no read of their own); None: no sample (also CUDA payloads of
+    the host codec, staged through the host without triton).
 
     Args:
         info: Config.
@@ -323,12 +332,14 @@ def _samples_errors(info: LossyAll2AllPooledInfo, record: CallRecord, device: to
         device: Where the payloads live.
 
     Returns:
-        Whether to sample.
+        Where the sample is taken, or None.
     """
     every = info.comms.config.error_sample_every
-    if every <= 0 or device.type != "cpu" or record.call % every:
-        return False
-    return not record.exact
+    if every <= 0 or record.call % every or record.exact:
+        return None
+    if on_device(device, info.comms.config.codec.backend):
+        return "device"
+    return "host" if device.type == "cpu" else None
 
 
 def codec_bounds(
@@ -457,7 +468,7 @@ class _EncodeCall:
         plan: The layout's plan.
         pending: The codec's pending payloads.
         raw_parts: Per destination, its padded raw blocks.
-        sample: Whether the sender decodes its payloads for error samples.
+        sample: Where the sender decodes its payloads for error samples (None: no sample).
         setup_s: Seconds spent before the host read.
         record: The call's record (the error sample's alerts name its number).
         telemetry: The call's telemetry, filled by :meth:`finish`.
@@ -471,7 +482,7 @@ class _EncodeCall:
     plan: EncodePlan
     pending: PendingGroups
     raw_parts: list[list[torch.Tensor]]
-    sample: bool
+    sample: SampleWhere
     setup_s: float
     record: CallRecord
     telemetry: ExchangeRecord
@@ -508,6 +519,8 @@ class _EncodeCall:
                 at += len(idx)
             if parts:  # a lone part needs no copy (the exchange concatenates the payloads)
                 sent[p] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.sample == "device":
+            self._start_device_sample(grouped)
         # Peers sent nothing (the self peer, or no blocks) get an empty payload.
         n_peers = len(self.blocks_per_peer)
         out = [sent[p] if p in sent else _empty_payload(self.device) for p in range(n_peers)]
@@ -556,13 +569,42 @@ class _EncodeCall:
         rec.wire_bytes += cols.wire_bytes
         rec.errors += cols.max_error
         rec.abs_bounds += cols.bound
-        if self.sample:
+        if self.sample == "host":
             sampled = [blocks[k] for k in idx]
             error_sample.record_error_samples(
-                info.comms.stats, direction, payload, sampled, tables, self.record.call
-            )
+                info.comms.stats, direction, payload, sampled, tables, self.record.call,
+                self._guard_levels(tables),
+            )  # fmt: skip
         # The payload header belongs to no block.
         rec.container = (rec.container or 0) + grouped.sizes[g] - sum(cols.wire_bytes)
+
+    def _start_device_sample(self, grouped: GroupedPayloads) -> None:
+        """Takes the error sample of every codec payload on the device, in one decode; its
+        sums ride the module's next host read (the ledger's), which records them.
+
+        Args:
+            grouped: The codec's payloads.
+        """
+        plan, info = self.plan, self.info
+        if not plan.tables:
+            return
+        pairs = zip(plan.peers, plan.coded, strict=True)
+        blocks = [[self.blocks_per_peer[p][k] for k in idx] for p, idx in pairs]
+        sample = error_sample.start_device_sample(
+            info.comms.stats, self.direction, grouped.buffer, grouped.sizes, grouped.skeletons,
+            blocks, plan.tables, self.record.call, self._guard_levels(plan.tables),
+            info.comms.config.codec.backend,
+        )  # fmt: skip
+        info.ledger.owe_status(sample)
+
+    def _guard_levels(self, tables: Sequence[str]) -> list[int]:
+        """Each block's guard tightenings in force for this call (0 without a guard): its
+        alerts name them, so that the guard ignores evidence against a bound it has since
+        tightened."""
+        guard = self.info.comms.guard
+        if guard is None:
+            return [0] * len(tables)
+        return [guard.level(self.direction, t) for t in tables]
 
 
 def warm_up_host() -> None:

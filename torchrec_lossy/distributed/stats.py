@@ -75,6 +75,9 @@ class ErrorAlert:
         nonfinite: Its NaN / Inf elements.
         past_level: Whether it was raised for its energy (what ``comms.guard`` acts on), not
             for NaN / Inf alone.
+        level: The guard's tightenings of the pair when the block was encoded (0 without a
+            guard): the guard acts only on alerts from its current bound (a device-path
+            sample arrives a call late, possibly after a tightening).
     """
 
     direction: Direction
@@ -83,6 +86,7 @@ class ErrorAlert:
     row_energy: float
     nonfinite: int
     past_level: bool = False
+    level: int = 0
 
 
 @dataclass
@@ -219,9 +223,10 @@ class LossyCommsStats:
         # tables) and the wire bytes sent to same-host and cross-host peers.
         self._link_bytes: dict[tuple[Direction, Link], int] = {}
         self._alerts: list[ErrorAlert] = []
-        # (direction, table) pairs alerted past the level since the guard last took them;
-        # kept through reset() (a meter resets per interval, the guard checks on its own).
-        self._past_level: set[tuple[Direction, str]] = set()
+        # (direction, table, guard level) of the alerts past the level since the guard last
+        # took them; kept through reset() (a meter resets per interval, the guard takes them
+        # at its own steps).
+        self._past_level: set[tuple[Direction, str, int]] = set()
 
     def __getstate__(self) -> dict[str, object]:
         # Locks do not pickle or deepcopy; a copy gets its own.
@@ -439,28 +444,18 @@ class LossyCommsStats:
                 e.error_rows += b.rows
                 e.nonfinite += b.nonfinite
             self._alerts.extend(alerts)
-            self._past_level.update((a.direction, a.table) for a in alerts if a.past_level)
+            self._past_level.update((a.direction, a.table, a.level) for a in alerts if a.past_level)
 
-    def take_past_level(self) -> set[tuple[Direction, str]]:
-        """The (direction, table) pairs alerted past the level since the last take (what
-        ``comms.guard`` decides on; :meth:`reset` leaves them).
+    def take_past_level(self) -> set[tuple[Direction, str, int]]:
+        """The (direction, table, guard level) of the alerts past the level since the last take
+        (what ``comms.guard`` decides on; :meth:`reset` leaves them).
 
         Returns:
-            The pairs; the set is emptied.
+            The triples; the set is emptied.
         """
         with self._lock:
             taken, self._past_level = self._past_level, set()
             return taken
-
-    def drop_past_level(self, pairs: set[tuple[Direction, str]]) -> None:
-        """Forgets the past-level alerts of ``pairs`` not taken yet (``comms.guard`` just
-        tightened them: those alerts came from the old bound).
-
-        Args:
-            pairs: (direction, table) pairs.
-        """
-        with self._lock:
-            self._past_level -= pairs
 
     def alerts(self) -> list[ErrorAlert]:
         """The error sample's alerts since the last :meth:`reset`, in the order recorded.
