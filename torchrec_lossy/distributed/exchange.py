@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.comm_ops import Request
 
+from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallRecord, read_checked
 from torchrec_lossy.distributed.errors import LossyAllToAllError
@@ -397,8 +398,10 @@ def _launch_slots(
     """Counts the call in its dist's slot history, its slots sized if it may take the one-round
     path.
 
-    Host tensors only: a device exchange keeps the size exchange, whose one host read also
-    finishes the encode (a slot's header would cost the receiver a second read).
+    The compiled host path only (CPU tensors, the host codec): a device-path exchange (CUDA,
+    or the ``"triton"`` / ``"reference"`` backends on any device) keeps the size exchange, whose
+    one host read also finishes the encode and brings the skeletons (a slot's header would cost
+    the receiver reads of its own).
 
     Args:
         direction: ``"fwd"`` or ``"bwd"``.
@@ -413,7 +416,7 @@ def _launch_slots(
         The call (its slots None for the two-round path), or None where no history is kept.
     """
     slots = info.slots
-    if slots is None or device.type != "cpu":
+    if slots is None or device.type != "cpu" or on_device(device, info.comms.config.codec.backend):
         return None
     itemsize = info.dtype.itemsize
 
