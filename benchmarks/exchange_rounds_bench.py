@@ -81,7 +81,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
 
         warm_up_host()
         infos = {m: _info(world, args.tables, args.dim, args.rows, m == "one_round") for m in MODES}
-        d_local = sum(s.width for s in infos["one_round"].layout[rank])
+        dims = [sum(s.width for s in specs) for specs in infos["one_round"].layout]
+        d_local = dims[rank]
         g = torch.Generator().manual_seed(rank)
         times: dict[str, list[float]] = {m: [] for m in MODES}
         isends = [0]
@@ -97,12 +98,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
             for mode in MODES:
                 dist.barrier()
                 start = time.perf_counter()
-                if mode == "torchrec":
-                    d_all = sum(sum(s.width for s in specs) for specs in infos[mode].layout)
-                    recv = torch.empty(args.rows * world, d_local)
-                    dist.all_to_all_single(recv, x)
-                    grad = torch.empty(args.rows, d_all)
-                    dist.all_to_all_single(torch.empty_like(grad), grad)
+                if mode == "torchrec":  # each rank's columns differ: flat, uneven splits
+                    mine = [args.rows * d_local] * world
+                    theirs = [args.rows * d for d in dims]
+                    recv = torch.empty(sum(theirs))
+                    dist.all_to_all_single(recv, x.reshape(-1), theirs, mine)
+                    grad = torch.empty(sum(theirs))
+                    dist.all_to_all_single(torch.empty(sum(mine)), grad, mine, theirs)
                 else:
                     xr = x.clone().requires_grad_()
                     y = alltoall_pooled_lossy(xr, infos[mode]).wait()
