@@ -180,8 +180,12 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                 stats.reset()
             outs[name].append(train_step(model, opt, kjt, step, rank))
             if stats is not None:
-                t = stats.total("fwd")
-                fwd_bytes[name].append((t.raw_bytes, t.wire_bytes))
+                # The blocks' bytes: the container (codec headers, and the one-round slots'
+                # headers and slack, sized by the previous step) is left out.
+                blocks = [e for n, e in stats.tables("fwd").items() if n != CONTAINER]
+                fwd_bytes[name].append(
+                    (sum(e.raw_bytes for e in blocks), sum(e.wire_bytes for e in blocks))
+                )
                 repeated[name].append(stats.total("input").repeated_ids)
                 rows[name].append(
                     {

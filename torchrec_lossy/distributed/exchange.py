@@ -25,16 +25,28 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.comm_ops import Request
 
+from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallRecord, read_checked
+from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
+from torchrec_lossy.distributed.exchange_slots import (
+    HEADER,
+    MAX_TAG,
+    PairShape,
+    SlotCall,
+    SlotKey,
+    fill_slots,
+    overflow_tag,
+    read_headers,
+)
 from torchrec_lossy.distributed.pooled_blocks import (
     BlockSpec,
     LossyAll2AllPooledInfo,
     size_entry_words,
 )
 from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call
-from torchrec_lossy.distributed.pooled_payload import PendingPayloads, start_encode
+from torchrec_lossy.distributed.pooled_payload import PendingPayloads, padded_size, start_encode
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -90,6 +102,11 @@ class LossyRequest(Request[torch.Tensor]):
         self.decode_status: DeferredDecode | None = None
         # The telemetry of the exchange in flight, written once by receive().
         self.telemetry: ExchangeRecord | None = None
+        # The exchange in flight in its dist's slot history, with its slots when it took the
+        # one-round path (exchange_slots); None: no history kept.
+        self.slot_call: SlotCall | None = None
+        # Its overflow sends in flight: (work, the bytes it sends).
+        self.overflow_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def take_received(self) -> torch.Tensor:
         """Waits for the exchange in flight and releases what it received.
@@ -269,6 +286,10 @@ class LossyWire:
             direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record, telemetry
         )
         myreq.self_blocks = blocks[my_rank]
+        call = _launch_slots(direction, exact, blocks, geometry, info, device, my_rank)
+        myreq.slot_call = call
+        if call is not None and call.send_caps is not None:
+            return _slot_payloads(direction, pending, call, myreq, info, telemetry)
         meta_splits = [
             size_entry_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
         ]
@@ -291,8 +312,15 @@ class LossyWire:
         self_blocks, myreq.self_blocks = myreq.self_blocks, None
         assert self_blocks is not None, "the lossy exchange lost its self blocks"
         skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
+        call, myreq.slot_call = myreq.slot_call, None
+        recv_sizes = myreq.recv_sizes
+        if call is not None and call.recv_caps is not None:
+            recv, recv_sizes = _unslot(direction, recv, call.recv_caps, myreq, geometry, my_rank)
+        if call is not None:
+            assert info.slots is not None
+            info.slots.received(call, recv_sizes)
         blocks, status = decode_call(
-            direction, recv, myreq.recv_sizes, geometry.recv_specs, geometry.recv_rows, info,
+            direction, recv, recv_sizes, geometry.recv_specs, geometry.recv_rows, info,
             my_rank, self_blocks, skeletons, myreq.record, telemetry=telemetry,
         )  # fmt: skip
         if status is not None:  # owned by this call; the next host read of the module reads it
@@ -348,11 +376,182 @@ def _size_then_payloads(
         if recv_meta_splits[p] > 1
     }
     send_sizes = [int(p.numel()) for p in payloads]
+    if myreq.slot_call is not None:
+        assert info.slots is not None
+        info.slots.sent(myreq.slot_call, send_sizes)
     send = torch.cat([p.to(device) for p in payloads])
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with profile_range(f"## lossy_a2a {direction} payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, work
+
+
+def _launch_slots(
+    direction: Direction,
+    exact: bool,
+    blocks: list[list[torch.Tensor]],
+    geometry: Geometry,
+    info: LossyAll2AllPooledInfo,
+    device: torch.device,
+    my_rank: int,
+) -> SlotCall | None:
+    """Counts the call in its dist's slot history, its slots sized if it may take the one-round
+    path.
+
+    The compiled host path only (CPU tensors, the host codec): a device-path exchange (CUDA,
+    or the ``"triton"`` / ``"reference"`` backends on any device) keeps the size exchange, whose
+    one host read also finishes the encode and brings the skeletons (a slot's header would cost
+    the receiver reads of its own).
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        exact: The call travels lossless.
+        blocks: Per destination, the blocks this rank sends it (their raw bytes are known).
+        geometry: The exchange's blocks and the rows each source sends.
+        info: The call's parameters (its dist's ``slots``, compress flags, raw peers).
+        device: Device of the blocks.
+        my_rank: This rank (its own blocks are not on the wire).
+
+    Returns:
+        The call (its slots None for the two-round path), or None where no history is kept.
+    """
+    slots = info.slots
+    if slots is None or device.type != "cpu" or on_device(device, info.comms.config.codec.backend):
+        return None
+    itemsize = info.dtype.itemsize
+
+    def shape(p: int, specs: Sequence[BlockSpec], nbytes: Sequence[int]) -> PairShape:
+        if p == my_rank or not specs:
+            return None
+        coded = [p not in info.raw_peers and info.compress[s.table] for s in specs]
+        raw = sum(padded_size(n) for n, c in zip(nbytes, coded, strict=True) if not c)
+        return raw, any(coded)
+
+    send = [
+        shape(p, specs, [b.numel() * b.element_size() for b in bs])
+        for p, (specs, bs) in enumerate(zip(geometry.send_specs, blocks, strict=True))
+    ]
+    recv = [
+        shape(p, specs, [r * s.dim * itemsize for r, s in zip(rows, specs, strict=True)])
+        for p, (specs, rows) in enumerate(zip(geometry.recv_specs, geometry.recv_rows, strict=True))
+    ]
+    key = SlotKey(direction, exact, frozenset(t for t, c in info.compress.items() if c))
+    return slots.launch(key, send, recv)
+
+
+def _slot_payloads(
+    direction: Direction,
+    pending: PendingPayloads,
+    call: SlotCall,
+    myreq: LossyRequest,
+    info: LossyAll2AllPooledInfo,
+    telemetry: ExchangeRecord,
+) -> tuple[torch.Tensor, dist.Work]:
+    """The one-round exchange: every payload in its pair's slot, one all-to-all; a payload
+    past its slot sends the rest point-to-point to that peer alone (its tag in the header).
+
+    The wire bytes counted are the slots (header and slack included) plus the overflows: the
+    bytes past the payloads go to the container pseudo-table, so the direction's total stays
+    the bytes handed to the collectives.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        pending: From ``start_encode`` (host path: nothing to read back).
+        call: The call, with its slots.
+        myreq: The request (its group; keeps the overflow sends).
+        info: The call's parameters (its ledger, its dist's slot history).
+        telemetry: The call's record (links and container bytes).
+
+    Returns:
+        (the received slots, the all-to-all's work).
+    """
+    pg = myreq.pg
+    host = read_checked(info.ledger, pending.readback)  # host path: nothing pending, no read
+    payloads = pending.finish(host.tolist())
+    sizes = [int(p.numel()) for p in payloads]
+    assert info.slots is not None
+    info.slots.sent(call, sizes)
+    send_caps, recv_caps = call.send_caps, call.recv_caps
+    assert send_caps is not None and recv_caps is not None
+    tag = overflow_tag()
+    slotted = fill_slots(payloads, send_caps, tag)
+    recv = torch.empty(sum(recv_caps), dtype=torch.uint8)
+    with profile_range(f"## lossy_a2a {direction} slots ##"):
+        work = dist.all_to_all_single(
+            recv, slotted.send, recv_caps, send_caps, group=pg, async_op=True
+        )
+        myreq.overflow_sends = [
+            (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest) for p, rest in slotted.overflow
+        ]
+    # A slot, or its header and the whole payload when it overflowed.
+    wire = [max(cap, n + HEADER) if cap else 0 for n, cap in zip(sizes, send_caps, strict=True)]
+    same = sum(wire[p] for p in info.same_host if p < len(wire))
+    telemetry.links = (same, sum(wire) - same)
+    assert telemetry.blocks is not None
+    telemetry.blocks.container = (telemetry.blocks.container or 0) + sum(wire) - sum(sizes)
+    myreq.recv_sizes = recv_caps
+    return recv, work
+
+
+def _unslot(
+    direction: Direction,
+    recv: torch.Tensor,
+    caps: Sequence[int],
+    myreq: LossyRequest,
+    geometry: Geometry,
+    my_rank: int,
+) -> tuple[torch.Tensor, list[int]]:
+    """The payloads of received slots, back to back: each slot's header read, each overflow
+    received from its source, the call's own overflow sends waited on.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received slots.
+        caps: Slot bytes from each source.
+        myreq: The request (its group and overflow sends).
+        geometry: The exchange's blocks (named in an error).
+        my_rank: This rank.
+
+    Returns:
+        (the payloads in rank order, bytes from each source).
+
+    Raises:
+        LossyAllToAllError: A slot's header is not a payload's (corrupted in transit).
+    """
+    heads = read_headers(recv, caps)
+    at = [0]
+    for cap in caps:
+        at.append(at[-1] + cap)
+    pieces: list[list[torch.Tensor]] = [[] for _ in caps]
+    rests = []
+    for p, cap in enumerate(caps):
+        n, tag = int(heads[p, 0]), int(heads[p, 1])
+        if not cap:
+            continue
+        if n < 0 or n > 1 << 40 or not 0 <= tag <= MAX_TAG:
+            tables = ", ".join(sorted({s.table for s in geometry.recv_specs[p]})) or "none"
+            raise LossyAllToAllError(
+                f"lossy all-to-all ({direction}) on rank {my_rank}: the slot from rank {p} "
+                f"(tables: {tables}) has header (size {n}, tag {tag}): not a payload's. The "
+                "bytes were corrupted in transit or the ranks run different torchrec_lossy "
+                "versions."
+            )
+        head = min(n, cap - HEADER)
+        pieces[p].append(recv[at[p] + HEADER : at[p] + HEADER + head])
+        if n > head:
+            rest = torch.empty(n - head, dtype=torch.uint8)
+            rests.append(dist.irecv(rest, group=myreq.pg, tag=tag, group_src=p))
+            pieces[p].append(rest)
+    with profile_range(f"## lossy_a2a {direction} overflow ##"):
+        for w in rests:
+            w.wait()
+        sends, myreq.overflow_sends = myreq.overflow_sends, []
+        for w, _ in sends:
+            w.wait()
+    sizes = [sum(t.numel() for t in ps) for ps in pieces]
+    flat = [t for ps in pieces for t in ps]
+    payloads = flat[0] if len(flat) == 1 else torch.cat(flat) if flat else recv[:0]
+    return payloads, sizes
 
 
 @dataclass(frozen=True)

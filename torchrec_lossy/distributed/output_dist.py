@@ -26,6 +26,7 @@ from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.dedupe import OutputDedupe
+from torchrec_lossy.distributed.exchange_slots import SlotHistory
 from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo, layout_plans
 from torchrec_lossy.distributed.pooled_payload import warm_up_host
 from torchrec_lossy.distributed.topology import peer_links
@@ -99,6 +100,8 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         # The re-check's raw alternative (LossyComms.send_raw), planned once here too.
         self._raw = dict.fromkeys(self._compress, False)
         self._raw_plans = layout_plans(self._layout, self._raw, pg.rank(), self._raw_peers)
+        # Each pair's last payload per kind of call: the one-round slots are sized by it.
+        self._slots = SlotHistory(pg.size())
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the compiled host path, load it now
             warm_up_host()
@@ -197,6 +200,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._raw_plans if raw else self._plans,
+            slots=self._slots,
         )
 
     @property

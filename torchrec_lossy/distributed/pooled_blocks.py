@@ -20,6 +20,7 @@ from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
+from torchrec_lossy.distributed.exchange_slots import SlotHistory
 
 T = TypeVar("T")
 
@@ -69,6 +70,9 @@ class LossyAll2AllPooledInfo:
             under ``LossyCommsConfig.intra_host``); symmetric, so sender and receiver agree.
         plans: The encode plans of the dist's layout, built once when the dist was built
             (:func:`layout_plans`); None: each encode plans its call itself (tests, benchmarks).
+        slots: The dist's slot history (built with the dist): a host call whose kind has a
+            received call takes the one-round slot path (:mod:`.exchange_slots`); None: every
+            call exchanges its sizes first.
     """
 
     batch_size_per_rank: list[int]
@@ -82,6 +86,7 @@ class LossyAll2AllPooledInfo:
     same_host: frozenset[int] = frozenset()
     raw_peers: frozenset[int] = frozenset()
     plans: LayoutPlans | None = None
+    slots: SlotHistory | None = None
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ from torchrec_lossy.distributed.exchange import (
     receive,
     wire_for,
 )
+from torchrec_lossy.distributed.exchange_slots import SlotHistory
 from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo, layout_plans
 from torchrec_lossy.distributed.pooled_payload import warm_up_host
 from torchrec_lossy.distributed.sequence_dedupe import SequenceDedupe, plan_sequence_dedupe
@@ -285,6 +286,8 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
         self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
+        # Each pair's last payload per kind of call: the one-round slots are sized by it.
+        self._slots = SlotHistory(pg.size())
         if dist.get_backend(pg) == "gloo":  # CPU tensors: load the compiled host path now
             warm_up_host()
 
@@ -341,6 +344,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             raw_peers=self._raw_peers,
             plans=self._plans,
             dtype=local_embs.dtype,
+            slots=self._slots,
         )
         dedupe = None
         if lookup_ids is not None and self._comms.config.input_dist.dedupe_outputs:

@@ -1,0 +1,287 @@
+"""Fixed-capacity slots: the lossy wire's one-round exchange, and the history it sizes them by.
+
+A lossy all-to-all with the size exchange costs two collective rounds (the sizes, then the
+payloads). On the host path the sizes need not travel first: each (source, destination) pair
+sends a slot whose capacity both sides derive from what they already know: the payload's raw
+blocks exactly (their rows are the call's), its codec part from the pair's previous call on
+this dist and kind, with headroom; the payload's true size is in the slot's header. A payload
+longer than its slot sends the rest point-to-point, between that pair only.
+
+What both sides must agree on is decided from the dist's :class:`SlotHistory`, which every rank
+updates at the same points of the same program order (SPMD): a call takes the slot path only
+when the dist's previous call of that kind was received before it launched (no call of it in
+flight), so the sender's "what I sent you last" and the receiver's "what you sent me last" are
+the same numbers. The first call of a kind, and any call launched while another is in flight,
+take the two-round path, which records its sizes too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchrec_lossy.distributed.stats import Direction
+
+HEADER = 16  # slot header bytes: int64 payload size, int64 overflow tag (keeps payloads aligned)
+MIN_SLACK = 32  # headroom floor per slot, bytes
+START_SHIFT = 3  # first headroom: size / 2**3 (12.5 %)
+# Each overflow of a pair halves its shift (doubles the headroom), down to 0 (100 %); after
+# CALM_CALLS slotted calls of the pair in a row without one, the shift goes back up by one.
+CALM_CALLS = 8
+MAX_TAG = (1 << 31) - 1  # gloo's point-to-point tags are 32-bit; kept non-negative
+
+# The point-to-point tags of overflows: an id allocator, not call state. A tag must differ
+# among this process's overflow sends still in flight (two dists' calls may be waited on in
+# another order than launched); it travels in the slot's header, so no rank derives another's.
+_TAGS = itertools.count(1)
+
+
+def overflow_tag() -> int:
+    """A fresh point-to-point tag for one call's overflow sends."""
+    return next(_TAGS) & MAX_TAG
+
+
+@dataclass(frozen=True)
+class SlotKey:
+    """The kind of call a history is kept for: sizes differ by direction, exactness and format.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        exact: The call travels lossless (an exact evaluation's forward).
+        coded: The tables that go through the codec (the re-check's raw switch changes it).
+    """
+
+    direction: Direction
+    exact: bool
+    coded: frozenset[str]
+
+
+@dataclass
+class _PairSizes:
+    """One kind's history: per peer, the last coded bytes each way and the headroom shift."""
+
+    sent: list[int]
+    received: list[int]
+    send_shift: list[int]
+    recv_shift: list[int]
+    send_calm: list[int]  # slotted calls of the pair since its last overflow (or recovery)
+    recv_calm: list[int]
+    done: int = 0  # calls received
+    in_flight: int = 0  # calls launched, not yet received
+
+
+def capacity(size: int, shift: int) -> int:
+    """Slot bytes for the coded part of a pair's payload whose previous one had ``size`` bytes.
+
+    Args:
+        size: The pair's previous coded bytes.
+        shift: Its headroom shift (headroom ``size >> shift``, at least :data:`MIN_SLACK`).
+
+    Returns:
+        Bytes, a multiple of 16 (the slot adds its header and the payload's raw blocks, whose
+        bytes both sides know exactly).
+    """
+    body = size + max(size >> shift, MIN_SLACK)
+    return -(-body // 16) * 16
+
+
+@dataclass(frozen=True)
+class SlotCall:
+    """One call's place in its dist's history, and its slots if it takes the one-round path.
+
+    Attributes:
+        key: The call's kind.
+        send_fixed: Bytes of the raw blocks to each destination (both sides know them from the
+            call's rows: no history, no slack).
+        recv_fixed: Bytes of the raw blocks from each source.
+        send_caps: Slot bytes to each destination, header included (0: nothing on the wire,
+            the rank itself or a peer with no blocks); None: the two-round path.
+        recv_caps: Slot bytes from each source; None: the two-round path.
+    """
+
+    key: SlotKey
+    send_fixed: list[int]
+    recv_fixed: list[int]
+    send_caps: list[int] | None = None
+    recv_caps: list[int] | None = None
+
+
+# One side of a pair in a call: None (no slot: the rank itself, or a peer without blocks), else
+# (the raw blocks' bytes, whether a codec part follows them).
+PairShape = tuple[int, bool] | None
+
+
+@dataclass
+class SlotHistory:
+    """What a dist's ranks know of each pair's last payload, per kind of call (built with the
+    dist, one per dist: the slots of one dist's calls depend only on that dist's history).
+
+    Args:
+        world: Ranks of the dist's group.
+    """
+
+    world: int
+    _kinds: dict[SlotKey, _PairSizes] = field(default_factory=dict)
+
+    def _of(self, key: SlotKey) -> _PairSizes:
+        k = self._kinds.get(key)
+        if k is None:
+            n = self.world
+            k = self._kinds[key] = _PairSizes(
+                [0] * n, [0] * n, [START_SHIFT] * n, [START_SHIFT] * n, [0] * n, [0] * n
+            )
+        return k
+
+    def launch(
+        self, key: SlotKey, send: Sequence[PairShape], recv: Sequence[PairShape]
+    ) -> SlotCall:
+        """Counts a call launched and sizes its slots, if it may take the one-round path.
+
+        Args:
+            key: The call's kind.
+            send: Per destination, its pair's shape (:data:`PairShape`).
+            recv: Per source, its pair's shape.
+
+        Returns:
+            The call: with slots when the kind has a received call and none in flight.
+        """
+        k = self._of(key)
+        ready = k.done > 0 and k.in_flight == 0
+        k.in_flight += 1
+        fixed = [[0 if sh is None else sh[0] for sh in side] for side in (send, recv)]
+        if not ready:
+            return SlotCall(key, fixed[0], fixed[1])
+        sides = ((send, k.sent, k.send_shift), (recv, k.received, k.recv_shift))
+        caps = [
+            [
+                0 if sh is None else HEADER + sh[0] + (capacity(last[p], shift[p]) if sh[1] else 0)
+                for p, sh in enumerate(side)
+            ]
+            for side, last, shift in sides
+        ]
+        return SlotCall(key, fixed[0], fixed[1], caps[0], caps[1])
+
+    def sent(self, call: SlotCall, sizes: Sequence[int]) -> None:
+        """Records the payload sizes a call sent (at its launch).
+
+        Args:
+            call: The call.
+            sizes: Payload bytes to each destination.
+        """
+        k = self._of(call.key)
+        _record(k.sent, k.send_shift, k.send_calm, sizes, call.send_fixed, call.send_caps)
+
+    def received(self, call: SlotCall, sizes: Sequence[int]) -> None:
+        """Records the payload sizes a call received, and that it was received.
+
+        Args:
+            call: The call.
+            sizes: Payload bytes from each source.
+        """
+        k = self._of(call.key)
+        _record(k.received, k.recv_shift, k.recv_calm, sizes, call.recv_fixed, call.recv_caps)
+        k.in_flight -= 1
+        k.done += 1
+
+
+def _record(
+    last: list[int],
+    shift: list[int],
+    calm: list[int],
+    sizes: Sequence[int],
+    fixed: Sequence[int],
+    caps: Sequence[int] | None,
+) -> None:
+    """Stores each pair's coded bytes; a pair whose payload overflowed its slot gets more
+    headroom, one that stayed in its slots :data:`CALM_CALLS` calls in a row gets less back
+    (the same on both sides: both know the sizes and the slots)."""
+    for p, n in enumerate(sizes):
+        if caps is not None and caps[p]:
+            if n > caps[p] - HEADER:
+                shift[p], calm[p] = max(shift[p] - 1, 0), 0
+            elif shift[p] < START_SHIFT:
+                calm[p] += 1
+                if calm[p] >= CALM_CALLS:
+                    shift[p], calm[p] = shift[p] + 1, 0
+        last[p] = max(int(n) - fixed[p], 0)
+
+
+@dataclass(frozen=True)
+class Slotted:
+    """A call's send buffer in slots.
+
+    Attributes:
+        send: uint8, the slots back to back.
+        overflow: (destination, the payload's bytes past its slot) of each overflowing pair.
+    """
+
+    send: torch.Tensor
+    overflow: list[tuple[int, torch.Tensor]]
+
+
+def fill_slots(payloads: Sequence[torch.Tensor], caps: Sequence[int], tag: int) -> Slotted:
+    """Writes each payload into its slot: header (size, ``tag``), bytes, zeroed slack.
+
+    Args:
+        payloads: uint8 payload per destination (host tensors).
+        caps: Slot bytes per destination (0: the payload must be empty).
+        tag: The point-to-point tag an overflow travels with (the receiver reads it here).
+
+    Returns:
+        The slots, and the overflowing payloads' remainders.
+    """
+    send = torch.empty(sum(caps), dtype=torch.uint8)
+    overflow: list[tuple[int, torch.Tensor]] = []
+    at = 0
+    for p, (payload, cap) in enumerate(zip(payloads, caps, strict=True)):
+        n = payload.numel()
+        if not cap:
+            assert not n, f"a {n}-byte payload to rank {p}, which has no slot"
+            continue
+        room = cap - HEADER
+        send[at : at + HEADER].view(torch.int64).copy_(torch.tensor([n, tag]))
+        head = min(n, room)
+        send[at + HEADER : at + HEADER + head] = payload[:head]
+        send[at + HEADER + head : at + cap] = 0  # slack only: the bytes are deterministic
+        if n > room:
+            overflow.append((p, payload[room:]))
+        at += cap
+    return Slotted(send, overflow)
+
+
+def read_headers(recv: torch.Tensor, caps: Sequence[int]) -> np.ndarray:
+    """Each slot's header: ``[source, 2]`` int64 (size, tag), zeros where no slot came.
+
+    Args:
+        recv: The received slots (host, uint8).
+        caps: Slot bytes from each source.
+
+    Returns:
+        The headers.
+    """
+    heads = np.zeros((len(caps), 2), np.int64)
+    raw = recv.numpy()
+    at = 0
+    for p, cap in enumerate(caps):
+        if cap:
+            heads[p] = raw[at : at + HEADER].view(np.int64)
+        at += cap
+    return heads
+
+
+__all__ = [
+    "HEADER",
+    "PairShape",
+    "SlotCall",
+    "SlotHistory",
+    "SlotKey",
+    "Slotted",
+    "capacity",
+    "fill_slots",
+    "overflow_tag",
+    "read_headers",
+]
