@@ -423,7 +423,7 @@ def _launch_slots(
     def shape(p: int, specs: Sequence[BlockSpec], nbytes: Sequence[int]) -> PairShape:
         if p == my_rank or not specs:
             return None
-        coded = [p not in info.raw_peers and info.compress[s.table] for s in specs]
+        coded = [info.codes(p, s.table) for s in specs]
         raw = sum(padded_size(n) for n, c in zip(nbytes, coded, strict=True) if not c)
         return raw, any(coded)
 
@@ -519,9 +519,7 @@ def _unslot(
         LossyAllToAllError: A slot's header is not a payload's (corrupted in transit).
     """
     heads = read_headers(recv, caps)
-    at = [0]
-    for cap in caps:
-        at.append(at[-1] + cap)
+    at = list(itertools.accumulate(caps, initial=0))
     pieces: list[list[torch.Tensor]] = [[] for _ in caps]
     rests = []
     for p, cap in enumerate(caps):

@@ -92,6 +92,19 @@ class LossyAll2AllPooledInfo:
     def __post_init__(self) -> None:
         self.dim_sum_per_rank = [sum(s.width for s in specs) for specs in self.layout]
 
+    def codes(self, peer: int, table: str) -> bool:
+        """Whether a block of ``table`` exchanged with ``peer`` goes through the codec (the
+        same either way: ``raw_peers`` is symmetric).
+
+        Args:
+            peer: The destination or source.
+            table: The block's table.
+
+        Returns:
+            True unless the table travels raw or the peer is a raw peer.
+        """
+        return peer not in self.raw_peers and self.compress[table]
+
     @property
     def sum_grads(self) -> bool:
         """Whether gradients travel summed per distinct id (lookup dedupe), else dense."""
@@ -427,9 +440,9 @@ def size_entry_words(
     Returns:
         Word count.
     """
-    if peer == my_rank or peer in info.raw_peers:
+    if peer == my_rank:
         return entry_words(0)
-    return entry_words(sum(1 for s in specs if info.compress[s.table]))
+    return entry_words(sum(1 for s in specs if info.codes(peer, s.table)))
 
 
 def entry_words(n_coded: int) -> int:

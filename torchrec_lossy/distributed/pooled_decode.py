@@ -287,9 +287,7 @@ class _DecodeCall:
                 for specs, br in zip(specs_per_peer, block_rows_per_peer, strict=False)
             ],
             coded_per_peer=[
-                (False,) * len(specs)
-                if peer in info.raw_peers
-                else tuple(info.compress[s.table] for s in specs)
+                tuple(info.codes(peer, s.table) for s in specs)
                 for peer, specs in enumerate(specs_per_peer)
             ],
             info=info,
