@@ -84,21 +84,15 @@ WeightsCast = Literal["none", "fp16", "bf16"]
 # (torchrec_lossy/planner/formats.py); "entropy" / "packed" are the lossy codec in that
 # CodecConfig.format.
 CommsFormat = Literal["auto", "raw", "fp16", "bf16", "entropy", "packed"]
-# Formats the sharder cannot send the forward in yet (the planner prices them for comparison).
-NOT_YET_SENT: frozenset[str] = frozenset({"fp16", "bf16"})
+# The formats that cast each block to fp16 / bf16 where its bound admits the cast (else the
+# block travels exactly): distributed/cast_blocks.py.
+CAST_FORMATS: frozenset[str] = frozenset({"fp16", "bf16"})
 # The comms formats that are the codec, by its CodecConfig.format.
 CODEC_FORMATS: frozenset[str] = frozenset(get_args(CodecFormat))
 
 
 def _check_format(key: str, value: object) -> None:
     _check_literal(key, value, CommsFormat)
-    _require(
-        value not in NOT_YET_SENT,
-        key,
-        value,
-        "'auto', 'raw', 'entropy' or 'packed': the forward all-to-all has no fp16/bf16 cast "
-        "yet (comms.backward: fp16 / bf16 casts the gradient)",
-    )
 
 
 class ConfigError(ValueError):
@@ -490,10 +484,12 @@ class LossyCommsConfig:
         format: Wire format of every table without its own: ``"auto"`` (the default: the
             planner picks per table and link class the format of least estimated time among
             those within the table's bound, docs/config.md; a sharder built without the planner
-            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec), ``"entropy"`` (the lossy
-            codec) or ``"packed"`` (the codec in its packed format: ``codec.format`` follows;
-            one codec format per run). Applies to the gradient too: a raw table's gradient
-            travels raw.
+            sends ``"entropy"``), ``"raw"`` (fp32, as TorchRec), ``"fp16"`` / ``"bf16"``
+            (each block cast where its bound admits the cast, else exact:
+            distributed/cast_blocks.py), ``"entropy"`` (the lossy codec) or ``"packed"`` (the
+            codec in its packed format: ``codec.format`` follows; one codec format per run).
+            Applies to the gradient too (with ``backward: lossy``): a raw table's gradient
+            travels raw, a cast table's cast where ``backward_bound`` admits it.
     """
 
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -626,9 +622,10 @@ class LossyCommsConfig:
             name: Table name.
 
         Returns:
-            The table's config with ``bound`` and ``format`` always set; ``compress`` is False
-            where the format is ``"raw"`` and ``format`` is ``"raw"`` where ``compress`` is
-            False (the seam reads ``compress``, the planner ``format``).
+            The table's config with ``bound`` and ``format`` always set; ``compress`` (through
+            the codec) is False where the format is ``"raw"``, ``"fp16"`` or ``"bf16"``, and
+            ``format`` is ``"raw"`` where the config's ``compress`` is False (the seam reads
+            ``compress`` and the cast formats, the planner ``format``).
         """
         for pattern, override in self.tables.items():
             if fnmatch.fnmatchcase(name, pattern):
@@ -640,7 +637,8 @@ class LossyCommsConfig:
 
 def _resolved_table(bound: ErrorBound, compress: bool, fmt: str) -> TableCodecConfig:
     raw = not compress or fmt == "raw"
-    return TableCodecConfig(bound=bound, compress=not raw, format="raw" if raw else fmt)  # type: ignore[arg-type]
+    coded = not raw and fmt not in CAST_FORMATS  # a cast table's blocks skip the codec
+    return TableCodecConfig(bound=bound, compress=coded, format="raw" if raw else fmt)  # type: ignore[arg-type]
 
 
 def _type_name(tp: object) -> str:

@@ -423,9 +423,10 @@ def _launch_slots(
     def shape(p: int, specs: Sequence[BlockSpec], nbytes: Sequence[int]) -> PairShape:
         if p == my_rank or not specs:
             return None
-        coded = [info.codes(p, s.table) for s in specs]
-        raw = sum(padded_size(n) for n, c in zip(nbytes, coded, strict=True) if not c)
-        return raw, any(coded)
+        # Blocks of cast tables vary in size (cast or exact) like the codec's payload.
+        varies = [info.codes(p, s.table) or info.cast_dtype(p, s.table) is not None for s in specs]
+        raw = sum(padded_size(n) for n, v in zip(nbytes, varies, strict=True) if not v)
+        return raw, any(varies)
 
     send = [
         shape(p, specs, [b.numel() * b.element_size() for b in bs])

@@ -22,6 +22,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 
 from torchrec_lossy.distributed.call_ledger import CallLedger
+from torchrec_lossy.distributed.cast_blocks import cast_tables
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import LossyShardingContext
@@ -96,7 +97,10 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
-        self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
+        self._casts = cast_tables(comms.config, self._compress)
+        self._plans = layout_plans(
+            self._layout, self._compress, pg.rank(), self._raw_peers, self._casts
+        )
         # The re-check's raw alternative (LossyComms.send_raw), planned once here too.
         self._raw = dict.fromkeys(self._compress, False)
         self._raw_plans = layout_plans(self._layout, self._raw, pg.rank(), self._raw_peers)
@@ -201,6 +205,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             raw_peers=self._raw_peers,
             plans=self._raw_plans if raw else self._plans,
             slots=self._slots,
+            casts={} if raw else self._casts,
         )
 
     @property

@@ -18,6 +18,7 @@ import torch
 
 from torchrec_lossy.codec.container import skeleton_words
 from torchrec_lossy.distributed.call_ledger import CallLedger
+from torchrec_lossy.distributed.cast_blocks import word_count
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.exchange_slots import SlotHistory
@@ -73,6 +74,8 @@ class LossyAll2AllPooledInfo:
         slots: The dist's slot history (built with the dist): a host call whose kind has a
             received call takes the one-round slot path (:mod:`.exchange_slots`); None: every
             call exchanges its sizes first.
+        casts: Table name to its cast dtype, for the tables whose blocks skip the codec cast
+            where their bound admits it (:mod:`.cast_blocks`); not to ``raw_peers``.
     """
 
     batch_size_per_rank: list[int]
@@ -87,6 +90,7 @@ class LossyAll2AllPooledInfo:
     raw_peers: frozenset[int] = frozenset()
     plans: LayoutPlans | None = None
     slots: SlotHistory | None = None
+    casts: dict[str, torch.dtype] = field(default_factory=dict)
     dim_sum_per_rank: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +108,19 @@ class LossyAll2AllPooledInfo:
             True unless the table travels raw or the peer is a raw peer.
         """
         return peer not in self.raw_peers and self.compress[table]
+
+    def cast_dtype(self, peer: int, table: str) -> torch.dtype | None:
+        """The dtype a block of ``table`` exchanged with ``peer`` is cast to where its bound
+        admits it (symmetric, as :meth:`codes`).
+
+        Args:
+            peer: The destination or source.
+            table: The block's table.
+
+        Returns:
+            ``torch.float16`` / ``torch.bfloat16``, or None (coded, or exactly raw).
+        """
+        return None if peer in self.raw_peers else self.casts.get(table)
 
     @property
     def sum_grads(self) -> bool:
@@ -442,19 +459,22 @@ def size_entry_words(
     """
     if peer == my_rank:
         return entry_words(0)
-    return entry_words(sum(1 for s in specs if info.codes(peer, s.table)))
+    n_cast = sum(1 for s in specs if info.cast_dtype(peer, s.table) is not None)
+    return entry_words(sum(1 for s in specs if info.codes(peer, s.table)), n_cast)
 
 
-def entry_words(n_coded: int) -> int:
-    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks.
+def entry_words(n_coded: int, n_cast: int = 0) -> int:
+    """Words of a size-exchange entry whose payload carries ``n_coded`` codec blocks and
+    ``n_cast`` blocks of cast tables.
 
     Args:
         n_coded: Codec blocks of the payload.
+        n_cast: Blocks of cast tables (each cast or exact, a flag says which).
 
     Returns:
-        Word count: its size, then its codec skeleton.
+        Word count: its size, then its cast flags, then its codec skeleton.
     """
-    return 1 + (skeleton_words(n_coded) if n_coded else 0)
+    return 1 + word_count(n_cast) + (skeleton_words(n_coded) if n_coded else 0)
 
 
 @dataclass(frozen=True)
@@ -471,6 +491,7 @@ class EncodePlan:
         table_at: Index in ``distinct`` of each codec block's table.
         group_of: Destination to its codec group, for destinations with codec blocks.
         meta_splits: Words of the size exchange per destination (:func:`size_entry_words`).
+        casts: Per block of ``raw``, its cast dtype where its table is cast, else None.
     """
 
     peers: tuple[int, ...]
@@ -481,6 +502,12 @@ class EncodePlan:
     table_at: tuple[int, ...]
     group_of: dict[int, int]
     meta_splits: tuple[int, ...]
+    casts: tuple[torch.dtype | None, ...] = ()
+
+    @property
+    def cast_at(self) -> tuple[int, ...]:
+        """Indices in ``raw`` of the blocks of cast tables, in order."""
+        return tuple(k for k, dt in enumerate(self.casts) if dt is not None)
 
 
 @dataclass(frozen=True)
@@ -529,6 +556,7 @@ def layout_plans(
     compress: dict[str, bool],
     my_rank: int,
     raw_peers: frozenset[int] = frozenset(),
+    casts: dict[str, torch.dtype] | None = None,
 ) -> LayoutPlans:
     """A dist's :class:`LayoutPlans` (call it once, when the dist is built).
 
@@ -537,6 +565,7 @@ def layout_plans(
         compress: Table name to whether its blocks go through the codec (not changed later).
         my_rank: The sending rank.
         raw_peers: Destinations whose blocks all travel raw.
+        casts: The cast tables' dtypes (:attr:`LossyAll2AllPooledInfo.casts`), or None.
 
     Returns:
         The plans.
@@ -546,8 +575,8 @@ def layout_plans(
     return LayoutPlans(
         layout=specs,
         my_rank=my_rank,
-        send_own=build_encode_plan(own, compress, my_rank, raw_peers),
-        send_back=build_encode_plan(specs, compress, my_rank, raw_peers),
+        send_own=build_encode_plan(own, compress, my_rank, raw_peers, casts),
+        send_back=build_encode_plan(specs, compress, my_rank, raw_peers, casts),
     )
 
 
@@ -556,6 +585,7 @@ def build_encode_plan(
     compress: dict[str, bool],
     my_rank: int | None,
     raw_peers: frozenset[int],
+    casts: dict[str, torch.dtype] | None = None,
 ) -> EncodePlan:
     """The plan of sending blocks of ``specs_per_peer`` from ``my_rank``.
 
@@ -564,6 +594,7 @@ def build_encode_plan(
         compress: Table name to whether its blocks go through the codec.
         my_rank: The sending rank (its blocks skip the codec), or None.
         raw_peers: Destinations whose blocks all travel raw.
+        casts: The cast tables' dtypes, or None.
 
     Returns:
         The plan.
@@ -581,9 +612,14 @@ def build_encode_plan(
         specs_per_peer[p][i].table for p, idx in zip(peers, coded, strict=True) for i in idx
     )
     distinct = tuple(dict.fromkeys(tables))
+    casts = casts or {}
+    cast_of = tuple(None if p in raw_peers else casts.get(s.table) for p, _, s in raw)
     meta_splits = [1] * len(specs_per_peer)
     for p, idx in zip(peers, coded, strict=True):
-        meta_splits[p] = entry_words(len(idx))
+        n_cast = sum(
+            1 for (q, _, _), dt in zip(raw, cast_of, strict=True) if q == p and dt is not None
+        )
+        meta_splits[p] = entry_words(len(idx), n_cast)
     return EncodePlan(
         peers=peers,
         coded=coded,
@@ -593,4 +629,5 @@ def build_encode_plan(
         table_at=tuple(distinct.index(t) for t in tables),
         group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
         meta_splits=tuple(meta_splits),
+        casts=cast_of,
     )

@@ -27,12 +27,15 @@ from torchrec_lossy.codec import (
     host_sync,
 )
 from torchrec_lossy.distributed.call_ledger import CallRecord
+from torchrec_lossy.distributed.cast_blocks import unpack_flags, word_count
 from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
 from torchrec_lossy.distributed.pooled_payload import ALIGN, padded_size
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
+
+_NO_WORDS = np.zeros(0, dtype=np.uint32)  # a size-exchange entry with nothing past its size
 
 
 def _aligned(payload: torch.Tensor) -> torch.Tensor:
@@ -207,12 +210,12 @@ def decode_call(
     call = _DecodeCall.of(direction, specs_per_peer, block_rows_per_peer, info, my_rank, record)
     start = time.perf_counter()
     with profile_range(f"## lossy_a2a {direction} decode ##"):
-        frames = call.frames(recv, recv_sizes, skip_self=self_blocks is not None)
-        by_peer, check = call.decode_codec(frames, recv, skeletons)
+        frames = call.frames(recv, recv_sizes, self_blocks is not None, skeletons)
+        by_peer, check = call.decode_codec(frames, recv, skeletons is not None)
         out = [
             list(self_blocks)
             if self_blocks is not None and peer == my_rank
-            else call.split(peer, frames[peer].payload, by_peer.get(peer, []))
+            else call.split(peer, frames[peer], by_peer.get(peer, []))
             for peer in range(len(recv_sizes))
         ]
     telemetry.decode_shares, telemetry.decode_s = call.shares(), time.perf_counter() - start
@@ -224,14 +227,21 @@ class _Frame:
     """One source's payload, framed.
 
     Attributes:
-        payload: Its bytes (16-byte aligned: its raw blocks first).
-        raw_len: Bytes of its raw blocks (padded).
+        payload: Its bytes (16-byte aligned: its cast flags and raw blocks first).
+        raw_len: Bytes of its cast flags and raw blocks (padded).
         codec: Its codec payload, or None if it has no codec blocks.
+        wire: Per block in spec order, the dtype it travelled in when it skipped the codec
+            (the call's, or a cast table's where its flag is set), None for a codec block.
+        flags_len: Bytes of its cast flags (padded), before its raw blocks.
+        skeleton: Its codec skeleton from the size exchange, or None.
     """
 
     payload: torch.Tensor
     raw_len: int
     codec: torch.Tensor | None
+    wire: tuple[torch.dtype | None, ...] = ()
+    flags_len: int = 0
+    skeleton: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,8 @@ class _DecodeCall:
         specs_per_peer: Per source, the specs of its blocks.
         rows_per_peer: Per source, the rows of each block.
         coded_per_peer: Per source, whether each block went through the codec.
+        cast_per_peer: Per source, each block's cast dtype where its table is cast (it
+            travelled cast where the source's flag says so), else None.
         info: Layout, dtype and comms state.
         my_rank: This rank.
         record: The receiving call's record, or None.
@@ -252,6 +264,7 @@ class _DecodeCall:
     specs_per_peer: Sequence[Sequence[BlockSpec]]
     rows_per_peer: list[list[int]]
     coded_per_peer: list[tuple[bool, ...]]
+    cast_per_peer: list[tuple[torch.dtype | None, ...]]
     info: LossyAll2AllPooledInfo
     my_rank: int
     record: CallRecord | None
@@ -290,13 +303,21 @@ class _DecodeCall:
                 tuple(info.codes(peer, s.table) for s in specs)
                 for peer, specs in enumerate(specs_per_peer)
             ],
+            cast_per_peer=[
+                tuple(info.cast_dtype(peer, s.table) for s in specs)
+                for peer, specs in enumerate(specs_per_peer)
+            ],
             info=info,
             my_rank=my_rank,
             record=record,
         )
 
     def frames(
-        self, recv: torch.Tensor, recv_sizes: Sequence[int], skip_self: bool
+        self,
+        recv: torch.Tensor,
+        recv_sizes: Sequence[int],
+        skip_self: bool,
+        entries: dict[int, np.ndarray] | None = None,
     ) -> dict[int, _Frame]:
         """Every source's payload in ``recv``, framed (:meth:`frame`).
 
@@ -304,6 +325,8 @@ class _DecodeCall:
             recv: The received bytes, payloads in rank order.
             recv_sizes: Bytes from each source.
             skip_self: This rank's own blocks skipped the wire (no payload to frame).
+            entries: Per source, its size-exchange words past its size (cast flags, then
+                codec skeleton), or None (the flags are read from the payloads).
 
         Returns:
             Source rank to its framed payload.
@@ -314,7 +337,8 @@ class _DecodeCall:
             if not skip_self or peer != self.my_rank:
                 # The whole buffer when one peer sent everything (2 ranks): no view to make.
                 payload = recv if size == recv.shape[0] else recv.narrow(0, offsets[peer], size)
-                frames[peer] = self.frame(peer, payload)
+                entry = None if entries is None else entries.get(peer, _NO_WORDS)
+                frames[peer] = self.frame(peer, payload, entry)
         return frames
 
     def shares(self) -> dict[str, int]:
@@ -338,30 +362,50 @@ class _DecodeCall:
         """
         _fail(self.direction, self.my_rank, peer, self.specs_per_peer[peer], why)
 
-    def frame(self, peer: int, payload: torch.Tensor) -> _Frame:
-        """Shows ``peer``'s payload to the payload hook, aligns it and checks its raw part.
+    def frame(self, peer: int, payload: torch.Tensor, entry: np.ndarray | None) -> _Frame:
+        """Shows ``peer``'s payload to the payload hook, aligns it, reads its cast flags and
+        checks its raw part.
 
         Args:
             peer: The source rank.
             payload: Its received bytes.
+            entry: Its size-exchange words past its size (cast flags, then codec skeleton), or
+                None: the cast flags are read from the payload (a host path's).
 
         Returns:
             The framed payload.
 
         Raises:
             LossyAllToAllError: The payload is shorter than its raw blocks, or has bytes past
-                them although it carries no codec block.
+                them although it carries no codec block, or its cast flags are not its blocks'.
         """
         hook = self.info.comms.payload_hook
         if hook is not None:
             payload = hook(self.direction, peer, payload)
         payload = _aligned(payload)  # raw blocks then start 16-byte aligned
         specs, coded = self.specs_per_peer[peer], self.coded_per_peer[peer]
-        elem = self.info.dtype.itemsize
-        raw_len = sum(
-            padded_size(br * s.dim * elem)
-            for s, br, c in zip(specs, self.rows_per_peer[peer], coded, strict=True)
-            if not c
+        casts = self.cast_per_peer[peer]
+        n_cast = sum(dt is not None for dt in casts)
+        n_words = word_count(n_cast)
+        flags_len = padded_size(8 * n_words)
+        if entry is not None:
+            words = entry[:n_words].tolist()
+        elif payload.numel() >= flags_len:  # the one-round path: the payload's own (host)
+            words = payload[: 8 * n_words].view(torch.int64).tolist()
+        else:
+            self.fail(peer, f"{payload.numel()} bytes received, fewer than its cast flags'")
+        try:
+            flags = iter(unpack_flags(words, n_cast))
+        except ValueError as e:
+            self.fail(peer, str(e))
+        wire = tuple(
+            None if c else dt if dt is not None and next(flags) else self.info.dtype
+            for c, dt in zip(coded, casts, strict=True)
+        )
+        raw_len = flags_len + sum(
+            padded_size(br * s.dim * dt.itemsize)
+            for s, br, dt in zip(specs, self.rows_per_peer[peer], wire, strict=True)
+            if dt is not None
         )
         size = payload.numel()
         if not any(coded) and size != raw_len:
@@ -371,13 +415,11 @@ class _DecodeCall:
         if size < raw_len:
             self.fail(peer, f"{size} bytes received, fewer than the {raw_len} bytes of raw blocks")
         codec = (payload[raw_len:] if raw_len else payload) if any(coded) else None
-        return _Frame(payload, raw_len, codec)
+        skeleton = entry[n_words:] if entry is not None and any(coded) else None
+        return _Frame(payload, raw_len, codec, wire, flags_len, skeleton)
 
     def decode_codec(
-        self,
-        frames: dict[int, _Frame],
-        recv: torch.Tensor,
-        skeletons: dict[int, np.ndarray] | None,
+        self, frames: dict[int, _Frame], recv: torch.Tensor, skeletons: bool
     ) -> tuple[dict[int, list[torch.Tensor]], DeferredDecode | None]:
         """Decodes every source's codec payload in ONE codec call.
 
@@ -388,8 +430,7 @@ class _DecodeCall:
             frames: Per source, its framed payload.
             recv: The received bytes (an empty buffer is made on their device if no source
                 sent codec blocks).
-            skeletons: Per source with codec blocks, its skeleton from the size exchange, or
-                None.
+            skeletons: Whether the frames hold their skeletons from the size exchange.
 
         Returns:
             Per source with codec blocks, its decoded blocks in spec order; the device
@@ -413,7 +454,7 @@ class _DecodeCall:
             buffer,
             sizes,
             backend=comms.config.codec.backend,
-            skeletons=None if skeletons is None else [skeletons[p] for p in peers],
+            skeletons=[frames[p].skeleton for p in peers] if skeletons else None,  # type: ignore[misc]
             label=False,  # inside this call's own range
         )
         flags = contain_failures(status)  # device path: failed groups zeroed, status kept
@@ -443,14 +484,13 @@ class _DecodeCall:
             self.direction, self.my_rank, self.record, peers, self.specs_per_peer, status, flags
         )
 
-    def split(
-        self, peer: int, payload: torch.Tensor, decoded: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """One source's blocks in spec order: raw ones from its payload, coded ones decoded.
+    def split(self, peer: int, frame: _Frame, decoded: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One source's blocks in spec order: raw ones from its payload (cast back where they
+        travelled cast), coded ones decoded.
 
         Args:
             peer: The source rank.
-            payload: Its payload (its raw blocks first).
+            frame: Its framed payload (its cast flags and raw blocks first).
             decoded: Its coded blocks, decoded, in spec order.
 
         Returns:
@@ -471,16 +511,17 @@ class _DecodeCall:
             return decoded
         blocks: list[torch.Tensor] = []
         coded = iter(decoded)
-        raw_at = 0
-        for s, br, is_coded in zip(specs, block_rows, coded_flags, strict=True):
+        payload, raw_at = frame.payload, frame.flags_len
+        for s, br, wire in zip(specs, block_rows, frame.wire, strict=True):
             shape = (br, s.dim)
-            if is_coded:
+            if wire is None:
                 b = next(coded)
                 if b.shape != shape or b.dtype != dtype:
                     self._bad_block(peer, s, b, shape)
             else:
-                n = shape[0] * shape[1] * dtype.itemsize
-                b = payload[raw_at : raw_at + n].view(dtype).view(shape)
+                n = shape[0] * shape[1] * wire.itemsize
+                b = payload[raw_at : raw_at + n].view(wire).view(shape)
+                b = b if wire == dtype else b.to(dtype)
                 raw_at += padded_size(n)
             blocks.append(b)
         return blocks

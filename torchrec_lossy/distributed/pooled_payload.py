@@ -2,11 +2,13 @@
 
 The sender's blocks (one per destination and local table shard, cut by :mod:`.pooled_blocks`:
 a table with ``F`` features gives ``F * B_d`` rows of its width) become one payload per
-destination, each block with its table's bound: the raw blocks (``compress=False``) first,
-each padded to 16 bytes, then the codec payload. The receiver knows every block's shape from
-the sharding layout, so no extra framing travels. No collective, no autograd, no telemetry
-written (it goes to the call's :class:`.exchange_record.ExchangeRecord`). docs/sharder.md,
-"How the all-to-all works".
+destination, each block with its table's bound: where the destination gets blocks of cast
+tables, their cast flags first (:mod:`.cast_blocks`, padded to 16 bytes), then the blocks that
+skip the codec (``compress=False``: exact, or cast where flagged), each padded to 16 bytes,
+then the codec payload. The receiver knows every block's shape from the sharding layout and
+its cast flags from the size exchange (or the payload's own), so no other framing travels.
+No collective, no autograd, no telemetry written (it goes to the call's
+:class:`.exchange_record.ExchangeRecord`). docs/sharder.md, "How the all-to-all works".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
+from torchrec_lossy.distributed.cast_blocks import admissible, flag_words, word_count
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
 from torchrec_lossy.distributed.guard import guarded_bound
 from torchrec_lossy.distributed.pooled_blocks import (
@@ -86,12 +89,14 @@ class PendingPayloads:
 
     Attributes:
         device_sizes: int64 bytes of each destination's payload, on the device (no sync).
-        readback: int64 values the host must read before the payloads exist (may be empty);
-            the exchange reads them together with the received sizes, in one copy.
+        readback: int64 values the host must read before the payloads exist (may be empty:
+            the codec's, then on a device the cast flags); the exchange reads them together
+            with the received sizes, in one copy.
         finish: Builds the payloads (and records the telemetry) from ``readback``'s values.
         meta: int64 words to send each destination in the size exchange, back to back: its
-            payload size, then its codec payload's skeleton (:func:`size_entry_words` long), on the
-            device; the receiver decodes with them and reads nothing back.
+            payload size, then its cast flags, then its codec payload's skeleton
+            (:func:`size_entry_words` long), on the device; the receiver decodes with them and
+            reads nothing back.
         meta_splits: Words of ``meta`` per destination.
         record: The call's record (its number, step, exactness).
         telemetry: The call's telemetry, filled by ``finish``.
@@ -140,31 +145,31 @@ def _codec_config(config: LossyCommsConfig, record: CallRecord, rank: int) -> Co
 
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+T = TypeVar("T")
 
 
 def _size_exchange_words(
     sizes: ArrayT,
-    skeletons: Sequence[ArrayT],
-    group_of: dict[int, int],
+    extras: dict[int, list[ArrayT]],
     cat: Callable[[list[ArrayT]], ArrayT],
 ) -> ArrayT:
     """The size exchange's words (:class:`PendingPayloads` ``meta``), host or device alike.
 
     Args:
         sizes: int64 payload bytes per destination.
-        skeletons: Per codec group, its payload's skeleton words.
-        group_of: Destination to its codec group, for destinations with codec blocks.
+        extras: Per destination with cast blocks or codec blocks, its cast flag words and
+            codec skeleton words (those it has, in that order).
         cat: Joins the pieces (``np.concatenate`` or ``torch.cat``).
 
     Returns:
-        Per destination its size, then its skeleton if it has codec blocks.
+        Per destination its size, then its extras.
     """
     parts = []
     first = 0  # the first size not in a part yet: runs of sizes go in one slice
     for p in range(len(sizes)):
-        g = group_of.get(p)
-        if g is not None:
-            parts += [sizes[first : p + 1], skeletons[g]]
+        extra = extras.get(p)
+        if extra:
+            parts += [sizes[first : p + 1], *extra]
             first = p + 1
     if first < len(sizes):
         parts.append(sizes[first:])
@@ -235,7 +240,9 @@ def start_encode(
         record = info.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
-        plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers)
+        plan = build_encode_plan(
+            specs_per_peer, info.compress, my_rank, info.raw_peers, info.casts
+        )
     _check_blocks(plan, blocks_per_peer, specs_per_peer)
     n_peers = len(blocks_per_peer)
     if telemetry is None:
@@ -245,8 +252,14 @@ def start_encode(
         telemetry.self_bytes = sum(b.numel() * b.element_size() for b in own)
     with profile_range(f"## lossy_a2a {direction} encode ##"):
         pending = _start_codec(blocks_per_peer, info, plan, record, my_rank)
-        raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device)
-        device_sizes, meta = _size_words(pending, plan, raw_parts, device)
+        casts = _start_casts(blocks_per_peer, info, plan, record, device)
+        raw_parts = None  # built once the cast flags are on the host (a device's: by finish)
+        if casts.host is not None:
+            raw_parts = _raw_parts(plan, blocks_per_peer, n_peers, device, casts.host)
+        device_sizes, meta = _size_words(pending, plan, raw_parts, casts, blocks_per_peer, device)
+    readback = pending.readback
+    if casts.host is None:  # a device's cast flags ride the exchange's one read
+        readback = torch.cat([readback, casts.flags])
     encode = _EncodeCall(
         direction=direction,
         blocks_per_peer=blocks_per_peer,
@@ -256,14 +269,15 @@ def start_encode(
         plan=plan,
         pending=pending,
         raw_parts=raw_parts,
+        casts=casts,
         sample=_samples_errors(info, record, device),
         setup_s=time.perf_counter() - start,
         record=record,
         telemetry=telemetry,
     )
     return PendingPayloads(
-        device_sizes, pending.readback, encode.finish, meta, list(plan.meta_splits), record,
-        telemetry, comms.stats,
+        device_sizes, readback, encode.finish, meta, list(plan.meta_splits), record, telemetry,
+        comms.stats,
     )  # fmt: skip
 
 
@@ -361,25 +375,92 @@ def codec_bounds(
     if record.exact:
         return [0.0] * n_blocks, [BoundKind.ABSOLUTE] * n_blocks
     comms = info.comms
-    # The guard's hook, where it tightened a table of this direction (else today's path).
-    guard = (
-        comms.guard if comms.guard is not None and comms.guard.tightens(record.direction) else None
-    )
-    if record.direction == "bwd" and guard is None:  # one bound for every gradient block
+    if record.direction == "bwd" and not _guarded(record, info):  # one for every gradient block
         eb = comms.config.backward_bound
         return [eb.value] * n_blocks, [BoundKind.of(eb.mode)] * n_blocks
-    # Each table's bound, asked once per table and call (the call holds its own bounds).
-    bounds = [
-        guarded_bound(
-            guard,
-            record.direction,
-            t,
-            comms.bounds.bound(t) if record.direction == "fwd" else comms.config.backward_bound,
-        )
-        for t in plan.distinct
-    ]
+    bounds = table_bounds(record, info, plan.distinct)
     at = plan.table_at
     return [bounds[i].value for i in at], bound_kinds([bounds[i] for i in at])
+
+
+def _guarded(record: CallRecord, info: LossyAll2AllPooledInfo) -> bool:
+    """Whether the guard tightened a table of the call's direction (else today's bounds)."""
+    guard = info.comms.guard
+    return guard is not None and guard.tightens(record.direction)
+
+
+def table_bounds(
+    record: CallRecord, info: LossyAll2AllPooledInfo, tables: Sequence[str]
+) -> list[ErrorBound]:
+    """Each table's bound in this call (not exact): the forward's now (an adaptive provider
+    moves them; asked once per table and call, which holds its own bounds), the backward's
+    ``backward_bound``, each through :func:`guarded_bound` (the guard's hook).
+
+    Args:
+        record: The call's record (its direction).
+        info: Comms state (bound provider, config, guard).
+        tables: Table names.
+
+    Returns:
+        One bound per table.
+    """
+    comms, d = info.comms, record.direction
+    guard = comms.guard if _guarded(record, info) else None
+    return [
+        guarded_bound(
+            guard, d, t, comms.bounds.bound(t) if d == "fwd" else comms.config.backward_bound
+        )
+        for t in tables
+    ]
+
+
+@dataclass(frozen=True)
+class _CastFlags:
+    """Which blocks of cast tables travel cast in one call (:mod:`.cast_blocks`).
+
+    Attributes:
+        flags: int64 per block of the plan's ``cast_at``, 1 where cast, on the blocks' device.
+        host: The same flags on the host where known without a read (the host path), else
+            None (the device path's: read with the exchange's one host read).
+    """
+
+    flags: torch.Tensor
+    host: list[bool] | None
+
+
+def _start_casts(
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    info: LossyAll2AllPooledInfo,
+    plan: EncodePlan,
+    record: CallRecord,
+    device: torch.device,
+) -> _CastFlags:
+    """The cast flags of the call's blocks of cast tables: each admitted on its own data
+    against its table's bound in this call (an exact call casts none).
+
+    Args:
+        blocks_per_peer: Per destination, its blocks.
+        info: Comms state (bounds).
+        plan: The layout's plan (its ``cast_at`` blocks).
+        record: The call's record (direction, exactness).
+        device: Where the blocks live.
+
+    Returns:
+        The flags.
+    """
+    at = plan.cast_at
+    if not at or record.exact:
+        return _CastFlags(torch.zeros(len(at), dtype=torch.int64, device=device), [False] * len(at))
+    raw = [plan.raw[k] for k in at]
+    bounds = table_bounds(record, info, [s.table for _, _, s in raw])
+    dtypes = [plan.casts[k] for k in at]
+    blocks = [blocks_per_peer[p][i] for p, i, _ in raw]
+    flags = admissible(blocks, dtypes, bounds)  # type: ignore[arg-type]
+    # The device path (also on CPU tensors with the triton / reference backends) reads the
+    # flags with the exchange's one read; the host path has them at once.
+    if device.type != "cpu" or on_device(device, info.comms.config.codec.backend):
+        return _CastFlags(flags, None)
+    return _CastFlags(flags, [bool(f) for f in flags.tolist()])
 
 
 def _raw_parts(
@@ -387,60 +468,92 @@ def _raw_parts(
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     n_peers: int,
     device: torch.device,
+    cast: Sequence[bool],
 ) -> list[list[torch.Tensor]]:
-    """Per destination, its raw blocks' bytes, each padded to :data:`ALIGN`.
+    """Per destination, its cast flags and the bytes of its blocks that skip the codec (cast
+    where flagged), each padded to :data:`ALIGN`.
 
     Args:
-        plan: The layout's plan (which blocks travel raw).
+        plan: The layout's plan (which blocks skip the codec, which of them are cast tables').
         blocks_per_peer: Per destination, its blocks.
         n_peers: Destinations.
         device: Where the parts are made.
+        cast: Per block of the plan's ``cast_at``, whether it travels cast.
 
     Returns:
         uint8 parts per destination, in order.
     """
     raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
-    for p, i, _ in plan.raw:
+    flag_of = dict(zip(plan.cast_at, cast, strict=True))
+    for p, flags in _flags_per_peer(plan, cast).items():
+        words = flag_words(torch.tensor(flags, dtype=torch.int64))
+        raw_parts[p].append(_padded_bytes(words, device))
+    for k, (p, i, _) in enumerate(plan.raw):
         b = blocks_per_peer[p][i]
-        nbytes = b.numel() * b.element_size()
-        raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
-        raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
-        raw_parts[p].append(raw)
+        dt = plan.casts[k] if flag_of.get(k) else None
+        raw_parts[p].append(_padded_bytes(b if dt is None else b.to(dt), device))
     return raw_parts
+
+
+def _padded_bytes(b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``b``'s bytes, zero-padded to :data:`ALIGN`, on ``device``."""
+    nbytes = b.numel() * b.element_size()
+    raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
+    raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
+    return raw
+
+
+def _flags_per_peer(plan: EncodePlan, cast: Sequence[T]) -> dict[int, list[T]]:
+    """The plan's ``cast_at`` flags (or anything per such block) grouped per destination."""
+    out: dict[int, list[T]] = {}
+    for k, f in zip(plan.cast_at, cast, strict=True):
+        out.setdefault(plan.raw[k][0], []).append(f)
+    return out
 
 
 def _size_words(
     pending: PendingGroups,
     plan: EncodePlan,
-    raw_parts: Sequence[Sequence[torch.Tensor]],
+    raw_parts: Sequence[Sequence[torch.Tensor]] | None,
+    casts: _CastFlags,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send sizes and size-exchange words: raw parts (known here) plus each codec payload (a
-    peer without codec blocks sends none); on the host path all of it is known already.
+    """Send sizes and size-exchange words: each destination's cast flags and blocks that skip
+    the codec, plus its codec payload (a peer without codec blocks sends none); on the host
+    path all of it is known already.
 
     Args:
         pending: The codec's pending payloads.
         plan: The layout's plan.
-        raw_parts: Per destination, its raw parts.
+        raw_parts: Per destination, its flags and raw parts; None while a device's cast flags
+            are unread.
+        casts: The call's cast flags.
+        blocks_per_peer: Per destination, its blocks (a device's cast sizes follow its flags).
         device: Where the sizes and words live.
 
     Returns:
         int64 payload bytes per destination, and :class:`PendingPayloads` ``meta``.
     """
-    raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
-    n_peers = len(raw_len)
+    n_peers = len(blocks_per_peer)
     group_of = plan.group_of
     done = pending.done
-    if done is not None:
+    if done is not None and raw_parts is not None:
+        raw_len = [sum(r.numel() for r in parts) for parts in raw_parts]
         for p, g in group_of.items():
             raw_len[p] += done.sizes[g]
         sizes_np = np.array(raw_len, np.int64)
-        meta_np = _size_exchange_words(sizes_np, done.skeletons, group_of, np.concatenate)
+        extras: dict[int, list[np.ndarray]] = {}
+        for p, flags in _flags_per_peer(plan, casts.flags.tolist()).items():
+            extras[p] = [flag_words(torch.tensor(flags, dtype=torch.int64)).numpy()]
+        for p, g in group_of.items():
+            extras.setdefault(p, []).append(done.skeletons[g])
+        meta_np = _size_exchange_words(sizes_np, extras, np.concatenate)
         device_sizes, meta = torch.from_numpy(sizes_np), torch.from_numpy(meta_np)
         if device.type != "cpu":  # a no-op .to() still costs a dispatch
             device_sizes, meta = device_sizes.to(device), meta.to(device)
         return device_sizes, meta
-    (raw_len_t,) = upload([raw_len], device)
+    raw_len_t = _device_raw_len(plan, raw_parts, casts, blocks_per_peer, device)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     codec_len = [
         pending.device_sizes[group_of[p] : group_of[p] + 1] if p in group_of else zero
@@ -448,10 +561,53 @@ def _size_words(
     ]
     device_sizes = raw_len_t + torch.cat(codec_len) if n_peers else raw_len_t
     skel_at = list(itertools.accumulate(pending.skeleton_sizes, initial=0))
-    skeletons = [
-        pending.device_skeletons[skel_at[g] : skel_at[g + 1]] for g in range(len(plan.peers))
-    ]
-    return device_sizes, _size_exchange_words(device_sizes, skeletons, group_of, torch.cat)
+    extras_t: dict[int, list[torch.Tensor]] = {}
+    spans = _flags_per_peer(plan, list(range(len(plan.cast_at))))
+    for p, ks in spans.items():
+        extras_t[p] = [flag_words(casts.flags[ks[0] : ks[-1] + 1])]
+    for p, g in group_of.items():
+        extras_t.setdefault(p, []).append(
+            pending.device_skeletons[skel_at[g] : skel_at[g + 1]].to(device)
+        )
+    return device_sizes, _size_exchange_words(device_sizes, extras_t, torch.cat)
+
+
+def _device_raw_len(
+    plan: EncodePlan,
+    raw_parts: Sequence[Sequence[torch.Tensor]] | None,
+    casts: _CastFlags,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    device: torch.device,
+) -> torch.Tensor:
+    """Bytes of each destination's flags and blocks that skip the codec, on the device: a
+    cast block's bytes follow its flag there (no read).
+
+    Returns:
+        int64 [destinations].
+    """
+    n_peers = len(blocks_per_peer)
+    if raw_parts is not None:
+        (t,) = upload([[sum(r.numel() for r in parts) for parts in raw_parts]], device)
+        return t
+    fixed = [0] * n_peers  # the exact blocks and the flag prefixes: known here
+    cast_at = set(plan.cast_at)
+    for p, ks in _flags_per_peer(plan, list(plan.cast_at)).items():
+        fixed[p] += padded_size(8 * word_count(len(ks)))
+    rows: list[list[int]] = [[], [], []]  # per cast block: destination, cast and exact bytes
+    for k, (p, i, _) in enumerate(plan.raw):
+        b = blocks_per_peer[p][i]
+        full = padded_size(b.numel() * b.element_size())
+        if k not in cast_at:
+            fixed[p] += full
+            continue
+        dt = plan.casts[k]
+        assert dt is not None
+        rows[0].append(p)
+        rows[1].append(padded_size(b.numel() * dt.itemsize))
+        rows[2].append(full)
+    fixed_t, peer_t, half_t, full_t = upload([fixed, *rows], device)
+    cast_bytes = torch.where(casts.flags.bool(), half_t, full_t)
+    return fixed_t.index_add(0, peer_t, cast_bytes)
 
 
 @dataclass
@@ -467,7 +623,9 @@ class _EncodeCall:
         device: Where the payloads live.
         plan: The layout's plan.
         pending: The codec's pending payloads.
-        raw_parts: Per destination, its padded raw blocks.
+        raw_parts: Per destination, its cast flags and padded raw blocks; None until
+            :meth:`finish` builds them (a device's cast flags unread at the start).
+        casts: The call's cast flags.
         sample: Where the sender decodes its payloads for error samples (None: no sample).
         setup_s: Seconds spent before the host read.
         record: The call's record (the error sample's alerts name its number).
@@ -481,7 +639,8 @@ class _EncodeCall:
     device: torch.device
     plan: EncodePlan
     pending: PendingGroups
-    raw_parts: list[list[torch.Tensor]]
+    raw_parts: list[list[torch.Tensor]] | None
+    casts: _CastFlags
     sample: SampleWhere
     setup_s: float
     record: CallRecord
@@ -498,20 +657,20 @@ class _EncodeCall:
         """
         start = time.perf_counter()
         plan = self.plan
-        grouped = self.pending.finish(host)
-        raw_blocks = [self.blocks_per_peer[p][i] for p, i, _ in plan.raw]
-        raw_bytes = [b.numel() * b.element_size() for b in raw_blocks]
-        rec = BlockRecords(  # every block of the call, raw blocks first
-            tables=[s.table for _, _, s in plan.raw],
-            raw_bytes=raw_bytes,
-            wire_bytes=[padded_size(n) for n in raw_bytes],
-            errors=[0.0] * len(raw_blocks),
-            abs_bounds=[0.0] * len(raw_blocks),
-        )
+        k = self.pending.readback.numel()
+        grouped = self.pending.finish(host[:k])
+        cast = self.casts.host
+        if cast is None:  # a device's cast flags, read with the codec's values
+            cast = [bool(f) for f in host[k:]]
+        raw_parts = self.raw_parts
+        if raw_parts is None:
+            raw_parts = _raw_parts(plan, self.blocks_per_peer, len(self.blocks_per_peer),
+                                   self.device, cast)  # fmt: skip
+        rec = self._raw_records(cast)
         sent: dict[int, torch.Tensor] = {}
         at = 0  # the first codec block of the group in plan.tables
         for g, (p, idx) in enumerate(zip(plan.peers, plan.coded, strict=True)):
-            parts = self.raw_parts[p]
+            parts = raw_parts[p]
             if idx:
                 payload = grouped.payload(g)
                 parts = [*parts, payload]
@@ -532,6 +691,38 @@ class _EncodeCall:
         tele.blocks = rec  # its container: None where the call made no codec payload
         tele.encode_s = self.setup_s + time.perf_counter() - start
         return out
+
+    def _raw_records(self, cast: Sequence[bool]) -> BlockRecords:
+        """The records of the blocks that skip the codec (the cast flags' prefix goes to the
+        container); on an error-sampled call each cast block's error, read later.
+
+        Args:
+            cast: Per block of the plan's ``cast_at``, whether it travelled cast.
+
+        Returns:
+            The call's block records, these blocks first.
+        """
+        plan = self.plan
+        flag_of = dict(zip(plan.cast_at, cast, strict=True))
+        rec = BlockRecords(container=None)
+        for k, (p, i, s) in enumerate(plan.raw):
+            b = self.blocks_per_peer[p][i]
+            dt = plan.casts[k] if flag_of.get(k) else None
+            rec.tables.append(s.table)
+            rec.raw_bytes.append(b.numel() * b.element_size())
+            rec.wire_bytes.append(padded_size(b.numel() * (b.dtype if dt is None else dt).itemsize))
+            rec.errors.append(0.0)
+            rec.abs_bounds.append(0.0 if dt is None else None)  # a cast's: its error, later
+            if dt is not None and self.sample is not None and b.numel():
+                diff = (b.float() - b.to(dt).float()).abs()
+                err = torch.where(torch.isfinite(b), diff, 0.0).amax()
+                self.telemetry.lazy_errors.append((s.table, err))
+        prefix = sum(
+            padded_size(8 * word_count(len(f))) for f in _flags_per_peer(plan, cast).values()
+        )
+        if prefix:
+            rec.container = prefix
+        return rec
 
     def _record_group(
         self,

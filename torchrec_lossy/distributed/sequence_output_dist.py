@@ -24,6 +24,7 @@ from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lossy.distributed.call_ledger import CallLedger
+from torchrec_lossy.distributed.cast_blocks import cast_tables
 from torchrec_lossy.distributed.comm_ops import LossyAll2AllReq
 from torchrec_lossy.distributed.comms import LossyComms
 from torchrec_lossy.distributed.context import lookup_ids_of
@@ -285,7 +286,10 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
         self._compress = comms.compress_flags([s.table for specs in layout for s in specs])
         self._same_host, intra_raw = peer_links(pg, comms.config)
         self._raw_peers = self._same_host if intra_raw else frozenset()
-        self._plans = layout_plans(self._layout, self._compress, pg.rank(), self._raw_peers)
+        self._casts = cast_tables(comms.config, self._compress)
+        self._plans = layout_plans(
+            self._layout, self._compress, pg.rank(), self._raw_peers, self._casts
+        )
         # Each pair's last payload per kind of call: the one-round slots are sized by it.
         self._slots = SlotHistory(pg.size())
         if dist.get_backend(pg) == "gloo":  # CPU tensors: load the compiled host path now
@@ -343,6 +347,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             same_host=self._same_host,
             raw_peers=self._raw_peers,
             plans=self._plans,
+            casts=self._casts,
             dtype=local_embs.dtype,
             slots=self._slots,
         )
