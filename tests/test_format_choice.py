@@ -20,24 +20,26 @@ from torchrec_lossy.planner.formats import CANDIDATES, admits, choose_format
 from torchrec_lossy.planner.speeds import default_speeds, measure_speeds
 
 
-def test_casts_are_refused_because_their_error_is_relative_only_in_their_normal_range() -> None:
+def test_casts_are_admitted_where_the_bound_can_be_met() -> None:
     # Inside the normal range each cast meets its per-value error...
     x = torch.tensor([3.0, -0.7, 1e-3, 1e3], dtype=torch.float32)
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         err = ((x.to(dtype).float() - x).abs() / x.abs()).max().item()
         assert err <= CANDIDATES[name].value_error
-    # ...outside it not (fp16 below 6.1e-5 or past 65504, bf16 on float32 subnormals), so no
-    # bound admits a cast, not even the loosest per-value one.
+    # ...outside it not (fp16 below 6.1e-5 or past 65504, bf16 on float32 subnormals): the
+    # seam sends such a block exactly (tests/distributed/test_cast_blocks.py), so a per-value
+    # or relative bound at least the cast's error admits it, an absolute one never (its scale
+    # is the data's), nor a tighter one.
     tiny = torch.tensor([1e-6, 1e-40], dtype=torch.float32)
     assert ((tiny.to(torch.float16).float() - tiny).abs() / tiny).max() > 0.01
     assert ((tiny.to(torch.bfloat16).float() - tiny).abs() / tiny).max() > 2.0**-8
     for name in ("fp16", "bf16"):
-        for bound in (
-            ErrorBound("value", 0.5),
-            ErrorBound("relative", 0.5),
-            ErrorBound("absolute", 1.0),
-        ):
-            assert not admits(CANDIDATES[name], bound)
+        for bound in (ErrorBound("value", 0.5), ErrorBound("relative", 0.01)):
+            assert admits(CANDIDATES[name], bound)
+        assert not admits(CANDIDATES[name], ErrorBound("absolute", 1.0))
+    assert admits(CANDIDATES["fp16"], ErrorBound("relative", 0.001))
+    assert not admits(CANDIDATES["bf16"], ErrorBound("relative", 0.001))  # 2**-8 > 0.001
+    assert not admits(CANDIDATES["fp16"], ErrorBound("value", 2.0**-12))
     for name in ("raw", "entropy", "packed"):  # exact, or error-bounded by construction
         assert admits(CANDIDATES[name], ErrorBound("relative", 0.0))
 
@@ -75,11 +77,12 @@ def test_choice_is_the_least_estimated_time_and_never_an_inadmissible_format() -
     fast = choose_format(formats, bound, fast_link)
     assert fast.name == "raw" and fast.estimates["entropy"] > fast.estimates["raw"]
     assert "entropy" in fast.reason(10.0) and "10 GiB/s" in fast.reason(10.0)
-    # A free fp16 would win on the fast link, but it is not sent in the forward yet, and a
-    # relative bound does not admit it.
+    # A free fp16 wins on the fast link where the bound admits it, never under an absolute one.
     free_fp16 = WireFormat("fp16", 2.0)
     with_fp16 = {**formats, "fp16": (free_fp16, free_fp16)}
-    assert choose_format(with_fp16, ErrorBound("value", 0.01), fast_link).name == "raw"
+    assert choose_format(with_fp16, ErrorBound("value", 0.01), fast_link).name == "fp16"
+    assert choose_format(with_fp16, bound, fast_link).name == "fp16"
+    assert choose_format(with_fp16, ErrorBound("absolute", 1.0), fast_link).name == "raw"
 
 
 def test_format_key_is_validated_and_resolved_per_table() -> None:
@@ -90,8 +93,12 @@ def test_format_key_is_validated_and_resolved_per_table() -> None:
     assert [config.table(n).format for n in ("a", "b", "c")] == ["raw", "raw", "entropy"]
     assert [config.table(n).compress for n in ("a", "b", "c")] == [False, False, True]
     assert LossyCommsConfig().format == "auto"
-    with pytest.raises(ConfigError, match=r"format='fp16' is invalid: allowed 'auto', 'raw'"):
-        LossyCommsConfig(format="fp16")
+    # A cast table skips the codec (the seam casts its blocks where their bound admits it).
+    cast = LossyCommsConfig(format="fp16", tables={"b": TableCodecConfig(format="bf16")})
+    assert [cast.table(n).format for n in ("a", "b")] == ["fp16", "bf16"]
+    assert [cast.table(n).compress for n in ("a", "b")] == [False, False]
+    with pytest.raises(ConfigError, match=r"format='fp8' is invalid: allowed one of 'auto', 'raw'"):
+        LossyCommsConfig(format="fp8")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"tables.format='zstd' is invalid"):
         TableCodecConfig(format="zstd")  # type: ignore[arg-type]
 
@@ -201,6 +208,44 @@ def test_auto_picks_the_codec_format_from_measured_speeds_and_raw_on_a_fast_link
     assert model.codec_format == "entropy"
 
 
+def test_auto_picks_a_cast_only_where_the_bound_admits_it() -> None:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+    from torchrec_lossy.planner.speeds import Speeds
+
+    link = 5.0  # GiB/s: raw 0.4 s per GiB both ways, a cast at 100 GiB/s 0.24, the codec >2
+    plan = _one_host_plan(link)
+    tables = {
+        "t1": TableCodecConfig(bound=ErrorBound("absolute", 0.001)),  # no cast: its scale
+        "t2": TableCodecConfig(bound=ErrorBound("relative", 0.001)),  # fp16 only: 2**-8 > it
+    }
+    plan = dataclasses.replace(plan, comms=LossyCommsConfig(tables=tables))
+    casts = {"fp16": (100.0, 100.0), "bf16": (100.0, 100.0)}
+    speeds = Speeds({"entropy": (0.3, 1.0), "packed": (0.3, 1.0), **casts}, "test",
+                    ratios={"entropy": 30.0, "packed": 24.0})  # fmt: skip
+    model = LossyCommsModel(plan, gib_s_to_bytes_per_ms(link), speeds=speeds)
+    assert [model.table_format(t) for t in ("t0", "t1", "t2")] == ["fp16", "raw", "fp16"]
+    est = model._choice(30.0, "t0", gib_s_to_bytes_per_ms(link)).estimates
+    assert est["fp16"] == est["bf16"] < est["raw"] < est["entropy"]  # the tie: fp16
+    comms = model.resolved_comms(["t0", "t1", "t2"])
+    assert [comms.table(t).format for t in ("t0", "t1", "t2")] == ["fp16", "raw", "fp16"]
+    assert not any(comms.table(t).compress for t in ("t0", "t1", "t2"))
+    assert "fp16 for 2 tables" in model.pays_note
+    # bf16 alone faster: the relative 0.001 table keeps fp16, the default one takes bf16.
+    faster = dataclasses.replace(speeds, formats={**speeds.formats, "bf16": (200.0, 200.0)})
+    model = LossyCommsModel(plan, gib_s_to_bytes_per_ms(link), speeds=faster)
+    assert [model.table_format(t) for t in ("t0", "t1", "t2")] == ["bf16", "raw", "fp16"]
+    # A gradient bound no cast meets: the cast table's gradient priced exact (fp32).
+    tight = dataclasses.replace(plan.comms, backward_bound=ErrorBound("value", 2.0**-13))
+    model = LossyCommsModel(dataclasses.replace(plan, comms=tight), gib_s_to_bytes_per_ms(link),
+                            speeds=speeds)  # fmt: skip
+    fwd, bwd = model._cast_wires("fp16")
+    assert fwd.ratio == 2.0 and bwd.ratio == 1.0
+    # On a link faster than a cast, raw.
+    fast = dataclasses.replace(_one_host_plan(500.0), comms=LossyCommsConfig(tables=tables))
+    model = LossyCommsModel(fast, gib_s_to_bytes_per_ms(500.0), speeds=speeds)
+    assert {model.table_format(t) for t in ("t0", "t1", "t2")} == {"raw"}
+
+
 def test_auto_takes_torchrecs_own_path_only_where_nothing_is_coded_and_dedupe_does_not_pay() -> (
     None
 ):
@@ -287,7 +332,9 @@ def test_the_seams_measured_fixed_cost_sends_a_fast_link_to_torchrecs_path() -> 
     # On 1 Gbit/s the codec pays for the fixed cost many times over: the seam, coded.
     one = _bench_plan(0.116)
     model = LossyCommsModel(one, gib_s_to_bytes_per_ms(0.116), speeds=_run3_speeds(36.6))
-    assert not model.torchrec_path and model.table_format("t0") in ("entropy", "packed")
+    # (At the configured ratio 10 the codec and a cast of the 3.74x fewer distinct rows are
+    # within 4% of each other: either, never raw.)
+    assert not model.torchrec_path and model.table_format("t0") != "raw"
     # A format forced, or a table configured coded: never TorchRec's path.
     forced = dataclasses.replace(ten, comms=LossyCommsConfig(format="entropy"))
     assert not LossyCommsModel(forced, bw, speeds=_run3_speeds(36.6)).torchrec_path

@@ -24,6 +24,7 @@ from torchrec_lossy.distributed.cast_blocks import (
     cast_tables,
     flag_words,
     max_cast_error,
+    pack_flags,
     unpack_flags,
 )
 from torchrec_lossy.distributed.pooled_blocks import (
@@ -77,6 +78,8 @@ def test_admitted_blocks_are_within_their_bound(dt: torch.dtype) -> None:
                 blocks.append(b)
                 bounds.append(eb)
     flags = admissible(blocks, [dt] * len(blocks), bounds).tolist()
+    # The device's torch ops decide as the host's compiled kernels do.
+    assert admissible(blocks, [dt] * len(blocks), bounds, host=False).tolist() == flags
     for b, eb, f in zip(blocks, bounds, flags, strict=True):
         if f:
             assert _true_error_ok(b, dt, eb), (dt, eb, float(b.abs().max()))
@@ -109,17 +112,25 @@ def test_refused_blocks() -> None:
         (x, BF16, ErrorBound("value", 2.0**-9), 0),  # bf16 errs up to 2**-8 of a value
         (x, FP16, ErrorBound("value", 2.0**-9), 1),
     ]
-    got = admissible([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases])
-    assert got.tolist() == [c[3] for c in cases]
+    for host in (True, False):
+        got = admissible([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], host)
+        assert got.tolist() == [c[3] for c in cases], host
 
 
 def test_nan_inf_do_not_hide_a_bound() -> None:
-    """Non-finite elements stay what they are; the finite ones decide."""
+    """Non-finite elements stay what they are through a cast; the finite ones decide (per value,
+    a NaN sends its block exactly)."""
     x = torch.randn(16, 4)
     x[0, 0], x[1, 1], x[2, 2] = math.nan, math.inf, -math.inf
     big = x.clone()
     big[3, 3] = 7e4  # finite past fp16's range
-    assert admissible([x, big], [FP16, FP16], [VALUE, VALUE]).tolist() == [1, 0]
+    for host in (True, False):
+        # A relative bound over the finite elements; per value a NaN refuses the block.
+        got = admissible([x, big, x, big], [FP16] * 4, [REL, REL, VALUE, VALUE], host)
+        assert got.tolist() == [1, 0, 0, 0], host
+        fin = x.clone()
+        fin[0, 0] = 0.0
+        assert admissible([fin], [FP16], [VALUE], host).tolist() == [1], host
     back = x.to(FP16).float()
     assert math.isnan(back[0, 0]) and back[1, 1] == math.inf and back[2, 2] == -math.inf
 
@@ -133,7 +144,7 @@ def test_max_cast_error_is_half_an_ulp() -> None:
 def test_flag_words_roundtrip() -> None:
     flags = torch.tensor([1, 0, 1] + [0] * 30 + [1])
     words = flag_words(flags)
-    assert words.tolist() == [5, 2]
+    assert words.tolist() == [5, 2] == pack_flags([bool(f) for f in flags.tolist()])
     assert unpack_flags(words.tolist(), 34) == [bool(f) for f in flags.tolist()]
     with pytest.raises(ValueError, match="past block"):
         unpack_flags([1 << 5], 3)

@@ -13,10 +13,10 @@ absolute below 6.1e-5, so a per-value bound fails there), and past its largest f
 (fp16: 65504) the cast overflows. A block is cast when, over its finite elements with largest
 magnitude ``amax``, ``2**(max(floor(log2 amax), e_min) - p)`` (0 for an all-zero block) is within
 its absolute bound (``value``; ``value * (max - min)`` for a relative one, over the block's
-finite elements and only where the block has no finite outlier, the codec's rule of
-``codec/outliers.py``: an outlier's bound would be the inliers' range), or, per value, when
-``value >= 2**-p`` and every nonzero finite element is a normal of the dtype; and ``amax`` does
-not overflow. NaN stays NaN and +-Inf stay exact through a cast.
+finite elements that are not outliers, the codec's rule of ``codec/outliers.py``), or, per
+value, when ``value >= 2**-p`` and every nonzero element is a normal of the dtype (a NaN
+refuses it); and ``amax`` does not overflow. NaN stays NaN (its payload bits not kept) and
++-Inf stay exact through a cast.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from torchrec_lossy.codec.bounds import finite_span
-from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
+from torchrec_lossy.codec.outliers import inlier_ranges_kernel, inlier_ranges_torch
+from torchrec_lossy.codec.quantize import finite_ranges_kernel
 from torchrec_lossy.config import CAST_FORMATS, BoundKind, ErrorBound, LossyCommsConfig
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "cast_tables",
     "flag_words",
     "max_cast_error",
+    "pack_flags",
     "unpack_flags",
     "word_count",
 ]
@@ -46,7 +49,6 @@ assert set(CAST_DTYPES) == CAST_FORMATS
 # Flags packed per int64 word of the size exchange: 32, so every word is a uint32 too (the
 # exchange hands a peer's words past its size on as uint32, as the codec's skeleton).
 FLAGS_PER_WORD = 32
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def cast_tables(config: LossyCommsConfig, tables: Iterable[str]) -> dict[str, torch.dtype]:
@@ -81,24 +83,33 @@ def max_cast_error(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         float64 bounds, 0 where ``amax`` is 0.
     """
     p, e_min = _precision(dtype)
-    e = torch.frexp(amax.double())[1] - 1  # floor(log2 amax) for amax > 0
-    err = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), e.clamp(min=e_min) - p)
-    return torch.where(amax > 0, err, 0.0)
+    return _half_ulp(amax, torch.full_like(amax, p, dtype=torch.int64), e_min)
+
+
+def _half_ulp(amax: torch.Tensor, p: torch.Tensor, e_min: torch.Tensor | int) -> torch.Tensor:
+    """``2**(max(floor(log2 amax), e_min) - p)`` (float64), 0 where ``amax`` is 0."""
+    e = torch.frexp(amax.double())[1].long() - 1  # floor(log2 amax) for amax > 0
+    one = torch.ones_like(amax, dtype=torch.float64)
+    return torch.where(amax > 0, torch.ldexp(one, torch.clamp(e, min=e_min) - p), 0.0)
 
 
 def admissible(
     blocks: Sequence[torch.Tensor],
     dtypes: Sequence[torch.dtype],
     bounds: Sequence[ErrorBound],
+    host: bool | None = None,
 ) -> torch.Tensor:
     """Whether each block's cast keeps every element within its bound (module docstring).
 
-    A few reductions over the blocks joined, on their device; no host read.
+    A few reductions over the blocks joined, no host read: on the host (CPU blocks) the codec's
+    compiled range kernels, on a device torch ops (the codec's device rule for the inliers).
 
     Args:
         blocks: 2-D float blocks, on one device.
         dtypes: Per block, its cast dtype.
         bounds: Per block, its bound (the call's: 0 is exact, so only an all-zero block casts).
+        host: Take the host kernels (None: for CPU blocks); False on CPU: the device's torch
+            ops (the tests compare the two).
 
     Returns:
         int64 [n] on the blocks' device: 1 where the block travels cast, 0 where exactly.
@@ -110,64 +121,72 @@ def admissible(
     kinds = [BoundKind.of(b.mode) for b in bounds]
     rows = []
     for b, dt, eb, k in zip(blocks, dtypes, bounds, kinds, strict=True):
-        p = _precision(dt)[0]
+        p, e_min = _precision(dt)
         fi = torch.finfo(dt)
-        rows.append([b.numel(), int(k), eb.value, 2.0**-p, fi.max, fi.tiny])
+        rows.append([b.numel(), int(k), eb.value, 2.0**-p, fi.max, fi.tiny, p, e_min])
     params = torch.tensor(rows, dtype=torch.float64).to(device)  # one upload
-    numel, kind, value, unit, top, tiny = params.unbind(1)
-    lengths = numel.long()
+    numel, kind, value, unit, top, tiny, p, e_min = params.unbind(1)
     flat = torch.cat([b.reshape(-1) for b in blocks]).float()
-    finite = torch.isfinite(flat)
-    lo = _segments(torch.where(finite, flat, math.inf), "min", lengths, math.inf)
-    hi = _segments(torch.where(finite, flat, -math.inf), "max", lengths, -math.inf)
+    relative = [k == BoundKind.RELATIVE for k in kinds]
+    if host is None:
+        host = device.type == "cpu"
+    ranges = _host_ranges if host else _device_ranges
+    lo, hi, ilo, ihi = ranges(flat, [b.numel() for b in blocks], relative)
     amax = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
-    # Each block's cast error bound in its own dtype (few dtypes: one pass each over [n]).
-    err = torch.zeros(n, dtype=torch.float64, device=device)
-    for dt in dict.fromkeys(dtypes):
-        mask = torch.tensor([d == dt for d in dtypes], device=device)
-        err = torch.where(mask, max_cast_error(amax, dt), err)
-    in_range = amax.double() <= top
-    relative = kind == BoundKind.RELATIVE
-    ok = in_range & (err <= torch.where(relative, value * finite_span(lo, hi), value))
-    if BoundKind.RELATIVE in kinds:  # an outlier's bound would be the inliers' range
-        ok &= ~(relative & _has_outlier(flat, finite, lengths, amax))
+    err = _half_ulp(amax, p.long(), e_min.long())
+    in_range = amax <= top
+    # A relative bound spans the block's finite inliers (codec/outliers.py), as the codec's.
+    rel = kind == BoundKind.RELATIVE
+    ok = in_range & (err <= torch.where(rel, value * finite_span(ilo.float(), ihi.float()), value))
     if BoundKind.VALUE in kinds:
-        nonzero = torch.where(finite & (flat != 0), flat.abs(), math.inf)
-        min_nonzero = _segments(nonzero, "min", lengths, math.inf).double()
-        per_value = in_range & (value >= unit) & (min_nonzero >= tiny)
+        mag = flat.abs()
+        mag.masked_fill_(mag == 0, math.inf)  # zeros cast exactly; NaN stays, refusing the block
+        min_nonzero = torch.segment_reduce(
+            mag, "min", lengths=numel.long(), unsafe=True, initial=math.inf
+        )
+        per_value = in_range & (value >= unit) & (min_nonzero.double() >= tiny)
         ok = torch.where(kind == BoundKind.VALUE, per_value, ok)
     return ok.to(torch.int64)
 
 
-def _segments(x: torch.Tensor, how: str, lengths: torch.Tensor, initial: float) -> torch.Tensor:
-    """``how`` ("min", "max", "sum") of each block's run of ``x`` (an empty block: ``initial``)."""
-    return torch.segment_reduce(x, how, lengths=lengths, unsafe=True, initial=initial)
+def _host_ranges(
+    flat: torch.Tensor, numels: Sequence[int], relative: Sequence[bool]
+) -> tuple[torch.Tensor, ...]:
+    """Each block's finite (lo, hi) and, for the relative ones, its finite inliers' (else the
+    same): the host codec's compiled kernels (``quantize.finite_ranges_kernel``,
+    ``outliers.inlier_ranges_kernel``), float64, +inf / -inf for a block without a finite
+    element."""
+    x = flat.numpy()
+    off = np.zeros(len(numels) + 1, dtype=np.int64)
+    np.cumsum(numels, out=off[1:])
+    lo, hi = finite_ranges_kernel(x, off)
+    ilo, ihi = inlier_ranges_kernel(x, off, lo, hi, np.array(relative, dtype=np.bool_))
+    none = np.isnan(lo)
+    out = []
+    for a, fill in ((lo, math.inf), (hi, -math.inf), (ilo, math.inf), (ihi, -math.inf)):
+        out.append(torch.from_numpy(np.where(none, fill, a)))
+    return tuple(out)
 
 
-def _has_outlier(
-    flat: torch.Tensor, finite: torch.Tensor, lengths: torch.Tensor, amax: torch.Tensor
-) -> torch.Tensor:
-    """Whether each block has a finite outlier (``codec/outliers.py``: an element at least
-    ``2**OUTLIER_OCTAVES`` times the block's median exponent), which holds iff at least half
-    of its normal elements lie ``OUTLIER_OCTAVES`` octaves or more below its largest one.
+def _device_ranges(
+    flat: torch.Tensor, numels: Sequence[int], relative: Sequence[bool]
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_host_ranges` in torch ops on the blocks' device (float32; the inliers by
+    ``outliers.inlier_ranges_torch``, the device codec's rule)."""
+    lengths = torch.tensor(numels, dtype=torch.int64).to(flat.device)
+    finite = torch.isfinite(flat)
 
-    Args:
-        flat: float32 elements of every block, back to back.
-        finite: Which are finite.
-        lengths: int64 elements per block.
-        amax: Largest finite magnitude per block.
+    def seg(x: torch.Tensor, how: str, initial: float) -> torch.Tensor:
+        return torch.segment_reduce(x, how, lengths=lengths, unsafe=True, initial=initial)
 
-    Returns:
-        bool [n].
-    """
-    e_top = torch.frexp(amax)[1] - 1
-    below = torch.ldexp(torch.ones_like(amax), e_top - (OUTLIER_OCTAVES - 1))
-    below = torch.repeat_interleave(below, lengths, output_size=flat.numel())
-    mag = flat.abs()
-    normal = finite & (mag >= _FLOAT32_TINY)
-    counts = _segments(torch.stack([normal, normal & (mag < below)], 1).double(), "sum",
-                       lengths, 0.0)  # fmt: skip
-    return (counts[:, 0] > 0) & (2 * counts[:, 1] >= counts[:, 0])
+    lo = seg(torch.where(finite, flat, math.inf), "min", math.inf)
+    hi = seg(torch.where(finite, flat, -math.inf), "max", -math.inf)
+    if not any(relative):
+        return lo, hi, lo, hi
+    blk = torch.arange(len(numels), device=flat.device)
+    e_blk = torch.repeat_interleave(blk, lengths, output_size=flat.numel())
+    ilo, ihi = inlier_ranges_torch(flat, e_blk, lengths)
+    return lo, hi, ilo, ihi
 
 
 def word_count(n_flags: int) -> int:
@@ -196,6 +215,22 @@ def flag_words(flags: torch.Tensor) -> torch.Tensor:
     padded[:n] = flags
     shifts = torch.arange(FLAGS_PER_WORD, dtype=torch.int64, device=flags.device)
     return (padded.view(-1, FLAGS_PER_WORD) << shifts).sum(1)
+
+
+def pack_flags(flags: Sequence[bool]) -> list[int]:
+    """:func:`flag_words` on the host (known flags: no torch op).
+
+    Args:
+        flags: The flags.
+
+    Returns:
+        The words.
+    """
+    words = [0] * word_count(len(flags))
+    for i, f in enumerate(flags):
+        if f:
+            words[i // FLAGS_PER_WORD] |= 1 << (i % FLAGS_PER_WORD)
+    return words
 
 
 def unpack_flags(words: Sequence[int], n: int) -> list[bool]:

@@ -33,7 +33,7 @@ from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import CodecConfig, ErrorBound, LossyCommsConfig
 from torchrec_lossy.distributed import error_sample
 from torchrec_lossy.distributed.call_ledger import CallRecord
-from torchrec_lossy.distributed.cast_blocks import admissible, flag_words, word_count
+from torchrec_lossy.distributed.cast_blocks import admissible, flag_words, pack_flags, word_count
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
 from torchrec_lossy.distributed.guard import guarded_bound
 from torchrec_lossy.distributed.pooled_blocks import (
@@ -240,9 +240,7 @@ def start_encode(
         record = info.ledger.start(direction, direction == "fwd" and info.exact_forward)
     plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
     if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
-        plan = build_encode_plan(
-            specs_per_peer, info.compress, my_rank, info.raw_peers, info.casts
-        )
+        plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers, info.casts)
     _check_blocks(plan, blocks_per_peer, specs_per_peer)
     n_peers = len(blocks_per_peer)
     if telemetry is None:
@@ -486,7 +484,7 @@ def _raw_parts(
     raw_parts: list[list[torch.Tensor]] = [[] for _ in range(n_peers)]
     flag_of = dict(zip(plan.cast_at, cast, strict=True))
     for p, flags in _flags_per_peer(plan, cast).items():
-        words = flag_words(torch.tensor(flags, dtype=torch.int64))
+        words = torch.tensor(pack_flags(flags), dtype=torch.int64)
         raw_parts[p].append(_padded_bytes(words, device))
     for k, (p, i, _) in enumerate(plan.raw):
         b = blocks_per_peer[p][i]
@@ -544,8 +542,9 @@ def _size_words(
             raw_len[p] += done.sizes[g]
         sizes_np = np.array(raw_len, np.int64)
         extras: dict[int, list[np.ndarray]] = {}
-        for p, flags in _flags_per_peer(plan, casts.flags.tolist()).items():
-            extras[p] = [flag_words(torch.tensor(flags, dtype=torch.int64)).numpy()]
+        assert casts.host is not None
+        for p, flags in _flags_per_peer(plan, casts.host).items():
+            extras[p] = [np.array(pack_flags(flags), dtype=np.int64)]
         for p, g in group_of.items():
             extras.setdefault(p, []).append(done.skeletons[g])
         meta_np = _size_exchange_words(sizes_np, extras, np.concatenate)

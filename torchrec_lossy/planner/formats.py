@@ -9,7 +9,9 @@ byte, forward and gradient together (both travel in the table's format):
 The collective's fixed cost per round is the same for every candidate of a table (every
 exchange has its size and payload rounds today), so it does not change the pick; the summary
 prints it. Accuracy first: a candidate whose error can exceed the table's bound is never
-admitted.
+admitted; a cast (fp16 / bf16) is admitted where the bound can be met, and the seam checks
+each block on its data, sending exactly any block the cast would take past its bound
+(``distributed/cast_blocks.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torchrec_lossy.config import NOT_YET_SENT, ErrorBound
+from torchrec_lossy.config import ErrorBound
 from torchrec_lossy.planner.cost import RAW, WireFormat, gib_s_to_bytes_per_ms
 
 __all__ = ["CANDIDATES", "Candidate", "FormatChoice", "admits", "choose_format", "ms_per_byte"]
@@ -32,23 +34,16 @@ class Candidate:
         ratio: Raw bytes / wire bytes when fixed (raw 1, casts 2); None: the table's expected
             or calibrated codec ratio.
         value_error: Relative error per value of a cast (``|x' - x| <= value_error * |x|`` in
-            the cast's normal range); 0: exact; None: the configured bound (an error-bounded
-            codec meets any bound).
-        full_range: Whether ``value_error`` holds for every finite float32: fp16 flushes
-            values below 6.1e-5 to subnormals or zero (up to 100% error) and overflows above
-            65504; bf16 loses float32's subnormals (below 1.2e-38). Neither holds it.
-        sendable: Whether the sharder can send the forward in it (``NOT_YET_SENT``).
+            the cast's normal range: round to nearest keeps 11 (fp16) / 8 (bf16) significant
+            bits); 0: exact; None: the configured bound (an error-bounded codec meets any
+            bound). Outside its normal range (fp16 below 6.1e-5 or past 65504, bf16 on
+            float32's subnormals) a cast's per-value error is larger: the seam's check per
+            block sends such a block exactly.
     """
 
     name: str
     ratio: float | None
     value_error: float | None
-    full_range: bool = True
-
-    @property
-    def sendable(self) -> bool:
-        """Whether the sharder sends the forward in this format today."""
-        return self.name not in NOT_YET_SENT
 
 
 CANDIDATES: dict[str, Candidate] = {
@@ -56,8 +51,8 @@ CANDIDATES: dict[str, Candidate] = {
     for c in (
         Candidate("raw", 1.0, 0.0),
         # Round to nearest keeps 10 (fp16) / 7 (bf16) mantissa bits: 2**-11 / 2**-8 relative.
-        Candidate("fp16", 2.0, 2.0**-11, full_range=False),
-        Candidate("bf16", 2.0, 2.0**-8, full_range=False),
+        Candidate("fp16", 2.0, 2.0**-11),
+        Candidate("bf16", 2.0, 2.0**-8),
         Candidate("entropy", None, None),
         Candidate("packed", None, None),
     )
@@ -65,13 +60,15 @@ CANDIDATES: dict[str, Candidate] = {
 
 
 def admits(candidate: Candidate, bound: ErrorBound) -> bool:
-    """Whether ``candidate`` keeps every value within ``bound``.
+    """Whether ``candidate`` can keep a table's values within ``bound``.
 
-    A cast's error is relative to each value, so only a per-value bound at least that large
-    admits it (a range-relative or absolute bound can be smaller than a large value's cast
-    error), and only if that holds over all of float32's range, which neither fp16 nor bf16
-    does (so today no bound admits them: they are priced for comparison only); exact and
-    error-bounded formats meet every bound.
+    Exact and error-bounded formats meet every bound. A cast errs by up to ``value_error``
+    of each value, so a per-value bound at least that large admits it, and so does a relative
+    one (``value * (max - min)`` of a block: a block whose range is at least its largest
+    magnitude, as embeddings and gradients around 0 have, keeps its cast within it); an
+    absolute bound never (its scale is the data's, unknown here). Where a block's data does
+    not meet the bound (a range tiny against its magnitude, values outside the cast's normal
+    range) the seam sends that block exactly, so an admitted cast never exceeds the bound.
 
     Args:
         candidate: The format.
@@ -82,7 +79,7 @@ def admits(candidate: Candidate, bound: ErrorBound) -> bool:
     """
     if candidate.value_error is None or candidate.value_error == 0.0:
         return True
-    return candidate.full_range and bound.mode == "value" and bound.value >= candidate.value_error
+    return bound.mode in ("value", "relative") and bound.value >= candidate.value_error
 
 
 def ms_per_byte(fmt: WireFormat, bandwidth: float) -> float:
@@ -104,7 +101,7 @@ class FormatChoice:
 
     Attributes:
         name: The chosen format.
-        estimates: ms per raw byte (forward + gradient) of each admissible sendable candidate.
+        estimates: ms per raw byte (forward + gradient) of each admissible candidate.
     """
 
     name: str
@@ -129,7 +126,7 @@ def choose_format(
     bound: ErrorBound,
     bandwidth: float,
 ) -> FormatChoice:
-    """The admissible, sendable candidate of least estimated forward + gradient time.
+    """The admissible candidate of least estimated forward + gradient time.
 
     Args:
         formats: Candidate name to its ``(forward, gradient)`` formats with ratios and
@@ -138,15 +135,16 @@ def choose_format(
         bandwidth: The destination class's link bandwidth, bytes/ms.
 
     Returns:
-        The choice; raw on a tie (no codec work for nothing).
+        The choice; raw on a tie (no codec work for nothing), else the more accurate.
     """
     estimates = {
         name: ms_per_byte(fwd, bandwidth) + ms_per_byte(bwd, bandwidth)
         for name, (fwd, bwd) in formats.items()
-        if CANDIDATES[name].sendable and admits(CANDIDATES[name], bound)
+        if admits(CANDIDATES[name], bound)
     }
     estimates.setdefault("raw", 2 * ms_per_byte(RAW, bandwidth))
-    best = min(estimates, key=lambda n: (estimates[n], n != "raw"))
+    # Ties: raw (no work for nothing), then the smaller error (fp16 before bf16).
+    best = min(estimates, key=lambda n: (estimates[n], n != "raw", CANDIDATES[n].value_error or 0))
     return FormatChoice(best, estimates)
 
 

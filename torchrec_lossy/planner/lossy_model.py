@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from torchrec_lossy.config import (
+    CAST_FORMATS,
     CODEC_FORMATS,
     LossyCommsConfig,
     LossyPlanConfig,
@@ -27,7 +28,14 @@ from torchrec_lossy.planner.cost import (
     TableComms,
     WireFormat,
 )
-from torchrec_lossy.planner.formats import FormatChoice, bandwidth_gib_s, choose_format, ms_per_byte
+from torchrec_lossy.planner.formats import (
+    CANDIDATES,
+    FormatChoice,
+    admits,
+    bandwidth_gib_s,
+    choose_format,
+    ms_per_byte,
+)
 from torchrec_lossy.planner.speeds import Speeds, default_speeds
 
 __all__ = ["LossyCommsModel"]
@@ -40,9 +48,11 @@ class LossyCommsModel:
     ``comms.format``. ``entropy``: the codec at the table's expected ratio (calibrated, else
     ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial sums by
     the coded all-to-all), and on the cross-host hop of TWRW and grid (their intra-host
-    reduce-scatter stays raw). ``raw``: fp32, as TorchRec. ``auto`` (the default): the
-    admissible format of least estimated forward + gradient time per raw byte on the link
-    (:func:`~torchrec_lossy.planner.formats.choose_format`): per table on the cross-host link
+    reduce-scatter stays raw). ``raw``: fp32, as TorchRec. ``fp16`` / ``bf16``: each block cast
+    where its bound admits it (the seam checks every block), at the casts' measured speeds.
+    ``auto`` (the default): the admissible format of least estimated forward + gradient time
+    per raw byte on the link (:func:`~torchrec_lossy.planner.formats.choose_format`): per table
+    on the cross-host link
     (on one host, the intra-host one), and once for all tables on the same-host link of a
     multi-host cluster (it resolves ``comms.intra_host`` when that is ``auto``). The codec's
     speeds: ``planner.encode_gib_s`` / ``decode_gib_s`` where set (pinned), else ``speeds``
@@ -215,7 +225,8 @@ class LossyCommsModel:
         """:meth:`_torchrec_path` from the measured fixed cost: step times on the link."""
         sp, topo, tables = self.speeds, self.config.topology, self.config.embedding_tables
         assert sp.seam_ms is not None and sp.rows
-        forced = [t.name for t in tables if self.config.comms.table(t.name).format in CODEC_FORMATS]
+        seam_only = CODEC_FORMATS | CAST_FORMATS
+        forced = [t.name for t in tables if self.config.comms.table(t.name).format in seam_only]
         if forced:  # a table the config sends coded is not ours to send as TorchRec does
             return False, f"; the seam (tables {forced} are configured coded)"
         world = topo.world_size
@@ -300,7 +311,24 @@ class LossyCommsModel:
         coded = self._codec_wire(f, ratio)
         bwd = self._bwd if self._bwd.name != "lossy" else self.backward_format(table, f)
         raw = WireFormat("raw", self.dedupe_ratio)  # the seam's raw: distinct rows only
-        return choose_format({"raw": (raw, raw), f: (coded, bwd)}, bound, bandwidth)
+        casts = {c: self._cast_wires(c) for c in sorted(CAST_FORMATS)}
+        return choose_format({"raw": (raw, raw), f: (coded, bwd), **casts}, bound, bandwidth)
+
+    def _cast_wires(self, cast: str) -> tuple[WireFormat, WireFormat]:
+        """A cast table's forward and gradient formats: the cast at its measured speeds (of
+        the seam's check and cast, ``speeds``) on the distinct rows; its gradient cast too
+        under ``backward: lossy`` where ``backward_bound`` admits the cast (else exact), the
+        configured backward otherwise."""
+        device = self.config.topology.compute_device
+        enc, dec = self.speeds.formats.get(cast, QCOMM_THROUGHPUT_GIB_S[(device, cast)])
+        d = self.dedupe_ratio
+        fwd = WireFormat(cast, 2.0 * d, enc * d, dec * d)
+        comms = self.config.comms
+        if self._bwd.name != "lossy":
+            return fwd, self._bwd
+        if admits(CANDIDATES[cast], comms.backward_bound):
+            return fwd, fwd
+        return fwd, WireFormat("raw", d)
 
     def _choice_note(self) -> str:
         """What ``auto`` chose for the plan and why, said once (empty when nothing is auto)."""
@@ -367,8 +395,8 @@ class LossyCommsModel:
         return self._codec_wire(codec_format or self.codec_format, r)
 
     def table_format(self, table: str) -> str:
-        """The format the sharder sends ``table`` in: ``"raw"`` or the run's codec format
-        (``auto`` resolved on the table's link).
+        """The format the sharder sends ``table`` in: ``"raw"``, a cast (``"fp16"`` /
+        ``"bf16"``) or the run's codec format (``auto`` resolved on the table's link).
 
         Args:
             table: Table name.
@@ -403,8 +431,18 @@ class LossyCommsModel:
             else:
                 note = "format raw / compress: false in the config"
             return self._per_destination(TableComms(RAW, RAW, note=note, row_wise_all_to_all=True))
-        fwd = self._codec_wire(self.codec_format, r)
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
+        if fmt in CAST_FORMATS:
+            fwd, bwd = self._cast_wires(fmt)
+            cost = ms_per_byte(fwd, bw) / ms_per_byte(RAW, bw)
+            note = f"{fmt} cast where each block's bound admits it, at {cost:.2f} of raw time"
+            comms = TableComms(fwd, bwd, note=note, row_wise_all_to_all=True)
+            if self.same_host_raw:  # the seam sends raw peers every block exactly
+                return dataclasses.replace(
+                    comms, fwd_same_host=RAW, bwd_same_host=RAW, own_block_coded=False
+                )
+            return dataclasses.replace(comms, own_block_coded=False)
+        fwd = self._codec_wire(self.codec_format, r)
         cost = ms_per_byte(fwd, bw) / ms_per_byte(RAW, bw)
         note = (
             f"{self.codec_format} at ratio {fwd.ratio:.1f}x ({source}), all-to-all at "
@@ -432,7 +470,10 @@ class LossyCommsModel:
         }
         changes: dict[str, object] = {}
         if overrides:
-            changes["tables"] = {**overrides, **base.tables}
+            # A table's own entry (its bound, no format) is resolved too: its override, which
+            # carries that bound, takes the name's place.
+            rest = {k: v for k, v in base.tables.items() if k not in overrides}
+            changes["tables"] = {**overrides, **rest}
         if base.format == "auto":
             # A table no one listed (resolved nowhere) keeps the codec, as a plain sharder does.
             changes["format"] = self.codec_format

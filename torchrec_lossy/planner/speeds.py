@@ -21,7 +21,12 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from torchrec_lossy.config import CODEC_FORMATS, EmbeddingTableConfig, LossyCommsConfig
+from torchrec_lossy.config import (
+    CODEC_FORMATS,
+    EmbeddingTableConfig,
+    ErrorBound,
+    LossyCommsConfig,
+)
 from torchrec_lossy.planner.cost import CODEC_THROUGHPUT_GIB_S, QCOMM_THROUGHPUT_GIB_S
 from torchrec_lossy.profile_range import profile_range
 
@@ -168,10 +173,19 @@ def _time_formats(
     out["dedupe"], ratios["dedupe"] = _time_dedupe(blocks, reps, sync)
     for name, dtype in CASTS.items():
         wire = [b.to(dtype) for b in blocks]
-        enc = best_seconds(lambda d=dtype: [b.to(d) for b in blocks], reps, sync)
+        # The seam's cast: each block's admission (distributed/cast_blocks.py), then the cast.
+        enc = best_seconds(lambda d=dtype: _seam_cast(blocks, d), reps, sync)
         dec = best_seconds(lambda w=wire: [b.float() for b in w], reps, sync)
         out[name] = (raw_gib / enc, raw_gib / dec)
     return out, ratios
+
+
+def _seam_cast(blocks: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """What the seam does to a cast table's blocks: their admission, then the cast."""
+    from torchrec_lossy.distributed.cast_blocks import admissible
+
+    admissible(blocks, [dtype] * len(blocks), [ErrorBound()] * len(blocks))
+    return [b.to(dtype) for b in blocks]
 
 
 def _time_dedupe(
