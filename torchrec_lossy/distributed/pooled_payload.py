@@ -489,15 +489,20 @@ def _raw_parts(
     for k, (p, i, _) in enumerate(plan.raw):
         b = blocks_per_peer[p][i]
         dt = plan.casts[k] if flag_of.get(k) else None
-        raw_parts[p].append(_padded_bytes(b if dt is None else b.to(dt), device))
+        raw_parts[p].append(_padded_bytes(b, device, b.dtype if dt is None else dt))
     return raw_parts
 
 
-def _padded_bytes(b: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``b``'s bytes, zero-padded to :data:`ALIGN`, on ``device``."""
-    nbytes = b.numel() * b.element_size()
-    raw = torch.zeros(padded_size(nbytes), dtype=torch.uint8, device=device)
-    raw[:nbytes] = b.contiguous().view(-1).view(torch.uint8)
+def _padded_bytes(
+    b: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``b``'s elements in ``dtype`` (None: its own), as bytes zero-padded to :data:`ALIGN`,
+    on ``device``: written once, the cast (if any) in the copy."""
+    dtype = b.dtype if dtype is None else dtype
+    nbytes = b.numel() * dtype.itemsize
+    raw = torch.empty(padded_size(nbytes), dtype=torch.uint8, device=device)
+    raw[nbytes:].zero_()
+    raw[:nbytes].view(dtype).view(b.shape).copy_(b)
     return raw
 
 
