@@ -126,12 +126,14 @@ def admissible(
         rows.append([b.numel(), int(k), eb.value, 2.0**-p, fi.max, fi.tiny, p, e_min])
     params = torch.tensor(rows, dtype=torch.float64).to(device)  # one upload
     numel, kind, value, unit, top, tiny, p, e_min = params.unbind(1)
-    flat = torch.cat([b.reshape(-1) for b in blocks]).float()
     relative = [k == BoundKind.RELATIVE for k in kinds]
     if host is None:
         host = device.type == "cpu"
-    ranges = _host_ranges if host else _device_ranges
-    lo, hi, ilo, ihi = ranges(flat, [b.numel() for b in blocks], relative)
+    flat = None if host else torch.cat([b.reshape(-1) for b in blocks]).float()
+    if flat is None:
+        lo, hi, ilo, ihi = _host_ranges(blocks, relative)
+    else:
+        lo, hi, ilo, ihi = _device_ranges(flat, [b.numel() for b in blocks], relative)
     amax = torch.where(lo <= hi, torch.maximum(lo.abs(), hi.abs()), 0.0)
     err = _half_ulp(amax, p.long(), e_min.long())
     in_range = amax <= top
@@ -139,7 +141,7 @@ def admissible(
     rel = kind == BoundKind.RELATIVE
     ok = in_range & (err <= torch.where(rel, value * finite_span(ilo.float(), ihi.float()), value))
     if BoundKind.VALUE in kinds:
-        mag = flat.abs()
+        mag = (torch.cat([b.reshape(-1) for b in blocks]) if flat is None else flat).float().abs()
         mag.masked_fill_(mag == 0, math.inf)  # zeros cast exactly; NaN stays, refusing the block
         min_nonzero = torch.segment_reduce(
             mag, "min", lengths=numel.long(), unsafe=True, initial=math.inf
@@ -150,22 +152,25 @@ def admissible(
 
 
 def _host_ranges(
-    flat: torch.Tensor, numels: Sequence[int], relative: Sequence[bool]
+    blocks: Sequence[torch.Tensor], relative: Sequence[bool]
 ) -> tuple[torch.Tensor, ...]:
     """Each block's finite (lo, hi) and, for the relative ones, its finite inliers' (else the
     same): the host codec's compiled kernels (``quantize.finite_ranges_kernel``,
-    ``outliers.inlier_ranges_kernel``), float64, +inf / -inf for a block without a finite
-    element."""
-    x = flat.numpy()
-    off = np.zeros(len(numels) + 1, dtype=np.int64)
-    np.cumsum(numels, out=off[1:])
-    lo, hi = finite_ranges_kernel(x, off)
-    ilo, ihi = inlier_ranges_kernel(x, off, lo, hi, np.array(relative, dtype=np.bool_))
-    none = np.isnan(lo)
-    out = []
-    for a, fill in ((lo, math.inf), (hi, -math.inf), (ilo, math.inf), (ihi, -math.inf)):
-        out.append(torch.from_numpy(np.where(none, fill, a)))
-    return tuple(out)
+    ``outliers.inlier_ranges_kernel``) on each block as it lies (no copy of contiguous float32
+    blocks), float64, +inf / -inf for a block without a finite element."""
+    n = len(blocks)
+    out = np.empty((4, n))
+    ends = np.zeros(2, dtype=np.int64)
+    for b, (blk, rel) in enumerate(zip(blocks, relative, strict=True)):
+        x = blk.reshape(-1).float().contiguous().numpy()
+        ends[1] = x.shape[0]
+        lo, hi = finite_ranges_kernel(x, ends)
+        ilo, ihi = inlier_ranges_kernel(x, ends, lo, hi, np.array([rel]))
+        out[:, b] = lo[0], hi[0], ilo[0], ihi[0]
+    none = np.isnan(out[0])
+    out[0::2, none] = math.inf
+    out[1::2, none] = -math.inf
+    return tuple(torch.from_numpy(row) for row in out)
 
 
 def _device_ranges(
