@@ -11,12 +11,15 @@ whatever the format and the link, so ``comms.format: auto`` prices it as a fixed
 reduce and place) on one rank's Criteo-like step against TorchRec's permute copies, the two
 interleaved trial by trial (:func:`~torchrec_lossy.planner.speeds.interleaved_best`).
 
-Each exchange has a fixed cost of its own too: the seam's all-to-all (its call, the one-round
-slots' header and history, the autograd steps, the blocks' cut and join) against TorchRec's one
-``all_to_all_single`` per direction. :func:`time_exchange_ms` measures it on the run's process
-group with the seam's own exchange (``alltoall_pooled_lossy`` with a slot history, every block
-raw) on small blocks of the layout, so the time is the fixed part rather than the bytes; it
-replaces the two collective rounds the model charged before the one-round slots.
+Each exchange has a fixed cost of its own too: the seam's all-to-all (its call, the payload's
+framing, the one-round slots' header and history, the autograd steps, the blocks' cut and join)
+against TorchRec's one ``all_to_all_single`` per direction. :func:`time_exchange_ms` measures it
+on the run's process group, the ranks running it together, with the seam's own exchange
+(``alltoall_pooled_lossy`` with a slot history, every block raw, every row sent: the same bytes
+as TorchRec's) on small blocks of the layout, so the time is the fixed part rather than the
+bytes; it replaces the two collective rounds the model charged before the one-round slots. The
+raw path's cost per byte (framing, checksums) is not in it: under load it is timed as high as
+the fixed part, and priced per raw byte it would need the two measured apart (a size sweep).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def time_seam_step(
 
     Args:
         tables: The tables (single-hot features, their sizes shape the Zipf ids).
-        rows: Rows per rank (its batch).
+        rows: Rows per rank: small, so the time is the fixed part.
         world_size: Ranks of the all-to-all (>= 1).
         device: Where the tensors live.
         dedupe: Whether the seam runs the exact output dedupe (``input_dist.dedupe_outputs`` /
@@ -158,8 +161,9 @@ def time_exchange_ms(
     The tables are spread table-wise (table ``t`` on rank ``t % world``); the seam runs
     ``alltoall_pooled_lossy`` with the dist's slot history (after its first call one round per
     direction, as in training) and every block raw, TorchRec one ``all_to_all_single`` of the
-    same rows per direction; the two interleaved call by call (the best of ``reps`` each,
-    the ranks meeting at a barrier around each call, so the slowest rank's time counts).
+    same rows per direction (the same bytes: their difference is the seam's own fixed cost);
+    the two interleaved call by call (the best of ``reps`` each, the ranks meeting at a barrier
+    around each call, so the slowest rank's time counts).
 
     Args:
         tables: The tables (their dims).

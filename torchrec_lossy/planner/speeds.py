@@ -77,8 +77,9 @@ class Speeds:
         seam_ms: The seam's fixed cost per step on a rank beyond TorchRec's path (its cut,
             expand, gradient sum and place around the wire, :mod:`.seam_cost`), if measured.
         rows: Rows per rank (the batch) the measurement was made for.
-        exchange_ms: The seam's fixed cost per exchange (a forward and its gradient) beyond
-            TorchRec's all-to-all, measured on the process group with the one-round slots
+        exchange_ms: The seam's fixed cost per exchange (a forward and its gradient, small
+            blocks, every block raw) beyond TorchRec's all-to-all of the same bytes, measured
+            on the process group with the one-round slots
             (:func:`~torchrec_lossy.planner.seam_cost.time_exchange_ms`); None: not measured
             (the model then charges two collective rounds instead).
     """
