@@ -280,31 +280,44 @@ def shard_model(
         tables=plan_tables(plan.plan.get(EBC_PATH, {}), plan_config, env.world_size),
         lossy=args.comm == "lossy" and not planner.torchrec_path,
         qcomm_codecs=codecs,
-        recheck_ms=recheck_ms(planner) if args.comm == "lossy" else {},
+        recheck=recheck_args(planner, env.device) if args.comm == "lossy" else {},
     )
 
 
-def recheck_ms(planner: Any) -> dict[str, tuple[float, float]]:
-    """The re-check's alternatives where ``comms.format: auto`` runs the seam with a coded
-    table: the planner's wire and codec ms a step, raw and coded; else empty (no re-check).
+def recheck_args(planner: Any, device: torch.device) -> dict[str, Any]:
+    """The run's format re-check (``RuntimeRecheck``'s arguments) where ``comms.format: auto``
+    runs the seam: the planner's wire and codec ms a step, raw and coded; the choice it started
+    with (raw where every table resolved raw: the codec then timed again at each check, a
+    start-up calibration under load may have priced it too slow); else empty (no re-check).
 
     Args:
         planner: The ``LossyShardingPlanner``.
+        device: Where the codec runs.
 
     Returns:
-        ``LossyCommsModel.step_ms()`` or ``{}``.
+        ``step_ms``, ``start``, ``coded_tables`` and ``remeasure`` for ``RuntimeRecheck``, or
+        ``{}``.
     """
     from torchrec_lossy.planner import LossyCommsModel
+    from torchrec_lossy.planner.recheck import codec_remeasure
 
     model = planner.comms_model
     if planner.torchrec_path or not isinstance(model, LossyCommsModel):
         return {}
-    comms = planner.comms_config
-    if planner.config.comms.format != "auto" or not any(
-        comms.table(t.name).compress for t in planner.config.embedding_tables
-    ):
+    user, comms = planner.config.comms, planner.comms_config
+    tables = [t.name for t in planner.config.embedding_tables]
+    auto = [t for t in tables if user.table(t).format == "auto"]
+    step_ms = model.step_ms()
+    if user.format != "auto" or not auto or not step_ms:
         return {}
-    return model.step_ms()
+    if any(comms.table(t).compress for t in tables):
+        return {"step_ms": step_ms}
+    return {
+        "step_ms": step_ms,
+        "start": "raw",
+        "coded_tables": auto,
+        "remeasure": codec_remeasure(model, device),
+    }
 
 
 def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> Any:
@@ -327,8 +340,9 @@ def format_speeds(args: argparse.Namespace, env: DistEnv, plan_config: Any) -> A
 
     tables = plan_config.embedding_tables
     speeds = measure_speeds(
-        tables, args.batch_size, plan_config.comms, env.device, world_size=env.world_size
-    )
+        tables, args.batch_size, plan_config.comms, env.device, world_size=env.world_size,
+        group=dist.GroupMember.WORLD,
+    )  # fmt: skip
     return agree_speeds(speeds, dist.GroupMember.WORLD, env.device)
 
 
@@ -371,7 +385,7 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> Any:
 def train(
     args: argparse.Namespace, env: DistEnv, data: DataSource, model: nn.Module, optimizer: Any,
     log: RunLog, checkpointer: Checkpointer | None,
-    recheck_alternatives: dict[str, tuple[float, float]] | None = None,
+    recheck_args: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     """Trains to the end: TorchRec's pipeline, evaluations, telemetry samples, checkpoints.
 
@@ -383,10 +397,10 @@ def train(
         optimizer: The combined optimizer.
         log: Where steps, samples and evaluations are recorded.
         checkpointer: Saves (and has resumed) the run, if ``--checkpoint-dir`` is given.
-        recheck_alternatives: The re-check's alternatives (``ShardedModel.recheck_ms``); empty
-            or None: no re-check. Every ``--recheck-every`` steps the ranks agree whether the
-            coded tables go raw (or back), from the measured step and codec times; a switch is
-            logged in the run's notes and saved with checkpoints.
+        recheck_args: The re-check's arguments (``ShardedModel.recheck``); empty or None: no
+            re-check. Every ``--recheck-every`` steps the ranks agree whether the coded tables
+            go raw (or back, or a raw start's auto tables coded), from the measured step and
+            codec times; a switch is logged in the run's notes and saved with checkpoints.
     """
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -394,12 +408,12 @@ def train(
 
     position = (0, 0)
     recheck = None
-    if recheck_alternatives and args.recheck_every > 0:
+    if recheck_args and args.recheck_every > 0:
         from torchrec_lossy.planner.recheck import RecheckConfig, RuntimeRecheck
 
         recheck = RuntimeRecheck(
-            model, recheck_alternatives, RecheckConfig(every_steps=args.recheck_every),
-            dist.GroupMember.WORLD,
+            model, config=RecheckConfig(every_steps=args.recheck_every),
+            group=dist.GroupMember.WORLD, **recheck_args,
         )  # fmt: skip
         if checkpointer:
             checkpointer.recheck = recheck
@@ -491,7 +505,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     log = RunLog(sharded, env, args.batch_size)
     ckpt = Checkpointer(args.checkpoint_dir, env, args.comm) if args.checkpoint_dir else None
     try:
-        train(args, env, data, sharded.model, optimizer, log, ckpt, sharded.recheck_ms)
+        train(args, env, data, sharded.model, optimizer, log, ckpt, sharded.recheck)
     except Exception as e:
         if args.comm == "int8":
             raise RuntimeError(

@@ -63,9 +63,10 @@ class ShardedModel:
             (``(rank, columns)`` of each all-to-all shard; empty for DP).
         lossy: Whether the lossy sharder is in use.
         qcomm_codecs: TorchRec's pooled all-to-all codecs of a qcomm mode (else None).
-        recheck_ms: The planner's wire and codec ms a step of the run's re-check alternatives
-            (``LossyCommsModel.step_ms``: raw and the codec format) where ``auto`` codes a
-            table; empty: no re-check.
+        recheck: The run's format re-check's arguments (``RuntimeRecheck``'s ``step_ms``:
+            the planner's wire and codec ms a step of raw and the codec format, and for a run
+            that starts raw ``start``, ``coded_tables``, ``remeasure``) where ``auto`` runs the
+            seam; empty: no re-check.
     """
 
     model: nn.Module
@@ -75,7 +76,7 @@ class ShardedModel:
     tables: dict[str, dict[str, Any]]
     lossy: bool
     qcomm_codecs: Any = None
-    recheck_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    recheck: dict[str, Any] = field(default_factory=dict)
 
 
 def plan_tables(

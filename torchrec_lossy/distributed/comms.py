@@ -9,7 +9,7 @@ loaded with the model's ``state_dict``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -104,6 +104,35 @@ class StaticBounds(nn.Module):
 PayloadHook = Callable[[Direction, int, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class WireChoice:
+    """Which tables' pooled blocks go through the codec: the run's format decision, an
+    immutable record that the run's format re-check replaces between steps
+    (:meth:`LossyComms.choose_wire`), never changes in place.
+
+    Attributes:
+        coded: The tables coded now, every other one raw; None: as the config says (each
+            table's ``compress``).
+        name: What the decision is, for logs: ``"config"``, ``"raw"`` or a codec format.
+    """
+
+    coded: frozenset[str] | None = None
+    name: str = "config"
+
+    def flags(self, configured: Mapping[str, bool]) -> dict[str, bool]:
+        """Whether each table goes through the codec under this choice.
+
+        Args:
+            configured: Table name to its configured flag (:meth:`LossyComms.compress_flags`).
+
+        Returns:
+            Table name to flag, the same keys.
+        """
+        if self.coded is None:
+            return dict(configured)
+        return {t: t in self.coded for t in configured}
+
+
 @dataclass
 class LossyComms:
     """Configuration and statistics one sharded module's compressed dists share (a plain object).
@@ -119,9 +148,10 @@ class LossyComms:
         guard: Tightens bounds on the error sample's alerts (``comms.guard``); None when off.
             Like ``bounds``, the run's bound policy: it changes only between steps, on every
             rank alike, never within a call.
-        send_raw: Every pooled block travels raw (set between steps, on every rank alike, by
-            the run's format re-check, :class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`):
-            the run's format, configuration that the re-check may change between steps.
+        wire: The run's format decision (:class:`WireChoice`): the config's until the run's
+            format re-check (:class:`~torchrec_lossy.planner.recheck.RuntimeRecheck`) replaces
+            it between steps, on every rank alike (:meth:`choose_wire`); each call reads it
+            once, when it starts, and carries its flags.
 
     Per-call state is not here: each call's record and decode status travel with the call, drawn
     from and listed in the module's own :class:`~.call_ledger.CallLedger` (the sharded module's
@@ -134,7 +164,15 @@ class LossyComms:
     payload_hook: PayloadHook | None = None
     warned_exact: set[tuple[str, str]] = field(default_factory=set)
     guard: BoundGuard | None = None
-    send_raw: bool = False
+    wire: WireChoice = field(default_factory=WireChoice)
+
+    def choose_wire(self, choice: WireChoice) -> None:
+        """Replaces the run's format decision for the calls that start from now on.
+
+        Args:
+            choice: The new decision (between steps, the same on every rank).
+        """
+        self.wire = choice
 
     def compress_flags(self, tables: Sequence[str]) -> dict[str, bool]:
         """Whether each table's blocks go through the codec (else raw), in both directions.

@@ -24,11 +24,16 @@ from torchrec.distributed.types import Awaitable, QuantizedCommCodecs
 from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.cast_blocks import cast_tables
 from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
-from torchrec_lossy.distributed.comms import LossyComms
+from torchrec_lossy.distributed.comms import LossyComms, WireChoice
 from torchrec_lossy.distributed.context import LossyShardingContext
 from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.exchange_slots import SlotHistory
-from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo, layout_plans
+from torchrec_lossy.distributed.pooled_blocks import (
+    BlockSpec,
+    LayoutPlans,
+    LossyAll2AllPooledInfo,
+    layout_plans,
+)
 from torchrec_lossy.distributed.pooled_payload import warm_up_host
 from torchrec_lossy.distributed.topology import peer_links
 from torchrec_lossy.distributed.vbe import pad_vbe_input, unpad_vbe_output, vbe_rows_per_rank
@@ -101,9 +106,12 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         self._plans = layout_plans(
             self._layout, self._compress, pg.rank(), self._raw_peers, self._casts
         )
-        # The re-check's raw alternative (LossyComms.send_raw), planned once here too.
-        self._raw = dict.fromkeys(self._compress, False)
-        self._raw_plans = layout_plans(self._layout, self._raw, pg.rank(), self._raw_peers)
+        # The flags, encode plans and cast tables of each format decision the run's re-check
+        # has made (LossyComms.wire), planned once per decision: a pure function of it and the
+        # layout. The config's decision casts its cast tables; a re-check's sends them raw.
+        self._wired: dict[
+            WireChoice, tuple[dict[str, bool], LayoutPlans, dict[str, torch.dtype]]
+        ] = {WireChoice(): (self._compress, self._plans, self._casts)}
         # Each pair's last payload per kind of call: the one-round slots are sized by it.
         self._slots = SlotHistory(pg.size())
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
@@ -191,22 +199,33 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
         output_dedupe: OutputDedupe | None,
     ) -> LossyAll2AllPooledInfo:
         """Per-call parameters of :func:`alltoall_pooled_lossy` for this all-to-all."""
-        raw = self._comms.send_raw
+        compress, plans, casts = self._wire_plans(self._comms.wire)
         return LossyAll2AllPooledInfo(
             batch_size_per_rank=list(batch_size_per_rank),
             layout=self._layout,
             comms=self._comms,
             ledger=self._ledger,
-            compress=self._raw if raw else self._compress,
+            compress=compress,
             dtype=dtype,
             output_dedupe=output_dedupe,
             exact_forward=self._ledger.exact_forward,
             same_host=self._same_host,
             raw_peers=self._raw_peers,
-            plans=self._raw_plans if raw else self._plans,
+            plans=plans,
             slots=self._slots,
-            casts={} if raw else self._casts,
+            casts=casts,
         )
+
+    def _wire_plans(
+        self, choice: WireChoice
+    ) -> tuple[dict[str, bool], LayoutPlans, dict[str, torch.dtype]]:
+        """The codec flags, encode plans and cast tables of the calls under ``choice``."""
+        found = self._wired.get(choice)
+        if found is None:
+            flags = choice.flags(self._compress)
+            plans = layout_plans(self._layout, flags, self._pg.rank(), self._raw_peers)
+            found = self._wired[choice] = (flags, plans, {})
+        return found
 
     @property
     def callbacks(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:

@@ -9,6 +9,7 @@ estimate of :mod:`~torchrec_lossy.planner.formats` and the speeds of
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 
@@ -46,7 +47,8 @@ class LossyCommsModel:
 
     A table's format is its own ``format`` (or ``compress: false``: raw), else
     ``comms.format``. ``entropy``: the codec at the table's expected ratio (calibrated, else
-    ``planner.table_ratios``, else ``planner.expected_ratio``), row-wise too (its partial sums by
+    ``planner.table_ratios``, else the entropy format's ratio measured with the speeds, else
+    ``planner.expected_ratio``), row-wise too (its partial sums by
     the coded all-to-all), and on the cross-host hop of TWRW and grid (their intra-host
     reduce-scatter stays raw). ``raw``: fp32, as TorchRec. ``fp16`` / ``bf16``: each block cast
     where its bound admits it (the seam checks every block), at the casts' measured speeds.
@@ -195,9 +197,10 @@ class LossyCommsModel:
         TorchRec's path does not have. Measured (``speeds.seam_ms``: the seam's fixed work per
         step, :mod:`~torchrec_lossy.planner.seam_cost`): the seam's estimated step, each table
         in its format on the link (wire and codec per raw byte, weighted by the table's share
-        of the rows' bytes) plus that fixed cost and its two extra size rounds, against
-        TorchRec's fp32 wire time; the smaller wins, whatever the tables' formats. Not measured:
-        only where no table is coded, the dedupe's measured throughput against its saved bytes.
+        of the rows' bytes) plus that fixed cost and its exchange's (``speeds.exchange_ms``),
+        against TorchRec's fp32 wire time; the smaller wins, whatever the tables' formats. Not
+        measured: only where no table is coded, the dedupe's measured throughput against its
+        saved bytes.
         """
         comms, tables = self.config.comms, self.config.embedding_tables
         if comms.format != "auto" or not tables:
@@ -242,18 +245,18 @@ class LossyCommsModel:
         for t in tables:
             est = self._choice(self.ratio(t.name), t.name, bw).estimates
             per_byte += width[t.name] / dims * est.get(self.table_format(t.name), est["raw"])
-        # Its size rounds, forward and gradient. The host path skips them after a dist's first
-        # call (distributed/exchange_slots.py), but the seam's per-exchange work that seam_ms
-        # does not time (the codec's calls, the Req/Wait steps) is still unpriced: the two
-        # rounds stay in its stead until it is measured (benchmarks/exchange_rounds_bench.py).
-        fixed = sp.seam_ms + 2 * (sp.round_ms or 0.0)
+        # Its exchange's own fixed cost, forward and gradient: measured on the group against
+        # TorchRec's all-to-all (one round each way after a dist's first call, the one-round
+        # slots of distributed/exchange_slots.py); not measured: two collective rounds.
+        exchange = sp.exchange_ms if sp.exchange_ms is not None else 2 * (sp.round_ms or 0.0)
+        fixed = sp.seam_ms + exchange
         seam_ms = step_bytes * per_byte + fixed
         torchrec_ms = step_bytes * torchrec_per_byte
         pick = torchrec_ms <= seam_ms
         verdict = "TorchRec's own all-to-all" if pick else "the seam"
         return pick, (
             f"; so {verdict}: estimated {seam_ms:.3g} ms a step through the seam ({fixed:.3g} "
-            f"of it fixed: its work around the wire and size rounds, measured) against "
+            f"of it fixed: its work around the wire and its exchange's, measured) against "
             f"{torchrec_ms:.3g} ms of TorchRec's fp32 all-to-all"
         )
 
@@ -297,7 +300,7 @@ class LossyCommsModel:
             return comms.same_host_raw(backend), f"comms.intra_host=auto on {backend}"
         if self.one_host:  # every peer is same-host: the per-table choice decides
             return False, "one host: per table"
-        choice = self._choice(self.config.planner.expected_ratio, None, self.links.intra_bw)
+        choice = self._choice(self.default_ratio, None, self.links.intra_bw)
         return choice.name == "raw", choice.reason(bandwidth_gib_s(self.links.intra_bw))
 
     def _choice(
@@ -345,13 +348,15 @@ class LossyCommsModel:
             return ""
         link = "intra-host" if self.one_host else "cross-host"
         bw = self.links.intra_bw if self.one_host else self.links.inter_bw
-        r = self.config.planner.expected_ratio
+        r = self.default_ratio
         # Every candidate codec format's estimate, so the line says why this one.
         estimates: dict[str, float] = {}
         for f in self._codec_candidates():
             estimates.update(self._choice(r, None, bw, f).estimates)
         pick = self._choice(r, None, bw).name
-        why = FormatChoice(pick, estimates).reason(bandwidth_gib_s(bw)) + f" at ratio {r:g}"
+        source = "measured" if self.speeds.ratios.get("entropy") else "planner.expected_ratio"
+        why = FormatChoice(pick, estimates).reason(bandwidth_gib_s(bw))
+        why += f" at ratio {r:.3g}, {source}"
         if auto:
             picks: dict[str, int] = {}
             for n in auto:
@@ -365,6 +370,13 @@ class LossyCommsModel:
             same = f"; same-host peers {kind} ({self._same_host_why})"
         return f"format auto chose on the {link} link: {chosen} ({why}){same}"
 
+    @property
+    def default_ratio(self) -> float:
+        """The forward ratio of a table with neither a calibrated nor a configured ratio: the
+        entropy format's measured on the layout's blocks at start-up (``speeds.ratios``), else
+        ``planner.expected_ratio``."""
+        return self.speeds.ratios.get("entropy") or self.config.planner.expected_ratio
+
     def ratio(self, table: str) -> float:
         """The table's expected forward ratio.
 
@@ -372,9 +384,15 @@ class LossyCommsModel:
             table: Table name.
 
         Returns:
-            Calibrated ratio if any, else the config's.
+            Calibrated ratio if any, else the config's ``table_ratios`` entry, else
+            :attr:`default_ratio` (measured, else ``planner.expected_ratio``).
         """
-        return self.ratios.get(table, self.config.planner.ratio(table))
+        if table in self.ratios:
+            return self.ratios[table]
+        p = self.config.planner
+        if any(fnmatch.fnmatchcase(table, pattern) for pattern in p.table_ratios):
+            return p.ratio(table)
+        return self.default_ratio
 
     def backward_format(self, table: str | None, codec_format: str | None = None) -> WireFormat:
         """The table's gradient wire format if the table is coded: the codec at its expected

@@ -10,8 +10,12 @@ streak and the switches, so a resume from a checkpoint continues from the same s
 :class:`RuntimeRecheck` runs it in a training loop: it keeps the steps' measured times (and the
 codec's share of them), at each check estimates the alternative from them and the planner's wire
 and codec estimates (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.step_ms`), and
-applies a switch to every lossy-sharded module of the model between steps (``LossyComms.send_raw``:
-every pooled block raw, or back to the run's codec format), on every rank at the same step.
+applies a switch to every lossy-sharded module of the model between steps (a new
+``LossyComms.wire`` record: every pooled block raw, or the run's codec format), on every rank at
+the same step. It switches between the codec and raw inside the seam; a run that took TorchRec's
+own all-to-all (``auto``'s TorchRec path: the model was sharded by TorchRec's sharder) has no
+seam to switch back to, so that choice is made once, at start-up, from interleaved measurements
+of both paths (:mod:`~torchrec_lossy.planner.seam_cost`).
 """
 
 from __future__ import annotations
@@ -19,16 +23,19 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from torchrec_lossy.config import ConfigError
 
-__all__ = ["FormatRecheck", "RecheckConfig", "RuntimeRecheck"]
+if TYPE_CHECKING:
+    from torchrec_lossy.planner.lossy_model import LossyCommsModel
+
+__all__ = ["FormatRecheck", "RecheckConfig", "RuntimeRecheck", "codec_remeasure"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -159,19 +166,32 @@ class FormatRecheck:
 class RuntimeRecheck:
     """The format re-check of a running model: measured step times in, switches applied.
 
-    The alternatives are the run's codec format and raw (every pooled block raw), so the run
-    must start coded (some table resolved to the codec). At each check the measured median step
-    of the current choice gives the other's estimate: the measured step minus the current
-    choice's wire estimate and measured codec time, plus the other's wire and codec estimates
-    (the codec's: never below what it measured when it last ran, so a codec that got slow is
-    not taken back on its stale start-up figure: no flapping).
+    The alternatives are the run's codec format and raw (every pooled block raw). The run may
+    start either way: coded (some table resolved to the codec; back to coded is the config's
+    flags) or raw (``auto`` sent every table raw through the seam; coded is then
+    ``coded_tables`` through the codec). At each check the measured median step of the current
+    choice gives the other's estimate: the measured step minus the current choice's wire
+    estimate and measured codec time, plus the other's wire and codec estimates. The codec's
+    estimate is never below what it measured when it last ran (a codec that got slow is not
+    taken back on its stale start-up figure: no flapping); while the run is raw it is
+    ``remeasure()`` where given (the codec timed again at the check: a start-up calibration
+    under load priced it too slow, the reason a raw start may be wrong), else the start-up
+    figure. A switch replaces every module's :class:`~torchrec_lossy.distributed.comms.WireChoice`
+    (:meth:`~torchrec_lossy.distributed.comms.LossyComms.choose_wire`), on every rank at the
+    same step (the figures are agreed over ranks first).
 
     Args:
-        model: The model whose lossy-sharded modules switch (e.g. the DMP).
+        model: The model whose lossy-sharded modules switch (e.g. the DMP), or their
+            :class:`~torchrec_lossy.distributed.comms.LossyComms` directly.
         step_ms: The planner's ``{format: (wire ms, codec ms)}`` a step for ``"raw"`` and the
             codec format (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.step_ms`).
         config: Period, hysteresis and patience.
         group: The process group the decision is agreed over (None: this rank alone).
+        start: The choice the run starts with: the codec format (None) or ``"raw"``.
+        coded_tables: The tables the codec takes when the choice is coded; None: the config's
+            (each table's ``compress``). Required for a raw start.
+        remeasure: Returns the codec's estimated ms a step timed now (this rank's; agreed with
+            the others at the check); None: the start-up estimate.
     """
 
     def __init__(
@@ -180,7 +200,11 @@ class RuntimeRecheck:
         step_ms: Mapping[str, tuple[float, float]],
         config: RecheckConfig | None = None,
         group: dist.ProcessGroup | None = None,
+        start: str | None = None,
+        coded_tables: Collection[str] | None = None,
+        remeasure: Callable[[], float] | None = None,
     ) -> None:
+        from torchrec_lossy.distributed.comms import LossyComms, WireChoice
         from torchrec_lossy.distributed.model_utils import lossy_modules
 
         coded = [n for n in step_ms if n != "raw"]
@@ -188,13 +212,28 @@ class RuntimeRecheck:
             raise ValueError(
                 f"RuntimeRecheck: step_ms {dict(step_ms)!r} must hold 'raw' and one codec format"
             )
-        self._comms = [m.lossy_comms for m in lossy_modules(model).values()]
+        if start not in (None, "raw", coded[0]):
+            raise ValueError(f"RuntimeRecheck: start={start!r} is neither 'raw' nor {coded[0]!r}")
+        if start == "raw" and not coded_tables:
+            raise ValueError("RuntimeRecheck: a raw start needs the coded_tables to switch to")
+        if isinstance(model, Sequence) and all(isinstance(c, LossyComms) for c in model):
+            self._comms = list(model)
+        else:
+            self._comms = [m.lossy_comms for m in lossy_modules(model).values()]
         if not self._comms:
             raise ValueError("RuntimeRecheck: the model has no lossy-sharded module to switch")
         self.coded = coded[0]
         self.step_ms = dict(step_ms)
         self.group = group
-        self.recheck = FormatRecheck(self.coded, config)
+        self.recheck = FormatRecheck(start or self.coded, config)
+        self._remeasure = remeasure
+        # Each choice's record: raw sends every block raw; coded is the config's flags, or
+        # exactly the given tables through the codec.
+        to_code = None if coded_tables is None else frozenset(coded_tables)
+        self._choices = {
+            "raw": WireChoice(frozenset(), "raw"),
+            self.coded: WireChoice(to_code, self.coded),
+        }
         self._steps: list[tuple[float, float]] = []  # (step ms, codec ms) since the last check
         # The codec's measured ms a step when it last ran: a coded alternative's estimate
         # never drops below it (the start-up estimate may be stale: the reason to switch).
@@ -228,6 +267,8 @@ class RuntimeRecheck:
         other = "raw" if cur != "raw" else self.coded
         base = measured - self.step_ms[cur][0] - codec  # the step without the exchanges' share
         wire, codec_est = self.step_ms[other]
+        if other != "raw" and self._remeasure is not None:
+            codec_est = self._remeasure()
         estimate = base + wire + max(codec_est, self._codec_ms.get(other, 0.0))
         new = self.recheck.check(step, measured, {other: estimate}, self.group)
         if new is not None:
@@ -236,7 +277,7 @@ class RuntimeRecheck:
 
     def _apply(self) -> None:
         for comms in self._comms:
-            comms.send_raw = self.recheck.current == "raw"
+            comms.choose_wire(self._choices[self.recheck.current])
 
     def state_dict(self) -> dict[str, Any]:
         """The re-check's state (:meth:`FormatRecheck.state_dict`).
@@ -254,3 +295,42 @@ class RuntimeRecheck:
         """
         self.recheck.load_state_dict(state)
         self._apply()
+
+
+def codec_remeasure(
+    model: LossyCommsModel, device: torch.device, reps: int = 3
+) -> Callable[[], float] | None:
+    """The codec's estimated ms a step, timed again when called: :class:`RuntimeRecheck`'s
+    ``remeasure`` for a run that started raw.
+
+    The codec's speeds are timed afresh on the same synthetic blocks as at start-up (this rank
+    alone, no collective; the best of ``reps`` interleaved rounds) and the start-up estimate
+    (:meth:`~torchrec_lossy.planner.lossy_model.LossyCommsModel.step_ms`) scaled by them: its
+    codec ms is the step's bytes times ``1 / encode + 1 / decode`` of the run's codec format.
+
+    Args:
+        model: The planner's comms model (its speeds measured: ``speeds.rows`` set).
+        device: Where the codec runs.
+        reps: Interleaved rounds per timing.
+
+    Returns:
+        The function, or None where nothing can be re-timed (the batch not measured, or the
+        codec's speeds pinned by ``planner.encode_gib_s`` / ``decode_gib_s``).
+    """
+    from torchrec_lossy.planner.speeds import measure_speeds
+
+    p, fmt, sp = model.config.planner, model.codec_format, model.speeds
+    estimate = model.step_ms().get(fmt)
+    if estimate is None or not sp.rows or p.encode_gib_s is not None or p.decode_gib_s is not None:
+        return None
+    enc, dec = sp.formats[fmt]
+    rows, tables, comms = sp.rows, model.config.embedding_tables, model.config.comms
+
+    def remeasure() -> float:
+        fresh = measure_speeds(tables, rows, comms, device, reps=reps)
+        if fmt not in fresh.formats or fresh.source.startswith("defaults"):
+            return estimate[1]  # the re-timing failed (said once there): the start-up figure
+        e, d = fresh.formats[fmt]
+        return estimate[1] * (1 / e + 1 / d) / (1 / enc + 1 / dec)
+
+    return remeasure

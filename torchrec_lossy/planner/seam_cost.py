@@ -8,7 +8,18 @@ received tensor once per direction. That work runs over the whole batch (the own
 whatever the format and the link, so ``comms.format: auto`` prices it as a fixed ms per step
 (:attr:`~torchrec_lossy.planner.speeds.Speeds.seam_ms`), not per wire byte: at start-up
 :func:`time_seam_step` times the seam's own functions (``pooled_blocks``' cut, expand,
-reduce and place) on one rank's Criteo-like step against TorchRec's permute copies.
+reduce and place) on one rank's Criteo-like step against TorchRec's permute copies, the two
+interleaved trial by trial (:func:`~torchrec_lossy.planner.speeds.interleaved_best`).
+
+Each exchange has a fixed cost of its own too: the seam's all-to-all (its call, the payload's
+framing, the one-round slots' header and history, the autograd steps, the blocks' cut and join)
+against TorchRec's one ``all_to_all_single`` per direction. :func:`time_exchange_ms` measures it
+on the run's process group, the ranks running it together, with the seam's own exchange
+(``alltoall_pooled_lossy`` with a slot history, every block raw, every row sent: the same bytes
+as TorchRec's) on small blocks of the layout, so the time is the fixed part rather than the
+bytes; it replaces the two collective rounds the model charged before the one-round slots. The
+raw path's cost per byte (framing, checksums) is not in it: under load it is timed as high as
+the fixed part, and priced per raw byte it would need the two measured apart (a size sweep).
 """
 
 from __future__ import annotations
@@ -18,11 +29,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from torchrec_lossy.config import EmbeddingTableConfig
 from torchrec_lossy.profile_range import profile_range
 
-__all__ = ["time_seam_step"]
+__all__ = ["time_exchange_ms", "time_seam_step"]
 
 # One feature's dedupe state: (distinct rows, inverse or first-bag index), as the seam's
 # ``feats`` (None: every row travels).
@@ -66,7 +78,7 @@ def time_seam_step(
 
     Args:
         tables: The tables (single-hot features, their sizes shape the Zipf ids).
-        rows: Rows per rank (its batch).
+        rows: Rows per rank: small, so the time is the fixed part.
         world_size: Ranks of the all-to-all (>= 1).
         device: Where the tensors live.
         dedupe: Whether the seam runs the exact output dedupe (``input_dist.dedupe_outputs`` /
@@ -128,8 +140,86 @@ def time_seam_step(
         received.transpose(0, 1).reshape(rows, -1)
         grad.t().contiguous()
 
-    from torchrec_lossy.planner.speeds import best_seconds
+    from torchrec_lossy.planner.speeds import interleaved_best
 
     with profile_range("## lossy_a2a calibrate seam step ##"):
         seam(), torchrec()  # first calls load kernels: not timed
-        return 1e3 * best_seconds(seam, reps, sync), 1e3 * best_seconds(torchrec, reps, sync)
+        secs = interleaved_best({"seam": seam, "torchrec": torchrec}, reps, sync)
+    return 1e3 * secs["seam"], 1e3 * secs["torchrec"]
+
+
+def time_exchange_ms(
+    tables: Sequence[EmbeddingTableConfig],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    rows: int = 64,
+    reps: int = 5,
+) -> tuple[float, float]:
+    """Times a forward and its gradient through the seam's exchange and TorchRec's, on
+    ``group`` (a collective: every rank of the group calls it, with the same arguments).
+
+    The tables are spread table-wise (table ``t`` on rank ``t % world``); the seam runs
+    ``alltoall_pooled_lossy`` with the dist's slot history (after its first call one round per
+    direction, as in training) and every block raw, TorchRec one ``all_to_all_single`` of the
+    same rows per direction (the same bytes: their difference is the seam's own fixed cost);
+    the two interleaved call by call (the best of ``reps`` each, the ranks meeting at a barrier
+    around each call, so the slowest rank's time counts).
+
+    Args:
+        tables: The tables (their dims).
+        group: The process group of the all-to-all (>= 2 ranks).
+        device: Where the tensors live.
+        rows: Rows per rank: small, so the time is the fixed part.
+        reps: Timed calls of each (the best counts).
+
+    Returns:
+        (seam ms, TorchRec ms) per forward + gradient.
+    """
+    from torchrec_lossy.config import LossyCommsConfig
+    from torchrec_lossy.distributed.call_ledger import CallLedger
+    from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
+    from torchrec_lossy.distributed.comms import LossyComms, StaticBounds
+    from torchrec_lossy.distributed.exchange_slots import SlotHistory
+    from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo, layout_plans
+    from torchrec_lossy.planner.speeds import interleaved_best
+
+    w, rank = dist.get_world_size(group), dist.get_rank(group)
+    names = [t.name for t in tables]
+    config = LossyCommsConfig()
+    comms = LossyComms(config=config, bounds=StaticBounds(names, config))
+    layout = [_specs(tables[r::w]) for r in range(w)]
+    raw = dict.fromkeys(names, False)
+    info = LossyAll2AllPooledInfo(
+        batch_size_per_rank=[rows] * w,
+        layout=layout,
+        comms=comms,
+        ledger=CallLedger(),
+        compress=raw,
+        plans=layout_plans(layout, raw, rank),
+        slots=SlotHistory(w),
+    )
+    dims = [sum(s.dim for s in specs) for specs in layout]
+    x = torch.randn(rows * w, dims[rank], generator=torch.Generator().manual_seed(rank))
+    x = x.to(device)
+    mine, theirs = [rows * dims[rank]] * w, [rows * d for d in dims]
+    recv = torch.empty(sum(theirs), device=device)
+    back = torch.empty(sum(mine), device=device)
+
+    def seam() -> None:
+        xr = x.detach().requires_grad_()
+        y = alltoall_pooled_lossy(xr, info, group).wait()
+        y.backward(torch.ones_like(y))
+
+    def torchrec() -> None:  # each rank's columns differ: flat, uneven splits
+        dist.all_to_all_single(recv, x.reshape(-1), theirs, mine, group=group)
+        dist.all_to_all_single(back, recv, mine, theirs, group=group)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group)
+
+    with profile_range("## lossy_a2a calibrate exchange ##"):
+        seam(), seam(), torchrec()  # the first seam call fills the slot history: not timed
+        secs = interleaved_best({"seam": seam, "torchrec": torchrec}, reps, sync)
+    return 1e3 * secs["seam"], 1e3 * secs["torchrec"]
