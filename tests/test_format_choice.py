@@ -172,13 +172,14 @@ def test_a_burst_of_load_at_start_up_does_not_decide_the_format(
     raw_gib = 3 * rows * 16 * 4 / 2**30
     assert got.source.startswith("measured") and got.formats["entropy"][0] > 10 * raw_gib / burst_s
     # On a slow link (16 Mbit/s) the codec pays many times over; priced at the burst's speed it
-    # would not: raw.
+    # would not: raw or a cast (half the bytes at the casts' measured speed).
     plan = _one_host_plan(0.002, tables=3, dim=16, rows=1000, batch=2 * rows)
     bw = gib_s_to_bytes_per_ms(0.002)
     assert LossyCommsModel(plan, bw, speeds=got).table_format("t0") in ("entropy", "packed")
     slowed = {f: (raw_gib / burst_s, got.formats[f][1]) for f in ("entropy", "packed")}
     slowed_speeds = dataclasses.replace(got, formats={**got.formats, **slowed})
-    assert LossyCommsModel(plan, bw, speeds=slowed_speeds).table_format("t0") == "raw"
+    slowed_pick = LossyCommsModel(plan, bw, speeds=slowed_speeds).table_format("t0")
+    assert slowed_pick in ("raw", "fp16", "bf16")
 
 
 def test_packed_format_key_sets_the_codec_format_and_one_codec_format_per_run() -> None:
