@@ -332,7 +332,7 @@ def test_non_contiguous_blocks():
 def test_blocks_read_in_place_give_the_copies_bytes(fmt: str) -> None:
     """Contiguous float32 blocks are read where they lie by the encoder's range pass
     (``quantize.gather_ranges_kernel``), strided ones copied first: both give the same bytes
-    and stats, whatever the blocks' storage (offsets into one buffer, an empty block,
+    and stats, whatever the blocks' storage (offsets into one buffer, empty blocks,
     non-finite values, a repeated row)."""
     config = CodecConfig(format=fmt)
     buf = torch.randn(9000, generator=_gen(7))
@@ -341,10 +341,11 @@ def test_blocks_read_in_place_give_the_copies_bytes(fmt: str) -> None:
         buf[3 : 3 + 64 * 16].view(64, 16),  # offset into one buffer
         buf[2000 : 2000 + 40 * 16].view(40, 16),
         buf[:0].view(0, 16),  # empty
+        torch.empty(0, 16),  # empty, no storage: address 0
         buf[4000 : 4000 + 50 * 16].view(50, 16).clone(),  # a non-finite value, its own storage
         buf[100:116].view(1, 16).expand(30, 16).contiguous(),  # one row repeated
     ]
-    bounds = [0.01, 0.05, 0.01, 0.02, 0.01]
+    bounds = [0.01, 0.05, 0.01, 0.01, 0.02, 0.01]
     # The same values as strided views (half of a twice-as-wide buffer): copied first.
     strided = [torch.cat([b, b], 1)[:, :16] for b in blocks]
     assert not any(s.is_contiguous() for s in strided if s.numel())
