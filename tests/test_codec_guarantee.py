@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchrec_lossy.codec import compress, compress_with_stats, decompress
+from torchrec_lossy.codec import CodecConfig, compress, compress_with_stats, decompress
 from torchrec_lossy.codec.format import BITS_DTYPES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -326,6 +326,35 @@ def test_non_contiguous_blocks():
     for x in (base.t(), base[:, ::3], base[::2, 5:9]):
         assert not x.is_contiguous()
         roundtrip([x], [0.01])
+
+
+@pytest.mark.parametrize("fmt", ["entropy", "packed"])
+def test_blocks_read_in_place_give_the_copies_bytes(fmt: str) -> None:
+    """Contiguous float32 blocks are read where they lie by the encoder's range pass
+    (``quantize.gather_ranges_kernel``), strided ones copied first: both give the same bytes
+    and stats, whatever the blocks' storage (offsets into one buffer, empty blocks,
+    non-finite values, a repeated row)."""
+    config = CodecConfig(format=fmt)
+    buf = torch.randn(9000, generator=_gen(7))
+    buf[[5, 700, 4100]] = torch.tensor([math.nan, math.inf, -math.inf])
+    blocks = [
+        buf[3 : 3 + 64 * 16].view(64, 16),  # offset into one buffer
+        buf[2000 : 2000 + 40 * 16].view(40, 16),
+        buf[:0].view(0, 16),  # empty
+        torch.empty(0, 16),  # empty, no storage: address 0
+        buf[4000 : 4000 + 50 * 16].view(50, 16).clone(),  # a non-finite value, its own storage
+        buf[100:116].view(1, 16).expand(30, 16).contiguous(),  # one row repeated
+    ]
+    bounds = [0.01, 0.05, 0.01, 0.01, 0.02, 0.01]
+    # The same values as strided views (half of a twice-as-wide buffer): copied first.
+    strided = [torch.cat([b, b], 1)[:, :16] for b in blocks]
+    assert not any(s.is_contiguous() for s in strided if s.numel())
+    got, got_stats = compress_with_stats(blocks, bounds, config)
+    want, want_stats = compress_with_stats(strided, bounds, config)
+    assert torch.equal(got, want)
+    assert got_stats == want_stats
+    for i, (x, y) in enumerate(zip(blocks, decompress(got), strict=True)):
+        assert_within_bound(x, y, bounds[i], f"block {i}")
 
 
 # ---------------------------------------------------------------------------------------------

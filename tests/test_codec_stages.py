@@ -305,6 +305,21 @@ def test_dedupe_escaped_elements_compare_raw_bits(dim: int) -> None:
     assert ids.tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("col", range(8))
+def test_dedupe_word_rows_find_an_escape_in_every_lane(col: int) -> None:
+    """Rows of 64-bit words (dim % 4 == 0) spot an escape in any of a word's 4 symbols: equal
+    symbols with the escaped element's raw bits different are different vectors."""
+    sym = np.full((3, 8), 2047, np.uint16)
+    sym[:, col] = ESCAPE_SYMBOL
+    sym[:, (col + 1) % 8] = ESCAPE_SYMBOL - 1  # a near miss: a value symbol, compared as one
+    bits = np.zeros((3, 8), np.int32)
+    bits[:, (col + 1) % 8] = [1, 2, 3]  # raw bits that differ where not escaped: ignored
+    bits[:, col] = [9, 9, 4]
+    ids, first = host_kernels.dedupe(sym, bits)
+    assert ids.tolist() == [0, 0, 1]
+    assert first.tolist() == [0, 2]
+
+
 def test_dedupe_many_hash_probes():
     """Rows that differ in one position only (dense probing of the hash table)."""
     rows = 4096

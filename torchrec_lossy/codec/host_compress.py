@@ -97,6 +97,9 @@ class _Inputs(NamedTuple):
     """What :func:`compress_blocks` hands the kernel (per block: ``[n]``)."""
 
     x: np.ndarray  # float32 values of every block, back to back
+    # int64 [n]: each block's address where the kernel copies the blocks into ``x`` itself
+    # (quantize.gather_ranges_kernel, contiguous float32 blocks); empty: ``x`` holds them
+    src: np.ndarray
     bits: np.ndarray  # int32 raw bits, same layout (16-bit ones sign-extended)
     # int64 [4 * n]: the rows, the columns, the dtype code, then the bound's kind
     # (bounds.BoundKind) of each block (flat: cut up in the kernel, where it costs nothing)
@@ -128,28 +131,34 @@ _NEVER = 1 << 40  # the words of a mode that must not be chosen
 
 def _flatten(
     blocks: Sequence[torch.Tensor], rows: list[int], dims: list[int], all_float32: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """All blocks' values as one float32 array and their raw bits as one int32 array.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All blocks' values as one float32 array and their raw bits as one int32 array, or
+    where the kernel is to copy them from: (values, bits, ``_Inputs.src``).
 
-    16-bit blocks' bits are their int16 view widened to int32 (sign-extended); an all-float32
-    payload on the host (``all_float32``, blocks on one device) costs one copy into a reused
-    buffer (the bits are a view of the values). ``rows`` / ``dims``: each block's shape.
+    16-bit blocks' bits are their int16 view widened to int32 (sign-extended). An all-float32
+    payload of contiguous blocks on the host (``all_float32``, blocks on one device) is not
+    copied here: the values are a reused buffer that the kernel's range pass fills as it reads
+    each block where it lies (the bits are a view of it); other float32 blocks cost one copy
+    into that buffer. ``rows`` / ``dims``: each block's shape.
     """
     if not blocks:
-        return np.zeros(0, np.float32), np.zeros(0, np.int32)
+        return np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(0, np.int64)
     blocks = [b.detach() if b.requires_grad else b for b in blocks]
     if all_float32 and blocks[0].device.type == "cpu":
+        x_np = _WORK_BUFFERS.array("x", sum(r * d for r, d in zip(rows, dims, strict=True)),
+                                   np.float32)  # fmt: skip
+        if all(b.is_contiguous() for b in blocks):
+            # (Strided blocks, e.g. column slices of one buffer, read in place measured
+            # slower than torch's copy then the range pass: they take that path.)
+            return x_np, x_np.view(np.int32), np.array([b.data_ptr() for b in blocks], np.int64)
         dim = dims[0]
         if dim and dims.count(dim) == len(dims):
             # One copy straight from the blocks, whatever their strides (flattening a strided
             # block first would copy it twice).
-            x_np = _WORK_BUFFERS.array("x", sum(rows) * dim, np.float32)
             torch.cat(blocks, out=torch.from_numpy(x_np).view(-1, dim))
         else:
-            flat = [b.reshape(-1) for b in blocks]
-            x_np = _WORK_BUFFERS.array("x", sum(f.shape[0] for f in flat), np.float32)
-            torch.cat(flat, out=torch.from_numpy(x_np))
-        return x_np, x_np.view(np.int32)
+            torch.cat([b.reshape(-1) for b in blocks], out=torch.from_numpy(x_np))
+        return x_np, x_np.view(np.int32), np.zeros(0, np.int64)
     flat = [b.reshape(-1) for b in blocks]
     x = torch.cat([f.float() for f in flat]).cpu().numpy()
     bits = torch.cat(
@@ -158,7 +167,7 @@ def _flatten(
             for f in flat
         ]
     )
-    return x, bits.cpu().numpy()
+    return x, bits.cpu().numpy(), np.zeros(0, np.int64)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -371,12 +380,17 @@ def _blocks(layout: np.ndarray) -> Blocks:
 
 @numba.njit(cache=True, nogil=True)
 def _grids(
-    x: np.ndarray, blocks: Blocks, kinds: np.ndarray, bnd: np.ndarray, knobs: _Knobs
-) -> Grids:
+    x: np.ndarray, src: np.ndarray, blocks: Blocks, kinds: np.ndarray, bnd: np.ndarray,
+    knobs: _Knobs,
+) -> Grids:  # fmt: skip
     """Each block's grid by ``quantize``'s rule (``block_bound``, ``block_grid``) over its
     finite range and, where the rule centers on it, its median; relative bounds in ``bnd``
-    resolved in place (over the range without outliers)."""
-    lo, hi = quantize.finite_ranges_kernel(x, blocks.elem_off)
+    resolved in place (over the range without outliers). ``src``: ``_Inputs.src`` (where
+    given, ``x`` is filled from it first, by the range pass)."""
+    if src.shape[0]:
+        lo, hi = quantize.gather_ranges_kernel(x, blocks.elem_off, src)
+    else:
+        lo, hi = quantize.finite_ranges_kernel(x, blocks.elem_off)
     # A relative bound is taken over the range without finite outliers (codec/outliers.py).
     ilo, ihi = inlier_ranges_kernel(x, blocks.elem_off, lo, hi, kinds == BOUND_RELATIVE)
     nb = blocks.rows.shape[0]
@@ -576,7 +590,7 @@ def _compress_kernel(
     nb = inputs.layout.shape[0] // 4
     blocks = _blocks(inputs.layout)
     q = scratch.shape[0] // 4
-    grids = _grids(x, blocks, inputs.layout[3 * nb :], bnd, knobs)
+    grids = _grids(x, inputs.src, blocks, inputs.layout[3 * nb :], bnd, knobs)
     # (the packed format does not read the symbols' ranges: the Huffman codes' alphabet)
     max_err, sym_lo, sym_hi = quantize.quantize_blocks_kernel(
         x, blocks.elem_off, grids, bnd, inputs.layout[2 * nb : 3 * nb], inputs.keys, symbols,
@@ -657,7 +671,7 @@ def compress_blocks(
     kind = [BoundKind.ABSOLUTE] * nb if kinds is None else list(kinds)
     layout = np.array(rows + dims + dcodes + kind, np.int64)
     bnd = np.array(bounds, np.float64)
-    x, bits = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
+    x, bits, src = _flatten(blocks, rows, dims, dcodes.count(1) == nb)
     group_arr, keys = _group_keys(groups, config.rounding == "stochastic", config.seed)
     knobs = _Knobs(
         config.enable_quantization, config.enable_lz,
@@ -667,7 +681,7 @@ def compress_blocks(
     symbols = _WORK_BUFFERS.array("symbols", x.shape[0], np.uint16)
     scratch = _WORK_BUFFERS.array("rows", 4 * sum(rows), np.int32)
     words, sizes, per_block, max_err, skel, skel_ends = _compress_kernel(
-        _Inputs(x, bits, layout, bnd, group_arr, keys, symbols, scratch), knobs
+        _Inputs(x, src, bits, layout, bnd, group_arr, keys, symbols, scratch), knobs
     )
     mode, seg_words, n_unique, n_escapes = per_block
     itemsize = [b.element_size() for b in blocks]

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from torchrec_lossy.codec.bounds import BoundKind, finite_span
 from torchrec_lossy.codec.elementwise import (
@@ -598,6 +600,29 @@ def _quantize_any(
     return np.int64(err_bits).view(np.float64), lo, hi
 
 
+_BIG = np.int32(0x7FFFFFFF)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _widen(v: np.int32, mn: np.int32, mx: np.int32) -> tuple[np.int32, np.int32]:
+    """The range keys ``(mn, mx)`` widened by float32 bits ``v`` where finite: integer min /
+    max (they vectorise) over keys that order as the floats do; non-finite values (exponent
+    all ones) are left out."""
+    key = v ^ ((v >> np.int32(31)) & _BIG)
+    fin = (v & np.int32(0x7F800000)) != np.int32(0x7F800000)
+    k_lo = key if fin else _BIG
+    k_hi = key if fin else -_BIG
+    return (k_lo if k_lo < mn else mn), (k_hi if k_hi > mx else mx)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_range(mn: np.int32, mx: np.int32, b: int, lo: np.ndarray, hi: np.ndarray) -> None:
+    """Block ``b``'s (lo, hi) from its range keys (left NaN when no value was finite)."""
+    if mn <= mx:
+        lo[b] = np.int32(mn ^ ((mn >> np.int32(31)) & _BIG)).view(np.float32)
+        hi[b] = np.int32(mx ^ ((mx >> np.int32(31)) & _BIG)).view(np.float32)
+
+
 @numba.njit(cache=True, nogil=True)
 def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Smallest and largest finite value of every block of a concatenation (one call for all).
@@ -613,24 +638,56 @@ def finite_ranges_kernel(x: np.ndarray, elem_off: np.ndarray) -> tuple[np.ndarra
     lo = np.full(nb, np.nan)
     hi = np.full(nb, np.nan)
     bits = x.view(np.int32)
-    big = np.int32(0x7FFFFFFF)
     for b in range(nb):
-        # Integer min / max (they vectorise) over keys that order as the floats do; non-finite
-        # values (exponent all ones) are left out.
-        mn = big
-        mx = -big
+        mn, mx = _BIG, -_BIG
         block = bits[elem_off[b] : elem_off[b + 1]]
         for i in range(block.shape[0]):  # from 0: no negative-index wrap to stop vectorising
+            mn, mx = _widen(block[i], mn, mx)
+        _put_range(mn, mx, b, lo, hi)
+    return lo, hi
+
+
+@intrinsic
+def _int32_at(typingctx: object, address: types.Integer) -> tuple:
+    """An int32 pointer at an integer address (a tensor's ``data_ptr()``)."""
+    ptr = types.CPointer(types.int32)
+
+    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(types.int64), codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def gather_ranges_kernel(
+    x: np.ndarray, elem_off: np.ndarray, src: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`finite_ranges_kernel` over blocks read where they lie, copying each into its
+    place in ``x`` on the way: one pass over the input where a copy then a range pass took
+    two (the encoder's first stage).
+
+    Args:
+        x: 1-D float32 output: every block's values, back to back (overwritten).
+        elem_off: int64 [n_blocks + 1] start of each block in ``x``, then its end.
+        src: int64 [n_blocks]: the address of each block's first element (a contiguous
+            float32 tensor's ``data_ptr()``; the caller keeps the tensors alive for the call).
+
+    Returns:
+        float64 (lo, hi) per block, as :func:`finite_ranges_kernel`.
+    """
+    nb = elem_off.shape[0] - 1
+    lo = np.full(nb, np.nan)
+    hi = np.full(nb, np.nan)
+    bits = x.view(np.int32)
+    for b in range(nb):
+        dst = bits[elem_off[b] : elem_off[b + 1]]
+        block = numba.carray(_int32_at(src[b]), dst.shape[0])
+        mn, mx = _BIG, -_BIG
+        for i in range(dst.shape[0]):
             v = block[i]
-            key = v ^ ((v >> np.int32(31)) & big)
-            fin = (v & np.int32(0x7F800000)) != np.int32(0x7F800000)
-            k_lo = key if fin else big
-            k_hi = key if fin else -big
-            mn = k_lo if k_lo < mn else mn
-            mx = k_hi if k_hi > mx else mx
-        if mn <= mx:
-            lo[b] = np.int32(mn ^ ((mn >> np.int32(31)) & big)).view(np.float32)
-            hi[b] = np.int32(mx ^ ((mx >> np.int32(31)) & big)).view(np.float32)
+            dst[i] = v
+            mn, mx = _widen(v, mn, mx)
+        _put_range(mn, mx, b, lo, hi)
     return lo, hi
 
 
@@ -716,6 +773,7 @@ __all__ = [
     "dequantize_kernel",
     "finite_median",
     "finite_ranges_kernel",
+    "gather_ranges_kernel",
     "grid_before_data",
     "grid_bound",
     "grid_center",

@@ -28,6 +28,19 @@ _RAW = 1
 _PACK = 2
 
 
+_LANES = np.uint64(0x0001000100010001)  # 1 in each 16-bit lane of a word
+_ESCAPES = np.uint64(ESCAPE_SYMBOL * 0x0001000100010001)  # the escape in every lane
+_LANE_TOPS = np.uint64(0x8000800080008000)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _escape_lanes(word: np.uint64) -> np.uint64:
+    """Nonzero iff one of the 4 symbols in ``word`` is ``ESCAPE_SYMBOL`` (the zero-lane test
+    of the word XOR 4 escapes: exact, and no per-symbol loop)."""
+    v = word ^ _ESCAPES
+    return (v - _LANES) & ~v & _LANE_TOPS
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _dedupe_into(
     symbols: np.ndarray, bits: np.ndarray, rows: int, dim: int, how: int, ids: np.ndarray,
@@ -130,13 +143,13 @@ def _dedupe_into(
                 if how == _WORDS:
                     w0, w1 = np.uint64(i * nw), np.uint64(r * nw)
                     wdiff = np.uint64(0)
+                    esc = np.uint64(0)
                     for j in range(nw):
-                        wdiff |= words[w0 + np.uint64(j)] ^ words[w1 + np.uint64(j)]
-                    esc = np.int64(0)
-                    for j in range(dim):  # the row's symbols, in cache
-                        esc |= np.int64(symbols[a0 + np.uint64(j)] == ESCAPE_SYMBOL)
+                        word = words[w0 + np.uint64(j)]
+                        wdiff |= word ^ words[w1 + np.uint64(j)]
+                        esc |= _escape_lanes(word)
                     diff = np.int64(wdiff != 0)
-                    check = diff == 0 and esc != 0
+                    check = diff == 0 and esc != np.uint64(0)
                 if check:
                     for j in range(dim):
                         jj = np.uint64(j)
