@@ -33,13 +33,14 @@ def test_ring_rounds_pair_every_send_with_a_receive(world: int, chunks: int) -> 
                 assert r in rounds[d][j][1], (r, d, j)
 
 
-def test_chunk_count_pays_only_with_two_peers_and_enough_bytes() -> None:
-    assert chunk_count(None, 2, 1 << 30) == 0  # one peer: nothing to overlap
-    assert chunk_count(None, 3, OVERLAP_MIN_BYTES - 1) == 0
-    assert chunk_count(None, 4, OVERLAP_MIN_BYTES) == 3
-    assert chunk_count(0, 4, 1 << 30) == 0
-    assert chunk_count(2, 4, 0) == 2
-    assert chunk_count(5, 3, 0) == 2
+def test_chunk_count_pays_only_across_hosts_with_two_peers_and_enough_bytes() -> None:
+    assert chunk_count(None, 2, 1 << 30, True) == 0  # one peer: nothing to overlap
+    assert chunk_count(None, 3, OVERLAP_MIN_BYTES - 1, True) == 0
+    assert chunk_count(None, 4, OVERLAP_MIN_BYTES, True) == 3
+    assert chunk_count(None, 4, 1 << 30, False) == 0  # one host: no wire to hide under
+    assert chunk_count(0, 4, 1 << 30, True) == 0
+    assert chunk_count(2, 4, 0, False) == 2
+    assert chunk_count(5, 3, 0, False) == 2
 
 
 def _info(world: int, rank: int, bound: float, **kw: Any) -> Any:
@@ -202,3 +203,85 @@ def test_corrupt_chunk_names_its_source_rank() -> None:
     err = results[0]["error"]
     assert err is not None and "from rank 2" in err and "on rank 0" in err, err
     assert results[1]["error"] is None and results[2]["error"] is None
+
+
+EBC_TABLES = [(f"t{i}", 60, 64, [f"f{i}"]) for i in range(5)]
+
+
+def _ebc_plan() -> dict[str, Any]:
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
+
+    return {
+        "t0": table_wise(rank=0),
+        "t1": table_wise(rank=1),
+        "t2": table_wise(rank=2),
+        "t3": table_wise(rank=0),
+        "t4": row_wise(),
+    }
+
+
+def _worker_ebc(rank: int, world: int) -> dict[str, Any]:
+    from harness import EXACT_BACKWARD, TrainRun, make_batch, make_tables
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    import torchrec_lossy.distributed.exchange as exchange
+    from torchrec_lossy.config import ErrorBound, LossyCommsConfig
+    from torchrec_lossy.distributed import LossyEmbeddingBagCollectionSharder
+
+    chunked_calls = [0]
+    real = exchange.send_chunked
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        chunked_calls[0] += 1
+        return real(*a, **kw)
+
+    exchange.send_chunked = counting  # type: ignore[assignment]
+
+    def lossy(hosts: int, **kw: Any) -> Any:
+        # One rank per host: the group spans hosts and the dists chunk (>= 256 KiB a call).
+        config = LossyCommsConfig(local_world_size=world // hosts, **kw)
+        return LossyEmbeddingBagCollectionSharder(comms_config=config)
+
+    tables = make_tables(EBC_TABLES)
+    batches = [[make_batch(tables, 256, seed=100 * s + r) for r in range(world)] for s in range(3)]
+    exact = {"default_bound": ErrorBound("absolute", 0.0), **EXACT_BACKWARD}
+    runs = {
+        "chunked": TrainRun(tables, lossy(world), _ebc_plan(), world),
+        "whole": TrainRun(tables, lossy(1), _ebc_plan(), world),
+        "exact_chunked": TrainRun(tables, lossy(world, **exact), _ebc_plan(), world),
+        "torchrec": TrainRun(tables, EmbeddingBagCollectionSharder(), _ebc_plan(), world),
+    }
+    calls = {}
+    for name, run in runs.items():
+        before = chunked_calls[0]
+        for s, per_rank in enumerate(batches):
+            run.step(per_rank[rank], 1000 * s + rank)
+        calls[name] = chunked_calls[0] - before
+
+    def same(a: str, b: str) -> bool:
+        ra, rb = runs[a], runs[b]
+        outs = all(torch.equal(x, y) for x, y in zip(ra.outputs, rb.outputs, strict=True))
+        wa, wb = ra.weights(), rb.weights()
+        return outs and all(
+            torch.equal(wa[k].local_tensor(), wb[k].local_tensor())
+            if hasattr(wa[k], "local_tensor")
+            else torch.equal(wa[k], wb[k])
+            for k in wa
+        )
+
+    return {
+        "calls": calls,
+        "lossy_same": same("chunked", "whole"),
+        "exact_same": same("exact_chunked", "torchrec"),
+        "lossy_differs": not torch.equal(runs["chunked"].outputs[-1], runs["torchrec"].outputs[-1]),
+    }
+
+
+@pytest.mark.slow
+def test_ebc_chunked_trains_the_unchunked_bits_and_torchrecs_when_exact() -> None:
+    for rank, r in enumerate(run_workers(_worker_ebc, 3)):
+        assert r["lossy_same"] and r["exact_same"], (rank, r)
+        assert r["lossy_differs"], rank  # the lossy runs did code their blocks
+        # The table-wise dist chunks its calls after the first of each kind (3 steps: 2 + 2).
+        assert r["calls"]["chunked"] >= 4 and r["calls"]["exact_chunked"] >= 4, (rank, r)
+        assert r["calls"]["whole"] == 0, (rank, r)

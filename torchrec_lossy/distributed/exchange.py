@@ -296,7 +296,7 @@ class LossyWire:
         call = _launch_slots(direction, exact, blocks, geometry, info, device, my_rank)
         myreq.slot_call = call
         slotted = call is not None and call.send_caps is not None
-        if slotted and (chunks := _chunks(info, len(blocks))):
+        if slotted and (chunks := _chunks(info, len(blocks), my_rank)):
             assert call is not None
             encoder = start_call_encoder(
                 direction, blocks, geometry.send_specs, info, device, my_rank, record, telemetry
@@ -416,13 +416,14 @@ def _size_then_payloads(
     return recv, work
 
 
-def _chunks(info: LossyAll2AllPooledInfo, world: int) -> int:
+def _chunks(info: LossyAll2AllPooledInfo, world: int, my_rank: int) -> int:
     """Rounds a slotted call of ``info`` is sent in (:func:`.exchange_chunks.chunk_count`),
-    from what every rank knows alike: the dist's pin, the group, every rank's batch and the
-    layout's columns."""
+    from what every rank knows alike: the dist's pin, the group and its hosts, every rank's
+    batch and the layout's columns."""
     assert info.slots is not None
     nominal = sum(info.batch_size_per_rank) * sum(info.dim_sum_per_rank) * info.dtype.itemsize
-    return chunk_count(info.slots.chunks, world, nominal // world)
+    spans_hosts = any(p != my_rank and p not in info.same_host for p in range(world))
+    return chunk_count(info.slots.chunks, world, nominal // world, spans_hosts)
 
 
 def _launch_slots(

@@ -14,9 +14,10 @@ is sized and filled the same, an overflow goes point-to-point the same: what is 
 for bit the unchunked call's.
 
 When it pays (:func:`chunk_count`, the same on every rank, since a chunked and an unchunked
-rank would make different collectives): at least two peers, and the exchange's nominal bytes
-per rank (every rank's batch times the layout's columns, raw) at least
-:data:`OVERLAP_MIN_BYTES`. ``SlotHistory.chunks`` pins it per dist (even one round takes this
+rank would make different collectives): the group spans hosts (on one host there is no wire to
+hide under, only the CPU the ranks share: chunks measured slower there), at least two peers, and
+the exchange's nominal bytes per rank (every rank's batch times the layout's columns, raw) at
+least :data:`OVERLAP_MIN_BYTES`. ``SlotHistory.chunks`` pins it per dist (even one round takes this
 path then: the tests' control at two ranks). The device path keeps the size round (no slots,
 so no chunks); a CUDA version would post each round on its own stream, the next round's encode
 queued behind it on the compute stream.
@@ -50,14 +51,16 @@ from torchrec_lossy.profile_range import profile_range
 OVERLAP_MIN_BYTES = 1 << 18
 
 
-def chunk_count(pinned: int | None, world: int, nominal_bytes: int) -> int:
+def chunk_count(pinned: int | None, world: int, nominal_bytes: int, spans_hosts: bool) -> int:
     """How many rounds a slotted call is sent in (0: unchunked, one all-to-all).
 
     Args:
-        pinned: ``SlotHistory.chunks``: None decides by size, 0 never chunks, ``k`` sends in
-            ``min(k, world - 1)`` rounds.
+        pinned: ``SlotHistory.chunks``: None decides by the rule, 0 never chunks, ``k`` sends
+            in ``min(k, world - 1)`` rounds.
         world: Ranks of the group.
         nominal_bytes: The exchange's raw bytes per rank, from what every rank knows alike.
+        spans_hosts: The group has ranks on more than one host (every rank then has a peer on
+            another host: the same answer everywhere).
 
     Returns:
         Rounds, or 0.
@@ -65,7 +68,8 @@ def chunk_count(pinned: int | None, world: int, nominal_bytes: int) -> int:
     peers = world - 1
     if pinned is not None:
         return min(pinned, peers)
-    return peers if peers >= 2 and nominal_bytes >= OVERLAP_MIN_BYTES else 0
+    pays = spans_hosts and peers >= 2 and nominal_bytes >= OVERLAP_MIN_BYTES
+    return peers if pays else 0
 
 
 def ring_rounds(world: int, my_rank: int, chunks: int) -> list[tuple[list[int], list[int]]]:
