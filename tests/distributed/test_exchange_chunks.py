@@ -221,7 +221,7 @@ def _ebc_plan() -> dict[str, Any]:
 
 
 def _worker_ebc(rank: int, world: int) -> dict[str, Any]:
-    from harness import EXACT_BACKWARD, TrainRun, make_batch, make_tables
+    from harness import EXACT_BACKWARD, TrainRun, make_batch, make_tables, same_local_pieces
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     import torchrec_lossy.distributed.exchange as exchange
@@ -261,13 +261,7 @@ def _worker_ebc(rank: int, world: int) -> dict[str, Any]:
     def same(a: str, b: str) -> bool:
         ra, rb = runs[a], runs[b]
         outs = all(torch.equal(x, y) for x, y in zip(ra.outputs, rb.outputs, strict=True))
-        wa, wb = ra.weights(), rb.weights()
-        return outs and all(
-            torch.equal(wa[k].local_tensor(), wb[k].local_tensor())
-            if hasattr(wa[k], "local_tensor")
-            else torch.equal(wa[k], wb[k])
-            for k in wa
-        )
+        return outs and same_local_pieces(ra.weights(), rb.weights())
 
     return {
         "calls": calls,

@@ -4,7 +4,8 @@ An unchunked slotted call (:mod:`.exchange_slots`) encodes every destination, th
 slot in one all-to-all, then, once the whole all-to-all has arrived, decodes every source: the
 encode, the wire and the decode follow each other. Chunked, the peers are taken in a ring of
 rounds: in round ``j`` rank ``r`` sends to ``r + k`` and receives from ``r - k`` for the offsets
-``k`` of the round (one offset per round by default, every peer's own all-to-all). A round's
+``k`` of the round (one offset per round by default, every peer's own all-to-all; the farthest
+offsets first, which cross hosts most). A round's
 destinations are encoded, their slots posted as an asynchronous all-to-all at once, and the
 next round's encode runs while that one travels; the receive waits on the rounds in order and
 decodes each round's sources while the later rounds are still on the wire. Each destination's
@@ -73,9 +74,11 @@ def chunk_count(pinned: int | None, world: int, nominal_bytes: int, spans_hosts:
 
 
 def ring_rounds(world: int, my_rank: int, chunks: int) -> list[tuple[list[int], list[int]]]:
-    """Each round's destinations and sources: the offsets ``1 .. world - 1`` in ``chunks``
-    contiguous groups; offset ``k`` sends to ``my_rank + k`` and receives from ``my_rank - k``
-    (so a round's sends and receives pair up on every rank).
+    """Each round's destinations and sources: the offsets ``1 .. world - 1``, farthest first
+    (nearest ``world / 2``: with a host's ranks consecutive, the offsets whose pairs cross hosts
+    most, the slowest wire, start first), in ``chunks`` groups; offset ``k`` sends to
+    ``my_rank + k`` and receives from ``my_rank - k`` (so a round's sends and receives pair up
+    on every rank).
 
     Args:
         world: Ranks of the group.
@@ -85,7 +88,7 @@ def ring_rounds(world: int, my_rank: int, chunks: int) -> list[tuple[list[int], 
     Returns:
         Per round, (destinations, sources), each in rank order.
     """
-    offsets = list(range(1, world))
+    offsets = sorted(range(1, world), key=lambda k: (abs(2 * k - world), k))
     cuts = [len(offsets) * j // chunks for j in range(chunks + 1)]
     return [
         (
