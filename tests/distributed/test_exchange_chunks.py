@@ -121,16 +121,18 @@ def _worker(rank: int, world: int, corrupt: bool) -> dict[str, Any]:
     from torchrec_lossy.distributed.errors import LossyAllToAllError
     from torchrec_lossy.distributed.exchange_slots import SlotHistory
 
-    calls = {"a2a": 0, "isend": 0}
+    calls = {"a2a": 0, "isend": 0, "bytes": 0}
     a2a, isend = dist.all_to_all_single, dist.isend
 
-    def counting_a2a(*a: Any, **kw: Any) -> Any:
+    def counting_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
         calls["a2a"] += 1
-        return a2a(*a, **kw)
+        calls["bytes"] += input.numel() if input.dtype == torch.uint8 else 0
+        return a2a(output, input, *a, **kw)
 
-    def counting_isend(*a: Any, **kw: Any) -> Any:
+    def counting_isend(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
         calls["isend"] += 1
-        return isend(*a, **kw)
+        calls["bytes"] += tensor.numel()
+        return isend(tensor, *a, **kw)
 
     dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
     dist.isend = counting_isend  # type: ignore[assignment]
@@ -145,12 +147,18 @@ def _worker(rank: int, world: int, corrupt: bool) -> dict[str, Any]:
         step_out: dict[str, Any] = {}
         for mode, info in infos.items():
             xr = x.clone().requires_grad_()
-            calls.update(a2a=0, isend=0)
+            info.comms.stats.reset()
+            calls.update(a2a=0, isend=0, bytes=0)
             y = alltoall_pooled_lossy(xr, info).wait()
             fwd = dict(calls)
-            calls.update(a2a=0, isend=0)
+            calls.update(a2a=0, isend=0, bytes=0)
             (y * w).sum().backward()
-            step_out[mode] = {"y": y.detach(), "grad": xr.grad, "fwd": fwd, "bwd": dict(calls)}
+            bwd = dict(calls)
+            # The wire bytes reported: the bytes handed to the collectives and overflow sends.
+            fwd["wire"], bwd["wire"] = (
+                info.comms.stats.total(d).wire_bytes for d in ("fwd", "bwd")
+            )
+            step_out[mode] = {"y": y.detach(), "grad": xr.grad, "fwd": fwd, "bwd": bwd}
         step_out["same"] = torch.equal(step_out["whole"]["y"], step_out["chunked"]["y"]) and (
             torch.equal(step_out["whole"]["grad"], step_out["chunked"]["grad"])
         )
@@ -187,6 +195,9 @@ def test_chunked_decodes_the_unchunked_bits_and_counts_rounds(world: int) -> Non
                 assert s["chunked"]["fwd"]["a2a"] == 2 and s["chunked"]["bwd"]["a2a"] == 2
                 continue
             for d in ("fwd", "bwd"):
+                for mode in ("whole", "chunked"):
+                    assert s[mode][d]["bytes"] == s[mode][d]["wire"], (rank, step, mode, s)
+                assert s["whole"][d]["bytes"] == s["chunked"][d]["bytes"], (rank, step, s)
                 assert s["whole"][d]["a2a"] == 1, (rank, step, s)
                 assert s["chunked"][d]["a2a"] == world - 1, (rank, step, s)  # a round per peer
                 # Overflow sends only after the noise (step 3): the same in both modes.
