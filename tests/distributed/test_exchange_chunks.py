@@ -244,18 +244,18 @@ def _worker_ebc(rank: int, world: int) -> dict[str, Any]:
 
     exchange.send_chunked = counting  # type: ignore[assignment]
 
-    def lossy(hosts: int, **kw: Any) -> Any:
-        # One rank per host: the group spans hosts and the dists chunk (>= 256 KiB a call).
-        config = LossyCommsConfig(local_world_size=world // hosts, **kw)
+    def lossy(overlap: str, **kw: Any) -> Any:
+        # One rank per host: the group spans hosts and "auto" chunks (>= 256 KiB a call).
+        config = LossyCommsConfig(local_world_size=1, overlap=overlap, **kw)
         return LossyEmbeddingBagCollectionSharder(comms_config=config)
 
     tables = make_tables(EBC_TABLES)
     batches = [[make_batch(tables, 256, seed=100 * s + r) for r in range(world)] for s in range(3)]
     exact = {"default_bound": ErrorBound("absolute", 0.0), **EXACT_BACKWARD}
     runs = {
-        "chunked": TrainRun(tables, lossy(world), _ebc_plan(), world),
-        "whole": TrainRun(tables, lossy(1), _ebc_plan(), world),
-        "exact_chunked": TrainRun(tables, lossy(world, **exact), _ebc_plan(), world),
+        "chunked": TrainRun(tables, lossy("auto"), _ebc_plan(), world),
+        "whole": TrainRun(tables, lossy("never"), _ebc_plan(), world),
+        "exact_chunked": TrainRun(tables, lossy("auto", **exact), _ebc_plan(), world),
         "torchrec": TrainRun(tables, EmbeddingBagCollectionSharder(), _ebc_plan(), world),
     }
     calls = {}

@@ -14,7 +14,8 @@ bounds asked once, its blocks shown to the bound provider in the unchunked order
 is sized and filled the same, an overflow goes point-to-point the same: what is decoded is bit
 for bit the unchunked call's.
 
-When it pays (:func:`chunk_count`, the same on every rank, since a chunked and an unchunked
+With ``LossyCommsConfig.overlap`` ``"auto"`` (default ``"never"``), when it pays
+(:func:`chunk_count`, the same on every rank, since a chunked and an unchunked
 rank would make different collectives): the group spans hosts (on one host there is no wire to
 hide under, only the CPU the ranks share: chunks measured slower there), at least two peers, and
 the exchange's nominal bytes per rank (every rank's batch times the layout's columns, raw) at
