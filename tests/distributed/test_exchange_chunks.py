@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_workers
+from harness import count_exchange_calls, run_workers
 
 from torchrec_lossy.distributed.exchange_chunks import OVERLAP_MIN_BYTES, chunk_count, ring_rounds
 
@@ -121,21 +121,7 @@ def _worker(rank: int, world: int, corrupt: bool) -> dict[str, Any]:
     from torchrec_lossy.distributed.errors import LossyAllToAllError
     from torchrec_lossy.distributed.exchange_slots import SlotHistory
 
-    calls = {"a2a": 0, "isend": 0, "bytes": 0}
-    a2a, isend = dist.all_to_all_single, dist.isend
-
-    def counting_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["a2a"] += 1
-        calls["bytes"] += input.numel() if input.dtype == torch.uint8 else 0
-        return a2a(output, input, *a, **kw)
-
-    def counting_isend(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["isend"] += 1
-        calls["bytes"] += tensor.numel()
-        return isend(tensor, *a, **kw)
-
-    dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
-    dist.isend = counting_isend  # type: ignore[assignment]
+    calls = count_exchange_calls()
     raw = frozenset({1 - rank}) if rank < 2 and world > 2 else frozenset()  # ranks 0, 1: raw
     infos = {
         mode: _info(world, rank, 0.01, raw_peers=raw, slots=SlotHistory(world, chunks))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from harness import run_workers
+from harness import count_exchange_calls, run_workers
 
 from torchrec_lossy.distributed.exchange_slots import (
     CALM_CALLS,
@@ -100,7 +100,6 @@ def _inputs(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
@@ -108,22 +107,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
     from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo
 
-    calls = {"a2a": 0, "isend": 0, "bytes": 0}
-    a2a, isend = dist.all_to_all_single, dist.isend
-
-    def counting_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["a2a"] += 1
-        if input.dtype == torch.uint8:
-            calls["bytes"] += input.numel()
-        return a2a(output, input, *a, **kw)
-
-    def counting_isend(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["isend"] += 1
-        calls["bytes"] += tensor.numel()
-        return isend(tensor, *a, **kw)
-
-    dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
-    dist.isend = counting_isend  # type: ignore[assignment]
+    calls = count_exchange_calls()
     exact = ErrorBound("absolute", 0.0)
     config = LossyCommsConfig(
         default_bound=exact,
