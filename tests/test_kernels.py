@@ -187,9 +187,15 @@ def quantize_one(
         dtype=torch.tensor([dtype_code]),
         sr_key=torch.tensor([NEAREST_KEY]),
     )
-    return with_twin(
+    got = with_twin(
         k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block
     )
+    # Without histograms (the packed format's launch): the same symbols and errors, no counts.
+    sym, hist, err = with_twin(
+        k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block, False
+    )
+    assert torch.equal(sym, got[0]) and torch.equal(err, got[2]) and hist.shape[0] == 0
+    return got
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])

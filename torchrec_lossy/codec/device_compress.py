@@ -397,16 +397,18 @@ def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGri
 
 
 def quantize_stage(
-    k: KernelSet, ht: HostTables, t: Columns, flat: Flat, cols: EncodeColumns
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 2: quantize, escapes and histograms (``quantize.quantize_tiles``, one launch).
+    k: KernelSet, ht: HostTables, t: Columns, flat: Flat, cols: EncodeColumns,
+    histograms: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Stage 2: quantize, escapes and (``histograms``: the entropy format's) histograms
+    (``quantize.quantize_tiles``, one launch).
 
     Returns:
         (int16 symbol of every element, [n_blocks, ALPHABET_SIZE] histograms, float64 max error
         per block).
     """
     tiles = t.tiles.reshape(-1, 3)
-    sym, hist, tile_err = k.quantize.quantize_tiles(flat.x, tiles, cols, ht.tile_block)
+    sym, hist, tile_err = k.quantize.quantize_tiles(flat.x, tiles, cols, ht.tile_block, histograms)
     max_err = torch.zeros(ht.n_blocks, dtype=torch.float64, device=flat.x.device)
     return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
 

@@ -266,7 +266,7 @@ def start_packed_groups(
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
-        sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols)
+        sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols, histograms=False)
         dq, dr = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
         st = _stream(k, t, sym, dq, grid.ok)
         s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
