@@ -110,7 +110,8 @@ def _verify_kernel(
     pending = pmask
     # Each lane stops at the first identical row of its run; q == p (itself) always matches.
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        r, _ = _entry(tl.load(order_ptr + q, mask=pending, other=0), rows, RAW_FIRST)
+        # not _: a loop-carried _ (bound above) would change type in the loop
+        r, _r_raw = _entry(tl.load(order_ptr + q, mask=pending, other=0), rows, RAW_FIRST)
         off_r = off_i + (r - i) * dim
         n_diff = tl.zeros([BLOCK_R], dtype=tl.int32)
         for d0 in range(0, max_dim, BLOCK_D):
@@ -201,13 +202,9 @@ def representatives(
 
 
 def representatives_pair(
-    symbols: torch.Tensor,
-    bits: torch.Tensor,
-    row_blk: torch.Tensor,
-    cols: EncodeColumns,
-    max_dim: int,
-    mults: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    symbols: torch.Tensor, bits: torch.Tensor, row_blk: torch.Tensor, cols: EncodeColumns,
+    max_dim: int, mults: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`representatives` over the symbols and over the raw bits, in the same two launches
     and one sort (the compress needs both dedupes; each launch reads the inputs once).
 
