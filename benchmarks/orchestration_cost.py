@@ -36,7 +36,7 @@ from torchrec_lossy.kernels import codebook, huffman, quantize, vector_lz
 
 LAUNCHERS = {
     quantize: ["quantize_tiles", "decode_outputs"],
-    vector_lz: ["representatives", "unpack_refs_blocks"],
+    vector_lz: ["representatives_pair", "unpack_refs_blocks"],
     huffman: ["histogram_tiles", "encode_chunks", "decode_blocks", "check_escapes", "block_status"],
     codebook: ["code_lengths", "canonical_codes", "decode_tables"],
 }

@@ -296,14 +296,24 @@ def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constex
 
 
 @triton.jit
+def _word_sums(value, at, mask):
+    """Per row of lanes: (sum of the uint32 words ``value`` added at word ``at``, sum of
+    ``value * (2 at + 1)``), wrapping in int64 (0 where not ``mask``)."""
+    v = tl.where(mask, value, 0)
+    return tl.sum(v, axis=1), tl.sum(v * (2 * at + 1), axis=1)
+
+
+@triton.jit
 def _stream_group(
     pid, sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
-    n_slots, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
+    sums_ptr, n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
 ):  # fmt: skip
     # Program ``pid``'s GB group slots (slot: block, group in the block), 32 lanes each: every
     # sent value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes.
     # WRITE: its width byte, its codes at bit k * w of its words, its escapes (ranks from its
-    # slot's first), added into the zeroed words (integer adds of disjoint bits: the OR).
+    # slot's first), added into the zeroed words (integer adds of disjoint bits: the OR); per
+    # slot the words' sum and their sum weighted by 2 * word + 1, added to its block's sums
+    # (the segment and payload checksums are linear in them: ``put_data``).
     s = pid * GB + tl.arange(0, GB)
     smask = s < n_slots
     blk = tl.load(slot_ptr + 2 * s, mask=smask, other=0)
@@ -330,26 +340,37 @@ def _stream_group(
         used = smask & (k * GROUP < n_sym)
         table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
         word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
-        tl.atomic_add(buf_ptr + table_at + k // 4, (w << (8 * (k % 4))).to(word), mask=used)
+        table_word = w << (8 * (k % 4))
+        tl.atomic_add(buf_ptr + table_at + k // 4, table_word.to(word), mask=used)
+        s0 = tl.where(used, table_word, 0)
+        s1 = s0 * (2 * (table_at + k // 4) + 1)
         codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
         off = tl.load(off_ptr + s, mask=used, other=0)
         bit = 32 * off[:, None] + lane[None, :] * w[:, None]
         at = codes_at[:, None] + bit // 32
         sh = bit % 32
         live = code != 0
-        tl.atomic_add(buf_ptr + at, ((code << sh) & 0xFFFFFFFF).to(word), mask=live)
+        low = (code << sh) & 0xFFFFFFFF
+        tl.atomic_add(buf_ptr + at, low.to(word), mask=live)
+        a0, a1 = _word_sums(low, at, live)
         spill = live & (sh + w[:, None] > 32)
-        tl.atomic_add(buf_ptr + at + 1, (code >> tl.where(spill, 32 - sh, 0)).to(word), mask=spill)
+        high = code >> tl.where(spill, 32 - sh, 0)
+        tl.atomic_add(buf_ptr + at + 1, high.to(word), mask=spill)
+        b0, b1 = _word_sums(high, at + 1, spill)
         e = esc.to(tl.int64)
         rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
         escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
         tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
+        c0, c1 = _word_sums(v, escp_at + rank, esc)
         raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
         wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
         escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
         value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
         at = escb_at + tl.where(wide, rank, rank // 2)
         tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
+        d0, d1 = _word_sums(value, at, esc)
+        tl.atomic_add(sums_ptr + blk, s0 + a0 + b0 + c0 + d0, mask=used)
+        tl.atomic_add(sums_ptr + n_blocks + blk, s1 + a1 + b1 + c1 + d1, mask=used)
 
 
 @triton.jit
@@ -359,7 +380,7 @@ def _stream_widths_kernel(
 ):  # fmt: skip
     _stream_group(
         tl.program_id(0).to(tl.int64), sym_ptr, sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr,
-        esc_ptr, width_ptr, width_ptr, n_slots, GB, GROUP, False,
+        esc_ptr, width_ptr, width_ptr, width_ptr, n_slots, 0, GB, GROUP, False,
     )  # fmt: skip
 
 
@@ -392,9 +413,12 @@ def stream_widths(
 
 
 @triton.jit
-def _rows_tile(t, bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.constexpr):
+def _rows_tile(
+    t, bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr, n_blocks, TILE: tl.constexpr
+):  # fmt: skip
     # Tile ``t`` (block, first word) of words: the block's raw rows (raw blocks), or its
-    # distinct rows (lossless lz), fp32 one per word, 16-bit two per word (low half first).
+    # distinct rows (lossless lz), fp32 one per word, 16-bit two per word (low half first);
+    # their sums added to the block's, as ``_stream_group``'s.
     blk = tl.load(tile_ptr + 2 * t)
     w = tl.load(tile_ptr + 2 * t + 1) + tl.arange(0, TILE)
     n = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_N)
@@ -410,13 +434,16 @@ def _rows_tile(t, bits_ptr, rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE: tl.const
     value = tl.where(wide, b0 & 0xFFFFFFFF, (b0 & 0xFFFF) | ((b1 & 0xFFFF) << 16))
     at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.R_AT)
     tl.store(buf_ptr + at + w, value.to(buf_ptr.dtype.element_ty), mask=valid)
+    v = tl.where(valid, value, 0)
+    tl.atomic_add(sums_ptr + blk, tl.sum(v, axis=0))
+    tl.atomic_add(sums_ptr + n_blocks + blk, tl.sum(v * (2 * (at + w) + 1), axis=0))
 
 
 @triton.jit
 def _put_data_kernel(
     sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-    tile_ptr, buf_ptr, n_slots, n_stream, GB: tl.constexpr, GROUP: tl.constexpr,
-    TILE: tl.constexpr,
+    tile_ptr, buf_ptr, sums_ptr, n_slots, n_stream, n_blocks, GB: tl.constexpr,
+    GROUP: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     # The first n_stream programs write the packed streams (GB slots each), the others one
     # tile of raw rows each: every data-sized section in one launch.
@@ -424,20 +451,25 @@ def _put_data_kernel(
     if pid < n_stream:
         _stream_group(
             pid, sym_ptr, bits_ptr, q_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-            buf_ptr, n_slots, GB, GROUP, True,
+            buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP, True,
         )  # fmt: skip
     else:
-        _rows_tile(pid - n_stream, bits_ptr, r_rows_ptr, rec_ptr, tile_ptr, buf_ptr, TILE)
+        _rows_tile(
+            pid - n_stream, bits_ptr, r_rows_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr, n_blocks,
+            TILE,
+        )  # fmt: skip
 
 
 def put_data(
     buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
     dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
     stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
-) -> None:  # fmt: skip
+) -> torch.Tensor:  # fmt: skip
     """Writes every data-sized section into the zeroed payload words, in one launch: each
     packed block's width bytes, codes and escapes (added: integer adds of disjoint bits), the
-    raw blocks' rows and the lossless lz blocks' distinct rows (stored: one writer per word).
+    raw blocks' rows and the lossless lz blocks' distinct rows (stored: one writer per word);
+    and per block the sums that give any checksum over its words without reading them back
+    (``sum_j w_j (2 j + 1)`` over words ``o ..`` is ``S1 - 2 o S0``).
 
     Args:
         buf: int32 payload words (or int64 lanes holding uint32 words).
@@ -453,16 +485,22 @@ def put_data(
             slot's codes in its block's codes, the escapes of its block before it.
         tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
         tile: Words per tile (a power of two).
+
+    Returns:
+        int64 [2, n_blocks]: per block, S0 the sum of the (uint32) words written, S1 their sum
+        weighted by ``2 a + 1`` for word ``a`` of ``buf`` (both wrapping).
     """
-    n, gb = slots.shape[0], _GROUPS_PER_PROGRAM
+    n, gb, n_blocks = slots.shape[0], _GROUPS_PER_PROGRAM, rec.shape[0]
     n_stream = triton.cdiv(n, gb)
     grid = n_stream + tiles.shape[0]
+    sums = torch.zeros(2, n_blocks, dtype=torch.int64, device=buf.device)
     if grid:
         widths, code_off, esc_base = stream
         _put_data_kernel[(grid,)](
             sym, bits, dedupe_rows[0], dedupe_rows[1], rec, slots, widths, esc_base, code_off,
-            tiles, buf, n, n_stream, GB=gb, GROUP=_GROUP, TILE=tile,
+            tiles, buf, sums, n, n_stream, n_blocks, GB=gb, GROUP=_GROUP, TILE=tile,
         )  # fmt: skip
+    return sums
 
 
 # The @triton.jit kernels by name, for the ahead-of-time compile check (``kernels/_aot.py``).

@@ -370,42 +370,51 @@ def stream_widths(
     return ((top[:, None] >> shifts) > 0).sum(dim=1), esc.sum(dim=1)
 
 
-def _add(buf: torch.Tensor, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> None:
-    """Adds ``value`` at word ``at`` where ``mask`` (0 at word 0 elsewhere: no change)."""
-    value = torch.where(mask, value, 0).reshape(-1).to(buf.dtype)  # int32: modulo 2**32
-    buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), value)
+def _add(
+    buf: torch.Tensor, at: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+    sums: torch.Tensor, blk: torch.Tensor,
+) -> None:  # fmt: skip
+    """Adds ``value`` (uint32 words) at word ``at`` where ``mask`` (0 at word 0 elsewhere: no
+    change), and to block ``blk``'s sums ``value`` and ``value * (2 at + 1)``."""
+    value = torch.where(mask, value, 0)
+    buf.index_add_(0, torch.where(mask, at, 0).reshape(-1), value.reshape(-1).to(buf.dtype))
+    blk = blk.expand(value.shape).reshape(-1)
+    sums[0].index_add_(0, blk, value.reshape(-1))
+    sums[1].index_add_(0, blk, (value * (2 * at + 1)).reshape(-1))
 
 
 def _put_stream(
     buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
     rec: torch.Tensor, slots: torch.Tensor, widths: torch.Tensor, code_off: torch.Tensor,
-    esc_base: torch.Tensor,
+    esc_base: torch.Tensor, sums: torch.Tensor,
 ) -> None:  # fmt: skip
     """The packed streams' part of :func:`put_data`."""
     if not slots.shape[0]:
         return
     f, v, elem, esc, code = _stream_lanes(sym, rows, rec, slots)
-    k, w = slots[:, 1], widths
+    k, w, blk = slots[:, 1], widths, slots[:, 0]
     used = k * PACKED_GROUP < f[:, pc.N_SYM]
-    _add(buf, f[:, pc.TABLE_AT] + k // 4, w << (8 * (k % 4)), used)
+    _add(buf, f[:, pc.TABLE_AT] + k // 4, w << (8 * (k % 4)), used, sums, blk)
+    blk = blk[:, None]
     bit = 32 * code_off[:, None] + (v - k[:, None] * PACKED_GROUP) * w[:, None]
     at, sh = f[:, pc.CODES_AT, None] + bit // 32, bit % 32
     live = code != 0
-    _add(buf, at, (code << sh) & _M32, live)
+    _add(buf, at, (code << sh) & _M32, live, sums, blk)
     spill = live & (sh + w[:, None] > 32)
-    _add(buf, at + 1, code >> torch.where(spill, 32 - sh, 0), spill)
+    _add(buf, at + 1, code >> torch.where(spill, 32 - sh, 0), spill, sums, blk)
     e = esc.to(torch.int64)
     rank = esc_base[:, None] + torch.cumsum(e, dim=1) - e
-    _add(buf, f[:, pc.ESCP_AT, None] + rank, v, esc)
+    _add(buf, f[:, pc.ESCP_AT, None] + rank, v, esc, sums, blk)
     raw = bits[elem].to(torch.int64)
     wide = f[:, pc.ITEMSIZE, None] == 4
     value = torch.where(wide, raw & _M32, (raw & 0xFFFF) << (16 * (rank % 2)))
-    _add(buf, f[:, pc.ESCB_AT, None] + torch.where(wide, rank, rank // 2), value, esc)
+    at = f[:, pc.ESCB_AT, None] + torch.where(wide, rank, rank // 2)
+    _add(buf, at, value, esc, sums, blk)
 
 
 def _put_rows(
     buf: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor,
-    tiles: torch.Tensor, tile: int,
+    tiles: torch.Tensor, tile: int, sums: torch.Tensor,
 ) -> None:  # fmt: skip
     """The raw rows' part of :func:`put_data` (their words still 0)."""
     if not tiles.shape[0]:
@@ -419,18 +428,20 @@ def _put_rows(
     b1 = bits[_source(rows, f, 2 * w + 1, v1, pc.R_LZ, pc.R_BASE)].to(torch.int64)
     b0 = b0.to(torch.int64)
     value = torch.where(wide, b0 & _M32, (b0 & 0xFFFF) | torch.where(v1, (b1 & 0xFFFF) << 16, 0))
-    _add(buf, f[:, pc.R_AT, None] + w, value, valid)
+    _add(buf, f[:, pc.R_AT, None] + w, value, valid, sums, tiles[:, :1])
 
 
 def put_data(
     buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
     dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
     stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
-) -> None:  # fmt: skip
-    """Twin of ``kernels.packed.put_data`` (arguments as there)."""
+) -> torch.Tensor:  # fmt: skip
+    """Twin of ``kernels.packed.put_data`` (arguments and result as there)."""
     widths, code_off, esc_base = stream
-    _put_stream(buf, sym, bits, dedupe_rows[0], rec, slots, widths, code_off, esc_base)
-    _put_rows(buf, bits, dedupe_rows[1], rec, tiles, tile)
+    sums = torch.zeros(2, rec.shape[0], dtype=torch.int64, device=buf.device)
+    _put_stream(buf, sym, bits, dedupe_rows[0], rec, slots, widths, code_off, esc_base, sums)
+    _put_rows(buf, bits, dedupe_rows[1], rec, tiles, tile, sums)
+    return sums
 
 
 __all__ = [

@@ -133,10 +133,13 @@ def value_decode_bits(symbols, shift, qmax):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOCK: tl.constexpr,
+    HIST: tl.constexpr,
+):  # fmt: skip
     # One program per tile; a tile is (first element, end element, block) and never straddles
-    # blocks, so the block's parameters are scalars and its histogram one row. Field F of block
-    # b is at cols_ptr + b * N_FIELDS + F (``encode_columns``).
+    # blocks, so the block's parameters are scalars and its histogram (HIST) one row. Field F
+    # of block b is at cols_ptr + b * N_FIELDS + F (``encode_columns``).
     pid = tl.program_id(0).to(tl.int64)
     start = tl.load(tile_ptr + 3 * pid)
     end = tl.load(tile_ptr + 3 * pid + 1)
@@ -179,15 +182,17 @@ def _quantize_kernel(x_ptr, sym_ptr, hist_ptr, err_ptr, tile_ptr, cols_ptr, BLOC
     err = tl.where(is_value, tl.where(ax > 0, verr / tl.where(ax > 0, ax, 1.0), 0.0), err)
     tl.store(sym_ptr + offs, sym.to(tl.int16), mask=in_range)
     tl.store(err_ptr + pid, tl.max(tl.where(ok & in_range, err, 0.0), axis=0))
-    hist = tl.histogram(sym, _ALPHABET, mask=in_range)
-    # Integer counts: the atomics' order cannot change the result.
-    bins = tl.arange(0, _ALPHABET)
-    tl.atomic_add(hist_ptr + blk * _ALPHABET + bins, hist, mask=hist > 0, sem="relaxed")
+    if HIST:
+        hist = tl.histogram(sym, _ALPHABET, mask=in_range)
+        # Integer counts: the atomics' order cannot change the result.
+        bins = tl.arange(0, _ALPHABET)
+        tl.atomic_add(hist_ptr + blk * _ALPHABET + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 def quantize_tiles(
-    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int,
+    histograms: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Quantizes many blocks laid out back to back in one launch; nothing is synced.
 
     Args:
@@ -202,15 +207,19 @@ def quantize_tiles(
             block: its first tile's start), ``VALUE`` (1 for blocks on the per-value grid:
             ``step`` 2**-m, ``center`` qmax, ``bound`` relative; their max error is relative).
         block: Elements per tile (a power of two).
+        histograms: Whether to count the symbols (the entropy format's code plan; the packed
+            format needs none: then no histogram is built and an empty one is returned).
 
     Returns:
         (int16 symbols like ``x`` (the uint16 symbols' bits), int32 [n_blocks, ALPHABET_SIZE]
-        histograms, float64 [n_tiles] max error of each tile over the elements not escaped).
+        histograms ([0, ALPHABET_SIZE] without ``histograms``), float64 [n_tiles] max error of
+        each tile over the elements not escaped).
     """
     dev = x.device
     x = x.contiguous()
     symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)  # 0 outside the tiles
-    hist = torch.zeros(cols.n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    n_hist = cols.n_blocks if histograms else 0
+    hist = torch.zeros(n_hist, ALPHABET_SIZE, dtype=torch.int32, device=dev)
     n_tiles = tiles.shape[0]
     errors = torch.empty(n_tiles, dtype=torch.float64, device=dev)
     if n_tiles:
@@ -218,7 +227,7 @@ def quantize_tiles(
         # CPU; the GPU compiler would contract it into one FMA (the interpreter never fuses).
         _quantize_kernel[(n_tiles,)](
             x, symbols, hist, errors, tiles.contiguous(), cols.cols, BLOCK=block,
-            num_warps=8, enable_fp_fusion=False,
+            HIST=histograms, num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
     return symbols, hist, errors
 

@@ -151,8 +151,9 @@ def _errors(x: torch.Tensor, symbols: torch.Tensor, params: QuantParams) -> torc
 
 
 def quantize_tiles(
-    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, tiles: torch.Tensor, cols: EncodeColumns, block: int,
+    histograms: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Twin of ``kernels.quantize.quantize_tiles`` (its docstring has the full contract).
 
     Args:
@@ -164,6 +165,7 @@ def quantize_tiles(
             stochastic-rounding key or -1 (element ``i`` of a block draws with counter ``i``,
             whichever tile holds it) and whether it is on the per-value grid.
         block: Tile size (not needed here: the tiles say where they are).
+        histograms: Whether to count the symbols (else the histograms are [0, ALPHABET_SIZE]).
 
     Returns:
         (int16 symbol bits of every element, 0 where no tile reaches; int32 symbol counts per
@@ -172,7 +174,8 @@ def quantize_tiles(
     del block
     dev = x.device
     symbols = torch.zeros(x.shape[0], dtype=torch.int16, device=dev)
-    hist = torch.zeros(cols.n_blocks, ALPHABET_SIZE, dtype=torch.int32, device=dev)
+    n_hist = cols.n_blocks if histograms else 0
+    hist = torch.zeros(n_hist, ALPHABET_SIZE, dtype=torch.int32, device=dev)
     err = torch.zeros(x.shape[0], dtype=torch.float64, device=dev)
     tile_list = tiles.reshape(-1, 3).tolist()
     steps, inv, bounds = (
@@ -186,7 +189,8 @@ def quantize_tiles(
         xb = x[lo:hi].cpu().to(CODE_DTYPES[codes[b]])  # the references draw on the CPU
         sym, _ = quantize_reference(xb, params, bounds[b], keys[b])
         symbols[lo:hi] = sym.to(torch.int16)
-        hist[b] = torch.bincount(sym, minlength=ALPHABET_SIZE).to(torch.int32)
+        if histograms:
+            hist[b] = torch.bincount(sym, minlength=ALPHABET_SIZE).to(torch.int32)
         err[lo:hi] = _errors(xb, sym, params)
     tile_err = [err[lo:hi].max() if hi > lo else err.new_zeros(()) for lo, hi, _ in tile_list]
     errors = torch.stack(tile_err) if tile_err else err.new_zeros(0)

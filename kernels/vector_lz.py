@@ -1,7 +1,8 @@
 """Triton vector-LZ: find repeated rows of many blocks at once, and unpack the references.
 
 :func:`representatives` gives each row the first identical row of its block, for the rows of
-many blocks in one pass, found in parallel instead of through the CPU kernel's sequential hash
+many blocks in one pass (:func:`representatives_pair`: over the symbols and over the raw bits
+in the same launches), found in parallel instead of through the CPU kernel's sequential hash
 table: a row hash with the block in the top bits, a stable sort, each hash run's start, then a
 key-by-key check along the run, so the result is exact whatever the hash does. The device
 compress ranks them into the CPU dedupe's ids. :func:`unpack_refs_blocks` unpacks and checks the
@@ -21,21 +22,31 @@ from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import ESCAPE_SYMBOL
 from torchrec_lossy.codec.launch_tables import block_for
-from torchrec_lossy.kernels.common import SCAN_MAX, find_segment, inclusive_scan
+from torchrec_lossy.kernels.common import find_segment
 
 _ESCAPE: tl.constexpr = tl.constexpr(ESCAPE_SYMBOL)
 
 
 @triton.jit
-def _keys(sym_ptr, bits_ptr, offs, mask, RAW: tl.constexpr):
-    """int64 element identities, as ``_key`` in codec/vector_lz.py defines them."""
-    if RAW:
-        return tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.int64)
-    s = tl.load(sym_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    esc = s == _ESCAPE
-    # Raw bits are read only where the symbol is the escape.
-    b = tl.load(bits_ptr + offs, mask=mask & esc, other=0).to(tl.int64) & 0xFFFFFFFF
-    return tl.where(esc, b | 0x100000000, s.to(tl.int64))
+def _keys(sym_ptr, bits_ptr, offs, mask, raw):
+    """int64 element identities, as ``_key`` in codec/vector_lz.py defines them: the raw bits
+    where ``raw`` (per lane), else the symbol, an escaped element keyed by its raw bits."""
+    s = tl.load(sym_ptr + offs, mask=mask & ~raw, other=0).to(tl.int32) & 0xFFFF
+    esc = ~raw & (s == _ESCAPE)
+    # Raw bits are read only where the key is raw or the symbol is the escape.
+    b = tl.load(bits_ptr + offs, mask=mask & (raw | esc), other=0).to(tl.int64)
+    return tl.where(raw, b, tl.where(esc, (b & 0xFFFFFFFF) | 0x100000000, s.to(tl.int64)))
+
+
+@triton.jit
+def _entry(e, rows, RAW_FIRST: tl.constexpr):
+    """Entry ``e`` of the launch: (its row, 1 where it is keyed by raw bits). Entries
+    ``[0, rows)`` are the first dedupe's rows, ``[rows, 2 rows)`` the raw-bits dedupe's."""
+    second = e >= rows
+    row = e - tl.where(second, rows, 0)
+    if RAW_FIRST:  # one dedupe, over the raw bits
+        second = e >= 0
+    return row, second
 
 
 @triton.jit
@@ -52,20 +63,22 @@ def _row_table(row_blk_ptr, cols_ptr, r, mask):
 
 @triton.jit
 def _row_hash_kernel(
-    sym_ptr, bits_ptr, mults_ptr, hash_ptr, row_blk_ptr, cols_ptr, rows, RAW: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    sym_ptr, bits_ptr, mults_ptr, hash_ptr, row_blk_ptr, cols_ptr, rows, n,
+    RAW_FIRST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Rows of many blocks: row i belongs to block row_blk[i]; the block goes into the top bits
-    # so that sorting groups rows by block first.
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < rows
-    blk, off, dim = _row_table(row_blk_ptr, cols_ptr, r, rmask)
+    # Entries of many blocks' rows (one dedupe or both, ``_entry``): row i belongs to block
+    # row_blk[i]; the block goes into the top bits and the key kind into the sign bit, so that
+    # sorting groups entries by dedupe and block first.
+    e = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    emask = e < n
+    r, raw = _entry(e, rows, RAW_FIRST)
+    blk, off, dim = _row_table(row_blk_ptr, cols_ptr, r, emask)
     max_dim = tl.max(dim, axis=0)  # of this program's rows
     h = tl.zeros([BLOCK_R], dtype=tl.uint64)
     for d0 in range(0, max_dim, BLOCK_D):
         c = d0 + tl.arange(0, BLOCK_D)
-        m2 = rmask[:, None] & (c[None, :] < dim[:, None])
-        key = _keys(sym_ptr, bits_ptr, off[:, None] + c[None, :], m2, RAW)
+        m2 = emask[:, None] & (c[None, :] < dim[:, None])
+        key = _keys(sym_ptr, bits_ptr, off[:, None] + c[None, :], m2, raw[:, None])
         mult = tl.load(mults_ptr + c, mask=c < max_dim, other=0).to(tl.uint64, bitcast=True)
         # uint64 products and sums wrap modulo 2**64.
         prod = (key + 1).to(tl.uint64, bitcast=True) * mult[None, :]
@@ -74,53 +87,85 @@ def _row_hash_kernel(
     h *= 0xBF58476D1CE4E5B9
     h ^= h >> 29
     # 40 hash bits below the block id (< 2**23): the result stays exact on collisions.
-    out = (blk << 40) | (h >> 24).to(tl.int64, bitcast=True)
-    tl.store(hash_ptr + r, out, mask=rmask)
-
-
-@triton.jit
-def _run_flag_kernel(hash_ptr, out_ptr, rows, BLOCK: tl.constexpr):
-    # Position p if a hash run starts at p, else 0; a max-scan turns it into the run's start.
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = p < rows
-    h = tl.load(hash_ptr + p, mask=mask, other=0)
-    prev = tl.load(hash_ptr + p - 1, mask=mask & (p > 0), other=0)
-    start = (p == 0) | (h != prev)
-    tl.store(out_ptr + p, tl.where(start, p, 0).to(tl.int32), mask=mask)
+    out = (blk << 40) | (h >> 24).to(tl.int64, bitcast=True) | (raw.to(tl.int64) << 63)
+    tl.store(hash_ptr + e, out, mask=emask)
 
 
 @triton.jit
 def _verify_kernel(
-    sym_ptr, bits_ptr, order_ptr, run_ptr, out_ptr, row_blk_ptr, cols_ptr, rows,
-    RAW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    sym_ptr, bits_ptr, order_ptr, run_ptr, out_ptr, row_blk_ptr, cols_ptr, rows, n,
+    RAW_FIRST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # out: [2, rows] int32, each row's representative, then 1 where it is its own.
+    # out: [2, n] int32, each entry's representative row, then 1 where it is its own.
     p = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    pmask = p < rows
-    i = tl.load(order_ptr + p, mask=pmask, other=0)  # the row at sorted position p
-    q = tl.load(run_ptr + p, mask=pmask, other=0).to(tl.int64)  # candidate sorted position
-    # A run holds rows of one block: row r's first element is off_i + (r - i) * dim.
+    pmask = p < n
+    e = tl.load(order_ptr + p, mask=pmask, other=0)  # the entry at sorted position p
+    i, raw = _entry(e, rows, RAW_FIRST)
+    q = tl.load(run_ptr + p, mask=pmask, other=0)  # candidate sorted position
+    # A run holds rows of one block and one dedupe: row r's first element is
+    # off_i + (r - i) * dim.
     _, off_i, dim = _row_table(row_blk_ptr, cols_ptr, i, pmask)
     max_dim = tl.max(dim, axis=0)  # of this program's rows
     rep = i
     pending = pmask
     # Each lane stops at the first identical row of its run; q == p (itself) always matches.
     while tl.max(pending.to(tl.int32), axis=0) > 0:
-        r = tl.load(order_ptr + q, mask=pending, other=0)
+        # not _: a loop-carried _ (bound above) would change type in the loop
+        r, _r_raw = _entry(tl.load(order_ptr + q, mask=pending, other=0), rows, RAW_FIRST)
         off_r = off_i + (r - i) * dim
         n_diff = tl.zeros([BLOCK_R], dtype=tl.int32)
         for d0 in range(0, max_dim, BLOCK_D):
             c = d0 + tl.arange(0, BLOCK_D)
             m2 = pending[:, None] & (c[None, :] < dim[:, None])
-            ki = _keys(sym_ptr, bits_ptr, off_i[:, None] + c[None, :], m2, RAW)
-            kr = _keys(sym_ptr, bits_ptr, off_r[:, None] + c[None, :], m2, RAW)
+            ki = _keys(sym_ptr, bits_ptr, off_i[:, None] + c[None, :], m2, raw[:, None])
+            kr = _keys(sym_ptr, bits_ptr, off_r[:, None] + c[None, :], m2, raw[:, None])
             n_diff += tl.sum((ki != kr).to(tl.int32), axis=1)
         same = pending & (n_diff == 0)
         rep = tl.where(same, r, rep)
         pending = pending & (n_diff != 0)
         q = tl.where(pending, q + 1, q)
-    tl.store(out_ptr + i, rep.to(tl.int32), mask=pmask)
-    tl.store(out_ptr + rows + i, (rep == i).to(tl.int32), mask=pmask)
+    tl.store(out_ptr + e, rep.to(tl.int32), mask=pmask)
+    tl.store(out_ptr + n + e, (rep == i).to(tl.int32), mask=pmask)
+
+
+def _dedupe(
+    symbols: torch.Tensor | None, bits: torch.Tensor, row_blk: torch.Tensor,
+    cols: EncodeColumns, max_dim: int, mults: torch.Tensor | None, both: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The launches of :func:`representatives` (``both``: of :func:`representatives_pair`).
+
+    Returns:
+        int32 [2, entries]: each entry's representative row, then 1 where it is its own.
+    """
+    dev = bits.device
+    rows = row_blk.shape[0]
+    n = 2 * rows if both else rows
+    out = torch.empty(2, n, dtype=torch.int32, device=dev)
+    if rows == 0:
+        return out
+    raw_first = symbols is None
+    bits = bits.contiguous()
+    sym = bits if raw_first else symbols.contiguous()  # a placeholder pointer when raw
+    row_blk = row_blk.contiguous()
+    block_r = block_for(n, 64)
+    block_d = block_for(max_dim, 64)
+    grid = (triton.cdiv(n, block_r),)
+    if mults is None:
+        mults = torch.from_numpy(launch_tables.column_multipliers(max(max_dim, 1))).to(dev)
+    hashes = torch.empty(n, dtype=torch.int64, device=dev)
+    _row_hash_kernel[grid](
+        sym, bits, mults, hashes, row_blk, cols.cols, rows, n, RAW_FIRST=raw_first,
+        BLOCK_R=block_r, BLOCK_D=block_d,
+    )  # fmt: skip
+    # Any total order of the hashes groups equal rows; stable keeps each group in row order.
+    sorted_hashes, order = torch.sort(hashes, stable=True)
+    # Each sorted position's run start: the first position holding its hash.
+    run_start = torch.searchsorted(sorted_hashes, sorted_hashes)
+    _verify_kernel[grid](
+        sym, bits, order, run_start, out, row_blk, cols.cols, rows, n, RAW_FIRST=raw_first,
+        BLOCK_R=block_r, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
 
 
 def representatives(
@@ -152,37 +197,27 @@ def representatives(
         (rep: int32 [rows], the first row of its block identical to each row (global index);
         is_first: int32 [rows], 1 where a row is its own representative). Nothing is synced.
     """
-    dev = bits.device
-    rows = row_blk.shape[0]
-    out = torch.empty(2, rows, dtype=torch.int32, device=dev)
-    if rows == 0:
-        return out[0], out[1]
-    raw = symbols is None
-    bits = bits.contiguous()
-    sym = bits if raw else symbols.contiguous()  # a placeholder pointer when raw
-    row_blk = row_blk.contiguous()
-    block_r = block_for(rows, 64)
-    block_d = block_for(max_dim, 64)
-    grid = (triton.cdiv(rows, block_r),)
-    if mults is None:
-        mults = torch.from_numpy(launch_tables.column_multipliers(max(max_dim, 1))).to(dev)
-    hashes = torch.empty(rows, dtype=torch.int64, device=dev)
-    _row_hash_kernel[grid](
-        sym, bits, mults, hashes, row_blk, cols.cols, rows, RAW=raw, BLOCK_R=block_r,
-        BLOCK_D=block_d,
-    )  # fmt: skip
-    # Any total order of the hashes groups equal rows; stable keeps each group in row order.
-    sorted_hashes, order = torch.sort(hashes, stable=True)
-    block = block_for(rows, 1024)
-    flat_grid = (triton.cdiv(rows, block),)
-    run_flags = torch.empty(rows, dtype=torch.int32, device=dev)
-    _run_flag_kernel[flat_grid](sorted_hashes, run_flags, rows, BLOCK=block)
-    run_start = inclusive_scan(run_flags, SCAN_MAX)
-    _verify_kernel[grid](
-        sym, bits, order, run_start, out, row_blk, cols.cols, rows, RAW=raw, BLOCK_R=block_r,
-        BLOCK_D=block_d,
-    )  # fmt: skip
+    out = _dedupe(symbols, bits, row_blk, cols, max_dim, mults, both=False)
     return out[0], out[1]
+
+
+def representatives_pair(
+    symbols: torch.Tensor, bits: torch.Tensor, row_blk: torch.Tensor, cols: EncodeColumns,
+    max_dim: int, mults: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`representatives` over the symbols and over the raw bits, in the same two launches
+    and one sort (the compress needs both dedupes; each launch reads the inputs once).
+
+    Args:
+        symbols: 1-D int16 symbols of every element.
+        bits, row_blk, cols, max_dim, mults: As :func:`representatives`.
+
+    Returns:
+        (rep, is_first): int32 [2, rows] each, row 0 :func:`representatives` of ``symbols``,
+        row 1 of the raw bits (``symbols`` None).
+    """
+    out = _dedupe(symbols, bits, row_blk, cols, max_dim, mults, both=True)
+    return out[0].view(2, -1), out[1].view(2, -1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,7 +352,6 @@ def unpack_refs_blocks(
 # callers launch them through the functions above.
 JIT_KERNELS = {
     "row_hash_kernel": _row_hash_kernel,
-    "run_flag_kernel": _run_flag_kernel,
     "unpack_refs_blocks_kernel": _unpack_refs_blocks_kernel,
     "verify_kernel": _verify_kernel,
 }

@@ -106,6 +106,24 @@ def representatives(
     return rep, is_first
 
 
+def representatives_pair(
+    symbols: torch.Tensor, bits: torch.Tensor, row_blk: torch.Tensor, cols: EncodeColumns,
+    max_dim: int, mults: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Twin of ``kernels.vector_lz.representatives_pair``: :func:`representatives` over the
+    symbols, then over the raw bits, stacked.
+
+    Args:
+        symbols, bits, row_blk, cols, max_dim, mults: As :func:`representatives`.
+
+    Returns:
+        (rep, is_first): int32 [2, rows] each.
+    """
+    by_sym = representatives(symbols, bits, row_blk, cols, max_dim, mults)
+    by_raw = representatives(None, bits, row_blk, cols, max_dim, mults)
+    return torch.stack([by_sym[0], by_raw[0]]), torch.stack([by_sym[1], by_raw[1]])
+
+
 def _bit_stream(refs: torch.Tensor, n_bits: int) -> torch.Tensor:
     """The bits of int32 words MSB-first (int64 0 / 1), zero-padded to at least ``n_bits``."""
     shifts = torch.arange(31, -1, -1, device=refs.device)
@@ -195,4 +213,10 @@ def unpack_refs_blocks(
     return ids
 
 
-__all__ = ["dedupe_reference", "element_keys", "representatives", "unpack_refs_blocks"]
+__all__ = [
+    "dedupe_reference",
+    "element_keys",
+    "representatives",
+    "representatives_pair",
+    "unpack_refs_blocks",
+]

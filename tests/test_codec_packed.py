@@ -369,10 +369,10 @@ def test_the_device_encoder_writes_the_host_bytes(backend: str, kind: BoundKind)
 
 def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each Triton launch of the packed device compress (``quantize.block_ranges``,
-    ``packed.stream_widths``, ``put_data``) gives its torch twin's outputs and
-    words, call by call on the production inputs (adversarial blocks, every bound kind, raw,
-    lossless lz and repeated rows), so the twins are each kernel's oracle, not just the
-    payload's."""
+    ``packed.stream_widths``, ``put_data``) gives its torch twin's outputs and words (and
+    ``put_data`` the words' checksum sums), call by call on the production inputs
+    (adversarial blocks, every bound kind, raw, lossless lz and repeated rows), so the twins
+    are each kernel's oracle, not just the payload's."""
     pytest.importorskip("triton", reason="triton is not installed")
     from torchrec_lossy.kernels import packed as k_packed
     from torchrec_lossy.kernels import quantize as k_quantize
@@ -387,10 +387,11 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
             calls[name] = calls.get(name, 0) + 1
             if writes:  # the first argument is the payload words, written in place
                 mine = args[0].clone()
-                twin(mine, *args[1:])
-                kernel(*args)
+                want = twin(mine, *args[1:])
+                got = kernel(*args)
                 assert torch.equal(args[0], mine), name
-                return None
+                assert torch.equal(got, want), f"{name}: its words' sums"
+                return got
             got, want = kernel(*args), twin(*args)
             for g, w in zip(got, want, strict=True):  # floats bit for bit (signed zeros)
                 bits = torch.int32 if g.is_floating_point() else g.dtype

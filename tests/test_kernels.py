@@ -187,9 +187,15 @@ def quantize_one(
         dtype=torch.tensor([dtype_code]),
         sr_key=torch.tensor([NEAREST_KEY]),
     )
-    return with_twin(
+    got = with_twin(
         k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block
     )
+    # Without histograms (the packed format's launch): the same symbols and errors, no counts.
+    sym, hist, err = with_twin(
+        k_quantize.quantize_tiles, quantize_ref.quantize_tiles, dev(x), tiles, cols, block, False
+    )
+    assert torch.equal(sym, got[0]) and torch.equal(err, got[2]) and hist.shape[0] == 0
+    return got
 
 
 @pytest.mark.parametrize("kind", ["adversarial", "repeat"])
@@ -268,6 +274,29 @@ def test_dedupe_matches_cpu(dtype: torch.dtype, kind: str) -> None:
                 ids, first = dedupe_one(None if raw else sym, bits)
                 np.testing.assert_array_equal(ids, want_ids, err_msg=what)
                 np.testing.assert_array_equal(first, want_first, err_msg=what)
+
+
+@pytest.mark.parametrize("kind", ["adversarial", "repeat"])
+def test_dedupe_pair_is_both_dedupes(kind: str) -> None:
+    """``representatives_pair`` (both dedupes in the same launches) gives row 0 the symbols'
+    dedupe and row 1 the raw bits', each as ``representatives`` alone, rows of two blocks."""
+    sym_a, bits_a = _dedupe_inputs(33, 3, torch.float16, kind)
+    sym_b, bits_b = _dedupe_inputs(7, 16, torch.float32, kind)
+    sym = dev(np.concatenate([sym_a.reshape(-1), sym_b.reshape(-1)]))
+    bits = dev(np.concatenate([bits_a.reshape(-1), bits_b.reshape(-1)]))
+    row_blk = torch.tensor([0] * 33 + [1] * 7, dtype=torch.int32, device=DEVICE)
+    cols = encode_columns(
+        2, DEVICE, dim=torch.tensor([3, 16]), row_off=torch.tensor([0, 33]),
+        elem_off=torch.tensor([0, 99]),
+    )  # fmt: skip
+    rep, is_first = with_twin(
+        k_vector_lz.representatives_pair, vector_lz_ref.representatives_pair, sym, bits,
+        row_blk, cols, 16,
+    )  # fmt: skip
+    for d, symbols in enumerate((sym, None)):
+        want = k_vector_lz.representatives(symbols, bits, row_blk, cols, 16)
+        assert torch.equal(rep[d], want[0]) and torch.equal(is_first[d], want[1])
+    assert kind != "repeat" or (is_first[1] == 0).any()  # repeats found
 
 
 def test_dedupe_exact_under_hash_collisions(monkeypatch: pytest.MonkeyPatch) -> None:

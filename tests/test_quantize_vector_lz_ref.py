@@ -91,11 +91,11 @@ def compress_recorded(
     config: CodecConfig = TRITON,
     kinds: list[int] | None = None,
 ) -> tuple[torch.Tensor, list[Call], list[Call]]:
-    """Compresses on the device path; returns (payload, quantize_tiles calls, representatives
-    calls), each already checked against its twin."""
+    """Compresses on the device path; returns (payload, quantize_tiles calls,
+    representatives_pair calls), each already checked against its twin."""
     with (
         recorded_calls(monkeypatch, quantize, ["quantize_tiles"]) as q_calls,
-        recorded_calls(monkeypatch, vector_lz, ["representatives"]) as lz_calls,
+        recorded_calls(monkeypatch, vector_lz, ["representatives_pair"]) as lz_calls,
     ):
         payload, _ = compress_with_stats([b.to(DEVICE) for b in blocks], bounds, config, kinds)
     assert_twin_matches(q_calls, quantize_ref)
@@ -149,7 +149,7 @@ def _all_symbols(calls: list[Call]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# Compress: quantize_tiles and representatives
+# Compress: quantize_tiles and representatives_pair
 
 
 def test_mixed_blocks_compress_and_decode_match(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,8 +158,8 @@ def test_mixed_blocks_compress_and_decode_match(monkeypatch: pytest.MonkeyPatch)
     # The calls cover what they should: escapes and every dtype; raw and symbol dedupe; repeats.
     assert (_all_symbols(q_calls) == ESCAPE_SYMBOL).any()
     assert {int(c) for call in q_calls for c in call.args[2].column(ec.DTYPE).tolist()} == {1, 2, 3}
-    assert {c.args[0] is None for c in lz_calls} == {True, False}
-    assert any((c.result[1] == 0).any() for c in lz_calls)
+    assert [c.result[0].shape[0] for c in lz_calls] == [2]  # symbol and raw dedupe, one call
+    assert all((c.result[1][d] == 0).any() for c in lz_calls for d in (0, 1))  # repeats
     out_calls, ref_calls = decompress_recorded(monkeypatch, payload)
     modes = {int(m) for c in out_calls for m in c.args[1].column(dc.MODE).tolist()}
     assert {0, 1, 2, 3} <= modes, modes
@@ -204,7 +204,7 @@ def test_lossless_and_empty_payloads_match(monkeypatch: pytest.MonkeyPatch) -> N
     blocks = [repeated_rows(few, 12, 1), torch.zeros(0, 3), repeated_rows(few.bfloat16(), 7, 2)]
     payload, q_calls, lz_calls = compress_recorded(monkeypatch, blocks, [0.0, 0.0, 0.0])
     assert all(c.args[1].numel() == 0 for c in q_calls)  # nothing quantized: no tiles
-    assert any(c.args[0] is None and (c.result[1] == 0).any() for c in lz_calls)  # repeats
+    assert any((c.result[1][1] == 0).any() for c in lz_calls)  # repeats of the raw bits
     decompress_recorded(monkeypatch, payload)
 
 

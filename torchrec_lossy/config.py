@@ -75,6 +75,7 @@ _MAX_BOUND_VALUES = {BoundKind.RELATIVE: 1.0, BoundKind.VALUE: 0.5}
 BoundMode = Literal[tuple(kind.name.lower() for kind in BoundKind)]  # ErrorBound.mode's names
 EvaluationMode = Literal["exact", "lossy"]
 IntraHost = Literal["auto", "coded", "raw"]
+OverlapMode = Literal["never", "auto"]
 BackwardCodec = Literal["none", "fp16", "bf16", "lossy"]
 Rounding = Literal["nearest", "stochastic"]
 CodecFormat = Literal["entropy", "packed"]
@@ -478,6 +479,12 @@ class LossyCommsConfig:
             for other hosts are always coded.
         local_world_size: Ranks per host (consecutive global ranks); None: torchrun's
             ``LOCAL_WORLD_SIZE``, else all ranks on one host.
+        overlap: Coding overlapped with the wire on the host path (``distributed/
+            exchange_chunks.py``): ``"never"`` (the default: one all-to-all of slots per coded
+            exchange) or ``"auto"`` (a ring of rounds, one per peer, where the group spans hosts,
+            has at least two peers per rank and at least 256 KiB nominal per rank; measured
+            faster on a 200 Mbit/s link, slower at 1 Gbit/s on a loaded machine:
+            docs/benchmarks.md). Decoded bits are the same either way.
         schedule: Iteration-wise decay of the forward bounds.
         homogenization: Table-wise bound classes.
         input_dist: Lossless codec of the KJT input all-to-all.
@@ -504,6 +511,7 @@ class LossyCommsConfig:
     evaluation: EvaluationMode = "exact"
     intra_host: IntraHost = "auto"
     local_world_size: int | None = None
+    overlap: OverlapMode = "never"
     schedule: ErrorBoundSchedule = field(
         default_factory=lambda: ErrorBoundSchedule(kind="constant")
     )
@@ -520,6 +528,7 @@ class LossyCommsConfig:
         _check_literal("backward_rounding", self.backward_rounding, Rounding)
         _check_literal("evaluation", self.evaluation, EvaluationMode)
         _check_literal("intra_host", self.intra_host, IntraHost)
+        _check_literal("overlap", self.overlap, OverlapMode)
         lws = self.local_world_size
         _require(
             lws is None or (isinstance(lws, int) and not isinstance(lws, bool) and lws >= 1),

@@ -131,6 +131,31 @@ def run_workers(
 # Models, plans and batches (used inside workers).
 
 
+def count_exchange_calls() -> dict[str, int]:
+    """Patches this process's ``dist.all_to_all_single`` and ``dist.isend`` to count their calls
+    and the uint8 bytes they hand over (the lossy wire's payloads, slots and overflows).
+
+    Returns:
+        The live counts: ``a2a``, ``isend``, ``bytes`` (reset them between calls).
+    """
+    calls = {"a2a": 0, "isend": 0, "bytes": 0}
+    a2a, isend = dist.all_to_all_single, dist.isend
+
+    def counting_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        calls["a2a"] += 1
+        calls["bytes"] += input.numel() if input.dtype == torch.uint8 else 0
+        return a2a(output, input, *a, **kw)
+
+    def counting_isend(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        calls["isend"] += 1
+        calls["bytes"] += tensor.numel()
+        return isend(tensor, *a, **kw)
+
+    dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
+    dist.isend = counting_isend  # type: ignore[assignment]
+    return calls
+
+
 def make_tables(specs: Sequence[tuple[str, int, int, Sequence[str]]]) -> list:
     """EmbeddingBagConfigs from ``(name, rows, dim, feature_names)`` tuples (sum pooling)."""
     from torchrec import EmbeddingBagConfig

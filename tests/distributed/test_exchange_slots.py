@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from harness import run_workers
+from harness import count_exchange_calls, run_workers
 
 from torchrec_lossy.distributed.exchange_slots import (
     CALM_CALLS,
@@ -22,7 +22,6 @@ from torchrec_lossy.distributed.exchange_slots import (
     SlotKey,
     capacity,
     fill_slots,
-    read_headers,
 )
 
 KEY = SlotKey("fwd", False, frozenset({"a"}))
@@ -74,8 +73,8 @@ def test_slots_carry_size_tag_and_bytes_and_cut_an_overflow() -> None:
     caps = [0, 80, 64]  # the last one overflows: 48 bytes of room
     slotted = fill_slots(payloads, caps, tag=7)
     assert slotted.send.numel() == 144
-    heads = read_headers(slotted.send, caps)
-    assert heads.tolist() == [[0, 0], [40, 7], [200, 7]]
+    heads = [slotted.send[a : a + HEADER].view(torch.int64).tolist() for a in (0, 80)]
+    assert heads == [[40, 7], [200, 7]]
     assert torch.equal(slotted.send[16:56], payloads[1])
     assert not slotted.send[56:80].any()  # zeroed slack
     assert torch.equal(slotted.send[96:144], payloads[2][:48])
@@ -101,7 +100,6 @@ def _inputs(rank: int, world: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from torchrec_lossy.config import ErrorBound, LossyCommsConfig, TableCodecConfig
     from torchrec_lossy.distributed import BlockSpec, LossyComms, StaticBounds
@@ -109,22 +107,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from torchrec_lossy.distributed.comm_ops import alltoall_pooled_lossy
     from torchrec_lossy.distributed.pooled_blocks import LossyAll2AllPooledInfo
 
-    calls = {"a2a": 0, "isend": 0, "bytes": 0}
-    a2a, isend = dist.all_to_all_single, dist.isend
-
-    def counting_a2a(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["a2a"] += 1
-        if input.dtype == torch.uint8:
-            calls["bytes"] += input.numel()
-        return a2a(output, input, *a, **kw)
-
-    def counting_isend(tensor: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        calls["isend"] += 1
-        calls["bytes"] += tensor.numel()
-        return isend(tensor, *a, **kw)
-
-    dist.all_to_all_single = counting_a2a  # type: ignore[assignment]
-    dist.isend = counting_isend  # type: ignore[assignment]
+    calls = count_exchange_calls()
     exact = ErrorBound("absolute", 0.0)
     config = LossyCommsConfig(
         default_bound=exact,

@@ -98,8 +98,6 @@ class Columns(Generic[_Array]):
     slot_k: _Array  # per chunk slot, its chunk in the block
     tiles: _Array  # the quantize launch's tiles (launch_tables.tile_table rows, flattened)
     mults: _Array  # the row hash's column multipliers
-    ck_owner: _Array  # packed format: per checksum tile, its range (segment bodies, then payloads')
-    ck_first: _Array  # its first word's index in its range
     ps_slots: _Array  # packed: per group slot (block, group in it), flattened; may-quantize blocks
     ps_first: _Array  # packed: per block its first slot, then the slot count (n_blocks + 1)
     rw_tiles: _Array  # packed: per raw-rows tile (block, first word), flattened
@@ -137,27 +135,6 @@ def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
     slot_syms = np.minimum(chunk, numel[slot_blk] - slot_k * chunk)
     stream_words = int(words_for_bits(slot_syms * MAX_CODE_LENGTH).sum())
     return slots, first_slot, slot_blk, slot_k, stream_words
-
-
-def _checksum_tiles(
-    raw_words: np.ndarray, group: np.ndarray, sizes: np.ndarray, packed: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """The packed checksum launch's tiles, from the most words each range can have: every
-    segment's body (at most its raw segment's words less the header), then every payload's
-    body (its descriptors and at most its raw segments); a tile past a range's end is empty.
-
-    Returns:
-        (per tile: its range, its first word's index in the range); empty unless ``packed``.
-    """
-    if not packed:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    per_group = np.zeros(sizes.shape[0], dtype=np.int64)
-    np.add.at(per_group, group, raw_words)
-    longest = np.concatenate(
-        [np.maximum(raw_words - SEGMENT_HEADER_WORDS, 0), DESCRIPTOR_WORDS * sizes + per_group]
-    )
-    tiles, owner = checksum_tiles(np.zeros_like(longest), longest)
-    return owner, tiles[:, 1]
 
 
 def _packed_tables(
@@ -213,7 +190,6 @@ def host_tables(
     group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
     raw_words = words_for_bytes(numel * itemsize)
     packed = config.format == "packed"
-    ck_owner, ck_first = _checksum_tiles(raw_words, group, sizes, packed)
     ps_slots, ps_first, rw_tiles = _packed_tables(numel, quant_try, raw_words, packed)
     record = ec.host_record(
         b,
@@ -244,8 +220,6 @@ def host_tables(
         slot_k=slot_k,
         tiles=tiles[quant_try[tiles[:, 2]] == 1].reshape(-1),
         mults=column_multipliers(max(max_dim, 1)),
-        ck_owner=ck_owner,
-        ck_first=ck_first,
         ps_slots=ps_slots,
         ps_first=ps_first,
         rw_tiles=rw_tiles,
@@ -299,11 +273,15 @@ class Dedupe(NamedTuple):
     ids: torch.Tensor  # per row, its distinct vector's id in its block
     base: torch.Tensor  # per block, the first occurrences before it
     n_unique: torch.Tensor  # per block, its distinct vectors
-    first_rows: torch.Tensor  # block b's first occurrences' rows at [base[b], + n_unique[b])
+    # block b's first occurrences' rows at [base[b], + n_unique[b]) (one table for both dedupes
+    # of a compress: ``vector_lz_stage``)
+    first_rows: torch.Tensor
 
     def row(self, flat: Flat, vec: torch.Tensor) -> torch.Tensor:
         """Per element lane, the flat row of distinct vector ``vec`` of the lane's block."""
-        return self.first_rows[(self.base[flat.e_blk] + vec).clamp(max=flat.r_blk.shape[0])]
+        return self.first_rows[
+            (self.base[flat.e_blk] + vec).clamp(max=self.first_rows.shape[0] - 1)
+        ]
 
 
 class _Codes(NamedTuple):
@@ -419,43 +397,53 @@ def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGri
 
 
 def quantize_stage(
-    k: KernelSet, ht: HostTables, t: Columns, flat: Flat, cols: EncodeColumns
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 2: quantize, escapes and histograms (``quantize.quantize_tiles``, one launch).
+    k: KernelSet, ht: HostTables, t: Columns, flat: Flat, cols: EncodeColumns,
+    histograms: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Stage 2: quantize, escapes and (``histograms``: the entropy format's) histograms
+    (``quantize.quantize_tiles``, one launch).
 
     Returns:
         (int16 symbol of every element, [n_blocks, ALPHABET_SIZE] histograms, float64 max error
         per block).
     """
     tiles = t.tiles.reshape(-1, 3)
-    sym, hist, tile_err = k.quantize.quantize_tiles(flat.x, tiles, cols, ht.tile_block)
+    sym, hist, tile_err = k.quantize.quantize_tiles(flat.x, tiles, cols, ht.tile_block, histograms)
     max_err = torch.zeros(ht.n_blocks, dtype=torch.float64, device=flat.x.device)
     return sym, hist, max_err.scatter_reduce(0, tiles[:, 2], tile_err, "amax")
 
 
 def vector_lz_stage(
-    k: KernelSet,
-    symbols: torch.Tensor | None,
-    ht: HostTables,
-    t: Columns,
-    flat: Flat,
+    k: KernelSet, symbols: torch.Tensor, ht: HostTables, t: Columns, flat: Flat,
     cols: EncodeColumns,
-) -> Dedupe:
-    """Stage 3: repeated rows of every block, over the quantized symbols or (None) the raw bits
-    (``vector_lz.representatives``: hash with the block in the top bits, sort, verify)."""
+) -> tuple[Dedupe, Dedupe]:  # fmt: skip
+    """Stage 3: repeated rows of every block, over the quantized symbols and over the raw bits
+    (``vector_lz.representatives_pair``: hash with the block in the top bits, sort, verify,
+    both dedupes in the same launches), ranked together: the raw-bits dedupe's first
+    occurrences follow the symbols', and both index the one ``first_rows`` table.
+
+    Returns:
+        (the symbols' dedupe, the raw bits' dedupe).
+    """
     r_blk, dev = flat.r_blk, flat.x.device
-    rep, is_first = k.vector_lz.representatives(
+    n_rows = r_blk.shape[0]
+    rep, is_first = k.vector_lz.representatives_pair(
         symbols, flat.bits, r_blk, cols, ht.max_dim, t.mults
     )
     firsts = is_first.to(torch.int64)
-    rank0 = bases(firsts)
-    rank = rank0[1:]  # inclusive count of first occurrences
-    base = rank0[t.row_off]  # first occurrences in the blocks before
-    n_rows = r_blk.shape[0]
-    ids = rank[rep.to(torch.int64)] - 1 - base[r_blk] if n_rows else rank
-    first_rows = WordBuffer(n_rows, dev)  # each first occurrence at its rank
-    first_rows.put(rank - 1, torch.arange(n_rows, device=dev), firsts == 1)
-    return Dedupe(firsts, ids, base, rank0[t.row_off + t.rows] - base, first_rows.buf)
+    rank0 = bases(firsts.reshape(-1))
+    rank = rank0[1:]  # inclusive count of first occurrences, both dedupes' rows in a row
+    shift = torch.arange(2, device=dev)[:, None] * n_rows  # each dedupe's first entry
+    row_off = t.row_off + shift
+    base = rank0[row_off]  # [2, n_blocks] first occurrences before the block
+    n_unique = rank0[row_off + t.rows] - base
+    ids = rank[(rep + shift).reshape(-1)].view(2, n_rows) - 1 - base[:, r_blk]
+    first_rows = WordBuffer(2 * n_rows, dev)  # each first occurrence's row at its rank
+    entries = torch.arange(2 * n_rows, device=dev)
+    first_rows.put(rank - 1, entries % max(n_rows, 1), firsts.reshape(-1) == 1)
+    rows = first_rows.buf
+    by_sym, by_raw = (Dedupe(firsts[d], ids[d], base[d], n_unique[d], rows) for d in range(2))
+    return by_sym, by_raw
 
 
 def _codes(k: KernelSet, hists: torch.Tensor, chunk: int) -> _Codes:
@@ -614,6 +602,22 @@ class WordBuffer:
         self._buf = torch.zeros(n_words + _TRASH, dtype=dtype, device=dev)
         self._n_words = n_words
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def words(self) -> torch.Tensor:
+        """The words without the pending writes (for a launch that adds into them while the
+        small writes stay pending)."""
+        return self._buf
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pending writes as one (dest, value, valid) of every lane, still pending."""
+        if not self._pending:
+            none = torch.zeros(0, dtype=torch.int64, device=self._buf.device)
+            return none, none, none.bool()
+        if len(self._pending) > 1:
+            merged = tuple(torch.cat(p) for p in zip(*self._pending, strict=True))
+            self._pending = [merged]  # type: ignore[list-item]
+        return self._pending[0]
 
     @property
     def buf(self) -> torch.Tensor:
@@ -897,10 +901,7 @@ def start_groups_device(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
         sym, hist, max_err = quantize_stage(k, ht, t, flat, cols)
-        dq, dr = (
-            vector_lz_stage(k, sym, ht, t, flat, cols),
-            vector_lz_stage(k, None, ht, t, flat, cols),
-        )
+        dq, dr = vector_lz_stage(k, sym, ht, t, flat, cols)
         # Distinct rows' histograms: the quantized symbols of first occurrences only.
         keep = dq.first[t.row_off[flat.e_blk] + flat.e_loc // flat.e_dim].to(torch.int32)
         hist_u = k.huffman.histogram_tiles(

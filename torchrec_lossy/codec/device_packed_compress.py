@@ -29,7 +29,6 @@ from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.container import HEADER_WORDS, MASK32
 from torchrec_lossy.codec.device_compress import ROWS_TILE
-from torchrec_lossy.codec.device_packed_decode import CHECKSUM_TILE
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     FLAG_PACKED,
@@ -153,9 +152,14 @@ def _sends(t: dcx.Columns, mode: torch.Tensor, st: _Stream, dq: dcx.Dedupe,
 def _put_data(
     k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, flat: dcx.Flat, sym: torch.Tensor,
     st: _Stream, s: dcx.Sends, sec: dcx.Sections, dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
-) -> None:  # fmt: skip
+) -> torch.Tensor:  # fmt: skip
     """The data-sized sections in one launch (``packed.put_data``): every packed block's width
-    bytes, codes and escapes, the raw blocks' rows and the lossless lz blocks' distinct rows."""
+    bytes, codes and escapes, the raw blocks' rows and the lossless lz blocks' distinct rows,
+    into the words while the small writes stay pending (they are added once, at the end).
+
+    Returns:
+        int64 [2, n_blocks] the data words' sums (``packed.put_data``).
+    """
     dq, dr = dedupes
     raw = s.mode == MODE_RAW
     n_rows = torch.where(raw, t.rows, torch.where(s.is_lz, dr.n_unique, 0))
@@ -175,62 +179,59 @@ def _put_data(
             pc.R_AT: torch.where(raw, sec.seg_start, sec.escp_at),
         },
     )
-    k.packed.put_data(
-        out.buf, sym, flat.bits, (dq.first_rows, dr.first_rows), rec, t.ps_slots.view(-1, 2),
+    return k.packed.put_data(
+        out.words, sym, flat.bits, (dq.first_rows, dr.first_rows), rec, t.ps_slots.view(-1, 2),
         (st.widths, st.code_off, st.esc_base), t.rw_tiles.view(-1, 2), ROWS_TILE,
     )  # fmt: skip
 
 
 def _put_segment_heads(
-    k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, rec: EncodeColumns, s: dcx.Sends,
-    st: _Stream, sec: dcx.Sections,
-) -> torch.Tensor:  # fmt: skip
-    """Every packed and lz segment's header (lz: n_unique and the references only) and a
-    packed one's checksum over its words after the header (written last).
-
-    Returns:
-        The payloads' checksums (their bodies' words, these checksum words included).
-    """
-    is_q = s.is_q
-    # sym_lo holds the checksum's halves, added below; a packed segment has no escape code
+    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, st: _Stream, sec: dcx.Sections
+) -> None:
+    """Every packed and lz segment's header (lz: n_unique and the references only), its
+    checksum word 0 (added by :func:`_checksums`)."""
+    # sym_lo holds the checksum's halves, added later; a packed segment has no escape code
     # length (its field repeats sym_count).
-    dcx.put_segment_headers(
-        out, rec, s, sec, PACKED_GROUP, torch.where(is_q, st.n_groups, 0), s.sym_count
-    )
-    # One launch sums the segments' and the payloads' bodies, the checksum words still 0:
-    # the sums are linear, so each segment checksum's share of its payload's is added after.
-    nb, body_at = is_q.shape[0], sec.payload_base + HEADER_WORDS
-    starts = torch.cat([sec.seg_start + SEGMENT_HEADER_WORDS, body_at])
-    seg_len = torch.where(is_q, sec.seg_words - SEGMENT_HEADER_WORDS, 0)
-    sums = _range_sums(k, out.buf, t, starts, torch.cat([seg_len, sec.body_words]))
-    check = torch.where(is_q, sums[:nb] & MASK32, 0)
-    out.put(sec.seg_start + 6, check, is_q)
-    at = 2 * (sec.seg_start + 6 - body_at[t.group]) + 1
-    return sums[nb:].index_add(0, t.group, check * at)
+    n_groups = torch.where(s.is_q, st.n_groups, 0)
+    dcx.put_segment_headers(out, rec, s, sec, PACKED_GROUP, n_groups, s.sym_count)
 
 
-def _range_sums(
-    k: KernelSet, words: torch.Tensor, t: dcx.Columns, starts: torch.Tensor,
-    lengths: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """``sum_j w_j (2 j + 1)`` (wrapping int64) over word ranges, in one launch of tiles laid
-    out on the host for each range's longest (``device_compress.host_tables``).
+def _checksums(
+    out: dcx.WordBuffer, t: dcx.Columns, s: dcx.Sends, sec: dcx.Sections, data: torch.Tensor
+) -> torch.Tensor:
+    """Every packed segment's checksum over its words after the header (put into its header)
+    and every payload's, without reading the words back: ``sum_j w_j (2 j + 1)`` over words
+    ``o ..`` is ``S1 - 2 o S0`` with ``S0 = sum w_a``, ``S1 = sum w_a (2 a + 1)`` over their
+    positions ``a`` in the buffer, and both sums are linear in the (disjoint-bit) writes: the
+    data's per block from ``put_data``, the small writes' (descriptors, references, segment
+    headers, still pending) here, each counted in the segment and the payload it falls in.
 
     Args:
-        k: The kernel set.
-        words: The payload words (int64 lanes holding uint32 words).
-        t: The compress's columns (``ck_owner``, ``ck_first``: the tiles).
-        starts: int64 [n] first word of each range.
-        lengths: int64 [n] its words (at most the host's longest).
+        out: The payload words, the small writes pending.
+        t: The compress's columns.
+        s: What every block sends.
+        sec: Where everything goes.
+        data: int64 [2, n_blocks] ``put_data``'s S0 and S1 of each block's data words.
 
     Returns:
-        int64 [n] sums.
+        The payloads' checksums (their bodies' words, the segment checksum words included).
     """
-    owner, first = t.ck_owner, t.ck_first
-    n = (lengths[owner] - first).clamp(0, CHECKSUM_TILE)
-    tiles = torch.stack([starts[owner] + first, first, n], dim=1)
-    parts = k.packed.packed_checksums(words, tiles, CHECKSUM_TILE)
-    return torch.zeros_like(starts).index_add_(0, owner, parts)
+    is_q, nb, ng = s.is_q, s.is_q.shape[0], sec.payload_base.shape[0]
+    dest, value, valid = out.pending()
+    c = torch.where(valid, value, 0) & MASK32
+    cw = torch.stack([c, c * (2 * dest + 1)])
+    body = sec.seg_start + SEGMENT_HEADER_WORDS
+    # A write's segment: the first that ends past it (empty segments skipped).
+    blk = torch.searchsorted(sec.seg_start + sec.seg_words, dest, right=True).clamp(max=nb - 1)
+    seg = data.index_add(1, blk, torch.where(dest >= body[blk], cw, 0))
+    check = torch.where(is_q, (seg[1] - 2 * body * seg[0]) & MASK32, 0)
+    at = sec.seg_start + 6  # the checksum's word in the segment header
+    out.put(at, check, is_q)
+    per_block = data + torch.stack([check, check * (2 * at + 1)])
+    p_end = sec.payload_base + sec.payload_words
+    grp = torch.searchsorted(p_end, dest, right=True).clamp(max=ng - 1)
+    p = data.new_zeros(2, ng).index_add_(1, t.group, per_block).index_add_(1, grp, cw)
+    return p[1] - 2 * (sec.payload_base + HEADER_WORDS) * p[0]
 
 
 def start_packed_groups(
@@ -265,17 +266,17 @@ def start_packed_groups(
         cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
             step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
         )
-        sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols)
-        dq = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
-        dr = dcx.vector_lz_stage(k, None, ht, t, flat, cols)
+        sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols, histograms=False)
+        dq, dr = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
         st = _stream(k, t, sym, dq, grid.ok)
         s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
         sec = dcx.sections(t, s, dr, st.stream_words)
         out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
         dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
         dcx.put_references(out, t, flat, s, sec, (dq, dr))
-        _put_data(k, out, t, flat, sym, st, s, sec, (dq, dr))
-        checksums = _put_segment_heads(k, out, t, cols, s, st, sec)
+        _put_segment_heads(out, cols, s, st, sec)
+        data = _put_data(k, out, t, flat, sym, st, s, sec, (dq, dr))
+        checksums = _checksums(out, t, s, sec, data)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)

@@ -87,6 +87,7 @@ class CallLedger:
         self.exact_forward = False
         self._calls: dict[str, int] = {}
         self._unread: list[UnreadStatus] = []
+        self._tags = 0  # overflow tags handed out (overflow_tag)
 
     def start(self, direction: Direction, exact: bool = False) -> CallRecord:
         """Draws the record of a new encode call of ``direction``.
@@ -101,6 +102,22 @@ class CallLedger:
         n = self._calls.get(direction, 0)
         self._calls[direction] = n + 1
         return CallRecord(direction, n, self.steps, exact)
+
+    def overflow_tag(self) -> int:
+        """A fresh point-to-point tag for one call's overflow sends (``exchange_slots``).
+
+        An id allocator, not call state: a tag must differ among the module's overflow sends
+        still in flight (its dists' calls may be waited on in another order than launched), and
+        every dist of the module draws from this ledger. It travels in the slot's header, so no
+        rank derives another's. Two modules on one group may draw the same tag; a send matched
+        to the other module's receive is the codec part of a payload (a slot holds its raw
+        blocks whole), so its checksum or size fails loudly, never silently.
+
+        Returns:
+            A tag in ``[1, 2**31 - 1]`` (gloo's point-to-point tags are 32-bit).
+        """
+        self._tags = self._tags % ((1 << 31) - 1) + 1
+        return self._tags
 
     def end_step(self) -> None:
         """Counts one finished training iteration."""

@@ -28,17 +28,20 @@ from torchrec.distributed.comm_ops import Request
 from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.config import LossyCommsConfig
 from torchrec_lossy.distributed.call_ledger import CallRecord, read_checked
-from torchrec_lossy.distributed.errors import LossyAllToAllError
+from torchrec_lossy.distributed.exchange_chunks import (
+    ChunkedCall,
+    chunk_count,
+    receive_chunked,
+    send_chunked,
+)
 from torchrec_lossy.distributed.exchange_record import BlockRecords, ExchangeRecord
 from torchrec_lossy.distributed.exchange_slots import (
-    HEADER,
-    MAX_TAG,
     PairShape,
     SlotCall,
     SlotKey,
+    count_slot_bytes,
     fill_slots,
-    overflow_tag,
-    read_headers,
+    open_slot,
 )
 from torchrec_lossy.distributed.pooled_blocks import (
     BlockSpec,
@@ -46,7 +49,12 @@ from torchrec_lossy.distributed.pooled_blocks import (
     size_entry_words,
 )
 from torchrec_lossy.distributed.pooled_decode import DeferredDecode, decode_call
-from torchrec_lossy.distributed.pooled_payload import PendingPayloads, padded_size, start_encode
+from torchrec_lossy.distributed.pooled_payload import (
+    PendingPayloads,
+    padded_size,
+    start_call_encoder,
+    start_encode,
+)
 from torchrec_lossy.distributed.stats import Direction
 from torchrec_lossy.profile_range import profile_range
 
@@ -107,6 +115,8 @@ class LossyRequest(Request[torch.Tensor]):
         self.slot_call: SlotCall | None = None
         # Its overflow sends in flight: (work, the bytes it sends).
         self.overflow_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        # Its rounds in flight when it was sent in chunks (exchange_chunks).
+        self.chunked: ChunkedCall | None = None
 
     def take_received(self) -> torch.Tensor:
         """Waits for the exchange in flight and releases what it received.
@@ -281,14 +291,25 @@ class LossyWire:
         wire), exchanges the sizes and skeletons, then the payloads (see
         :meth:`WireCodec.send`)."""
         exact = direction == "fwd" and info.exact_forward
-        myreq.record = info.ledger.start(direction, exact)
-        pending = start_encode(
-            direction, blocks, geometry.send_specs, info, device, my_rank, myreq.record, telemetry
-        )
+        myreq.record = record = info.ledger.start(direction, exact)
         myreq.self_blocks = blocks[my_rank]
         call = _launch_slots(direction, exact, blocks, geometry, info, device, my_rank)
         myreq.slot_call = call
-        if call is not None and call.send_caps is not None:
+        slotted = call is not None and call.send_caps is not None
+        if slotted and (chunks := _chunks(info, len(blocks), my_rank)):
+            assert call is not None
+            encoder = start_call_encoder(
+                direction, blocks, geometry.send_specs, info, device, my_rank, record, telemetry
+            )
+            chunked = send_chunked(direction, encoder, call, chunks, info, myreq.pg, telemetry)
+            myreq.chunked, myreq.recv_sizes = chunked, call.recv_caps
+            # The first round stands for the call: the receive waits on every round in turn.
+            return chunked.rounds[0].recv, chunked.rounds[0].work
+        pending = start_encode(
+            direction, blocks, geometry.send_specs, info, device, my_rank, record, telemetry
+        )
+        if slotted:
+            assert call is not None
             return _slot_payloads(direction, pending, call, myreq, info, telemetry)
         meta_splits = [
             size_entry_words(specs, info, p, my_rank) for p, specs in enumerate(geometry.recv_specs)
@@ -313,6 +334,15 @@ class LossyWire:
         assert self_blocks is not None, "the lossy exchange lost its self blocks"
         skeletons, myreq.recv_skeletons = myreq.recv_skeletons, None
         call, myreq.slot_call = myreq.slot_call, None
+        chunked, myreq.chunked = myreq.chunked, None
+        if chunked is not None:
+            assert call is not None and info.slots is not None
+            blocks, sizes = receive_chunked(
+                direction, chunked, geometry.recv_specs, geometry.recv_rows, info, myreq.pg,
+                my_rank, self_blocks, myreq.record, telemetry,
+            )  # fmt: skip
+            info.slots.received(call, sizes)
+            return blocks
         recv_sizes = myreq.recv_sizes
         if call is not None and call.recv_caps is not None:
             recv, recv_sizes = _unslot(direction, recv, call.recv_caps, myreq, geometry, my_rank)
@@ -384,6 +414,16 @@ def _size_then_payloads(
     with profile_range(f"## lossy_a2a {direction} payload ##"):
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg, async_op=True)
     return recv, work
+
+
+def _chunks(info: LossyAll2AllPooledInfo, world: int, my_rank: int) -> int:
+    """Rounds a slotted call of ``info`` is sent in (:func:`.exchange_chunks.chunk_count`),
+    from what every rank knows alike: the dist's pin, the group and its hosts, every rank's
+    batch and the layout's columns."""
+    assert info.slots is not None
+    nominal = sum(info.batch_size_per_rank) * sum(info.dim_sum_per_rank) * info.dtype.itemsize
+    spans_hosts = any(p != my_rank and p not in info.same_host for p in range(world))
+    return chunk_count(info.slots.chunks, world, nominal // world, spans_hosts)
 
 
 def _launch_slots(
@@ -474,7 +514,7 @@ def _slot_payloads(
     info.slots.sent(call, sizes)
     send_caps, recv_caps = call.send_caps, call.recv_caps
     assert send_caps is not None and recv_caps is not None
-    tag = overflow_tag()
+    tag = info.ledger.overflow_tag()
     slotted = fill_slots(payloads, send_caps, tag)
     recv = torch.empty(sum(recv_caps), dtype=torch.uint8)
     with profile_range(f"## lossy_a2a {direction} slots ##"):
@@ -484,12 +524,7 @@ def _slot_payloads(
         myreq.overflow_sends = [
             (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest) for p, rest in slotted.overflow
         ]
-    # A slot, or its header and the whole payload when it overflowed.
-    wire = [max(cap, n + HEADER) if cap else 0 for n, cap in zip(sizes, send_caps, strict=True)]
-    same = sum(wire[p] for p in info.same_host if p < len(wire))
-    telemetry.links = (same, sum(wire) - same)
-    assert telemetry.blocks is not None
-    telemetry.blocks.container = (telemetry.blocks.container or 0) + sum(wire) - sum(sizes)
+    count_slot_bytes(sizes, send_caps, info.same_host, telemetry)
     myreq.recv_sizes = recv_caps
     return recv, work
 
@@ -519,36 +554,28 @@ def _unslot(
     Raises:
         LossyAllToAllError: A slot's header is not a payload's (corrupted in transit).
     """
-    heads = read_headers(recv, caps)
     at = list(itertools.accumulate(caps, initial=0))
-    pieces: list[list[torch.Tensor]] = [[] for _ in caps]
-    rests = []
-    for p, cap in enumerate(caps):
-        n, tag = int(heads[p, 0]), int(heads[p, 1])
-        if not cap:
-            continue
-        if n < 0 or n > 1 << 40 or not 0 <= tag <= MAX_TAG:
-            tables = ", ".join(sorted({s.table for s in geometry.recv_specs[p]})) or "none"
-            raise LossyAllToAllError(
-                f"lossy all-to-all ({direction}) on rank {my_rank}: the slot from rank {p} "
-                f"(tables: {tables}) has header (size {n}, tag {tag}): not a payload's. The "
-                "bytes were corrupted in transit or the ranks run different torchrec_lossy "
-                "versions."
-            )
-        head = min(n, cap - HEADER)
-        pieces[p].append(recv[at[p] + HEADER : at[p] + HEADER + head])
-        if n > head:
-            rest = torch.empty(n - head, dtype=torch.uint8)
-            rests.append(dist.irecv(rest, group=myreq.pg, tag=tag, group_src=p))
-            pieces[p].append(rest)
+    opened = {
+        p: open_slot(
+            recv[at[p] : at[p + 1]],
+            p,
+            myreq.pg,
+            direction,
+            my_rank,
+            [s.table for s in geometry.recv_specs[p]],
+        )
+        for p, cap in enumerate(caps)
+        if cap
+    }
     with profile_range(f"## lossy_a2a {direction} overflow ##"):
-        for w in rests:
-            w.wait()
+        for _, rest in opened.values():
+            if rest is not None:
+                rest.wait()
         sends, myreq.overflow_sends = myreq.overflow_sends, []
         for w, _ in sends:
             w.wait()
-    sizes = [sum(t.numel() for t in ps) for ps in pieces]
-    flat = [t for ps in pieces for t in ps]
+    sizes = [sum(t.numel() for t in opened[p][0]) if p in opened else 0 for p in range(len(caps))]
+    flat = [t for p in sorted(opened) for t in opened[p][0]]
     payloads = flat[0] if len(flat) == 1 else torch.cat(flat) if flat else recv[:0]
     return payloads, sizes
 

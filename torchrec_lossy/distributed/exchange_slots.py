@@ -17,13 +17,15 @@ take the two-round path, which records its sizes too.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from torchrec_lossy.distributed.errors import LossyAllToAllError
+from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 from torchrec_lossy.distributed.stats import Direction
 
 HEADER = 16  # slot header bytes: int64 payload size, int64 overflow tag (keeps payloads aligned)
@@ -33,16 +35,7 @@ START_SHIFT = 3  # first headroom: size / 2**3 (12.5 %)
 # CALM_CALLS slotted calls of the pair in a row without one, the shift goes back up by one.
 CALM_CALLS = 8
 MAX_TAG = (1 << 31) - 1  # gloo's point-to-point tags are 32-bit; kept non-negative
-
-# The point-to-point tags of overflows: an id allocator, not call state. A tag must differ
-# among this process's overflow sends still in flight (two dists' calls may be waited on in
-# another order than launched); it travels in the slot's header, so no rank derives another's.
-_TAGS = itertools.count(1)
-
-
-def overflow_tag() -> int:
-    """A fresh point-to-point tag for one call's overflow sends."""
-    return next(_TAGS) & MAX_TAG
+# Overflow tags come from the module's ledger (call_ledger.CallLedger.overflow_tag).
 
 
 @dataclass(frozen=True)
@@ -122,9 +115,13 @@ class SlotHistory:
 
     Args:
         world: Ranks of the dist's group.
+        chunks: Rounds a slotted call is sent in (``exchange_chunks.chunk_count``): None
+            decides by the exchange's size, 0 never chunks, ``k`` pins ``k`` rounds (at most
+            one per peer).
     """
 
     world: int
+    chunks: int | None = None
     _kinds: dict[SlotKey, _PairSizes] = field(default_factory=dict)
 
     def _of(self, key: SlotKey) -> _PairSizes:
@@ -253,24 +250,72 @@ def fill_slots(payloads: Sequence[torch.Tensor], caps: Sequence[int], tag: int) 
     return Slotted(send, overflow)
 
 
-def read_headers(recv: torch.Tensor, caps: Sequence[int]) -> np.ndarray:
-    """Each slot's header: ``[source, 2]`` int64 (size, tag), zeros where no slot came.
+def open_slot(
+    slot: torch.Tensor,
+    source: int,
+    pg: dist.ProcessGroup,
+    direction: Direction,
+    my_rank: int,
+    tables: Sequence[str],
+) -> tuple[list[torch.Tensor], dist.Work | None]:
+    """One received slot's payload: its header read and checked, the part in the slot, and the
+    receive of its overflow posted (the tag from the header) if the payload did not fit.
 
     Args:
-        recv: The received slots (host, uint8).
-        caps: Slot bytes from each source.
+        slot: The slot's bytes (host, uint8).
+        source: The rank that sent it.
+        pg: The group (the overflow's receive).
+        direction: ``"fwd"`` or ``"bwd"`` (named in an error).
+        my_rank: This rank (named in an error).
+        tables: The tables of the source's blocks (named in an error).
 
     Returns:
-        The headers.
+        The payload's pieces (the slot's part, then the overflow's buffer), and the overflow's
+        receive to wait on before reading the last piece (None: no overflow).
+
+    Raises:
+        LossyAllToAllError: The header is not a payload's (corrupted in transit).
     """
-    heads = np.zeros((len(caps), 2), np.int64)
-    raw = recv.numpy()
-    at = 0
-    for p, cap in enumerate(caps):
-        if cap:
-            heads[p] = raw[at : at + HEADER].view(np.int64)
-        at += cap
-    return heads
+    n, tag = (int(v) for v in slot[:HEADER].numpy().view(np.int64))
+    if n < 0 or n > 1 << 40 or not 0 <= tag <= MAX_TAG:
+        names = ", ".join(sorted(set(tables))) or "none"
+        raise LossyAllToAllError(
+            f"lossy all-to-all ({direction}) on rank {my_rank}: the slot from rank {source} "
+            f"(tables: {names}) has header (size {n}, tag {tag}): not a payload's. The "
+            "bytes were corrupted in transit or the ranks run different torchrec_lossy "
+            "versions."
+        )
+    head = min(n, slot.numel() - HEADER)
+    pieces = [slot[HEADER : HEADER + head]]
+    if n <= head:
+        return pieces, None
+    rest = torch.empty(n - head, dtype=torch.uint8)
+    pieces.append(rest)
+    return pieces, dist.irecv(rest, group=pg, tag=tag, group_src=source)
+
+
+def count_slot_bytes(
+    sizes: Sequence[int],
+    caps: Sequence[int],
+    same_host: frozenset[int],
+    telemetry: ExchangeRecord,
+) -> None:
+    """Counts a slotted call's wire bytes: each slot (header and slack included), or its
+    header and the whole payload where it overflowed; the bytes past the payloads go to the
+    container pseudo-table, so that the direction's total stays the bytes handed to the
+    collectives.
+
+    Args:
+        sizes: Payload bytes to each destination.
+        caps: Slot bytes to each destination.
+        same_host: The destinations on this rank's host.
+        telemetry: The call's record (its blocks already recorded by the encode).
+    """
+    wire = [max(cap, n + HEADER) if cap else 0 for n, cap in zip(sizes, caps, strict=True)]
+    same = sum(wire[p] for p in same_host if p < len(wire))
+    telemetry.links = (same, sum(wire) - same)
+    assert telemetry.blocks is not None
+    telemetry.blocks.container = (telemetry.blocks.container or 0) + sum(wire) - sum(sizes)
 
 
 __all__ = [
@@ -281,7 +326,7 @@ __all__ = [
     "SlotKey",
     "Slotted",
     "capacity",
+    "count_slot_bytes",
     "fill_slots",
-    "overflow_tag",
-    "read_headers",
+    "open_slot",
 ]

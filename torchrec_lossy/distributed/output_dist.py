@@ -113,7 +113,7 @@ class LossyPooledEmbeddingsAllToAll(nn.Module):
             WireChoice, tuple[dict[str, bool], LayoutPlans, dict[str, torch.dtype]]
         ] = {WireChoice(): (self._compress, self._plans, self._casts)}
         # Each pair's last payload per kind of call: the one-round slots are sized by it.
-        self._slots = SlotHistory(pg.size())
+        self._slots = SlotHistory(pg.size(), None if comms.config.overlap == "auto" else 0)
         self._callbacks: list[Callable[[torch.Tensor], torch.Tensor]] = list(callbacks or [])
         if dist.get_backend(pg) == "gloo":  # CPU tensors: the compiled host path, load it now
             warm_up_host()

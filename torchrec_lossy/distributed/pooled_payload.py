@@ -17,8 +17,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -238,16 +238,10 @@ def start_encode(
     comms = info.comms
     if record is None:  # a call outside an exchange (tests, benchmarks) draws as one would
         record = info.ledger.start(direction, direction == "fwd" and info.exact_forward)
-    plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
-    if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
-        plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers, info.casts)
-    _check_blocks(plan, blocks_per_peer, specs_per_peer)
-    n_peers = len(blocks_per_peer)
     if telemetry is None:
         telemetry = ExchangeRecord(direction)
-    if my_rank is not None and my_rank < n_peers:
-        own = blocks_per_peer[my_rank]
-        telemetry.self_bytes = sum(b.numel() * b.element_size() for b in own)
+    plan = _call_plan(info, blocks_per_peer, specs_per_peer, my_rank, telemetry)
+    n_peers = len(blocks_per_peer)
     with profile_range(f"## lossy_a2a {direction} encode ##"):
         pending = _start_codec(blocks_per_peer, info, plan, record, my_rank)
         casts = _start_casts(blocks_per_peer, info, plan, record, device)
@@ -279,22 +273,43 @@ def start_encode(
     )  # fmt: skip
 
 
+def _call_plan(
+    info: LossyAll2AllPooledInfo,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    my_rank: int | None,
+    telemetry: ExchangeRecord,
+) -> EncodePlan:
+    """A call's plan (the dist's, else planned for the call), its blocks checked against it,
+    and the bytes of the blocks this rank keeps counted in ``telemetry``."""
+    plan = info.plans.plan_for(specs_per_peer, my_rank) if info.plans is not None else None
+    if plan is None:  # a layout the dist did not plan (tests, benchmarks): plan this call
+        plan = build_encode_plan(specs_per_peer, info.compress, my_rank, info.raw_peers, info.casts)
+    _check_blocks(plan, blocks_per_peer, specs_per_peer)
+    if my_rank is not None and my_rank < len(blocks_per_peer):
+        own = blocks_per_peer[my_rank]
+        telemetry.self_bytes = sum(b.numel() * b.element_size() for b in own)
+    return plan
+
+
 def _start_codec(
     blocks_per_peer: Sequence[Sequence[torch.Tensor]],
     info: LossyAll2AllPooledInfo,
     plan: EncodePlan,
     record: CallRecord,
     my_rank: int | None,
+    bounds: tuple[list[float], list[BoundKind]] | None = None,
 ) -> PendingGroups:
     """Starts ONE codec call over every peer's codec blocks (a group per peer).
 
     The codec's input is flat (group after group): the blocks are 2-D float tensors of the
-    layout's shapes on one device, so the codec's own checks are skipped.
+    layout's shapes on one device, so the codec's own checks are skipped. ``bounds``: the
+    codec blocks' bounds already asked for the call (a chunk of it), else asked here.
     """
     flat_blocks = [
         blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
     ]
-    values, kinds = codec_bounds(record, info, plan, len(flat_blocks))
+    values, kinds = bounds or codec_bounds(record, info, plan, len(flat_blocks))
     return start_compress_blocks(
         flat_blocks,
         values,
@@ -633,7 +648,12 @@ class _EncodeCall:
         sample: Where the sender decodes its payloads for error samples (None: no sample).
         setup_s: Seconds spent before the host read.
         record: The call's record (the error sample's alerts name its number).
-        telemetry: The call's telemetry, filled by :meth:`finish`.
+        telemetry: The call's telemetry, filled by :meth:`finish` (added to: a chunked call
+            finishes once per chunk).
+        observed: None: the forward's blocks are shown to the bound provider as they are
+            encoded; a list: (destination, block indices, tables, absolute bounds) of each
+            codec group is appended for :meth:`CallEncoder.observe` to show them in the
+            unchunked call's order.
     """
 
     direction: Direction
@@ -649,6 +669,7 @@ class _EncodeCall:
     setup_s: float
     record: CallRecord
     telemetry: ExchangeRecord
+    observed: list[tuple[int, tuple[int, ...], Sequence[str], list[float]]] | None = None
 
     def finish(self, host: Sequence[int]) -> list[torch.Tensor]:
         """Builds the payloads from the host read's values and fills the call's telemetry.
@@ -689,11 +710,12 @@ class _EncodeCall:
         out = [sent[p] if p in sent else _empty_payload(self.device) for p in range(n_peers)]
         same_host = sum(out[p].numel() for p in self.info.same_host if p < n_peers)
         tele = self.telemetry
-        tele.links = (same_host, sum(t.numel() for t in out) - same_host)
+        links = tele.links or (0, 0)
+        tele.links = (links[0] + same_host, links[1] + sum(t.numel() for t in out) - same_host)
         # Every block sent to a peer, in one record; the codec works on all peers at once, so
         # its time is shared out by raw bytes when the record is written.
-        tele.blocks = rec  # its container: None where the call made no codec payload
-        tele.encode_s = self.setup_s + time.perf_counter() - start
+        tele.blocks = rec if tele.blocks is None else _joined(tele.blocks, rec)
+        tele.encode_s += self.setup_s + time.perf_counter() - start
         return out
 
     def _raw_records(self, cast: Sequence[bool]) -> BlockRecords:
@@ -751,8 +773,11 @@ class _EncodeCall:
         blocks = self.blocks_per_peer[p]
         info, direction = self.info, self.direction
         if direction == "fwd" and not self.record.exact:
-            for k, t, bound in zip(idx, tables, cols.bound, strict=True):
-                info.comms.bounds.observe(t, blocks[k], bound)
+            if self.observed is not None:
+                self.observed.append((p, idx, tables, list(cols.bound)))
+            else:
+                for k, t, bound in zip(idx, tables, cols.bound, strict=True):
+                    info.comms.bounds.observe(t, blocks[k], bound)
         if "raw" in cols.mode or "lz" in cols.mode:  # exact blocks: rare, looked at
             for i, (t, bound, mode, rows, dim) in enumerate(
                 zip(tables, cols.bound, cols.mode, cols.rows, cols.dim, strict=True)
@@ -800,6 +825,166 @@ class _EncodeCall:
         if guard is None:
             return [0] * len(tables)
         return [guard.level(self.direction, t) for t in tables]
+
+
+def _joined(a: BlockRecords, b: BlockRecords) -> BlockRecords:
+    """Two chunks' block records as one call's (the container: None only where neither made a
+    codec payload)."""
+    container = (
+        None
+        if a.container is None and b.container is None
+        else ((a.container or 0) + (b.container or 0))
+    )
+    return BlockRecords(
+        a.tables + b.tables, a.raw_bytes + b.raw_bytes, a.wire_bytes + b.wire_bytes,
+        a.errors + b.errors, a.abs_bounds + b.abs_bounds, container,
+    )  # fmt: skip
+
+
+def chunk_plan(plan: EncodePlan, dests: Collection[int]) -> tuple[EncodePlan, list[int]]:
+    """The part of ``plan`` that sends to ``dests``: its groups and raw blocks in plan order.
+
+    Args:
+        plan: A call's plan.
+        dests: The destinations of the chunk.
+
+    Returns:
+        The chunk's plan, and the index in ``plan.tables`` of each of its codec blocks (the
+        call's bounds are sliced by them).
+    """
+    at = list(itertools.accumulate((len(idx) for idx in plan.coded), initial=0))
+    kept = [g for g, p in enumerate(plan.peers) if p in dests]
+    peers = tuple(plan.peers[g] for g in kept)
+    coded = tuple(plan.coded[g] for g in kept)
+    picks = [i for g in kept for i in range(at[g], at[g + 1])]
+    tables = tuple(plan.tables[i] for i in picks)
+    distinct = tuple(dict.fromkeys(tables))
+    sub = EncodePlan(
+        peers=peers,
+        coded=coded,
+        raw=tuple(r for r in plan.raw if r[0] in dests),
+        tables=tables,
+        distinct=distinct,
+        table_at=tuple(distinct.index(t) for t in tables),
+        group_of={p: g for g, (p, idx) in enumerate(zip(peers, coded, strict=True)) if idx},
+        meta_splits=plan.meta_splits,
+        casts=tuple(dt for r, dt in zip(plan.raw, plan.casts, strict=True) if r[0] in dests),
+    )
+    return sub, picks
+
+
+@dataclass
+class CallEncoder:
+    """One call's encode, a group of destinations at a time (the chunked exchange,
+    :mod:`.exchange_chunks`), on the compiled host path (nothing to read back).
+
+    The call's bounds are asked once (:func:`codec_bounds`, as :func:`start_encode` asks them)
+    and sliced per chunk; each destination's payload is the bytes :func:`start_encode` gives
+    it (the codec encodes each destination's group on its own: its stochastic rounding draws by
+    the block's index in its payload); the forward's blocks are shown to the bound provider
+    once every chunk is encoded, in the unchunked call's order (:meth:`observe`), so that the
+    next calls' bounds are the same too.
+
+    Attributes:
+        direction: ``"fwd"`` or ``"bwd"``.
+        blocks_per_peer: Per destination, its blocks.
+        info: Layout, compress flags and comms state.
+        device: Where the payloads live (the host).
+        my_rank: This rank.
+        record: The call's record.
+        telemetry: The call's telemetry (each chunk adds to it).
+        plan: The call's plan.
+        bounds: The call's codec blocks' bound values and kinds, in ``plan.tables`` order.
+        sample: Where the sender takes its error samples (:func:`_samples_errors`).
+        observed: The codec groups encoded so far, for :meth:`observe`.
+    """
+
+    direction: Direction
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]]
+    info: LossyAll2AllPooledInfo
+    device: torch.device
+    my_rank: int
+    record: CallRecord
+    telemetry: ExchangeRecord
+    plan: EncodePlan
+    bounds: tuple[list[float], list[BoundKind]]
+    sample: SampleWhere
+    observed: list[tuple[int, tuple[int, ...], Sequence[str], list[float]]] = field(
+        default_factory=list
+    )
+
+    def encode(self, dests: Collection[int]) -> list[torch.Tensor]:
+        """The payloads of ``dests`` (every other destination's empty).
+
+        Args:
+            dests: The chunk's destinations.
+
+        Returns:
+            One uint8 payload per destination.
+        """
+        start = time.perf_counter()
+        sub, picks = chunk_plan(self.plan, dests)
+        values, kinds = self.bounds
+        bounds = ([values[i] for i in picks], [kinds[i] for i in picks])
+        with profile_range(f"## lossy_a2a {self.direction} encode ##"):
+            pending = _start_codec(
+                self.blocks_per_peer, self.info, sub, self.record, self.my_rank, bounds
+            )
+            casts = _start_casts(self.blocks_per_peer, self.info, sub, self.record, self.device)
+            assert casts.host is not None, "a chunked encode on the device path"
+            raw_parts = _raw_parts(
+                sub, self.blocks_per_peer, len(self.blocks_per_peer), self.device, casts.host
+            )
+        assert not pending.readback.numel(), "a chunked encode on the device path"
+        encode = _EncodeCall(
+            direction=self.direction,
+            blocks_per_peer=self.blocks_per_peer,
+            specs_per_peer=(),
+            info=self.info,
+            device=self.device,
+            plan=sub,
+            pending=pending,
+            raw_parts=raw_parts,
+            casts=casts,
+            sample=self.sample,
+            setup_s=time.perf_counter() - start,
+            record=self.record,
+            telemetry=self.telemetry,
+            observed=self.observed,
+        )
+        return encode.finish([])
+
+    def observe(self) -> None:
+        """Shows the forward's encoded blocks to the bound provider in destination order (as
+        the unchunked encode does); call it once, after the last chunk."""
+        observed, self.observed = sorted(self.observed, key=lambda o: o[0]), []
+        for p, idx, tables, bounds in observed:
+            for k, t, bound in zip(idx, tables, bounds, strict=True):
+                self.info.comms.bounds.observe(t, self.blocks_per_peer[p][k], bound)
+
+
+def start_call_encoder(
+    direction: Direction,
+    blocks_per_peer: Sequence[Sequence[torch.Tensor]],
+    specs_per_peer: Sequence[Sequence[BlockSpec]],
+    info: LossyAll2AllPooledInfo,
+    device: torch.device,
+    my_rank: int,
+    record: CallRecord,
+    telemetry: ExchangeRecord,
+) -> CallEncoder:
+    """A call's :class:`CallEncoder` (arguments as :func:`start_encode`'s): its plan, its
+    bounds asked once, its self bytes counted; nothing encoded yet.
+
+    Returns:
+        The encoder.
+    """
+    plan = _call_plan(info, blocks_per_peer, specs_per_peer, my_rank, telemetry)
+    n = len(plan.tables)
+    return CallEncoder(
+        direction, blocks_per_peer, info, device, my_rank, record, telemetry, plan,
+        codec_bounds(record, info, plan, n), _samples_errors(info, record, device),
+    )  # fmt: skip
 
 
 def warm_up_host() -> None:

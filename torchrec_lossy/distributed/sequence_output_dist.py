@@ -291,7 +291,7 @@ class LossySequenceEmbeddingsAllToAll(nn.Module):
             self._layout, self._compress, pg.rank(), self._raw_peers, self._casts
         )
         # Each pair's last payload per kind of call: the one-round slots are sized by it.
-        self._slots = SlotHistory(pg.size())
+        self._slots = SlotHistory(pg.size(), None if comms.config.overlap == "auto" else 0)
         if dist.get_backend(pg) == "gloo":  # CPU tensors: load the compiled host path now
             warm_up_host()
 
