@@ -249,3 +249,31 @@ def test_layout_plans_count_the_flag_words() -> None:
     want = tuple(size_entry_words(SPECS, info, p, 0) for p in range(3))
     assert plans.send_own.meta_splits == want and want[2] == 1 and want[1] > 2
     assert plans.send_own.casts == (FP16, BF16, None, None, None)  # peer 1: a, c; peer 2 raw
+
+
+def test_chunked_encode_casts_as_the_unchunked() -> None:
+    """The chunked exchange's encoder (pooled_payload.CallEncoder) admits and casts each
+    chunk's blocks of cast tables as the whole call's encode does: the same payloads."""
+    from torchrec_lossy.distributed.call_ledger import CallRecord
+    from torchrec_lossy.distributed.exchange_record import ExchangeRecord
+    from torchrec_lossy.distributed.pooled_payload import start_call_encoder
+
+    world, rank = 4, 1
+    info = _info(_config(), world)
+    info.raw_peers = frozenset({3})
+    specs = [SPECS] * world
+    g = torch.Generator().manual_seed(0)
+    blocks = [[torch.randn(9 * s.num_features, s.dim, generator=g) for s in SPECS] for _ in specs]
+    blocks[2][0] += 1000.0  # peer 2's block of table a: refused, sent exactly
+    record = CallRecord("fwd", 5, None)
+    want = start_encode("fwd", blocks, specs, info, torch.device("cpu"), rank, record).read()
+    tele = ExchangeRecord("fwd")
+    enc = start_call_encoder("fwd", blocks, specs, info, torch.device("cpu"), rank, record, tele)
+    got = [torch.empty(0, dtype=torch.uint8)] * world
+    for dests in ([2], [0, 3]):
+        payloads = enc.encode(dests)
+        for p in dests:
+            got[p] = payloads[p]
+    for p in range(world):
+        assert torch.equal(got[p], want[p]), p
+    assert [int(want[p][:8].view(torch.int64)) for p in (0, 2)] == [0b11, 0b10]
