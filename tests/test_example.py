@@ -314,7 +314,17 @@ def test_guard_tightenings_resume_from_the_checkpoint(tmp_path: Path) -> None:
     import torch
 
     (tmp_path / "guard.yaml").write_text(GUARD_YAML)
-    common = [*TINY, "--comm", "lossy", "--config", str(tmp_path / "guard.yaml")]
+    # Table-wise pinned: auto sharding ties TW and CW on this tiny model (0.0331 ms each), so
+    # start-up timing would pick the plan, and with it which blocks the guard sees first.
+    common = [
+        *TINY,
+        "--sharding",
+        "table_wise",
+        "--comm",
+        "lossy",
+        "--config",
+        str(tmp_path / "guard.yaml"),
+    ]
     _killed_after_step_3(common, tmp_path / "ck", tmp_path / "a.json")
     proc = _torchrun([*common, "--metrics-json", str(tmp_path / "b.json")])
     a, b = _load(tmp_path / "a.json"), _load(tmp_path / "b.json")

@@ -169,7 +169,9 @@ def _worker_agree(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 def test_speeds_are_agreed_so_every_rank_resolves_the_same_format() -> None:
     r0, r1 = run_workers(_worker_agree, 2, timeout_s=240)
-    assert (r0["alone"], r1["alone"]) == ("entropy", "raw")  # what each would pick alone
+    # What each would pick alone: rank 1's slow codec loses to raw or a cast (fp16 / bf16 are
+    # candidates too, at their default speeds here).
+    assert r0["alone"] == "entropy" and r1["alone"] in ("raw", "fp16", "bf16")
     assert r0["agreed"] == r1["agreed"] == pytest.approx((0.05, 0.05))
-    assert r0["together"] == r1["together"] and r0["together"]["format"] == "raw"
+    assert r0["together"] == r1["together"] and r0["together"]["format"] == r1["alone"]
     assert r0["round_ms"] == r1["round_ms"] == pytest.approx(0.1)
