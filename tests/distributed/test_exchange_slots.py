@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from harness import count_exchange_calls, run_workers
 
@@ -181,3 +182,24 @@ def test_one_round_after_the_first_call_and_overflow_decodes_exactly() -> None:
         # point-to-point (to the two peers), still one all-to-all.
         assert noise["fwd"]["a2a"] == 1 and noise["fwd"]["isend"] == 2, noise
         assert noise["bwd"]["a2a"] == 1 and noise["bwd"]["isend"] == 2, noise
+
+
+def test_receive_slots_reads_payloads_and_names_a_corrupt_headers_source_and_tables() -> None:
+    """What both the one-round and the chunked exchange receive through: a slot's payload, and
+    for a corrupt header the named error (the chunked path once passed block specs where the
+    message joins table names, and raised a TypeError instead)."""
+    import torch
+
+    from torchrec_lossy.distributed.errors import LossyAllToAllError
+    from torchrec_lossy.distributed.exchange_slots import HEADER, fill_slots, receive_slots
+
+    payloads = [torch.empty(0, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8)]
+    caps = [0, HEADER + 8]
+    slots = fill_slots(payloads, caps, tag=3).send
+    got = receive_slots("fwd", slots, caps, None, 0, [[], ["a"]])  # type: ignore[arg-type]
+    assert list(got) == [1] and torch.equal(torch.cat(got[1]), payloads[1])
+    corrupt = torch.cat([slots, torch.full((HEADER + 8,), 255, dtype=torch.uint8)])
+    with pytest.raises(
+        LossyAllToAllError, match=r"on rank 0: the slot from rank 2 \(tables: b, c\)"
+    ):
+        receive_slots("fwd", corrupt, [*caps, HEADER + 8], None, 0, [[], ["a"], ["c", "b", "c"]])  # type: ignore[arg-type]

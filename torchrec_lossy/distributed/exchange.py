@@ -40,8 +40,8 @@ from torchrec_lossy.distributed.exchange_slots import (
     SlotCall,
     SlotKey,
     count_slot_bytes,
-    fill_slots,
-    open_slot,
+    post_slots,
+    receive_slots,
 )
 from torchrec_lossy.distributed.pooled_blocks import (
     BlockSpec,
@@ -506,7 +506,6 @@ def _slot_payloads(
     Returns:
         (the received slots, the all-to-all's work).
     """
-    pg = myreq.pg
     host = read_checked(info.ledger, pending.readback)  # host path: nothing pending, no read
     payloads = pending.finish(host.tolist())
     sizes = [int(p.numel()) for p in payloads]
@@ -515,15 +514,9 @@ def _slot_payloads(
     send_caps, recv_caps = call.send_caps, call.recv_caps
     assert send_caps is not None and recv_caps is not None
     tag = info.ledger.overflow_tag()
-    slotted = fill_slots(payloads, send_caps, tag)
-    recv = torch.empty(sum(recv_caps), dtype=torch.uint8)
-    with profile_range(f"## lossy_a2a {direction} slots ##"):
-        work = dist.all_to_all_single(
-            recv, slotted.send, recv_caps, send_caps, group=pg, async_op=True
-        )
-        myreq.overflow_sends = [
-            (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest) for p, rest in slotted.overflow
-        ]
+    recv, work, myreq.overflow_sends = post_slots(
+        direction, payloads, send_caps, recv_caps, tag, myreq.pg
+    )
     count_slot_bytes(sizes, send_caps, info.same_host, telemetry)
     myreq.recv_sizes = recv_caps
     return recv, work
@@ -554,28 +547,14 @@ def _unslot(
     Raises:
         LossyAllToAllError: A slot's header is not a payload's (corrupted in transit).
     """
-    at = list(itertools.accumulate(caps, initial=0))
-    opened = {
-        p: open_slot(
-            recv[at[p] : at[p + 1]],
-            p,
-            myreq.pg,
-            direction,
-            my_rank,
-            [s.table for s in geometry.recv_specs[p]],
-        )
-        for p, cap in enumerate(caps)
-        if cap
-    }
+    tables = [[s.table for s in specs] for specs in geometry.recv_specs]
+    pieces = receive_slots(direction, recv, caps, myreq.pg, my_rank, tables)
     with profile_range(f"## lossy_a2a {direction} overflow ##"):
-        for _, rest in opened.values():
-            if rest is not None:
-                rest.wait()
         sends, myreq.overflow_sends = myreq.overflow_sends, []
         for w, _ in sends:
             w.wait()
-    sizes = [sum(t.numel() for t in opened[p][0]) if p in opened else 0 for p in range(len(caps))]
-    flat = [t for p in sorted(opened) for t in opened[p][0]]
+    sizes = [sum(t.numel() for t in pieces[p]) if p in pieces else 0 for p in range(len(caps))]
+    flat = [t for p in sorted(pieces) for t in pieces[p]]
     payloads = flat[0] if len(flat) == 1 else torch.cat(flat) if flat else recv[:0]
     return payloads, sizes
 

@@ -39,8 +39,8 @@ from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 from torchrec_lossy.distributed.exchange_slots import (
     SlotCall,
     count_slot_bytes,
-    fill_slots,
-    open_slot,
+    post_slots,
+    receive_slots,
 )
 from torchrec_lossy.distributed.pooled_blocks import BlockSpec, LossyAll2AllPooledInfo
 from torchrec_lossy.distributed.pooled_decode import decode_call
@@ -164,16 +164,8 @@ def send_chunked(
         payloads = encoder.encode(dests)
         caps = [send_caps[p] if p in dests else 0 for p in range(world)]
         caps_in = [recv_caps[p] if p in sources else 0 for p in range(world)]
-        slotted = fill_slots(payloads, caps, tag)
-        recv = torch.empty(sum(caps_in), dtype=torch.uint8)
-        with profile_range(f"## lossy_a2a {direction} slots ##"):
-            work = dist.all_to_all_single(
-                recv, slotted.send, caps_in, caps, group=pg, async_op=True
-            )
-            out.overflow_sends += [
-                (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest)
-                for p, rest in slotted.overflow
-            ]
+        recv, work, sends = post_slots(direction, payloads, caps, caps_in, tag, pg)
+        out.overflow_sends += sends
         out.rounds.append(ChunkRound(work, recv, caps_in, sources))
         for p in dests:
             sizes[p] = payloads[p].numel()
@@ -221,21 +213,15 @@ def receive_chunked(
     blocks[my_rank] = self_blocks
     sizes = [0] * world
     shares: dict[str, int] = {}
+    tables = [[s.table for s in specs] for specs in specs_per_peer]
     for rnd in chunked.rounds:
         with profile_range(f"## lossy_a2a {direction} wait ##"):
             rnd.work.wait()
-        at = list(itertools.accumulate(rnd.caps, initial=0))
-        opened = {
-            p: open_slot(rnd.recv[at[p] : at[p + 1]], p, pg, direction, my_rank, specs_per_peer[p])
-            for p in rnd.sources
-            if rnd.caps[p]
-        }
+        # rnd.caps is 0 but for the round's sources: their slots alone are opened.
+        opened = receive_slots(direction, rnd.recv, rnd.caps, pg, my_rank, tables)
         payloads = [torch.empty(0, dtype=torch.uint8)] * world
-        with profile_range(f"## lossy_a2a {direction} overflow ##"):
-            for p, (pieces, rest) in opened.items():
-                if rest is not None:
-                    rest.wait()
-                payloads[p] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        for p, pieces in opened.items():
+            payloads[p] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         mine = set(opened)
         part = ExchangeRecord(direction)
         got, status = decode_call(

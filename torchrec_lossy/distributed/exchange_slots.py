@@ -17,6 +17,7 @@ take the two-round path, which records its sizes too.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torchrec_lossy.distributed.errors import LossyAllToAllError
 from torchrec_lossy.distributed.exchange_record import ExchangeRecord
 from torchrec_lossy.distributed.stats import Direction
+from torchrec_lossy.profile_range import profile_range
 
 HEADER = 16  # slot header bytes: int64 payload size, int64 overflow tag (keeps payloads aligned)
 MIN_SLACK = 32  # headroom floor per slot, bytes
@@ -294,6 +296,76 @@ def open_slot(
     return pieces, dist.irecv(rest, group=pg, tag=tag, group_src=source)
 
 
+def post_slots(
+    direction: Direction,
+    payloads: Sequence[torch.Tensor],
+    send_caps: Sequence[int],
+    recv_caps: Sequence[int],
+    tag: int,
+    pg: dist.ProcessGroup,
+) -> tuple[torch.Tensor, dist.Work, list[tuple[dist.Work, torch.Tensor]]]:
+    """Posts one all-to-all of slots (:func:`fill_slots`) and the overflows' sends.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"`` (the profiler range's name).
+        payloads: uint8 payload per destination (host tensors).
+        send_caps: Slot bytes to each destination.
+        recv_caps: Slot bytes from each source.
+        tag: The overflows' point-to-point tag.
+        pg: The group.
+
+    Returns:
+        The receive buffer, the all-to-all's work, and (work, bytes) of each overflow send.
+    """
+    slotted = fill_slots(payloads, send_caps, tag)
+    recv = torch.empty(sum(recv_caps), dtype=torch.uint8)
+    with profile_range(f"## lossy_a2a {direction} slots ##"):
+        work = dist.all_to_all_single(
+            recv, slotted.send, list(recv_caps), list(send_caps), group=pg, async_op=True
+        )
+        sends = [
+            (dist.isend(rest, group=pg, tag=tag, group_dst=p), rest) for p, rest in slotted.overflow
+        ]
+    return recv, work, sends
+
+
+def receive_slots(
+    direction: Direction,
+    recv: torch.Tensor,
+    caps: Sequence[int],
+    pg: dist.ProcessGroup,
+    my_rank: int,
+    tables_per_source: Sequence[Sequence[str]],
+) -> dict[int, list[torch.Tensor]]:
+    """Opens every slot of a received buffer (:func:`open_slot`) and waits for the overflows.
+
+    Args:
+        direction: ``"fwd"`` or ``"bwd"``.
+        recv: The received slots, back to back.
+        caps: Slot bytes from each source (0: none).
+        pg: The group.
+        my_rank: This rank.
+        tables_per_source: Per source, its blocks' tables (named in an error).
+
+    Returns:
+        Per source with a slot, its payload's pieces.
+
+    Raises:
+        LossyAllToAllError: A slot's header is not a payload's.
+    """
+    at = list(itertools.accumulate(caps, initial=0))
+    opened = {
+        p: open_slot(recv[at[p] : at[p + 1]], p, pg, direction, my_rank, tables_per_source[p])
+        for p, cap in enumerate(caps)
+        if cap
+    }
+    with profile_range(f"## lossy_a2a {direction} overflow ##"):
+        for _, rest in opened.values():
+            if rest is not None:
+                rest.wait()
+    return {p: pieces for p, (pieces, _) in opened.items()}
+
+
 def count_slot_bytes(
     sizes: Sequence[int],
     caps: Sequence[int],
@@ -329,4 +401,6 @@ __all__ = [
     "count_slot_bytes",
     "fill_slots",
     "open_slot",
+    "post_slots",
+    "receive_slots",
 ]
