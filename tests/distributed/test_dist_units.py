@@ -25,8 +25,10 @@ from torchrec_lossy.distributed.call_ledger import CallLedger
 from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
     cut_block,
+    cut_blocks,
     expand_block,
     expand_blocks,
+    expand_index,
     join_blocks,
     layout_plans,
     place_grad_block,
@@ -86,7 +88,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_batched_geometry_is_bit_identical_to_per_block(mixed: bool) -> None:
     """The batched expand / reduce / place (one gather, one index_add_, one index_copy_ where
     every feature has one dim) and the cut's one gather equal the per-block functions bit for
-    bit, -0.0 included; mixed dims take the per-block path."""
+    bit, -0.0 included, whether each call builds its index or reuses the forward's (the
+    backward of comm_ops.PooledSteps); mixed dims take the per-block path."""
     gen = torch.Generator().manual_seed(3)
     rows = [6, 9]
     dims = (2, 2, 3) if mixed else (4, 4, 4)
@@ -114,9 +117,22 @@ def test_batched_geometry_is_bit_identical_to_per_block(mixed: bool) -> None:
                 for col, (_, (r, sel)) in zip(cols, ff, strict=True)
             ]
             assert torch.equal(_bits(b), _bits(torch.cat(want)))
+    # One destination's blocks at once (one gather where every feature has one dim).
+    batched = [
+        cut_blocks(x, r0, n, specs, [[f[1] for f in ff] for ff in fs])
+        for r0, n, fs in zip((0, rows[0]), rows, feats, strict=True)
+    ]
+    for (bs, idx), want_bs in zip(batched, cut, strict=True):
+        assert (idx is None) == mixed
+        assert [_bits(b).tolist() for b in bs] == [_bits(b).tolist() for b in want_bs]
     placed = place_grad_blocks(
         cut, specs, [[[f[1] for f in ff] for ff in fs] for fs in feats], rows
     )
+    reused = place_grad_blocks(
+        cut, specs, [[[f[1] for f in ff] for ff in fs] for fs in feats], rows,
+        [idx for _, idx in batched],
+    )  # fmt: skip
+    assert torch.equal(_bits(reused), _bits(placed))
     per_block = torch.cat(
         [
             torch.cat(
@@ -142,13 +158,16 @@ def test_batched_geometry_is_bit_identical_to_per_block(mixed: bool) -> None:
         for bs, fs in zip(got, inv, strict=True)
         for b, s, ff in zip(bs, specs, fs, strict=True)
     ]
-    expanded = expand_blocks(got, layout, inv, rows[0])
-    assert torch.equal(_bits(expanded), _bits(torch.cat(per_block, 1)))
+    index = None if mixed else expand_index(inv, rows[0], x.device)
+    for idx in (None, index):
+        expanded = expand_blocks(got, layout, inv, rows[0], idx)
+        assert torch.equal(_bits(expanded), _bits(torch.cat(per_block, 1)))
     grad = signed(2 * width, rows[0]).t()  # not contiguous, as autograd may hand it
-    reduced = reduce_grad_blocks(grad, layout, inv)
-    for p, (bs, fs) in enumerate(zip(reduced, inv, strict=True)):
-        for b, s, ff in zip(bs, specs, fs, strict=True):
-            assert torch.equal(_bits(b), _bits(reduce_grad_block(grad, p * width, s, ff)))
+    for idx in (None, index):
+        reduced = reduce_grad_blocks(grad, layout, inv, idx)
+        for p, (bs, fs) in enumerate(zip(reduced, inv, strict=True)):
+            for b, s, ff in zip(bs, specs, fs, strict=True):
+                assert torch.equal(_bits(b), _bits(reduce_grad_block(grad, p * width, s, ff)))
 
 
 def test_abs_bounds_relative_to_finite_range() -> None:

@@ -30,9 +30,11 @@ from torchrec_lossy.distributed.exchange import (
 )
 from torchrec_lossy.distributed.pooled_blocks import (
     LossyAll2AllPooledInfo,
-    cut_block,
+    cut_blocks,
     expand_blocks,
+    expand_index,
     join_blocks,
+    one_dim,
     peer_blocks,
     place_grad_blocks,
     reduce_grad_blocks,
@@ -159,11 +161,20 @@ class PooledSteps:
     """The pooled all-to-all's steps (:class:`ExchangeSteps`): blocks of ``[rows, width]``
     per (peer, table shard), cut from and joined into ``[B, D]`` tensors.
 
+    One per call (:func:`alltoall_pooled_lossy`), so it also keeps the call's dedupe gather
+    indices from its forward for its backward: the gradient goes back along the rows the
+    forward moved (the owner places by its cut's index, the receiver sums by its expand's).
+
     Args:
         info: The call's layout, batch sizes, dedupe state and comms state.
+        cut_index: Per destination, the index its forward blocks were cut by
+            (:func:`.pooled_blocks.cut_blocks`; None: the per-block path), once cut.
+        expand_index: The receiver's :func:`.pooled_blocks.expand_index`, once expanded.
     """
 
     info: LossyAll2AllPooledInfo
+    cut_index: list[torch.Tensor | None] | None = None
+    expand_index: torch.Tensor | None = None
 
     @property
     def comms(self) -> LossyComms:
@@ -181,7 +192,7 @@ class PooledSteps:
         """Cuts ``[B_global, D_local]`` into per-destination blocks and sends them encoded."""
         info = self.info
         _check_pooled_input(x, info, my_rank)
-        blocks = _forward_blocks(x.detach(), info, my_rank, world)
+        blocks, self.cut_index = _forward_blocks(x.detach(), info, my_rank, world)
         specs = info.layout[my_rank]
         geometry = Geometry(
             [specs] * world,
@@ -208,7 +219,9 @@ class PooledSteps:
             sender = [info.sender_rows(my_rank, p) for p in range(world)]
             if any(bs for bs in blocks):
                 with profile_range("## lossy_a2a fwd dedupe expand ##"):
-                    return expand_blocks(blocks, info.layout, sender, b_local)
+                    if one_dim(info.layout) is not None:
+                        self.expand_index = expand_index(sender, b_local, recv.device)
+                    return expand_blocks(blocks, info.layout, sender, b_local, self.expand_index)
             pieces = []
         if not pieces:
             return recv.new_empty((b_local, 0), dtype=info.dtype)
@@ -221,7 +234,7 @@ class PooledSteps:
         :func:`.exchange.exchange`: encoded, cast or exact."""
         info = self.info
         assert grad.shape[1] == sum(info.dim_sum_per_rank)
-        blocks = _grad_blocks(grad, info, my_rank, world)
+        blocks = _grad_blocks(grad, info, my_rank, world, self.expand_index)
         b_local = grad.shape[0]
         geometry = Geometry(
             info.layout,
@@ -242,7 +255,7 @@ class PooledSteps:
         specs = info.layout[my_rank]
         if info.dedupe_grads and specs:
             feats = [info.owner_feats(my_rank, p) for p in range(len(blocks))]
-            return place_grad_blocks(blocks, specs, feats, info.batch_size_per_rank)
+            return place_grad_blocks(blocks, specs, feats, info.batch_size_per_rank, self.cut_index)
         pieces = []
         for p, bs in enumerate(blocks):
             n = info.batch_size_per_rank[p]
@@ -268,32 +281,38 @@ def _check_pooled_input(x: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: 
 
 def _forward_blocks(
     x: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int, world: int
-) -> list[list[torch.Tensor]]:
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor | None] | None]:
     """Per destination, per local table shard: the rows of its batch (under output dedupe,
-    only its distinct bags: the first U rows of each feature)."""
+    only its distinct bags: the first U rows of each feature); and under the dedupe, each
+    destination's cut index (:func:`.pooled_blocks.cut_blocks`), for the backward."""
     r0s = list(itertools.accumulate(info.batch_size_per_rank, initial=0))
     if info.output_dedupe is None:
-        return peer_blocks(
+        blocks = peer_blocks(
             x, r0s[:-1], info.batch_size_per_rank, [0] * world, [info.layout[my_rank]] * world
         )
+        return blocks, None
     with profile_range("## lossy_a2a fwd dedupe cut ##"):
-        return [
-            [
-                cut_block(x, r0s[d], info.batch_size_per_rank[d], 0, s, fr)
-                for s, fr in zip(info.layout[my_rank], info.owner_feats(my_rank, d), strict=True)
-            ]
+        specs = info.layout[my_rank]
+        cut = [
+            cut_blocks(x, r0s[d], info.batch_size_per_rank[d], specs, info.owner_feats(my_rank, d))
             for d in range(world)
         ]
+        return [bs for bs, _ in cut], [idx for _, idx in cut]
 
 
 def _grad_blocks(
-    grad: torch.Tensor, info: LossyAll2AllPooledInfo, my_rank: int, world: int
+    grad: torch.Tensor,
+    info: LossyAll2AllPooledInfo,
+    my_rank: int,
+    world: int,
+    index: torch.Tensor | None = None,
 ) -> list[list[torch.Tensor]]:
     """Per source rank, per its table shard: the gradient of the rows it sent this rank.
 
     Every row of its columns (the forward's blocks, adjoint); under ``dedupe_grads`` the rows
     summed per distinct bag, so that the owner's lookup backward sees, per distinct bag, the
-    total gradient it would have accumulated over the repeated bags (up to summation order).
+    total gradient it would have accumulated over the repeated bags (up to summation order);
+    ``index``: the forward's expand index (:func:`.pooled_blocks.expand_index`), if built.
     """
     col_bases = list(itertools.accumulate(info.dim_sum_per_rank, initial=0))[:-1]
     b_local = grad.shape[0]
@@ -301,7 +320,7 @@ def _grad_blocks(
         return peer_blocks(grad, [0] * world, [b_local] * world, col_bases, info.layout)
     with profile_range("## lossy_a2a bwd dedupe reduce ##"):
         feats = [info.sender_rows(my_rank, p) for p in range(world)]
-        return reduce_grad_blocks(grad, info.layout, feats)
+        return reduce_grad_blocks(grad, info.layout, feats, index)
 
 
 def _forward_rows(info: LossyAll2AllPooledInfo, my_rank: int, world: int) -> list[list[int]]:

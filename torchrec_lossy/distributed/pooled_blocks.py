@@ -24,6 +24,8 @@ from torchrec_lossy.distributed.dedupe import OutputDedupe
 from torchrec_lossy.distributed.exchange_slots import SlotHistory
 
 T = TypeVar("T")
+# One block's features: (rows exchanged, selected bags / inverse index, or None).
+_Feats = Sequence[tuple[int, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,78 @@ def cut_block(
     return part.reshape(rows, spec.num_features, spec.dim).transpose(0, 1).reshape(-1, spec.dim)
 
 
+def cut_index(
+    per_row: int,
+    row0: int,
+    specs: Sequence[BlockSpec],
+    feats: Sequence[_Feats],
+    device: torch.device,
+) -> torch.Tensor:
+    """The rows of one destination's blocks (every spec of one dim ``d``) in ``x`` viewed as
+    ``[B * per_row, d]``: :func:`cut_block`'s index of each block, back to back, built at once
+    (a few ops for the destination instead of a few per feature).
+
+    Args:
+        per_row: ``d``-wide vectors per row of ``x`` (its columns over ``d``).
+        row0: The destination's first row in ``x``.
+        specs: The blocks' table shards (their columns in ``x``).
+        feats: Per spec, per feature: (rows, selected bags or None: the first rows).
+        device: Where ``x`` lives (and the selected bags).
+
+    Returns:
+        int64 indices, block after block (each block's rows in :func:`cut_block`'s order).
+    """
+    bases, cols, counts = [], [], []
+    for s, ff in zip(specs, feats, strict=True):
+        f0 = s.col_offset // s.dim
+        for f, (r, sel) in enumerate(ff):
+            bases.append(_arange(r, device) if sel is None else sel.to(torch.int64))
+            cols.append(f0 + f)
+            counts.append(r)
+    n = sum(counts)
+    col = torch.tensor(cols, dtype=torch.int64, device=device).repeat_interleave(
+        torch.tensor(counts, dtype=torch.int64, device=device), output_size=n
+    )
+    base = torch.cat(bases) if len(bases) > 1 else bases[0]
+    return (base + row0) * per_row + col
+
+
+def cut_blocks(
+    x: torch.Tensor,
+    row0: int,
+    rows: int,
+    specs: Sequence[BlockSpec],
+    feats: Sequence[_Feats],
+    index: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """:func:`cut_block` of every spec of one destination (``feats[i]`` the i-th spec's).
+
+    Where every spec has one dim and ``x`` is contiguous, ONE gather of whole vectors writes
+    every block (:func:`cut_index`; the blocks are consecutive slices of its result) instead
+    of an index built and a gather per block; the values are the same (exact copies).
+
+    Args:
+        x: The ``[B, D]`` output.
+        row0: The destination's first row.
+        rows: Its batch.
+        specs: The table shards.
+        feats: Per spec, per feature: (rows, selected bags or None).
+        index: The destination's :func:`cut_index` if already built (the call's backward
+            places its gradient with the same), else None.
+
+    Returns:
+        The blocks, and the gather's index (None where the per-block path ran), on ``x``'s
+        device.
+    """
+    d = one_dim([specs])
+    if d is None or not specs or not x.is_contiguous() or x.shape[1] % d:
+        return [cut_block(x, row0, rows, 0, s, f) for s, f in zip(specs, feats, strict=True)], None
+    if index is None:
+        index = cut_index(x.shape[1] // d, row0, specs, feats, x.device)
+    sizes = [sum(r for r, _ in ff) for ff in feats]
+    return list(x.view(-1, d).index_select(0, index).split(sizes)), index
+
+
 def join_blocks(
     blocks: Sequence[torch.Tensor], specs: Sequence[BlockSpec], rows: int
 ) -> list[torch.Tensor]:
@@ -278,18 +352,42 @@ def place_grad_block(
     return torch.cat(out, dim=1) if out else b.new_empty((rows, 0))
 
 
-_Feats = Sequence[tuple[int, torch.Tensor | None]]
-
-
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """Row indices ``0..n-1`` (a feature that is not deduplicated: every row, in order)."""
     return torch.arange(n, dtype=torch.int64, device=device)
 
 
-def _one_dim(specs_per_peer: Sequence[Sequence[BlockSpec]]) -> int | None:
+def one_dim(specs_per_peer: Sequence[Sequence[BlockSpec]]) -> int | None:
     """The column count every feature of ``specs_per_peer`` shares, or None (mixed dims)."""
     dims = {s.dim for specs in specs_per_peer for s in specs}
     return dims.pop() if len(dims) == 1 else None
+
+
+def expand_index(
+    feats_per_peer: Sequence[Sequence[_Feats]], rows: int, device: torch.device
+) -> torch.Tensor:
+    """The receiver's one index of the batched :func:`expand_blocks` and
+    :func:`reduce_grad_blocks` (every feature of one dim): for each output vector (row-major
+    over ``[rows, features]``), its row in the received distinct rows joined in order. The
+    expand gathers by it and the reduce sums by it, so a call builds it once for both.
+
+    Args:
+        feats_per_peer: Per source, per shard, per feature: (rows, inverse index or None).
+        rows: This rank's batch.
+        device: Where the inverse indices live.
+
+    Returns:
+        int64 ``[rows * features]``.
+    """
+    feats = [f for fs in feats_per_peer for ff in fs for f in ff]
+    starts = itertools.accumulate((r for r, _ in feats), initial=0)
+    idx = torch.cat(
+        [
+            o + (_arange(rows, device) if inv is None else inv)
+            for o, (_, inv) in zip(starts, feats, strict=False)
+        ]
+    )
+    return idx.view(len(feats), rows).t().reshape(-1)
 
 
 def expand_blocks(
@@ -297,6 +395,7 @@ def expand_blocks(
     specs_per_peer: Sequence[Sequence[BlockSpec]],
     feats_per_peer: Sequence[Sequence[_Feats]],
     rows: int,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`expand_block` of every received block, joined in column order: ``[rows, D]``.
 
@@ -309,11 +408,12 @@ def expand_blocks(
         specs_per_peer: Per source, its table shards.
         feats_per_peer: Per source, per shard, per feature: (rows, inverse index or None).
         rows: This rank's batch.
+        index: :func:`expand_index` of ``feats_per_peer`` if already built, else None.
 
     Returns:
         The received output.
     """
-    d = _one_dim(specs_per_peer)
+    d = one_dim(specs_per_peer)
     flat = [b for bs in blocks for b in bs]
     if d is None or not flat:
         pieces = [
@@ -322,22 +422,17 @@ def expand_blocks(
             for b, s, f in zip(bs, specs, feats, strict=True)
         ]
         return torch.cat(pieces, dim=1) if pieces else torch.empty((rows, 0))
-    feats = [f for fs in feats_per_peer for ff in fs for f in ff]
     src = torch.cat(flat)
-    starts = itertools.accumulate((r for r, _ in feats), initial=0)
-    idx = torch.cat(
-        [
-            o + (_arange(rows, src.device) if inv is None else inv)
-            for o, (_, inv) in zip(starts, feats, strict=False)
-        ]
-    )
-    return src.index_select(0, idx.view(len(feats), rows).t().reshape(-1)).view(rows, -1)
+    if index is None:
+        index = expand_index(feats_per_peer, rows, src.device)
+    return src.index_select(0, index).view(rows, -1)
 
 
 def reduce_grad_blocks(
     g: torch.Tensor,
     specs_per_peer: Sequence[Sequence[BlockSpec]],
     feats_per_peer: Sequence[Sequence[_Feats]],
+    index: torch.Tensor | None = None,
 ) -> list[list[torch.Tensor]]:
     """:func:`reduce_grad_block` of every source's table shards (``g``'s columns in order).
 
@@ -349,11 +444,13 @@ def reduce_grad_blocks(
         g: The ``[B, D]`` gradient of the received output.
         specs_per_peer: Per source, its table shards (their columns follow each other in ``g``).
         feats_per_peer: Per source, per shard, per feature: (rows, inverse index or None).
+        index: :func:`expand_index` of ``feats_per_peer`` if already built (the call's
+            forward expanded by it), else None.
 
     Returns:
         Per source, per shard: its gradient block.
     """
-    d = _one_dim(specs_per_peer)
+    d = one_dim(specs_per_peer)
     feats = [f for fs in feats_per_peer for ff in fs for f in ff]
     if d is None or not feats or g.shape[1] != len(feats) * d:
         col_bases = itertools.accumulate(
@@ -363,17 +460,13 @@ def reduce_grad_blocks(
             [reduce_grad_block(g, c0, s, f) for s, f in zip(specs, fs, strict=True)]
             for c0, specs, fs in zip(col_bases, specs_per_peer, feats_per_peer, strict=False)
         ]
-    n, rows = len(feats), g.shape[0]
+    rows = g.shape[0]
     starts = list(itertools.accumulate((r for r, _ in feats), initial=0))
-    idx = torch.cat(
-        [
-            o + (_arange(rows, g.device) if inv is None else inv)
-            for o, (_, inv) in zip(starts, feats, strict=False)
-        ]
-    )
+    if index is None:
+        index = expand_index(feats_per_peer, rows, g.device)
     out = g.new_zeros((starts[-1], d))
     flat_g = g.contiguous().view(-1, d)
-    out.index_add_(0, idx.view(n, rows).t().reshape(-1), flat_g)
+    out.index_add_(0, index, flat_g)
     for j, (o, (_, inv)) in enumerate(zip(starts, feats, strict=False)):
         if inv is None:  # copied as it is (the sum with zero would turn -0.0 into 0.0)
             out[o : o + rows] = g[:, j * d : (j + 1) * d]
@@ -387,6 +480,7 @@ def place_grad_blocks(
     specs: Sequence[BlockSpec],
     feats_per_peer: Sequence[Sequence[_Feats]],
     rows_per_peer: Sequence[int],
+    index: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """:func:`place_grad_block` of every peer's blocks, joined: the owner's ``[B, D]`` gradient.
 
@@ -399,11 +493,13 @@ def place_grad_blocks(
         specs: This rank's table shards.
         feats_per_peer: Per peer, per shard, per feature: (rows, selected bags or None).
         rows_per_peer: Each peer's batch.
+        index: Per peer, the :func:`cut_blocks` index its forward blocks were cut by (None:
+            built here): the gradient rows go back where those rows came from.
 
     Returns:
         The gradient of this rank's output.
     """
-    d = _one_dim([specs])
+    d = one_dim([specs])
     n = sum(s.num_features for s in specs)
     flat = [b for bs in blocks for b in bs]
     b_all = sum(rows_per_peer)
@@ -415,15 +511,14 @@ def place_grad_blocks(
         return torch.cat(pieces)
     out = flat[0].new_zeros((b_all * n, d))
     row0 = 0
-    for bs, fs, rows in zip(blocks, feats_per_peer, rows_per_peer, strict=True):
-        j = 0
-        for b, ff in zip(bs, fs, strict=True):
-            idx = [
-                (row0 + (_arange(r, b.device) if sel is None else sel)) * n + j + f
-                for f, (r, sel) in enumerate(ff)
-            ]
-            out.index_copy_(0, torch.cat(idx), b)
-            j += len(ff)
+    for p, (bs, fs, rows) in enumerate(zip(blocks, feats_per_peer, rows_per_peer, strict=True)):
+        idx = index[p] if index is not None else None
+        if idx is None:
+            idx = cut_index(n, row0, specs, fs, out.device)
+        at = 0
+        for b in bs:
+            out.index_copy_(0, idx[at : at + b.shape[0]], b)
+            at += b.shape[0]
         row0 += rows
     return out.view(b_all, n * d)
 

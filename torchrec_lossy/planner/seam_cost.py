@@ -90,8 +90,11 @@ def time_seam_step(
     """
     from torchrec_lossy.distributed.pooled_blocks import (
         cut_block,
+        cut_blocks,
         expand_blocks,
+        expand_index,
         join_blocks,
+        one_dim,
         place_grad_blocks,
         reduce_grad_blocks,
     )
@@ -123,16 +126,19 @@ def time_seam_step(
             sent = [[cut_block(x, p * rows, rows, 0, s) for s in specs] for p in range(w)]
             torch.cat([torch.cat(join_blocks(bs, specs, rows), dim=1) for bs in sent])
             return
-        # Forward: the owner cuts each destination's distinct bags, the receiver expands.
-        sent = [
-            [cut_block(x, p * rows, rows, 0, s, f[1]) for s, f in zip(specs, own[p], strict=True)]
-            for p in range(w)
-        ]
-        expand_blocks([arrived], [specs_all], [[f[0] for f in mine]], rows)
+        # Forward: the owner cuts each destination's distinct bags, the receiver expands (as
+        # comm_ops.PooledSteps: the call's indices kept for its backward).
+        cut = [cut_blocks(x, p * rows, rows, specs, [f[1] for f in own[p]]) for p in range(w)]
+        feats = [[f[0] for f in mine]]
+        index = expand_index(feats, rows, device) if one_dim([specs_all]) else None
+        expand_blocks([arrived], [specs_all], feats, rows, index)
         # Backward: the receiver sums per distinct bag, the owner places (the cut blocks stand
         # in for the gradient blocks it receives: the same shapes).
-        reduce_grad_blocks(grad, [specs_all], [[f[0] for f in mine]])
-        place_grad_blocks(sent, specs, [[f[1] for f in own[p]] for p in range(w)], [rows] * w)
+        reduce_grad_blocks(grad, [specs_all], feats, index)
+        sent, cut_index = [bs for bs, _ in cut], [i for _, i in cut]
+        place_grad_blocks(
+            sent, specs, [[f[1] for f in own[p]] for p in range(w)], [rows] * w, cut_index
+        )
 
     received = torch.randn(w, rows, -(-d_all // w), generator=g).to(device)
 
