@@ -26,6 +26,7 @@ from torchrec_lossy.codec import (
     first_failure,
     host_sync,
 )
+from torchrec_lossy.codec.pipeline import on_device
 from torchrec_lossy.distributed.call_ledger import CallRecord
 from torchrec_lossy.distributed.cast_blocks import unpack_flags, word_count
 from torchrec_lossy.distributed.errors import LossyAllToAllError
@@ -440,6 +441,9 @@ class _DecodeCall:
             LossyAllToAllError: A payload is not whole words, or failed to decode (host path).
         """
         coded = [(p, f.codec) for p, f in frames.items() if f.codec is not None]
+        comms = self.info.comms
+        if not coded and not on_device(recv.device, comms.config.codec.backend):
+            return {}, None  # every block raw: nothing for the host codec to decode
         peers, parts = [p for p, _ in coded], [c for _, c in coded]
         sizes = [c.numel() for c in parts]
         if sum(sizes) % 4:
@@ -449,7 +453,6 @@ class _DecodeCall:
             )
         # One source (2 ranks): its payload as it came, no copy.
         buffer = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else recv.new_empty(0)
-        comms = self.info.comms
         decoded, status = decompress_groups(
             buffer,
             sizes,

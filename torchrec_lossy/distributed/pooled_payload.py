@@ -309,6 +309,12 @@ def _start_codec(
     flat_blocks = [
         blocks_per_peer[p][i] for p, idx in zip(plan.peers, plan.coded, strict=True) for i in idx
     ]
+    if not flat_blocks and not on_device(
+        _device_of(blocks_per_peer), info.comms.config.codec.backend
+    ):
+        # Every block raw (format raw, a raw peer, a re-check's raw switch): no codec group is
+        # sent, so the codec is not called (its empty groups' headers would go nowhere).
+        return _no_codec_groups()
     values, kinds = bounds or codec_bounds(record, info, plan, len(flat_blocks))
     return start_compress_blocks(
         flat_blocks,
@@ -317,6 +323,23 @@ def _start_codec(
         _codec_config(info.comms.config, record, my_rank or 0),
         kinds,
     )
+
+
+def _device_of(blocks_per_peer: Sequence[Sequence[torch.Tensor]]) -> torch.device:
+    """The device of a call's blocks (the host where it has none)."""
+    for bs in blocks_per_peer:
+        for b in bs:
+            return b.device
+    return torch.device("cpu")
+
+
+def _no_codec_groups() -> PendingGroups:
+    """The host codec's result for a call without codec blocks, without calling it: no group
+    is sent (``EncodePlan.group_of`` lists only groups with blocks), so nothing of it is read
+    but its empty ``readback`` and ``done``."""
+    done = GroupedPayloads(torch.zeros(0, dtype=torch.uint8), [], [], [])
+    empty = torch.zeros(0, dtype=torch.int64)
+    return PendingGroups(empty, lambda host: done, [], lambda: empty, lambda: empty, done)
 
 
 def _check_blocks(
@@ -501,11 +524,32 @@ def _raw_parts(
     for p, flags in _flags_per_peer(plan, cast).items():
         words = torch.tensor(pack_flags(flags), dtype=torch.int64)
         raw_parts[p].append(_padded_bytes(words, device))
+    # A run of a destination's blocks that need no cast and no padding is copied in ONE cat
+    # (the same bytes as a padded copy each: they end on ALIGN): a few ops per destination.
+    run: list[torch.Tensor] = []
+    run_peer = -1
     for k, (p, i, _) in enumerate(plan.raw):
         b = blocks_per_peer[p][i]
         dt = plan.casts[k] if flag_of.get(k) else None
+        if dt is None and b.device == device and b.numel() * b.element_size() % ALIGN == 0:
+            if p != run_peer or (run and run[0].dtype != b.dtype):
+                _flush_run(run, raw_parts[run_peer] if run else [])
+                run_peer = p
+            run.append(b)
+            continue
+        _flush_run(run, raw_parts[run_peer] if run else [])
         raw_parts[p].append(_padded_bytes(b, device, b.dtype if dt is None else dt))
+    _flush_run(run, raw_parts[run_peer] if run else [])
     return raw_parts
+
+
+def _flush_run(run: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
+    """Appends the bytes of the blocks in ``run`` (one dtype, each ending on :data:`ALIGN`)
+    to ``parts`` as one part, and empties ``run``."""
+    if run:
+        flat = [b.reshape(-1) for b in run]
+        parts.append(torch.cat(flat).view(torch.uint8))
+        run.clear()
 
 
 def _padded_bytes(

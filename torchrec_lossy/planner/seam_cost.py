@@ -193,7 +193,7 @@ def time_exchange_ms(
     names = [t.name for t in tables]
     config = LossyCommsConfig()
     comms = LossyComms(config=config, bounds=StaticBounds(names, config))
-    layout = [_specs(tables[r::w]) for r in range(w)]
+    layout = [tuple(_specs(tables[r::w])) for r in range(w)]  # as a dist's: its plans apply
     raw = dict.fromkeys(names, False)
     info = LossyAll2AllPooledInfo(
         batch_size_per_rank=[rows] * w,
