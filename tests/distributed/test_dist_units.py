@@ -424,6 +424,24 @@ def test_corrupt_payload_error_names_rank_and_tables() -> None:
         decode_payloads("fwd", raw[:-16], [raw.numel() - 16], [SPECS], [4], raw_only, 1)
 
 
+@pytest.mark.parametrize("rows", [3, 4])
+def test_raw_payload_is_the_blocks_padded_back_to_back(rows: int) -> None:
+    """A call with every block raw (no codec call): each block's bytes padded to 16, back to
+    back (runs of blocks that need no padding copied at once: the same bytes), decoded exactly.
+    Rows 3: table a's block ends on 16 bytes, b's and c's are padded; rows 4: none is."""
+    info = _info(LossyCommsConfig(tables={"*": TableCodecConfig(compress=False)}), [SPECS])
+    x = torch.randn(rows, 20)
+    blocks = [cut_block(x, 0, rows, 0, s) for s in SPECS]
+    payload = start_encode("fwd", [blocks], [SPECS], info, x.device).read()[0]
+    want = []
+    for b in blocks:
+        raw = b.contiguous().view(-1).view(torch.uint8)
+        want += [raw, torch.zeros(-raw.numel() % 16, dtype=torch.uint8)]
+    assert torch.equal(payload, torch.cat(want))
+    got = decode_payloads("fwd", payload, [payload.numel()], [SPECS], [rows], info, 1)[0]
+    assert all(torch.equal(g, b) for g, b in zip(got, blocks, strict=True))
+
+
 def test_self_block_skips_codec_and_wire() -> None:
     info = _info(LossyCommsConfig(default_bound=ErrorBound("relative", 0.05)), [SPECS, SPECS])
     x = torch.randn(8, 20)
