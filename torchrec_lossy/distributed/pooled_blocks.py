@@ -256,10 +256,13 @@ def cut_index(
             bases.append(_arange(r, device) if sel is None else sel.to(torch.int64))
             cols.append(f0 + f)
             counts.append(r)
-    n = sum(counts)
-    col = torch.tensor(cols, dtype=torch.int64, device=device).repeat_interleave(
-        torch.tensor(counts, dtype=torch.int64, device=device), output_size=n
-    )
+    if not bases:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        col = torch.tensor(cols).repeat_interleave(torch.tensor(counts), output_size=sum(counts))
+    else:  # device ops only: a host list copied to the device would wait for its stream
+        pairs = zip(cols, counts, strict=True)
+        col = torch.cat([torch.full((r,), c, dtype=torch.int64, device=device) for c, r in pairs])
     base = torch.cat(bases) if len(bases) > 1 else bases[0]
     return (base + row0) * per_row + col
 
