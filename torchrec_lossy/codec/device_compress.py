@@ -58,7 +58,6 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
 from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
-from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
 
@@ -294,6 +293,18 @@ class _Codes(NamedTuple):
     n_esc: torch.Tensor  # escapes
 
 
+class GridStage(NamedTuple):
+    """The grid stage's result (:func:`grid_stage`)."""
+
+    cols: EncodeColumns  # the launchers' record, its grid fields written
+    ok: torch.Tensor  # per block, whether it is quantized
+
+    @property
+    def bound_bits(self) -> torch.Tensor:
+        """int64 [n_blocks] float64 bits of each block's bound (relative ones resolved)."""
+        return self.cols.column(ec.BOUND_BITS)
+
+
 class Sends(NamedTuple):
     """What every block sends, each [n_blocks]."""
 
@@ -376,24 +387,18 @@ def bases(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
 
-def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGrid:
+def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> GridStage:
     """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
-    ``block_grid``) from its finite min / max and, where the rule centers on it, its median
-    (``quantize.block_medians``: a radix select, no sort); center int64."""
-    numel = t.rows * t.dim
-    # Finite and inlier ranges and finite counts in one launch (``quantize.block_ranges``).
-    lo, hi, ilo, ihi, n_fin = k.quantize.block_ranges(flat.x, t.elem_off, numel, OUTLIER_OCTAVES)
-    bound = t.bound_bits.view(torch.float64)
-    # A relative bound is taken over the range without finite outliers (codec/outliers.py).
-    rel = t.kind == int(BoundKind.RELATIVE)
-    ilo, ihi = torch.where(rel, ilo, lo), torch.where(rel, ihi, hi)
-    b = quantize.block_bound(t.kind, bound, ilo, ihi, numel, ht.stochastic, ht.quantization)
-    need = quantize.uses_median(b, lo, hi)
-    g = quantize.block_grid(
-        b, lo, hi, k.quantize.block_medians(flat.x, t.elem_off, numel, n_fin, need)
+    ``block_grid``) from its finite and inlier ranges and, where the rule centers on it, its
+    median (a radix select, no sort), in one launch (``quantize.block_grids``) that writes
+    them into the launchers' record (the host laid out every other field)."""
+    cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks)
+    rule = ec.GridRule(
+        t.kind, t.bound_bits, t.quant_try, OUTLIER_OCTAVES, ht.stochastic, ht.quantization
     )
+    stats = k.quantize.block_grids(flat.x, cols, t.rows, rule)
     # The quantize launch ran where the rule before the data allowed (a superset of ok).
-    return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
+    return GridStage(cols, stats[:, ec.GRID_OK] == 1)
 
 
 def quantize_stage(
@@ -896,10 +901,7 @@ def start_groups_device(
         t: Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
         flat = flatten(blocks, ht, t)
         grid = grid_stage(k, ht, t, flat)
-        # The launchers' record: the host laid out every field but the grid's.
-        cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
-            step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
-        )
+        cols = grid.cols
         sym, hist, max_err = quantize_stage(k, ht, t, flat, cols)
         dq, dr = vector_lz_stage(k, sym, ht, t, flat, cols)
         # Distinct rows' histograms: the quantized symbols of first occurrences only.
@@ -920,9 +922,7 @@ def start_groups_device(
         words32, skeleton = close(out, ht, t, sec, group_sizes)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
-        readback = torch.cat(
-            [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
-        )
+        readback = torch.cat([sec.payload_words, *per_block, errs, grid.bound_bits, skeleton])
         return PendingCompress(words32, readback, ht, group_sizes)
 
 

@@ -23,7 +23,6 @@ from typing import NamedTuple
 import torch
 
 from torchrec_lossy.codec import device_compress as dcx
-from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
@@ -263,9 +262,7 @@ def start_packed_groups(
         t: dcx.Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
         flat = dcx.flatten(blocks, ht, t, elements=False)
         grid = dcx.grid_stage(k, ht, t, flat)
-        cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
-            step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
-        )
+        cols = grid.cols
         sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols, histograms=False)
         dq, dr = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
         st = _stream(k, t, sym, dq, grid.ok)
@@ -280,9 +277,7 @@ def start_packed_groups(
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
-        readback = torch.cat(
-            [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
-        )
+        readback = torch.cat([sec.payload_words, *per_block, errs, grid.bound_bits, skeleton])
         return dcx.PendingCompress(words32, readback, ht, group_sizes)
 
 
