@@ -21,6 +21,7 @@ from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import GRID_OK, GRID_STATS
 from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
 from torchrec_lossy.kernels.common import find_segment
 
@@ -36,6 +37,15 @@ _BAD_WIDTH: tl.constexpr = tl.constexpr(wire.DECODE_BAD_WIDTH)
 _BAD_CODE: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_CODE)
 _BAD_ESCAPES: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_ESCAPES)
 _GROUPS_PER_PROGRAM = 32  # groups of one program (32 x 32 lanes)
+_SEG_WORDS: tl.constexpr = tl.constexpr(wire.SEGMENT_HEADER_WORDS)
+_REFS_FIXED: tl.constexpr = tl.constexpr(wire.REFS_FIXED)
+_REFS_FLAGGED: tl.constexpr = tl.constexpr(wire.REFS_FLAGGED)
+_MODE_RAW: tl.constexpr = tl.constexpr(wire.MODE_RAW)
+_MODE_LZ: tl.constexpr = tl.constexpr(wire.MODE_LZ)
+_MODE_QUANT: tl.constexpr = tl.constexpr(wire.MODE_QUANT)
+_MODE_QUANT_LZ: tl.constexpr = tl.constexpr(wire.MODE_QUANT_LZ)
+_GRID_STATS: tl.constexpr = tl.constexpr(GRID_STATS)
+_GRID_OK: tl.constexpr = tl.constexpr(GRID_OK)
 
 
 @triton.jit
@@ -281,18 +291,34 @@ def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constexpr):
+def _source_at(rows_ptr, e, valid, dim, lz, base, row_off, elem_off):
     # The flat element that value ``e`` of a block's sent rows reads: column e % dim of its
-    # row e // dim, or of that distinct vector's first row where the block's LZ field is set.
-    dim = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.DIM, mask=valid, other=1)
+    # row e // dim, or of that distinct vector's first row where ``lz`` (its first
+    # occurrences' rows at ``rows_ptr + base``).
     vec = e // dim
+    first = tl.load(rows_ptr + base + vec, mask=valid & lz, other=0)
+    local = tl.where(lz, first - row_off, vec)
+    return tl.where(valid, elem_off + local * dim + (e - vec * dim), 0)
+
+
+@triton.jit
+def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constexpr):
+    # ``_source_at`` with the block's fields from its packed record (LZ, BASE: the fields).
+    dim = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.DIM, mask=valid, other=1)
     lz = tl.load(rec_ptr + blk * pc.N_FIELDS + LZ, mask=valid, other=0) == 1
     base = tl.load(rec_ptr + blk * pc.N_FIELDS + BASE, mask=valid & lz, other=0)
     row_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ROW_OFF, mask=valid, other=0)
-    first = tl.load(rows_ptr + base + vec, mask=valid & lz, other=0)
-    local = tl.where(lz, first - row_off, vec)
     elem_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ELEM_OFF, mask=valid, other=0)
-    return tl.where(valid, elem_off + local * dim + (e - vec * dim), 0)
+    return _source_at(rows_ptr, e, valid, dim, lz, base, row_off, elem_off)
+
+
+@triton.jit
+def _codes(sym_ptr, elem, valid):
+    # Each sent value's escape and zigzag code (0 where escaped or not valid).
+    sym = tl.load(sym_ptr + elem, mask=valid, other=0).to(tl.int64) & 0xFFFF
+    esc = valid & (sym == _ESCAPE)
+    d = sym - _OFFSET
+    return esc, tl.where(valid & ~esc, tl.where(d < 0, -2 * d - 1, 2 * d), 0)
 
 
 @triton.jit
@@ -306,14 +332,14 @@ def _word_sums(value, at, mask):
 @triton.jit
 def _stream_group(
     pid, sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
-    sums_ptr, n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
+    sums_ptr, n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # Program ``pid``'s GB group slots (slot: block, group in the block), 32 lanes each: every
-    # sent value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes.
-    # WRITE: its width byte, its codes at bit k * w of its words, its escapes (ranks from its
-    # slot's first), added into the zeroed words (integer adds of disjoint bits: the OR); per
-    # slot the words' sum and their sum weighted by 2 * word + 1, added to its block's sums
-    # (the segment and payload checksums are linear in them: ``put_data``).
+    # sent value's escape and zigzag code; its width byte, its codes at bit k * w of its
+    # words, its escapes (ranks from its slot's first), added into the zeroed words (integer
+    # adds of disjoint bits: the OR); per slot the words' sum and their sum weighted by
+    # 2 * word + 1, added to its block's sums (the segment and payload checksums are linear
+    # in them: ``put_data``).
     s = pid * GB + tl.arange(0, GB)
     smask = s < n_slots
     blk = tl.load(slot_ptr + 2 * s, mask=smask, other=0)
@@ -324,92 +350,195 @@ def _stream_group(
     valid = smask[:, None] & (v < n_sym[:, None])
     blk2 = blk[:, None] + v * 0
     elem = _source(rows_ptr, rec_ptr, blk2, v, valid, pc.Q_LZ, pc.Q_BASE)
-    sym = tl.load(sym_ptr + elem, mask=valid, other=0).to(tl.int64) & 0xFFFF
-    esc = valid & (sym == _ESCAPE)
-    d = sym - _OFFSET
-    code = tl.where(valid & ~esc, tl.where(d < 0, -2 * d - 1, 2 * d), 0)
-    if not WRITE:
-        top = tl.max(code, axis=1)
-        width = top * 0
-        for i in tl.static_range(_MAX_WIDTH):
-            width += ((top >> i) > 0).to(tl.int64)
-        tl.store(width_ptr + s, width, mask=smask)
-        tl.store(esc_ptr + s, tl.sum(esc.to(tl.int64), axis=1), mask=smask)
-    else:
-        w = tl.load(width_ptr + s, mask=smask, other=0)
-        used = smask & (k * GROUP < n_sym)
-        table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
-        word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
-        table_word = w << (8 * (k % 4))
-        tl.atomic_add(buf_ptr + table_at + k // 4, table_word.to(word), mask=used)
-        s0 = tl.where(used, table_word, 0)
-        s1 = s0 * (2 * (table_at + k // 4) + 1)
-        codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
-        off = tl.load(off_ptr + s, mask=used, other=0)
-        bit = 32 * off[:, None] + lane[None, :] * w[:, None]
-        at = codes_at[:, None] + bit // 32
-        sh = bit % 32
-        live = code != 0
-        low = (code << sh) & 0xFFFFFFFF
-        tl.atomic_add(buf_ptr + at, low.to(word), mask=live)
-        a0, a1 = _word_sums(low, at, live)
-        spill = live & (sh + w[:, None] > 32)
-        high = code >> tl.where(spill, 32 - sh, 0)
-        tl.atomic_add(buf_ptr + at + 1, high.to(word), mask=spill)
-        b0, b1 = _word_sums(high, at + 1, spill)
-        e = esc.to(tl.int64)
-        rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
-        escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
-        tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
-        c0, c1 = _word_sums(v, escp_at + rank, esc)
-        raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
-        wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
-        escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
-        value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
-        at = escb_at + tl.where(wide, rank, rank // 2)
-        tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
-        d0, d1 = _word_sums(value, at, esc)
-        tl.atomic_add(sums_ptr + blk, s0 + a0 + b0 + c0 + d0, mask=used)
-        tl.atomic_add(sums_ptr + n_blocks + blk, s1 + a1 + b1 + c1 + d1, mask=used)
+    esc, code = _codes(sym_ptr, elem, valid)
+    w = tl.load(width_ptr + s, mask=smask, other=0)
+    used = smask & (k * GROUP < n_sym)
+    table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
+    word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
+    table_word = w << (8 * (k % 4))
+    tl.atomic_add(buf_ptr + table_at + k // 4, table_word.to(word), mask=used)
+    s0 = tl.where(used, table_word, 0)
+    s1 = s0 * (2 * (table_at + k // 4) + 1)
+    codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
+    off = tl.load(off_ptr + s, mask=used, other=0)
+    bit = 32 * off[:, None] + lane[None, :] * w[:, None]
+    at = codes_at[:, None] + bit // 32
+    sh = bit % 32
+    live = code != 0
+    low = (code << sh) & 0xFFFFFFFF
+    tl.atomic_add(buf_ptr + at, low.to(word), mask=live)
+    a0, a1 = _word_sums(low, at, live)
+    spill = live & (sh + w[:, None] > 32)
+    high = code >> tl.where(spill, 32 - sh, 0)
+    tl.atomic_add(buf_ptr + at + 1, high.to(word), mask=spill)
+    b0, b1 = _word_sums(high, at + 1, spill)
+    e = esc.to(tl.int64)
+    rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
+    escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
+    tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
+    c0, c1 = _word_sums(v, escp_at + rank, esc)
+    raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
+    wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
+    escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
+    value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
+    at = escb_at + tl.where(wide, rank, rank // 2)
+    tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
+    d0, d1 = _word_sums(value, at, esc)
+    tl.atomic_add(sums_ptr + blk, s0 + a0 + b0 + c0 + d0, mask=used)
+    tl.atomic_add(sums_ptr + n_blocks + blk, s1 + a1 + b1 + c1 + d1, mask=used)
 
 
 @triton.jit
-def _stream_widths_kernel(
-    sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, n_slots, GB: tl.constexpr,
-    GROUP: tl.constexpr,
+def _bit_length(x, BITS: tl.constexpr):
+    """``int.bit_length`` of non-negative values below ``2**BITS``."""
+    n = x * 0
+    for i in tl.static_range(BITS):
+        n += ((x >> i) > 0).to(n.dtype)
+    return n
+
+
+@triton.jit
+def _refs_bits(rows, n_unique):
+    """``format.refs_packing``: (packing, bits) of a block's references (``n_unique`` >= 1)."""
+    width = _bit_length(tl.maximum(n_unique - 1, 0), 32)
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    flag = fixed > flagged
+    return tl.where(flag, _REFS_FLAGGED, _REFS_FIXED), tl.where(flag, flagged, fixed)
+
+
+@triton.jit
+def _lossless_words(rows, n_unique, dim, itemsize):
+    """``size_model.lossless_lz_words``."""
+    _, bits = _refs_bits(rows, n_unique)
+    return _SEG_WORDS + (bits + 31) // 32 + (n_unique * dim * itemsize + 3) // 4
+
+
+@triton.jit
+def _plan_kernel(
+    sym_ptr, rows_ptr, nrows_ptr, dim_ptr, size_ptr, eoff_ptr, roff_ptr, lz_ptr, raw_ptr,
+    first_ptr, grid_ptr, nuq_ptr, nur_ptr, qbase_ptr, slot_ptr, plan_ptr, n_slots, n_blocks,
+    GB: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    _stream_group(
-        tl.program_id(0).to(tl.int64), sym_ptr, sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr,
-        esc_ptr, width_ptr, width_ptr, width_ptr, n_slots, 0, GB, GROUP, False,
-    )  # fmt: skip
+    # One program per block: its stream (its distinct rows where some repeat and vector-LZ may
+    # run: the host's _packed_plan; else every row), GB group slots x 32 lanes at a time: each
+    # slot's width, its first word in the block's codes and the block's escapes before it
+    # (running sums); then the block's mode (size_model's choice over the exact words) and
+    # what it sends (device_compress.sections' sizes: no codebook, no chunk table).
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.load(nrows_ptr + b)
+    dim = tl.load(dim_ptr + b)
+    itemsize = tl.load(size_ptr + b)
+    raw_words = tl.load(raw_ptr + b)
+    lz_allowed = tl.load(lz_ptr + b) == 1
+    ok = tl.load(grid_ptr + b * _GRID_STATS + _GRID_OK) == 1
+    nu_q = tl.load(nuq_ptr + b)
+    nu_r = tl.load(nur_ptr + b)
+    base = tl.load(qbase_ptr + b)
+    row_off = tl.load(roff_ptr + b)
+    elem_off = tl.load(eoff_ptr + b)
+    first = tl.load(first_ptr + b)
+    n_slots_b = tl.load(first_ptr + b + 1) - first
+    stream_lz = ok & lz_allowed & (nu_q < rows)
+    n_sym = tl.where(ok, tl.where(stream_lz, nu_q, rows) * dim, 0)
+    dim1 = tl.maximum(dim, 1)
+    lane = tl.arange(0, GROUP)
+    words = tl.zeros((), tl.int64)
+    n_esc = tl.zeros((), tl.int64)
+    for g0 in range(0, n_slots_b, GB):
+        k = g0 + tl.arange(0, GB)
+        kmask = k < n_slots_b
+        v = k[:, None] * GROUP + lane[None, :]
+        valid = kmask[:, None] & (v < n_sym)
+        elem = _source_at(rows_ptr, v, valid, dim1, stream_lz, base, row_off, elem_off)
+        esc, code = _codes(sym_ptr, elem, valid)
+        width = _bit_length(tl.max(code, axis=1), _MAX_WIDTH)
+        e = tl.sum(esc.to(tl.int64), axis=1)
+        at = slot_ptr + first + k
+        tl.store(at, width, mask=kmask)
+        tl.store(at + n_slots, words + tl.cumsum(width, 0) - width, mask=kmask)
+        tl.store(at + 2 * n_slots, n_esc + tl.cumsum(e, 0) - e, mask=kmask)
+        words += tl.sum(width, axis=0)
+        n_esc += tl.sum(e, axis=0)
+    n_groups = (n_sym + GROUP - 1) // GROUP
+    stream_words = (n_groups + 3) // 4 + words
+    # size_model: choose_lossy (quant_words, quant_lz_words), lossless_may_win, choose_lossless.
+    esc_w = n_esc + (n_esc * itemsize + 3) // 4
+    quant_w = _SEG_WORDS + esc_w + stream_words
+    nu_q1 = tl.maximum(nu_q, 1)
+    _, qlz_refs = _refs_bits(rows, nu_q1)
+    qlz_w = _SEG_WORDS + (qlz_refs + 31) // 32 + esc_w + stream_words
+    better = ok & ~stream_lz & (quant_w < raw_words)
+    mode = tl.where(better, _MODE_QUANT, _MODE_RAW)
+    best = tl.where(better, quant_w, raw_words)
+    better = stream_lz & (qlz_w < best)
+    mode = tl.where(better, _MODE_QUANT_LZ, mode)
+    best = tl.where(better, qlz_w, best)
+    nu_lower = tl.where(ok & lz_allowed, nu_q1, 1)
+    tried = lz_allowed & (_lossless_words(rows, nu_lower, dim, itemsize) < best)
+    lossless_w = _lossless_words(rows, tl.maximum(nu_r, 1), dim, itemsize)
+    mode = tl.where(tried & (lossless_w < best) & (rows * dim > 0), _MODE_LZ, mode)
+    # What it sends.
+    is_q = (mode == _MODE_QUANT) | (mode == _MODE_QUANT_LZ)
+    is_qlz = mode == _MODE_QUANT_LZ
+    is_lz = mode == _MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = tl.where(is_qlz, nu_q, tl.where(is_lz, nu_r, rows))
+    ref_mode, ref_bits = _refs_bits(rows, tl.where(has_refs, n_sent, 1))
+    n_escapes = tl.where(is_q, n_esc, 0)
+    esc_words = n_escapes + (n_escapes * itemsize + 3) // 4
+    refs_words = tl.where(has_refs, (ref_bits + 31) // 32, 0)
+    uniq_words = tl.where(is_lz, (nu_r * dim * itemsize + 3) // 4, 0)
+    body = _SEG_WORDS + refs_words + uniq_words + esc_words + tl.where(is_q, stream_words, 0)
+    out = plan_ptr + b
+    tl.store(out + pc.MODE * n_blocks, mode.to(tl.int64))
+    tl.store(out + pc.IS_Q * n_blocks, is_q.to(tl.int64))
+    tl.store(out + pc.IS_QLZ * n_blocks, is_qlz.to(tl.int64))
+    tl.store(out + pc.IS_LZ * n_blocks, is_lz.to(tl.int64))
+    tl.store(out + pc.HAS_REFS * n_blocks, has_refs.to(tl.int64))
+    tl.store(out + pc.N_SENT * n_blocks, n_sent)
+    tl.store(out + pc.N_ESCAPES * n_blocks, n_escapes)
+    tl.store(out + pc.REF_MODE * n_blocks, tl.where(has_refs, ref_mode, 0).to(tl.int64))
+    tl.store(out + pc.REF_WIDTH * n_blocks, _bit_length(tl.maximum(n_sent - 1, 0), 32))
+    tl.store(out + pc.REFS_WORDS * n_blocks, refs_words)
+    tl.store(out + pc.ESC_WORDS * n_blocks, esc_words)
+    tl.store(out + pc.SEG_WORDS * n_blocks, tl.where(mode == _MODE_RAW, raw_words, body))
+    tl.store(out + pc.N_GROUPS * n_blocks, tl.where(is_q, n_groups, 0))
+    tl.store(out + pc.SENT_SYM * n_blocks, tl.where(is_q, n_sym, 0))
+    tl.store(out + pc.STREAM_LZ * n_blocks, stream_lz.to(tl.int64))
 
 
-def stream_widths(
-    sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
+def stream_plan(
+    sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every group slot's width and escapes, in one launch.
+    """Every block's packed stream and mode, in one launch (one program per block, no sync):
+    its stream (the host's ``_packed_plan``: its distinct rows where some repeat and
+    vector-LZ may run, else every row), each of its group slots' width (the bit length of its
+    largest zigzag code), first word in the block's codes and the block's escapes before it;
+    then its mode by ``size_model`` over the exact segment words and what it sends.
 
     Args:
         sym: int16 symbols of every element (flat layout).
         rows: int64 per row: the quantized dedupe's first occurrences' rows
             (``device_compress.Dedupe.first_rows``).
-        rec: int64 [n_blocks, N_FIELDS] packed record (``codec/packed_columns.py``; read:
-            ``ELEM_OFF``, ``ROW_OFF``, ``DIM``, ``N_SYM``, ``Q_LZ``, ``Q_BASE``).
-        slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
+        inputs: Per block, what the plan reads (``packed_columns.PlanInputs``).
+        n_slots: Group slots of all blocks (``inputs.first_slot[-1]``, from the host tables).
 
     Returns:
-        (int64 [n_slots] widths: bit length of the largest code, 0 for an unused slot; int64
-        [n_slots] escapes).
+        (int64 [3, n_slots]: each slot's width (0 past its block's stream), first word in its
+        block's codes, escapes of its block before it; int64 [PLAN_FIELDS, n_blocks], the
+        ``packed_columns`` plan fields).
     """
-    n = slots.shape[0]
-    width = torch.empty(n, dtype=torch.int64, device=sym.device)
-    esc = torch.empty(n, dtype=torch.int64, device=sym.device)
-    if n:
-        gb = _GROUPS_PER_PROGRAM
-        _stream_widths_kernel[(triton.cdiv(n, gb),)](
-            sym, rows, rec, slots, width, esc, n, GB=gb, GROUP=_GROUP
-        )
-    return width, esc
+    i, nb = inputs, inputs.rows.shape[0]
+    slots = torch.empty((3, n_slots), dtype=torch.int64, device=sym.device)
+    plan = torch.empty((pc.PLAN_FIELDS, nb), dtype=torch.int64, device=sym.device)
+    if nb:
+        _plan_kernel[(nb,)](
+            sym, rows, i.rows, i.dim, i.itemsize, i.elem_off, i.row_off, i.lz_allowed,
+            i.raw_words, i.first_slot, i.grid, i.nu_q, i.nu_r, i.q_base, slots, plan, n_slots,
+            nb, GB=_GROUPS_PER_PROGRAM, GROUP=_GROUP,
+        )  # fmt: skip
+    return slots, plan
 
 
 @triton.jit
@@ -451,7 +580,7 @@ def _put_data_kernel(
     if pid < n_stream:
         _stream_group(
             pid, sym_ptr, bits_ptr, q_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-            buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP, True,
+            buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP,
         )  # fmt: skip
     else:
         _rows_tile(
@@ -477,11 +606,12 @@ def put_data(
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
         dedupe_rows: int64 per row, the first occurrences' rows of the quantized dedupe (the
             streams') and of the raw-bits dedupe (the lz blocks' rows).
-        rec: int64 [n_blocks, N_FIELDS]; read: as :func:`stream_widths` (``N_SYM`` 0 where a
-            block is not sent packed), ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``,
-            ``ITEMSIZE``, ``R_N``, ``R_LZ``, ``R_BASE``, ``R_AT``.
-        slots: As :func:`stream_widths`.
-        stream: int64 [n_slots] each: widths (:func:`stream_widths`), the first word of each
+        rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,
+            ``N_SYM`` (0 where a block is not sent packed), ``Q_LZ``, ``Q_BASE``,
+            ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``, ``ITEMSIZE``, ``R_N``,
+            ``R_LZ``, ``R_BASE``, ``R_AT``.
+        slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
+        stream: int64 [n_slots] each: widths (:func:`stream_plan`), the first word of each
             slot's codes in its block's codes, the escapes of its block before it.
         tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
         tile: Words per tile (a power of two).
@@ -509,7 +639,7 @@ JIT_KERNELS = {
     "widths_kernel": _widths_kernel,
     "check_groups_kernel": _check_groups_kernel,
     "status_kernel": _status_kernel,
-    "stream_widths_kernel": _stream_widths_kernel,
+    "plan_kernel": _plan_kernel,
     "put_data_kernel": _put_data_kernel,
 }
 
@@ -521,5 +651,5 @@ __all__ = [
     "packed_symbol",
     "packed_widths",
     "put_data",
-    "stream_widths",
+    "stream_plan",
 ]

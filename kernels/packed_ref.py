@@ -15,18 +15,29 @@ import torch
 
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import packed_columns as pc
+from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import GRID_OK
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
     DECODE_BAD_PACKED_CODE,
     DECODE_BAD_PACKED_ESCAPES,
     DECODE_BAD_WIDTH,
     ESCAPE_SYMBOL,
+    MODE_LZ,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
     PACKED_GROUP,
     PACKED_MAX_WIDTH,
     REFS_OUT_OF_RANGE,
+    SEGMENT_HEADER_WORDS,
     SYMBOL_OFFSET,
+    ref_width,
+    refs_packing,
     unzigzag,
+    words_for_bits,
+    words_for_bytes,
     zigzag,
 )
 from torchrec_lossy.codec.launch_tables import NO_FAILURE
@@ -347,20 +358,10 @@ def _stream_lanes(
     return f, v, elem, esc, torch.where(valid & ~esc, zigzag(symbol), 0)
 
 
-def stream_widths(
+def _stream_widths(
     sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``kernels.packed.stream_widths``.
-
-    Args:
-        sym: int16 symbols of every element.
-        rows: int64 first occurrences' rows of the quantized dedupe.
-        rec: int64 [n_blocks, N_FIELDS] packed record.
-        slots: int64 [n_slots, 2] (block, group in the block).
-
-    Returns:
-        (int64 [n_slots] widths, int64 [n_slots] escapes).
-    """
+    """Per group slot (block, group in it): its width (0 for an unused slot) and escapes."""
     if not slots.shape[0]:
         empty = torch.zeros(0, dtype=torch.int64, device=sym.device)
         return empty, empty
@@ -368,6 +369,92 @@ def stream_widths(
     top = code.amax(dim=1)
     shifts = torch.arange(PACKED_MAX_WIDTH, device=sym.device)
     return ((top[:, None] >> shifts) > 0).sum(dim=1), esc.sum(dim=1)
+
+
+def _bases(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums with the total appended."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+
+def stream_plan(
+    sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.packed.stream_plan`` (its docstring has the contract): the group
+    slots' widths and escapes, their prefix sums, the host's ``_packed_plan`` and
+    ``size_model``'s mode choice over ``[n_blocks]`` tensors.
+
+    Args:
+        sym: int16 symbols of every element.
+        rows: int64 first occurrences' rows of the quantized dedupe.
+        inputs: Per block, what the plan reads.
+        n_slots: Group slots of all blocks (``inputs.first_slot[-1]``).
+
+    Returns:
+        (int64 [3, n_slots]: widths, first word in the block's codes, escapes of the block
+        before it; int64 [PLAN_FIELDS, n_blocks]).
+    """
+    i, dev = inputs, sym.device
+    nb = i.rows.shape[0]
+    ok = i.grid[:, GRID_OK] == 1
+    lz_allowed = i.lz_allowed == 1
+    plan_lz = ok & lz_allowed & (i.nu_q < i.rows)
+    n_sym = torch.where(ok, torch.where(plan_lz, i.nu_q, i.rows) * i.dim, 0)
+    cols = [torch.zeros_like(i.rows)] * pc.N_FIELDS
+    cols[pc.ELEM_OFF], cols[pc.ROW_OFF], cols[pc.DIM] = i.elem_off, i.row_off, i.dim.clamp(min=1)
+    cols[pc.N_SYM], cols[pc.Q_LZ], cols[pc.Q_BASE] = n_sym, plan_lz.long(), i.q_base
+    first = i.first_slot
+    blk = torch.repeat_interleave(
+        torch.arange(nb, device=dev), first[1:] - first[:-1], output_size=n_slots
+    )
+    slots = torch.stack([blk, torch.arange(n_slots, device=dev) - first[blk]], dim=1)
+    widths, esc = _stream_widths(sym, rows, torch.stack(cols, dim=1), slots)
+    w_before, e_before = _bases(widths), _bases(esc)
+    n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
+    n_esc = e_before[first[1:]] - e_before[first[:-1]]
+    stream_words = words_for_bytes(n_groups) + w_before[first[1:]] - w_before[first[:-1]]
+    # The mode (size_model: the host's _choose_lossy over the packed segments' exact words).
+    rows_, dim, itemsize = i.rows, i.dim, i.itemsize
+    quant_w = sm.quant_words(n_esc, itemsize, stream_words)
+    qlz_w = sm.quant_lz_words(rows_, i.nu_q.clamp(min=1), n_esc, itemsize, stream_words)
+    mode, best = sm.choose_lossy(i.raw_words, ok & ~plan_lz, quant_w, plan_lz, qlz_w)
+    nu_lower = torch.where(ok & lz_allowed, i.nu_q.clamp(min=1), 1)
+    tried = sm.lossless_may_win(lz_allowed, rows_, dim, itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(rows_, i.nu_r.clamp(min=1), dim, itemsize)
+    mode = sm.choose_lossless(mode, best, tried, lossless_w, rows_ * dim)
+    # What it sends and its segment's sections (device_compress.sections: no codebook, no
+    # chunk table; the widths and codes are the stream).
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    is_qlz, is_lz = mode == MODE_QUANT_LZ, mode == MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = torch.where(is_qlz, i.nu_q, torch.where(is_lz, i.nu_r, rows_))
+    ref_mode, _, ref_bits = refs_packing(rows_, torch.where(has_refs, n_sent, 1))
+    n_escapes = torch.where(is_q, n_esc, 0)
+    esc_words = sm.escape_words(n_escapes, itemsize)
+    refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
+    uniq_words = torch.where(is_lz, words_for_bytes(i.nu_r * dim * itemsize), 0)
+    body = SEGMENT_HEADER_WORDS + refs_words + uniq_words + esc_words
+    body = body + torch.where(is_q, stream_words, 0)
+    fields = {
+        pc.MODE: mode,
+        pc.IS_Q: is_q,
+        pc.IS_QLZ: is_qlz,
+        pc.IS_LZ: is_lz,
+        pc.HAS_REFS: has_refs,
+        pc.N_SENT: n_sent,
+        pc.N_ESCAPES: n_escapes,
+        pc.REF_MODE: torch.where(has_refs, ref_mode, 0),
+        pc.REF_WIDTH: ref_width(n_sent),
+        pc.REFS_WORDS: refs_words,
+        pc.ESC_WORDS: esc_words,
+        pc.SEG_WORDS: torch.where(mode == MODE_RAW, i.raw_words, body),
+        pc.N_GROUPS: torch.where(is_q, n_groups, 0),
+        pc.SENT_SYM: torch.where(is_q, n_sym, 0),
+        pc.STREAM_LZ: plan_lz,
+    }
+    plan = torch.stack([fields[f].to(torch.int64) for f in range(pc.PLAN_FIELDS)])
+    s_first = first[blk]
+    code_off = w_before[:-1] - w_before[s_first]
+    return torch.stack([widths, code_off, e_before[:-1] - e_before[s_first]]), plan
 
 
 def _add(
@@ -454,7 +541,7 @@ __all__ = [
     "packed_widths",
     "put_data",
     "segment_checksum",
-    "stream_widths",
+    "stream_plan",
     "symbols_and_ranks",
     "unpack_codes",
 ]

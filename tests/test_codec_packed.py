@@ -369,7 +369,7 @@ def test_the_device_encoder_writes_the_host_bytes(backend: str, kind: BoundKind)
 
 def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each Triton launch of the packed device compress (``quantize.block_grids``,
-    ``packed.stream_widths``, ``put_data``) gives its torch twin's outputs and words (the grid
+    ``packed.stream_plan``, ``put_data``) gives its torch twin's outputs and words (the grid
     fields it writes into the record, ``put_data`` the words' checksum sums), call by call on
     the production inputs (adversarial blocks, every bound kind, raw, lossless lz and repeated
     rows), so the twins
@@ -404,7 +404,7 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(mod, name, call)
 
     spy(k_quantize, "block_grids", quantize_ref.block_grids, True)
-    spy(k_packed, "stream_widths", packed_ref.stream_widths, False)
+    spy(k_packed, "stream_plan", packed_ref.stream_plan, False)
     spy(k_packed, "put_data", packed_ref.put_data, True)
     blocks, _ = _adversarial_blocks()
     gen = torch.Generator().manual_seed(3)
@@ -420,4 +420,4 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(got.buffer, want.buffer)
         modes = {s.mode for s in got.stats[0]}
         assert {"raw", "lz"} <= modes, modes  # raw and lossless lz blocks were written too
-    assert calls == {"block_grids": 3, "stream_widths": 3, "put_data": 3}
+    assert calls == {"block_grids": 3, "stream_plan": 3, "put_data": 3}

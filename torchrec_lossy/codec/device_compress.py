@@ -297,7 +297,13 @@ class GridStage(NamedTuple):
     """The grid stage's result (:func:`grid_stage`)."""
 
     cols: EncodeColumns  # the launchers' record, its grid fields written
-    ok: torch.Tensor  # per block, whether it is quantized
+    stats: torch.Tensor  # int64 [n_blocks, GRID_STATS] (``quantize.block_grids``)
+
+    @property
+    def ok(self) -> torch.Tensor:
+        """Per block, whether it is quantized (its quantize tiles ran: the rule before the
+        data allowed it, a superset)."""
+        return self.stats[:, ec.GRID_OK] == 1
 
     @property
     def bound_bits(self) -> torch.Tensor:
@@ -396,9 +402,7 @@ def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> GridStag
     rule = ec.GridRule(
         t.kind, t.bound_bits, t.quant_try, OUTLIER_OCTAVES, ht.stochastic, ht.quantization
     )
-    stats = k.quantize.block_grids(flat.x, cols, t.rows, rule)
-    # The quantize launch ran where the rule before the data allowed (a superset of ok).
-    return GridStage(cols, stats[:, ec.GRID_OK] == 1)
+    return GridStage(cols, k.quantize.block_grids(flat.x, cols, t.rows, rule))
 
 
 def quantize_stage(
@@ -562,6 +566,27 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
     coded = nib_words + esc_words + s.n_chunks + torch.where(s.is_q, stream_words, 0)
     body = SEGMENT_HEADER_WORDS + s.refs_words + uniq_words + coded
     seg_words = torch.where(s.mode == MODE_RAW, t.raw_words, body)
+    return place(t, seg_words, (nib_words, s.refs_words, esc_words), s.n_escapes, s.n_chunks)
+
+
+def place(
+    t: Columns, seg_words: torch.Tensor, words: tuple[torch.Tensor | int, ...],
+    n_escapes: torch.Tensor, n_chunks: torch.Tensor | int,
+) -> Sections:  # fmt: skip
+    """Every section's offset from the blocks' segment sizes (cumsums over the blocks).
+
+    Args:
+        t: The compress's columns.
+        seg_words: Per block, its segment's words.
+        words: Per block, the words of its codebook, references and escapes (each a tensor,
+            or 0 for every block).
+        n_escapes: Per block, its escapes.
+        n_chunks: Per block, its chunks (0: no chunk table).
+
+    Returns:
+        The :class:`Sections`.
+    """
+    nib_words, refs_words, esc_words = words
     group, group_blocks = t.group, t.group_blocks
     group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
     body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
@@ -571,7 +596,7 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
     head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
     seg_start = (payload_base + head)[group] + segs_before
     refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
-    escp_at = refs_at + s.refs_words
+    escp_at = refs_at + refs_words
     table_at = escp_at + esc_words
     return Sections(
         seg_words=seg_words,
@@ -581,9 +606,9 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
         seg_start=seg_start,
         refs_at=refs_at,
         escp_at=escp_at,
-        escb_at=escp_at + s.n_escapes,
+        escb_at=escp_at + n_escapes,
         table_at=table_at,
-        stream_at=table_at + s.n_chunks,
+        stream_at=table_at + n_chunks,
     )
 
 

@@ -18,29 +18,21 @@ issue 31's cost budget; the stages it shares are the entropy path's torch orches
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from torchrec_lossy.codec import device_compress as dcx
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec import packed_columns as pc
-from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.container import HEADER_WORDS, MASK32
 from torchrec_lossy.codec.device_compress import ROWS_TILE
 from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     FLAG_PACKED,
-    MODE_LZ,
     MODE_PACKED,
-    MODE_QUANT,
-    MODE_QUANT_LZ,
     MODE_RAW,
     PACKED_GROUP,
     SEGMENT_HEADER_WORDS,
-    ref_width,
-    refs_packing,
-    words_for_bits,
     words_for_bytes,
 )
 from torchrec_lossy.codec.kernel_set import KernelSet
@@ -48,22 +40,8 @@ from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
 
 
-class _Stream(NamedTuple):
-    """Every quantizable block's packed stream (its distinct rows or every row) and its group
-    slots (``HostTables``' ``ps_slots``: every value sent, static)."""
-
-    plan_lz: torch.Tensor  # per block, whether its stream is its distinct rows (else every row)
-    n_sym: torch.Tensor  # per block, its stream's values (0 where it cannot quantize)
-    widths: torch.Tensor  # int64 per slot, its width (0 for an unused slot)
-    code_off: torch.Tensor  # per slot, its first word in its block's codes
-    esc_base: torch.Tensor  # per slot, its block's escapes before it
-    n_groups: torch.Tensor  # per block
-    n_esc: torch.Tensor  # per block, escapes among its sent values
-    stream_words: torch.Tensor  # per block, words of its widths and codes
-
-
 def _record(t: dcx.Columns, fields: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The packed launches' int64 ``[n_blocks, N_FIELDS]`` record (``codec/packed_columns.py``):
+    """The data launch's int64 ``[n_blocks, N_FIELDS]`` record (``codec/packed_columns.py``):
     the shape fields, then ``fields`` (by field index); 0 elsewhere."""
     zero = torch.zeros_like(t.rows)
     cols = [zero] * pc.N_FIELDS
@@ -74,102 +52,95 @@ def _record(t: dcx.Columns, fields: dict[int, torch.Tensor]) -> torch.Tensor:
     return torch.stack(cols, dim=1)
 
 
-def _stream(
-    k: KernelSet, t: dcx.Columns, sym: torch.Tensor, dq: dcx.Dedupe, ok: torch.Tensor
-) -> _Stream:
-    """Every quantizable block's packed stream: its distinct rows where some repeat and
-    vector-LZ may run (the host's ``_packed_plan``: quant is then never chosen), else every
-    row; its groups' widths and escapes (one ``packed.stream_widths`` launch), their offsets
-    (prefix sums over the slots) and the stream's exact words."""
-    plan_lz = ok & (t.lz_allowed == 1) & (dq.n_unique < t.rows)
-    n_sym = torch.where(ok, torch.where(plan_lz, dq.n_unique, t.rows) * t.dim, 0)
-    rec = _record(t, {pc.N_SYM: n_sym, pc.Q_LZ: plan_lz, pc.Q_BASE: dq.base})
-    slots, first = t.ps_slots.view(-1, 2), t.ps_first
-    widths, esc = k.packed.stream_widths(sym, dq.first_rows, rec, slots)
-    w_before, e_before = dcx.bases(widths), dcx.bases(esc)
-    s_first = first[slots[:, 0]]
-    n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
-    code_words = w_before[first[1:]] - w_before[first[:-1]]
-    return _Stream(
-        plan_lz=plan_lz,
-        n_sym=n_sym,
-        widths=widths,
-        code_off=w_before[:-1] - w_before[s_first],
-        esc_base=e_before[:-1] - e_before[s_first],
-        n_groups=n_groups,
-        n_esc=e_before[first[1:]] - e_before[first[:-1]],
-        stream_words=words_for_bytes(n_groups) + code_words,
-    )
+def _stream_plan(
+    k: KernelSet, t: dcx.Columns, sym: torch.Tensor, grid: dcx.GridStage,
+    dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Every block's packed stream and mode in one launch (``packed.stream_plan``): its stream
+    (its distinct rows where some repeat and vector-LZ may run: the host's ``_packed_plan``,
+    quant is then never chosen; else every row), its group slots' widths, code offsets and
+    escape bases, and its mode by ``size_model`` over the packed segments' exact words (the
+    host's ``_choose_lossy`` and ``_segments``).
+
+    Returns:
+        (int64 [3, n_slots] per slot: width, first word in its block's codes, escapes of its
+        block before it; int64 [PLAN_FIELDS, n_blocks] the plan, ``packed_columns``' fields).
+    """
+    dq, dr = dedupes
+    inputs = pc.PlanInputs(
+        t.rows, t.dim, t.itemsize, t.elem_off, t.row_off, t.lz_allowed, t.raw_words,
+        t.ps_first, grid.stats, dq.n_unique, dr.n_unique, dq.base,
+    )  # fmt: skip
+    return k.packed.stream_plan(sym, dq.first_rows, inputs, t.ps_slots.shape[0] // 2)
 
 
-def _choose_mode(
-    t: dcx.Columns, ok: torch.Tensor, st: _Stream, dq: dcx.Dedupe, dr: dcx.Dedupe
-) -> torch.Tensor:
-    """The mode of every block by ``size_model`` over the packed segments' exact words (the
-    host's ``_choose_lossy`` and ``_segments``)."""
-    quant_w = sm.quant_words(st.n_esc, t.itemsize, st.stream_words)
-    qlz_w = sm.quant_lz_words(t.rows, dq.n_unique.clamp(min=1), st.n_esc, t.itemsize,
-                              st.stream_words)  # fmt: skip
-    mode, best = sm.choose_lossy(t.raw_words, ok & ~st.plan_lz, quant_w, st.plan_lz, qlz_w)
-    lz_allowed = t.lz_allowed == 1
-    nu_lower = torch.where(ok & lz_allowed, dq.n_unique.clamp(min=1), 1)
-    tried = sm.lossless_may_win(lz_allowed, t.rows, t.dim, t.itemsize, nu_lower, best)
-    lossless_w = sm.lossless_lz_words(t.rows, dr.n_unique.clamp(min=1), t.dim, t.itemsize)
-    return sm.choose_lossless(mode, best, tried, lossless_w, t.rows * t.dim)
-
-
-def _sends(t: dcx.Columns, mode: torch.Tensor, st: _Stream, dq: dcx.Dedupe,
-           dr: dcx.Dedupe) -> dcx.Sends:  # fmt: skip
-    """What every block sends (the entropy path's record; no codebook, no chunk table: the
-    widths and codes are the segment's 'stream')."""
-    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
-    is_qlz, is_lz = mode == MODE_QUANT_LZ, mode == MODE_LZ
-    has_refs = is_qlz | is_lz
-    n_sent = torch.where(is_qlz, dq.n_unique, torch.where(is_lz, dr.n_unique, t.rows))
-    ref_mode, _, ref_bits = refs_packing(t.rows, torch.where(has_refs, n_sent, 1))
-    zero = torch.zeros_like(mode)
+def _sends(plan: torch.Tensor) -> dcx.Sends:
+    """What every block sends, from its plan (the entropy path's record; no codebook, no
+    chunk table: the widths and codes are the segment's 'stream')."""
+    is_q, is_qlz, is_lz, has_refs = (plan[pc.IS_Q : pc.HAS_REFS + 1] == 1).unbind(0)
+    zero = torch.zeros_like(plan[pc.MODE])
     return dcx.Sends(
-        mode=mode,
+        mode=plan[pc.MODE],
         is_q=is_q,
         is_qlz=is_qlz,
         is_lz=is_lz,
         has_refs=has_refs,
-        n_sent=n_sent,
-        n_sym=torch.where(is_q, n_sent * t.dim, 0),
+        n_sent=plan[pc.N_SENT],
+        n_sym=plan[pc.SENT_SYM],
         lengths=zero,
         codes=zero,
-        n_escapes=torch.where(is_q, st.n_esc, 0),
+        n_escapes=plan[pc.N_ESCAPES],
         sym_lo=zero,
         sym_count=zero,
         n_chunks=zero,
-        ref_mode=torch.where(has_refs, ref_mode, 0),
-        ref_width=ref_width(n_sent),
-        refs_words=torch.where(has_refs, words_for_bits(ref_bits), 0),
+        ref_mode=plan[pc.REF_MODE],
+        ref_width=plan[pc.REF_WIDTH],
+        refs_words=plan[pc.REFS_WORDS],
     )
+
+
+def _sections(t: dcx.Columns, plan: torch.Tensor) -> dcx.Sections:
+    """Where everything goes (``device_compress.place`` of the plan's segment sizes: no
+    codebook, no chunk table)."""
+    words = (0, plan[pc.REFS_WORDS], plan[pc.ESC_WORDS])
+    return dcx.place(t, plan[pc.SEG_WORDS], words, plan[pc.N_ESCAPES], 0)
 
 
 def _put_data(
     k: KernelSet, out: dcx.WordBuffer, t: dcx.Columns, flat: dcx.Flat, sym: torch.Tensor,
-    st: _Stream, s: dcx.Sends, sec: dcx.Sections, dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
+    stream: tuple[torch.Tensor, torch.Tensor], s: dcx.Sends, sec: dcx.Sections,
+    dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
 ) -> torch.Tensor:  # fmt: skip
     """The data-sized sections in one launch (``packed.put_data``): every packed block's width
     bytes, codes and escapes, the raw blocks' rows and the lossless lz blocks' distinct rows,
     into the words while the small writes stay pending (they are added once, at the end).
 
+    Args:
+        k: The kernel set.
+        out: The payload words.
+        t: The compress's columns.
+        flat: The blocks' values and raw bits.
+        sym: int16 symbols of every element.
+        stream: The plan launch's (per-slot columns, plan).
+        s: What every block sends.
+        sec: Where everything goes.
+        dedupes: (the symbols' dedupe, the raw bits' dedupe).
+
     Returns:
         int64 [2, n_blocks] the data words' sums (``packed.put_data``).
     """
     dq, dr = dedupes
+    slots, plan = stream
     raw = s.mode == MODE_RAW
     n_rows = torch.where(raw, t.rows, torch.where(s.is_lz, dr.n_unique, 0))
     rec = _record(
         t,
         {
-            pc.N_SYM: torch.where(s.is_q, st.n_sym, 0),
-            pc.Q_LZ: st.plan_lz,
+            pc.N_SYM: plan[pc.SENT_SYM],
+            pc.Q_LZ: plan[pc.STREAM_LZ],
             pc.Q_BASE: dq.base,
             pc.TABLE_AT: sec.table_at,
-            pc.CODES_AT: sec.table_at + words_for_bytes(st.n_groups),
+            pc.CODES_AT: sec.table_at + words_for_bytes(plan[pc.N_GROUPS]),
             pc.ESCP_AT: sec.escp_at,
             pc.ESCB_AT: sec.escb_at,
             pc.R_N: n_rows * t.dim,
@@ -180,19 +151,19 @@ def _put_data(
     )
     return k.packed.put_data(
         out.words, sym, flat.bits, (dq.first_rows, dr.first_rows), rec, t.ps_slots.view(-1, 2),
-        (st.widths, st.code_off, st.esc_base), t.rw_tiles.view(-1, 2), ROWS_TILE,
+        (slots[0], slots[1], slots[2]), t.rw_tiles.view(-1, 2), ROWS_TILE,
     )  # fmt: skip
 
 
 def _put_segment_heads(
-    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, st: _Stream, sec: dcx.Sections
-) -> None:
+    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, plan: torch.Tensor,
+    sec: dcx.Sections,
+) -> None:  # fmt: skip
     """Every packed and lz segment's header (lz: n_unique and the references only), its
     checksum word 0 (added by :func:`_checksums`)."""
     # sym_lo holds the checksum's halves, added later; a packed segment has no escape code
     # length (its field repeats sym_count).
-    n_groups = torch.where(s.is_q, st.n_groups, 0)
-    dcx.put_segment_headers(out, rec, s, sec, PACKED_GROUP, n_groups, s.sym_count)
+    dcx.put_segment_headers(out, rec, s, sec, PACKED_GROUP, plan[pc.N_GROUPS], s.sym_count)
 
 
 def _checksums(
@@ -265,14 +236,14 @@ def start_packed_groups(
         cols = grid.cols
         sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols, histograms=False)
         dq, dr = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
-        st = _stream(k, t, sym, dq, grid.ok)
-        s = _sends(t, _choose_mode(t, grid.ok, st, dq, dr), st, dq, dr)
-        sec = dcx.sections(t, s, dr, st.stream_words)
+        slots, plan = _stream_plan(k, t, sym, grid, (dq, dr))
+        s = _sends(plan)
+        sec = _sections(t, plan)
         out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
         dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
         dcx.put_references(out, t, flat, s, sec, (dq, dr))
-        _put_segment_heads(out, cols, s, st, sec)
-        data = _put_data(k, out, t, flat, sym, st, s, sec, (dq, dr))
+        _put_segment_heads(out, cols, s, plan, sec)
+        data = _put_data(k, out, t, flat, sym, (slots, plan), s, sec, (dq, dr))
         checksums = _checksums(out, t, s, sec, data)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)

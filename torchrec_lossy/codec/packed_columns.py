@@ -1,4 +1,4 @@
-"""The packed encode launches' per-block record (``kernels/packed.py``: ``stream_widths``,
+"""The packed encode launches' per-block records (``kernels/packed.py``: ``stream_plan``,
 ``put_data``; their twins in ``kernels/packed_ref.py``).
 
 One int64 ``[n_blocks, N_FIELDS]`` tensor, field ``F`` of block ``b`` at ``b * N_FIELDS + F``,
@@ -7,6 +7,10 @@ instead of a dozen per-block tensors. Fields a launch does not read are 0.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
 
 ELEM_OFF = 0  # the block's first element in the flat layout
 ROW_OFF = 1  # its first row
@@ -25,8 +29,63 @@ R_BASE = 13  # that dedupe's first occurrences before the block
 R_AT = 14  # word where they go
 N_FIELDS = 15
 
+# The plan launch's output (``packed.stream_plan``): int64 [PLAN_FIELDS, n_blocks], field-major
+# (row ``F`` of it is field ``F`` of every block), every block's mode and what it sends (the
+# host's ``_packed_plan``, ``size_model``'s choice and the segment's section sizes).
+MODE = 0  # MODE_* (without MODE_VALUE)
+IS_Q = 1  # 1 where a packed (quantized) mode
+IS_QLZ = 2  # 1 where quant+lz
+IS_LZ = 3  # 1 where lossless lz
+HAS_REFS = 4  # 1 where it sends references (quant+lz, lz)
+N_SENT = 5  # vectors sent
+N_ESCAPES = 6  # escapes sent (0 unless packed)
+REF_MODE = 7  # references' packing (0 without references)
+REF_WIDTH = 8  # format.ref_width(n_sent)
+REFS_WORDS = 9  # words of the references
+ESC_WORDS = 10  # words of the escape positions and values
+SEG_WORDS = 11  # words of its segment
+N_GROUPS = 12  # groups of its packed stream (0 unless packed)
+SENT_SYM = 13  # values of its packed stream (0 unless packed)
+STREAM_LZ = 14  # 1 where its stream is its distinct rows (the quantized dedupe's)
+PLAN_FIELDS = 15
+
+
+class PlanInputs(NamedTuple):
+    """What the plan launch reads per block besides the symbols: int64 [n_blocks] tensors
+    (``first_slot`` [n_blocks + 1], ``grid`` [n_blocks, GRID_STATS])."""
+
+    rows: torch.Tensor
+    dim: torch.Tensor
+    itemsize: torch.Tensor
+    elem_off: torch.Tensor
+    row_off: torch.Tensor
+    lz_allowed: torch.Tensor  # 1 where vector-LZ may run
+    raw_words: torch.Tensor  # words of its raw segment
+    first_slot: torch.Tensor  # its first group slot, then the slot count
+    grid: torch.Tensor  # the grid launch's output (``encode_columns.GRID_OK``: quantized)
+    nu_q: torch.Tensor  # distinct vectors of its symbols
+    nu_r: torch.Tensor  # distinct vectors of its raw bits
+    q_base: torch.Tensor  # the symbols' dedupe's first occurrences before it
+
 __all__ = [
     "CODES_AT",
+    "ESC_WORDS",
+    "HAS_REFS",
+    "IS_LZ",
+    "IS_Q",
+    "IS_QLZ",
+    "MODE",
+    "N_ESCAPES",
+    "N_GROUPS",
+    "N_SENT",
+    "PLAN_FIELDS",
+    "PlanInputs",
+    "REFS_WORDS",
+    "REF_MODE",
+    "REF_WIDTH",
+    "SEG_WORDS",
+    "SENT_SYM",
+    "STREAM_LZ",
     "DIM",
     "ELEM_OFF",
     "ESCB_AT",
