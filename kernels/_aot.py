@@ -67,7 +67,8 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
      "*i16 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "put_data_kernel",
-     "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 *i64 i32 i32 i32",
+     "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 *i64 "
+     "i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32, "TILE": 1024}, {}),
 ]  # fmt: skip
 

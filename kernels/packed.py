@@ -23,6 +23,7 @@ from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.encode_columns import GRID_OK, GRID_STATS
 from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
+from torchrec_lossy.codec.packed_columns import PutDedupes
 from torchrec_lossy.kernels.common import find_segment
 
 _GROUP: tl.constexpr = tl.constexpr(wire.PACKED_GROUP)
@@ -498,8 +499,8 @@ def _plan_kernel(
     tl.store(out + pc.HAS_REFS * n_blocks, has_refs.to(tl.int64))
     tl.store(out + pc.N_SENT * n_blocks, n_sent)
     tl.store(out + pc.N_ESCAPES * n_blocks, n_escapes)
-    tl.store(out + pc.REF_MODE * n_blocks, tl.where(has_refs, ref_mode, 0).to(tl.int64))
-    tl.store(out + pc.REF_WIDTH * n_blocks, _bit_length(tl.maximum(n_sent - 1, 0), 32))
+    tl.store(out + pc.PLAN_REF_MODE * n_blocks, tl.where(has_refs, ref_mode, 0).to(tl.int64))
+    tl.store(out + pc.PLAN_REF_WIDTH * n_blocks, _bit_length(tl.maximum(n_sent - 1, 0), 32))
     tl.store(out + pc.REFS_WORDS * n_blocks, refs_words)
     tl.store(out + pc.ESC_WORDS * n_blocks, esc_words)
     tl.store(out + pc.SEG_WORDS * n_blocks, tl.where(mode == _MODE_RAW, raw_words, body))
@@ -569,52 +570,108 @@ def _rows_tile(
 
 
 @triton.jit
-def _put_data_kernel(
-    sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-    tile_ptr, buf_ptr, sums_ptr, n_slots, n_stream, n_blocks, GB: tl.constexpr,
-    GROUP: tl.constexpr, TILE: tl.constexpr,
+def _refs_tile(
+    t, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr,
+    n_blocks, TILE: tl.constexpr,
 ):  # fmt: skip
-    # The first n_stream programs write the packed streams (GB slots each), the others one
-    # tile of raw rows each: every data-sized section in one launch.
+    # Tile ``t`` (block, first row) of rows: each row's vector reference, MSB-first at its bit
+    # (fixed: row * width; flagged: a flag bit per row, the id after it for a repeat, so the
+    # bit is the row plus width times the repeats before it, which the dedupe's ranks give),
+    # added into the zeroed words (a reference spans at most two); the words' sums added to
+    # the block's, as ``_stream_group``'s.
+    blk = tl.load(tile_ptr + 2 * t)
+    loc = tl.load(tile_ptr + 2 * t + 1) + tl.arange(0, TILE)
+    f = rec_ptr + blk * pc.N_FIELDS
+    valid = loc < tl.load(f + pc.REF_ROWS)
+    qlz = tl.load(f + pc.REF_QLZ) == 1
+    row_off = tl.load(f + pc.ROW_OFF)
+    row = row_off + loc
+    # First occurrences before the row in its block, and whether it is one (exclusive ranks).
+    r0 = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row_off)
+    rk = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row, mask=valid, other=0)
+    rk1 = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row + 1, mask=valid, other=0)
+    ids = tl.load(tl.where(qlz, ids_q_ptr, ids_r_ptr) + row, mask=valid, other=0)
+    flagged = tl.load(f + pc.REF_MODE) == 1
+    width = tl.load(f + pc.REF_WIDTH)
+    lead = flagged & (rk1 - rk == 1)  # a first occurrence: its flag bit alone
+    r_len = tl.where(lead, 1, width + flagged.to(tl.int64))
+    r_val = tl.where(lead, 1, ids)
+    pos = tl.where(flagged, loc + (loc - (rk - r0)) * width, loc * width)
+    end = pos % 32 + r_len
+    head = (
+        tl.where(end <= 32, r_val << tl.maximum(32 - end, 0), r_val >> tl.maximum(end - 32, 0))
+        & 0xFFFFFFFF
+    )
+    at = tl.load(f + pc.REFS_AT) + pos // 32
+    word = buf_ptr.dtype.element_ty
+    live = valid & (r_len > 0)
+    tl.atomic_add(buf_ptr + at, head.to(word), mask=live)
+    spill = live & (end > 32)
+    tail = (r_val << tl.minimum(tl.maximum(64 - end, 0), 63)) & 0xFFFFFFFF
+    tl.atomic_add(buf_ptr + at + 1, tail.to(word), mask=spill)
+    h = tl.where(live, head, 0)
+    g = tl.where(spill, tail, 0)
+    tl.atomic_add(sums_ptr + blk, tl.sum(h + g, axis=0))
+    tl.atomic_add(sums_ptr + n_blocks + blk, tl.sum(h * (2 * at + 1) + g * (2 * at + 3), axis=0))
+
+
+@triton.jit
+def _put_data_kernel(
+    sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr,
+    rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, tile_ptr, ref_tile_ptr, buf_ptr, sums_ptr,
+    n_slots, n_stream, n_row_tiles, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    # The first n_stream programs write the packed streams (GB slots each), the next
+    # n_row_tiles one tile of raw rows each, the others one tile of rows' references each:
+    # every data-sized section in one launch.
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_stream:
         _stream_group(
             pid, sym_ptr, bits_ptr, q_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
             buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP,
         )  # fmt: skip
-    else:
+    elif pid < n_stream + n_row_tiles:
         _rows_tile(
             pid - n_stream, bits_ptr, r_rows_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr, n_blocks,
             TILE,
         )  # fmt: skip
+    else:
+        _refs_tile(
+            pid - n_stream - n_row_tiles, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr, rec_ptr,
+            ref_tile_ptr, buf_ptr, sums_ptr, n_blocks, TILE,
+        )  # fmt: skip
 
 
 def put_data(
-    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
-    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
-    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, dedupes: PutDedupes,
+    rec: torch.Tensor, slots: torch.Tensor, stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor], tile: int,
 ) -> torch.Tensor:  # fmt: skip
     """Writes every data-sized section into the zeroed payload words, in one launch: each
-    packed block's width bytes, codes and escapes (added: integer adds of disjoint bits), the
-    raw blocks' rows and the lossless lz blocks' distinct rows (stored: one writer per word);
-    and per block the sums that give any checksum over its words without reading them back
-    (``sum_j w_j (2 j + 1)`` over words ``o ..`` is ``S1 - 2 o S0``).
+    packed block's width bytes, codes and escapes, the vector references of the blocks that
+    send them (added: integer adds of disjoint bits), the raw blocks' rows and the lossless lz
+    blocks' distinct rows (stored: one writer per word); and per block the sums that give any
+    checksum over its words without reading them back (``sum_j w_j (2 j + 1)`` over words
+    ``o ..`` is ``S1 - 2 o S0``).
 
     Args:
         buf: int32 payload words (or int64 lanes holding uint32 words).
         sym: int16 symbols of every element.
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
-        dedupe_rows: int64 per row, the first occurrences' rows of the quantized dedupe (the
-            streams') and of the raw-bits dedupe (the lz blocks' rows).
+        dedupes: Both dedupes' per-row tables (``packed_columns.PutDedupes``).
         rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,
             ``N_SYM`` (0 where a block is not sent packed), ``Q_LZ``, ``Q_BASE``,
             ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``, ``ITEMSIZE``, ``R_N``,
-            ``R_LZ``, ``R_BASE``, ``R_AT``.
+            ``R_LZ``, ``R_BASE``, ``R_AT``, ``REFS_AT``, ``REF_ROWS``, ``REF_QLZ``,
+            ``REF_MODE``, ``REF_WIDTH``.
         slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
         stream: int64 [n_slots] each: widths (:func:`stream_plan`), the first word of each
             slot's codes in its block's codes, the escapes of its block before it.
-        tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
-        tile: Words per tile (a power of two).
+        tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words, and
+            int64 [n_ref_tiles, 2] (block, first row) covering the rows of every block that
+            may send references.
+        tile: Words (rows) per tile (a power of two).
 
     Returns:
         int64 [2, n_blocks]: per block, S0 the sum of the (uint32) words written, S1 their sum
@@ -622,13 +679,16 @@ def put_data(
     """
     n, gb, n_blocks = slots.shape[0], _GROUPS_PER_PROGRAM, rec.shape[0]
     n_stream = triton.cdiv(n, gb)
-    grid = n_stream + tiles.shape[0]
+    row_tiles, ref_tiles = tiles
+    grid = n_stream + row_tiles.shape[0] + ref_tiles.shape[0]
     sums = torch.zeros(2, n_blocks, dtype=torch.int64, device=buf.device)
     if grid:
         widths, code_off, esc_base = stream
+        d = dedupes
         _put_data_kernel[(grid,)](
-            sym, bits, dedupe_rows[0], dedupe_rows[1], rec, slots, widths, esc_base, code_off,
-            tiles, buf, sums, n, n_stream, n_blocks, GB=gb, GROUP=_GROUP, TILE=tile,
+            sym, bits, d.q_rows, d.r_rows, d.q_ids, d.r_ids, d.q_rank, d.r_rank, rec, slots,
+            widths, esc_base, code_off, row_tiles, ref_tiles, buf, sums, n, n_stream,
+            row_tiles.shape[0], n_blocks, GB=gb, GROUP=_GROUP, TILE=tile,
         )  # fmt: skip
     return sums
 

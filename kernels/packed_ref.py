@@ -17,6 +17,7 @@ from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.device_compress import reference_words
 from torchrec_lossy.codec.encode_columns import GRID_OK
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
@@ -442,8 +443,8 @@ def stream_plan(
         pc.HAS_REFS: has_refs,
         pc.N_SENT: n_sent,
         pc.N_ESCAPES: n_escapes,
-        pc.REF_MODE: torch.where(has_refs, ref_mode, 0),
-        pc.REF_WIDTH: ref_width(n_sent),
+        pc.PLAN_REF_MODE: torch.where(has_refs, ref_mode, 0),
+        pc.PLAN_REF_WIDTH: ref_width(n_sent),
         pc.REFS_WORDS: refs_words,
         pc.ESC_WORDS: esc_words,
         pc.SEG_WORDS: torch.where(mode == MODE_RAW, i.raw_words, body),
@@ -518,16 +519,46 @@ def _put_rows(
     _add(buf, f[:, pc.R_AT, None] + w, value, valid, sums, tiles[:, :1])
 
 
+def _put_refs(
+    buf: torch.Tensor, d: pc.PutDedupes, rec: torch.Tensor, tiles: torch.Tensor, tile: int,
+    sums: torch.Tensor,
+) -> None:  # fmt: skip
+    """The references' part of :func:`put_data` (every block's rows at once)."""
+    if not tiles.shape[0]:
+        return
+    f = rec[tiles[:, 0]]
+    loc = tiles[:, 1:2] + torch.arange(tile, device=buf.device)
+    valid = loc < f[:, pc.REF_ROWS, None]
+    qlz = f[:, pc.REF_QLZ, None] == 1
+    row_off = f[:, pc.ROW_OFF, None]
+    row = torch.where(valid, row_off + loc, 0)
+    rank = torch.where(qlz, d.q_rank[row], d.r_rank[row])
+    lead = (torch.where(qlz, d.q_rank[row + 1], d.r_rank[row + 1]) - rank) == 1
+    before = rank - torch.where(qlz, d.q_rank[row_off], d.r_rank[row_off])
+    flagged = f[:, pc.REF_MODE, None] == 1
+    width = f[:, pc.REF_WIDTH, None]
+    lead = flagged & lead  # a first occurrence: its flag bit alone
+    r_len = torch.where(lead, 1, width + flagged.to(torch.int64))
+    r_val = torch.where(lead, 1, torch.where(qlz, d.q_ids[row], d.r_ids[row]))
+    pos = torch.where(flagged, loc + (loc - before) * width, loc * width)
+    off, head, tail, spill = reference_words(pos, r_len, r_val)
+    at = f[:, pc.REFS_AT, None] + off
+    live = valid & (r_len > 0)
+    _add(buf, at, head, live, sums, tiles[:, :1])
+    _add(buf, at + 1, tail, live & spill, sums, tiles[:, :1])
+
+
 def put_data(
-    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
-    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
-    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, dedupes: pc.PutDedupes,
+    rec: torch.Tensor, slots: torch.Tensor, stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor], tile: int,
 ) -> torch.Tensor:  # fmt: skip
     """Twin of ``kernels.packed.put_data`` (arguments and result as there)."""
     widths, code_off, esc_base = stream
     sums = torch.zeros(2, rec.shape[0], dtype=torch.int64, device=buf.device)
-    _put_stream(buf, sym, bits, dedupe_rows[0], rec, slots, widths, code_off, esc_base, sums)
-    _put_rows(buf, bits, dedupe_rows[1], rec, tiles, tile, sums)
+    _put_stream(buf, sym, bits, dedupes.q_rows, rec, slots, widths, code_off, esc_base, sums)
+    _put_rows(buf, bits, dedupes.r_rows, rec, tiles[0], tile, sums)
+    _put_refs(buf, dedupes, rec, tiles[1], tile, sums)
     return sums
 
 

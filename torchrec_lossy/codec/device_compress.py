@@ -100,6 +100,7 @@ class Columns(Generic[_Array]):
     ps_slots: _Array  # packed: per group slot (block, group in it), flattened; may-quantize blocks
     ps_first: _Array  # packed: per block its first slot, then the slot count (n_blocks + 1)
     rw_tiles: _Array  # packed: per raw-rows tile (block, first word), flattened
+    rf_tiles: _Array  # packed: per references tile (block, first row), flattened; lz blocks
     record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
@@ -137,24 +138,33 @@ def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
 
 
 def _packed_tables(
-    numel: np.ndarray, quant_try: np.ndarray, raw_words: np.ndarray, packed: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    numel: np.ndarray, quant_try: np.ndarray, raw_words: np.ndarray, lz_rows: np.ndarray,
+    packed: bool,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
     """The packed encode launches' static tables: group slots (every value sent) of the blocks
-    that may quantize, and tiles of every block's raw words (``ROWS_TILE`` each).
+    that may quantize, tiles of every block's raw words and of the rows of every block that
+    may send references (``lz_rows``: its rows where vector-LZ may run, else 0), ``ROWS_TILE``
+    each.
 
     Returns:
         (flattened [n_slots, 2] slots, [n_blocks + 1] first slots, flattened [n_tiles, 2]
-        tiles); empty unless ``packed``.
+        tiles, flattened [n_ref_tiles, 2] reference tiles); empty unless ``packed``.
     """
     if not packed:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, np.zeros(numel.shape[0] + 1, dtype=np.int64), empty
+        return empty, np.zeros(numel.shape[0] + 1, dtype=np.int64), empty, empty
     per = np.where(quant_try == 1, (numel + PACKED_GROUP - 1) // PACKED_GROUP, 0)
     first = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
     blk = np.repeat(np.arange(numel.shape[0], dtype=np.int64), per)
     slots = np.stack([blk, np.arange(blk.shape[0], dtype=np.int64) - first[blk]], axis=1)
     tiles, owner = checksum_tiles(np.zeros_like(raw_words), raw_words, ROWS_TILE)
-    return slots.reshape(-1), first, np.stack([owner, tiles[:, 1]], axis=1).reshape(-1)
+    ref_tiles, ref_owner = checksum_tiles(np.zeros_like(lz_rows), lz_rows, ROWS_TILE)
+    return (
+        slots.reshape(-1),
+        first,
+        np.stack([owner, tiles[:, 1]], axis=1).reshape(-1),
+        np.stack([ref_owner, ref_tiles[:, 1]], axis=1).reshape(-1),
+    )
 
 
 def host_tables(
@@ -189,7 +199,10 @@ def host_tables(
     group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
     raw_words = words_for_bytes(numel * itemsize)
     packed = config.format == "packed"
-    ps_slots, ps_first, rw_tiles = _packed_tables(numel, quant_try, raw_words, packed)
+    lz_allowed = ((rows > 1) & config.enable_lz).astype(np.int64)
+    ps_slots, ps_first, rw_tiles, rf_tiles = _packed_tables(
+        numel, quant_try, raw_words, rows * lz_allowed, packed
+    )
     record = ec.host_record(
         b,
         dtype=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
@@ -211,7 +224,7 @@ def host_tables(
         group=group,
         local=local,
         group_blocks=sizes,
-        lz_allowed=((rows > 1) & config.enable_lz).astype(np.int64),
+        lz_allowed=lz_allowed,
         raw_words=raw_words,
         first_slot=first_slot,
         n_slots=slots,
@@ -222,6 +235,7 @@ def host_tables(
         ps_slots=ps_slots,
         ps_first=ps_first,
         rw_tiles=rw_tiles,
+        rf_tiles=rf_tiles,
         record=record.reshape(-1),
     )
     return HostTables(
@@ -275,6 +289,9 @@ class Dedupe(NamedTuple):
     # block b's first occurrences' rows at [base[b], + n_unique[b]) (one table for both dedupes
     # of a compress: ``vector_lz_stage``)
     first_rows: torch.Tensor
+    # [n_rows + 1] first occurrences before each row, plus a constant (a view of both
+    # dedupes' ranks)
+    rank: torch.Tensor
 
     def row(self, flat: Flat, vec: torch.Tensor) -> torch.Tensor:
         """Per element lane, the flat row of distinct vector ``vec`` of the lane's block."""
@@ -451,7 +468,10 @@ def vector_lz_stage(
     entries = torch.arange(2 * n_rows, device=dev)
     first_rows.put(rank - 1, entries % max(n_rows, 1), firsts.reshape(-1) == 1)
     rows = first_rows.buf
-    by_sym, by_raw = (Dedupe(firsts[d], ids[d], base[d], n_unique[d], rows) for d in range(2))
+    by_sym, by_raw = (
+        Dedupe(firsts[d], ids[d], base[d], n_unique[d], rows, rank0[d * n_rows :][: n_rows + 1])
+        for d in range(2)
+    )
     return by_sym, by_raw
 
 
@@ -783,14 +803,28 @@ def put_references(
     r_len = torch.where(s.has_refs[r_blk], r_len, 0)
     r_val = torch.where(flagged & first, 1, torch.where(qlz, dq.ids, dr.ids))
     r_start = bases(r_len)
-    pos = r_start[:-1] - r_start[t.row_off[r_blk]]
+    off, head, tail, spill = reference_words(r_start[:-1] - r_start[t.row_off[r_blk]], r_len, r_val)
+    at = sec.refs_at[r_blk] + off
+    out.put(at, head, r_len > 0)
+    out.put(at + 1, tail, spill)
+
+
+def reference_words(
+    pos: torch.Tensor, r_len: torch.Tensor, r_val: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """References written MSB-first: value ``r_val`` in ``r_len`` bits at bit ``pos`` of a
+    block's references spans at most two words.
+
+    Returns:
+        (its first word in the references, that word's bits, the next word's bits, whether it
+        spills into the next word).
+    """
     end = pos % 32 + r_len
     head = torch.where(
         end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
     )
-    at = sec.refs_at[r_blk] + pos // 32
-    out.put(at, head & MASK32, r_len > 0)
-    out.put(at + 1, (r_val << (64 - end).clamp(0, 63)) & MASK32, end > 32)
+    tail = (r_val << (64 - end).clamp(0, 63)) & MASK32
+    return pos // 32, head & MASK32, tail, end > 32
 
 
 def put_escapes(out: WordBuffer, t: Columns, flat: Flat, c: Coded, sec: Sections) -> None:

@@ -93,8 +93,8 @@ def _sends(plan: torch.Tensor) -> dcx.Sends:
         sym_lo=zero,
         sym_count=zero,
         n_chunks=zero,
-        ref_mode=plan[pc.REF_MODE],
-        ref_width=plan[pc.REF_WIDTH],
+        ref_mode=plan[pc.PLAN_REF_MODE],
+        ref_width=plan[pc.PLAN_REF_WIDTH],
         refs_words=plan[pc.REFS_WORDS],
     )
 
@@ -112,8 +112,9 @@ def _put_data(
     dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
 ) -> torch.Tensor:  # fmt: skip
     """The data-sized sections in one launch (``packed.put_data``): every packed block's width
-    bytes, codes and escapes, the raw blocks' rows and the lossless lz blocks' distinct rows,
-    into the words while the small writes stay pending (they are added once, at the end).
+    bytes, codes and escapes, the vector references, the raw blocks' rows and the lossless lz
+    blocks' distinct rows, into the words while the small writes stay pending (they are added
+    once, at the end).
 
     Args:
         k: The kernel set.
@@ -133,6 +134,7 @@ def _put_data(
     slots, plan = stream
     raw = s.mode == MODE_RAW
     n_rows = torch.where(raw, t.rows, torch.where(s.is_lz, dr.n_unique, 0))
+    d = pc.PutDedupes(dq.first_rows, dr.first_rows, dq.ids, dr.ids, dq.rank, dr.rank)
     rec = _record(
         t,
         {
@@ -147,11 +149,17 @@ def _put_data(
             pc.R_LZ: s.is_lz,
             pc.R_BASE: dr.base,
             pc.R_AT: torch.where(raw, sec.seg_start, sec.escp_at),
+            pc.REFS_AT: sec.refs_at,
+            pc.REF_ROWS: torch.where(s.has_refs, t.rows, 0),
+            pc.REF_QLZ: s.is_qlz,
+            pc.REF_MODE: s.ref_mode,
+            pc.REF_WIDTH: s.ref_width,
         },
     )
+    tiles = (t.rw_tiles.view(-1, 2), t.rf_tiles.view(-1, 2))
     return k.packed.put_data(
-        out.words, sym, flat.bits, (dq.first_rows, dr.first_rows), rec, t.ps_slots.view(-1, 2),
-        (slots[0], slots[1], slots[2]), t.rw_tiles.view(-1, 2), ROWS_TILE,
+        out.words, sym, flat.bits, d, rec, t.ps_slots.view(-1, 2), (slots[0], slots[1], slots[2]),
+        tiles, ROWS_TILE,
     )  # fmt: skip
 
 
@@ -241,7 +249,6 @@ def start_packed_groups(
         sec = _sections(t, plan)
         out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
         dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
-        dcx.put_references(out, t, flat, s, sec, (dq, dr))
         _put_segment_heads(out, cols, s, plan, sec)
         data = _put_data(k, out, t, flat, sym, (slots, plan), s, sec, (dq, dr))
         checksums = _checksums(out, t, s, sec, data)

@@ -27,7 +27,12 @@ R_N = 11  # raw elements to copy: every element (raw), the distinct rows' (lz), 
 R_LZ = 12  # 1 where they are the distinct rows of the raw-bits dedupe
 R_BASE = 13  # that dedupe's first occurrences before the block
 R_AT = 14  # word where they go
-N_FIELDS = 15
+REFS_AT = 15  # word of its references
+REF_ROWS = 16  # rows whose references it sends (every row where it sends them, else 0)
+REF_QLZ = 17  # 1 where they are the quantized dedupe's ids (quant+lz), else the raw bits'
+REF_MODE = 18  # their packing (format.REFS_FIXED / REFS_FLAGGED)
+REF_WIDTH = 19  # bits per id
+N_FIELDS = 20
 
 # The plan launch's output (``packed.stream_plan``): int64 [PLAN_FIELDS, n_blocks], field-major
 # (row ``F`` of it is field ``F`` of every block), every block's mode and what it sends (the
@@ -39,8 +44,8 @@ IS_LZ = 3  # 1 where lossless lz
 HAS_REFS = 4  # 1 where it sends references (quant+lz, lz)
 N_SENT = 5  # vectors sent
 N_ESCAPES = 6  # escapes sent (0 unless packed)
-REF_MODE = 7  # references' packing (0 without references)
-REF_WIDTH = 8  # format.ref_width(n_sent)
+PLAN_REF_MODE = 7  # references' packing (0 without references)
+PLAN_REF_WIDTH = 8  # format.ref_width(n_sent)
 REFS_WORDS = 9  # words of the references
 ESC_WORDS = 10  # words of the escape positions and values
 SEG_WORDS = 11  # words of its segment
@@ -67,38 +72,56 @@ class PlanInputs(NamedTuple):
     nu_r: torch.Tensor  # distinct vectors of its raw bits
     q_base: torch.Tensor  # the symbols' dedupe's first occurrences before it
 
+
+class PutDedupes(NamedTuple):
+    """Both dedupes' per-row tables the data launch reads (``device_compress.Dedupe``)."""
+
+    q_rows: torch.Tensor  # int64: the symbols' dedupe's first occurrences' rows
+    r_rows: torch.Tensor  # the raw bits' dedupe's
+    q_ids: torch.Tensor  # int64 per row: its distinct vector's id in its block (symbols)
+    r_ids: torch.Tensor  # (raw bits)
+    q_rank: torch.Tensor  # int64 [n_rows + 1]: first occurrences before each row (+ a constant)
+    r_rank: torch.Tensor
+
+
 __all__ = [
     "CODES_AT",
+    "DIM",
+    "ELEM_OFF",
+    "ESCB_AT",
+    "ESCP_AT",
     "ESC_WORDS",
     "HAS_REFS",
     "IS_LZ",
     "IS_Q",
     "IS_QLZ",
+    "ITEMSIZE",
     "MODE",
     "N_ESCAPES",
+    "N_FIELDS",
     "N_GROUPS",
     "N_SENT",
-    "PLAN_FIELDS",
-    "PlanInputs",
-    "REFS_WORDS",
-    "REF_MODE",
-    "REF_WIDTH",
-    "SEG_WORDS",
-    "SENT_SYM",
-    "STREAM_LZ",
-    "DIM",
-    "ELEM_OFF",
-    "ESCB_AT",
-    "ESCP_AT",
-    "ITEMSIZE",
-    "N_FIELDS",
     "N_SYM",
+    "PLAN_FIELDS",
+    "PLAN_REF_MODE",
+    "PLAN_REF_WIDTH",
     "Q_BASE",
     "Q_LZ",
+    "REFS_AT",
+    "REFS_WORDS",
+    "REF_MODE",
+    "REF_QLZ",
+    "REF_ROWS",
+    "REF_WIDTH",
     "ROW_OFF",
     "R_AT",
     "R_BASE",
     "R_LZ",
     "R_N",
+    "SEG_WORDS",
+    "SENT_SYM",
+    "STREAM_LZ",
     "TABLE_AT",
+    "PlanInputs",
+    "PutDedupes",
 ]
