@@ -64,7 +64,8 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
     ("packed", "plan_kernel",
-     "*i16 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 i32 i32",
+     "*i16 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 "
+     "i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "put_data_kernel",
      "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 *i64 "

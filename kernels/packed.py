@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
@@ -45,6 +46,8 @@ _MODE_RAW: tl.constexpr = tl.constexpr(wire.MODE_RAW)
 _MODE_LZ: tl.constexpr = tl.constexpr(wire.MODE_LZ)
 _MODE_QUANT: tl.constexpr = tl.constexpr(wire.MODE_QUANT)
 _MODE_QUANT_LZ: tl.constexpr = tl.constexpr(wire.MODE_QUANT_LZ)
+_MODE_VALUE: tl.constexpr = tl.constexpr(wire.MODE_VALUE)
+_MODE_PACKED: tl.constexpr = tl.constexpr(wire.MODE_PACKED)
 _GRID_STATS: tl.constexpr = tl.constexpr(GRID_STATS)
 _GRID_OK: tl.constexpr = tl.constexpr(GRID_OK)
 
@@ -418,14 +421,16 @@ def _lossless_words(rows, n_unique, dim, itemsize):
 @triton.jit
 def _plan_kernel(
     sym_ptr, rows_ptr, nrows_ptr, dim_ptr, size_ptr, eoff_ptr, roff_ptr, lz_ptr, raw_ptr,
-    first_ptr, grid_ptr, nuq_ptr, nur_ptr, qbase_ptr, slot_ptr, plan_ptr, n_slots, n_blocks,
-    GB: tl.constexpr, GROUP: tl.constexpr,
+    first_ptr, grid_ptr, nuq_ptr, nur_ptr, qbase_ptr, enc_ptr, slot_ptr, plan_ptr, head_ptr,
+    n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # One program per block: its stream (its distinct rows where some repeat and vector-LZ may
     # run: the host's _packed_plan; else every row), GB group slots x 32 lanes at a time: each
     # slot's width, its first word in the block's codes and the block's escapes before it
     # (running sums); then the block's mode (size_model's choice over the exact words) and
-    # what it sends (device_compress.sections' sizes: no codebook, no chunk table).
+    # what it sends (device_compress.sections' sizes: no codebook, no chunk table); its
+    # descriptor and segment header words (device_compress.descriptor_words,
+    # segment_header_records; the checksum field 0, added later).
     b = tl.program_id(0).to(tl.int64)
     rows = tl.load(nrows_ptr + b)
     dim = tl.load(dim_ptr + b)
@@ -507,11 +512,36 @@ def _plan_kernel(
     tl.store(out + pc.N_GROUPS * n_blocks, tl.where(is_q, n_groups, 0))
     tl.store(out + pc.SENT_SYM * n_blocks, tl.where(is_q, n_sym, 0))
     tl.store(out + pc.STREAM_LZ * n_blocks, stream_lz.to(tl.int64))
+    # format.DESCRIPTOR: rows, dim, dtype | mode << 8, seg_words, bound (float64 bits).
+    enc = enc_ptr + b * ec.N_FIELDS
+    value = tl.load(enc + ec.VALUE) != 0
+    mode_byte = tl.where(is_q & value, mode | _MODE_VALUE, mode)  # format.descriptor_mode
+    mode_byte = tl.where(is_q, mode_byte | _MODE_PACKED, mode_byte)
+    bound = tl.load(enc + ec.BOUND_BITS)
+    head = head_ptr + b * pc.HEAD_WORDS
+    tl.store(head, rows & 0xFFFFFFFF)
+    tl.store(head + 1, dim & 0xFFFFFFFF)
+    tl.store(head + 2, (tl.load(enc + ec.DTYPE) & 0xFF) | ((mode_byte & 0xFF) << 8))
+    tl.store(head + 3, tl.where(mode == _MODE_RAW, raw_words, body) & 0xFFFFFFFF)
+    tl.store(head + 4, bound & 0xFFFFFFFF)
+    tl.store(head + 5, (bound >> 32) & 0xFFFFFFFF)
+    # format.SEGMENT_HEADER (format.segment_header_words): step, center, vectors sent,
+    # escapes, values per group, groups, the checksum (0 here), ref_mode << 8 | width << 16.
+    tl.store(head + 6, tl.where(is_q, tl.load(enc + ec.STEP_BITS), 0) & 0xFFFFFFFF)
+    tl.store(head + 7, tl.where(is_q, tl.load(enc + ec.CENTER), 0) & 0xFFFFFFFF)
+    tl.store(head + 8, n_sent & 0xFFFFFFFF)
+    tl.store(head + 9, n_escapes & 0xFFFFFFFF)
+    tl.store(head + 10, tl.where(is_q, GROUP, 0).to(tl.int64))
+    tl.store(head + 11, tl.where(is_q, n_groups, 0) & 0xFFFFFFFF)
+    tl.store(head + 12, n_groups * 0)
+    ref_byte = tl.where(has_refs, ref_mode, 0).to(tl.int64) & 0xFF
+    width_byte = _bit_length(tl.maximum(n_sent - 1, 0), 32) & 0xFF
+    tl.store(head + 13, (ref_byte << 8) | (width_byte << 16))
 
 
 def stream_plan(
     sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every block's packed stream and mode, in one launch (one program per block, no sync):
     its stream (the host's ``_packed_plan``: its distinct rows where some repeat and
     vector-LZ may run, else every row), each of its group slots' width (the bit length of its
@@ -528,18 +558,20 @@ def stream_plan(
     Returns:
         (int64 [3, n_slots]: each slot's width (0 past its block's stream), first word in its
         block's codes, escapes of its block before it; int64 [PLAN_FIELDS, n_blocks], the
-        ``packed_columns`` plan fields).
+        ``packed_columns`` plan fields; int64 [n_blocks, HEAD_WORDS] its descriptor and
+        segment header words, the segment checksum 0).
     """
     i, nb = inputs, inputs.rows.shape[0]
     slots = torch.empty((3, n_slots), dtype=torch.int64, device=sym.device)
     plan = torch.empty((pc.PLAN_FIELDS, nb), dtype=torch.int64, device=sym.device)
+    heads = torch.empty((nb, pc.HEAD_WORDS), dtype=torch.int64, device=sym.device)
     if nb:
         _plan_kernel[(nb,)](
             sym, rows, i.rows, i.dim, i.itemsize, i.elem_off, i.row_off, i.lz_allowed,
-            i.raw_words, i.first_slot, i.grid, i.nu_q, i.nu_r, i.q_base, slots, plan, n_slots,
-            nb, GB=_GROUPS_PER_PROGRAM, GROUP=_GROUP,
+            i.raw_words, i.first_slot, i.grid, i.nu_q, i.nu_r, i.q_base, i.enc, slots, plan,
+            heads, n_slots, nb, GB=_GROUPS_PER_PROGRAM, GROUP=_GROUP,
         )  # fmt: skip
-    return slots, plan
+    return slots, plan, heads
 
 
 @triton.jit

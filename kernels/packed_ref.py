@@ -17,8 +17,13 @@ from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.decode_columns import DecodeColumns
-from torchrec_lossy.codec.device_compress import reference_words
-from torchrec_lossy.codec.encode_columns import GRID_OK
+from torchrec_lossy.codec.device_compress import (
+    descriptor_words,
+    reference_words,
+    segment_header_records,
+)
+from torchrec_lossy.codec.device_packed_compress import plan_sends
+from torchrec_lossy.codec.encode_columns import GRID_OK, EncodeColumns
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
     DECODE_BAD_PACKED_CODE,
@@ -26,6 +31,7 @@ from torchrec_lossy.codec.format import (
     DECODE_BAD_WIDTH,
     ESCAPE_SYMBOL,
     MODE_LZ,
+    MODE_PACKED,
     MODE_QUANT,
     MODE_QUANT_LZ,
     MODE_RAW,
@@ -379,7 +385,7 @@ def _bases(counts: torch.Tensor) -> torch.Tensor:
 
 def stream_plan(
     sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of ``kernels.packed.stream_plan`` (its docstring has the contract): the group
     slots' widths and escapes, their prefix sums, the host's ``_packed_plan`` and
     ``size_model``'s mode choice over ``[n_blocks]`` tensors.
@@ -392,7 +398,7 @@ def stream_plan(
 
     Returns:
         (int64 [3, n_slots]: widths, first word in the block's codes, escapes of the block
-        before it; int64 [PLAN_FIELDS, n_blocks]).
+        before it; int64 [PLAN_FIELDS, n_blocks]; int64 [n_blocks, HEAD_WORDS]).
     """
     i, dev = inputs, sym.device
     nb = i.rows.shape[0]
@@ -455,7 +461,18 @@ def stream_plan(
     plan = torch.stack([fields[f].to(torch.int64) for f in range(pc.PLAN_FIELDS)])
     s_first = first[blk]
     code_off = w_before[:-1] - w_before[s_first]
-    return torch.stack([widths, code_off, e_before[:-1] - e_before[s_first]]), plan
+    slot_cols = torch.stack([widths, code_off, e_before[:-1] - e_before[s_first]])
+    return slot_cols, plan, _heads(inputs, plan)
+
+
+def _heads(inputs: pc.PlanInputs, plan: torch.Tensor) -> torch.Tensor:
+    """Every block's descriptor and segment header words (``device_compress``'s writers)."""
+    s = plan_sends(plan)
+    zero = s.sym_count
+    rec = EncodeColumns(inputs.enc, inputs.rows.shape[0])
+    desc = descriptor_words((inputs.rows, inputs.dim), rec, s, plan[pc.SEG_WORDS], MODE_PACKED)
+    head = segment_header_records(rec, s, PACKED_GROUP, plan[pc.N_GROUPS], zero)
+    return torch.cat([desc, head], dim=1)
 
 
 def _add(

@@ -710,40 +710,54 @@ class WordBuffer:
         self.put(at + torch.where(wide, k, k // 2), value, valid)
 
 
-def put_descriptors(
-    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections,
-    packed_bit: int = 0,
-) -> None:  # fmt: skip
-    """Every block's descriptor (``packed_bit``: added to the quantized blocks' mode byte)."""
+def descriptor_at(t: Columns, sec: Sections) -> torch.Tensor:
+    """Per block, the word of its descriptor."""
+    return sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
+
+
+def descriptor_words(
+    shape: tuple[torch.Tensor, torch.Tensor], rec: EncodeColumns, s: Sends,
+    seg_words: torch.Tensor, packed_bit: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Every block's descriptor words, int64 ``[n_blocks, DESCRIPTOR_WORDS]`` (``shape``: its
+    rows and columns; ``packed_bit``: added to the quantized blocks' mode byte)."""
     mode = descriptor_mode(s.mode, rec.column(ec.VALUE))
     desc = {
-        "rows": t.rows,
-        "dim": t.dim,
+        "rows": shape[0],
+        "dim": shape[1],
         "dtype": rec.column(ec.DTYPE),
         "mode": torch.where(s.is_q, mode | packed_bit, mode),
-        "seg_words": sec.seg_words,
+        "seg_words": seg_words,
         "bound": rec.column(ec.BOUND_BITS),
     }
-    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
-    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(s.is_q))
+    return pack_records(DESCRIPTOR, desc)
 
 
-def put_segment_headers(
-    out: WordBuffer, rec: EncodeColumns, s: Sends, sec: Sections, group_symbols: int,
-    n_groups: torch.Tensor, escape_length: torch.Tensor,
-) -> None:  # fmt: skip
-    """Every segment's header (every mode but raw; mode lz fills n_unique and the references
-    only), the grid from the launchers' record; the two formats differ only in the fields
-    passed here.
+def put_descriptors(
+    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections
+) -> None:
+    """Every block's descriptor."""
+    words = descriptor_words((t.rows, t.dim), rec, s, sec.seg_words)
+    out.put_records(descriptor_at(t, sec), words, torch.ones_like(s.is_q))
+
+
+def segment_header_records(
+    rec: EncodeColumns, s: Sends, group_symbols: int, n_groups: torch.Tensor,
+    escape_length: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Every block's segment header words, int64 ``[n_blocks, SEGMENT_HEADER_WORDS]`` (mode lz
+    fills n_unique and the references only), the grid from the launchers' record; the two
+    formats differ only in the fields passed here.
 
     Args:
-        out: The payload words.
         rec: The blocks' encode record.
         s: What each block sends.
-        sec: Where each section starts.
         group_symbols: Symbols per chunk (entropy) or per group (packed) of a quantized block.
         n_groups: Per block, its chunks or groups.
         escape_length: Per block, the escape symbol's code length field.
+
+    Returns:
+        The words.
     """
     is_q = s.is_q
     head = segment_header_words(
@@ -761,8 +775,7 @@ def put_segment_headers(
             s.ref_width,
         )
     )
-    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
-    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
+    return torch.stack([w.to(torch.int64) for w in head], dim=1)
 
 
 def _put_headers(
@@ -774,7 +787,8 @@ def _put_headers(
     put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
     escape_length = torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0)
-    put_segment_headers(out, rec, s, sec, chunk, s.n_chunks, escape_length)
+    words = segment_header_records(rec, s, chunk, s.n_chunks, escape_length)
+    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = s.lengths.gather(1, (s.sym_lo[:, None] + k).clamp(max=ALPHABET_SIZE - 1))
     out.put(

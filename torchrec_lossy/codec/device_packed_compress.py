@@ -24,14 +24,11 @@ import torch
 from torchrec_lossy.codec import device_compress as dcx
 from torchrec_lossy.codec import host_sync
 from torchrec_lossy.codec import packed_columns as pc
-from torchrec_lossy.codec.container import HEADER_WORDS, MASK32
+from torchrec_lossy.codec.container import DESCRIPTOR_WORDS, HEADER_WORDS, MASK32
 from torchrec_lossy.codec.device_compress import ROWS_TILE
-from torchrec_lossy.codec.encode_columns import EncodeColumns
 from torchrec_lossy.codec.format import (
     FLAG_PACKED,
-    MODE_PACKED,
     MODE_RAW,
-    PACKED_GROUP,
     SEGMENT_HEADER_WORDS,
     words_for_bytes,
 )
@@ -55,7 +52,7 @@ def _record(t: dcx.Columns, fields: dict[int, torch.Tensor]) -> torch.Tensor:
 def _stream_plan(
     k: KernelSet, t: dcx.Columns, sym: torch.Tensor, grid: dcx.GridStage,
     dedupes: tuple[dcx.Dedupe, dcx.Dedupe],
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Every block's packed stream and mode in one launch (``packed.stream_plan``): its stream
     (its distinct rows where some repeat and vector-LZ may run: the host's ``_packed_plan``,
     quant is then never chosen; else every row), its group slots' widths, code offsets and
@@ -64,17 +61,18 @@ def _stream_plan(
 
     Returns:
         (int64 [3, n_slots] per slot: width, first word in its block's codes, escapes of its
-        block before it; int64 [PLAN_FIELDS, n_blocks] the plan, ``packed_columns``' fields).
+        block before it; int64 [PLAN_FIELDS, n_blocks] the plan, ``packed_columns``' fields;
+        int64 [n_blocks, HEAD_WORDS] its descriptor and segment header words).
     """
     dq, dr = dedupes
     inputs = pc.PlanInputs(
         t.rows, t.dim, t.itemsize, t.elem_off, t.row_off, t.lz_allowed, t.raw_words,
-        t.ps_first, grid.stats, dq.n_unique, dr.n_unique, dq.base,
+        t.ps_first, grid.stats, dq.n_unique, dr.n_unique, dq.base, grid.cols.cols,
     )  # fmt: skip
     return k.packed.stream_plan(sym, dq.first_rows, inputs, t.ps_slots.shape[0] // 2)
 
 
-def _sends(plan: torch.Tensor) -> dcx.Sends:
+def plan_sends(plan: torch.Tensor) -> dcx.Sends:
     """What every block sends, from its plan (the entropy path's record; no codebook, no
     chunk table: the widths and codes are the segment's 'stream')."""
     is_q, is_qlz, is_lz, has_refs = (plan[pc.IS_Q : pc.HAS_REFS + 1] == 1).unbind(0)
@@ -163,15 +161,15 @@ def _put_data(
     )  # fmt: skip
 
 
-def _put_segment_heads(
-    out: dcx.WordBuffer, rec: EncodeColumns, s: dcx.Sends, plan: torch.Tensor,
-    sec: dcx.Sections,
-) -> None:  # fmt: skip
-    """Every packed and lz segment's header (lz: n_unique and the references only), its
-    checksum word 0 (added by :func:`_checksums`)."""
-    # sym_lo holds the checksum's halves, added later; a packed segment has no escape code
-    # length (its field repeats sym_count).
-    dcx.put_segment_headers(out, rec, s, sec, PACKED_GROUP, plan[pc.N_GROUPS], s.sym_count)
+def _put_heads(
+    out: dcx.WordBuffer, t: dcx.Columns, s: dcx.Sends, sec: dcx.Sections, heads: torch.Tensor
+) -> None:
+    """Every block's descriptor and every packed and lz segment's header (lz: n_unique and
+    the references only; the checksum field 0, added by :func:`_checksums`), their words from
+    the plan launch."""
+    desc = heads[:, :DESCRIPTOR_WORDS]
+    out.put_records(dcx.descriptor_at(t, sec), desc, torch.ones_like(s.is_q))
+    out.put_records(sec.seg_start, heads[:, DESCRIPTOR_WORDS:], s.mode != MODE_RAW)
 
 
 def _checksums(
@@ -244,12 +242,11 @@ def start_packed_groups(
         cols = grid.cols
         sym, _, max_err = dcx.quantize_stage(k, ht, t, flat, cols, histograms=False)
         dq, dr = dcx.vector_lz_stage(k, sym, ht, t, flat, cols)
-        slots, plan = _stream_plan(k, t, sym, grid, (dq, dr))
-        s = _sends(plan)
+        slots, plan, heads = _stream_plan(k, t, sym, grid, (dq, dr))
+        s = plan_sends(plan)
         sec = _sections(t, plan)
         out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
-        dcx.put_descriptors(out, t, cols, s, sec, MODE_PACKED)
-        _put_segment_heads(out, cols, s, plan, sec)
+        _put_heads(out, t, s, sec, heads)
         data = _put_data(k, out, t, flat, sym, (slots, plan), s, sec, (dq, dr))
         checksums = _checksums(out, t, s, sec, data)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)

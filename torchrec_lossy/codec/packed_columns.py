@@ -53,6 +53,9 @@ N_GROUPS = 12  # groups of its packed stream (0 unless packed)
 SENT_SYM = 13  # values of its packed stream (0 unless packed)
 STREAM_LZ = 14  # 1 where its stream is its distinct rows (the quantized dedupe's)
 PLAN_FIELDS = 15
+# The plan launch's third output: int64 [n_blocks, HEAD_WORDS], each block's descriptor words,
+# then its segment header's (``format.DESCRIPTOR`` / ``SEGMENT_HEADER``; the checksum field 0).
+HEAD_WORDS = 14
 
 
 class PlanInputs(NamedTuple):
@@ -71,6 +74,7 @@ class PlanInputs(NamedTuple):
     nu_q: torch.Tensor  # distinct vectors of its symbols
     nu_r: torch.Tensor  # distinct vectors of its raw bits
     q_base: torch.Tensor  # the symbols' dedupe's first occurrences before it
+    enc: torch.Tensor  # the encode record, its grid written (``encode_columns``)
 
 
 class PutDedupes(NamedTuple):
@@ -92,6 +96,7 @@ __all__ = [
     "ESCP_AT",
     "ESC_WORDS",
     "HAS_REFS",
+    "HEAD_WORDS",
     "IS_LZ",
     "IS_Q",
     "IS_QLZ",
