@@ -518,25 +518,44 @@ def _plan_kernel(
     mode_byte = tl.where(is_q & value, mode | _MODE_VALUE, mode)  # format.descriptor_mode
     mode_byte = tl.where(is_q, mode_byte | _MODE_PACKED, mode_byte)
     bound = tl.load(enc + ec.BOUND_BITS)
-    head = head_ptr + b * pc.HEAD_WORDS
-    tl.store(head, rows & 0xFFFFFFFF)
-    tl.store(head + 1, dim & 0xFFFFFFFF)
-    tl.store(head + 2, (tl.load(enc + ec.DTYPE) & 0xFF) | ((mode_byte & 0xFF) << 8))
-    tl.store(head + 3, tl.where(mode == _MODE_RAW, raw_words, body) & 0xFFFFFFFF)
-    tl.store(head + 4, bound & 0xFFFFFFFF)
-    tl.store(head + 5, (bound >> 32) & 0xFFFFFFFF)
+    d0 = rows & 0xFFFFFFFF
+    d1 = dim & 0xFFFFFFFF
+    d2 = (tl.load(enc + ec.DTYPE) & 0xFF) | ((mode_byte & 0xFF) << 8)
+    d3 = tl.where(mode == _MODE_RAW, raw_words, body) & 0xFFFFFFFF
+    d4 = bound & 0xFFFFFFFF
+    d5 = (bound >> 32) & 0xFFFFFFFF
     # format.SEGMENT_HEADER (format.segment_header_words): step, center, vectors sent,
     # escapes, values per group, groups, the checksum (0 here), ref_mode << 8 | width << 16.
-    tl.store(head + 6, tl.where(is_q, tl.load(enc + ec.STEP_BITS), 0) & 0xFFFFFFFF)
-    tl.store(head + 7, tl.where(is_q, tl.load(enc + ec.CENTER), 0) & 0xFFFFFFFF)
-    tl.store(head + 8, n_sent & 0xFFFFFFFF)
-    tl.store(head + 9, n_escapes & 0xFFFFFFFF)
-    tl.store(head + 10, tl.where(is_q, GROUP, 0).to(tl.int64))
-    tl.store(head + 11, tl.where(is_q, n_groups, 0) & 0xFFFFFFFF)
-    tl.store(head + 12, n_groups * 0)
+    h0 = tl.where(is_q, tl.load(enc + ec.STEP_BITS), 0) & 0xFFFFFFFF
+    h1 = tl.where(is_q, tl.load(enc + ec.CENTER), 0) & 0xFFFFFFFF
+    h2 = n_sent & 0xFFFFFFFF
+    h3 = n_escapes & 0xFFFFFFFF
+    h4 = tl.where(is_q, GROUP, 0).to(tl.int64)
+    h5 = tl.where(is_q, n_groups, 0) & 0xFFFFFFFF
     ref_byte = tl.where(has_refs, ref_mode, 0).to(tl.int64) & 0xFF
-    width_byte = _bit_length(tl.maximum(n_sent - 1, 0), 32) & 0xFF
-    tl.store(head + 13, (ref_byte << 8) | (width_byte << 16))
+    h7 = (ref_byte << 8) | ((_bit_length(tl.maximum(n_sent - 1, 0), 32) & 0xFF) << 16)
+    head = head_ptr + b * pc.HEAD_WORDS
+    tl.store(head, d0)
+    tl.store(head + 1, d1)
+    tl.store(head + 2, d2)
+    tl.store(head + 3, d3)
+    tl.store(head + 4, d4)
+    tl.store(head + 5, d5)
+    tl.store(head + 6, h0)
+    tl.store(head + 7, h1)
+    tl.store(head + 8, h2)
+    tl.store(head + 9, h3)
+    tl.store(head + 10, h4)
+    tl.store(head + 11, h5)
+    tl.store(head + 12, h5 * 0)
+    tl.store(head + 13, h7)
+    # Their checksum sums (S0, and T = sum w_j (2 j + 1) over the record's words j).
+    tl.store(out + pc.DESC_S0 * n_blocks, d0 + d1 + d2 + d3 + d4 + d5)
+    tl.store(out + pc.DESC_T * n_blocks, d0 + 3 * d1 + 5 * d2 + 7 * d3 + 9 * d4 + 11 * d5)
+    has_head = mode != _MODE_RAW
+    tl.store(out + pc.HEAD_S0 * n_blocks, tl.where(has_head, h0 + h1 + h2 + h3 + h4 + h5 + h7, 0))
+    head_t = h0 + 3 * h1 + 5 * h2 + 7 * h3 + 9 * h4 + 11 * h5 + 15 * h7
+    tl.store(out + pc.HEAD_T * n_blocks, tl.where(has_head, head_t, 0))
 
 
 def stream_plan(

@@ -16,6 +16,7 @@ import torch
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
+from torchrec_lossy.codec.container import DESCRIPTOR_WORDS
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.device_compress import (
     descriptor_words,
@@ -458,11 +459,20 @@ def stream_plan(
         pc.SENT_SYM: torch.where(is_q, n_sym, 0),
         pc.STREAM_LZ: plan_lz,
     }
+    fields.update(dict.fromkeys((pc.DESC_S0, pc.DESC_T, pc.HEAD_S0, pc.HEAD_T), mode))  # below
     plan = torch.stack([fields[f].to(torch.int64) for f in range(pc.PLAN_FIELDS)])
+    heads = _heads(inputs, plan)
+    k = torch.arange(pc.HEAD_WORDS, device=dev)
+    desc = k < DESCRIPTOR_WORDS
+    j = 2 * torch.where(desc, k, k - DESCRIPTOR_WORDS) + 1  # 2 j + 1, j its word in its record
+    head = (mode != MODE_RAW)[:, None] & ~desc  # a raw block has no segment header
+    for f, keep, weight in ((pc.DESC_S0, desc, 1), (pc.DESC_T, desc, j), (pc.HEAD_S0, head, 1),
+                            (pc.HEAD_T, head, j)):  # fmt: skip
+        plan[f] = torch.where(keep, heads * weight, 0).sum(dim=1)
     s_first = first[blk]
     code_off = w_before[:-1] - w_before[s_first]
     slot_cols = torch.stack([widths, code_off, e_before[:-1] - e_before[s_first]])
-    return slot_cols, plan, _heads(inputs, plan)
+    return slot_cols, plan, heads
 
 
 def _heads(inputs: pc.PlanInputs, plan: torch.Tensor) -> torch.Tensor:

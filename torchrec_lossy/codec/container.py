@@ -270,19 +270,33 @@ def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> 
     if unknown:
         raise ValueError(f"fields {sorted(unknown)} are not in the record {record.names}")
     ref = next(v for v in fields.values() if isinstance(v, torch.Tensor))
-    out = torch.zeros(ref.shape[0], record.itemsize // 4, dtype=torch.int64, device=ref.device)
+    # Per word: its constant bits (the int fields) and its tensor terms, OR-ed (disjoint bits)
+    # into one column each, so the record costs a few element-wise ops per tensor field.
+    const = [0] * (record.itemsize // 4)
+    terms: list[torch.Tensor | None] = [None] * len(const)
+
+    def add(word: int, part: torch.Tensor | int) -> None:
+        if isinstance(part, int):
+            const[word] |= part
+        else:
+            terms[word] = part if terms[word] is None else terms[word] | part
+
     for name, value in fields.items():
         field_dtype, offset = record.fields[name][:2]
         size = field_dtype.itemsize
         word, shift = divmod(offset, 4)
-        v = value if isinstance(value, torch.Tensor) else torch.full_like(ref, value)
-        v = v.to(torch.int64)
+        v = value.to(torch.int64) if isinstance(value, torch.Tensor) else value
         if size == 8:
-            out[:, word] |= v & MASK32
-            out[:, word + 1] |= (v >> 32) & MASK32
+            add(word, v & MASK32)
+            add(word + 1, (v >> 32) & MASK32)
         else:
-            out[:, word] |= (v & ((1 << (8 * size)) - 1)) << (8 * shift)
-    return out
+            part = v & ((1 << (8 * size)) - 1)
+            add(word, part << (8 * shift) if shift else part)
+    cols = [
+        torch.full_like(ref, c, dtype=torch.int64) if t is None else (t | c if c else t)
+        for t, c in zip(terms, const, strict=True)
+    ]
+    return torch.stack(cols, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,50 +163,55 @@ def _put_data(
 
 def _put_heads(
     out: dcx.WordBuffer, t: dcx.Columns, s: dcx.Sends, sec: dcx.Sections, heads: torch.Tensor
-) -> None:
+) -> torch.Tensor:
     """Every block's descriptor and every packed and lz segment's header (lz: n_unique and
     the references only; the checksum field 0, added by :func:`_checksums`), their words from
-    the plan launch."""
-    desc = heads[:, :DESCRIPTOR_WORDS]
-    out.put_records(dcx.descriptor_at(t, sec), desc, torch.ones_like(s.is_q))
+    the plan launch.
+
+    Returns:
+        Per block, its descriptor's word.
+    """
+    desc_at = dcx.descriptor_at(t, sec)
+    out.put_records(desc_at, heads[:, :DESCRIPTOR_WORDS], torch.ones_like(s.is_q))
     out.put_records(sec.seg_start, heads[:, DESCRIPTOR_WORDS:], s.mode != MODE_RAW)
+    return desc_at
 
 
 def _checksums(
-    out: dcx.WordBuffer, t: dcx.Columns, s: dcx.Sends, sec: dcx.Sections, data: torch.Tensor
-) -> torch.Tensor:
+    out: dcx.WordBuffer, t: dcx.Columns, s: dcx.Sends, sec: dcx.Sections,
+    sums: tuple[torch.Tensor, torch.Tensor], desc_at: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Every packed segment's checksum over its words after the header (put into its header)
     and every payload's, without reading the words back: ``sum_j w_j (2 j + 1)`` over words
     ``o ..`` is ``S1 - 2 o S0`` with ``S0 = sum w_a``, ``S1 = sum w_a (2 a + 1)`` over their
     positions ``a`` in the buffer, and both sums are linear in the (disjoint-bit) writes: the
-    data's per block from ``put_data``, the small writes' (descriptors, references, segment
-    headers, still pending) here, each counted in the segment and the payload it falls in.
+    data's per block from ``put_data`` (every word of a segment's body), its descriptor's and
+    segment header's from the plan launch (``S0`` and ``T = sum w_j (2 j + 1)`` over the
+    record's words: ``S1 = T + 2 at S0`` for a record at word ``at``).
 
     Args:
         out: The payload words, the small writes pending.
         t: The compress's columns.
         s: What every block sends.
         sec: Where everything goes.
-        data: int64 [2, n_blocks] ``put_data``'s S0 and S1 of each block's data words.
+        sums: (int64 [2, n_blocks] ``put_data``'s S0 and S1 of each block's data words; the
+            plan).
+        desc_at: Per block, its descriptor's word.
 
     Returns:
         The payloads' checksums (their bodies' words, the segment checksum words included).
     """
-    is_q, nb, ng = s.is_q, s.is_q.shape[0], sec.payload_base.shape[0]
-    dest, value, valid = out.pending()
-    c = torch.where(valid, value, 0) & MASK32
-    cw = torch.stack([c, c * (2 * dest + 1)])
+    data, plan = sums
     body = sec.seg_start + SEGMENT_HEADER_WORDS
-    # A write's segment: the first that ends past it (empty segments skipped).
-    blk = torch.searchsorted(sec.seg_start + sec.seg_words, dest, right=True).clamp(max=nb - 1)
-    seg = data.index_add(1, blk, torch.where(dest >= body[blk], cw, 0))
-    check = torch.where(is_q, (seg[1] - 2 * body * seg[0]) & MASK32, 0)
+    check = torch.where(s.is_q, (data[1] - 2 * body * data[0]) & MASK32, 0)
     at = sec.seg_start + 6  # the checksum's word in the segment header
-    out.put(at, check, is_q)
-    per_block = data + torch.stack([check, check * (2 * at + 1)])
-    p_end = sec.payload_base + sec.payload_words
-    grp = torch.searchsorted(p_end, dest, right=True).clamp(max=ng - 1)
-    p = data.new_zeros(2, ng).index_add_(1, t.group, per_block).index_add_(1, grp, cw)
+    out.put(at, check, s.is_q)
+    desc_s0, head_s0 = plan[pc.DESC_S0], plan[pc.HEAD_S0]
+    s0 = data[0] + desc_s0 + head_s0 + check
+    s1 = data[1] + plan[pc.DESC_T] + plan[pc.HEAD_T] + check * (2 * at + 1)
+    s1 = s1 + 2 * (desc_at * desc_s0 + sec.seg_start * head_s0)
+    p = data.new_zeros(2, sec.payload_base.shape[0])
+    p.index_add_(1, t.group, torch.stack([s0, s1]))
     return p[1] - 2 * (sec.payload_base + HEADER_WORDS) * p[0]
 
 
@@ -246,9 +251,9 @@ def start_packed_groups(
         s = plan_sends(plan)
         sec = _sections(t, plan)
         out = dcx.WordBuffer(ht.body_max, dev, torch.int32)  # the payload's int32 words
-        _put_heads(out, t, s, sec, heads)
+        desc_at = _put_heads(out, t, s, sec, heads)
         data = _put_data(k, out, t, flat, sym, (slots, plan), s, sec, (dq, dr))
-        checksums = _checksums(out, t, s, sec, data)
+        checksums = _checksums(out, t, s, sec, (data, plan), desc_at)
         words32, skeleton = dcx.close(out, ht, t, sec, group_sizes, FLAG_PACKED, checksums)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)

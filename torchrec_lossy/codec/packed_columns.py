@@ -52,7 +52,13 @@ SEG_WORDS = 11  # words of its segment
 N_GROUPS = 12  # groups of its packed stream (0 unless packed)
 SENT_SYM = 13  # values of its packed stream (0 unless packed)
 STREAM_LZ = 14  # 1 where its stream is its distinct rows (the quantized dedupe's)
-PLAN_FIELDS = 15
+# Its descriptor's and segment header's words (below; the header's only where it has one):
+# S0 their sum, T their sum weighted by 2 j + 1 for word j of the record (both wrapping).
+DESC_S0 = 15
+DESC_T = 16
+HEAD_S0 = 17
+HEAD_T = 18
+PLAN_FIELDS = 19
 # The plan launch's third output: int64 [n_blocks, HEAD_WORDS], each block's descriptor words,
 # then its segment header's (``format.DESCRIPTOR`` / ``SEGMENT_HEADER``; the checksum field 0).
 HEAD_WORDS = 14
@@ -90,12 +96,16 @@ class PutDedupes(NamedTuple):
 
 __all__ = [
     "CODES_AT",
+    "DESC_S0",
+    "DESC_T",
     "DIM",
     "ELEM_OFF",
     "ESCB_AT",
     "ESCP_AT",
     "ESC_WORDS",
     "HAS_REFS",
+    "HEAD_S0",
+    "HEAD_T",
     "HEAD_WORDS",
     "IS_LZ",
     "IS_Q",
