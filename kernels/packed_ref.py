@@ -14,22 +14,18 @@ from typing import NamedTuple
 import torch
 
 from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec import size_model as sm
-from torchrec_lossy.codec.container import DESCRIPTOR_WORDS
 from torchrec_lossy.codec.decode_columns import DecodeColumns
-from torchrec_lossy.codec.device_compress import (
-    descriptor_words,
-    reference_words,
-    segment_header_records,
-)
-from torchrec_lossy.codec.device_packed_compress import plan_sends
 from torchrec_lossy.codec.encode_columns import GRID_OK, EncodeColumns
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
     DECODE_BAD_PACKED_CODE,
     DECODE_BAD_PACKED_ESCAPES,
     DECODE_BAD_WIDTH,
+    DESCRIPTOR,
+    DESCRIPTOR_WORDS,
     ESCAPE_SYMBOL,
     MODE_LZ,
     MODE_PACKED,
@@ -41,8 +37,12 @@ from torchrec_lossy.codec.format import (
     REFS_OUT_OF_RANGE,
     SEGMENT_HEADER_WORDS,
     SYMBOL_OFFSET,
+    descriptor_mode,
+    pack_records,
     ref_width,
+    reference_words,
     refs_packing,
+    segment_header_words,
     unzigzag,
     words_for_bits,
     words_for_bytes,
@@ -476,13 +476,35 @@ def stream_plan(
 
 
 def _heads(inputs: pc.PlanInputs, plan: torch.Tensor) -> torch.Tensor:
-    """Every block's descriptor and segment header words (``device_compress``'s writers)."""
-    s = plan_sends(plan)
-    zero = s.sym_count
-    rec = EncodeColumns(inputs.enc, inputs.rows.shape[0])
-    desc = descriptor_words((inputs.rows, inputs.dim), rec, s, plan[pc.SEG_WORDS], MODE_PACKED)
-    head = segment_header_records(rec, s, PACKED_GROUP, plan[pc.N_GROUPS], zero)
-    return torch.cat([desc, head], dim=1)
+    """Every block's descriptor and segment header words (``format.DESCRIPTOR``,
+    ``segment_header_words``; the checksum field 0), as ``device_compress``'s writers."""
+    enc = EncodeColumns(inputs.enc, inputs.rows.shape[0])
+    mode, is_q = plan[pc.MODE], plan[pc.IS_Q] == 1
+    mode_byte = descriptor_mode(mode, enc.column(ec.VALUE))
+    desc = {
+        "rows": inputs.rows,
+        "dim": inputs.dim,
+        "dtype": enc.column(ec.DTYPE),
+        "mode": torch.where(is_q, mode_byte | MODE_PACKED, mode_byte),
+        "seg_words": plan[pc.SEG_WORDS],
+        "bound": enc.column(ec.BOUND_BITS),
+    }
+    zero = torch.zeros_like(mode)
+    fields = (
+        torch.where(is_q, enc.floats(ec.STEP_BITS), 0.0),
+        torch.where(is_q, enc.column(ec.CENTER), 0),
+        plan[pc.N_SENT],
+        plan[pc.N_ESCAPES],
+        torch.where(is_q, PACKED_GROUP, 0),
+        plan[pc.N_GROUPS],
+        zero,
+        zero,
+        zero,
+        plan[pc.PLAN_REF_MODE],
+        plan[pc.PLAN_REF_WIDTH],
+    )
+    head = torch.stack([w.to(torch.int64) for w in segment_header_words(fields)], dim=1)
+    return torch.cat([pack_records(DESCRIPTOR, desc), head], dim=1)
 
 
 def _add(

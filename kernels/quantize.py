@@ -18,7 +18,6 @@ import triton.language as tl
 
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import encode_columns as ec
-from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.decode_columns import DecodeColumns
 from torchrec_lossy.codec.encode_columns import GRID_STATS, EncodeColumns, GridRule
 from torchrec_lossy.codec.format import (
@@ -31,6 +30,7 @@ from torchrec_lossy.codec.format import (
     SYMBOL_OFFSET,
 )
 from torchrec_lossy.codec.launch_tables import block_for
+from torchrec_lossy.config import BoundKind
 from torchrec_lossy.kernels.common import find_segment
 from torchrec_lossy.kernels.packed import packed_code, packed_symbol
 

@@ -248,8 +248,10 @@ def _block_grids(
     )
     bound = torch.tensor(bounds, dtype=torch.float64)
     kind = torch.tensor(kinds)
-    rule = ec.GridRule(kind, bound.view(torch.int64), torch.ones_like(kind), OUTLIER_OCTAVES,
-                       False, True)  # fmt: skip
+    rule = ec.GridRule(
+        kind, bound.view(torch.int64), torch.ones_like(kind), OUTLIER_OCTAVES, False, True,
+        (cpu_quantize.block_bound, cpu_quantize.uses_median, cpu_quantize.block_grid),
+    )  # fmt: skip
     return impl(x, cols, numel, rule), cols.cols[: len(blocks)]
 
 

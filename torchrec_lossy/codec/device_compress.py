@@ -26,7 +26,6 @@ from torchrec_lossy.codec.container import (
     MASK32,
     BlockColumns,
     BlockStats,
-    pack_records,
     segment_checksums,
     skeleton_index,
     skeleton_words,
@@ -49,7 +48,9 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER_WORDS,
     VERSION,
     descriptor_mode,
+    pack_records,
     ref_width,
+    reference_words,
     refs_packing,
     segment_header_words,
     words_for_bits,
@@ -417,8 +418,9 @@ def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> GridStag
     them into the launchers' record (the host laid out every other field)."""
     cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks)
     rule = ec.GridRule(
-        t.kind, t.bound_bits, t.quant_try, OUTLIER_OCTAVES, ht.stochastic, ht.quantization
-    )
+        t.kind, t.bound_bits, t.quant_try, OUTLIER_OCTAVES, ht.stochastic, ht.quantization,
+        (quantize.block_bound, quantize.uses_median, quantize.block_grid),
+    )  # fmt: skip
     return GridStage(cols, k.quantize.block_grids(flat.x, cols, t.rows, rule))
 
 
@@ -688,7 +690,7 @@ class WordBuffer:
         self._pending.append((dest, value.expand(n), valid.expand(n)))
 
     def put_records(self, at: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> None:
-        """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word
+        """Writes record ``i`` (``words[i]``, from ``format.pack_records``) at word
         ``at[i]`` where ``valid[i]``."""
         n, w = words.shape
         dest = at[:, None] + torch.arange(w, device=at.device)
@@ -821,24 +823,6 @@ def put_references(
     at = sec.refs_at[r_blk] + off
     out.put(at, head, r_len > 0)
     out.put(at + 1, tail, spill)
-
-
-def reference_words(
-    pos: torch.Tensor, r_len: torch.Tensor, r_val: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """References written MSB-first: value ``r_val`` in ``r_len`` bits at bit ``pos`` of a
-    block's references spans at most two words.
-
-    Returns:
-        (its first word in the references, that word's bits, the next word's bits, whether it
-        spills into the next word).
-    """
-    end = pos % 32 + r_len
-    head = torch.where(
-        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
-    )
-    tail = (r_val << (64 - end).clamp(0, 63)) & MASK32
-    return pos // 32, head & MASK32, tail, end > 32
 
 
 def put_escapes(out: WordBuffer, t: Columns, flat: Flat, c: Coded, sec: Sections) -> None:

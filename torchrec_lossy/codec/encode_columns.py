@@ -11,7 +11,8 @@ device (:meth:`EncodeColumns.set`). docs/kernels.md, 'Device-resident compress'.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +58,9 @@ class GridRule(NamedTuple):
         octaves: ``outliers.OUTLIER_OCTAVES``.
         stochastic: Stochastic rounding (``quantize.grid_bound``).
         quantization: ``CodecConfig.enable_quantization``.
+        rule: The rule (``codec/quantize.py``'s ``block_bound``, ``uses_median``,
+            ``block_grid``), which the torch twin runs over ``[n_blocks]`` tensors and the
+            Triton kernel transcribes.
     """
 
     kind: torch.Tensor
@@ -65,6 +69,7 @@ class GridRule(NamedTuple):
     octaves: int
     stochastic: bool
     quantization: bool
+    rule: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
 
 
 def _indices(names: set[str], allowed: tuple[int, ...]) -> dict[str, int]:
