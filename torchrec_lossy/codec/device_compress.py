@@ -90,6 +90,10 @@ class Columns(Generic[_Array]):
     group: _Array  # its payload
     local: _Array  # its index in its payload
     group_blocks: _Array  # per payload, its blocks
+    group_first: _Array  # per payload, its first block
+    group_end: _Array  # per payload, its first block plus its blocks
+    heads_before: _Array  # per payload, the header and descriptor words of the payloads before
+    lead_words: _Array  # per block, the header and descriptor words of its payload and those before
     lz_allowed: _Array  # 1 where vector-LZ may run
     raw_words: _Array  # words of its raw segment
     first_slot: _Array  # its first Huffman chunk slot
@@ -198,6 +202,8 @@ def host_tables(
     )
     elem_off, row_off = np.cumsum(numel) - numel, np.cumsum(rows) - rows
     group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
+    heads = HEADER_WORDS + DESCRIPTOR_WORDS * sizes  # each payload's header and descriptors
+    group_first = np.cumsum(sizes) - sizes
     raw_words = words_for_bytes(numel * itemsize)
     packed = config.format == "packed"
     lz_allowed = ((rows > 1) & config.enable_lz).astype(np.int64)
@@ -225,6 +231,10 @@ def host_tables(
         group=group,
         local=local,
         group_blocks=sizes,
+        group_first=group_first,
+        group_end=group_first + sizes,
+        heads_before=np.cumsum(heads) - heads,
+        lead_words=np.cumsum(heads)[group],
         lz_allowed=lz_allowed,
         raw_words=raw_words,
         first_slot=first_slot,
@@ -609,14 +619,14 @@ def place(
         The :class:`Sections`.
     """
     nib_words, refs_words, esc_words = words
-    group, group_blocks = t.group, t.group_blocks
-    group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
-    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
+    # Payloads back to back, each its header, descriptors, then its blocks' segments: the
+    # segments' words before a block (one cumsum) plus the headers and descriptors before its
+    # first segment (from the shapes, on the host).
+    segs = bases(seg_words)
+    seg_start = segs[:-1] + t.lead_words
+    body_words = DESCRIPTOR_WORDS * t.group_blocks + (segs[t.group_end] - segs[t.group_first])
     payload_words = HEADER_WORDS + body_words
-    payload_base = bases(payload_words)[:-1]
-    segs_before = bases(seg_words)[:-1] - bases(group_segs)[group]  # in the group
-    head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
-    seg_start = (payload_base + head)[group] + segs_before
+    payload_base = t.heads_before + segs[t.group_first]
     refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
     escp_at = refs_at + refs_words
     table_at = escp_at + esc_words
