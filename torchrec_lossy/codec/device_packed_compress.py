@@ -4,15 +4,18 @@
 blocks leaving their device, and stops before the one device-to-host read, as
 ``device_compress.start_groups_device`` does for the entropy format (which calls it for
 ``CodecConfig(format="packed")``). It shares that path's stages up to the symbols and the two
-dedupes (grid, quantize, vector-LZ over the symbols and over the raw bits) and its section
-writers (references, escapes, raw rows, headers and checksums); what differs is the coding:
+dedupes (grid, quantize, vector-LZ over the symbols and over the raw bits) and its layout
+(``device_compress.place``) and buffer; what differs is the coding:
 per group of ``PACKED_GROUP`` sent values its width (the bit length of its largest zigzag
 code), each code at its group's word offset (a prefix sum of the widths), the exact segment
 sizes in the mode choice (the host's ``_packed_plan``) and each segment's checksum.
 
-This is the first device version: correct (byte-identical to the host encoder) but not within
-issue 31's cost budget; the stages it shares are the entropy path's torch orchestration
-(docs/kernels.md, "Packed compress").
+Per block, the plan launch (``packed.stream_plan``) writes the stream's widths, the mode
+choice, what the block sends, its section sizes and its descriptor and segment header words;
+the data launch (``packed.put_data``) writes every data-sized section and the references;
+torch lays the segments out (one cumsum) and adds the small writes and checksums. Within issue
+31's launch budget, over its torch ops and bytes (docs/kernels.md, "The packed format on the
+device").
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The packed encode launches' per-block records (``kernels/packed.py``: ``stream_plan``,
 ``put_data``; their twins in ``kernels/packed_ref.py``).
 
-One int64 ``[n_blocks, N_FIELDS]`` tensor, field ``F`` of block ``b`` at ``b * N_FIELDS + F``,
-stacked once per launch by ``codec/device_packed_compress.py``: the kernels take one pointer
-instead of a dozen per-block tensors. Fields a launch does not read are 0.
+The data launch's record: one int64 ``[n_blocks, N_FIELDS]`` tensor, field ``F`` of block
+``b`` at ``b * N_FIELDS + F``, stacked by ``codec/device_packed_compress.py``: the kernel takes
+one pointer instead of a dozen per-block tensors. Fields it does not read are 0. The plan
+launch's inputs (:class:`PlanInputs`) and outputs (the ``PLAN_FIELDS`` rows, ``HEAD_WORDS``).
 """
 
 from __future__ import annotations
