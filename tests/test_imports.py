@@ -382,6 +382,7 @@ KERNEL_LEAVES = {
         "decode_columns",  # DecodeColumns
         "encode_columns",  # EncodeColumns
         "packed_columns",  # the packed encode launches' record fields
+        "size_model",  # the segment sizes and the mode choice, written once for every backend
     )
 }
 
