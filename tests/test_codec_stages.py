@@ -29,6 +29,7 @@ from torchrec_lossy.codec.format import (
     refs_packing,
     words_for_bits,
 )
+from torchrec_lossy.codec.host_records import Grids
 from torchrec_lossy.codec.quant_params import QuantParams
 from torchrec_lossy.kernels import quantize_ref, vector_lz_ref
 
@@ -270,6 +271,25 @@ def _adversarial_block(step: np.float32, center: int, near_zero: bool) -> np.nda
     return np.concatenate(parts)
 
 
+def _quantize_packed(x: np.ndarray, p: QuantParams, bound: float) -> tuple[np.ndarray, float]:
+    """``quantize_blocks_kernel`` on one float32 block rounded to nearest, as the packed
+    format calls it (no symbol ranges: the float32 loop) -> (symbols, max error)."""
+    grids = Grids(
+        np.array([p.step], np.float32),
+        np.array([p.inv_step], np.float32),
+        np.array([p.center], np.int64),
+        np.ones(1, np.bool_),
+        np.zeros(1, np.bool_),
+    )
+    symbols = np.empty(x.shape[0], np.uint16)
+    max_err, _, _ = quantize.quantize_blocks_kernel(
+        x, np.array([0, x.shape[0]], np.int64), grids, np.array([bound]),
+        np.array([DTYPE_CODES[torch.float32]], np.int64), np.array([NEAREST_KEY], np.int64),
+        symbols, False,
+    )  # fmt: skip
+    return symbols, float(max_err[0])
+
+
 def test_float32_quantize_path_matches_the_float64_check() -> None:
     """The float32 loop (float32 blocks, round to nearest) gives the float64 check's symbols
     and max error wherever it proves its errors exact, and says so where it cannot (the block
@@ -293,12 +313,12 @@ def test_float32_quantize_path_matches_the_float64_check() -> None:
                       *(float(np.nextafter(e, 0.0)) for e in picked),
                       *(float(np.nextafter(e, np.inf)) for e in picked)]:  # fmt: skip
             ref_sym, ref_err = quantize_ref.quantize_reference(torch.from_numpy(x), p, bound)
-            symbols, _, _, max_err = host_kernels.quantize_block(x, step32, inv, center, bound, 1)
+            symbols, max_err = _quantize_packed(x, p, bound)
             assert np.array_equal(symbols.astype(np.int64), ref_sym.numpy())
             assert max_err == ref_err
             grid = quantize._Grid(step32, inv, center, bound, NEAREST_KEY)
             fast = np.empty(x.shape[0], np.uint16)
-            err_bits, _, _, exact = quantize._nearest32_loop(x, grid, fast, False)
+            err_bits, exact = quantize._nearest32_loop(x, grid, fast)
             if exact:
                 proved += 1
                 assert np.array_equal(fast, symbols)
