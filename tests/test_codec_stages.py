@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchrec_lossy.codec import format as wire
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import huffman, packed, quantize, vector_lz
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DTYPE_CODES,
@@ -326,6 +326,37 @@ def test_float32_quantize_path_matches_the_float64_check() -> None:
             else:
                 fell_back += 1
     assert proved and fell_back  # both ways taken
+
+
+def _packed_stream(groups: list[tuple[int, list[int]]]) -> np.ndarray:
+    """A packed stream's words (width bytes, then each group's codes LSB-first in exactly
+    ``width`` words) from (width, codes) per group."""
+    head = np.zeros(-(-len(groups) // 4) * 4, np.uint8)
+    head[: len(groups)] = [w for w, _ in groups]
+    words = [head.view(np.uint32)]
+    for w, codes in groups:
+        bits = sum(c << (k * w) for k, c in enumerate(codes))
+        words.append(np.array([(bits >> (32 * j)) & 0xFFFFFFFF for j in range(w)], np.uint32))
+    return np.concatenate(words).astype(np.uint32)
+
+
+@pytest.mark.parametrize("at", [0, 5, 31, 40])
+def test_packed_decode_rejects_a_code_past_the_alphabet(at: int) -> None:
+    """A code above ``2 * SYMBOL_OFFSET`` (4095 at width 12) anywhere in any group is
+    ``DECODE_BAD_PACKED_CODE`` (the largest code is checked once per block); the largest value
+    code decodes."""
+    for top, want in ((4095, wire.DECODE_BAD_PACKED_CODE), (2 * SYMBOL_OFFSET, 0)):
+        codes = [0] * 64
+        codes[at] = top
+        seg = _packed_stream([(12, codes[:32]), (12, codes[32:])])
+        sym = np.zeros(64, np.uint16)
+        status = packed.decode_stream(
+            seg, packed.segment_checksum(seg), np.zeros(0, np.uint32), 0, 1, sym
+        )
+        assert status == want
+        if not want:
+            assert int(sym[at]) == wire.unzigzag(top)
+            assert int(sym.sum()) == int(sym[at]) + 63 * SYMBOL_OFFSET
 
 
 def _finite_range(x: np.ndarray) -> tuple[float, float]:
