@@ -271,9 +271,11 @@ def _adversarial_block(step: np.float32, center: int, near_zero: bool) -> np.nda
     return np.concatenate(parts)
 
 
-def _quantize_packed(x: np.ndarray, p: QuantParams, bound: float) -> tuple[np.ndarray, float]:
-    """``quantize_blocks_kernel`` on one float32 block rounded to nearest, as the packed
-    format calls it (no symbol ranges: the float32 loop) -> (symbols, max error)."""
+def _quantize_float32(
+    x: np.ndarray, p: QuantParams, bound: float, ranges: bool
+) -> tuple[np.ndarray, float, int, int]:
+    """``quantize_blocks_kernel`` on one float32 block rounded to nearest (the float32 loop),
+    with or without the symbol ranges -> (symbols, max error, lowest and highest symbol)."""
     grids = Grids(
         np.array([p.step], np.float32),
         np.array([p.inv_step], np.float32),
@@ -282,12 +284,12 @@ def _quantize_packed(x: np.ndarray, p: QuantParams, bound: float) -> tuple[np.nd
         np.zeros(1, np.bool_),
     )
     symbols = np.empty(x.shape[0], np.uint16)
-    max_err, _, _ = quantize.quantize_blocks_kernel(
+    max_err, lo, hi = quantize.quantize_blocks_kernel(
         x, np.array([0, x.shape[0]], np.int64), grids, np.array([bound]),
         np.array([DTYPE_CODES[torch.float32]], np.int64), np.array([NEAREST_KEY], np.int64),
-        symbols, False,
+        symbols, ranges,
     )  # fmt: skip
-    return symbols, float(max_err[0])
+    return symbols, float(max_err[0]), int(lo[0]), int(hi[0])
 
 
 def test_float32_quantize_path_matches_the_float64_check() -> None:
@@ -313,9 +315,14 @@ def test_float32_quantize_path_matches_the_float64_check() -> None:
                       *(float(np.nextafter(e, 0.0)) for e in picked),
                       *(float(np.nextafter(e, np.inf)) for e in picked)]:  # fmt: skip
             ref_sym, ref_err = quantize_ref.quantize_reference(torch.from_numpy(x), p, bound)
-            symbols, max_err = _quantize_packed(x, p, bound)
-            assert np.array_equal(symbols.astype(np.int64), ref_sym.numpy())
-            assert max_err == ref_err
+            values = ref_sym[ref_sym != ESCAPE_SYMBOL]
+            ref_lo, ref_hi = (int(values.min()), int(values.max())) if values.numel() else (
+                ESCAPE_SYMBOL, -1)  # fmt: skip
+            for ranges in (False, True):  # the packed format's call, the entropy format's
+                symbols, max_err, lo, hi = _quantize_float32(x, p, bound, ranges)
+                assert np.array_equal(symbols.astype(np.int64), ref_sym.numpy())
+                assert max_err == ref_err
+                assert (lo, hi) == ((ref_lo, ref_hi) if ranges else (ESCAPE_SYMBOL, -1))
             grid = quantize._Grid(step32, inv, center, bound, NEAREST_KEY)
             fast = np.empty(x.shape[0], np.uint16)
             err_bits, exact = quantize._nearest32_loop(x, grid, fast)

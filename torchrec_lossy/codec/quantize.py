@@ -557,8 +557,8 @@ def _float32_at_most(bound: float) -> np.float32:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _nearest32_loop(x: np.ndarray, g: _Grid, symbols: np.ndarray) -> tuple[int, bool]:
-    # _quantize_loop for float32 blocks rounded to nearest without the symbol ranges (the
-    # packed format's), in float32 only: 1.6x faster (float64 lanes halve the vector width,
+    # _quantize_loop for float32 blocks rounded to nearest without the symbol ranges, in
+    # float32 only: 1.6x faster (float64 lanes halve the vector width,
     # and their conversions cost as much again). -> (max error bits, as _quantize_loop's; exact).
     # The same q, d and reconstruction; the error |recon - v| in float32 is exact wherever
     # recon is 0 (the error is |v|) or v and recon are within a factor 2 of each other
@@ -594,6 +594,21 @@ def _nearest32_loop(x: np.ndarray, g: _Grid, symbols: np.ndarray) -> tuple[int, 
         inexact = max(inexact, apart if in_range & (b != zero) else none)
     err64 = np.float64(np.int32(max_err_bits).view(np.float32))
     return np.float64(err64).view(np.int64), inexact <= 0
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _symbol_range(symbols: np.ndarray) -> tuple[int, int]:
+    """Lowest and highest value symbol of a block's symbols (ESCAPE_SYMBOL, -1 when every one
+    is the escape): _quantize_loop's ranges, from the symbols written (a value symbol is never
+    the escape)."""
+    lo = np.int32(ESCAPE_SYMBOL)
+    hi = np.int32(-1)
+    for i in range(symbols.shape[0]):
+        v = np.int32(symbols[i])
+        value = v != np.int32(ESCAPE_SYMBOL)
+        lo = min(lo, v if value else np.int32(ESCAPE_SYMBOL))
+        hi = max(hi, v if value else np.int32(-1))
+    return lo, hi
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -781,13 +796,15 @@ def quantize_blocks_kernel(
         if grids.ok[b]:
             s, e = elem_off[b], elem_off[b + 1]
             g = _Grid(grids.step[b], grids.inv_step[b], grids.center[b], bounds[b], sr_keys[b])
-            if (not ranges and dtype_codes[b] == FLOAT32_CODE and sr_keys[b] == NEAREST_KEY
-                    and not grids.value[b]):  # fmt: skip
-                # Here, where ranges is known to be False: behind _quantize_any's run-time
-                # ranges flag the loop is not vectorised (1.7x slower).
+            if dtype_codes[b] == FLOAT32_CODE and sr_keys[b] == NEAREST_KEY and not grids.value[b]:
+                # The float32 loop has no range reductions (behind a run-time ranges flag, as
+                # in _quantize_loop, it was not vectorised: 1.7x slower); the entropy format's
+                # ranges are read from the symbols it wrote, in a pass of their own.
                 err_bits, exact = _nearest32_loop(x[s:e], g, symbols[s:e])
                 if exact:  # else every symbol is written again, by the float64 check
                     max_err[b] = np.int64(err_bits).view(np.float64)
+                    if ranges:
+                        lo[b], hi[b] = _symbol_range(symbols[s:e])
                     continue
             max_err[b], lo[b], hi[b] = _quantize_any(
                 x[s:e], g, dtype_codes[b], grids.value[b], symbols[s:e], ranges
