@@ -30,12 +30,14 @@ def packed_cost() -> dict[str, bench.Cost]:
     return bench.measure(groups, bounds, "packed")
 
 
+@pytest.mark.slow  # the count's fixture runs the call in the interpreter: ~30 s
 def test_packed_decompress_meets_the_budget(packed_cost: dict[str, bench.Cost]) -> None:
     c = packed_cost["decompress"]
     assert not c.host_path
     assert c.within_budget(), (c, bench.BUDGET)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="issue 31: the packed compress runs on the device (codec/device_packed_compress.py) "
