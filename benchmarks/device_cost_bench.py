@@ -25,8 +25,8 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +84,15 @@ class Cost:
         torch_ops: Torch ops outside kernels.
         bytes_per_element: Bytes touched per input element.
         host_path: Whether the direction ran the compiled host path (invisible to the count).
+        stages: The compress's counts per stage (``stages``): name -> launches, torch_ops,
+            bytes_per_element; empty for the decompress.
     """
 
     launches: int = 0
     torch_ops: int = 0
     bytes_per_element: float = 0.0
     host_path: bool = False
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def within_budget(self) -> bool:
         """Whether the count meets the budget (a host-path direction never does).
@@ -124,6 +127,15 @@ class _Counter(TorchDispatchMode):
         self.in_kernel = 0
         self.counts: collections.Counter[str] = collections.Counter()
         self.names: collections.Counter[str] = collections.Counter()  # ops by name
+        self.stage = "the rest"  # where counts go (``stages``)
+        self.by_stage: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+
+    def add(self, key: str, n: int) -> None:
+        """Adds ``n`` to count ``key``, in all and in the current stage."""
+        self.counts[key] += n
+        self.by_stage[self.stage][key] += n
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -131,9 +143,9 @@ class _Counter(TorchDispatchMode):
         """Runs ``func`` and counts it (outside kernels, views excluded)."""
         out = func(*args, **(kwargs or {}))
         if not self.in_kernel and func.overloadpacket.__name__ not in _VIEWS:
-            self.counts["ops"] += 1
+            self.add("ops", 1)
             self.names[func.overloadpacket.__name__] += 1
-            self.counts["bytes"] += _nbytes((args, kwargs or {}, out))
+            self.add("bytes", _nbytes((args, kwargs or {}, out)))
         return out
 
 
@@ -150,8 +162,8 @@ def counting() -> Iterator[_Counter]:
     orig = interp.InterpretedFunction.run
 
     def run(self, *args: Any, grid: Any, warmup: Any, **kw: Any) -> Any:
-        counter.counts["launches"] += 1
-        counter.counts["bytes"] += _nbytes((args, kw))
+        counter.add("launches", 1)
+        counter.add("bytes", _nbytes((args, kw)))
         counter.in_kernel += 1
         try:
             return orig(self, *args, grid=grid, warmup=warmup, **kw)
@@ -164,6 +176,50 @@ def counting() -> Iterator[_Counter]:
             yield counter
     finally:
         interp.InterpretedFunction.run = orig
+
+
+# The modules whose functions are the compress's stages (``stages``), and their entry points.
+_STAGE_MODULES = ("device_compress", "device_packed_compress")
+_ENTRY_POINTS = frozenset(["compress_device", "start_groups_device", "start_packed_groups"])
+
+
+@contextmanager
+def stages(counter: _Counter) -> Iterator[None]:
+    """Attributes the counts to the device compress's stages: every function of
+    ``codec/device_compress.py`` and ``codec/device_packed_compress.py`` but the entry points,
+    counted where the entry point calls it (a stage's own calls are its own).
+
+    Args:
+        counter: The counter (its ``by_stage``).
+    """
+    import importlib
+    import inspect
+
+    patched = []
+    for name in _STAGE_MODULES:
+        mod = importlib.import_module(f"torchrec_lossy.codec.{name}")
+        for attr, fn in list(vars(mod).items()):
+            if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+                continue
+            if attr in _ENTRY_POINTS:
+                continue
+
+            def wrapped(*a: Any, _fn: Callable = fn, _name: str = attr, **kw: Any) -> Any:
+                if counter.stage != "the rest":  # inside a stage: its own
+                    return _fn(*a, **kw)
+                counter.stage = _name
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    counter.stage = "the rest"
+
+            patched.append((mod, attr, fn))
+            setattr(mod, attr, wrapped)
+    try:
+        yield
+    finally:
+        for mod, attr, fn in patched:
+            setattr(mod, attr, fn)
 
 
 def _host_path(fmt: str, direction: str) -> bool:
@@ -203,15 +259,28 @@ def measure(
     assert torch.equal(sent.buffer, host.buffer), f"{fmt}: device bytes differ from the host's"
     out: dict[str, Cost] = {}
     for direction, call in calls.items():
-        with counting() as c:
+        with counting() as c, stages(c) if direction == "compress" else nullcontext():
             got = call()
         if direction == "decompress":
             check_groups(got[1])
         k = c.counts
+        by_stage = {
+            name: {"launches": v["launches"], "torch_ops": v["ops"],
+                   "bytes_per_element": v["bytes"] / max(n, 1)}
+            for name, v in c.by_stage.items()
+        } if direction == "compress" else {}  # fmt: skip
         out[direction] = Cost(
-            k["launches"], k["ops"], k["bytes"] / max(n, 1), _host_path(fmt, direction)
+            k["launches"], k["ops"], k["bytes"] / max(n, 1), _host_path(fmt, direction), by_stage
         )
     return out
+
+
+def _print_stages(by_stage: dict[str, dict[str, float]]) -> None:
+    """Prints a compress's counts per stage, most torch ops first."""
+    print(f"  {'stage':28s} {'launches':>8s} {'ops':>5s} {'B/elem':>8s}")
+    for name, v in sorted(by_stage.items(), key=lambda kv: -kv[1]["torch_ops"]):
+        print(f"  {name:28s} {v['launches']:8d} {v['torch_ops']:5d} "
+              f"{v['bytes_per_element']:8.1f}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -228,6 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="criteo_kaggle", choices=["criteo_kaggle", "criteo_1tb"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="out/device_cost_bench.json", help="where to write results")
+    p.add_argument("--stages", action="store_true", help="print the compress's counts per stage")
     args = p.parse_args(argv)
     check_grouped_call_args(p, args)
     return args
@@ -259,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c.bytes_per_element:8.1f}  {verdict}{note}")  # fmt: skip
             rows_out.append({"format": fmt, "direction": direction, **asdict(c),
                              "within_budget": c.within_budget()})  # fmt: skip
+            if args.stages and c.stages:
+                _print_stages(c.stages)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {"shape": list(args.grouped_shape), "destinations": args.destinations,

@@ -3,14 +3,17 @@
 A run with ``--checkpoint-dir`` resumes from the newest complete checkpoint there, so a job
 restarted by ``torchrun --max-restarts N`` continues where it stopped and ends bit-identical to
 an uninterrupted run (the synthetic stream is indexed by step, files are skipped to the saved
-position, and the bound providers' and the guard's state is restored per rank).
+position, and the bound providers' and the guard's state is restored per rank). The speeds
+the first attempt planned from are saved beside the checkpoints, so every restart plans alike.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +30,7 @@ from torchrec_lossy.distributed import (
     load_bounds_state,
     load_guard_state,
 )
+from torchrec_lossy.planner.speeds import Speeds
 
 __all__ = ["Checkpointer", "Resumed", "simulate_failure"]
 
@@ -65,6 +69,8 @@ class Checkpointer:
     """
 
     KEEP = 2
+    # The speeds the first attempt planned with (``planned_speeds``), beside the checkpoints.
+    SPEEDS = "plan_speeds.json"
 
     def __init__(self, root: str | Path, env: DistEnv, comm: str) -> None:
         self.root = Path(root)
@@ -72,6 +78,36 @@ class Checkpointer:
         self.comm = comm
         # The run's format re-check (``RuntimeRecheck``), saved and restored with the step.
         self.recheck: Any = None
+
+    def planned_speeds(self, measure: Callable[[], Speeds]) -> Speeds:
+        """The speeds this run plans with: the ones saved by an earlier attempt, else measured
+        now and saved (collective: every rank calls it).
+
+        ``comms.format: auto`` plans from measured speeds, and a restarted job measuring anew
+        could plan another sharding (a table data-parallel instead of table-wise) than the one
+        its checkpoint holds, which it then could not load. Rank 0 decides and broadcasts, so
+        every rank takes the same figures.
+
+        Args:
+            measure: Measures (and agrees across ranks) the speeds; called on every rank or
+                on none.
+
+        Returns:
+            The speeds to plan with.
+        """
+        path = self.root / self.SPEEDS
+        saved = [path.read_text() if self.env.rank == 0 and path.is_file() else None]
+        dist.broadcast_object_list(saved, src=0)
+        if saved[0] is not None:
+            speeds = Speeds.from_dict(json.loads(saved[0]))
+            return replace(speeds, source=f"{speeds.source}; saved in {path} by the first attempt")
+        speeds = measure()
+        if self.env.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(speeds.to_dict(), indent=1))
+            tmp.replace(path)  # whole or absent, should the job die here
+        return speeds
 
     def _complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -138,7 +174,14 @@ class Checkpointer:
                 "--checkpoint-dir"
             )
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except Exception as e:  # DCP's own error is a traceback per rank around "Missing key"
+            raise RuntimeError(
+                f"checkpoint {path} does not fit this run's model and optimizer ({e!s:.300}): "
+                "it was written under another sharding plan or model. Resume with the flags and "
+                "config that wrote it, or use another --checkpoint-dir"
+            ) from e
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         extra = torch.load(path / f"rank{self.env.rank}.pt", weights_only=True)

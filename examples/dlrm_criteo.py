@@ -199,7 +199,11 @@ def fused_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def shard_model(
-    args: argparse.Namespace, model: nn.Module, env: DistEnv, plan_config: Any
+    args: argparse.Namespace,
+    model: nn.Module,
+    env: DistEnv,
+    plan_config: Any,
+    checkpointer: Checkpointer | None = None,
 ) -> ShardedModel:
     """Plans and shards the model: the one place that wires torchrec-lossy into TorchRec.
 
@@ -213,6 +217,8 @@ def shard_model(
         model: The unsharded model.
         env: This process's placement.
         plan_config: The fitted ``LossyPlanConfig``.
+        checkpointer: With ``--checkpoint-dir``: the speeds the plan is made from are the
+            first attempt's, so that a resumed run gets its checkpoint's plan.
 
     Returns:
         The sharded model and its plan.
@@ -241,9 +247,12 @@ def shard_model(
         }
     codecs = None
     if args.comm == "lossy":
-        planner = LossyShardingPlanner(
-            plan_config, speeds=format_speeds(args, env, plan_config), **planner_args
-        )
+
+        def measure() -> Any:
+            return format_speeds(args, env, plan_config)
+
+        speeds = checkpointer.planned_speeds(measure) if checkpointer else measure()
+        planner = LossyShardingPlanner(plan_config, speeds=speeds, **planner_args)
         sharder = planner.sharder(fused_params=fused_params(args))
         c = plan_config.comms
         desc = (f"torchrec-lossy: format {c.format}, forward {c.default_bound.mode} bound "
@@ -492,8 +501,9 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     data = build_data(args, env)
     model = build_model(args, data.sizes, env.device)
     plan_config, plan_source = load_plan_config(args, env, model)
+    ckpt = Checkpointer(args.checkpoint_dir, env, args.comm) if args.checkpoint_dir else None
     try:
-        sharded = shard_model(args, model, env, plan_config)
+        sharded = shard_model(args, model, env, plan_config, ckpt)
     except ConfigError:
         raise  # already one line naming the keys (e.g. ranks given different configs)
     except Exception as e:
@@ -503,7 +513,6 @@ def run(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         print(f"data: {data.description}\ncomm: {sharded.comm_description}", flush=True)
         print(f"plan ({plan_source}):\n{sharded.plan_text}", flush=True)
     log = RunLog(sharded, env, args.batch_size)
-    ckpt = Checkpointer(args.checkpoint_dir, env, args.comm) if args.checkpoint_dir else None
     try:
         train(args, env, data, sharded.model, optimizer, log, ckpt, sharded.recheck)
     except Exception as e:

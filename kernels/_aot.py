@@ -32,8 +32,9 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("common", "scan_apply_kernel", "*{t} *{t} *{t} i32 {t}", {"OP": "ops", "BLOCK": 4096}, {}),
     ("quantize", "quantize_kernel", "*fp32 *i16 *i32 *fp64 *i64 *i64",
      {"BLOCK": 4096, "HIST": (True, False)}, NO_FMA),
-    ("quantize", "median_kernel", "*fp32 *fp64 *i64 *i64 *i64 *i32", {"BLOCK": 1024}, {}),
-    ("quantize", "ranges_kernel", "*fp32 *i64 *i32 *i64", {"OCTAVES": 16, "BLOCK": 1024}, {}),
+    ("quantize", "grid_kernel", "*fp32 *i64 *i64 *i64 *i64 *i64 *i64",
+     {"OCTAVES": 16, "STOCHASTIC": (True, False), "QUANTIZATION": (True, False), "BLOCK": 1024},
+     {"enable_fp_fusion": False}),
     ("quantize", "decode_output_kernel",
      "*i32 *i16 *i64 *i32 *i16 *i32 *i32 *i16 i32 i32 i32 i32",
      {"BLOCK": 1024, "PACKED": (True, False)}, {"num_warps": 4, "enable_fp_fusion": False}),
@@ -62,10 +63,13 @@ TABLE: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("packed", "check_groups_kernel", "*i32 *i64 *i16 *i32 i32 i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "status_kernel", "*i64 *i64 *i32 i32 i32", {"BLOCK": 1024}, {}),
-    ("packed", "stream_widths_kernel", "*i16 *i64 *i64 *i64 *i64 *i64 i32",
+    ("packed", "plan_kernel",
+     "*i16 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 "
+     "i32 i32",
      {"GB": 32, "GROUP": 32}, {}),
     ("packed", "put_data_kernel",
-     "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 *i64 i32 i32 i32",
+     "*i16 *i32 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i64 *i32 *i64 "
+     "i32 i32 i32 i32",
      {"GB": 32, "GROUP": 32, "TILE": 1024}, {}),
 ]  # fmt: skip
 

@@ -18,10 +18,13 @@ import triton
 import triton.language as tl
 
 from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import format as wire
 from torchrec_lossy.codec import packed_columns as pc
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import GRID_OK, GRID_STATS
 from torchrec_lossy.codec.launch_tables import NO_FAILURE, block_for
+from torchrec_lossy.codec.packed_columns import PutDedupes
 from torchrec_lossy.kernels.common import find_segment
 
 _GROUP: tl.constexpr = tl.constexpr(wire.PACKED_GROUP)
@@ -36,6 +39,17 @@ _BAD_WIDTH: tl.constexpr = tl.constexpr(wire.DECODE_BAD_WIDTH)
 _BAD_CODE: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_CODE)
 _BAD_ESCAPES: tl.constexpr = tl.constexpr(wire.DECODE_BAD_PACKED_ESCAPES)
 _GROUPS_PER_PROGRAM = 32  # groups of one program (32 x 32 lanes)
+_SEG_WORDS: tl.constexpr = tl.constexpr(wire.SEGMENT_HEADER_WORDS)
+_REFS_FIXED: tl.constexpr = tl.constexpr(wire.REFS_FIXED)
+_REFS_FLAGGED: tl.constexpr = tl.constexpr(wire.REFS_FLAGGED)
+_MODE_RAW: tl.constexpr = tl.constexpr(wire.MODE_RAW)
+_MODE_LZ: tl.constexpr = tl.constexpr(wire.MODE_LZ)
+_MODE_QUANT: tl.constexpr = tl.constexpr(wire.MODE_QUANT)
+_MODE_QUANT_LZ: tl.constexpr = tl.constexpr(wire.MODE_QUANT_LZ)
+_MODE_VALUE: tl.constexpr = tl.constexpr(wire.MODE_VALUE)
+_MODE_PACKED: tl.constexpr = tl.constexpr(wire.MODE_PACKED)
+_GRID_STATS: tl.constexpr = tl.constexpr(GRID_STATS)
+_GRID_OK: tl.constexpr = tl.constexpr(GRID_OK)
 
 
 @triton.jit
@@ -281,18 +295,34 @@ def packed_status(cols: DecodeColumns, sums: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constexpr):
+def _source_at(rows_ptr, e, valid, dim, lz, base, row_off, elem_off):
     # The flat element that value ``e`` of a block's sent rows reads: column e % dim of its
-    # row e // dim, or of that distinct vector's first row where the block's LZ field is set.
-    dim = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.DIM, mask=valid, other=1)
+    # row e // dim, or of that distinct vector's first row where ``lz`` (its first
+    # occurrences' rows at ``rows_ptr + base``).
     vec = e // dim
+    first = tl.load(rows_ptr + base + vec, mask=valid & lz, other=0)
+    local = tl.where(lz, first - row_off, vec)
+    return tl.where(valid, elem_off + local * dim + (e - vec * dim), 0)
+
+
+@triton.jit
+def _source(rows_ptr, rec_ptr, blk, e, valid, LZ: tl.constexpr, BASE: tl.constexpr):
+    # ``_source_at`` with the block's fields from its packed record (LZ, BASE: the fields).
+    dim = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.DIM, mask=valid, other=1)
     lz = tl.load(rec_ptr + blk * pc.N_FIELDS + LZ, mask=valid, other=0) == 1
     base = tl.load(rec_ptr + blk * pc.N_FIELDS + BASE, mask=valid & lz, other=0)
     row_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ROW_OFF, mask=valid, other=0)
-    first = tl.load(rows_ptr + base + vec, mask=valid & lz, other=0)
-    local = tl.where(lz, first - row_off, vec)
     elem_off = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.ELEM_OFF, mask=valid, other=0)
-    return tl.where(valid, elem_off + local * dim + (e - vec * dim), 0)
+    return _source_at(rows_ptr, e, valid, dim, lz, base, row_off, elem_off)
+
+
+@triton.jit
+def _codes(sym_ptr, elem, valid):
+    # Each sent value's escape and zigzag code (0 where escaped or not valid).
+    sym = tl.load(sym_ptr + elem, mask=valid, other=0).to(tl.int64) & 0xFFFF
+    esc = valid & (sym == _ESCAPE)
+    d = sym - _OFFSET
+    return esc, tl.where(valid & ~esc, tl.where(d < 0, -2 * d - 1, 2 * d), 0)
 
 
 @triton.jit
@@ -306,14 +336,14 @@ def _word_sums(value, at, mask):
 @triton.jit
 def _stream_group(
     pid, sym_ptr, bits_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, buf_ptr,
-    sums_ptr, n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr, WRITE: tl.constexpr,
+    sums_ptr, n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     # Program ``pid``'s GB group slots (slot: block, group in the block), 32 lanes each: every
-    # sent value's symbol, escape and zigzag code. Not WRITE: each slot's width and escapes.
-    # WRITE: its width byte, its codes at bit k * w of its words, its escapes (ranks from its
-    # slot's first), added into the zeroed words (integer adds of disjoint bits: the OR); per
-    # slot the words' sum and their sum weighted by 2 * word + 1, added to its block's sums
-    # (the segment and payload checksums are linear in them: ``put_data``).
+    # sent value's escape and zigzag code; its width byte, its codes at bit k * w of its
+    # words, its escapes (ranks from its slot's first), added into the zeroed words (integer
+    # adds of disjoint bits: the OR); per slot the words' sum and their sum weighted by
+    # 2 * word + 1, added to its block's sums (the segment and payload checksums are linear
+    # in them: ``put_data``).
     s = pid * GB + tl.arange(0, GB)
     smask = s < n_slots
     blk = tl.load(slot_ptr + 2 * s, mask=smask, other=0)
@@ -324,92 +354,243 @@ def _stream_group(
     valid = smask[:, None] & (v < n_sym[:, None])
     blk2 = blk[:, None] + v * 0
     elem = _source(rows_ptr, rec_ptr, blk2, v, valid, pc.Q_LZ, pc.Q_BASE)
-    sym = tl.load(sym_ptr + elem, mask=valid, other=0).to(tl.int64) & 0xFFFF
-    esc = valid & (sym == _ESCAPE)
-    d = sym - _OFFSET
-    code = tl.where(valid & ~esc, tl.where(d < 0, -2 * d - 1, 2 * d), 0)
-    if not WRITE:
-        top = tl.max(code, axis=1)
-        width = top * 0
-        for i in tl.static_range(_MAX_WIDTH):
-            width += ((top >> i) > 0).to(tl.int64)
-        tl.store(width_ptr + s, width, mask=smask)
-        tl.store(esc_ptr + s, tl.sum(esc.to(tl.int64), axis=1), mask=smask)
-    else:
-        w = tl.load(width_ptr + s, mask=smask, other=0)
-        used = smask & (k * GROUP < n_sym)
-        table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
-        word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
-        table_word = w << (8 * (k % 4))
-        tl.atomic_add(buf_ptr + table_at + k // 4, table_word.to(word), mask=used)
-        s0 = tl.where(used, table_word, 0)
-        s1 = s0 * (2 * (table_at + k // 4) + 1)
-        codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
-        off = tl.load(off_ptr + s, mask=used, other=0)
-        bit = 32 * off[:, None] + lane[None, :] * w[:, None]
-        at = codes_at[:, None] + bit // 32
-        sh = bit % 32
-        live = code != 0
-        low = (code << sh) & 0xFFFFFFFF
-        tl.atomic_add(buf_ptr + at, low.to(word), mask=live)
-        a0, a1 = _word_sums(low, at, live)
-        spill = live & (sh + w[:, None] > 32)
-        high = code >> tl.where(spill, 32 - sh, 0)
-        tl.atomic_add(buf_ptr + at + 1, high.to(word), mask=spill)
-        b0, b1 = _word_sums(high, at + 1, spill)
-        e = esc.to(tl.int64)
-        rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
-        escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
-        tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
-        c0, c1 = _word_sums(v, escp_at + rank, esc)
-        raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
-        wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
-        escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
-        value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
-        at = escb_at + tl.where(wide, rank, rank // 2)
-        tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
-        d0, d1 = _word_sums(value, at, esc)
-        tl.atomic_add(sums_ptr + blk, s0 + a0 + b0 + c0 + d0, mask=used)
-        tl.atomic_add(sums_ptr + n_blocks + blk, s1 + a1 + b1 + c1 + d1, mask=used)
+    esc, code = _codes(sym_ptr, elem, valid)
+    w = tl.load(width_ptr + s, mask=smask, other=0)
+    used = smask & (k * GROUP < n_sym)
+    table_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.TABLE_AT, mask=used, other=0)
+    word = buf_ptr.dtype.element_ty  # int32 words, or int64 lanes (values modulo 2**32)
+    table_word = w << (8 * (k % 4))
+    tl.atomic_add(buf_ptr + table_at + k // 4, table_word.to(word), mask=used)
+    s0 = tl.where(used, table_word, 0)
+    s1 = s0 * (2 * (table_at + k // 4) + 1)
+    codes_at = tl.load(rec_ptr + blk * pc.N_FIELDS + pc.CODES_AT, mask=used, other=0)
+    off = tl.load(off_ptr + s, mask=used, other=0)
+    bit = 32 * off[:, None] + lane[None, :] * w[:, None]
+    at = codes_at[:, None] + bit // 32
+    sh = bit % 32
+    live = code != 0
+    low = (code << sh) & 0xFFFFFFFF
+    tl.atomic_add(buf_ptr + at, low.to(word), mask=live)
+    a0, a1 = _word_sums(low, at, live)
+    spill = live & (sh + w[:, None] > 32)
+    high = code >> tl.where(spill, 32 - sh, 0)
+    tl.atomic_add(buf_ptr + at + 1, high.to(word), mask=spill)
+    b0, b1 = _word_sums(high, at + 1, spill)
+    e = esc.to(tl.int64)
+    rank = tl.load(esc_ptr + s, mask=used, other=0)[:, None] + tl.cumsum(e, axis=1) - e
+    escp_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCP_AT, mask=esc, other=0)
+    tl.atomic_add(buf_ptr + escp_at + rank, v.to(word), mask=esc)
+    c0, c1 = _word_sums(v, escp_at + rank, esc)
+    raw = tl.load(bits_ptr + elem, mask=esc, other=0).to(tl.int64)
+    wide = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ITEMSIZE, mask=esc, other=4) == 4
+    escb_at = tl.load(rec_ptr + blk2 * pc.N_FIELDS + pc.ESCB_AT, mask=esc, other=0)
+    value = tl.where(wide, raw & 0xFFFFFFFF, (raw & 0xFFFF) << (16 * (rank % 2)))
+    at = escb_at + tl.where(wide, rank, rank // 2)
+    tl.atomic_add(buf_ptr + at, value.to(word), mask=esc)
+    d0, d1 = _word_sums(value, at, esc)
+    tl.atomic_add(sums_ptr + blk, s0 + a0 + b0 + c0 + d0, mask=used)
+    tl.atomic_add(sums_ptr + n_blocks + blk, s1 + a1 + b1 + c1 + d1, mask=used)
 
 
 @triton.jit
-def _stream_widths_kernel(
-    sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, n_slots, GB: tl.constexpr,
-    GROUP: tl.constexpr,
+def _bit_length(x, BITS: tl.constexpr):
+    """``int.bit_length`` of non-negative values below ``2**BITS``."""
+    n = x * 0
+    for i in tl.static_range(BITS):
+        n += ((x >> i) > 0).to(n.dtype)
+    return n
+
+
+@triton.jit
+def _refs_bits(rows, n_unique):
+    """``format.refs_packing``: (packing, bits) of a block's references (``n_unique`` >= 1)."""
+    width = _bit_length(tl.maximum(n_unique - 1, 0), 32)
+    fixed = rows * width
+    flagged = rows + (rows - n_unique) * width
+    flag = fixed > flagged
+    return tl.where(flag, _REFS_FLAGGED, _REFS_FIXED), tl.where(flag, flagged, fixed)
+
+
+@triton.jit
+def _lossless_words(rows, n_unique, dim, itemsize):
+    """``size_model.lossless_lz_words``."""
+    _, bits = _refs_bits(rows, n_unique)
+    return _SEG_WORDS + (bits + 31) // 32 + (n_unique * dim * itemsize + 3) // 4
+
+
+@triton.jit
+def _plan_kernel(
+    sym_ptr, rows_ptr, nrows_ptr, dim_ptr, size_ptr, eoff_ptr, roff_ptr, lz_ptr, raw_ptr,
+    first_ptr, grid_ptr, nuq_ptr, nur_ptr, qbase_ptr, enc_ptr, slot_ptr, plan_ptr, head_ptr,
+    n_slots, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    _stream_group(
-        tl.program_id(0).to(tl.int64), sym_ptr, sym_ptr, rows_ptr, rec_ptr, slot_ptr, width_ptr,
-        esc_ptr, width_ptr, width_ptr, width_ptr, n_slots, 0, GB, GROUP, False,
-    )  # fmt: skip
+    # One program per block: its stream (its distinct rows where some repeat and vector-LZ may
+    # run: the host's _packed_plan; else every row), GB group slots x 32 lanes at a time: each
+    # slot's width, its first word in the block's codes and the block's escapes before it
+    # (running sums); then the block's mode (size_model's choice over the exact words) and
+    # what it sends (device_compress.sections' sizes: no codebook, no chunk table); its
+    # descriptor and segment header words (device_compress.descriptor_words,
+    # segment_header_records; the checksum field 0, added later).
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.load(nrows_ptr + b)
+    dim = tl.load(dim_ptr + b)
+    itemsize = tl.load(size_ptr + b)
+    raw_words = tl.load(raw_ptr + b)
+    lz_allowed = tl.load(lz_ptr + b) == 1
+    ok = tl.load(grid_ptr + b * _GRID_STATS + _GRID_OK) == 1
+    nu_q = tl.load(nuq_ptr + b)
+    nu_r = tl.load(nur_ptr + b)
+    base = tl.load(qbase_ptr + b)
+    row_off = tl.load(roff_ptr + b)
+    elem_off = tl.load(eoff_ptr + b)
+    first = tl.load(first_ptr + b)
+    n_slots_b = tl.load(first_ptr + b + 1) - first
+    stream_lz = ok & lz_allowed & (nu_q < rows)
+    n_sym = tl.where(ok, tl.where(stream_lz, nu_q, rows) * dim, 0)
+    dim1 = tl.maximum(dim, 1)
+    lane = tl.arange(0, GROUP)
+    words = tl.zeros((), tl.int64)
+    n_esc = tl.zeros((), tl.int64)
+    for g0 in range(0, n_slots_b, GB):
+        k = g0 + tl.arange(0, GB)
+        kmask = k < n_slots_b
+        v = k[:, None] * GROUP + lane[None, :]
+        valid = kmask[:, None] & (v < n_sym)
+        elem = _source_at(rows_ptr, v, valid, dim1, stream_lz, base, row_off, elem_off)
+        esc, code = _codes(sym_ptr, elem, valid)
+        width = _bit_length(tl.max(code, axis=1), _MAX_WIDTH)
+        e = tl.sum(esc.to(tl.int64), axis=1)
+        at = slot_ptr + first + k
+        tl.store(at, width, mask=kmask)
+        tl.store(at + n_slots, words + tl.cumsum(width, 0) - width, mask=kmask)
+        tl.store(at + 2 * n_slots, n_esc + tl.cumsum(e, 0) - e, mask=kmask)
+        words += tl.sum(width, axis=0)
+        n_esc += tl.sum(e, axis=0)
+    n_groups = (n_sym + GROUP - 1) // GROUP
+    stream_words = (n_groups + 3) // 4 + words
+    # size_model: choose_lossy (quant_words, quant_lz_words), lossless_may_win, choose_lossless.
+    esc_w = n_esc + (n_esc * itemsize + 3) // 4
+    quant_w = _SEG_WORDS + esc_w + stream_words
+    nu_q1 = tl.maximum(nu_q, 1)
+    _, qlz_refs = _refs_bits(rows, nu_q1)
+    qlz_w = _SEG_WORDS + (qlz_refs + 31) // 32 + esc_w + stream_words
+    better = ok & ~stream_lz & (quant_w < raw_words)
+    mode = tl.where(better, _MODE_QUANT, _MODE_RAW)
+    best = tl.where(better, quant_w, raw_words)
+    better = stream_lz & (qlz_w < best)
+    mode = tl.where(better, _MODE_QUANT_LZ, mode)
+    best = tl.where(better, qlz_w, best)
+    nu_lower = tl.where(ok & lz_allowed, nu_q1, 1)
+    tried = lz_allowed & (_lossless_words(rows, nu_lower, dim, itemsize) < best)
+    lossless_w = _lossless_words(rows, tl.maximum(nu_r, 1), dim, itemsize)
+    mode = tl.where(tried & (lossless_w < best) & (rows * dim > 0), _MODE_LZ, mode)
+    # What it sends.
+    is_q = (mode == _MODE_QUANT) | (mode == _MODE_QUANT_LZ)
+    is_qlz = mode == _MODE_QUANT_LZ
+    is_lz = mode == _MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = tl.where(is_qlz, nu_q, tl.where(is_lz, nu_r, rows))
+    ref_mode, ref_bits = _refs_bits(rows, tl.where(has_refs, n_sent, 1))
+    n_escapes = tl.where(is_q, n_esc, 0)
+    esc_words = n_escapes + (n_escapes * itemsize + 3) // 4
+    refs_words = tl.where(has_refs, (ref_bits + 31) // 32, 0)
+    uniq_words = tl.where(is_lz, (nu_r * dim * itemsize + 3) // 4, 0)
+    body = _SEG_WORDS + refs_words + uniq_words + esc_words + tl.where(is_q, stream_words, 0)
+    out = plan_ptr + b
+    tl.store(out + pc.MODE * n_blocks, mode.to(tl.int64))
+    tl.store(out + pc.IS_Q * n_blocks, is_q.to(tl.int64))
+    tl.store(out + pc.IS_QLZ * n_blocks, is_qlz.to(tl.int64))
+    tl.store(out + pc.IS_LZ * n_blocks, is_lz.to(tl.int64))
+    tl.store(out + pc.HAS_REFS * n_blocks, has_refs.to(tl.int64))
+    tl.store(out + pc.N_SENT * n_blocks, n_sent)
+    tl.store(out + pc.N_ESCAPES * n_blocks, n_escapes)
+    tl.store(out + pc.PLAN_REF_MODE * n_blocks, tl.where(has_refs, ref_mode, 0).to(tl.int64))
+    tl.store(out + pc.PLAN_REF_WIDTH * n_blocks, _bit_length(tl.maximum(n_sent - 1, 0), 32))
+    tl.store(out + pc.REFS_WORDS * n_blocks, refs_words)
+    tl.store(out + pc.ESC_WORDS * n_blocks, esc_words)
+    tl.store(out + pc.SEG_WORDS * n_blocks, tl.where(mode == _MODE_RAW, raw_words, body))
+    tl.store(out + pc.N_GROUPS * n_blocks, tl.where(is_q, n_groups, 0))
+    tl.store(out + pc.SENT_SYM * n_blocks, tl.where(is_q, n_sym, 0))
+    tl.store(out + pc.STREAM_LZ * n_blocks, stream_lz.to(tl.int64))
+    # format.DESCRIPTOR: rows, dim, dtype | mode << 8, seg_words, bound (float64 bits).
+    enc = enc_ptr + b * ec.N_FIELDS
+    value = tl.load(enc + ec.VALUE) != 0
+    mode_byte = tl.where(is_q & value, mode | _MODE_VALUE, mode)  # format.descriptor_mode
+    mode_byte = tl.where(is_q, mode_byte | _MODE_PACKED, mode_byte)
+    bound = tl.load(enc + ec.BOUND_BITS)
+    d0 = rows & 0xFFFFFFFF
+    d1 = dim & 0xFFFFFFFF
+    d2 = (tl.load(enc + ec.DTYPE) & 0xFF) | ((mode_byte & 0xFF) << 8)
+    d3 = tl.where(mode == _MODE_RAW, raw_words, body) & 0xFFFFFFFF
+    d4 = bound & 0xFFFFFFFF
+    d5 = (bound >> 32) & 0xFFFFFFFF
+    # format.SEGMENT_HEADER (format.segment_header_words): step, center, vectors sent,
+    # escapes, values per group, groups, the checksum (0 here), ref_mode << 8 | width << 16.
+    h0 = tl.where(is_q, tl.load(enc + ec.STEP_BITS), 0) & 0xFFFFFFFF
+    h1 = tl.where(is_q, tl.load(enc + ec.CENTER), 0) & 0xFFFFFFFF
+    h2 = n_sent & 0xFFFFFFFF
+    h3 = n_escapes & 0xFFFFFFFF
+    h4 = tl.where(is_q, GROUP, 0).to(tl.int64)
+    h5 = tl.where(is_q, n_groups, 0) & 0xFFFFFFFF
+    ref_byte = tl.where(has_refs, ref_mode, 0).to(tl.int64) & 0xFF
+    h7 = (ref_byte << 8) | ((_bit_length(tl.maximum(n_sent - 1, 0), 32) & 0xFF) << 16)
+    head = head_ptr + b * pc.HEAD_WORDS
+    tl.store(head, d0)
+    tl.store(head + 1, d1)
+    tl.store(head + 2, d2)
+    tl.store(head + 3, d3)
+    tl.store(head + 4, d4)
+    tl.store(head + 5, d5)
+    tl.store(head + 6, h0)
+    tl.store(head + 7, h1)
+    tl.store(head + 8, h2)
+    tl.store(head + 9, h3)
+    tl.store(head + 10, h4)
+    tl.store(head + 11, h5)
+    tl.store(head + 12, h5 * 0)
+    tl.store(head + 13, h7)
+    # Their checksum sums (S0, and T = sum w_j (2 j + 1) over the record's words j).
+    tl.store(out + pc.DESC_S0 * n_blocks, d0 + d1 + d2 + d3 + d4 + d5)
+    tl.store(out + pc.DESC_T * n_blocks, d0 + 3 * d1 + 5 * d2 + 7 * d3 + 9 * d4 + 11 * d5)
+    has_head = mode != _MODE_RAW
+    tl.store(out + pc.HEAD_S0 * n_blocks, tl.where(has_head, h0 + h1 + h2 + h3 + h4 + h5 + h7, 0))
+    head_t = h0 + 3 * h1 + 5 * h2 + 7 * h3 + 9 * h4 + 11 * h5 + 15 * h7
+    tl.store(out + pc.HEAD_T * n_blocks, tl.where(has_head, head_t, 0))
 
 
-def stream_widths(
-    sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every group slot's width and escapes, in one launch.
+def stream_plan(
+    sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every block's packed stream and mode, in one launch (one program per block, no sync):
+    its stream (the host's ``_packed_plan``: its distinct rows where some repeat and
+    vector-LZ may run, else every row), each of its group slots' width (the bit length of its
+    largest zigzag code), first word in the block's codes and the block's escapes before it;
+    then its mode by ``size_model`` over the exact segment words and what it sends.
 
     Args:
         sym: int16 symbols of every element (flat layout).
         rows: int64 per row: the quantized dedupe's first occurrences' rows
             (``device_compress.Dedupe.first_rows``).
-        rec: int64 [n_blocks, N_FIELDS] packed record (``codec/packed_columns.py``; read:
-            ``ELEM_OFF``, ``ROW_OFF``, ``DIM``, ``N_SYM``, ``Q_LZ``, ``Q_BASE``).
-        slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
+        inputs: Per block, what the plan reads (``packed_columns.PlanInputs``).
+        n_slots: Group slots of all blocks (``inputs.first_slot[-1]``, from the host tables).
 
     Returns:
-        (int64 [n_slots] widths: bit length of the largest code, 0 for an unused slot; int64
-        [n_slots] escapes).
+        (int64 [3, n_slots]: each slot's width (0 past its block's stream), first word in its
+        block's codes, escapes of its block before it; int64 [PLAN_FIELDS, n_blocks], the
+        ``packed_columns`` plan fields; int64 [n_blocks, HEAD_WORDS] its descriptor and
+        segment header words, the segment checksum 0).
     """
-    n = slots.shape[0]
-    width = torch.empty(n, dtype=torch.int64, device=sym.device)
-    esc = torch.empty(n, dtype=torch.int64, device=sym.device)
-    if n:
-        gb = _GROUPS_PER_PROGRAM
-        _stream_widths_kernel[(triton.cdiv(n, gb),)](
-            sym, rows, rec, slots, width, esc, n, GB=gb, GROUP=_GROUP
-        )
-    return width, esc
+    i, nb = inputs, inputs.rows.shape[0]
+    slots = torch.empty((3, n_slots), dtype=torch.int64, device=sym.device)
+    plan = torch.empty((pc.PLAN_FIELDS, nb), dtype=torch.int64, device=sym.device)
+    heads = torch.empty((nb, pc.HEAD_WORDS), dtype=torch.int64, device=sym.device)
+    if nb:
+        _plan_kernel[(nb,)](
+            sym, rows, i.rows, i.dim, i.itemsize, i.elem_off, i.row_off, i.lz_allowed,
+            i.raw_words, i.first_slot, i.grid, i.nu_q, i.nu_r, i.q_base, i.enc, slots, plan,
+            heads, n_slots, nb, GB=_GROUPS_PER_PROGRAM, GROUP=_GROUP,
+        )  # fmt: skip
+    return slots, plan, heads
 
 
 @triton.jit
@@ -440,51 +621,108 @@ def _rows_tile(
 
 
 @triton.jit
-def _put_data_kernel(
-    sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-    tile_ptr, buf_ptr, sums_ptr, n_slots, n_stream, n_blocks, GB: tl.constexpr,
-    GROUP: tl.constexpr, TILE: tl.constexpr,
+def _refs_tile(
+    t, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr,
+    n_blocks, TILE: tl.constexpr,
 ):  # fmt: skip
-    # The first n_stream programs write the packed streams (GB slots each), the others one
-    # tile of raw rows each: every data-sized section in one launch.
+    # Tile ``t`` (block, first row) of rows: each row's vector reference, MSB-first at its bit
+    # (fixed: row * width; flagged: a flag bit per row, the id after it for a repeat, so the
+    # bit is the row plus width times the repeats before it, which the dedupe's ranks give),
+    # added into the zeroed words (a reference spans at most two); the words' sums added to
+    # the block's, as ``_stream_group``'s.
+    blk = tl.load(tile_ptr + 2 * t)
+    loc = tl.load(tile_ptr + 2 * t + 1) + tl.arange(0, TILE)
+    f = rec_ptr + blk * pc.N_FIELDS
+    valid = loc < tl.load(f + pc.REF_ROWS)
+    qlz = tl.load(f + pc.REF_QLZ) == 1
+    row_off = tl.load(f + pc.ROW_OFF)
+    row = row_off + loc
+    # First occurrences before the row in its block, and whether it is one (exclusive ranks).
+    r0 = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row_off)
+    rk = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row, mask=valid, other=0)
+    rk1 = tl.load(tl.where(qlz, rank_q_ptr, rank_r_ptr) + row + 1, mask=valid, other=0)
+    ids = tl.load(tl.where(qlz, ids_q_ptr, ids_r_ptr) + row, mask=valid, other=0)
+    flagged = tl.load(f + pc.REF_MODE) == 1
+    width = tl.load(f + pc.REF_WIDTH)
+    lead = flagged & (rk1 - rk == 1)  # a first occurrence: its flag bit alone
+    r_len = tl.where(lead, 1, width + flagged.to(tl.int64))
+    r_val = tl.where(lead, 1, ids)
+    pos = tl.where(flagged, loc + (loc - (rk - r0)) * width, loc * width)
+    end = pos % 32 + r_len
+    head = (
+        tl.where(end <= 32, r_val << tl.maximum(32 - end, 0), r_val >> tl.maximum(end - 32, 0))
+        & 0xFFFFFFFF
+    )
+    at = tl.load(f + pc.REFS_AT) + pos // 32
+    word = buf_ptr.dtype.element_ty
+    live = valid & (r_len > 0)
+    tl.atomic_add(buf_ptr + at, head.to(word), mask=live)
+    spill = live & (end > 32)
+    tail = (r_val << tl.minimum(tl.maximum(64 - end, 0), 63)) & 0xFFFFFFFF
+    tl.atomic_add(buf_ptr + at + 1, tail.to(word), mask=spill)
+    h = tl.where(live, head, 0)
+    g = tl.where(spill, tail, 0)
+    tl.atomic_add(sums_ptr + blk, tl.sum(h + g, axis=0))
+    tl.atomic_add(sums_ptr + n_blocks + blk, tl.sum(h * (2 * at + 1) + g * (2 * at + 3), axis=0))
+
+
+@triton.jit
+def _put_data_kernel(
+    sym_ptr, bits_ptr, q_rows_ptr, r_rows_ptr, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr,
+    rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr, tile_ptr, ref_tile_ptr, buf_ptr, sums_ptr,
+    n_slots, n_stream, n_row_tiles, n_blocks, GB: tl.constexpr, GROUP: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    # The first n_stream programs write the packed streams (GB slots each), the next
+    # n_row_tiles one tile of raw rows each, the others one tile of rows' references each:
+    # every data-sized section in one launch.
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_stream:
         _stream_group(
             pid, sym_ptr, bits_ptr, q_rows_ptr, rec_ptr, slot_ptr, width_ptr, esc_ptr, off_ptr,
-            buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP, True,
+            buf_ptr, sums_ptr, n_slots, n_blocks, GB, GROUP,
         )  # fmt: skip
-    else:
+    elif pid < n_stream + n_row_tiles:
         _rows_tile(
             pid - n_stream, bits_ptr, r_rows_ptr, rec_ptr, tile_ptr, buf_ptr, sums_ptr, n_blocks,
             TILE,
         )  # fmt: skip
+    else:
+        _refs_tile(
+            pid - n_stream - n_row_tiles, ids_q_ptr, ids_r_ptr, rank_q_ptr, rank_r_ptr, rec_ptr,
+            ref_tile_ptr, buf_ptr, sums_ptr, n_blocks, TILE,
+        )  # fmt: skip
 
 
 def put_data(
-    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
-    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
-    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, dedupes: PutDedupes,
+    rec: torch.Tensor, slots: torch.Tensor, stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor], tile: int,
 ) -> torch.Tensor:  # fmt: skip
     """Writes every data-sized section into the zeroed payload words, in one launch: each
-    packed block's width bytes, codes and escapes (added: integer adds of disjoint bits), the
-    raw blocks' rows and the lossless lz blocks' distinct rows (stored: one writer per word);
-    and per block the sums that give any checksum over its words without reading them back
-    (``sum_j w_j (2 j + 1)`` over words ``o ..`` is ``S1 - 2 o S0``).
+    packed block's width bytes, codes and escapes, the vector references of the blocks that
+    send them (added: integer adds of disjoint bits), the raw blocks' rows and the lossless lz
+    blocks' distinct rows (stored: one writer per word); and per block the sums that give any
+    checksum over its words without reading them back (``sum_j w_j (2 j + 1)`` over words
+    ``o ..`` is ``S1 - 2 o S0``).
 
     Args:
         buf: int32 payload words (or int64 lanes holding uint32 words).
         sym: int16 symbols of every element.
         bits: int32 raw bits of every element (16-bit dtypes sign-extended).
-        dedupe_rows: int64 per row, the first occurrences' rows of the quantized dedupe (the
-            streams') and of the raw-bits dedupe (the lz blocks' rows).
-        rec: int64 [n_blocks, N_FIELDS]; read: as :func:`stream_widths` (``N_SYM`` 0 where a
-            block is not sent packed), ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``,
-            ``ITEMSIZE``, ``R_N``, ``R_LZ``, ``R_BASE``, ``R_AT``.
-        slots: As :func:`stream_widths`.
-        stream: int64 [n_slots] each: widths (:func:`stream_widths`), the first word of each
+        dedupes: Both dedupes' per-row tables (``packed_columns.PutDedupes``).
+        rec: int64 [n_blocks, N_FIELDS]; read: ``ELEM_OFF``, ``ROW_OFF``, ``DIM``,
+            ``N_SYM`` (0 where a block is not sent packed), ``Q_LZ``, ``Q_BASE``,
+            ``TABLE_AT``, ``CODES_AT``, ``ESCP_AT``, ``ESCB_AT``, ``ITEMSIZE``, ``R_N``,
+            ``R_LZ``, ``R_BASE``, ``R_AT``, ``REFS_AT``, ``REF_ROWS``, ``REF_QLZ``,
+            ``REF_MODE``, ``REF_WIDTH``.
+        slots: int64 [n_slots, 2] (block, group in the block) of every group slot.
+        stream: int64 [n_slots] each: widths (:func:`stream_plan`), the first word of each
             slot's codes in its block's codes, the escapes of its block before it.
-        tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words.
-        tile: Words per tile (a power of two).
+        tiles: int64 [n_tiles, 2] (block, first word) covering each block's raw words, and
+            int64 [n_ref_tiles, 2] (block, first row) covering the rows of every block that
+            may send references.
+        tile: Words (rows) per tile (a power of two).
 
     Returns:
         int64 [2, n_blocks]: per block, S0 the sum of the (uint32) words written, S1 their sum
@@ -492,13 +730,16 @@ def put_data(
     """
     n, gb, n_blocks = slots.shape[0], _GROUPS_PER_PROGRAM, rec.shape[0]
     n_stream = triton.cdiv(n, gb)
-    grid = n_stream + tiles.shape[0]
+    row_tiles, ref_tiles = tiles
+    grid = n_stream + row_tiles.shape[0] + ref_tiles.shape[0]
     sums = torch.zeros(2, n_blocks, dtype=torch.int64, device=buf.device)
     if grid:
         widths, code_off, esc_base = stream
+        d = dedupes
         _put_data_kernel[(grid,)](
-            sym, bits, dedupe_rows[0], dedupe_rows[1], rec, slots, widths, esc_base, code_off,
-            tiles, buf, sums, n, n_stream, n_blocks, GB=gb, GROUP=_GROUP, TILE=tile,
+            sym, bits, d.q_rows, d.r_rows, d.q_ids, d.r_ids, d.q_rank, d.r_rank, rec, slots,
+            widths, esc_base, code_off, row_tiles, ref_tiles, buf, sums, n, n_stream,
+            row_tiles.shape[0], n_blocks, GB=gb, GROUP=_GROUP, TILE=tile,
         )  # fmt: skip
     return sums
 
@@ -509,7 +750,7 @@ JIT_KERNELS = {
     "widths_kernel": _widths_kernel,
     "check_groups_kernel": _check_groups_kernel,
     "status_kernel": _status_kernel,
-    "stream_widths_kernel": _stream_widths_kernel,
+    "plan_kernel": _plan_kernel,
     "put_data_kernel": _put_data_kernel,
 }
 
@@ -521,5 +762,5 @@ __all__ = [
     "packed_symbol",
     "packed_widths",
     "put_data",
-    "stream_widths",
+    "stream_plan",
 ]

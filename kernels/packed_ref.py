@@ -14,19 +14,38 @@ from typing import NamedTuple
 import torch
 
 from torchrec_lossy.codec import decode_columns as dc
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import packed_columns as pc
+from torchrec_lossy.codec import size_model as sm
 from torchrec_lossy.codec.decode_columns import DecodeColumns
+from torchrec_lossy.codec.encode_columns import GRID_OK, EncodeColumns
 from torchrec_lossy.codec.format import (
     DECODE_BAD_CHECKSUM,
     DECODE_BAD_PACKED_CODE,
     DECODE_BAD_PACKED_ESCAPES,
     DECODE_BAD_WIDTH,
+    DESCRIPTOR,
+    DESCRIPTOR_WORDS,
     ESCAPE_SYMBOL,
+    MODE_LZ,
+    MODE_PACKED,
+    MODE_QUANT,
+    MODE_QUANT_LZ,
+    MODE_RAW,
     PACKED_GROUP,
     PACKED_MAX_WIDTH,
     REFS_OUT_OF_RANGE,
+    SEGMENT_HEADER_WORDS,
     SYMBOL_OFFSET,
+    descriptor_mode,
+    pack_records,
+    ref_width,
+    reference_words,
+    refs_packing,
+    segment_header_words,
     unzigzag,
+    words_for_bits,
+    words_for_bytes,
     zigzag,
 )
 from torchrec_lossy.codec.launch_tables import NO_FAILURE
@@ -347,20 +366,10 @@ def _stream_lanes(
     return f, v, elem, esc, torch.where(valid & ~esc, zigzag(symbol), 0)
 
 
-def stream_widths(
+def _stream_widths(
     sym: torch.Tensor, rows: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``kernels.packed.stream_widths``.
-
-    Args:
-        sym: int16 symbols of every element.
-        rows: int64 first occurrences' rows of the quantized dedupe.
-        rec: int64 [n_blocks, N_FIELDS] packed record.
-        slots: int64 [n_slots, 2] (block, group in the block).
-
-    Returns:
-        (int64 [n_slots] widths, int64 [n_slots] escapes).
-    """
+    """Per group slot (block, group in it): its width (0 for an unused slot) and escapes."""
     if not slots.shape[0]:
         empty = torch.zeros(0, dtype=torch.int64, device=sym.device)
         return empty, empty
@@ -368,6 +377,134 @@ def stream_widths(
     top = code.amax(dim=1)
     shifts = torch.arange(PACKED_MAX_WIDTH, device=sym.device)
     return ((top[:, None] >> shifts) > 0).sum(dim=1), esc.sum(dim=1)
+
+
+def _bases(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums with the total appended."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+
+def stream_plan(
+    sym: torch.Tensor, rows: torch.Tensor, inputs: pc.PlanInputs, n_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.packed.stream_plan`` (its docstring has the contract): the group
+    slots' widths and escapes, their prefix sums, the host's ``_packed_plan`` and
+    ``size_model``'s mode choice over ``[n_blocks]`` tensors.
+
+    Args:
+        sym: int16 symbols of every element.
+        rows: int64 first occurrences' rows of the quantized dedupe.
+        inputs: Per block, what the plan reads.
+        n_slots: Group slots of all blocks (``inputs.first_slot[-1]``).
+
+    Returns:
+        (int64 [3, n_slots]: widths, first word in the block's codes, escapes of the block
+        before it; int64 [PLAN_FIELDS, n_blocks]; int64 [n_blocks, HEAD_WORDS]).
+    """
+    i, dev = inputs, sym.device
+    nb = i.rows.shape[0]
+    ok = i.grid[:, GRID_OK] == 1
+    lz_allowed = i.lz_allowed == 1
+    plan_lz = ok & lz_allowed & (i.nu_q < i.rows)
+    n_sym = torch.where(ok, torch.where(plan_lz, i.nu_q, i.rows) * i.dim, 0)
+    cols = [torch.zeros_like(i.rows)] * pc.N_FIELDS
+    cols[pc.ELEM_OFF], cols[pc.ROW_OFF], cols[pc.DIM] = i.elem_off, i.row_off, i.dim.clamp(min=1)
+    cols[pc.N_SYM], cols[pc.Q_LZ], cols[pc.Q_BASE] = n_sym, plan_lz.long(), i.q_base
+    first = i.first_slot
+    blk = torch.repeat_interleave(
+        torch.arange(nb, device=dev), first[1:] - first[:-1], output_size=n_slots
+    )
+    slots = torch.stack([blk, torch.arange(n_slots, device=dev) - first[blk]], dim=1)
+    widths, esc = _stream_widths(sym, rows, torch.stack(cols, dim=1), slots)
+    w_before, e_before = _bases(widths), _bases(esc)
+    n_groups = (n_sym + PACKED_GROUP - 1) // PACKED_GROUP
+    n_esc = e_before[first[1:]] - e_before[first[:-1]]
+    stream_words = words_for_bytes(n_groups) + w_before[first[1:]] - w_before[first[:-1]]
+    # The mode (size_model: the host's _choose_lossy over the packed segments' exact words).
+    rows_, dim, itemsize = i.rows, i.dim, i.itemsize
+    quant_w = sm.quant_words(n_esc, itemsize, stream_words)
+    qlz_w = sm.quant_lz_words(rows_, i.nu_q.clamp(min=1), n_esc, itemsize, stream_words)
+    mode, best = sm.choose_lossy(i.raw_words, ok & ~plan_lz, quant_w, plan_lz, qlz_w)
+    nu_lower = torch.where(ok & lz_allowed, i.nu_q.clamp(min=1), 1)
+    tried = sm.lossless_may_win(lz_allowed, rows_, dim, itemsize, nu_lower, best)
+    lossless_w = sm.lossless_lz_words(rows_, i.nu_r.clamp(min=1), dim, itemsize)
+    mode = sm.choose_lossless(mode, best, tried, lossless_w, rows_ * dim)
+    # What it sends and its segment's sections (device_compress.sections: no codebook, no
+    # chunk table; the widths and codes are the stream).
+    is_q = (mode == MODE_QUANT) | (mode == MODE_QUANT_LZ)
+    is_qlz, is_lz = mode == MODE_QUANT_LZ, mode == MODE_LZ
+    has_refs = is_qlz | is_lz
+    n_sent = torch.where(is_qlz, i.nu_q, torch.where(is_lz, i.nu_r, rows_))
+    ref_mode, _, ref_bits = refs_packing(rows_, torch.where(has_refs, n_sent, 1))
+    n_escapes = torch.where(is_q, n_esc, 0)
+    esc_words = sm.escape_words(n_escapes, itemsize)
+    refs_words = torch.where(has_refs, words_for_bits(ref_bits), 0)
+    uniq_words = torch.where(is_lz, words_for_bytes(i.nu_r * dim * itemsize), 0)
+    body = SEGMENT_HEADER_WORDS + refs_words + uniq_words + esc_words
+    body = body + torch.where(is_q, stream_words, 0)
+    fields = {
+        pc.MODE: mode,
+        pc.IS_Q: is_q,
+        pc.IS_QLZ: is_qlz,
+        pc.IS_LZ: is_lz,
+        pc.HAS_REFS: has_refs,
+        pc.N_SENT: n_sent,
+        pc.N_ESCAPES: n_escapes,
+        pc.PLAN_REF_MODE: torch.where(has_refs, ref_mode, 0),
+        pc.PLAN_REF_WIDTH: ref_width(n_sent),
+        pc.REFS_WORDS: refs_words,
+        pc.ESC_WORDS: esc_words,
+        pc.SEG_WORDS: torch.where(mode == MODE_RAW, i.raw_words, body),
+        pc.N_GROUPS: torch.where(is_q, n_groups, 0),
+        pc.SENT_SYM: torch.where(is_q, n_sym, 0),
+        pc.STREAM_LZ: plan_lz,
+    }
+    fields.update(dict.fromkeys((pc.DESC_S0, pc.DESC_T, pc.HEAD_S0, pc.HEAD_T), mode))  # below
+    plan = torch.stack([fields[f].to(torch.int64) for f in range(pc.PLAN_FIELDS)])
+    heads = _heads(inputs, plan)
+    k = torch.arange(pc.HEAD_WORDS, device=dev)
+    desc = k < DESCRIPTOR_WORDS
+    j = 2 * torch.where(desc, k, k - DESCRIPTOR_WORDS) + 1  # 2 j + 1, j its word in its record
+    head = (mode != MODE_RAW)[:, None] & ~desc  # a raw block has no segment header
+    for f, keep, weight in ((pc.DESC_S0, desc, 1), (pc.DESC_T, desc, j), (pc.HEAD_S0, head, 1),
+                            (pc.HEAD_T, head, j)):  # fmt: skip
+        plan[f] = torch.where(keep, heads * weight, 0).sum(dim=1)
+    s_first = first[blk]
+    code_off = w_before[:-1] - w_before[s_first]
+    slot_cols = torch.stack([widths, code_off, e_before[:-1] - e_before[s_first]])
+    return slot_cols, plan, heads
+
+
+def _heads(inputs: pc.PlanInputs, plan: torch.Tensor) -> torch.Tensor:
+    """Every block's descriptor and segment header words (``format.DESCRIPTOR``,
+    ``segment_header_words``; the checksum field 0), as ``device_compress``'s writers."""
+    enc = EncodeColumns(inputs.enc, inputs.rows.shape[0])
+    mode, is_q = plan[pc.MODE], plan[pc.IS_Q] == 1
+    mode_byte = descriptor_mode(mode, enc.column(ec.VALUE))
+    desc = {
+        "rows": inputs.rows,
+        "dim": inputs.dim,
+        "dtype": enc.column(ec.DTYPE),
+        "mode": torch.where(is_q, mode_byte | MODE_PACKED, mode_byte),
+        "seg_words": plan[pc.SEG_WORDS],
+        "bound": enc.column(ec.BOUND_BITS),
+    }
+    zero = torch.zeros_like(mode)
+    fields = (
+        torch.where(is_q, enc.floats(ec.STEP_BITS), 0.0),
+        torch.where(is_q, enc.column(ec.CENTER), 0),
+        plan[pc.N_SENT],
+        plan[pc.N_ESCAPES],
+        torch.where(is_q, PACKED_GROUP, 0),
+        plan[pc.N_GROUPS],
+        zero,
+        zero,
+        zero,
+        plan[pc.PLAN_REF_MODE],
+        plan[pc.PLAN_REF_WIDTH],
+    )
+    head = torch.stack([w.to(torch.int64) for w in segment_header_words(fields)], dim=1)
+    return torch.cat([pack_records(DESCRIPTOR, desc), head], dim=1)
 
 
 def _add(
@@ -431,16 +568,46 @@ def _put_rows(
     _add(buf, f[:, pc.R_AT, None] + w, value, valid, sums, tiles[:, :1])
 
 
+def _put_refs(
+    buf: torch.Tensor, d: pc.PutDedupes, rec: torch.Tensor, tiles: torch.Tensor, tile: int,
+    sums: torch.Tensor,
+) -> None:  # fmt: skip
+    """The references' part of :func:`put_data` (every block's rows at once)."""
+    if not tiles.shape[0]:
+        return
+    f = rec[tiles[:, 0]]
+    loc = tiles[:, 1:2] + torch.arange(tile, device=buf.device)
+    valid = loc < f[:, pc.REF_ROWS, None]
+    qlz = f[:, pc.REF_QLZ, None] == 1
+    row_off = f[:, pc.ROW_OFF, None]
+    row = torch.where(valid, row_off + loc, 0)
+    rank = torch.where(qlz, d.q_rank[row], d.r_rank[row])
+    lead = (torch.where(qlz, d.q_rank[row + 1], d.r_rank[row + 1]) - rank) == 1
+    before = rank - torch.where(qlz, d.q_rank[row_off], d.r_rank[row_off])
+    flagged = f[:, pc.REF_MODE, None] == 1
+    width = f[:, pc.REF_WIDTH, None]
+    lead = flagged & lead  # a first occurrence: its flag bit alone
+    r_len = torch.where(lead, 1, width + flagged.to(torch.int64))
+    r_val = torch.where(lead, 1, torch.where(qlz, d.q_ids[row], d.r_ids[row]))
+    pos = torch.where(flagged, loc + (loc - before) * width, loc * width)
+    off, head, tail, spill = reference_words(pos, r_len, r_val)
+    at = f[:, pc.REFS_AT, None] + off
+    live = valid & (r_len > 0)
+    _add(buf, at, head, live, sums, tiles[:, :1])
+    _add(buf, at + 1, tail, live & spill, sums, tiles[:, :1])
+
+
 def put_data(
-    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor,
-    dedupe_rows: tuple[torch.Tensor, torch.Tensor], rec: torch.Tensor, slots: torch.Tensor,
-    stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tiles: torch.Tensor, tile: int,
+    buf: torch.Tensor, sym: torch.Tensor, bits: torch.Tensor, dedupes: pc.PutDedupes,
+    rec: torch.Tensor, slots: torch.Tensor, stream: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles: tuple[torch.Tensor, torch.Tensor], tile: int,
 ) -> torch.Tensor:  # fmt: skip
     """Twin of ``kernels.packed.put_data`` (arguments and result as there)."""
     widths, code_off, esc_base = stream
     sums = torch.zeros(2, rec.shape[0], dtype=torch.int64, device=buf.device)
-    _put_stream(buf, sym, bits, dedupe_rows[0], rec, slots, widths, code_off, esc_base, sums)
-    _put_rows(buf, bits, dedupe_rows[1], rec, tiles, tile, sums)
+    _put_stream(buf, sym, bits, dedupes.q_rows, rec, slots, widths, code_off, esc_base, sums)
+    _put_rows(buf, bits, dedupes.r_rows, rec, tiles[0], tile, sums)
+    _put_refs(buf, dedupes, rec, tiles[1], tile, sums)
     return sums
 
 
@@ -454,7 +621,7 @@ __all__ = [
     "packed_widths",
     "put_data",
     "segment_checksum",
-    "stream_widths",
+    "stream_plan",
     "symbols_and_ranks",
     "unpack_codes",
 ]

@@ -11,6 +11,7 @@ Bit-exactness (no FMA, no libdevice, no NaN / Inf into float->int): docs/kernels
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -18,19 +19,20 @@ import triton.language as tl
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec.decode_columns import DecodeColumns
-from torchrec_lossy.codec.encode_columns import EncodeColumns
+from torchrec_lossy.codec.encode_columns import GRID_STATS, EncodeColumns, GridRule
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     BFLOAT16_CODE,
     ESCAPE_SYMBOL,
     FLOAT16_CODE,
     FLOAT32_CODE,
+    MAX_CENTER,
     SYMBOL_OFFSET,
 )
 from torchrec_lossy.codec.launch_tables import block_for
+from torchrec_lossy.config import BoundKind
 from torchrec_lossy.kernels.common import find_segment
 from torchrec_lossy.kernels.packed import packed_code, packed_symbol
-from torchrec_lossy.kernels.quantize_ref import key_values
 
 # Globals a kernel reads must be constexpr.
 _ALPHABET: tl.constexpr = tl.constexpr(ALPHABET_SIZE)
@@ -41,6 +43,21 @@ _FLOAT16: tl.constexpr = tl.constexpr(FLOAT16_CODE)
 _BFLOAT16: tl.constexpr = tl.constexpr(BFLOAT16_CODE)
 _F16_INF_FROM: tl.constexpr = tl.constexpr(0x477FF000)  # bits of 65520.0: fp16 inf from here
 _F16_NORMAL_FROM: tl.constexpr = tl.constexpr(0x38800000)  # bits of 2**-14: smallest normal fp16
+# The grid rule's constants (codec/quantize.py) and the grid launch's output columns.
+_RELATIVE: tl.constexpr = tl.constexpr(int(BoundKind.RELATIVE))
+_VALUE: tl.constexpr = tl.constexpr(int(BoundKind.VALUE))
+_INF: tl.constexpr = tl.constexpr(float("inf"))
+_FLT_MAX: tl.constexpr = tl.constexpr(float(np.finfo(np.float32).max))
+_FLT_MIN: tl.constexpr = tl.constexpr(float(np.finfo(np.float32).tiny))
+_MAX_CENTER: tl.constexpr = tl.constexpr(MAX_CENTER)
+_GRID_STATS: tl.constexpr = tl.constexpr(ec.GRID_STATS)
+_GRID_OK: tl.constexpr = tl.constexpr(ec.GRID_OK)
+_GRID_LO: tl.constexpr = tl.constexpr(ec.GRID_LO)
+_GRID_HI: tl.constexpr = tl.constexpr(ec.GRID_HI)
+_GRID_ILO: tl.constexpr = tl.constexpr(ec.GRID_ILO)
+_GRID_IHI: tl.constexpr = tl.constexpr(ec.GRID_IHI)
+_GRID_N_FIN: tl.constexpr = tl.constexpr(ec.GRID_N_FIN)
+_GRID_MEDIAN: tl.constexpr = tl.constexpr(ec.GRID_MEDIAN)
 
 
 @triton.jit
@@ -277,48 +294,6 @@ def _key_value(key):
 
 
 @triton.jit
-def _median_kernel(x_ptr, out_ptr, start_ptr, end_ptr, n_ptr, need_ptr, BLOCK: tl.constexpr):
-    # One program per block; only a block that centers on its median (need != 0, some finite
-    # value) reads its values: eight passes of a radix select, the lower and upper middles.
-    b = tl.program_id(0).to(tl.int64)
-    med = tl.zeros((), tl.float64)
-    n = tl.load(n_ptr + b)
-    if (tl.load(need_ptr + b) != 0) & (n > 0):
-        start = tl.load(start_ptr + b)
-        end = tl.load(end_ptr + b)
-        lower = _key_value(_select_key(x_ptr, start, end, ((n - 1) // 2).to(tl.int32), BLOCK))
-        upper = _key_value(_select_key(x_ptr, start, end, (n // 2).to(tl.int32), BLOCK))
-        med = (lower + upper) / 2
-    tl.store(out_ptr + b, med)
-
-
-def block_medians(
-    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, n_finite: torch.Tensor,
-    need: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """Each block's median of its finite values, float64 (``np.median``: the middle one, or the
-    mean of the middle two), where ``need``; 0.0 elsewhere. One launch, no sort.
-
-    Args:
-        x: 1-D float32 values of every block, back to back.
-        elem_off: int64 [n_blocks] first element of each block.
-        numel: int64 [n_blocks] elements of each block.
-        n_finite: int64 [n_blocks] finite elements of each block.
-        need: bool [n_blocks] the blocks whose median is used (``quantize.uses_median``).
-
-    Returns:
-        float64 [n_blocks] medians (a -0.0 / +0.0 tie may give either zero: equal values).
-    """
-    nb = elem_off.shape[0]
-    out = torch.empty(nb, dtype=torch.float64, device=x.device)
-    if nb:
-        _median_kernel[(nb,)](
-            x, out, elem_off, elem_off + numel, n_finite, need.to(torch.int32), BLOCK=1024
-        )
-    return out
-
-
-@triton.jit
 def _range_keys(x_ptr, start, end, keep_below, BLOCK: tl.constexpr):
     """Smallest and largest int32 order key (``v ^ ((v >> 31) & 0x7FFFFFFF)``, the host's
     ``finite_ranges_kernel`` keys) of ``x[start:end]`` over the values whose exponent field
@@ -339,15 +314,37 @@ def _range_keys(x_ptr, start, end, keep_below, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ranges_kernel(x_ptr, off_ptr, out_ptr, n_ptr, OCTAVES: tl.constexpr, BLOCK: tl.constexpr):
+def _key_float(key):
+    """The float32 value of an ``_range_keys`` key; the sentinels (no value) to +inf / -inf
+    (``quantize_ref.key_values``)."""
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    none = (key == 0x7FFFFFFF) | (key == -0x7FFFFFFF)
+    inf = tl.where(key > 0, 0x7F800000, -0x800000)  # +inf / -inf bits
+    return tl.where(none, inf, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f64_bits(v):
+    """int64 bits of a float value as float64 (exact from float32)."""
+    return v.to(tl.float64).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _grid_kernel(
+    x_ptr, cols_ptr, rows_ptr, kind_ptr, given_ptr, try_ptr, out_ptr, OCTAVES: tl.constexpr,
+    STOCHASTIC: tl.constexpr, QUANTIZATION: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # One program per block: its finite range, finite count and exponent-field histogram in
-    # one pass; the lower median exponent M of its normal values; then the range of its finite
-    # values with exponent below M + OCTAVES (codec/outliers.py; the same as the finite range
-    # where the block has no outlier).
+    # one pass; the lower median exponent M of its normal values; the range of its finite
+    # values with exponent below M + OCTAVES (codec/outliers.py); then the grid rule of
+    # codec/quantize.py (block_bound, uses_median, block_grid: each line below names its
+    # step), the median by a radix select only where the rule centers on it; the grid written
+    # into the block's encode record, the ranges and ok into its row of ``out``.
     b = tl.program_id(0).to(tl.int64)
-    start = tl.load(off_ptr + b)
-    end = tl.load(off_ptr + b + 1)
-    bins = tl.arange(0, 256)
+    col = cols_ptr + b * ec.N_FIELDS
+    start = tl.load(col + ec.ELEM_OFF)
+    numel = tl.load(rows_ptr + b) * tl.load(col + ec.DIM)
+    end = start + numel
     hist = tl.zeros((256,), tl.int32)
     n_fin = tl.zeros((), tl.int64)
     for t0 in range(start, end, BLOCK):
@@ -358,39 +355,105 @@ def _ranges_kernel(x_ptr, off_ptr, out_ptr, n_ptr, OCTAVES: tl.constexpr, BLOCK:
         n_fin += tl.sum((inside & (e != 255)).to(tl.int64), axis=0)
         hist += tl.histogram(e, 256, mask=inside & (e >= 1) & (e <= 254))
     half = (tl.sum(hist, axis=0) + 1) // 2
-    median = tl.sum((tl.cumsum(hist, 0) < half).to(tl.int32), axis=0)
-    lo, hi = _range_keys(x_ptr, start, end, 256, BLOCK)
-    ilo, ihi = _range_keys(x_ptr, start, end, median + OCTAVES, BLOCK)
-    tl.store(out_ptr + 4 * b + bins, tl.where(bins == 0, lo, tl.where(bins == 1, hi, tl.where(
-        bins == 2, ilo, ihi))), mask=bins < 4)  # fmt: skip
-    tl.store(n_ptr + b, n_fin)
+    m_exp = tl.sum((tl.cumsum(hist, 0) < half).to(tl.int32), axis=0)
+    lo_k, hi_k = _range_keys(x_ptr, start, end, 256, BLOCK)
+    ilo_k, ihi_k = _range_keys(x_ptr, start, end, m_exp + OCTAVES, BLOCK)
+    lo, hi = _key_float(lo_k), _key_float(hi_k)
+    ilo, ihi = _key_float(ilo_k), _key_float(ihi_k)
+    kind = tl.load(kind_ptr + b)
+    given = tl.load(given_ptr + b).to(tl.float64, bitcast=True)
+    # block_bound: a relative bound over the inlier range (bounds.finite_span, float32 span).
+    rel = kind == _RELATIVE
+    span = (tl.where(rel, ihi, hi) - tl.where(rel, ilo, lo)).to(tl.float64)
+    span = tl.where((span > 0) & (span < _INF), span, 0.0)
+    bound = tl.where(rel, tl.where(given > 0, given * span, 0.0), given)
+    may = (bound > 0) & (numel > 0) & QUANTIZATION
+    grid = bound * 0.5 if STOCHASTIC else bound
+    # uses_median: the range does not fit the alphabet around its midpoint (midpoint_fits).
+    lo64, hi64 = lo.to(tl.float64), hi.to(tl.float64)
+    some = lo <= hi
+    two = 2.0 * grid
+    two_c = tl.where(two > _FLT_MAX, _FLT_MAX, two)  # NaN stays
+    fits = (hi64 - lo64) <= two_c * (2 * _OFFSET)
+    need = may & (kind != _VALUE) & some & ~fits
+    median = tl.zeros((), tl.float64)
+    if need & (n_fin > 0):
+        lower = _key_value(_select_key(x_ptr, start, end, ((n_fin - 1) // 2).to(tl.int32), BLOCK))
+        upper = _key_value(_select_key(x_ptr, start, end, (n_fin // 2).to(tl.int32), BLOCK))
+        median = (lower + upper) / 2 + 0.0  # + 0.0: a -0.0 / +0.0 tie gives +0.0
+    mid = tl.where(need, median, tl.where(some, 0.5 * (lo64 + hi64), 0.0))  # grid_mid
+    # grid_step: the float32 at most 2 * grid; its float32 reciprocal.
+    step = two_c.to(tl.float32)
+    down = (step.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    step = tl.where(step.to(tl.float64) > two, down, step)
+    step_ok = step >= _FLT_MIN
+    inv_step = (1.0 / tl.where(step_ok, step, 1.0).to(tl.float64)).to(tl.float32)
+    step = tl.where(step_ok, step, 0.0)
+    inv_step = tl.where(step_ok, inv_step, 0.0)
+    # grid_center: no FMA (the launch forbids contraction).
+    center = tl.floor((mid.to(tl.float32) * inv_step).to(tl.float64) + 0.5)
+    abs_ok = step_ok & (tl.abs(center) <= _MAX_CENTER)  # False for inf and NaN
+    # value_params: m from the bound's binary exponent (frexp), qmax the code of max |x|.
+    bits = bound.to(tl.int64, bitcast=True)
+    e64 = (bits >> 52) & 0x7FF
+    mag = bits & 0x7FFFFFFFFFFFFFFF
+    exponent = tl.where((e64 == 0x7FF) | (mag == 0), 0, tl.where(e64 == 0, -1022, e64 - 1022))
+    m = tl.minimum(tl.maximum(-exponent, 0), 23)
+    v_step = ((127 - m) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+    amax = tl.where(some, tl.maximum(tl.abs(lo64), tl.abs(hi64)), 0.0)
+    amax_bits = amax.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0x7FFFFFFF
+    shift = 23 - m
+    qmax = (amax_bits + ((1 << shift) >> 1)) >> shift  # format.value_code
+    # block_grid: 0 where not ok.
+    value = kind == _VALUE
+    ok = tl.where(value, may, may & abs_ok)
+    step_out = tl.where(ok, tl.where(value, v_step, step), 0.0)
+    inv_out = tl.where(ok & ~value, inv_step, 0.0)
+    center_out = tl.where(ok, tl.where(value, qmax, tl.where(abs_ok, center, 0.0).to(tl.int64)), 0)
+    tl.store(col + ec.STEP_BITS, step_out.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(col + ec.INV_STEP_BITS, inv_out.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(col + ec.CENTER, center_out)
+    tl.store(col + ec.BOUND_BITS, bits)
+    row = out_ptr + b * _GRID_STATS
+    tl.store(row + _GRID_OK, (ok & (tl.load(try_ptr + b) == 1)).to(tl.int64))
+    tl.store(row + _GRID_LO, _f64_bits(lo))
+    tl.store(row + _GRID_HI, _f64_bits(hi))
+    tl.store(row + _GRID_ILO, _f64_bits(ilo))
+    tl.store(row + _GRID_IHI, _f64_bits(ihi))
+    tl.store(row + _GRID_N_FIN, n_fin)
+    tl.store(row + _GRID_MEDIAN, median.to(tl.int64, bitcast=True))
 
 
-def block_ranges(
-    x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, octaves: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every block's finite range, inlier range (``codec/outliers.py``) and finite count, in
-    one launch (one program per block, no sort, no atomics).
+def block_grids(
+    x: torch.Tensor, cols: EncodeColumns, rows: torch.Tensor, rule: GridRule
+) -> torch.Tensor:
+    """Every block's grid (``codec.quantize``'s rule from its finite and inlier ranges and,
+    where the rule centers on it, its median: a radix select, no sort), in one launch (one
+    program per block, no atomics, no sync).
 
     Args:
         x: 1-D float32 values of every block, back to back.
-        elem_off: int64 [n_blocks] first element of each block.
-        numel: int64 [n_blocks] elements of each block.
-        octaves: ``outliers.OUTLIER_OCTAVES`` (an outlier's exponent is at least the median's
-            plus this).
+        cols: The blocks' encode record (read: ``ELEM_OFF``, ``DIM``); its grid fields
+            (``STEP_BITS``, ``INV_STEP_BITS``, ``CENTER``, ``BOUND_BITS``: the bound
+            resolved) are written.
+        rows: int64 [n_blocks] rows of each block.
+        rule: The bounds as given and the rule's switches (:class:`GridRule`).
 
     Returns:
-        float32 [n_blocks] (finite min, finite max, inlier min, inlier max): +inf / -inf where
-        none; int64 [n_blocks] finite count.
+        int64 [n_blocks, GRID_STATS] (``quantize_ref``'s ``GRID_*`` columns): whether the
+        block is quantized (and its quantize tiles ran), its finite and inlier ranges and its
+        median (float64 bits: +inf / -inf where none; the median 0.0 where not used), its
+        finite count.
     """
-    nb = elem_off.shape[0]
-    keys = torch.empty((nb, 4), dtype=torch.int32, device=x.device)
-    n_fin = torch.empty(nb, dtype=torch.int64, device=x.device)
+    nb = cols.n_blocks
+    out = torch.empty((nb, GRID_STATS), dtype=torch.int64, device=x.device)
     if nb:
-        ends = torch.cat([elem_off, (elem_off[-1:] + numel[-1:])])
-        _ranges_kernel[(nb,)](x, ends, keys, n_fin, OCTAVES=octaves, BLOCK=1024)
-    lo, hi, ilo, ihi = key_values(keys).unbind(1)
-    return lo, hi, ilo, ihi, n_fin
+        _grid_kernel[(nb,)](
+            x, cols.cols, rows, rule.kind, rule.bound_bits, rule.quant_try, out,
+            OCTAVES=rule.octaves, STOCHASTIC=rule.stochastic, QUANTIZATION=rule.quantization,
+            BLOCK=1024, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -568,7 +631,6 @@ def _decode(
 # callers launch them through the functions above.
 JIT_KERNELS = {
     "decode_output_kernel": _decode_output_kernel,
-    "median_kernel": _median_kernel,
-    "ranges_kernel": _ranges_kernel,
+    "grid_kernel": _grid_kernel,
     "quantize_kernel": _quantize_kernel,
 }

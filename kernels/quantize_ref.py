@@ -17,7 +17,7 @@ import torch
 from torchrec_lossy.codec import decode_columns as dc
 from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec.decode_columns import DecodeColumns
-from torchrec_lossy.codec.encode_columns import EncodeColumns
+from torchrec_lossy.codec.encode_columns import EncodeColumns, GridRule
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     CODE_DTYPES,
@@ -33,6 +33,7 @@ from torchrec_lossy.codec.format import (
     value_symbol,
 )
 from torchrec_lossy.codec.quant_params import QuantParams
+from torchrec_lossy.config import BoundKind
 from torchrec_lossy.kernels.packed_ref import symbols_and_ranks
 
 
@@ -263,6 +264,32 @@ def block_ranges(
     return lo, hi, ilo, ihi, n_fin
 
 
+def block_grids(
+    x: torch.Tensor, cols: EncodeColumns, rows: torch.Tensor, rule: GridRule
+) -> torch.Tensor:
+    """Twin of ``quantize.block_grids``: :func:`block_ranges`, the grid rule the caller passes
+    (``rule.rule``: ``codec.quantize``'s) over ``[n_blocks]`` tensors and :func:`block_medians`
+    (the sorting oracle) where it is used."""
+    numel = rows * cols.column(ec.DIM)
+    elem_off = cols.column(ec.ELEM_OFF)
+    lo, hi, ilo, ihi, n_fin = block_ranges(x, elem_off, numel, rule.octaves)
+    # A relative bound is taken over the range without finite outliers (codec/outliers.py).
+    rel = rule.kind == int(BoundKind.RELATIVE)
+    given = rule.bound_bits.view(torch.float64)
+    block_bound, uses_median, block_grid = rule.rule
+    b = block_bound(
+        rule.kind, given, torch.where(rel, ilo, lo), torch.where(rel, ihi, hi), numel,
+        rule.stochastic, rule.quantization,
+    )  # fmt: skip
+    need = uses_median(b, lo, hi)
+    median = block_medians(x, elem_off, numel, n_fin, need) + 0.0  # a -0.0 tie: +0.0
+    g = block_grid(b, lo, hi, median)
+    cols.set(step=g.step, inv_step=g.inv_step, center=g.center.to(torch.int64), bound=g.bound)
+    ok = (g.ok & (rule.quant_try == 1)).to(torch.int64)
+    f64 = [v.double().view(torch.int64) for v in (lo, hi, ilo, ihi)]
+    return torch.stack([ok, *f64, n_fin, median.view(torch.int64)], dim=1)
+
+
 def _half_bits(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int16 bits of float32 values rounded to a 16-bit dtype (nearest even, as the kernel).
 
@@ -391,6 +418,7 @@ def decode_packed_outputs(
 
 
 __all__ = [
+    "block_grids",
     "decode_outputs",
     "decode_packed_outputs",
     "dequantize_reference",

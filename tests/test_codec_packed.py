@@ -368,10 +368,11 @@ def test_the_device_encoder_writes_the_host_bytes(backend: str, kind: BoundKind)
 
 
 def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each Triton launch of the packed device compress (``quantize.block_ranges``,
-    ``packed.stream_widths``, ``put_data``) gives its torch twin's outputs and words (and
-    ``put_data`` the words' checksum sums), call by call on the production inputs
-    (adversarial blocks, every bound kind, raw, lossless lz and repeated rows), so the twins
+    """Each Triton launch of the packed device compress (``quantize.block_grids``,
+    ``packed.stream_plan``, ``put_data``) gives its torch twin's outputs and words (the grid
+    fields it writes into the record, ``put_data`` the words' checksum sums), call by call on
+    the production inputs (adversarial blocks, every bound kind, raw, lossless lz and repeated
+    rows), so the twins
     are each kernel's oracle, not just the payload's."""
     pytest.importorskip("triton", reason="triton is not installed")
     from torchrec_lossy.kernels import packed as k_packed
@@ -385,12 +386,14 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
 
         def call(*args: object) -> object:
             calls[name] = calls.get(name, 0) + 1
-            if writes:  # the first argument is the payload words, written in place
-                mine = args[0].clone()
-                want = twin(mine, *args[1:])
+            if writes:  # the argument written in place: the payload words, or the record
+                at = 1 if name == "block_grids" else 0
+                target = args[at]
+                mine = target._replace(cols=target.cols.clone()) if at else target.clone()
+                want = twin(*args[:at], mine, *args[at + 1 :])
                 got = kernel(*args)
-                assert torch.equal(args[0], mine), name
-                assert torch.equal(got, want), f"{name}: its words' sums"
+                assert torch.equal(target.cols if at else target, mine.cols if at else mine), name
+                assert torch.equal(got, want), f"{name}: its outputs"
                 return got
             got, want = kernel(*args), twin(*args)
             for g, w in zip(got, want, strict=True):  # floats bit for bit (signed zeros)
@@ -400,8 +403,8 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
 
         monkeypatch.setattr(mod, name, call)
 
-    spy(k_quantize, "block_ranges", quantize_ref.block_ranges, False)
-    spy(k_packed, "stream_widths", packed_ref.stream_widths, False)
+    spy(k_quantize, "block_grids", quantize_ref.block_grids, True)
+    spy(k_packed, "stream_plan", packed_ref.stream_plan, False)
     spy(k_packed, "put_data", packed_ref.put_data, True)
     blocks, _ = _adversarial_blocks()
     gen = torch.Generator().manual_seed(3)
@@ -417,4 +420,4 @@ def test_the_encode_launches_equal_their_twins(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(got.buffer, want.buffer)
         modes = {s.mode for s in got.stats[0]}
         assert {"raw", "lz"} <= modes, modes  # raw and lossless lz blocks were written too
-    assert calls == {"block_ranges": 3, "stream_widths": 3, "put_data": 3}
+    assert calls == {"block_grids": 3, "stream_plan": 3, "put_data": 3}

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from torchrec_lossy.codec import format as wire
-from torchrec_lossy.codec import huffman, quantize, vector_lz
+from torchrec_lossy.codec import huffman, packed, quantize, vector_lz
 from torchrec_lossy.codec.format import (
     ALPHABET_SIZE,
     DTYPE_CODES,
     ESCAPE_SYMBOL,
     MAX_CENTER,
     MAX_CODE_LENGTH,
+    NEAREST_KEY,
     REFS_FIXED,
     REFS_FLAGGED,
     SYMBOL_OFFSET,
@@ -28,6 +29,8 @@ from torchrec_lossy.codec.format import (
     refs_packing,
     words_for_bits,
 )
+from torchrec_lossy.codec.host_records import Grids
+from torchrec_lossy.codec.quant_params import QuantParams
 from torchrec_lossy.kernels import quantize_ref, vector_lz_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -235,6 +238,132 @@ def test_quantize_symbols_are_centered_codes():
     want[np.abs(q - p.center) > SYMBOL_OFFSET] = ESCAPE_SYMBOL
     assert symbols.tolist() == want.tolist()
     assert symbols[-1] == ESCAPE_SYMBOL  # 1000 is 5000 steps from the center: out of range
+
+
+def _neighbours(v: np.ndarray, k: int) -> np.ndarray:
+    """float32 values ``v`` and their ``k`` nearest float32 neighbours on each side."""
+    out = [v]
+    lo, hi = v, v
+    for _ in range(k):
+        lo, hi = np.nextafter(lo, np.float32(-np.inf)), np.nextafter(hi, np.float32(np.inf))
+        out += [lo, hi]
+    return np.concatenate(out).astype(np.float32)
+
+
+def _adversarial_block(step: np.float32, center: int, near_zero: bool) -> np.ndarray:
+    """float32 values where the float32 error of the fast quantize path is inexact or at the
+    bound: the grid's points and midpoints at the center and at the alphabet's edges, with 3
+    float32 neighbours each, and non-finite values; ``near_zero``: also the codes around 0 and
+    values below half a step and subnormals (where the error may be inexact in float32)."""
+    codes = [center + d for d in range(-3, 4)]
+    codes += [center + e + d for e in (-SYMBOL_OFFSET, SYMBOL_OFFSET) for d in (-1, 0, 1)]
+    codes = [k for k in codes if abs(k) >= 2 or near_zero] + (
+        list(range(-3, 4)) if near_zero else []
+    )
+    k = np.array(codes, np.float64)
+    s = np.float64(step)
+    at = np.concatenate([k * s, (k + 0.5) * s, (k - 0.5) * s]).astype(np.float32)
+    small = np.array([s / 4, s / 3, s / 2, 0.75 * s, 1e-45, F32_TINY, 0.0], np.float32)
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, F32_MAX], np.float32)
+    parts = [_neighbours(at, 3), special]
+    if near_zero:
+        parts += [_neighbours(small, 3), -_neighbours(small, 3)]
+    return np.concatenate(parts)
+
+
+def _quantize_float32(
+    x: np.ndarray, p: QuantParams, bound: float, ranges: bool
+) -> tuple[np.ndarray, float, int, int]:
+    """``quantize_blocks_kernel`` on one float32 block rounded to nearest (the float32 loop),
+    with or without the symbol ranges -> (symbols, max error, lowest and highest symbol)."""
+    grids = Grids(
+        np.array([p.step], np.float32),
+        np.array([p.inv_step], np.float32),
+        np.array([p.center], np.int64),
+        np.ones(1, np.bool_),
+        np.zeros(1, np.bool_),
+    )
+    symbols = np.empty(x.shape[0], np.uint16)
+    max_err, lo, hi = quantize.quantize_blocks_kernel(
+        x, np.array([0, x.shape[0]], np.int64), grids, np.array([bound]),
+        np.array([DTYPE_CODES[torch.float32]], np.int64), np.array([NEAREST_KEY], np.int64),
+        symbols, ranges,
+    )  # fmt: skip
+    return symbols, float(max_err[0]), int(lo[0]), int(hi[0])
+
+
+def test_float32_quantize_path_matches_the_float64_check() -> None:
+    """The float32 loop (float32 blocks, round to nearest) gives the float64 check's symbols
+    and max error wherever it proves its errors exact, and says so where it cannot (the block
+    then takes the float64 loop): adversarial values, bounds equal to an element's error and
+    their float64 neighbours, bounds no float32 holds."""
+    proved = fell_back = 0
+    steps = np.array([0.1, 3.0, 1e-3, 2.0**-20, 1e-37, 1e30], np.float32)
+    for step32, center, near_zero in itertools.product(
+        steps, (0, 5, -1000, MAX_CENTER - 1), (False, True)
+    ):
+        inv = np.float32(1.0 / np.float64(step32))
+        x = _adversarial_block(step32, center, near_zero)
+        p = QuantParams(step=float(step32), inv_step=float(inv), center=center)
+        half = float(step32) / 2
+        with np.errstate(over="ignore", invalid="ignore"):
+            q = np.floor(x * inv + np.float32(0.5)) * step32
+            errs = np.abs(q - x.astype(np.float64))
+        errs = errs[np.isfinite(errs) & (errs > 0)]
+        picked = [float(e) for e in np.unique(errs)[:: max(1, errs.size // 6)]]
+        for bound in [half, half * (1 + 1e-9), 0.3 * float(step32), *picked,
+                      *(float(np.nextafter(e, 0.0)) for e in picked),
+                      *(float(np.nextafter(e, np.inf)) for e in picked)]:  # fmt: skip
+            ref_sym, ref_err = quantize_ref.quantize_reference(torch.from_numpy(x), p, bound)
+            values = ref_sym[ref_sym != ESCAPE_SYMBOL]
+            ref_lo, ref_hi = (int(values.min()), int(values.max())) if values.numel() else (
+                ESCAPE_SYMBOL, -1)  # fmt: skip
+            for ranges in (False, True):  # the packed format's call, the entropy format's
+                symbols, max_err, lo, hi = _quantize_float32(x, p, bound, ranges)
+                assert np.array_equal(symbols.astype(np.int64), ref_sym.numpy())
+                assert max_err == ref_err
+                assert (lo, hi) == ((ref_lo, ref_hi) if ranges else (ESCAPE_SYMBOL, -1))
+            grid = quantize._Grid(step32, inv, center, bound, NEAREST_KEY)
+            fast = np.empty(x.shape[0], np.uint16)
+            err_bits, exact = quantize._nearest32_loop(x, grid, fast)
+            if exact:
+                proved += 1
+                assert np.array_equal(fast, symbols)
+                assert np.int64(err_bits).view(np.float64) == ref_err
+            else:
+                fell_back += 1
+    assert proved and fell_back  # both ways taken
+
+
+def _packed_stream(groups: list[tuple[int, list[int]]]) -> np.ndarray:
+    """A packed stream's words (width bytes, then each group's codes LSB-first in exactly
+    ``width`` words) from (width, codes) per group."""
+    head = np.zeros(-(-len(groups) // 4) * 4, np.uint8)
+    head[: len(groups)] = [w for w, _ in groups]
+    words = [head.view(np.uint32)]
+    for w, codes in groups:
+        bits = sum(c << (k * w) for k, c in enumerate(codes))
+        words.append(np.array([(bits >> (32 * j)) & 0xFFFFFFFF for j in range(w)], np.uint32))
+    return np.concatenate(words).astype(np.uint32)
+
+
+@pytest.mark.parametrize("at", [0, 5, 31, 40])
+def test_packed_decode_rejects_a_code_past_the_alphabet(at: int) -> None:
+    """A code above ``2 * SYMBOL_OFFSET`` (4095 at width 12) anywhere in any group is
+    ``DECODE_BAD_PACKED_CODE`` (the largest code is checked once per block); the largest value
+    code decodes."""
+    for top, want in ((4095, wire.DECODE_BAD_PACKED_CODE), (2 * SYMBOL_OFFSET, 0)):
+        codes = [0] * 64
+        codes[at] = top
+        seg = _packed_stream([(12, codes[:32]), (12, codes[32:])])
+        sym = np.zeros(64, np.uint16)
+        status = packed.decode_stream(
+            seg, packed.segment_checksum(seg), np.zeros(0, np.uint32), 0, 1, sym
+        )
+        assert status == want
+        if not want:
+            assert int(sym[at]) == wire.unzigzag(top)
+            assert int(sym.sum()) == int(sym[at]) + 63 * SYMBOL_OFFSET
 
 
 def _finite_range(x: np.ndarray) -> tuple[float, float]:

@@ -29,7 +29,9 @@ from helpers import (
 )
 
 from torchrec_lossy.codec import device_compress, host_sync, huffman, pipeline
+from torchrec_lossy.codec import encode_columns as ec
 from torchrec_lossy.codec import quantize as cpu_quantize
+from torchrec_lossy.codec.bounds import BoundKind
 from torchrec_lossy.codec.format import ALPHABET_SIZE, ESCAPE_SYMBOL
 from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES, inlier_ranges_kernel
 from torchrec_lossy.config import CodecConfig
@@ -231,8 +233,35 @@ def test_quantization_parameters_edge_cases(fmt: str) -> None:
         _check([specials.to(dtype)], [1e-2], config)
 
 
-def test_block_ranges_equal_the_host_rule() -> None:
-    """``quantize.block_ranges`` (one program per block) and its twin give the host's finite
+def _block_grids(
+    impl: Callable, blocks: list[torch.Tensor], bounds: list[float], kinds: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_grids`` (Triton or twin) over 1-D blocks (rows = elements, dim 1).
+
+    Returns:
+        (its [n_blocks, GRID_STATS] output, the record with the grid written).
+    """
+    x = torch.cat(blocks)
+    numel = torch.tensor([b.numel() for b in blocks])
+    cols = ec.encode_columns(
+        len(blocks), x.device, elem_off=torch.cumsum(numel, 0) - numel, dim=torch.ones_like(numel)
+    )
+    bound = torch.tensor(bounds, dtype=torch.float64)
+    kind = torch.tensor(kinds)
+    rule = ec.GridRule(
+        kind, bound.view(torch.int64), torch.ones_like(kind), OUTLIER_OCTAVES, False, True,
+        (cpu_quantize.block_bound, cpu_quantize.uses_median, cpu_quantize.block_grid),
+    )  # fmt: skip
+    return impl(x, cols, numel, rule), cols.cols[: len(blocks)]
+
+
+def _stat(out: torch.Tensor, column: int) -> np.ndarray:
+    """A float64-bits column of ``block_grids``' output."""
+    return out[:, column].contiguous().view(torch.float64).numpy()
+
+
+def test_block_grids_take_the_host_ranges() -> None:
+    """``quantize.block_grids`` (one program per block) and its twin give the host's finite
     range (``finite_ranges_kernel``: order keys, so -0.0 below +0.0), inlier range
     (``inlier_ranges_kernel``: a 3e38 outlier among small values is left out) and finite count:
     NaN / Inf, subnormals, signed zeros, a block with no finite value, an empty block, more than
@@ -251,9 +280,7 @@ def test_block_ranges_equal_the_host_rule() -> None:
         torch.randn(2500, generator=gen) * 1e3,
     ]
     x = torch.cat(blocks)
-    numel = torch.tensor([b.numel() for b in blocks])
-    elem_off = torch.cumsum(numel, 0) - numel
-    ends = np.append(elem_off.numpy(), x.numel())
+    ends = np.append(np.cumsum([0] + [b.numel() for b in blocks])[:-1], x.numel())
     h_lo, h_hi = cpu_quantize.finite_ranges_kernel(x.numpy(), ends)
     i_lo, i_hi = inlier_ranges_kernel(x.numpy(), ends, h_lo, h_hi, np.ones(len(blocks), bool))
     none = np.isnan(h_lo)
@@ -261,19 +288,24 @@ def test_block_ranges_equal_the_host_rule() -> None:
     want += [np.where(none, np.inf, i_lo), np.where(none, -np.inf, i_hi)]
     n_fin = [int(torch.isfinite(b).sum()) for b in blocks]
     assert i_hi[1] < 1e30 and h_hi[1] == np.float32(3e38)  # the outlier is left out
-    for impl in (quantize_kernels.block_ranges, quantize_ref.block_ranges):
-        *got, count = impl(x, elem_off, numel, OUTLIER_OCTAVES)
-        assert count.tolist() == n_fin
-        for g, w in zip(got, want, strict=True):
-            assert g.dtype == torch.float32
+    columns = (ec.GRID_LO, ec.GRID_HI, ec.GRID_ILO, ec.GRID_IHI)
+    kinds = [int(BoundKind.ABSOLUTE)] * len(blocks)
+    for impl in (quantize_kernels.block_grids, quantize_ref.block_grids):
+        out, _ = _block_grids(impl, blocks, [1e-3] * len(blocks), kinds)
+        assert out[:, ec.GRID_N_FIN].tolist() == n_fin
+        for column, w in zip(columns, want, strict=True):
             # Bit equality (signed zeros included).
-            assert g.numpy().view(np.int32).tolist() == w.astype(np.float32).view(np.int32).tolist()
+            got = _stat(out, column).astype(np.float32)
+            assert got.view(np.int32).tolist() == w.astype(np.float32).view(np.int32).tolist()
 
 
-def test_block_medians_select_without_sorting() -> None:
-    """The radix-select median (``quantize.block_medians``) equals ``np.median`` of each block's
-    finite values and its sorting twin: odd and even counts, negative values, ties, zeros of
-    both signs, NaN / Inf, subnormals, one finite value, none, and blocks not asked for."""
+def test_block_grids_select_the_median_without_sorting() -> None:
+    """Where the rule centers on the median (``quantize.uses_median``: the range does not fit
+    the alphabet), the radix select (``quantize.block_grids``) equals ``np.median`` of the
+    block's finite values and its sorting twin: odd and even counts, negative values, ties,
+    zeros of both signs, NaN / Inf, subnormals, one finite value, none, and blocks whose rule
+    does not use it (0.0); and the grids written equal the host rule's (``block_grid``) under
+    each bound kind."""
     gen = torch.Generator().manual_seed(7)
     blocks = [
         torch.randn(37, generator=gen),
@@ -285,20 +317,37 @@ def test_block_medians_select_without_sorting() -> None:
         torch.tensor([float("nan"), 7.5]),
         torch.tensor([float("nan"), float("inf")]),
         torch.randn(2500, generator=gen),  # more than one tile
-        torch.randn(9, generator=gen),  # not asked for: 0.0
+        torch.randn(9, generator=gen),  # fits: the midpoint
     ]
-    x = torch.cat(blocks)
-    numel = torch.tensor([b.numel() for b in blocks])
-    elem_off = torch.cumsum(numel, 0) - numel
-    n_fin = torch.tensor([int(torch.isfinite(b).sum()) for b in blocks])
-    need = torch.ones(len(blocks), dtype=torch.bool)
-    need[-1] = False
-    got = quantize_kernels.block_medians(x, elem_off, numel, n_fin, need)
-    twin = quantize_ref.block_medians(x, elem_off, numel, n_fin, need)
-    for i, b in enumerate(blocks):
-        fin = b[torch.isfinite(b)].double().numpy()
-        want = float(np.median(fin)) if fin.size and need[i] else 0.0
-        assert float(got[i]) == want and float(twin[i]) == want, (i, float(got[i]), want)
+    bounds = [1e-9] * (len(blocks) - 1) + [1.0]
+    for kind in (BoundKind.ABSOLUTE, BoundKind.RELATIVE, BoundKind.VALUE):
+        kinds = [int(kind)] * len(blocks)
+        outs = [_block_grids(impl, blocks, bounds, kinds)
+                for impl in (quantize_kernels.block_grids, quantize_ref.block_grids)]  # fmt: skip
+        (got, rec), (twin, twin_rec) = outs
+        assert torch.equal(got, twin) and torch.equal(rec, twin_rec), kind
+        lo, hi = _stat(got, ec.GRID_LO), _stat(got, ec.GRID_HI)
+        numel = np.array([b.numel() for b in blocks])
+        rel = kind == BoundKind.RELATIVE  # its bound is taken over the inlier range
+        b = cpu_quantize.block_bound(
+            np.array(kinds), np.array(bounds), _stat(got, ec.GRID_ILO) if rel else lo,
+            _stat(got, ec.GRID_IHI) if rel else hi, numel, False, True,
+        )  # fmt: skip
+        need = cpu_quantize.uses_median(b, lo, hi)
+        if kind == BoundKind.ABSOLUTE:
+            assert need[:6].all() and need[8] and not need[6] and not need[7] and not need[9]
+        want = np.array([
+            float(np.median(x[torch.isfinite(x)].double().numpy())) if need[i] else 0.0
+            for i, x in enumerate(blocks)
+        ])  # fmt: skip
+        assert _stat(got, ec.GRID_MEDIAN).tolist() == want.tolist(), kind
+        g = cpu_quantize.block_grid(b, lo, hi, want)
+        assert got[:, ec.GRID_OK].tolist() == g.ok.astype(int).tolist()
+        assert rec[:, ec.STEP_BITS].tolist() == g.step.astype(np.float32).view(np.int32).tolist()
+        inv = g.inv_step.astype(np.float32).view(np.int32).tolist()
+        assert rec[:, ec.INV_STEP_BITS].tolist() == inv
+        assert rec[:, ec.CENTER].tolist() == g.center.astype(np.int64).tolist()
+        assert rec[:, ec.BOUND_BITS].tolist() == g.bound.view(np.int64).tolist()
 
 
 def _random_payload(seed: int) -> tuple[list[torch.Tensor], list[float], CodecConfig]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -17,7 +18,7 @@ from torchrec_lossy.config import (
 )
 from torchrec_lossy.planner.cost import RAW, WireFormat, gib_s_to_bytes_per_ms
 from torchrec_lossy.planner.formats import CANDIDATES, admits, choose_format
-from torchrec_lossy.planner.speeds import default_speeds, measure_speeds
+from torchrec_lossy.planner.speeds import Speeds, default_speeds, measure_speeds
 
 
 def test_casts_are_admitted_where_the_bound_can_be_met() -> None:
@@ -124,6 +125,12 @@ def test_measured_speeds_are_sane_and_cached_per_shape() -> None:
     assert speeds.ratio_factor("packed") == speeds.ratios["packed"] / speeds.ratios["entropy"]
     again = measure_speeds(TABLES, 64, LossyCommsConfig(), torch.device("cpu"), cache)
     assert again is speeds and len(cache) == 1
+    # Saved as JSON (a resumed run plans from its first attempt's figures) and read back equal.
+    assert Speeds.from_dict(json.loads(json.dumps(speeds.to_dict()))) == speeds
+    with pytest.raises(ValueError, match=r"unknown keys \['gib'\]; re-measure"):
+        Speeds.from_dict({**speeds.to_dict(), "gib": 1})
+    with pytest.raises(ValueError, match="need \\(encode, decode\\) per format"):
+        Speeds.from_dict({**speeds.to_dict(), "formats": {"packed": [1.0]}})
 
 
 def test_failed_calibration_falls_back_with_one_warning(
@@ -290,7 +297,6 @@ def test_auto_takes_torchrecs_own_path_only_where_nothing_is_coded_and_dedupe_do
     None
 ):
     from torchrec_lossy.planner.lossy_model import LossyCommsModel
-    from torchrec_lossy.planner.speeds import Speeds
 
     def speeds(dedupe: tuple[float, float] | None) -> Speeds:
         base = _speeds((0.3, 1.0), (0.3, 1.0))

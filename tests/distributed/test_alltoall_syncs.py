@@ -155,6 +155,7 @@ def _worker_corrupt(rank: int, world_size: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_corrupt_payload_on_the_device_path_is_zeroed_then_reported_at_the_next_read() -> None:
     for rank, r in enumerate(run_workers(_worker_corrupt, 2, timeout_s=600)):

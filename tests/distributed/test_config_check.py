@@ -82,7 +82,12 @@ def _worker(rank: int, world_size: int, case: str, paths: str = "seam") -> dict[
     ("case", "key", "values"),
     [
         ("forward bound", "default_bound.value", ("0.01 on rank 0", "0.03 on rank 1")),
-        ("backward", "backward", ("'lossy' on rank 0", "'none' on rank 1")),
+        pytest.param(
+            "backward",
+            "backward",
+            ("'lossy' on rank 0", "'none' on rank 1"),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_different_configs_fail_on_every_rank_naming_the_key(
@@ -95,6 +100,7 @@ def test_different_configs_fail_on_every_rank_naming_the_key(
     assert errors[0].count(" on rank 0") == 1, errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("case", "paths", "key", "values"),
@@ -116,11 +122,13 @@ def test_torchrecs_path_checks_the_configs_too(
     ), errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrecs_path_with_the_same_config_shards() -> None:
     assert [r["error"] for r in run_workers(_worker, 2, "same", "torchrec")] == [None, None]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_local_keys_may_differ() -> None:
     assert [r["error"] for r in run_workers(_worker, 2, "rank-local keys only")] == [None, None]
@@ -166,6 +174,7 @@ def _worker_agree(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_speeds_are_agreed_so_every_rank_resolves_the_same_format() -> None:
     r0, r1 = run_workers(_worker_agree, 2, timeout_s=240)

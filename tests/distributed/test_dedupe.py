@@ -267,9 +267,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(
-    "world_size", [pytest.param(2, marks=pytest.mark.slow), 3]
-)  # 2 ranks: slow step (many other tests cover 2 ranks)
+@pytest.mark.slow  # both world sizes: many other tests cover the dedupe on 2 ranks
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_output_dedupe_exact_by_default_lookup_variant_close(world_size: int) -> None:
     results = run_workers(_worker, world_size)
     for rank, r in enumerate(results):
@@ -432,8 +431,8 @@ def _gdd_worker(rank: int, world_size: int, optimizer: str) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adagrad", marks=pytest.mark.slow)])
 def test_gradient_dedupe_trains_like_torchrec(world_size: int, optimizer: str) -> None:
     results = run_workers(_gdd_worker, world_size, optimizer)
     for rank, r in enumerate(results):

@@ -371,6 +371,7 @@ def _worker_eval(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_evaluation_is_exact_by_default_and_lossy_on_request() -> None:
     for rank, r in enumerate(run_workers(_worker_eval, 2, timeout_s=600)):
@@ -529,6 +530,7 @@ def _worker_faults(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_corrupt_payload_fails_on_receiver_only() -> None:
     r0, r1 = run_workers(_worker_faults, 2)
     assert r0["flip"] == "ok" and r0["truncate"] == "ok"  # the sender side is unaffected

@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, corrupt: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chunked_decodes_the_unchunked_bits_and_counts_rounds(world: int) -> None:
     for rank, r in enumerate(run_workers(_worker, world, False)):
         for step, s in enumerate(r["steps"]):
@@ -195,6 +195,7 @@ def test_chunked_decodes_the_unchunked_bits_and_counts_rounds(world: int) -> Non
         assert noise["fwd"]["isend"] == peers_coded, (rank, noise)
 
 
+@pytest.mark.slow
 def test_corrupt_chunk_names_its_source_rank() -> None:
     results = run_workers(_worker, 3, True)
     err = results[0]["error"]

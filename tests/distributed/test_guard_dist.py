@@ -207,6 +207,7 @@ def _worker_device(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_guard_on_the_device_path_tightens_alike_a_step_later() -> None:
     """The device path's sample is read with the next all-to-all's size exchange: a step's

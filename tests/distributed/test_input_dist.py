@@ -341,7 +341,7 @@ def _worker_a2a(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_kjt_all_to_all_bit_identical_to_torchrec(world_size: int) -> None:
     results = run_workers(_worker_a2a, world_size)
     batches = [r.pop("batch") for r in results]
@@ -380,6 +380,7 @@ def _worker_vbe_a2a(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vbe_kjt_all_to_all_bit_identical_to_torchrec(world_size: int) -> None:
     for rank, r in enumerate(run_workers(_worker_vbe_a2a, world_size)):
@@ -427,6 +428,7 @@ def _worker_input_faults(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_corrupt_input_payload_fails_on_its_receiver_with_the_hook() -> None:
     r0, r1 = run_workers(_worker_input_faults, 2)

@@ -159,7 +159,13 @@ def _worker(rank: int, world_size: int, pipeline_name: str) -> dict[str, Any]:
 @pytest.mark.dist
 # TrainPipelineSemiSync and TrainPipelineFusedSparseDist share the mechanism but need CUDA
 # streams (on CPU TorchRec's own record_stream fails, with TorchRec's sharder too).
-@pytest.mark.parametrize("pipeline", ["TrainPipelineSparseDist", "TrainPipelineSparseDistLite"])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        "TrainPipelineSparseDist",
+        pytest.param("TrainPipelineSparseDistLite", marks=pytest.mark.slow),
+    ],
+)
 def test_packed_input_dist_and_output_dedupe_under_train_pipeline(pipeline: str) -> None:
     for rank, r in enumerate(run_workers(_worker, 2, pipeline)):
         assert r["steps"] == STEPS, (rank, r["steps"])

@@ -447,6 +447,7 @@ def _worker_both(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_model_with_ebc_and_ec_takes_both_sharders() -> None:
     for r in run_workers(_worker_both, 2, timeout_s=900):
         assert r["types"] == {

@@ -128,6 +128,7 @@ def _spawned(rank: int, world_size: int, port: int, sharder: Any, out_dir: str) 
         )
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_sharder_handed_to_ranks_through_spawn_args_shards_and_trains(tmp_path: Path) -> None:
     sharder = LossyEmbeddingBagCollectionSharder(comms_config=bounded_config())

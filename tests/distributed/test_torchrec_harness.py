@@ -146,9 +146,9 @@ def _ec_worker(rank: int, world_size: int, sharding_type: str) -> str:
     [
         ("table_wise", 2),
         ("column_wise", 2),
-        ("row_wise", 2),
-        ("table_row_wise", 1),
-        ("grid_shard", 1),
+        pytest.param("row_wise", 2, marks=pytest.mark.slow),
+        pytest.param("table_row_wise", 1, marks=pytest.mark.slow),
+        pytest.param("grid_shard", 1, marks=pytest.mark.slow),
     ],
 )
 def test_torchrec_model_parallel_check_passes_with_the_lossy_sharder(
@@ -157,12 +157,14 @@ def test_torchrec_model_parallel_check_passes_with_the_lossy_sharder(
     assert run_workers(_ebc_worker, 2, sharding_type, local_size, timeout_s=600) == ["ok"] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_torchrec_check_fails_when_the_forward_is_lossy() -> None:
     with pytest.raises(AssertionError, match="not close"):
         run_workers(_ebc_worker, 2, "table_wise", 2, 0.5, timeout_s=600)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise", "row_wise"])
 def test_torchrec_sequence_model_check_passes_with_the_lossy_ec_sharder(

@@ -134,6 +134,7 @@ def _check(results: list[dict[str, Any]]) -> None:
         assert sent and all(0 < wire < raw and e <= results[0]["bound"] for raw, wire, e in sent)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_hosts_of_one_rank() -> None:
     _check(run_workers(_worker, 2, 1, timeout_s=600))

@@ -73,6 +73,7 @@ def _worker_value(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_value_bound_trains_within_the_bound() -> None:
     for rank, r in enumerate(run_workers(_worker_value, 2, timeout_s=600)):

@@ -283,6 +283,7 @@ def _worker_one_owner(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_vbe_with_a_rank_without_local_features() -> None:
     # Rank 1 owns no table: it only receives, with no per-feature batches of its own to send.

@@ -3,7 +3,7 @@
 One module for what wraps the blocks' segments (docs/format.md), used by the host path
 (``pipeline``) and the device paths (``device_compress``, ``device_decompress``, ``grouped``)
 alike: the host builds and parses records with numpy, the device builds them with
-:func:`pack_records` from the same ``format`` record dtypes, and both checksum through
+``format.pack_records`` from the same record dtypes, and both checksum through
 :func:`checksum` / :func:`segment_checksums`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numba
@@ -249,40 +249,6 @@ def checksum(words: np.ndarray | torch.Tensor) -> int | torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Records built on the device from the format's numpy record dtypes.
-
-
-def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
-    """Packs records of a ``format`` structured dtype into little-endian 32-bit words.
-
-    The field layout (offsets, sizes) comes from ``record`` itself, so the device path writes
-    exactly the bytes a numpy structured array would.
-
-    Args:
-        record: ``format.HEADER``, ``DESCRIPTOR`` or ``SEGMENT_HEADER``.
-        fields: Field name to its raw bits as an int64 tensor [n] (floats passed as their bit
-            pattern, signed values as two's complement) or a Python int; fields left out are 0.
-            At least one value must be a tensor (it gives ``n`` and the device).
-
-    Returns:
-        int64 [n, record.itemsize // 4] words, each in [0, 2**32).
-    """
-    unknown = set(fields) - set(record.names)
-    if unknown:
-        raise ValueError(f"fields {sorted(unknown)} are not in the record {record.names}")
-    ref = next(v for v in fields.values() if isinstance(v, torch.Tensor))
-    out = torch.zeros(ref.shape[0], record.itemsize // 4, dtype=torch.int64, device=ref.device)
-    for name, value in fields.items():
-        field_dtype, offset = record.fields[name][:2]
-        size = field_dtype.itemsize
-        word, shift = divmod(offset, 4)
-        v = value if isinstance(value, torch.Tensor) else torch.full_like(ref, value)
-        v = v.to(torch.int64)
-        if size == 8:
-            out[:, word] |= v & MASK32
-            out[:, word + 1] |= (v >> 32) & MASK32
-        else:
-            out[:, word] |= (v & ((1 << (8 * size)) - 1)) << (8 * shift)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

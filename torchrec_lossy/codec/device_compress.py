@@ -26,7 +26,6 @@ from torchrec_lossy.codec.container import (
     MASK32,
     BlockColumns,
     BlockStats,
-    pack_records,
     segment_checksums,
     skeleton_index,
     skeleton_words,
@@ -49,7 +48,9 @@ from torchrec_lossy.codec.format import (
     SEGMENT_HEADER_WORDS,
     VERSION,
     descriptor_mode,
+    pack_records,
     ref_width,
+    reference_words,
     refs_packing,
     segment_header_words,
     words_for_bits,
@@ -58,7 +59,6 @@ from torchrec_lossy.codec.format import (
 from torchrec_lossy.codec.kernel_set import KernelSet, load_kernels
 from torchrec_lossy.codec.launch_tables import block_for, column_multipliers, tile_table
 from torchrec_lossy.codec.outliers import OUTLIER_OCTAVES
-from torchrec_lossy.codec.quantize import BlockGrid
 from torchrec_lossy.config import CodecConfig
 from torchrec_lossy.profile_range import profile_range
 
@@ -90,6 +90,10 @@ class Columns(Generic[_Array]):
     group: _Array  # its payload
     local: _Array  # its index in its payload
     group_blocks: _Array  # per payload, its blocks
+    group_first: _Array  # per payload, its first block
+    group_end: _Array  # per payload, its first block plus its blocks
+    heads_before: _Array  # per payload, the header and descriptor words of the payloads before
+    lead_words: _Array  # per block, the header and descriptor words of its payload and those before
     lz_allowed: _Array  # 1 where vector-LZ may run
     raw_words: _Array  # words of its raw segment
     first_slot: _Array  # its first Huffman chunk slot
@@ -101,6 +105,7 @@ class Columns(Generic[_Array]):
     ps_slots: _Array  # packed: per group slot (block, group in it), flattened; may-quantize blocks
     ps_first: _Array  # packed: per block its first slot, then the slot count (n_blocks + 1)
     rw_tiles: _Array  # packed: per raw-rows tile (block, first word), flattened
+    rf_tiles: _Array  # packed: per references tile (block, first row), flattened; lz blocks
     record: _Array  # the launchers' record, grid fields 0, flattened (encode_columns.host_record)
 
 
@@ -138,24 +143,33 @@ def _slots(numel: np.ndarray, quant_try: np.ndarray, chunk: int) -> tuple:
 
 
 def _packed_tables(
-    numel: np.ndarray, quant_try: np.ndarray, raw_words: np.ndarray, packed: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    numel: np.ndarray, quant_try: np.ndarray, raw_words: np.ndarray, lz_rows: np.ndarray,
+    packed: bool,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
     """The packed encode launches' static tables: group slots (every value sent) of the blocks
-    that may quantize, and tiles of every block's raw words (``ROWS_TILE`` each).
+    that may quantize, tiles of every block's raw words and of the rows of every block that
+    may send references (``lz_rows``: its rows where vector-LZ may run, else 0), ``ROWS_TILE``
+    each.
 
     Returns:
         (flattened [n_slots, 2] slots, [n_blocks + 1] first slots, flattened [n_tiles, 2]
-        tiles); empty unless ``packed``.
+        tiles, flattened [n_ref_tiles, 2] reference tiles); empty unless ``packed``.
     """
     if not packed:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, np.zeros(numel.shape[0] + 1, dtype=np.int64), empty
+        return empty, np.zeros(numel.shape[0] + 1, dtype=np.int64), empty, empty
     per = np.where(quant_try == 1, (numel + PACKED_GROUP - 1) // PACKED_GROUP, 0)
     first = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)
     blk = np.repeat(np.arange(numel.shape[0], dtype=np.int64), per)
     slots = np.stack([blk, np.arange(blk.shape[0], dtype=np.int64) - first[blk]], axis=1)
     tiles, owner = checksum_tiles(np.zeros_like(raw_words), raw_words, ROWS_TILE)
-    return slots.reshape(-1), first, np.stack([owner, tiles[:, 1]], axis=1).reshape(-1)
+    ref_tiles, ref_owner = checksum_tiles(np.zeros_like(lz_rows), lz_rows, ROWS_TILE)
+    return (
+        slots.reshape(-1),
+        first,
+        np.stack([owner, tiles[:, 1]], axis=1).reshape(-1),
+        np.stack([ref_owner, ref_tiles[:, 1]], axis=1).reshape(-1),
+    )
 
 
 def host_tables(
@@ -188,9 +202,14 @@ def host_tables(
     )
     elem_off, row_off = np.cumsum(numel) - numel, np.cumsum(rows) - rows
     group = np.repeat(np.arange(len(group_sizes), dtype=np.int64), sizes)
+    heads = HEADER_WORDS + DESCRIPTOR_WORDS * sizes  # each payload's header and descriptors
+    group_first = np.cumsum(sizes) - sizes
     raw_words = words_for_bytes(numel * itemsize)
     packed = config.format == "packed"
-    ps_slots, ps_first, rw_tiles = _packed_tables(numel, quant_try, raw_words, packed)
+    lz_allowed = ((rows > 1) & config.enable_lz).astype(np.int64)
+    ps_slots, ps_first, rw_tiles, rf_tiles = _packed_tables(
+        numel, quant_try, raw_words, rows * lz_allowed, packed
+    )
     record = ec.host_record(
         b,
         dtype=np.array([DTYPE_CODES[t.dtype] for t in blocks], dtype=np.int64),
@@ -212,7 +231,11 @@ def host_tables(
         group=group,
         local=local,
         group_blocks=sizes,
-        lz_allowed=((rows > 1) & config.enable_lz).astype(np.int64),
+        group_first=group_first,
+        group_end=group_first + sizes,
+        heads_before=np.cumsum(heads) - heads,
+        lead_words=np.cumsum(heads)[group],
+        lz_allowed=lz_allowed,
         raw_words=raw_words,
         first_slot=first_slot,
         n_slots=slots,
@@ -223,6 +246,7 @@ def host_tables(
         ps_slots=ps_slots,
         ps_first=ps_first,
         rw_tiles=rw_tiles,
+        rf_tiles=rf_tiles,
         record=record.reshape(-1),
     )
     return HostTables(
@@ -276,6 +300,9 @@ class Dedupe(NamedTuple):
     # block b's first occurrences' rows at [base[b], + n_unique[b]) (one table for both dedupes
     # of a compress: ``vector_lz_stage``)
     first_rows: torch.Tensor
+    # [n_rows + 1] first occurrences before each row, plus a constant (a view of both
+    # dedupes' ranks)
+    rank: torch.Tensor
 
     def row(self, flat: Flat, vec: torch.Tensor) -> torch.Tensor:
         """Per element lane, the flat row of distinct vector ``vec`` of the lane's block."""
@@ -292,6 +319,24 @@ class _Codes(NamedTuple):
     sym_lo: torch.Tensor  # first value symbol of the codebook
     sym_count: torch.Tensor  # value symbols of the codebook
     n_esc: torch.Tensor  # escapes
+
+
+class GridStage(NamedTuple):
+    """The grid stage's result (:func:`grid_stage`)."""
+
+    cols: EncodeColumns  # the launchers' record, its grid fields written
+    stats: torch.Tensor  # int64 [n_blocks, GRID_STATS] (``quantize.block_grids``)
+
+    @property
+    def ok(self) -> torch.Tensor:
+        """Per block, whether it is quantized (its quantize tiles ran: the rule before the
+        data allowed it, a superset)."""
+        return self.stats[:, ec.GRID_OK] == 1
+
+    @property
+    def bound_bits(self) -> torch.Tensor:
+        """int64 [n_blocks] float64 bits of each block's bound (relative ones resolved)."""
+        return self.cols.column(ec.BOUND_BITS)
 
 
 class Sends(NamedTuple):
@@ -376,24 +421,17 @@ def bases(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
 
 
-def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> BlockGrid:
+def grid_stage(k: KernelSet, ht: HostTables, t: Columns, flat: Flat) -> GridStage:
     """Stage 1: every block's bound, step and center (``quantize``'s rule: ``block_bound``,
-    ``block_grid``) from its finite min / max and, where the rule centers on it, its median
-    (``quantize.block_medians``: a radix select, no sort); center int64."""
-    numel = t.rows * t.dim
-    # Finite and inlier ranges and finite counts in one launch (``quantize.block_ranges``).
-    lo, hi, ilo, ihi, n_fin = k.quantize.block_ranges(flat.x, t.elem_off, numel, OUTLIER_OCTAVES)
-    bound = t.bound_bits.view(torch.float64)
-    # A relative bound is taken over the range without finite outliers (codec/outliers.py).
-    rel = t.kind == int(BoundKind.RELATIVE)
-    ilo, ihi = torch.where(rel, ilo, lo), torch.where(rel, ihi, hi)
-    b = quantize.block_bound(t.kind, bound, ilo, ihi, numel, ht.stochastic, ht.quantization)
-    need = quantize.uses_median(b, lo, hi)
-    g = quantize.block_grid(
-        b, lo, hi, k.quantize.block_medians(flat.x, t.elem_off, numel, n_fin, need)
-    )
-    # The quantize launch ran where the rule before the data allowed (a superset of ok).
-    return g._replace(center=g.center.to(torch.int64), ok=g.ok & (t.quant_try == 1))
+    ``block_grid``) from its finite and inlier ranges and, where the rule centers on it, its
+    median (a radix select, no sort), in one launch (``quantize.block_grids``) that writes
+    them into the launchers' record (the host laid out every other field)."""
+    cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks)
+    rule = ec.GridRule(
+        t.kind, t.bound_bits, t.quant_try, OUTLIER_OCTAVES, ht.stochastic, ht.quantization,
+        (quantize.block_bound, quantize.uses_median, quantize.block_grid),
+    )  # fmt: skip
+    return GridStage(cols, k.quantize.block_grids(flat.x, cols, t.rows, rule))
 
 
 def quantize_stage(
@@ -442,7 +480,10 @@ def vector_lz_stage(
     entries = torch.arange(2 * n_rows, device=dev)
     first_rows.put(rank - 1, entries % max(n_rows, 1), firsts.reshape(-1) == 1)
     rows = first_rows.buf
-    by_sym, by_raw = (Dedupe(firsts[d], ids[d], base[d], n_unique[d], rows) for d in range(2))
+    by_sym, by_raw = (
+        Dedupe(firsts[d], ids[d], base[d], n_unique[d], rows, rank0[d * n_rows :][: n_rows + 1])
+        for d in range(2)
+    )
     return by_sym, by_raw
 
 
@@ -557,16 +598,37 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
     coded = nib_words + esc_words + s.n_chunks + torch.where(s.is_q, stream_words, 0)
     body = SEGMENT_HEADER_WORDS + s.refs_words + uniq_words + coded
     seg_words = torch.where(s.mode == MODE_RAW, t.raw_words, body)
-    group, group_blocks = t.group, t.group_blocks
-    group_segs = torch.zeros_like(group_blocks).index_add_(0, group, seg_words)
-    body_words = DESCRIPTOR_WORDS * group_blocks + group_segs
+    return place(t, seg_words, (nib_words, s.refs_words, esc_words), s.n_escapes, s.n_chunks)
+
+
+def place(
+    t: Columns, seg_words: torch.Tensor, words: tuple[torch.Tensor | int, ...],
+    n_escapes: torch.Tensor, n_chunks: torch.Tensor | int,
+) -> Sections:  # fmt: skip
+    """Every section's offset from the blocks' segment sizes (cumsums over the blocks).
+
+    Args:
+        t: The compress's columns.
+        seg_words: Per block, its segment's words.
+        words: Per block, the words of its codebook, references and escapes (each a tensor,
+            or 0 for every block).
+        n_escapes: Per block, its escapes.
+        n_chunks: Per block, its chunks (0: no chunk table).
+
+    Returns:
+        The :class:`Sections`.
+    """
+    nib_words, refs_words, esc_words = words
+    # Payloads back to back, each its header, descriptors, then its blocks' segments: the
+    # segments' words before a block (one cumsum) plus the headers and descriptors before its
+    # first segment (from the shapes, on the host).
+    segs = bases(seg_words)
+    seg_start = segs[:-1] + t.lead_words
+    body_words = DESCRIPTOR_WORDS * t.group_blocks + (segs[t.group_end] - segs[t.group_first])
     payload_words = HEADER_WORDS + body_words
-    payload_base = bases(payload_words)[:-1]
-    segs_before = bases(seg_words)[:-1] - bases(group_segs)[group]  # in the group
-    head = HEADER_WORDS + DESCRIPTOR_WORDS * group_blocks
-    seg_start = (payload_base + head)[group] + segs_before
+    payload_base = t.heads_before + segs[t.group_first]
     refs_at = seg_start + SEGMENT_HEADER_WORDS + nib_words
-    escp_at = refs_at + s.refs_words
+    escp_at = refs_at + refs_words
     table_at = escp_at + esc_words
     return Sections(
         seg_words=seg_words,
@@ -576,9 +638,9 @@ def sections(t: Columns, s: Sends, dr: Dedupe, stream_words: torch.Tensor) -> Se
         seg_start=seg_start,
         refs_at=refs_at,
         escp_at=escp_at,
-        escb_at=escp_at + s.n_escapes,
+        escb_at=escp_at + n_escapes,
         table_at=table_at,
-        stream_at=table_at + s.n_chunks,
+        stream_at=table_at + n_chunks,
     )
 
 
@@ -638,7 +700,7 @@ class WordBuffer:
         self._pending.append((dest, value.expand(n), valid.expand(n)))
 
     def put_records(self, at: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> None:
-        """Writes record ``i`` (``words[i]``, from ``container.pack_records``) at word
+        """Writes record ``i`` (``words[i]``, from ``format.pack_records``) at word
         ``at[i]`` where ``valid[i]``."""
         n, w = words.shape
         dest = at[:, None] + torch.arange(w, device=at.device)
@@ -660,40 +722,54 @@ class WordBuffer:
         self.put(at + torch.where(wide, k, k // 2), value, valid)
 
 
-def put_descriptors(
-    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections,
-    packed_bit: int = 0,
-) -> None:  # fmt: skip
-    """Every block's descriptor (``packed_bit``: added to the quantized blocks' mode byte)."""
+def descriptor_at(t: Columns, sec: Sections) -> torch.Tensor:
+    """Per block, the word of its descriptor."""
+    return sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
+
+
+def descriptor_words(
+    shape: tuple[torch.Tensor, torch.Tensor], rec: EncodeColumns, s: Sends,
+    seg_words: torch.Tensor, packed_bit: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """Every block's descriptor words, int64 ``[n_blocks, DESCRIPTOR_WORDS]`` (``shape``: its
+    rows and columns; ``packed_bit``: added to the quantized blocks' mode byte)."""
     mode = descriptor_mode(s.mode, rec.column(ec.VALUE))
     desc = {
-        "rows": t.rows,
-        "dim": t.dim,
+        "rows": shape[0],
+        "dim": shape[1],
         "dtype": rec.column(ec.DTYPE),
         "mode": torch.where(s.is_q, mode | packed_bit, mode),
-        "seg_words": sec.seg_words,
+        "seg_words": seg_words,
         "bound": rec.column(ec.BOUND_BITS),
     }
-    desc_at = sec.payload_base[t.group] + HEADER_WORDS + DESCRIPTOR_WORDS * t.local
-    out.put_records(desc_at, pack_records(DESCRIPTOR, desc), torch.ones_like(s.is_q))
+    return pack_records(DESCRIPTOR, desc)
 
 
-def put_segment_headers(
-    out: WordBuffer, rec: EncodeColumns, s: Sends, sec: Sections, group_symbols: int,
-    n_groups: torch.Tensor, escape_length: torch.Tensor,
-) -> None:  # fmt: skip
-    """Every segment's header (every mode but raw; mode lz fills n_unique and the references
-    only), the grid from the launchers' record; the two formats differ only in the fields
-    passed here.
+def put_descriptors(
+    out: WordBuffer, t: Columns, rec: EncodeColumns, s: Sends, sec: Sections
+) -> None:
+    """Every block's descriptor."""
+    words = descriptor_words((t.rows, t.dim), rec, s, sec.seg_words)
+    out.put_records(descriptor_at(t, sec), words, torch.ones_like(s.is_q))
+
+
+def segment_header_records(
+    rec: EncodeColumns, s: Sends, group_symbols: int, n_groups: torch.Tensor,
+    escape_length: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Every block's segment header words, int64 ``[n_blocks, SEGMENT_HEADER_WORDS]`` (mode lz
+    fills n_unique and the references only), the grid from the launchers' record; the two
+    formats differ only in the fields passed here.
 
     Args:
-        out: The payload words.
         rec: The blocks' encode record.
         s: What each block sends.
-        sec: Where each section starts.
         group_symbols: Symbols per chunk (entropy) or per group (packed) of a quantized block.
         n_groups: Per block, its chunks or groups.
         escape_length: Per block, the escape symbol's code length field.
+
+    Returns:
+        The words.
     """
     is_q = s.is_q
     head = segment_header_words(
@@ -711,8 +787,7 @@ def put_segment_headers(
             s.ref_width,
         )
     )
-    words = torch.stack([w.to(torch.int64) for w in head], dim=1)
-    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
+    return torch.stack([w.to(torch.int64) for w in head], dim=1)
 
 
 def _put_headers(
@@ -724,7 +799,8 @@ def _put_headers(
     put_descriptors(out, t, rec, s, sec)
     is_q, dev = s.is_q, t.rows.device
     escape_length = torch.where(is_q, s.lengths[:, ESCAPE_SYMBOL], 0)
-    put_segment_headers(out, rec, s, sec, chunk, s.n_chunks, escape_length)
+    words = segment_header_records(rec, s, chunk, s.n_chunks, escape_length)
+    out.put_records(sec.seg_start, words, s.mode != MODE_RAW)
     k = torch.arange(ESCAPE_SYMBOL, device=dev)
     nib = s.lengths.gather(1, (s.sym_lo[:, None] + k).clamp(max=ALPHABET_SIZE - 1))
     out.put(
@@ -753,14 +829,10 @@ def put_references(
     r_len = torch.where(s.has_refs[r_blk], r_len, 0)
     r_val = torch.where(flagged & first, 1, torch.where(qlz, dq.ids, dr.ids))
     r_start = bases(r_len)
-    pos = r_start[:-1] - r_start[t.row_off[r_blk]]
-    end = pos % 32 + r_len
-    head = torch.where(
-        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
-    )
-    at = sec.refs_at[r_blk] + pos // 32
-    out.put(at, head & MASK32, r_len > 0)
-    out.put(at + 1, (r_val << (64 - end).clamp(0, 63)) & MASK32, end > 32)
+    off, head, tail, spill = reference_words(r_start[:-1] - r_start[t.row_off[r_blk]], r_len, r_val)
+    at = sec.refs_at[r_blk] + off
+    out.put(at, head, r_len > 0)
+    out.put(at + 1, tail, spill)
 
 
 def put_escapes(out: WordBuffer, t: Columns, flat: Flat, c: Coded, sec: Sections) -> None:
@@ -896,10 +968,7 @@ def start_groups_device(
         t: Columns[torch.Tensor] = host_sync.upload_record(ht.cols, dev)
         flat = flatten(blocks, ht, t)
         grid = grid_stage(k, ht, t, flat)
-        # The launchers' record: the host laid out every field but the grid's.
-        cols = EncodeColumns(t.record.view(-1, ec.N_FIELDS), ht.n_blocks).set(
-            step=grid.step, inv_step=grid.inv_step, center=grid.center, bound=grid.bound
-        )
+        cols = grid.cols
         sym, hist, max_err = quantize_stage(k, ht, t, flat, cols)
         dq, dr = vector_lz_stage(k, sym, ht, t, flat, cols)
         # Distinct rows' histograms: the quantized symbols of first occurrences only.
@@ -920,9 +989,7 @@ def start_groups_device(
         words32, skeleton = close(out, ht, t, sec, group_sizes)
         per_block = (s.mode, s.n_sent, s.n_escapes, sec.seg_words)
         errs = torch.where(s.is_q, max_err, 0.0).view(torch.int64)
-        readback = torch.cat(
-            [sec.payload_words, *per_block, errs, grid.bound.view(torch.int64), skeleton]
-        )
+        readback = torch.cat([sec.payload_words, *per_block, errs, grid.bound_bits, skeleton])
         return PendingCompress(words32, readback, ht, group_sizes)
 
 

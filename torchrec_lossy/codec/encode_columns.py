@@ -11,7 +11,8 @@ device (:meth:`EncodeColumns.set`). docs/kernels.md, 'Device-resident compress'.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,10 +36,40 @@ N_FIELDS = len(FIELDS)
 ) = range(N_FIELDS)  # fmt: skip
 # The fields that depend on the data (the grid), written on the device.
 GRID = (STEP_BITS, INV_STEP_BITS, CENTER, BOUND_BITS)
+# The grid launch's output columns (``quantize.block_grids``), int64 per block: whether it is
+# quantized (and its quantize tiles ran), its finite and inlier ranges (float64 bits: +inf / -inf
+# where none), its finite count and its median (float64 bits, 0.0 where the rule does not use it).
+GRID_OK, GRID_LO, GRID_HI, GRID_ILO, GRID_IHI, GRID_N_FIN, GRID_MEDIAN = range(7)
+GRID_STATS = 7
 # The field names a caller passes (``_bits`` dropped: ``step``, ``inv_step``, ``bound``).
 _NAMES = tuple(f.removesuffix("_bits") for f in FIELDS)
 # The float fields' dtypes (their bits are stored; any other field is an integer).
 _FLOATS = {STEP_BITS: torch.float32, INV_STEP_BITS: torch.float32, BOUND_BITS: torch.float64}
+
+
+class GridRule(NamedTuple):
+    """What the grid launch (``quantize.block_grids``) takes besides the data and the record:
+    per block (int64 [n_blocks] tensors) the bound as given, and the rule's switches.
+
+    Attributes:
+        kind: ``bounds.BoundKind``.
+        bound_bits: float64 bits of the bound (relative: the fraction of the range).
+        quant_try: 1 where the quantize launch runs (``quantize.grid_before_data``).
+        octaves: ``outliers.OUTLIER_OCTAVES``.
+        stochastic: Stochastic rounding (``quantize.grid_bound``).
+        quantization: ``CodecConfig.enable_quantization``.
+        rule: The rule (``codec/quantize.py``'s ``block_bound``, ``uses_median``,
+            ``block_grid``), which the torch twin runs over ``[n_blocks]`` tensors and the
+            Triton kernel transcribes.
+    """
+
+    kind: torch.Tensor
+    bound_bits: torch.Tensor
+    quant_try: torch.Tensor
+    octaves: int
+    stochastic: bool
+    quantization: bool
+    rule: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
 
 
 def _indices(names: set[str], allowed: tuple[int, ...]) -> dict[str, int]:

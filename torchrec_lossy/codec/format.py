@@ -11,6 +11,8 @@ others. Fields live in the record dtypes (:data:`HEADER`, :data:`DESCRIPTOR`,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numba
 import numpy as np
 import torch
@@ -373,6 +375,54 @@ def segment_header_words(fields: tuple) -> tuple:
     )
 
 
+def pack_records(record: np.dtype, fields: Mapping[str, torch.Tensor | int]) -> torch.Tensor:
+    """Packs records of a ``format`` structured dtype into little-endian 32-bit words.
+
+    The field layout (offsets, sizes) comes from ``record`` itself, so the device path writes
+    exactly the bytes a numpy structured array would.
+
+    Args:
+        record: ``format.HEADER``, ``DESCRIPTOR`` or ``SEGMENT_HEADER``.
+        fields: Field name to its raw bits as an int64 tensor [n] (floats passed as their bit
+            pattern, signed values as two's complement) or a Python int; fields left out are 0.
+            At least one value must be a tensor (it gives ``n`` and the device).
+
+    Returns:
+        int64 [n, record.itemsize // 4] words, each in [0, 2**32).
+    """
+    unknown = set(fields) - set(record.names)
+    if unknown:
+        raise ValueError(f"fields {sorted(unknown)} are not in the record {record.names}")
+    ref = next(v for v in fields.values() if isinstance(v, torch.Tensor))
+    # Per word: its constant bits (the int fields) and its tensor terms, OR-ed (disjoint bits)
+    # into one column each, so the record costs a few element-wise ops per tensor field.
+    const = [0] * (record.itemsize // 4)
+    terms: list[torch.Tensor | None] = [None] * len(const)
+
+    def add(word: int, part: torch.Tensor | int) -> None:
+        if isinstance(part, int):
+            const[word] |= part
+        else:
+            terms[word] = part if terms[word] is None else terms[word] | part
+
+    for name, value in fields.items():
+        field_dtype, offset = record.fields[name][:2]
+        size = field_dtype.itemsize
+        word, shift = divmod(offset, 4)
+        v = value.to(torch.int64) if isinstance(value, torch.Tensor) else value
+        if size == 8:
+            add(word, v & _M32)
+            add(word + 1, (v >> 32) & _M32)
+        else:
+            part = v & ((1 << (8 * size)) - 1)
+            add(word, part << (8 * shift) if shift else part)
+    cols = [
+        torch.full_like(ref, c, dtype=torch.int64) if t is None else (t | c if c else t)
+        for t, c in zip(terms, const, strict=True)
+    ]
+    return torch.stack(cols, dim=1)
+
+
 @jitable
 def segment_header_fields(words: tuple) -> tuple:
     """The mirror of :func:`segment_header_words`: a segment header's fields from its words.
@@ -503,6 +553,24 @@ def refs_packing(rows: N, n_unique: N) -> tuple[N, N, N]:
     width, fixed, flagged = _refs_sizes(rows, n_unique)
     flag = fixed > flagged
     return where(flag, REFS_FLAGGED, REFS_FIXED), width, where(flag, flagged, fixed)
+
+
+def reference_words(
+    pos: torch.Tensor, r_len: torch.Tensor, r_val: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """References written MSB-first: value ``r_val`` in ``r_len`` bits at bit ``pos`` of a
+    block's references spans at most two words.
+
+    Returns:
+        (its first word in the references, that word's bits, the next word's bits, whether it
+        spills into the next word).
+    """
+    end = pos % 32 + r_len
+    head = torch.where(
+        end <= 32, r_val << (32 - end).clamp(min=0), r_val >> (end - 32).clamp(min=0)
+    )
+    tail = (r_val << (64 - end).clamp(0, 63)) & _M32
+    return pos // 32, head & _M32, tail, end > 32
 
 
 @jitable

@@ -230,6 +230,7 @@ def decode_stream(
         return DECODE_BAD_WIDTH
     p = 0
     e = 0
+    top = 0  # the largest code: checked once (a return per symbol measured 15% slower)
     for g in range(n_groups):
         w = np.int64(widths[g])
         cnt = min(PACKED_GROUP, n_sym - e)
@@ -245,11 +246,12 @@ def decode_stream(
             c = np.int64(acc & mask)
             acc >>= np.uint64(w)
             nb -= w
-            if c > _MAX_CODE:
-                return DECODE_BAD_PACKED_CODE
-            sym[np.uint64(e + k)] = unzigzag(c)
+            top = max(top, c)
+            sym[np.uint64(e + k)] = unzigzag(c)  # (garbage past a bad code: then rejected)
         p += w
         e += cnt
+    if top > _MAX_CODE:
+        return DECODE_BAD_PACKED_CODE
     last = -1
     for k in range(esc_pos.shape[0]):
         at = np.int64(esc_pos[k])

