@@ -185,6 +185,7 @@ def _worker_raw_start(rank: int, world_size: int) -> dict[str, Any]:
     return _raw_start_run(rank, 5.0, dist.group.WORLD)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_raw_start_correction_is_decided_collectively() -> None:
     r0, r1 = run_workers(_worker_raw_start, 2, timeout_s=240)
@@ -253,6 +254,7 @@ def _worker_wire_and_exchange(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_dists_follow_the_wire_record_and_the_exchange_cost_is_measured() -> None:
     r0, r1 = run_workers(_worker_wire_and_exchange, 2, timeout_s=280)

@@ -122,6 +122,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_guard_tightens_the_adversarial_table_alike_on_both_ranks() -> None:
     r0, r1 = run_workers(_worker, 2, timeout_s=600)
