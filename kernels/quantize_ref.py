@@ -202,7 +202,8 @@ def block_medians(
     x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, n_finite: torch.Tensor,
     need: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """Twin of ``quantize.block_medians`` (two stable sorts of every element: the oracle)."""
+    """The median part of :func:`block_grids` (the grid launch's radix select, here by two
+    stable sorts of every element: the oracle)."""
     nb, n_el = elem_off.shape[0], x.shape[0]
     if not n_el:
         return torch.zeros(nb, dtype=torch.float64, device=x.device)
@@ -238,7 +239,8 @@ def key_values(keys: torch.Tensor) -> torch.Tensor:
 def block_ranges(
     x: torch.Tensor, elem_off: torch.Tensor, numel: torch.Tensor, octaves: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Twin of ``quantize.block_ranges`` (the outlier rule's histogram by ``index_add_``)."""
+    """The ranges part of :func:`block_grids` (the grid launch's finite and inlier ranges; the
+    outlier rule's histogram by ``index_add_``)."""
     nb, dev = elem_off.shape[0], x.device
     blk = torch.repeat_interleave(torch.arange(nb, device=dev), numel, output_size=x.shape[0])
     v = x.contiguous().view(torch.int32)

@@ -671,16 +671,6 @@ class WordBuffer:
         small writes stay pending)."""
         return self._buf
 
-    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pending writes as one (dest, value, valid) of every lane, still pending."""
-        if not self._pending:
-            none = torch.zeros(0, dtype=torch.int64, device=self._buf.device)
-            return none, none, none.bool()
-        if len(self._pending) > 1:
-            merged = tuple(torch.cat(p) for p in zip(*self._pending, strict=True))
-            self._pending = [merged]  # type: ignore[list-item]
-        return self._pending[0]
-
     @property
     def buf(self) -> torch.Tensor:
         """The words, every write so far added (the trash area past ``n_words``)."""

@@ -273,7 +273,6 @@ def cut_blocks(
     rows: int,
     specs: Sequence[BlockSpec],
     feats: Sequence[_Feats],
-    index: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """:func:`cut_block` of every spec of one destination (``feats[i]`` the i-th spec's).
 
@@ -287,18 +286,15 @@ def cut_blocks(
         rows: Its batch.
         specs: The table shards.
         feats: Per spec, per feature: (rows, selected bags or None).
-        index: The destination's :func:`cut_index` if already built (the call's backward
-            places its gradient with the same), else None.
 
     Returns:
         The blocks, and the gather's index (None where the per-block path ran), on ``x``'s
-        device.
+        device: the call's backward places its gradient by it (:func:`place_grad_blocks`).
     """
     d = one_dim([specs])
     if d is None or not specs or not x.is_contiguous() or x.shape[1] % d:
         return [cut_block(x, row0, rows, 0, s, f) for s, f in zip(specs, feats, strict=True)], None
-    if index is None:
-        index = cut_index(x.shape[1] // d, row0, specs, feats, x.device)
+    index = cut_index(x.shape[1] // d, row0, specs, feats, x.device)
     sizes = [sum(r for r, _ in ff) for ff in feats]
     return list(x.view(-1, d).index_select(0, index).split(sizes)), index
 
